@@ -1,0 +1,1 @@
+"""echo-rl: RL post-training with rollout generation and training on separate machines."""

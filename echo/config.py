@@ -1,0 +1,141 @@
+"""One typed config for a run: a TOML file plus `--set section.key=value` overrides.
+
+Validated at start: an unknown key or a bad value fails with a ConfigError naming the field.
+"""
+
+from __future__ import annotations
+
+import time
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from echo.protocol import ID_PATTERN
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    id: str = Field(default_factory=lambda: time.strftime("run-%Y%m%d-%H%M%S"), pattern=ID_PATTERN)
+    dir: str = "runs"  # the run directory is <dir>/<id>
+    mode: Literal["async", "sequential"] = "async"
+    steps: int = Field(20, ge=1)
+    seed: int = 0
+
+
+class ModelConfig(_Section):
+    name: str = "tiny"  # "tiny", "smollm2", or a local Hugging Face model folder
+
+
+class LoraConfig(_Section):
+    r: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class TaskConfig(_Section):
+    name: Literal["arithmetic"] = "arithmetic"
+    max_operand: int = Field(20, ge=1)
+    format_reward: float = Field(0.1, ge=0, le=1)  # reward for a well-formed but wrong answer
+
+
+class SamplingConfig(_Section):
+    group_size: int = Field(8, ge=2)  # completions per prompt; GRPO needs at least two
+    max_new_tokens: int = Field(48, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    prompts_per_call: int = Field(2, ge=1)  # groups generated in one engine call
+
+
+class TrainerConfig(_Section):
+    groups_per_step: int = Field(8, ge=1)
+    lr: float = Field(2e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    clip_eps: float = Field(0.2, gt=0)
+    kl_coef: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    micro_batch: int = Field(16, ge=1)  # sequences per forward/backward
+    max_staleness: int = Field(1, ge=0)  # async: drop rollouts older than version - max_staleness; sequential uses 0
+    request_timeout_s: float = Field(300.0, gt=0)  # sequential: re-ask for groups not delivered by then
+    threads: int = Field(0, ge=0)  # torch threads; 0 leaves torch's default
+
+
+class SamplerConfig(_Section):
+    count: int = Field(2, ge=1)  # samplers `echo-rl up` starts
+    threads: int = Field(0, ge=0)
+
+
+class NatsConfig(_Section):
+    url: str = "nats://127.0.0.1:4222"  # `echo-rl up` replaces it with its embedded server's
+
+
+class EchoConfig(_Section):
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    lora: LoraConfig = LoraConfig()
+    task: TaskConfig = TaskConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    sampler: SamplerConfig = SamplerConfig()
+    nats: NatsConfig = NatsConfig()
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir) / self.run.id
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.model_dump())
+
+
+def _parse_value(text: str) -> Any:
+    """Parse an override's value as TOML (numbers, booleans, lists); plain words stay strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(data: dict, assignment: str) -> None:
+    key, sep, value = assignment.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {assignment!r} must look like section.key=value")
+    *sections, leaf = key.strip().split(".")
+    node = data
+    for section in sections:
+        node = node.setdefault(section, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{key}: {section} is not a section")
+    node[leaf] = _parse_value(value.strip())
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> EchoConfig:
+    data: dict = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"cannot read config {path}: {e}") from None
+    for assignment in overrides:
+        apply_override(data, assignment)
+    return validate_config(data)
+
+
+def validate_config(data: dict) -> EchoConfig:
+    try:
+        return EchoConfig.model_validate(data)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            field = ".".join(str(p) for p in err["loc"])
+            msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+            lines.append(f"{field}: {msg}")
+        raise ConfigError("invalid config: " + "; ".join(lines)) from None

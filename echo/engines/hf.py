@@ -1,0 +1,69 @@
+"""The transformers engine: peft LoRA on top of the base model, generation with `generate`."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import GenerationConfig
+
+from echo.config import LoraConfig, SamplingConfig
+from echo.engines import Generation
+from echo.models import load_model
+from echo.policy import add_lora, load_adapter
+
+
+class HFEngine:
+    def __init__(self, model_name: str, lora: LoraConfig, sampling: SamplingConfig):
+        base, self.tokenizer = load_model(model_name)
+        self.model = add_lora(base, lora).eval()
+        self.temperature = sampling.temperature
+        # Plain sampling at `temperature`: no top-k/top-p, so the behaviour log-probs the
+        # trainer receives are those of the distribution the tokens were really drawn from.
+        self.generation_config = GenerationConfig(
+            do_sample=True,
+            temperature=sampling.temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=sampling.max_new_tokens,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def load_adapter(self, data: bytes) -> None:
+        load_adapter(self.model, data)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n: int) -> list[list[Generation]]:
+        batch = self.tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
+        config = copy.deepcopy(self.generation_config)
+        config.num_return_sequences = n
+        out = self.model.generate(**batch, generation_config=config)
+        new_tokens = out.sequences[:, batch["input_ids"].shape[1] :]
+        # out.logits holds the raw scores of each step; the sampled token's log-prob under
+        # softmax(logits / T) is the behaviour log-prob.
+        steps = torch.stack(out.logits, dim=1).float() / self.temperature
+        logprobs = torch.log_softmax(steps, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        eos = self.tokenizer.eos_token_id
+        generations = []
+        for row in range(new_tokens.shape[0]):
+            ids = new_tokens[row].tolist()
+            finish = "length"
+            if eos in ids:
+                ids = ids[: ids.index(eos) + 1]
+                finish = "stop"
+            generations.append(
+                Generation(
+                    token_ids=ids,
+                    logprobs=logprobs[row, : len(ids)].tolist(),
+                    text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                    finish_reason=finish,
+                )
+            )
+        return [generations[i * n : (i + 1) * n] for i in range(len(prompts))]

@@ -1,0 +1,36 @@
+"""structlog set-up: readable lines on a terminal, one JSON object per line with --log-json."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+
+import structlog
+
+
+def configure_logging(json: bool = False, level: str = "info", **bind) -> None:
+    renderer = (
+        structlog.processors.JSONRenderer()
+        if json
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(), pad_event_to=0)
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="%H:%M:%S" if not json else "iso"),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
+        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    structlog.contextvars.bind_contextvars(**bind)
+    # peft calls a transformers API that warns of its own deprecation on every model wrap.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    # transformers' download/conversion progress bars would drown the step lines.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()

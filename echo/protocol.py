@@ -1,0 +1,248 @@
+"""The wire contract between the trainer and the samplers.
+
+Every subject, stream, bucket, header and message schema lives here; both sides import
+this module and nothing else about each other. Messages are JSON (orjson) validated by
+pydantic models; a message that does not match raises ProtocolError with a reason.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+import orjson
+from nats.js.api import KeyValueConfig, ObjectStoreConfig, RetentionPolicy, StorageType, StreamConfig
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+SCHEMA_VERSION = 1
+
+# Run and sampler ids become subject tokens and stream names: keep them to safe characters.
+ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+_ID_RE = re.compile(ID_PATTERN)
+
+# Headers on every rollout message, so routing, filtering and replay need not decode bodies.
+HDR_SCHEMA = "Echo-Schema"
+HDR_POLICY_VERSION = "Echo-Policy-Version"
+HDR_SAMPLER_ID = "Echo-Sampler-Id"
+HDR_TASK = "Echo-Task"
+HDR_MSG_ID = "Nats-Msg-Id"  # JetStream de-duplicates on it: a retried publish is stored once
+
+# Headers on each adapter object in the weights bucket; values must be lists of strings.
+OBJ_HDR_VERSION = "policy-version"
+
+TRAINER_CONSUMER = "trainer"
+ROLLOUT_DEDUP_WINDOW_S = 300.0
+CLAIM_TTL_S = 3600.0
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow this contract. `reason` is short and countable."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def check_id(kind: str, value: str) -> str:
+    if not _ID_RE.match(value):
+        raise ValueError(f"{kind} {value!r} must match {ID_PATTERN}")
+    return value
+
+
+@dataclass(frozen=True)
+class RunNames:
+    """Names of everything one run owns on the broker. The run id prefixes all of them,
+    so several runs can share one NATS server without colliding."""
+
+    run_id: str
+
+    def __post_init__(self):
+        check_id("run id", self.run_id)
+
+    @property
+    def prefix(self) -> str:
+        return f"echo.{self.run_id}"
+
+    def rollouts_subject(self, sampler_id: str) -> str:
+        # One subject per sampler, so credentials can later pin a sampler to its own.
+        return f"{self.prefix}.rollouts.{check_id('sampler id', sampler_id)}"
+
+    @property
+    def all_rollouts(self) -> str:
+        return f"{self.prefix}.rollouts.>"
+
+    @property
+    def weights_subject(self) -> str:
+        return f"{self.prefix}.weights"
+
+    @property
+    def pull_subject(self) -> str:
+        return f"{self.prefix}.pull"
+
+    @property
+    def rollouts_stream(self) -> str:
+        return f"ECHO_{self.run_id}_ROLLOUTS"
+
+    @property
+    def control_stream(self) -> str:
+        return f"ECHO_{self.run_id}_CONTROL"
+
+    @property
+    def weights_bucket(self) -> str:
+        return f"echo_{self.run_id}_weights"
+
+    @property
+    def state_bucket(self) -> str:
+        return f"echo_{self.run_id}_state"
+
+    @property
+    def claims_bucket(self) -> str:
+        return f"echo_{self.run_id}_claims"
+
+    def rollouts_stream_config(self) -> StreamConfig:
+        # Limits retention (not work-queue): acked rollouts stay, so a run can be replayed.
+        return StreamConfig(
+            name=self.rollouts_stream,
+            subjects=[self.all_rollouts],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            duplicate_window=ROLLOUT_DEDUP_WINDOW_S,
+        )
+
+    def control_stream_config(self) -> StreamConfig:
+        # A last-value stream: it holds only the newest weights announcement and the newest
+        # pull request, so a sampler that joins late reads the current state at once.
+        return StreamConfig(
+            name=self.control_stream,
+            subjects=[self.weights_subject, self.pull_subject],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_msgs_per_subject=1,
+        )
+
+    def weights_bucket_config(self) -> ObjectStoreConfig:
+        return ObjectStoreConfig(bucket=self.weights_bucket, storage=StorageType.FILE)
+
+    def state_bucket_config(self) -> KeyValueConfig:
+        # The run's config (key "config"): an edge sampler needs only the URL and the run id.
+        return KeyValueConfig(bucket=self.state_bucket, storage=StorageType.FILE)
+
+    def claims_bucket_config(self) -> KeyValueConfig:
+        # Work slots of sequential mode, claimed with create(); they expire on their own.
+        return KeyValueConfig(bucket=self.claims_bucket, storage=StorageType.FILE, ttl=CLAIM_TTL_S)
+
+
+def adapter_object_name(version: int) -> str:
+    return f"adapter-v{version:08d}.safetensors"
+
+
+def claim_key(request_id: str, slot: int) -> str:
+    return f"{request_id}.{slot}"
+
+
+# ---- messages ----------------------------------------------------------------------------
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    schema_version: Literal[1] = SCHEMA_VERSION
+
+
+class Completion(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    token_ids: list[int] = Field(min_length=1)
+    logprobs: list[float]  # behaviour log-prob of each token under the sampling distribution
+    text: str
+    reward: float
+    finish_reason: Literal["stop", "length"]
+
+    @model_validator(mode="after")
+    def _aligned(self):
+        if len(self.logprobs) != len(self.token_ids):
+            raise ValueError("logprobs and token_ids differ in length")
+        if not all(math.isfinite(x) and x <= 0.0 for x in self.logprobs):
+            raise ValueError("logprobs must be finite and <= 0")
+        if not math.isfinite(self.reward):
+            raise ValueError("reward must be finite")
+        return self
+
+
+class RolloutGroup(_Message):
+    """One GRPO group: every completion the sampler drew for one prompt."""
+
+    group_id: str = Field(pattern=ID_PATTERN)
+    sampler_id: str = Field(pattern=ID_PATTERN)
+    policy_version: int = Field(ge=0)
+    task: str
+    prompt_id: str
+    prompt_token_ids: list[int] = Field(min_length=1)
+    completions: list[Completion] = Field(min_length=1)
+    temperature: float = Field(gt=0)
+    gen_seconds: float = Field(ge=0)
+    created_at: float
+
+
+class WeightsAnnouncement(_Message):
+    """A new policy version: a LoRA adapter (safetensors) stored as `object_name`."""
+
+    version: int = Field(ge=0)
+    object_name: str
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    base_model: str
+    created_at: float
+
+
+class PullRequest(_Message):
+    """Sequential mode: the trainer wants `groups` groups generated with `version`."""
+
+    request_id: str = Field(pattern=ID_PATTERN)
+    version: int = Field(ge=0)
+    groups: int = Field(ge=1)
+
+
+M = TypeVar("M", bound=_Message)
+
+
+def encode(message: _Message) -> bytes:
+    return orjson.dumps(message.model_dump())
+
+
+def decode(cls: type[M], data: bytes) -> M:
+    try:
+        raw = orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise ProtocolError("bad_json", str(e)) from None
+    if not isinstance(raw, dict):
+        raise ProtocolError("bad_json", "message is not an object")
+    if raw.get("schema_version") != SCHEMA_VERSION:
+        raise ProtocolError("bad_schema_version", f"got {raw.get('schema_version')!r}, speak {SCHEMA_VERSION}")
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or cls.__name__
+        raise ProtocolError("bad_schema", f"{where}: {err['msg']}") from None
+
+
+def rollout_headers(group: RolloutGroup) -> dict[str, str]:
+    return {
+        HDR_SCHEMA: str(SCHEMA_VERSION),
+        HDR_POLICY_VERSION: str(group.policy_version),
+        HDR_SAMPLER_ID: group.sampler_id,
+        HDR_TASK: group.task,
+        HDR_MSG_ID: group.group_id,
+    }
+
+
+def decode_rollout(data: bytes, headers: dict[str, str] | None) -> RolloutGroup:
+    """Decode a rollout message and check its headers agree with its body."""
+    group = decode(RolloutGroup, data)
+    headers = headers or {}
+    if headers.get(HDR_POLICY_VERSION) != str(group.policy_version):
+        raise ProtocolError("header_mismatch", f"{HDR_POLICY_VERSION}={headers.get(HDR_POLICY_VERSION)!r}")
+    if headers.get(HDR_SAMPLER_ID) != group.sampler_id:
+        raise ProtocolError("header_mismatch", f"{HDR_SAMPLER_ID}={headers.get(HDR_SAMPLER_ID)!r}")
+    return group

@@ -1,0 +1,34 @@
+"""Integer addition and subtraction; the answer goes in <answer></answer> tags."""
+
+from __future__ import annotations
+
+import random
+import re
+
+from echo.config import TaskConfig
+from echo.tasks import Prompt, Score
+
+_ANSWER = re.compile(r"<answer>\s*(-?\d+)\s*</answer>")
+
+
+class Arithmetic:
+    name = "arithmetic"
+
+    def __init__(self, cfg: TaskConfig):
+        self.max_operand = cfg.max_operand
+        self.format_reward = cfg.format_reward
+
+    def sample(self, rng: random.Random) -> Prompt:
+        a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
+        op = rng.choice("+-")
+        question = f"{a} {op} {b}"
+        answer = a + b if op == "+" else a - b
+        content = f"What is {question}? Reply with only the number inside <answer></answer> tags."
+        return Prompt(id=question, messages=[{"role": "user", "content": content}], answer=str(answer))
+
+    def score(self, completion: str, prompt: Prompt) -> Score:
+        found = _ANSWER.findall(completion)
+        if not found:
+            return Score(reward=0.0, format_ok=False, correct=False)
+        correct = int(found[-1]) == int(prompt.answer)
+        return Score(reward=1.0 if correct else self.format_reward, format_ok=True, correct=correct)

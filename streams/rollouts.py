@@ -1,0 +1,60 @@
+"""Rollouts on the wire: samplers publish groups on their own subject of the durable rollout
+stream; the trainer reads them through a durable pull consumer and acks each explicitly."""
+
+from __future__ import annotations
+
+import asyncio
+
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from echo.protocol import TRAINER_CONSUMER, RolloutGroup, encode, rollout_headers
+from streams.client import Run
+
+
+async def publish_rollout(run: Run, group: RolloutGroup, attempts: int = 5) -> None:
+    subject = run.names.rollouts_subject(group.sampler_id)
+    data, headers = encode(group), rollout_headers(group)
+    for attempt in range(attempts):
+        try:
+            # Nats-Msg-Id makes a retry safe: a publish can time out although it was stored.
+            await run.js.publish(subject, data, headers=headers, timeout=10)
+            return
+        except (NatsTimeout, asyncio.TimeoutError):
+            if attempt == attempts - 1:
+                raise
+            await asyncio.sleep(0.5 * 2**attempt)
+
+
+async def trainer_subscription(run: Run, ack_wait_s: float = 600.0):
+    """The trainer's durable pull consumer over all samplers' rollout subjects. Messages are
+    acked after the step that used (or dropped) them; unacked ones come back after ack_wait."""
+    config = ConsumerConfig(
+        durable_name=TRAINER_CONSUMER,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=ack_wait_s,
+        max_ack_pending=-1,
+        filter_subject=run.names.all_rollouts,
+    )
+    return await run.js.pull_subscribe(
+        run.names.all_rollouts, durable=TRAINER_CONSUMER, stream=run.names.rollouts_stream, config=config
+    )
+
+
+async def fetch_rollouts(subscription, batch: int, timeout: float) -> list:
+    """Up to `batch` messages, or [] when none arrived within `timeout`."""
+    try:
+        return await subscription.fetch(batch, timeout=timeout)
+    except (NatsTimeout, asyncio.TimeoutError):
+        return []
+
+
+async def trainer_backlog(run: Run) -> int | None:
+    """Rollout messages the trainer has not fetched yet, or None before its consumer exists."""
+    try:
+        info = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
+    except NotFoundError:
+        return None
+    return info.num_pending

@@ -1,0 +1,114 @@
+"""Policy weights on the wire: each version's LoRA adapter is an object in the run's weights
+bucket, announced on the weights subject (a last-value stream, so late joiners catch up)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import time
+from collections import Counter
+
+import structlog
+from nats.js.api import ObjectMeta
+
+from echo.protocol import HDR_MSG_ID, OBJ_HDR_VERSION, WeightsAnnouncement, adapter_object_name, encode
+from streams.client import LatestValue, Run
+
+log = structlog.get_logger()
+
+
+class WeightsError(Exception):
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+async def publish_weights(run: Run, version: int, data: bytes, base_model: str) -> WeightsAnnouncement:
+    """Store the adapter, then announce it: a sampler never hears of an object not yet complete."""
+    name = adapter_object_name(version)
+    await run.weights.put(name, data, meta=ObjectMeta(name=name, headers={OBJ_HDR_VERSION: [str(version)]}))
+    announcement = WeightsAnnouncement(
+        version=version,
+        object_name=name,
+        size=len(data),
+        sha256=hashlib.sha256(data).hexdigest(),
+        base_model=base_model,
+        created_at=time.time(),
+    )
+    await run.js.publish(
+        run.names.weights_subject, encode(announcement), headers={HDR_MSG_ID: f"weights-{version}"}
+    )
+    return announcement
+
+
+async def fetch_weights(run: Run, announcement: WeightsAnnouncement) -> bytes:
+    """The announced adapter's bytes, checked against the announcement's size and digest."""
+    buffer = io.BytesIO()
+    try:
+        # writeinto streams chunks: get() into bytes is quadratic in nats-py.
+        await run.weights.get(announcement.object_name, writeinto=buffer)
+    except Exception as e:  # not found, digest mismatch in the object info, broken transfer
+        raise WeightsError("fetch_failed", f"{announcement.object_name}: {type(e).__name__} {e}") from None
+    data = buffer.getvalue()
+    if len(data) != announcement.size:
+        raise WeightsError("size_mismatch", f"got {len(data)} bytes, announced {announcement.size}")
+    if hashlib.sha256(data).hexdigest() != announcement.sha256:
+        raise WeightsError("digest_mismatch", announcement.object_name)
+    return data
+
+
+class WeightsFollower:
+    """Keeps the newest announced adapter downloaded and verified, ready for the sampler to
+    apply between generations. Intermediate versions that were superseded are skipped."""
+
+    def __init__(self, run: Run, base_model: str):
+        self.run = run
+        self.base_model = base_model
+        self.failures: Counter[str] = Counter()
+        self.ready: tuple[WeightsAnnouncement, bytes] | None = None
+        self._ready_changed = asyncio.Condition()
+        self._announcements = LatestValue(run.js, run.names.weights_subject, WeightsAnnouncement, self._on_bad)
+        self._task: asyncio.Task | None = None
+
+    def _on_bad(self, error) -> None:
+        self.failures[error.reason] += 1
+        log.warning("weights.bad_announcement", reason=str(error))
+
+    async def start(self) -> "WeightsFollower":
+        await self._announcements.start()
+        self._task = asyncio.create_task(self._fetch_loop())
+        return self
+
+    async def _fetch_loop(self) -> None:
+        seq = 0
+        while True:
+            seq, announcement = await self._announcements.wait_newer(seq)
+            if self.ready and self.ready[0].version >= announcement.version:
+                continue
+            if announcement.base_model != self.base_model:
+                self.failures["wrong_base_model"] += 1
+                log.warning("weights.refused", version=announcement.version, base=announcement.base_model)
+                continue
+            started = time.perf_counter()
+            try:
+                data = await fetch_weights(self.run, announcement)
+            except WeightsError as e:
+                self.failures[e.reason] += 1
+                log.warning("weights.refused", version=announcement.version, reason=str(e))
+                continue
+            log.debug("weights.fetched", version=announcement.version, seconds=round(time.perf_counter() - started, 3))
+            async with self._ready_changed:
+                self.ready = (announcement, data)
+                self._ready_changed.notify_all()
+
+    async def wait_for(self, version: int) -> tuple[WeightsAnnouncement, bytes]:
+        """Wait until an adapter of `version` or newer is downloaded; return the newest."""
+        async with self._ready_changed:
+            await self._ready_changed.wait_for(lambda: self.ready is not None and self.ready[0].version >= version)
+            return self.ready
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+        await self._announcements.stop()

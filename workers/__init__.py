@@ -1,0 +1,1 @@
+"""Runnable processes: the trainer, the samplers, and the local swarm launcher."""

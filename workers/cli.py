@@ -1,0 +1,131 @@
+"""`echo-rl`: run a local swarm, a single trainer or sampler, or replay a run's rollout stream."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+import orjson
+
+from echo.config import ConfigError, EchoConfig, apply_override, load_config, validate_config
+from echo.logs import configure_logging
+from echo.protocol import check_id
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML config file")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config field")
+    p.add_argument("--model", help="tiny, smollm2, or a local model folder (model.name)")
+    p.add_argument("--mode", choices=["async", "sequential"], help="run.mode")
+    p.add_argument("--steps", type=int, help="run.steps")
+    p.add_argument("--run-id", help="run.id")
+    p.add_argument("--nats", help="NATS server URL (nats.url)")
+    p.add_argument("--log-json", action="store_true", help="JSON log lines instead of readable ones")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="echo-rl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="a local swarm: embedded nats-server, one trainer, N samplers")
+    _config_args(up)
+    up.add_argument("--samplers", type=int, help="sampler.count")
+    trainer = sub.add_parser("trainer", help="run the trainer of a run")
+    _config_args(trainer)
+    sampler = sub.add_parser("sampler", help="run one sampler; without --config it reads the run's config from NATS")
+    _config_args(sampler)
+    sampler.add_argument("--id", required=True, help="this sampler's id (its rollout subject)")
+    replay = sub.add_parser("replay", help="print a run's rollout stream as JSON lines")
+    replay.add_argument("--run", required=True, help="run directory (starts a server on its store) or run id with --nats")
+    replay.add_argument("--nats", help="read from this server instead of the run directory's store")
+    replay.add_argument("--out", help="write to this file instead of stdout")
+    replay.add_argument("--log-json", action="store_true")
+    return parser
+
+
+def config_from_args(args) -> EchoConfig:
+    overrides = list(args.set)
+    for flag, field in [("model", "model.name"), ("mode", "run.mode"), ("steps", "run.steps"),
+                        ("run_id", "run.id"), ("nats", "nats.url"), ("samplers", "sampler.count")]:
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides.append(f"{field}={orjson.dumps(value).decode()}")  # a JSON scalar is a TOML value
+    return load_config(args.config, overrides)
+
+
+async def sampler_config_from_run(args) -> EchoConfig:
+    """An edge sampler needs only the server and run id: the trainer keeps the config in KV."""
+    from streams.client import open_run
+
+    if not (args.nats and args.run_id):
+        raise ConfigError("a sampler without --config needs --nats and --run-id")
+    run = await open_run(args.nats, args.run_id, f"sampler-{args.id}-config")
+    try:
+        while True:
+            try:
+                entry = await run.state.get("config")
+                break
+            except Exception:  # not written yet: the trainer has not started
+                await asyncio.sleep(1.0)
+    finally:
+        await run.close()
+    data = orjson.loads(entry.value)
+    data["nats"]["url"] = args.nats
+    for assignment in args.set:
+        apply_override(data, assignment)
+    return validate_config(data)
+
+
+def run_until_signal(coro) -> int:
+    """Run a worker's coroutine; SIGTERM or SIGINT cancels it so it can close cleanly."""
+
+    async def main():
+        task = asyncio.ensure_future(coro)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await task
+            return 0
+        except asyncio.CancelledError:
+            return 0
+
+    return asyncio.run(main())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "replay":
+            from streams.replay import replay
+
+            configure_logging(args.log_json)
+            return replay(args.run, args.nats, args.out)
+        if args.command == "sampler":
+            check_id("sampler id", args.id)
+            if args.config is None:
+                cfg = asyncio.run(sampler_config_from_run(args))
+            else:
+                cfg = config_from_args(args)
+            configure_logging(args.log_json, worker=f"sampler-{args.id}")
+            from workers.sampler import run_sampler
+
+            return run_until_signal(run_sampler(cfg, args.id))
+        cfg = config_from_args(args)
+        if args.command == "trainer":
+            configure_logging(args.log_json, worker="trainer")
+            from workers.trainer import run_trainer
+
+            return run_until_signal(run_trainer(cfg))
+        configure_logging(args.log_json, worker="up")
+        from workers.swarm import up
+
+        return up(cfg, args.log_json)
+    except (ConfigError, ValueError) as e:
+        print(f"echo-rl: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

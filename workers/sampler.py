@@ -1,0 +1,136 @@
+"""The sampler process: follow the policy weights, generate rollout groups, publish them.
+
+async mode: generate continuously with the newest adapter it has, swapping between calls.
+sequential mode: wait for a pull request, make sure it runs exactly the requested version,
+then claim the request's work slots one by one and generate them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+
+import structlog
+
+from echo.config import EchoConfig
+from echo.engines import Engine
+from echo.engines.hf import HFEngine
+from echo.learner import set_threads
+from echo.policy import AdapterMismatch
+from echo.protocol import Completion, PullRequest, RolloutGroup
+from echo.tasks import Task, make_task
+from streams.client import LatestValue, Run, open_run
+from streams.pull import claim_slot
+from streams.rollouts import publish_rollout, trainer_backlog
+from streams.weights import WeightsFollower
+
+log = structlog.get_logger()
+
+
+class Sampler:
+    def __init__(self, cfg: EchoConfig, sampler_id: str, run: Run, engine: Engine, task: Task):
+        self.cfg, self.sampler_id, self.run, self.engine, self.task = cfg, sampler_id, run, engine, task
+        self.rng = random.Random(f"{cfg.run.seed}/{sampler_id}")
+        self.weights = WeightsFollower(run, cfg.model.name)
+        self.version = -1  # the adapter version the engine runs now
+        self.published = 0
+
+    async def apply_newest(self, at_least: int = 0) -> None:
+        """Swap in the newest downloaded adapter, waiting for one of `at_least` if needed.
+        A generation in flight is not touched: swaps happen only between engine calls."""
+        announcement, data = await self.weights.wait_for(at_least)
+        if announcement.version <= self.version:
+            return
+        try:
+            await asyncio.to_thread(self.engine.load_adapter, data)
+        except AdapterMismatch as e:
+            self.weights.failures["adapter_mismatch"] += 1
+            log.warning("weights.refused", version=announcement.version, reason=str(e))
+            return
+        self.version = announcement.version
+        log.debug("weights.applied", version=self.version)
+
+    async def generate_and_publish(self, count: int) -> None:
+        prompts = [self.task.sample(self.rng) for _ in range(count)]
+        prompt_ids = [self.engine.encode_chat(p.messages) for p in prompts]
+        started = time.perf_counter()
+        generations = await asyncio.to_thread(self.engine.generate, prompt_ids, self.cfg.sampling.group_size)
+        seconds = time.perf_counter() - started
+        for prompt, ids, gens in zip(prompts, prompt_ids, generations):
+            group = RolloutGroup(
+                group_id=uuid.uuid4().hex,
+                sampler_id=self.sampler_id,
+                policy_version=self.version,
+                task=self.task.name,
+                prompt_id=prompt.id,
+                prompt_token_ids=ids,
+                completions=[
+                    Completion(
+                        token_ids=g.token_ids,
+                        logprobs=g.logprobs,
+                        text=g.text,
+                        reward=self.task.score(g.text, prompt).reward,
+                        finish_reason=g.finish_reason,
+                    )
+                    for g in gens
+                ],
+                temperature=self.cfg.sampling.temperature,
+                gen_seconds=seconds / len(prompts),
+                created_at=time.time(),
+            )
+            await publish_rollout(self.run, group)
+            self.published += 1
+
+    async def wait_for_room(self) -> None:
+        """Backpressure: a group waiting in the stream ages with every step, so keep at most one
+        step's worth queued ahead of the trainer (and none before the trainer exists)."""
+        limit = self.cfg.trainer.groups_per_step
+        while (backlog := await trainer_backlog(self.run)) is None or backlog >= limit:
+            await asyncio.sleep(0.2)
+
+    async def run_async(self) -> None:
+        while True:
+            await self.wait_for_room()
+            await self.apply_newest()
+            await self.generate_and_publish(self.cfg.sampling.prompts_per_call)
+
+    async def run_sequential(self) -> None:
+        requests = await LatestValue(self.run.js, self.run.names.pull_subject, PullRequest, self._bad_request).start()
+        seq = 0
+        while True:
+            seq, request = await requests.wait_newer(seq)
+            await self.apply_newest(request.version)
+            if self.version != request.version:
+                continue  # the trainer has moved past this request already
+            slot = 0
+            while slot < request.groups and requests.seq == seq:
+                claimed = 0
+                while slot < request.groups and claimed < self.cfg.sampling.prompts_per_call:
+                    claimed += await claim_slot(self.run, request, slot, self.sampler_id)
+                    slot += 1
+                if claimed:
+                    await self.generate_and_publish(claimed)
+
+    def _bad_request(self, error) -> None:
+        log.warning("pull.bad_request", reason=str(error))
+
+    async def serve(self) -> None:
+        await self.weights.start()
+        log.info("sampler.ready", sampler=self.sampler_id, mode=self.cfg.run.mode)
+        try:
+            await (self.run_sequential() if self.cfg.run.mode == "sequential" else self.run_async())
+        finally:
+            await self.weights.stop()
+            log.info("sampler.stopped", published=self.published, version=self.version, failures=dict(self.weights.failures))
+
+
+async def run_sampler(cfg: EchoConfig, sampler_id: str) -> None:
+    set_threads(cfg.sampler.threads)
+    run = await open_run(cfg.nats.url, cfg.run.id, f"sampler-{sampler_id}")
+    try:
+        engine = HFEngine(cfg.model.name, cfg.lora, cfg.sampling)
+        await Sampler(cfg, sampler_id, run, engine, make_task(cfg.task)).serve()
+    finally:
+        await run.close()

@@ -1,0 +1,98 @@
+"""`echo-rl up`: a whole swarm on this machine. An embedded nats-server, one trainer and N
+samplers, each its own OS process talking only through NATS, exactly as on separate machines."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import orjson
+import structlog
+
+from echo.config import EchoConfig
+from echo.models import resolve_model
+from streams.server import NatsServer
+
+log = structlog.get_logger()
+
+
+def _spawn(args: list[str], log_json: bool) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "workers.cli", *args] + (["--log-json"] if log_json else [])
+    # Own session: Ctrl-C reaches only this launcher, which then stops the children in order.
+    return subprocess.Popen(cmd, start_new_session=True)
+
+
+def _stop(processes: list[subprocess.Popen], timeout: float = 20.0) -> None:
+    for p in processes:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in processes:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def summarize(metrics_path) -> dict:
+    lines = [orjson.loads(line) for line in metrics_path.read_bytes().splitlines() if line.strip()]
+    if not lines:
+        return {"steps": 0}
+    first, last = lines[0], lines[-1]
+    later = lines[1:] or lines
+    return {
+        "steps": len(lines),
+        "final_version": last["version"],
+        "time_to_first_step_s": round(first["wall_seconds"], 1),
+        "seconds_per_step": round(sum(r["step_seconds"] for r in later) / len(later), 2),
+        "reward_first": round(first["reward_mean"], 3),
+        "reward_last": round(last["reward_mean"], 3),
+        "reward_last5": round(sum(r["reward_mean"] for r in lines[-5:]) / len(lines[-5:]), 3),
+        "rollouts_used": sum(r["used"] for r in lines),
+        "rollouts_dropped_stale": sum(r["dropped_stale"] for r in lines),
+        "learner_busy": round(sum(r["learner_busy"] for r in lines) / len(lines), 2),
+    }
+
+
+def up(cfg: EchoConfig, log_json: bool = False) -> int:
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    resolve_model(cfg.model.name)  # convert a model once here, not in every worker at once
+    server = NatsServer(run_dir / "nats", log_file=run_dir / "nats.log").start()
+    cfg.nats.url = server.url
+    # Torch threads that outnumber the cores make every process crawl: share the cores out.
+    share = max(1, (os.cpu_count() or 1) // (cfg.sampler.count + 1))
+    cfg.trainer.threads = cfg.trainer.threads or share
+    cfg.sampler.threads = cfg.sampler.threads or share
+    config_path = run_dir / "config.toml"
+    config_path.write_text(cfg.to_toml())
+    log.info("swarm.start", run=cfg.run.id, dir=str(run_dir), nats=server.url, samplers=cfg.sampler.count)
+
+    trainer = _spawn(["trainer", "--config", str(config_path)], log_json)
+    samplers = [
+        _spawn(["sampler", "--config", str(config_path), "--id", f"s{i}"], log_json) for i in range(1, cfg.sampler.count + 1)
+    ]
+    code = 1
+    try:
+        while (code := trainer.poll()) is None:
+            died = [p for p in samplers if p.poll() is not None]
+            if len(died) == len(samplers):
+                log.error("swarm.no_samplers", exit_codes=[p.returncode for p in died])
+                code = 1
+                break
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        log.info("swarm.interrupted")
+        code = 130
+    finally:
+        _stop([trainer, *samplers])
+        server.stop()
+    if code == 0:
+        summary = summarize(run_dir / "metrics.jsonl")
+        (run_dir / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+        log.info("swarm.done", run_dir=str(run_dir), **summary)
+    return code
