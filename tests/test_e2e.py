@@ -1,0 +1,81 @@
+"""End to end: `echo-rl up` on the tiny model, a trainer and two samplers as OS processes
+joined by a real nats-server. The checks read the run's metrics and its rollout stream."""
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+
+import orjson
+import psutil
+import pytest
+
+from echo.protocol import HDR_MSG_ID, HDR_POLICY_VERSION
+from streams.replay import read_rollouts
+from streams.server import NatsServer
+
+pytestmark = pytest.mark.slow
+
+SMALL = ["lora.r=4", "sampling.group_size=4", "sampling.max_new_tokens=8", "trainer.groups_per_step=4"]
+
+
+def up_command(tmp_path, run_id: str, steps: int, *overrides: str) -> list[str]:
+    cmd = [sys.executable, "-m", "workers.cli", "up", "--model", "tiny", "--steps", str(steps), "--run-id", run_id]
+    for assignment in [f'run.dir="{tmp_path}"', *SMALL, *overrides]:
+        cmd += ["--set", assignment]
+    return cmd
+
+
+def run_swarm(tmp_path, run_id: str, steps: int, *overrides: str):
+    done = subprocess.run(up_command(tmp_path, run_id, steps, *overrides), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = tmp_path / run_id
+    metrics = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
+
+    async def read():
+        with NatsServer(run_dir / "nats") as server:  # the run's own store, after the run
+            return [r async for r in read_rollouts(server.url, run_id)]
+
+    return metrics, asyncio.run(read()), done.stderr
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_async_run_stays_within_the_staleness_bound(tmp_path, max_staleness):
+    metrics, stream, stderr = run_swarm(tmp_path, "async", 5, f"trainer.max_staleness={max_staleness}")
+    assert [m["version"] for m in metrics] == [1, 2, 3, 4, 5]
+    assert all(m["used"] == 4 for m in metrics)
+    assert "swarm.done" in stderr and "step=5" in stderr
+    version_in_stream = {r["headers"][HDR_MSG_ID]: int(r["headers"][HDR_POLICY_VERSION]) for r in stream}
+    trained = [gid for m in metrics for gid, _, _ in m["groups"]]
+    assert len(trained) == len(set(trained)) == 20  # no group trained twice
+    for m in metrics:
+        trained_from = m["step"] - 1  # step s trains version s - 1 into version s
+        for group_id, version, sampler in m["groups"]:
+            assert version_in_stream[group_id] == version  # the stream agrees with the metrics
+            assert trained_from - max_staleness <= version <= trained_from
+    samplers = {sampler for m in metrics for _, _, sampler in m["groups"]}
+    assert samplers <= {"s1", "s2"} and len({r["subject"] for r in stream}) == 2  # one subject per sampler
+
+
+def test_sequential_run_trains_only_on_its_current_version(tmp_path):
+    metrics, stream, _ = run_swarm(tmp_path, "seq", 4, "run.mode=sequential")
+    assert [m["version"] for m in metrics] == [1, 2, 3, 4]
+    for m in metrics:
+        assert m["used"] == 4 and m["dropped_stale"] == 0
+        assert {version for _, version, _ in m["groups"]} == {m["step"] - 1}
+    assert sorted(int(r["headers"][HDR_POLICY_VERSION]) for r in stream) == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    proc = subprocess.Popen(up_command(tmp_path, "stop", 10_000), stderr=subprocess.PIPE, text=True)
+    children = []
+    for line in proc.stderr:
+        children = psutil.Process(proc.pid).children(recursive=True) or children
+        if "step=" in line:
+            break
+    assert len(children) == 4  # nats-server, trainer, two samplers
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    time.sleep(0.5)
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]

@@ -1,0 +1,77 @@
+import math
+
+import pytest
+import torch
+
+from echo.algorithms.grpo import grpo_loss, group_advantages, token_logprobs
+
+
+def test_identical_rewards_give_zero_advantage():
+    assert torch.equal(group_advantages(torch.tensor([0.5, 0.5, 0.5, 0.5])), torch.zeros(4))
+
+
+def test_advantages_by_hand():
+    # mean 0.25, unbiased std of [1,0,0,0] = sqrt(0.25) = 0.5
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), eps=0.0)
+    assert torch.allclose(adv, torch.tensor([1.5, -0.5, -0.5, -0.5]))
+    assert torch.allclose(group_advantages(torch.tensor([1.0, 0.0]), norm_std=False), torch.tensor([0.5, -0.5]))
+
+
+def test_token_logprobs_follow_temperature():
+    logits = torch.tensor([[[2.0, 0.0]]])
+    tokens = torch.tensor([[0]])
+    assert token_logprobs(logits, tokens, 1.0).item() == pytest.approx(-math.log1p(math.exp(-2.0)))
+    assert token_logprobs(logits, tokens, 2.0).item() == pytest.approx(-math.log1p(math.exp(-1.0)))
+
+
+def _loss(ratio: float, advantage: float, clip_eps: float = 0.2):
+    logprobs = torch.tensor([[math.log(ratio)]], requires_grad=True)
+    behaviour = torch.zeros(1, 1)
+    loss, stats = grpo_loss(logprobs, behaviour, torch.tensor([advantage]), torch.ones(1, 1, dtype=torch.bool),
+                            clip_eps=clip_eps, normalizer=1.0)
+    loss.backward()
+    return loss.item(), logprobs.grad.item(), stats
+
+
+def test_on_policy_loss_is_minus_advantage_and_unclipped():
+    loss, grad, stats = _loss(1.0, 2.0)
+    assert loss == pytest.approx(-2.0)
+    assert grad == pytest.approx(-2.0)  # d(-r*A)/dlogp = -r*A
+    assert stats.ratio_mean == pytest.approx(1.0) and stats.clip_fraction == 0.0
+
+
+def test_clip_above_for_positive_advantage():
+    loss, grad, stats = _loss(1.5, 1.0)  # ratio past 1 + eps: clipped, no gradient
+    assert loss == pytest.approx(-1.2)
+    assert grad == 0.0
+    assert stats.clip_fraction == 1.0
+
+
+def test_clip_below_for_negative_advantage():
+    loss, grad, _ = _loss(0.5, -1.0)  # ratio under 1 - eps with A < 0: clipped at 0.8
+    assert loss == pytest.approx(0.8)
+    assert grad == 0.0
+
+
+def test_no_clip_on_the_pessimistic_side():
+    # ratio 0.5 with A > 0: min(0.5*A, 0.8*A) = 0.5*A, still has gradient
+    loss, grad, _ = _loss(0.5, 1.0)
+    assert loss == pytest.approx(-0.5)
+    assert grad == pytest.approx(-0.5)
+
+
+def test_mask_and_normalizer_give_a_token_mean():
+    logprobs = torch.zeros(2, 3)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    loss, stats = grpo_loss(logprobs, torch.zeros(2, 3), torch.tensor([1.0, -1.0]), mask, 0.2, normalizer=3.0)
+    assert loss.item() == pytest.approx((-1 - 1 + 1) / 3)
+
+
+def test_kl_term_is_zero_at_the_reference_and_positive_away():
+    logprobs = torch.log(torch.tensor([[0.5]]))
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    _, at_ref = grpo_loss(logprobs, logprobs, torch.tensor([0.0]), mask, 0.2, 1.0, ref_logprobs=logprobs, kl_coef=0.1)
+    _, away = grpo_loss(logprobs, logprobs, torch.tensor([0.0]), mask, 0.2, 1.0,
+                        ref_logprobs=torch.log(torch.tensor([[0.25]])), kl_coef=0.1)
+    assert at_ref.kl == pytest.approx(0.0)
+    assert away.kl == pytest.approx(0.5 - math.log(0.5) - 1)  # k3 with ref/policy = 0.5
