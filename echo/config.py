@@ -45,25 +45,24 @@ class LoraConfig(_Section):
 
 class TaskConfig(_Section):
     name: Literal["arithmetic"] = "arithmetic"
-    max_operand: int = Field(20, ge=1)
+    max_operand: int = Field(10, ge=1)
     format_reward: float = Field(0.1, ge=0, le=1)  # reward for a well-formed but wrong answer
 
 
 class SamplingConfig(_Section):
     group_size: int = Field(8, ge=2)  # completions per prompt; GRPO needs at least two
-    max_new_tokens: int = Field(48, ge=1)
-    temperature: float = Field(1.0, gt=0)
+    max_new_tokens: int = Field(24, ge=1)
+    temperature: float = Field(0.7, gt=0)
     prompts_per_call: int = Field(2, ge=1)  # groups generated in one engine call
 
 
 class TrainerConfig(_Section):
-    groups_per_step: int = Field(8, ge=1)
-    lr: float = Field(2e-4, gt=0)
+    groups_per_step: int = Field(4, ge=1)
+    lr: float = Field(5e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     clip_eps: float = Field(0.2, gt=0)
     kl_coef: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
-    micro_batch: int = Field(16, ge=1)  # sequences per forward/backward
     max_staleness: int = Field(1, ge=0)  # async: drop rollouts older than version - max_staleness; sequential uses 0
     request_timeout_s: float = Field(300.0, gt=0)  # sequential: re-ask for groups not delivered by then
     threads: int = Field(0, ge=0)  # torch threads; 0 leaves torch's default

@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from echo.config import ConfigError
+
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -102,7 +104,7 @@ def resolve_model(name: str) -> str:
     if name == "smollm2":
         return str(smollm2_dir())
     if not Path(name, "config.json").exists():
-        raise ValueError(f"model.name {name!r}: not 'tiny', 'smollm2', or a local model folder")
+        raise ConfigError(f"model.name {name!r}: not 'tiny', 'smollm2', or a local model folder")
     return name
 
 

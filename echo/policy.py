@@ -3,15 +3,13 @@ and the per-token log-probs of completions (what the trainer differentiates)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import safetensors.torch
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
 from echo.algorithms.grpo import token_logprobs
-from echo.config import LoraConfig
+from echo.config import ConfigError, LoraConfig
 
 
 class AdapterMismatch(ValueError):
@@ -21,7 +19,7 @@ class AdapterMismatch(ValueError):
 def add_lora(model: torch.nn.Module, cfg: LoraConfig):
     targets = [name for name in cfg.target_modules if any(n.endswith(name) for n, _ in model.named_modules())]
     if not targets:
-        raise ValueError(f"lora.target_modules {cfg.target_modules} match no module of the model")
+        raise ConfigError(f"lora.target_modules {cfg.target_modules} match no module of the model")
     peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets)
     return get_peft_model(model, peft_cfg)
 
@@ -48,40 +46,32 @@ def load_adapter(model, data: bytes) -> None:
     set_peft_model_state_dict(model, incoming)
 
 
-@dataclass
-class Batch:
-    """Prompt + completion sequences, right-padded, with a mask over completion tokens."""
+def group_logprobs(model, prompt_ids: list[int], completions: list[list[int]], temperature: float, pad_id: int):
+    """Per-token log-probs [G, C] of a group's completions (right-padded), and their mask [G, C].
 
-    input_ids: torch.Tensor  # [B, L]
-    attention_mask: torch.Tensor  # [B, L]
-    completion_mask: torch.Tensor  # [B, L-1], aligned with the shifted targets input_ids[:, 1:]
-    behaviour_logprobs: torch.Tensor  # [B, L-1], zero outside the completion
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.completion_mask.sum())
-
-
-def make_batch(sequences: list[tuple[list[int], list[int], list[float]]], pad_id: int) -> Batch:
-    """sequences: (prompt ids, completion ids, behaviour log-probs of the completion)."""
-    length = max(len(p) + len(c) for p, c, _ in sequences)
-    n = len(sequences)
-    input_ids = torch.full((n, length), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, length), dtype=torch.long)
-    completion_mask = torch.zeros((n, length - 1), dtype=torch.bool)
-    behaviour = torch.zeros((n, length - 1), dtype=torch.float32)
-    for i, (prompt, completion, logprobs) in enumerate(sequences):
-        total = len(prompt) + len(completion)
-        input_ids[i, :total] = torch.tensor(prompt + completion)
-        attention_mask[i, :total] = 1
-        # Target position t predicts input_ids[t + 1]: completion tokens start at len(prompt) - 1.
-        start = len(prompt) - 1
-        completion_mask[i, start : start + len(completion)] = True
-        behaviour[i, start : start + len(completion)] = torch.tensor(logprobs)
-    return Batch(input_ids, attention_mask, completion_mask, behaviour)
-
-
-def sequence_logprobs(model, batch: Batch, temperature: float) -> torch.Tensor:
-    """Per-token log-probs [B, L-1] of batch.input_ids[:, 1:] under the model."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    return token_logprobs(logits[:, :-1], batch.input_ids[:, 1:], temperature)
+    The prompt is shared by the whole group, so it goes through the model once; its key/value
+    cache is repeated for each completion. Gradients flow through the cache into the prompt's
+    forward, so this equals running every prompt + completion separately, at a fraction of the
+    cost when prompts are long (the tests check it against the sampler's own log-probs)."""
+    group, prompt_len = len(completions), len(prompt_ids)
+    length = max(len(c) for c in completions)
+    ids = torch.full((group, length), pad_id, dtype=torch.long)
+    mask = torch.zeros((group, length), dtype=torch.bool)
+    for i, completion in enumerate(completions):
+        ids[i, : len(completion)] = torch.tensor(completion)
+        mask[i, : len(completion)] = True
+    prompt = model(input_ids=torch.tensor([prompt_ids]), use_cache=True, logits_to_keep=1)
+    cache = prompt.past_key_values
+    cache.batch_repeat_interleave(group)
+    # Completion token t is predicted at position t - 1: the first by the prompt's last position.
+    first = prompt.logits[:, -1:].expand(group, 1, -1)
+    if length > 1:
+        attention = torch.cat([torch.ones((group, prompt_len), dtype=torch.long), mask[:, :-1].long()], dim=1)
+        positions = torch.arange(prompt_len, prompt_len + length - 1).expand(group, -1)
+        rest = model(
+            input_ids=ids[:, :-1], attention_mask=attention, position_ids=positions, past_key_values=cache
+        ).logits
+        logits = torch.cat([first, rest], dim=1)
+    else:
+        logits = first
+    return token_logprobs(logits, ids, temperature), mask

@@ -21,7 +21,7 @@ def tiny_config(tmp_path, **sections) -> EchoConfig:
         "model": {"name": "tiny"},
         "lora": {"r": 4, "alpha": 8.0},
         "sampling": {"group_size": 4, "max_new_tokens": 8, "prompts_per_call": 2},
-        "trainer": {"groups_per_step": 4, "micro_batch": 16, "threads": 1},
+        "trainer": {"groups_per_step": 4, "threads": 1},
         "sampler": {"threads": 1},
     }
     for section, values in sections.items():

@@ -20,15 +20,16 @@ pytestmark = pytest.mark.slow
 SMALL = ["lora.r=4", "sampling.group_size=4", "sampling.max_new_tokens=8", "trainer.groups_per_step=4"]
 
 
-def up_command(tmp_path, run_id: str, steps: int, *overrides: str) -> list[str]:
-    cmd = [sys.executable, "-m", "workers.cli", "up", "--model", "tiny", "--steps", str(steps), "--run-id", run_id]
+def up_command(tmp_path, run_id: str, steps: int, *overrides: str, flags=()) -> list[str]:
+    cmd = [sys.executable, "-m", "workers.cli", "up", "--model", "tiny", "--steps", str(steps), "--run-id", run_id, *flags]
     for assignment in [f'run.dir="{tmp_path}"', *SMALL, *overrides]:
         cmd += ["--set", assignment]
     return cmd
 
 
-def run_swarm(tmp_path, run_id: str, steps: int, *overrides: str):
-    done = subprocess.run(up_command(tmp_path, run_id, steps, *overrides), capture_output=True, text=True, timeout=240)
+def run_swarm(tmp_path, run_id: str, steps: int, *overrides: str, flags=()):
+    cmd = up_command(tmp_path, run_id, steps, *overrides, flags=flags)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / run_id
     metrics = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
@@ -59,12 +60,15 @@ def test_async_run_stays_within_the_staleness_bound(tmp_path, max_staleness):
 
 
 def test_sequential_run_trains_only_on_its_current_version(tmp_path):
-    metrics, stream, _ = run_swarm(tmp_path, "seq", 4, "run.mode=sequential")
+    metrics, stream, stderr = run_swarm(tmp_path, "seq", 4, "run.mode=sequential", flags=["--log-json"])
     assert [m["version"] for m in metrics] == [1, 2, 3, 4]
     for m in metrics:
         assert m["used"] == 4 and m["dropped_stale"] == 0
         assert {version for _, version, _ in m["groups"]} == {m["step"] - 1}
     assert sorted(int(r["headers"][HDR_POLICY_VERSION]) for r in stream) == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    logs = [orjson.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+    assert [e["step"] for e in logs if e["event"] == "step" and e["worker"] == "trainer"] == [1, 2, 3, 4]
+    assert len(logs) == len(stderr.splitlines())  # every line is JSON
 
 
 def test_ctrl_c_stops_every_process(tmp_path):

@@ -36,14 +36,13 @@ def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(nats_serv
         await publish_rollout(run, make_group(version=5, group_id="ok2"))
         await publish_rollout(run, make_group(version=5, group_id="ok2"))  # a retry: de-duplicated
 
-        collector = Collector(sub, cfg)
-        used, dropped = await collector.collect(2, version=5)
-        assert [g.group_id for _, g in used] == ["ok1", "ok2"]
-        assert dropped == {4: 1}
-        assert collector.rejected == {"bad_json": 1, "future_version": 1, "wrong_group_size": 1, "header_mismatch": 1}
+        collected = await Collector(sub, cfg).collect(2, version=5)
+        assert [g.group_id for _, g in collected.used] == ["ok1", "ok2"]
+        assert collected.dropped == {4: 1}
+        assert collected.rejected == {"bad_json": 1, "future_version": 1, "wrong_group_size": 1, "header_mismatch": 1}
         info = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
         assert info.num_pending == 0 and info.num_ack_pending == 2  # only the used wait for the step
-        for msg, _ in used:
+        for msg, _ in collected.used:
             await msg.ack()
         # Nothing is lost: rejected messages stay in the stream for replay.
         records = [r async for r in read_rollouts(nats_server.url, cfg.run.id)]

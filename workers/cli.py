@@ -8,6 +8,7 @@ import signal
 import sys
 
 import orjson
+from nats.js.errors import KeyNotFoundError
 
 from echo.config import ConfigError, EchoConfig, apply_override, load_config, validate_config
 from echo.logs import configure_logging
@@ -66,7 +67,7 @@ async def sampler_config_from_run(args) -> EchoConfig:
             try:
                 entry = await run.state.get("config")
                 break
-            except Exception:  # not written yet: the trainer has not started
+            except KeyNotFoundError:  # the trainer has not started yet
                 await asyncio.sleep(1.0)
     finally:
         await run.close()
@@ -103,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
             configure_logging(args.log_json)
             return replay(args.run, args.nats, args.out)
         if args.command == "sampler":
-            check_id("sampler id", args.id)
+            try:
+                check_id("sampler id", args.id)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
             if args.config is None:
                 cfg = asyncio.run(sampler_config_from_run(args))
             else:
@@ -122,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         from workers.swarm import up
 
         return up(cfg, args.log_json)
-    except (ConfigError, ValueError) as e:
+    except ConfigError as e:
         print(f"echo-rl: {e}", file=sys.stderr)
         return 2
 

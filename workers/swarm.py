@@ -33,7 +33,8 @@ def _stop(processes: list[subprocess.Popen], timeout: float = 20.0) -> None:
     for p in processes:
         try:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired:  # e.g. a trainer in the middle of a long step
+            log.warning("swarm.kill", pid=p.pid, args=p.args[3:5])
             p.kill()
             p.wait()
 
@@ -64,10 +65,11 @@ def up(cfg: EchoConfig, log_json: bool = False) -> int:
     resolve_model(cfg.model.name)  # convert a model once here, not in every worker at once
     server = NatsServer(run_dir / "nats", log_file=run_dir / "nats.log").start()
     cfg.nats.url = server.url
-    # Torch threads that outnumber the cores make every process crawl: share the cores out.
-    share = max(1, (os.cpu_count() or 1) // (cfg.sampler.count + 1))
-    cfg.trainer.threads = cfg.trainer.threads or share
-    cfg.sampler.threads = cfg.sampler.threads or share
+    # Torch threads that outnumber the cores make every process crawl. The samplers share the
+    # cores; the trainer may use all of them, as samplers mostly wait while it steps (backpressure).
+    cores = os.cpu_count() or 1
+    cfg.trainer.threads = cfg.trainer.threads or cores
+    cfg.sampler.threads = cfg.sampler.threads or max(1, cores // cfg.sampler.count)
     config_path = run_dir / "config.toml"
     config_path.write_text(cfg.to_toml())
     log.info("swarm.start", run=cfg.run.id, dir=str(run_dir), nats=server.url, samplers=cfg.sampler.count)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
@@ -19,7 +20,7 @@ from echo.config import EchoConfig
 from echo.learner import make_optimizer, set_threads, train_step
 from echo.models import load_model
 from echo.policy import add_lora, adapter_bytes
-from echo.protocol import ProtocolError, decode_rollout
+from echo.protocol import ProtocolError, RolloutGroup, decode_rollout
 from echo.staleness import Verdict, judge
 from streams.client import Run, open_run
 from streams.pull import publish_pull_request
@@ -29,6 +30,13 @@ from streams.weights import publish_weights
 log = structlog.get_logger()
 
 
+@dataclass
+class Collected:
+    used: list = field(default_factory=list)  # (message, group) pairs, acked after the step
+    dropped: Counter = field(default_factory=Counter)  # stale groups by age in versions
+    rejected: Counter = field(default_factory=Counter)  # malformed groups by reason
+
+
 class Collector:
     """Pulls rollout messages until it has enough usable groups, acking the rest at once."""
 
@@ -36,42 +44,41 @@ class Collector:
         self.subscription = subscription
         self.group_size = cfg.sampling.group_size
         self.max_staleness = 0 if cfg.run.mode == "sequential" else cfg.trainer.max_staleness
-        self.rejected: Counter[str] = Counter()  # over the whole run, by reason
 
-    async def collect(self, need: int, version: int, on_wait=None) -> tuple[list, Counter]:
-        """(usable (msg, group) pairs, ages of the stale groups dropped on the way)."""
-        used, dropped = [], Counter()
-        while len(used) < need:
-            msgs = await fetch_rollouts(self.subscription, need - len(used), timeout=1.0)
+    async def collect(self, need: int, version: int, on_wait=None) -> Collected:
+        out = Collected()
+        while len(out.used) < need:
+            msgs = await fetch_rollouts(self.subscription, need - len(out.used), timeout=1.0)
             if not msgs and on_wait is not None:
-                await on_wait(need - len(used))
+                await on_wait(need - len(out.used))
             for msg in msgs:
-                group = self._admit(msg, version, dropped)
+                group = self._admit(msg, version, out)
                 if group is None:
                     await msg.ack()  # dropped or rejected: it stays in the stream for replay
                 else:
-                    used.append((msg, group))
-        return used, dropped
+                    out.used.append((msg, group))
+        return out
 
-    def _admit(self, msg, version: int, dropped: Counter):
+    def _admit(self, msg, version: int, out: Collected) -> RolloutGroup | None:
         try:
             group = decode_rollout(msg.data, msg.headers)
         except ProtocolError as e:
-            return self._reject(e.reason, str(e))
+            return _reject(out, e.reason, str(e))
         if len(group.completions) != self.group_size:
-            return self._reject("wrong_group_size", f"{len(group.completions)} != {self.group_size}")
+            return _reject(out, "wrong_group_size", f"{len(group.completions)} != {self.group_size}")
         verdict = judge(group.policy_version, version, self.max_staleness)
         if verdict is Verdict.FUTURE:
-            return self._reject("future_version", f"{group.policy_version} > {version}")
+            return _reject(out, "future_version", f"{group.policy_version} > {version}")
         if verdict is Verdict.STALE:
-            dropped[version - group.policy_version] += 1
+            out.dropped[version - group.policy_version] += 1
             return None
         return group
 
-    def _reject(self, reason: str, detail: str) -> None:
-        self.rejected[reason] += 1
-        log.warning("rollout.rejected", reason=reason, detail=detail)
-        return None
+
+def _reject(out: Collected, reason: str, detail: str) -> None:
+    out.rejected[reason] += 1
+    log.warning("rollout.rejected", reason=reason, detail=detail)
+    return None
 
 
 class SequentialRequests:
@@ -117,14 +124,14 @@ async def run_trainer(cfg: EchoConfig) -> None:
             step_started = time.perf_counter()
             if requests:
                 await requests.ask(version, cfg.trainer.groups_per_step)
-            used, dropped = await collector.collect(
+            collected = await collector.collect(
                 cfg.trainer.groups_per_step, version, requests.on_wait if requests else None
             )
-            groups = [group for _, group in used]
+            groups = [group for _, group in collected.used]
             stats = await asyncio.to_thread(train_step, policy, optimizer, groups, cfg, tokenizer.pad_token_id)
             version += 1
             publish_seconds = await publish_adapter(run, cfg, policy, version, run_dir)
-            for msg, _ in used:  # acked only once the step that used them is done
+            for msg, _ in collected.used:  # acked only once the step that used them is done
                 await msg.ack()
 
             now = time.perf_counter()
@@ -133,10 +140,10 @@ async def run_trainer(cfg: EchoConfig) -> None:
                 "version": version,
                 **stats,
                 "used": len(groups),
-                "dropped_stale": sum(dropped.values()),
-                "rejected": dict(collector.rejected),
+                "dropped_stale": sum(collected.dropped.values()),
+                "rejected": dict(collected.rejected),
                 "staleness_used": dict(Counter(version - 1 - g.policy_version for g in groups)),
-                "staleness_dropped": dict(dropped),
+                "staleness_dropped": dict(collected.dropped),
                 "learner_busy": stats["train_seconds"] / (now - step_started),
                 "step_seconds": now - step_started,
                 "publish_seconds": publish_seconds,

@@ -8,6 +8,7 @@ import re
 from echo.config import TaskConfig
 from echo.tasks import Prompt, Score
 
+_INSTRUCTION = "What is {question}? Reply with only the number inside <answer></answer> tags."
 _ANSWER = re.compile(r"<answer>\s*(-?\d+)\s*</answer>")
 
 
@@ -23,8 +24,13 @@ class Arithmetic:
         op = rng.choice("+-")
         question = f"{a} {op} {b}"
         answer = a + b if op == "+" else a - b
-        content = f"What is {question}? Reply with only the number inside <answer></answer> tags."
-        return Prompt(id=question, messages=[{"role": "user", "content": content}], answer=str(answer))
+        # One worked example shows the format; small models rarely find the tags on their own.
+        messages = [
+            {"role": "user", "content": _INSTRUCTION.format(question="3 + 4")},
+            {"role": "assistant", "content": "<answer>7</answer>"},
+            {"role": "user", "content": _INSTRUCTION.format(question=question)},
+        ]
+        return Prompt(id=question, messages=messages, answer=str(answer))
 
     def score(self, completion: str, prompt: Prompt) -> Score:
         found = _ANSWER.findall(completion)

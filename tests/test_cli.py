@@ -1,0 +1,33 @@
+import pytest
+
+from echo.models import load_model
+from workers.cli import config_from_args, build_parser, main
+
+
+def test_bad_config_fails_at_start_naming_the_field(capsys):
+    assert main(["up", "--model", "tiny", "--set", "trainer.lrr=1"]) == 2
+    assert "trainer.lrr: unknown field" in capsys.readouterr().err
+
+
+def test_shortcut_flags_become_config_fields():
+    args = build_parser().parse_args(
+        ["up", "--model", "tiny", "--mode", "sequential", "--steps", "3", "--run-id", "r1", "--samplers", "3",
+         "--set", "trainer.lr=0.001"]
+    )
+    cfg = config_from_args(args)
+    assert (cfg.model.name, cfg.run.mode, cfg.run.steps, cfg.run.id, cfg.sampler.count, cfg.trainer.lr) == (
+        "tiny", "sequential", 3, "r1", 3, 0.001)
+
+
+def test_a_model_that_is_neither_known_nor_a_folder_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="model.name"):
+        load_model(str(tmp_path / "missing"))
+
+
+def test_a_local_model_folder_loads(tmp_path):
+    model, tokenizer = load_model("tiny")
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    again, tokenizer_again = load_model(str(tmp_path))
+    assert again.num_parameters() == model.num_parameters()
+    assert tokenizer_again.padding_side == "left"
