@@ -63,8 +63,13 @@ class TrainerConfig(_Section):
     clip_eps: float = Field(0.2, gt=0)
     kl_coef: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
+    # Off-policy correction: truncated importance weights pi_old / mu, capped at is_cap;
+    # "sequence" also leaves out whole sequences whose mean ratio is beyond the cap.
+    is_level: Literal["token", "sequence"] = "token"
+    is_cap: float = Field(2.0, ge=1.0)
     max_staleness: int = Field(1, ge=0)  # async: drop rollouts older than version - max_staleness; sequential uses 0
     request_timeout_s: float = Field(300.0, gt=0)  # sequential: re-ask for groups not delivered by then
+    ack_wait_s: float = Field(60.0, gt=0)  # a crashed trainer's unacked groups come back after this
     threads: int = Field(0, ge=0)  # torch threads; 0 leaves torch's default
 
 

@@ -7,24 +7,28 @@ import time
 
 import torch
 
-from echo.algorithms.grpo import grpo_loss, group_advantages
+from echo.algorithms.grpo import grpo_loss, group_advantages, importance_weights
 from echo.config import EchoConfig
 from echo.policy import group_logprobs
 from echo.protocol import RolloutGroup
 
 
-def train_step(policy, optimizer, groups: list[RolloutGroup], cfg: EchoConfig, pad_id: int) -> dict:
-    """One optimizer step over all groups: the loss is the token mean over the whole batch, and
-    each group is forwarded and backpropagated on its own (a group is the unit of memory)."""
+def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]], cfg: EchoConfig, pad_id: int) -> dict:
+    """One optimizer step over (group, rewards) pairs. The loss is the token mean over the whole
+    batch; each group is forwarded and backpropagated on its own (a group is the unit of memory).
+
+    One step per batch means the policy before the step, pi_old, is the current one: the PPO
+    ratio pi / pi_old starts at 1 and the off-policy gap to the sampler's mu is corrected by
+    truncated importance weights pi_old / mu."""
     tcfg, temperature = cfg.trainer, cfg.sampling.temperature
-    total_tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
+    total_tokens = sum(len(c.token_ids) for g, _ in batch for c in g.completions)
     started = time.perf_counter()
     policy.train()
     optimizer.zero_grad(set_to_none=True)
-    stats, loss_sum = [], 0.0
-    for group in groups:
+    per_group, loss_sum = [], 0.0
+    for group, rewards in batch:
         completions = [c.token_ids for c in group.completions]
-        advantages = group_advantages(torch.tensor([c.reward for c in group.completions]))
+        advantages = group_advantages(torch.tensor(rewards))
         behaviour = torch.zeros((len(completions), max(map(len, completions))))
         for i, c in enumerate(group.completions):
             behaviour[i, : len(c.logprobs)] = torch.tensor(c.logprobs)
@@ -32,26 +36,33 @@ def train_step(policy, optimizer, groups: list[RolloutGroup], cfg: EchoConfig, p
         if tcfg.kl_coef > 0:
             # The reference is the base model: the same weights with the adapter switched off.
             with torch.no_grad(), policy.disable_adapter():
-                ref_logprobs, _ = group_logprobs(policy, group.prompt_token_ids, completions, temperature, pad_id)
-        logprobs, mask = group_logprobs(policy, group.prompt_token_ids, completions, temperature, pad_id)
-        loss, s = grpo_loss(logprobs, behaviour, advantages, mask, tcfg.clip_eps, total_tokens, ref_logprobs, tcfg.kl_coef)
+                ref_logprobs, _, _ = group_logprobs(policy, group.prompt_token_ids, completions, temperature, pad_id)
+        logprobs, mask, entropy = group_logprobs(policy, group.prompt_token_ids, completions, temperature, pad_id)
+        old_logprobs = logprobs.detach()
+        weights, is_stats = importance_weights(old_logprobs, behaviour, mask, tcfg.is_cap, tcfg.is_level)
+        loss, loss_stats = grpo_loss(
+            logprobs, old_logprobs, advantages, mask, tcfg.clip_eps, total_tokens, weights, ref_logprobs, tcfg.kl_coef
+        )
         loss.backward()
         loss_sum += loss.item()
-        stats.append((int(mask.sum()), s))
+        per_group.append((int(mask.sum()), loss_stats, is_stats, float(entropy[mask].mean())))
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], tcfg.max_grad_norm)
     optimizer.step()
     policy.eval()
 
-    def token_mean(field: str) -> float:
-        return sum(n * getattr(s, field) for n, s in stats) / max(total_tokens, 1)
+    def token_mean(values) -> float:
+        return sum(n * v for n, v in zip((g[0] for g in per_group), values)) / max(total_tokens, 1)
 
-    rewards = torch.tensor([c.reward for g in groups for c in g.completions])
+    rewards = torch.tensor([r for _, rs in batch for r in rs])
     return {
         "loss": loss_sum,
-        "kl": token_mean("kl"),
-        "ratio_mean": token_mean("ratio_mean"),
-        "ratio_max": max(s.ratio_max for _, s in stats),
-        "clip_fraction": token_mean("clip_fraction"),
+        "kl": token_mean(g[1].kl for g in per_group),
+        "clip_fraction": token_mean(g[1].clip_fraction for g in per_group),
+        "entropy": token_mean(g[3] for g in per_group),
+        "is_ratio_mean": token_mean(g[2].ratio_mean for g in per_group),
+        "is_ratio_max": max(g[2].ratio_max for g in per_group),
+        "is_truncated_fraction": token_mean(g[2].truncated_fraction for g in per_group),
+        "is_masked_fraction": sum(g[2].masked_fraction for g in per_group) / len(per_group),
         "grad_norm": float(grad_norm),
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,

@@ -21,6 +21,12 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
 TINY_SEED = 1234  # every process builds the same tiny base model from it
 
 
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a chat prompt, ending with the assistant's turn opener."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("ECHO_CACHE", Path.home() / ".cache" / "echo-rl"))
 

@@ -47,7 +47,8 @@ def load_adapter(model, data: bytes) -> None:
 
 
 def group_logprobs(model, prompt_ids: list[int], completions: list[list[int]], temperature: float, pad_id: int):
-    """Per-token log-probs [G, C] of a group's completions (right-padded), and their mask [G, C].
+    """Per-token log-probs [G, C] of a group's completions (right-padded), their mask [G, C],
+    and the sampling distribution's entropy at each position [G, C] (no gradient).
 
     The prompt is shared by the whole group, so it goes through the model once; its key/value
     cache is repeated for each completion. Gradients flow through the cache into the prompt's
@@ -74,4 +75,5 @@ def group_logprobs(model, prompt_ids: list[int], completions: list[list[int]], t
         logits = torch.cat([first, rest], dim=1)
     else:
         logits = first
-    return token_logprobs(logits, ids, temperature), mask
+    logprobs, entropy = token_logprobs(logits, ids, temperature, with_entropy=True)
+    return logprobs, mask, entropy

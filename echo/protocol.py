@@ -176,7 +176,7 @@ class RolloutGroup(_Message):
     sampler_id: str = Field(pattern=ID_PATTERN)
     policy_version: int = Field(ge=0)
     task: str
-    prompt_id: str
+    prompt_index: int = Field(ge=0)  # the task's prompt at this index (echo.tasks.Task.prompt)
     prompt_token_ids: list[int] = Field(min_length=1)
     completions: list[Completion] = Field(min_length=1)
     temperature: float = Field(gt=0)

@@ -1,4 +1,4 @@
-import random
+import re
 
 import pytest
 
@@ -7,7 +7,7 @@ from echo.tasks import Prompt
 from echo.tasks.arithmetic import Arithmetic
 
 TASK = Arithmetic(TaskConfig(format_reward=0.1))
-PROMPT = Prompt(id="7 - 9", messages=[], answer="-2")
+PROMPT = Prompt(index=0, messages=[], answer="-2")
 
 
 @pytest.mark.parametrize(
@@ -29,8 +29,10 @@ def test_verifier(completion, reward, format_ok):
 
 
 def test_prompts_are_deterministic_and_answers_right():
-    assert TASK.sample(random.Random(3)) == TASK.sample(random.Random(3))
-    for p in (TASK.sample(random.Random(i)) for i in range(50)):
-        x, op, y = p.id.split()
-        assert int(p.answer) == (int(x) + int(y) if op == "+" else int(x) - int(y))
+    assert TASK.prompt(3) == TASK.prompt(3)
+    assert len({TASK.prompt(i).messages[-1]["content"] for i in range(50)}) > 25
+    for p in (TASK.prompt(i) for i in range(50)):
+        question = re.search(r"What is (\d+) ([+-]) (\d+)\?", p.messages[-1]["content"])
+        x, op, y = int(question[1]), question[2], int(question[3])
+        assert int(p.answer) == (x + y if op == "+" else x - y)
         assert TASK.score(f"<answer>{p.answer}</answer>", p).correct

@@ -55,6 +55,8 @@ def test_async_run_stays_within_the_staleness_bound(tmp_path, max_staleness):
         for group_id, version, sampler in m["groups"]:
             assert version_in_stream[group_id] == version  # the stream agrees with the metrics
             assert trained_from - max_staleness <= version <= trained_from
+    if max_staleness == 0:  # on-policy: the sampler's mu is the trainer's pi_old, up to float error
+        assert all(abs(m["is_ratio_mean"] - 1) < 1e-4 and abs(m["is_ratio_max"] - 1) < 1e-3 for m in metrics)
     samplers = {sampler for m in metrics for _, _, sampler in m["groups"]}
     assert samplers <= {"s1", "s2"} and len({r["subject"] for r in stream}) == 2  # one subject per sampler
 
@@ -65,6 +67,7 @@ def test_sequential_run_trains_only_on_its_current_version(tmp_path):
     for m in metrics:
         assert m["used"] == 4 and m["dropped_stale"] == 0
         assert {version for _, version, _ in m["groups"]} == {m["step"] - 1}
+        assert abs(m["is_ratio_max"] - 1) < 1e-3
     assert sorted(int(r["headers"][HDR_POLICY_VERSION]) for r in stream) == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
     logs = [orjson.loads(line) for line in stderr.splitlines() if line.startswith("{")]
     assert [e["step"] for e in logs if e["event"] == "step" and e["worker"] == "trainer"] == [1, 2, 3, 4]

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from echo.algorithms.grpo import grpo_loss, group_advantages, token_logprobs
+from echo.algorithms.grpo import grpo_loss, group_advantages, importance_weights, token_logprobs
 
 
 def test_identical_rewards_give_zero_advantage():
@@ -37,7 +37,7 @@ def test_on_policy_loss_is_minus_advantage_and_unclipped():
     loss, grad, stats = _loss(1.0, 2.0)
     assert loss == pytest.approx(-2.0)
     assert grad == pytest.approx(-2.0)  # d(-r*A)/dlogp = -r*A
-    assert stats.ratio_mean == pytest.approx(1.0) and stats.clip_fraction == 0.0
+    assert stats.clip_fraction == 0.0
 
 
 def test_clip_above_for_positive_advantage():
@@ -75,3 +75,39 @@ def test_kl_term_is_zero_at_the_reference_and_positive_away():
                         ref_logprobs=torch.log(torch.tensor([[0.25]])), kl_coef=0.1)
     assert at_ref.kl == pytest.approx(0.0)
     assert away.kl == pytest.approx(0.5 - math.log(0.5) - 1)  # k3 with ref/policy = 0.5
+
+
+def test_importance_weights_are_one_on_policy():
+    logprobs = torch.log(torch.tensor([[0.5, 0.25], [0.1, 0.9]]))
+    mask = torch.tensor([[True, True], [True, False]])
+    weights, stats = importance_weights(logprobs, logprobs, mask, cap=2.0, level="token")
+    assert torch.equal(weights, mask.float())
+    assert stats.ratio_mean == 1.0 and stats.ratio_max == 1.0 and stats.truncated_fraction == 0.0
+
+
+def test_token_level_truncates_at_the_cap():
+    old = torch.log(torch.tensor([[0.9, 0.5, 0.1]]))
+    behaviour = torch.log(torch.tensor([[0.3, 0.5, 0.2]]))  # ratios 3, 1, 0.5
+    weights, stats = importance_weights(old, behaviour, torch.ones(1, 3, dtype=torch.bool), cap=2.0, level="token")
+    assert torch.allclose(weights, torch.tensor([[2.0, 1.0, 0.5]]))
+    assert stats.ratio_max == pytest.approx(3.0) and stats.truncated_fraction == pytest.approx(1 / 3)
+    assert stats.ratio_mean == pytest.approx(1.5)
+
+
+def test_sequence_level_masks_sequences_too_far_off_policy():
+    old = torch.log(torch.tensor([[0.9, 0.9], [0.5, 0.5]]))
+    behaviour = torch.log(torch.tensor([[0.1, 0.1], [0.4, 0.6]]))  # sequence 0: ratio 9 throughout
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    weights, stats = importance_weights(old, behaviour, mask, cap=2.0, level="sequence")
+    assert torch.equal(weights[0], torch.zeros(2))
+    assert torch.allclose(weights[1], torch.tensor([1.25, 5 / 6]))
+    assert stats.masked_fraction == 0.5
+
+
+def test_weights_scale_the_policy_term():
+    logprobs = torch.zeros(1, 2, requires_grad=True)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, _ = grpo_loss(logprobs, logprobs.detach(), torch.tensor([1.0]), mask, 0.2, 2.0, torch.tensor([[2.0, 0.5]]))
+    loss.backward()
+    assert loss.item() == pytest.approx(-(2.0 + 0.5) / 2)
+    assert torch.allclose(logprobs.grad, torch.tensor([[-1.0, -0.25]]))

@@ -59,7 +59,7 @@ def test_behaviour_logprobs_match_the_trainers(engines):
     assert [len(g) for g in groups] == [4, 4]
     for prompt, group in zip(prompts, groups):
         with torch.no_grad():
-            logprobs, mask = group_logprobs(
+            logprobs, mask, _ = group_logprobs(
                 engine.model, prompt, [g.token_ids for g in group], SAMPLING.temperature, engine.tokenizer.pad_token_id
             )
         assert mask.sum(dim=1).tolist() == [len(g.token_ids) for g in group]
@@ -84,7 +84,7 @@ def test_shared_prompt_logprobs_and_gradients_equal_separate_sequences(engines):
         return out
 
     model.zero_grad()
-    shared, mask = group_logprobs(model, prompt, completions, 0.7, pad)
+    shared, mask, _ = group_logprobs(model, prompt, completions, 0.7, pad)
     (shared * mask).sum().backward()
     shared_grads = grads()
     for row, completion in enumerate(completions):  # the reference: one plain forward per sequence

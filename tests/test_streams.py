@@ -14,39 +14,42 @@ from streams.replay import read_rollouts
 from streams.rollouts import publish_rollout, trainer_subscription
 from streams.weights import WeightsError, WeightsFollower, fetch_weights, publish_weights
 from tests.conftest import tiny_config
-from tests.test_protocol import make_group
+from tests.test_referee import REFEREE, with_completion, honest_group
 from workers.sampler import Sampler
 from workers.trainer import Collector
 
 
-def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(nats_server, tmp_path):
-    cfg = tiny_config(tmp_path, sampling={"group_size": 2}, trainer={"max_staleness": 1})
-
+def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(nats_server):
     async def main():
-        run = await open_run(nats_server.url, cfg.run.id, "test")
+        run = await open_run(nats_server.url, "c", "test")
         sub = await trainer_subscription(run)
         subject = run.names.rollouts_subject("s1")
         await run.js.publish(subject, b"{broken", headers={HDR_MSG_ID: "bad1", HDR_SAMPLER_ID: "s1"})
-        await publish_rollout(run, make_group(version=1, group_id="stale"))  # 5 - 1 > bound
-        await publish_rollout(run, make_group(version=9, group_id="future"))
-        await publish_rollout(run, make_group(version=5, size=3, group_id="wrongsize"))
-        spoofed = make_group(version=5, group_id="spoofed")
+        await publish_rollout(run, honest_group(policy_version=1, group_id="stale"))  # 5 - 1 > bound
+        await publish_rollout(run, honest_group(policy_version=9, group_id="future"))
+        await publish_rollout(run, honest_group(policy_version=5, group_id="wrongsize", texts=["a", "b", "c"]))
+        await publish_rollout(run, honest_group(policy_version=5, group_id="trained"))
+        spoofed = honest_group(policy_version=5, group_id="spoofed")
         await run.js.publish(subject, encode(spoofed), headers={**rollout_headers(spoofed), HDR_POLICY_VERSION: "4"})
-        await publish_rollout(run, make_group(version=4, group_id="ok1"))
-        await publish_rollout(run, make_group(version=5, group_id="ok2"))
-        await publish_rollout(run, make_group(version=5, group_id="ok2"))  # a retry: de-duplicated
+        liar = with_completion(honest_group(policy_version=4, group_id="liar"), reward=0.0)
+        await publish_rollout(run, liar)
+        await publish_rollout(run, honest_group(policy_version=5, group_id="ok"))
+        await publish_rollout(run, honest_group(policy_version=5, group_id="ok"))  # a retry: de-duplicated
 
-        collected = await Collector(sub, cfg).collect(2, version=5)
-        assert [g.group_id for _, g in collected.used] == ["ok1", "ok2"]
-        assert collected.dropped == {4: 1}
+        collector = Collector(sub, REFEREE, max_staleness=1, trained_ids={"trained"})
+        collected = await collector.collect(2, version=5)
+        assert [a.group.group_id for a in collected.used] == ["liar", "ok"]
+        assert collected.used[0].rewards == [1.0, 0.1]  # the trainer's rewards, not the liar's
+        assert collected.reward_mismatch == {"s1": 1}
+        assert collected.dropped == {4: 1} and collected.dropped_ids == ["stale"]
         assert collected.rejected == {"bad_json": 1, "future_version": 1, "wrong_group_size": 1, "header_mismatch": 1}
+        assert collected.already_trained == 1
         info = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
         assert info.num_pending == 0 and info.num_ack_pending == 2  # only the used wait for the step
-        for msg, _ in collected.used:
-            await msg.ack()
+        await collector.ack_held()
         # Nothing is lost: rejected messages stay in the stream for replay.
-        records = [r async for r in read_rollouts(nats_server.url, cfg.run.id)]
-        assert len(records) == 7 and sum("error" in r for r in records) == 2
+        records = [r async for r in read_rollouts(nats_server.url, "c")]
+        assert len(records) == 8 and sum("error" in r for r in records) == 2
         await run.close()
 
     asyncio.run(main())

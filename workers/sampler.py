@@ -53,7 +53,7 @@ class Sampler:
         log.debug("weights.applied", version=self.version)
 
     async def generate_and_publish(self, count: int) -> None:
-        prompts = [self.task.sample(self.rng) for _ in range(count)]
+        prompts = [self.task.prompt(self.rng.randrange(2**31)) for _ in range(count)]
         prompt_ids = [self.engine.encode_chat(p.messages) for p in prompts]
         started = time.perf_counter()
         generations = await asyncio.to_thread(self.engine.generate, prompt_ids, self.cfg.sampling.group_size)
@@ -64,7 +64,7 @@ class Sampler:
                 sampler_id=self.sampler_id,
                 policy_version=self.version,
                 task=self.task.name,
-                prompt_id=prompt.id,
+                prompt_index=prompt.index,
                 prompt_token_ids=ids,
                 completions=[
                     Completion(

@@ -3,6 +3,10 @@
 Step s trains on groups whose policy version is within the staleness bound of version s - 1
 and publishes version s. In sequential mode it first asks the samplers for exactly the groups
 it needs, generated with its current version.
+
+Exactly once: a step's groups are acked only after the checkpoint holding that step is on disk.
+After a crash the trainer resumes from the checkpoint; groups it had not acked come back from
+the stream, and any it already trained on (their ids are in the checkpoint) are skipped.
 """
 
 from __future__ import annotations
@@ -16,12 +20,15 @@ from pathlib import Path
 import orjson
 import structlog
 
+from echo.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from echo.config import EchoConfig
 from echo.learner import make_optimizer, set_threads, train_step
 from echo.models import load_model
-from echo.policy import add_lora, adapter_bytes
+from echo.policy import adapter_bytes, add_lora
 from echo.protocol import ProtocolError, RolloutGroup, decode_rollout
+from echo.referee import Referee
 from echo.staleness import Verdict, judge
+from echo.tasks import make_task
 from streams.client import Run, open_run
 from streams.pull import publish_pull_request
 from streams.rollouts import fetch_rollouts, trainer_subscription
@@ -31,19 +38,32 @@ log = structlog.get_logger()
 
 
 @dataclass
+class Admitted:
+    msg: object
+    group: RolloutGroup
+    rewards: list[float]  # the trainer's own, from the task's verifier
+
+
+@dataclass
 class Collected:
-    used: list = field(default_factory=list)  # (message, group) pairs, acked after the step
+    used: list[Admitted] = field(default_factory=list)  # acked after the step's checkpoint
     dropped: Counter = field(default_factory=Counter)  # stale groups by age in versions
+    dropped_ids: list[str] = field(default_factory=list)
+    dropped_tokens: int = 0  # completion tokens generated for nothing
     rejected: Counter = field(default_factory=Counter)  # malformed groups by reason
+    reward_mismatch: Counter = field(default_factory=Counter)  # groups by sampler
+    verifier_errors: int = 0
+    already_trained: int = 0  # redelivered after a restart, skipped
 
 
 class Collector:
     """Pulls rollout messages until it has enough usable groups, acking the rest at once."""
 
-    def __init__(self, subscription, cfg: EchoConfig):
-        self.subscription = subscription
-        self.group_size = cfg.sampling.group_size
-        self.max_staleness = 0 if cfg.run.mode == "sequential" else cfg.trainer.max_staleness
+    def __init__(self, subscription, referee: Referee, max_staleness: int, trained_ids: set[str]):
+        self.subscription, self.referee = subscription, referee
+        self.max_staleness = max_staleness
+        self.trained_ids = trained_ids
+        self.held: list = []  # messages fetched and not yet acked, kept alive while held
 
     async def collect(self, need: int, version: int, on_wait=None) -> Collected:
         out = Collected()
@@ -52,27 +72,53 @@ class Collector:
             if not msgs and on_wait is not None:
                 await on_wait(need - len(out.used))
             for msg in msgs:
-                group = self._admit(msg, version, out)
-                if group is None:
+                admitted = self._admit(msg, version, out)
+                if admitted is None:
                     await msg.ack()  # dropped or rejected: it stays in the stream for replay
                 else:
-                    out.used.append((msg, group))
+                    out.used.append(admitted)
+                    self.held.append(msg)
         return out
 
-    def _admit(self, msg, version: int, out: Collected) -> RolloutGroup | None:
+    def _admit(self, msg, version: int, out: Collected) -> Admitted | None:
         try:
             group = decode_rollout(msg.data, msg.headers)
         except ProtocolError as e:
             return _reject(out, e.reason, str(e))
-        if len(group.completions) != self.group_size:
-            return _reject(out, "wrong_group_size", f"{len(group.completions)} != {self.group_size}")
+        if group.group_id in self.trained_ids or any(a.group.group_id == group.group_id for a in out.used):
+            out.already_trained += 1
+            return None
+        reason = self.referee.malformed(group)
+        if reason:
+            return _reject(out, reason, f"group {group.group_id} from {group.sampler_id}")
         verdict = judge(group.policy_version, version, self.max_staleness)
         if verdict is Verdict.FUTURE:
             return _reject(out, "future_version", f"{group.policy_version} > {version}")
         if verdict is Verdict.STALE:
             out.dropped[version - group.policy_version] += 1
+            out.dropped_ids.append(group.group_id)
+            out.dropped_tokens += sum(len(c.token_ids) for c in group.completions)
             return None
-        return group
+        judgement = self.referee.score(group)
+        if judgement.reason:
+            return _reject(out, judgement.reason, f"group {group.group_id} from {group.sampler_id}")
+        if judgement.reward_mismatch:
+            out.reward_mismatch[group.sampler_id] += 1
+        out.verifier_errors += judgement.verifier_errors
+        return Admitted(msg, group, judgement.rewards)
+
+    async def keep_alive(self, every: float) -> None:
+        """Tell the server the held messages are still being worked on, so a long step does not
+        get them redelivered, while a crashed trainer's are redelivered after one ack_wait."""
+        while True:
+            await asyncio.sleep(every)
+            for msg in self.held:
+                await msg.in_progress()
+
+    async def ack_held(self) -> None:
+        for msg in self.held:
+            await msg.ack()
+        self.held.clear()
 
 
 def _reject(out: Collected, reason: str, detail: str) -> None:
@@ -111,58 +157,97 @@ async def run_trainer(cfg: EchoConfig) -> None:
     base, tokenizer = load_model(cfg.model.name)
     policy = add_lora(base, cfg.lora)
     optimizer = make_optimizer(policy, cfg)
-    subscription = await trainer_subscription(run)
-    collector = Collector(subscription, cfg)
+    checkpoint_path = run_dir / "checkpoint.pt"
+    state = load_checkpoint(checkpoint_path, policy, optimizer) or TrainerState()
+    restore_metrics(run_dir / "metrics.jsonl", state)
+
+    referee = Referee(
+        make_task(cfg.task), tokenizer, base.get_input_embeddings().num_embeddings,
+        cfg.sampling.group_size, cfg.sampling.max_new_tokens,
+    )
+    max_staleness = 0 if cfg.run.mode == "sequential" else cfg.trainer.max_staleness
+    subscription = await trainer_subscription(run, cfg.trainer.ack_wait_s)
+    collector = Collector(subscription, referee, max_staleness, set(state.trained_ids))
+    keep_alive = asyncio.create_task(collector.keep_alive(cfg.trainer.ack_wait_s / 3))
     requests = SequentialRequests(run, cfg.trainer.request_timeout_s) if cfg.run.mode == "sequential" else None
 
-    version = 0
-    await publish_adapter(run, cfg, policy, version, run_dir)
-    log.info("trainer.ready", run=cfg.run.id, mode=cfg.run.mode, model=cfg.model.name, steps=cfg.run.steps)
+    # (Re)publish the current version: a fresh run's version 0, or the checkpoint's.
+    await publish_adapter(run, cfg, policy, state.version, run_dir)
+    log.info("trainer.ready", run=cfg.run.id, mode=cfg.run.mode, model=cfg.model.name, step=state.step,
+             version=state.version, steps=cfg.run.steps)
     started = time.perf_counter()
     with open(run_dir / "metrics.jsonl", "ab") as metrics_file:
-        for step in range(1, cfg.run.steps + 1):
+        for step in range(state.step + 1, cfg.run.steps + 1):
             step_started = time.perf_counter()
             if requests:
-                await requests.ask(version, cfg.trainer.groups_per_step)
+                await requests.ask(state.version, cfg.trainer.groups_per_step)
             collected = await collector.collect(
-                cfg.trainer.groups_per_step, version, requests.on_wait if requests else None
+                cfg.trainer.groups_per_step, state.version, requests.on_wait if requests else None
             )
-            groups = [group for _, group in collected.used]
-            stats = await asyncio.to_thread(train_step, policy, optimizer, groups, cfg, tokenizer.pad_token_id)
-            version += 1
-            publish_seconds = await publish_adapter(run, cfg, policy, version, run_dir)
-            for msg, _ in collected.used:  # acked only once the step that used them is done
-                await msg.ack()
+            batch = [(a.group, a.rewards) for a in collected.used]
+            stats = await asyncio.to_thread(train_step, policy, optimizer, batch, cfg, tokenizer.pad_token_id)
+
+            groups = [a.group for a in collected.used]
+            state.step, state.version = step, state.version + 1
+            state.trained_ids += [g.group_id for g in groups]
+            collector.trained_ids.update(g.group_id for g in groups)
+            state.lost += len(collected.dropped_ids) + sum(collected.rejected.values())
+            state.record = {
+                "step": step,
+                "version": state.version,
+                **stats,
+                "tokens_per_second": stats["tokens"] / stats["train_seconds"],
+                "used": len(groups),
+                "dropped_stale": len(collected.dropped_ids),
+                "dropped_tokens": collected.dropped_tokens,
+                "rejected": dict(collected.rejected),
+                "reward_mismatch": dict(collected.reward_mismatch),
+                "verifier_errors": collected.verifier_errors,
+                "already_trained": collected.already_trained,
+                "staleness_used": dict(Counter(state.version - 1 - g.policy_version for g in groups)),
+                "staleness_dropped": dict(collected.dropped),
+                "groups": [[g.group_id, g.policy_version, g.sampler_id] for g in groups],
+                "dropped_groups": collected.dropped_ids,
+            }
+            save_checkpoint(checkpoint_path, policy, optimizer, state)
+            publish_seconds = await publish_adapter(run, cfg, policy, state.version, run_dir)
+            await collector.ack_held()  # only now: the step that used them is checkpointed
 
             now = time.perf_counter()
             record = {
-                "step": step,
-                "version": version,
-                **stats,
-                "used": len(groups),
-                "dropped_stale": sum(collected.dropped.values()),
-                "rejected": dict(collected.rejected),
-                "staleness_used": dict(Counter(version - 1 - g.policy_version for g in groups)),
-                "staleness_dropped": dict(collected.dropped),
+                **state.record,
+                "publish_seconds": publish_seconds,
                 "learner_busy": stats["train_seconds"] / (now - step_started),
                 "step_seconds": now - step_started,
-                "publish_seconds": publish_seconds,
                 "wall_seconds": now - started,
-                "groups": [[g.group_id, g.policy_version, g.sampler_id] for g in groups],
             }
             metrics_file.write(orjson.dumps(record, option=orjson.OPT_NON_STR_KEYS) + b"\n")
             metrics_file.flush()
             log.info(
                 "step",
                 step=step,
-                version=version,
+                version=state.version,
                 reward=round(stats["reward_mean"], 3),
                 used=len(groups),
                 stale=record["dropped_stale"],
                 busy=f"{record['learner_busy']:.0%}",
                 seconds=round(record["step_seconds"], 2),
             )
+    keep_alive.cancel()
     await run.close()
+
+
+def restore_metrics(path: Path, state: TrainerState) -> None:
+    """After a crash, metrics.jsonl must hold exactly one line per checkpointed step: drop lines
+    of steps the checkpoint does not have, and restore the last step's line if it was lost."""
+    if not path.exists():
+        return
+    lines = [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+    kept = [r for r in lines if r["step"] <= state.step]
+    if state.record and (not kept or kept[-1]["step"] < state.step):
+        kept.append(state.record)
+    if len(kept) != len(lines):
+        path.write_bytes(b"".join(orjson.dumps(r, option=orjson.OPT_NON_STR_KEYS) + b"\n" for r in kept))
 
 
 async def publish_adapter(run: Run, cfg: EchoConfig, policy, version: int, run_dir: Path) -> float:

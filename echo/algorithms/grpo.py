@@ -16,42 +16,87 @@ def group_advantages(rewards: torch.Tensor, norm_std: bool = True, eps: float = 
     return centered
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Log-prob of each token under softmax(logits / temperature), the distribution sampled from."""
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool = False):
+    """Log-prob of each token under softmax(logits / temperature), the distribution sampled from;
+    with_entropy also returns that distribution's entropy at each position (no gradient)."""
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    chosen = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return chosen
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)
+    return chosen, entropy
+
+
+@dataclass
+class ImportanceStats:
+    ratio_mean: float  # pi_old / mu over completion tokens
+    ratio_max: float
+    truncated_fraction: float  # tokens whose ratio was cut to the cap
+    masked_fraction: float  # sequences left out by the sequence-level mask
+
+
+def importance_weights(
+    old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, cap: float, level: str
+) -> tuple[torch.Tensor, ImportanceStats]:
+    """Truncated importance weights [B, T] correcting for rollouts sampled by an older policy mu.
+
+    token: w_t = min(pi_old(t) / mu(t), cap).
+    sequence: the same, and a sequence whose geometric-mean ratio lies outside [1/cap, cap] is
+    masked out entirely (its tokens get weight 0): too far off-policy to learn from.
+    """
+    maskf = mask.to(old_logprobs.dtype)
+    log_ratio = (old_logprobs - behaviour_logprobs) * maskf
+    ratio = torch.exp(log_ratio)
+    weights = torch.clamp(ratio, max=cap) * maskf
+    keep = torch.ones(ratio.shape[0], dtype=torch.bool)
+    if level == "sequence":
+        mean_log_ratio = log_ratio.sum(-1) / maskf.sum(-1).clamp(min=1.0)
+        keep = mean_log_ratio.abs() <= torch.log(torch.tensor(cap))
+        weights = weights * keep.unsqueeze(-1)
+    n = maskf.sum().clamp(min=1.0)
+    stats = ImportanceStats(
+        ratio_mean=float((ratio * maskf).sum() / n),
+        ratio_max=float(ratio[mask].max()) if mask.any() else 1.0,
+        truncated_fraction=float(((ratio > cap) & mask).sum() / n),
+        masked_fraction=float((~keep).float().mean()),
+    )
+    return weights, stats
 
 
 @dataclass
 class LossStats:
     policy_loss: float
     kl: float
-    ratio_mean: float
-    ratio_max: float
-    clip_fraction: float
+    clip_fraction: float  # tokens where the PPO clip was active
 
 
 def grpo_loss(
     logprobs: torch.Tensor,
-    behaviour_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     clip_eps: float,
     normalizer: float,
+    weights: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, LossStats]:
-    """PPO-clip objective with per-sequence advantages, summed over completion tokens and divided
-    by `normalizer` (the batch's token count), so micro-batch losses add up to a token mean.
+    """PPO-clip objective with per-sequence advantages and optional per-token importance
+    weights, summed over completion tokens and divided by `normalizer` (the batch's token
+    count), so per-group losses add up to a token mean over the batch.
 
-    logprobs, behaviour_logprobs, mask: [B, T]; advantages: [B]; ref_logprobs: [B, T] or None.
+    logprobs, old_logprobs, mask, weights, ref_logprobs: [B, T]; advantages: [B].
     """
     mask = mask.to(logprobs.dtype)
     adv = advantages.unsqueeze(-1)
-    ratio = torch.exp(logprobs - behaviour_logprobs)
+    ratio = torch.exp(logprobs - old_logprobs)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
-    per_token = -torch.minimum(unclipped, clipped)
+    policy_term = -torch.minimum(unclipped, clipped)
+    if weights is not None:
+        policy_term = policy_term * weights
+    per_token = policy_term
     kl = torch.zeros_like(per_token)
     if ref_logprobs is not None and kl_coef > 0:
         # k3 estimator of KL(policy || reference): non-negative, unbiased, low variance.
@@ -62,10 +107,8 @@ def grpo_loss(
     with torch.no_grad():
         n = mask.sum().clamp(min=1.0)
         stats = LossStats(
-            policy_loss=float((-torch.minimum(unclipped, clipped) * mask).sum() / n),
+            policy_loss=float((policy_term * mask).sum() / n),
             kl=float((kl * mask).sum() / n),
-            ratio_mean=float((ratio * mask).sum() / n),
-            ratio_max=float((ratio * mask).max()) if mask.any() else 1.0,
             clip_fraction=float(((unclipped != clipped).to(mask.dtype) * mask).sum() / n),
         )
     return loss, stats

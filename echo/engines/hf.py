@@ -9,7 +9,7 @@ from transformers import GenerationConfig
 
 from echo.config import LoraConfig, SamplingConfig
 from echo.engines import Generation
-from echo.models import load_model
+from echo.models import encode_chat, load_model
 from echo.policy import add_lora, load_adapter
 
 
@@ -33,8 +33,7 @@ class HFEngine:
         )
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return encode_chat(self.tokenizer, messages)
 
     def load_adapter(self, data: bytes) -> None:
         load_adapter(self.model, data)

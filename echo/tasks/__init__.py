@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -11,7 +10,7 @@ from echo.config import TaskConfig
 
 @dataclass(frozen=True)
 class Prompt:
-    id: str  # stable for the same problem, so a group can be traced and re-scored
+    index: int  # the same index gives the same prompt anywhere: the trainer re-derives it
     messages: list[dict]  # chat messages, ending with the user's turn
     answer: str  # ground truth, never shown to the model
 
@@ -26,7 +25,9 @@ class Score:
 class Task(Protocol):
     name: str
 
-    def sample(self, rng: random.Random) -> Prompt: ...
+    def prompt(self, index: int) -> Prompt:
+        """The prompt at `index`: deterministic, so a sampler need send only the index and the
+        trainer can look up the ground truth itself instead of trusting the sampler."""
 
     def score(self, completion: str, prompt: Prompt) -> Score: ...
 

@@ -19,7 +19,8 @@ class Arithmetic:
         self.max_operand = cfg.max_operand
         self.format_reward = cfg.format_reward
 
-    def sample(self, rng: random.Random) -> Prompt:
+    def prompt(self, index: int) -> Prompt:
+        rng = random.Random(index)
         a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
         op = rng.choice("+-")
         question = f"{a} {op} {b}"
@@ -30,7 +31,7 @@ class Arithmetic:
             {"role": "assistant", "content": "<answer>7</answer>"},
             {"role": "user", "content": _INSTRUCTION.format(question=question)},
         ]
-        return Prompt(id=question, messages=messages, answer=str(answer))
+        return Prompt(index=index, messages=messages, answer=str(answer))
 
     def score(self, completion: str, prompt: Prompt) -> Score:
         found = _ANSWER.findall(completion)

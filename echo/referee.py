@@ -1,0 +1,57 @@
+"""The trainer's own judgement of a rollout group. Samplers are not trusted: a group must be
+well-formed, its prompt must be the task's prompt at its index, and its rewards are recomputed
+with the task's verifier from the completion tokens. Pure logic, no I/O."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from echo.models import encode_chat
+from echo.protocol import RolloutGroup
+from echo.tasks import Task
+
+
+@dataclass(frozen=True)
+class Judgement:
+    reason: str | None  # why the group is rejected, or None
+    rewards: list[float]  # the trainer's rewards, one per completion
+    reward_mismatch: bool = False  # the sampler claimed other rewards
+    verifier_errors: int = 0  # completions whose verifier raised (reward 0)
+
+
+class Referee:
+    def __init__(self, task: Task, tokenizer, vocab_size: int, group_size: int, max_new_tokens: int):
+        self.task, self.tokenizer = task, tokenizer
+        self.vocab_size, self.group_size, self.max_new_tokens = vocab_size, group_size, max_new_tokens
+
+    def malformed(self, group: RolloutGroup) -> str | None:
+        """A reason to reject the group's shape, or None. Cheap: run before the staleness check."""
+        if group.task != self.task.name:
+            return "wrong_task"
+        if len(group.completions) != self.group_size:
+            return "wrong_group_size"
+        if any(len(c.token_ids) > self.max_new_tokens for c in group.completions):
+            return "completion_too_long"
+        tokens = [group.prompt_token_ids, *(c.token_ids for c in group.completions)]
+        if any(not 0 <= t < self.vocab_size for ids in tokens for t in ids):
+            return "token_out_of_vocab"
+        return None
+
+    def score(self, group: RolloutGroup) -> Judgement:
+        """Check the prompt is the task's and recompute the rewards. Run on groups to be used."""
+        prompt = self.task.prompt(group.prompt_index)
+        if encode_chat(self.tokenizer, prompt.messages) != group.prompt_token_ids:
+            return Judgement("prompt_mismatch", [])
+        rewards, errors = [], 0
+        for completion in group.completions:
+            text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+            try:
+                reward = float(self.task.score(text, prompt).reward)
+                if not math.isfinite(reward):
+                    raise ValueError(f"reward {reward}")
+            except Exception:  # a task's bug costs this completion, not the run
+                reward, errors = 0.0, errors + 1
+            rewards.append(reward)
+        mismatch = any(abs(r - c.reward) > 1e-6 for r, c in zip(rewards, group.completions))
+        return Judgement(None, rewards, mismatch, errors)

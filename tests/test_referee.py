@@ -1,0 +1,91 @@
+"""The trainer's checks on groups it did not generate itself: a table of bad rollouts."""
+
+import pytest
+
+from echo.config import TaskConfig
+from echo.models import byte_tokenizer, encode_chat
+from echo.protocol import Completion, RolloutGroup
+from echo.referee import Referee
+from echo.tasks.arithmetic import Arithmetic
+
+TOKENIZER = byte_tokenizer()
+TASK = Arithmetic(TaskConfig())
+REFEREE = Referee(TASK, TOKENIZER, vocab_size=len(TOKENIZER), group_size=2, max_new_tokens=32)
+
+
+def honest_group(index: int = 12, texts=None, **changes) -> RolloutGroup:
+    """A group as an honest sampler would send it: the task's prompt, the verifier's rewards."""
+    prompt = TASK.prompt(index)
+    texts = texts or [f"<answer>{prompt.answer}</answer>", "<answer>999</answer>"]
+    completions = [
+        Completion(
+            token_ids=TOKENIZER(t, add_special_tokens=False)["input_ids"] + [TOKENIZER.eos_token_id],
+            logprobs=[-0.5] * (len(TOKENIZER(t, add_special_tokens=False)["input_ids"]) + 1),
+            text=t,
+            reward=TASK.score(t, prompt).reward,
+            finish_reason="stop",
+        )
+        for t in texts
+    ]
+    fields = dict(
+        group_id="g", sampler_id="s1", policy_version=1, task="arithmetic", prompt_index=index,
+        prompt_token_ids=encode_chat(TOKENIZER, prompt.messages), completions=completions,
+        temperature=1.0, gen_seconds=0.1, created_at=0.0,
+    )
+    return RolloutGroup(**{**fields, **changes})
+
+
+def test_an_honest_group_passes_with_the_verifiers_rewards():
+    group = honest_group()
+    assert REFEREE.malformed(group) is None
+    judgement = REFEREE.score(group)
+    assert judgement.reason is None and not judgement.reward_mismatch
+    assert judgement.rewards == [1.0, 0.1]
+
+
+def with_completion(group=None, i: int = 0, **changes):
+    group = group or honest_group()
+    completions = list(group.completions)
+    completions[i] = completions[i].model_copy(update=changes)
+    return group.model_copy(update={"completions": completions})
+
+
+@pytest.mark.parametrize(
+    "group, reason",
+    [
+        (honest_group(task="sokoban"), "wrong_task"),
+        (honest_group(texts=["a", "b", "c"]), "wrong_group_size"),
+        (honest_group(texts=["x" * 40, "y"]), "completion_too_long"),
+        (with_completion(token_ids=[5, 10_000], logprobs=[-1.0, -1.0]), "token_out_of_vocab"),
+        (with_completion(token_ids=[-1], logprobs=[-1.0]), "token_out_of_vocab"),
+        (honest_group().model_copy(update={"prompt_token_ids": [5000, 5]}), "token_out_of_vocab"),
+    ],
+)
+def test_malformed_groups_are_refused_with_a_reason(group, reason):
+    assert REFEREE.malformed(group) == reason
+
+
+def test_a_prompt_that_is_not_the_tasks_is_refused():
+    other = honest_group(index=13)
+    assert REFEREE.score(other.model_copy(update={"prompt_index": 12})).reason == "prompt_mismatch"
+
+
+def test_claimed_rewards_are_replaced_and_the_lie_counted():
+    liar = with_completion(with_completion(reward=0.0), i=1, reward=1.0)  # right called wrong, and back
+    judgement = REFEREE.score(liar)
+    assert judgement.reward_mismatch and judgement.rewards == [1.0, 0.1]
+
+
+def test_rewards_come_from_the_tokens_not_the_claimed_text():
+    group = with_completion(text="<answer>nonsense</answer>")
+    assert REFEREE.score(group).rewards == [1.0, 0.1]
+
+
+def test_a_verifier_that_raises_costs_the_completion_not_the_run():
+    class Broken(Arithmetic):
+        def score(self, completion, prompt):
+            raise RuntimeError("bug in a user's task")
+
+    referee = Referee(Broken(TaskConfig()), TOKENIZER, len(TOKENIZER), 2, 32)
+    judgement = referee.score(honest_group())
+    assert judgement.rewards == [0.0, 0.0] and judgement.verifier_errors == 2
