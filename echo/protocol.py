@@ -33,6 +33,10 @@ HDR_MSG_ID = "Nats-Msg-Id"  # JetStream de-duplicates on it: a retried publish i
 OBJ_HDR_VERSION = "policy-version"
 
 TRAINER_CONSUMER = "trainer"
+# Keys of the run's state bucket.
+CONFIG_KEY = "config"  # the run's config, JSON: an edge sampler needs only the URL and the run id
+BUDGET_KEY = "budget"  # async mode's AdmissionBudget, written by the trainer
+LEASES_KEY = "leases"  # the number of leases taken so far, compare-and-set by samplers
 ROLLOUT_DEDUP_WINDOW_S = 300.0
 CLAIM_TTL_S = 3600.0
 
@@ -126,7 +130,6 @@ class RunNames:
         return ObjectStoreConfig(bucket=self.weights_bucket, storage=StorageType.FILE)
 
     def state_bucket_config(self) -> KeyValueConfig:
-        # The run's config (key "config"): an edge sampler needs only the URL and the run id.
         return KeyValueConfig(bucket=self.state_bucket, storage=StorageType.FILE)
 
     def claims_bucket_config(self) -> KeyValueConfig:
@@ -193,6 +196,14 @@ class WeightsAnnouncement(_Message):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     base_model: str
     created_at: float
+
+
+class AdmissionBudget(_Message):
+    """Async mode: samplers running `version` may take leases numbered up to `allowance`."""
+
+    version: int = Field(ge=0)
+    allowance: int = Field(ge=0)
+    groups_per_step: int = Field(ge=1)
 
 
 class PullRequest(_Message):

@@ -7,7 +7,6 @@ import asyncio
 
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
 
 from echo.protocol import TRAINER_CONSUMER, RolloutGroup, encode, rollout_headers
 from streams.client import Run
@@ -50,11 +49,3 @@ async def fetch_rollouts(subscription, batch: int, timeout: float) -> list:
     except (NatsTimeout, asyncio.TimeoutError):
         return []
 
-
-async def trainer_backlog(run: Run) -> int | None:
-    """Rollout messages the trainer has not fetched yet, or None before its consumer exists."""
-    try:
-        info = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
-    except NotFoundError:
-        return None
-    return info.num_pending

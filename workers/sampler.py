@@ -23,7 +23,8 @@ from echo.protocol import Completion, PullRequest, RolloutGroup
 from echo.tasks import Task, make_task
 from streams.client import LatestValue, Run, open_run
 from streams.pull import claim_slot
-from streams.rollouts import publish_rollout, trainer_backlog
+from streams.admission import take_leases
+from streams.rollouts import publish_rollout
 from streams.weights import WeightsFollower
 
 log = structlog.get_logger()
@@ -83,18 +84,15 @@ class Sampler:
             await publish_rollout(self.run, group)
             self.published += 1
 
-    async def wait_for_room(self) -> None:
-        """Backpressure: a group waiting in the stream ages with every step, so keep at most one
-        step's worth queued ahead of the trainer (and none before the trainer exists)."""
-        limit = self.cfg.trainer.groups_per_step
-        while (backlog := await trainer_backlog(self.run)) is None or backlog >= limit:
-            await asyncio.sleep(0.2)
-
     async def run_async(self) -> None:
+        """Generate only what the admission budget allows, so no work arrives stale."""
         while True:
-            await self.wait_for_room()
             await self.apply_newest()
-            await self.generate_and_publish(self.cfg.sampling.prompts_per_call)
+            granted = await take_leases(self.run, self.cfg.sampling.prompts_per_call, self.version)
+            if granted:
+                await self.generate_and_publish(granted)
+            else:
+                await asyncio.sleep(0.1)
 
     async def run_sequential(self) -> None:
         requests = await LatestValue(self.run.js, self.run.names.pull_subject, PullRequest, self._bad_request).start()

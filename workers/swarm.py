@@ -45,6 +45,7 @@ def summarize(metrics_path) -> dict:
         return {"steps": 0}
     first, last = lines[0], lines[-1]
     later = lines[1:] or lines
+    wasted = sum(r["dropped_tokens"] for r in lines)
     return {
         "steps": len(lines),
         "final_version": last["version"],
@@ -55,6 +56,7 @@ def summarize(metrics_path) -> dict:
         "reward_last5": round(sum(r["reward_mean"] for r in lines[-5:]) / len(lines[-5:]), 3),
         "rollouts_used": sum(r["used"] for r in lines),
         "rollouts_dropped_stale": sum(r["dropped_stale"] for r in lines),
+        "wasted_token_fraction": round(wasted / max(wasted + sum(r["tokens"] for r in lines), 1), 4),
         "learner_busy": round(sum(r["learner_busy"] for r in lines) / len(lines), 2),
     }
 

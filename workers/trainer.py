@@ -20,16 +20,18 @@ from pathlib import Path
 import orjson
 import structlog
 
+from echo.admission import allowance
 from echo.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from echo.config import EchoConfig
 from echo.learner import make_optimizer, set_threads, train_step
 from echo.models import load_model
 from echo.policy import adapter_bytes, add_lora
-from echo.protocol import ProtocolError, RolloutGroup, decode_rollout
+from echo.protocol import AdmissionBudget, ProtocolError, RolloutGroup, decode_rollout
 from echo.referee import Referee
 from echo.staleness import Verdict, judge
 from echo.tasks import make_task
 from streams.client import Run, open_run
+from streams.admission import publish_budget
 from streams.pull import publish_pull_request
 from streams.rollouts import fetch_rollouts, trainer_subscription
 from streams.weights import publish_weights
@@ -127,23 +129,47 @@ def _reject(out: Collected, reason: str, detail: str) -> None:
     return None
 
 
-class SequentialRequests:
-    """Sequential mode: ask for the groups of a step, and ask again for what has not arrived
-    by the timeout (a sampler may have died holding a claim)."""
+class Orders:
+    """How the trainer asks the samplers for groups, and asks again for groups lost in flight
+    (a sampler that died holding a claim or a lease) when nothing arrived for a while."""
 
-    def __init__(self, run: Run, timeout_s: float):
-        self.run, self.timeout_s = run, timeout_s
-        self.asked_at = 0.0
-        self.version = -1
+    def __init__(self, run: Run, cfg: EchoConfig, state: TrainerState):
+        self.run, self.cfg, self.state = run, cfg, state
+        self.asked_at, self.version = 0.0, 0
 
-    async def ask(self, version: int, groups: int) -> None:
+    async def ask(self, version: int) -> None:
         self.version, self.asked_at = version, time.monotonic()
-        await publish_pull_request(self.run, version, groups)
+        await self.publish(self.cfg.trainer.groups_per_step)
 
     async def on_wait(self, missing: int) -> None:
-        if time.monotonic() - self.asked_at > self.timeout_s:
-            log.warning("pull.reissue", version=self.version, missing=missing)
-            await self.ask(self.version, missing)
+        if time.monotonic() - self.asked_at > self.cfg.trainer.reissue_after_s:
+            log.warning("orders.reissue", version=self.version, missing=missing)
+            self.asked_at = time.monotonic()
+            await self.reissue(missing)
+
+
+class PullRequests(Orders):
+    """Sequential mode: each step asks for exactly its groups, generated with its version."""
+
+    async def publish(self, groups: int) -> None:
+        await publish_pull_request(self.run, self.version, groups)
+
+    async def reissue(self, missing: int) -> None:
+        await self.publish(missing)
+
+
+class Admission(Orders):
+    """Async mode: the admission budget, so that samplers generate no group that would arrive
+    stale (echo/admission.py). Lost groups are handed out again by raising the allowance."""
+
+    async def publish(self, groups: int) -> None:
+        max_staleness = self.cfg.trainer.max_staleness
+        allowed = allowance(self.version, max_staleness, groups, self.state.lost)
+        await publish_budget(self.run, AdmissionBudget(version=self.version, allowance=allowed, groups_per_step=groups))
+
+    async def reissue(self, missing: int) -> None:
+        self.state.lost += missing
+        await self.publish(self.cfg.trainer.groups_per_step)
 
 
 async def run_trainer(cfg: EchoConfig) -> None:
@@ -169,7 +195,7 @@ async def run_trainer(cfg: EchoConfig) -> None:
     subscription = await trainer_subscription(run, cfg.trainer.ack_wait_s)
     collector = Collector(subscription, referee, max_staleness, set(state.trained_ids))
     keep_alive = asyncio.create_task(collector.keep_alive(cfg.trainer.ack_wait_s / 3))
-    requests = SequentialRequests(run, cfg.trainer.request_timeout_s) if cfg.run.mode == "sequential" else None
+    orders = (PullRequests if cfg.run.mode == "sequential" else Admission)(run, cfg, state)
 
     # (Re)publish the current version: a fresh run's version 0, or the checkpoint's.
     await publish_adapter(run, cfg, policy, state.version, run_dir)
@@ -179,11 +205,8 @@ async def run_trainer(cfg: EchoConfig) -> None:
     with open(run_dir / "metrics.jsonl", "ab") as metrics_file:
         for step in range(state.step + 1, cfg.run.steps + 1):
             step_started = time.perf_counter()
-            if requests:
-                await requests.ask(state.version, cfg.trainer.groups_per_step)
-            collected = await collector.collect(
-                cfg.trainer.groups_per_step, state.version, requests.on_wait if requests else None
-            )
+            await orders.ask(state.version)
+            collected = await collector.collect(cfg.trainer.groups_per_step, state.version, orders.on_wait)
             batch = [(a.group, a.rewards) for a in collected.used]
             stats = await asyncio.to_thread(train_step, policy, optimizer, batch, cfg, tokenizer.pad_token_id)
 
