@@ -44,9 +44,8 @@ class LoraConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: Literal["arithmetic"] = "arithmetic"
-    max_operand: int = Field(10, ge=1)
-    format_reward: float = Field(0.1, ge=0, le=1)  # reward for a well-formed but wrong answer
+    name: str = "math"  # math, knights_knaves, sokoban, or a user's module:Class / file.py:Class
+    params: dict[str, Any] = {}  # the task's own options, checked by the task (echo/tasks/)
 
 
 class SamplingConfig(_Section):
@@ -133,13 +132,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ec
     return validate_config(data)
 
 
+def format_errors(error: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for err in error.errors():
+        field = prefix + ".".join(str(p) for p in err["loc"])
+        msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+        lines.append(f"{field}: {msg}")
+    return "; ".join(lines)
+
+
 def validate_config(data: dict) -> EchoConfig:
     try:
         return EchoConfig.model_validate(data)
     except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            field = ".".join(str(p) for p in err["loc"])
-            msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
-            lines.append(f"{field}: {msg}")
-        raise ConfigError("invalid config: " + "; ".join(lines)) from None
+        raise ConfigError("invalid config: " + format_errors(e)) from None

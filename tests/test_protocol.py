@@ -24,7 +24,7 @@ def make_group(version: int = 3, sampler: str = "s1", size: int = 2, group_id: s
         group_id=group_id,
         sampler_id=sampler,
         policy_version=version,
-        task="arithmetic",
+        task="math",
         prompt_index=12,
         prompt_token_ids=[1, 2, 3],
         completions=[

@@ -2,21 +2,20 @@
 
 import pytest
 
-from echo.config import TaskConfig
 from echo.models import byte_tokenizer, encode_chat
 from echo.protocol import Completion, RolloutGroup
 from echo.referee import Referee
-from echo.tasks.arithmetic import Arithmetic
+from echo.tasks.math import Math
 
 TOKENIZER = byte_tokenizer()
-TASK = Arithmetic(TaskConfig())
+TASK = Math({})
 REFEREE = Referee(TASK, TOKENIZER, vocab_size=len(TOKENIZER), group_size=2, max_new_tokens=32)
 
 
 def honest_group(index: int = 12, texts=None, **changes) -> RolloutGroup:
     """A group as an honest sampler would send it: the task's prompt, the verifier's rewards."""
     prompt = TASK.prompt(index)
-    texts = texts or [f"<answer>{prompt.answer}</answer>", "<answer>999</answer>"]
+    texts = texts or [f"\\boxed{{{prompt.answer}}}", "\\boxed{999}"]
     completions = [
         Completion(
             token_ids=TOKENIZER(t, add_special_tokens=False)["input_ids"] + [TOKENIZER.eos_token_id],
@@ -28,7 +27,7 @@ def honest_group(index: int = 12, texts=None, **changes) -> RolloutGroup:
         for t in texts
     ]
     fields = dict(
-        group_id="g", sampler_id="s1", policy_version=1, task="arithmetic", prompt_index=index,
+        group_id="g", sampler_id="s1", policy_version=1, task="math", prompt_index=index,
         prompt_token_ids=encode_chat(TOKENIZER, prompt.messages), completions=completions,
         temperature=1.0, gen_seconds=0.1, created_at=0.0,
     )
@@ -77,15 +76,15 @@ def test_claimed_rewards_are_replaced_and_the_lie_counted():
 
 
 def test_rewards_come_from_the_tokens_not_the_claimed_text():
-    group = with_completion(text="<answer>nonsense</answer>")
+    group = with_completion(text="\\boxed{nonsense}")
     assert REFEREE.score(group).rewards == [1.0, 0.1]
 
 
 def test_a_verifier_that_raises_costs_the_completion_not_the_run():
-    class Broken(Arithmetic):
+    class Broken(Math):
         def score(self, completion, prompt):
             raise RuntimeError("bug in a user's task")
 
-    referee = Referee(Broken(TaskConfig()), TOKENIZER, len(TOKENIZER), 2, 32)
+    referee = Referee(Broken({}), TOKENIZER, len(TOKENIZER), 2, 32)
     judgement = referee.score(honest_group())
     assert judgement.rewards == [0.0, 0.0] and judgement.verifier_errors == 2

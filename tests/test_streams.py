@@ -8,7 +8,7 @@ import torch
 from echo.engines.hf import HFEngine
 from echo.policy import adapter_bytes
 from echo.protocol import HDR_MSG_ID, HDR_POLICY_VERSION, HDR_SAMPLER_ID, TRAINER_CONSUMER, encode, rollout_headers
-from echo.tasks import make_task
+from echo.tasks import load_task
 from streams.client import open_run
 from streams.replay import read_rollouts
 from streams.rollouts import publish_rollout, trainer_subscription
@@ -91,7 +91,7 @@ def test_a_sampler_joining_after_version_3_generates_with_version_3(nats_server,
 
         sampler_run = await open_run(nats_server.url, cfg.run.id, "late-sampler")
         engine = HFEngine("tiny", cfg.lora, cfg.sampling)
-        sampler = Sampler(cfg, "late", sampler_run, engine, make_task(cfg.task))
+        sampler = Sampler(cfg, "late", sampler_run, engine, load_task(cfg.task))
         await sampler.weights.start()
         await sampler.apply_newest()
         await sampler.generate_and_publish(1)

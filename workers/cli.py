@@ -12,7 +12,7 @@ from nats.js.errors import KeyNotFoundError
 
 from echo.config import ConfigError, EchoConfig, apply_override, load_config, validate_config
 from echo.logs import configure_logging
-from echo.protocol import check_id
+from echo.protocol import CONFIG_KEY, check_id
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -65,7 +65,7 @@ async def sampler_config_from_run(args) -> EchoConfig:
     try:
         while True:
             try:
-                entry = await run.state.get("config")
+                entry = await run.state.get(CONFIG_KEY)
                 break
             except KeyNotFoundError:  # the trainer has not started yet
                 await asyncio.sleep(1.0)

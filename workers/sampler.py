@@ -20,7 +20,7 @@ from echo.engines.hf import HFEngine
 from echo.learner import set_threads
 from echo.policy import AdapterMismatch
 from echo.protocol import Completion, PullRequest, RolloutGroup
-from echo.tasks import Task, make_task
+from echo.tasks import Task, load_task
 from streams.client import LatestValue, Run, open_run
 from streams.pull import claim_slot
 from streams.admission import take_leases
@@ -129,6 +129,6 @@ async def run_sampler(cfg: EchoConfig, sampler_id: str) -> None:
     run = await open_run(cfg.nats.url, cfg.run.id, f"sampler-{sampler_id}")
     try:
         engine = HFEngine(cfg.model.name, cfg.lora, cfg.sampling)
-        await Sampler(cfg, sampler_id, run, engine, make_task(cfg.task)).serve()
+        await Sampler(cfg, sampler_id, run, engine, load_task(cfg.task)).serve()
     finally:
         await run.close()

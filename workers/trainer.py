@@ -26,10 +26,10 @@ from echo.config import EchoConfig
 from echo.learner import make_optimizer, set_threads, train_step
 from echo.models import load_model
 from echo.policy import adapter_bytes, add_lora
-from echo.protocol import AdmissionBudget, ProtocolError, RolloutGroup, decode_rollout
+from echo.protocol import CONFIG_KEY, AdmissionBudget, ProtocolError, RolloutGroup, decode_rollout
 from echo.referee import Referee
 from echo.staleness import Verdict, judge
-from echo.tasks import make_task
+from echo.tasks import load_task
 from streams.client import Run, open_run
 from streams.admission import publish_budget
 from streams.pull import publish_pull_request
@@ -178,7 +178,7 @@ async def run_trainer(cfg: EchoConfig) -> None:
     (run_dir / "adapters").mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(cfg.to_toml())
     run = await open_run(cfg.nats.url, cfg.run.id, "trainer")
-    await run.state.put("config", cfg.model_dump_json().encode())
+    await run.state.put(CONFIG_KEY, cfg.model_dump_json().encode())
 
     base, tokenizer = load_model(cfg.model.name)
     policy = add_lora(base, cfg.lora)
@@ -188,7 +188,7 @@ async def run_trainer(cfg: EchoConfig) -> None:
     restore_metrics(run_dir / "metrics.jsonl", state)
 
     referee = Referee(
-        make_task(cfg.task), tokenizer, base.get_input_embeddings().num_embeddings,
+        load_task(cfg.task), tokenizer, base.get_input_embeddings().num_embeddings,
         cfg.sampling.group_size, cfg.sampling.max_new_tokens,
     )
     max_staleness = 0 if cfg.run.mode == "sequential" else cfg.trainer.max_staleness
@@ -211,6 +211,7 @@ async def run_trainer(cfg: EchoConfig) -> None:
             stats = await asyncio.to_thread(train_step, policy, optimizer, batch, cfg, tokenizer.pad_token_id)
 
             groups = [a.group for a in collected.used]
+            trained_at = time.perf_counter()
             state.step, state.version = step, state.version + 1
             state.trained_ids += [g.group_id for g in groups]
             collector.trained_ids.update(g.group_id for g in groups)
@@ -220,6 +221,9 @@ async def run_trainer(cfg: EchoConfig) -> None:
                 "version": state.version,
                 **stats,
                 "tokens_per_second": stats["tokens"] / stats["train_seconds"],
+                "learner_busy": stats["train_seconds"] / (trained_at - step_started),
+                "step_seconds": trained_at - step_started,  # waiting for groups + training
+                "wall_seconds": trained_at - started,  # since this trainer process started
                 "used": len(groups),
                 "dropped_stale": len(collected.dropped_ids),
                 "dropped_tokens": collected.dropped_tokens,
@@ -232,18 +236,11 @@ async def run_trainer(cfg: EchoConfig) -> None:
                 "groups": [[g.group_id, g.policy_version, g.sampler_id] for g in groups],
                 "dropped_groups": collected.dropped_ids,
             }
-            save_checkpoint(checkpoint_path, policy, optimizer, state)
+            await asyncio.to_thread(save_checkpoint, checkpoint_path, policy, optimizer, state)
             publish_seconds = await publish_adapter(run, cfg, policy, state.version, run_dir)
             await collector.ack_held()  # only now: the step that used them is checkpointed
 
-            now = time.perf_counter()
-            record = {
-                **state.record,
-                "publish_seconds": publish_seconds,
-                "learner_busy": stats["train_seconds"] / (now - step_started),
-                "step_seconds": now - step_started,
-                "wall_seconds": now - started,
-            }
+            record = {**state.record, "publish_seconds": publish_seconds}
             metrics_file.write(orjson.dumps(record, option=orjson.OPT_NON_STR_KEYS) + b"\n")
             metrics_file.flush()
             log.info(

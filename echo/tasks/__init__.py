@@ -1,18 +1,40 @@
-"""Tasks: where prompts come from and how a completion is scored. Pure, no I/O."""
+"""Tasks: where prompts come from and how a completion is scored. Pure, no network.
+
+A task serves prompts by index (the same index gives the same prompt in every process, so a
+sampler sends only the index and the trainer looks up the ground truth itself), scores a
+completion with a verifier, and keeps a held-out set for evaluation that training never sees.
+
+Built-in tasks are named in the config (`task.name = "sokoban"`); a user's own is given as
+`module:Class` (importable) or `path/to/file.py:Class`, and gets `task.params` as a dict.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import importlib.util
+import itertools
+import random
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Protocol, TypeVar
 
-from echo.config import TaskConfig
+from pydantic import BaseModel, ValidationError
+
+from echo.config import ConfigError, TaskConfig, format_errors
+
+BUILTIN = {
+    "math": "echo.tasks.math:Math",
+    "knights_knaves": "echo.tasks.knights_knaves:KnightsKnaves",
+    "sokoban": "echo.tasks.sokoban:Sokoban",
+}
 
 
 @dataclass(frozen=True)
 class Prompt:
-    index: int  # the same index gives the same prompt anywhere: the trainer re-derives it
+    index: int
     messages: list[dict]  # chat messages, ending with the user's turn
-    answer: str  # ground truth, never shown to the model
+    answer: str  # what the verifier needs (the ground truth), never shown to the model
 
 
 @dataclass(frozen=True)
@@ -26,14 +48,73 @@ class Task(Protocol):
     name: str
 
     def prompt(self, index: int) -> Prompt:
-        """The prompt at `index`: deterministic, so a sampler need send only the index and the
-        trainer can look up the ground truth itself instead of trusting the sampler."""
+        """The training prompt at `index` (any non-negative integer)."""
+
+    def held_out(self, n: int) -> list[Prompt]:
+        """Up to n evaluation prompts, disjoint from every training prompt."""
 
     def score(self, completion: str, prompt: Prompt) -> Score: ...
 
 
-def make_task(cfg: TaskConfig) -> Task:
-    from echo.tasks.arithmetic import Arithmetic
+def is_held_out(messages: list[dict]) -> bool:
+    """A fixed tenth of all problems, chosen by a hash of the question, is kept for evaluation."""
+    return hashlib.sha256(messages[-1]["content"].encode()).digest()[0] % 10 == 0
 
-    tasks = {"arithmetic": Arithmetic}
-    return tasks[cfg.name](cfg)
+
+class GeneratedTask:
+    """Base for tasks whose problems come from a seeded generator."""
+
+    name: str
+
+    def generate(self, rng: random.Random) -> tuple[list[dict], str]:
+        """(messages, answer) of one problem drawn with rng."""
+        raise NotImplementedError
+
+    def prompt(self, index: int) -> Prompt:
+        for attempt in itertools.count():
+            messages, answer = self.generate(random.Random(f"{self.name}/{index}/{attempt}"))
+            if not is_held_out(messages):
+                return Prompt(index, messages, answer)
+
+    def held_out(self, n: int) -> list[Prompt]:
+        prompts, seen = [], set()
+        for i in range(200 * n):  # small problem spaces have fewer than n held-out problems
+            messages, answer = self.generate(random.Random(f"{self.name}/eval/{i}"))
+            question = messages[-1]["content"]
+            if is_held_out(messages) and question not in seen:
+                seen.add(question)
+                prompts.append(Prompt(len(prompts), messages, answer))
+                if len(prompts) == n:
+                    break
+        return prompts
+
+
+P = TypeVar("P", bound=BaseModel)
+
+
+def parse_params(model: type[P], params: dict) -> P:
+    """A task's own options, checked like the rest of the config: a bad one names its field."""
+    try:
+        return model.model_validate(params)
+    except ValidationError as e:
+        raise ConfigError("invalid config: " + format_errors(e, prefix="task.params.")) from None
+
+
+def load_task(cfg: TaskConfig) -> Task:
+    path = BUILTIN.get(cfg.name, cfg.name)
+    module_name, _, class_name = path.rpartition(":")
+    if not module_name:
+        raise ConfigError(f"task.name {cfg.name!r}: not a built-in task ({', '.join(BUILTIN)}) nor module:Class")
+    try:
+        if module_name.endswith(".py"):
+            spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"cannot load {module_name}")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+        cls = getattr(module, class_name)
+    except (ImportError, AttributeError, FileNotFoundError) as e:
+        raise ConfigError(f"task.name {cfg.name!r}: {e}") from None
+    return cls(cfg.params)

@@ -1,0 +1,122 @@
+"""Math: procedural problems at graded difficulty, or a local dataset file (GSM8K/MATH-style
+JSONL or parquet with question and answer fields). The final answer goes in \\boxed{}; answers
+are checked with math-verify, so equivalent forms count (0.5 = 1/2 = \\frac{1}{2})."""
+
+from __future__ import annotations
+
+import random
+from fractions import Fraction
+from typing import Literal
+
+from math_verify import parse, verify
+from pydantic import BaseModel, ConfigDict, Field
+
+from echo.tasks import GeneratedTask, Prompt, Score, is_held_out, parse_params
+
+INSTRUCTION = "{question} Put the final answer in \\boxed{{}}."
+EXAMPLE = [
+    {"role": "user", "content": INSTRUCTION.format(question="What is 3 + 4?")},
+    {"role": "assistant", "content": "\\boxed{7}"},
+]
+NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana"]
+ITEMS = ["apples", "marbles", "books", "stamps", "coins", "pencils"]
+
+
+class MathParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    levels: list[Literal[1, 2, 3]] = [1]  # 1: a +- b; 2: products and two-step sums; 3: word problems, fractions
+    max_operand: int = Field(20, ge=1)
+    dataset: str | None = None  # a local .jsonl/.json/.parquet file instead of generated problems
+    question_field: str = "question"
+    answer_field: str = "answer"
+    example: bool = True  # show one worked example of the answer format before the question
+    format_reward: float = Field(0.1, ge=0, le=1)  # a boxed but wrong answer
+
+
+def _level1(rng: random.Random, n: int) -> tuple[str, str]:
+    a, b, op = rng.randint(0, n), rng.randint(0, n), rng.choice("+-")
+    return f"What is {a} {op} {b}?", str(a + b if op == "+" else a - b)
+
+
+def _level2(rng: random.Random, n: int) -> tuple[str, str]:
+    if rng.random() < 0.5:
+        a, b = rng.randint(2, 12), rng.randint(2, 12)
+        return f"What is {a} * {b}?", str(a * b)
+    a, b, c = rng.randint(0, n), rng.randint(0, n), rng.randint(0, n)
+    return f"What is {a} + {b} - {c}?", str(a + b - c)
+
+
+def _level3(rng: random.Random, n: int) -> tuple[str, str]:
+    if rng.random() < 0.5:
+        a, b, c, d = rng.randint(1, 9), rng.randint(2, 9), rng.randint(1, 9), rng.randint(2, 9)
+        total = Fraction(a, b) + Fraction(c, d)
+        return f"What is {a}/{b} + {c}/{d}? Give the answer as a fraction.", f"\\frac{{{total.numerator}}}{{{total.denominator}}}"
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    start, bags, per_bag, gone = rng.randint(1, n), rng.randint(2, 5), rng.randint(2, 6), rng.randint(0, 5)
+    question = (f"{name} has {start} {item}. {name} buys {bags} bags with {per_bag} {item} each, "
+                f"then gives away {gone}. How many {item} does {name} have now?")
+    return question, str(start + bags * per_bag - gone)
+
+
+GENERATORS = {1: _level1, 2: _level2, 3: _level3}
+
+
+def _final_answer(text: str) -> str:
+    """GSM8K answers end with '#### <answer>'; MATH answers are the answer itself."""
+    return text.rsplit("####", 1)[-1].strip()
+
+
+class Math(GeneratedTask):
+    name = "math"
+
+    def __init__(self, params: dict):
+        self.p = parse_params(MathParams, params)
+        self.rows: list[tuple[str, str]] | None = None
+        if self.p.dataset:
+            self.rows = self._load(self.p.dataset)
+
+    def _load(self, path: str) -> list[tuple[str, str]]:
+        from datasets import load_dataset  # only dataset-backed runs pay for the import
+
+        kind = "parquet" if path.endswith(".parquet") else "json"
+        data = load_dataset(kind, data_files=path, split="train")
+        for field in (self.p.question_field, self.p.answer_field):
+            if field not in data.column_names:
+                raise ValueError(f"task.params.dataset {path}: no field {field!r} (has {data.column_names})")
+        return [(str(r[self.p.question_field]), _final_answer(str(r[self.p.answer_field]))) for r in data]
+
+    def _messages(self, question: str) -> list[dict]:
+        return [*(EXAMPLE if self.p.example else []), {"role": "user", "content": INSTRUCTION.format(question=question)}]
+
+    def generate(self, rng: random.Random) -> tuple[list[dict], str]:
+        question, answer = GENERATORS[rng.choice(self.p.levels)](rng, self.p.max_operand)
+        return self._messages(question), answer
+
+    def prompt(self, index: int) -> Prompt:
+        if self.rows is None:
+            return super().prompt(index)
+        train = self._split(held_out=False)
+        question, answer = train[index % len(train)]
+        return Prompt(index, self._messages(question), answer)
+
+    def held_out(self, n: int) -> list[Prompt]:
+        if self.rows is None:
+            return super().held_out(n)
+        rows = self._split(held_out=True)[:n]
+        return [Prompt(i, self._messages(q), a) for i, (q, a) in enumerate(rows)]
+
+    def _split(self, held_out: bool) -> list[tuple[str, str]]:
+        rows = [r for r in self.rows if is_held_out(self._messages(r[0])) == held_out]
+        if not rows:
+            raise ValueError(f"task.params.dataset: no {'held-out' if held_out else 'training'} rows")
+        return rows
+
+    def score(self, completion: str, prompt: Prompt) -> Score:
+        last = completion.rfind("\\boxed{")  # the last answer counts (math-verify would read a set)
+        if last < 0:
+            return Score(0.0, format_ok=False, correct=False)
+        predicted = parse(completion[last:])
+        if not predicted:
+            return Score(0.0, format_ok=False, correct=False)
+        correct = verify(parse(f"${prompt.answer}$"), predicted)
+        return Score(1.0 if correct else self.p.format_reward, format_ok=True, correct=bool(correct))
