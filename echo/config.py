@@ -30,6 +30,7 @@ class RunConfig(_Section):
     mode: Literal["async", "sequential"] = "async"
     steps: int = Field(20, ge=1)
     seed: int = 0
+    eval_prompts: int = Field(50, ge=0)  # `echo-rl up` scores base vs trained on this many held-out prompts
 
 
 class ModelConfig(_Section):

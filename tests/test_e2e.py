@@ -17,7 +17,7 @@ from streams.server import NatsServer
 
 pytestmark = pytest.mark.slow
 
-SMALL = ["lora.r=4", "sampling.group_size=4", "sampling.max_new_tokens=8", "trainer.groups_per_step=4"]
+SMALL = ["lora.r=4", "sampling.group_size=4", "sampling.max_new_tokens=8", "trainer.groups_per_step=4", "run.eval_prompts=0"]
 
 
 def up_command(tmp_path, run_id: str, steps: int, *overrides: str, flags=()) -> list[str]:
@@ -86,3 +86,39 @@ def test_ctrl_c_stops_every_process(tmp_path):
     assert proc.wait(timeout=60) == 130
     time.sleep(0.5)
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+USER_TASK = '''
+from echo.tasks import GeneratedTask, Score
+
+
+class Shout(GeneratedTask):
+    """A user's task, outside the package: reward completions that contain a capital letter."""
+
+    name = "shout"
+
+    def __init__(self, params):
+        self.word = params["word"]
+
+    def generate(self, rng):
+        return [{"role": "user", "content": f"Shout {self.word} {rng.randint(0, 999)}"}], self.word
+
+    def score(self, completion, prompt):
+        ok = any(c.isupper() for c in completion)
+        return Score(float(ok), ok, ok)
+'''
+
+
+def test_a_user_task_given_as_module_and_class_trains_end_to_end(tmp_path, monkeypatch):
+    (tmp_path / "user_tasks").mkdir()
+    (tmp_path / "user_tasks" / "shout.py").write_text(USER_TASK)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "user_tasks"))
+    metrics, stream, _ = run_swarm(tmp_path, "user", 2, 'task.name="shout:Shout"', 'task.params={word="hey"}',
+                                   "run.eval_prompts=4")
+    assert [m["version"] for m in metrics] == [1, 2]
+    assert {r["headers"]["Echo-Task"] for r in stream} == {"shout"}
+    rewards = [m["reward_mean"] for m in metrics]
+    assert all(0 <= r <= 1 for r in rewards) and any(r > 0 for r in rewards)  # the user's verifier scored them
+    summary = orjson.loads((tmp_path / "user" / "summary.json").read_bytes())
+    assert summary["eval"]["task"] == "shout" and summary["eval"]["prompts"] == 4
+    assert (tmp_path / "user" / "report.png").stat().st_size > 10_000

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import signal
 import sys
+from pathlib import Path
 
 import orjson
 from nats.js.errors import KeyNotFoundError
@@ -37,6 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     sampler = sub.add_parser("sampler", help="run one sampler; without --config it reads the run's config from NATS")
     _config_args(sampler)
     sampler.add_argument("--id", required=True, help="this sampler's id (its rollout subject)")
+    evaluate = sub.add_parser("eval", help="score the base model and the run's last adapter on held-out prompts")
+    evaluate.add_argument("--run", required=True, type=Path, help="run directory")
+    evaluate.add_argument("--prompts", type=int, default=50, help="held-out prompts to score (greedy)")
+    evaluate.add_argument("--log-json", action="store_true")
+    report = sub.add_parser("report", help="plot reward, staleness and learner utilisation to <run>/report.png")
+    report.add_argument("--run", required=True, type=Path, help="run directory")
+    report.add_argument("--log-json", action="store_true")
     replay = sub.add_parser("replay", help="print a run's rollout stream as JSON lines")
     replay.add_argument("--run", required=True, help="run directory (starts a server on its store) or run id with --nats")
     replay.add_argument("--nats", help="read from this server instead of the run directory's store")
@@ -98,6 +106,18 @@ def run_until_signal(coro) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "eval":
+            from workers.evaluate import evaluate_run
+
+            configure_logging(args.log_json, worker="eval")
+            print(orjson.dumps(evaluate_run(args.run, args.prompts), option=orjson.OPT_INDENT_2).decode())
+            return 0
+        if args.command == "report":
+            from workers.report import write_report
+
+            configure_logging(args.log_json)
+            print(write_report(args.run))
+            return 0
         if args.command == "replay":
             from streams.replay import replay
 

@@ -15,6 +15,8 @@ import structlog
 from echo.config import EchoConfig
 from echo.models import resolve_model
 from streams.server import NatsServer
+from workers.evaluate import evaluate_run
+from workers.report import write_report
 
 log = structlog.get_logger()
 
@@ -97,6 +99,11 @@ def up(cfg: EchoConfig, log_json: bool = False) -> int:
         server.stop()
     if code == 0:
         summary = summarize(run_dir / "metrics.jsonl")
-        (run_dir / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
         log.info("swarm.done", run_dir=str(run_dir), **summary)
+        summary["report"] = str(write_report(run_dir))
+        if cfg.run.eval_prompts:
+            log.info("eval.start", prompts=cfg.run.eval_prompts, decoding="greedy")
+            summary["eval"] = evaluate_run(run_dir, cfg.run.eval_prompts)
+            log.info("eval.done", **summary["eval"])
+        (run_dir / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     return code

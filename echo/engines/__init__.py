@@ -18,8 +18,8 @@ class Engine(Protocol):
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of a chat prompt, ending with the assistant's turn opener."""
 
-    def generate(self, prompts: list[list[int]], n: int) -> list[list[Generation]]:
-        """n sampled completions for each prompt."""
+    def generate(self, prompts: list[list[int]], n: int, greedy: bool = False) -> list[list[Generation]]:
+        """n sampled completions for each prompt (greedy: the most likely one, for evaluation)."""
 
     def load_adapter(self, data: bytes) -> None:
         """Swap in a new LoRA adapter (safetensors bytes) without reloading the base model.

@@ -39,10 +39,13 @@ class HFEngine:
         load_adapter(self.model, data)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int) -> list[list[Generation]]:
+    def generate(self, prompts: list[list[int]], n: int, greedy: bool = False) -> list[list[Generation]]:
         batch = self.tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
         config = copy.deepcopy(self.generation_config)
         config.num_return_sequences = n
+        if greedy:  # evaluation: the log-probs are then those of the tempered distribution, unused
+            config.do_sample = False
+            config.temperature, config.top_k, config.top_p = None, None, None
         out = self.model.generate(**batch, generation_config=config)
         new_tokens = out.sequences[:, batch["input_ids"].shape[1] :]
         # out.logits holds the raw scores of each step; the sampled token's log-prob under

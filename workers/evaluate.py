@@ -1,0 +1,56 @@
+"""`echo-rl eval`: score the base model and a run's trained adapter on the task's held-out
+set, with greedy decoding, so the two numbers differ only by what training changed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+
+from echo.config import EchoConfig
+from echo.engines.hf import HFEngine
+from echo.tasks import load_task
+
+
+def latest_adapter(run_dir: Path) -> Path:
+    adapters = sorted((run_dir / "adapters").glob("v*.safetensors"))
+    if not adapters:
+        raise FileNotFoundError(f"{run_dir}/adapters holds no adapter")
+    return adapters[-1]
+
+
+def evaluate(cfg: EchoConfig, adapter: Path, n: int, batch: int = 8) -> dict:
+    engine = HFEngine(cfg.model.name, cfg.lora, cfg.sampling)
+    task = load_task(cfg.task)
+    prompts = task.held_out(n)
+    ids = [engine.encode_chat(p.messages) for p in prompts]
+
+    def score() -> tuple[float, float]:
+        scores = []
+        for start in range(0, len(ids), batch):
+            outputs = engine.generate(ids[start : start + batch], 1, greedy=True)
+            scores += [task.score(out[0].text, p) for out, p in zip(outputs, prompts[start : start + batch])]
+        return sum(s.reward for s in scores) / len(scores), sum(s.correct for s in scores) / len(scores)
+
+    with engine.model.disable_adapter():
+        base_reward, base_correct = score()
+    engine.load_adapter(adapter.read_bytes())
+    trained_reward, trained_correct = score()
+    return {
+        "task": task.name,
+        "prompts": len(prompts),
+        "adapter": adapter.name,
+        "base_reward": round(base_reward, 4),
+        "base_correct": round(base_correct, 4),
+        "trained_reward": round(trained_reward, 4),
+        "trained_correct": round(trained_correct, 4),
+    }
+
+
+def evaluate_run(run_dir: Path, n: int) -> dict:
+    from echo.config import load_config
+
+    cfg = load_config(run_dir / "config.toml")
+    result = evaluate(cfg, latest_adapter(run_dir), n)
+    (run_dir / "eval.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    return result
