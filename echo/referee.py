@@ -4,12 +4,11 @@ with the task's verifier from the completion tokens. Pure logic, no I/O."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from echo.models import encode_chat
 from echo.protocol import RolloutGroup
-from echo.tasks import Task
+from echo.tasks import Task, safe_reward
 
 
 @dataclass(frozen=True)
@@ -45,13 +44,8 @@ class Referee:
             return Judgement("prompt_mismatch", [])
         rewards, errors = [], 0
         for completion in group.completions:
-            text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-            try:
-                reward = float(self.task.score(text, prompt).reward)
-                if not math.isfinite(reward):
-                    raise ValueError(f"reward {reward}")
-            except Exception:  # a task's bug costs this completion, not the run
-                reward, errors = 0.0, errors + 1
-            rewards.append(reward)
+            reward = safe_reward(self.task, self.tokenizer.decode(completion.token_ids, skip_special_tokens=True), prompt)
+            errors += reward is None
+            rewards.append(reward or 0.0)
         mismatch = any(abs(r - c.reward) > 1e-6 for r, c in zip(rewards, group.completions))
         return Judgement(None, rewards, mismatch, errors)

@@ -1,7 +1,12 @@
+import asyncio
+
 import pytest
 
 from echo.models import load_model
-from workers.cli import config_from_args, build_parser, main
+from echo.protocol import CONFIG_KEY
+from streams.client import open_run
+from tests.conftest import tiny_config
+from workers.cli import build_parser, config_from_args, main, sampler_config_from_run
 
 
 def test_bad_config_fails_at_start_naming_the_field(capsys):
@@ -31,3 +36,20 @@ def test_a_local_model_folder_loads(tmp_path):
     again, tokenizer_again = load_model(str(tmp_path))
     assert again.num_parameters() == model.num_parameters()
     assert tokenizer_again.padding_side == "left"
+
+
+def test_an_edge_sampler_reads_the_runs_config_from_nats(nats_server, tmp_path):
+    cfg = tiny_config(tmp_path, run={"id": "edge"}, nats={"url": "nats://trainer-side:4222"})
+    args = build_parser().parse_args(
+        ["sampler", "--id", "laptop", "--nats", nats_server.url, "--run-id", "edge", "--set", "sampler.threads=3"]
+    )
+
+    async def main_():
+        run = await open_run(nats_server.url, "edge", "trainer")
+        await run.state.put(CONFIG_KEY, cfg.model_dump_json().encode())
+        await run.close()
+        return await sampler_config_from_run(args)
+
+    got = asyncio.run(main_())
+    assert got.nats.url == nats_server.url  # where this sampler reaches the server, not the trainer's view
+    assert got.sampler.threads == 3 and got.sampling == cfg.sampling and got.task == cfg.task

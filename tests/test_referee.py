@@ -5,6 +5,7 @@ import pytest
 from echo.models import byte_tokenizer, encode_chat
 from echo.protocol import Completion, RolloutGroup
 from echo.referee import Referee
+from echo.tasks import Score
 from echo.tasks.math import Math
 
 TOKENIZER = byte_tokenizer()
@@ -87,4 +88,13 @@ def test_a_verifier_that_raises_costs_the_completion_not_the_run():
 
     referee = Referee(Broken({}), TOKENIZER, len(TOKENIZER), 2, 32)
     judgement = referee.score(honest_group())
+    assert judgement.rewards == [0.0, 0.0] and judgement.verifier_errors == 2
+
+
+def test_a_reward_outside_0_1_counts_as_a_verifier_error():
+    class Generous(Math):
+        def score(self, completion, prompt):
+            return Score(2.0, True, True)
+
+    judgement = Referee(Generous({}), TOKENIZER, len(TOKENIZER), 2, 32).score(honest_group())
     assert judgement.rewards == [0.0, 0.0] and judgement.verifier_errors == 2

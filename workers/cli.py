@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import signal
 import sys
 from pathlib import Path
@@ -94,11 +95,9 @@ def run_until_signal(coro) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await task
-            return 0
-        except asyncio.CancelledError:
-            return 0
+        return 0
 
     return asyncio.run(main())
 

@@ -20,7 +20,7 @@ from echo.engines.hf import HFEngine
 from echo.learner import set_threads
 from echo.policy import AdapterMismatch
 from echo.protocol import Completion, PullRequest, RolloutGroup
-from echo.tasks import Task, load_task
+from echo.tasks import Task, load_task, safe_reward
 from streams.client import LatestValue, Run, open_run
 from streams.pull import claim_slot
 from streams.admission import take_leases
@@ -72,7 +72,7 @@ class Sampler:
                         token_ids=g.token_ids,
                         logprobs=g.logprobs,
                         text=g.text,
-                        reward=self.task.score(g.text, prompt).reward,
+                        reward=safe_reward(self.task, g.text, prompt) or 0.0,
                         finish_reason=g.finish_reason,
                     )
                     for g in gens

@@ -56,6 +56,16 @@ class Task(Protocol):
     def score(self, completion: str, prompt: Prompt) -> Score: ...
 
 
+def safe_reward(task: Task, completion: str, prompt: Prompt) -> float | None:
+    """The verifier's reward, or None if it raised or returned something outside [0, 1]:
+    a bug in a task costs that completion (reward 0, counted by the caller), not the run."""
+    try:
+        reward = float(task.score(completion, prompt).reward)
+    except Exception:
+        return None
+    return reward if 0.0 <= reward <= 1.0 else None
+
+
 def is_held_out(messages: list[dict]) -> bool:
     """A fixed tenth of all problems, chosen by a hash of the question, is kept for evaluation."""
     return hashlib.sha256(messages[-1]["content"].encode()).digest()[0] % 10 == 0
