@@ -69,6 +69,7 @@ class TrainerConfig(_Section):
     is_cap: float = Field(2.0, ge=1.0)
     max_staleness: int = Field(1, ge=0)  # async: drop rollouts older than version - max_staleness; sequential uses 0
     reissue_after_s: float = Field(300.0, gt=0)  # ask again for groups not delivered by then (lost in flight)
+    keep_versions: int = Field(3, ge=1)  # adapters kept in the weights bucket; older ones are deleted
     ack_wait_s: float = Field(60.0, gt=0)  # a crashed trainer's unacked groups come back after this
     threads: int = Field(0, ge=0)  # torch threads; 0 leaves torch's default
 

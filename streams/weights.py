@@ -11,6 +11,7 @@ from collections import Counter
 
 import structlog
 from nats.js.api import ObjectMeta
+from nats.js.errors import NotFoundError
 
 from echo.protocol import HDR_MSG_ID, OBJ_HDR_VERSION, WeightsAnnouncement, adapter_object_name, encode
 from streams.client import LatestValue, Run
@@ -24,8 +25,9 @@ class WeightsError(Exception):
         self.reason = reason
 
 
-async def publish_weights(run: Run, version: int, data: bytes, base_model: str) -> WeightsAnnouncement:
-    """Store the adapter, then announce it: a sampler never hears of an object not yet complete."""
+async def publish_weights(run: Run, version: int, data: bytes, base_model: str, keep: int = 3) -> WeightsAnnouncement:
+    """Store the adapter, then announce it: a sampler never hears of an object not yet complete.
+    Only the newest `keep` versions stay in the bucket, so a long run's disk use is bounded."""
     name = adapter_object_name(version)
     await run.weights.put(name, data, meta=ObjectMeta(name=name, headers={OBJ_HDR_VERSION: [str(version)]}))
     announcement = WeightsAnnouncement(
@@ -39,7 +41,20 @@ async def publish_weights(run: Run, version: int, data: bytes, base_model: str) 
     await run.js.publish(
         run.names.weights_subject, encode(announcement), headers={HDR_MSG_ID: f"weights-{version}"}
     )
+    await delete_versions_before(run, version - keep + 1)
     return announcement
+
+
+async def delete_versions_before(run: Run, oldest_kept: int) -> None:
+    try:
+        infos = await run.weights.list(ignore_deletes=True)
+    except NotFoundError:  # nats-py's name for an empty bucket
+        return
+    for info in infos:
+        headers = info.headers or {}
+        version = int((headers.get(OBJ_HDR_VERSION) or ["-1"])[0])
+        if 0 <= version < oldest_kept:
+            await run.weights.delete(info.name)
 
 
 async def fetch_weights(run: Run, announcement: WeightsAnnouncement) -> bytes:

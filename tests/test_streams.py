@@ -1,13 +1,23 @@
 """The wire against a real nats-server: rollouts in and out, malformed input, weights."""
 
 import asyncio
+import hashlib
 
 import pytest
 import torch
 
 from echo.engines.hf import HFEngine
 from echo.policy import adapter_bytes
-from echo.protocol import HDR_MSG_ID, HDR_POLICY_VERSION, HDR_SAMPLER_ID, TRAINER_CONSUMER, encode, rollout_headers
+from echo.protocol import (
+    HDR_MSG_ID,
+    HDR_POLICY_VERSION,
+    HDR_SAMPLER_ID,
+    TRAINER_CONSUMER,
+    WeightsAnnouncement,
+    adapter_object_name,
+    encode,
+    rollout_headers,
+)
 from echo.tasks import load_task
 from streams.client import open_run
 from streams.replay import read_rollouts
@@ -119,6 +129,67 @@ def test_follower_refuses_an_adapter_for_another_base_model(nats_server, tmp_pat
             await asyncio.sleep(0.02)
         assert follower.failures == {"wrong_base_model": 1}
         assert follower.ready[0].version == 0  # the old version stays
+        await follower.stop()
+        await run.close()
+
+    asyncio.run(main())
+
+
+def test_the_bucket_keeps_only_the_newest_versions(nats_server):
+    async def main():
+        run = await open_run(nats_server.url, "keep", "test")
+        announcements = [await publish_weights(run, v, f"adapter {v}".encode() * 1000, "tiny", keep=2) for v in range(5)]
+        names = sorted(info.name for info in await run.weights.list(ignore_deletes=True))
+        assert names == [a.object_name for a in announcements[-2:]]
+        assert await fetch_weights(run, announcements[-1]) == b"adapter 4" * 1000
+        with pytest.raises(WeightsError, match="fetch_failed"):
+            await fetch_weights(run, announcements[0])
+        await run.close()
+
+    asyncio.run(main())
+
+
+async def _store_tampered(run, version: int, data: bytes, tamper) -> None:
+    """Store an adapter, rewrite its chunks in the bucket with `tamper`, then announce the
+    original's size and digest, as a trainer would have."""
+    name = adapter_object_name(version)
+    await run.weights.put(name, data)
+    info = await run.weights.get_info(name)
+    subject = f"$O.{run.names.weights_bucket}.C.{info.nuid}"
+    sub = await run.js.subscribe(subject, ordered_consumer=True)
+    chunks = [(await sub.next_msg(timeout=5)).data for _ in range(info.chunks)]
+    await sub.unsubscribe()
+    await run.js.purge_stream(f"OBJ_{run.names.weights_bucket}", subject=subject)
+    for chunk in tamper(chunks):
+        await run.js.publish(subject, chunk)
+    announcement = WeightsAnnouncement(version=version, object_name=name, size=len(data),
+                                       sha256=hashlib.sha256(data).hexdigest(), base_model="tiny", created_at=0.0)
+    await run.js.publish(run.names.weights_subject, encode(announcement))
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda chunks: [chunks[0][:-1] + b"!", *chunks[1:]],  # one byte of one chunk changed
+        lambda chunks: chunks[: len(chunks) // 2],  # truncated: half the chunks gone
+    ],
+    ids=["corrupt-chunk", "truncated"],
+)
+def test_a_damaged_adapter_is_refused_and_the_old_version_kept(nats_server, tamper):
+    async def main():
+        run = await open_run(nats_server.url, "damage", "test")
+        await publish_weights(run, 0, b"good" * 100_000, "tiny")
+        follower = await WeightsFollower(run, "tiny").start()
+        assert (await follower.wait_for(0))[0].version == 0
+        await _store_tampered(run, 1, bytes(range(256)) * 2000, tamper)
+        for _ in range(200):
+            if follower.failures:
+                break
+            await asyncio.sleep(0.02)
+        assert sum(follower.failures.values()) == 1
+        assert follower.ready[0].version == 0 and follower.ready[1] == b"good" * 100_000
+        await publish_weights(run, 2, b"next" * 1000, "tiny")  # and it still takes the next good one
+        assert (await follower.wait_for(2))[1] == b"next" * 1000
         await follower.stop()
         await run.close()
 

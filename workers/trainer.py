@@ -274,5 +274,5 @@ async def publish_adapter(run: Run, cfg: EchoConfig, policy, version: int, run_d
     started = time.perf_counter()
     data = adapter_bytes(policy)
     (run_dir / "adapters" / f"v{version:06d}.safetensors").write_bytes(data)
-    await publish_weights(run, version, data, cfg.model.name)
+    await publish_weights(run, version, data, cfg.model.name, cfg.trainer.keep_versions)
     return time.perf_counter() - started
