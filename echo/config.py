@@ -58,7 +58,7 @@ class SamplingConfig(_Section):
 
 class TrainerConfig(_Section):
     groups_per_step: int = Field(4, ge=1)
-    lr: float = Field(5e-4, gt=0)
+    lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     clip_eps: float = Field(0.2, gt=0)
     kl_coef: float = Field(0.0, ge=0)

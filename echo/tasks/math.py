@@ -25,7 +25,7 @@ ITEMS = ["apples", "marbles", "books", "stamps", "coins", "pencils"]
 class MathParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     levels: list[Literal[1, 2, 3]] = [1]  # 1: a +- b; 2: products and two-step sums; 3: word problems, fractions
-    max_operand: int = Field(20, ge=1)
+    max_operand: int = Field(10, ge=1)
     dataset: str | None = None  # a local .jsonl/.json/.parquet file instead of generated problems
     question_field: str = "question"
     answer_field: str = "answer"
