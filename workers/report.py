@@ -24,8 +24,11 @@ def write_report(run_dir: Path) -> Path:
         ages = {int(k): v for k, v in r["staleness_used"].items()}
         return sum(a * n for a, n in ages.items()) / max(sum(ages.values()), 1)
 
+    rewards = [r["reward_mean"] for r in lines]
+    window = 5  # a step's reward is a few groups: the rolling mean shows the trend
+    trend = [sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1]) for i in range(len(rewards))]
     series = [
-        ("mean reward", [r["reward_mean"] for r in lines], None),
+        ("mean reward", rewards, None),
         ("staleness of used groups (versions)", [mean_age(r) for r in lines], [r["dropped_stale"] for r in lines]),
         ("learner busy", [r["learner_busy"] for r in lines], None),
     ]
@@ -34,6 +37,9 @@ def write_report(run_dir: Path) -> Path:
         for col, x in enumerate((steps, minutes)):
             ax = axes[row][col]
             ax.plot(x, values, marker=".", label=label)
+            if row == 0:
+                ax.plot(x, trend, color="black", linewidth=2, label=f"rolling mean of {window}")
+                ax.legend(loc="upper left", fontsize=8)
             if dropped is not None:
                 ax.bar(x, dropped, alpha=0.3, color="tab:red", width=0.6 if col == 0 else 0.05, label="groups dropped as stale")
                 ax.legend(loc="upper left", fontsize=8)
