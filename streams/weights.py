@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import io
 import time
 from collections import Counter
 
 import structlog
-from nats.js.api import ObjectMeta
 from nats.js.errors import NotFoundError
 
 from echo.protocol import HDR_MSG_ID, OBJ_HDR_VERSION, WeightsAnnouncement, adapter_object_name, encode
 from streams.client import LatestValue, Run
+from streams.objects import TransferError, get_object, put_object
 
 log = structlog.get_logger()
 
@@ -29,7 +28,7 @@ async def publish_weights(run: Run, version: int, data: bytes, base_model: str, 
     """Store the adapter, then announce it: a sampler never hears of an object not yet complete.
     Only the newest `keep` versions stay in the bucket, so a long run's disk use is bounded."""
     name = adapter_object_name(version)
-    await run.weights.put(name, data, meta=ObjectMeta(name=name, headers={OBJ_HDR_VERSION: [str(version)]}))
+    await put_object(run.js, run.names.weights_bucket, name, data, headers={OBJ_HDR_VERSION: [str(version)]})
     announcement = WeightsAnnouncement(
         version=version,
         object_name=name,
@@ -59,13 +58,10 @@ async def delete_versions_before(run: Run, oldest_kept: int) -> None:
 
 async def fetch_weights(run: Run, announcement: WeightsAnnouncement) -> bytes:
     """The announced adapter's bytes, checked against the announcement's size and digest."""
-    buffer = io.BytesIO()
     try:
-        # writeinto streams chunks: get() into bytes is quadratic in nats-py.
-        await run.weights.get(announcement.object_name, writeinto=buffer)
-    except Exception as e:  # not found, digest mismatch in the object info, broken transfer
-        raise WeightsError("fetch_failed", f"{announcement.object_name}: {type(e).__name__} {e}") from None
-    data = buffer.getvalue()
+        data = bytes(await get_object(run.js, run.names.weights_bucket, announcement.object_name))
+    except TransferError as e:  # not found, truncated, or not what the object's info says
+        raise WeightsError(e.reason, f"{announcement.object_name}: {e}") from None
     if len(data) != announcement.size:
         raise WeightsError("size_mismatch", f"got {len(data)} bytes, announced {announcement.size}")
     if hashlib.sha256(data).hexdigest() != announcement.sha256:
