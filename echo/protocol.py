@@ -37,6 +37,7 @@ TRAINER_CONSUMER = "trainer"
 CONFIG_KEY = "config"  # the run's config, JSON: an edge sampler needs only the URL and the run id
 BUDGET_KEY = "budget"  # async mode's AdmissionBudget, written by the trainer
 LEASES_KEY = "leases"  # the number of leases taken so far, compare-and-set by samplers
+SAMPLER_STATUS_PREFIX = "samplers."  # + sampler id: each sampler's heartbeat (SamplerStatus)
 ROLLOUT_DEDUP_WINDOW_S = 300.0
 CLAIM_TTL_S = 3600.0
 
@@ -204,6 +205,16 @@ class AdmissionBudget(_Message):
     version: int = Field(ge=0)
     allowance: int = Field(ge=0)
     groups_per_step: int = Field(ge=1)
+
+
+class SamplerStatus(_Message):
+    """A sampler's heartbeat: what it runs, what it produced, and what went wrong."""
+
+    sampler_id: str = Field(pattern=ID_PATTERN)
+    version: int  # the adapter version its engine runs; -1 before the first
+    groups_published: int = Field(ge=0)
+    weight_failures: dict[str, int]  # refused adapters by reason (digest, truncated, shape, base model)
+    updated_at: float
 
 
 class PullRequest(_Message):

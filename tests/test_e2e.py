@@ -12,6 +12,8 @@ import psutil
 import pytest
 
 from echo.protocol import HDR_MSG_ID, HDR_POLICY_VERSION
+from streams.client import open_run
+from streams.registry import read_statuses
 from streams.replay import read_rollouts
 from streams.server import NatsServer
 
@@ -36,9 +38,15 @@ def run_swarm(tmp_path, run_id: str, steps: int, *overrides: str, flags=()):
 
     async def read():
         with NatsServer(run_dir / "nats") as server:  # the run's own store, after the run
-            return [r async for r in read_rollouts(server.url, run_id)]
+            run = await open_run(server.url, run_id, "check")
+            statuses = await read_statuses(run)
+            await run.close()
+            return [r async for r in read_rollouts(server.url, run_id)], statuses
 
-    return metrics, asyncio.run(read()), done.stderr
+    stream, statuses = asyncio.run(read())
+    assert {s.sampler_id for s in statuses} == {"s1", "s2"}  # both heartbeats, nothing refused
+    assert all(s.groups_published > 0 and s.weight_failures == {} for s in statuses)
+    return metrics, stream, done.stderr
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1])

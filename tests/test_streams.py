@@ -22,6 +22,7 @@ from echo.protocol import (
 from echo.tasks import load_task
 from streams.client import open_run
 from streams.objects import get_object, put_object
+from streams.registry import put_status, read_statuses
 from streams.replay import read_rollouts
 from streams.rollouts import publish_rollout, trainer_subscription
 from streams.weights import WeightsError, WeightsFollower, fetch_weights, publish_weights
@@ -107,6 +108,17 @@ def test_a_sampler_joining_after_version_3_generates_with_version_3(nats_server,
         await sampler.weights.start()
         await sampler.apply_newest()
         await sampler.generate_and_publish(1)
+        # A damaged version 4 is refused, the sampler stays on 3, and its heartbeat says why.
+        await _store_tampered(run, 4, adapters[0], lambda chunks: [bytes([c[0] ^ 0xFF]) + c[1:] for c in chunks])
+        for _ in range(200):
+            if sampler.weights.failures:
+                break
+            await asyncio.sleep(0.02)
+        await sampler.apply_newest()
+        await put_status(sampler_run, sampler.status())
+        [status] = await read_statuses(run)
+        assert (status.sampler_id, status.version, status.groups_published) == ("late", 3, 1)
+        assert status.weight_failures == {"digest_mismatch": 1}
         await sampler.weights.stop()
         assert sampler.version == 3
         assert adapter_bytes(engine.model) == adapters[3]
@@ -166,6 +178,7 @@ async def _store_tampered(run, version: int, data: bytes, tamper) -> None:
         await run.js.publish(subject, chunk)
     announcement = WeightsAnnouncement(version=version, object_name=name, size=len(data),
                                        sha256=hashlib.sha256(data).hexdigest(), base_model="tiny", created_at=0.0)
+    # The object is announced as it would be by a trainer that computed the digest before damage.
     await run.js.publish(run.names.weights_subject, encode(announcement))
 
 

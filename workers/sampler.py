@@ -19,10 +19,11 @@ from echo.engines import Engine
 from echo.engines.hf import HFEngine
 from echo.learner import set_threads
 from echo.policy import AdapterMismatch
-from echo.protocol import Completion, PullRequest, RolloutGroup
+from echo.protocol import Completion, PullRequest, RolloutGroup, SamplerStatus
 from echo.tasks import Task, load_task, safe_reward
 from streams.client import LatestValue, Run, open_run
 from streams.pull import claim_slot
+from streams.registry import put_status
 from streams.admission import take_leases
 from streams.rollouts import publish_rollout
 from streams.weights import WeightsFollower
@@ -111,15 +112,32 @@ class Sampler:
                 if claimed:
                     await self.generate_and_publish(claimed)
 
+    def status(self) -> SamplerStatus:
+        return SamplerStatus(
+            sampler_id=self.sampler_id,
+            version=self.version,
+            groups_published=self.published,
+            weight_failures=dict(self.weights.failures),
+            updated_at=time.time(),
+        )
+
+    async def heartbeat(self, every_s: float = 5.0) -> None:
+        while True:
+            await put_status(self.run, self.status())
+            await asyncio.sleep(every_s)
+
     def _bad_request(self, error) -> None:
         log.warning("pull.bad_request", reason=str(error))
 
     async def serve(self) -> None:
         await self.weights.start()
+        heartbeat = asyncio.create_task(self.heartbeat())
         log.info("sampler.ready", sampler=self.sampler_id, mode=self.cfg.run.mode)
         try:
             await (self.run_sequential() if self.cfg.run.mode == "sequential" else self.run_async())
         finally:
+            heartbeat.cancel()
+            await put_status(self.run, self.status())  # the last word: what it did in total
             await self.weights.stop()
             log.info("sampler.stopped", published=self.published, version=self.version, failures=dict(self.weights.failures))
 
