@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import NamedTuple
 
 import torch
 
-from echo.algorithms.grpo import grpo_loss, group_advantages, importance_weights
+from echo.algorithms.grpo import ImportanceStats, LossStats, grpo_loss, group_advantages, importance_weights
 from echo.config import EchoConfig
 from echo.policy import group_logprobs
 from echo.protocol import RolloutGroup
+
+
+class GroupStats(NamedTuple):
+    tokens: int
+    loss: LossStats
+    importance: ImportanceStats
+    entropy: float
 
 
 def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]], cfg: EchoConfig, pad_id: int) -> dict:
@@ -45,24 +53,24 @@ def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]],
         )
         loss.backward()
         loss_sum += loss.item()
-        per_group.append((int(mask.sum()), loss_stats, is_stats, float(entropy[mask].mean())))
+        per_group.append(GroupStats(int(mask.sum()), loss_stats, is_stats, float(entropy[mask].mean())))
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], tcfg.max_grad_norm)
     optimizer.step()
     policy.eval()
 
-    def token_mean(values) -> float:
-        return sum(n * v for n, v in zip((g[0] for g in per_group), values)) / max(total_tokens, 1)
+    def token_mean(value) -> float:
+        return sum(g.tokens * value(g) for g in per_group) / max(total_tokens, 1)
 
     rewards = torch.tensor([r for _, rs in batch for r in rs])
     return {
         "loss": loss_sum,
-        "kl": token_mean(g[1].kl for g in per_group),
-        "clip_fraction": token_mean(g[1].clip_fraction for g in per_group),
-        "entropy": token_mean(g[3] for g in per_group),
-        "is_ratio_mean": token_mean(g[2].ratio_mean for g in per_group),
-        "is_ratio_max": max(g[2].ratio_max for g in per_group),
-        "is_truncated_fraction": token_mean(g[2].truncated_fraction for g in per_group),
-        "is_masked_fraction": sum(g[2].masked_fraction for g in per_group) / len(per_group),
+        "kl": token_mean(lambda g: g.loss.kl),
+        "clip_fraction": token_mean(lambda g: g.loss.clip_fraction),
+        "entropy": token_mean(lambda g: g.entropy),
+        "is_ratio_mean": token_mean(lambda g: g.importance.ratio_mean),
+        "is_ratio_max": max(g.importance.ratio_max for g in per_group),
+        "is_truncated_fraction": token_mean(lambda g: g.importance.truncated_fraction),
+        "is_masked_fraction": sum(g.importance.masked_fraction for g in per_group) / len(per_group),
         "grad_norm": float(grad_norm),
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,

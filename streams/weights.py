@@ -18,12 +18,6 @@ from streams.objects import TransferError, get_object, put_object
 log = structlog.get_logger()
 
 
-class WeightsError(Exception):
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-
-
 async def publish_weights(run: Run, version: int, data: bytes, base_model: str, keep: int = 3) -> WeightsAnnouncement:
     """Store the adapter, then announce it: a sampler never hears of an object not yet complete.
     Only the newest `keep` versions stay in the bucket, so a long run's disk use is bounded."""
@@ -57,15 +51,13 @@ async def delete_versions_before(run: Run, oldest_kept: int) -> None:
 
 
 async def fetch_weights(run: Run, announcement: WeightsAnnouncement) -> bytes:
-    """The announced adapter's bytes, checked against the announcement's size and digest."""
-    try:
-        data = bytes(await get_object(run.js, run.names.weights_bucket, announcement.object_name))
-    except TransferError as e:  # not found, truncated, or not what the object's info says
-        raise WeightsError(e.reason, f"{announcement.object_name}: {e}") from None
+    """The announced adapter's bytes, checked against the announcement's size and digest as
+    well as the object's own info; TransferError (not found, truncated, mismatch) otherwise."""
+    data = bytes(await get_object(run.js, run.names.weights_bucket, announcement.object_name))
     if len(data) != announcement.size:
-        raise WeightsError("size_mismatch", f"got {len(data)} bytes, announced {announcement.size}")
+        raise TransferError("size_mismatch", f"got {len(data)} bytes, announced {announcement.size}")
     if hashlib.sha256(data).hexdigest() != announcement.sha256:
-        raise WeightsError("digest_mismatch", announcement.object_name)
+        raise TransferError("digest_mismatch", f"{announcement.object_name} is not the announced adapter")
     return data
 
 
@@ -104,7 +96,7 @@ class WeightsFollower:
             started = time.perf_counter()
             try:
                 data = await fetch_weights(self.run, announcement)
-            except WeightsError as e:
+            except TransferError as e:
                 self.failures[e.reason] += 1
                 log.warning("weights.refused", version=announcement.version, reason=str(e))
                 continue

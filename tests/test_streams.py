@@ -21,11 +21,11 @@ from echo.protocol import (
 )
 from echo.tasks import load_task
 from streams.client import open_run
-from streams.objects import get_object, put_object
+from streams.objects import TransferError, get_object, put_object
 from streams.registry import put_status, read_statuses
 from streams.replay import read_rollouts
 from streams.rollouts import publish_rollout, trainer_subscription
-from streams.weights import WeightsError, WeightsFollower, fetch_weights, publish_weights
+from streams.weights import WeightsFollower, fetch_weights, publish_weights
 from tests.conftest import tiny_config
 from tests.test_referee import REFEREE, with_completion, honest_group
 from workers.sampler import Sampler
@@ -75,7 +75,7 @@ def test_weights_round_trip_and_a_wrong_digest_is_refused(nats_server, tmp_path)
         announcement = await publish_weights(run, 7, data, "tiny")
         assert await fetch_weights(run, announcement) == data
         lying = announcement.model_copy(update={"sha256": "0" * 64})
-        with pytest.raises(WeightsError, match="digest_mismatch"):
+        with pytest.raises(TransferError, match="digest_mismatch"):
             await fetch_weights(run, lying)
         await run.close()
 
@@ -156,7 +156,7 @@ def test_the_bucket_keeps_only_the_newest_versions(nats_server):
         names = sorted(info.name for info in await run.weights.list(ignore_deletes=True))
         assert names == [a.object_name for a in announcements[-2:]]
         assert await fetch_weights(run, announcements[-1]) == b"adapter 4" * 1000
-        with pytest.raises(WeightsError, match="not_found"):
+        with pytest.raises(TransferError, match="not_found"):
             await fetch_weights(run, announcements[0])
         await run.close()
 
