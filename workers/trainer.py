@@ -241,7 +241,7 @@ async def run_trainer(cfg: EchoConfig) -> None:
             await collector.ack_held()  # only now: the step that used them is checkpointed
 
             record = {**state.record, "publish_seconds": publish_seconds}
-            metrics_file.write(orjson.dumps(record, option=orjson.OPT_NON_STR_KEYS) + b"\n")
+            metrics_file.write(metrics_line(record))
             metrics_file.flush()
             log.info(
                 "step",
@@ -257,6 +257,10 @@ async def run_trainer(cfg: EchoConfig) -> None:
     await run.close()
 
 
+def metrics_line(record: dict) -> bytes:
+    return orjson.dumps(record, option=orjson.OPT_NON_STR_KEYS) + b"\n"  # histograms have int keys
+
+
 def restore_metrics(path: Path, state: TrainerState) -> None:
     """After a crash, metrics.jsonl must hold exactly one line per checkpointed step: drop lines
     of steps the checkpoint does not have, and restore the last step's line if it was lost."""
@@ -267,7 +271,7 @@ def restore_metrics(path: Path, state: TrainerState) -> None:
     if state.record and (not kept or kept[-1]["step"] < state.step):
         kept.append(state.record)
     if len(kept) != len(lines):
-        path.write_bytes(b"".join(orjson.dumps(r, option=orjson.OPT_NON_STR_KEYS) + b"\n" for r in kept))
+        path.write_bytes(b"".join(metrics_line(r) for r in kept))
 
 
 async def publish_adapter(run: Run, cfg: EchoConfig, policy, version: int, run_dir: Path) -> float:
