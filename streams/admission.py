@@ -3,6 +3,8 @@ counter, both in the run's state bucket. Taking leases is a compare-and-set on t
 
 from __future__ import annotations
 
+import asyncio
+
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from echo.admission import sampler_cap
@@ -12,6 +14,13 @@ from streams.client import Run
 
 async def publish_budget(run: Run, budget: AdmissionBudget) -> None:
     await run.state.put(BUDGET_KEY, encode(budget))
+
+
+async def watch_budget(run: Run, changed: asyncio.Event) -> None:
+    """Set `changed` whenever the trainer publishes a budget, so idle samplers wait instead of
+    polling the server."""
+    async for _ in await run.state.watch(BUDGET_KEY):
+        changed.set()
 
 
 async def leases_taken(run: Run) -> tuple[int, int]:

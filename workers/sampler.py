@@ -24,7 +24,7 @@ from echo.tasks import Task, load_task, safe_reward
 from streams.client import LatestValue, Run, open_run
 from streams.pull import claim_slot
 from streams.registry import put_status
-from streams.admission import take_leases
+from streams.admission import take_leases, watch_budget
 from streams.rollouts import publish_rollout
 from streams.weights import WeightsFollower
 
@@ -86,14 +86,25 @@ class Sampler:
             self.published += 1
 
     async def run_async(self) -> None:
-        """Generate only what the admission budget allows, so no work arrives stale."""
-        while True:
-            await self.apply_newest()
-            granted = await take_leases(self.run, self.cfg.sampling.prompts_per_call, self.version)
-            if granted:
-                await self.generate_and_publish(granted)
-            else:
-                await asyncio.sleep(0.1)
+        """Generate only what the admission budget allows, so no work arrives stale. With no
+        lease to take, wait until the budget or this sampler's weights change (or 5 s pass)."""
+        budget_changed = asyncio.Event()
+        watch = asyncio.create_task(watch_budget(self.run, budget_changed))
+        try:
+            while True:
+                budget_changed.clear()  # before reading the budget: no update can slip past
+                await self.apply_newest()
+                granted = await take_leases(self.run, self.cfg.sampling.prompts_per_call, self.version)
+                if granted:
+                    await self.generate_and_publish(granted)
+                    continue
+                waits = [asyncio.ensure_future(budget_changed.wait()),
+                         asyncio.ensure_future(self.weights.wait_for(self.version + 1))]
+                _, pending = await asyncio.wait(waits, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
+                for task in pending:
+                    task.cancel()
+        finally:
+            watch.cancel()
 
     async def run_sequential(self) -> None:
         requests = await LatestValue(self.run.js, self.run.names.pull_subject, PullRequest, self._bad_request).start()
