@@ -37,6 +37,11 @@ def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).decode()
 
 
+def sha256_hex(info: ObjectInfo) -> str:
+    """The object's SHA-256 as hex, from its info (which stores it as SHA-256=<base64url>)."""
+    return base64.urlsafe_b64decode(info.digest.removeprefix("SHA-256=")).hex()
+
+
 async def put_object(
     js: JetStreamContext, bucket: str, name: str, data: bytes, headers: dict[str, list[str]] | None = None
 ) -> ObjectInfo:
@@ -79,8 +84,11 @@ async def put_object(
     return info
 
 
-async def get_object(js: JetStreamContext, bucket: str, name: str, timeout: float = 10.0) -> bytearray:
-    """The object's bytes, checked against its info's size and SHA-256, or TransferError."""
+async def get_object(
+    js: JetStreamContext, bucket: str, name: str, expected_sha256: str | None = None, timeout: float = 10.0
+) -> bytearray:
+    """The object's bytes, checked against its info's size and SHA-256 (and `expected_sha256`,
+    hex, when given: the object must be the one its announcer meant), or TransferError."""
     try:
         info = await (await js.object_store(bucket)).get_info(name)
     except NotFoundError:
@@ -117,4 +125,6 @@ async def get_object(js: JetStreamContext, bucket: str, name: str, timeout: floa
         raise TransferError("size_mismatch", f"got {offset} bytes, info says {info.size}")
     if f"SHA-256={_b64(digest.digest())}" != info.digest:
         raise TransferError("digest_mismatch", f"{bucket}/{name}")
+    if expected_sha256 is not None and digest.hexdigest() != expected_sha256:
+        raise TransferError("digest_mismatch", f"{bucket}/{name} is not the object expected")
     return data

@@ -4,7 +4,6 @@ bucket, announced on the weights subject (a last-value stream, so late joiners c
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections import Counter
 
@@ -13,7 +12,7 @@ from nats.js.errors import NotFoundError
 
 from echo.protocol import HDR_MSG_ID, OBJ_HDR_VERSION, WeightsAnnouncement, adapter_object_name, encode
 from streams.client import LatestValue, Run
-from streams.objects import TransferError, get_object, put_object
+from streams.objects import TransferError, get_object, put_object, sha256_hex
 
 log = structlog.get_logger()
 
@@ -22,12 +21,12 @@ async def publish_weights(run: Run, version: int, data: bytes, base_model: str, 
     """Store the adapter, then announce it: a sampler never hears of an object not yet complete.
     Only the newest `keep` versions stay in the bucket, so a long run's disk use is bounded."""
     name = adapter_object_name(version)
-    await put_object(run.js, run.names.weights_bucket, name, data, headers={OBJ_HDR_VERSION: [str(version)]})
+    info = await put_object(run.js, run.names.weights_bucket, name, data, headers={OBJ_HDR_VERSION: [str(version)]})
     announcement = WeightsAnnouncement(
         version=version,
         object_name=name,
         size=len(data),
-        sha256=hashlib.sha256(data).hexdigest(),
+        sha256=sha256_hex(info),  # hashed once, while the chunks went out
         base_model=base_model,
         created_at=time.time(),
     )
@@ -53,12 +52,10 @@ async def delete_versions_before(run: Run, oldest_kept: int) -> None:
 async def fetch_weights(run: Run, announcement: WeightsAnnouncement) -> bytes:
     """The announced adapter's bytes, checked against the announcement's size and digest as
     well as the object's own info; TransferError (not found, truncated, mismatch) otherwise."""
-    data = bytes(await get_object(run.js, run.names.weights_bucket, announcement.object_name))
+    data = await get_object(run.js, run.names.weights_bucket, announcement.object_name, announcement.sha256)
     if len(data) != announcement.size:
         raise TransferError("size_mismatch", f"got {len(data)} bytes, announced {announcement.size}")
-    if hashlib.sha256(data).hexdigest() != announcement.sha256:
-        raise TransferError("digest_mismatch", f"{announcement.object_name} is not the announced adapter")
-    return data
+    return bytes(data)
 
 
 class WeightsFollower:
