@@ -82,6 +82,13 @@ def test_weights_round_trip_and_a_wrong_digest_is_refused(nats_server, tmp_path)
     asyncio.run(main())
 
 
+async def _until_failure(follower: WeightsFollower, timeout: float = 4.0) -> None:
+    """Wait for the follower to count a refused adapter; the caller's asserts say which."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not follower.failures and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.02)
+
+
 def _adapter_for_version(engine: HFEngine, version: int) -> bytes:
     """A distinct adapter per version: LoRA B matrices filled with the version number."""
     with torch.no_grad():
@@ -110,10 +117,7 @@ def test_a_sampler_joining_after_version_3_generates_with_version_3(nats_server,
         await sampler.generate_and_publish(1)
         # A damaged version 4 is refused, the sampler stays on 3, and its heartbeat says why.
         await _store_tampered(run, 4, adapters[0], lambda chunks: [bytes([c[0] ^ 0xFF]) + c[1:] for c in chunks])
-        for _ in range(200):
-            if sampler.weights.failures:
-                break
-            await asyncio.sleep(0.02)
+        await _until_failure(sampler.weights)
         await sampler.apply_newest()
         await put_status(sampler_run, sampler.status())
         [status] = await read_statuses(run)
@@ -137,10 +141,7 @@ def test_follower_refuses_an_adapter_for_another_base_model(nats_server, tmp_pat
         follower = await WeightsFollower(run, "tiny").start()
         assert (await follower.wait_for(0))[1] == b"good"
         await publish_weights(run, 1, b"other", "some-other-model")
-        for _ in range(100):
-            if follower.failures:
-                break
-            await asyncio.sleep(0.02)
+        await _until_failure(follower)
         assert follower.failures == {"wrong_base_model": 1}
         assert follower.ready[0].version == 0  # the old version stays
         await follower.stop()
@@ -197,10 +198,7 @@ def test_a_damaged_adapter_is_refused_and_the_old_version_kept(nats_server, tamp
         follower = await WeightsFollower(run, "tiny").start()
         assert (await follower.wait_for(0))[0].version == 0
         await _store_tampered(run, 1, bytes(range(256)) * 2000, tamper)
-        for _ in range(200):
-            if follower.failures:
-                break
-            await asyncio.sleep(0.02)
+        await _until_failure(follower)
         assert sum(follower.failures.values()) == 1
         assert follower.ready[0].version == 0 and follower.ready[1] == b"good" * 100_000
         await publish_weights(run, 2, b"next" * 1000, "tiny")  # and it still takes the next good one

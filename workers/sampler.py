@@ -21,10 +21,10 @@ from echo.learner import set_threads
 from echo.policy import AdapterMismatch
 from echo.protocol import Completion, PullRequest, RolloutGroup, SamplerStatus
 from echo.tasks import Task, load_task, safe_reward
+from streams.admission import take_leases, watch_budget
 from streams.client import LatestValue, Run, open_run
 from streams.pull import claim_slot
 from streams.registry import put_status
-from streams.admission import take_leases, watch_budget
 from streams.rollouts import publish_rollout
 from streams.weights import WeightsFollower
 
