@@ -30,8 +30,8 @@ from echo.protocol import CONFIG_KEY, AdmissionBudget, ProtocolError, RolloutGro
 from echo.referee import Referee
 from echo.staleness import Verdict, judge
 from echo.tasks import load_task
-from streams.client import Run, open_run
 from streams.admission import publish_budget
+from streams.client import Run, open_run
 from streams.pull import publish_pull_request
 from streams.rollouts import fetch_rollouts, trainer_subscription
 from streams.weights import publish_weights
