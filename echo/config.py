@@ -13,7 +13,7 @@ from typing import Any, Literal
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from echo.protocol import ID_PATTERN
+from echo.protocol import HUB_DOMAIN, ID_PATTERN
 
 
 class ConfigError(ValueError):
@@ -81,6 +81,9 @@ class SamplerConfig(_Section):
 
 class NatsConfig(_Section):
     url: str = "nats://127.0.0.1:4222"  # `echo-rl up` replaces it with its embedded server's
+    # The hub's JetStream domain (its server config's `jetstream { domain: ... }`): samplers
+    # behind a relay reach the hub's streams through it. "" for a hub without a domain.
+    hub_domain: str = HUB_DOMAIN
 
 
 class EchoConfig(_Section):

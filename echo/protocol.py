@@ -13,7 +13,15 @@ from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 import orjson
-from nats.js.api import KeyValueConfig, ObjectStoreConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import (
+    ExternalStream,
+    KeyValueConfig,
+    ObjectStoreConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+    StreamSource,
+)
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 SCHEMA_VERSION = 1
@@ -28,6 +36,10 @@ HDR_POLICY_VERSION = "Echo-Policy-Version"
 HDR_SAMPLER_ID = "Echo-Sampler-Id"
 HDR_TASK = "Echo-Task"
 HDR_MSG_ID = "Nats-Msg-Id"  # JetStream de-duplicates on it: a retried publish is stored once
+
+# The JetStream domain of the run's broker. A relay (a leaf node with a domain of its own)
+# reaches the broker's JetStream API as $JS.hub.API through its leaf connection.
+HUB_DOMAIN = "hub"
 
 # Headers on each adapter object in the weights bucket; values must be lists of strings.
 OBJ_HDR_VERSION = "policy-version"
@@ -99,6 +111,10 @@ class RunNames:
         return f"echo_{self.run_id}_weights"
 
     @property
+    def weights_stream(self) -> str:  # the object store's stream
+        return f"OBJ_{self.weights_bucket}"
+
+    @property
     def state_bucket(self) -> str:
         return f"echo_{self.run_id}_state"
 
@@ -129,6 +145,16 @@ class RunNames:
 
     def weights_bucket_config(self) -> ObjectStoreConfig:
         return ObjectStoreConfig(bucket=self.weights_bucket, storage=StorageType.FILE)
+
+    def weights_mirror_configs(self, upstream_domain: str) -> list[StreamConfig]:
+        """A relay's copies of what samplers read about weights: the object store and the control
+        stream (announcements), under the same names, so the same client code reads either."""
+        source = ExternalStream(api=f"$JS.{upstream_domain}.API")
+        return [
+            StreamConfig(name=name, storage=StorageType.FILE, mirror=StreamSource(name=name, external=source), **limits)
+            # The object store last: a sampler that finds it knows the relay is complete.
+            for name, limits in [(self.control_stream, {"max_msgs_per_subject": 1}), (self.weights_stream, {})]
+        ]
 
     def state_bucket_config(self) -> KeyValueConfig:
         return KeyValueConfig(bucket=self.state_bucket, storage=StorageType.FILE)

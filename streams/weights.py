@@ -16,6 +16,8 @@ from streams.objects import TransferError, get_object, put_object, sha256_hex
 
 log = structlog.get_logger()
 
+OBJECT_WAIT_S = 30.0  # how long an announced object may take to reach this server
+
 
 async def publish_weights(run: Run, version: int, data: bytes, base_model: str, keep: int = 3) -> WeightsAnnouncement:
     """Store the adapter, then announce it: a sampler never hears of an object not yet complete.
@@ -52,7 +54,7 @@ async def delete_versions_before(run: Run, oldest_kept: int) -> None:
 async def fetch_weights(run: Run, announcement: WeightsAnnouncement) -> bytes:
     """The announced adapter's bytes, checked against the announcement's size and digest as
     well as the object's own info; TransferError (not found, truncated, mismatch) otherwise."""
-    data = await get_object(run.js, run.names.weights_bucket, announcement.object_name, announcement.sha256)
+    data = await get_object(run.local_js, run.names.weights_bucket, announcement.object_name, announcement.sha256)
     if len(data) != announcement.size:
         raise TransferError("size_mismatch", f"got {len(data)} bytes, announced {announcement.size}")
     return bytes(data)
@@ -68,7 +70,9 @@ class WeightsFollower:
         self.failures: Counter[str] = Counter()
         self.ready: tuple[WeightsAnnouncement, bytes] | None = None
         self._ready_changed = asyncio.Condition()
-        self._announcements = LatestValue(run.js, run.names.weights_subject, WeightsAnnouncement, self._on_bad)
+        self._announcements = LatestValue(
+            run.local_js, run.names.control_stream, run.names.weights_subject, WeightsAnnouncement, self._on_bad
+        )
         self._task: asyncio.Task | None = None
 
     def _on_bad(self, error) -> None:
@@ -92,15 +96,33 @@ class WeightsFollower:
                 continue
             started = time.perf_counter()
             try:
-                data = await fetch_weights(self.run, announcement)
+                data = await self._fetch_unless_superseded(announcement, seq)
             except TransferError as e:
                 self.failures[e.reason] += 1
                 log.warning("weights.refused", version=announcement.version, reason=str(e))
+                continue
+            if data is None:
                 continue
             log.debug("weights.fetched", version=announcement.version, seconds=round(time.perf_counter() - started, 3))
             async with self._ready_changed:
                 self.ready = (announcement, data)
                 self._ready_changed.notify_all()
+
+    async def _fetch_unless_superseded(self, announcement: WeightsAnnouncement, seq: int) -> bytes | None:
+        """Through a relay, an announcement can arrive before the mirror has the object: wait
+        for it. An object gone because newer versions replaced it is skipped (None)."""
+        deadline = time.monotonic() + OBJECT_WAIT_S
+        while True:
+            try:
+                return await fetch_weights(self.run, announcement)
+            except TransferError as e:
+                if e.reason != "not_found":
+                    raise
+                if self._announcements.seq != seq:
+                    return None
+                if time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(0.05)
 
     async def wait_for(self, version: int) -> tuple[WeightsAnnouncement, bytes]:
         """Wait until an adapter of `version` or newer is downloaded; return the newest."""

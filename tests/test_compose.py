@@ -14,27 +14,32 @@ ROOT = Path(__file__).parent.parent
 def test_compose_commands_are_valid_echo_rl_invocations():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert {"nats", "trainer", "sampler-1", "sampler-2"} <= services.keys()
+    assert {"nats", "trainer", "relay", "sampler-1", "sampler-2"} <= services.keys()
     parser = build_parser()
-    run_ids, sampler_ids = set(), set()
+    run_ids, sampler_urls = set(), {}
     for name, service in services.items():
         if name == "nats":
             continue
         args = parser.parse_args(service["command"])  # the image's entrypoint is echo-rl
-        assert args.nats == "nats://nats:4222"
         if args.command == "trainer":
+            assert args.nats == "nats://nats:4222"
             config_file = ROOT / args.config.removeprefix("/app/")
             run_ids.add(load_config(config_file).run.id)
+        elif args.command == "relay":
+            assert args.hub == "nats-leaf://nats:7422" and args.upstream_domain == "hub"
+            run_ids.add(args.run_id)
         else:
             assert args.command == "sampler" and args.config is None  # config comes from the run's KV
             run_ids.add(args.run_id)
-            sampler_ids.add(args.id)
-    assert len(run_ids) == 1 and len(sampler_ids) == 2
+            sampler_urls[args.id] = args.nats
+    assert len(run_ids) == 1
+    assert sorted(sampler_urls.values()) == ["nats://nats:4222", "nats://relay:4222", "nats://relay:4222"]
 
 
 def test_nats_config_enables_jetstream():
     text = (ROOT / "compose" / "nats.conf").read_text()
     assert "jetstream" in text and "store_dir: /data" in text
+    assert "domain: hub" in text and "port: 7422" in text  # relays join as leaf nodes
 
 
 def test_pyproject_keeps_a_torch_range_and_pins_the_server():

@@ -69,8 +69,10 @@ def test_async_run_stays_within_the_staleness_bound(tmp_path, max_staleness):
     assert samplers <= {"s1", "s2"} and len({r["subject"] for r in stream}) == 2  # one subject per sampler
 
 
-def test_sequential_run_trains_only_on_its_current_version(tmp_path):
-    metrics, stream, stderr = run_swarm(tmp_path, "seq", 4, "run.mode=sequential", flags=["--log-json"])
+@pytest.mark.parametrize("relay", [False, True], ids=["direct", "behind-relay"])
+def test_sequential_run_trains_only_on_its_current_version(tmp_path, relay):
+    flags = ["--log-json"] + (["--relay"] if relay else [])
+    metrics, stream, stderr = run_swarm(tmp_path, "seq", 4, "run.mode=sequential", flags=flags)
     assert [m["version"] for m in metrics] == [1, 2, 3, 4]
     for m in metrics:
         assert m["used"] == 4 and m["dropped_stale"] == 0

@@ -1,20 +1,23 @@
-"""`echo-rl`: run a local swarm, a single trainer or sampler, or replay a run's rollout stream."""
+"""`echo-rl`: run a local swarm, a single trainer, sampler or relay, or replay a run's rollout stream."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import re
 import signal
+import socket
 import sys
 from pathlib import Path
 
 import orjson
 from nats.js.errors import KeyNotFoundError
+from pydantic import ValidationError
 
-from echo.config import ConfigError, EchoConfig, apply_override, load_config, validate_config
+from echo.config import ConfigError, EchoConfig, apply_override, format_errors, load_config, validate_config
 from echo.logs import configure_logging
-from echo.protocol import CONFIG_KEY, check_id
+from echo.protocol import CONFIG_KEY, HUB_DOMAIN, check_id
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -34,11 +37,22 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="a local swarm: embedded nats-server, one trainer, N samplers")
     _config_args(up)
     up.add_argument("--samplers", type=int, help="sampler.count")
+    up.add_argument("--relay", action="store_true", help="put the samplers behind a site relay, as on a remote site")
     trainer = sub.add_parser("trainer", help="run the trainer of a run")
     _config_args(trainer)
     sampler = sub.add_parser("sampler", help="run one sampler; without --config it reads the run's config from NATS")
     _config_args(sampler)
     sampler.add_argument("--id", required=True, help="this sampler's id (its rollout subject)")
+    relay = sub.add_parser("relay", help="a site relay: a leaf node of the hub mirroring a run's weights for its samplers")
+    relay.add_argument("--hub", required=True, help="the upstream's leaf-node URL, e.g. nats-leaf://hub:7422")
+    relay.add_argument("--run-id", required=True, help="the run whose weights to mirror")
+    relay.add_argument("--domain", default=f"relay-{_host_token()}", help="this relay's JetStream domain (unique in the tree)")
+    relay.add_argument("--upstream-domain", default=HUB_DOMAIN, help="the upstream's domain: the hub's, or a parent relay's")
+    relay.add_argument("--host", default="0.0.0.0", help="address samplers connect to")
+    relay.add_argument("--port", type=int, default=4222, help="port samplers connect to")
+    relay.add_argument("--leaf-port", type=int, help="accept sub-site relays on this port")
+    relay.add_argument("--store", type=Path, help="JetStream store (default runs/relays/<domain>)")
+    relay.add_argument("--log-json", action="store_true")
     evaluate = sub.add_parser("eval", help="score the base model and the run's last adapter on held-out prompts")
     evaluate.add_argument("--run", required=True, type=Path, help="run directory")
     evaluate.add_argument("--prompts", type=int, default=50, help="held-out prompts to score (greedy)")
@@ -52,6 +66,20 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--out", help="write to this file instead of stdout")
     replay.add_argument("--log-json", action="store_true")
     return parser
+
+
+def _host_token() -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:40] or "site"
+
+
+def relay_config_from_args(args):
+    from workers.relay import RelayConfig
+
+    fields = {k: getattr(args, k) for k in ("hub", "run_id", "domain", "upstream_domain", "host", "port", "leaf_port")}
+    try:
+        return RelayConfig(**fields, store_dir=args.store or Path("runs/relays") / args.domain)
+    except ValidationError as e:
+        raise ConfigError("invalid relay options: " + format_errors(e)) from None
 
 
 def config_from_args(args) -> EchoConfig:
@@ -70,7 +98,11 @@ async def sampler_config_from_run(args) -> EchoConfig:
 
     if not (args.nats and args.run_id):
         raise ConfigError("a sampler without --config needs --nats and --run-id")
-    run = await open_run(args.nats, args.run_id, f"sampler-{args.id}-config")
+    given: dict = {}
+    for assignment in args.set:
+        apply_override(given, assignment)
+    hub_domain = given.get("nats", {}).get("hub_domain", HUB_DOMAIN)
+    run = await open_run(args.nats, args.run_id, f"sampler-{args.id}-config", hub_domain or None)
     try:
         while True:
             try:
@@ -81,7 +113,7 @@ async def sampler_config_from_run(args) -> EchoConfig:
     finally:
         await run.close()
     data = orjson.loads(entry.value)
-    data["nats"]["url"] = args.nats
+    data["nats"]["url"] = args.nats  # the hub, or this site's relay
     for assignment in args.set:
         apply_override(data, assignment)
     return validate_config(data)
@@ -122,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
 
             configure_logging(args.log_json)
             return replay(args.run, args.nats, args.out)
+        if args.command == "relay":
+            cfg = relay_config_from_args(args)
+            configure_logging(args.log_json, worker=f"relay-{cfg.domain}")
+            from workers.relay import run_relay
+
+            return run_until_signal(run_relay(cfg))
         if args.command == "sampler":
             try:
                 check_id("sampler id", args.id)
@@ -144,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(args.log_json, worker="up")
         from workers.swarm import up
 
-        return up(cfg, args.log_json)
+        return up(cfg, args.log_json, relay=args.relay)
     except ConfigError as e:
         print(f"echo-rl: {e}", file=sys.stderr)
         return 2

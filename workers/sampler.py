@@ -107,7 +107,8 @@ class Sampler:
             watch.cancel()
 
     async def run_sequential(self) -> None:
-        requests = await LatestValue(self.run.js, self.run.names.pull_subject, PullRequest, self._bad_request).start()
+        names = self.run.names
+        requests = await LatestValue(self.run.js, names.control_stream, names.pull_subject, PullRequest, self._bad_request).start()
         seq = 0
         while True:
             seq, request = await requests.wait_newer(seq)
@@ -155,7 +156,7 @@ class Sampler:
 
 async def run_sampler(cfg: EchoConfig, sampler_id: str) -> None:
     set_threads(cfg.sampler.threads)
-    run = await open_run(cfg.nats.url, cfg.run.id, f"sampler-{sampler_id}")
+    run = await open_run(cfg.nats.url, cfg.run.id, f"sampler-{sampler_id}", cfg.nats.hub_domain or None)
     try:
         engine = HFEngine(cfg.model.name, cfg.lora, cfg.sampling)
         await Sampler(cfg, sampler_id, run, engine, load_task(cfg.task)).serve()

@@ -14,7 +14,7 @@ import structlog
 
 from echo.config import EchoConfig
 from echo.models import resolve_model
-from streams.server import NatsServer
+from streams.server import NatsServer, free_port
 from workers.evaluate import evaluate_run
 from workers.report import write_report
 
@@ -63,11 +63,13 @@ def summarize(metrics_path) -> dict:
     }
 
 
-def up(cfg: EchoConfig, log_json: bool = False) -> int:
+def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False) -> int:
+    """With `relay`, the samplers sit behind a site relay (`echo-rl relay`), as on a remote site."""
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     resolve_model(cfg.model.name)  # convert a model once here, not in every worker at once
-    server = NatsServer(run_dir / "nats", log_file=run_dir / "nats.log").start()
+    server = NatsServer(run_dir / "nats", log_file=run_dir / "nats.log", leaf_port=free_port() if relay else None)
+    server.start()
     cfg.nats.url = server.url
     # Torch threads that outnumber the cores make every process crawl. The samplers share the
     # cores; the trainer may use all of them, as samplers mostly wait while it steps (backpressure).
@@ -79,8 +81,15 @@ def up(cfg: EchoConfig, log_json: bool = False) -> int:
     log.info("swarm.start", run=cfg.run.id, dir=str(run_dir), nats=server.url, samplers=cfg.sampler.count)
 
     trainer = _spawn(["trainer", "--config", str(config_path)], log_json)
+    relays, sampler_url = [], server.url
+    if relay:
+        port = free_port()
+        relays.append(_spawn(["relay", "--hub", server.leaf_url, "--run-id", cfg.run.id, "--domain", "site",
+                              "--host", "127.0.0.1", "--port", str(port), "--store", str(run_dir / "relay")], log_json))
+        sampler_url = f"nats://127.0.0.1:{port}"
     samplers = [
-        _spawn(["sampler", "--config", str(config_path), "--id", f"s{i}"], log_json) for i in range(1, cfg.sampler.count + 1)
+        _spawn(["sampler", "--config", str(config_path), "--id", f"s{i}", "--nats", sampler_url], log_json)
+        for i in range(1, cfg.sampler.count + 1)
     ]
     code = 1
     try:
@@ -95,7 +104,7 @@ def up(cfg: EchoConfig, log_json: bool = False) -> int:
         log.info("swarm.interrupted")
         code = 130
     finally:
-        _stop([trainer, *samplers])
+        _stop([trainer, *samplers, *relays])
         server.stop()
     if code == 0:
         summary = summarize(run_dir / "metrics.jsonl")

@@ -177,7 +177,7 @@ async def run_trainer(cfg: EchoConfig) -> None:
     run_dir = cfg.run_dir
     (run_dir / "adapters").mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(cfg.to_toml())
-    run = await open_run(cfg.nats.url, cfg.run.id, "trainer")
+    run = await open_run(cfg.nats.url, cfg.run.id, "trainer", cfg.nats.hub_domain or None)
     await run.state.put(CONFIG_KEY, cfg.model_dump_json().encode())
 
     base, tokenizer = load_model(cfg.model.name)

@@ -1,0 +1,182 @@
+"""Relays: a hub and `echo-rl relay` leaf nodes (separate nats-server processes on loopback),
+with real samplers behind them reading weights from the relay's mirror."""
+
+import asyncio
+import contextlib
+import subprocess
+import sys
+
+import pytest
+
+from echo.engines.hf import HFEngine
+from echo.protocol import CONFIG_KEY, AdmissionBudget, HDR_SAMPLER_ID, RunNames, SamplerStatus
+from echo.tasks import load_task
+from streams.admission import publish_budget, take_leases
+from streams.client import connect, open_run
+from streams.registry import put_status, read_statuses
+from streams.relay import open_mirrors
+from streams.replay import read_rollouts
+from streams.server import NatsServer, free_port
+from streams.weights import publish_weights
+from tests.conftest import tiny_config
+from tests.test_streams import _adapter_for_version
+from workers.cli import build_parser, sampler_config_from_run
+from workers.sampler import Sampler
+
+
+@pytest.fixture
+def hub(tmp_path):
+    with NatsServer(tmp_path / "hub", leaf_port=free_port()) as server:
+        yield server
+
+
+class Relay:
+    """`echo-rl relay` as its own process, restartable on the same port and store."""
+
+    def __init__(self, tmp_path, upstream_leaf_url: str, run_id: str, domain: str, upstream_domain: str = "hub"):
+        self.port, self.leaf_port = free_port(), free_port()
+        self.args = [
+            sys.executable, "-m", "workers.cli", "relay", "--hub", upstream_leaf_url, "--run-id", run_id,
+            "--domain", domain, "--upstream-domain", upstream_domain, "--host", "127.0.0.1",
+            "--port", str(self.port), "--leaf-port", str(self.leaf_port), "--store", str(tmp_path / domain),
+        ]
+        self.log = tmp_path / f"{domain}.stderr"
+        self.process: subprocess.Popen | None = None
+
+    url = property(lambda self: f"nats://127.0.0.1:{self.port}")
+    leaf_url = property(lambda self: f"nats-leaf://127.0.0.1:{self.leaf_port}")
+
+    def start(self) -> "Relay":
+        self.process = subprocess.Popen(self.args, stderr=open(self.log, "ab"))
+        return self
+
+    def stop(self) -> None:
+        self.process.terminate()
+        assert self.process.wait(timeout=20) == 0, self.log.read_text()[-2000:]
+
+
+@contextlib.contextmanager
+def relay(*args, **kwargs):
+    r = Relay(*args, **kwargs).start()
+    try:
+        yield r
+    finally:
+        if r.process.poll() is None:
+            r.stop()
+
+
+async def _mirrored_chunk_sets(hub_run, relay_run) -> tuple[set, set]:
+    """The chunk subjects the hub's bucket and the relay's mirror hold."""
+    chunks = f"$O.{hub_run.names.weights_bucket}.C.>"
+    sets = []
+    for js in (hub_run.js, relay_run.local_js):
+        info = await js.stream_info(hub_run.names.weights_stream, subjects_filter=chunks)
+        sets.append(set(info.state.subjects or {}))
+    return sets[0], sets[1]
+
+
+def test_two_samplers_behind_a_relay_follow_weights_across_a_relay_restart(hub, tmp_path):
+    cfg = tiny_config(tmp_path)
+    trainer_side = HFEngine("tiny", cfg.lora, cfg.sampling)
+    adapters = [_adapter_for_version(trainer_side, v) for v in range(7)]
+
+    async def main(site: Relay):
+        run = await open_run(hub.url, cfg.run.id, "trainer")
+        await publish_weights(run, 0, adapters[0], "tiny")
+        samplers = []
+        for sampler_id in ("a", "b"):
+            sampler_run = await open_run(site.url, cfg.run.id, f"sampler-{sampler_id}")
+            engine = HFEngine("tiny", cfg.lora, cfg.sampling)
+            samplers.append(Sampler(cfg, sampler_id, sampler_run, engine, load_task(cfg.task)))
+            await samplers[-1].weights.start()
+
+        async def all_apply(version: int) -> None:
+            for s in samplers:
+                await asyncio.wait_for(s.apply_newest(version), timeout=30)
+                assert s.version == version
+
+        await all_apply(0)
+        await publish_weights(run, 1, adapters[1], "tiny")
+        await all_apply(1)
+        for s in samplers:  # rollouts go on to the hub's stream through the relay's leaf connection
+            await s.generate_and_publish(1)
+
+        site.stop()  # the relay goes down; the trainer publishes without it; it comes back
+        await publish_weights(run, 2, adapters[2], "tiny")
+        site.start()
+        await all_apply(2)
+
+        # Retention reaches the relay: after K+3 more versions, the mirror holds the chunks
+        # of the same K versions as the hub, not all of them.
+        for version in range(3, 7):
+            await publish_weights(run, version, adapters[version], "tiny", keep=3)
+        await all_apply(6)
+        for _ in range(100):
+            hub_chunks, relay_chunks = await _mirrored_chunk_sets(run, samplers[0].run)
+            if hub_chunks == relay_chunks:
+                break
+            await asyncio.sleep(0.05)
+        assert len(hub_chunks) == 3 and relay_chunks == hub_chunks
+
+        assert all(s.weights.failures == {} for s in samplers)
+        for s in samplers:
+            await s.weights.stop()
+            await s.run.close()
+        records = [r async for r in read_rollouts(hub.url, cfg.run.id)]
+        assert sorted(r["headers"][HDR_SAMPLER_ID] for r in records) == ["a", "b"]
+        await run.close()
+
+    with relay(tmp_path, hub.leaf_url, cfg.run.id, "site") as site:
+        asyncio.run(main(site))
+
+
+def test_relays_chain_hub_to_site_to_subsite(hub, tmp_path):
+    cfg = tiny_config(tmp_path)
+    trainer_side = HFEngine("tiny", cfg.lora, cfg.sampling)
+
+    async def main(subsite: Relay):
+        run = await open_run(hub.url, cfg.run.id, "trainer")
+        await publish_weights(run, 0, _adapter_for_version(trainer_side, 0), "tiny")
+        sampler_run = await open_run(subsite.url, cfg.run.id, "sampler-deep")
+        sampler = Sampler(cfg, "deep", sampler_run, HFEngine("tiny", cfg.lora, cfg.sampling), load_task(cfg.task))
+        await sampler.weights.start()
+        await asyncio.wait_for(sampler.apply_newest(0), timeout=30)
+        await publish_weights(run, 1, _adapter_for_version(trainer_side, 1), "tiny")
+        await asyncio.wait_for(sampler.apply_newest(1), timeout=30)
+        await sampler.generate_and_publish(1)  # two leaf hops up to the hub's stream
+        await sampler.weights.stop()
+        await sampler_run.close()
+        records = [r async for r in read_rollouts(hub.url, cfg.run.id)]
+        assert [r["headers"][HDR_SAMPLER_ID] for r in records] == ["deep"]
+        await run.close()
+
+    with relay(tmp_path, hub.leaf_url, cfg.run.id, "site") as site:
+        with relay(tmp_path, site.leaf_url, cfg.run.id, "subsite", upstream_domain="site") as subsite:
+            asyncio.run(main(subsite))
+
+
+def test_an_edge_sampler_behind_a_relay_reads_the_config_and_heartbeats_to_the_hub(hub, tmp_path):
+    cfg = tiny_config(tmp_path, run={"id": "edge"})
+    site = NatsServer(tmp_path / "site", domain="site", hub_leaf_url=hub.leaf_url)
+    args = build_parser().parse_args(["sampler", "--id", "far", "--nats", site.url, "--run-id", "edge"])
+
+    async def main():
+        run = await open_run(hub.url, "edge", "trainer")
+        await run.state.put(CONFIG_KEY, cfg.model_dump_json().encode())
+        relay_nc = await connect(site.url, "relay")
+        await open_mirrors(relay_nc, RunNames("edge"), "hub")
+        got = await sampler_config_from_run(args)  # a KV read through the leaf connection
+        assert got.nats.url == site.url and got.sampling == cfg.sampling
+        sampler_run = await open_run(site.url, "edge", "sampler-far")
+        status = SamplerStatus(sampler_id="far", version=3, groups_published=1, weight_failures={}, updated_at=0.0)
+        await put_status(sampler_run, status)  # a KV write through it
+        await publish_budget(run, AdmissionBudget(version=0, allowance=4, groups_per_step=4))
+        assert await take_leases(sampler_run, 3, 0) == 3  # compare-and-set through it
+        assert await take_leases(sampler_run, 3, 0) == 1
+        assert await read_statuses(run) == [status]
+        for nc in (sampler_run, run):
+            await nc.close()
+        await relay_nc.close()
+
+    with site:
+        asyncio.run(main())

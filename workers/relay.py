@@ -1,0 +1,52 @@
+"""The relay process: `echo-rl relay --hub nats-leaf://HUB:7422 --run-id RUN`.
+
+An embedded nats-server that is a leaf node of the hub (or of another relay: relays chain into
+a tree), with a JetStream domain of its own, mirroring the run's weights. The samplers of a
+site connect to it (`echo-rl sampler --nats nats://RELAY:4222 ...`): they read weights from the
+mirror and reach the hub's streams through the leaf connection, so each version crosses the
+site's uplink once, whatever the number of samplers behind it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import structlog
+from pydantic import BaseModel, ConfigDict, Field
+
+from echo.protocol import HUB_DOMAIN, ID_PATTERN, RunNames
+from streams.client import connect
+from streams.relay import open_mirrors, prune_replaced
+from streams.server import NatsServer
+
+log = structlog.get_logger()
+
+
+class RelayConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    hub: str  # the upstream's leaf-node URL: nats-leaf://host:7422
+    run_id: str = Field(pattern=ID_PATTERN)
+    domain: str = Field(pattern=ID_PATTERN)  # this relay's JetStream domain: unique in the tree
+    upstream_domain: str = Field(HUB_DOMAIN, pattern=ID_PATTERN)  # the hub's, or the parent relay's
+    host: str = "0.0.0.0"  # samplers of the site connect here
+    port: int = Field(4222, ge=1, le=65535)
+    leaf_port: int | None = Field(None, ge=1, le=65535)  # accept sub-site relays here
+    store_dir: Path
+
+
+async def run_relay(cfg: RelayConfig) -> None:
+    server = NatsServer(
+        cfg.store_dir, port=cfg.port, domain=cfg.domain, hub_leaf_url=cfg.hub, leaf_port=cfg.leaf_port,
+        host=cfg.host, log_file=cfg.store_dir.parent / f"{cfg.store_dir.name}.log",
+    ).start()
+    nc = None
+    try:
+        nc = await connect(server.url, f"relay-{cfg.domain}")
+        names = RunNames(cfg.run_id)
+        js = await open_mirrors(nc, names, cfg.upstream_domain)
+        log.info("relay.ready", url=f"nats://{cfg.host}:{cfg.port}", run=cfg.run_id, hub=cfg.hub, domain=cfg.domain)
+        await prune_replaced(js, names)
+    finally:
+        if nc is not None:
+            await nc.close()
+        server.stop()
