@@ -1,12 +1,16 @@
-"""Benchmark: time from "the trainer published version v" to "all N samplers run v", for
-N = 1, 2, 4, 8 sampler processes on one loopback nats-server, each following the weights
+"""Benchmark: weight fan-out. For N = 1, 2, 4, 8 sampler processes, each following the weights
 subject and swapping the adapter into a real model (the samplers' own code path:
-WeightsFollower -> HFEngine.load_adapter), without generating.
+WeightsFollower -> HFEngine.load_weights, without generating), connected either to the hub
+directly or to one site relay (`echo-rl relay`, a leaf node mirroring the weights), measure
+
+- latency: from the start of publish_weights (store + announce) until the slowest sampler
+  runs the new version;
+- hub bytes: what the hub sent (its /varz out_bytes) per version, as a multiple of the
+  adapter's size. Directly, each sampler pulls its own copy; through a relay, one copy.
 
     .venv/bin/python bench/sync.py [--model smollm2] [--samplers 1 2 4 8] [--versions 5]
 
-Writes bench/results/sync.json: per N, the median and max over versions of the slowest
-sampler's latency (from the start of publish_weights: store + announce + fetch + apply), and the adapter size.
+Writes bench/results/sync.json: per (N, relay), the median and max over versions.
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import orjson
 import torch
+
+from streams.server import NatsServer, free_port
 
 APPLIED = "bench.applied"  # core NATS subject on which each worker reports (worker, version, time)
 
@@ -41,22 +48,27 @@ async def worker(url: str, run_id: str, model: str, worker_id: int) -> None:
     follower = await WeightsFollower(run, model).start()
     version = -1
     while True:
-        announcement, data = await follower.wait_for(version + 1)
-        engine.load_adapter(data)
+        announcement, shards = await follower.wait_for(version + 1)
+        engine.load_weights(shards)
         version = announcement.version
         await run.nc.publish(APPLIED, orjson.dumps([worker_id, version, time.time()]))
 
 
-async def measure(url: str, model: str, n: int, versions: int) -> dict:
+def hub_out_bytes(http_port: int) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/varz") as response:
+        return orjson.loads(response.read())["out_bytes"]
+
+
+async def measure(hub: NatsServer, model: str, n: int, versions: int, relay: bool) -> dict:
     from echo.config import LoraConfig
     from echo.models import load_model
-    from echo.policy import adapter_bytes, add_lora
+    from echo.policy import make_policy, weights_shards
     from streams.client import open_run
     from streams.weights import publish_weights
 
-    run_id = f"sync{n}"
-    policy = add_lora(load_model(model)[0], LoraConfig())
-    run = await open_run(url, run_id, "bench-trainer")
+    run_id = f"sync{n}{'relay' if relay else ''}"
+    policy = make_policy(load_model(model)[0], LoraConfig())
+    run = await open_run(hub.url, run_id, "bench-trainer")
     applied: dict[int, dict[int, float]] = {}
 
     async def on_applied(msg):
@@ -64,22 +76,29 @@ async def measure(url: str, model: str, n: int, versions: int) -> dict:
         applied.setdefault(version, {})[worker_id] = at
 
     await run.nc.subscribe(APPLIED, cb=on_applied)
-    procs = [
-        subprocess.Popen([sys.executable, __file__, "--worker", url, run_id, model, str(i)],
+    procs, worker_url = [], hub.url
+    if relay:
+        port, store = free_port(), hub.store_dir / "relays" / run_id
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "workers.cli", "relay", "--hub", hub.leaf_url, "--run-id", run_id, "--domain", "site",
+             "--host", "127.0.0.1", "--port", str(port), "--store", store], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        worker_url = f"nats://127.0.0.1:{port}"
+    procs += [
+        subprocess.Popen([sys.executable, __file__, "--worker", worker_url, run_id, model, str(i)],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for i in range(n)
     ]
     try:
-        latencies, size = [], 0
+        latencies, hub_copies, size = [], [], 0
         for version in range(versions + 1):  # version 0 warms up: every worker loaded and following
             with torch.no_grad():
                 for name, p in policy.named_parameters():
                     if "lora_B" in name:
                         p.fill_(version / 1000)
-            data = adapter_bytes(policy)
-            size = len(data)
-            published_at = time.time()
-            await publish_weights(run, version, data, model)
+            shards = weights_shards(policy, 2**30)
+            size = sum(map(len, shards))
+            sent_before, published_at = hub_out_bytes(hub.http_port), time.time()
+            await publish_weights(run, version, shards, model)
             deadline = time.monotonic() + (600 if version == 0 else 60)
             while len(applied.get(version, {})) < n:
                 if time.monotonic() > deadline:
@@ -87,15 +106,20 @@ async def measure(url: str, model: str, n: int, versions: int) -> dict:
                 await asyncio.sleep(0.005)
             if version > 0:
                 latencies.append(max(applied[version].values()) - published_at)
+                hub_copies.append((hub_out_bytes(hub.http_port) - sent_before) / size)
     finally:
         for p in procs:
-            p.kill()
+            p.terminate()
+        for p in procs:
+            p.wait()
         await run.close()
     return {
         "samplers": n,
+        "relay": relay,
         "adapter_mb": round(size / 1e6, 2),
         "latency_median_s": round(statistics.median(latencies), 3),
         "latency_max_s": round(max(latencies), 3),
+        "hub_sent_per_version_x_adapter": round(statistics.median(hub_copies), 3),
     }
 
 
@@ -111,17 +135,18 @@ def main() -> None:
     args = parser.parse_args()
 
     from echo.models import resolve_model
-    from streams.server import NatsServer
 
     resolve_model(args.model)  # convert once, before the workers start
-    with tempfile.TemporaryDirectory() as store, NatsServer(store) as server:
-        results = [asyncio.run(measure(server.url, args.model, n, args.versions)) for n in args.samplers]
-    report = {"model": args.model, "cpus": os.cpu_count(), "relay": False, "results": results}
+    with tempfile.TemporaryDirectory() as store, NatsServer(store, leaf_port=free_port(), http_port=free_port()) as hub:
+        results = [asyncio.run(measure(hub, args.model, n, args.versions, relay))
+                   for relay in (False, True) for n in args.samplers]
+    report = {"model": args.model, "cpus": os.cpu_count(), "versions": args.versions, "results": results}
     out = Path(__file__).parent / "results" / "sync.json"
     out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     for r in results:
-        print(f"N={r['samplers']}: all samplers on the new version after {r['latency_median_s']} s "
-              f"(median of {args.versions}; max {r['latency_max_s']} s), adapter {r['adapter_mb']} MB")
+        print(f"N={r['samplers']} {'relay ' if r['relay'] else 'direct'}: all samplers on the new version after "
+              f"{r['latency_median_s']} s (median of {args.versions}; max {r['latency_max_s']} s); hub sent "
+              f"{r['hub_sent_per_version_x_adapter']}x the adapter ({r['adapter_mb']} MB)")
     print(f"wrote {out}")
 
 

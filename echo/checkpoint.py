@@ -1,7 +1,9 @@
-"""The trainer's checkpoint: everything needed to resume a run exactly where it stopped.
+"""The trainer's files in the run directory.
 
-One file, replaced atomically (write, fsync, rename), so a crash leaves either the old
-checkpoint or the new one, never half of one."""
+checkpoint.pt: everything needed to resume a run exactly where it stopped. One file, replaced
+atomically (write, fsync, rename), so a crash leaves either the old checkpoint or the new one,
+never half of one.
+weights/: the newest published versions' safetensors shards, for `echo-rl eval`."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+from echo.policy import load_tensors, policy_tensors
 
 
 @dataclass
@@ -24,7 +27,7 @@ class TrainerState:
 
 def save_checkpoint(path: Path, policy, optimizer, state: TrainerState) -> None:
     payload = {
-        "adapter": {k: v.detach().cpu() for k, v in get_peft_model_state_dict(policy).items()},
+        "policy": policy_tensors(policy),
         "optimizer": optimizer.state_dict(),
         "torch_rng": torch.get_rng_state(),
         "state": vars(state),
@@ -41,7 +44,30 @@ def load_checkpoint(path: Path, policy, optimizer) -> TrainerState | None:
     if not path.exists():
         return None
     payload = torch.load(path, weights_only=True)
-    set_peft_model_state_dict(policy, payload["adapter"])
+    load_tensors(policy, payload["policy"])
     optimizer.load_state_dict(payload["optimizer"])
     torch.set_rng_state(payload["torch_rng"])
     return TrainerState(**payload["state"])
+
+
+def weights_file(run_dir: Path, version: int, shard: int) -> Path:
+    return run_dir / "weights" / f"v{version:06d}-{shard:04d}.safetensors"
+
+
+def _version_of(path: Path) -> int:
+    return int(path.name[1:7])
+
+
+def latest_weights(run_dir: Path) -> tuple[int, list[Path]]:
+    """The newest version in the run directory and its shards, in order."""
+    files = sorted((run_dir / "weights").glob("v*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{run_dir}/weights holds no published version")
+    version = _version_of(files[-1])
+    return version, [f for f in files if _version_of(f) == version]
+
+
+def prune_weights(run_dir: Path, oldest_kept: int) -> None:
+    for path in (run_dir / "weights").glob("v*.safetensors"):
+        if _version_of(path) < oldest_kept:
+            path.unlink()

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from echo.protocol import HUB_DOMAIN, ID_PATTERN
 
@@ -38,6 +38,7 @@ class ModelConfig(_Section):
 
 
 class LoraConfig(_Section):
+    enabled: bool = True  # false: train and publish every parameter (full-weight mode)
     r: int = Field(16, ge=1)
     alpha: float = Field(32.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
@@ -69,7 +70,8 @@ class TrainerConfig(_Section):
     is_cap: float = Field(2.0, ge=1.0)
     max_staleness: int = Field(1, ge=0)  # async: drop rollouts older than version - max_staleness; sequential uses 0
     reissue_after_s: float = Field(300.0, gt=0)  # ask again for groups not delivered by then (lost in flight)
-    keep_versions: int = Field(3, ge=1)  # adapters kept in the weights bucket; older ones are deleted
+    keep_versions: int = Field(3, ge=1)  # versions kept in the weights bucket and run dir; older ones are deleted
+    shard_mb: float = Field(64.0, gt=0)  # published weights are split into objects of about this size
     ack_wait_s: float = Field(60.0, gt=0)  # a crashed trainer's unacked groups come back after this
     threads: int = Field(0, ge=0)  # torch threads; 0 leaves torch's default
 
@@ -77,6 +79,7 @@ class TrainerConfig(_Section):
 class SamplerConfig(_Section):
     count: int = Field(2, ge=1)  # samplers `echo-rl up` starts
     threads: int = Field(0, ge=0)
+    heartbeat_s: float = Field(5.0, gt=0)  # how often a sampler writes its status to the run's KV
 
 
 class NatsConfig(_Section):
@@ -95,6 +98,13 @@ class EchoConfig(_Section):
     trainer: TrainerConfig = TrainerConfig()
     sampler: SamplerConfig = SamplerConfig()
     nats: NatsConfig = NatsConfig()
+
+    @model_validator(mode="after")
+    def _kl_needs_a_reference(self):
+        if not self.lora.enabled and self.trainer.kl_coef > 0:
+            raise ValueError("trainer.kl_coef > 0 needs lora.enabled: the KL reference is the base model with "
+                             "the adapter switched off, and full-weight mode keeps no second copy")
+        return self
 
     @property
     def run_dir(self) -> Path:

@@ -1,22 +1,29 @@
-"""The policy: a base model with a peft LoRA adapter, the adapter as safetensors bytes,
-and the per-token log-probs of completions (what the trainer differentiates)."""
+"""The policy: a base model with a peft LoRA adapter (or, with `lora.enabled = false`, the whole
+model trained), its published weights as safetensors shards, and the per-token log-probs of
+completions (what the trainer differentiates)."""
 
 from __future__ import annotations
+
+import json
+import struct
 
 import safetensors.torch
 import torch
 from peft import LoraConfig as PeftLoraConfig
-from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
 from echo.algorithms.grpo import token_logprobs
 from echo.config import ConfigError, LoraConfig
 
 
-class AdapterMismatch(ValueError):
-    """An adapter that does not fit this model (other base, rank or target modules)."""
+class WeightsMismatch(ValueError):
+    """Weights that do not fit this model (other base, rank, target modules, or kind)."""
 
 
-def add_lora(model: torch.nn.Module, cfg: LoraConfig):
+def make_policy(model: torch.nn.Module, cfg: LoraConfig):
+    """The model with a LoRA adapter to train, or the model itself when LoRA is off."""
+    if not cfg.enabled:
+        return model
     targets = [name for name in cfg.target_modules if any(n.endswith(name) for n, _ in model.named_modules())]
     if not targets:
         raise ConfigError(f"lora.target_modules {cfg.target_modules} match no module of the model")
@@ -24,26 +31,90 @@ def add_lora(model: torch.nn.Module, cfg: LoraConfig):
     return get_peft_model(model, peft_cfg)
 
 
-def adapter_bytes(model) -> bytes:
-    state = {k: v.detach().contiguous().cpu() for k, v in get_peft_model_state_dict(model).items()}
-    return safetensors.torch.save(state)
+def weights_kind(model) -> str:
+    return "lora" if isinstance(model, PeftModel) else "full"
 
 
-def load_adapter(model, data: bytes) -> None:
-    """Load adapter bytes into `model` in place, or raise AdapterMismatch and leave it untouched."""
+def policy_tensors(model) -> dict[str, torch.Tensor]:
+    """What a new version publishes: the adapter's tensors, or every parameter (named once:
+    tied embeddings are one parameter, and safetensors refuses tensors sharing memory)."""
+    if isinstance(model, PeftModel):
+        tensors = get_peft_model_state_dict(model)
+    else:
+        tensors = dict(model.named_parameters())
+    return {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+
+
+def weights_shards(model, shard_bytes: int) -> list[bytes]:
+    """The policy's tensors as safetensors files of about `shard_bytes` each (in parameter
+    order; a tensor larger than that gets a file of its own)."""
+    shards, current, size = [], {}, 0
+    for name, tensor in policy_tensors(model).items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name], size = tensor, size + nbytes
+    return [safetensors.torch.save(shard) for shard in shards + [current]]
+
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+def tensors_from_buffer(buffer: bytearray) -> dict[str, torch.Tensor]:
+    """Parse a safetensors file held in `buffer` into tensors that are views of it, not
+    copies: a fetched shard is loaded into the model with no second copy in memory."""
     try:
-        incoming = safetensors.torch.load(data)
-    except Exception as e:  # safetensors raises its own error types for truncated/garbled data
-        raise AdapterMismatch(f"not a safetensors file: {e}") from None
-    expected = get_peft_model_state_dict(model)
+        (header_len,) = struct.unpack_from("<Q", buffer, 0)
+        header = json.loads(bytes(buffer[8 : 8 + header_len]))
+    except (struct.error, ValueError) as e:
+        raise WeightsMismatch(f"not a safetensors file: {e}") from None
+    start, tensors = 8 + header_len, {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = _DTYPES[entry["dtype"]], entry["shape"], entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise WeightsMismatch(f"not a safetensors file: bad header entry {name!r}") from None
+        numel = torch.Size(shape).numel()
+        if not (0 <= begin <= end <= len(buffer) - start) or end - begin != numel * dtype.itemsize:
+            raise WeightsMismatch(f"not a safetensors file: {name} has offsets {begin}..{end} for shape {shape}")
+        if numel == 0:  # frombuffer refuses a count of 0
+            tensors[name] = torch.empty(shape, dtype=dtype)
+            continue
+        tensors[name] = torch.frombuffer(buffer, dtype=dtype, count=numel, offset=start + begin).view(shape)
+    return tensors
+
+
+def load_weights(model, shards: list[bytearray]) -> None:
+    """Load published shards into `model` in place (see load_tensors)."""
+    incoming = {}
+    for shard in shards:
+        incoming.update(tensors_from_buffer(shard))
+    load_tensors(model, incoming)
+
+
+def load_tensors(model, incoming: dict[str, torch.Tensor]) -> None:
+    """Copy policy tensors into `model`, or raise WeightsMismatch and leave it untouched:
+    every key and shape is checked before the first tensor is copied."""
+    expected = policy_tensors(model) if isinstance(model, PeftModel) else dict(model.named_parameters())
     if incoming.keys() != expected.keys():
         missing = sorted(expected.keys() - incoming.keys())[:3]
         extra = sorted(incoming.keys() - expected.keys())[:3]
-        raise AdapterMismatch(f"adapter keys differ: missing {missing}, unexpected {extra}")
+        raise WeightsMismatch(f"weights keys differ: missing {missing}, unexpected {extra}")
     for key, tensor in incoming.items():
-        if tensor.shape != expected[key].shape:
-            raise AdapterMismatch(f"{key}: shape {tuple(tensor.shape)}, model has {tuple(expected[key].shape)}")
-    set_peft_model_state_dict(model, incoming)
+        if tensor.shape != expected[key].shape:  # a dtype may differ: copy_ casts
+            raise WeightsMismatch(f"{key}: shape {tuple(tensor.shape)}, model has {tuple(expected[key].shape)}")
+    with torch.no_grad():
+        if isinstance(model, PeftModel):
+            set_peft_model_state_dict(model, incoming)
+        else:
+            for key, tensor in incoming.items():
+                expected[key].copy_(tensor)
 
 
 def group_logprobs(model, prompt_ids: list[int], completions: list[list[int]], temperature: float, pad_id: int):

@@ -24,7 +24,7 @@ from nats.js.api import (
 )
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: a weights announcement lists shards
 
 # Run and sampler ids become subject tokens and stream names: keep them to safe characters.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -164,8 +164,8 @@ class RunNames:
         return KeyValueConfig(bucket=self.claims_bucket, storage=StorageType.FILE, ttl=CLAIM_TTL_S)
 
 
-def adapter_object_name(version: int) -> str:
-    return f"adapter-v{version:08d}.safetensors"
+def weights_object_name(version: int, shard: int) -> str:
+    return f"weights-v{version:08d}-{shard:04d}.safetensors"
 
 
 def claim_key(request_id: str, slot: int) -> str:
@@ -177,7 +177,7 @@ def claim_key(request_id: str, slot: int) -> str:
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[2] = SCHEMA_VERSION
 
 
 class Completion(BaseModel):
@@ -214,15 +214,26 @@ class RolloutGroup(_Message):
     created_at: float
 
 
-class WeightsAnnouncement(_Message):
-    """A new policy version: a LoRA adapter (safetensors) stored as `object_name`."""
-
-    version: int = Field(ge=0)
+class WeightsShard(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
     object_name: str
     size: int = Field(ge=0)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class WeightsAnnouncement(_Message):
+    """A new policy version: safetensors files, one object each. `lora`: the adapter's tensors
+    (usually one shard); `full`: every parameter of the model, sharded by size."""
+
+    version: int = Field(ge=0)
+    kind: Literal["lora", "full"]
+    shards: list[WeightsShard] = Field(min_length=1)
     base_model: str
     created_at: float
+
+    @property
+    def size(self) -> int:
+        return sum(s.size for s in self.shards)
 
 
 class AdmissionBudget(_Message):

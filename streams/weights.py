@@ -1,16 +1,18 @@
-"""Policy weights on the wire: each version's LoRA adapter is an object in the run's weights
-bucket, announced on the weights subject (a last-value stream, so late joiners catch up)."""
+"""Policy weights on the wire: each version is one or more safetensors objects in the run's
+weights bucket (a LoRA adapter, or a full model's shards), announced on the weights subject (a
+last-value stream, so late joiners catch up)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections import Counter
+from typing import Literal
 
 import structlog
 from nats.js.errors import NotFoundError
 
-from echo.protocol import HDR_MSG_ID, OBJ_HDR_VERSION, WeightsAnnouncement, adapter_object_name, encode
+from echo.protocol import HDR_MSG_ID, OBJ_HDR_VERSION, WeightsAnnouncement, WeightsShard, encode, weights_object_name
 from streams.client import LatestValue, Run
 from streams.objects import TransferError, get_object, put_object, sha256_hex
 
@@ -19,18 +21,18 @@ log = structlog.get_logger()
 OBJECT_WAIT_S = 30.0  # how long an announced object may take to reach this server
 
 
-async def publish_weights(run: Run, version: int, data: bytes, base_model: str, keep: int = 3) -> WeightsAnnouncement:
-    """Store the adapter, then announce it: a sampler never hears of an object not yet complete.
-    Only the newest `keep` versions stay in the bucket, so a long run's disk use is bounded."""
-    name = adapter_object_name(version)
-    info = await put_object(run.js, run.names.weights_bucket, name, data, headers={OBJ_HDR_VERSION: [str(version)]})
+async def publish_weights(
+    run: Run, version: int, shards: list[bytes], base_model: str, kind: Literal["lora", "full"] = "lora", keep: int = 3
+) -> WeightsAnnouncement:
+    """Store every shard, then announce them: a sampler never hears of an object not yet
+    complete. Only the newest `keep` versions stay in the bucket, so disk use is bounded."""
+    stored = []
+    for index, data in enumerate(shards):
+        name = weights_object_name(version, index)
+        info = await put_object(run.js, run.names.weights_bucket, name, data, headers={OBJ_HDR_VERSION: [str(version)]})
+        stored.append(WeightsShard(object_name=name, size=len(data), sha256=sha256_hex(info)))  # hashed while sent
     announcement = WeightsAnnouncement(
-        version=version,
-        object_name=name,
-        size=len(data),
-        sha256=sha256_hex(info),  # hashed once, while the chunks went out
-        base_model=base_model,
-        created_at=time.time(),
+        version=version, kind=kind, shards=stored, base_model=base_model, created_at=time.time()
     )
     await run.js.publish(
         run.names.weights_subject, encode(announcement), headers={HDR_MSG_ID: f"weights-{version}"}
@@ -51,24 +53,27 @@ async def delete_versions_before(run: Run, oldest_kept: int) -> None:
             await run.weights.delete(info.name)
 
 
-async def fetch_weights(run: Run, announcement: WeightsAnnouncement) -> bytes:
-    """The announced adapter's bytes, checked against the announcement's size and digest as
+async def fetch_weights(run: Run, announcement: WeightsAnnouncement) -> list[bytearray]:
+    """The announced shards' bytes, each checked against the announcement's size and digest as
     well as the object's own info; TransferError (not found, truncated, mismatch) otherwise."""
-    data = await get_object(run.local_js, run.names.weights_bucket, announcement.object_name, announcement.sha256)
-    if len(data) != announcement.size:
-        raise TransferError("size_mismatch", f"got {len(data)} bytes, announced {announcement.size}")
-    return bytes(data)
+    shards = []
+    for shard in announcement.shards:
+        data = await get_object(run.local_js, run.names.weights_bucket, shard.object_name, shard.sha256)
+        if len(data) != shard.size:
+            raise TransferError("size_mismatch", f"{shard.object_name}: got {len(data)} bytes, announced {shard.size}")
+        shards.append(data)
+    return shards
 
 
 class WeightsFollower:
-    """Keeps the newest announced adapter downloaded and verified, ready for the sampler to
+    """Keeps the newest announced weights downloaded and verified, ready for the sampler to
     apply between generations. Intermediate versions that were superseded are skipped."""
 
     def __init__(self, run: Run, base_model: str):
         self.run = run
         self.base_model = base_model
         self.failures: Counter[str] = Counter()
-        self.ready: tuple[WeightsAnnouncement, bytes] | None = None
+        self.ready: tuple[WeightsAnnouncement, list[bytearray]] | None = None
         self._ready_changed = asyncio.Condition()
         self._announcements = LatestValue(
             run.local_js, run.names.control_stream, run.names.weights_subject, WeightsAnnouncement, self._on_bad
@@ -108,7 +113,7 @@ class WeightsFollower:
                 self.ready = (announcement, data)
                 self._ready_changed.notify_all()
 
-    async def _fetch_unless_superseded(self, announcement: WeightsAnnouncement, seq: int) -> bytes | None:
+    async def _fetch_unless_superseded(self, announcement: WeightsAnnouncement, seq: int) -> list[bytearray] | None:
         """Through a relay, an announcement can arrive before the mirror has the object: wait
         for it. An object gone because newer versions replaced it is skipped (None)."""
         deadline = time.monotonic() + OBJECT_WAIT_S
@@ -124,8 +129,8 @@ class WeightsFollower:
                     raise
             await asyncio.sleep(0.05)
 
-    async def wait_for(self, version: int) -> tuple[WeightsAnnouncement, bytes]:
-        """Wait until an adapter of `version` or newer is downloaded; return the newest."""
+    async def wait_for(self, version: int) -> tuple[WeightsAnnouncement, list[bytearray]]:
+        """Wait until weights of `version` or newer are downloaded; return the newest."""
         async with self._ready_changed:
             await self._ready_changed.wait_for(lambda: self.ready is not None and self.ready[0].version >= version)
             return self.ready

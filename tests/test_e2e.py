@@ -132,3 +132,19 @@ def test_a_user_task_given_as_module_and_class_trains_end_to_end(tmp_path, monke
     summary = orjson.loads((tmp_path / "user" / "summary.json").read_bytes())
     assert summary["eval"]["task"] == "shout" and summary["eval"]["prompts"] == 4
     assert (tmp_path / "user" / "report.png").stat().st_size > 10_000
+
+
+def test_full_weight_mode_trains_and_publishes_every_parameter_in_shards(tmp_path, monkeypatch):
+    (tmp_path / "user_tasks").mkdir()
+    (tmp_path / "user_tasks" / "shout.py").write_text(USER_TASK)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "user_tasks"))
+    metrics, stream, _ = run_swarm(tmp_path, "full", 3, 'task.name="shout:Shout"', 'task.params={word="hey"}',
+                                   "lora.enabled=false", "trainer.shard_mb=0.05", "run.eval_prompts=2")
+    assert [m["version"] for m in metrics] == [1, 2, 3]
+    assert max(int(r["headers"][HDR_POLICY_VERSION]) for r in stream) >= 1  # samplers loaded new full weights
+    files = sorted(p.name for p in (tmp_path / "full" / "weights").iterdir())
+    assert {f[:7] for f in files} == {"v000001", "v000002", "v000003"}  # the newest keep_versions = 3
+    first, last = ([(tmp_path / "full" / "weights" / f).read_bytes() for f in files if f.startswith(v)]
+                   for v in ("v000001", "v000003"))
+    assert len(last) > 3 and first != last  # several shards, and training moved them
+    assert orjson.loads((tmp_path / "full" / "summary.json").read_bytes())["eval"]["version"] == 3

@@ -1,14 +1,15 @@
-"""The policy on the tiny model: adapters move between model instances exactly, and the
-engine's behaviour log-probs are what the trainer computes for the same tokens."""
+"""The policy on the tiny model: published weights (LoRA or full) move between model instances
+exactly, and the engine's behaviour log-probs are what the trainer computes for the same tokens."""
 
 import pytest
+import safetensors.torch
 import torch
 
 from echo.algorithms.grpo import token_logprobs
 from echo.config import LoraConfig, SamplingConfig
 from echo.engines.hf import HFEngine
 from echo.models import load_model
-from echo.policy import AdapterMismatch, adapter_bytes, add_lora, group_logprobs
+from echo.policy import WeightsMismatch, group_logprobs, make_policy, tensors_from_buffer, weights_shards
 
 SAMPLING = SamplingConfig(group_size=4, max_new_tokens=12, temperature=0.7)
 
@@ -16,6 +17,16 @@ SAMPLING = SamplingConfig(group_size=4, max_new_tokens=12, temperature=0.7)
 @pytest.fixture(scope="module")
 def engines():
     return HFEngine("tiny", LoraConfig(r=4), SAMPLING), HFEngine("tiny", LoraConfig(r=4), SAMPLING)
+
+
+def shards_of(model, shard_bytes: int = 2**30) -> list[bytearray]:
+    return [bytearray(s) for s in weights_shards(model, shard_bytes)]
+
+
+def same_logits(a: HFEngine, b: HFEngine) -> bool:
+    ids = torch.tensor([a.encode_chat([{"role": "user", "content": "What is 1 + 1?"}])])
+    with torch.no_grad():
+        return torch.equal(a.model(input_ids=ids).logits, b.model(input_ids=ids).logits)
 
 
 def test_tiny_base_model_is_the_same_in_every_process():
@@ -30,22 +41,48 @@ def test_adapter_moves_between_instances_and_reproduces_logits(engines):
         for name, p in source.model.named_parameters():
             if "lora_" in name:
                 p.normal_(0, 0.1)
-    target.load_adapter(adapter_bytes(source.model))
-    ids = torch.tensor([source.encode_chat([{"role": "user", "content": "What is 1 + 1?"}])])
+    target.load_weights(shards_of(source.model))
+    assert same_logits(source, target)
+
+
+def test_full_weights_move_in_shards_and_reproduce_logits():
+    source, target = (HFEngine("tiny", LoraConfig(enabled=False), SAMPLING) for _ in range(2))
     with torch.no_grad():
-        assert torch.equal(source.model(input_ids=ids).logits, target.model(input_ids=ids).logits)
+        for p in source.model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    assert not same_logits(source, target)
+    shards = shards_of(source.model, shard_bytes=2**16)
+    assert len(shards) > 3  # the tiny model is ~0.36 MB in float32
+    target.load_weights(shards)
+    assert same_logits(source, target)
 
 
-@pytest.mark.parametrize("data", [b"garbage", None])
-def test_a_mismatched_adapter_is_refused_and_the_old_one_kept(engines, data):
+def test_tensors_from_buffer_are_views_of_it_and_equal_safetensors_own_load():
+    tensors = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.tensor([1, 2], dtype=torch.int64)}
+    buffer = bytearray(safetensors.torch.save(tensors))
+    parsed = tensors_from_buffer(buffer)
+    reference = safetensors.torch.load(bytes(buffer))
+    assert parsed.keys() == reference.keys() and all(torch.equal(parsed[k], reference[k]) for k in parsed)
+    data_start = 8 + int.from_bytes(buffer[:8], "little")
+    buffer[data_start:] = bytes(len(buffer) - data_start)  # zero the data in place
+    assert all(not t.any() for t in parsed.values())
+
+
+@pytest.mark.parametrize("kind", ["garbage", "other-rank", "full-into-lora", "bad-offsets"])
+def test_mismatched_weights_are_refused_and_the_old_ones_kept(engines, kind):
     _, target = engines
-    before = adapter_bytes(target.model)
-    if data is None:  # a well-formed adapter of another rank
-        other, _ = load_model("tiny")
-        data = adapter_bytes(add_lora(other, LoraConfig(r=8)))
-    with pytest.raises(AdapterMismatch):
-        target.load_adapter(data)
-    assert adapter_bytes(target.model) == before
+    before = weights_shards(target.model, 2**30)
+    if kind == "garbage":
+        shards = [bytearray(b"garbage")]
+    elif kind == "other-rank":
+        shards = shards_of(make_policy(load_model("tiny")[0], LoraConfig(r=8)))
+    elif kind == "full-into-lora":
+        shards = shards_of(load_model("tiny")[0])
+    else:  # a header that promises more bytes than the file holds
+        shards = [bytearray(safetensors.torch.save({"x": torch.zeros(4)})[:-8])]
+    with pytest.raises(WeightsMismatch):
+        target.load_weights(shards)
+    assert weights_shards(target.model, 2**30) == before
 
 
 def test_behaviour_logprobs_match_the_trainers(engines):

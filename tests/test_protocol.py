@@ -12,6 +12,7 @@ from echo.protocol import (
     RolloutGroup,
     RunNames,
     WeightsAnnouncement,
+    WeightsShard,
     decode,
     decode_rollout,
     encode,
@@ -45,7 +46,9 @@ def test_rollout_round_trip_with_headers():
 
 
 def test_other_messages_round_trip():
-    ann = WeightsAnnouncement(version=2, object_name="a", size=10, sha256="0" * 64, base_model="tiny", created_at=1.0)
+    shard = WeightsShard(object_name="a", size=10, sha256="0" * 64)
+    ann = WeightsAnnouncement(version=2, kind="full", shards=[shard, shard], base_model="tiny", created_at=1.0)
+    assert ann.size == 20
     req = PullRequest(request_id="r1", version=2, groups=8)
     assert decode(WeightsAnnouncement, encode(ann)) == ann
     assert decode(PullRequest, encode(req)) == req
@@ -78,7 +81,7 @@ def _mutate(**changes) -> bytes:
     [
         (b"not json", "bad_json"),
         (b"[1, 2]", "bad_json"),
-        (_mutate(schema_version=2), "bad_schema_version"),
+        (_mutate(schema_version=1), "bad_schema_version"),
         (_mutate(policy_version=None), "bad_schema"),
         (_mutate(policy_version="3"), "bad_schema"),
         (_mutate(policy_version=-1), "bad_schema"),

@@ -14,7 +14,7 @@ import torch
 from echo.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from echo.config import LoraConfig
 from echo.models import load_model
-from echo.policy import add_lora
+from echo.policy import make_policy
 from echo.protocol import HDR_MSG_ID, TRAINER_CONSUMER, RunNames
 from streams.client import connect
 from streams.replay import read_rollouts
@@ -22,21 +22,22 @@ from tests.conftest import tiny_config
 from workers.trainer import restore_metrics
 
 
-def _policy_and_optimizer():
+def _policy_and_optimizer(lora: LoraConfig):
     model, _ = load_model("tiny")
-    policy = add_lora(model, LoraConfig(r=4))
+    policy = make_policy(model, lora)
     return policy, torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=0.1)
 
 
-def test_checkpoint_restores_adapter_optimizer_rng_and_state(tmp_path):
-    policy, optimizer = _policy_and_optimizer()
+@pytest.mark.parametrize("lora", [LoraConfig(r=4), LoraConfig(enabled=False)], ids=["lora", "full"])
+def test_checkpoint_restores_weights_optimizer_rng_and_state(tmp_path, lora):
+    policy, optimizer = _policy_and_optimizer(lora)
     policy(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
     optimizer.step()
     state = TrainerState(step=3, version=3, trained_ids=["a", "b"], lost=2, record={"step": 3, "staleness_used": {0: 4}})
     save_checkpoint(tmp_path / "ckpt.pt", policy, optimizer, state)
     expected_draw = torch.rand(3)
 
-    other, other_optimizer = _policy_and_optimizer()
+    other, other_optimizer = _policy_and_optimizer(lora)
     torch.rand(5)  # move the RNG on; the checkpoint must put it back
     restored = load_checkpoint(tmp_path / "ckpt.pt", other, other_optimizer)
     assert restored == state

@@ -8,16 +8,17 @@ import pytest
 import torch
 
 from echo.engines.hf import HFEngine
-from echo.policy import adapter_bytes
+from echo.policy import weights_shards
 from echo.protocol import (
     HDR_MSG_ID,
     HDR_POLICY_VERSION,
     HDR_SAMPLER_ID,
     TRAINER_CONSUMER,
     WeightsAnnouncement,
-    adapter_object_name,
+    WeightsShard,
     encode,
     rollout_headers,
+    weights_object_name,
 )
 from echo.tasks import load_task
 from streams.client import open_run
@@ -72,9 +73,10 @@ def test_weights_round_trip_and_a_wrong_digest_is_refused(nats_server, tmp_path)
     async def main():
         run = await open_run(nats_server.url, "w", "test")
         data = bytes(range(256)) * 4000  # 1 MB: several object-store chunks
-        announcement = await publish_weights(run, 7, data, "tiny")
-        assert await fetch_weights(run, announcement) == data
-        lying = announcement.model_copy(update={"sha256": "0" * 64})
+        announcement = await publish_weights(run, 7, [data, data[:1000]], "tiny", "full")
+        assert await fetch_weights(run, announcement) == [data, data[:1000]]
+        lie = announcement.shards[1].model_copy(update={"sha256": "0" * 64})
+        lying = announcement.model_copy(update={"shards": [announcement.shards[0], lie]})
         with pytest.raises(TransferError, match="digest_mismatch"):
             await fetch_weights(run, lying)
         await run.close()
@@ -89,13 +91,13 @@ async def _until_failure(follower: WeightsFollower, timeout: float = 4.0) -> Non
         await asyncio.sleep(0.02)
 
 
-def _adapter_for_version(engine: HFEngine, version: int) -> bytes:
+def _adapter_for_version(engine: HFEngine, version: int) -> list[bytes]:
     """A distinct adapter per version: LoRA B matrices filled with the version number."""
     with torch.no_grad():
         for name, p in engine.model.named_parameters():
             if "lora_B" in name:
                 p.fill_(version / 100)
-    return adapter_bytes(engine.model)
+    return weights_shards(engine.model, 2**30)
 
 
 def test_a_sampler_joining_after_version_3_generates_with_version_3(nats_server, tmp_path):
@@ -116,7 +118,7 @@ def test_a_sampler_joining_after_version_3_generates_with_version_3(nats_server,
         await sampler.apply_newest()
         await sampler.generate_and_publish(1)
         # A damaged version 4 is refused, the sampler stays on 3, and its heartbeat says why.
-        await _store_tampered(run, 4, adapters[0], lambda chunks: [bytes([c[0] ^ 0xFF]) + c[1:] for c in chunks])
+        await _store_tampered(run, 4, adapters[0][0], lambda chunks: [bytes([c[0] ^ 0xFF]) + c[1:] for c in chunks])
         await _until_failure(sampler.weights)
         await sampler.apply_newest()
         await put_status(sampler_run, sampler.status())
@@ -125,7 +127,7 @@ def test_a_sampler_joining_after_version_3_generates_with_version_3(nats_server,
         assert status.weight_failures == {"digest_mismatch": 1}
         await sampler.weights.stop()
         assert sampler.version == 3
-        assert adapter_bytes(engine.model) == adapters[3]
+        assert weights_shards(engine.model, 2**30) == adapters[3]
         records = [r async for r in read_rollouts(nats_server.url, cfg.run.id)]
         assert [r["headers"][HDR_POLICY_VERSION] for r in records] == ["3"]
         await sampler_run.close()
@@ -137,10 +139,10 @@ def test_a_sampler_joining_after_version_3_generates_with_version_3(nats_server,
 def test_follower_refuses_an_adapter_for_another_base_model(nats_server, tmp_path):
     async def main():
         run = await open_run(nats_server.url, "b", "test")
-        await publish_weights(run, 0, b"good", "tiny")
+        await publish_weights(run, 0, [b"good"], "tiny")
         follower = await WeightsFollower(run, "tiny").start()
-        assert (await follower.wait_for(0))[1] == b"good"
-        await publish_weights(run, 1, b"other", "some-other-model")
+        assert (await follower.wait_for(0))[1] == [b"good"]
+        await publish_weights(run, 1, [b"other"], "some-other-model")
         await _until_failure(follower)
         assert follower.failures == {"wrong_base_model": 1}
         assert follower.ready[0].version == 0  # the old version stays
@@ -153,10 +155,10 @@ def test_follower_refuses_an_adapter_for_another_base_model(nats_server, tmp_pat
 def test_the_bucket_keeps_only_the_newest_versions(nats_server):
     async def main():
         run = await open_run(nats_server.url, "keep", "test")
-        announcements = [await publish_weights(run, v, f"adapter {v}".encode() * 1000, "tiny", keep=2) for v in range(5)]
+        announcements = [await publish_weights(run, v, [f"adapter {v}".encode() * 1000], "tiny", keep=2) for v in range(5)]
         names = sorted(info.name for info in await run.weights.list(ignore_deletes=True))
-        assert names == [a.object_name for a in announcements[-2:]]
-        assert await fetch_weights(run, announcements[-1]) == b"adapter 4" * 1000
+        assert names == [a.shards[0].object_name for a in announcements[-2:]]
+        assert await fetch_weights(run, announcements[-1]) == [b"adapter 4" * 1000]
         with pytest.raises(TransferError, match="not_found"):
             await fetch_weights(run, announcements[0])
         await run.close()
@@ -167,7 +169,7 @@ def test_the_bucket_keeps_only_the_newest_versions(nats_server):
 async def _store_tampered(run, version: int, data: bytes, tamper) -> None:
     """Store an adapter, rewrite its chunks in the bucket with `tamper`, then announce the
     original's size and digest, as a trainer would have."""
-    name = adapter_object_name(version)
+    name = weights_object_name(version, 0)
     await run.weights.put(name, data)
     info = await run.weights.get_info(name)
     subject = f"$O.{run.names.weights_bucket}.C.{info.nuid}"
@@ -177,8 +179,8 @@ async def _store_tampered(run, version: int, data: bytes, tamper) -> None:
     await run.js.purge_stream(f"OBJ_{run.names.weights_bucket}", subject=subject)
     for chunk in tamper(chunks):
         await run.js.publish(subject, chunk)
-    announcement = WeightsAnnouncement(version=version, object_name=name, size=len(data),
-                                       sha256=hashlib.sha256(data).hexdigest(), base_model="tiny", created_at=0.0)
+    shard = WeightsShard(object_name=name, size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    announcement = WeightsAnnouncement(version=version, kind="lora", shards=[shard], base_model="tiny", created_at=0.0)
     # The object is announced as it would be by a trainer that computed the digest before damage.
     await run.js.publish(run.names.weights_subject, encode(announcement))
 
@@ -194,15 +196,15 @@ async def _store_tampered(run, version: int, data: bytes, tamper) -> None:
 def test_a_damaged_adapter_is_refused_and_the_old_version_kept(nats_server, tamper):
     async def main():
         run = await open_run(nats_server.url, "damage", "test")
-        await publish_weights(run, 0, b"good" * 100_000, "tiny")
+        await publish_weights(run, 0, [b"good" * 100_000], "tiny")
         follower = await WeightsFollower(run, "tiny").start()
         assert (await follower.wait_for(0))[0].version == 0
         await _store_tampered(run, 1, bytes(range(256)) * 2000, tamper)
         await _until_failure(follower)
         assert sum(follower.failures.values()) == 1
-        assert follower.ready[0].version == 0 and follower.ready[1] == b"good" * 100_000
-        await publish_weights(run, 2, b"next" * 1000, "tiny")  # and it still takes the next good one
-        assert (await follower.wait_for(2))[1] == b"next" * 1000
+        assert follower.ready[0].version == 0 and follower.ready[1] == [b"good" * 100_000]
+        await publish_weights(run, 2, [b"next" * 1000], "tiny")  # and it still takes the next good one
+        assert (await follower.wait_for(2))[1] == [b"next" * 1000]
         await follower.stop()
         await run.close()
 

@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     relay.add_argument("--leaf-port", type=int, help="accept sub-site relays on this port")
     relay.add_argument("--store", type=Path, help="JetStream store (default runs/relays/<domain>)")
     relay.add_argument("--log-json", action="store_true")
-    evaluate = sub.add_parser("eval", help="score the base model and the run's last adapter on held-out prompts")
+    evaluate = sub.add_parser("eval", help="score the base model and the run's last published weights on held-out prompts")
     evaluate.add_argument("--run", required=True, type=Path, help="run directory")
     evaluate.add_argument("--prompts", type=int, default=50, help="held-out prompts to score (greedy)")
     evaluate.add_argument("--log-json", action="store_true")

@@ -1,5 +1,5 @@
-"""`echo-rl eval`: score the base model and a run's trained adapter on the task's held-out
-set, with greedy decoding, so the two numbers differ only by what training changed."""
+"""`echo-rl eval`: score the base model and a run's last published weights on the task's
+held-out set, with greedy decoding, so the two numbers differ only by what training changed."""
 
 from __future__ import annotations
 
@@ -7,19 +7,13 @@ from pathlib import Path
 
 import orjson
 
+from echo.checkpoint import latest_weights
 from echo.config import EchoConfig
 from echo.engines.hf import HFEngine
 from echo.tasks import load_task
 
 
-def latest_adapter(run_dir: Path) -> Path:
-    adapters = sorted((run_dir / "adapters").glob("v*.safetensors"))
-    if not adapters:
-        raise FileNotFoundError(f"{run_dir}/adapters holds no adapter")
-    return adapters[-1]
-
-
-def evaluate(cfg: EchoConfig, adapter: Path, n: int, batch: int = 8) -> dict:
+def evaluate(cfg: EchoConfig, version: int, shards: list[Path], n: int, batch: int = 8) -> dict:
     engine = HFEngine(cfg.model.name, cfg.lora, cfg.sampling)
     task = load_task(cfg.task)
     prompts = task.held_out(n)
@@ -32,14 +26,13 @@ def evaluate(cfg: EchoConfig, adapter: Path, n: int, batch: int = 8) -> dict:
             scores += [task.score(out[0].text, p) for out, p in zip(outputs, prompts[start : start + batch])]
         return sum(s.reward for s in scores) / len(scores), sum(s.correct for s in scores) / len(scores)
 
-    with engine.model.disable_adapter():
-        base_reward, base_correct = score()
-    engine.load_adapter(adapter.read_bytes())
+    base_reward, base_correct = score()  # the engine starts as the base model (a zero LoRA B)
+    engine.load_weights([bytearray(path.read_bytes()) for path in shards])
     trained_reward, trained_correct = score()
     return {
         "task": task.name,
         "prompts": len(prompts),
-        "adapter": adapter.name,
+        "version": version,
         "base_reward": round(base_reward, 4),
         "base_correct": round(base_correct, 4),
         "trained_reward": round(trained_reward, 4),
@@ -51,6 +44,6 @@ def evaluate_run(run_dir: Path, n: int) -> dict:
     from echo.config import load_config
 
     cfg = load_config(run_dir / "config.toml")
-    result = evaluate(cfg, latest_adapter(run_dir), n)
+    result = evaluate(cfg, *latest_weights(run_dir), n)
     (run_dir / "eval.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     return result

@@ -1,6 +1,6 @@
 """The sampler process: follow the policy weights, generate rollout groups, publish them.
 
-async mode: generate continuously with the newest adapter it has, swapping between calls.
+async mode: generate continuously with the newest weights it has, swapping between calls.
 sequential mode: wait for a pull request, make sure it runs exactly the requested version,
 then claim the request's work slots one by one and generate them.
 """
@@ -18,7 +18,7 @@ from echo.config import EchoConfig
 from echo.engines import Engine
 from echo.engines.hf import HFEngine
 from echo.learner import set_threads
-from echo.policy import AdapterMismatch
+from echo.policy import WeightsMismatch
 from echo.protocol import Completion, PullRequest, RolloutGroup, SamplerStatus
 from echo.tasks import Task, load_task, safe_reward
 from streams.admission import take_leases, watch_budget
@@ -36,19 +36,19 @@ class Sampler:
         self.cfg, self.sampler_id, self.run, self.engine, self.task = cfg, sampler_id, run, engine, task
         self.rng = random.Random(f"{cfg.run.seed}/{sampler_id}")
         self.weights = WeightsFollower(run, cfg.model.name)
-        self.version = -1  # the adapter version the engine runs now
+        self.version = -1  # the policy version the engine runs now
         self.published = 0
 
     async def apply_newest(self, at_least: int = 0) -> None:
-        """Swap in the newest downloaded adapter, waiting for one of `at_least` if needed.
+        """Swap in the newest downloaded weights, waiting for version `at_least` if needed.
         A generation in flight is not touched: swaps happen only between engine calls."""
-        announcement, data = await self.weights.wait_for(at_least)
+        announcement, shards = await self.weights.wait_for(at_least)
         if announcement.version <= self.version:
             return
         try:
-            await asyncio.to_thread(self.engine.load_adapter, data)
-        except AdapterMismatch as e:
-            self.weights.failures["adapter_mismatch"] += 1
+            await asyncio.to_thread(self.engine.load_weights, shards)
+        except WeightsMismatch as e:
+            self.weights.failures["weights_mismatch"] += 1
             log.warning("weights.refused", version=announcement.version, reason=str(e))
             return
         self.version = announcement.version
@@ -133,10 +133,10 @@ class Sampler:
             updated_at=time.time(),
         )
 
-    async def heartbeat(self, every_s: float = 5.0) -> None:
+    async def heartbeat(self) -> None:
         while True:
             await put_status(self.run, self.status())
-            await asyncio.sleep(every_s)
+            await asyncio.sleep(self.cfg.sampler.heartbeat_s)
 
     def _bad_request(self, error) -> None:
         log.warning("pull.bad_request", reason=str(error))

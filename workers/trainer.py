@@ -1,4 +1,4 @@
-"""The trainer process: consume rollout groups, take GRPO steps, publish each new adapter.
+"""The trainer process: consume rollout groups, take GRPO steps, publish each new version.
 
 Step s trains on groups whose policy version is within the staleness bound of version s - 1
 and publishes version s. In sequential mode it first asks the samplers for exactly the groups
@@ -21,11 +21,11 @@ import orjson
 import structlog
 
 from echo.admission import allowance
-from echo.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from echo.checkpoint import TrainerState, load_checkpoint, prune_weights, save_checkpoint, weights_file
 from echo.config import EchoConfig
 from echo.learner import make_optimizer, set_threads, train_step
 from echo.models import load_model
-from echo.policy import adapter_bytes, add_lora
+from echo.policy import make_policy, weights_kind, weights_shards
 from echo.protocol import CONFIG_KEY, AdmissionBudget, ProtocolError, RolloutGroup, decode_rollout
 from echo.referee import Referee
 from echo.staleness import Verdict, judge
@@ -175,13 +175,13 @@ class Admission(Orders):
 async def run_trainer(cfg: EchoConfig) -> None:
     set_threads(cfg.trainer.threads)
     run_dir = cfg.run_dir
-    (run_dir / "adapters").mkdir(parents=True, exist_ok=True)
+    (run_dir / "weights").mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(cfg.to_toml())
     run = await open_run(cfg.nats.url, cfg.run.id, "trainer", cfg.nats.hub_domain or None)
     await run.state.put(CONFIG_KEY, cfg.model_dump_json().encode())
 
     base, tokenizer = load_model(cfg.model.name)
-    policy = add_lora(base, cfg.lora)
+    policy = make_policy(base, cfg.lora)
     optimizer = make_optimizer(policy, cfg)
     checkpoint_path = run_dir / "checkpoint.pt"
     state = load_checkpoint(checkpoint_path, policy, optimizer) or TrainerState()
@@ -198,7 +198,7 @@ async def run_trainer(cfg: EchoConfig) -> None:
     orders = (PullRequests if cfg.run.mode == "sequential" else Admission)(run, cfg, state)
 
     # (Re)publish the current version: a fresh run's version 0, or the checkpoint's.
-    await publish_adapter(run, cfg, policy, state.version, run_dir)
+    await publish_policy(run, cfg, policy, state.version, run_dir)
     log.info("trainer.ready", run=cfg.run.id, mode=cfg.run.mode, model=cfg.model.name, step=state.step,
              version=state.version, steps=cfg.run.steps)
     started = time.perf_counter()
@@ -237,7 +237,7 @@ async def run_trainer(cfg: EchoConfig) -> None:
                 "dropped_groups": collected.dropped_ids,
             }
             await asyncio.to_thread(save_checkpoint, checkpoint_path, policy, optimizer, state)
-            publish_seconds = await publish_adapter(run, cfg, policy, state.version, run_dir)
+            publish_seconds = await publish_policy(run, cfg, policy, state.version, run_dir)
             await collector.ack_held()  # only now: the step that used them is checkpointed
 
             record = {**state.record, "publish_seconds": publish_seconds}
@@ -274,9 +274,13 @@ def restore_metrics(path: Path, state: TrainerState) -> None:
         path.write_bytes(b"".join(metrics_line(r) for r in kept))
 
 
-async def publish_adapter(run: Run, cfg: EchoConfig, policy, version: int, run_dir: Path) -> float:
+async def publish_policy(run: Run, cfg: EchoConfig, policy, version: int, run_dir: Path) -> float:
+    """Write the version's shards to the run directory (for `echo-rl eval`), then publish them.
+    Both keep the newest `trainer.keep_versions` versions."""
     started = time.perf_counter()
-    data = adapter_bytes(policy)
-    (run_dir / "adapters" / f"v{version:06d}.safetensors").write_bytes(data)
-    await publish_weights(run, version, data, cfg.model.name, cfg.trainer.keep_versions)
+    shards = weights_shards(policy, int(cfg.trainer.shard_mb * 2**20))
+    for index, data in enumerate(shards):
+        weights_file(run_dir, version, index).write_bytes(data)
+    prune_weights(run_dir, version - cfg.trainer.keep_versions + 1)
+    await publish_weights(run, version, shards, cfg.model.name, weights_kind(policy), cfg.trainer.keep_versions)
     return time.perf_counter() - started

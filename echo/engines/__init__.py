@@ -21,6 +21,7 @@ class Engine(Protocol):
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False) -> list[list[Generation]]:
         """n sampled completions for each prompt (greedy: the most likely one, for evaluation)."""
 
-    def load_adapter(self, data: bytes) -> None:
-        """Swap in a new LoRA adapter (safetensors bytes) without reloading the base model.
-        Raises echo.policy.AdapterMismatch and keeps the current adapter if it does not fit."""
+    def load_weights(self, shards: list[bytearray]) -> None:
+        """Swap in a published version (safetensors shards: a LoRA adapter, or every parameter)
+        without reloading the model. Raises echo.policy.WeightsMismatch and keeps the current
+        weights if they do not fit."""

@@ -1,4 +1,5 @@
-"""The transformers engine: peft LoRA on top of the base model, generation with `generate`."""
+"""The transformers engine: peft LoRA on top of the base model (or the plain model in full-weight
+mode), generation with `generate`."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ from transformers import GenerationConfig
 from echo.config import LoraConfig, SamplingConfig
 from echo.engines import Generation
 from echo.models import encode_chat, load_model
-from echo.policy import add_lora, load_adapter
+from echo.policy import load_weights, make_policy
 
 
 class HFEngine:
     def __init__(self, model_name: str, lora: LoraConfig, sampling: SamplingConfig):
         base, self.tokenizer = load_model(model_name)
-        self.model = add_lora(base, lora).eval()
+        self.model = make_policy(base, lora).eval()
         self.temperature = sampling.temperature
         # Plain sampling at `temperature`: no top-k/top-p, so the behaviour log-probs the
         # trainer receives are those of the distribution the tokens were really drawn from.
@@ -35,8 +36,8 @@ class HFEngine:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return encode_chat(self.tokenizer, messages)
 
-    def load_adapter(self, data: bytes) -> None:
-        load_adapter(self.model, data)
+    def load_weights(self, shards: list[bytearray]) -> None:
+        load_weights(self.model, shards)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False) -> list[list[Generation]]:

@@ -1,0 +1,115 @@
+"""A sampler process killed in the middle of fetching a version restarts and runs the latest.
+
+The sampler reaches the server through a TCP proxy that stops passing the server's bytes after
+half of the new version's size: the fetch is provably in flight when the kill -9 lands."""
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from echo.engines.hf import HFEngine
+from streams.client import open_run
+from streams.registry import read_statuses
+from streams.weights import publish_weights
+from tests.conftest import tiny_config
+from tests.test_streams import _adapter_for_version
+
+pytestmark = pytest.mark.slow
+
+
+class StallingProxy:
+    """Forwards TCP both ways; after `stall_after(n)` it passes n more bytes from the server,
+    then holds everything: a link that dies in the middle of a transfer."""
+
+    def __init__(self, server_port: int):
+        self.server_port = server_port
+        self.passed = 0  # bytes server -> client so far
+        self.limit: int | None = None
+        self.stalled = asyncio.Event()
+        self._writers = []
+
+    async def start(self) -> "StallingProxy":
+        self._server = await asyncio.start_server(self._on_client, "127.0.0.1", 0)
+        self.url = f"nats://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    def stall_after(self, n: int) -> None:
+        self.limit = self.passed + n
+
+    async def _on_client(self, client_reader, client_writer):
+        server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self.server_port)
+        self._writers += [client_writer, server_writer]
+        await asyncio.gather(self._pipe(client_reader, server_writer, False),
+                             self._pipe(server_reader, client_writer, True), return_exceptions=True)
+
+    async def _pipe(self, reader, writer, from_server: bool) -> None:
+        while data := await reader.read(65536):
+            if from_server and self.limit is not None:
+                data = data[: max(0, self.limit - self.passed)]
+                if self.passed + len(data) >= self.limit:
+                    self.stalled.set()
+            if from_server:
+                self.passed += len(data)
+            writer.write(data)
+            await writer.drain()
+            if self.stalled.is_set() and from_server:
+                await asyncio.Event().wait()  # hold the connection open, pass nothing more
+
+    async def close(self) -> None:
+        for w in self._writers:
+            w.close()
+        self._server.close()
+
+
+def _sampler(config_path, url: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "workers.cli", "sampler", "--config", str(config_path), "--id", "k", "--nats", url],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+
+
+async def _until_status(run, predicate, timeout: float = 60.0):
+    for _ in range(int(timeout / 0.1)):
+        statuses = await read_statuses(run)
+        if statuses and predicate(statuses[0]):
+            return statuses[0]
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"sampler status never matched; last {statuses}")
+
+
+def test_a_sampler_killed_mid_fetch_restarts_and_loads_the_latest_version(nats_server, tmp_path):
+    # LoRA r=256 on every linear layer: a 2 MiB adapter in three 1 MiB chunks, cut halfway.
+    cfg = tiny_config(tmp_path, lora={"r": 256, "alpha": 256.0}, sampler={"heartbeat_s": 0.2})
+    config_path = tmp_path / "config.toml"
+    config_path.write_text(cfg.to_toml())
+    trainer_side = HFEngine("tiny", cfg.lora, cfg.sampling)
+    adapters = [_adapter_for_version(trainer_side, v) for v in range(3)]
+
+    async def main():
+        run = await open_run(nats_server.url, cfg.run.id, "trainer")
+        await publish_weights(run, 0, adapters[0], "tiny")
+        proxy = await StallingProxy(nats_server.port).start()
+        sampler = _sampler(config_path, proxy.url)
+        try:
+            await _until_status(run, lambda s: s.version == 0)
+            proxy.stall_after(len(adapters[1][0]) // 2)
+            await publish_weights(run, 1, adapters[1], "tiny")
+            await asyncio.wait_for(proxy.stalled.wait(), timeout=30)
+            sampler.kill()  # kill -9, half of version 1 received
+            sampler.wait()
+            [status] = await read_statuses(run)
+            assert status.version == 0  # it never got to run version 1
+            await proxy.close()
+
+            await publish_weights(run, 2, adapters[2], "tiny")
+            sampler = _sampler(config_path, nats_server.url)
+            status = await _until_status(run, lambda s: s.version == 2)
+            assert status.weight_failures == {}
+        finally:
+            sampler.kill()
+            sampler.wait()
+            await run.close()
+
+    asyncio.run(main())
