@@ -8,9 +8,9 @@ from typing import Callable, Generic, TypeVar
 
 import nats
 from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy, KeyValueConfig
-from nats.errors import NoRespondersError
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore

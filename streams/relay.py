@@ -54,8 +54,6 @@ async def prune_replaced(js: JetStreamContext, names: RunNames) -> None:
         for nuid in stale - {None}:
             await js.purge_stream(names.weights_stream, subject=f"$O.{names.weights_bucket}.C.{nuid}")
             log.debug("relay.pruned", object=info.name, nuid=nuid)
-        if not info.deleted:
-            live[info.name] = info.nuid
 
     sub = await js.subscribe(
         meta_prefix + ">",
