@@ -78,9 +78,9 @@ def tensors_from_buffer(buffer: bytearray) -> dict[str, torch.Tensor]:
             continue
         try:
             dtype, shape, (begin, end) = _DTYPES[entry["dtype"]], entry["shape"], entry["data_offsets"]
+            numel = torch.Size(shape).numel()
         except (KeyError, TypeError, ValueError):
             raise WeightsMismatch(f"not a safetensors file: bad header entry {name!r}") from None
-        numel = torch.Size(shape).numel()
         if not (0 <= begin <= end <= len(buffer) - start) or end - begin != numel * dtype.itemsize:
             raise WeightsMismatch(f"not a safetensors file: {name} has offsets {begin}..{end} for shape {shape}")
         if numel == 0:  # frombuffer refuses a count of 0

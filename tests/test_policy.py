@@ -68,7 +68,7 @@ def test_tensors_from_buffer_are_views_of_it_and_equal_safetensors_own_load():
     assert all(not t.any() for t in parsed.values())
 
 
-@pytest.mark.parametrize("kind", ["garbage", "other-rank", "full-into-lora", "bad-offsets"])
+@pytest.mark.parametrize("kind", ["garbage", "other-rank", "full-into-lora", "bad-offsets", "bad-shape"])
 def test_mismatched_weights_are_refused_and_the_old_ones_kept(engines, kind):
     _, target = engines
     before = weights_shards(target.model, 2**30)
@@ -78,8 +78,11 @@ def test_mismatched_weights_are_refused_and_the_old_ones_kept(engines, kind):
         shards = shards_of(make_policy(load_model("tiny")[0], LoraConfig(r=8)))
     elif kind == "full-into-lora":
         shards = shards_of(load_model("tiny")[0])
-    else:  # a header that promises more bytes than the file holds
+    elif kind == "bad-offsets":  # a header that promises more bytes than the file holds
         shards = [bytearray(safetensors.torch.save({"x": torch.zeros(4)})[:-8])]
+    else:  # a shape that is not a list of sizes
+        header = b'{"x":{"dtype":"F32","shape":"four","data_offsets":[0,16]}}'
+        shards = [bytearray(len(header).to_bytes(8, "little") + header + bytes(16))]
     with pytest.raises(WeightsMismatch):
         target.load_weights(shards)
     assert weights_shards(target.model, 2**30) == before
