@@ -65,6 +65,7 @@ async def measure(hub: NatsServer, model: str, n: int, versions: int, relay: boo
     from echo.policy import make_policy, weights_shards
     from streams.client import open_run
     from streams.weights import publish_weights
+    from workers.relay import loopback_relay_args
 
     run_id = f"sync{n}{'relay' if relay else ''}"
     policy = make_policy(load_model(model)[0], LoraConfig())
@@ -79,9 +80,8 @@ async def measure(hub: NatsServer, model: str, n: int, versions: int, relay: boo
     procs, worker_url = [], hub.url
     if relay:
         port, store = free_port(), hub.store_dir / "relays" / run_id
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "workers.cli", "relay", "--hub", hub.leaf_url, "--run-id", run_id, "--domain", "site",
-             "--host", "127.0.0.1", "--port", str(port), "--store", store], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        procs.append(subprocess.Popen([sys.executable, "-m", "workers.cli", *loopback_relay_args(hub.leaf_url, run_id, port, store)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         worker_url = f"nats://127.0.0.1:{port}"
     procs += [
         subprocess.Popen([sys.executable, __file__, "--worker", worker_url, run_id, model, str(i)],

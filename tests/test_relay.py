@@ -21,6 +21,7 @@ from streams.weights import publish_weights
 from tests.conftest import tiny_config
 from tests.test_streams import _adapter_for_version
 from workers.cli import build_parser, sampler_config_from_run
+from workers.relay import loopback_relay_args
 from workers.sampler import Sampler
 
 
@@ -35,11 +36,8 @@ class Relay:
 
     def __init__(self, tmp_path, upstream_leaf_url: str, run_id: str, domain: str, upstream_domain: str = "hub"):
         self.port, self.leaf_port = free_port(), free_port()
-        self.args = [
-            sys.executable, "-m", "workers.cli", "relay", "--hub", upstream_leaf_url, "--run-id", run_id,
-            "--domain", domain, "--upstream-domain", upstream_domain, "--host", "127.0.0.1",
-            "--port", str(self.port), "--leaf-port", str(self.leaf_port), "--store", str(tmp_path / domain),
-        ]
+        self.args = [sys.executable, "-m", "workers.cli", *loopback_relay_args(
+            upstream_leaf_url, run_id, self.port, tmp_path / domain, domain, upstream_domain, self.leaf_port)]
         self.log = tmp_path / f"{domain}.stderr"
         self.process: subprocess.Popen | None = None
 

@@ -34,6 +34,16 @@ class RelayConfig(BaseModel):
     store_dir: Path
 
 
+def loopback_relay_args(
+    hub_leaf_url: str, run_id: str, port: int, store_dir: Path, domain: str = "site",
+    upstream_domain: str = HUB_DOMAIN, leaf_port: int | None = None,
+) -> list[str]:
+    """`echo-rl relay` arguments for a relay on this machine's loopback (`up --relay`, tests, benches)."""
+    args = ["relay", "--hub", hub_leaf_url, "--run-id", run_id, "--domain", domain, "--upstream-domain", upstream_domain,
+            "--host", "127.0.0.1", "--port", str(port), "--store", str(store_dir)]
+    return args + (["--leaf-port", str(leaf_port)] if leaf_port else [])
+
+
 async def run_relay(cfg: RelayConfig) -> None:
     server = NatsServer(
         cfg.store_dir, port=cfg.port, domain=cfg.domain, hub_leaf_url=cfg.hub, leaf_port=cfg.leaf_port,

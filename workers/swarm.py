@@ -16,6 +16,7 @@ from echo.config import EchoConfig
 from echo.models import resolve_model
 from streams.server import NatsServer, free_port
 from workers.evaluate import evaluate_run
+from workers.relay import loopback_relay_args
 from workers.report import write_report
 
 log = structlog.get_logger()
@@ -84,8 +85,7 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False) -> int:
     relays, sampler_url = [], server.url
     if relay:
         port = free_port()
-        relays.append(_spawn(["relay", "--hub", server.leaf_url, "--run-id", cfg.run.id, "--domain", "site",
-                              "--host", "127.0.0.1", "--port", str(port), "--store", str(run_dir / "relay")], log_json))
+        relays.append(_spawn(loopback_relay_args(server.leaf_url, cfg.run.id, port, run_dir / "relay"), log_json))
         sampler_url = f"nats://127.0.0.1:{port}"
     samplers = [
         _spawn(["sampler", "--config", str(config_path), "--id", f"s{i}", "--nats", sampler_url], log_json)
