@@ -16,6 +16,7 @@ from nats.js.errors import KeyNotFoundError
 from pydantic import ValidationError
 
 from echo.config import ConfigError, EchoConfig, apply_override, format_errors, load_config, validate_config
+from echo.edge import check_config_from_broker
 from echo.logs import configure_logging
 from echo.protocol import CONFIG_KEY, HUB_DOMAIN, check_id
 
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     sampler = sub.add_parser("sampler", help="run one sampler; without --config it reads the run's config from NATS")
     _config_args(sampler)
     sampler.add_argument("--id", required=True, help="this sampler's id (its rollout subject)")
+    sampler.add_argument("--task", help="task.name: a task not built in must be named here, never by the broker")
     relay = sub.add_parser("relay", help="a site relay: a leaf node of the hub mirroring a run's weights for its samplers")
     relay.add_argument("--hub", required=True, help="the upstream's leaf-node URL, e.g. nats-leaf://hub:7422")
     relay.add_argument("--run-id", required=True, help="the run whose weights to mirror")
@@ -82,14 +84,20 @@ def relay_config_from_args(args):
         raise ConfigError("invalid relay options: " + format_errors(e)) from None
 
 
-def config_from_args(args) -> EchoConfig:
+def local_overrides(args) -> list[str]:
+    """The command line's config fields as `section.key=value` overrides: `--set` and the shortcut flags."""
     overrides = list(args.set)
     for flag, field in [("model", "model.name"), ("mode", "run.mode"), ("steps", "run.steps"),
-                        ("run_id", "run.id"), ("nats", "nats.url"), ("samplers", "sampler.count")]:
+                        ("run_id", "run.id"), ("nats", "nats.url"), ("samplers", "sampler.count"),
+                        ("task", "task.name")]:
         value = getattr(args, flag, None)
         if value is not None:
             overrides.append(f"{field}={orjson.dumps(value).decode()}")  # a JSON scalar is a TOML value
-    return load_config(args.config, overrides)
+    return overrides
+
+
+def config_from_args(args) -> EchoConfig:
+    return load_config(args.config, local_overrides(args))
 
 
 async def sampler_config_from_run(args) -> EchoConfig:
@@ -98,8 +106,9 @@ async def sampler_config_from_run(args) -> EchoConfig:
 
     if not (args.nats and args.run_id):
         raise ConfigError("a sampler without --config needs --nats and --run-id")
+    local = local_overrides(args)
     given: dict = {}
-    for assignment in args.set:
+    for assignment in local:
         apply_override(given, assignment)
     hub_domain = given.get("nats", {}).get("hub_domain", HUB_DOMAIN)
     run = await open_run(args.nats, args.run_id, f"sampler-{args.id}-config", hub_domain or None)
@@ -113,8 +122,8 @@ async def sampler_config_from_run(args) -> EchoConfig:
     finally:
         await run.close()
     data = orjson.loads(entry.value)
-    data["nats"]["url"] = args.nats  # the hub, or this site's relay
-    for assignment in args.set:
+    check_config_from_broker(data, given)
+    for assignment in local:  # --nats among them: the hub, or this site's relay
         apply_override(data, assignment)
     return validate_config(data)
 

@@ -1,0 +1,38 @@
+"""What an edge sampler accepts from the broker. The run's config in KV is data written by
+whoever can reach the broker; the fields that choose code or files on the edge box must come
+from the box's own command line, unless they name something built in. Pure, no I/O."""
+
+from __future__ import annotations
+
+from echo.config import ConfigError
+from echo.tasks import BUILTIN as BUILTIN_TASKS
+
+BUILTIN_MODELS = ("tiny", "smollm2")
+
+# (path in the config, built-in values the broker may name, the sampler's flag that sets it)
+_LOCAL_ONLY = [
+    (("task", "name"), tuple(BUILTIN_TASKS), "--task"),
+    (("model", "name"), BUILTIN_MODELS, "--model"),
+    (("task", "params", "dataset"), (None,), "--set task.params.dataset="),  # a file on this box
+]
+
+
+def _get(data: dict, path: tuple[str, ...]):
+    for key in path:
+        data = data.get(key) if isinstance(data, dict) else None
+    return data
+
+
+def check_config_from_broker(broker: dict, local: dict) -> None:
+    """Refuse a config from the broker that names code or a file this box's command line (its
+    overrides, `local`) did not: a task module, a model folder, a dataset path."""
+    for path, allowed, flag in _LOCAL_ONLY:
+        if _get(local, path) is not None:
+            continue  # this box chose it itself
+        value = _get(broker, path)
+        if value is not None and value not in allowed:
+            field = ".".join(path)
+            raise ConfigError(
+                f"{field} = {value!r} comes from the broker, and an edge sampler loads no code or file the broker "
+                f"names: give it on this sampler's command line ({flag} ...) if you trust it"
+            )
