@@ -64,12 +64,14 @@ async def measure(hub: NatsServer, model: str, n: int, versions: int, relay: boo
     from echo.models import load_model
     from echo.policy import make_policy, weights_shards
     from streams.client import open_run
+    from streams.lease import take_lease
     from streams.weights import publish_weights
     from workers.relay import loopback_relay_args
 
     run_id = f"sync{n}{'relay' if relay else ''}"
     policy = make_policy(load_model(model)[0], LoraConfig())
     run = await open_run(hub.url, run_id, "bench-trainer")
+    await take_lease(run)
     applied: dict[int, dict[int, float]] = {}
 
     async def on_applied(msg):

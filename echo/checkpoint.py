@@ -21,6 +21,7 @@ class TrainerState:
     step: int = 0  # optimizer steps done
     version: int = 0  # policy version published after the last step
     trained_ids: list[str] = field(default_factory=list)  # every group trained on, in order
+    trained_content: list[str] = field(default_factory=list)  # their content hashes (replays are refused)
     lost: int = 0  # groups dropped or rejected so far (the admission budget hands them out again)
     record: dict | None = None  # the last step's metrics line, restored if the crash lost it
 

@@ -87,6 +87,16 @@ class NatsConfig(_Section):
     # The hub's JetStream domain (its server config's `jetstream { domain: ... }`): samplers
     # behind a relay reach the hub's streams through it. "" for a hub without a domain.
     hub_domain: str = HUB_DOMAIN
+    # A secured broker (`echo-rl secure init`): this client's nkey seed file and the CA that
+    # signed the server's certificate. Local to each machine: never sent to the broker.
+    creds: str = ""
+    tls_ca: str = ""
+
+    @model_validator(mode="after")
+    def _creds_come_with_a_ca(self):
+        if bool(self.creds) != bool(self.tls_ca):
+            raise ValueError("nats.creds and nats.tls_ca go together (a secured broker speaks TLS only)")
+        return self
 
 
 class EchoConfig(_Section):

@@ -24,7 +24,7 @@ from nats.js.api import (
 )
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-SCHEMA_VERSION = 2  # 2: a weights announcement lists shards
+SCHEMA_VERSION = 3  # 2: a weights announcement lists shards; 3: and names the trainer's epoch
 
 # Run and sampler ids become subject tokens and stream names: keep them to safe characters.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -48,6 +48,7 @@ TRAINER_CONSUMER = "trainer"
 # Keys of the run's state bucket.
 CONFIG_KEY = "config"  # the run's config, JSON: an edge sampler needs only the URL and the run id
 BUDGET_KEY = "budget"  # async mode's AdmissionBudget, written by the trainer
+TRAINER_KEY = "trainer"  # the TrainerLease: which trainer incarnation (epoch) owns the run
 LEASES_KEY = "leases"  # the number of leases taken so far, compare-and-set by samplers
 SAMPLER_STATUS_PREFIX = "samplers."  # + sampler id: each sampler's heartbeat (SamplerStatus)
 ROLLOUT_DEDUP_WINDOW_S = 300.0
@@ -177,7 +178,7 @@ def claim_key(request_id: str, slot: int) -> str:
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    schema_version: Literal[2] = SCHEMA_VERSION
+    schema_version: Literal[3] = SCHEMA_VERSION
 
 
 class Completion(BaseModel):
@@ -226,6 +227,7 @@ class WeightsAnnouncement(_Message):
     (usually one shard); `full`: every parameter of the model, sharded by size."""
 
     version: int = Field(ge=0)
+    epoch: int = Field(ge=1)  # the announcing trainer's TrainerLease.epoch: versions are ordered within one
     kind: Literal["lora", "full"]
     shards: list[WeightsShard] = Field(min_length=1)
     base_model: str
@@ -234,6 +236,21 @@ class WeightsAnnouncement(_Message):
     @property
     def size(self) -> int:
         return sum(s.size for s in self.shards)
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """A restarted trainer's versions come after its predecessor's, whatever their numbers."""
+        return self.epoch, self.version
+
+
+class TrainerLease(_Message):
+    """The run's owner. Each trainer start takes the next epoch (compare-and-set) and renews the
+    lease while it runs: a second trainer finds it renewed and refuses to start; a restarted one
+    finds it lapsed (or released) and takes over. Samplers accept announcements of this epoch only."""
+
+    epoch: int = Field(ge=1)
+    holder: str  # host and process, for the operator
+    released: bool = False  # a trainer that stopped cleanly: the next may start at once
 
 
 class AdmissionBudget(_Message):
@@ -296,9 +313,14 @@ def rollout_headers(group: RolloutGroup) -> dict[str, str]:
     }
 
 
-def decode_rollout(data: bytes, headers: dict[str, str] | None) -> RolloutGroup:
-    """Decode a rollout message and check its headers agree with its body."""
+def decode_rollout(data: bytes, headers: dict[str, str] | None, subject: str) -> RolloutGroup:
+    """Decode a rollout message and check its subject and headers agree with its body. A
+    sampler's credentials allow it only its own subject: a body naming another sampler is a
+    sampler impersonating another."""
     group = decode(RolloutGroup, data)
+    *_, kind, sampler_id = subject.split(".")
+    if (kind, sampler_id) != ("rollouts", group.sampler_id):
+        raise ProtocolError("subject_mismatch", f"{group.sampler_id!r} published on {subject}")
     headers = headers or {}
     if headers.get(HDR_POLICY_VERSION) != str(group.policy_version):
         raise ProtocolError("header_mismatch", f"{HDR_POLICY_VERSION}={headers.get(HDR_POLICY_VERSION)!r}")

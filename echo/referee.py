@@ -4,8 +4,10 @@ with the task's verifier from the completion tokens. Pure logic, no I/O."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
+from echo.config import SamplingConfig
 from echo.models import encode_chat
 from echo.protocol import RolloutGroup
 from echo.tasks import Task, safe_reward
@@ -20,21 +22,31 @@ class Judgement:
 
 
 class Referee:
-    def __init__(self, task: Task, tokenizer, vocab_size: int, group_size: int, max_new_tokens: int):
-        self.task, self.tokenizer = task, tokenizer
-        self.vocab_size, self.group_size, self.max_new_tokens = vocab_size, group_size, max_new_tokens
+    def __init__(self, task: Task, tokenizer, vocab_size: int, sampling: SamplingConfig):
+        self.task, self.tokenizer, self.vocab_size, self.sampling = task, tokenizer, vocab_size, sampling
 
     def malformed(self, group: RolloutGroup) -> str | None:
         """A reason to reject the group's shape, or None. Cheap: run before the staleness check."""
         if group.task != self.task.name:
             return "wrong_task"
-        if len(group.completions) != self.group_size:
+        if len(group.completions) != self.sampling.group_size:
             return "wrong_group_size"
-        if any(len(c.token_ids) > self.max_new_tokens for c in group.completions):
+        if group.temperature != self.sampling.temperature:  # the log-probs would be of another distribution
+            return "wrong_temperature"
+        if any(len(c.token_ids) > self.sampling.max_new_tokens for c in group.completions):
             return "completion_too_long"
         tokens = [group.prompt_token_ids, *(c.token_ids for c in group.completions)]
         if any(not 0 <= t < self.vocab_size for ids in tokens for t in ids):
             return "token_out_of_vocab"
+        eos = self.tokenizer.eos_token_id
+        for c in group.completions:
+            # Generation stops at the end-of-sequence token: nothing may follow it, and a
+            # completion said to have stopped must end with it.
+            ends = c.token_ids.index(eos) + 1 if eos in c.token_ids else None
+            if ends is not None and ends != len(c.token_ids):
+                return "tokens_after_eos"
+            if (c.finish_reason == "stop") != (ends is not None):
+                return "bad_finish_reason"
         return None
 
     def score(self, group: RolloutGroup) -> Judgement:
@@ -49,3 +61,10 @@ class Referee:
             rewards.append(reward or 0.0)
         mismatch = any(abs(r - c.reward) > 1e-6 for r, c in zip(rewards, group.completions))
         return Judgement(None, rewards, mismatch, errors)
+
+
+def content_hash(group: RolloutGroup) -> str:
+    """What a group says, whatever its id: the prompt and the completions' tokens, in any order.
+    The same completions resent under a new group id have the same hash."""
+    completions = sorted(hashlib.sha256(repr(c.token_ids).encode()).hexdigest() for c in group.completions)
+    return hashlib.sha256(repr((group.prompt_index, group.prompt_token_ids, completions)).encode()).hexdigest()[:32]

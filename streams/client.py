@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from dataclasses import dataclass
 from typing import Callable, Generic, TypeVar
 
@@ -15,14 +16,18 @@ from nats.js.errors import NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
-from echo.protocol import HUB_DOMAIN, ProtocolError, RunNames, decode
+from echo.protocol import HDR_MSG_ID, HUB_DOMAIN, ProtocolError, RunNames, decode
+from streams.secure import Credentials
 
 M = TypeVar("M")
 
 
-async def connect(url: str, name: str) -> NATS:
+async def connect(url: str, name: str, credentials: Credentials | None = None) -> NATS:
     # Reconnect forever: a sampler on a flaky link should wait out a broker restart, not die.
-    return await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5)
+    options = credentials.connect_options() if credentials else {}
+    return await nats.connect(
+        url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5, **options
+    )
 
 
 @dataclass
@@ -37,6 +42,7 @@ class Run:
     weights: ObjectStore
     state: KeyValue
     claims: KeyValue
+    epoch: int | None = None  # the trainer's lease epoch, once it holds one (streams/lease.py)
 
     async def close(self) -> None:
         # Every publish here is awaited for its ack already, so there is nothing to drain.
@@ -61,8 +67,8 @@ class _WritesThroughDomain:
         return await self._js.publish(self._prefix + subject, *args, **kwargs)
 
 
-async def _open_kv(js: JetStreamContext, config: KeyValueConfig, domain: str | None) -> KeyValue:
-    kv = await js.create_key_value(config=config)
+async def _open_kv(js: JetStreamContext, config: KeyValueConfig, domain: str | None, create: bool) -> KeyValue:
+    kv = await (js.create_key_value(config=config) if create else js.key_value(config.bucket))
     if domain is None:
         return kv
     return KeyValue(name=kv._name, stream=kv._stream, pre=kv._pre, js=_WritesThroughDomain(js, domain), direct=kv._direct)
@@ -86,23 +92,57 @@ async def wait_for_jetstream(js: JetStreamContext, where: str, timeout: float = 
             await asyncio.sleep(0.2)
 
 
-async def open_run(
-    url: str, run_id: str, client_name: str, hub_domain: str | None = HUB_DOMAIN, mirror_wait_s: int = 30
-) -> Run:
-    """Connect and create the run's streams and buckets. Both sides call this: creation with an
-    identical config is a no-op, so neither has to start first. `url` is the hub, or a relay
-    in front of it; `hub_domain` is the hub's JetStream domain (None: the hub has none, and
-    `url` must be the hub)."""
-    names = RunNames(run_id)
-    nc = await connect(url, client_name)
-    js = nc.jetstream(domain=hub_domain)
-    await wait_for_jetstream(js, f"{url} (domain {hub_domain})", timeout=mirror_wait_s)
+async def _create_run(js: JetStreamContext, names: RunNames, hub_domain: str | None):
     await js.add_stream(names.rollouts_stream_config())
     await js.add_stream(names.control_stream_config())
     # nats-py overwrites config.bucket with the positional name: pass both.
     weights = await js.create_object_store(names.weights_bucket, config=names.weights_bucket_config())
-    state = await _open_kv(js, names.state_bucket_config(), hub_domain)
-    claims = await _open_kv(js, names.claims_bucket_config(), hub_domain)
+    state = await _open_kv(js, names.state_bucket_config(), hub_domain, create=True)
+    claims = await _open_kv(js, names.claims_bucket_config(), hub_domain, create=True)
+    return weights, state, claims
+
+
+async def _join_run(js: JetStreamContext, names: RunNames, hub_domain: str | None, wait_s: float):
+    """Bind to a run the trainer created, waiting for it to do so: on a secured broker only the
+    trainer may create streams and buckets."""
+    deadline = asyncio.get_running_loop().time() + wait_s
+    while True:
+        try:
+            weights = await js.object_store(names.weights_bucket)
+            state = await _open_kv(js, names.state_bucket_config(), hub_domain, create=False)
+            claims = await _open_kv(js, names.claims_bucket_config(), hub_domain, create=False)
+            return weights, state, claims
+        except NotFoundError:  # BucketNotFoundError too
+            if asyncio.get_running_loop().time() > deadline:
+                raise NoRun(f"run {names.run_id!r} does not exist on this broker: is its trainer running?") from None
+            await asyncio.sleep(0.5)
+
+
+class NoRun(RuntimeError):
+    pass
+
+
+async def open_run(
+    url: str, run_id: str, client_name: str, hub_domain: str | None = HUB_DOMAIN, mirror_wait_s: int = 30,
+    credentials: Credentials | None = None, create: bool = True, join_wait_s: float = 600.0,
+) -> Run:
+    """Connect and open the run's streams and buckets. The trainer creates them (`create`:
+    creation with an identical config is a no-op); every other client joins, waiting up to
+    `join_wait_s` for the trainer to have created them. `url` is the hub, or a relay in front of
+    it; `hub_domain` is the hub's JetStream domain (None: the hub has none, and `url` must be
+    the hub)."""
+    names = RunNames(run_id)
+    nc = await connect(url, client_name, credentials)
+    js = nc.jetstream(domain=hub_domain)
+    try:
+        await wait_for_jetstream(js, f"{url} (domain {hub_domain})", timeout=mirror_wait_s)
+        if create:
+            weights, state, claims = await _create_run(js, names, hub_domain)
+        else:
+            weights, state, claims = await _join_run(js, names, hub_domain, join_wait_s)
+    except BaseException:
+        await nc.close()
+        raise
     local_js = nc.jetstream()
     for _ in range(mirror_wait_s * 2):  # a relay started alongside may not mirror it yet
         try:
@@ -112,6 +152,18 @@ async def open_run(
             await asyncio.sleep(0.5)
     await nc.close()
     raise NoWeightsMirror(f"{url} holds no weights of run {run_id!r}: start its relay with --run-id {run_id}")
+
+
+class DuplicatePublish(RuntimeError):
+    pass
+
+
+async def publish_once(run: Run, subject: str, data: bytes) -> None:
+    """Publish with a message id nobody can guess: JetStream drops a second message with the same
+    id, so a predictable id (weights-7) could be taken first by a forger and ours dropped."""
+    ack = await run.js.publish(subject, data, headers={HDR_MSG_ID: uuid.uuid4().hex})
+    if ack.duplicate:
+        raise DuplicatePublish(f"{subject}: the server dropped our message as a duplicate")
 
 
 class LatestValue(Generic[M]):

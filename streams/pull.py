@@ -8,13 +8,13 @@ import uuid
 
 from nats.js.errors import KeyWrongLastSequenceError
 
-from echo.protocol import HDR_MSG_ID, PullRequest, claim_key, encode
-from streams.client import Run
+from echo.protocol import PullRequest, claim_key, encode
+from streams.client import Run, publish_once
 
 
 async def publish_pull_request(run: Run, version: int, groups: int) -> PullRequest:
     request = PullRequest(request_id=uuid.uuid4().hex, version=version, groups=groups)
-    await run.js.publish(run.names.pull_subject, encode(request), headers={HDR_MSG_ID: request.request_id})
+    await publish_once(run, run.names.pull_subject, encode(request))
     return request
 
 

@@ -33,7 +33,7 @@ async def read_rollouts(url: str, run_id: str) -> AsyncIterator[dict]:
             msg = await sub.next_msg(timeout=10)
             record = {"seq": msg.metadata.sequence.stream, "subject": msg.subject, "headers": msg.headers}
             try:
-                record["group"] = decode_rollout(msg.data, msg.headers).model_dump()
+                record["group"] = decode_rollout(msg.data, msg.headers, msg.subject).model_dump()
             except ProtocolError as e:
                 record["error"] = str(e)
             yield record

@@ -48,12 +48,13 @@ class NatsServer:
         hub_leaf_url: str | None = None,
         http_port: int | None = None,
         host: str = "127.0.0.1",
+        include: Path | None = None,
     ):
         self.store_dir = Path(store_dir)
         self.port = port or free_port()
         self.log_file = Path(log_file) if log_file else None
         self.domain, self.leaf_port, self.hub_leaf_url, self.http_port = domain, leaf_port, hub_leaf_url, http_port
-        self.host = host
+        self.host, self.include = host, include  # include: TLS and users (streams/secure.py)
         self.process: subprocess.Popen | None = None
 
     @property
@@ -71,6 +72,9 @@ class NatsServer:
             "max_payload: 8MB",  # 1 MiB weight chunks with room to spare
             f"jetstream {{ store_dir: {q(str(self.store_dir))}, domain: {q(self.domain)} }}",
         ]
+        if self.include:
+            # nats-server resolves an include relative to the including file, even an absolute one.
+            lines.append(f"include {q(os.path.relpath(Path(self.include).resolve(), self.store_dir.resolve()))}")
         if self.http_port:
             lines.append(f"http: {q(f'127.0.0.1:{self.http_port}')}")
         if self.leaf_port or self.hub_leaf_url:

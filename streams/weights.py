@@ -12,8 +12,9 @@ from typing import Literal
 import structlog
 from nats.js.errors import NotFoundError
 
-from echo.protocol import HDR_MSG_ID, OBJ_HDR_VERSION, WeightsAnnouncement, WeightsShard, encode, weights_object_name
-from streams.client import LatestValue, Run
+from echo.protocol import OBJ_HDR_VERSION, WeightsAnnouncement, WeightsShard, encode, weights_object_name
+from streams.client import LatestValue, Run, publish_once
+from streams.lease import current_epoch
 from streams.objects import TransferError, get_object, put_object, sha256_hex
 
 log = structlog.get_logger()
@@ -25,18 +26,19 @@ async def publish_weights(
     run: Run, version: int, shards: list[bytes], base_model: str, kind: Literal["lora", "full"] = "lora", keep: int = 3
 ) -> WeightsAnnouncement:
     """Store every shard, then announce them: a sampler never hears of an object not yet
-    complete. Only the newest `keep` versions stay in the bucket, so disk use is bounded."""
+    complete. Only the newest `keep` versions stay in the bucket, so disk use is bounded. Only
+    the holder of the run's lease (streams/lease.py) publishes: the announcement names its epoch."""
+    if run.epoch is None:
+        raise RuntimeError("publish_weights needs the run's trainer lease (streams.lease.take_lease)")
     stored = []
     for index, data in enumerate(shards):
         name = weights_object_name(version, index)
         info = await put_object(run.js, run.names.weights_bucket, name, data, headers={OBJ_HDR_VERSION: [str(version)]})
         stored.append(WeightsShard(object_name=name, size=len(data), sha256=sha256_hex(info)))  # hashed while sent
     announcement = WeightsAnnouncement(
-        version=version, kind=kind, shards=stored, base_model=base_model, created_at=time.time()
+        version=version, epoch=run.epoch, kind=kind, shards=stored, base_model=base_model, created_at=time.time()
     )
-    await run.js.publish(
-        run.names.weights_subject, encode(announcement), headers={HDR_MSG_ID: f"weights-{version}"}
-    )
+    await publish_once(run, run.names.weights_subject, encode(announcement))
     await delete_versions_before(run, version - keep + 1)
     return announcement
 
@@ -93,7 +95,11 @@ class WeightsFollower:
         seq = 0
         while True:
             seq, announcement = await self._announcements.wait_newer(seq)
-            if self.ready and self.ready[0].version >= announcement.version:
+            if self.ready and self.ready[0].order >= announcement.order:
+                continue
+            if announcement.epoch != await current_epoch(self.run):
+                self.failures["wrong_epoch"] += 1  # not from the trainer that holds the run
+                log.warning("weights.refused", version=announcement.version, epoch=announcement.epoch)
                 continue
             if announcement.base_model != self.base_model:
                 self.failures["wrong_base_model"] += 1

@@ -84,6 +84,14 @@ def test_sequential_run_trains_only_on_its_current_version(tmp_path, relay):
     assert len(logs) == len(stderr.splitlines())  # every line is JSON
 
 
+def test_a_secured_swarm_trains_over_tls_with_role_credentials(tmp_path):
+    metrics, stream, stderr = run_swarm(tmp_path, "secured", 3, flags=["--secure"])
+    assert [m["version"] for m in metrics] == [1, 2, 3] and all(m["used"] == 4 for m in metrics)
+    assert not any(m["rejected"] for m in metrics)
+    assert "permissions violation" not in (tmp_path / "secured" / "nats.log").read_text().lower()
+    assert (tmp_path / "secured" / "secure" / "sampler-s2.nk").exists()
+
+
 def test_ctrl_c_stops_every_process(tmp_path):
     proc = subprocess.Popen(up_command(tmp_path, "stop", 10_000), stderr=subprocess.PIPE, text=True)
     children = []

@@ -42,12 +42,12 @@ def test_rollout_round_trip_with_headers():
     group = make_group()
     headers = rollout_headers(group)
     assert headers[HDR_POLICY_VERSION] == "3" and headers[HDR_MSG_ID] == "g1"
-    assert decode_rollout(encode(group), headers) == group
+    assert decode_rollout(encode(group), headers, RunNames("r").rollouts_subject(group.sampler_id)) == group
 
 
 def test_other_messages_round_trip():
     shard = WeightsShard(object_name="a", size=10, sha256="0" * 64)
-    ann = WeightsAnnouncement(version=2, kind="full", shards=[shard, shard], base_model="tiny", created_at=1.0)
+    ann = WeightsAnnouncement(version=2, epoch=1, kind="full", shards=[shard, shard], base_model="tiny", created_at=1.0)
     assert ann.size == 20
     req = PullRequest(request_id="r1", version=2, groups=8)
     assert decode(WeightsAnnouncement, encode(ann)) == ann
@@ -96,7 +96,7 @@ def _mutate(**changes) -> bytes:
 )
 def test_bad_rollouts_are_rejected_with_a_reason(data, reason):
     with pytest.raises(ProtocolError) as e:
-        decode_rollout(data, rollout_headers(make_group()))
+        decode_rollout(data, rollout_headers(make_group()), RunNames("r").rollouts_subject("s1"))
     assert e.value.reason == reason
 
 
@@ -104,5 +104,11 @@ def test_headers_must_agree_with_the_body():
     headers = rollout_headers(make_group())
     headers[HDR_POLICY_VERSION] = "9"
     with pytest.raises(ProtocolError) as e:
-        decode_rollout(encode(make_group()), headers)
+        decode_rollout(encode(make_group()), headers, RunNames("r").rollouts_subject("s1"))
     assert e.value.reason == "header_mismatch"
+
+
+def test_the_subject_must_be_the_bodys_samplers():
+    with pytest.raises(ProtocolError) as e:
+        decode_rollout(encode(make_group()), rollout_headers(make_group()), RunNames("r").rollouts_subject("s2"))
+    assert e.value.reason == "subject_mismatch"

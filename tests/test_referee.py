@@ -2,15 +2,18 @@
 
 import pytest
 
+from echo.config import SamplingConfig
 from echo.models import byte_tokenizer, encode_chat
 from echo.protocol import Completion, RolloutGroup
-from echo.referee import Referee
+from echo.referee import Referee, content_hash
 from echo.tasks import Score
 from echo.tasks.math import Math
 
 TOKENIZER = byte_tokenizer()
 TASK = Math({})
-REFEREE = Referee(TASK, TOKENIZER, vocab_size=len(TOKENIZER), group_size=2, max_new_tokens=32)
+EOS = TOKENIZER.eos_token_id
+SAMPLING = SamplingConfig(group_size=2, max_new_tokens=32, temperature=1.0)
+REFEREE = Referee(TASK, TOKENIZER, vocab_size=len(TOKENIZER), sampling=SAMPLING)
 
 
 def honest_group(index: int = 12, texts=None, **changes) -> RolloutGroup:
@@ -59,6 +62,10 @@ def with_completion(group=None, i: int = 0, **changes):
         (with_completion(token_ids=[5, 10_000], logprobs=[-1.0, -1.0]), "token_out_of_vocab"),
         (with_completion(token_ids=[-1], logprobs=[-1.0]), "token_out_of_vocab"),
         (honest_group().model_copy(update={"prompt_token_ids": [5000, 5]}), "token_out_of_vocab"),
+        (honest_group(temperature=0.5), "wrong_temperature"),
+        (with_completion(token_ids=[65, EOS, 66], logprobs=[-1.0] * 3), "tokens_after_eos"),
+        (with_completion(token_ids=[65, 66], logprobs=[-1.0] * 2), "bad_finish_reason"),  # "stop" without EOS
+        (with_completion(finish_reason="length"), "bad_finish_reason"),  # ran out of tokens, yet holds EOS
     ],
 )
 def test_malformed_groups_are_refused_with_a_reason(group, reason):
@@ -86,7 +93,7 @@ def test_a_verifier_that_raises_costs_the_completion_not_the_run():
         def score(self, completion, prompt):
             raise RuntimeError("bug in a user's task")
 
-    referee = Referee(Broken({}), TOKENIZER, len(TOKENIZER), 2, 32)
+    referee = Referee(Broken({}), TOKENIZER, len(TOKENIZER), SAMPLING)
     judgement = referee.score(honest_group())
     assert judgement.rewards == [0.0, 0.0] and judgement.verifier_errors == 2
 
@@ -96,5 +103,13 @@ def test_a_reward_outside_0_1_counts_as_a_verifier_error():
         def score(self, completion, prompt):
             return Score(2.0, True, True)
 
-    judgement = Referee(Generous({}), TOKENIZER, len(TOKENIZER), 2, 32).score(honest_group())
+    judgement = Referee(Generous({}), TOKENIZER, len(TOKENIZER), SAMPLING).score(honest_group())
     assert judgement.rewards == [0.0, 0.0] and judgement.verifier_errors == 2
+
+
+def test_the_same_completions_under_a_new_id_have_the_same_content_hash():
+    group = honest_group()
+    reordered = group.model_copy(update={"group_id": "other", "completions": group.completions[::-1]})
+    assert content_hash(reordered) == content_hash(group)
+    assert content_hash(with_completion(token_ids=[65, EOS], logprobs=[-1.0, -1.0])) != content_hash(group)
+    assert content_hash(honest_group(index=13)) != content_hash(group)

@@ -13,6 +13,7 @@ from echo.protocol import CONFIG_KEY, AdmissionBudget, HDR_SAMPLER_ID, RunNames,
 from echo.tasks import load_task
 from streams.admission import publish_budget, take_leases
 from streams.client import connect, open_run
+from streams.lease import take_lease
 from streams.registry import put_status, read_statuses
 from streams.relay import open_mirrors
 from streams.replay import read_rollouts
@@ -80,6 +81,7 @@ def test_two_samplers_behind_a_relay_follow_weights_across_a_relay_restart(hub, 
 
     async def main(site: Relay):
         run = await open_run(hub.url, cfg.run.id, "trainer")
+        await take_lease(run)
         await publish_weights(run, 0, adapters[0], "tiny")
         samplers = []
         for sampler_id in ("a", "b"):
@@ -134,6 +136,7 @@ def test_relays_chain_hub_to_site_to_subsite(hub, tmp_path):
 
     async def main(subsite: Relay):
         run = await open_run(hub.url, cfg.run.id, "trainer")
+        await take_lease(run)
         await publish_weights(run, 0, _adapter_for_version(trainer_side, 0), "tiny")
         sampler_run = await open_run(subsite.url, cfg.run.id, "sampler-deep")
         sampler = Sampler(cfg, "deep", sampler_run, HFEngine("tiny", cfg.lora, cfg.sampling), load_task(cfg.task))

@@ -11,6 +11,7 @@ import pytest
 
 from echo.engines.hf import HFEngine
 from streams.client import open_run
+from streams.lease import take_lease
 from streams.registry import read_statuses
 from streams.weights import publish_weights
 from tests.conftest import tiny_config
@@ -89,6 +90,7 @@ def test_a_sampler_killed_mid_fetch_restarts_and_loads_the_latest_version(nats_s
 
     async def main():
         run = await open_run(nats_server.url, cfg.run.id, "trainer")
+        await take_lease(run)
         await publish_weights(run, 0, adapters[0], "tiny")
         proxy = await StallingProxy(nats_server.port).start()
         sampler = _sampler(config_path, proxy.url)

@@ -5,12 +5,32 @@ from __future__ import annotations
 
 import asyncio
 
+import ssl
+
+import nats
+import orjson
 import pytest
 
 from echo.config import ConfigError
 from echo.edge import check_config_from_broker
-from echo.protocol import CONFIG_KEY
+from echo.protocol import (
+    BUDGET_KEY,
+    CONFIG_KEY,
+    HDR_MSG_ID,
+    TRAINER_CONSUMER,
+    TRAINER_KEY,
+    WeightsAnnouncement,
+    decode,
+    encode,
+    rollout_headers,
+)
+from streams.rollouts import trainer_subscription
+from streams.secure import SecureDir
+from streams.server import NatsServer
+from tests.test_referee import honest_group
 from streams.client import open_run
+from streams.lease import RENEW_S, AnotherTrainer, take_lease
+from streams.weights import WeightsFollower, publish_weights
 from tests.conftest import tiny_config
 from workers.cli import main
 
@@ -30,8 +50,6 @@ def test_a_config_from_the_broker_naming_code_is_refused_and_nothing_runs(nats_s
 
     async def tamper():
         run = await open_run(nats_server.url, "victim", "attacker")
-        import orjson
-
         await run.state.put(CONFIG_KEY, orjson.dumps(_config_naming_a_shell_command(tmp_path, marker)))
         await run.close()
 
@@ -59,3 +77,149 @@ def test_only_built_in_names_are_taken_from_the_broker(broker, local, refused):
     else:
         with pytest.raises(ConfigError, match=refused):
             check_config_from_broker(broker, local)
+
+
+def test_a_second_trainer_refuses_to_start_and_a_dead_ones_lease_lapses(nats_server):
+    async def main():
+        first = await open_run(nats_server.url, "fence", "trainer-1")
+        lease = await take_lease(first)
+        renewing = asyncio.create_task(lease.renew_forever())
+        second = await open_run(nats_server.url, "fence", "trainer-2")
+        with pytest.raises(AnotherTrainer, match="live trainer"):
+            await take_lease(second)
+        renewing.cancel()  # the first trainer dies without releasing
+        taken = await take_lease(second)
+        assert taken.epoch == lease.epoch + 1
+        await asyncio.sleep(RENEW_S * 1.5)
+        await lease.renew_forever()  # the old holder wakes up: its renewal fails, it must stop
+        with pytest.raises(AnotherTrainer):
+            lease.check()
+        await first.close()
+        await second.close()
+
+    asyncio.run(main())
+
+
+def test_forged_and_pre_deduplicated_announcements_do_not_wedge_samplers(nats_server):
+    async def main():
+        trainer = await open_run(nats_server.url, "forge", "trainer")
+        lease = await take_lease(trainer)
+        real = await publish_weights(trainer, 0, [b"v0" * 100], "tiny")
+        sampler_run = await open_run(nats_server.url, "forge", "sampler")
+        follower = await WeightsFollower(sampler_run, "tiny").start()
+        await follower.wait_for(0)
+
+        attacker = trainer.js  # any client allowed to publish on the weights subject
+        # Another epoch than the lease's is refused, whatever its version.
+        foreign = real.model_copy(update={"version": 10**9, "epoch": 99})
+        await attacker.publish(trainer.names.weights_subject, encode(foreign))
+        # The next version's id taken first: with the old predictable ids the real one was dropped.
+        await attacker.publish(trainer.names.weights_subject, encode(foreign), headers={HDR_MSG_ID: "weights-1"})
+        await publish_weights(trainer, 1, [b"v1" * 100], "tiny")
+        assert (await follower.wait_for(1))[0].version == 1
+        assert follower.failures["wrong_epoch"] == 2
+
+        # A forgery in the current epoch wins until the trainer restarts: its next epoch orders
+        # its versions after every version of the old epoch, forged or not.
+        forged = real.model_copy(update={"version": 10**9, "epoch": lease.epoch})
+        await attacker.publish(trainer.names.weights_subject, encode(forged))
+        await follower.wait_for(10**9)
+        await lease.release()
+        restarted = await take_lease(trainer)
+        await publish_weights(trainer, 2, [b"v2" * 100], "tiny")
+        for _ in range(100):
+            if follower.ready[0].order == (restarted.epoch, 2):
+                break
+            await asyncio.sleep(0.05)
+        assert follower.ready[0].order == (restarted.epoch, 2)
+        await follower.stop()
+        await sampler_run.close()
+        await trainer.close()
+
+    asyncio.run(main())
+
+
+@pytest.fixture
+def secured(tmp_path):
+    """A hub that speaks TLS only, with trainer, observer and sampler s1 credentials for run "sec"."""
+    secure = SecureDir(tmp_path / "secure")
+    secure.init("sec", ["localhost", "127.0.0.1"], ["s1"])
+    with NatsServer(tmp_path / "jetstream", include=secure.dir / "server.conf") as server:
+        yield server, secure
+
+
+async def _client(url: str, credentials, errors: list):
+    async def on_error(e):
+        errors.append(str(e))
+
+    return await nats.connect(url, error_cb=on_error, max_reconnect_attempts=0, **credentials.connect_options())
+
+
+def test_a_client_without_credentials_is_refused(secured):
+    server, secure = secured
+
+    async def main():
+        with pytest.raises(Exception):  # no TLS: refused; TLS without an nkey: authorization violation
+            await nats.connect(server.url, max_reconnect_attempts=0, connect_timeout=2, allow_reconnect=False)
+        with pytest.raises(Exception):
+            await nats.connect(server.url, tls=ssl.create_default_context(cafile=str(secure.ca_file)),
+                               max_reconnect_attempts=0, connect_timeout=2, allow_reconnect=False)
+
+    asyncio.run(main())
+
+
+def test_a_sampler_cannot_touch_what_the_trainer_owns(secured):
+    """Each attack a malicious sampler could make with its own credentials: the server refuses
+    it, and the trainer then finds its run as it was."""
+    server, secure = secured
+
+    async def main():
+        trainer = await open_run(server.url, "sec", "trainer", credentials=secure.credentials("trainer"))
+        await take_lease(trainer)
+        await trainer_subscription(trainer)
+        await trainer.state.put(CONFIG_KEY, b'{"task": {"name": "math"}}')
+        announcement = await publish_weights(trainer, 0, [b"v0" * 100], "tiny")
+        names = trainer.names
+
+        errors: list[str] = []
+        nc = await _client(server.url, secure.credentials("sampler-s1"), errors)
+        js = nc.jetstream(domain="hub", timeout=1.0)
+        forged = encode(announcement.model_copy(update={"version": 10**9}))
+        impostor = encode(honest_group(group_id="imp", sampler_id="s2"))
+        attacks = [
+            js.delete_stream(names.rollouts_stream),
+            js.purge_stream(names.rollouts_stream),
+            js.delete_consumer(names.rollouts_stream, TRAINER_CONSUMER),
+            js.add_stream(name="ECHO_sec_JUNK", subjects=["junk.>"]),
+            js.publish(f"$JS.hub.API.$KV.{names.state_bucket}.{CONFIG_KEY}", b'{"task": {"name": "os:system"}}'),
+            js.publish(f"$KV.{names.state_bucket}.{TRAINER_KEY}", b"{}"),
+            js.publish(f"$KV.{names.state_bucket}.{BUDGET_KEY}", b"{}"),
+            js.publish(f"$KV.{names.state_bucket}.samplers.s2", b"{}"),
+            js.publish(names.weights_subject, forged),
+            js.publish(names.weights_subject, forged, headers={HDR_MSG_ID: "weights-1"}),
+            js.publish(names.pull_subject, b"{}"),
+            js.publish(names.rollouts_subject("s2"), impostor),
+        ]
+        for attack in attacks:
+            with pytest.raises((nats.errors.TimeoutError, asyncio.TimeoutError, nats.js.errors.APIError)):
+                await attack
+        # Replies to others: a subscription on every inbox is refused.
+        await nc.subscribe("_INBOX.>")
+        await nc.flush()
+        await asyncio.sleep(0.2)
+        assert sum("permissions violation for publish" in e for e in errors) == len(attacks)
+        assert any("permissions violation for subscription" in e and "_inbox.>" in e.lower() for e in errors)
+        # What a sampler may do still works.
+        await js.publish(names.rollouts_subject("s1"), encode(honest_group(group_id="mine")),
+                         headers=rollout_headers(honest_group(group_id="mine")))
+        await nc.close()
+
+        info = await trainer.js.stream_info(names.rollouts_stream)
+        assert info.state.messages == 1  # only s1's own group
+        await trainer.js.consumer_info(names.rollouts_stream, TRAINER_CONSUMER)
+        assert (await trainer.state.get(CONFIG_KEY)).value == b'{"task": {"name": "math"}}'
+        last = await trainer.js.get_last_msg(names.control_stream, names.weights_subject)
+        assert decode(WeightsAnnouncement, last.data).version == 0
+        await trainer.close()
+
+    asyncio.run(main())

@@ -9,6 +9,7 @@ import torch
 
 from echo.engines.hf import HFEngine
 from echo.policy import weights_shards
+from echo.referee import content_hash
 from echo.protocol import (
     HDR_MSG_ID,
     HDR_POLICY_VERSION,
@@ -22,6 +23,7 @@ from echo.protocol import (
 )
 from echo.tasks import load_task
 from streams.client import open_run
+from streams.lease import take_lease
 from streams.objects import TransferError, get_object, put_object
 from streams.registry import put_status, read_statuses
 from streams.replay import read_rollouts
@@ -47,23 +49,31 @@ def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(nats_serv
         await run.js.publish(subject, encode(spoofed), headers={**rollout_headers(spoofed), HDR_POLICY_VERSION: "4"})
         liar = with_completion(honest_group(policy_version=4, group_id="liar"), reward=0.0)
         await publish_rollout(run, liar)
-        await publish_rollout(run, honest_group(policy_version=5, group_id="ok"))
-        await publish_rollout(run, honest_group(policy_version=5, group_id="ok"))  # a retry: de-duplicated
+        # Attacks by a sampler with publish rights: s1's group on s2's subject; the liar's completions
+        # re-sent under a new id; a group trained on in an earlier step re-sent under a new id.
+        impostor = honest_group(15, policy_version=5, group_id="imp")
+        await run.js.publish(run.names.rollouts_subject("s2"), encode(impostor), headers=rollout_headers(impostor))
+        await publish_rollout(run, honest_group(policy_version=5, group_id="replay"))
+        await publish_rollout(run, honest_group(13, policy_version=5, group_id="old"))
+        await publish_rollout(run, honest_group(14, policy_version=5, group_id="ok"))
+        await publish_rollout(run, honest_group(14, policy_version=5, group_id="ok"))  # a retry: de-duplicated
 
-        collector = Collector(sub, REFEREE, max_staleness=1, trained_ids={"trained"})
+        trained_earlier = content_hash(honest_group(13))
+        collector = Collector(sub, REFEREE, max_staleness=1, trained_ids={"trained"}, trained_content={trained_earlier})
         collected = await collector.collect(2, version=5)
         assert [a.group.group_id for a in collected.used] == ["liar", "ok"]
         assert collected.used[0].rewards == [1.0, 0.1]  # the trainer's rewards, not the liar's
         assert collected.reward_mismatch == {"s1": 1}
         assert collected.dropped == {4: 1} and collected.dropped_ids == ["stale"]
-        assert collected.rejected == {"bad_json": 1, "future_version": 1, "wrong_group_size": 1, "header_mismatch": 1}
+        assert collected.rejected == {"bad_json": 1, "future_version": 1, "wrong_group_size": 1, "header_mismatch": 1,
+                                      "subject_mismatch": 1, "replayed_content": 2}
         assert collected.already_trained == 1
         info = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
         assert info.num_pending == 0 and info.num_ack_pending == 2  # only the used wait for the step
         await collector.ack_held()
         # Nothing is lost: rejected messages stay in the stream for replay.
         records = [r async for r in read_rollouts(nats_server.url, "c")]
-        assert len(records) == 8 and sum("error" in r for r in records) == 2
+        assert len(records) == 11 and sum("error" in r for r in records) == 3
         await run.close()
 
     asyncio.run(main())
@@ -72,6 +82,7 @@ def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(nats_serv
 def test_weights_round_trip_and_a_wrong_digest_is_refused(nats_server, tmp_path):
     async def main():
         run = await open_run(nats_server.url, "w", "test")
+        await take_lease(run)
         data = bytes(range(256)) * 4000  # 1 MB: several object-store chunks
         announcement = await publish_weights(run, 7, [data, data[:1000]], "tiny", "full")
         assert await fetch_weights(run, announcement) == [data, data[:1000]]
@@ -107,6 +118,7 @@ def test_a_sampler_joining_after_version_3_generates_with_version_3(nats_server,
 
     async def main():
         run = await open_run(nats_server.url, cfg.run.id, "trainer")
+        await take_lease(run)
         await trainer_subscription(run)
         for version, data in enumerate(adapters):
             await publish_weights(run, version, data, "tiny")
@@ -139,6 +151,7 @@ def test_a_sampler_joining_after_version_3_generates_with_version_3(nats_server,
 def test_follower_refuses_an_adapter_for_another_base_model(nats_server, tmp_path):
     async def main():
         run = await open_run(nats_server.url, "b", "test")
+        await take_lease(run)
         await publish_weights(run, 0, [b"good"], "tiny")
         follower = await WeightsFollower(run, "tiny").start()
         assert (await follower.wait_for(0))[1] == [b"good"]
@@ -155,6 +168,7 @@ def test_follower_refuses_an_adapter_for_another_base_model(nats_server, tmp_pat
 def test_the_bucket_keeps_only_the_newest_versions(nats_server):
     async def main():
         run = await open_run(nats_server.url, "keep", "test")
+        await take_lease(run)
         announcements = [await publish_weights(run, v, [f"adapter {v}".encode() * 1000], "tiny", keep=2) for v in range(5)]
         names = sorted(info.name for info in await run.weights.list(ignore_deletes=True))
         assert names == [a.shards[0].object_name for a in announcements[-2:]]
@@ -180,7 +194,9 @@ async def _store_tampered(run, version: int, data: bytes, tamper) -> None:
     for chunk in tamper(chunks):
         await run.js.publish(subject, chunk)
     shard = WeightsShard(object_name=name, size=len(data), sha256=hashlib.sha256(data).hexdigest())
-    announcement = WeightsAnnouncement(version=version, kind="lora", shards=[shard], base_model="tiny", created_at=0.0)
+    announcement = WeightsAnnouncement(
+        version=version, epoch=run.epoch, kind="lora", shards=[shard], base_model="tiny", created_at=0.0
+    )
     # The object is announced as it would be by a trainer that computed the digest before damage.
     await run.js.publish(run.names.weights_subject, encode(announcement))
 
@@ -196,6 +212,7 @@ async def _store_tampered(run, version: int, data: bytes, tamper) -> None:
 def test_a_damaged_adapter_is_refused_and_the_old_version_kept(nats_server, tamper):
     async def main():
         run = await open_run(nats_server.url, "damage", "test")
+        await take_lease(run)
         await publish_weights(run, 0, [b"good" * 100_000], "tiny")
         follower = await WeightsFollower(run, "tiny").start()
         assert (await follower.wait_for(0))[0].version == 0

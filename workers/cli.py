@@ -19,6 +19,7 @@ from echo.config import ConfigError, EchoConfig, apply_override, format_errors, 
 from echo.edge import check_config_from_broker
 from echo.logs import configure_logging
 from echo.protocol import CONFIG_KEY, HUB_DOMAIN, check_id
+from streams.secure import credentials_of
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -29,6 +30,8 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, help="run.steps")
     p.add_argument("--run-id", help="run.id")
     p.add_argument("--nats", help="NATS server URL (nats.url)")
+    p.add_argument("--creds", help="this client's nkey seed file, on a secured broker (nats.creds)")
+    p.add_argument("--tls-ca", help="the CA that signed the secured broker's certificate (nats.tls_ca)")
     p.add_argument("--log-json", action="store_true", help="JSON log lines instead of readable ones")
 
 
@@ -39,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(up)
     up.add_argument("--samplers", type=int, help="sampler.count")
     up.add_argument("--relay", action="store_true", help="put the samplers behind a site relay, as on a remote site")
+    up.add_argument("--secure", action="store_true", help="TLS and per-role credentials (echo-rl secure init)")
     trainer = sub.add_parser("trainer", help="run the trainer of a run")
     _config_args(trainer)
     sampler = sub.add_parser("sampler", help="run one sampler; without --config it reads the run's config from NATS")
@@ -55,6 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
     relay.add_argument("--leaf-port", type=int, help="accept sub-site relays on this port")
     relay.add_argument("--store", type=Path, help="JetStream store (default runs/relays/<domain>)")
     relay.add_argument("--log-json", action="store_true")
+    secure = sub.add_parser("secure", help="credentials and TLS for a secured broker").add_subparsers(
+        dest="secure_command", required=True)
+    init = secure.add_parser("init", help="a CA, the server's certificate and config, trainer/observer/sampler nkeys")
+    init.add_argument("dir", type=Path)
+    init.add_argument("--run-id", required=True, help="the run the credentials are for")
+    init.add_argument("--host", action="append", default=[], help="a name or address samplers reach the hub by "
+                      "(repeat; localhost and 127.0.0.1 always)")
+    init.add_argument("--samplers", default="", help="comma-separated sampler ids to issue now")
+    add = secure.add_parser("add-sampler", help="a new sampler's credentials; reloads a running hub")
+    add.add_argument("dir", type=Path)
+    add.add_argument("id")
     evaluate = sub.add_parser("eval", help="score the base model and the run's last published weights on held-out prompts")
     evaluate.add_argument("--run", required=True, type=Path, help="run directory")
     evaluate.add_argument("--prompts", type=int, default=50, help="held-out prompts to score (greedy)")
@@ -89,7 +104,7 @@ def local_overrides(args) -> list[str]:
     overrides = list(args.set)
     for flag, field in [("model", "model.name"), ("mode", "run.mode"), ("steps", "run.steps"),
                         ("run_id", "run.id"), ("nats", "nats.url"), ("samplers", "sampler.count"),
-                        ("task", "task.name")]:
+                        ("task", "task.name"), ("creds", "nats.creds"), ("tls_ca", "nats.tls_ca")]:
         value = getattr(args, flag, None)
         if value is not None:
             overrides.append(f"{field}={orjson.dumps(value).decode()}")  # a JSON scalar is a TOML value
@@ -110,8 +125,11 @@ async def sampler_config_from_run(args) -> EchoConfig:
     given: dict = {}
     for assignment in local:
         apply_override(given, assignment)
-    hub_domain = given.get("nats", {}).get("hub_domain", HUB_DOMAIN)
-    run = await open_run(args.nats, args.run_id, f"sampler-{args.id}-config", hub_domain or None)
+    nats_given = given.get("nats", {})
+    hub_domain = nats_given.get("hub_domain", HUB_DOMAIN)
+    credentials = credentials_of(nats_given.get("creds", ""), nats_given.get("tls_ca", ""))
+    run = await open_run(args.nats, args.run_id, f"sampler-{args.id}-config", hub_domain or None,
+                         credentials=credentials, create=False)
     try:
         while True:
             try:
@@ -123,9 +141,29 @@ async def sampler_config_from_run(args) -> EchoConfig:
         await run.close()
     data = orjson.loads(entry.value)
     check_config_from_broker(data, given)
+    data.get("nats", {}).pop("creds", None)  # where this box keeps its own files is its own business
+    data.get("nats", {}).pop("tls_ca", None)
     for assignment in local:  # --nats among them: the hub, or this site's relay
         apply_override(data, assignment)
     return validate_config(data)
+
+
+def secure_command(args) -> int:
+    from streams.secure import SecureDir
+
+    secure = SecureDir(args.dir)
+    try:
+        if args.secure_command == "init":
+            samplers = [s for s in args.samplers.split(",") if s]
+            secure.init(args.run_id, ["localhost", "127.0.0.1", *args.host], samplers)
+            print(f"wrote {secure.dir}: include {secure.dir / 'server.conf'} in the hub's config; "
+                  f"trainer: --creds {secure.seed_file('trainer')} --tls-ca {secure.ca_file}")
+        else:
+            creds = secure.add_sampler(args.id)
+            print(f"sampler {args.id}: --creds {creds.seed_file} --tls-ca {creds.ca_file}")
+    except (FileExistsError, FileNotFoundError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    return 0
 
 
 def run_until_signal(coro) -> int:
@@ -163,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
 
             configure_logging(args.log_json)
             return replay(args.run, args.nats, args.out)
+        if args.command == "secure":
+            return secure_command(args)
         if args.command == "relay":
             cfg = relay_config_from_args(args)
             configure_logging(args.log_json, worker=f"relay-{cfg.domain}")
@@ -191,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(args.log_json, worker="up")
         from workers.swarm import up
 
-        return up(cfg, args.log_json, relay=args.relay)
+        return up(cfg, args.log_json, relay=args.relay, secure=args.secure)
     except ConfigError as e:
         print(f"echo-rl: {e}", file=sys.stderr)
         return 2

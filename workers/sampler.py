@@ -25,6 +25,7 @@ from streams.admission import take_leases, watch_budget
 from streams.client import LatestValue, Run, open_run
 from streams.pull import claim_slot
 from streams.registry import put_status
+from streams.secure import credentials_of
 from streams.rollouts import publish_rollout
 from streams.weights import WeightsFollower
 
@@ -37,13 +38,14 @@ class Sampler:
         self.rng = random.Random(f"{cfg.run.seed}/{sampler_id}")
         self.weights = WeightsFollower(run, cfg.model.name)
         self.version = -1  # the policy version the engine runs now
+        self.order = (0, -1)  # its (trainer epoch, version): a restarted trainer's versions come later
         self.published = 0
 
     async def apply_newest(self, at_least: int = 0) -> None:
         """Swap in the newest downloaded weights, waiting for version `at_least` if needed.
         A generation in flight is not touched: swaps happen only between engine calls."""
         announcement, shards = await self.weights.wait_for(at_least)
-        if announcement.version <= self.version:
+        if announcement.order <= self.order:
             return
         try:
             await asyncio.to_thread(self.engine.load_weights, shards)
@@ -51,7 +53,7 @@ class Sampler:
             self.weights.failures["weights_mismatch"] += 1
             log.warning("weights.refused", version=announcement.version, reason=str(e))
             return
-        self.version = announcement.version
+        self.version, self.order = announcement.version, announcement.order
         log.debug("weights.applied", version=self.version)
 
     async def generate_and_publish(self, count: int) -> None:
@@ -156,7 +158,8 @@ class Sampler:
 
 async def run_sampler(cfg: EchoConfig, sampler_id: str) -> None:
     set_threads(cfg.sampler.threads)
-    run = await open_run(cfg.nats.url, cfg.run.id, f"sampler-{sampler_id}", cfg.nats.hub_domain or None)
+    run = await open_run(cfg.nats.url, cfg.run.id, f"sampler-{sampler_id}", cfg.nats.hub_domain or None,
+                         credentials=credentials_of(cfg.nats.creds, cfg.nats.tls_ca), create=False)
     try:
         engine = HFEngine(cfg.model.name, cfg.lora, cfg.sampling)
         await Sampler(cfg, sampler_id, run, engine, load_task(cfg.task)).serve()

@@ -12,8 +12,9 @@ import time
 import orjson
 import structlog
 
-from echo.config import EchoConfig
+from echo.config import ConfigError, EchoConfig
 from echo.models import resolve_model
+from streams.secure import SecureDir
 from streams.server import NatsServer, free_port
 from workers.evaluate import evaluate_run
 from workers.relay import loopback_relay_args
@@ -64,12 +65,34 @@ def summarize(metrics_path) -> dict:
     }
 
 
-def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False) -> int:
-    """With `relay`, the samplers sit behind a site relay (`echo-rl relay`), as on a remote site."""
+def secure_swarm(cfg: EchoConfig) -> SecureDir:
+    """Credentials for this run's trainer and samplers in <run>/secure (kept across a resume)."""
+    secure = SecureDir(cfg.run_dir / "secure")
+    if not secure.ca_file.exists():
+        secure.init(cfg.run.id, ["localhost", "127.0.0.1"], [])
+    for i in range(1, cfg.sampler.count + 1):
+        if not secure.seed_file(f"sampler-s{i}").exists():
+            secure.add_sampler(f"s{i}")
+    return secure
+
+
+def _creds_args(secure: SecureDir | None, user: str) -> list[str]:
+    if secure is None:
+        return []
+    return ["--creds", str(secure.seed_file(user)), "--tls-ca", str(secure.ca_file)]
+
+
+def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: bool = False) -> int:
+    """With `relay`, the samplers sit behind a site relay (`echo-rl relay`), as on a remote site.
+    With `secure`, the broker speaks TLS only and each process has its own role's credentials."""
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
+    if secure and relay:
+        raise ConfigError("up --secure --relay: relays do not take credentials yet")
     resolve_model(cfg.model.name)  # convert a model once here, not in every worker at once
-    server = NatsServer(run_dir / "nats", log_file=run_dir / "nats.log", leaf_port=free_port() if relay else None)
+    secure_dir = secure_swarm(cfg) if secure else None
+    server = NatsServer(run_dir / "nats", log_file=run_dir / "nats.log", leaf_port=free_port() if relay else None,
+                        include=secure_dir.dir / "server.conf" if secure_dir else None)
     server.start()
     cfg.nats.url = server.url
     # Torch threads that outnumber the cores make every process crawl. The samplers share the
@@ -81,14 +104,15 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False) -> int:
     config_path.write_text(cfg.to_toml())
     log.info("swarm.start", run=cfg.run.id, dir=str(run_dir), nats=server.url, samplers=cfg.sampler.count)
 
-    trainer = _spawn(["trainer", "--config", str(config_path)], log_json)
+    trainer = _spawn(["trainer", "--config", str(config_path), *_creds_args(secure_dir, "trainer")], log_json)
     relays, sampler_url = [], server.url
     if relay:
         port = free_port()
         relays.append(_spawn(loopback_relay_args(server.leaf_url, cfg.run.id, port, run_dir / "relay"), log_json))
         sampler_url = f"nats://127.0.0.1:{port}"
     samplers = [
-        _spawn(["sampler", "--config", str(config_path), "--id", f"s{i}", "--nats", sampler_url], log_json)
+        _spawn(["sampler", "--config", str(config_path), "--id", f"s{i}", "--nats", sampler_url,
+                *_creds_args(secure_dir, f"sampler-s{i}")], log_json)
         for i in range(1, cfg.sampler.count + 1)
     ]
     code = 1

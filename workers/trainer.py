@@ -27,11 +27,13 @@ from echo.learner import make_optimizer, set_threads, train_step
 from echo.models import load_model
 from echo.policy import make_policy, weights_kind, weights_shards
 from echo.protocol import CONFIG_KEY, AdmissionBudget, ProtocolError, RolloutGroup, decode_rollout
-from echo.referee import Referee
+from echo.referee import Referee, content_hash
 from echo.staleness import Verdict, judge
 from echo.tasks import load_task
 from streams.admission import publish_budget
 from streams.client import Run, open_run
+from streams.lease import Lease, take_lease
+from streams.secure import credentials_of
 from streams.pull import publish_pull_request
 from streams.rollouts import fetch_rollouts, trainer_subscription
 from streams.weights import publish_weights
@@ -44,6 +46,7 @@ class Admitted:
     msg: object
     group: RolloutGroup
     rewards: list[float]  # the trainer's own, from the task's verifier
+    content: str  # content_hash of the group
 
 
 @dataclass
@@ -61,10 +64,13 @@ class Collected:
 class Collector:
     """Pulls rollout messages until it has enough usable groups, acking the rest at once."""
 
-    def __init__(self, subscription, referee: Referee, max_staleness: int, trained_ids: set[str]):
+    def __init__(
+        self, subscription, referee: Referee, max_staleness: int, trained_ids: set[str], trained_content: set[str] = frozenset()
+    ):
         self.subscription, self.referee = subscription, referee
         self.max_staleness = max_staleness
         self.trained_ids = trained_ids
+        self.trained_content = set(trained_content)  # content hashes: the same groups under new ids are replays
         self.held: list = []  # messages fetched and not yet acked, kept alive while held
 
     async def collect(self, need: int, version: int, on_wait=None) -> Collected:
@@ -84,7 +90,7 @@ class Collector:
 
     def _admit(self, msg, version: int, out: Collected) -> Admitted | None:
         try:
-            group = decode_rollout(msg.data, msg.headers)
+            group = decode_rollout(msg.data, msg.headers, msg.subject)
         except ProtocolError as e:
             return _reject(out, e.reason, str(e))
         if group.group_id in self.trained_ids or any(a.group.group_id == group.group_id for a in out.used):
@@ -93,6 +99,9 @@ class Collector:
         reason = self.referee.malformed(group)
         if reason:
             return _reject(out, reason, f"group {group.group_id} from {group.sampler_id}")
+        content = content_hash(group)
+        if content in self.trained_content or any(a.content == content for a in out.used):
+            return _reject(out, "replayed_content", f"group {group.group_id} from {group.sampler_id}")
         verdict = judge(group.policy_version, version, self.max_staleness)
         if verdict is Verdict.FUTURE:
             return _reject(out, "future_version", f"{group.policy_version} > {version}")
@@ -107,7 +116,7 @@ class Collector:
         if judgement.reward_mismatch:
             out.reward_mismatch[group.sampler_id] += 1
         out.verifier_errors += judgement.verifier_errors
-        return Admitted(msg, group, judgement.rewards)
+        return Admitted(msg, group, judgement.rewards, content)
 
     async def keep_alive(self, every: float) -> None:
         """Tell the server the held messages are still being worked on, so a long step does not
@@ -174,11 +183,28 @@ class Admission(Orders):
 
 async def run_trainer(cfg: EchoConfig) -> None:
     set_threads(cfg.trainer.threads)
+    run = await open_run(cfg.nats.url, cfg.run.id, "trainer", cfg.nats.hub_domain or None,
+                         credentials=credentials_of(cfg.nats.creds, cfg.nats.tls_ca))
+    try:
+        lease = await take_lease(run)  # before touching the run: a second trainer stops here
+    except BaseException:
+        await run.close()
+        raise
+    renew = asyncio.create_task(lease.renew_forever())
+    try:
+        await train(cfg, run, lease)
+    finally:
+        renew.cancel()
+        await lease.release()
+        await run.close()
+
+
+async def train(cfg: EchoConfig, run: Run, lease: Lease) -> None:
     run_dir = cfg.run_dir
     (run_dir / "weights").mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(cfg.to_toml())
-    run = await open_run(cfg.nats.url, cfg.run.id, "trainer", cfg.nats.hub_domain or None)
-    await run.state.put(CONFIG_KEY, cfg.model_dump_json().encode())
+    # Samplers on other machines read the run's config here; this machine's files stay here.
+    await run.state.put(CONFIG_KEY, cfg.model_dump_json(exclude={"nats": {"creds", "tls_ca"}}).encode())
 
     base, tokenizer = load_model(cfg.model.name)
     policy = make_policy(base, cfg.lora)
@@ -187,13 +213,10 @@ async def run_trainer(cfg: EchoConfig) -> None:
     state = load_checkpoint(checkpoint_path, policy, optimizer) or TrainerState()
     restore_metrics(run_dir / "metrics.jsonl", state)
 
-    referee = Referee(
-        load_task(cfg.task), tokenizer, base.get_input_embeddings().num_embeddings,
-        cfg.sampling.group_size, cfg.sampling.max_new_tokens,
-    )
+    referee = Referee(load_task(cfg.task), tokenizer, base.get_input_embeddings().num_embeddings, cfg.sampling)
     max_staleness = 0 if cfg.run.mode == "sequential" else cfg.trainer.max_staleness
     subscription = await trainer_subscription(run, cfg.trainer.ack_wait_s)
-    collector = Collector(subscription, referee, max_staleness, set(state.trained_ids))
+    collector = Collector(subscription, referee, max_staleness, set(state.trained_ids), set(state.trained_content))
     keep_alive = asyncio.create_task(collector.keep_alive(cfg.trainer.ack_wait_s / 3))
     orders = (PullRequests if cfg.run.mode == "sequential" else Admission)(run, cfg, state)
 
@@ -215,6 +238,8 @@ async def run_trainer(cfg: EchoConfig) -> None:
             state.step, state.version = step, state.version + 1
             state.trained_ids += [g.group_id for g in groups]
             collector.trained_ids.update(g.group_id for g in groups)
+            state.trained_content += [a.content for a in collected.used]
+            collector.trained_content.update(a.content for a in collected.used)
             state.lost += len(collected.dropped_ids) + sum(collected.rejected.values())
             state.record = {
                 "step": step,
@@ -237,6 +262,7 @@ async def run_trainer(cfg: EchoConfig) -> None:
                 "dropped_groups": collected.dropped_ids,
             }
             await asyncio.to_thread(save_checkpoint, checkpoint_path, policy, optimizer, state)
+            lease.check()  # a trainer fenced out by another must not publish over it
             publish_seconds = await publish_policy(run, cfg, policy, state.version, run_dir)
             await collector.ack_held()  # only now: the step that used them is checkpointed
 
@@ -254,7 +280,6 @@ async def run_trainer(cfg: EchoConfig) -> None:
                 seconds=round(record["step_seconds"], 2),
             )
     keep_alive.cancel()
-    await run.close()
 
 
 def metrics_line(record: dict) -> bytes:

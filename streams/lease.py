@@ -1,0 +1,99 @@
+"""The trainer's lease on a run (TrainerLease under TRAINER_KEY in the state bucket).
+
+One trainer owns a run at a time. A trainer starting takes the next epoch with a compare-and-set;
+if the lease is held and being renewed, another trainer is alive and this one refuses to start;
+if it stops being renewed (the holder died) it lapses and the new trainer takes over. Versions
+are ordered by (epoch, version), so a restarted trainer's announcements supersede everything of
+its predecessor's, even a version number forged far ahead."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import structlog
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+from echo.protocol import TRAINER_KEY, TrainerLease, decode, encode
+from streams.client import Run
+
+log = structlog.get_logger()
+
+RENEW_S = 1.0
+LAPSE_S = 4.0  # a lease not renewed for this long (by a clock on this side) belongs to a dead trainer
+
+
+class AnotherTrainer(RuntimeError):
+    pass
+
+
+class Lease:
+    def __init__(self, run: Run, lease: TrainerLease, revision: int):
+        self.run, self.lease, self.revision = run, lease, revision
+        self.lost: BaseException | None = None
+
+    @property
+    def epoch(self) -> int:
+        return self.lease.epoch
+
+    async def renew_forever(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(RENEW_S)
+                self.revision = await self.run.state.update(TRAINER_KEY, encode(self.lease), last=self.revision)
+        except KeyWrongLastSequenceError:
+            self.lost = AnotherTrainer(f"run {self.run.names.run_id}: another trainer took over epoch {self.epoch}")
+            log.error("trainer.fenced_out", epoch=self.epoch)
+
+    def check(self) -> None:
+        """Raise if another trainer took the run: this one must not publish any more."""
+        if self.lost is not None:
+            raise self.lost
+
+    async def release(self) -> None:
+        released = self.lease.model_copy(update={"released": True})
+        try:
+            await self.run.state.update(TRAINER_KEY, encode(released), last=self.revision)
+        except KeyWrongLastSequenceError:
+            pass  # taken over already: nothing of ours to release
+
+
+async def take_lease(run: Run, lapse_s: float = LAPSE_S) -> Lease:
+    """Take the run's next epoch. A held lease is watched for `lapse_s`: renewed, it belongs to a
+    live trainer (AnotherTrainer); not renewed, its holder died and the run is taken over."""
+    loop = asyncio.get_running_loop()
+    watched: tuple[int, float] | None = None  # (revision seen, when)
+    while True:
+        try:
+            entry = await run.state.get(TRAINER_KEY)
+            held = decode(TrainerLease, entry.value)
+        except KeyNotFoundError:
+            entry, held = None, None
+        if held is not None and not held.released:
+            if watched is None:
+                watched = (entry.revision, loop.time())
+                log.info("trainer.lease_held", epoch=held.epoch, holder=held.holder, waiting_s=lapse_s)
+            elif entry.revision != watched[0]:
+                raise AnotherTrainer(f"run {run.names.run_id} has a live trainer ({held.holder}, epoch {held.epoch})")
+            if loop.time() - watched[1] < lapse_s:
+                await asyncio.sleep(RENEW_S / 4)
+                continue
+        lease = TrainerLease(epoch=held.epoch + 1 if held else 1, holder=f"{socket.gethostname()}:{os.getpid()}")
+        try:
+            if entry is None:
+                revision = await run.state.create(TRAINER_KEY, encode(lease))
+            else:
+                revision = await run.state.update(TRAINER_KEY, encode(lease), last=entry.revision)
+        except KeyWrongLastSequenceError:
+            raise AnotherTrainer(f"run {run.names.run_id}: another trainer started at the same moment") from None
+        run.epoch = lease.epoch
+        return Lease(run, lease, revision)
+
+
+async def current_epoch(run: Run) -> int | None:
+    """The epoch of the run's trainer, or None before any trainer started."""
+    try:
+        return decode(TrainerLease, (await run.state.get(TRAINER_KEY)).value).epoch
+    except KeyNotFoundError:
+        return None
