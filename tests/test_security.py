@@ -223,3 +223,23 @@ def test_a_sampler_cannot_touch_what_the_trainer_owns(secured):
         await trainer.close()
 
     asyncio.run(main())
+
+
+def test_add_sampler_issues_credentials_a_running_hub_accepts_without_a_restart(secured):
+    server, secure = secured
+
+    async def connect_new():
+        credentials = secure.add_sampler("s9")  # rewrites the user list and signals the hub
+        for _ in range(50):  # the reload is asynchronous
+            try:
+                nc = await nats.connect(server.url, max_reconnect_attempts=0, allow_reconnect=False,
+                                        **credentials.connect_options())
+                break
+            except Exception:
+                await asyncio.sleep(0.1)
+        else:
+            pytest.fail("the new sampler's credentials were not accepted")
+        await nc.close()
+
+    asyncio.run(connect_new())
+    assert main(["secure", "add-sampler", str(secure.dir), "s9"]) == 2  # issued already: refused
