@@ -13,6 +13,7 @@ import os
 import socket
 
 import structlog
+from nats.errors import ConnectionClosedError
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from echo.protocol import TRAINER_KEY, TrainerLease, decode, encode
@@ -38,13 +39,19 @@ class Lease:
         return self.lease.epoch
 
     async def renew_forever(self) -> None:
-        try:
-            while True:
-                await asyncio.sleep(RENEW_S)
+        """Renew until another trainer takes the run. A renewal that fails on the way (a broker
+        restart) is tried again: the lease lapses only if this trainer stays away past LAPSE_S,
+        and then the next compare-and-set tells it it was fenced out."""
+        while True:
+            await asyncio.sleep(RENEW_S)
+            try:
                 self.revision = await self.run.state.update(TRAINER_KEY, encode(self.lease), last=self.revision)
-        except KeyWrongLastSequenceError:
-            self.lost = AnotherTrainer(f"run {self.run.names.run_id}: another trainer took over epoch {self.epoch}")
-            log.error("trainer.fenced_out", epoch=self.epoch)
+            except KeyWrongLastSequenceError:
+                self.lost = AnotherTrainer(f"run {self.run.names.run_id}: another trainer took over epoch {self.epoch}")
+                log.error("trainer.fenced_out", epoch=self.epoch)
+                return
+            except (asyncio.TimeoutError, ConnectionClosedError) as e:  # nats' TimeoutError is one
+                log.warning("trainer.lease_renewal_failed", epoch=self.epoch, error=repr(e))
 
     def check(self) -> None:
         """Raise if another trainer took the run: this one must not publish any more."""

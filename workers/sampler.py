@@ -37,9 +37,13 @@ class Sampler:
         self.cfg, self.sampler_id, self.run, self.engine, self.task = cfg, sampler_id, run, engine, task
         self.rng = random.Random(f"{cfg.run.seed}/{sampler_id}")
         self.weights = WeightsFollower(run, cfg.model.name)
-        self.version = -1  # the policy version the engine runs now
-        self.order = (0, -1)  # its (trainer epoch, version): a restarted trainer's versions come later
+        self.order = (0, -1)  # (trainer epoch, version) the engine runs: a restarted trainer's versions come later
         self.published = 0
+
+    @property
+    def version(self) -> int:
+        """The policy version the engine runs now; -1 before the first."""
+        return self.order[1]
 
     async def apply_newest(self, at_least: int = 0) -> None:
         """Swap in the newest downloaded weights, waiting for version `at_least` if needed.
@@ -53,7 +57,7 @@ class Sampler:
             self.weights.failures["weights_mismatch"] += 1
             log.warning("weights.refused", version=announcement.version, reason=str(e))
             return
-        self.version, self.order = announcement.version, announcement.order
+        self.order = announcement.order
         log.debug("weights.applied", version=self.version)
 
     async def generate_and_publish(self, count: int) -> None:
