@@ -35,6 +35,12 @@ from tests.conftest import tiny_config
 from workers.cli import main
 
 
+async def _until(condition, timeout_s: float = 5.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.02)
+
+
 def _config_naming_a_shell_command(tmp_path, marker):
     cfg = tiny_config(tmp_path, run={"id": "victim"}).model_dump()
     # logging.config.dictConfig calls any "()" factory with the other keys as arguments.
@@ -113,11 +119,13 @@ def test_forged_and_pre_deduplicated_announcements_do_not_wedge_samplers(nats_se
         # Another epoch than the lease's is refused, whatever its version.
         foreign = real.model_copy(update={"version": 10**9, "epoch": 99})
         await attacker.publish(trainer.names.weights_subject, encode(foreign))
+        # The follower only looks at the newest announcement: wait for each refusal before the next.
+        await _until(lambda: follower.failures["wrong_epoch"] == 1)
         # The next version's id taken first: with the old predictable ids the real one was dropped.
         await attacker.publish(trainer.names.weights_subject, encode(foreign), headers={HDR_MSG_ID: "weights-1"})
+        await _until(lambda: follower.failures["wrong_epoch"] == 2)
         await publish_weights(trainer, 1, [b"v1" * 100], "tiny")
         assert (await follower.wait_for(1))[0].version == 1
-        assert follower.failures["wrong_epoch"] == 2
 
         # A forgery in the current epoch wins until the trainer restarts: its next epoch orders
         # its versions after every version of the old epoch, forged or not.
@@ -127,11 +135,7 @@ def test_forged_and_pre_deduplicated_announcements_do_not_wedge_samplers(nats_se
         await lease.release()
         restarted = await take_lease(trainer)
         await publish_weights(trainer, 2, [b"v2" * 100], "tiny")
-        for _ in range(100):
-            if follower.ready[0].order == (restarted.epoch, 2):
-                break
-            await asyncio.sleep(0.05)
-        assert follower.ready[0].order == (restarted.epoch, 2)
+        await _until(lambda: follower.ready[0].order == (restarted.epoch, 2))
         await follower.stop()
         await sampler_run.close()
         await trainer.close()
