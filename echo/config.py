@@ -70,6 +70,12 @@ class TrainerConfig(_Section):
     is_cap: float = Field(2.0, ge=1.0)
     max_staleness: int = Field(1, ge=0)  # async: drop rollouts older than version - max_staleness; sequential uses 0
     reissue_after_s: float = Field(300.0, gt=0)  # ask again for groups not delivered by then (lost in flight)
+    # Proof of sampling (echo/proof.py): recompute the claimed log-probs of this share of groups
+    # (every group of a sampler caught once); a token off by more than the tolerance (nats) is a
+    # forgery. A sampler with more than quarantine_after forgeries or reward mismatches is quarantined.
+    verify_fraction: float = Field(0.1, ge=0, le=1)
+    verify_tolerance: float = Field(0.01, gt=0)
+    quarantine_after: int = Field(3, ge=0)
     keep_versions: int = Field(3, ge=1)  # versions kept in the weights bucket and run dir; older ones are deleted
     shard_mb: float = Field(64.0, gt=0)  # published weights are split into objects of about this size
     ack_wait_s: float = Field(60.0, gt=0)  # a crashed trainer's unacked groups come back after this

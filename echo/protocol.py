@@ -24,7 +24,8 @@ from nats.js.api import (
 )
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-SCHEMA_VERSION = 3  # 2: a weights announcement lists shards; 3: and names the trainer's epoch
+SCHEMA_VERSION = 4  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
+# 4: the trainer grants work (GrantRequest/Grant), samplers no longer take it from KV
 
 # Run and sampler ids become subject tokens and stream names: keep them to safe characters.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -49,10 +50,11 @@ TRAINER_CONSUMER = "trainer"
 CONFIG_KEY = "config"  # the run's config, JSON: an edge sampler needs only the URL and the run id
 BUDGET_KEY = "budget"  # async mode's AdmissionBudget, written by the trainer
 TRAINER_KEY = "trainer"  # the TrainerLease: which trainer incarnation (epoch) owns the run
-LEASES_KEY = "leases"  # the number of leases taken so far, compare-and-set by samplers
+LEASES_KEY = "leases"  # async mode: the number of leases granted so far (the trainer's, kept across restarts)
+QUARANTINE_KEY = "quarantine"  # samplers whose groups are ignored (Quarantine), by the trainer or an operator
 SAMPLER_STATUS_PREFIX = "samplers."  # + sampler id: each sampler's heartbeat (SamplerStatus)
 ROLLOUT_DEDUP_WINDOW_S = 300.0
-CLAIM_TTL_S = 3600.0
+GRANT_TIMEOUT_S = 5.0  # a sampler waits this long for the trainer's answer, then asks again later
 
 
 class ProtocolError(ValueError):
@@ -91,6 +93,15 @@ class RunNames:
     def all_rollouts(self) -> str:
         return f"{self.prefix}.rollouts.>"
 
+    def grants_subject(self, sampler_id: str) -> str:
+        # Request/reply: a sampler asks the trainer for work on its own subject (its credentials
+        # allow it no other), so the trainer knows who holds what.
+        return f"{self.prefix}.grants.{check_id('sampler id', sampler_id)}"
+
+    @property
+    def all_grants(self) -> str:
+        return f"{self.prefix}.grants.*"
+
     @property
     def weights_subject(self) -> str:
         return f"{self.prefix}.weights"
@@ -118,10 +129,6 @@ class RunNames:
     @property
     def state_bucket(self) -> str:
         return f"echo_{self.run_id}_state"
-
-    @property
-    def claims_bucket(self) -> str:
-        return f"echo_{self.run_id}_claims"
 
     def rollouts_stream_config(self) -> StreamConfig:
         # Limits retention (not work-queue): acked rollouts stay, so a run can be replayed.
@@ -160,17 +167,9 @@ class RunNames:
     def state_bucket_config(self) -> KeyValueConfig:
         return KeyValueConfig(bucket=self.state_bucket, storage=StorageType.FILE)
 
-    def claims_bucket_config(self) -> KeyValueConfig:
-        # Work slots of sequential mode, claimed with create(); they expire on their own.
-        return KeyValueConfig(bucket=self.claims_bucket, storage=StorageType.FILE, ttl=CLAIM_TTL_S)
-
 
 def weights_object_name(version: int, shard: int) -> str:
     return f"weights-v{version:08d}-{shard:04d}.safetensors"
-
-
-def claim_key(request_id: str, slot: int) -> str:
-    return f"{request_id}.{slot}"
 
 
 # ---- messages ----------------------------------------------------------------------------
@@ -178,7 +177,7 @@ def claim_key(request_id: str, slot: int) -> str:
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    schema_version: Literal[3] = SCHEMA_VERSION
+    schema_version: Literal[4] = SCHEMA_VERSION
 
 
 class Completion(BaseModel):
@@ -269,6 +268,15 @@ class SamplerStatus(_Message):
     groups_published: int = Field(ge=0)
     weight_failures: dict[str, int]  # refused adapters by reason (digest, truncated, shape, base model)
     updated_at: float
+    quarantined: bool = False  # the trainer ignores its groups (see Quarantine)
+
+
+class Quarantine(_Message):
+    """Samplers the trainer ignores (their groups are acked unread, they are granted no work),
+    with why: caught forging log-probs or claiming rewards more than `trainer.quarantine_after`
+    times. Lifted by an operator (`echo-rl quarantine lift`)."""
+
+    samplers: dict[str, str] = {}
 
 
 class PullRequest(_Message):
@@ -277,6 +285,25 @@ class PullRequest(_Message):
     request_id: str = Field(pattern=ID_PATTERN)
     version: int = Field(ge=0)
     groups: int = Field(ge=1)
+
+
+class GrantRequest(_Message):
+    """A sampler asks the trainer for up to `want` groups to generate with the weights it runs
+    (`epoch`, `version`); in sequential mode, for the pull request `pull_request_id`."""
+
+    want: int = Field(ge=1, le=1024)
+    epoch: int = Field(ge=0)
+    version: int = Field(ge=-1)
+    pull_request_id: str | None = Field(None, pattern=ID_PATTERN)
+
+
+class Grant(_Message):
+    """The trainer's answer: generate `groups` groups. `more`: work is left that this sampler
+    may get once the trainer has received the groups it holds (ask again soon); otherwise
+    nothing is left until the trainer asks for more (a new budget or pull request)."""
+
+    groups: int = Field(ge=0)
+    more: bool = False
 
 
 M = TypeVar("M", bound=_Message)
@@ -313,13 +340,17 @@ def rollout_headers(group: RolloutGroup) -> dict[str, str]:
     }
 
 
+def subject_sampler(subject: str) -> str:
+    """The sampler id a rollouts or grants subject names (the last token)."""
+    return subject.rsplit(".", 1)[-1]
+
+
 def decode_rollout(data: bytes, headers: dict[str, str] | None, subject: str) -> RolloutGroup:
     """Decode a rollout message and check its subject and headers agree with its body. A
     sampler's credentials allow it only its own subject: a body naming another sampler is a
     sampler impersonating another."""
     group = decode(RolloutGroup, data)
-    *_, kind, sampler_id = subject.split(".")
-    if (kind, sampler_id) != ("rollouts", group.sampler_id):
+    if subject.split(".")[-2:] != ["rollouts", group.sampler_id]:
         raise ProtocolError("subject_mismatch", f"{group.sampler_id!r} published on {subject}")
     headers = headers or {}
     if headers.get(HDR_POLICY_VERSION) != str(group.policy_version):

@@ -33,7 +33,7 @@ async def connect(url: str, name: str, credentials: Credentials | None = None) -
 @dataclass
 class Run:
     nc: NATS
-    js: JetStreamContext  # the hub's JetStream: rollouts, control, state, claims
+    js: JetStreamContext  # the hub's JetStream: rollouts, control, state
     # The JetStream of the server this process is connected to: the hub itself, or a site's
     # relay mirroring the weights bucket and announcements (streams/relay.py). Weights are
     # read from here, so each byte crosses the hub's uplink once per site.
@@ -41,7 +41,6 @@ class Run:
     names: RunNames
     weights: ObjectStore
     state: KeyValue
-    claims: KeyValue
     epoch: int | None = None  # the trainer's lease epoch, once it holds one (streams/lease.py)
 
     async def close(self) -> None:
@@ -98,8 +97,7 @@ async def _create_run(js: JetStreamContext, names: RunNames, hub_domain: str | N
     # nats-py overwrites config.bucket with the positional name: pass both.
     weights = await js.create_object_store(names.weights_bucket, config=names.weights_bucket_config())
     state = await _open_kv(js, names.state_bucket_config(), hub_domain, create=True)
-    claims = await _open_kv(js, names.claims_bucket_config(), hub_domain, create=True)
-    return weights, state, claims
+    return weights, state
 
 
 async def _join_run(js: JetStreamContext, names: RunNames, hub_domain: str | None, wait_s: float):
@@ -110,8 +108,7 @@ async def _join_run(js: JetStreamContext, names: RunNames, hub_domain: str | Non
         try:
             weights = await js.object_store(names.weights_bucket)
             state = await _open_kv(js, names.state_bucket_config(), hub_domain, create=False)
-            claims = await _open_kv(js, names.claims_bucket_config(), hub_domain, create=False)
-            return weights, state, claims
+            return weights, state
         except NotFoundError:  # BucketNotFoundError too
             if asyncio.get_running_loop().time() > deadline:
                 raise NoRun(f"run {names.run_id!r} does not exist on this broker: is its trainer running?") from None
@@ -137,9 +134,9 @@ async def open_run(
     try:
         await wait_for_jetstream(js, f"{url} (domain {hub_domain})", timeout=mirror_wait_s)
         if create:
-            weights, state, claims = await _create_run(js, names, hub_domain)
+            weights, state = await _create_run(js, names, hub_domain)
         else:
-            weights, state, claims = await _join_run(js, names, hub_domain, join_wait_s)
+            weights, state = await _join_run(js, names, hub_domain, join_wait_s)
     except BaseException:
         await nc.close()
         raise
@@ -147,7 +144,7 @@ async def open_run(
     for _ in range(mirror_wait_s * 2):  # a relay started alongside may not mirror it yet
         try:
             await local_js.stream_info(names.weights_stream)
-            return Run(nc, js, local_js, names, weights, state, claims)
+            return Run(nc, js, local_js, names, weights, state)
         except NotFoundError:
             await asyncio.sleep(0.5)
     await nc.close()

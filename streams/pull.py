@@ -1,27 +1,12 @@
 """Sequential mode on the wire: the trainer publishes a pull request (version, number of groups)
-on the pull subject; samplers claim its work slots one by one with a KV create, so a fast
-sampler takes more slots than a slow one and no slot is generated twice."""
+on the pull subject; samplers ask it for the request's groups a few at a time (streams/grants.py),
+so a fast sampler generates more of them than a slow one and none is generated twice."""
 
 from __future__ import annotations
 
-import uuid
-
-from nats.js.errors import KeyWrongLastSequenceError
-
-from echo.protocol import PullRequest, claim_key, encode
+from echo.protocol import PullRequest, encode
 from streams.client import Run, publish_once
 
 
-async def publish_pull_request(run: Run, version: int, groups: int) -> PullRequest:
-    request = PullRequest(request_id=uuid.uuid4().hex, version=version, groups=groups)
+async def publish_pull_request(run: Run, request: PullRequest) -> None:
     await publish_once(run, run.names.pull_subject, encode(request))
-    return request
-
-
-async def claim_slot(run: Run, request: PullRequest, slot: int, sampler_id: str) -> bool:
-    """True if this sampler now owns the slot; False if another sampler took it first."""
-    try:
-        await run.claims.create(claim_key(request.request_id, slot), sampler_id.encode())
-        return True
-    except KeyWrongLastSequenceError:
-        return False

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import nkeys
 
-from echo.protocol import HUB_DOMAIN, TRAINER_CONSUMER, RunNames, check_id
+from echo.protocol import HUB_DOMAIN, SAMPLER_STATUS_PREFIX, TRAINER_CONSUMER, RunNames, check_id
 
 ROLES_FILE = "roles.json"  # public keys and roles: the source of server.conf's user list
 SERVER_CONF = "server.conf"
@@ -70,13 +70,13 @@ def _kv_write(bucket: str, key: str, hub_domain: str) -> list[str]:
 def permissions(role: str, names: RunNames, public_key: str, sampler_id: str | None = None,
                 hub_domain: str = HUB_DOMAIN) -> dict:
     """The NATS permissions of one client of the run. The trainer owns everything; a sampler reads
-    weights, announcements, config and budget, publishes on its own rollout subject only and writes
-    only its own heartbeat; an observer reads. No one but the trainer may create, change, purge or
+    weights, announcements, config and budget, publishes on its own rollout and grants subjects
+    only and writes only its own heartbeat; an observer reads. No one but the trainer may create, change, purge or
     delete a stream or consumer, and no one may read another client's replies."""
     inbox = inbox_prefix(public_key) + ".>"
     if role == "trainer":
         return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
-    readable = [names.control_stream, names.weights_stream, f"KV_{names.state_bucket}", f"KV_{names.claims_bucket}"]
+    readable = [names.control_stream, names.weights_stream, f"KV_{names.state_bucket}"]
     if role == "observer":
         readable.append(names.rollouts_stream)  # replay
     allow = []
@@ -92,11 +92,8 @@ def permissions(role: str, names: RunNames, public_key: str, sampler_id: str | N
             for api in _api_prefixes(hub_domain) for tail in ("", ".>")]  # the trainer's own consumer
     if role == "sampler":
         check_id("sampler id", sampler_id)
-        allow.append(names.rollouts_subject(sampler_id))
-        allow += _kv_write(names.state_bucket, f"samplers.{sampler_id}", hub_domain)
-        # The admission lease counter and sequential mode's work slots are still shared keys.
-        allow += _kv_write(names.state_bucket, "leases", hub_domain)
-        allow += _kv_write(names.claims_bucket, ">", hub_domain)
+        allow += [names.rollouts_subject(sampler_id), names.grants_subject(sampler_id)]
+        allow += _kv_write(names.state_bucket, f"{SAMPLER_STATUS_PREFIX}{sampler_id}", hub_domain)
     elif role != "observer":
         raise ValueError(f"unknown role {role!r}")
     return {"publish": {"allow": allow, "deny": deny}, "subscribe": {"allow": [inbox]}}

@@ -51,9 +51,13 @@ def run_swarm(tmp_path, run_id: str, steps: int, *overrides: str, flags=()):
 
 @pytest.mark.parametrize("max_staleness", [0, 1])
 def test_async_run_stays_within_the_staleness_bound(tmp_path, max_staleness):
-    metrics, stream, stderr = run_swarm(tmp_path, "async", 5, f"trainer.max_staleness={max_staleness}")
+    # Proof of sampling on every group: honest samplers are never taken for forgers.
+    metrics, stream, stderr = run_swarm(tmp_path, "async", 5, f"trainer.max_staleness={max_staleness}",
+                                        "trainer.verify_fraction=1.0")
     assert [m["version"] for m in metrics] == [1, 2, 3, 4, 5]
     assert all(m["used"] == 4 for m in metrics)
+    assert metrics[-1]["proof_of_sampling"]["passed"] >= 20 and "forged" not in metrics[-1]["proof_of_sampling"]
+    assert all(m["rejected"] == {} and m["quarantined"] == [] for m in metrics)
     assert "swarm.done" in stderr and "step=5" in stderr
     version_in_stream = {r["headers"][HDR_MSG_ID]: int(r["headers"][HDR_POLICY_VERSION]) for r in stream}
     trained = [gid for m in metrics for gid, _, _ in m["groups"]]

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from echo.engines.hf import HFEngine
-from echo.protocol import CONFIG_KEY, AdmissionBudget, HDR_SAMPLER_ID, RunNames, SamplerStatus
+from echo.protocol import CONFIG_KEY, HDR_SAMPLER_ID, Grant, GrantRequest, RunNames, SamplerStatus
 from echo.tasks import load_task
-from streams.admission import publish_budget, take_leases
+from streams.grants import request_grant, serve_grants
 from streams.client import connect, open_run
 from streams.lease import take_lease
 from streams.registry import put_status, read_statuses
@@ -171,9 +171,15 @@ def test_an_edge_sampler_behind_a_relay_reads_the_config_and_heartbeats_to_the_h
         sampler_run = await open_run(site.url, "edge", "sampler-far")
         status = SamplerStatus(sampler_id="far", version=3, groups_published=1, weight_failures={}, updated_at=0.0)
         await put_status(sampler_run, status)  # a KV write through it
-        await publish_budget(run, AdmissionBudget(version=0, allowance=4, groups_per_step=4))
-        assert await take_leases(sampler_run, 3, 0) == 3  # compare-and-set through it
-        assert await take_leases(sampler_run, 3, 0) == 1
+
+        async def grant_all(sampler_id, request):
+            return Grant(groups=request.want if sampler_id == "far" else 0)
+
+        await serve_grants(run, grant_all)
+        async with asyncio.timeout(5):  # the hub tells the leaf of the trainer's interest a moment later
+            while not (grant := await request_grant(sampler_run, "far", GrantRequest(want=3, epoch=1, version=0))).groups:
+                await asyncio.sleep(0.05)
+        assert grant.groups == 3  # the trainer's answer through it
         assert await read_statuses(run) == [status]
         for nc in (sampler_run, run):
             await nc.close()

@@ -82,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--nats", help="read from this server instead of the run directory's store")
     replay.add_argument("--out", help="write to this file instead of stdout")
     replay.add_argument("--log-json", action="store_true")
+    quarantine = sub.add_parser("quarantine", help="samplers the trainer ignores: list them, or lift one's quarantine")
+    quarantine.add_argument("action", choices=["list", "lift"])
+    quarantine.add_argument("sampler", nargs="?", help="the sampler to lift")
+    quarantine.add_argument("--nats", required=True, help="the hub's URL")
+    quarantine.add_argument("--run-id", required=True)
+    quarantine.add_argument("--creds", help="on a secured broker: the trainer's credentials (only it may write)")
+    quarantine.add_argument("--tls-ca")
     return parser
 
 
@@ -166,6 +173,27 @@ def secure_command(args) -> int:
     return 0
 
 
+async def quarantine_command(args) -> int:
+    """Print the quarantined samplers (JSON) after lifting `args.sampler`'s quarantine, if asked."""
+    from streams.client import open_run
+    from streams.quarantine import change_quarantine, read_quarantine
+
+    if args.action == "lift" and not args.sampler:
+        raise ConfigError("quarantine lift: name the sampler to lift")
+    run = await open_run(args.nats, args.run_id, "operator", credentials=credentials_of(args.creds, args.tls_ca),
+                         create=False, join_wait_s=5)
+    try:
+        samplers = await read_quarantine(run)
+        if args.action == "lift":
+            if args.sampler not in samplers:
+                raise ConfigError(f"sampler {args.sampler!r} is not quarantined (quarantined: {sorted(samplers)})")
+            samplers = await change_quarantine(run, lambda current: current.pop(args.sampler, None))
+    finally:
+        await run.close()
+    print(orjson.dumps(samplers).decode())
+    return 0
+
+
 def run_until_signal(coro) -> int:
     """Run a worker's coroutine; SIGTERM or SIGINT cancels it so it can close cleanly."""
 
@@ -203,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             return replay(args.run, args.nats, args.out)
         if args.command == "secure":
             return secure_command(args)
+        if args.command == "quarantine":
+            return asyncio.run(quarantine_command(args))
         if args.command == "relay":
             cfg = relay_config_from_args(args)
             configure_logging(args.log_json, worker=f"relay-{cfg.domain}")

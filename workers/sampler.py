@@ -2,7 +2,8 @@
 
 async mode: generate continuously with the newest weights it has, swapping between calls.
 sequential mode: wait for a pull request, make sure it runs exactly the requested version,
-then claim the request's work slots one by one and generate them.
+then ask the trainer for the request's groups a few at a time and generate them.
+Either way the trainer grants the work (streams/grants.py): a sampler generates nothing unasked.
 """
 
 from __future__ import annotations
@@ -19,17 +20,20 @@ from echo.engines import Engine
 from echo.engines.hf import HFEngine
 from echo.learner import set_threads
 from echo.policy import WeightsMismatch
-from echo.protocol import Completion, PullRequest, RolloutGroup, SamplerStatus
+from echo.protocol import Completion, Grant, GrantRequest, PullRequest, RolloutGroup, SamplerStatus
 from echo.tasks import Task, load_task, safe_reward
-from streams.admission import take_leases, watch_budget
+from streams.admission import watch_budget
 from streams.client import LatestValue, Run, open_run
-from streams.pull import claim_slot
+from streams.grants import request_grant
+from streams.quarantine import read_quarantine
 from streams.registry import put_status
 from streams.secure import credentials_of
 from streams.rollouts import publish_rollout
 from streams.weights import WeightsFollower
 
 log = structlog.get_logger()
+
+ASK_AGAIN_S = 0.2
 
 
 class Sampler:
@@ -39,6 +43,7 @@ class Sampler:
         self.weights = WeightsFollower(run, cfg.model.name)
         self.order = (0, -1)  # (trainer epoch, version) the engine runs: a restarted trainer's versions come later
         self.published = 0
+        self.quarantined = False  # the trainer ignores this sampler's groups (it shows in the heartbeat)
 
     @property
     def version(self) -> int:
@@ -59,6 +64,13 @@ class Sampler:
             return
         self.order = announcement.order
         log.debug("weights.applied", version=self.version)
+
+    async def ask_for_work(self, pull_request_id: str | None = None) -> Grant:
+        """What the trainer grants this sampler to generate with the weights it runs now."""
+        epoch, version = self.order
+        request = GrantRequest(want=self.cfg.sampling.prompts_per_call, epoch=epoch, version=version,
+                               pull_request_id=pull_request_id)
+        return await request_grant(self.run, self.sampler_id, request)
 
     async def generate_and_publish(self, count: int) -> None:
         prompts = [self.task.prompt(self.rng.randrange(2**31)) for _ in range(count)]
@@ -92,17 +104,18 @@ class Sampler:
             self.published += 1
 
     async def run_async(self) -> None:
-        """Generate only what the admission budget allows, so no work arrives stale. With no
-        lease to take, wait until the budget or this sampler's weights change (or 5 s pass)."""
+        """Generate only what the trainer grants under its admission budget, so no work arrives
+        stale. With nothing granted, wait until the budget or this sampler's weights change (or
+        5 s pass)."""
         budget_changed = asyncio.Event()
         watch = asyncio.create_task(watch_budget(self.run, budget_changed))
         try:
             while True:
                 budget_changed.clear()  # before reading the budget: no update can slip past
                 await self.apply_newest()
-                granted = await take_leases(self.run, self.cfg.sampling.prompts_per_call, self.version)
-                if granted:
-                    await self.generate_and_publish(granted)
+                grant = await self.ask_for_work()
+                if grant.groups:
+                    await self.generate_and_publish(grant.groups)
                     continue
                 waits = [asyncio.ensure_future(budget_changed.wait()),
                          asyncio.ensure_future(self.weights.wait_for(self.version + 1))]
@@ -121,14 +134,14 @@ class Sampler:
             await self.apply_newest(request.version)
             if self.version != request.version:
                 continue  # the trainer has moved past this request already
-            slot = 0
-            while slot < request.groups and requests.seq == seq:
-                claimed = 0
-                while slot < request.groups and claimed < self.cfg.sampling.prompts_per_call:
-                    claimed += await claim_slot(self.run, request, slot, self.sampler_id)
-                    slot += 1
-                if claimed:
-                    await self.generate_and_publish(claimed)
+            while requests.seq == seq:
+                grant = await self.ask_for_work(request.request_id)
+                if grant.groups:
+                    await self.generate_and_publish(grant.groups)
+                elif grant.more:
+                    await asyncio.sleep(ASK_AGAIN_S)  # the trainer has yet to receive what this sampler sent
+                else:
+                    break  # the request's groups are all given out: wait for the next request
 
     def status(self) -> SamplerStatus:
         return SamplerStatus(
@@ -137,10 +150,14 @@ class Sampler:
             groups_published=self.published,
             weight_failures=dict(self.weights.failures),
             updated_at=time.time(),
+            quarantined=self.quarantined,
         )
 
     async def heartbeat(self) -> None:
         while True:
+            self.quarantined = self.sampler_id in await read_quarantine(self.run)
+            if self.quarantined:
+                log.warning("sampler.quarantined", sampler=self.sampler_id, lift="echo-rl quarantine lift")
             await put_status(self.run, self.status())
             await asyncio.sleep(self.cfg.sampler.heartbeat_s)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,21 +21,34 @@ from pathlib import Path
 import orjson
 import structlog
 
-from echo.admission import allowance
+from echo.admission import GrantLedger, allowance, sampler_cap
 from echo.checkpoint import TrainerState, load_checkpoint, prune_weights, save_checkpoint, weights_file
 from echo.config import EchoConfig
 from echo.learner import make_optimizer, set_threads, train_step
 from echo.models import load_model
 from echo.policy import make_policy, weights_kind, weights_shards
-from echo.protocol import CONFIG_KEY, AdmissionBudget, ProtocolError, RolloutGroup, decode_rollout
+from echo.protocol import (
+    CONFIG_KEY,
+    AdmissionBudget,
+    Grant,
+    GrantRequest,
+    ProtocolError,
+    PullRequest,
+    RolloutGroup,
+    decode_rollout,
+    subject_sampler,
+)
+from echo.proof import SamplingProof
 from echo.referee import Referee, content_hash
 from echo.staleness import Verdict, judge
 from echo.tasks import load_task
-from streams.admission import publish_budget
+from streams.admission import leases_granted, publish_budget, record_leases_granted
 from streams.client import Run, open_run
+from streams.grants import serve_grants
 from streams.lease import Lease, take_lease
 from streams.secure import credentials_of
 from streams.pull import publish_pull_request
+from streams.quarantine import change_quarantine, read_quarantine, watch_quarantine
 from streams.rollouts import fetch_rollouts, trainer_subscription
 from streams.weights import publish_weights
 
@@ -47,6 +61,7 @@ class Admitted:
     group: RolloutGroup
     rewards: list[float]  # the trainer's own, from the task's verifier
     content: str  # content_hash of the group
+    reward_mismatch: bool = False  # the sampler claimed other rewards than the verifier's
 
 
 @dataclass
@@ -65,9 +80,13 @@ class Collector:
     """Pulls rollout messages until it has enough usable groups, acking the rest at once."""
 
     def __init__(
-        self, subscription, referee: Referee, max_staleness: int, trained_ids: set[str], trained_content: set[str] = frozenset()
+        self, subscription, referee: Referee, max_staleness: int, trained_ids: set[str],
+        trained_content: set[str] = frozenset(), ledger: GrantLedger | None = None,
+        proof: SamplingProof | None = None, quarantine: "Quarantined | None" = None,
     ):
         self.subscription, self.referee = subscription, referee
+        self.ledger = ledger or GrantLedger()  # each message received ends one grant of its sender
+        self.proof, self.quarantine = proof, quarantine
         self.max_staleness = max_staleness
         self.trained_ids = trained_ids
         self.trained_content = set(trained_content)  # content hashes: the same groups under new ids are replays
@@ -81,6 +100,8 @@ class Collector:
                 await on_wait(need - len(out.used))
             for msg in msgs:
                 admitted = self._admit(msg, version, out)
+                if admitted is not None:
+                    admitted = await self._check_sampling(admitted, out)
                 if admitted is None:
                     await msg.ack()  # dropped or rejected: it stays in the stream for replay
                 else:
@@ -89,6 +110,10 @@ class Collector:
         return out
 
     def _admit(self, msg, version: int, out: Collected) -> Admitted | None:
+        sender = subject_sampler(msg.subject)
+        self.ledger.delivered(sender)
+        if self.quarantine and sender in self.quarantine:
+            return _reject(out, "quarantined", f"a group from {sender}")
         try:
             group = decode_rollout(msg.data, msg.headers, msg.subject)
         except ProtocolError as e:
@@ -116,7 +141,20 @@ class Collector:
         if judgement.reward_mismatch:
             out.reward_mismatch[group.sampler_id] += 1
         out.verifier_errors += judgement.verifier_errors
-        return Admitted(msg, group, judgement.rewards, content)
+        return Admitted(msg, group, judgement.rewards, content, judgement.reward_mismatch)
+
+    async def _check_sampling(self, admitted: Admitted, out: Collected) -> Admitted | None:
+        """Proof of sampling on the groups chosen for it; strikes for forgeries and claimed rewards."""
+        group = admitted.group
+        forged = False
+        if self.proof and self.proof.wants(group):
+            gap = await asyncio.to_thread(self.proof.check, group)
+            forged = self.proof.forged(gap)
+        if self.quarantine and (forged or admitted.reward_mismatch):
+            await self.quarantine.strike(group.sampler_id, "logprob_forgery" if forged else "reward_mismatch")
+        if forged:
+            return _reject(out, "logprob_forgery", f"group {group.group_id} from {group.sampler_id}: gap {gap:.3g}")
+        return admitted
 
     async def keep_alive(self, every: float) -> None:
         """Tell the server the held messages are still being worked on, so a long step does not
@@ -138,13 +176,49 @@ def _reject(out: Collected, reason: str, detail: str) -> None:
     return None
 
 
-class Orders:
-    """How the trainer asks the samplers for groups, and asks again for groups lost in flight
-    (a sampler that died holding a claim or a lease) when nothing arrived for a while."""
+class Quarantined:
+    """Samplers whose groups are acked and ignored and who are granted no work: caught forging
+    log-probs or claiming rewards more than `trainer.quarantine_after` times. Kept in KV, where
+    an operator lifts it (`echo-rl quarantine lift`): the trainer follows the key."""
 
-    def __init__(self, run: Run, cfg: EchoConfig, state: TrainerState):
-        self.run, self.cfg, self.state = run, cfg, state
-        self.asked_at, self.version = 0.0, 0
+    def __init__(self, run: Run, after: int):
+        self.run, self.after = run, after
+        self.samplers: dict[str, str] = {}
+        self.strikes: Counter[str] = Counter()
+
+    async def start(self) -> None:
+        self.samplers = await read_quarantine(self.run)
+        self.watch = asyncio.create_task(watch_quarantine(self.run, self._changed))
+
+    def _changed(self, samplers: dict[str, str]) -> None:
+        for lifted in self.samplers.keys() - samplers.keys():
+            self.strikes.pop(lifted, None)  # a fresh start
+        self.samplers = samplers
+
+    def __contains__(self, sampler_id: str) -> bool:
+        return sampler_id in self.samplers
+
+    async def strike(self, sampler_id: str, reason: str) -> None:
+        self.strikes[sampler_id] += 1
+        if self.strikes[sampler_id] > self.after and sampler_id not in self.samplers:
+            why = f"{self.strikes[sampler_id]} strikes, the last {reason}"
+            self.samplers[sampler_id] = why
+            await change_quarantine(self.run, lambda samplers: samplers.update({sampler_id: why}))
+            log.warning("sampler.quarantined", sampler=sampler_id, why=why)
+
+
+class Orders:
+    """How the trainer asks the samplers for groups and grants them the work, and asks again
+    for groups lost in flight (a sampler that died holding a grant) when nothing arrived for a
+    while. It answers every sampler's grant requests (streams/grants.py) while it runs."""
+
+    def __init__(self, run: Run, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
+                 quarantine: Quarantined | None = None):
+        self.run, self.cfg, self.state, self.ledger, self.quarantine = run, cfg, state, ledger, quarantine
+        self.asked_at, self.version = 0.0, state.version
+
+    async def start(self) -> None:
+        self.subscription = await serve_grants(self.run, self.grant)
 
     async def ask(self, version: int) -> None:
         self.version, self.asked_at = version, time.monotonic()
@@ -154,31 +228,73 @@ class Orders:
         if time.monotonic() - self.asked_at > self.cfg.trainer.reissue_after_s:
             log.warning("orders.reissue", version=self.version, missing=missing)
             self.asked_at = time.monotonic()
+            self.ledger.forget_held()
             await self.reissue(missing)
+
+    def _refused(self, sampler_id: str, request: GrantRequest) -> bool:
+        if self.quarantine and sampler_id in self.quarantine:
+            return True
+        return request.epoch != self.run.epoch  # weights of a previous trainer: apply ours first
 
 
 class PullRequests(Orders):
     """Sequential mode: each step asks for exactly its groups, generated with its version."""
 
+    request: PullRequest | None = None
+    granted = 0  # of the current request's groups
+
     async def publish(self, groups: int) -> None:
-        await publish_pull_request(self.run, self.version, groups)
+        # Current before it is published: a sampler may ask for its groups at once.
+        self.request, self.granted = PullRequest(request_id=uuid.uuid4().hex, version=self.version, groups=groups), 0
+        await publish_pull_request(self.run, self.request)
 
     async def reissue(self, missing: int) -> None:
         await self.publish(missing)
+
+    async def grant(self, sampler_id: str, request: GrantRequest) -> Grant:
+        current = self.request
+        if (current is None or self._refused(sampler_id, request) or request.pull_request_id != current.request_id
+                or request.version != current.version):
+            return Grant(groups=0)
+        groups, more = self.ledger.grant(sampler_id, request.want, current.groups - self.granted, current.groups,
+                                         time.monotonic())
+        self.granted += groups
+        return Grant(groups=groups, more=more)
 
 
 class Admission(Orders):
     """Async mode: the admission budget, so that samplers generate no group that would arrive
     stale (echo/admission.py). Lost groups are handed out again by raising the allowance."""
 
+    leases = 0  # granted so far in the run, by every incarnation of the trainer
+
+    async def start(self) -> None:
+        self.leases = await leases_granted(self.run)
+        await super().start()
+
+    def highest_lease(self) -> int:
+        return allowance(self.version, self.cfg.trainer.max_staleness, self.cfg.trainer.groups_per_step, self.state.lost)
+
     async def publish(self, groups: int) -> None:
-        max_staleness = self.cfg.trainer.max_staleness
-        allowed = allowance(self.version, max_staleness, groups, self.state.lost)
-        await publish_budget(self.run, AdmissionBudget(version=self.version, allowance=allowed, groups_per_step=groups))
+        # Samplers watch the budget to ask for work again as soon as there is some.
+        budget = AdmissionBudget(version=self.version, allowance=self.highest_lease(), groups_per_step=groups)
+        await publish_budget(self.run, budget)
 
     async def reissue(self, missing: int) -> None:
         self.state.lost += missing
         await self.publish(self.cfg.trainer.groups_per_step)
+
+    async def grant(self, sampler_id: str, request: GrantRequest) -> Grant:
+        if self._refused(sampler_id, request) or request.pull_request_id is not None or not 0 <= request.version <= self.version:
+            return Grant(groups=0)
+        per_step = self.cfg.trainer.groups_per_step
+        cap = sampler_cap(self.version, self.highest_lease(), request.version, per_step)
+        window = (self.cfg.trainer.max_staleness + 1) * per_step  # groups that may be in flight at once
+        groups, more = self.ledger.grant(sampler_id, request.want, cap - self.leases, window, time.monotonic())
+        if groups:
+            self.leases += groups
+            await record_leases_granted(self.run, self.leases)
+        return Grant(groups=groups, more=more)
 
 
 async def run_trainer(cfg: EchoConfig) -> None:
@@ -216,12 +332,19 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease) -> None:
     referee = Referee(load_task(cfg.task), tokenizer, base.get_input_embeddings().num_embeddings, cfg.sampling)
     max_staleness = 0 if cfg.run.mode == "sequential" else cfg.trainer.max_staleness
     subscription = await trainer_subscription(run, cfg.trainer.ack_wait_s)
-    collector = Collector(subscription, referee, max_staleness, set(state.trained_ids), set(state.trained_content))
+    ledger, quarantine = GrantLedger(), Quarantined(run, cfg.trainer.quarantine_after)
+    await quarantine.start()
+    proof = SamplingProof(policy, tokenizer.pad_token_id, cfg.sampling.temperature, cfg.trainer.verify_fraction,
+                          cfg.trainer.verify_tolerance, keep=max_staleness + 1, seed=cfg.run.seed)
+    collector = Collector(subscription, referee, max_staleness, set(state.trained_ids), set(state.trained_content),
+                          ledger, proof, quarantine)
     keep_alive = asyncio.create_task(collector.keep_alive(cfg.trainer.ack_wait_s / 3))
-    orders = (PullRequests if cfg.run.mode == "sequential" else Admission)(run, cfg, state)
+    orders = (PullRequests if cfg.run.mode == "sequential" else Admission)(run, cfg, state, ledger, quarantine)
 
     # (Re)publish the current version: a fresh run's version 0, or the checkpoint's.
     await publish_policy(run, cfg, policy, state.version, run_dir)
+    proof.remember(state.version)
+    await orders.start()
     log.info("trainer.ready", run=cfg.run.id, mode=cfg.run.mode, model=cfg.model.name, step=state.step,
              version=state.version, steps=cfg.run.steps)
     started = time.perf_counter()
@@ -256,6 +379,8 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease) -> None:
                 "reward_mismatch": dict(collected.reward_mismatch),
                 "verifier_errors": collected.verifier_errors,
                 "already_trained": collected.already_trained,
+                "proof_of_sampling": dict(proof.counts),  # groups checked so far by this process, by outcome
+                "quarantined": sorted(quarantine.samplers),
                 "staleness_used": dict(Counter(state.version - 1 - g.policy_version for g in groups)),
                 "staleness_dropped": dict(collected.dropped),
                 "groups": [[g.group_id, g.policy_version, g.sampler_id] for g in groups],
@@ -264,6 +389,7 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease) -> None:
             await asyncio.to_thread(save_checkpoint, checkpoint_path, policy, optimizer, state)
             lease.check()  # a trainer fenced out by another must not publish over it
             publish_seconds = await publish_policy(run, cfg, policy, state.version, run_dir)
+            proof.remember(state.version)
             await collector.ack_held()  # only now: the step that used them is checkpointed
 
             record = {**state.record, "publish_seconds": publish_seconds}
@@ -280,6 +406,7 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease) -> None:
                 seconds=round(record["step_seconds"], 2),
             )
     keep_alive.cancel()
+    quarantine.watch.cancel()
 
 
 def metrics_line(record: dict) -> bytes:

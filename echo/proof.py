@@ -1,0 +1,85 @@
+"""Proof of sampling: the trainer recomputes the behaviour log-probs a sampler claims for a
+group under the policy version the group names, and compares. Compute only; no I/O.
+
+A sampler's log-probs drive the importance weights pi_old / mu: a sampler that invents them
+(to inflate its groups' weight, or to pass off completions it did not sample from the policy)
+is caught by a forward pass of the claimed version. prime-rl checks inference with TOPLOC
+proofs from the inference engine; here the log-probs the protocol already carries are the proof.
+What this cannot catch: a sampler that runs the model forward over completions it chose, and
+reports their true log-probs (they pass, and the trainer's own importance weights then treat
+them as samples of mu).
+
+The trainer keeps the last `max_staleness + 1` versions' trainable tensors (an adapter is a
+few MB) and swaps the claimed one in for the forward, then swaps its current one back.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import torch
+
+from echo.policy import group_logprobs, load_tensors, policy_tensors
+from echo.protocol import RolloutGroup
+
+
+def logprob_gap(claimed: list[list[float]], recomputed: torch.Tensor) -> float:
+    """The largest absolute difference between a claimed and a recomputed token log-prob
+    (`recomputed` is [G, C], right-padded; each row is read up to its claimed length)."""
+    gap = 0.0
+    for row, logprobs in enumerate(claimed):
+        diff = (recomputed[row, : len(logprobs)] - torch.tensor(logprobs, dtype=recomputed.dtype)).abs()
+        gap = max(gap, float(diff.max()))
+    return gap
+
+
+class SamplingProof:
+    """Which groups to check (a random `fraction`, and every group of a suspect sampler), the
+    versions to check them against, and the check itself."""
+
+    def __init__(self, policy, pad_id: int, temperature: float, fraction: float, tolerance: float,
+                 keep: int, seed: int):
+        self.policy, self.pad_id, self.temperature = policy, pad_id, temperature
+        self.fraction, self.tolerance, self.keep = fraction, tolerance, keep
+        self.rng = random.Random(f"{seed}/proof")
+        self.versions: dict[int, dict[str, torch.Tensor]] = {}
+        self.suspects: set[str] = set()
+        self.counts: Counter[str] = Counter()  # checked, passed, forged, unverifiable
+
+    def remember(self, version: int) -> None:
+        """Keep the policy's tensors as `version` (call right after publishing it)."""
+        self.versions[version] = {k: v.clone() for k, v in policy_tensors(self.policy).items()}
+        for old in [v for v in self.versions if v <= version - self.keep]:
+            del self.versions[old]
+
+    def wants(self, group: RolloutGroup) -> bool:
+        return group.sampler_id in self.suspects or self.rng.random() < self.fraction
+
+    def check(self, group: RolloutGroup) -> float | None:
+        """The group's log-prob gap, or None if its version is no longer kept (not checked).
+        A gap beyond the tolerance makes its sampler a suspect: all its groups are checked."""
+        tensors = self.versions.get(group.policy_version)
+        if tensors is None:
+            self.counts["unverifiable"] += 1
+            return None
+        newest = max(self.versions)
+        completions = [c.token_ids for c in group.completions]
+        try:
+            if group.policy_version != newest:
+                load_tensors(self.policy, tensors)
+            with torch.no_grad():
+                recomputed, _, _ = group_logprobs(self.policy, group.prompt_token_ids, completions, self.temperature,
+                                                  self.pad_id)
+        finally:
+            if group.policy_version != newest:
+                load_tensors(self.policy, self.versions[newest])
+        gap = logprob_gap([c.logprobs for c in group.completions], recomputed.float())
+        forged = gap > self.tolerance
+        self.counts["forged" if forged else "passed"] += 1
+        if forged:
+            self.suspects.add(group.sampler_id)
+        return gap
+
+    def forged(self, gap: float | None) -> bool:
+        return gap is not None and gap > self.tolerance

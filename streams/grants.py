@@ -1,0 +1,42 @@
+"""Work grants on the wire: a sampler asks the trainer for groups to generate (request/reply
+on its own grants subject) and the trainer alone decides, so no sampler can take work meant
+for the others. Used by both modes: async leases and sequential mode's pull requests."""
+
+from __future__ import annotations
+
+from typing import Awaitable, Callable
+
+import structlog
+from nats.errors import NoRespondersError
+
+from echo.protocol import GRANT_TIMEOUT_S, Grant, GrantRequest, ProtocolError, decode, encode, subject_sampler
+from streams.client import Run
+
+log = structlog.get_logger()
+
+Decide = Callable[[str, GrantRequest], Awaitable[Grant]]  # (sampler id, request) -> the answer
+
+
+async def serve_grants(run: Run, decide: Decide):
+    """Answer every sampler's grant requests with `decide`; returns the subscription. The
+    sampler id comes from the subject, which a secured sampler cannot choose."""
+
+    async def on_request(msg) -> None:
+        sampler_id = subject_sampler(msg.subject)
+        try:
+            grant = await decide(sampler_id, decode(GrantRequest, msg.data))
+        except ProtocolError as e:
+            log.warning("grant.bad_request", sampler=sampler_id, reason=str(e))
+            grant = Grant(groups=0)
+        await msg.respond(encode(grant))
+
+    return await run.nc.subscribe(run.names.all_grants, cb=on_request)
+
+
+async def request_grant(run: Run, sampler_id: str, request: GrantRequest, timeout: float = GRANT_TIMEOUT_S) -> Grant:
+    """The trainer's answer; nothing granted if no trainer answers (none yet, or busy)."""
+    try:
+        reply = await run.nc.request(run.names.grants_subject(sampler_id), encode(request), timeout=timeout)
+    except (NoRespondersError, TimeoutError):
+        return Grant(groups=0)
+    return decode(Grant, reply.data)

@@ -1,0 +1,48 @@
+"""Quarantined samplers on the wire: one key in the run's state bucket, changed with
+compare-and-set by the trainer (catching a sampler) and by an operator (lifting it)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+from echo.protocol import QUARANTINE_KEY, Quarantine, decode, encode
+from streams.client import Run
+
+
+async def _read(run: Run) -> tuple[Quarantine, int]:
+    try:
+        entry = await run.state.get(QUARANTINE_KEY)
+    except KeyNotFoundError:
+        return Quarantine(), 0
+    return decode(Quarantine, entry.value), entry.revision
+
+
+async def read_quarantine(run: Run) -> dict[str, str]:
+    """Quarantined sampler ids and why."""
+    return dict((await _read(run))[0].samplers)
+
+
+async def change_quarantine(run: Run, change: Callable[[dict[str, str]], None]) -> dict[str, str]:
+    """Apply `change` to the quarantined samplers, retrying if another writer came first."""
+    while True:
+        current, revision = await _read(run)
+        samplers = dict(current.samplers)
+        change(samplers)
+        value = encode(Quarantine(samplers=samplers))
+        try:
+            if revision == 0:
+                await run.state.create(QUARANTINE_KEY, value)
+            else:
+                await run.state.update(QUARANTINE_KEY, value, last=revision)
+            return samplers
+        except KeyWrongLastSequenceError:
+            continue
+
+
+async def watch_quarantine(run: Run, on_change: Callable[[dict[str, str]], None]) -> None:
+    """Forever: call `on_change` with the quarantined samplers whenever they change."""
+    async for entry in await run.state.watch(QUARANTINE_KEY):
+        if entry is not None and entry.value:  # None: the watch's end-of-history marker
+            on_change(dict(decode(Quarantine, entry.value).samplers))

@@ -1,0 +1,127 @@
+"""Proof of sampling: honest log-probs pass under the version they claim, forged ones are
+rejected, and a sampler caught too often is quarantined until an operator lifts it."""
+
+import asyncio
+
+import pytest
+import torch
+
+from echo.checkpoint import TrainerState
+from echo.config import LoraConfig
+from echo.engines.hf import HFEngine
+from echo.admission import GrantLedger
+from echo.policy import group_logprobs, load_weights, policy_tensors, weights_shards
+from echo.proof import SamplingProof, logprob_gap
+from echo.protocol import GrantRequest
+from streams.client import open_run
+from streams.lease import take_lease
+from streams.quarantine import read_quarantine
+from streams.registry import read_statuses
+from streams.rollouts import publish_rollout, trainer_subscription
+from tests.conftest import tiny_config
+from tests.test_referee import REFEREE, SAMPLING, honest_group
+from workers.cli import build_parser, quarantine_command
+from workers.sampler import Sampler
+from workers.trainer import Admission, Collector, Quarantined
+
+LORA = LoraConfig(r=4, alpha=8.0)
+
+
+def _perturb(model, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # zero at init: every version would be the base model
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+
+
+def _proof(policy, tolerance: float = 0.01, fraction: float = 1.0) -> SamplingProof:
+    return SamplingProof(policy, 0, SAMPLING.temperature, fraction, tolerance, keep=2, seed=0)
+
+
+def test_the_gap_is_the_largest_token_difference():
+    recomputed = torch.tensor([[-0.5, -1.0, 0.0], [-2.0, -0.1, -0.3]])
+    assert logprob_gap([[-0.5, -1.0], [-2.0, -0.4, -0.3]], recomputed) == pytest.approx(0.3)
+
+
+def test_honest_log_probs_pass_under_the_claimed_version_and_forged_ones_fail():
+    sampler = HFEngine("tiny", LORA, SAMPLING)
+    _perturb(sampler.model, seed=0)
+    trainer = HFEngine("tiny", LORA, SAMPLING).model  # another instance, given version 0 as published
+    load_weights(trainer, [bytearray(s) for s in weights_shards(sampler.model, 2**30)])
+    proof = _proof(trainer)
+    proof.remember(0)
+    prompt = REFEREE.task.prompt(3)
+    prompt_ids = sampler.encode_chat(prompt.messages)
+    generations = sampler.generate([prompt_ids], SAMPLING.group_size)[0]
+    group = honest_group(3, policy_version=0, prompt_token_ids=prompt_ids, completions=[
+        honest_group().completions[0].model_copy(update={"token_ids": g.token_ids, "logprobs": g.logprobs})
+        for g in generations])
+    assert proof.check(group) < 1e-4  # fp32: float error only
+
+    _perturb(trainer, seed=1)  # the trainer steps on: version 1
+    proof.remember(1)
+    version_1 = {k: v.clone() for k, v in policy_tensors(trainer).items()}
+    assert proof.check(group) < 1e-4  # version 0 swapped in for the check...
+    assert all(torch.equal(v, version_1[k]) for k, v in policy_tensors(trainer).items())  # ...and 1 back
+
+    shifted = [c.model_copy(update={"logprobs": [x - 0.05 for x in c.logprobs]}) for c in group.completions]
+    forged = group.model_copy(update={"completions": shifted, "sampler_id": "s9"})
+    assert proof.forged(proof.check(forged)) and proof.suspects == {"s9"}
+    assert proof.wants(forged.model_copy(update={"group_id": "next"}))  # every group of a suspect
+    proof.remember(2)  # version 0 is no longer kept
+    assert proof.check(group) is None and proof.counts == {"passed": 2, "forged": 1, "unverifiable": 1}
+
+
+def test_a_forging_sampler_is_rejected_then_quarantined_until_an_operator_lifts_it(nats_server, tmp_path):
+    cfg = tiny_config(tmp_path, run={"id": "forge"})
+    policy = HFEngine("tiny", LORA, SAMPLING).model
+    _perturb(policy, seed=0)
+
+    def true_logprobs(group):
+        with torch.no_grad():
+            logprobs, _, _ = group_logprobs(policy, group.prompt_token_ids, [c.token_ids for c in group.completions],
+                                            SAMPLING.temperature, 0)
+        return group.model_copy(update={"completions": [
+            c.model_copy(update={"logprobs": logprobs[i, : len(c.token_ids)].tolist()})
+            for i, c in enumerate(group.completions)]})
+
+    async def main():
+        run = await open_run(nats_server.url, "forge", "trainer")
+        lease = await take_lease(run)
+        quarantine = Quarantined(run, after=1)
+        await quarantine.start()
+        proof = _proof(policy, fraction=0.0)  # no random checks: the first catch is by suspicion
+        proof.remember(1)
+        proof.suspects.add("s1")
+        collector = Collector(await trainer_subscription(run), REFEREE, 1, set(), proof=proof, quarantine=quarantine)
+        # honest_group's log-probs are a constant -0.5: not what the model gives its tokens.
+        for index, group_id in [(12, "f1"), (13, "f2"), (16, "f3")]:
+            await publish_rollout(run, honest_group(index, group_id=group_id, sampler_id="s1"))
+        await publish_rollout(run, true_logprobs(honest_group(14, group_id="h1", sampler_id="s2")))
+        collected = await collector.collect(1, version=1)
+        assert [a.group.group_id for a in collected.used] == ["h1"]
+        assert collected.rejected == {"logprob_forgery": 2, "quarantined": 1}  # f3 came after the quarantine
+        assert await read_quarantine(run) == {"s1": "2 strikes, the last logprob_forgery"}
+        orders = Admission(run, cfg, TrainerState(version=1), GrantLedger(), quarantine)
+        asked = GrantRequest(want=2, epoch=lease.epoch, version=1)
+        assert (await orders.grant("s1", asked)).groups == 0 and (await orders.grant("s2", asked)).groups == 2
+
+        # The sampler's heartbeat shows it.
+        sampler = Sampler(cfg, "s1", run, engine=None, task=None)
+        beating = asyncio.create_task(sampler.heartbeat())
+        while not await read_statuses(run):
+            await asyncio.sleep(0.02)
+        beating.cancel()
+        assert (await read_statuses(run))[0].quarantined
+
+        args = ["quarantine", "lift", "s1", "--nats", nats_server.url, "--run-id", "forge"]
+        assert await quarantine_command(build_parser().parse_args(args)) == 0
+        async with asyncio.timeout(5):  # the trainer follows the key
+            while "s1" in quarantine:
+                await asyncio.sleep(0.02)
+        assert quarantine.strikes["s1"] == 0 and (await orders.grant("s1", asked)).groups == 2
+        quarantine.watch.cancel()
+        await run.close()
+
+    asyncio.run(main())
