@@ -14,7 +14,7 @@ import pytest
 from nats.errors import NoRespondersError
 from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
-from echo.protocol import CONFIG_KEY, RunNames
+from echo.protocol import CONFIG_KEY, RunNames, encode, rollout_headers
 from streams.client import connect, open_run, wait_for_jetstream
 from streams.lease import take_lease
 from streams.secure import SERVER_CONF, SecureDir
@@ -22,7 +22,6 @@ from streams.server import NatsServer, free_port
 from streams.weights import WeightsFollower, publish_weights
 from tests.test_referee import honest_group
 from tests.test_relay import relay
-from echo.protocol import encode, rollout_headers
 from workers.cli import main
 
 REFUSED = (NoRespondersError, NoStreamResponseError, nats.errors.TimeoutError, asyncio.TimeoutError, APIError, ServiceUnavailableError)
@@ -136,19 +135,18 @@ def test_the_secured_hubs_leaf_port_refuses_other_leaf_connections(secured_hub, 
     assert "authentication error" in (tmp_path / "hub.log").read_text().lower()
 
 
-def _relay_cli(tmp_path, *flags: str) -> list[str]:
-    return ["relay", "--hub", "nats-leaf://127.0.0.1:1", "--run-id", "r", "--domain", "site",
+def _relay_cli(tmp_path, hub_leaf_url: str, *flags: str) -> list[str]:
+    return ["relay", "--hub", hub_leaf_url, "--run-id", "r", "--domain", "site",
             "--port", str(free_port()), "--store", str(tmp_path / "site"), *flags]
 
 
 def test_a_relay_open_to_other_machines_needs_credentials_or_insecure(tmp_path, capsys):
-    assert main(_relay_cli(tmp_path, "--host", "0.0.0.0")) == 2
+    assert main(_relay_cli(tmp_path, "nats-leaf://127.0.0.1:1", "--host", "0.0.0.0")) == 2
     err = capsys.readouterr().err
     assert "--host 0.0.0.0" in err and "--creds" in err and "--tls-ca" in err and "--insecure" in err
 
     with NatsServer(tmp_path / "hub", leaf_port=free_port()) as hub:
-        args = _relay_cli(tmp_path, "--host", "0.0.0.0", "--insecure")
-        args[2] = hub.leaf_url
+        args = _relay_cli(tmp_path, hub.leaf_url, "--host", "0.0.0.0", "--insecure")
         proc = subprocess.Popen([sys.executable, "-m", "workers.cli", *args], stderr=subprocess.PIPE, text=True)
         try:
             for line in proc.stderr:  # it starts, mirrors the hub's run (created by now) and says so

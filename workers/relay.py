@@ -4,7 +4,11 @@ An embedded nats-server that is a leaf node of the hub (or of another relay: rel
 a tree), with a JetStream domain of its own, mirroring the run's weights. The samplers of a
 site connect to it (`echo-rl sampler --nats nats://RELAY:4222 ...`): they read weights from the
 mirror and reach the hub's streams through the leaf connection, so each version crosses the
-site's uplink once, whatever the number of samplers behind it."""
+site's uplink once, whatever the number of samplers behind it.
+
+Secured (`--creds relay-NAME.nk --tls-ca ca.pem` from `echo-rl secure add-relay`), its leaf
+connection may mirror the weights and nothing else, so its samplers reach the hub for the rest
+and read only weights here (`--nats HUB --weights-from RELAY`)."""
 
 from __future__ import annotations
 
