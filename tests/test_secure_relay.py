@@ -43,6 +43,12 @@ def _relay_creds(secure: SecureDir) -> list[str]:
     return ["--creds", str(secure.relay_files("site").seed_file), "--tls-ca", str(secure.ca_file)]
 
 
+async def _relay_side_client(url: str, files):
+    """A client of a leaf server holding a relay's seed, with replies under the relay's own inbox
+    prefix: the only one the hub delivers to that leaf."""
+    return await nats.connect(url, inbox_prefix=files.credentials().connect_options()["inbox_prefix"])
+
+
 def test_a_secured_relay_serves_its_samplers_the_trainers_weights(secured_hub, tmp_path):
     hub, secure = secured_hub
 
@@ -58,6 +64,10 @@ def test_a_secured_relay_serves_its_samplers_the_trainers_weights(secured_hub, t
         big = bytes(range(256)) * (12 * 4096)  # 12 MiB: mirror flow control crosses the leaf too
         await publish_weights(trainer, 1, [big], "tiny")
         assert (await asyncio.wait_for(follower.wait_for(1), 60))[1] == [big]
+        site.stop()  # a restarted relay resumes its mirrors with the same permissions
+        await publish_weights(trainer, 2, [b"v2" * 100], "tiny")
+        site.start()
+        assert (await asyncio.wait_for(follower.wait_for(2), 60))[1] == [b"v2" * 100]
         assert follower.failures == {}
         await follower.stop()
         await sampler.close()
@@ -84,8 +94,7 @@ def test_relay_credentials_mirror_and_nothing_else(secured_hub, tmp_path):
             await nats.connect(hub.url, max_reconnect_attempts=0, allow_reconnect=False, connect_timeout=2,
                                **files.credentials().connect_options())
 
-        # Replies under the relay's own inbox prefix, the only one the hub delivers to it.
-        nc = await nats.connect(evil_url, inbox_prefix=files.credentials().connect_options()["inbox_prefix"])
+        nc = await _relay_side_client(evil_url, files)
         js = nc.jetstream(domain="hub", timeout=1.0)
         await wait_for_jetstream(js, "hub through the leaf", timeout=20)  # the leaf is up: INFO is allowed
         attacks = [
@@ -133,6 +142,21 @@ def test_the_secured_hubs_leaf_port_refuses_other_leaf_connections(secured_hub, 
     with NatsServer(tmp_path / "leaf", domain="leaf", hub_leaf_url=hub.leaf_url, hub_leaf_options=options) as leaf:
         asyncio.run(reach_hub(leaf.url))
     assert "authentication error" in (tmp_path / "hub.log").read_text().lower()
+
+
+def test_add_relay_issues_leaf_credentials_a_running_hub_accepts_without_a_restart(secured_hub, tmp_path):
+    hub, secure = secured_hub
+    files = secure.add_relay("late", [])  # rewrites the user list and signals the hub
+
+    async def reach_hub(url):
+        nc = await _relay_side_client(url, files)
+        await wait_for_jetstream(nc.jetstream(domain="hub"), "hub through the new relay's leaf", timeout=20)
+        await nc.close()
+
+    with NatsServer(tmp_path / "late", domain="late", hub_leaf_url=hub.leaf_url,
+                    hub_leaf_options=files.leaf_remote()) as leaf:
+        asyncio.run(reach_hub(leaf.url))
+    assert main(["secure", "add-relay", str(secure.dir), "late"]) == 2  # issued already: refused
 
 
 def _relay_cli(tmp_path, hub_leaf_url: str, *flags: str) -> list[str]:
