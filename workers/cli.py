@@ -170,7 +170,8 @@ def secure_command(args) -> int:
         if args.secure_command == "init":
             samplers = [s for s in args.samplers.split(",") if s]
             secure.init(args.run_id, ["localhost", "127.0.0.1", *args.host], samplers)
-            print(f"wrote {secure.dir}: include {secure.dir / 'server.conf'} in the hub's config; "
+            print(f"wrote {secure.dir}: include {secure.dir / 'server.conf'} in the hub's config "
+                  f"(and {secure.leaf_conf} in its leafnodes block, for relays); "
                   f"trainer: --creds {secure.seed_file('trainer')} --tls-ca {secure.ca_file}")
         elif args.secure_command == "add-relay":
             files = secure.add_relay(args.name, args.host)

@@ -110,16 +110,16 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
     log.info("swarm.start", run=cfg.run.id, dir=str(run_dir), nats=server.url, samplers=cfg.sampler.count)
 
     trainer = _spawn(["trainer", "--config", str(config_path), *_creds_args(secure_dir, "trainer")], log_json)
-    relays, sampler_urls = [], ["--nats", server.url]
+    relays, server_args = [], ["--nats", server.url]
     if relay:
         port = free_port()
         relays.append(_spawn(loopback_relay_args(server.leaf_url, cfg.run.id, port, run_dir / "relay")
                              + _creds_args(secure_dir, f"relay-{SITE}"), log_json))
         relay_url = f"nats://127.0.0.1:{port}"
         # A secured relay serves weights only: its samplers reach the hub for everything else.
-        sampler_urls = ["--nats", server.url, "--weights-from", relay_url] if secure else ["--nats", relay_url]
+        server_args = ["--nats", server.url, "--weights-from", relay_url] if secure else ["--nats", relay_url]
     samplers = [
-        _spawn(["sampler", "--config", str(config_path), "--id", f"s{i}", *sampler_urls,
+        _spawn(["sampler", "--config", str(config_path), "--id", f"s{i}", *server_args,
                 *_creds_args(secure_dir, f"sampler-s{i}")], log_json)
         for i in range(1, cfg.sampler.count + 1)
     ]
