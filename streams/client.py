@@ -168,7 +168,8 @@ async def _wait_for_weights_mirror(local_js: JetStreamContext, names: RunNames, 
             return
         except NotFoundError:
             await asyncio.sleep(0.5)
-    raise NoWeightsMirror(f"{url} holds no weights of run {names.run_id!r}: start its relay with --run-id {names.run_id}")
+    raise NoWeightsMirror(
+        f"{url} holds no weights of run {names.run_id!r}: start its relay with --run-id {names.run_id}")
 
 
 class DuplicatePublish(RuntimeError):

@@ -203,7 +203,8 @@ def _certificate(subject_cn: str, issuer, public_key, signer, extensions):
 
     now = datetime.datetime.now(datetime.timezone.utc)
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject_cn)])
-    builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer or subject).public_key(public_key).serial_number(x509.random_serial_number())
+    builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer or subject).public_key(public_key)
+               .serial_number(x509.random_serial_number())
                .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=825)))
     for ext, critical in extensions:
         builder = builder.add_extension(ext, critical=critical)
@@ -213,7 +214,8 @@ def _certificate(subject_cn: str, issuer, public_key, signer, extensions):
 def _pem_key(key) -> bytes:
     from cryptography.hazmat.primitives import serialization
 
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
 
 
 def _write_ca(directory: Path) -> None:

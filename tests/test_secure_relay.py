@@ -24,7 +24,8 @@ from tests.test_referee import honest_group
 from tests.test_relay import relay
 from workers.cli import main
 
-REFUSED = (NoRespondersError, NoStreamResponseError, nats.errors.TimeoutError, asyncio.TimeoutError, APIError, ServiceUnavailableError)
+REFUSED = (NoRespondersError, NoStreamResponseError, nats.errors.TimeoutError, asyncio.TimeoutError, APIError,
+           ServiceUnavailableError)
 
 
 @pytest.fixture
@@ -52,7 +53,7 @@ async def _relay_side_client(url: str, files):
 def test_a_secured_relay_serves_its_samplers_the_trainers_weights(secured_hub, tmp_path):
     hub, secure = secured_hub
 
-    async def main_(site):
+    async def follow(site):
         trainer = await open_run(hub.url, "sec", "trainer", credentials=secure.credentials("trainer"))
         await take_lease(trainer)
         await publish_weights(trainer, 0, [b"v0" * 100], "tiny")
@@ -74,7 +75,7 @@ def test_a_secured_relay_serves_its_samplers_the_trainers_weights(secured_hub, t
         await trainer.close()
 
     with relay(tmp_path, hub.leaf_url, "sec", "site", creds=_relay_creds(secure)) as site:
-        asyncio.run(main_(site))
+        asyncio.run(follow(site))
 
 
 def test_relay_credentials_mirror_and_nothing_else(secured_hub, tmp_path):
@@ -100,7 +101,8 @@ def test_relay_credentials_mirror_and_nothing_else(secured_hub, tmp_path):
         attacks = [
             lambda: js.publish(names.rollouts_subject("s1"), encode(honest_group(group_id="x")),
                                headers=rollout_headers(honest_group(group_id="x"))),
-            lambda: js.publish(f"$JS.hub.API.$KV.{names.state_bucket}.{CONFIG_KEY}", b'{"task": {"name": "os:system"}}'),
+            lambda: js.publish(f"$JS.hub.API.$KV.{names.state_bucket}.{CONFIG_KEY}",
+                               b'{"task": {"name": "os:system"}}'),
             lambda: js.publish(f"$KV.{names.state_bucket}.{CONFIG_KEY}", b"{}"),
             lambda: js.stream_info(names.rollouts_stream),
             lambda: js.pull_subscribe(">", "thief", stream=names.rollouts_stream),

@@ -51,8 +51,8 @@ class RelayConfig(BaseModel):
         if self.creds and self.leaf_port:
             raise ValueError("--leaf-port: a secured relay accepts no sub-site relays yet")
         if self.creds is None and not self.insecure and self.host not in LOOPBACK:
-            raise ValueError(f"--host {self.host} opens this relay to other machines: give it credentials "
-                             "(--creds relay-NAME.nk --tls-ca ca.pem from `echo-rl secure add-relay`) or say --insecure")
+            raise ValueError(f"--host {self.host} opens this relay to other machines: give it credentials (--creds "
+                             "relay-NAME.nk --tls-ca ca.pem from `echo-rl secure add-relay`) or say --insecure")
         return self
 
     def relay_files(self) -> RelayFiles | None:
