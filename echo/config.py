@@ -97,6 +97,9 @@ class NatsConfig(_Section):
     # signed the server's certificate. Local to each machine: never sent to the broker.
     creds: str = ""
     tls_ca: str = ""
+    # A sampler behind a secured relay: read weights from the relay at this URL, everything
+    # else at `url` (the hub). Local to each machine too.
+    weights_url: str = ""
 
     @model_validator(mode="after")
     def _creds_come_with_a_ca(self):

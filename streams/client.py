@@ -34,18 +34,22 @@ async def connect(url: str, name: str, credentials: Credentials | None = None) -
 class Run:
     nc: NATS
     js: JetStreamContext  # the hub's JetStream: rollouts, control, state
-    # The JetStream of the server this process is connected to: the hub itself, or a site's
-    # relay mirroring the weights bucket and announcements (streams/relay.py). Weights are
+    # The JetStream of the server weights are read from: the one this process is connected to
+    # (the hub itself, or a site's relay mirroring the weights bucket and announcements,
+    # streams/relay.py), or a relay reached by a second connection, `weights_nc`. Weights are
     # read from here, so each byte crosses the hub's uplink once per site.
     local_js: JetStreamContext
     names: RunNames
     weights: ObjectStore
     state: KeyValue
     epoch: int | None = None  # the trainer's lease epoch, once it holds one (streams/lease.py)
+    weights_nc: NATS | None = None
 
     async def close(self) -> None:
         # Every publish here is awaited for its ack already, so there is nothing to drain.
-        await self.nc.close()
+        for nc in (self.weights_nc, self.nc):
+            if nc is not None:
+                await nc.close()
 
 
 class _WritesThroughDomain:
@@ -122,12 +126,14 @@ class NoRun(RuntimeError):
 async def open_run(
     url: str, run_id: str, client_name: str, hub_domain: str | None = HUB_DOMAIN, mirror_wait_s: int = 30,
     credentials: Credentials | None = None, create: bool = True, join_wait_s: float = 600.0,
+    weights_url: str | None = None,
 ) -> Run:
     """Connect and open the run's streams and buckets. The trainer creates them (`create`:
     creation with an identical config is a no-op); every other client joins, waiting up to
     `join_wait_s` for the trainer to have created them. `url` is the hub, or a relay in front of
     it; `hub_domain` is the hub's JetStream domain (None: the hub has none, and `url` must be
-    the hub)."""
+    the hub). `weights_url`: read weights from this relay over a second connection (a secured
+    relay forwards nothing else), everything else goes to `url`."""
     names = RunNames(run_id)
     nc = await connect(url, client_name, credentials)
     js = nc.jetstream(domain=hub_domain)
@@ -140,15 +146,27 @@ async def open_run(
     except BaseException:
         await nc.close()
         raise
-    local_js = nc.jetstream()
-    for _ in range(mirror_wait_s * 2):  # a relay started alongside may not mirror it yet
+    run = Run(nc, js, nc.jetstream(), names, weights, state)
+    try:
+        if weights_url:
+            run.weights_nc = await connect(weights_url, f"{client_name}-weights", credentials)
+            run.local_js = run.weights_nc.jetstream()
+        await _wait_for_weights_mirror(run.local_js, names, weights_url or url, mirror_wait_s)
+    except BaseException:
+        await run.close()
+        raise
+    return run
+
+
+async def _wait_for_weights_mirror(local_js: JetStreamContext, names: RunNames, url: str, wait_s: int) -> None:
+    for _ in range(wait_s * 2):  # a relay started alongside may not mirror it yet
         try:
             await local_js.stream_info(names.weights_stream)
-            return Run(nc, js, local_js, names, weights, state)
+            return
         except NotFoundError:
             await asyncio.sleep(0.5)
-    await nc.close()
-    raise NoWeightsMirror(f"{url} holds no weights of run {run_id!r}: start its relay with --run-id {run_id}")
+    raise NoWeightsMirror(
+        f"{url} holds no weights of run {names.run_id!r}: start its relay with --run-id {names.run_id}")
 
 
 class DuplicatePublish(RuntimeError):

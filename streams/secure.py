@@ -6,6 +6,10 @@ includes. Permissions are written from the run's names (echo/protocol.py), so th
 wire contract. Why nkeys and not JWTs: one config file and no operator/account signing chain to
 run; a client proves it holds its seed by signing the server's nonce, the seed never leaves its
 box. Adding a sampler rewrites the user list and reloads the server (SIGHUP): no restart.
+
+`secure add-relay DIR NAME` issues a relay's leaf nkey (accepted on the hub's leaf port only,
+allowed to mirror the weights and announcements and nothing else) and a certificate and user
+list (the samplers, reading its mirrors only) for the relay's own client port.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from echo.protocol import HUB_DOMAIN, SAMPLER_STATUS_PREFIX, TRAINER_CONSUMER, R
 
 ROLES_FILE = "roles.json"  # public keys and roles: the source of server.conf's user list
 SERVER_CONF = "server.conf"
+LEAF_CONF = "leafnodes.conf"
 PID_FILE = "nats-server.pid"
 
 
@@ -51,9 +56,59 @@ class Credentials:
         }
 
 
+@dataclass(frozen=True)
+class RelayFiles:
+    """What `secure add-relay DIR NAME` writes for one relay, kept side by side on the site box:
+    relay-NAME.nk (its leaf nkey, also its own admin identity on its server), the hub's CA, and
+    for its client port a certificate (relay-NAME-cert.pem, -key.pem) and the samplers allowed
+    to read its mirrors (relay-NAME-users.conf)."""
+
+    seed_file: Path
+    ca_file: Path
+
+    def _sibling(self, suffix: str) -> Path:
+        return self.seed_file.with_name(self.seed_file.stem + suffix)
+
+    @property
+    def cert_file(self) -> Path:
+        return self._sibling("-cert.pem")
+
+    @property
+    def key_file(self) -> Path:
+        return self._sibling("-key.pem")
+
+    @property
+    def users_file(self) -> Path:
+        return self._sibling("-users.conf")
+
+    def credentials(self) -> Credentials:
+        return Credentials(self.seed_file, self.ca_file)
+
+    def leaf_remote(self) -> dict:
+        """The nats-server `leafnodes.remotes` entry's options: sign with the nkey, check the hub."""
+        return {"nkey": self.seed_file.read_text().strip(), "tls": {"ca_file": str(self.ca_file.resolve())}}
+
+    def server_conf(self) -> str:
+        """TLS on the relay's client port and its users, for the relay's nats-server to include."""
+        return _tls_block(self.cert_file.resolve(), self.key_file.resolve()) + "\n" + self.users_file.read_text()
+
+
+def _tls_block(cert_file: Path, key_file: Path) -> str:
+    q = json.dumps
+    return f"tls {{ cert_file: {q(str(cert_file))}, key_file: {q(str(key_file))}, timeout: 5 }}"
+
+
 def credentials_of(creds: str, tls_ca: str) -> Credentials | None:
     """The `nats.creds` and `nats.tls_ca` fields of a config, or None for an open broker."""
     return Credentials(Path(creds), Path(tls_ca)) if creds else None
+
+
+def _stream_reads(api: str, stream: str) -> list[str]:
+    """The JetStream API subjects that read one stream: info, messages, and (ordered) consumers."""
+    return [f"{api}.STREAM.INFO.{stream}", f"{api}.STREAM.MSG.GET.{stream}",
+            f"{api}.DIRECT.GET.{stream}", f"{api}.DIRECT.GET.{stream}.>",
+            f"{api}.CONSUMER.CREATE.{stream}", f"{api}.CONSUMER.CREATE.{stream}.>",
+            f"{api}.CONSUMER.INFO.{stream}.>", f"{api}.CONSUMER.MSG.NEXT.{stream}.>"]
 
 
 def _api_prefixes(hub_domain: str) -> list[str]:
@@ -83,10 +138,7 @@ def permissions(role: str, names: RunNames, public_key: str, sampler_id: str | N
     for api in _api_prefixes(hub_domain):
         allow.append(f"{api}.INFO")
         for stream in readable:
-            allow += [f"{api}.STREAM.INFO.{stream}", f"{api}.STREAM.MSG.GET.{stream}",
-                      f"{api}.DIRECT.GET.{stream}", f"{api}.DIRECT.GET.{stream}.>",
-                      f"{api}.CONSUMER.CREATE.{stream}", f"{api}.CONSUMER.CREATE.{stream}.>",
-                      f"{api}.CONSUMER.INFO.{stream}.>", f"{api}.CONSUMER.MSG.NEXT.{stream}.>"]
+            allow += _stream_reads(api, stream)
     allow += [f"$JS.FC.{stream}.>" for stream in readable]  # flow control of ordered consumers
     deny = [f"{api}.CONSUMER.CREATE.{names.rollouts_stream}.{TRAINER_CONSUMER}{tail}"
             for api in _api_prefixes(hub_domain) for tail in ("", ".>")]  # the trainer's own consumer
@@ -99,8 +151,40 @@ def permissions(role: str, names: RunNames, public_key: str, sampler_id: str | N
     return {"publish": {"allow": allow, "deny": deny}, "subscribe": {"allow": [inbox]}}
 
 
+def _mirrored(names: RunNames) -> list[str]:
+    return [names.control_stream, names.weights_stream]
+
+
+def relay_leaf_permissions(names: RunNames, public_key: str, hub_domain: str = HUB_DOMAIN) -> dict:
+    """The hub's permissions for a relay's leaf connection: what mirroring the announcements and
+    the weights bucket needs, found on a real server. Seen from the hub: `publish` is what the
+    relay may send into it, `subscribe` what the hub may deliver to it. The relay's JetStream
+    asks the hub's domain to create each mirror's consumer (replies on `$JSC.R.`), receives
+    the messages on `$JS.M.<id>` and answers flow control; `INFO` lets the relay wait for the hub."""
+    publish = [f"$JS.{hub_domain}.API.INFO"]
+    for stream in _mirrored(names):
+        publish += [f"$JS.{hub_domain}.API.CONSUMER.CREATE.{stream}", f"$JS.FC.{stream}.>"]
+    return {"publish": {"allow": publish},
+            "subscribe": {"allow": ["$JS.M.>", "$JSC.R.>", inbox_prefix(public_key) + ".>"]}}
+
+
+def mirror_reader_permissions(names: RunNames, public_key: str) -> dict:
+    """A sampler on a relay's client port: it reads the relay's mirrors (its own JetStream, no
+    domain) and nothing else; everything else it does on the hub."""
+    allow = ["$JS.API.INFO"] + [s for stream in _mirrored(names) for s in _stream_reads("$JS.API", stream)]
+    allow += [f"$JS.FC.{stream}.>" for stream in _mirrored(names)]
+    return {"publish": {"allow": allow}, "subscribe": {"allow": [inbox_prefix(public_key) + ".>"]}}
+
+
 def _new_seed() -> bytes:
     return nkeys.encode_seed(secrets.token_bytes(32), nkeys.PREFIX_BYTE_USER)
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Whole or not at all: a reloading server never reads half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text + "\n")
+    os.replace(tmp, path)
 
 
 def _write_secret(path: Path, data: bytes) -> None:
@@ -108,42 +192,61 @@ def _write_secret(path: Path, data: bytes) -> None:
     os.chmod(path, 0o600)
 
 
-def _write_tls(directory: Path, hosts: list[str]) -> None:
-    """A local CA and the server's certificate for `hosts` (names or IP addresses)."""
+def _certificate(subject_cn: str, issuer, public_key, signer, extensions):
+    """Signed by `signer` as `issuer` (a name; None: self-signed)."""
     from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives import hashes
     from cryptography.x509.oid import NameOID
 
     now = datetime.datetime.now(datetime.timezone.utc)
-    later = now + datetime.timedelta(days=825)
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject_cn)])
+    builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer or subject).public_key(public_key)
+               .serial_number(x509.random_serial_number())
+               .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=825)))
+    for ext, critical in extensions:
+        builder = builder.add_extension(ext, critical=critical)
+    return builder.sign(signer, hashes.SHA256())
 
-    def cert(subject, issuer, public, signer, extensions):
-        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(public)
-                   .serial_number(x509.random_serial_number()).not_valid_before(now).not_valid_after(later))
-        for ext, critical in extensions:
-            builder = builder.add_extension(ext, critical=critical)
-        return builder.sign(signer, hashes.SHA256())
 
-    def pem_key(key):
-        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                 serialization.NoEncryption())
+def _pem_key(key) -> bytes:
+    from cryptography.hazmat.primitives import serialization
 
-    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "echo-rl local CA")])
-    ca = cert(ca_name, ca_name, ca_key.public_key(), ca_key, [(x509.BasicConstraints(ca=True, path_length=0), True)])
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _write_ca(directory: Path) -> None:
+    """A local CA: ca.pem for every client, ca-key.pem to issue server certificates."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    ca = _certificate("echo-rl local CA", None, key.public_key(), key,
+                      [(x509.BasicConstraints(ca=True, path_length=0), True)])
+    (directory / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    _write_secret(directory / "ca-key.pem", _pem_key(key))  # keep offline: it can mint server certificates
+
+
+def _issue_server_cert(directory: Path, hosts: list[str], cert_file: Path, key_file: Path) -> None:
+    """A server certificate for `hosts` (names or IP addresses), signed by the directory's CA."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    ca = x509.load_pem_x509_certificate((directory / "ca.pem").read_bytes())
+    ca_key = serialization.load_pem_private_key((directory / "ca-key.pem").read_bytes(), None)
     sans = []
     for host in hosts:
         try:
             sans.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
             sans.append(x509.DNSName(host))
-    server = cert(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]), ca_name, server_key.public_key(),
-                  ca_key, [(x509.SubjectAlternativeName(sans), False), (x509.BasicConstraints(ca=False, path_length=None), True)])
-    (directory / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    (directory / "server-cert.pem").write_bytes(server.public_bytes(serialization.Encoding.PEM))
-    _write_secret(directory / "server-key.pem", pem_key(server_key))
-    _write_secret(directory / "ca-key.pem", pem_key(ca_key))  # keep offline: it can mint server certificates
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = _certificate(hosts[0], ca.subject, key.public_key(), ca_key, [
+        (x509.SubjectAlternativeName(sans), False), (x509.BasicConstraints(ca=False, path_length=None), True)])
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    _write_secret(key_file, _pem_key(key))
 
 
 class SecureDir:
@@ -169,8 +272,9 @@ class SecureDir:
         RunNames(run_id)  # a valid run id
         self.dir.mkdir(parents=True, exist_ok=True)
         if (self.dir / ROLES_FILE).exists():
-            raise FileExistsError(f"{self.dir} holds a secured swarm already: use add-sampler")
-        _write_tls(self.dir, hosts)
+            raise FileExistsError(f"{self.dir} holds a secured swarm already: use add-sampler or add-relay")
+        _write_ca(self.dir)
+        _issue_server_cert(self.dir, hosts, self.dir / "server-cert.pem", self.dir / "server-key.pem")
         (self.dir / ROLES_FILE).write_text(json.dumps({"run_id": run_id, "hub_domain": hub_domain, "users": {}}))
         for user in ("trainer", "observer"):
             self._add_user(user, user)
@@ -186,6 +290,35 @@ class SecureDir:
         self.reload()
         return self.credentials(f"sampler-{sampler_id}")
 
+    def relay_files(self, name: str) -> RelayFiles:
+        return RelayFiles(self.seed_file(f"relay-{name}"), self.ca_file)
+
+    def add_relay(self, name: str, hosts: list[str]) -> RelayFiles:
+        """A relay's leaf nkey and a certificate for its client port (`hosts`: the names its
+        samplers reach it by), then the hub's user list rewritten and reloaded if it runs."""
+        check_id("relay name", name)
+        files = self.relay_files(name)
+        self._add_user(f"relay-{name}", "relay")
+        _issue_server_cert(self.dir, ["localhost", "127.0.0.1", *hosts], files.cert_file, files.key_file)
+        self.write_server_conf()
+        self.reload()
+        return files
+
+    def _user_entry(self, user: dict, names: RunNames, hub_domain: str) -> dict:
+        """One user of the hub's config. A relay's nkey opens only a leaf connection, and a
+        client's only a client connection: each role's permissions are written for one kind."""
+        if user["role"] == "relay":
+            return {"nkey": user["nkey"], "allowed_connection_types": ["LEAFNODE"],
+                    "permissions": relay_leaf_permissions(names, user["nkey"], hub_domain)}
+        return {"nkey": user["nkey"], "allowed_connection_types": ["STANDARD"],
+                "permissions": permissions(user["role"], names, user["nkey"], user["sampler_id"], hub_domain)}
+
+    def _relay_users(self, relay_key: str, names: RunNames) -> list[dict]:
+        """A relay's client port: the relay itself owns its server; samplers read the mirrors."""
+        samplers = [u["nkey"] for u in self._roles()["users"].values() if u["role"] == "sampler"]
+        return [{"nkey": relay_key, "permissions": {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}}] + [
+            {"nkey": key, "permissions": mirror_reader_permissions(names, key)} for key in samplers]
+
     def _add_user(self, user: str, role: str, sampler_id: str | None = None) -> None:
         roles = self._roles()
         if user in roles["users"]:
@@ -200,19 +333,21 @@ class SecureDir:
         """TLS and the user list, for the hub's config to include. JSON is valid NATS config."""
         roles = self._roles()
         names = RunNames(roles["run_id"])
-        users = [
-            {"nkey": u["nkey"], "permissions": permissions(u["role"], names, u["nkey"], u["sampler_id"], roles["hub_domain"])}
-            for u in roles["users"].values()
-        ]
+        users = [self._user_entry(u, names, roles["hub_domain"]) for u in roles["users"].values()]
         q = json.dumps
-        text = "\n".join([
-            f"tls {{ cert_file: {q(str(self.dir / 'server-cert.pem'))}, key_file: {q(str(self.dir / 'server-key.pem'))}, timeout: 5 }}",
-            f"authorization {{ users: {q(users)} }}",
-            f"pid_file: {q(str(self.dir / PID_FILE))}",
-        ])
-        tmp = self.dir / (SERVER_CONF + ".tmp")
-        tmp.write_text(text + "\n")
-        os.replace(tmp, self.dir / SERVER_CONF)
+        tls = _tls_block(self.dir / "server-cert.pem", self.dir / "server-key.pem")
+        _replace_text(self.dir / SERVER_CONF, "\n".join(
+            [tls, f"authorization {{ users: {q(users)} }}", f"pid_file: {q(str(self.dir / PID_FILE))}"]))
+        _replace_text(self.leaf_conf, tls)  # the leaf port speaks TLS too; leaf users are in the list above
+        for name, u in roles["users"].items():
+            if u["role"] == "relay":  # a new sampler may read every relay's mirrors
+                _replace_text(self.relay_files(name.removeprefix("relay-")).users_file,
+                              f"authorization {{ users: {q(self._relay_users(u['nkey'], names))} }}")
+
+    @property
+    def leaf_conf(self) -> Path:
+        """For the hub's config to include inside its `leafnodes { }` block."""
+        return self.dir / LEAF_CONF
 
     def reload(self) -> bool:
         """Tell a running hub to re-read its config (the new user list). False if none runs."""

@@ -36,7 +36,9 @@ def free_port() -> int:
 
 class NatsServer:
     """`leaf_port`: accept leaf nodes there (a hub, or a relay others chain behind).
-    `hub_leaf_url`: be a leaf node of that server (a relay). `http_port`: serve /varz."""
+    `hub_leaf_url`: be a leaf node of that server (a relay), with `hub_leaf_options` in its
+    `remotes` entry (nkey, tls). `include`, `leaf_include`: files to include at the top and in
+    the `leafnodes` block (TLS and users, streams/secure.py). `http_port`: serve /varz."""
 
     def __init__(
         self,
@@ -49,12 +51,15 @@ class NatsServer:
         http_port: int | None = None,
         host: str = "127.0.0.1",
         include: Path | None = None,
+        leaf_include: Path | None = None,
+        hub_leaf_options: dict | None = None,
     ):
         self.store_dir = Path(store_dir)
         self.port = port or free_port()
         self.log_file = Path(log_file) if log_file else None
         self.domain, self.leaf_port, self.hub_leaf_url, self.http_port = domain, leaf_port, hub_leaf_url, http_port
-        self.host, self.include = host, include  # include: TLS and users (streams/secure.py)
+        self.host, self.include, self.leaf_include = host, include, leaf_include
+        self.hub_leaf_options = hub_leaf_options or {}
         self.process: subprocess.Popen | None = None
 
     @property
@@ -73,8 +78,7 @@ class NatsServer:
             f"jetstream {{ store_dir: {q(str(self.store_dir))}, domain: {q(self.domain)} }}",
         ]
         if self.include:
-            # nats-server resolves an include relative to the including file, even an absolute one.
-            lines.append(f"include {q(os.path.relpath(Path(self.include).resolve(), self.store_dir.resolve()))}")
+            lines.append(f"include {q(self._relative(self.include))}")
         if self.http_port:
             lines.append(f"http: {q(f'127.0.0.1:{self.http_port}')}")
         if self.leaf_port or self.hub_leaf_url:
@@ -82,15 +86,22 @@ class NatsServer:
             if self.leaf_port:
                 leaf.append(f"listen: {q(f'{self.host}:{self.leaf_port}')}")
             if self.hub_leaf_url:
-                leaf.append(f"remotes: [ {{ url: {q(self.hub_leaf_url)} }} ]")
+                leaf.append(f"remotes: [ {q({'url': self.hub_leaf_url, **self.hub_leaf_options})} ]")
                 leaf.append("reconnect: \"1s\"")  # between attempts to reach the hub again
-            lines.append("leafnodes { " + ", ".join(leaf) + " }")
+            if self.leaf_include:
+                leaf.append(f"include {q(self._relative(self.leaf_include))}")
+            lines.append("leafnodes {\n" + "\n".join(leaf) + "\n}")
         return "\n".join(lines) + "\n"
+
+    def _relative(self, include: Path) -> str:
+        # nats-server resolves an include relative to the including file, even an absolute one.
+        return os.path.relpath(Path(include).resolve(), self.store_dir.resolve())
 
     def start(self, timeout: float = 10.0) -> "NatsServer":
         self.store_dir.mkdir(parents=True, exist_ok=True)
         conf = self.store_dir / "nats-server.conf"
         conf.write_text(self.config_text())
+        os.chmod(conf, 0o600)  # a relay's holds its leaf nkey seed
         args = [nats_server_binary(), "-c", str(conf)]
         log = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         # Its own session: a Ctrl-C meant for the workers must not kill the broker under them.

@@ -96,6 +96,16 @@ def test_a_secured_swarm_trains_over_tls_with_role_credentials(tmp_path):
     assert (tmp_path / "secured" / "secure" / "sampler-s2.nk").exists()
 
 
+def test_a_secured_swarm_trains_with_its_samplers_weights_from_a_secured_relay(tmp_path):
+    metrics, stream, stderr = run_swarm(tmp_path, "edge", 3, flags=["--secure", "--relay"])
+    assert [m["version"] for m in metrics] == [1, 2, 3] and all(m["used"] == 4 for m in metrics)
+    run_dir = tmp_path / "edge"
+    assert "permissions violation" not in (run_dir / "nats.log").read_text().lower()
+    relay_log = (run_dir / "relay.log").read_text()
+    assert "Leafnode connection created" in relay_log and "permissions violation for publish" not in relay_log.lower()
+    assert (run_dir / "secure" / "relay-site-cert.pem").exists()
+
+
 def test_ctrl_c_stops_every_process(tmp_path):
     proc = subprocess.Popen(up_command(tmp_path, "stop", 10_000), stderr=subprocess.PIPE, text=True)
     children = []

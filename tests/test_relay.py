@@ -35,10 +35,12 @@ def hub(tmp_path):
 class Relay:
     """`echo-rl relay` as its own process, restartable on the same port and store."""
 
-    def __init__(self, tmp_path, upstream_leaf_url: str, run_id: str, domain: str, upstream_domain: str = "hub"):
-        self.port, self.leaf_port = free_port(), free_port()
+    def __init__(self, tmp_path, upstream_leaf_url: str, run_id: str, domain: str, upstream_domain: str = "hub",
+                 creds: list[str] = ()):
+        # A secured relay (`creds`: --creds, --tls-ca) accepts no sub-site relays.
+        self.port, self.leaf_port = free_port(), None if creds else free_port()
         self.args = [sys.executable, "-m", "workers.cli", *loopback_relay_args(
-            upstream_leaf_url, run_id, self.port, tmp_path / domain, domain, upstream_domain, self.leaf_port)]
+            upstream_leaf_url, run_id, self.port, tmp_path / domain, domain, upstream_domain, self.leaf_port), *creds]
         self.log = tmp_path / f"{domain}.stderr"
         self.process: subprocess.Popen | None = None
 

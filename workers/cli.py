@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(sampler)
     sampler.add_argument("--id", required=True, help="this sampler's id (its rollout subject)")
     sampler.add_argument("--task", help="task.name: a task not built in must be named here, never by the broker")
+    sampler.add_argument("--weights-from", help="read weights from this relay, everything else from --nats, the hub "
+                         "(a secured relay serves weights only) (nats.weights_url)")
     relay = sub.add_parser("relay", help="a site relay: a leaf node of the hub mirroring a run's weights for its samplers")
     relay.add_argument("--hub", required=True, help="the upstream's leaf-node URL, e.g. nats-leaf://hub:7422")
     relay.add_argument("--run-id", required=True, help="the run whose weights to mirror")
@@ -58,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     relay.add_argument("--port", type=int, default=4222, help="port samplers connect to")
     relay.add_argument("--leaf-port", type=int, help="accept sub-site relays on this port")
     relay.add_argument("--store", type=Path, help="JetStream store (default runs/relays/<domain>)")
+    relay.add_argument("--creds", type=Path, help="relay-NAME.nk from `echo-rl secure add-relay`, with its "
+                       "relay-NAME-cert.pem, -key.pem and -users.conf beside it")
+    relay.add_argument("--tls-ca", type=Path, help="the CA that signed the secured hub's certificate")
+    relay.add_argument("--insecure", action="store_true", help="listen on a non-loopback --host without credentials")
     relay.add_argument("--log-json", action="store_true")
     secure = sub.add_parser("secure", help="credentials and TLS for a secured broker").add_subparsers(
         dest="secure_command", required=True)
@@ -70,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     add = secure.add_parser("add-sampler", help="a new sampler's credentials; reloads a running hub")
     add.add_argument("dir", type=Path)
     add.add_argument("id")
+    add_relay = secure.add_parser("add-relay", help="a relay's leaf credentials and client-port certificate; "
+                                  "reloads a running hub")
+    add_relay.add_argument("dir", type=Path)
+    add_relay.add_argument("name")
+    add_relay.add_argument("--host", action="append", default=[], help="a name or address samplers reach the relay "
+                           "by (repeat; localhost and 127.0.0.1 always)")
     evaluate = sub.add_parser("eval", help="score the base model and the run's last published weights on held-out prompts")
     evaluate.add_argument("--run", required=True, type=Path, help="run directory")
     evaluate.add_argument("--prompts", type=int, default=50, help="held-out prompts to score (greedy)")
@@ -99,7 +111,8 @@ def _host_token() -> str:
 def relay_config_from_args(args):
     from workers.relay import RelayConfig
 
-    fields = {k: getattr(args, k) for k in ("hub", "run_id", "domain", "upstream_domain", "host", "port", "leaf_port")}
+    fields = {k: getattr(args, k) for k in ("hub", "run_id", "domain", "upstream_domain", "host", "port", "leaf_port",
+                                            "creds", "tls_ca", "insecure")}
     try:
         return RelayConfig(**fields, store_dir=args.store or Path("runs/relays") / args.domain)
     except ValidationError as e:
@@ -111,7 +124,8 @@ def local_overrides(args) -> list[str]:
     overrides = list(args.set)
     for flag, field in [("model", "model.name"), ("mode", "run.mode"), ("steps", "run.steps"),
                         ("run_id", "run.id"), ("nats", "nats.url"), ("samplers", "sampler.count"),
-                        ("task", "task.name"), ("creds", "nats.creds"), ("tls_ca", "nats.tls_ca")]:
+                        ("task", "task.name"), ("creds", "nats.creds"), ("tls_ca", "nats.tls_ca"),
+                        ("weights_from", "nats.weights_url")]:
         value = getattr(args, flag, None)
         if value is not None:
             overrides.append(f"{field}={orjson.dumps(value).decode()}")  # a JSON scalar is a TOML value
@@ -148,8 +162,8 @@ async def sampler_config_from_run(args) -> EchoConfig:
         await run.close()
     data = orjson.loads(entry.value)
     check_config_from_broker(data, given)
-    data.get("nats", {}).pop("creds", None)  # where this box keeps its own files is its own business
-    data.get("nats", {}).pop("tls_ca", None)
+    for field in ("creds", "tls_ca", "weights_url"):  # this box's own files and relay are its own business
+        data.get("nats", {}).pop(field, None)
     for assignment in local:  # --nats among them: the hub, or this site's relay
         apply_override(data, assignment)
     return validate_config(data)
@@ -163,8 +177,14 @@ def secure_command(args) -> int:
         if args.secure_command == "init":
             samplers = [s for s in args.samplers.split(",") if s]
             secure.init(args.run_id, ["localhost", "127.0.0.1", *args.host], samplers)
-            print(f"wrote {secure.dir}: include {secure.dir / 'server.conf'} in the hub's config; "
+            print(f"wrote {secure.dir}: include {secure.dir / 'server.conf'} in the hub's config "
+                  f"(and {secure.leaf_conf} in its leafnodes block, for relays); "
                   f"trainer: --creds {secure.seed_file('trainer')} --tls-ca {secure.ca_file}")
+        elif args.secure_command == "add-relay":
+            files = secure.add_relay(args.name, args.host)
+            print(f"relay {args.name}: copy {files.seed_file.name}, {files.cert_file.name}, {files.key_file.name}, "
+                  f"{files.users_file.name} and ca.pem from {secure.dir} to the site, side by side; "
+                  f"echo-rl relay --creds {files.seed_file.name} --tls-ca ca.pem ...")
         else:
             creds = secure.add_sampler(args.id)
             print(f"sampler {args.id}: --creds {creds.seed_file} --tls-ca {creds.ca_file}")

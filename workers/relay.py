@@ -4,21 +4,29 @@ An embedded nats-server that is a leaf node of the hub (or of another relay: rel
 a tree), with a JetStream domain of its own, mirroring the run's weights. The samplers of a
 site connect to it (`echo-rl sampler --nats nats://RELAY:4222 ...`): they read weights from the
 mirror and reach the hub's streams through the leaf connection, so each version crosses the
-site's uplink once, whatever the number of samplers behind it."""
+site's uplink once, whatever the number of samplers behind it.
+
+Secured (`--creds relay-NAME.nk --tls-ca ca.pem` from `echo-rl secure add-relay`), its leaf
+connection may mirror the weights and nothing else, so its samplers reach the hub for the rest
+and read only weights here (`--nats HUB --weights-from RELAY`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import structlog
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from echo.protocol import HUB_DOMAIN, ID_PATTERN, RunNames
 from streams.client import connect
 from streams.relay import open_mirrors, prune_replaced
+from streams.secure import RelayFiles
 from streams.server import NatsServer
 
 log = structlog.get_logger()
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class RelayConfig(BaseModel):
@@ -32,6 +40,23 @@ class RelayConfig(BaseModel):
     port: int = Field(4222, ge=1, le=65535)
     leaf_port: int | None = Field(None, ge=1, le=65535)  # accept sub-site relays here
     store_dir: Path
+    creds: Path | None = None  # relay-NAME.nk from `echo-rl secure add-relay`, its other files beside it
+    tls_ca: Path | None = None
+    insecure: bool = False  # listen beyond this machine without credentials, knowingly
+
+    @model_validator(mode="after")
+    def _secured_where_a_port_leaves_the_machine(self):
+        if (self.creds is None) != (self.tls_ca is None):
+            raise ValueError("--creds and --tls-ca go together (a secured hub speaks TLS only)")
+        if self.creds and self.leaf_port:
+            raise ValueError("--leaf-port: a secured relay accepts no sub-site relays yet")
+        if self.creds is None and not self.insecure and self.host not in LOOPBACK:
+            raise ValueError(f"--host {self.host} opens this relay to other machines: give it credentials (--creds "
+                             "relay-NAME.nk --tls-ca ca.pem from `echo-rl secure add-relay`) or say --insecure")
+        return self
+
+    def relay_files(self) -> RelayFiles | None:
+        return RelayFiles(self.creds, self.tls_ca) if self.creds else None
 
 
 def loopback_relay_args(
@@ -44,14 +69,28 @@ def loopback_relay_args(
     return args + (["--leaf-port", str(leaf_port)] if leaf_port else [])
 
 
-async def run_relay(cfg: RelayConfig) -> None:
-    server = NatsServer(
+def _relay_server(cfg: RelayConfig) -> NatsServer:
+    """The relay's nats-server; secured, it signs its leaf connection with its nkey, checks the
+    hub's certificate, and serves its samplers over TLS to their own nkeys only."""
+    files = cfg.relay_files()
+    secured = {}
+    if files:
+        cfg.store_dir.mkdir(parents=True, exist_ok=True)
+        include = cfg.store_dir / "secure.conf"
+        include.write_text(files.server_conf())
+        secured = {"include": include, "hub_leaf_options": files.leaf_remote()}
+    return NatsServer(
         cfg.store_dir, port=cfg.port, domain=cfg.domain, hub_leaf_url=cfg.hub, leaf_port=cfg.leaf_port,
-        host=cfg.host, log_file=cfg.store_dir.parent / f"{cfg.store_dir.name}.log",
-    ).start()
+        host=cfg.host, log_file=cfg.store_dir.parent / f"{cfg.store_dir.name}.log", **secured,
+    )
+
+
+async def run_relay(cfg: RelayConfig) -> None:
+    server = _relay_server(cfg).start()
+    files = cfg.relay_files()
     nc = None
     try:
-        nc = await connect(server.url, f"relay-{cfg.domain}")
+        nc = await connect(server.url, f"relay-{cfg.domain}", files.credentials() if files else None)
         names = RunNames(cfg.run_id)
         js = await open_mirrors(nc, names, cfg.upstream_domain)
         log.info("relay.ready", url=f"nats://{cfg.host}:{cfg.port}", run=cfg.run_id, hub=cfg.hub, domain=cfg.domain)

@@ -180,7 +180,8 @@ class Sampler:
 async def run_sampler(cfg: EchoConfig, sampler_id: str) -> None:
     set_threads(cfg.sampler.threads)
     run = await open_run(cfg.nats.url, cfg.run.id, f"sampler-{sampler_id}", cfg.nats.hub_domain or None,
-                         credentials=credentials_of(cfg.nats.creds, cfg.nats.tls_ca), create=False)
+                         credentials=credentials_of(cfg.nats.creds, cfg.nats.tls_ca), create=False,
+                         weights_url=cfg.nats.weights_url or None)
     try:
         engine = HFEngine(cfg.model.name, cfg.lora, cfg.sampling)
         await Sampler(cfg, sampler_id, run, engine, load_task(cfg.task)).serve()

@@ -12,9 +12,9 @@ import time
 import orjson
 import structlog
 
-from echo.config import ConfigError, EchoConfig
+from echo.config import EchoConfig
 from echo.models import resolve_model
-from streams.secure import SecureDir
+from streams.secure import SERVER_CONF, SecureDir
 from streams.server import NatsServer, free_port
 from workers.evaluate import evaluate_run
 from workers.relay import loopback_relay_args
@@ -65,14 +65,19 @@ def summarize(metrics_path) -> dict:
     }
 
 
-def secure_swarm(cfg: EchoConfig) -> SecureDir:
-    """Credentials for this run's trainer and samplers in <run>/secure (kept across a resume)."""
+SITE = "site"  # the relay of `up --relay`
+
+
+def secure_swarm(cfg: EchoConfig, relay: bool) -> SecureDir:
+    """Credentials for this run's trainer, samplers and relay in <run>/secure (kept across a resume)."""
     secure = SecureDir(cfg.run_dir / "secure")
     if not secure.ca_file.exists():
         secure.init(cfg.run.id, ["localhost", "127.0.0.1"], [])
     for i in range(1, cfg.sampler.count + 1):
         if not secure.seed_file(f"sampler-s{i}").exists():
             secure.add_sampler(f"s{i}")
+    if relay and not secure.relay_files(SITE).seed_file.exists():
+        secure.add_relay(SITE, [])
     return secure
 
 
@@ -84,15 +89,15 @@ def _creds_args(secure: SecureDir | None, user: str) -> list[str]:
 
 def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: bool = False) -> int:
     """With `relay`, the samplers sit behind a site relay (`echo-rl relay`), as on a remote site.
-    With `secure`, the broker speaks TLS only and each process has its own role's credentials."""
+    With `secure`, the broker speaks TLS only and each process has its own role's credentials;
+    with both, the relay mirrors weights only, and its samplers reach the hub for the rest."""
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    if secure and relay:
-        raise ConfigError("up --secure --relay: relays do not take credentials yet")
     resolve_model(cfg.model.name)  # convert a model once here, not in every worker at once
-    secure_dir = secure_swarm(cfg) if secure else None
+    secure_dir = secure_swarm(cfg, relay) if secure else None
+    secured = {"include": secure_dir.dir / SERVER_CONF, "leaf_include": secure_dir.leaf_conf} if secure_dir else {}
     server = NatsServer(run_dir / "nats", log_file=run_dir / "nats.log", leaf_port=free_port() if relay else None,
-                        include=secure_dir.dir / "server.conf" if secure_dir else None)
+                        **secured)
     server.start()
     cfg.nats.url = server.url
     # Torch threads that outnumber the cores make every process crawl. The samplers share the
@@ -105,13 +110,16 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
     log.info("swarm.start", run=cfg.run.id, dir=str(run_dir), nats=server.url, samplers=cfg.sampler.count)
 
     trainer = _spawn(["trainer", "--config", str(config_path), *_creds_args(secure_dir, "trainer")], log_json)
-    relays, sampler_url = [], server.url
+    relays, server_args = [], ["--nats", server.url]
     if relay:
         port = free_port()
-        relays.append(_spawn(loopback_relay_args(server.leaf_url, cfg.run.id, port, run_dir / "relay"), log_json))
-        sampler_url = f"nats://127.0.0.1:{port}"
+        relays.append(_spawn(loopback_relay_args(server.leaf_url, cfg.run.id, port, run_dir / "relay")
+                             + _creds_args(secure_dir, f"relay-{SITE}"), log_json))
+        relay_url = f"nats://127.0.0.1:{port}"
+        # A secured relay serves weights only: its samplers reach the hub for everything else.
+        server_args = ["--nats", server.url, "--weights-from", relay_url] if secure else ["--nats", relay_url]
     samplers = [
-        _spawn(["sampler", "--config", str(config_path), "--id", f"s{i}", "--nats", sampler_url,
+        _spawn(["sampler", "--config", str(config_path), "--id", f"s{i}", *server_args,
                 *_creds_args(secure_dir, f"sampler-s{i}")], log_json)
         for i in range(1, cfg.sampler.count + 1)
     ]
