@@ -141,6 +141,11 @@ class WeightsFollower:
             await self._ready_changed.wait_for(lambda: self.ready is not None and self.ready[0].version >= version)
             return self.ready
 
+    async def wait_newer(self, order: tuple[int, int]) -> None:
+        """Wait until weights ordered after `order` (epoch, version) are downloaded."""
+        async with self._ready_changed:
+            await self._ready_changed.wait_for(lambda: self.ready is not None and self.ready[0].order > order)
+
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()

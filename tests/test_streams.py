@@ -5,6 +5,7 @@ import hashlib
 import io
 
 import pytest
+import safetensors.torch
 import torch
 
 from echo.engines.hf import HFEngine
@@ -243,6 +244,40 @@ def test_our_objects_and_the_libraries_read_each_other(nats_server):
         assert await get_object(run.js, bucket, "ours") == b"replaced"
         await put_object(run.js, bucket, "empty", b"")
         assert await get_object(run.js, bucket, "empty") == b""
+        await run.close()
+
+    asyncio.run(main())
+
+
+def test_weights_the_engine_refuses_are_tried_once_and_not_waited_on(nats_server, tmp_path):
+    """A version that does not fit the model (here: other tensor names) is refused once; the
+    sampler neither reloads it on every loop nor wakes up for it again, and takes the next one."""
+    cfg = tiny_config(tmp_path)
+    trainer_side = HFEngine("tiny", cfg.lora, cfg.sampling)
+    good = _adapter_for_version(trainer_side, 2)
+    misfit = safetensors.torch.save({"not_a_lora_tensor": torch.zeros(3)})
+
+    async def main():
+        run = await open_run(nats_server.url, cfg.run.id, "trainer")
+        await take_lease(run)
+        await publish_weights(run, 0, _adapter_for_version(trainer_side, 0), "tiny")
+        sampler_run = await open_run(nats_server.url, cfg.run.id, "sampler", create=False)
+        sampler = Sampler(cfg, "s1", sampler_run, HFEngine("tiny", cfg.lora, cfg.sampling), load_task(cfg.task))
+        await sampler.weights.start()
+        await sampler.apply_newest()
+        await publish_weights(run, 1, [misfit], "tiny")
+        await sampler.weights.wait_for(1)
+        for _ in range(3):
+            await sampler.apply_newest()
+        assert sampler.weights.failures == {"weights_mismatch": 1} and sampler.version == 0
+        with pytest.raises(TimeoutError):  # before: version 1 was "newer" at once, a busy loop
+            await asyncio.wait_for(sampler.weights.wait_newer(max(sampler.order, sampler.refused)), 0.3)
+        await publish_weights(run, 2, good, "tiny")
+        await sampler.weights.wait_newer(sampler.refused)
+        await sampler.apply_newest()
+        assert sampler.version == 2
+        await sampler.weights.stop()
+        await sampler_run.close()
         await run.close()
 
     asyncio.run(main())

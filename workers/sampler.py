@@ -42,6 +42,7 @@ class Sampler:
         self.rng = random.Random(f"{cfg.run.seed}/{sampler_id}")
         self.weights = WeightsFollower(run, cfg.model.name)
         self.order = (0, -1)  # (trainer epoch, version) the engine runs: a restarted trainer's versions come later
+        self.refused = (0, -1)  # the newest weights the engine refused: not tried again, nor waited for
         self.published = 0
         self.quarantined = False  # the trainer ignores this sampler's groups (it shows in the heartbeat)
 
@@ -54,11 +55,12 @@ class Sampler:
         """Swap in the newest downloaded weights, waiting for version `at_least` if needed.
         A generation in flight is not touched: swaps happen only between engine calls."""
         announcement, shards = await self.weights.wait_for(at_least)
-        if announcement.order <= self.order:
+        if announcement.order <= max(self.order, self.refused):
             return
         try:
             await asyncio.to_thread(self.engine.load_weights, shards)
         except WeightsMismatch as e:
+            self.refused = announcement.order
             self.weights.failures["weights_mismatch"] += 1
             log.warning("weights.refused", version=announcement.version, reason=str(e))
             return
@@ -118,7 +120,7 @@ class Sampler:
                     await self.generate_and_publish(grant.groups)
                     continue
                 waits = [asyncio.ensure_future(budget_changed.wait()),
-                         asyncio.ensure_future(self.weights.wait_for(self.version + 1))]
+                         asyncio.ensure_future(self.weights.wait_newer(max(self.order, self.refused)))]
                 _, pending = await asyncio.wait(waits, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
                 for task in pending:
                     task.cancel()
