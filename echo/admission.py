@@ -48,7 +48,9 @@ class GrantLedger:
         """Grant `sampler_id` up to `want` groups of the `headroom` left, within its share.
         Returns (groups, whether headroom is left after them)."""
         self.asked_at[sampler_id] = now
-        groups = max(0, min(want, headroom, self.share(window, now) - self.held[sampler_id]))
+        # Scarce headroom is split too: a sampler that always asks first must not take it all.
+        headroom_share = self.share(headroom, now) if headroom > 0 else 0
+        groups = max(0, min(want, headroom_share, self.share(window, now) - self.held[sampler_id]))
         self.held[sampler_id] += groups
         return groups, headroom > groups
 

@@ -32,9 +32,9 @@ def test_each_sampler_asking_holds_at_most_an_equal_share_of_the_window():
     for _ in range(6):
         ledger.delivered("a")
     assert ledger.grant("a", want=8, headroom=88, window=8, now=3) == (2, True)
-    assert ledger.grant("c", want=8, headroom=3, window=8, now=4) == (3, False)  # the headroom is all there is
+    assert ledger.grant("c", want=8, headroom=3, window=8, now=4) == (1, True)  # scarce headroom: a third of it
     # a and b stop asking (dead, or a hoarder gone quiet): after active_s the window is c's again.
-    assert ledger.grant("c", want=8, headroom=50, window=8, now=30) == (5, True)
+    assert ledger.grant("c", want=8, headroom=50, window=8, now=30) == (7, True)
     ledger.forget_held()
     assert ledger.grant("a", want=8, headroom=50, window=8, now=31) == (4, True)
     ledger.delivered("z")  # granted by a previous trainer: nothing held, nothing goes negative

@@ -45,7 +45,7 @@ def run_swarm(tmp_path, run_id: str, steps: int, *overrides: str, flags=()):
 
     stream, statuses = asyncio.run(read())
     assert {s.sampler_id for s in statuses} == {"s1", "s2"}  # both heartbeats, nothing refused
-    assert all(s.groups_published > 0 and s.weight_failures == {} for s in statuses)
+    assert all(s.groups_published > 0 and s.weight_failures == {} for s in statuses), statuses
     return metrics, stream, done.stderr
 
 
