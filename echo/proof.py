@@ -45,7 +45,7 @@ class SamplingProof:
         self.rng = random.Random(f"{seed}/proof")
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self.suspects: set[str] = set()
-        self.counts: Counter[str] = Counter()  # checked, passed, forged, unverifiable
+        self.counts: Counter[str] = Counter()  # groups by outcome: passed, forged, unverifiable
 
     def remember(self, version: int) -> None:
         """Keep the policy's tensors as `version` (call right after publishing it)."""
@@ -75,10 +75,11 @@ class SamplingProof:
             if group.policy_version != newest:
                 load_tensors(self.policy, self.versions[newest])
         gap = logprob_gap([c.logprobs for c in group.completions], recomputed.float())
-        forged = gap > self.tolerance
-        self.counts["forged" if forged else "passed"] += 1
-        if forged:
+        if self.forged(gap):
+            self.counts["forged"] += 1
             self.suspects.add(group.sampler_id)
+        else:
+            self.counts["passed"] += 1
         return gap
 
     def forged(self, gap: float | None) -> bool:
