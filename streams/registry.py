@@ -3,7 +3,7 @@ seconds, so anyone (the trainer, an operator) can see who runs which version and
 
 from __future__ import annotations
 
-from nats.js.errors import NoKeysError
+from nats.js.errors import KeyNotFoundError
 
 from echo.protocol import SAMPLER_STATUS_PREFIX, SamplerStatus, decode, encode
 from streams.client import Run
@@ -14,9 +14,14 @@ async def put_status(run: Run, status: SamplerStatus) -> None:
 
 
 async def read_statuses(run: Run) -> list[SamplerStatus]:
-    try:
-        keys = await run.state.keys()
-    except NoKeysError:
-        return []
-    entries = [await run.state.get(k) for k in keys if k.startswith(SAMPLER_STATUS_PREFIX)]
-    return [decode(SamplerStatus, e.value) for e in entries]
+    # The bucket's stream lists its subjects exactly. nats-py's `keys()` watches the bucket
+    # instead and can stop before the first key arrives (its end marker races the delivery).
+    prefix = f"$KV.{run.names.state_bucket}."
+    info = await run.js.stream_info(f"KV_{run.names.state_bucket}", subjects_filter=prefix + SAMPLER_STATUS_PREFIX + ">")
+    statuses = []
+    for subject in sorted(info.state.subjects or {}):
+        try:
+            statuses.append(decode(SamplerStatus, (await run.state.get(subject.removeprefix(prefix))).value))
+        except KeyNotFoundError:  # deleted
+            continue
+    return statuses
