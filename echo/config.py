@@ -70,6 +70,9 @@ class TrainerConfig(_Section):
     is_cap: float = Field(2.0, ge=1.0)
     max_staleness: int = Field(1, ge=0)  # async: drop rollouts older than version - max_staleness; sequential uses 0
     reissue_after_s: float = Field(300.0, gt=0)  # ask again for groups not delivered by then (lost in flight)
+    # Grant no work until this many samplers have asked (0: start with the first). `up` sets it to
+    # the samplers it starts, so that one ready first does not take a short run's every group.
+    min_samplers: int = Field(0, ge=0)
     # Proof of sampling (echo/proof.py): recompute the claimed log-probs of this share of groups
     # (every group of a sampler caught once); a token off by more than the tolerance (nats) is a
     # forgery. A sampler with more than quarantine_after forgeries or reward mismatches is quarantined.

@@ -299,8 +299,9 @@ class GrantRequest(_Message):
 
 class Grant(_Message):
     """The trainer's answer: generate `groups` groups. `more`: work is left that this sampler
-    may get once the trainer has received the groups it holds (ask again soon); otherwise
-    nothing is left until the trainer asks for more (a new budget or pull request)."""
+    may get soon (once the trainer has received the groups it holds, or once enough samplers
+    have joined): ask again shortly; otherwise nothing is left until the trainer asks for more
+    (a new budget or pull request)."""
 
     groups: int = Field(ge=0)
     more: bool = False

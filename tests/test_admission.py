@@ -107,3 +107,21 @@ def test_sequential_groups_are_granted_once_and_only_for_the_current_request(nat
         await run.close()
 
     asyncio.run(main())
+
+
+def test_no_work_is_granted_until_min_samplers_have_asked(nats_server, tmp_path):
+    cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "min_samplers": 2})
+
+    async def main():
+        run = await open_run(nats_server.url, "fleet", "trainer")
+        lease = await take_lease(run)
+        orders = Admission(run, cfg, TrainerState(), GrantLedger())
+        await orders.ask(0)
+        asked = GrantRequest(want=2, epoch=lease.epoch, version=0)
+        assert (await orders.grant("early", asked)).model_dump() == {"schema_version": 4, "groups": 0, "more": True}
+        assert (await orders.grant("early", asked)).groups == 0  # asking again does not count twice
+        assert (await orders.grant("late", asked)).groups == 2
+        assert (await orders.grant("early", asked)).groups == 2
+        await run.close()
+
+    asyncio.run(main())

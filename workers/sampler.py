@@ -119,6 +119,9 @@ class Sampler:
                 if grant.groups:
                     await self.generate_and_publish(grant.groups)
                     continue
+                if grant.more:
+                    await asyncio.sleep(ASK_AGAIN_S)  # work is left, just not for this sampler yet
+                    continue
                 waits = [asyncio.ensure_future(budget_changed.wait()),
                          asyncio.ensure_future(self.weights.wait_newer(max(self.order, self.refused)))]
                 _, pending = await asyncio.wait(waits, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
@@ -141,7 +144,7 @@ class Sampler:
                 if grant.groups:
                     await self.generate_and_publish(grant.groups)
                 elif grant.more:
-                    await asyncio.sleep(ASK_AGAIN_S)  # the trainer has yet to receive what this sampler sent
+                    await asyncio.sleep(ASK_AGAIN_S)  # work is left, just not for this sampler yet
                 else:
                     break  # the request's groups are all given out: wait for the next request
 

@@ -105,6 +105,7 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
     cores = os.cpu_count() or 1
     cfg.trainer.threads = cfg.trainer.threads or cores
     cfg.sampler.threads = cfg.sampler.threads or max(1, cores // cfg.sampler.count)
+    cfg.trainer.min_samplers = cfg.trainer.min_samplers or cfg.sampler.count  # every sampler takes part
     config_path = run_dir / "config.toml"
     config_path.write_text(cfg.to_toml())
     log.info("swarm.start", run=cfg.run.id, dir=str(run_dir), nats=server.url, samplers=cfg.sampler.count)

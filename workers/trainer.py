@@ -216,6 +216,7 @@ class Orders:
                  quarantine: Quarantined | None = None):
         self.run, self.cfg, self.state, self.ledger, self.quarantine = run, cfg, state, ledger, quarantine
         self.asked_at, self.version = 0.0, state.version
+        self.fleet: set[str] = set()  # samplers that asked for work since this trainer started
 
     async def start(self) -> None:
         self.subscription = await serve_grants(self.run, self.grant)
@@ -231,10 +232,18 @@ class Orders:
             self.ledger.forget_held()
             await self.reissue(missing)
 
-    def _refused(self, sampler_id: str, request: GrantRequest) -> bool:
-        if self.quarantine and sampler_id in self.quarantine:
-            return True
-        return request.epoch != self.run.epoch  # weights of a previous trainer: apply ours first
+    async def grant(self, sampler_id: str, request: GrantRequest) -> Grant:
+        """The answer to a sampler asking for work: none for a quarantined sampler or one running
+        a previous trainer's weights (it must apply ours first), none yet while fewer than
+        `trainer.min_samplers` have asked (ask again soon), else what the mode grants."""
+        if (self.quarantine and sampler_id in self.quarantine) or request.epoch != self.run.epoch:
+            return Grant(groups=0)
+        if sampler_id not in self.fleet:
+            self.fleet.add(sampler_id)
+            log.info("trainer.sampler_joined", sampler=sampler_id, samplers=len(self.fleet))
+        if len(self.fleet) < self.cfg.trainer.min_samplers:
+            return Grant(groups=0, more=True)
+        return await self.grant_work(sampler_id, request)
 
 
 class PullRequests(Orders):
@@ -251,10 +260,9 @@ class PullRequests(Orders):
     async def reissue(self, missing: int) -> None:
         await self.publish(missing)
 
-    async def grant(self, sampler_id: str, request: GrantRequest) -> Grant:
+    async def grant_work(self, sampler_id: str, request: GrantRequest) -> Grant:
         current = self.request
-        if (current is None or self._refused(sampler_id, request) or request.pull_request_id != current.request_id
-                or request.version != current.version):
+        if current is None or request.pull_request_id != current.request_id or request.version != current.version:
             return Grant(groups=0)
         groups, more = self.ledger.grant(sampler_id, request.want, current.groups - self.granted, current.groups,
                                          time.monotonic())
@@ -284,8 +292,8 @@ class Admission(Orders):
         self.state.lost += missing
         await self.publish(self.cfg.trainer.groups_per_step)
 
-    async def grant(self, sampler_id: str, request: GrantRequest) -> Grant:
-        if self._refused(sampler_id, request) or request.pull_request_id is not None or not 0 <= request.version <= self.version:
+    async def grant_work(self, sampler_id: str, request: GrantRequest) -> Grant:
+        if request.pull_request_id is not None or not 0 <= request.version <= self.version:
             return Grant(groups=0)
         per_step = self.cfg.trainer.groups_per_step
         cap = sampler_cap(self.version, self.highest_lease(), request.version, per_step)
