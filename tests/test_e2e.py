@@ -44,8 +44,12 @@ def run_swarm(tmp_path, run_id: str, steps: int, *overrides: str, flags=()):
             return [r async for r in read_rollouts(server.url, run_id)], statuses
 
     stream, statuses = asyncio.run(read())
-    assert {s.sampler_id for s in statuses} == {"s1", "s2"}  # both heartbeats, nothing refused
-    assert all(s.groups_published > 0 and s.weight_failures == {} for s in statuses), statuses
+    assert {s.sampler_id for s in statuses} == {"s1", "s2"}  # both ran and heartbeat
+    assert all(s.weight_failures == {} for s in statuses), statuses  # no weights refused
+    # Every group trained came from them. How many each made is up to its speed: in a run of a few
+    # tenths of a second, a sampler a version behind the other may be granted nothing (its lease
+    # cap is a step lower), so only the 5-step async test checks that both contribute.
+    assert sum(s.groups_published for s in statuses) >= sum(m["used"] for m in metrics), statuses
     return metrics, stream, done.stderr
 
 
