@@ -1,8 +1,11 @@
 """A secured broker: TLS, one nkey per client, and per-role permissions on one run's subjects.
 
 `echo-rl secure init DIR --run-id ID` writes DIR/ca.pem and the server's certificate, an nkey
-seed per client (trainer.nk, observer.nk, sampler-<id>.nk) and DIR/server.conf, which the hub
-includes. Permissions are written from the run's names (echo/protocol.py), so they follow the
+seed and a client certificate per client (trainer.nk, trainer-cert.pem, trainer-key.pem; the
+same for observer and sampler-<id>) and DIR/server.conf, which the hub includes. Mutual TLS: the
+hub and relays accept only clients whose certificate the run's CA signed, then check the nkey;
+an attacker needs both a stolen seed and its key, and one without gets no further than the TLS
+handshake. Permissions are written from the run's names (echo/protocol.py), so they follow the
 wire contract. Why nkeys and not JWTs: one config file and no operator/account signing chain to
 run; a client proves it holds its seed by signing the server's nonce, the seed never leaves its
 box. Adding a sampler rewrites the user list and reloads the server (SIGHUP): no restart.
@@ -39,63 +42,67 @@ def inbox_prefix(public_key: str) -> str:
     return f"_INBOX_{public_key}"
 
 
+def _sibling(seed_file: Path, suffix: str) -> Path:
+    return seed_file.with_name(seed_file.stem + suffix)
+
+
 @dataclass(frozen=True)
 class Credentials:
-    """What a client needs to join a secured broker: its nkey seed and the CA to check the server."""
+    """What a client needs to join a secured broker: its nkey seed, its client certificate and key
+    (NAME-cert.pem and NAME-key.pem beside NAME.nk) and the CA to check the server."""
 
     seed_file: Path
     ca_file: Path
+
+    @property
+    def cert_file(self) -> Path:
+        return _sibling(self.seed_file, "-cert.pem")
+
+    @property
+    def key_file(self) -> Path:
+        return _sibling(self.seed_file, "-key.pem")
 
     def connect_options(self) -> dict:
         seed = self.seed_file.read_bytes().strip()
         public = nkeys.from_seed(bytearray(seed)).public_key.decode()
-        return {
-            "nkeys_seed_str": seed.decode(),
-            "tls": ssl.create_default_context(cafile=str(self.ca_file)),
-            "inbox_prefix": inbox_prefix(public),
-        }
+        if not self.cert_file.exists():
+            raise FileNotFoundError(f"{self.cert_file}: a secured broker wants the client certificate issued with "
+                                    f"{self.seed_file.name}; copy it and {self.key_file.name} beside the seed")
+        tls = ssl.create_default_context(cafile=str(self.ca_file))
+        tls.load_cert_chain(self.cert_file, self.key_file)
+        return {"nkeys_seed_str": seed.decode(), "tls": tls, "inbox_prefix": inbox_prefix(public)}
 
 
 @dataclass(frozen=True)
-class RelayFiles:
+class RelayFiles(Credentials):
     """What `secure add-relay DIR NAME` writes for one relay, kept side by side on the site box:
-    relay-NAME.nk (its leaf nkey, also its own admin identity on its server), the hub's CA, and
-    for its client port a certificate (relay-NAME-cert.pem, -key.pem) and the samplers allowed
-    to read its mirrors (relay-NAME-users.conf)."""
-
-    seed_file: Path
-    ca_file: Path
-
-    def _sibling(self, suffix: str) -> Path:
-        return self.seed_file.with_name(self.seed_file.stem + suffix)
-
-    @property
-    def cert_file(self) -> Path:
-        return self._sibling("-cert.pem")
-
-    @property
-    def key_file(self) -> Path:
-        return self._sibling("-key.pem")
+    relay-NAME.nk (its leaf nkey, also its own admin identity on its server), the hub's CA, a
+    certificate (relay-NAME-cert.pem, -key.pem) that is both its client certificate on the hub's
+    leaf port and its server certificate on its own client port, and the samplers allowed to
+    read its mirrors (relay-NAME-users.conf)."""
 
     @property
     def users_file(self) -> Path:
-        return self._sibling("-users.conf")
-
-    def credentials(self) -> Credentials:
-        return Credentials(self.seed_file, self.ca_file)
+        return _sibling(self.seed_file, "-users.conf")
 
     def leaf_remote(self) -> dict:
-        """The nats-server `leafnodes.remotes` entry's options: sign with the nkey, check the hub."""
-        return {"nkey": self.seed_file.read_text().strip(), "tls": {"ca_file": str(self.ca_file.resolve())}}
+        """The nats-server `leafnodes.remotes` entry's options: sign with the nkey, present the
+        certificate, check the hub's."""
+        return {"nkey": self.seed_file.read_text().strip(),
+                "tls": {"ca_file": str(self.ca_file.resolve()), "cert_file": str(self.cert_file.resolve()),
+                        "key_file": str(self.key_file.resolve())}}
 
     def server_conf(self) -> str:
-        """TLS on the relay's client port and its users, for the relay's nats-server to include."""
-        return _tls_block(self.cert_file.resolve(), self.key_file.resolve()) + "\n" + self.users_file.read_text()
+        """Mutual TLS on the relay's client port and its users, for the relay's nats-server to include."""
+        return (_tls_block(self.cert_file.resolve(), self.key_file.resolve(), self.ca_file.resolve()) + "\n"
+                + self.users_file.read_text())
 
 
-def _tls_block(cert_file: Path, key_file: Path) -> str:
+def _tls_block(cert_file: Path, key_file: Path, ca_file: Path) -> str:
+    """Server TLS that also asks each client for a certificate the CA signed (`verify`)."""
     q = json.dumps
-    return f"tls {{ cert_file: {q(str(cert_file))}, key_file: {q(str(key_file))}, timeout: 5 }}"
+    return (f"tls {{ cert_file: {q(str(cert_file))}, key_file: {q(str(key_file))}, ca_file: {q(str(ca_file))}, "
+            f"verify: true, timeout: 5 }}")
 
 
 def credentials_of(creds: str, tls_ca: str) -> Credentials | None:
@@ -216,7 +223,7 @@ def _pem_key(key) -> bytes:
 
 
 def _write_ca(directory: Path) -> None:
-    """A local CA: ca.pem for every client, ca-key.pem to issue server certificates."""
+    """A local CA: ca.pem for every client and server, ca-key.pem to issue certificates."""
     from cryptography import x509
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -225,14 +232,16 @@ def _write_ca(directory: Path) -> None:
     ca = _certificate("echo-rl local CA", None, key.public_key(), key,
                       [(x509.BasicConstraints(ca=True, path_length=0), True)])
     (directory / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    _write_secret(directory / "ca-key.pem", _pem_key(key))  # keep offline: it can mint server certificates
+    _write_secret(directory / "ca-key.pem", _pem_key(key))  # keep offline: it can mint certificates
 
 
-def _issue_server_cert(directory: Path, hosts: list[str], cert_file: Path, key_file: Path) -> None:
-    """A server certificate for `hosts` (names or IP addresses), signed by the directory's CA."""
+def _issue_certificate(directory: Path, name: str, hosts: list[str], cert_file: Path, key_file: Path) -> None:
+    """A certificate signed by the directory's CA: a client's (named `name`), and with `hosts`
+    (names or IP addresses) a server's too."""
     from cryptography import x509
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID
 
     ca = x509.load_pem_x509_certificate((directory / "ca.pem").read_bytes())
     ca_key = serialization.load_pem_private_key((directory / "ca-key.pem").read_bytes(), None)
@@ -242,9 +251,12 @@ def _issue_server_cert(directory: Path, hosts: list[str], cert_file: Path, key_f
             sans.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
             sans.append(x509.DNSName(host))
+    usages = [ExtendedKeyUsageOID.CLIENT_AUTH] + ([ExtendedKeyUsageOID.SERVER_AUTH] if hosts else [])
+    extensions = [(x509.BasicConstraints(ca=False, path_length=None), True), (x509.ExtendedKeyUsage(usages), False)]
+    if sans:
+        extensions.append((x509.SubjectAlternativeName(sans), False))
     key = ec.generate_private_key(ec.SECP256R1())
-    cert = _certificate(hosts[0], ca.subject, key.public_key(), ca_key, [
-        (x509.SubjectAlternativeName(sans), False), (x509.BasicConstraints(ca=False, path_length=None), True)])
+    cert = _certificate(name, ca.subject, key.public_key(), ca_key, extensions)
     cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     _write_secret(key_file, _pem_key(key))
 
@@ -268,13 +280,22 @@ class SecureDir:
     def _roles(self) -> dict:
         return json.loads((self.dir / ROLES_FILE).read_text())
 
+    def holds_run(self, run_id: str) -> bool:
+        """Whether `init` ran here for this run; another run's credentials are an error."""
+        if not (self.dir / ROLES_FILE).exists():
+            return False
+        held = self._roles()["run_id"]
+        if held != run_id:
+            raise FileExistsError(f"{self.dir} holds run {held}'s credentials, not {run_id}'s")
+        return True
+
     def init(self, run_id: str, hosts: list[str], samplers: list[str], hub_domain: str = HUB_DOMAIN) -> None:
         RunNames(run_id)  # a valid run id
         self.dir.mkdir(parents=True, exist_ok=True)
         if (self.dir / ROLES_FILE).exists():
             raise FileExistsError(f"{self.dir} holds a secured swarm already: use add-sampler or add-relay")
         _write_ca(self.dir)
-        _issue_server_cert(self.dir, hosts, self.dir / "server-cert.pem", self.dir / "server-key.pem")
+        _issue_certificate(self.dir, hosts[0], hosts, self.dir / "server-cert.pem", self.dir / "server-key.pem")
         (self.dir / ROLES_FILE).write_text(json.dumps({"run_id": run_id, "hub_domain": hub_domain, "users": {}}))
         for user in ("trainer", "observer"):
             self._add_user(user, user)
@@ -297,12 +318,10 @@ class SecureDir:
         """A relay's leaf nkey and a certificate for its client port (`hosts`: the names its
         samplers reach it by), then the hub's user list rewritten and reloaded if it runs."""
         check_id("relay name", name)
-        files = self.relay_files(name)
-        self._add_user(f"relay-{name}", "relay")
-        _issue_server_cert(self.dir, ["localhost", "127.0.0.1", *hosts], files.cert_file, files.key_file)
+        self._add_user(f"relay-{name}", "relay", hosts=["localhost", "127.0.0.1", *hosts])
         self.write_server_conf()
         self.reload()
-        return files
+        return self.relay_files(name)
 
     def _user_entry(self, user: dict, names: RunNames, hub_domain: str) -> dict:
         """One user of the hub's config. A relay's nkey opens only a leaf connection, and a
@@ -319,12 +338,15 @@ class SecureDir:
         return [{"nkey": relay_key, "permissions": {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}}] + [
             {"nkey": key, "permissions": mirror_reader_permissions(names, key)} for key in samplers]
 
-    def _add_user(self, user: str, role: str, sampler_id: str | None = None) -> None:
+    def _add_user(self, user: str, role: str, sampler_id: str | None = None, hosts: list[str] = ()) -> None:
+        """A user's nkey seed and client certificate (`hosts`: a server's too, for a relay's port)."""
         roles = self._roles()
         if user in roles["users"]:
             raise FileExistsError(f"{user} has credentials already ({self.seed_file(user)})")
         seed = _new_seed()
         _write_secret(self.seed_file(user), seed + b"\n")
+        credentials = self.credentials(user)
+        _issue_certificate(self.dir, user, list(hosts), credentials.cert_file, credentials.key_file)
         public = nkeys.from_seed(bytearray(seed)).public_key.decode()
         roles["users"][user] = {"role": role, "nkey": public, "sampler_id": sampler_id}
         (self.dir / ROLES_FILE).write_text(json.dumps(roles, indent=1))
@@ -335,7 +357,7 @@ class SecureDir:
         names = RunNames(roles["run_id"])
         users = [self._user_entry(u, names, roles["hub_domain"]) for u in roles["users"].values()]
         q = json.dumps
-        tls = _tls_block(self.dir / "server-cert.pem", self.dir / "server-key.pem")
+        tls = _tls_block(self.dir / "server-cert.pem", self.dir / "server-key.pem", self.ca_file)
         _replace_text(self.dir / SERVER_CONF, "\n".join(
             [tls, f"authorization {{ users: {q(users)} }}", f"pid_file: {q(str(self.dir / PID_FILE))}"]))
         _replace_text(self.leaf_conf, tls)  # the leaf port speaks TLS too; leaf users are in the list above

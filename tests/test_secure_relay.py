@@ -47,7 +47,7 @@ def _relay_creds(secure: SecureDir) -> list[str]:
 async def _relay_side_client(url: str, files):
     """A client of a leaf server holding a relay's seed, with replies under the relay's own inbox
     prefix: the only one the hub delivers to that leaf."""
-    return await nats.connect(url, inbox_prefix=files.credentials().connect_options()["inbox_prefix"])
+    return await nats.connect(url, inbox_prefix=files.connect_options()["inbox_prefix"])
 
 
 def test_a_secured_relay_serves_its_samplers_the_trainers_weights(secured_hub, tmp_path):
@@ -93,7 +93,7 @@ def test_relay_credentials_mirror_and_nothing_else(secured_hub, tmp_path):
         await trainer.js.publish(names.rollouts_subject("s1"), encode(group), headers=rollout_headers(group))
         with pytest.raises(Exception):  # a relay's nkey opens leaf connections only
             await nats.connect(hub.url, max_reconnect_attempts=0, allow_reconnect=False, connect_timeout=2,
-                               **files.credentials().connect_options())
+                               **files.connect_options())
 
         nc = await _relay_side_client(evil_url, files)
         js = nc.jetstream(domain="hub", timeout=1.0)
@@ -126,12 +126,17 @@ def test_relay_credentials_mirror_and_nothing_else(secured_hub, tmp_path):
         asyncio.run(attack(evil.url))
 
 
-@pytest.mark.parametrize("seed", [None, "sampler-s1"], ids=["anonymous", "sampler-seed"])
-def test_the_secured_hubs_leaf_port_refuses_other_leaf_connections(secured_hub, tmp_path, seed):
+@pytest.mark.parametrize("seed, refusal", [(None, "tls handshake failure"), ("sampler-s1", "authentication error")],
+                         ids=["anonymous", "sampler-seed"])
+def test_the_secured_hubs_leaf_port_refuses_other_leaf_connections(secured_hub, tmp_path, seed, refusal):
+    """Without a certificate the CA signed, a leaf connection ends at the TLS handshake; with a
+    sampler's seed and certificate, at the nkey (a sampler's opens client connections only)."""
     hub, secure = secured_hub
     options = {"tls": {"ca_file": str(secure.ca_file)}}
     if seed:
-        options["nkey"] = secure.seed_file(seed).read_text().strip()
+        credentials = secure.credentials(seed)
+        options["nkey"] = credentials.seed_file.read_text().strip()
+        options["tls"] |= {"cert_file": str(credentials.cert_file), "key_file": str(credentials.key_file)}
 
     async def reach_hub(url):
         nc = await connect(url, "leaf-client")
@@ -143,7 +148,7 @@ def test_the_secured_hubs_leaf_port_refuses_other_leaf_connections(secured_hub, 
 
     with NatsServer(tmp_path / "leaf", domain="leaf", hub_leaf_url=hub.leaf_url, hub_leaf_options=options) as leaf:
         asyncio.run(reach_hub(leaf.url))
-    assert "authentication error" in (tmp_path / "hub.log").read_text().lower()
+    assert refusal in (tmp_path / "hub.log").read_text().lower()
 
 
 def test_add_relay_issues_leaf_credentials_a_running_hub_accepts_without_a_restart(secured_hub, tmp_path):

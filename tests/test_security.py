@@ -160,15 +160,44 @@ async def _client(url: str, credentials, errors: list):
     return await nats.connect(url, error_cb=on_error, max_reconnect_attempts=0, **credentials.connect_options())
 
 
-def test_a_client_without_credentials_is_refused(secured):
+def test_a_client_without_its_certificate_and_seed_is_refused(secured, tmp_path):
+    """Mutual TLS, then the nkey: a client needs a certificate the run's CA signed and a seed the
+    hub knows. A stolen seed alone, or one paired with another CA's certificate, is refused."""
     server, secure = secured
+    other = SecureDir(tmp_path / "other")  # another swarm's CA and users
+    other.init("sec", ["localhost"], ["s1"])
+    mine, theirs = secure.credentials("sampler-s1"), other.credentials("sampler-s1")
+
+    def tls(cert_of=None):
+        context = ssl.create_default_context(cafile=str(secure.ca_file))
+        if cert_of:
+            context.load_cert_chain(cert_of.cert_file, cert_of.key_file)
+        return context
+
+    def seed(credentials):
+        return credentials.seed_file.read_text().strip()
+
+    attempts = {
+        "no TLS": {},
+        "TLS, no certificate, no seed": {"tls": tls()},
+        "a stolen seed without its certificate": {"tls": tls(), "nkeys_seed_str": seed(mine)},
+        "a stolen seed with another CA's certificate": {"tls": tls(theirs), "nkeys_seed_str": seed(mine)},
+        "a valid certificate with an unknown seed": {"tls": tls(mine), "nkeys_seed_str": seed(theirs)},
+    }
+
+    async def connects(options) -> bool:
+        try:
+            nc = await nats.connect(server.url, max_reconnect_attempts=0, connect_timeout=2, allow_reconnect=False,
+                                    **options)
+        except Exception:
+            return False
+        await nc.close()
+        return True
 
     async def main():
-        with pytest.raises(Exception):  # no TLS: refused; TLS without an nkey: authorization violation
-            await nats.connect(server.url, max_reconnect_attempts=0, connect_timeout=2, allow_reconnect=False)
-        with pytest.raises(Exception):
-            await nats.connect(server.url, tls=ssl.create_default_context(cafile=str(secure.ca_file)),
-                               max_reconnect_attempts=0, connect_timeout=2, allow_reconnect=False)
+        refused = {name: not await connects(options) for name, options in attempts.items()}
+        assert all(refused.values()), refused
+        assert await connects({"tls": tls(mine), "nkeys_seed_str": seed(mine)})  # both: accepted
 
     asyncio.run(main())
 

@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--host", action="append", default=[], help="a name or address samplers reach the hub by "
                       "(repeat; localhost and 127.0.0.1 always)")
     init.add_argument("--samplers", default="", help="comma-separated sampler ids to issue now")
+    init.add_argument("--relay", action="append", default=[], metavar="NAME=HOST",
+                      help="a relay to issue now, and the name its samplers reach it by (repeat)")
+    init.add_argument("--exist-ok", action="store_true", help="DIR holds this run's credentials already: keep them "
+                      "(compose runs init on every up)")
     add = secure.add_parser("add-sampler", help="a new sampler's credentials; reloads a running hub")
     add.add_argument("dir", type=Path)
     add.add_argument("id")
@@ -175,8 +179,16 @@ def secure_command(args) -> int:
     secure = SecureDir(args.dir)
     try:
         if args.secure_command == "init":
+            if args.exist_ok and secure.holds_run(args.run_id):
+                print(f"{secure.dir} holds run {args.run_id}'s credentials already: kept")
+                return 0
+            relays = [relay.partition("=") for relay in args.relay]
+            if any(not host for _, _, host in relays):
+                raise ValueError(f"--relay {args.relay}: give each as NAME=HOST")
             samplers = [s for s in args.samplers.split(",") if s]
             secure.init(args.run_id, ["localhost", "127.0.0.1", *args.host], samplers)
+            for name, _, host in relays:
+                secure.add_relay(name, [host])
             print(f"wrote {secure.dir}: include {secure.dir / 'server.conf'} in the hub's config "
                   f"(and {secure.leaf_conf} in its leafnodes block, for relays); "
                   f"trainer: --creds {secure.seed_file('trainer')} --tls-ca {secure.ca_file}")

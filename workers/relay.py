@@ -90,7 +90,7 @@ async def run_relay(cfg: RelayConfig) -> None:
     files = cfg.relay_files()
     nc = None
     try:
-        nc = await connect(server.url, f"relay-{cfg.domain}", files.credentials() if files else None)
+        nc = await connect(server.url, f"relay-{cfg.domain}", files)
         names = RunNames(cfg.run_id)
         js = await open_mirrors(nc, names, cfg.upstream_domain)
         log.info("relay.ready", url=f"nats://{cfg.host}:{cfg.port}", run=cfg.run_id, hub=cfg.hub, domain=cfg.domain)
