@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from typing import NamedTuple
 
@@ -14,6 +15,10 @@ from echo.policy import group_logprobs
 from echo.protocol import RolloutGroup
 
 
+class StepAbandoned(Exception):
+    """The step was told to stop before its optimizer update: the policy is as it was."""
+
+
 class GroupStats(NamedTuple):
     tokens: int
     loss: LossStats
@@ -21,9 +26,12 @@ class GroupStats(NamedTuple):
     entropy: float
 
 
-def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]], cfg: EchoConfig, pad_id: int) -> dict:
+def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]], cfg: EchoConfig, pad_id: int,
+               stop: threading.Event | None = None) -> dict:
     """One optimizer step over (group, rewards) pairs. The loss is the token mean over the whole
     batch; each group is forwarded and backpropagated on its own (a group is the unit of memory).
+    `stop`, set from another thread, abandons the step between groups (StepAbandoned): a
+    trainer told to stop does not finish a long step first.
 
     One step per batch means the policy before the step, pi_old, is the current one: the PPO
     ratio pi / pi_old starts at 1 and the off-policy gap to the sampler's mu is corrected by
@@ -35,6 +43,9 @@ def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]],
     optimizer.zero_grad(set_to_none=True)
     per_group, loss_sum = [], 0.0
     for group, rewards in batch:
+        if stop is not None and stop.is_set():
+            optimizer.zero_grad(set_to_none=True)
+            raise StepAbandoned(f"{len(per_group)} of {len(batch)} groups done")
         completions = [c.token_ids for c in group.completions]
         advantages = group_advantages(torch.tensor(rewards))
         behaviour = torch.zeros((len(completions), max(map(len, completions))))

@@ -72,12 +72,16 @@ def tensors_from_buffer(buffer: bytearray) -> dict[str, torch.Tensor]:
         header = json.loads(bytes(buffer[8 : 8 + header_len]))
     except (struct.error, ValueError) as e:
         raise WeightsMismatch(f"not a safetensors file: {e}") from None
+    if not isinstance(header, dict):
+        raise WeightsMismatch(f"not a safetensors file: the header is a {type(header).__name__}, not a table")
     start, tensors = 8 + header_len, {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         try:
             dtype, shape, (begin, end) = _DTYPES[entry["dtype"]], entry["shape"], entry["data_offsets"]
+            if not all(type(n) is int and n >= 0 for n in [*shape, begin, end]):
+                raise ValueError("sizes and offsets are counts")
             numel = torch.Size(shape).numel()
         except (KeyError, TypeError, ValueError):
             raise WeightsMismatch(f"not a safetensors file: bad header entry {name!r}") from None

@@ -21,6 +21,10 @@ from streams.secure import Credentials
 
 M = TypeVar("M")
 
+# What a call to a broker that is restarting or out of reach raises: worth trying again, unlike
+# an error in our own code. nats-py's timeouts subclass TimeoutError.
+BROKER_ERRORS = (nats.errors.Error, TimeoutError, ConnectionError)
+
 
 async def connect(url: str, name: str, credentials: Credentials | None = None) -> NATS:
     # Reconnect forever: a sampler on a flaky link should wait out a broker restart, not die.

@@ -13,11 +13,10 @@ import os
 import socket
 
 import structlog
-from nats.errors import ConnectionClosedError
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from echo.protocol import TRAINER_KEY, TrainerLease, decode, encode
-from streams.client import Run
+from streams.client import BROKER_ERRORS, Run
 
 log = structlog.get_logger()
 
@@ -50,7 +49,7 @@ class Lease:
                 self.lost = AnotherTrainer(f"run {self.run.names.run_id}: another trainer took over epoch {self.epoch}")
                 log.error("trainer.fenced_out", epoch=self.epoch)
                 return
-            except (asyncio.TimeoutError, ConnectionClosedError) as e:  # nats' TimeoutError is one
+            except BROKER_ERRORS as e:
                 log.warning("trainer.lease_renewal_failed", epoch=self.epoch, error=repr(e))
 
     def check(self) -> None:

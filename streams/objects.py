@@ -85,14 +85,19 @@ async def put_object(
 
 
 async def get_object(
-    js: JetStreamContext, bucket: str, name: str, expected_sha256: str | None = None, timeout: float = 10.0
+    js: JetStreamContext, bucket: str, name: str, expected_sha256: str | None = None,
+    expected_size: int | None = None, timeout: float = 10.0,
 ) -> bytearray:
     """The object's bytes, checked against its info's size and SHA-256 (and `expected_sha256`,
-    hex, when given: the object must be the one its announcer meant), or TransferError."""
+    hex, and `expected_size` when given: the object must be the one its announcer meant), or
+    TransferError. The size is checked before the buffer is allocated: a forged info cannot
+    make a reader allocate more than it was told to expect."""
     try:
         info = await (await js.object_store(bucket)).get_info(name)
     except NotFoundError:
         raise TransferError("not_found", f"{bucket}/{name}") from None
+    if expected_size is not None and info.size != expected_size:
+        raise TransferError("size_mismatch", f"{bucket}/{name} holds {info.size} bytes, expected {expected_size}")
     data = bytearray(info.size)
     digest, offset, received = hashlib.sha256(), 0, 0
     if info.chunks:

@@ -5,6 +5,7 @@ last-value stream, so late joiners catch up)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from typing import Literal
@@ -13,13 +14,15 @@ import structlog
 from nats.js.errors import NotFoundError
 
 from echo.protocol import OBJ_HDR_VERSION, WeightsAnnouncement, WeightsShard, encode, weights_object_name
-from streams.client import LatestValue, Run, publish_once
+from streams.client import BROKER_ERRORS, LatestValue, Run, publish_once
 from streams.lease import current_epoch
 from streams.objects import TransferError, get_object, put_object, sha256_hex
 
 log = structlog.get_logger()
 
-OBJECT_WAIT_S = 30.0  # how long an announced object may take to reach this server
+OBJECT_WAIT_S = 30.0  # how long an announced object may take to reach this server before it counts as missing
+NOT_YET_MIRRORED_S = 0.05  # how often to look for it meanwhile
+RETRY_FIRST_S, RETRY_MAX_S = 0.25, 15.0  # backoff between fetches of the newest version that failed
 
 
 async def publish_weights(
@@ -58,13 +61,8 @@ async def delete_versions_before(run: Run, oldest_kept: int) -> None:
 async def fetch_weights(run: Run, announcement: WeightsAnnouncement) -> list[bytearray]:
     """The announced shards' bytes, each checked against the announcement's size and digest as
     well as the object's own info; TransferError (not found, truncated, mismatch) otherwise."""
-    shards = []
-    for shard in announcement.shards:
-        data = await get_object(run.local_js, run.names.weights_bucket, shard.object_name, shard.sha256)
-        if len(data) != shard.size:
-            raise TransferError("size_mismatch", f"{shard.object_name}: got {len(data)} bytes, announced {shard.size}")
-        shards.append(data)
-    return shards
+    return [await get_object(run.local_js, run.names.weights_bucket, shard.object_name, shard.sha256, shard.size)
+            for shard in announcement.shards]
 
 
 class WeightsFollower:
@@ -81,6 +79,7 @@ class WeightsFollower:
             run.local_js, run.names.control_stream, run.names.weights_subject, WeightsAnnouncement, self._on_bad
         )
         self._task: asyncio.Task | None = None
+        self.failed: BaseException | None = None  # why the fetch loop ended, if it did
 
     def _on_bad(self, error) -> None:
         self.failures[error.reason] += 1
@@ -89,62 +88,95 @@ class WeightsFollower:
     async def start(self) -> "WeightsFollower":
         await self._announcements.start()
         self._task = asyncio.create_task(self._fetch_loop())
+        self._task.add_done_callback(self._on_fetch_loop_end)
         return self
 
-    async def _fetch_loop(self) -> None:
-        seq = 0
-        while True:
-            seq, announcement = await self._announcements.wait_newer(seq)
-            if self.ready and self.ready[0].order >= announcement.order:
-                continue
-            if announcement.epoch != await current_epoch(self.run):
-                self.failures["wrong_epoch"] += 1  # not from the trainer that holds the run
-                log.warning("weights.refused", version=announcement.version, epoch=announcement.epoch)
-                continue
-            if announcement.base_model != self.base_model:
-                self.failures["wrong_base_model"] += 1
-                log.warning("weights.refused", version=announcement.version, base=announcement.base_model)
-                continue
-            started = time.perf_counter()
-            try:
-                data = await self._fetch_unless_superseded(announcement, seq)
-            except TransferError as e:
-                self.failures[e.reason] += 1
-                log.warning("weights.refused", version=announcement.version, reason=str(e))
-                continue
-            if data is None:
-                continue
-            log.debug("weights.fetched", version=announcement.version, seconds=round(time.perf_counter() - started, 3))
-            async with self._ready_changed:
-                self.ready = (announcement, data)
-                self._ready_changed.notify_all()
+    def _on_fetch_loop_end(self, task: asyncio.Task) -> None:
+        """The fetch loop never returns: an end other than stop() is a failure, and whoever
+        waits for weights hears of it (a sampler frozen on old weights must not look alive)."""
+        if task.cancelled():
+            return
+        self.failed = task.exception()
+        log.error("weights.follower_failed", reason=repr(self.failed))
+        self._wake = asyncio.ensure_future(self._notify())
 
-    async def _fetch_unless_superseded(self, announcement: WeightsAnnouncement, seq: int) -> list[bytearray] | None:
-        """Through a relay, an announcement can arrive before the mirror has the object: wait
-        for it. An object gone because newer versions replaced it is skipped (None)."""
-        deadline = time.monotonic() + OBJECT_WAIT_S
+    async def _notify(self) -> None:
+        async with self._ready_changed:
+            self._ready_changed.notify_all()
+
+    async def _fetch_loop(self) -> None:
+        handled = 0
         while True:
+            seq, announcement = await self._announcements.wait_newer(handled)
+            try:
+                await self._take(announcement, seq)
+            except BROKER_ERRORS as e:  # reading the epoch: the broker
+                log.warning("weights.follow_failed", version=announcement.version, reason=repr(e))
+                await asyncio.sleep(RETRY_FIRST_S)
+                continue
+            handled = seq
+
+    async def _take(self, announcement: WeightsAnnouncement, seq: int) -> None:
+        if self.ready and self.ready[0].order >= announcement.order:
+            return
+        if announcement.epoch != await current_epoch(self.run):
+            self.failures["wrong_epoch"] += 1  # not from the trainer that holds the run
+            log.warning("weights.refused", version=announcement.version, epoch=announcement.epoch)
+            return
+        if announcement.base_model != self.base_model:
+            self.failures["wrong_base_model"] += 1
+            log.warning("weights.refused", version=announcement.version, base=announcement.base_model)
+            return
+        started = time.perf_counter()
+        data = await self._fetch_while_newest(announcement, seq)
+        if data is None:
+            return
+        log.debug("weights.fetched", version=announcement.version, seconds=round(time.perf_counter() - started, 3))
+        async with self._ready_changed:
+            self.ready = (announcement, data)
+            self._ready_changed.notify_all()
+
+    async def _fetch_while_newest(self, announcement: WeightsAnnouncement, seq: int) -> list[bytearray] | None:
+        """The announced shards, trying again with backoff while the announcement is the newest
+        (a timeout, a damaged or purged object, a broker restart: in sequential mode a sampler
+        that gave up would wait for this version forever). None once a newer one arrives.
+        Through a relay an announcement can arrive before the mirror has the object: that
+        wait (up to OBJECT_WAIT_S) is expected, not counted as a failure."""
+        delay, mirror_deadline = RETRY_FIRST_S, time.monotonic() + OBJECT_WAIT_S
+        while self._announcements.seq == seq:
             try:
                 return await fetch_weights(self.run, announcement)
             except TransferError as e:
-                if e.reason != "not_found":
-                    raise
-                if self._announcements.seq != seq:
-                    return None
-                if time.monotonic() > deadline:
-                    raise
-            await asyncio.sleep(0.05)
+                if e.reason == "not_found" and time.monotonic() < mirror_deadline:
+                    await self._sleep_unless_superseded(NOT_YET_MIRRORED_S, seq)
+                    continue
+                reason, detail = e.reason, str(e)
+            except BROKER_ERRORS as e:  # the broker, not the object
+                reason, detail = "unreachable", repr(e)
+            self.failures[reason] += 1
+            log.warning("weights.fetch_failed", version=announcement.version, reason=detail, retry_in_s=delay)
+            await self._sleep_unless_superseded(delay, seq)
+            delay = min(2 * delay, RETRY_MAX_S)
+        return None
+
+    async def _sleep_unless_superseded(self, seconds: float, seq: int) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._announcements.wait_newer(seq), seconds)
+
+    async def _wait(self, ready) -> tuple[WeightsAnnouncement, list[bytearray]]:
+        async with self._ready_changed:
+            await self._ready_changed.wait_for(lambda: self.failed is not None or (self.ready and ready(self.ready[0])))
+            if self.failed is not None:
+                raise RuntimeError(f"the weights follower stopped: {self.failed!r}") from self.failed
+            return self.ready
 
     async def wait_for(self, version: int) -> tuple[WeightsAnnouncement, list[bytearray]]:
         """Wait until weights of `version` or newer are downloaded; return the newest."""
-        async with self._ready_changed:
-            await self._ready_changed.wait_for(lambda: self.ready is not None and self.ready[0].version >= version)
-            return self.ready
+        return await self._wait(lambda announcement: announcement.version >= version)
 
     async def wait_newer(self, order: tuple[int, int]) -> None:
         """Wait until weights ordered after `order` (epoch, version) are downloaded."""
-        async with self._ready_changed:
-            await self._ready_changed.wait_for(lambda: self.ready is not None and self.ready[0].order > order)
+        await self._wait(lambda announcement: announcement.order > order)
 
     async def stop(self) -> None:
         if self._task:

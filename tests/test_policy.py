@@ -68,7 +68,20 @@ def test_tensors_from_buffer_are_views_of_it_and_equal_safetensors_own_load():
     assert all(not t.any() for t in parsed.values())
 
 
-@pytest.mark.parametrize("kind", ["garbage", "other-rank", "full-into-lora", "bad-offsets", "bad-shape"])
+def _safetensors_with_header(header: bytes, data_bytes: int) -> bytearray:
+    return bytearray(len(header).to_bytes(8, "little") + header + bytes(data_bytes))
+
+
+MALFORMED_HEADERS = {  # each once crashed the sampler (RuntimeError, AttributeError, TypeError) instead of a refusal
+    "shape-not-sizes": b'{"x":{"dtype":"F32","shape":"four","data_offsets":[0,16]}}',
+    "negative-shape": b'{"x":{"dtype":"F32","shape":[-1,-4],"data_offsets":[0,16]}}',
+    "header-a-list": b'[{"dtype":"F32","shape":[4],"data_offsets":[0,16]}]',
+    "offsets-not-ints": b'{"x":{"dtype":"F32","shape":[4],"data_offsets":["0",16]}}',
+    "fractional-shape": b'{"x":{"dtype":"F32","shape":[4.0],"data_offsets":[0,16]}}',
+}
+
+
+@pytest.mark.parametrize("kind", ["garbage", "other-rank", "full-into-lora", "bad-offsets", *MALFORMED_HEADERS])
 def test_mismatched_weights_are_refused_and_the_old_ones_kept(engines, kind):
     _, target = engines
     before = weights_shards(target.model, 2**30)
@@ -80,9 +93,8 @@ def test_mismatched_weights_are_refused_and_the_old_ones_kept(engines, kind):
         shards = shards_of(load_model("tiny")[0])
     elif kind == "bad-offsets":  # a header that promises more bytes than the file holds
         shards = [bytearray(safetensors.torch.save({"x": torch.zeros(4)})[:-8])]
-    else:  # a shape that is not a list of sizes
-        header = b'{"x":{"dtype":"F32","shape":"four","data_offsets":[0,16]}}'
-        shards = [bytearray(len(header).to_bytes(8, "little") + header + bytes(16))]
+    else:
+        shards = [_safetensors_with_header(MALFORMED_HEADERS[kind], 16)]
     with pytest.raises(WeightsMismatch):
         target.load_weights(shards)
     assert weights_shards(target.model, 2**30) == before

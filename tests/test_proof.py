@@ -20,6 +20,7 @@ from streams.registry import read_statuses
 from streams.rollouts import publish_rollout, trainer_subscription
 from tests.conftest import tiny_config
 from tests.test_referee import REFEREE, SAMPLING, honest_group
+from workers.background import Background
 from workers.cli import build_parser, quarantine_command
 from workers.sampler import Sampler
 from workers.trainer import Admission, Collector, Quarantined
@@ -89,39 +90,35 @@ def test_a_forging_sampler_is_rejected_then_quarantined_until_an_operator_lifts_
     async def main():
         run = await open_run(nats_server.url, "forge", "trainer")
         lease = await take_lease(run)
-        quarantine = Quarantined(run, after=1)
-        await quarantine.start()
-        proof = _proof(policy, fraction=0.0)  # no random checks: the first catch is by suspicion
-        proof.remember(1)
-        proof.suspects.add("s1")
-        collector = Collector(await trainer_subscription(run), REFEREE, 1, set(), proof=proof, quarantine=quarantine)
-        # honest_group's log-probs are a constant -0.5: not what the model gives its tokens.
-        for index, group_id in [(12, "f1"), (13, "f2"), (16, "f3")]:
-            await publish_rollout(run, honest_group(index, group_id=group_id, sampler_id="s1"))
-        await publish_rollout(run, true_logprobs(honest_group(14, group_id="h1", sampler_id="s2")))
-        collected = await collector.collect(1, version=1)
-        assert [a.group.group_id for a in collected.used] == ["h1"]
-        assert collected.rejected == {"logprob_forgery": 2, "quarantined": 1}  # f3 came after the quarantine
-        assert await read_quarantine(run) == {"s1": "2 strikes, the last logprob_forgery"}
-        orders = Admission(run, cfg, TrainerState(version=1), GrantLedger(), quarantine)
-        asked = GrantRequest(want=2, epoch=lease.epoch, version=1)
-        assert (await orders.grant("s1", asked)).groups == 0 and (await orders.grant("s2", asked)).groups == 2
+        async with Background() as background:  # the quarantine watch
+            quarantine = Quarantined(run, after=1)
+            await quarantine.start(background)
+            proof = _proof(policy, fraction=0.0)  # no random checks: the first catch is by suspicion
+            proof.remember(1)
+            proof.suspects.add("s1")
+            collector = Collector(await trainer_subscription(run), REFEREE, 1, set(), proof=proof, quarantine=quarantine)
+            # honest_group's log-probs are a constant -0.5: not what the model gives its tokens.
+            for index, group_id in [(12, "f1"), (13, "f2"), (16, "f3")]:
+                await publish_rollout(run, honest_group(index, group_id=group_id, sampler_id="s1"))
+            await publish_rollout(run, true_logprobs(honest_group(14, group_id="h1", sampler_id="s2")))
+            collected = await collector.collect(1, version=1)
+            assert [a.group.group_id for a in collected.used] == ["h1"]
+            assert collected.rejected == {"logprob_forgery": 2, "quarantined": 1}  # f3 came after the quarantine
+            assert await read_quarantine(run) == {"s1": "2 strikes, the last logprob_forgery"}
+            orders = Admission(run, cfg, TrainerState(version=1), GrantLedger(), quarantine)
+            asked = GrantRequest(want=2, epoch=lease.epoch, version=1)
+            assert (await orders.grant("s1", asked)).groups == 0 and (await orders.grant("s2", asked)).groups == 2
 
-        # The sampler's heartbeat shows it.
-        sampler = Sampler(cfg, "s1", run, engine=None, task=None)
-        beating = asyncio.create_task(sampler.heartbeat())
-        while not await read_statuses(run):
-            await asyncio.sleep(0.02)
-        beating.cancel()
-        assert (await read_statuses(run))[0].quarantined
+            # The sampler's heartbeat shows it.
+            await Sampler(cfg, "s1", run, engine=None, task=None).beat()
+            assert (await read_statuses(run))[0].quarantined
 
-        args = ["quarantine", "lift", "s1", "--nats", nats_server.url, "--run-id", "forge"]
-        assert await quarantine_command(build_parser().parse_args(args)) == 0
-        async with asyncio.timeout(5):  # the trainer follows the key
-            while "s1" in quarantine:
-                await asyncio.sleep(0.02)
-        assert quarantine.strikes["s1"] == 0 and (await orders.grant("s1", asked)).groups == 2
-        quarantine.watch.cancel()
+            args = ["quarantine", "lift", "s1", "--nats", nats_server.url, "--run-id", "forge"]
+            assert await quarantine_command(build_parser().parse_args(args)) == 0
+            async with asyncio.timeout(5):  # the trainer follows the key
+                while "s1" in quarantine:
+                    await asyncio.sleep(0.02)
+            assert quarantine.strikes["s1"] == 0 and (await orders.grant("s1", asked)).groups == 2
         await run.close()
 
     asyncio.run(main())

@@ -1,8 +1,10 @@
 """The wire against a real nats-server: rollouts in and out, malformed input, weights."""
 
 import asyncio
+import base64
 import hashlib
 import io
+import json
 
 import pytest
 import safetensors.torch
@@ -210,19 +212,68 @@ async def _store_tampered(run, version: int, data: bytes, tamper) -> None:
     ],
     ids=["corrupt-chunk", "truncated"],
 )
-def test_a_damaged_adapter_is_refused_and_the_old_version_kept(nats_server, tamper):
+def test_a_damaged_adapter_is_refused_the_old_version_kept_and_the_fetch_retried(nats_server, tamper):
+    """A damaged object is refused (the old weights stay) and fetched again with backoff while
+    its announcement is the newest: once the object is whole again (here: stored again, as a
+    trainer's retry or a relay's re-mirror would), the follower takes it without a new
+    announcement. Before, it waited for a newer version: forever, in sequential mode."""
     async def main():
         run = await open_run(nats_server.url, "damage", "test")
         await take_lease(run)
         await publish_weights(run, 0, [b"good" * 100_000], "tiny")
         follower = await WeightsFollower(run, "tiny").start()
         assert (await follower.wait_for(0))[0].version == 0
-        await _store_tampered(run, 1, bytes(range(256)) * 2000, tamper)
-        await _until_failure(follower)
-        assert sum(follower.failures.values()) == 1
+        adapter = bytes(range(256)) * 2000
+        await _store_tampered(run, 1, adapter, tamper)
+        async with asyncio.timeout(5):
+            while sum(follower.failures.values()) < 2:  # refused, and tried again
+                await asyncio.sleep(0.02)
+        assert set(follower.failures) <= {"digest_mismatch", "truncated", "size_mismatch"}
         assert follower.ready[0].version == 0 and follower.ready[1] == [b"good" * 100_000]
+        await put_object(run.js, run.names.weights_bucket, weights_object_name(1, 0), adapter)  # repaired
+        async with asyncio.timeout(5):
+            assert (await follower.wait_for(1))[1] == [adapter]
         await publish_weights(run, 2, [b"next" * 1000], "tiny")  # and it still takes the next good one
         assert (await follower.wait_for(2))[1] == [b"next" * 1000]
+        await follower.stop()
+        await run.close()
+
+    asyncio.run(main())
+
+
+def test_an_object_larger_than_announced_is_refused_before_its_buffer_is_allocated(nats_server):
+    """An object's info is what the reader allocates for: one claiming a terabyte is refused by
+    the announced size first (before: MemoryError, or a swapping box)."""
+    async def main():
+        run = await open_run(nats_server.url, "huge", "test")
+        bucket = run.names.weights_bucket
+        info = await put_object(run.js, bucket, "w", b"x" * 16)
+        forged = info.as_dict() | {"size": 1 << 40}
+        name_subject = base64.urlsafe_b64encode(b"w").decode()
+        await run.js.publish(f"$O.{bucket}.M.{name_subject}", json.dumps(forged).encode(), headers={"Nats-Rollup": "sub"})
+        with pytest.raises(TransferError, match="size_mismatch"):
+            await get_object(run.js, bucket, "w", expected_size=16)
+        await run.close()
+
+    asyncio.run(main())
+
+
+def test_a_follower_that_fails_tells_whoever_waits_for_weights(nats_server, monkeypatch):
+    """An error the fetch loop does not expect ends it, and the next wait raises it instead of
+    hanging: a sampler must not heartbeat on while frozen on old weights."""
+    async def broken_fetch(run, announcement):
+        raise KeyError("a bug in our own code")
+
+    async def main():
+        run = await open_run(nats_server.url, "broken", "test")
+        await take_lease(run)
+        follower = await WeightsFollower(run, "tiny").start()
+        monkeypatch.setattr("streams.weights.fetch_weights", broken_fetch)
+        await publish_weights(run, 0, [b"w"], "tiny")
+        async with asyncio.timeout(5):
+            with pytest.raises(RuntimeError, match="weights follower stopped") as raised:
+                await follower.wait_for(0)
+        assert isinstance(raised.value.__cause__, KeyError)
         await follower.stop()
         await run.close()
 

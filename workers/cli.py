@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import orjson
+import structlog
 from nats.js.errors import KeyNotFoundError
 from pydantic import ValidationError
 
@@ -227,7 +228,8 @@ async def quarantine_command(args) -> int:
 
 
 def run_until_signal(coro) -> int:
-    """Run a worker's coroutine; SIGTERM or SIGINT cancels it so it can close cleanly."""
+    """Run a worker's coroutine; SIGTERM or SIGINT cancels it so it can close cleanly (exit 0).
+    A failure is logged with its reason and exits 1, for compose or systemd to restart it."""
 
     async def main():
         task = asyncio.ensure_future(coro)
@@ -238,7 +240,11 @@ def run_until_signal(coro) -> int:
             await task
         return 0
 
-    return asyncio.run(main())
+    try:
+        return asyncio.run(main())
+    except Exception as e:
+        structlog.get_logger().exception("worker.failed", reason=repr(e))
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,13 +23,14 @@ from echo.policy import WeightsMismatch
 from echo.protocol import Completion, Grant, GrantRequest, PullRequest, RolloutGroup, SamplerStatus
 from echo.tasks import Task, load_task, safe_reward
 from streams.admission import watch_budget
-from streams.client import LatestValue, Run, open_run
+from streams.client import BROKER_ERRORS, LatestValue, Run, open_run
 from streams.grants import request_grant
 from streams.quarantine import read_quarantine
 from streams.registry import put_status
 from streams.secure import credentials_of
 from streams.rollouts import publish_rollout
 from streams.weights import WeightsFollower
+from workers.background import Background
 
 log = structlog.get_logger()
 
@@ -158,26 +159,38 @@ class Sampler:
             quarantined=self.quarantined,
         )
 
+    async def beat(self) -> None:
+        self.quarantined = self.sampler_id in await read_quarantine(self.run)
+        if self.quarantined:
+            log.warning("sampler.quarantined", sampler=self.sampler_id, lift="echo-rl quarantine lift")
+        await put_status(self.run, self.status())
+
     async def heartbeat(self) -> None:
+        """A beat the broker misses (restarting, unreachable) is logged and the next one tried;
+        any other error ends the sampler, whose process then exits non-zero."""
         while True:
-            self.quarantined = self.sampler_id in await read_quarantine(self.run)
-            if self.quarantined:
-                log.warning("sampler.quarantined", sampler=self.sampler_id, lift="echo-rl quarantine lift")
-            await put_status(self.run, self.status())
+            try:
+                await self.beat()
+            except BROKER_ERRORS as e:
+                log.warning("sampler.heartbeat_failed", reason=repr(e))
             await asyncio.sleep(self.cfg.sampler.heartbeat_s)
 
     def _bad_request(self, error) -> None:
         log.warning("pull.bad_request", reason=str(error))
 
     async def serve(self) -> None:
+        """Generate and heartbeat until stopped; if either fails, both stop and the error is raised."""
         await self.weights.start()
-        heartbeat = asyncio.create_task(self.heartbeat())
         log.info("sampler.ready", sampler=self.sampler_id, mode=self.cfg.run.mode)
         try:
-            await (self.run_sequential() if self.cfg.run.mode == "sequential" else self.run_async())
+            async with Background() as background:
+                background.start(self.heartbeat())
+                await (self.run_sequential() if self.cfg.run.mode == "sequential" else self.run_async())
         finally:
-            heartbeat.cancel()
-            await put_status(self.run, self.status())  # the last word: what it did in total
+            try:
+                await self.beat()  # the last word: what it did in total
+            except BROKER_ERRORS as e:
+                log.warning("sampler.last_heartbeat_failed", reason=repr(e))
             await self.weights.stop()
             log.info("sampler.stopped", published=self.published, version=self.version, failures=dict(self.weights.failures))
 

@@ -12,6 +12,7 @@ the stream, and any it already trained on (their ids are in the checkpoint) are 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from collections import Counter
@@ -43,7 +44,7 @@ from echo.referee import Referee, content_hash
 from echo.staleness import Verdict, judge
 from echo.tasks import load_task
 from streams.admission import leases_granted, publish_budget, record_leases_granted
-from streams.client import Run, open_run
+from streams.client import BROKER_ERRORS, Run, open_run
 from streams.grants import serve_grants
 from streams.lease import Lease, take_lease
 from streams.secure import credentials_of
@@ -51,6 +52,7 @@ from streams.pull import publish_pull_request
 from streams.quarantine import change_quarantine, read_quarantine, watch_quarantine
 from streams.rollouts import fetch_rollouts, trainer_subscription
 from streams.weights import publish_weights
+from workers.background import Background
 
 log = structlog.get_logger()
 
@@ -161,8 +163,11 @@ class Collector:
         get them redelivered, while a crashed trainer's are redelivered after one ack_wait."""
         while True:
             await asyncio.sleep(every)
-            for msg in self.held:
-                await msg.in_progress()
+            try:
+                for msg in self.held:
+                    await msg.in_progress()
+            except BROKER_ERRORS as e:  # a broker restart: the next round tells it again
+                log.warning("trainer.keep_alive_failed", reason=repr(e))
 
     async def ack_held(self) -> None:
         for msg in self.held:
@@ -186,9 +191,9 @@ class Quarantined:
         self.samplers: dict[str, str] = {}
         self.strikes: Counter[str] = Counter()
 
-    async def start(self) -> None:
+    async def start(self, background: Background) -> None:
         self.samplers = await read_quarantine(self.run)
-        self.watch = asyncio.create_task(watch_quarantine(self.run, self._changed))
+        background.start(watch_quarantine(self.run, self._changed))
 
     def _changed(self, samplers: dict[str, str]) -> None:
         for lifted in self.samplers.keys() - samplers.keys():
@@ -314,16 +319,16 @@ async def run_trainer(cfg: EchoConfig) -> None:
     except BaseException:
         await run.close()
         raise
-    renew = asyncio.create_task(lease.renew_forever())
     try:
-        await train(cfg, run, lease)
+        async with Background() as background:
+            background.start(lease.renew_forever())
+            await train(cfg, run, lease, background)
     finally:
-        renew.cancel()
         await lease.release()
         await run.close()
 
 
-async def train(cfg: EchoConfig, run: Run, lease: Lease) -> None:
+async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background) -> None:
     run_dir = cfg.run_dir
     (run_dir / "weights").mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(cfg.to_toml())
@@ -341,12 +346,12 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease) -> None:
     max_staleness = 0 if cfg.run.mode == "sequential" else cfg.trainer.max_staleness
     subscription = await trainer_subscription(run, cfg.trainer.ack_wait_s)
     ledger, quarantine = GrantLedger(), Quarantined(run, cfg.trainer.quarantine_after)
-    await quarantine.start()
+    await quarantine.start(background)
     proof = SamplingProof(policy, tokenizer.pad_token_id, cfg.sampling.temperature, cfg.trainer.verify_fraction,
                           cfg.trainer.verify_tolerance, keep=max_staleness + 1, seed=cfg.run.seed)
     collector = Collector(subscription, referee, max_staleness, set(state.trained_ids), set(state.trained_content),
                           ledger, proof, quarantine)
-    keep_alive = asyncio.create_task(collector.keep_alive(cfg.trainer.ack_wait_s / 3))
+    background.start(collector.keep_alive(cfg.trainer.ack_wait_s / 3))
     orders = (PullRequests if cfg.run.mode == "sequential" else Admission)(run, cfg, state, ledger, quarantine)
 
     # (Re)publish the current version: a fresh run's version 0, or the checkpoint's.
@@ -362,7 +367,7 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease) -> None:
             await orders.ask(state.version)
             collected = await collector.collect(cfg.trainer.groups_per_step, state.version, orders.on_wait)
             batch = [(a.group, a.rewards) for a in collected.used]
-            stats = await asyncio.to_thread(train_step, policy, optimizer, batch, cfg, tokenizer.pad_token_id)
+            stats = await train_in_thread(policy, optimizer, batch, cfg, tokenizer.pad_token_id)
 
             groups = [a.group for a in collected.used]
             trained_at = time.perf_counter()
@@ -413,8 +418,18 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease) -> None:
                 busy=f"{record['learner_busy']:.0%}",
                 seconds=round(record["step_seconds"], 2),
             )
-    keep_alive.cancel()
-    quarantine.watch.cancel()
+
+
+async def train_in_thread(policy, optimizer, batch, cfg: EchoConfig, pad_id: int) -> dict:
+    """train_step off the event loop. Cancelled (SIGTERM), it tells the step to stop at the next
+    group: the process then exits in seconds instead of finishing a long step; nothing of the
+    step was acked, so its groups are redelivered to the next trainer."""
+    stop = threading.Event()
+    try:
+        return await asyncio.to_thread(train_step, policy, optimizer, batch, cfg, pad_id, stop)
+    except asyncio.CancelledError:
+        stop.set()
+        raise
 
 
 def metrics_line(record: dict) -> bytes:

@@ -1,0 +1,129 @@
+"""Faults that must never wedge a run or fail silently (issue 10): supervised background tasks,
+workers that stop on SIGTERM, weights fetches that fail and recover."""
+
+import asyncio
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import nats.errors
+import orjson
+import pytest
+import torch
+
+from echo.learner import StepAbandoned, make_optimizer, train_step
+from echo.models import load_model
+from echo.policy import make_policy
+from streams.client import open_run
+from streams.registry import put_status, read_statuses
+from tests.conftest import tiny_config
+from tests.test_referee import honest_group
+from workers.sampler import Sampler
+
+
+def test_a_sampler_retries_a_heartbeat_the_broker_missed_and_stops_on_any_other_error(
+        nats_server, tmp_path, monkeypatch):
+    """A missed beat (the broker restarting) is tried again; an error in our own code ends the
+    sampler with that error (its process exits non-zero and is restarted) instead of leaving a
+    generation loop running without a heartbeat."""
+    cfg = tiny_config(tmp_path, sampler={"heartbeat_s": 0.05})
+    beats = []
+
+    async def put_with_faults(run, status):
+        beats.append(status.updated_at)
+        if len(beats) == 1:
+            raise nats.errors.TimeoutError  # the broker: tried again
+        if len(beats) == 3:
+            raise ValueError("a bug in the heartbeat")
+        await put_status(run, status)
+
+    async def main():
+        run = await open_run(nats_server.url, cfg.run.id, "sampler")
+        monkeypatch.setattr("workers.sampler.put_status", put_with_faults)
+        sampler = Sampler(cfg, "s1", run, engine=None, task=None)  # it waits for weights: none come
+        with pytest.raises(ValueError, match="a bug in the heartbeat"):
+            await asyncio.wait_for(sampler.serve(), 10)
+        assert len(beats) == 4  # the failed first, a good one, the bug, the last word on the way out
+        assert [s.sampler_id for s in await read_statuses(run)] == ["s1"]
+        await run.close()
+
+    asyncio.run(main())
+
+
+def _worker(config_path, *args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "workers.cli", *args, "--config", str(config_path), "--log-json"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _steps(run_dir) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_bytes().splitlines()) if path.exists() else 0
+
+
+def _stop(process: subprocess.Popen) -> tuple[float, str]:
+    """SIGTERM, then the seconds it took to exit and what it logged."""
+    started = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    _, logs = process.communicate(timeout=60)
+    return time.monotonic() - started, logs
+
+
+@pytest.mark.slow
+def test_trainer_and_sampler_stop_on_sigterm_within_seconds_mid_run(nats_server, tmp_path):
+    cfg = tiny_config(tmp_path, run={"id": "term", "steps": 1000}, nats={"url": nats_server.url})
+    config_path = tmp_path / "config.toml"
+    config_path.write_text(cfg.to_toml())
+    sampler = _worker(config_path, "sampler", "--id", "s1")
+    trainer = _worker(config_path, "trainer")
+    try:
+        deadline = time.monotonic() + 120
+        while _steps(cfg.run_dir) < 2 and time.monotonic() < deadline:
+            assert trainer.poll() is None and sampler.poll() is None
+            time.sleep(0.05)
+        trainer_seconds, trainer_logs = _stop(trainer)
+        sampler_seconds, sampler_logs = _stop(sampler)
+    finally:
+        for p in (trainer, sampler):
+            if p.poll() is None:
+                p.kill()
+    assert trainer.returncode == 0 and trainer_seconds < 10, (trainer_seconds, trainer_logs[-2000:])
+    assert sampler.returncode == 0 and sampler_seconds < 10, (sampler_seconds, sampler_logs[-2000:])
+    events = [orjson.loads(line)["event"] for line in sampler_logs.splitlines() if line.startswith("{")]
+    assert "sampler.stopped" in events
+
+
+class StopAtCheck(threading.Event):
+    """Set from the n-th time the step looks: as if SIGTERM arrived mid-step."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.looks, self.n = 0, n
+
+    def is_set(self) -> bool:
+        self.looks += 1
+        return self.looks >= self.n
+
+
+def test_a_step_told_to_stop_is_abandoned_between_groups_and_leaves_the_policy_as_it_was(tmp_path):
+    cfg = tiny_config(tmp_path)
+    base, tokenizer = load_model("tiny")
+    policy = make_policy(base, cfg.lora)
+    with torch.no_grad():  # a non-zero adapter, so an update shows in every tensor
+        for p in policy.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.05)
+    optimizer = make_optimizer(policy, cfg)
+    groups = [honest_group(12 + i) for i in range(3)]
+    batch = [(g, [float(i % 2) for i in range(len(g.completions))]) for g in groups]
+    before = [p.detach().clone() for p in policy.parameters() if p.requires_grad]
+
+    def unchanged() -> bool:
+        return all(torch.equal(a, p) for a, p in zip(before, (p for p in policy.parameters() if p.requires_grad)))
+
+    with pytest.raises(StepAbandoned, match="1 of 3 groups done"):
+        train_step(policy, optimizer, batch, cfg, tokenizer.pad_token_id, StopAtCheck(2))
+    assert unchanged() and all(p.grad is None for p in policy.parameters())
+    train_step(policy, optimizer, batch, cfg, tokenizer.pad_token_id, threading.Event())  # not stopped: it steps
+    assert not unchanged()
