@@ -5,12 +5,15 @@ Leases are numbered 1, 2, 3, ... in the order samplers take them, and the traine
 roughly in that order, B = groups_per_step per step. A group leased as number n is consumed by
 step ceil(n / B) (plus the groups lost on the way). Generated with version w, it is fresh at that
 step if ceil(n / B) - 1 <= w + S. So a sampler running version w may take lease n only while
-n <= (w + S + 1) * B + lost. The trainer publishes that number for its own version v; a sampler
-still running an older w shifts it down by (v - w) * B.
+n <= (w + S + 1) * B + lost, where lost counts leases that will never be trained: their group
+arrived stale or rejected, or their holder died or stalled. The trainer publishes that number
+for its own version v; a sampler still running an older w shifts it down by (v - w) * B.
 
 The trainer alone grants leases (GrantLedger), and no sampler may hold more than its share of
 the groups that may be in flight: one that takes work and never delivers (dead or malicious)
-blocks its share, never the whole window.
+blocks its share, never the whole window, and only until its heartbeat stops or it has
+delivered nothing for a while; then its leases, and only those, are lost and handed out again.
+Junk that never held a lease changes nothing.
 """
 
 from __future__ import annotations
@@ -32,32 +35,85 @@ def sampler_cap(budget_version: int, budget_allowance: int, sampler_version: int
 
 
 class GrantLedger:
-    """How many granted groups each sampler holds (granted, not yet seen by the trainer)."""
+    """Every lease the trainer granted and has not yet received, by number and holder.
 
-    def __init__(self, active_s: float = ACTIVE_S):
+    A lease ends when a group naming it arrives from its holder (`delivered`). One that arrives
+    and is not trained (stale, rejected) is wasted; one whose holder died or stalled is
+    released: both are lost, reported once by `take_lost` so the trainer hands the work out
+    again. A group naming no lease of its sender's (junk, a previous trainer's grant) changes
+    nothing here."""
+
+    def __init__(self, issued: int = 0, active_s: float = ACTIVE_S):
+        self.issued = issued  # leases numbered so far in the run, by every incarnation of the trainer
         self.active_s = active_s
-        self.held: Counter[str] = Counter()
+        self.outstanding: dict[int, str] = {}  # lease number -> the sampler holding it
         self.asked_at: dict[str, float] = {}
+        self.progress_at: dict[str, float] = {}  # a holder's last delivery, or the grant that made it one
+        self._lost: list[int] = []
+
+    def held(self, sampler_id: str) -> int:
+        return sum(1 for holder in self.outstanding.values() if holder == sampler_id)
+
+    def holders(self) -> set[str]:
+        return set(self.outstanding.values())
 
     def share(self, window: int, now: float) -> int:
         """The most one sampler may hold: an equal part of `window` among those asking."""
         active = sum(1 for asked in self.asked_at.values() if now - asked <= self.active_s)
         return math.ceil(window / max(1, active))
 
-    def grant(self, sampler_id: str, want: int, headroom: int, window: int, now: float) -> tuple[int, bool]:
-        """Grant `sampler_id` up to `want` groups of the `headroom` left, within its share.
-        Returns (groups, whether headroom is left after them)."""
+    def grant(self, sampler_id: str, want: int, headroom: int, window: int, now: float) -> tuple[list[int], bool]:
+        """Grant `sampler_id` up to `want` leases of the `headroom` left, within its share.
+        Returns (the leases' numbers, whether headroom is left after them)."""
         self.asked_at[sampler_id] = now
+        held = self.held(sampler_id)
         # Scarce headroom is split too: a sampler that always asks first must not take it all.
         headroom_share = self.share(headroom, now) if headroom > 0 else 0
-        groups = max(0, min(want, headroom_share, self.share(window, now) - self.held[sampler_id]))
-        self.held[sampler_id] += groups
-        return groups, headroom > groups
+        groups = max(0, min(want, headroom_share, self.share(window, now) - held))
+        leases = list(range(self.issued + 1, self.issued + 1 + groups))
+        self.issued += groups
+        self.outstanding.update((lease, sampler_id) for lease in leases)
+        if leases and not held:
+            self.progress_at[sampler_id] = now
+        return leases, headroom > groups
 
-    def delivered(self, sampler_id: str) -> None:
-        if self.held[sampler_id] > 0:  # a group granted by the trainer's previous incarnation is not held
-            self.held[sampler_id] -= 1
+    def delivered(self, sampler_id: str, lease: int, now: float) -> bool:
+        """A group naming `lease` arrived from `sampler_id`: whether it ended one of its leases."""
+        if self.outstanding.get(lease) != sampler_id:
+            return False
+        del self.outstanding[lease]
+        self.progress_at[sampler_id] = now
+        return True
 
-    def forget_held(self) -> None:
-        """The trainer presumes what is held lost (nothing arrived for a while) and asks again."""
-        self.held.clear()
+    def wasted(self, lease: int) -> None:
+        """A delivered lease's group was not trained (stale or rejected)."""
+        self._lost.append(lease)
+
+    def release(self, sampler_id: str) -> list[int]:
+        """End every lease `sampler_id` holds (it died or stalled): they are lost."""
+        leases = sorted(lease for lease, holder in self.outstanding.items() if holder == sampler_id)
+        for lease in leases:
+            del self.outstanding[lease]
+        self._lost += leases
+        return leases
+
+    def take_lost(self) -> list[int]:
+        """The leases lost since the last call."""
+        lost, self._lost = self._lost, []
+        return lost
+
+
+class Heartbeats:
+    """When each sampler's heartbeat last changed, by this process's own clock (a remote clock
+    may be skewed): a sampler whose heartbeat stops changing is dead."""
+
+    def __init__(self):
+        self.seen: dict[str, tuple[int, float]] = {}  # sampler -> (heartbeat revision, when it changed)
+
+    def observe(self, sampler_id: str, revision: int, now: float) -> None:
+        last = self.seen.get(sampler_id)
+        if last is None or last[0] != revision:
+            self.seen[sampler_id] = (revision, now)
+
+    def silent_for(self, sampler_id: str, now: float) -> float:
+        return now - self.seen[sampler_id][1]

@@ -69,7 +69,11 @@ class TrainerConfig(_Section):
     is_level: Literal["token", "sequence"] = "token"
     is_cap: float = Field(2.0, ge=1.0)
     max_staleness: int = Field(1, ge=0)  # async: drop rollouts older than version - max_staleness; sequential uses 0
-    reissue_after_s: float = Field(300.0, gt=0)  # ask again for groups not delivered by then (lost in flight)
+    # A sampler holding leases is dead when its heartbeat has not changed for sampler_dead_after_s,
+    # and stuck when it has delivered none of them for reissue_after_s: its leases, and only
+    # those, are then handed out again.
+    sampler_dead_after_s: float = Field(15.0, gt=0)
+    reissue_after_s: float = Field(300.0, gt=0)
     # Grant no work until this many samplers have asked (0: start with the first). `up` sets it to
     # the samplers it starts, so that one ready first does not take a short run's every group.
     min_samplers: int = Field(0, ge=0)
@@ -126,6 +130,14 @@ class EchoConfig(_Section):
         if not self.lora.enabled and self.trainer.kl_coef > 0:
             raise ValueError("trainer.kl_coef > 0 needs lora.enabled: the KL reference is the base model with "
                              "the adapter switched off, and full-weight mode keeps no second copy")
+        return self
+
+    @model_validator(mode="after")
+    def _dead_means_several_missed_heartbeats(self):
+        if self.trainer.sampler_dead_after_s < 2 * self.sampler.heartbeat_s:
+            raise ValueError(f"trainer.sampler_dead_after_s ({self.trainer.sampler_dead_after_s}) must be at least "
+                             f"twice sampler.heartbeat_s ({self.sampler.heartbeat_s}): live samplers would be "
+                             "declared dead between two beats")
         return self
 
     @property

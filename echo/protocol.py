@@ -24,8 +24,9 @@ from nats.js.api import (
 )
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-SCHEMA_VERSION = 4  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
-# 4: the trainer grants work (GrantRequest/Grant), samplers no longer take it from KV
+SCHEMA_VERSION = 5  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
+# 4: the trainer grants work (GrantRequest/Grant), samplers no longer take it from KV;
+# 5: leases are numbered: a grant names them, a group carries the one it fulfils
 
 # Run and sampler ids become subject tokens and stream names: keep them to safe characters.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -177,7 +178,7 @@ def weights_object_name(version: int, shard: int) -> str:
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    schema_version: Literal[4] = SCHEMA_VERSION
+    schema_version: Literal[5] = SCHEMA_VERSION
 
 
 class Completion(BaseModel):
@@ -207,6 +208,7 @@ class RolloutGroup(_Message):
     policy_version: int = Field(ge=0)
     task: str
     prompt_index: int = Field(ge=0)  # the task's prompt at this index (echo.tasks.Task.prompt)
+    lease: int = Field(ge=1)  # the trainer's grant this group fulfils (Grant.leases)
     prompt_token_ids: list[int] = Field(min_length=1)
     completions: list[Completion] = Field(min_length=1)
     temperature: float = Field(gt=0)
@@ -298,13 +300,18 @@ class GrantRequest(_Message):
 
 
 class Grant(_Message):
-    """The trainer's answer: generate `groups` groups. `more`: work is left that this sampler
-    may get soon (once the trainer has received the groups it holds, or once enough samplers
-    have joined): ask again shortly; otherwise nothing is left until the trainer asks for more
-    (a new budget or pull request)."""
+    """The trainer's answer: generate one group for each of `leases` (numbered across the run),
+    each group naming its lease, so the trainer knows which grants were fulfilled and which are
+    still out. `more`: work is left that this sampler may get soon (once the trainer has
+    received the groups it holds, or once enough samplers have joined): ask again shortly;
+    otherwise nothing is left until the trainer asks for more (a new budget or pull request)."""
 
-    groups: int = Field(ge=0)
+    leases: list[int] = Field(default_factory=list, max_length=1024)
     more: bool = False
+
+    @property
+    def groups(self) -> int:
+        return len(self.leases)
 
 
 M = TypeVar("M", bound=_Message)

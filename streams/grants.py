@@ -27,7 +27,7 @@ async def serve_grants(run: Run, decide: Decide):
             grant = await decide(sampler_id, decode(GrantRequest, msg.data))
         except ProtocolError as e:
             log.warning("grant.bad_request", sampler=sampler_id, reason=str(e))
-            grant = Grant(groups=0)
+            grant = Grant()
         await msg.respond(encode(grant))
 
     return await run.nc.subscribe(run.names.all_grants, cb=on_request)
@@ -38,5 +38,5 @@ async def request_grant(run: Run, sampler_id: str, request: GrantRequest, timeou
     try:
         reply = await run.nc.request(run.names.grants_subject(sampler_id), encode(request), timeout=timeout)
     except (NoRespondersError, TimeoutError):
-        return Grant(groups=0)
+        return Grant()
     return decode(Grant, reply.data)

@@ -25,3 +25,11 @@ async def read_statuses(run: Run) -> list[SamplerStatus]:
         except KeyNotFoundError:  # deleted
             continue
     return statuses
+
+
+async def heartbeat_revision(run: Run, sampler_id: str) -> int:
+    """The revision of the sampler's heartbeat key (0: none yet): it changes with every beat."""
+    try:
+        return (await run.state.get(SAMPLER_STATUS_PREFIX + sampler_id)).revision
+    except KeyNotFoundError:
+        return 0

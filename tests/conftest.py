@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
+import orjson
 import pytest
 
 from echo.config import EchoConfig, validate_config
@@ -27,3 +32,33 @@ def tiny_config(tmp_path, **sections) -> EchoConfig:
     for section, values in sections.items():
         data.setdefault(section, {}).update(values)
     return validate_config(data)
+
+
+def assert_balanced(metrics: list[dict], stream: list[dict]) -> None:
+    """After every step, each rollout message published is trained, dropped, rejected or pending."""
+    for m in metrics:
+        a = m["accounting"]
+        assert a["published"] == a["trained"] + a["dropped_stale"] + a["rejected"] + a["pending"], m
+    assert metrics[-1]["accounting"]["trained"] == sum(m["used"] for m in metrics)
+    assert metrics[-1]["accounting"]["published"] <= len(stream)  # samplers may publish on till they stop
+
+
+def worker_process(config_path, *args) -> subprocess.Popen:
+    """`echo-rl <args> --config <config_path>` as its own OS process, logging JSON to a pipe."""
+    return subprocess.Popen([sys.executable, "-m", "workers.cli", *args, "--config", str(config_path), "--log-json"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def read_metrics(run_dir) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [orjson.loads(x) for x in path.read_bytes().splitlines()] if path.exists() else []
+
+
+def wait_for_steps(run_dir, steps: int, processes: list[subprocess.Popen], timeout: float = 120) -> None:
+    """Until metrics.jsonl has `steps` lines, while every one of `processes` runs."""
+    deadline = time.monotonic() + timeout
+    while len(read_metrics(run_dir)) < steps:
+        for p in processes:
+            assert p.poll() is None, p.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, f"fewer than {steps} steps in {timeout} s"
+        time.sleep(0.05)

@@ -2,8 +2,9 @@
 granting work to samplers that race for it on a real server."""
 
 import asyncio
+import time
 
-from echo.admission import GrantLedger, allowance, sampler_cap
+from echo.admission import GrantLedger, Heartbeats, allowance, sampler_cap
 from echo.checkpoint import TrainerState
 from echo.protocol import GrantRequest
 from streams.admission import leases_granted
@@ -25,20 +26,40 @@ def test_a_sampler_behind_the_trainer_gets_a_smaller_cap():
 
 
 def test_each_sampler_asking_holds_at_most_an_equal_share_of_the_window():
-    ledger = GrantLedger(active_s=10)
-    assert ledger.grant("a", want=8, headroom=100, window=8, now=0) == (8, True)  # alone: the whole window
-    assert ledger.grant("b", want=8, headroom=92, window=8, now=1) == (4, True)  # two ask: 4 each
-    assert ledger.grant("a", want=8, headroom=88, window=8, now=2) == (0, True)  # a holds 8 already
-    for _ in range(6):
-        ledger.delivered("a")
-    assert ledger.grant("a", want=8, headroom=88, window=8, now=3) == (2, True)
-    assert ledger.grant("c", want=8, headroom=3, window=8, now=4) == (1, True)  # scarce headroom: a third of it
+    ledger = GrantLedger(issued=10, active_s=10)  # a restarted trainer numbers on from 10
+    assert ledger.grant("a", want=8, headroom=100, window=8, now=0) == (list(range(11, 19)), True)  # alone: all
+    assert ledger.grant("b", want=8, headroom=92, window=8, now=1) == ([19, 20, 21, 22], True)  # two ask: 4 each
+    assert ledger.grant("a", want=8, headroom=88, window=8, now=2) == ([], True)  # a holds 8 already
+    for lease in range(11, 17):
+        assert ledger.delivered("a", lease, now=3)
+    assert ledger.grant("a", want=8, headroom=88, window=8, now=3) == ([23, 24], True)
+    assert ledger.grant("c", want=8, headroom=3, window=8, now=4) == ([25], True)  # scarce headroom: a third of it
     # a and b stop asking (dead, or a hoarder gone quiet): after active_s the window is c's again.
-    assert ledger.grant("c", want=8, headroom=50, window=8, now=30) == (7, True)
-    ledger.forget_held()
-    assert ledger.grant("a", want=8, headroom=50, window=8, now=31) == (4, True)
-    ledger.delivered("z")  # granted by a previous trainer: nothing held, nothing goes negative
-    assert ledger.held["z"] == 0
+    assert len(ledger.grant("c", want=8, headroom=50, window=8, now=30)[0]) == 7
+    assert ledger.held("a") == 4 and ledger.holders() == {"a", "b", "c"} and ledger.issued == 32
+
+
+def test_leases_end_by_number_and_only_lost_ones_are_reported():
+    ledger = GrantLedger()
+    leases, _ = ledger.grant("a", want=3, headroom=10, window=10, now=0)
+    ledger.grant("b", want=2, headroom=7, window=10, now=0)  # 4, 5
+    assert not ledger.delivered("b", leases[0], now=1)  # another's lease: ends nothing
+    assert not ledger.delivered("a", 99, now=1)  # junk, or a previous trainer's grant
+    assert ledger.delivered("a", leases[0], now=1) and not ledger.delivered("a", leases[0], now=2)  # once
+    ledger.wasted(leases[0])  # it arrived stale
+    assert ledger.take_lost() == [1] and ledger.take_lost() == []
+    assert ledger.release("b") == [4, 5] and ledger.holders() == {"a"}  # b died holding two
+    assert ledger.take_lost() == [4, 5]
+    assert ledger.progress_at == {"a": 1, "b": 0}
+
+
+def test_a_heartbeat_that_stops_changing_is_silent_by_this_clock():
+    beats = Heartbeats()
+    beats.observe("a", revision=7, now=100.0)
+    beats.observe("a", revision=7, now=104.0)
+    assert beats.silent_for("a", now=110.0) == 10.0
+    beats.observe("a", revision=9, now=111.0)  # a new beat, whatever its own clock says
+    assert beats.silent_for("a", now=112.0) == 1.0
 
 
 def _ask(run, sampler_id, epoch, version, want=2, pull_request_id=None):
@@ -65,13 +86,13 @@ def test_grants_never_pass_the_cap_however_many_samplers_race(nats_server, tmp_p
         assert (await _ask(sampler, "s0", lease.epoch - 1, 2)).groups == 0  # a previous trainer's weights
         await orders.ask(3)
         assert (await _ask(sampler, "s0", lease.epoch, 3, want=8)).model_dump() == {
-            "schema_version": 4, "groups": 0, "more": True}  # s0 holds 2, more than its share: ask again later
+            "schema_version": 5, "leases": [], "more": True}  # s0 holds 2, more than its share: ask again later
         assert (await _ask(sampler, "late", lease.epoch, 3, want=8)).groups == 1  # 14 asking: a share of 1 of 8
 
         # A restarted trainer numbers its grants on from the count in KV.
         again = Admission(run, cfg, TrainerState(version=3), GrantLedger())
         await again.start()
-        assert again.leases == 17
+        assert again.ledger.issued == 17 and again.state.lost == 17 - 3 * 4  # what was out is counted lost
         await orders.subscription.unsubscribe()
         await again.subscription.unsubscribe()
         await sampler.close()
@@ -94,14 +115,20 @@ def test_sequential_groups_are_granted_once_and_only_for_the_current_request(nat
         grants = await asyncio.gather(*(_ask(sampler, f"s{i}", lease.epoch, 0, 4, request.request_id) for i in range(3)))
         assert sum(g.groups for g in grants) == 6  # in arrival order: the first alone may get its whole want
         assert (await _ask(sampler, "s0", lease.epoch, 0, 4, request.request_id)).model_dump() == {
-            "schema_version": 4, "groups": 0, "more": False}
+            "schema_version": 5, "leases": [], "more": False}
+        assert sorted(lease for g in grants for lease in g.leases) == list(range(1, 7))
         await asyncio.sleep(0.1)
-        await orders.on_wait(2)  # nothing came for reissue_after_s: a new request for the missing groups
-        assert (await _ask(sampler, "s0", lease.epoch, 0, 4, request.request_id)).groups == 0  # the old one is over
-        again = orders.request.request_id
-        assert (await _ask(sampler, "s0", lease.epoch, 0, 4, again)).groups == 1  # 2 groups, 3 asking: 1 each at most
-        assert (await _ask(sampler, "s1", lease.epoch, 0, 4, again)).groups == 1
-        assert (await _ask(sampler, "s2", lease.epoch, 0, 4, again)).groups == 0
+        keeper = next(f"s{i}" for i, g in enumerate(grants) if g.leases)
+        orders.ledger.delivered(keeper, grants[int(keeper[1:])].leases[0], time.monotonic())  # it makes progress
+        released = 6 - orders.ledger.held(keeper) - 1
+        await orders.on_wait(5)  # the others delivered nothing for reissue_after_s: only their leases are lost
+        assert orders.ledger.holders() <= {keeper} and orders.granted == 6 - released
+        assert orders.request.request_id == request.request_id  # the same request, published again
+        asked_again = [await _ask(sampler, f"s{i}", lease.epoch, 0, 4, request.request_id) for i in range(3)]
+        assert sum(g.groups for g in asked_again) == released
+        assert min(lease for g in asked_again for lease in g.leases) == 7  # new numbers
+        await orders.ask(1)  # the next step: the old request is over
+        assert (await _ask(sampler, "s1", lease.epoch, 0, 4, request.request_id)).groups == 0
         await orders.subscription.unsubscribe()
         await sampler.close()
         await run.close()
@@ -118,7 +145,7 @@ def test_no_work_is_granted_until_min_samplers_have_asked(nats_server, tmp_path)
         orders = Admission(run, cfg, TrainerState(), GrantLedger())
         await orders.ask(0)
         asked = GrantRequest(want=2, epoch=lease.epoch, version=0)
-        assert (await orders.grant("early", asked)).model_dump() == {"schema_version": 4, "groups": 0, "more": True}
+        assert (await orders.grant("early", asked)).model_dump() == {"schema_version": 5, "leases": [], "more": True}
         assert (await orders.grant("early", asked)).groups == 0  # asking again does not count twice
         assert (await orders.grant("late", asked)).groups == 2
         assert (await orders.grant("early", asked)).groups == 2

@@ -16,6 +16,7 @@ from streams.client import open_run
 from streams.registry import read_statuses
 from streams.replay import read_rollouts
 from streams.server import NatsServer
+from tests.conftest import assert_balanced
 
 pytestmark = pytest.mark.slow
 
@@ -50,6 +51,7 @@ def run_swarm(tmp_path, run_id: str, steps: int, *overrides: str, flags=()):
     # tenths of a second, a sampler a version behind the other may be granted nothing (its lease
     # cap is a step lower), so only the 5-step async test checks that both contribute.
     assert sum(s.groups_published for s in statuses) >= sum(m["used"] for m in metrics), statuses
+    assert_balanced(metrics, stream)
     return metrics, stream, done.stderr
 
 

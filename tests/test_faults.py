@@ -4,7 +4,6 @@ workers that stop on SIGTERM, weights fetches that fail and recover."""
 import asyncio
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -18,7 +17,7 @@ from echo.models import load_model
 from echo.policy import make_policy
 from streams.client import open_run
 from streams.registry import put_status, read_statuses
-from tests.conftest import tiny_config
+from tests.conftest import tiny_config, wait_for_steps, worker_process
 from tests.test_referee import honest_group
 from workers.sampler import Sampler
 
@@ -52,16 +51,6 @@ def test_a_sampler_retries_a_heartbeat_the_broker_missed_and_stops_on_any_other_
     asyncio.run(main())
 
 
-def _worker(config_path, *args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "workers.cli", *args, "--config", str(config_path), "--log-json"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-
-def _steps(run_dir) -> int:
-    path = run_dir / "metrics.jsonl"
-    return len(path.read_bytes().splitlines()) if path.exists() else 0
-
-
 def _stop(process: subprocess.Popen) -> tuple[float, str]:
     """SIGTERM, then the seconds it took to exit and what it logged."""
     started = time.monotonic()
@@ -75,13 +64,10 @@ def test_trainer_and_sampler_stop_on_sigterm_within_seconds_mid_run(nats_server,
     cfg = tiny_config(tmp_path, run={"id": "term", "steps": 1000}, nats={"url": nats_server.url})
     config_path = tmp_path / "config.toml"
     config_path.write_text(cfg.to_toml())
-    sampler = _worker(config_path, "sampler", "--id", "s1")
-    trainer = _worker(config_path, "trainer")
+    sampler = worker_process(config_path, "sampler", "--id", "s1")
+    trainer = worker_process(config_path, "trainer")
     try:
-        deadline = time.monotonic() + 120
-        while _steps(cfg.run_dir) < 2 and time.monotonic() < deadline:
-            assert trainer.poll() is None and sampler.poll() is None
-            time.sleep(0.05)
+        wait_for_steps(cfg.run_dir, 2, [trainer, sampler])
         trainer_seconds, trainer_logs = _stop(trainer)
         sampler_seconds, sampler_logs = _stop(sampler)
     finally:

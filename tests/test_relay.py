@@ -101,7 +101,7 @@ def test_two_samplers_behind_a_relay_follow_weights_across_a_relay_restart(hub, 
         await publish_weights(run, 1, adapters[1], "tiny")
         await all_apply(1)
         for s in samplers:  # rollouts go on to the hub's stream through the relay's leaf connection
-            await s.generate_and_publish(1)
+            await s.generate_and_publish([1])
 
         site.stop()  # the relay goes down; the trainer publishes without it; it comes back
         await publish_weights(run, 2, adapters[2], "tiny")
@@ -146,7 +146,7 @@ def test_relays_chain_hub_to_site_to_subsite(hub, tmp_path):
         await asyncio.wait_for(sampler.apply_newest(0), timeout=30)
         await publish_weights(run, 1, _adapter_for_version(trainer_side, 1), "tiny")
         await asyncio.wait_for(sampler.apply_newest(1), timeout=30)
-        await sampler.generate_and_publish(1)  # two leaf hops up to the hub's stream
+        await sampler.generate_and_publish([1])  # two leaf hops up to the hub's stream
         await sampler.weights.stop()
         await sampler_run.close()
         records = [r async for r in read_rollouts(hub.url, cfg.run.id)]
@@ -175,7 +175,7 @@ def test_an_edge_sampler_behind_a_relay_reads_the_config_and_heartbeats_to_the_h
         await put_status(sampler_run, status)  # a KV write through it
 
         async def grant_all(sampler_id, request):
-            return Grant(groups=request.want if sampler_id == "far" else 0)
+            return Grant(leases=list(range(1, request.want + 1)) if sampler_id == "far" else [])
 
         await serve_grants(run, grant_all)
         async with asyncio.timeout(5):  # the hub tells the leaf of the trainer's interest a moment later

@@ -3,9 +3,6 @@
 import asyncio
 import os
 import signal
-import subprocess
-import sys
-import time
 
 import orjson
 import pytest
@@ -18,7 +15,7 @@ from echo.policy import make_policy
 from echo.protocol import HDR_MSG_ID, TRAINER_CONSUMER, RunNames
 from streams.client import connect
 from streams.replay import read_rollouts
-from tests.conftest import tiny_config
+from tests.conftest import read_metrics, tiny_config, wait_for_steps, worker_process
 from workers.trainer import restore_metrics
 
 
@@ -33,7 +30,7 @@ def test_checkpoint_restores_weights_optimizer_rng_and_state(tmp_path, lora):
     policy, optimizer = _policy_and_optimizer(lora)
     policy(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
     optimizer.step()
-    state = TrainerState(step=3, version=3, trained_ids=["a", "b"], lost=2, record={"step": 3, "staleness_used": {0: 4}})
+    state = TrainerState(step=3, version=3, last_step_seqs=[7, 9], totals={"trained": 12}, lost=2, record={"step": 3, "staleness_used": {0: 4}})
     save_checkpoint(tmp_path / "ckpt.pt", policy, optimizer, state)
     expected_draw = torch.rand(3)
 
@@ -60,33 +57,20 @@ def test_restore_metrics_keeps_one_line_per_checkpointed_step(tmp_path):
     assert [orjson.loads(x) for x in path.read_bytes().splitlines()][-1] == {"step": 3, "restored": True}
 
 
-def _worker(config_path, *args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "workers.cli", *args, "--config", str(config_path), "--log-json"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-
-def _metrics(run_dir) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [orjson.loads(x) for x in path.read_bytes().splitlines()] if path.exists() else []
-
-
 @pytest.mark.slow
 def test_kill_9_the_trainer_and_resume_trains_every_group_once(nats_server, tmp_path):
     cfg = tiny_config(tmp_path, run={"id": "crash", "steps": 8}, trainer={"ack_wait_s": 3.0, "max_staleness": 1},
                       nats={"url": nats_server.url})
     config_path = tmp_path / "config.toml"
     config_path.write_text(cfg.to_toml())
-    samplers = [_worker(config_path, "sampler", "--id", f"s{i}") for i in (1, 2)]
-    trainer = _worker(config_path, "trainer")
+    samplers = [worker_process(config_path, "sampler", "--id", f"s{i}") for i in (1, 2)]
+    trainer = worker_process(config_path, "trainer")
     try:
-        deadline = time.monotonic() + 120
-        while len(_metrics(cfg.run_dir)) < 3 and time.monotonic() < deadline:
-            assert trainer.poll() is None, trainer.stderr.read()[-2000:]
-            time.sleep(0.05)
+        wait_for_steps(cfg.run_dir, 3, [trainer])
         os.kill(trainer.pid, signal.SIGKILL)  # in the middle of step 4: groups fetched, not acked
         trainer.wait()
 
-        resumed = _worker(config_path, "trainer")
+        resumed = worker_process(config_path, "trainer")
         logs = resumed.communicate(timeout=180)[1]
         assert resumed.returncode == 0, logs[-3000:]
         ready = next(orjson.loads(line) for line in logs.splitlines() if '"trainer.ready"' in line)
@@ -100,8 +84,11 @@ def test_kill_9_the_trainer_and_resume_trains_every_group_once(nats_server, tmp_
         for p in samplers:
             p.wait(timeout=30)
 
-    metrics = _metrics(cfg.run_dir)
+    metrics = read_metrics(cfg.run_dir)
     assert [m["step"] for m in metrics] == list(range(1, 9))
+    a = metrics[-1]["accounting"]  # counted once across the crash: nothing counted twice, nothing lost
+    assert a["published"] == a["trained"] + a["dropped_stale"] + a["rejected"] + a["pending"], a
+    assert a["trained"] == sum(m["used"] for m in metrics)
     before = [g[0] for m in metrics[:resumed_at] for g in m["groups"]]
     after = [g[0] for m in metrics[resumed_at:] for g in m["groups"]]
     assert before and after and len(set(before + after)) == len(before) + len(after)  # nobody twice

@@ -47,7 +47,6 @@ def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(nats_serv
         await publish_rollout(run, honest_group(policy_version=1, group_id="stale"))  # 5 - 1 > bound
         await publish_rollout(run, honest_group(policy_version=9, group_id="future"))
         await publish_rollout(run, honest_group(policy_version=5, group_id="wrongsize", texts=["a", "b", "c"]))
-        await publish_rollout(run, honest_group(policy_version=5, group_id="trained"))
         spoofed = honest_group(policy_version=5, group_id="spoofed")
         await run.js.publish(subject, encode(spoofed), headers={**rollout_headers(spoofed), HDR_POLICY_VERSION: "4"})
         liar = with_completion(honest_group(policy_version=4, group_id="liar"), reward=0.0)
@@ -62,7 +61,7 @@ def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(nats_serv
         await publish_rollout(run, honest_group(14, policy_version=5, group_id="ok"))  # a retry: de-duplicated
 
         trained_earlier = content_hash(honest_group(13))
-        collector = Collector(sub, REFEREE, max_staleness=1, trained_ids={"trained"}, trained_content={trained_earlier})
+        collector = Collector(sub, REFEREE, max_staleness=1, trained_content={trained_earlier})
         collected = await collector.collect(2, version=5)
         assert [a.group.group_id for a in collected.used] == ["liar", "ok"]
         assert collected.used[0].rewards == [1.0, 0.1]  # the trainer's rewards, not the liar's
@@ -70,13 +69,37 @@ def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(nats_serv
         assert collected.dropped == {4: 1} and collected.dropped_ids == ["stale"]
         assert collected.rejected == {"bad_json": 1, "future_version": 1, "wrong_group_size": 1, "header_mismatch": 1,
                                       "subject_mismatch": 1, "replayed_content": 2}
-        assert collected.already_trained == 1
         info = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
-        assert info.num_pending == 0 and info.num_ack_pending == 2  # only the used wait for the step
-        await collector.ack_held()
+        assert info.num_pending == 0 and info.num_ack_pending == 10  # all wait for the step's checkpoint
+        await collector.ack_held(collected.seqs)
+        info = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
+        assert info.num_ack_pending == 0  # confirmed
         # Nothing is lost: rejected messages stay in the stream for replay.
         records = [r async for r in read_rollouts(nats_server.url, "c")]
-        assert len(records) == 11 and sum("error" in r for r in records) == 3
+        assert len(records) == 10 and sum("error" in r for r in records) == 3
+        assert len(collected.seqs) == 10 == len(collected.used) + len(collected.dropped_ids) + sum(
+            collected.rejected.values())
+        await run.close()
+
+    asyncio.run(main())
+
+
+def test_a_step_that_crashed_between_its_checkpoint_and_its_acks_is_not_counted_twice(nats_server):
+    """The checkpoint names the stream sequences its step consumed; when they come back (the
+    trainer died before acking them), the next trainer skips them, and counts the rest."""
+    async def main():
+        run = await open_run(nats_server.url, "redeliver", "test")
+        for i in range(3):
+            await publish_rollout(run, honest_group(20 + i, policy_version=5, group_id=f"g{i}"))
+        first = Collector(await trainer_subscription(run, ack_wait_s=0.5), REFEREE, max_staleness=1)
+        step = await first.collect(2, version=5)  # checkpointed, then the crash: never acked
+        assert [a.group.group_id for a in step.used] == ["g0", "g1"]
+        await publish_rollout(run, honest_group(23, policy_version=5, group_id="g3"))
+        restarted = Collector(await trainer_subscription(run, ack_wait_s=0.5), REFEREE, 1, counted=set(step.seqs))
+        await asyncio.sleep(1.0)  # past ack_wait: g0 and g1 are due again, and come before newer messages
+        again = await restarted.collect(2, version=5)
+        assert [a.group.group_id for a in again.used] == ["g2", "g3"] and again.already_counted == 2
+        assert set(again.seqs).isdisjoint(step.seqs)
         await run.close()
 
     asyncio.run(main())
@@ -131,7 +154,7 @@ def test_a_sampler_joining_after_version_3_generates_with_version_3(nats_server,
         sampler = Sampler(cfg, "late", sampler_run, engine, load_task(cfg.task))
         await sampler.weights.start()
         await sampler.apply_newest()
-        await sampler.generate_and_publish(1)
+        await sampler.generate_and_publish([1])
         # A damaged version 4 is refused, the sampler stays on 3, and its heartbeat says why.
         await _store_tampered(run, 4, adapters[0][0], lambda chunks: [bytes([c[0] ^ 0xFF]) + c[1:] for c in chunks])
         await _until_failure(sampler.weights)

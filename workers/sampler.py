@@ -75,19 +75,21 @@ class Sampler:
                                pull_request_id=pull_request_id)
         return await request_grant(self.run, self.sampler_id, request)
 
-    async def generate_and_publish(self, count: int) -> None:
-        prompts = [self.task.prompt(self.rng.randrange(2**31)) for _ in range(count)]
+    async def generate_and_publish(self, leases: list[int]) -> None:
+        """One group per lease the trainer granted, each naming its lease."""
+        prompts = [self.task.prompt(self.rng.randrange(2**31)) for _ in leases]
         prompt_ids = [self.engine.encode_chat(p.messages) for p in prompts]
         started = time.perf_counter()
         generations = await asyncio.to_thread(self.engine.generate, prompt_ids, self.cfg.sampling.group_size)
         seconds = time.perf_counter() - started
-        for prompt, ids, gens in zip(prompts, prompt_ids, generations):
+        for lease, prompt, ids, gens in zip(leases, prompts, prompt_ids, generations):
             group = RolloutGroup(
                 group_id=uuid.uuid4().hex,
                 sampler_id=self.sampler_id,
                 policy_version=self.version,
                 task=self.task.name,
                 prompt_index=prompt.index,
+                lease=lease,
                 prompt_token_ids=ids,
                 completions=[
                     Completion(
@@ -117,8 +119,8 @@ class Sampler:
                 budget_changed.clear()  # before reading the budget: no update can slip past
                 await self.apply_newest()
                 grant = await self.ask_for_work()
-                if grant.groups:
-                    await self.generate_and_publish(grant.groups)
+                if grant.leases:
+                    await self.generate_and_publish(grant.leases)
                     continue
                 if grant.more:
                     await asyncio.sleep(ASK_AGAIN_S)  # work is left, just not for this sampler yet
@@ -142,8 +144,8 @@ class Sampler:
                 continue  # the trainer has moved past this request already
             while requests.seq == seq:
                 grant = await self.ask_for_work(request.request_id)
-                if grant.groups:
-                    await self.generate_and_publish(grant.groups)
+                if grant.leases:
+                    await self.generate_and_publish(grant.leases)
                 elif grant.more:
                     await asyncio.sleep(ASK_AGAIN_S)  # work is left, just not for this sampler yet
                 else:

@@ -62,6 +62,7 @@ def summarize(metrics_path) -> dict:
         "rollouts_dropped_stale": sum(r["dropped_stale"] for r in lines),
         "wasted_token_fraction": round(wasted / max(wasted + sum(r["tokens"] for r in lines), 1), 4),
         "learner_busy": round(sum(r["learner_busy"] for r in lines) / len(lines), 2),
+        "accounting": last.get("accounting"),  # published = trained + dropped_stale + rejected + pending
     }
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import orjson
 import structlog
 
-from echo.admission import GrantLedger, allowance, sampler_cap
+from echo.admission import GrantLedger, Heartbeats, allowance, sampler_cap
 from echo.checkpoint import TrainerState, load_checkpoint, prune_weights, save_checkpoint, weights_file
 from echo.config import EchoConfig
 from echo.learner import make_optimizer, set_threads, train_step
@@ -44,6 +44,7 @@ from echo.referee import Referee, content_hash
 from echo.staleness import Verdict, judge
 from echo.tasks import load_task
 from streams.admission import leases_granted, publish_budget, record_leases_granted
+from streams.registry import heartbeat_revision
 from streams.client import BROKER_ERRORS, Run, open_run
 from streams.grants import serve_grants
 from streams.lease import Lease, take_lease
@@ -59,7 +60,6 @@ log = structlog.get_logger()
 
 @dataclass
 class Admitted:
-    msg: object
     group: RolloutGroup
     rewards: list[float]  # the trainer's own, from the task's verifier
     content: str  # content_hash of the group
@@ -75,22 +75,27 @@ class Collected:
     rejected: Counter = field(default_factory=Counter)  # malformed groups by reason
     reward_mismatch: Counter = field(default_factory=Counter)  # groups by sampler
     verifier_errors: int = 0
-    already_trained: int = 0  # redelivered after a restart, skipped
+    already_counted: int = 0  # redelivered after a restart, counted by the checkpointed step that consumed them
+    seqs: list[int] = field(default_factory=list)  # stream sequences of every message consumed and counted
+
+
 
 
 class Collector:
-    """Pulls rollout messages until it has enough usable groups, acking the rest at once."""
+    """Pulls rollout messages until it has enough usable groups. Every message consumed (used,
+    dropped or rejected) is held unacked until the step is checkpointed: a crash redelivers
+    them all, and each is counted once, in the step that checkpointed it."""
 
     def __init__(
-        self, subscription, referee: Referee, max_staleness: int, trained_ids: set[str],
+        self, subscription, referee: Referee, max_staleness: int, counted: set[int] = frozenset(),
         trained_content: set[str] = frozenset(), ledger: GrantLedger | None = None,
         proof: SamplingProof | None = None, quarantine: "Quarantined | None" = None,
     ):
         self.subscription, self.referee = subscription, referee
-        self.ledger = ledger or GrantLedger()  # each message received ends one grant of its sender
+        self.ledger = ledger or GrantLedger()  # a group naming its sender's lease ends that lease
         self.proof, self.quarantine = proof, quarantine
         self.max_staleness = max_staleness
-        self.trained_ids = trained_ids
+        self.counted = set(counted)  # stream sequences the last checkpointed step consumed
         self.trained_content = set(trained_content)  # content hashes: the same groups under new ids are replays
         self.held: list = []  # messages fetched and not yet acked, kept alive while held
 
@@ -101,28 +106,38 @@ class Collector:
             if not msgs and on_wait is not None:
                 await on_wait(need - len(out.used))
             for msg in msgs:
-                admitted = self._admit(msg, version, out)
+                self.held.append(msg)  # acked after the checkpoint, used or not; it stays in the stream for replay
+                seq = msg.metadata.sequence.stream
+                if msg.metadata.num_delivered > 1 and seq in self.counted:
+                    out.already_counted += 1  # the crash came between the checkpoint and the acks
+                    continue
+                out.seqs.append(seq)
+                admitted = await self._admit(msg, version, out)
                 if admitted is not None:
-                    admitted = await self._check_sampling(admitted, out)
-                if admitted is None:
-                    await msg.ack()  # dropped or rejected: it stays in the stream for replay
-                else:
                     out.used.append(admitted)
-                    self.held.append(msg)
         return out
 
-    def _admit(self, msg, version: int, out: Collected) -> Admitted | None:
+    async def _admit(self, msg, version: int, out: Collected) -> Admitted | None:
+        """The group to train on, or None (counted in `out` by what happened to it). A group
+        that ended one of its sender's leases and is not trained wastes that lease."""
         sender = subject_sampler(msg.subject)
-        self.ledger.delivered(sender)
-        if self.quarantine and sender in self.quarantine:
-            return _reject(out, "quarantined", f"a group from {sender}")
         try:
             group = decode_rollout(msg.data, msg.headers, msg.subject)
         except ProtocolError as e:
             return _reject(out, e.reason, str(e))
-        if group.group_id in self.trained_ids or any(a.group.group_id == group.group_id for a in out.used):
-            out.already_trained += 1
-            return None
+        leased = self.ledger.delivered(sender, group.lease, time.monotonic())
+        admitted = self._judge(group, sender, version, out)
+        if admitted is not None:
+            admitted = await self._check_sampling(admitted, out)
+        if admitted is None and leased:
+            self.ledger.wasted(group.lease)
+        return admitted
+
+    def _judge(self, group: RolloutGroup, sender: str, version: int, out: Collected) -> Admitted | None:
+        if self.quarantine and sender in self.quarantine:
+            return _reject(out, "quarantined", f"a group from {sender}")
+        if any(a.group.group_id == group.group_id for a in out.used):
+            return _reject(out, "duplicate_group_id", f"group {group.group_id} from {group.sampler_id}")
         reason = self.referee.malformed(group)
         if reason:
             return _reject(out, reason, f"group {group.group_id} from {group.sampler_id}")
@@ -143,7 +158,7 @@ class Collector:
         if judgement.reward_mismatch:
             out.reward_mismatch[group.sampler_id] += 1
         out.verifier_errors += judgement.verifier_errors
-        return Admitted(msg, group, judgement.rewards, content, judgement.reward_mismatch)
+        return Admitted(group, judgement.rewards, content, judgement.reward_mismatch)
 
     async def _check_sampling(self, admitted: Admitted, out: Collected) -> Admitted | None:
         """Proof of sampling on the groups chosen for it; strikes for forgeries and claimed rewards."""
@@ -169,10 +184,20 @@ class Collector:
             except BROKER_ERRORS as e:  # a broker restart: the next round tells it again
                 log.warning("trainer.keep_alive_failed", reason=repr(e))
 
-    async def ack_held(self) -> None:
+    async def ack_held(self, seqs: list[int]) -> None:
+        """Ack every held message and wait for the server to confirm each (a broker restarting
+        is waited out): only the step just checkpointed, whose messages are `seqs`, can then
+        come back."""
         for msg in self.held:
-            await msg.ack()
+            while True:
+                try:
+                    await msg.ack_sync()
+                    break
+                except BROKER_ERRORS as e:
+                    log.warning("trainer.ack_failed", reason=repr(e))
+                    await asyncio.sleep(1.0)
         self.held.clear()
+        self.counted = set(seqs)
 
 
 def _reject(out: Collected, reason: str, detail: str) -> None:
@@ -213,42 +238,61 @@ class Quarantined:
 
 
 class Orders:
-    """How the trainer asks the samplers for groups and grants them the work, and asks again
-    for groups lost in flight (a sampler that died holding a grant) when nothing arrived for a
-    while. It answers every sampler's grant requests (streams/grants.py) while it runs."""
+    """How the trainer asks the samplers for groups and grants them the work (numbered leases,
+    streams/grants.py, answered while it runs), and hands out again the work of leases lost:
+    groups that arrived and were not trained, and the leases of a sampler whose heartbeat
+    stopped (`trainer.sampler_dead_after_s`) or that delivered nothing for
+    `trainer.reissue_after_s` (alive but stuck)."""
 
     def __init__(self, run: Run, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
                  quarantine: Quarantined | None = None):
         self.run, self.cfg, self.state, self.ledger, self.quarantine = run, cfg, state, ledger, quarantine
-        self.asked_at, self.version = 0.0, state.version
+        self.version = state.version
         self.fleet: set[str] = set()  # samplers that asked for work since this trainer started
+        self.heartbeats = Heartbeats()
 
     async def start(self) -> None:
+        self.ledger.issued = await leases_granted(self.run)  # a restarted trainer numbers on
         self.subscription = await serve_grants(self.run, self.grant)
 
     async def ask(self, version: int) -> None:
-        self.version, self.asked_at = version, time.monotonic()
+        self.version = version
+        self.reissue_lost(self.ledger.take_lost())
         await self.publish(self.cfg.trainer.groups_per_step)
 
     async def on_wait(self, missing: int) -> None:
-        if time.monotonic() - self.asked_at > self.cfg.trainer.reissue_after_s:
-            log.warning("orders.reissue", version=self.version, missing=missing)
-            self.asked_at = time.monotonic()
-            self.ledger.forget_held()
-            await self.reissue(missing)
+        """Waiting for groups: release the leases of dead or stalled holders, then hand out
+        again whatever was lost."""
+        now = time.monotonic()
+        for sampler_id in sorted(self.ledger.holders()):
+            self.heartbeats.observe(sampler_id, await heartbeat_revision(self.run, sampler_id), now)
+            silent_s = self.heartbeats.silent_for(sampler_id, now)
+            stalled_s = now - self.ledger.progress_at[sampler_id]
+            if silent_s > self.cfg.trainer.sampler_dead_after_s or stalled_s > self.cfg.trainer.reissue_after_s:
+                leases = self.ledger.release(sampler_id)
+                log.warning("orders.leases_released", sampler=sampler_id, leases=len(leases),
+                            silent_s=round(silent_s, 1), stalled_s=round(stalled_s, 1))
+        lost = self.ledger.take_lost()
+        if lost:
+            log.warning("orders.reissue", version=self.version, lost=len(lost), missing=missing)
+            self.reissue_lost(lost)
+            await self.republish(missing)
 
     async def grant(self, sampler_id: str, request: GrantRequest) -> Grant:
         """The answer to a sampler asking for work: none for a quarantined sampler or one running
         a previous trainer's weights (it must apply ours first), none yet while fewer than
         `trainer.min_samplers` have asked (ask again soon), else what the mode grants."""
         if (self.quarantine and sampler_id in self.quarantine) or request.epoch != self.run.epoch:
-            return Grant(groups=0)
+            return Grant()
         if sampler_id not in self.fleet:
             self.fleet.add(sampler_id)
             log.info("trainer.sampler_joined", sampler=sampler_id, samplers=len(self.fleet))
         if len(self.fleet) < self.cfg.trainer.min_samplers:
-            return Grant(groups=0, more=True)
-        return await self.grant_work(sampler_id, request)
+            return Grant(more=True)
+        leases, more = self.grant_work(sampler_id, request)
+        if leases:
+            await record_leases_granted(self.run, self.ledger.issued)
+        return Grant(leases=leases, more=more)
 
 
 class PullRequests(Orders):
@@ -256,34 +300,42 @@ class PullRequests(Orders):
 
     request: PullRequest | None = None
     granted = 0  # of the current request's groups
+    first_lease = 0  # the current request's leases are numbered from here
 
     async def publish(self, groups: int) -> None:
         # Current before it is published: a sampler may ask for its groups at once.
         self.request, self.granted = PullRequest(request_id=uuid.uuid4().hex, version=self.version, groups=groups), 0
+        self.first_lease = self.ledger.issued + 1
         await publish_pull_request(self.run, self.request)
 
-    async def reissue(self, missing: int) -> None:
-        await self.publish(missing)
+    def reissue_lost(self, lost: list[int]) -> None:
+        # Only the current request's leases matter: older requests' groups are not wanted.
+        self.granted -= sum(1 for lease in lost if lease >= self.first_lease)
 
-    async def grant_work(self, sampler_id: str, request: GrantRequest) -> Grant:
+    async def republish(self, missing: int) -> None:
+        # The same request again: samplers that were told it was all given out ask once more.
+        await publish_pull_request(self.run, self.request)
+
+    def grant_work(self, sampler_id: str, request: GrantRequest) -> tuple[list[int], bool]:
         current = self.request
         if current is None or request.pull_request_id != current.request_id or request.version != current.version:
-            return Grant(groups=0)
-        groups, more = self.ledger.grant(sampler_id, request.want, current.groups - self.granted, current.groups,
+            return [], False
+        leases, more = self.ledger.grant(sampler_id, request.want, current.groups - self.granted, current.groups,
                                          time.monotonic())
-        self.granted += groups
-        return Grant(groups=groups, more=more)
+        self.granted += len(leases)
+        return leases, more
 
 
 class Admission(Orders):
     """Async mode: the admission budget, so that samplers generate no group that would arrive
-    stale (echo/admission.py). Lost groups are handed out again by raising the allowance."""
-
-    leases = 0  # granted so far in the run, by every incarnation of the trainer
+    stale (echo/admission.py). Lost leases are handed out again by raising the allowance."""
 
     async def start(self) -> None:
-        self.leases = await leases_granted(self.run)
         await super().start()
+        # A restarted trainer cannot know which of its predecessor's leases are still out: it
+        # counts every one not trained as lost, opening a fresh window. Their groups, should
+        # they still come, are trained if fresh.
+        self.state.lost = max(0, self.ledger.issued - self.state.version * self.cfg.trainer.groups_per_step)
 
     def highest_lease(self) -> int:
         return allowance(self.version, self.cfg.trainer.max_staleness, self.cfg.trainer.groups_per_step, self.state.lost)
@@ -293,21 +345,19 @@ class Admission(Orders):
         budget = AdmissionBudget(version=self.version, allowance=self.highest_lease(), groups_per_step=groups)
         await publish_budget(self.run, budget)
 
-    async def reissue(self, missing: int) -> None:
-        self.state.lost += missing
+    def reissue_lost(self, lost: list[int]) -> None:
+        self.state.lost += len(lost)
+
+    async def republish(self, missing: int) -> None:
         await self.publish(self.cfg.trainer.groups_per_step)
 
-    async def grant_work(self, sampler_id: str, request: GrantRequest) -> Grant:
+    def grant_work(self, sampler_id: str, request: GrantRequest) -> tuple[list[int], bool]:
         if request.pull_request_id is not None or not 0 <= request.version <= self.version:
-            return Grant(groups=0)
+            return [], False
         per_step = self.cfg.trainer.groups_per_step
         cap = sampler_cap(self.version, self.highest_lease(), request.version, per_step)
         window = (self.cfg.trainer.max_staleness + 1) * per_step  # groups that may be in flight at once
-        groups, more = self.ledger.grant(sampler_id, request.want, cap - self.leases, window, time.monotonic())
-        if groups:
-            self.leases += groups
-            await record_leases_granted(self.run, self.leases)
-        return Grant(groups=groups, more=more)
+        return self.ledger.grant(sampler_id, request.want, cap - self.ledger.issued, window, time.monotonic())
 
 
 async def run_trainer(cfg: EchoConfig) -> None:
@@ -349,8 +399,8 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background)
     await quarantine.start(background)
     proof = SamplingProof(policy, tokenizer.pad_token_id, cfg.sampling.temperature, cfg.trainer.verify_fraction,
                           cfg.trainer.verify_tolerance, keep=max_staleness + 1, seed=cfg.run.seed)
-    collector = Collector(subscription, referee, max_staleness, set(state.trained_ids), set(state.trained_content),
-                          ledger, proof, quarantine)
+    collector = Collector(subscription, referee, max_staleness, set(state.last_step_seqs),
+                          set(state.trained_content), ledger, proof, quarantine)
     background.start(collector.keep_alive(cfg.trainer.ack_wait_s / 3))
     orders = (PullRequests if cfg.run.mode == "sequential" else Admission)(run, cfg, state, ledger, quarantine)
 
@@ -372,11 +422,10 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background)
             groups = [a.group for a in collected.used]
             trained_at = time.perf_counter()
             state.step, state.version = step, state.version + 1
-            state.trained_ids += [g.group_id for g in groups]
-            collector.trained_ids.update(g.group_id for g in groups)
+            state.last_step_seqs = collected.seqs
+            state.totals = count_consumed(state.totals, collected)
             state.trained_content += [a.content for a in collected.used]
             collector.trained_content.update(a.content for a in collected.used)
-            state.lost += len(collected.dropped_ids) + sum(collected.rejected.values())
             state.record = {
                 "step": step,
                 "version": state.version,
@@ -391,7 +440,7 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background)
                 "rejected": dict(collected.rejected),
                 "reward_mismatch": dict(collected.reward_mismatch),
                 "verifier_errors": collected.verifier_errors,
-                "already_trained": collected.already_trained,
+                "already_counted": collected.already_counted,
                 "proof_of_sampling": dict(proof.counts),  # groups checked so far by this process, by outcome
                 "quarantined": sorted(quarantine.samplers),
                 "staleness_used": dict(Counter(state.version - 1 - g.policy_version for g in groups)),
@@ -403,9 +452,10 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background)
             lease.check()  # a trainer fenced out by another must not publish over it
             publish_seconds = await publish_policy(run, cfg, policy, state.version, run_dir)
             proof.remember(state.version)
-            await collector.ack_held()  # only now: the step that used them is checkpointed
+            await collector.ack_held(collected.seqs)  # only now: the step that consumed them is checkpointed
 
-            record = {**state.record, "publish_seconds": publish_seconds}
+            accounting = await account(subscription, state.totals)
+            record = {**state.record, "publish_seconds": publish_seconds, "accounting": accounting}
             metrics_file.write(metrics_line(record))
             metrics_file.flush()
             log.info(
@@ -418,6 +468,24 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background)
                 busy=f"{record['learner_busy']:.0%}",
                 seconds=round(record["step_seconds"], 2),
             )
+
+
+def count_consumed(totals: dict[str, int], collected: Collected) -> dict[str, int]:
+    """The run's messages so far by what became of them (checkpointed with the step)."""
+    return {
+        "trained": totals.get("trained", 0) + len(collected.used),
+        "dropped_stale": totals.get("dropped_stale", 0) + len(collected.dropped_ids),
+        "rejected": totals.get("rejected", 0) + sum(collected.rejected.values()),
+    }
+
+
+async def account(subscription, totals: dict[str, int]) -> dict[str, int]:
+    """Every message published on the run's rollouts stream is trained, dropped as stale,
+    rejected, or still pending (not yet consumed): `published` = the sum, checked by the tests.
+    One consumer info gives published and pending at the same instant."""
+    info = await subscription.consumer_info()
+    return {"published": info.delivered.stream_seq + info.num_pending, **totals,
+            "pending": info.num_pending + info.num_ack_pending}
 
 
 async def train_in_thread(policy, optimizer, batch, cfg: EchoConfig, pad_id: int) -> dict:
