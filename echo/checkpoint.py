@@ -20,9 +20,7 @@ from echo.policy import load_tensors, policy_tensors
 class TrainerState:
     step: int = 0  # optimizer steps done
     version: int = 0  # policy version published after the last step
-    # Stream sequences of the messages the last step consumed: the only ones a crash between
-    # its checkpoint and its (confirmed) acks can bring back, and they were counted already.
-    last_step_seqs: list[int] = field(default_factory=list)
+    consumed: dict = field(default_factory=dict)  # stream sequences counted (echo/consumed.py), never twice
     totals: dict[str, int] = field(default_factory=dict)  # messages consumed so far, by what became of them
     trained_content: list[str] = field(default_factory=list)  # their content hashes (replays are refused)
     lost: int = 0  # leases that will never be trained (the admission budget hands them out again)

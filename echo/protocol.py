@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 SCHEMA_VERSION = 5  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
 # 4: the trainer grants work (GrantRequest/Grant), samplers no longer take it from KV;
-# 5: leases are numbered: a grant names them, a group carries the one it fulfils
+# 5: leases are numbered: a grant names them, a group carries the one it fulfils and its epoch
 
 # Run and sampler ids become subject tokens and stream names: keep them to safe characters.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -206,6 +206,7 @@ class RolloutGroup(_Message):
     group_id: str = Field(pattern=ID_PATTERN)
     sampler_id: str = Field(pattern=ID_PATTERN)
     policy_version: int = Field(ge=0)
+    epoch: int = Field(ge=0)  # the trainer incarnation whose weights generated it (versions restart with one)
     task: str
     prompt_index: int = Field(ge=0)  # the task's prompt at this index (echo.tasks.Task.prompt)
     lease: int = Field(ge=1)  # the trainer's grant this group fulfils (Grant.leases)

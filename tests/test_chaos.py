@@ -3,6 +3,7 @@ fault must leave a run that finishes by itself, with every rollout message accou
 (`published = trained + dropped_stale + rejected + pending`)."""
 
 import asyncio
+import shutil
 import signal
 import time
 
@@ -15,15 +16,9 @@ from streams.client import open_run
 from streams.grants import request_grant
 from streams.lease import current_epoch
 from streams.registry import put_status
-from tests.conftest import read_metrics, tiny_config, wait_for_steps, worker_process
+from tests.conftest import assert_balanced, read_metrics, tiny_config, wait_for_steps, worker_process
 
 pytestmark = pytest.mark.slow
-
-
-def _balanced(metrics: list[dict]) -> None:
-    for m in metrics:
-        a = m["accounting"]
-        assert a["published"] == a["trained"] + a["dropped_stale"] + a["rejected"] + a["pending"], m
 
 
 async def _take_leases_and_die(url: str, run_id: str, sampler_id: str) -> list[int]:
@@ -77,5 +72,74 @@ def test_a_sampler_that_dies_holding_leases_costs_its_leases_only_until_its_hear
     metrics = read_metrics(cfg.run_dir)
     assert [m["step"] for m in metrics] == list(range(1, 11))
     assert sum(m["dropped_stale"] for m in metrics) == 0  # lost leases did not over-admit
-    _balanced(metrics)
+    assert_balanced(metrics)
     assert {sampler for m in metrics for _, _, sampler in m["groups"]} == {"s1"}
+
+
+def test_a_broker_killed_mid_run_and_restarted_on_its_store_lets_the_run_finish(nats_server, tmp_path):
+    """kill -9 of the single nats-server in the middle of a run, restarted 2 s later on the same
+    store: every worker reconnects and the run finishes by itself, nothing counted twice or lost."""
+    cfg = tiny_config(tmp_path, run={"id": "restart", "steps": 8}, trainer={"max_staleness": 1},
+                      sampler={"heartbeat_s": 0.5}, nats={"url": nats_server.url})
+    config_path = tmp_path / "config.toml"
+    config_path.write_text(cfg.to_toml())
+    trainer = worker_process(config_path, "trainer")
+    samplers = [worker_process(config_path, "sampler", "--id", f"s{i}") for i in (1, 2)]
+    try:
+        wait_for_steps(cfg.run_dir, 3, [trainer, *samplers])
+        nats_server.process.send_signal(signal.SIGKILL)
+        nats_server.process.wait()
+        down_at = len(read_metrics(cfg.run_dir))
+        time.sleep(2.0)
+        nats_server.start()
+        _, logs = trainer.communicate(timeout=180)
+        assert trainer.returncode == 0, logs[-3000:]
+        assert all(p.poll() is None for p in samplers)  # they waited the broker out
+    finally:
+        for p in [trainer, *samplers]:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in samplers:
+            p.wait(timeout=30)
+    metrics = read_metrics(cfg.run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, 9)) and down_at < 8
+    assert_balanced(metrics, broker_crashed=True)
+
+
+def test_a_trainer_restarted_from_an_older_checkpoint_is_followed_by_running_samplers(nats_server, tmp_path):
+    """Samplers running version 6 of one trainer incarnation follow the next incarnation's
+    version 3 (its checkpoint is older): it holds the run's lease in a later epoch. What the
+    discarded timeline consumed is counted as abandoned, once."""
+    cfg = tiny_config(tmp_path, run={"id": "rewind", "steps": 3}, trainer={"max_staleness": 1},
+                      nats={"url": nats_server.url})
+    config_path = tmp_path / "config.toml"
+    config_path.write_text(cfg.to_toml())
+    samplers = [worker_process(config_path, "sampler", "--id", f"s{i}") for i in (1, 2)]
+
+    def train(steps: int) -> str:
+        trainer = worker_process(config_path, "trainer", "--steps", str(steps))
+        _, logs = trainer.communicate(timeout=120)
+        assert trainer.returncode == 0, logs[-3000:]
+        return logs
+
+    try:
+        train(3)
+        shutil.copytree(cfg.run_dir, tmp_path / "at-step-3")
+        train(6)  # the timeline that will be discarded: versions 4 to 6
+        shutil.rmtree(cfg.run_dir)
+        shutil.copytree(tmp_path / "at-step-3", cfg.run_dir)
+        logs = train(6)  # resumed from step 3: versions 4 to 6 again, in a later epoch
+        assert all(p.poll() is None for p in samplers)
+    finally:
+        for p in samplers:
+            p.send_signal(signal.SIGTERM)
+        for p in samplers:
+            p.wait(timeout=30)
+    events = [orjson.loads(line) for line in logs.splitlines() if line.startswith("{")]
+    assert next(e for e in events if e["event"] == "trainer.ready")["version"] == 3
+    assert next(e for e in events if e["event"] == "trainer.rewound")["abandoned"] >= 12  # 3 steps of 4 groups
+    metrics = read_metrics(cfg.run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, 7))
+    assert all(m["used"] == 4 for m in metrics[3:])  # the samplers came back to version 3 and on
+    assert_balanced(metrics)
+    assert metrics[-1]["accounting"]["abandoned"] >= 12

@@ -28,6 +28,7 @@ def make_group(version: int = 3, sampler: str = "s1", size: int = 2, group_id: s
         task="math",
         prompt_index=12,
         lease=1,
+        epoch=0,
         prompt_token_ids=[1, 2, 3],
         completions=[
             Completion(token_ids=[4, 5], logprobs=[-0.5, -1.0], text="<answer>3</answer>", reward=1.0, finish_reason="stop")

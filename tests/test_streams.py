@@ -10,6 +10,7 @@ import pytest
 import safetensors.torch
 import torch
 
+from echo.consumed import ConsumedSeqs
 from echo.engines.hf import HFEngine
 from echo.policy import weights_shards
 from echo.referee import content_hash
@@ -71,7 +72,7 @@ def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(nats_serv
                                       "subject_mismatch": 1, "replayed_content": 2}
         info = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
         assert info.num_pending == 0 and info.num_ack_pending == 10  # all wait for the step's checkpoint
-        await collector.ack_held(collected.seqs)
+        assert await collector.ack_held() == 0  # every ack confirmed
         info = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
         assert info.num_ack_pending == 0  # confirmed
         # Nothing is lost: rejected messages stay in the stream for replay.
@@ -95,7 +96,7 @@ def test_a_step_that_crashed_between_its_checkpoint_and_its_acks_is_not_counted_
         step = await first.collect(2, version=5)  # checkpointed, then the crash: never acked
         assert [a.group.group_id for a in step.used] == ["g0", "g1"]
         await publish_rollout(run, honest_group(23, policy_version=5, group_id="g3"))
-        restarted = Collector(await trainer_subscription(run, ack_wait_s=0.5), REFEREE, 1, counted=set(step.seqs))
+        restarted = Collector(await trainer_subscription(run, ack_wait_s=0.5), REFEREE, 1, consumed=ConsumedSeqs(above=step.seqs))
         await asyncio.sleep(1.0)  # past ack_wait: g0 and g1 are due again, and come before newer messages
         again = await restarted.collect(2, version=5)
         assert [a.group.group_id for a in again.used] == ["g2", "g3"] and again.already_counted == 2

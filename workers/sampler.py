@@ -46,6 +46,7 @@ class Sampler:
         self.refused = (0, -1)  # the newest weights the engine refused: not tried again, nor waited for
         self.published = 0
         self.quarantined = False  # the trainer ignores this sampler's groups (it shows in the heartbeat)
+        self.budget_changed = asyncio.Event()  # async mode: set by watch_budget, so an idle sampler asks again
 
     @property
     def version(self) -> int:
@@ -87,6 +88,7 @@ class Sampler:
                 group_id=uuid.uuid4().hex,
                 sampler_id=self.sampler_id,
                 policy_version=self.version,
+                epoch=self.order[0],
                 task=self.task.name,
                 prompt_index=prompt.index,
                 lease=lease,
@@ -112,26 +114,21 @@ class Sampler:
         """Generate only what the trainer grants under its admission budget, so no work arrives
         stale. With nothing granted, wait until the budget or this sampler's weights change (or
         5 s pass)."""
-        budget_changed = asyncio.Event()
-        watch = asyncio.create_task(watch_budget(self.run, budget_changed))
-        try:
-            while True:
-                budget_changed.clear()  # before reading the budget: no update can slip past
-                await self.apply_newest()
-                grant = await self.ask_for_work()
-                if grant.leases:
-                    await self.generate_and_publish(grant.leases)
-                    continue
-                if grant.more:
-                    await asyncio.sleep(ASK_AGAIN_S)  # work is left, just not for this sampler yet
-                    continue
-                waits = [asyncio.ensure_future(budget_changed.wait()),
-                         asyncio.ensure_future(self.weights.wait_newer(max(self.order, self.refused)))]
-                _, pending = await asyncio.wait(waits, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
-                for task in pending:
-                    task.cancel()
-        finally:
-            watch.cancel()
+        while True:
+            self.budget_changed.clear()  # before reading the budget: no update can slip past
+            await self.apply_newest()
+            grant = await self.ask_for_work()
+            if grant.leases:
+                await self.generate_and_publish(grant.leases)
+                continue
+            if grant.more:
+                await asyncio.sleep(ASK_AGAIN_S)  # work is left, just not for this sampler yet
+                continue
+            waits = [asyncio.ensure_future(self.budget_changed.wait()),
+                     asyncio.ensure_future(self.weights.wait_newer(max(self.order, self.refused)))]
+            _, pending = await asyncio.wait(waits, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
 
     async def run_sequential(self) -> None:
         names = self.run.names
@@ -187,7 +184,11 @@ class Sampler:
         try:
             async with Background() as background:
                 background.start(self.heartbeat())
-                await (self.run_sequential() if self.cfg.run.mode == "sequential" else self.run_async())
+                if self.cfg.run.mode == "sequential":
+                    await self.run_sequential()
+                else:
+                    background.start(watch_budget(self.run, self.budget_changed))
+                    await self.run_async()
         finally:
             try:
                 await self.beat()  # the last word: what it did in total

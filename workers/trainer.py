@@ -25,6 +25,7 @@ import structlog
 from echo.admission import GrantLedger, Heartbeats, allowance, sampler_cap
 from echo.checkpoint import TrainerState, load_checkpoint, prune_weights, save_checkpoint, weights_file
 from echo.config import EchoConfig
+from echo.consumed import ConsumedSeqs
 from echo.learner import make_optimizer, set_threads, train_step
 from echo.models import load_model
 from echo.policy import make_policy, weights_kind, weights_shards
@@ -57,6 +58,8 @@ from workers.background import Background
 
 log = structlog.get_logger()
 
+ACK_ATTEMPTS = 3  # a held message's ack is confirmed, or left for the broker to offer again
+
 
 @dataclass
 class Admitted:
@@ -75,7 +78,7 @@ class Collected:
     rejected: Counter = field(default_factory=Counter)  # malformed groups by reason
     reward_mismatch: Counter = field(default_factory=Counter)  # groups by sampler
     verifier_errors: int = 0
-    already_counted: int = 0  # redelivered after a restart, counted by the checkpointed step that consumed them
+    already_counted: int = 0  # offered again after a crash, counted when first consumed
     seqs: list[int] = field(default_factory=list)  # stream sequences of every message consumed and counted
 
 
@@ -84,18 +87,22 @@ class Collected:
 class Collector:
     """Pulls rollout messages until it has enough usable groups. Every message consumed (used,
     dropped or rejected) is held unacked until the step is checkpointed: a crash redelivers
-    them all, and each is counted once, in the step that checkpointed it."""
+    them all, and each is counted once, in the step that checkpointed it (`consumed`)."""
 
     def __init__(
-        self, subscription, referee: Referee, max_staleness: int, counted: set[int] = frozenset(),
+        self, subscription, referee: Referee, max_staleness: int, consumed: ConsumedSeqs | None = None,
         trained_content: set[str] = frozenset(), ledger: GrantLedger | None = None,
         proof: SamplingProof | None = None, quarantine: "Quarantined | None" = None,
+        epoch: int = 0, resumed_from: int = 0,
     ):
         self.subscription, self.referee = subscription, referee
         self.ledger = ledger or GrantLedger()  # a group naming its sender's lease ends that lease
         self.proof, self.quarantine = proof, quarantine
         self.max_staleness = max_staleness
-        self.counted = set(counted)  # stream sequences the last checkpointed step consumed
+        self.consumed = consumed or ConsumedSeqs()  # stream sequences counted by checkpointed steps
+        # This trainer's epoch, and the version it resumed from: an earlier incarnation's versions
+        # up to that one are this timeline's too; later ones came from a checkpoint since discarded.
+        self.epoch, self.resumed_from = epoch, resumed_from
         self.trained_content = set(trained_content)  # content hashes: the same groups under new ids are replays
         self.held: list = []  # messages fetched and not yet acked, kept alive while held
 
@@ -108,8 +115,10 @@ class Collector:
             for msg in msgs:
                 self.held.append(msg)  # acked after the checkpoint, used or not; it stays in the stream for replay
                 seq = msg.metadata.sequence.stream
-                if msg.metadata.num_delivered > 1 and seq in self.counted:
-                    out.already_counted += 1  # the crash came between the checkpoint and the acks
+                if seq in self.consumed or seq in out.seqs:
+                    # Offered again: a crash came between its step's checkpoint and its ack, or the
+                    # broker restarted and lost the state of this step's deliveries.
+                    out.already_counted += 1
                     continue
                 out.seqs.append(seq)
                 admitted = await self._admit(msg, version, out)
@@ -144,6 +153,10 @@ class Collector:
         content = content_hash(group)
         if content in self.trained_content or any(a.content == content for a in out.used):
             return _reject(out, "replayed_content", f"group {group.group_id} from {group.sampler_id}")
+        if group.epoch > self.epoch:
+            return _reject(out, "future_epoch", f"{group.epoch} > {self.epoch}")
+        if group.epoch < self.epoch and group.policy_version > self.resumed_from:
+            return _reject(out, "discarded_timeline", f"version {group.policy_version} of epoch {group.epoch}")
         verdict = judge(group.policy_version, version, self.max_staleness)
         if verdict is Verdict.FUTURE:
             return _reject(out, "future_version", f"{group.policy_version} > {version}")
@@ -184,20 +197,22 @@ class Collector:
             except BROKER_ERRORS as e:  # a broker restart: the next round tells it again
                 log.warning("trainer.keep_alive_failed", reason=repr(e))
 
-    async def ack_held(self, seqs: list[int]) -> None:
-        """Ack every held message and wait for the server to confirm each (a broker restarting
-        is waited out): only the step just checkpointed, whose messages are `seqs`, can then
-        come back."""
+    async def ack_held(self) -> int:
+        """Ack every held message, waiting for the broker to confirm each; returns how many it
+        did not. Those are offered again (after a broker restart, acks for deliveries made
+        before it go unanswered) and skipped then: their sequences are counted already."""
+        unconfirmed = 0
         for msg in self.held:
-            while True:
+            for attempt in range(ACK_ATTEMPTS):
                 try:
-                    await msg.ack_sync()
+                    await msg.ack_sync(timeout=1.0)
                     break
                 except BROKER_ERRORS as e:
-                    log.warning("trainer.ack_failed", reason=repr(e))
-                    await asyncio.sleep(1.0)
+                    log.warning("trainer.ack_failed", seq=msg.metadata.sequence.stream, reason=repr(e), attempt=attempt)
+            else:
+                unconfirmed += 1
         self.held.clear()
-        self.counted = set(seqs)
+        return unconfirmed
 
 
 def _reject(out: Collected, reason: str, detail: str) -> None:
@@ -395,12 +410,14 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background)
     referee = Referee(load_task(cfg.task), tokenizer, base.get_input_embeddings().num_embeddings, cfg.sampling)
     max_staleness = 0 if cfg.run.mode == "sequential" else cfg.trainer.max_staleness
     subscription = await trainer_subscription(run, cfg.trainer.ack_wait_s)
+    consumed = ConsumedSeqs(**state.consumed)
+    state.totals = await count_abandoned(subscription, consumed, state.totals)
     ledger, quarantine = GrantLedger(), Quarantined(run, cfg.trainer.quarantine_after)
     await quarantine.start(background)
     proof = SamplingProof(policy, tokenizer.pad_token_id, cfg.sampling.temperature, cfg.trainer.verify_fraction,
                           cfg.trainer.verify_tolerance, keep=max_staleness + 1, seed=cfg.run.seed)
-    collector = Collector(subscription, referee, max_staleness, set(state.last_step_seqs),
-                          set(state.trained_content), ledger, proof, quarantine)
+    collector = Collector(subscription, referee, max_staleness, consumed,
+                          set(state.trained_content), ledger, proof, quarantine, run.epoch, state.version)
     background.start(collector.keep_alive(cfg.trainer.ack_wait_s / 3))
     orders = (PullRequests if cfg.run.mode == "sequential" else Admission)(run, cfg, state, ledger, quarantine)
 
@@ -422,7 +439,8 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background)
             groups = [a.group for a in collected.used]
             trained_at = time.perf_counter()
             state.step, state.version = step, state.version + 1
-            state.last_step_seqs = collected.seqs
+            collector.consumed.add(collected.seqs)
+            state.consumed = collector.consumed.as_dict()
             state.totals = count_consumed(state.totals, collected)
             state.trained_content += [a.content for a in collected.used]
             collector.trained_content.update(a.content for a in collected.used)
@@ -452,9 +470,9 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background)
             lease.check()  # a trainer fenced out by another must not publish over it
             publish_seconds = await publish_policy(run, cfg, policy, state.version, run_dir)
             proof.remember(state.version)
-            await collector.ack_held(collected.seqs)  # only now: the step that consumed them is checkpointed
+            unconfirmed = await collector.ack_held()  # only now: the step that consumed them is checkpointed
 
-            accounting = await account(subscription, state.totals)
+            accounting = await account(subscription, state.totals, collector.consumed, unconfirmed)
             record = {**state.record, "publish_seconds": publish_seconds, "accounting": accounting}
             metrics_file.write(metrics_line(record))
             metrics_file.flush()
@@ -473,19 +491,39 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background)
 def count_consumed(totals: dict[str, int], collected: Collected) -> dict[str, int]:
     """The run's messages so far by what became of them (checkpointed with the step)."""
     return {
+        **totals,
         "trained": totals.get("trained", 0) + len(collected.used),
         "dropped_stale": totals.get("dropped_stale", 0) + len(collected.dropped_ids),
         "rejected": totals.get("rejected", 0) + sum(collected.rejected.values()),
     }
 
 
-async def account(subscription, totals: dict[str, int]) -> dict[str, int]:
+async def count_abandoned(subscription, consumed: ConsumedSeqs, totals: dict[str, int]) -> dict[str, int]:
+    """Messages the broker has acked that this trainer's checkpoint never counted: a previous
+    incarnation consumed them in a timeline whose checkpoint is gone (the run restarted from an
+    older checkpoint, or a wiped run directory on a broker that kept its streams). They are
+    counted as `abandoned`, once."""
+    acked = (await subscription.consumer_info()).ack_floor.stream_seq
+    abandoned = consumed.missing_through(acked)
+    if not abandoned:
+        return totals
+    log.warning("trainer.rewound", abandoned=abandoned, checkpoint_floor=consumed.floor, broker_ack_floor=acked)
+    consumed.raise_floor(acked)
+    return {**totals, "abandoned": totals.get("abandoned", 0) + abandoned}
+
+
+async def account(subscription, totals: dict[str, int], consumed: ConsumedSeqs, unconfirmed: int) -> dict[str, int]:
     """Every message published on the run's rollouts stream is trained, dropped as stale,
-    rejected, or still pending (not yet consumed): `published` = the sum, checked by the tests.
-    One consumer info gives published and pending at the same instant."""
+    rejected, or still pending (not acked): `published = trained + dropped_stale + rejected +
+    pending`, and `counted` (distinct messages counted) equals the first three (each once).
+    One consumer info gives published and pending at the same instant. After a broker crash
+    the broker may offer counted messages again (`unconfirmed` acks, or state it lost): until
+    they are skipped, they are in `pending` too."""
     info = await subscription.consumer_info()
+    consumed.raise_floor(info.ack_floor.stream_seq)
     return {"published": info.delivered.stream_seq + info.num_pending, **totals,
-            "pending": info.num_pending + info.num_ack_pending}
+            "pending": info.num_pending + info.num_ack_pending, "counted": len(consumed),
+            "unconfirmed_acks": unconfirmed}
 
 
 async def train_in_thread(policy, optimizer, batch, cfg: EchoConfig, pad_id: int) -> dict:
