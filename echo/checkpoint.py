@@ -2,7 +2,9 @@
 
 checkpoint.pt: everything needed to resume a run exactly where it stopped. One file, replaced
 atomically (write, fsync, rename), so a crash leaves either the old checkpoint or the new one,
-never half of one.
+never half of one. Its size does not grow with the run.
+trained_content.txt: the content hash of every group trained on (replays are refused), one per
+line, appended and synced before each checkpoint, which counts the lines that are its own.
 weights/: the newest published versions' safetensors shards, for `echo-rl eval`."""
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class TrainerState:
     version: int = 0  # policy version published after the last step
     consumed: dict = field(default_factory=dict)  # stream sequences counted (echo/consumed.py), never twice
     totals: dict[str, int] = field(default_factory=dict)  # messages consumed so far, by what became of them
-    trained_content: list[str] = field(default_factory=list)  # their content hashes (replays are refused)
+    trained_content: int = 0  # how many lines of trained_content.txt are this checkpoint's
     lost: int = 0  # leases that will never be trained (the admission budget hands them out again)
     record: dict | None = None  # the last step's metrics line, restored if the crash lost it
 
@@ -73,3 +75,21 @@ def prune_weights(run_dir: Path, oldest_kept: int) -> None:
     for path in (run_dir / "weights").glob("v*.safetensors"):
         if _version_of(path) < oldest_kept:
             path.unlink()
+
+
+def append_trained_content(run_dir: Path, hashes: list[str]) -> None:
+    with open(run_dir / "trained_content.txt", "a") as f:
+        f.writelines(h + "\n" for h in hashes)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def load_trained_content(run_dir: Path, count: int) -> set[str]:
+    """The checkpoint's `count` hashes; lines a crash left after them are cut off."""
+    path = run_dir / "trained_content.txt"
+    lines = path.read_text().splitlines() if path.exists() else []
+    if len(lines) < count:
+        raise RuntimeError(f"{path} holds {len(lines)} content hashes, the checkpoint counts {count}")
+    if len(lines) > count:
+        path.write_text("".join(h + "\n" for h in lines[:count]))
+    return set(lines[:count])

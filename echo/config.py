@@ -13,7 +13,7 @@ from typing import Any, Literal
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from echo.protocol import HUB_DOMAIN, ID_PATTERN
+from echo.protocol import HUB_DOMAIN, ID_PATTERN, Storage
 
 
 class ConfigError(ValueError):
@@ -107,6 +107,15 @@ class NatsConfig(_Section):
     # A sampler behind a secured relay: read weights from the relay at this URL, everything
     # else at `url` (the hub). Local to each machine too.
     weights_url: str = ""
+    # What the trainer creates the run's streams and buckets with: copies of each on a cluster's
+    # nodes (3 survives one node down), and the rollout history kept (0: all; the oldest go first).
+    replicas: int = Field(1, ge=1, le=5)
+    rollouts_max_gb: float = Field(0.0, ge=0)
+    rollouts_max_age_h: float = Field(0.0, ge=0)
+
+    def storage(self) -> Storage:
+        return Storage(replicas=self.replicas, rollouts_max_bytes=int(self.rollouts_max_gb * 2**30) or -1,
+                       rollouts_max_age_s=self.rollouts_max_age_h * 3600)
 
     @model_validator(mode="after")
     def _creds_come_with_a_ca(self):

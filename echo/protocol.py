@@ -73,6 +73,16 @@ def check_id(kind: str, value: str) -> str:
 
 
 @dataclass(frozen=True)
+class Storage:
+    """How the trainer creates the run's streams and buckets: copies of each in a NATS cluster,
+    and how much rollout history the stream keeps."""
+
+    replicas: int = 1
+    rollouts_max_bytes: int = -1  # -1: no limit
+    rollouts_max_age_s: float = 0.0  # 0: no limit
+
+
+@dataclass(frozen=True)
 class RunNames:
     """Names of everything one run owns on the broker. The run id prefixes all of them,
     so several runs can share one NATS server without colliding."""
@@ -131,17 +141,21 @@ class RunNames:
     def state_bucket(self) -> str:
         return f"echo_{self.run_id}_state"
 
-    def rollouts_stream_config(self) -> StreamConfig:
-        # Limits retention (not work-queue): acked rollouts stay, so a run can be replayed.
+    def rollouts_stream_config(self, storage: Storage = Storage()) -> StreamConfig:
+        # Limits retention (not work-queue): acked rollouts stay, so a run can be replayed, up to
+        # the storage's limits (the oldest go first).
         return StreamConfig(
             name=self.rollouts_stream,
             subjects=[self.all_rollouts],
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             duplicate_window=ROLLOUT_DEDUP_WINDOW_S,
+            max_bytes=storage.rollouts_max_bytes,
+            max_age=storage.rollouts_max_age_s,
+            num_replicas=storage.replicas,
         )
 
-    def control_stream_config(self) -> StreamConfig:
+    def control_stream_config(self, storage: Storage = Storage()) -> StreamConfig:
         # A last-value stream: it holds only the newest weights announcement and the newest
         # pull request, so a sampler that joins late reads the current state at once.
         return StreamConfig(
@@ -150,10 +164,11 @@ class RunNames:
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             max_msgs_per_subject=1,
+            num_replicas=storage.replicas,
         )
 
-    def weights_bucket_config(self) -> ObjectStoreConfig:
-        return ObjectStoreConfig(bucket=self.weights_bucket, storage=StorageType.FILE)
+    def weights_bucket_config(self, storage: Storage = Storage()) -> ObjectStoreConfig:
+        return ObjectStoreConfig(bucket=self.weights_bucket, storage=StorageType.FILE, replicas=storage.replicas)
 
     def weights_mirror_configs(self, upstream_domain: str) -> list[StreamConfig]:
         """A relay's copies of what samplers read about weights: the object store and the control
@@ -165,8 +180,8 @@ class RunNames:
             for name, limits in [(self.control_stream, {"max_msgs_per_subject": 1}), (self.weights_stream, {})]
         ]
 
-    def state_bucket_config(self) -> KeyValueConfig:
-        return KeyValueConfig(bucket=self.state_bucket, storage=StorageType.FILE)
+    def state_bucket_config(self, storage: Storage = Storage()) -> KeyValueConfig:
+        return KeyValueConfig(bucket=self.state_bucket, storage=StorageType.FILE, replicas=storage.replicas)
 
 
 def weights_object_name(version: int, shard: int) -> str:

@@ -8,7 +8,7 @@ import asyncio
 from nats.js.errors import KeyNotFoundError
 
 from echo.protocol import BUDGET_KEY, LEASES_KEY, AdmissionBudget, encode
-from streams.client import Run
+from streams.client import Run, watch_forever
 
 
 async def publish_budget(run: Run, budget: AdmissionBudget) -> None:
@@ -18,8 +18,7 @@ async def publish_budget(run: Run, budget: AdmissionBudget) -> None:
 async def watch_budget(run: Run, changed: asyncio.Event) -> None:
     """Set `changed` whenever the trainer publishes a budget, so idle samplers ask for work
     again at once instead of polling the trainer."""
-    async for _ in await run.state.watch(BUDGET_KEY):
-        changed.set()
+    await watch_forever(run, BUDGET_KEY, lambda _: changed.set())
 
 
 async def leases_granted(run: Run) -> int:

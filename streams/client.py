@@ -5,32 +5,49 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Generic, TypeVar
+from typing import Awaitable, Callable, Generic, TypeVar
 
 import nats
+import structlog
 from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy, KeyValueConfig
-from nats.js.errors import NotFoundError, ServiceUnavailableError
+from nats.js.api import DeliverPolicy, KeyValueConfig, StreamConfig
+from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
-from echo.protocol import HDR_MSG_ID, HUB_DOMAIN, ProtocolError, RunNames, decode
+from echo.protocol import HDR_MSG_ID, HUB_DOMAIN, ProtocolError, RunNames, Storage, decode
 from streams.secure import Credentials
 
 M = TypeVar("M")
+
+log = structlog.get_logger()
 
 # What a call to a broker that is restarting or out of reach raises: worth trying again, unlike
 # an error in our own code. nats-py's timeouts subclass TimeoutError.
 BROKER_ERRORS = (nats.errors.Error, TimeoutError, ConnectionError)
 
 
+async def until_done(what: str, call: Callable[[], Awaitable[M]], max_delay_s: float = 10.0) -> M:
+    """`call()` again, with backoff, while the broker fails it (restarting, out of reach, a
+    cluster electing a new leader); for calls that are safe to repeat."""
+    delay = 0.25
+    while True:
+        try:
+            return await call()
+        except BROKER_ERRORS as e:
+            log.warning("broker.retry", what=what, reason=repr(e), retry_in_s=delay)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, max_delay_s)
+
+
 async def connect(url: str, name: str, credentials: Credentials | None = None) -> NATS:
+    """`url`: one server, or a cluster's servers separated by commas (any of them will do)."""
     # Reconnect forever: a sampler on a flaky link should wait out a broker restart, not die.
     options = credentials.connect_options() if credentials else {}
     return await nats.connect(
-        url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5, **options
+        url.split(","), name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5, **options
     )
 
 
@@ -47,6 +64,7 @@ class Run:
     weights: ObjectStore
     state: KeyValue
     epoch: int | None = None  # the trainer's lease epoch, once it holds one (streams/lease.py)
+    weights_swept: bool = False  # this process has deleted earlier trainers' old versions once
     weights_nc: NATS | None = None
 
     async def close(self) -> None:
@@ -99,12 +117,21 @@ async def wait_for_jetstream(js: JetStreamContext, where: str, timeout: float = 
             await asyncio.sleep(0.2)
 
 
-async def _create_run(js: JetStreamContext, names: RunNames, hub_domain: str | None):
-    await js.add_stream(names.rollouts_stream_config())
-    await js.add_stream(names.control_stream_config())
+async def _add_or_update_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    """Create the stream, or bring an existing one to `config` (a restarted trainer given other
+    retention limits)."""
+    try:
+        await js.add_stream(config)
+    except BadRequestError:  # in use with another configuration
+        await js.update_stream(config)
+
+
+async def _create_run(js: JetStreamContext, names: RunNames, hub_domain: str | None, storage: Storage):
+    await _add_or_update_stream(js, names.rollouts_stream_config(storage))
+    await _add_or_update_stream(js, names.control_stream_config(storage))
     # nats-py overwrites config.bucket with the positional name: pass both.
-    weights = await js.create_object_store(names.weights_bucket, config=names.weights_bucket_config())
-    state = await _open_kv(js, names.state_bucket_config(), hub_domain, create=True)
+    weights = await js.create_object_store(names.weights_bucket, config=names.weights_bucket_config(storage))
+    state = await _open_kv(js, names.state_bucket_config(storage), hub_domain, create=True)
     return weights, state
 
 
@@ -130,7 +157,7 @@ class NoRun(RuntimeError):
 async def open_run(
     url: str, run_id: str, client_name: str, hub_domain: str | None = HUB_DOMAIN, mirror_wait_s: int = 30,
     credentials: Credentials | None = None, create: bool = True, join_wait_s: float = 600.0,
-    weights_url: str | None = None,
+    weights_url: str | None = None, storage: Storage = Storage(),
 ) -> Run:
     """Connect and open the run's streams and buckets. The trainer creates them (`create`:
     creation with an identical config is a no-op); every other client joins, waiting up to
@@ -144,7 +171,7 @@ async def open_run(
     try:
         await wait_for_jetstream(js, f"{url} (domain {hub_domain})", timeout=mirror_wait_s)
         if create:
-            weights, state = await _create_run(js, names, hub_domain)
+            weights, state = await _create_run(js, names, hub_domain, storage)
         else:
             weights, state = await _join_run(js, names, hub_domain, join_wait_s)
     except BaseException:
@@ -183,6 +210,19 @@ async def publish_once(run: Run, subject: str, data: bytes) -> None:
     ack = await run.js.publish(subject, data, headers={HDR_MSG_ID: uuid.uuid4().hex})
     if ack.duplicate:
         raise DuplicatePublish(f"{subject}: the server dropped our message as a duplicate")
+
+
+async def watch_forever(run: Run, key: str, on_value: Callable[[bytes], None]) -> None:
+    """Call `on_value` with each value of the state bucket's `key` (the current one first),
+    forever: a watch that fails or ends (a broker restart can do either) is started again."""
+    while True:
+        try:
+            async for entry in await run.state.watch(key):
+                if entry is not None and entry.value:  # None: the end-of-history marker; b"": a delete
+                    on_value(entry.value)
+        except BROKER_ERRORS as e:
+            log.warning("kv.watch_failed", key=key, reason=repr(e))
+        await asyncio.sleep(1.0)
 
 
 class LatestValue(Generic[M]):

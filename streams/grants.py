@@ -7,10 +7,9 @@ from __future__ import annotations
 from typing import Awaitable, Callable
 
 import structlog
-from nats.errors import NoRespondersError
 
 from echo.protocol import GRANT_TIMEOUT_S, Grant, GrantRequest, ProtocolError, decode, encode, subject_sampler
-from streams.client import Run
+from streams.client import BROKER_ERRORS, Run
 
 log = structlog.get_logger()
 
@@ -37,6 +36,6 @@ async def request_grant(run: Run, sampler_id: str, request: GrantRequest, timeou
     """The trainer's answer; nothing granted if no trainer answers (none yet, or busy)."""
     try:
         reply = await run.nc.request(run.names.grants_subject(sampler_id), encode(request), timeout=timeout)
-    except (NoRespondersError, TimeoutError):
+    except BROKER_ERRORS:  # no trainer yet, a busy one, or a broker restarting: ask again later
         return Grant()
     return decode(Grant, reply.data)

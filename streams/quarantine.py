@@ -8,7 +8,7 @@ from typing import Callable
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from echo.protocol import QUARANTINE_KEY, Quarantine, decode, encode
-from streams.client import Run
+from streams.client import Run, watch_forever
 
 
 async def _read(run: Run) -> tuple[Quarantine, int]:
@@ -43,6 +43,7 @@ async def change_quarantine(run: Run, change: Callable[[dict[str, str]], None]) 
 
 async def watch_quarantine(run: Run, on_change: Callable[[dict[str, str]], None]) -> None:
     """Forever: call `on_change` with the quarantined samplers whenever they change."""
-    async for entry in await run.state.watch(QUARANTINE_KEY):
-        if entry is not None and entry.value:  # None: the watch's end-of-history marker
-            on_change(dict(decode(Quarantine, entry.value).samplers))
+    def changed(value: bytes) -> None:
+        on_change(dict(decode(Quarantine, value).samplers))
+
+    await watch_forever(run, QUARANTINE_KEY, changed)

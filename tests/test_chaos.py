@@ -5,9 +5,13 @@ fault must leave a run that finishes by itself, with every rollout message accou
 import asyncio
 import shutil
 import signal
+import subprocess
+import sys
+import threading
 import time
 
 import orjson
+import psutil
 import pytest
 from nats.js.errors import NotFoundError
 
@@ -16,7 +20,10 @@ from streams.client import open_run
 from streams.grants import request_grant
 from streams.lease import current_epoch
 from streams.registry import put_status
+from streams.server import NatsServer, free_port
 from tests.conftest import assert_balanced, read_metrics, tiny_config, wait_for_steps, worker_process
+from tests.test_e2e import up_command
+from workers.relay import loopback_relay_args
 
 pytestmark = pytest.mark.slow
 
@@ -94,7 +101,8 @@ def test_a_broker_killed_mid_run_and_restarted_on_its_store_lets_the_run_finish(
         nats_server.start()
         _, logs = trainer.communicate(timeout=180)
         assert trainer.returncode == 0, logs[-3000:]
-        assert all(p.poll() is None for p in samplers)  # they waited the broker out
+        died = [p.stderr.read()[-3000:] for p in samplers if p.poll() is not None]
+        assert not died, died  # they waited the broker out
     finally:
         for p in [trainer, *samplers]:
             if p.poll() is None:
@@ -143,3 +151,107 @@ def test_a_trainer_restarted_from_an_older_checkpoint_is_followed_by_running_sam
     assert all(m["used"] == 4 for m in metrics[3:])  # the samplers came back to version 3 and on
     assert_balanced(metrics)
     assert metrics[-1]["accounting"]["abandoned"] >= 12
+
+
+def test_a_cluster_node_killed_mid_run_and_left_down_lets_the_run_finish(tmp_path):
+    """`up --cluster 3`: kill -9 one of the three nodes in the middle of the run and leave it
+    down. Streams and buckets keep a majority, clients move to the other nodes, and the run
+    finishes with every message accounted for."""
+    up = subprocess.Popen(up_command(tmp_path, "r3", 8, flags=["--cluster", "3"]), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+    run_dir = tmp_path / "r3"
+    try:
+        wait_for_steps(run_dir, 3, [up])
+        node = next(p for p in psutil.process_iter(["cmdline"])
+                    if str(run_dir / "nats" / "n1" / "nats-server.conf") in (p.info["cmdline"] or []))
+        node.kill()
+        _, logs = up.communicate(timeout=180)
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)
+            up.wait(timeout=60)
+    assert up.returncode == 0, logs[-3000:]
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    assert_balanced(metrics, broker_crashed=True)
+
+
+class CuttableLink:
+    """A TCP proxy on its own thread and event loop: `cut()` drops every connection through it
+    and refuses new ones, `restore()` accepts again on the same port: a site's uplink going down."""
+
+    def __init__(self, target_port: int):
+        self.port, self.target_port = free_port(), target_port
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self._writers: set = set()
+        self.restore()
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=10)
+
+    def restore(self) -> None:
+        async def listen():
+            self._server = await asyncio.start_server(self._on_client, "127.0.0.1", self.port)
+        self._run(listen())
+
+    def cut(self) -> None:
+        async def close():
+            self._server.close()
+            for writer in list(self._writers):
+                writer.transport.abort()
+        self._run(close())
+
+    async def _on_client(self, reader, writer):
+        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._writers |= {writer, upstream_writer}
+        await asyncio.gather(self._pipe(reader, upstream_writer), self._pipe(upstream_reader, writer),
+                             return_exceptions=True)
+        self._writers -= {writer, upstream_writer}
+
+    @staticmethod
+    async def _pipe(reader, writer) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.transport.abort()
+
+
+def test_samplers_behind_a_relay_whose_uplink_is_cut_and_restored_carry_on(tmp_path):
+    """The relay's leaf connection to the hub goes through a link cut for 4 s mid-run: the
+    samplers behind it keep their groups and retry, the relay reconnects, the run finishes."""
+    with NatsServer(tmp_path / "hub", leaf_port=free_port()) as hub:
+        link = CuttableLink(hub.leaf_port)
+        cfg = tiny_config(tmp_path, run={"id": "uplink", "steps": 10}, trainer={"max_staleness": 1},
+                          nats={"url": hub.url})
+        config_path = tmp_path / "config.toml"
+        config_path.write_text(cfg.to_toml())
+        relay_port = free_port()
+        relay = subprocess.Popen(
+            [sys.executable, "-m", "workers.cli",
+             *loopback_relay_args(f"nats-leaf://127.0.0.1:{link.port}", "uplink", relay_port, tmp_path / "relay"),
+             "--log-json"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        trainer = worker_process(config_path, "trainer")
+        samplers = [worker_process(config_path, "sampler", "--id", f"s{i}", "--nats", f"nats://127.0.0.1:{relay_port}")
+                    for i in (1, 2)]
+        try:
+            wait_for_steps(cfg.run_dir, 3, [trainer, *samplers])
+            link.cut()
+            time.sleep(4.0)
+            link.restore()
+            _, logs = trainer.communicate(timeout=180)
+            assert trainer.returncode == 0, logs[-3000:]
+            died = [p.stderr.read()[-3000:] for p in samplers if p.poll() is not None]
+            assert not died, died
+        finally:
+            for p in [trainer, *samplers, relay]:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for p in [*samplers, relay]:
+                p.wait(timeout=30)
+    metrics = read_metrics(cfg.run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, 11))
+    assert {sampler for m in metrics[3:] for _, _, sampler in m["groups"]} == {"s1", "s2"}  # both carried on
+    assert_balanced(metrics)

@@ -2,6 +2,7 @@
 workers that stop on SIGTERM, weights fetches that fail and recover."""
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 import threading
@@ -12,14 +13,25 @@ import orjson
 import pytest
 import torch
 
+from echo.admission import GrantLedger
+from echo.checkpoint import TrainerState
+from echo.engines.hf import HFEngine
 from echo.learner import StepAbandoned, make_optimizer, train_step
 from echo.models import load_model
 from echo.policy import make_policy
+from echo.protocol import weights_object_name
+from echo.referee import Referee
+from echo.tasks import load_task
 from streams.client import open_run
+from streams.lease import take_lease
+from streams.objects import put_object
 from streams.registry import put_status, read_statuses
+from streams.rollouts import trainer_subscription
 from tests.conftest import tiny_config, wait_for_steps, worker_process
 from tests.test_referee import honest_group
+from tests.test_streams import _adapter_for_version, _store_tampered
 from workers.sampler import Sampler
+from workers.trainer import Collector, PullRequests
 
 
 def test_a_sampler_retries_a_heartbeat_the_broker_missed_and_stops_on_any_other_error(
@@ -113,3 +125,42 @@ def test_a_step_told_to_stop_is_abandoned_between_groups_and_leaves_the_policy_a
     assert unchanged() and all(p.grad is None for p in policy.parameters())
     train_step(policy, optimizer, batch, cfg, tokenizer.pad_token_id, threading.Event())  # not stopped: it steps
     assert not unchanged()
+
+
+def test_a_sequential_sampler_whose_fetch_of_the_requested_version_fails_recovers(nats_server, tmp_path):
+    """Sequential mode waits for exactly the requested version. Its object arrives damaged
+    (refused), is stored again whole, and the sampler, retrying while the version is the
+    newest, applies it and generates the request's groups: no deadlock. Before, it waited for a
+    newer version that the trainer, waiting for these groups, would never publish."""
+    cfg = tiny_config(tmp_path, run={"mode": "sequential"})
+    adapter = _adapter_for_version(HFEngine("tiny", cfg.lora, cfg.sampling), 0)[0]
+
+    async def main():
+        run = await open_run(nats_server.url, cfg.run.id, "trainer")
+        await take_lease(run)
+        await _store_tampered(run, 0, adapter, lambda chunks: [chunks[0][:-1] + b"!", *chunks[1:]])
+        orders = PullRequests(run, cfg, TrainerState(), GrantLedger())
+        await orders.start()
+        await orders.ask(0)
+        sampler_run = await open_run(nats_server.url, cfg.run.id, "sampler", create=False)
+        sampler = Sampler(cfg, "s1", sampler_run, HFEngine("tiny", cfg.lora, cfg.sampling), load_task(cfg.task))
+        serving = asyncio.create_task(sampler.serve())
+        async with asyncio.timeout(10):
+            while not sampler.weights.failures:
+                await asyncio.sleep(0.02)
+        assert set(sampler.weights.failures) == {"digest_mismatch"} and sampler.version == -1
+        await put_object(run.js, run.names.weights_bucket, weights_object_name(0, 0), adapter)  # whole again
+        base, tokenizer = load_model("tiny")
+        referee = Referee(load_task(cfg.task), tokenizer, base.get_input_embeddings().num_embeddings, cfg.sampling)
+        collector = Collector(await trainer_subscription(run), referee, max_staleness=0, epoch=run.epoch)
+        async with asyncio.timeout(30):
+            collected = await collector.collect(cfg.trainer.groups_per_step, version=0)
+        assert len(collected.used) == cfg.trainer.groups_per_step and sampler.version == 0
+        serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving
+        await orders.subscription.unsubscribe()
+        await sampler_run.close()
+        await run.close()
+
+    asyncio.run(main())

@@ -8,7 +8,7 @@ import orjson
 import pytest
 import torch
 
-from echo.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from echo.checkpoint import TrainerState, append_trained_content, load_checkpoint, load_trained_content, save_checkpoint
 from echo.config import LoraConfig
 from echo.models import load_model
 from echo.policy import make_policy
@@ -30,7 +30,8 @@ def test_checkpoint_restores_weights_optimizer_rng_and_state(tmp_path, lora):
     policy, optimizer = _policy_and_optimizer(lora)
     policy(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
     optimizer.step()
-    state = TrainerState(step=3, version=3, consumed={"floor": 7, "above": [9]}, totals={"trained": 12}, lost=2, record={"step": 3, "staleness_used": {0: 4}})
+    state = TrainerState(step=3, version=3, consumed={"floor": 7, "above": [9]}, totals={"trained": 12},
+                         trained_content=12, lost=2, record={"step": 3, "staleness_used": {0: 4}})
     save_checkpoint(tmp_path / "ckpt.pt", policy, optimizer, state)
     expected_draw = torch.rand(3)
 
@@ -55,6 +56,16 @@ def test_restore_metrics_keeps_one_line_per_checkpointed_step(tmp_path):
     path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in lines[:2]))
     restore_metrics(path, TrainerState(step=3, record={"step": 3, "restored": True}))
     assert [orjson.loads(x) for x in path.read_bytes().splitlines()][-1] == {"step": 3, "restored": True}
+
+
+def test_trained_content_keeps_the_checkpoints_hashes_and_cuts_what_a_crash_left_after_them(tmp_path):
+    append_trained_content(tmp_path, ["a", "b"])
+    append_trained_content(tmp_path, ["c"])  # appended, then the crash: the checkpoint still counts 2
+    assert load_trained_content(tmp_path, 2) == {"a", "b"}
+    assert (tmp_path / "trained_content.txt").read_text() == "a\nb\n"
+    assert load_trained_content(tmp_path / "fresh", 0) == set()
+    with pytest.raises(RuntimeError, match="holds 2 content hashes, the checkpoint counts 3"):
+        load_trained_content(tmp_path, 3)
 
 
 @pytest.mark.slow

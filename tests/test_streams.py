@@ -106,6 +106,22 @@ def test_a_step_that_crashed_between_its_checkpoint_and_its_acks_is_not_counted_
     asyncio.run(main())
 
 
+def test_the_trainer_keeps_the_rollout_history_its_config_allows_and_can_change_it(nats_server, tmp_path):
+    cfg = tiny_config(tmp_path, nats={"rollouts_max_gb": 0.5, "rollouts_max_age_h": 2})
+
+    async def main():
+        run = await open_run(nats_server.url, "limits", "trainer", storage=cfg.nats.storage())
+        limits = (await run.js.stream_info(run.names.rollouts_stream)).config
+        assert (limits.max_bytes, limits.max_age) == (2**29, 7200)
+        await run.close()
+        run = await open_run(nats_server.url, "limits", "trainer")  # restarted with the defaults: no limit
+        limits = (await run.js.stream_info(run.names.rollouts_stream)).config
+        assert limits.max_bytes == -1 and not limits.max_age
+        await run.close()
+
+    asyncio.run(main())
+
+
 def test_weights_round_trip_and_a_wrong_digest_is_refused(nats_server, tmp_path):
     async def main():
         run = await open_run(nats_server.url, "w", "test")
@@ -196,12 +212,20 @@ def test_the_bucket_keeps_only_the_newest_versions(nats_server):
     async def main():
         run = await open_run(nats_server.url, "keep", "test")
         await take_lease(run)
-        announcements = [await publish_weights(run, v, [f"adapter {v}".encode() * 1000], "tiny", keep=2) for v in range(5)]
-        names = sorted(info.name for info in await run.weights.list(ignore_deletes=True))
-        assert names == [a.shards[0].object_name for a in announcements[-2:]]
-        assert await fetch_weights(run, announcements[-1]) == [b"adapter 4" * 1000]
+        async def stored() -> list[str]:
+            return sorted(info.name for info in await run.weights.list(ignore_deletes=True))
+
+        shards = [b"a" * 1000, b"b" * 1000]
+        announcements = [await publish_weights(run, v, shards, "tiny", keep=2) for v in range(5)]
+        assert await stored() == sorted(s.object_name for a in announcements[-2:] for s in a.shards)
+        assert await fetch_weights(run, announcements[-1]) == shards
         with pytest.raises(TransferError, match="not_found"):
             await fetch_weights(run, announcements[0])
+        await run.close()
+        run = await open_run(nats_server.url, "keep", "test")  # a restarted trainer sweeps what is left once
+        await take_lease(run)
+        latest = await publish_weights(run, 5, shards[:1], "tiny", keep=1)
+        assert await stored() == [latest.shards[0].object_name]
         await run.close()
 
     asyncio.run(main())

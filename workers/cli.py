@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--samplers", type=int, help="sampler.count")
     up.add_argument("--relay", action="store_true", help="put the samplers behind a site relay, as on a remote site")
     up.add_argument("--secure", action="store_true", help="TLS and per-role credentials (echo-rl secure init)")
+    up.add_argument("--cluster", type=int, default=0, metavar="N", help="the broker as an N-node JetStream cluster "
+                    "(3: survives one node down), every stream on all nodes (nats.replicas = N)")
     trainer = sub.add_parser("trainer", help="run the trainer of a run")
     _config_args(trainer)
     sampler = sub.add_parser("sampler", help="run one sampler; without --config it reads the run's config from NATS")
@@ -299,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(args.log_json, worker="up")
         from workers.swarm import up
 
-        return up(cfg, args.log_json, relay=args.relay, secure=args.secure)
+        return up(cfg, args.log_json, relay=args.relay, secure=args.secure, cluster=args.cluster)
     except ConfigError as e:
         print(f"echo-rl: {e}", file=sys.stderr)
         return 2

@@ -12,10 +12,10 @@ import time
 import orjson
 import structlog
 
-from echo.config import EchoConfig
+from echo.config import ConfigError, EchoConfig
 from echo.models import resolve_model
 from streams.secure import SERVER_CONF, SecureDir
-from streams.server import NatsServer, free_port
+from streams.server import NatsCluster, NatsServer, free_port
 from workers.evaluate import evaluate_run
 from workers.relay import loopback_relay_args
 from workers.report import write_report
@@ -88,17 +88,27 @@ def _creds_args(secure: SecureDir | None, user: str) -> list[str]:
     return ["--creds", str(secure.seed_file(user)), "--tls-ca", str(secure.ca_file)]
 
 
-def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: bool = False) -> int:
+def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: bool = False, cluster: int = 0) -> int:
     """With `relay`, the samplers sit behind a site relay (`echo-rl relay`), as on a remote site.
     With `secure`, the broker speaks TLS only and each process has its own role's credentials;
-    with both, the relay mirrors weights only, and its samplers reach the hub for the rest."""
+    with both, the relay mirrors weights only, and its samplers reach the hub for the rest.
+    With `cluster` N, the broker is N nats-servers in one JetStream cluster, every stream and
+    bucket kept on all of them (`nats.replicas`)."""
+    if cluster and not 1 <= cluster <= 5:
+        raise ConfigError(f"--cluster {cluster}: 1 to 5 nodes (JetStream keeps at most 5 copies of a stream)")
+    if cluster and secure:
+        raise ConfigError("--cluster with --secure: a secured cluster is not built yet (README, Security)")
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     resolve_model(cfg.model.name)  # convert a model once here, not in every worker at once
     secure_dir = secure_swarm(cfg, relay) if secure else None
     secured = {"include": secure_dir.dir / SERVER_CONF, "leaf_include": secure_dir.leaf_conf} if secure_dir else {}
-    server = NatsServer(run_dir / "nats", log_file=run_dir / "nats.log", leaf_port=free_port() if relay else None,
-                        **secured)
+    leaf_port = free_port() if relay else None
+    if cluster:
+        server = NatsCluster(run_dir / "nats", cluster, log_dir=run_dir, leaf_port=leaf_port)
+        cfg.nats.replicas = cluster
+    else:
+        server = NatsServer(run_dir / "nats", log_file=run_dir / "nats.log", leaf_port=leaf_port, **secured)
     server.start()
     cfg.nats.url = server.url
     # Torch threads that outnumber the cores make every process crawl. The samplers share the

@@ -23,7 +23,10 @@ import orjson
 import structlog
 
 from echo.admission import GrantLedger, Heartbeats, allowance, sampler_cap
-from echo.checkpoint import TrainerState, load_checkpoint, prune_weights, save_checkpoint, weights_file
+from echo.checkpoint import (
+    TrainerState, append_trained_content, load_checkpoint, load_trained_content, prune_weights, save_checkpoint,
+    weights_file,
+)
 from echo.config import EchoConfig
 from echo.consumed import ConsumedSeqs
 from echo.learner import make_optimizer, set_threads, train_step
@@ -46,7 +49,7 @@ from echo.staleness import Verdict, judge
 from echo.tasks import load_task
 from streams.admission import leases_granted, publish_budget, record_leases_granted
 from streams.registry import heartbeat_revision
-from streams.client import BROKER_ERRORS, Run, open_run
+from streams.client import BROKER_ERRORS, Run, open_run, until_done
 from streams.grants import serve_grants
 from streams.lease import Lease, take_lease
 from streams.secure import credentials_of
@@ -378,7 +381,7 @@ class Admission(Orders):
 async def run_trainer(cfg: EchoConfig) -> None:
     set_threads(cfg.trainer.threads)
     run = await open_run(cfg.nats.url, cfg.run.id, "trainer", cfg.nats.hub_domain or None,
-                         credentials=credentials_of(cfg.nats.creds, cfg.nats.tls_ca))
+                         credentials=credentials_of(cfg.nats.creds, cfg.nats.tls_ca), storage=cfg.nats.storage())
     try:
         lease = await take_lease(run)  # before touching the run: a second trainer stops here
     except BaseException:
@@ -417,7 +420,8 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background)
     proof = SamplingProof(policy, tokenizer.pad_token_id, cfg.sampling.temperature, cfg.trainer.verify_fraction,
                           cfg.trainer.verify_tolerance, keep=max_staleness + 1, seed=cfg.run.seed)
     collector = Collector(subscription, referee, max_staleness, consumed,
-                          set(state.trained_content), ledger, proof, quarantine, run.epoch, state.version)
+                          load_trained_content(run_dir, state.trained_content), ledger, proof, quarantine,
+                          run.epoch, state.version)
     background.start(collector.keep_alive(cfg.trainer.ack_wait_s / 3))
     orders = (PullRequests if cfg.run.mode == "sequential" else Admission)(run, cfg, state, ledger, quarantine)
 
@@ -431,7 +435,7 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background)
     with open(run_dir / "metrics.jsonl", "ab") as metrics_file:
         for step in range(state.step + 1, cfg.run.steps + 1):
             step_started = time.perf_counter()
-            await orders.ask(state.version)
+            await until_done("ask for groups", lambda: orders.ask(state.version))
             collected = await collector.collect(cfg.trainer.groups_per_step, state.version, orders.on_wait)
             batch = [(a.group, a.rewards) for a in collected.used]
             stats = await train_in_thread(policy, optimizer, batch, cfg, tokenizer.pad_token_id)
@@ -442,7 +446,8 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background)
             collector.consumed.add(collected.seqs)
             state.consumed = collector.consumed.as_dict()
             state.totals = count_consumed(state.totals, collected)
-            state.trained_content += [a.content for a in collected.used]
+            append_trained_content(run_dir, [a.content for a in collected.used])
+            state.trained_content += len(collected.used)
             collector.trained_content.update(a.content for a in collected.used)
             state.record = {
                 "step": step,
@@ -468,11 +473,13 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background)
             }
             await asyncio.to_thread(save_checkpoint, checkpoint_path, policy, optimizer, state)
             lease.check()  # a trainer fenced out by another must not publish over it
-            publish_seconds = await publish_policy(run, cfg, policy, state.version, run_dir)
+            publish_seconds = await until_done(
+                "publish weights", lambda: publish_policy(run, cfg, policy, state.version, run_dir))
             proof.remember(state.version)
             unconfirmed = await collector.ack_held()  # only now: the step that consumed them is checkpointed
 
-            accounting = await account(subscription, state.totals, collector.consumed, unconfirmed)
+            accounting = await until_done(
+                "account", lambda: account(subscription, state.totals, collector.consumed, unconfirmed))
             record = {**state.record, "publish_seconds": publish_seconds, "accounting": accounting}
             metrics_file.write(metrics_line(record))
             metrics_file.flush()
