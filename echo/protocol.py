@@ -45,6 +45,7 @@ HUB_DOMAIN = "hub"
 
 # Headers on each adapter object in the weights bucket; values must be lists of strings.
 OBJ_HDR_VERSION = "policy-version"
+OBJ_HDR_EPOCH = "trainer-epoch"
 
 TRAINER_CONSUMER = "trainer"
 # Keys of the run's state bucket.
@@ -184,8 +185,10 @@ class RunNames:
         return KeyValueConfig(bucket=self.state_bucket, storage=StorageType.FILE, replicas=storage.replicas)
 
 
-def weights_object_name(version: int, shard: int) -> str:
-    return f"weights-v{version:08d}-{shard:04d}.safetensors"
+def weights_object_name(epoch: int, version: int, shard: int) -> str:
+    # Keyed by epoch too: a trainer resumed from an older checkpoint republishes versions an
+    # earlier incarnation published, and must not overwrite what a sampler may be reading.
+    return f"weights-e{epoch:06d}-v{version:08d}-{shard:04d}.safetensors"
 
 
 # ---- messages ----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Literal
 import structlog
 from nats.js.errors import NotFoundError
 
-from echo.protocol import OBJ_HDR_VERSION, WeightsAnnouncement, WeightsShard, encode, weights_object_name
+from echo.protocol import OBJ_HDR_EPOCH, OBJ_HDR_VERSION, WeightsAnnouncement, WeightsShard, encode, weights_object_name
 from streams.client import BROKER_ERRORS, LatestValue, Run, publish_once
 from streams.lease import current_epoch
 from streams.objects import TransferError, get_object, put_object, sha256_hex
@@ -36,8 +36,8 @@ async def publish_weights(
         raise RuntimeError("publish_weights needs the run's trainer lease (streams.lease.take_lease)")
     stored = []
     for index, data in enumerate(shards):
-        name = weights_object_name(version, index)
-        info = await put_object(run.js, run.names.weights_bucket, name, data, headers={OBJ_HDR_VERSION: [str(version)]})
+        name = weights_object_name(run.epoch, version, index)
+        info = await put_object(run.js, run.names.weights_bucket, name, data, headers={OBJ_HDR_VERSION: [str(version)], OBJ_HDR_EPOCH: [str(run.epoch)]})
         stored.append(WeightsShard(object_name=name, size=len(data), sha256=sha256_hex(info)))  # hashed while sent
     announcement = WeightsAnnouncement(
         version=version, epoch=run.epoch, kind=kind, shards=stored, base_model=base_model, created_at=time.time()
@@ -45,23 +45,24 @@ async def publish_weights(
     await publish_once(run, run.names.weights_subject, encode(announcement))
     if run.weights_swept:
         await delete_version(run, version - keep)  # the one that just left the window
-    else:  # once per process: whatever an earlier trainer left
+    else:  # once per process: whatever earlier trainers left
         await delete_versions_before(run, version - keep + 1)
         run.weights_swept = True
     return announcement
 
 
 async def delete_version(run: Run, version: int) -> None:
-    """Delete the version's shards by name (0, 1, ... until one is missing): no scan of the
-    bucket, whose delete markers grow with the run."""
+    """Delete this incarnation's shards of `version` by name (0, 1, ... until one is missing):
+    no scan of the bucket, whose delete markers grow with the run."""
     for index in itertools.count():
         try:
-            await run.weights.delete(weights_object_name(version, index))
+            await run.weights.delete(weights_object_name(run.epoch, version, index))
         except NotFoundError:  # missing, or deleted already
             return
 
 
 async def delete_versions_before(run: Run, oldest_kept: int) -> None:
+    """Delete every stored version older than `oldest_kept`, and every earlier incarnation's."""
     try:
         infos = await run.weights.list(ignore_deletes=True)
     except NotFoundError:  # nats-py's name for an empty bucket
@@ -69,7 +70,8 @@ async def delete_versions_before(run: Run, oldest_kept: int) -> None:
     for info in infos:
         headers = info.headers or {}
         version = int((headers.get(OBJ_HDR_VERSION) or ["-1"])[0])
-        if 0 <= version < oldest_kept:
+        epoch = int((headers.get(OBJ_HDR_EPOCH) or ["-1"])[0])
+        if 0 <= version < oldest_kept or epoch != run.epoch:
             await run.weights.delete(info.name)
 
 

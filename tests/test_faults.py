@@ -31,7 +31,7 @@ from tests.conftest import tiny_config, wait_for_steps, worker_process
 from tests.test_referee import honest_group
 from tests.test_streams import _adapter_for_version, _store_tampered
 from workers.sampler import Sampler
-from workers.trainer import Collector, PullRequests
+from workers.trainer import Collector, PullRequests, account, count_consumed
 
 
 def test_a_sampler_retries_a_heartbeat_the_broker_missed_and_stops_on_any_other_error(
@@ -149,13 +149,18 @@ def test_a_sequential_sampler_whose_fetch_of_the_requested_version_fails_recover
             while not sampler.weights.failures:
                 await asyncio.sleep(0.02)
         assert set(sampler.weights.failures) == {"digest_mismatch"} and sampler.version == -1
-        await put_object(run.js, run.names.weights_bucket, weights_object_name(0, 0), adapter)  # whole again
+        await put_object(run.js, run.names.weights_bucket, weights_object_name(run.epoch, 0, 0), adapter)  # whole again
         base, tokenizer = load_model("tiny")
         referee = Referee(load_task(cfg.task), tokenizer, base.get_input_embeddings().num_embeddings, cfg.sampling)
         collector = Collector(await trainer_subscription(run), referee, max_staleness=0, epoch=run.epoch)
         async with asyncio.timeout(30):
             collected = await collector.collect(cfg.trainer.groups_per_step, version=0)
         assert len(collected.used) == cfg.trainer.groups_per_step and sampler.version == 0
+        collector.consumed.add(collected.seqs)  # the step checkpointed: every message is accounted for
+        assert await collector.ack_held() == 0
+        a = await account(collector.subscription, count_consumed({}, collected), collector.consumed, 0)
+        assert a["trained"] + a["dropped_stale"] + a["rejected"] == a["counted"]
+        assert a["published"] == a["counted"] + a["pending"], a
         serving.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await serving

@@ -234,7 +234,7 @@ def test_the_bucket_keeps_only_the_newest_versions(nats_server):
 async def _store_tampered(run, version: int, data: bytes, tamper) -> None:
     """Store an adapter, rewrite its chunks in the bucket with `tamper`, then announce the
     original's size and digest, as a trainer would have."""
-    name = weights_object_name(version, 0)
+    name = weights_object_name(run.epoch, version, 0)
     await run.weights.put(name, data)
     info = await run.weights.get_info(name)
     subject = f"$O.{run.names.weights_bucket}.C.{info.nuid}"
@@ -278,7 +278,7 @@ def test_a_damaged_adapter_is_refused_the_old_version_kept_and_the_fetch_retried
                 await asyncio.sleep(0.02)
         assert set(follower.failures) <= {"digest_mismatch", "truncated", "size_mismatch"}
         assert follower.ready[0].version == 0 and follower.ready[1] == [b"good" * 100_000]
-        await put_object(run.js, run.names.weights_bucket, weights_object_name(1, 0), adapter)  # repaired
+        await put_object(run.js, run.names.weights_bucket, weights_object_name(run.epoch, 1, 0), adapter)  # repaired
         async with asyncio.timeout(5):
             assert (await follower.wait_for(1))[1] == [adapter]
         await publish_weights(run, 2, [b"next" * 1000], "tiny")  # and it still takes the next good one
