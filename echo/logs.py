@@ -20,6 +20,8 @@ def configure_logging(json: bool = False, level: str = "info", **bind) -> None:
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="%H:%M:%S" if not json else "iso"),
+            # A JSON line carries the traceback as text (the console renderer prints its own).
+            *([structlog.processors.format_exc_info] if json else []),
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),

@@ -38,4 +38,8 @@ async def request_grant(run: Run, sampler_id: str, request: GrantRequest, timeou
         reply = await run.nc.request(run.names.grants_subject(sampler_id), encode(request), timeout=timeout)
     except BROKER_ERRORS:  # no trainer yet, a busy one, or a broker restarting: ask again later
         return Grant()
-    return decode(Grant, reply.data)
+    try:
+        return decode(Grant, reply.data)
+    except ProtocolError as e:  # a status-only reply while the broker restarts, or an old trainer
+        log.warning("grant.bad_reply", reason=str(e))
+        return Grant()

@@ -4,6 +4,7 @@ stream; the trainer reads them through a durable pull consumer and acks each exp
 from __future__ import annotations
 
 import asyncio
+import json
 
 import structlog
 from nats.errors import TimeoutError as NatsTimeout
@@ -28,7 +29,7 @@ async def publish_rollout(run: Run, group: RolloutGroup) -> None:
             # Nats-Msg-Id makes a retry safe: a publish can time out although it was stored.
             await run.js.publish(subject, data, headers=headers, timeout=10)
             return
-        except BROKER_ERRORS as e:
+        except (*BROKER_ERRORS, json.JSONDecodeError) as e:  # nats-py decodes a status-only reply as JSON
             log.warning("rollout.publish_failed", group=group.group_id, reason=repr(e), retry_in_s=delay)
             await asyncio.sleep(delay)
             delay = min(2 * delay, PUBLISH_RETRY_MAX_S)
