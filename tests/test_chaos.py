@@ -28,6 +28,14 @@ from workers.relay import loopback_relay_args
 pytestmark = pytest.mark.slow
 
 
+def _finishes_with_every_sampler_alive(trainer, samplers) -> None:
+    """The trainer finishes the run by itself and no sampler has exited (a dead one's failure shown)."""
+    _, logs = trainer.communicate(timeout=180)
+    assert trainer.returncode == 0, logs[-3000:]
+    dead = [p for p in samplers if p.poll() is not None]
+    assert not dead, "\n".join(line for p in dead for line in p.stderr.read().splitlines() if "worker.failed" in line)
+
+
 async def _take_leases_and_die(url: str, run_id: str, sampler_id: str) -> list[int]:
     """A sampler that asks for work with the trainer's current weights, gets leases, beats once
     and is never heard of again (kill -9 in the middle of generating them)."""
@@ -99,11 +107,7 @@ def test_a_broker_killed_mid_run_and_restarted_on_its_store_lets_the_run_finish(
         down_at = len(read_metrics(cfg.run_dir))
         time.sleep(2.0)
         nats_server.start()
-        _, logs = trainer.communicate(timeout=180)
-        assert trainer.returncode == 0, logs[-3000:]
-        died = [line for p in samplers if p.poll() is not None for line in p.stderr.read().splitlines()
-                if "worker.failed" in line]
-        assert not died, "\n".join(died)  # they waited the broker out
+        _finishes_with_every_sampler_alive(trainer, samplers)  # they waited the broker out
     finally:
         for p in [trainer, *samplers]:
             if p.poll() is None:
@@ -242,11 +246,7 @@ def test_samplers_behind_a_relay_whose_uplink_is_cut_and_restored_carry_on(tmp_p
             link.cut()
             time.sleep(4.0)
             link.restore()
-            _, logs = trainer.communicate(timeout=180)
-            assert trainer.returncode == 0, logs[-3000:]
-            died = [line for p in samplers if p.poll() is not None for line in p.stderr.read().splitlines()
-                    if "worker.failed" in line]
-            assert not died, "\n".join(died)
+            _finishes_with_every_sampler_alive(trainer, samplers)
         finally:
             for p in [trainer, *samplers, relay]:
                 if p.poll() is None:
