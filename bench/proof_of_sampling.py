@@ -52,8 +52,8 @@ def honest_groups(engine: HFEngine, task, count: int, group_size: int, prompts_p
                                       finish_reason=g.finish_reason) for g in gens]
             groups.append(RolloutGroup(group_id=f"g{prompt.index}", sampler_id="honest", policy_version=0,
                                        task=task.name, prompt_index=prompt.index, lease=1, epoch=0, prompt_token_ids=prompt_ids,
-                                       completions=completions, temperature=engine.temperature, gen_seconds=0.0,
-                                       created_at=0.0))
+                                       completions=completions, temperature=engine.temperature, engine="hf",
+                                       dtype="float32", gen_seconds=0.0, created_at=0.0))
     return groups
 
 
@@ -84,8 +84,12 @@ def measure(model_name: str, count: int, tolerance: float) -> dict:
     proof.remember(1)
     stale = [proof.check(g) for g in groups]  # version 0 swapped in for each, then 1 back
     honest = current + stale
-    caught = {str(shift): sum(proof.forged(proof.check(forged(g, shift))) for g in groups) / len(groups)
-              for shift in FORGERY_SHIFTS}
+
+    def caught_at(shift: float) -> float:
+        fakes = [forged(g, shift) for g in groups]
+        return sum(proof.forged(f, proof.check(f)) for f in fakes) / len(fakes)
+
+    caught = {str(shift): caught_at(shift) for shift in FORGERY_SHIFTS}
     return {
         "model": model_name,
         "groups": len(groups),

@@ -35,6 +35,10 @@ class RunConfig(_Section):
 
 class ModelConfig(_Section):
     name: str = "tiny"  # "tiny", "smollm2", or a local Hugging Face model folder
+    # This process's hardware (echo/devices.py): each process resolves "auto" on its own machine,
+    # and an edge sampler ignores the trainer's choice (its command line's --set wins).
+    device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
 class LoraConfig(_Section):
@@ -81,16 +85,23 @@ class TrainerConfig(_Section):
     # (every group of a sampler caught once); a token off by more than the tolerance (nats) is a
     # forgery. A sampler with more than quarantine_after forgeries or reward mismatches is quarantined.
     verify_fraction: float = Field(0.1, ge=0, le=1)
-    verify_tolerance: float = Field(0.01, gt=0)
+    verify_tolerance: float = Field(0.01, gt=0)  # between fp32 samplers and an fp32 trainer
+    # Where either side computes in bf16/fp16: honest SmolLM2 groups measured up to 0.33 (README).
+    verify_tolerance_16bit: float = Field(0.5, gt=0)
     quarantine_after: int = Field(3, ge=0)
     keep_versions: int = Field(3, ge=1)  # versions kept in the weights bucket and run dir; older ones are deleted
     shard_mb: float = Field(64.0, gt=0)  # published weights are split into objects of about this size
+    # What published weights are stored as (samplers cast on load): bf16 halves the bytes on the
+    # wire, at a rounding of the trained fp32 weights that the importance weights correct for.
+    publish_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     ack_wait_s: float = Field(60.0, gt=0)  # a crashed trainer's unacked groups come back after this
     threads: int = Field(0, ge=0)  # torch threads; 0 leaves torch's default
 
 
 class SamplerConfig(_Section):
     count: int = Field(2, ge=1)  # samplers `echo-rl up` starts
+    # auto: vLLM where it is installed and a CUDA device is present, else transformers (echo/engines/).
+    engine: Literal["auto", "hf", "vllm"] = "auto"
     threads: int = Field(0, ge=0)
     heartbeat_s: float = Field(5.0, gt=0)  # how often a sampler writes its status to the run's KV
 

@@ -17,6 +17,21 @@ _LOCAL_ONLY = [
 ]
 
 
+# Fields that describe the machine a process runs on, not the run: a sampler keeps its own
+# (defaults, or its command line) whatever the trainer's machine has.
+_THIS_BOX = [
+    ("nats", "creds"), ("nats", "tls_ca"), ("nats", "weights_url"),  # its own files and relay
+    ("model", "device"), ("model", "dtype"), ("sampler", "engine"), ("sampler", "threads"),  # its hardware
+]
+
+
+def drop_this_box_fields(broker: dict) -> None:
+    """Remove from the broker's config what only the sampler's own machine can say."""
+    for section, key in _THIS_BOX:
+        if isinstance(broker.get(section), dict):
+            broker[section].pop(key, None)
+
+
 def _get(data: dict, path: tuple[str, ...]):
     for key in path:
         data = data.get(key) if isinstance(data, dict) else None

@@ -11,6 +11,7 @@ import torch
 
 from echo.algorithms.grpo import ImportanceStats, LossStats, grpo_loss, group_advantages, importance_weights
 from echo.config import EchoConfig
+from echo.devices import autocast, model_device
 from echo.policy import group_logprobs
 from echo.protocol import RolloutGroup
 
@@ -27,7 +28,7 @@ class GroupStats(NamedTuple):
 
 
 def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]], cfg: EchoConfig, pad_id: int,
-               stop: threading.Event | None = None) -> dict:
+               stop: threading.Event | None = None, compute_dtype: torch.dtype = torch.float32) -> dict:
     """One optimizer step over (group, rewards) pairs. The loss is the token mean over the whole
     batch; each group is forwarded and backpropagated on its own (a group is the unit of memory).
     `stop`, set from another thread, abandons the step between groups (StepAbandoned): a
@@ -35,8 +36,12 @@ def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]],
 
     One step per batch means the policy before the step, pi_old, is the current one: the PPO
     ratio pi / pi_old starts at 1 and the off-policy gap to the sampler's mu is corrected by
-    truncated importance weights pi_old / mu."""
+    truncated importance weights pi_old / mu.
+
+    The forward runs in `compute_dtype` (autocast) over fp32 trainable parameters; log-probs,
+    importance weights and the loss are fp32."""
     tcfg, temperature = cfg.trainer, cfg.sampling.temperature
+    device = model_device(policy)
     total_tokens = sum(len(c.token_ids) for g, _ in batch for c in g.completions)
     started = time.perf_counter()
     policy.train()
@@ -47,16 +52,19 @@ def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]],
             optimizer.zero_grad(set_to_none=True)
             raise StepAbandoned(f"{len(per_group)} of {len(batch)} groups done")
         completions = [c.token_ids for c in group.completions]
-        advantages = group_advantages(torch.tensor(rewards))
+        advantages = group_advantages(torch.tensor(rewards, device=device))
         behaviour = torch.zeros((len(completions), max(map(len, completions))))
         for i, c in enumerate(group.completions):
             behaviour[i, : len(c.logprobs)] = torch.tensor(c.logprobs)
+        behaviour = behaviour.to(device)
         ref_logprobs = None
-        if tcfg.kl_coef > 0:
-            # The reference is the base model: the same weights with the adapter switched off.
-            with torch.no_grad(), policy.disable_adapter():
-                ref_logprobs, _, _ = group_logprobs(policy, group.prompt_token_ids, completions, temperature, pad_id)
-        logprobs, mask, entropy = group_logprobs(policy, group.prompt_token_ids, completions, temperature, pad_id)
+        with autocast(device, compute_dtype):
+            if tcfg.kl_coef > 0:
+                # The reference is the base model: the same weights with the adapter switched off.
+                with torch.no_grad(), policy.disable_adapter():
+                    ref_logprobs, _, _ = group_logprobs(policy, group.prompt_token_ids, completions, temperature,
+                                                        pad_id)
+            logprobs, mask, entropy = group_logprobs(policy, group.prompt_token_ids, completions, temperature, pad_id)
         old_logprobs = logprobs.detach()
         weights, is_stats = importance_weights(old_logprobs, behaviour, mask, tcfg.is_cap, tcfg.is_level)
         loss, loss_stats = grpo_loss(

@@ -114,15 +114,16 @@ def resolve_model(name: str) -> str:
     return name
 
 
-def load_model(name: str):
-    """(model, tokenizer) in fp32, eval mode. Tokenizers pad on the left for generation."""
+def load_model(name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    """(model, tokenizer): the model in `dtype` on `device`, eval mode. Tokenizers pad on the
+    left for generation."""
     path = resolve_model(name)
     if path == "tiny":
         tokenizer = byte_tokenizer()
-        model = tiny_model(tokenizer)
+        model = tiny_model(tokenizer).to(device=device, dtype=dtype)  # built in fp32: the same weights everywhere
     else:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -14,6 +14,7 @@ from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_
 
 from echo.algorithms.grpo import token_logprobs
 from echo.config import ConfigError, LoraConfig
+from echo.devices import model_device
 
 
 class WeightsMismatch(ValueError):
@@ -35,21 +36,22 @@ def weights_kind(model) -> str:
     return "lora" if isinstance(model, PeftModel) else "full"
 
 
-def policy_tensors(model) -> dict[str, torch.Tensor]:
+def policy_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """What a new version publishes: the adapter's tensors, or every parameter (named once:
-    tied embeddings are one parameter, and safetensors refuses tensors sharing memory)."""
+    tied embeddings are one parameter, and safetensors refuses tensors sharing memory), on the
+    CPU, cast to `dtype` if given."""
     if isinstance(model, PeftModel):
         tensors = get_peft_model_state_dict(model)
     else:
         tensors = dict(model.named_parameters())
-    return {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    return {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in tensors.items()}
 
 
-def weights_shards(model, shard_bytes: int) -> list[bytes]:
-    """The policy's tensors as safetensors files of about `shard_bytes` each (in parameter
-    order; a tensor larger than that gets a file of its own)."""
+def weights_shards(model, shard_bytes: int, dtype: torch.dtype | None = None) -> list[bytes]:
+    """The policy's tensors (cast to `dtype` if given) as safetensors files of about
+    `shard_bytes` each (in parameter order; a tensor larger than that gets a file of its own)."""
     shards, current, size = [], {}, 0
-    for name, tensor in policy_tensors(model).items():
+    for name, tensor in policy_tensors(model, dtype).items():
         nbytes = tensor.numel() * tensor.element_size()
         if current and size + nbytes > shard_bytes:
             shards.append(current)
@@ -131,19 +133,22 @@ def group_logprobs(model, prompt_ids: list[int], completions: list[list[int]], t
     cost when prompts are long (the tests check it against the sampler's own log-probs)."""
     group, prompt_len = len(completions), len(prompt_ids)
     length = max(len(c) for c in completions)
+    device = model_device(model)
     ids = torch.full((group, length), pad_id, dtype=torch.long)
     mask = torch.zeros((group, length), dtype=torch.bool)
     for i, completion in enumerate(completions):
         ids[i, : len(completion)] = torch.tensor(completion)
         mask[i, : len(completion)] = True
-    prompt = model(input_ids=torch.tensor([prompt_ids]), use_cache=True, logits_to_keep=1)
+    ids, mask = ids.to(device), mask.to(device)
+    prompt = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True, logits_to_keep=1)
     cache = prompt.past_key_values
     cache.batch_repeat_interleave(group)
     # Completion token t is predicted at position t - 1: the first by the prompt's last position.
     first = prompt.logits[:, -1:].expand(group, 1, -1)
     if length > 1:
-        attention = torch.cat([torch.ones((group, prompt_len), dtype=torch.long), mask[:, :-1].long()], dim=1)
-        positions = torch.arange(prompt_len, prompt_len + length - 1).expand(group, -1)
+        attention = torch.cat([torch.ones((group, prompt_len), dtype=torch.long, device=device), mask[:, :-1].long()],
+                              dim=1)
+        positions = torch.arange(prompt_len, prompt_len + length - 1, device=device).expand(group, -1)
         rest = model(
             input_ids=ids[:, :-1], attention_mask=attention, position_ids=positions, past_key_values=cache
         ).logits

@@ -20,6 +20,7 @@ from collections import Counter
 
 import torch
 
+from echo.devices import autocast, model_device
 from echo.policy import group_logprobs, load_tensors, policy_tensors
 from echo.protocol import RolloutGroup
 
@@ -39,17 +40,23 @@ class SamplingProof:
     versions to check them against, and the check itself."""
 
     def __init__(self, policy, pad_id: int, temperature: float, fraction: float, tolerance: float,
-                 keep: int, seed: int):
+                 keep: int, seed: int, tolerance_16bit: float | None = None, publish_dtype: torch.dtype = torch.float32,
+                 compute_dtype: torch.dtype = torch.float32):
         self.policy, self.pad_id, self.temperature = policy, pad_id, temperature
-        self.fraction, self.tolerance, self.keep = fraction, tolerance, keep
+        self.fraction, self.keep = fraction, keep
+        self.tolerance, self.tolerance_16bit = tolerance, tolerance_16bit or tolerance
+        self.publish_dtype, self.compute_dtype = publish_dtype, compute_dtype
         self.rng = random.Random(f"{seed}/proof")
-        self.versions: dict[int, dict[str, torch.Tensor]] = {}
+        self.versions: dict[int, dict[str, torch.Tensor]] = {}  # as published: what the samplers run
+        self.live: dict[str, torch.Tensor] = {}  # the trainer's own (unrounded) current tensors
         self.suspects: set[str] = set()
         self.counts: Counter[str] = Counter()  # groups by outcome: passed, forged, unverifiable
 
     def remember(self, version: int) -> None:
         """Keep the policy's tensors as `version` (call right after publishing it)."""
-        self.versions[version] = {k: v.clone() for k, v in policy_tensors(self.policy).items()}
+        self.live = {k: v.clone() for k, v in policy_tensors(self.policy).items()}
+        rounded = self.publish_dtype != torch.float32
+        self.versions[version] = {k: v.to(self.publish_dtype) for k, v in self.live.items()} if rounded else self.live
         for old in [v for v in self.versions if v <= version - self.keep]:
             del self.versions[old]
 
@@ -63,24 +70,30 @@ class SamplingProof:
         if tensors is None:
             self.counts["unverifiable"] += 1
             return None
-        newest = max(self.versions)
         completions = [c.token_ids for c in group.completions]
+        swap = tensors is not self.live
         try:
-            if group.policy_version != newest:
+            if swap:
                 load_tensors(self.policy, tensors)
-            with torch.no_grad():
+            with torch.no_grad(), autocast(model_device(self.policy), self.compute_dtype):
                 recomputed, _, _ = group_logprobs(self.policy, group.prompt_token_ids, completions, self.temperature,
                                                   self.pad_id)
         finally:
-            if group.policy_version != newest:
-                load_tensors(self.policy, self.versions[newest])
-        gap = logprob_gap([c.logprobs for c in group.completions], recomputed.float())
-        if self.forged(gap):
+            if swap:
+                load_tensors(self.policy, self.live)
+        gap = logprob_gap([c.logprobs for c in group.completions], recomputed.float().cpu())
+        if self.forged(group, gap):
             self.counts["forged"] += 1
             self.suspects.add(group.sampler_id)
         else:
             self.counts["passed"] += 1
         return gap
 
-    def forged(self, gap: float | None) -> bool:
-        return gap is not None and gap > self.tolerance
+    def tolerance_for(self, group: RolloutGroup) -> float:
+        """fp32 on both sides agrees to float error; a 16-bit side (the group's sampler, or this
+        recomputation) rounds every logit, and the gap is that rounding."""
+        exact = group.dtype == "float32" and self.compute_dtype == torch.float32
+        return self.tolerance if exact else self.tolerance_16bit
+
+    def forged(self, group: RolloutGroup, gap: float | None) -> bool:
+        return gap is not None and gap > self.tolerance_for(group)

@@ -24,9 +24,10 @@ from nats.js.api import (
 )
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-SCHEMA_VERSION = 5  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
+SCHEMA_VERSION = 6  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
 # 4: the trainer grants work (GrantRequest/Grant), samplers no longer take it from KV;
-# 5: leases are numbered: a grant names them, a group carries the one it fulfils and its epoch
+# 5: leases are numbered: a grant names them, a group carries the one it fulfils and its epoch;
+# 6: a group names the engine and precision that sampled it
 
 # Run and sampler ids become subject tokens and stream names: keep them to safe characters.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -196,7 +197,7 @@ def weights_object_name(epoch: int, version: int, shard: int) -> str:
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    schema_version: Literal[5] = SCHEMA_VERSION
+    schema_version: Literal[6] = SCHEMA_VERSION
 
 
 class Completion(BaseModel):
@@ -231,6 +232,10 @@ class RolloutGroup(_Message):
     prompt_token_ids: list[int] = Field(min_length=1)
     completions: list[Completion] = Field(min_length=1)
     temperature: float = Field(gt=0)
+    # What sampled it: 16-bit log-probs differ from the trainer's by rounding, which the proof
+    # of sampling allows for (trainer.verify_tolerance_16bit).
+    engine: Literal["hf", "vllm"]
+    dtype: Literal["float32", "bfloat16", "float16"]
     gen_seconds: float = Field(ge=0)
     created_at: float
 

@@ -148,6 +148,9 @@ async def _join_run(js: JetStreamContext, names: RunNames, hub_domain: str | Non
             if asyncio.get_running_loop().time() > deadline:
                 raise NoRun(f"run {names.run_id!r} does not exist on this broker: is its trainer running?") from None
             await asyncio.sleep(0.5)
+        except BROKER_ERRORS as e:  # the broker restarting under us: wait it out like any other call
+            log.warning("broker.retry", what="join the run", reason=repr(e))
+            await asyncio.sleep(0.5)
 
 
 class NoRun(RuntimeError):
@@ -190,12 +193,18 @@ async def open_run(
 
 
 async def _wait_for_weights_mirror(local_js: JetStreamContext, names: RunNames, url: str, wait_s: int) -> None:
-    for _ in range(wait_s * 2):  # a relay started alongside may not mirror it yet
+    not_there = 0
+    while True:
         try:
             await local_js.stream_info(names.weights_stream)
             return
-        except NotFoundError:
-            await asyncio.sleep(0.5)
+        except NotFoundError:  # a relay started alongside may not mirror it yet
+            not_there += 1
+            if not_there >= wait_s * 2:
+                break
+        except BROKER_ERRORS as e:  # no answer at all (restarting): wait it out
+            log.warning("broker.retry", what="find the weights stream", reason=repr(e))
+        await asyncio.sleep(0.5)
     raise NoWeightsMirror(
         f"{url} holds no weights of run {names.run_id!r}: start its relay with --run-id {names.run_id}")
 
@@ -243,14 +252,14 @@ class LatestValue(Generic[M]):
     async def start(self) -> "LatestValue[M]":
         # The stream is named: a relay's mirror has no subjects to look it up by. A short idle
         # heartbeat lets the ordered consumer notice a restarted server in seconds, not ~20 s.
-        self._sub = await self.js.subscribe(
+        self._sub = await until_done(f"follow {self.subject}", lambda: self.js.subscribe(
             self.subject,
             stream=self.stream,
             ordered_consumer=True,
             idle_heartbeat=1.0,
             deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
             cb=self._on_msg,
-        )
+        ))
         return self
 
     async def _on_msg(self, msg) -> None:

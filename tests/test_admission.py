@@ -6,7 +6,7 @@ import time
 
 from echo.admission import GrantLedger, Heartbeats, allowance, sampler_cap
 from echo.checkpoint import TrainerState
-from echo.protocol import GrantRequest
+from echo.protocol import SCHEMA_VERSION, GrantRequest
 from streams.admission import leases_granted
 from streams.client import open_run
 from streams.grants import request_grant
@@ -86,7 +86,7 @@ def test_grants_never_pass_the_cap_however_many_samplers_race(nats_server, tmp_p
         assert (await _ask(sampler, "s0", lease.epoch - 1, 2)).groups == 0  # a previous trainer's weights
         await orders.ask(3)
         assert (await _ask(sampler, "s0", lease.epoch, 3, want=8)).model_dump() == {
-            "schema_version": 5, "leases": [], "more": True}  # s0 holds 2, more than its share: ask again later
+            "schema_version": SCHEMA_VERSION, "leases": [], "more": True}  # s0 holds 2, more than its share: ask again later
         assert (await _ask(sampler, "late", lease.epoch, 3, want=8)).groups == 1  # 14 asking: a share of 1 of 8
 
         # A restarted trainer numbers its grants on from the count in KV.
@@ -115,7 +115,7 @@ def test_sequential_groups_are_granted_once_and_only_for_the_current_request(nat
         grants = await asyncio.gather(*(_ask(sampler, f"s{i}", lease.epoch, 0, 4, request.request_id) for i in range(3)))
         assert sum(g.groups for g in grants) == 6  # in arrival order: the first alone may get its whole want
         assert (await _ask(sampler, "s0", lease.epoch, 0, 4, request.request_id)).model_dump() == {
-            "schema_version": 5, "leases": [], "more": False}
+            "schema_version": SCHEMA_VERSION, "leases": [], "more": False}
         assert sorted(lease for g in grants for lease in g.leases) == list(range(1, 7))
         await asyncio.sleep(0.1)
         keeper = next(f"s{i}" for i, g in enumerate(grants) if g.leases)
@@ -145,7 +145,8 @@ def test_no_work_is_granted_until_min_samplers_have_asked(nats_server, tmp_path)
         orders = Admission(run, cfg, TrainerState(), GrantLedger())
         await orders.ask(0)
         asked = GrantRequest(want=2, epoch=lease.epoch, version=0)
-        assert (await orders.grant("early", asked)).model_dump() == {"schema_version": 5, "leases": [], "more": True}
+        refused = {"schema_version": SCHEMA_VERSION, "leases": [], "more": True}
+        assert (await orders.grant("early", asked)).model_dump() == refused
         assert (await orders.grant("early", asked)).groups == 0  # asking again does not count twice
         assert (await orders.grant("late", asked)).groups == 2
         assert (await orders.grant("early", asked)).groups == 2

@@ -38,10 +38,12 @@ def test_a_local_model_folder_loads(tmp_path):
     assert tokenizer_again.padding_side == "left"
 
 
-def test_an_edge_sampler_reads_the_runs_config_from_nats(nats_server, tmp_path):
-    cfg = tiny_config(tmp_path, run={"id": "edge"}, nats={"url": "nats://trainer-side:4222"})
+def test_an_edge_sampler_reads_the_runs_config_from_nats_and_keeps_its_own_hardware(nats_server, tmp_path):
+    cfg = tiny_config(tmp_path, run={"id": "edge"}, nats={"url": "nats://trainer-side:4222"},
+                      model={"name": "tiny", "device": "cuda:1", "dtype": "bfloat16"}, sampler={"engine": "vllm"})
     args = build_parser().parse_args(
-        ["sampler", "--id", "laptop", "--nats", nats_server.url, "--run-id", "edge", "--set", "sampler.threads=3"]
+        ["sampler", "--id", "laptop", "--nats", nats_server.url, "--run-id", "edge", "--set", "sampler.threads=3",
+         "--set", "model.dtype=float16"]
     )
 
     async def main_():
@@ -53,3 +55,5 @@ def test_an_edge_sampler_reads_the_runs_config_from_nats(nats_server, tmp_path):
     got = asyncio.run(main_())
     assert got.nats.url == nats_server.url  # where this sampler reaches the server, not the trainer's view
     assert got.sampler.threads == 3 and got.sampling == cfg.sampling and got.task == cfg.task
+    # The trainer's GPU is not this laptop's: device and engine are its own defaults, dtype its flag.
+    assert (got.model.device, got.model.dtype, got.sampler.engine) == ("auto", "float16", "auto")

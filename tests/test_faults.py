@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -19,10 +20,10 @@ from echo.engines.hf import HFEngine
 from echo.learner import StepAbandoned, make_optimizer, train_step
 from echo.models import load_model
 from echo.policy import make_policy
-from echo.protocol import weights_object_name
+from echo.protocol import WeightsAnnouncement, weights_object_name
 from echo.referee import Referee
 from echo.tasks import load_task
-from streams.client import open_run
+from streams.client import LatestValue, open_run
 from streams.lease import take_lease
 from streams.objects import put_object
 from streams.registry import put_status, read_statuses
@@ -169,3 +170,56 @@ def test_a_sequential_sampler_whose_fetch_of_the_requested_version_fails_recover
         await run.close()
 
     asyncio.run(main())
+
+
+def test_a_sampler_that_starts_following_weights_while_the_broker_is_down_waits_for_it(nats_server):
+    """Seen in the broker-restart chaos test: a sampler still starting when the broker was
+    killed failed its first subscription (a timeout) and exited. Starting is retried like any
+    other call to the broker: the follower comes up once the broker is back."""
+
+    async def main():
+        run = await open_run(nats_server.url, "late", "trainer")
+        announcements = LatestValue(run.js, run.names.control_stream, run.names.weights_subject, WeightsAnnouncement,
+                                    lambda error: None)
+        nats_server.process.send_signal(signal.SIGKILL)
+        nats_server.process.wait()
+        starting = asyncio.create_task(announcements.start())
+        await asyncio.sleep(7.0)  # longer than one JetStream request's timeout (5 s): one attempt failed
+        assert not starting.done()
+        await asyncio.to_thread(nats_server.start)
+        async with asyncio.timeout(30):
+            await starting
+        await announcements.stop()
+        await run.close()
+
+    asyncio.run(main())
+
+
+BUSY_WORKER = """
+import asyncio, sys
+import nats
+from workers.cli import run_until_signal
+
+async def worker(url):
+    nc = await nats.connect(url)
+    print("publishing", flush=True)
+    for _ in range(200_000):  # fills nats-py's flush queue: its publish then waits inside its flush
+        await nc.publish("busy", b"x" * 100)
+    await asyncio.Event().wait()
+
+sys.exit(run_until_signal(worker(sys.argv[1])))
+"""
+
+
+def test_sigterm_stops_a_worker_even_when_nats_py_swallows_the_cancellation(nats_server):
+    """Seen as a relay that never stopped: a SIGTERM whose cancellation lands inside a nats-py
+    call is swallowed there (Client._flush_pending catches CancelledError), and the worker ran on.
+    The signal's cancellation is repeated until the worker has ended."""
+    worker = subprocess.Popen([sys.executable, "-c", BUSY_WORKER, nats_server.url], stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout.readline().strip() == "publishing"
+        time.sleep(0.2)
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=15) == 0
+    finally:
+        worker.kill()

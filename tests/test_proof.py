@@ -68,7 +68,7 @@ def test_honest_log_probs_pass_under_the_claimed_version_and_forged_ones_fail():
 
     shifted = [c.model_copy(update={"logprobs": [x - 0.05 for x in c.logprobs]}) for c in group.completions]
     forged = group.model_copy(update={"completions": shifted, "sampler_id": "s9"})
-    assert proof.forged(proof.check(forged)) and proof.suspects == {"s9"}
+    assert proof.forged(forged, proof.check(forged)) and proof.suspects == {"s9"}
     assert proof.wants(forged.model_copy(update={"group_id": "next"}))  # every group of a suspect
     proof.remember(2)  # version 0 is no longer kept
     assert proof.check(group) is None and proof.counts == {"passed": 2, "forged": 1, "unverifiable": 1}

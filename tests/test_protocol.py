@@ -35,6 +35,8 @@ def make_group(version: int = 3, sampler: str = "s1", size: int = 2, group_id: s
             for _ in range(size)
         ],
         temperature=1.0,
+        engine="hf",
+        dtype="float32",
         gen_seconds=0.1,
         created_at=time.time(),
     )

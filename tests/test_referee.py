@@ -33,7 +33,7 @@ def honest_group(index: int = 12, texts=None, **changes) -> RolloutGroup:
     fields = dict(
         group_id="g", sampler_id="s1", policy_version=1, task="math", prompt_index=index, lease=1, epoch=0,
         prompt_token_ids=encode_chat(TOKENIZER, prompt.messages), completions=completions,
-        temperature=1.0, gen_seconds=0.1, created_at=0.0,
+        temperature=1.0, engine="hf", dtype="float32", gen_seconds=0.1, created_at=0.0,
     )
     return RolloutGroup(**{**fields, **changes})
 

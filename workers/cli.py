@@ -17,7 +17,7 @@ from nats.js.errors import KeyNotFoundError
 from pydantic import ValidationError
 
 from echo.config import ConfigError, EchoConfig, apply_override, format_errors, load_config, validate_config
-from echo.edge import check_config_from_broker
+from echo.edge import check_config_from_broker, drop_this_box_fields
 from echo.logs import configure_logging
 from echo.protocol import CONFIG_KEY, HUB_DOMAIN, check_id
 from streams.secure import credentials_of
@@ -169,8 +169,7 @@ async def sampler_config_from_run(args) -> EchoConfig:
         await run.close()
     data = orjson.loads(entry.value)
     check_config_from_broker(data, given)
-    for field in ("creds", "tls_ca", "weights_url"):  # this box's own files and relay are its own business
-        data.get("nats", {}).pop(field, None)
+    drop_this_box_fields(data)
     for assignment in local:  # --nats among them: the hub, or this site's relay
         apply_override(data, assignment)
     return validate_config(data)
@@ -229,15 +228,27 @@ async def quarantine_command(args) -> int:
     return 0
 
 
+RECANCEL_AFTER_S = 3.0  # longer than a worker's own clean-up (a last heartbeat, closing its connection)
+
+
 def run_until_signal(coro) -> int:
     """Run a worker's coroutine; SIGTERM or SIGINT cancels it so it can close cleanly (exit 0).
     A failure is logged with its reason and exits 1, for compose or systemd to restart it."""
 
     async def main():
         task = asyncio.ensure_future(coro)
+        stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, task.cancel)
+            loop.add_signal_handler(sig, stopping.set)
+        signalled = asyncio.ensure_future(stopping.wait())
+        await asyncio.wait({task, signalled}, return_when=asyncio.FIRST_COMPLETED)
+        signalled.cancel()
+        # nats-py swallows a CancelledError that lands inside its flush (Client._flush_pending),
+        # so one cancellation can be lost and the worker run on: repeat it until the worker ends.
+        while not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=RECANCEL_AFTER_S)
         with contextlib.suppress(asyncio.CancelledError):
             await task
         return 0

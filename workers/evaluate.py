@@ -9,12 +9,12 @@ import orjson
 
 from echo.checkpoint import latest_weights
 from echo.config import EchoConfig
-from echo.engines.hf import HFEngine
+from echo.engines import make_engine
 from echo.tasks import load_task
 
 
 def evaluate(cfg: EchoConfig, version: int, shards: list[Path], n: int, batch: int = 8) -> dict:
-    engine = HFEngine(cfg.model.name, cfg.lora, cfg.sampling)
+    engine = make_engine(cfg)
     task = load_task(cfg.task)
     prompts = task.held_out(n)
     ids = [engine.encode_chat(p.messages) for p in prompts]

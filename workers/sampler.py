@@ -16,8 +16,8 @@ import uuid
 import structlog
 
 from echo.config import EchoConfig
-from echo.engines import Engine
-from echo.engines.hf import HFEngine
+from echo.devices import dtype_name
+from echo.engines import Engine, make_engine
 from echo.learner import set_threads
 from echo.policy import WeightsMismatch
 from echo.protocol import Completion, Grant, GrantRequest, PullRequest, RolloutGroup, SamplerStatus
@@ -104,6 +104,8 @@ class Sampler:
                     for g in gens
                 ],
                 temperature=self.cfg.sampling.temperature,
+                engine=self.engine.name,
+                dtype=dtype_name(self.engine.dtype),
                 gen_seconds=seconds / len(prompts),
                 created_at=time.time(),
             )
@@ -204,7 +206,7 @@ async def run_sampler(cfg: EchoConfig, sampler_id: str) -> None:
                          credentials=credentials_of(cfg.nats.creds, cfg.nats.tls_ca), create=False,
                          weights_url=cfg.nats.weights_url or None)
     try:
-        engine = HFEngine(cfg.model.name, cfg.lora, cfg.sampling)
+        engine = make_engine(cfg)
         await Sampler(cfg, sampler_id, run, engine, load_task(cfg.task)).serve()
     finally:
         await run.close()

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import orjson
 import structlog
+import torch
 
 from echo.admission import GrantLedger, Heartbeats, allowance, sampler_cap
 from echo.checkpoint import (
@@ -29,6 +30,7 @@ from echo.checkpoint import (
 )
 from echo.config import EchoConfig
 from echo.consumed import ConsumedSeqs
+from echo.devices import DTYPES, resolve_device, resolve_dtype
 from echo.learner import make_optimizer, set_threads, train_step
 from echo.models import load_model
 from echo.policy import make_policy, weights_kind, weights_shards
@@ -182,7 +184,7 @@ class Collector:
         forged = False
         if self.proof and self.proof.wants(group):
             gap = await asyncio.to_thread(self.proof.check, group)
-            forged = self.proof.forged(gap)
+            forged = self.proof.forged(group, gap)
         if self.quarantine and (forged or admitted.reward_mismatch):
             await self.quarantine.strike(group.sampler_id, "logprob_forgery" if forged else "reward_mismatch")
         if forged:
@@ -403,7 +405,11 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background)
     # Samplers on other machines read the run's config here; this machine's files stay here.
     await run.state.put(CONFIG_KEY, cfg.model_dump_json(exclude={"nats": {"creds", "tls_ca"}}).encode())
 
-    base, tokenizer = load_model(cfg.model.name)
+    device = resolve_device(cfg.model.device)
+    compute_dtype = resolve_dtype(cfg.model.dtype, device)
+    # What is trained stays fp32 (and so does its optimizer state): a LoRA adapter over a base
+    # in compute_dtype, or in full-weight mode the whole model, forwarded under autocast.
+    base, tokenizer = load_model(cfg.model.name, device, compute_dtype if cfg.lora.enabled else torch.float32)
     policy = make_policy(base, cfg.lora)
     optimizer = make_optimizer(policy, cfg)
     checkpoint_path = run_dir / "checkpoint.pt"
@@ -418,7 +424,9 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background)
     ledger, quarantine = GrantLedger(), Quarantined(run, cfg.trainer.quarantine_after)
     await quarantine.start(background)
     proof = SamplingProof(policy, tokenizer.pad_token_id, cfg.sampling.temperature, cfg.trainer.verify_fraction,
-                          cfg.trainer.verify_tolerance, keep=max_staleness + 1, seed=cfg.run.seed)
+                          cfg.trainer.verify_tolerance, keep=max_staleness + 1, seed=cfg.run.seed,
+                          tolerance_16bit=cfg.trainer.verify_tolerance_16bit,
+                          publish_dtype=DTYPES[cfg.trainer.publish_dtype], compute_dtype=compute_dtype)
     collector = Collector(subscription, referee, max_staleness, consumed,
                           load_trained_content(run_dir, state.trained_content), ledger, proof, quarantine,
                           run.epoch, state.version)
@@ -438,7 +446,7 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background)
             await until_done("ask for groups", lambda: orders.ask(state.version))
             collected = await collector.collect(cfg.trainer.groups_per_step, state.version, orders.on_wait)
             batch = [(a.group, a.rewards) for a in collected.used]
-            stats = await train_in_thread(policy, optimizer, batch, cfg, tokenizer.pad_token_id)
+            stats = await train_in_thread(policy, optimizer, batch, cfg, tokenizer.pad_token_id, compute_dtype)
 
             groups = [a.group for a in collected.used]
             trained_at = time.perf_counter()
@@ -533,13 +541,13 @@ async def account(subscription, totals: dict[str, int], consumed: ConsumedSeqs, 
             "unconfirmed_acks": unconfirmed}
 
 
-async def train_in_thread(policy, optimizer, batch, cfg: EchoConfig, pad_id: int) -> dict:
+async def train_in_thread(policy, optimizer, batch, cfg: EchoConfig, pad_id: int, compute_dtype: torch.dtype) -> dict:
     """train_step off the event loop. Cancelled (SIGTERM), it tells the step to stop at the next
     group: the process then exits in seconds instead of finishing a long step; nothing of the
     step was acked, so its groups are redelivered to the next trainer."""
     stop = threading.Event()
     try:
-        return await asyncio.to_thread(train_step, policy, optimizer, batch, cfg, pad_id, stop)
+        return await asyncio.to_thread(train_step, policy, optimizer, batch, cfg, pad_id, stop, compute_dtype)
     except asyncio.CancelledError:
         stop.set()
         raise
@@ -566,7 +574,7 @@ async def publish_policy(run: Run, cfg: EchoConfig, policy, version: int, run_di
     """Write the version's shards to the run directory (for `echo-rl eval`), then publish them.
     Both keep the newest `trainer.keep_versions` versions."""
     started = time.perf_counter()
-    shards = weights_shards(policy, int(cfg.trainer.shard_mb * 2**20))
+    shards = weights_shards(policy, int(cfg.trainer.shard_mb * 2**20), DTYPES[cfg.trainer.publish_dtype])
     for index, data in enumerate(shards):
         weights_file(run_dir, version, index).write_bytes(data)
     prune_weights(run_dir, version - cfg.trainer.keep_versions + 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -49,10 +50,10 @@ def importance_weights(
     log_ratio = (old_logprobs - behaviour_logprobs) * maskf
     ratio = torch.exp(log_ratio)
     weights = torch.clamp(ratio, max=cap) * maskf
-    keep = torch.ones(ratio.shape[0], dtype=torch.bool)
+    keep = torch.ones(ratio.shape[0], dtype=torch.bool, device=ratio.device)
     if level == "sequence":
         mean_log_ratio = log_ratio.sum(-1) / maskf.sum(-1).clamp(min=1.0)
-        keep = mean_log_ratio.abs() <= torch.log(torch.tensor(cap))
+        keep = mean_log_ratio.abs() <= math.log(cap)
         weights = weights * keep.unsqueeze(-1)
     n = maskf.sum().clamp(min=1.0)
     stats = ImportanceStats(

@@ -9,14 +9,21 @@ import torch
 from transformers import GenerationConfig
 
 from echo.config import LoraConfig, SamplingConfig
+from echo.devices import resolve_device, resolve_dtype
 from echo.engines import Generation
 from echo.models import encode_chat, load_model
 from echo.policy import load_weights, make_policy
 
 
 class HFEngine:
-    def __init__(self, model_name: str, lora: LoraConfig, sampling: SamplingConfig):
-        base, self.tokenizer = load_model(model_name)
+    name = "hf"
+
+    def __init__(self, model_name: str, lora: LoraConfig, sampling: SamplingConfig, device: str = "auto",
+                 dtype: str = "auto"):
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        base, self.tokenizer = load_model(model_name, self.device, self.dtype)
+        # peft keeps the adapter in fp32 over a 16-bit base; published weights are cast on load.
         self.model = make_policy(base, lora).eval()
         self.temperature = sampling.temperature
         # Plain sampling at `temperature`: no top-k/top-p, so the behaviour log-probs the
@@ -41,7 +48,7 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False) -> list[list[Generation]]:
-        batch = self.tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
+        batch = self.tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(self.device)
         config = copy.deepcopy(self.generation_config)
         config.num_return_sequences = n
         if greedy:  # evaluation: the log-probs are then those of the tempered distribution, unused
@@ -53,6 +60,7 @@ class HFEngine:
         # softmax(logits / T) is the behaviour log-prob.
         steps = torch.stack(out.logits, dim=1).float() / self.temperature
         logprobs = torch.log_softmax(steps, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        new_tokens, logprobs = new_tokens.cpu(), logprobs.cpu()
         eos = self.tokenizer.eos_token_id
         generations = []
         for row in range(new_tokens.shape[0]):
