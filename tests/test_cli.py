@@ -1,4 +1,5 @@
 import asyncio
+import importlib.util
 
 import pytest
 
@@ -12,6 +13,18 @@ from workers.cli import build_parser, config_from_args, main, sampler_config_fro
 def test_bad_config_fails_at_start_naming_the_field(capsys):
     assert main(["up", "--model", "tiny", "--set", "trainer.lrr=1"]) == 2
     assert "trainer.lrr: unknown field" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_a_vllm_sampler_without_vllm_stops_at_start_naming_the_extra(tmp_path, capsys):
+    config_path = tmp_path / "config.toml"
+    config_path.write_text(tiny_config(tmp_path).to_toml())
+    args = ["sampler", "--config", str(config_path), "--id", "s1", "--nats", "nats://127.0.0.1:1",
+            "--set", "sampler.engine=vllm"]
+    assert main(args) == 2  # before connecting: the broker's URL here reaches nothing
+    assert "pip install 'echo-rl[vllm]'" in capsys.readouterr().err
+    assert main([*args[:-1], "model.device=cuda:3"]) == 2
+    assert "model.device = 'cuda:3'" in capsys.readouterr().err
 
 
 def test_shortcut_flags_become_config_fields():

@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = sub.add_parser("eval", help="score the base model and the run's last published weights on held-out prompts")
     evaluate.add_argument("--run", required=True, type=Path, help="run directory")
     evaluate.add_argument("--prompts", type=int, default=50, help="held-out prompts to score (greedy)")
+    evaluate.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                          help="override the run's config here, e.g. this machine's model.device")
     evaluate.add_argument("--log-json", action="store_true")
     report = sub.add_parser("report", help="plot reward, staleness and learner utilisation to <run>/report.png")
     report.add_argument("--run", required=True, type=Path, help="run directory")
@@ -228,6 +230,16 @@ async def quarantine_command(args) -> int:
     return 0
 
 
+def check_hardware(cfg: EchoConfig, sampler: bool) -> None:
+    """A device or engine this machine does not have stops the worker at start, in one line."""
+    from echo.devices import resolve_device
+    from echo.engines import engine_choice
+
+    resolve_device(cfg.model.device)
+    if sampler:
+        engine_choice(cfg.sampler.engine)
+
+
 RECANCEL_AFTER_S = 3.0  # longer than a worker's own clean-up (a last heartbeat, closing its connection)
 
 
@@ -267,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             from workers.evaluate import evaluate_run
 
             configure_logging(args.log_json, worker="eval")
-            print(orjson.dumps(evaluate_run(args.run, args.prompts), option=orjson.OPT_INDENT_2).decode())
+            print(orjson.dumps(evaluate_run(args.run, args.prompts, args.set), option=orjson.OPT_INDENT_2).decode())
             return 0
         if args.command == "report":
             from workers.report import write_report
@@ -299,12 +311,14 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = asyncio.run(sampler_config_from_run(args))
             else:
                 cfg = config_from_args(args)
+            check_hardware(cfg, sampler=True)
             configure_logging(args.log_json, worker=f"sampler-{args.id}")
             from workers.sampler import run_sampler
 
             return run_until_signal(run_sampler(cfg, args.id))
         cfg = config_from_args(args)
         if args.command == "trainer":
+            check_hardware(cfg, sampler=False)
             configure_logging(args.log_json, worker="trainer")
             from workers.trainer import run_trainer
 

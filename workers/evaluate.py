@@ -40,10 +40,10 @@ def evaluate(cfg: EchoConfig, version: int, shards: list[Path], n: int, batch: i
     }
 
 
-def evaluate_run(run_dir: Path, n: int) -> dict:
+def evaluate_run(run_dir: Path, n: int, overrides: list[str] = ()) -> dict:
     from echo.config import load_config
 
-    cfg = load_config(run_dir / "config.toml")
+    cfg = load_config(run_dir / "config.toml", overrides)
     result = evaluate(cfg, *latest_weights(run_dir), n)
     (run_dir / "eval.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     return result
