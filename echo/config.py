@@ -63,6 +63,9 @@ class SamplingConfig(_Section):
 
 class TrainerConfig(_Section):
     groups_per_step: int = Field(4, ge=1)
+    # Forward and backpropagate a group's completions in micro-batches of at most this many tokens
+    # (the prompt once, plus each completion padded to the longest beside it); 0: a group at a time.
+    micro_batch_tokens: int = Field(0, ge=0)
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     clip_eps: float = Field(0.2, gt=0)
