@@ -55,8 +55,12 @@ class NatsServer:
         server_name: str | None = None,
         cluster_port: int | None = None,
         routes: list[int] = (),
+        advertise_leaf: bool = True,
     ):
         self.store_dir = Path(store_dir)
+        # False: relays reach this hub only at the URL they were given, never at the leaf address
+        # it would tell them (which lets a relay behind a proxy or NAT go around it).
+        self.advertise_leaf = advertise_leaf
         self.port = port or free_port()
         self.log_file = Path(log_file) if log_file else None
         self.domain, self.leaf_port, self.hub_leaf_url, self.http_port = domain, leaf_port, hub_leaf_url, http_port
@@ -92,6 +96,8 @@ class NatsServer:
             leaf = []
             if self.leaf_port:
                 leaf.append(f"listen: {q(f'{self.host}:{self.leaf_port}')}")
+                if not self.advertise_leaf:
+                    leaf.append("no_advertise: true")
             if self.hub_leaf_url:
                 leaf.append(f"remotes: [ {q({'url': self.hub_leaf_url, **self.hub_leaf_options})} ]")
                 leaf.append("reconnect: \"1s\"")  # between attempts to reach the hub again

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import orjson
 import psutil
@@ -172,6 +173,11 @@ def test_a_cluster_node_killed_mid_run_and_left_down_lets_the_run_finish(tmp_pat
     assert_balanced(metrics, broker_crashed=True)
 
 
+def _leaf_connections(server: NatsServer) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/leafz", timeout=5) as reply:
+        return len(orjson.loads(reply.read())["leafs"] or [])
+
+
 class CuttableLink:
     """A TCP proxy on its own thread and event loop: `cut()` drops every connection through it
     and refuses new ones, `restore()` accepts again on the same port: a site's uplink going down."""
@@ -218,7 +224,8 @@ class CuttableLink:
 def test_samplers_behind_a_relay_whose_uplink_is_cut_and_restored_carry_on(tmp_path):
     """The relay's leaf connection to the hub goes through a link cut for 4 s mid-run: the
     samplers behind it keep their groups and retry, the relay reconnects, the run finishes."""
-    with NatsServer(tmp_path / "hub", leaf_port=free_port()) as hub:
+    # The hub does not advertise its leaf address: else the relay reconnects around the cut link.
+    with NatsServer(tmp_path / "hub", leaf_port=free_port(), advertise_leaf=False, http_port=free_port()) as hub:
         link = CuttableLink(hub.leaf_port)
         cfg = tiny_config(tmp_path, run={"id": "uplink", "steps": 10}, trainer={"max_staleness": 1},
                           nats={"url": hub.url})
@@ -236,6 +243,7 @@ def test_samplers_behind_a_relay_whose_uplink_is_cut_and_restored_carry_on(tmp_p
             wait_for_steps(cfg.run_dir, 3, [trainer, *samplers])
             link.cut()
             time.sleep(4.0)
+            assert _leaf_connections(hub) == 0  # the site really is cut off, not reconnected around the link
             link.restore()
             _finishes_with_every_sampler_alive(trainer, samplers)
         finally:
