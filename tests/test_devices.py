@@ -1,11 +1,14 @@
 """Devices and precision (echo/devices.py): what each process resolves, what stays fp32 under a
 16-bit model, and weights published in bf16. No GPU here: the 16-bit paths run in bf16 on the CPU."""
 
+import importlib.util
+
 import pytest
 import torch
 
 from echo.config import ConfigError
 from echo.devices import autocast, resolve_device, resolve_dtype
+from echo.engines import engine_choice
 from echo.engines.hf import HFEngine
 from echo.learner import make_optimizer, train_step
 from echo.models import load_model
@@ -23,6 +26,11 @@ def test_auto_picks_the_best_device_here_and_its_dtype():
         assert resolve_dtype("auto", device) == torch.float32  # 16-bit matmuls are slower on a CPU
     assert resolve_dtype("auto", torch.device("mps")) == torch.float16
     assert resolve_dtype("bfloat16", device) == torch.bfloat16
+
+
+def test_auto_engine_is_vllm_only_with_vllm_and_a_gpu():
+    expected = "vllm" if importlib.util.find_spec("vllm") and torch.cuda.is_available() else "hf"
+    assert engine_choice("auto") == expected and engine_choice("hf") == "hf"
 
 
 @pytest.mark.parametrize("field, value", [("device", "gpu"), ("device", "cuda:x"), ("dtype", "bf16")])

@@ -1,0 +1,80 @@
+"""Benchmark: peak memory and time of one trainer step with and without micro-batching
+(`trainer.micro_batch_tokens`), on one group of long completions. Each setting runs in a fresh
+process, so its peak resident memory (ru_maxrss) is its own; the baseline (0: the whole group in
+one forward) runs in the same invocation.
+
+    .venv/bin/python bench/micro_batches.py [--model smollm2] [--group 16] [--tokens 512] [--budgets 0 2048 1024]
+
+Writes bench/results/micro_batches.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+
+
+def one_step(model: str, group: int, tokens: int, budget: int) -> dict:
+    import torch
+
+    from echo.config import validate_config
+    from echo.learner import make_optimizer, train_step
+    from echo.models import load_model
+    from echo.policy import make_policy
+    from echo.protocol import Completion, RolloutGroup
+
+    torch.manual_seed(0)
+    cfg = validate_config({"model": {"name": model}, "trainer": {"micro_batch_tokens": budget}})
+    base, tokenizer = load_model(model)
+    policy = make_policy(base, cfg.lora)
+    vocab = base.get_input_embeddings().num_embeddings
+    prompt = torch.randint(0, vocab, (64,)).tolist()
+    completions = [Completion(token_ids=torch.randint(0, vocab, (tokens,)).tolist(), logprobs=[-1.0] * tokens,
+                              text="", reward=float(i % 2), finish_reason="length") for i in range(group)]
+    batch = [(RolloutGroup(group_id="g", sampler_id="s", policy_version=0, epoch=0, task="bench", prompt_index=0,
+                           lease=1, prompt_token_ids=prompt, completions=completions, temperature=1.0, engine="hf",
+                           dtype="float32", gen_seconds=0.0, created_at=0.0), [c.reward for c in completions])]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    started = time.perf_counter()
+    train_step(policy, make_optimizer(policy, cfg), batch, cfg, tokenizer.pad_token_id)
+    return {"budget": budget, "step_s": round(time.perf_counter() - started, 2),
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            "before_step_rss_mb": round(before / 1024)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--group", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[0, 2048, 1024])
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process: one setting
+    args = parser.parse_args()
+    if args.one is not None:
+        print(orjson.dumps(one_step(args.model, args.group, args.tokens, args.one)).decode())
+        return
+    runs = []
+    for budget in args.budgets:
+        out = subprocess.run([sys.executable, __file__, "--model", args.model, "--group", str(args.group),
+                              "--tokens", str(args.tokens), "--one", str(budget)], capture_output=True, text=True,
+                             check=True)
+        runs.append(orjson.loads(out.stdout.strip().splitlines()[-1]))
+    baseline = runs[0]
+    for run in runs:
+        run["peak_vs_whole_group"] = round(run["peak_rss_mb"] / baseline["peak_rss_mb"], 2)
+        run["time_vs_whole_group"] = round(run["step_s"] / baseline["step_s"], 2)
+    result = {"model": args.model, "group": f"{args.group} completions x {args.tokens} tokens, prompt 64",
+              "runs": runs}
+    out = Path(__file__).parent / "results" / "micro_batches.json"
+    out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+
+
+if __name__ == "__main__":
+    main()
