@@ -45,7 +45,8 @@ def micro_batches(prompt_len: int, lengths: list[int], budget: int) -> list[list
 
 
 def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]], cfg: EchoConfig, pad_id: int,
-               stop: threading.Event | None = None, compute_dtype: torch.dtype = torch.float32) -> dict:
+               stop: threading.Event | None = None, compute_dtype: torch.dtype = torch.float32,
+               normalizer: int | None = None) -> dict:
     """One optimizer step over (group, rewards) pairs. The loss is the token mean over the whole
     batch; each group is forwarded and backpropagated on its own, or in micro-batches of its
     completions under `trainer.micro_batch_tokens` (gradients accumulate: the same step, in less
@@ -61,6 +62,7 @@ def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]],
     tcfg, temperature = cfg.trainer, cfg.sampling.temperature
     device = model_device(policy)
     total_tokens = sum(len(c.token_ids) for g, _ in batch for c in g.completions)
+    normalizer = normalizer or total_tokens  # a rank's share of a step divides by the whole step's tokens
     started = time.perf_counter()
     policy.train()
     optimizer.zero_grad(set_to_none=True)
@@ -88,7 +90,7 @@ def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]],
             old_logprobs = logprobs.detach()
             weights, is_stats = importance_weights(old_logprobs, behaviour[rows, : logprobs.shape[1]], mask,
                                                    tcfg.is_cap, tcfg.is_level)
-            loss, loss_stats = grpo_loss(logprobs, old_logprobs, advantages[rows], mask, tcfg.clip_eps, total_tokens,
+            loss, loss_stats = grpo_loss(logprobs, old_logprobs, advantages[rows], mask, tcfg.clip_eps, normalizer,
                                          weights, ref_logprobs, tcfg.kl_coef)
             loss.backward()
             loss_sum += loss.item()
