@@ -44,3 +44,30 @@ def rank_share(batch: list, rank: int, world: int) -> list:
 def gathered(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Whole tensors from sharded ones (a collective: every rank calls it), on the CPU."""
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in tensors.items()}
+
+
+def _state(policy, optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    # What is trained and its optimizer state; the frozen base is the model's own files.
+    model, optim = get_state_dict(policy, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    return {"model": model, "optimizer": optim}
+
+
+def save_sharded(path, policy, optimizer) -> None:
+    """torch.distributed.checkpoint: every rank writes its own shards (a collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_state(policy, optimizer), checkpoint_id=str(path))
+
+
+def load_sharded(path, policy, optimizer) -> None:
+    """Read a save_sharded checkpoint into this run's shards, whatever the number of ranks that
+    wrote it (the checkpoint holds whole-tensor metadata: DCP reshards)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    state = _state(policy, optimizer)
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))  # frozen: not in it
