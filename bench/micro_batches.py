@@ -20,6 +20,27 @@ from pathlib import Path
 import orjson
 
 
+def long_groups(vocab: int, groups: int, group: int, tokens: int) -> list:
+    """`groups` (group, rewards) pairs of `group` random completions of `tokens` tokens each
+    after a 64-token prompt (seeded: every process builds the same)."""
+    import torch
+
+    from echo.protocol import Completion, RolloutGroup
+
+    generator = torch.Generator().manual_seed(0)
+    batch = []
+    for g in range(groups):
+        prompt = torch.randint(0, vocab, (64,), generator=generator).tolist()
+        completions = [Completion(token_ids=torch.randint(0, vocab, (tokens,), generator=generator).tolist(),
+                                  logprobs=[-1.0] * tokens, text="", reward=float(i % 2), finish_reason="length")
+                       for i in range(group)]
+        batch.append((RolloutGroup(group_id=f"g{g}", sampler_id="s", policy_version=0, epoch=0, task="bench",
+                                   prompt_index=g, lease=g + 1, prompt_token_ids=prompt, completions=completions,
+                                   temperature=1.0, engine="hf", dtype="float32", gen_seconds=0.0, created_at=0.0),
+                      [c.reward for c in completions]))
+    return batch
+
+
 def one_step(model: str, group: int, tokens: int, budget: int) -> dict:
     import torch
 
@@ -27,19 +48,12 @@ def one_step(model: str, group: int, tokens: int, budget: int) -> dict:
     from echo.learner import make_optimizer, train_step
     from echo.models import load_model
     from echo.policy import make_policy
-    from echo.protocol import Completion, RolloutGroup
 
     torch.manual_seed(0)
     cfg = validate_config({"model": {"name": model}, "trainer": {"micro_batch_tokens": budget}})
     base, tokenizer = load_model(model)
     policy = make_policy(base, cfg.lora)
-    vocab = base.get_input_embeddings().num_embeddings
-    prompt = torch.randint(0, vocab, (64,)).tolist()
-    completions = [Completion(token_ids=torch.randint(0, vocab, (tokens,)).tolist(), logprobs=[-1.0] * tokens,
-                              text="", reward=float(i % 2), finish_reason="length") for i in range(group)]
-    batch = [(RolloutGroup(group_id="g", sampler_id="s", policy_version=0, epoch=0, task="bench", prompt_index=0,
-                           lease=1, prompt_token_ids=prompt, completions=completions, temperature=1.0, engine="hf",
-                           dtype="float32", gen_seconds=0.0, created_at=0.0), [c.reward for c in completions])]
+    batch = long_groups(base.get_input_embeddings().num_embeddings, 1, group, tokens)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.perf_counter()
     train_step(policy, make_optimizer(policy, cfg), batch, cfg, tokenizer.pad_token_id)

@@ -97,7 +97,7 @@ async def measure(hub: NatsServer, model: str, n: int, versions: int, relay: boo
                 for name, p in policy.named_parameters():
                     if "lora_B" in name:
                         p.fill_(version / 1000)
-            shards = weights_shards(policy, 2**30)
+            shards = list(weights_shards(policy, 2**30))
             size = sum(map(len, shards))
             sent_before, published_at = hub_out_bytes(hub.http_port), time.time()
             await publish_weights(run, version, shards, model)

@@ -1,21 +1,28 @@
 """The trainer's files in the run directory.
 
-checkpoint.pt: everything needed to resume a run exactly where it stopped. One file, replaced
-atomically (write, fsync, rename), so a crash leaves either the old checkpoint or the new one,
-never half of one. Its size does not grow with the run.
+checkpoint.pt: everything needed to resume a run exactly where it stopped: the trainer state,
+RNG, and the name of the folder in checkpoint/ that holds what is trained and its optimizer
+state (torch.distributed.checkpoint: each rank writes its own shards; any number of ranks, or
+one process, reads them back). One small file, replaced atomically (write, fsync, rename) after
+its folder is complete, so a crash leaves either the old checkpoint or the new one, never half
+of one. Its size does not grow with the run.
 trained_content.txt: the content hash of every group trained on (replays are refused), one per
 line, appended and synced before each checkpoint, which counts the lines that are its own.
 weights/: the newest published versions' safetensors shards, for `echo-rl eval`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-from echo.policy import load_tensors, policy_tensors
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 
 @dataclass
@@ -29,29 +36,59 @@ class TrainerState:
     record: dict | None = None  # the last step's metrics line, restored if the crash lost it
 
 
-def save_checkpoint(path: Path, policy, optimizer, state: TrainerState) -> None:
-    payload = {
-        "policy": policy_tensors(policy),
-        "optimizer": optimizer.state_dict(),
-        "torch_rng": torch.get_rng_state(),
-        "state": vars(state),
-    }
+def save_checkpoint(path: Path, policy, optimizer, state: TrainerState, rng_states: list[torch.Tensor] | None = None,
+                    commit: bool = True) -> None:
+    """On several ranks every rank calls it (each writes its shards) and one commits, with
+    every rank's RNG state in `rng_states`."""
+    folder = path.with_suffix("") / f"step-{state.step:06d}"
+    with _one_process_is_fine():
+        dcp.save(_trained_state(policy, optimizer), storage_writer=dcp.FileSystemWriter(folder, overwrite=True),
+                 no_dist=not dist.is_initialized())
+    if not commit:
+        return
+    payload = {"model": folder.name, "torch_rng": rng_states or [torch.get_rng_state()], "state": vars(state)}
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as f:
         torch.save(payload, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    for old in folder.parent.iterdir():  # earlier steps', and any a crash left half written
+        if old != folder:
+            shutil.rmtree(old)
 
 
-def load_checkpoint(path: Path, policy, optimizer) -> TrainerState | None:
+def load_checkpoint(path: Path, policy, optimizer, rank: int = 0) -> TrainerState | None:
+    """Resume what `save_checkpoint` wrote into this process's (or rank's) policy and
+    optimizer, whatever the number of ranks that wrote it."""
     if not path.exists():
         return None
     payload = torch.load(path, weights_only=True)
-    load_tensors(policy, payload["policy"])
-    optimizer.load_state_dict(payload["optimizer"])
-    torch.set_rng_state(payload["torch_rng"])
+    if "model" not in payload:
+        raise RuntimeError(f"{path} was written by an older echo-rl (one file, no checkpoint/ folder): "
+                           "resume it with that version, or start the run afresh in another directory")
+    trained = _trained_state(policy, optimizer)
+    with _one_process_is_fine():
+        dcp.load(trained, checkpoint_id=path.with_suffix("") / payload["model"], no_dist=not dist.is_initialized())
+    set_state_dict(policy, optimizer, model_state_dict=trained["model"], optim_state_dict=trained["optimizer"],
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))  # frozen: not in it
+    rngs = payload["torch_rng"]
+    torch.set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])  # fewer ranks before: rank 0's
     return TrainerState(**payload["state"])
+
+
+@contextlib.contextmanager
+def _one_process_is_fine():
+    with warnings.catch_warnings():  # DCP warns whenever it runs without a process group
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        yield
+
+
+def _trained_state(policy, optimizer) -> dict:
+    """What is trained and its optimizer state, as the ranks hold them; the frozen base is the
+    model's own files."""
+    model, optim = get_state_dict(policy, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    return {"model": model, "optimizer": optim}
 
 
 def weights_file(run_dir: Path, version: int, shard: int) -> Path:

@@ -20,9 +20,10 @@ class StepAbandoned(Exception):
     """The step was told to stop before its optimizer update: the policy is as it was."""
 
 
-class GroupStats(NamedTuple):
+class PassStats(NamedTuple):
     tokens: int
     sequences: int
+    loss_value: float  # this pass's share of the step's loss
     loss: LossStats
     importance: ImportanceStats
     entropy: float
@@ -44,14 +45,32 @@ def micro_batches(prompt_len: int, lengths: list[int], budget: int) -> list[list
     return batches + [current]
 
 
+def step_passes(batch: list[tuple[RolloutGroup, list[float]]], budget: int) -> list[tuple[int, list[int]]]:
+    """A step's forward/backward passes, in order: (group index, completion rows) per micro-batch."""
+    return [(g, rows) for g, (group, _) in enumerate(batch)
+            for rows in micro_batches(len(group.prompt_token_ids), [len(c.token_ids) for c in group.completions], budget)]
+
+
+def rank_passes(passes: list, rank: int, world: int) -> list:
+    """This rank's share of a step's passes (every world-th), padded with None (an empty pass) to
+    the same count on every rank: on a sharded model each forward and backward is a collective,
+    so every rank must run as many, shaped alike."""
+    mine = passes[rank::world]
+    return mine + [None] * (-(-len(passes) // world) - len(mine))
+
+
 def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]], cfg: EchoConfig, pad_id: int,
                stop: threading.Event | None = None, compute_dtype: torch.dtype = torch.float32,
-               normalizer: int | None = None) -> dict:
+               rank: int = 0, world: int = 1) -> dict:
     """One optimizer step over (group, rewards) pairs. The loss is the token mean over the whole
     batch; each group is forwarded and backpropagated on its own, or in micro-batches of its
     completions under `trainer.micro_batch_tokens` (gradients accumulate: the same step, in less
-    memory). `stop`, set from another thread, abandons the step between groups (StepAbandoned):
+    memory). `stop`, set from another thread, abandons the step between passes (StepAbandoned):
     a trainer told to stop does not finish a long step first.
+
+    On `world` ranks (a sharded model) each rank runs its share of the passes; their gradients
+    add up to the whole step's (each pass divides by the whole batch's tokens). The statistics
+    are this rank's: merge_stats combines the ranks'.
 
     One step per batch means the policy before the step, pi_old, is the current one: the PPO
     ratio pi / pi_old starts at 1 and the off-policy gap to the sampler's mu is corrected by
@@ -59,48 +78,33 @@ def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]],
 
     The forward runs in `compute_dtype` (autocast) over fp32 trainable parameters; log-probs,
     importance weights and the loss are fp32."""
-    tcfg, temperature = cfg.trainer, cfg.sampling.temperature
+    tcfg = cfg.trainer
     device = model_device(policy)
     total_tokens = sum(len(c.token_ids) for g, _ in batch for c in g.completions)
-    normalizer = normalizer or total_tokens  # a rank's share of a step divides by the whole step's tokens
+    passes = rank_passes(step_passes(batch, tcfg.micro_batch_tokens), rank, world)
     started = time.perf_counter()
     policy.train()
     optimizer.zero_grad(set_to_none=True)
-    per_batch, loss_sum = [], 0.0
-    for done, (group, rewards) in enumerate(batch):
+    per_pass, loss_sum = [], 0.0
+    for done, this in enumerate(passes):
         if stop is not None and stop.is_set():
             optimizer.zero_grad(set_to_none=True)
-            raise StepAbandoned(f"{done} of {len(batch)} groups done")
-        completions = [c.token_ids for c in group.completions]
-        advantages = group_advantages(torch.tensor(rewards, device=device))  # over the whole group
-        behaviour = torch.zeros((len(completions), max(map(len, completions))))
-        for i, c in enumerate(group.completions):
-            behaviour[i, : len(c.logprobs)] = torch.tensor(c.logprobs)
-        behaviour = behaviour.to(device)
-        prompt = group.prompt_token_ids
-        for rows in micro_batches(len(prompt), list(map(len, completions)), tcfg.micro_batch_tokens):
-            part = [completions[i] for i in rows]
-            ref_logprobs = None
-            with autocast(device, compute_dtype):
-                if tcfg.kl_coef > 0:
-                    # The reference is the base model: the same weights with the adapter switched off.
-                    with torch.no_grad(), policy.disable_adapter():
-                        ref_logprobs, _, _ = group_logprobs(policy, prompt, part, temperature, pad_id)
-                logprobs, mask, entropy = group_logprobs(policy, prompt, part, temperature, pad_id)
-            old_logprobs = logprobs.detach()
-            weights, is_stats = importance_weights(old_logprobs, behaviour[rows, : logprobs.shape[1]], mask,
-                                                   tcfg.is_cap, tcfg.is_level)
-            loss, loss_stats = grpo_loss(logprobs, old_logprobs, advantages[rows], mask, tcfg.clip_eps, normalizer,
-                                         weights, ref_logprobs, tcfg.kl_coef)
-            loss.backward()
-            loss_sum += loss.item()
-            per_batch.append(GroupStats(int(mask.sum()), len(rows), loss_stats, is_stats, float(entropy[mask].mean())))
+            raise StepAbandoned(f"{done} of {len(passes)} passes done")
+        if this is None:
+            _empty_pass(policy, cfg, pad_id, device, compute_dtype)
+            continue
+        group, rewards = batch[this[0]]
+        stats = _pass(policy, cfg, pad_id, device, compute_dtype, group, rewards, this[1], total_tokens)
+        loss_sum += stats.loss_value
+        per_pass.append(stats)
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], tcfg.max_grad_norm)
     optimizer.step()
     policy.eval()
 
+    tokens, sequences = sum(g.tokens for g in per_pass), sum(g.sequences for g in per_pass)
+
     def token_mean(value) -> float:
-        return sum(g.tokens * value(g) for g in per_batch) / max(total_tokens, 1)
+        return sum(g.tokens * value(g) for g in per_pass) / max(tokens, 1)
 
     rewards = torch.tensor([r for _, rs in batch for r in rs])
     return {
@@ -109,16 +113,76 @@ def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]],
         "clip_fraction": token_mean(lambda g: g.loss.clip_fraction),
         "entropy": token_mean(lambda g: g.entropy),
         "is_ratio_mean": token_mean(lambda g: g.importance.ratio_mean),
-        "is_ratio_max": max(g.importance.ratio_max for g in per_batch),
+        "is_ratio_max": max((g.importance.ratio_max for g in per_pass), default=0.0),
         "is_truncated_fraction": token_mean(lambda g: g.importance.truncated_fraction),
-        "is_masked_fraction": sum(g.importance.masked_fraction * g.sequences for g in per_batch)
-        / sum(g.sequences for g in per_batch),
+        "is_masked_fraction": sum(g.importance.masked_fraction * g.sequences for g in per_pass) / max(sequences, 1),
         "grad_norm": float(grad_norm),
-        "reward_mean": float(rewards.mean()),
+        "reward_mean": float(rewards.mean()),  # the whole batch's, on every rank
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-        "tokens": total_tokens,
+        "tokens": tokens,
+        "sequences": sequences,
         "train_seconds": time.perf_counter() - started,
     }
+
+
+TOKEN_MEANS = ("kl", "clip_fraction", "entropy", "is_ratio_mean", "is_truncated_fraction")
+
+
+def merge_stats(parts: list[dict]) -> dict:
+    """The whole step's statistics from each rank's train_step statistics."""
+    tokens, sequences = sum(p["tokens"] for p in parts), sum(p["sequences"] for p in parts)
+    return {
+        **parts[0],  # the same on every rank: grad_norm, reward_mean, reward_std
+        **{k: sum(p[k] * p["tokens"] for p in parts) / max(tokens, 1) for k in TOKEN_MEANS},
+        "is_masked_fraction": sum(p["is_masked_fraction"] * p["sequences"] for p in parts) / max(sequences, 1),
+        "is_ratio_max": max(p["is_ratio_max"] for p in parts),
+        "loss": sum(p["loss"] for p in parts),
+        "tokens": tokens,
+        "sequences": sequences,
+        "train_seconds": max(p["train_seconds"] for p in parts),
+    }
+
+
+def _pass(policy, cfg: EchoConfig, pad_id: int, device, compute_dtype, group: RolloutGroup, rewards: list[float],
+          rows: list[int], normalizer: int) -> PassStats:
+    """Forward and backward over some of a group's completions (all share its prompt)."""
+    tcfg = cfg.trainer
+    completions = [group.completions[i].token_ids for i in rows]
+    advantages = group_advantages(torch.tensor(rewards, device=device))[rows]  # over the whole group
+    logprobs, mask, entropy, ref_logprobs = _forward(policy, cfg, pad_id, device, compute_dtype,
+                                                     group.prompt_token_ids, completions)
+    behaviour = torch.zeros(logprobs.shape)
+    for i, row in enumerate(rows):
+        claimed = group.completions[row].logprobs
+        behaviour[i, : len(claimed)] = torch.tensor(claimed)
+    old_logprobs = logprobs.detach()
+    weights, is_stats = importance_weights(old_logprobs, behaviour.to(device), mask, tcfg.is_cap, tcfg.is_level)
+    loss, loss_stats = grpo_loss(logprobs, old_logprobs, advantages, mask, tcfg.clip_eps, normalizer, weights,
+                                 ref_logprobs, tcfg.kl_coef)
+    loss.backward()
+    return PassStats(int(mask.sum()), len(rows), loss.item(), loss_stats, is_stats, float(entropy[mask].mean()))
+
+
+def _forward(policy, cfg: EchoConfig, pad_id: int, device, compute_dtype, prompt: list[int],
+             completions: list[list[int]]):
+    """Log-probs, mask and entropy of completions, and the reference's log-probs (KL on). Every
+    pass calls the model alike (a reference forward with KL on; at least two completion
+    positions, so a prompt call and a completion call): see rank_passes."""
+    temperature, ref_logprobs = cfg.sampling.temperature, None
+    with autocast(device, compute_dtype):
+        if cfg.trainer.kl_coef > 0:
+            # The reference is the base model: the same weights with the adapter switched off.
+            with torch.no_grad(), policy.disable_adapter():
+                ref_logprobs, _, _ = group_logprobs(policy, prompt, completions, temperature, pad_id, min_length=2)
+        logprobs, mask, entropy = group_logprobs(policy, prompt, completions, temperature, pad_id, min_length=2)
+    return logprobs, mask, entropy, ref_logprobs
+
+
+def _empty_pass(policy, cfg: EchoConfig, pad_id: int, device, compute_dtype) -> None:
+    """A pass shaped like a real one whose gradient is zero: a rank with fewer passes than
+    another still joins every collective of theirs."""
+    logprobs, _, _, ref_logprobs = _forward(policy, cfg, pad_id, device, compute_dtype, [pad_id], [[pad_id]])
+    (logprobs.sum() * 0.0).backward()
 
 
 def make_optimizer(policy, cfg: EchoConfig) -> torch.optim.Optimizer:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterator
 
 import safetensors.torch
 import torch
@@ -36,28 +37,38 @@ def weights_kind(model) -> str:
     return "lora" if isinstance(model, PeftModel) else "full"
 
 
+def _published(model) -> dict[str, torch.Tensor]:
+    """The tensors a version publishes, as the model holds them: the adapter's, or every
+    parameter (named once: tied embeddings are one parameter)."""
+    return get_peft_model_state_dict(model) if isinstance(model, PeftModel) else dict(model.named_parameters())
+
+
+def _whole(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """`tensor` on the CPU, cast to `dtype` if given. A sharded one (FSDP2's DTensor) is
+    gathered whole first: a collective, so every rank walks the same tensors in the same order."""
+    if hasattr(tensor, "full_tensor"):
+        tensor = tensor.full_tensor()
+    return tensor.detach().to(device="cpu", dtype=dtype).contiguous()  # safetensors refuses shared memory
+
+
 def policy_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """What a new version publishes: the adapter's tensors, or every parameter (named once:
-    tied embeddings are one parameter, and safetensors refuses tensors sharing memory), on the
-    CPU, cast to `dtype` if given."""
-    if isinstance(model, PeftModel):
-        tensors = get_peft_model_state_dict(model)
-    else:
-        tensors = dict(model.named_parameters())
-    return {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in tensors.items()}
+    """What a new version publishes, whole, on the CPU, cast to `dtype` if given."""
+    return {k: _whole(v, dtype) for k, v in _published(model).items()}
 
 
-def weights_shards(model, shard_bytes: int, dtype: torch.dtype | None = None) -> list[bytes]:
+def weights_shards(model, shard_bytes: int, dtype: torch.dtype | None = None) -> Iterator[bytes]:
     """The policy's tensors (cast to `dtype` if given) as safetensors files of about
-    `shard_bytes` each (in parameter order; a tensor larger than that gets a file of its own)."""
-    shards, current, size = [], {}, 0
-    for name, tensor in policy_tensors(model, dtype).items():
+    `shard_bytes` each (in parameter order; a tensor larger than that gets a file of its own),
+    made one at a time: a full model is never held whole a second time."""
+    current, size = {}, 0
+    for name, tensor in _published(model).items():
+        tensor = _whole(tensor, dtype)
         nbytes = tensor.numel() * tensor.element_size()
         if current and size + nbytes > shard_bytes:
-            shards.append(current)
+            yield safetensors.torch.save(current)
             current, size = {}, 0
         current[name], size = tensor, size + nbytes
-    return [safetensors.torch.save(shard) for shard in shards + [current]]
+    yield safetensors.torch.save(current)
 
 
 _DTYPES = {
@@ -124,8 +135,7 @@ def load_tensors(model, incoming: dict[str, torch.Tensor]) -> None:
 
 def policy_shapes(model) -> dict[str, torch.Size]:
     """The name and shape of every tensor a version of this policy publishes (policy_tensors)."""
-    tensors = get_peft_model_state_dict(model) if isinstance(model, PeftModel) else dict(model.named_parameters())
-    return {k: v.shape for k, v in tensors.items()}
+    return {k: v.shape for k, v in _published(model).items()}
 
 
 def check_tensors(expected: dict[str, torch.Size], incoming: dict[str, torch.Tensor]) -> None:
@@ -140,16 +150,18 @@ def check_tensors(expected: dict[str, torch.Size], incoming: dict[str, torch.Ten
             raise WeightsMismatch(f"{key}: shape {tuple(tensor.shape)}, model has {tuple(expected[key])}")
 
 
-def group_logprobs(model, prompt_ids: list[int], completions: list[list[int]], temperature: float, pad_id: int):
-    """Per-token log-probs [G, C] of a group's completions (right-padded), their mask [G, C],
-    and the sampling distribution's entropy at each position [G, C] (no gradient).
+def group_logprobs(model, prompt_ids: list[int], completions: list[list[int]], temperature: float, pad_id: int,
+                   min_length: int = 1):
+    """Per-token log-probs [G, C] of a group's completions (right-padded to at least
+    `min_length`), their mask [G, C], and the sampling distribution's entropy at each position
+    [G, C] (no gradient).
 
     The prompt is shared by the whole group, so it goes through the model once; its key/value
     cache is repeated for each completion. Gradients flow through the cache into the prompt's
     forward, so this equals running every prompt + completion separately, at a fraction of the
     cost when prompts are long (the tests check it against the sampler's own log-probs)."""
     group, prompt_len = len(completions), len(prompt_ids)
-    length = max(len(c) for c in completions)
+    length = max(min_length, *(len(c) for c in completions))
     device = model_device(model)
     ids = torch.full((group, length), pad_id, dtype=torch.long)
     mask = torch.zeros((group, length), dtype=torch.bool)

@@ -10,7 +10,8 @@ reports their true log-probs (they pass, and the trainer's own importance weight
 them as samples of mu).
 
 The trainer keeps the last `max_staleness + 1` versions' trainable tensors (an adapter is a
-few MB) and swaps the claimed one in for the forward, then swaps its current one back.
+few MB) and swaps the claimed one in for the forward, then swaps its current one back. On
+several ranks each keeps and swaps its own shards, and all run the forward together.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections import Counter
 import torch
 
 from echo.devices import autocast, model_device
-from echo.policy import group_logprobs, load_tensors, policy_tensors
+from echo.policy import group_logprobs
 from echo.protocol import RolloutGroup
 
 
@@ -33,6 +34,16 @@ def logprob_gap(claimed: list[list[float]], recomputed: torch.Tensor) -> float:
         diff = (recomputed[row, : len(logprobs)] - torch.tensor(logprobs, dtype=recomputed.dtype)).abs()
         gap = max(gap, float(diff.max()))
     return gap
+
+
+def _trainable(policy) -> dict[str, torch.Tensor]:
+    return {k: p for k, p in policy.named_parameters() if p.requires_grad}
+
+
+def _copy_into(policy, tensors: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for k, p in _trainable(policy).items():
+            p.copy_(tensors[k])  # casts a rounded version back to the parameter's dtype
 
 
 class SamplingProof:
@@ -54,7 +65,7 @@ class SamplingProof:
 
     def remember(self, version: int) -> None:
         """Keep the policy's tensors as `version` (call right after publishing it)."""
-        self.live = {k: v.clone() for k, v in policy_tensors(self.policy).items()}
+        self.live = {k: v.detach().clone() for k, v in _trainable(self.policy).items()}
         rounded = self.publish_dtype != torch.float32
         self.versions[version] = {k: v.to(self.publish_dtype) for k, v in self.live.items()} if rounded else self.live
         for old in [v for v in self.versions if v <= version - self.keep]:
@@ -74,13 +85,13 @@ class SamplingProof:
         swap = tensors is not self.live
         try:
             if swap:
-                load_tensors(self.policy, tensors)
+                _copy_into(self.policy, tensors)
             with torch.no_grad(), autocast(model_device(self.policy), self.compute_dtype):
                 recomputed, _, _ = group_logprobs(self.policy, group.prompt_token_ids, completions, self.temperature,
                                                   self.pad_id)
         finally:
             if swap:
-                load_tensors(self.policy, self.live)
+                _copy_into(self.policy, self.live)
         gap = logprob_gap([c.logprobs for c in group.completions], recomputed.float().cpu())
         if self.forged(group, gap):
             self.counts["forged"] += 1

@@ -9,6 +9,7 @@ import contextlib
 import itertools
 import time
 from collections import Counter
+from collections.abc import Iterable
 from typing import Literal
 
 import structlog
@@ -27,7 +28,7 @@ RETRY_FIRST_S, RETRY_MAX_S = 0.25, 15.0  # backoff between fetches of the newest
 
 
 async def publish_weights(
-    run: Run, version: int, shards: list[bytes], base_model: str, kind: Literal["lora", "full"] = "lora", keep: int = 3
+    run: Run, version: int, shards: Iterable[bytes], base_model: str, kind: Literal["lora", "full"] = "lora", keep: int = 3
 ) -> WeightsAnnouncement:
     """Store every shard, then announce them: a sampler never hears of an object not yet
     complete. Only the newest `keep` versions stay in the bucket, so disk use is bounded. Only

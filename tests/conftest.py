@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 
 import orjson
@@ -12,6 +11,7 @@ import pytest
 
 from echo.config import EchoConfig, validate_config
 from streams.server import NatsServer
+from workers.swarm import worker_command
 
 
 @pytest.fixture
@@ -54,9 +54,10 @@ def assert_balanced(metrics: list[dict], stream: list[dict] | None = None, broke
         assert metrics[-1]["accounting"]["published"] <= len(stream)  # samplers may publish on till they stop
 
 
-def worker_process(config_path, *args) -> subprocess.Popen:
-    """`echo-rl <args> --config <config_path>` as its own OS process, logging JSON to a pipe."""
-    return subprocess.Popen([sys.executable, "-m", "workers.cli", *args, "--config", str(config_path), "--log-json"],
+def worker_process(config_path, *args, ranks: int = 1) -> subprocess.Popen:
+    """`echo-rl <args> --config <config_path>` as its own OS process (torchrun's `ranks`
+    processes), logging JSON to a pipe."""
+    return subprocess.Popen(worker_command([*args, "--config", str(config_path), "--log-json"], ranks),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 

@@ -85,7 +85,7 @@ def test_weights_published_in_bf16_halve_the_bytes_and_load_into_an_engine_of_an
         for p in trainer.parameters():
             if p.requires_grad:
                 p.normal_(0, 0.05)
-    full, half = (weights_shards(trainer, 2**30, dtype) for dtype in (None, torch.bfloat16))
+    full, half = (list(weights_shards(trainer, 2**30, dtype)) for dtype in (None, torch.bfloat16))
     def payload(shard: bytes) -> int:  # the tensors' bytes, after the JSON header
         return len(shard) - 8 - int.from_bytes(shard[:8], "little")
 

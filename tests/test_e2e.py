@@ -99,6 +99,21 @@ def test_a_bf16_swarm_trains_with_on_policy_importance_ratios_near_one(tmp_path,
     assert b'"dtype":"BF16"' in newest[:4096] and oldest != newest  # published in bf16, and training moved them
 
 
+def test_a_trainer_on_two_ranks_trains_publishes_and_its_samplers_follow(tmp_path):
+    """`up --trainer-ranks 2`: torchrun's 2 gloo ranks share each step (FSDP2), rank 0 does the
+    NATS side and publishes, the samplers follow each version, and every group passes the proof
+    of sampling (its forward runs on both ranks). Each rank wrote its shard of the checkpoint."""
+    metrics, stream, stderr = run_swarm(tmp_path, "ranks", 4, "trainer.verify_fraction=1.0",
+                                        flags=["--trainer-ranks", "2", "--log-json"])
+    assert [m["version"] for m in metrics] == [1, 2, 3, 4] and all(m["used"] == 4 for m in metrics), metrics
+    ready = [orjson.loads(line) for line in stderr.splitlines() if '"trainer.ready"' in line]
+    assert [r["ranks"] for r in ready] == [2]
+    assert metrics[-1]["proof_of_sampling"]["passed"] >= 16 and "forged" not in metrics[-1]["proof_of_sampling"]
+    assert max(int(r["headers"][HDR_POLICY_VERSION]) for r in stream) >= 3  # samplers followed the versions
+    assert sorted(p.name for p in (tmp_path / "ranks" / "checkpoint" / "step-000004").glob("*.distcp")) == [
+        "__0_0.distcp", "__1_0.distcp"]
+
+
 @pytest.mark.parametrize("relay", [False, True], ids=["direct", "behind-relay"])
 def test_sequential_run_trains_only_on_its_current_version(tmp_path, relay):
     flags = ["--log-json"] + (["--relay"] if relay else [])
@@ -182,12 +197,15 @@ def test_a_user_task_given_as_module_and_class_trains_end_to_end(tmp_path, monke
     assert (tmp_path / "user" / "report.png").stat().st_size > 10_000
 
 
-def test_full_weight_mode_trains_and_publishes_every_parameter_in_shards(tmp_path, monkeypatch):
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one-process", "two-ranks"])
+def test_full_weight_mode_trains_and_publishes_every_parameter_in_shards(tmp_path, monkeypatch, ranks):
+    """On 2 ranks the model is sharded and each shard of a version is gathered on rank 0 alone."""
     (tmp_path / "user_tasks").mkdir()
     (tmp_path / "user_tasks" / "shout.py").write_text(USER_TASK)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "user_tasks"))
     metrics, stream, _ = run_swarm(tmp_path, "full", 3, 'task.name="shout:Shout"', 'task.params={word="hey"}',
-                                   "lora.enabled=false", "trainer.shard_mb=0.05", "run.eval_prompts=2")
+                                   "lora.enabled=false", "trainer.shard_mb=0.05", "run.eval_prompts=2",
+                                   flags=["--trainer-ranks", str(ranks)])
     assert [m["version"] for m in metrics] == [1, 2, 3]
     assert max(int(r["headers"][HDR_POLICY_VERSION]) for r in stream) >= 1  # samplers loaded new full weights
     files = sorted(p.name for p in (tmp_path / "full" / "weights").iterdir())

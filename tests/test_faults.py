@@ -105,7 +105,7 @@ class StopAtCheck(threading.Event):
         return self.looks >= self.n
 
 
-def test_a_step_told_to_stop_is_abandoned_between_groups_and_leaves_the_policy_as_it_was(tmp_path):
+def test_a_step_told_to_stop_is_abandoned_between_passes_and_leaves_the_policy_as_it_was(tmp_path):
     cfg = tiny_config(tmp_path)
     base, tokenizer = load_model("tiny")
     policy = make_policy(base, cfg.lora)
@@ -121,7 +121,7 @@ def test_a_step_told_to_stop_is_abandoned_between_groups_and_leaves_the_policy_a
     def unchanged() -> bool:
         return all(torch.equal(a, p) for a, p in zip(before, (p for p in policy.parameters() if p.requires_grad)))
 
-    with pytest.raises(StepAbandoned, match="1 of 3 groups done"):
+    with pytest.raises(StepAbandoned, match="1 of 3 passes done"):
         train_step(policy, optimizer, batch, cfg, tokenizer.pad_token_id, StopAtCheck(2))
     assert unchanged() and all(p.grad is None for p in policy.parameters())
     train_step(policy, optimizer, batch, cfg, tokenizer.pad_token_id, threading.Event())  # not stopped: it steps

@@ -1,5 +1,6 @@
-"""The trainer's model on several ranks (workers/trainer_ranks.py): 2 gloo ranks on the CPU,
-FSDP2-sharded, each training on its share of a fixed batch, end with the adapter one rank gets."""
+"""The trainer's model on several ranks (workers/trainer_ranks.py): gloo ranks on the CPU,
+FSDP2-sharded, each running its share of a step's passes, end with the policy one process gets;
+a checkpoint written by 2 ranks resumes on 2 ranks or in one process."""
 
 import copy
 import os
@@ -8,104 +9,127 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from peft import get_peft_model_state_dict
 
-from echo.learner import make_optimizer, train_step
+from echo.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from echo.learner import make_optimizer, merge_stats, rank_passes, step_passes, train_step
 from echo.models import load_model
-from echo.policy import make_policy
+from echo.policy import make_policy, policy_tensors
 from streams.server import free_port
 from tests.conftest import tiny_config
 from tests.test_referee import honest_group
-from workers.trainer_ranks import gathered, load_sharded, rank_share, save_sharded, shard
+from workers.trainer_ranks import shard
 
 pytestmark = pytest.mark.slow
 STEPS = 3
+# An empty completion (EOS alone) makes a pass of one-token completions.
+TEXTS = ["\\boxed{5}", "no idea at all, sorry", "", "\\boxed{999} because"]
 
 
-def _start(tmp_path):
-    """The same config, batch and non-zero adapter in every process."""
-    cfg = tiny_config(tmp_path, trainer={"kl_coef": 0.1})
-    texts = ["\\boxed{5}", "no idea at all, sorry", "\\boxed{999} because", "hm"]
-    batch = [(honest_group(12 + i, texts=texts), [float((i + j) % 2) for j in range(4)]) for i in range(4)]
+def _start(tmp_path, lora: bool):
+    """The same config, batch and start in every process: 3 groups in micro-batches, so that
+    2 ranks get different numbers of passes (one runs an empty pass); KL on with LoRA."""
+    budget = len(honest_group(12).prompt_token_ids) + 40
+    cfg = tiny_config(tmp_path, trainer={"kl_coef": 0.1 if lora else 0.0, "micro_batch_tokens": budget},
+                      lora={"enabled": lora})
+    batch = [(honest_group(12 + i, texts=TEXTS), [float((i + j) % 2) for j in range(4)]) for i in range(3)]
     base, tokenizer = load_model("tiny")
+    torch.manual_seed(0)  # peft draws the adapter's initial values
     policy = make_policy(base, cfg.lora)
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for p in policy.parameters():
             if p.requires_grad:
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+                p.add_(torch.randn(p.shape, generator=generator) * 0.05)
     return cfg, batch, policy, tokenizer.pad_token_id
 
 
-def _train(policy, cfg, batch, pad_id, share=lambda b: b, steps=STEPS, optimizer=None):
+def _train(policy, cfg, batch, pad_id, rank=0, world=1, steps=STEPS, optimizer=None):
     optimizer = optimizer or make_optimizer(policy, cfg)
-    tokens = sum(len(c.token_ids) for g, _ in batch for c in g.completions)
-    for _ in range(steps):
-        train_step(policy, optimizer, share(batch), cfg, pad_id, normalizer=tokens)
-    return optimizer
+    stats = [train_step(policy, optimizer, batch, cfg, pad_id, rank=rank, world=world) for _ in range(steps)]
+    return optimizer, stats
 
 
-def _rank(rank: int, world: int, port: int, tmp_path, out) -> None:
+def _join(rank: int, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    cfg, batch, policy, pad_id = _start(tmp_path)
+
+
+def _rank(rank: int, world: int, port: int, tmp_path, lora: bool) -> None:
+    _join(rank, world, port)
+    cfg, batch, policy, pad_id = _start(tmp_path, lora)
     shard(policy)
-    _train(policy, cfg, batch, pad_id, lambda b: rank_share(b, rank, world))
-    adapter = gathered(get_peft_model_state_dict(policy))
+    _, stats = _train(policy, cfg, batch, pad_id, rank, world)
+    parts = [None] * world
+    dist.all_gather_object(parts, stats[0])
+    tensors = policy_tensors(policy)  # gathered whole: a collective
     if rank == 0:
-        torch.save(adapter, out)
+        torch.save({"tensors": tensors, "stats": merge_stats(parts)}, tmp_path / "ranks.pt")
     dist.destroy_process_group()
 
 
-def test_two_ranks_train_the_adapter_one_rank_does(tmp_path):
-    """3 steps on a fixed batch of 4 groups (KL on): 2 FSDP2 ranks, 2 groups each, against one
-    process with all 4. Same adapter within 1e-6 (fp32 reduction order); and it moved."""
-    mp.spawn(_rank, args=(2, free_port(), tmp_path, tmp_path / "two.pt"), nprocs=2)
-    cfg, batch, policy, pad_id = _start(tmp_path)
-    before = copy.deepcopy(get_peft_model_state_dict(policy))
-    _train(policy, cfg, batch, pad_id)
-    one, two = get_peft_model_state_dict(policy), torch.load(tmp_path / "two.pt")
-    assert one.keys() == two.keys()
-    assert all(torch.allclose(one[k], two[k], atol=1e-6, rtol=0) for k in one)
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_two_ranks_train_what_one_process_does(tmp_path, lora):
+    """3 steps on a fixed batch of 3 groups: 2 FSDP2 ranks, each its share of the passes, against
+    one process with all of them. Same trained tensors within 1e-6 (fp32 reduction order), and
+    the ranks' merged statistics are the whole step's; and training moved them."""
+    cfg, batch, _, _ = _start(tmp_path, lora)
+    passes = step_passes(batch, cfg.trainer.micro_batch_tokens)
+    assert len(passes) % 2 == 1 and rank_passes(passes, 1, 2)[-1] is None  # rank 1 runs an empty pass
+    mp.spawn(_rank, args=(2, free_port(), tmp_path, lora), nprocs=2)
+    cfg, batch, policy, pad_id = _start(tmp_path, lora)
+    before = copy.deepcopy(policy_tensors(policy))
+    _, stats = _train(policy, cfg, batch, pad_id)
+    one, two = policy_tensors(policy), torch.load(tmp_path / "ranks.pt")
+    assert one.keys() == two["tensors"].keys()
+    assert all(torch.allclose(one[k], two["tensors"][k], atol=1e-6, rtol=0) for k in one)
     assert any(not torch.allclose(one[k], before[k], atol=1e-4) for k in one)
+    for key in ("loss", "kl", "entropy", "is_ratio_mean", "is_masked_fraction", "grad_norm", "tokens", "reward_mean"):
+        assert two["stats"][key] == pytest.approx(stats[0][key], abs=1e-6), key
 
 
-def _rank_resuming(rank: int, world: int, port: int, tmp_path, out, resume: bool) -> None:
-    """Train 2 steps and checkpoint (resume False), or load that checkpoint and train 1 more."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    cfg, batch, policy, pad_id = _start(tmp_path)
+def _rank_resuming(rank: int, world: int, port: int, tmp_path, resume: bool) -> None:
+    """Train 2 steps and checkpoint (resume False), or load that checkpoint and train 1 more.
+    One process (world 1) joins no process group: a plain trainer resuming."""
+    if world > 1:
+        _join(rank, world, port)
+    cfg, batch, policy, pad_id = _start(tmp_path, lora=True)
     if resume:
         with torch.no_grad():  # not the checkpoint's weights: loading must replace them
             for p in policy.parameters():
                 if p.requires_grad:
                     p.zero_()
-    shard(policy)
+    if world > 1:
+        shard(policy)
     optimizer = make_optimizer(policy, cfg)
-    share = lambda b: rank_share(b, rank, world)  # noqa: E731
+    path = tmp_path / "checkpoint.pt"
     if resume:
-        load_sharded(tmp_path / "dcp", policy, optimizer)
-        _train(policy, cfg, batch, pad_id, share, steps=1, optimizer=optimizer)
-        adapter = gathered(get_peft_model_state_dict(policy))
+        assert load_checkpoint(path, policy, optimizer, rank) == TrainerState(step=2, version=2)
+        _train(policy, cfg, batch, pad_id, rank, world, steps=1, optimizer=optimizer)
+        tensors = policy_tensors(policy)
         if rank == 0:
-            torch.save(adapter, out)
+            torch.save(tensors, tmp_path / "resumed.pt")
     else:
-        _train(policy, cfg, batch, pad_id, share, steps=STEPS - 1, optimizer=optimizer)
-        save_sharded(tmp_path / "dcp", policy, optimizer)
-    dist.destroy_process_group()
+        _train(policy, cfg, batch, pad_id, rank, world, steps=STEPS - 1, optimizer=optimizer)
+        rngs = [None] * world
+        dist.all_gather_object(rngs, torch.get_rng_state())
+        save_checkpoint(path, policy, optimizer, TrainerState(step=2, version=2), rngs, commit=rank == 0)
+    if world > 1:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("resume_ranks", [2, 1])
-def test_a_sharded_checkpoint_resumes_on_the_same_or_another_number_of_ranks(tmp_path, resume_ranks):
-    """2 ranks train 2 steps and write a distributed checkpoint (adapter and AdamW state); 2 ranks,
-    or 1 (DCP reshards), load it into a zeroed adapter and train the 3rd step: the adapter of 3
-    uninterrupted single-process steps, within 1e-6."""
-    mp.spawn(_rank_resuming, args=(2, free_port(), tmp_path, None, False), nprocs=2)
-    mp.spawn(_rank_resuming, args=(resume_ranks, free_port(), tmp_path, tmp_path / "resumed.pt", True),
-             nprocs=resume_ranks)
-    cfg, batch, policy, pad_id = _start(tmp_path)
+def test_a_checkpoint_of_two_ranks_resumes_on_two_ranks_or_in_one_process(tmp_path, resume_ranks):
+    """2 ranks train 2 steps and checkpoint (DCP: each rank its shards of the adapter and AdamW
+    state); 2 ranks, or one plain process (DCP reshards), load it into a zeroed adapter and train
+    the 3rd step: the adapter of 3 uninterrupted single-process steps, within 1e-6."""
+    mp.spawn(_rank_resuming, args=(2, free_port(), tmp_path, False), nprocs=2)
+    assert [p.name for p in (tmp_path / "checkpoint").iterdir()] == ["step-000002"]
+    if resume_ranks == 1:
+        _rank_resuming(0, 1, None, tmp_path, True)
+    else:
+        mp.spawn(_rank_resuming, args=(2, free_port(), tmp_path, True), nprocs=2)
+    cfg, batch, policy, pad_id = _start(tmp_path, lora=True)
     _train(policy, cfg, batch, pad_id)
-    one, resumed = get_peft_model_state_dict(policy), torch.load(tmp_path / "resumed.pt")
+    one, resumed = policy_tensors(policy), torch.load(tmp_path / "resumed.pt")
     assert all(torch.allclose(one[k], resumed[k], atol=1e-6, rtol=0) for k in one)

@@ -3,6 +3,7 @@
 import asyncio
 import os
 import signal
+from pathlib import Path
 
 import orjson
 import pytest
@@ -68,20 +69,34 @@ def test_trained_content_keeps_the_checkpoints_hashes_and_cuts_what_a_crash_left
         load_trained_content(tmp_path, 3)
 
 
+def rank_pid(torchrun_pid: int, rank: int) -> int:
+    """The process torchrun started as `rank` (its child with RANK=<rank> in its environment)."""
+    children = Path(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children").read_text().split()
+    for pid in map(int, children):
+        if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            return pid
+    raise LookupError(f"no rank {rank} among {children}")
+
+
 @pytest.mark.slow
-def test_kill_9_the_trainer_and_resume_trains_every_group_once(nats_server, tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one-process", "rank-1-of-2"])
+def test_kill_9_the_trainer_and_resume_trains_every_group_once(nats_server, tmp_path, ranks):
+    """kill -9 of the trainer, or of one of its 2 ranks (torchrun then stops the other), in the
+    middle of a step; a new trainer resumes from the checkpoint with every group trained once."""
     cfg = tiny_config(tmp_path, run={"id": "crash", "steps": 8}, trainer={"ack_wait_s": 3.0, "max_staleness": 1},
                       nats={"url": nats_server.url})
     config_path = tmp_path / "config.toml"
     config_path.write_text(cfg.to_toml())
     samplers = [worker_process(config_path, "sampler", "--id", f"s{i}") for i in (1, 2)]
-    trainer = worker_process(config_path, "trainer")
+    trainer = worker_process(config_path, "trainer", ranks=ranks)
     try:
         wait_for_steps(cfg.run_dir, 3, [trainer])
-        os.kill(trainer.pid, signal.SIGKILL)  # in the middle of step 4: groups fetched, not acked
-        trainer.wait()
+        # In the middle of step 4: groups fetched, not acked.
+        os.kill(trainer.pid if ranks == 1 else rank_pid(trainer.pid, 1), signal.SIGKILL)
+        trainer.communicate(timeout=60)
+        assert trainer.returncode != 0
 
-        resumed = worker_process(config_path, "trainer")
+        resumed = worker_process(config_path, "trainer", ranks=ranks)
         logs = resumed.communicate(timeout=180)[1]
         assert resumed.returncode == 0, logs[-3000:]
         ready = next(orjson.loads(line) for line in logs.splitlines() if '"trainer.ready"' in line)

@@ -151,7 +151,7 @@ def _adapter_for_version(engine: HFEngine, version: int) -> list[bytes]:
         for name, p in engine.model.named_parameters():
             if "lora_B" in name:
                 p.fill_(version / 100)
-    return weights_shards(engine.model, 2**30)
+    return list(weights_shards(engine.model, 2**30))
 
 
 def test_a_sampler_joining_after_version_3_generates_with_version_3(nats_server, tmp_path):
@@ -182,7 +182,7 @@ def test_a_sampler_joining_after_version_3_generates_with_version_3(nats_server,
         assert status.weight_failures == {"digest_mismatch": 1}
         await sampler.weights.stop()
         assert sampler.version == 3
-        assert weights_shards(engine.model, 2**30) == adapters[3]
+        assert list(weights_shards(engine.model, 2**30)) == adapters[3]
         records = [r async for r in read_rollouts(nats_server.url, cfg.run.id)]
         assert [r["headers"][HDR_POLICY_VERSION] for r in records] == ["3"]
         await sampler_run.close()

@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--secure", action="store_true", help="TLS and per-role credentials (echo-rl secure init)")
     up.add_argument("--cluster", type=int, default=0, metavar="N", help="the broker as an N-node JetStream cluster "
                     "(3: survives one node down), every stream on all nodes (nats.replicas = N)")
-    trainer = sub.add_parser("trainer", help="run the trainer of a run")
+    up.add_argument("--trainer-ranks", type=int, default=1, metavar="N", help="the trainer as N ranks under "
+                    "torchrun on this machine, its model sharded across them (FSDP2)")
+    trainer = sub.add_parser("trainer", help="run the trainer of a run (under torchrun: its ranks)")
     _config_args(trainer)
     sampler = sub.add_parser("sampler", help="run one sampler; without --config it reads the run's config from NATS")
     _config_args(sampler)
@@ -319,14 +321,20 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(args)
         if args.command == "trainer":
             check_hardware(cfg, sampler=False)
-            configure_logging(args.log_json, worker="trainer")
+            from workers.trainer_ranks import Ranks, follow_rank_0
+
+            ranks = Ranks(cfg.model.device)  # rank 0 of 1, unless started by torchrun
+            configure_logging(args.log_json, worker="trainer" if ranks.rank == 0 else f"trainer-rank{ranks.rank}")
+            if ranks.rank > 0:
+                return follow_rank_0(cfg, ranks)  # no signal handling: torchrun's SIGTERM ends it
             from workers.trainer import run_trainer
 
-            return run_until_signal(run_trainer(cfg))
+            return run_until_signal(run_trainer(cfg, ranks))
         configure_logging(args.log_json, worker="up")
         from workers.swarm import up
 
-        return up(cfg, args.log_json, relay=args.relay, secure=args.secure, cluster=args.cluster)
+        return up(cfg, args.log_json, relay=args.relay, secure=args.secure, cluster=args.cluster,
+                  trainer_ranks=args.trainer_ranks)
     except ConfigError as e:
         print(f"echo-rl: {e}", file=sys.stderr)
         return 2

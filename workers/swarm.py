@@ -23,10 +23,18 @@ from workers.report import write_report
 log = structlog.get_logger()
 
 
-def _spawn(args: list[str], log_json: bool) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "workers.cli", *args] + (["--log-json"] if log_json else [])
+def worker_command(args: list[str], ranks: int = 1) -> list[str]:
+    """`echo-rl <args>` as a command line; with `ranks` > 1 under torchrun on this machine (a
+    trainer on several ranks: torchrun starts them and stops them all when one fails)."""
+    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
+    return [sys.executable, *torchrun, "-m", "workers.cli", *args]
+
+
+def _spawn(args: list[str], log_json: bool, ranks: int = 1, threads: int = 1) -> subprocess.Popen:
+    cmd = worker_command(args + (["--log-json"] if log_json else []), ranks)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if ranks > 1 else None  # else torchrun sets 1, loudly
     # Own session: Ctrl-C reaches only this launcher, which then stops the children in order.
-    return subprocess.Popen(cmd, start_new_session=True)
+    return subprocess.Popen(cmd, start_new_session=True, env=env)
 
 
 def _stop(processes: list[subprocess.Popen], timeout: float = 20.0) -> None:
@@ -88,12 +96,16 @@ def _creds_args(secure: SecureDir | None, user: str) -> list[str]:
     return ["--creds", str(secure.seed_file(user)), "--tls-ca", str(secure.ca_file)]
 
 
-def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: bool = False, cluster: int = 0) -> int:
+def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: bool = False, cluster: int = 0,
+       trainer_ranks: int = 1) -> int:
     """With `relay`, the samplers sit behind a site relay (`echo-rl relay`), as on a remote site.
     With `secure`, the broker speaks TLS only and each process has its own role's credentials;
     with both, the relay mirrors weights only, and its samplers reach the hub for the rest.
     With `cluster` N, the broker is N nats-servers in one JetStream cluster, every stream and
-    bucket kept on all of them (`nats.replicas`)."""
+    bucket kept on all of them (`nats.replicas`). With `trainer_ranks` N, the trainer is N ranks
+    under torchrun, its model sharded across them (workers/trainer_ranks.py)."""
+    if trainer_ranks < 1:
+        raise ConfigError(f"--trainer-ranks {trainer_ranks}: at least 1")
     if cluster and not 1 <= cluster <= 5:
         raise ConfigError(f"--cluster {cluster}: 1 to 5 nodes (JetStream keeps at most 5 copies of a stream)")
     if cluster and secure:
@@ -114,14 +126,16 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
     # Torch threads that outnumber the cores make every process crawl. The samplers share the
     # cores; the trainer may use all of them, as samplers mostly wait while it steps (backpressure).
     cores = os.cpu_count() or 1
-    cfg.trainer.threads = cfg.trainer.threads or cores
+    cfg.trainer.threads = cfg.trainer.threads or max(1, cores // trainer_ranks)
     cfg.sampler.threads = cfg.sampler.threads or max(1, cores // cfg.sampler.count)
     cfg.trainer.min_samplers = cfg.trainer.min_samplers or cfg.sampler.count  # every sampler takes part
     config_path = run_dir / "config.toml"
     config_path.write_text(cfg.to_toml())
-    log.info("swarm.start", run=cfg.run.id, dir=str(run_dir), nats=server.url, samplers=cfg.sampler.count)
+    log.info("swarm.start", run=cfg.run.id, dir=str(run_dir), nats=server.url, samplers=cfg.sampler.count,
+             trainer_ranks=trainer_ranks)
 
-    trainer = _spawn(["trainer", "--config", str(config_path), *_creds_args(secure_dir, "trainer")], log_json)
+    trainer = _spawn(["trainer", "--config", str(config_path), *_creds_args(secure_dir, "trainer")], log_json,
+                     trainer_ranks, cfg.trainer.threads)
     relays, server_args = [], ["--nats", server.url]
     if relay:
         port = free_port()

@@ -12,7 +12,6 @@ the stream, and any it already trained on (their ids are in the checkpoint) are 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 import uuid
 from collections import Counter
@@ -21,19 +20,11 @@ from pathlib import Path
 
 import orjson
 import structlog
-import torch
 
 from echo.admission import GrantLedger, Heartbeats, allowance, sampler_cap
-from echo.checkpoint import (
-    TrainerState, append_trained_content, load_checkpoint, load_trained_content, prune_weights, save_checkpoint,
-    weights_file,
-)
+from echo.checkpoint import TrainerState, append_trained_content, load_trained_content
 from echo.config import EchoConfig
 from echo.consumed import ConsumedSeqs
-from echo.devices import DTYPES, resolve_device, resolve_dtype
-from echo.learner import make_optimizer, set_threads, train_step
-from echo.models import load_model
-from echo.policy import make_policy, weights_kind, weights_shards
 from echo.protocol import (
     CONFIG_KEY,
     AdmissionBudget,
@@ -60,6 +51,7 @@ from streams.quarantine import change_quarantine, read_quarantine, watch_quarant
 from streams.rollouts import fetch_rollouts, trainer_subscription
 from streams.weights import publish_weights
 from workers.background import Background
+from workers.trainer_ranks import Learner, Ranks
 
 log = structlog.get_logger()
 
@@ -98,9 +90,10 @@ class Collector:
         self, subscription, referee: Referee, max_staleness: int, consumed: ConsumedSeqs | None = None,
         trained_content: set[str] = frozenset(), ledger: GrantLedger | None = None,
         proof: SamplingProof | None = None, quarantine: "Quarantined | None" = None,
-        epoch: int = 0, resumed_from: int = 0,
+        epoch: int = 0, resumed_from: int = 0, check=None,
     ):
         self.subscription, self.referee = subscription, referee
+        self.check = check or (proof.check if proof else None)  # the proof's forward (on every rank)
         self.ledger = ledger or GrantLedger()  # a group naming its sender's lease ends that lease
         self.proof, self.quarantine = proof, quarantine
         self.max_staleness = max_staleness
@@ -183,7 +176,7 @@ class Collector:
         group = admitted.group
         forged = False
         if self.proof and self.proof.wants(group):
-            gap = await asyncio.to_thread(self.proof.check, group)
+            gap = await asyncio.to_thread(self.check, group)
             forged = self.proof.forged(group, gap)
         if self.quarantine and (forged or admitted.reward_mismatch):
             await self.quarantine.strike(group.sampler_id, "logprob_forgery" if forged else "reward_mismatch")
@@ -380,65 +373,54 @@ class Admission(Orders):
         return self.ledger.grant(sampler_id, request.want, cap - self.ledger.issued, window, time.monotonic())
 
 
-async def run_trainer(cfg: EchoConfig) -> None:
-    set_threads(cfg.trainer.threads)
-    run = await open_run(cfg.nats.url, cfg.run.id, "trainer", cfg.nats.hub_domain or None,
-                         credentials=credentials_of(cfg.nats.creds, cfg.nats.tls_ca), storage=cfg.nats.storage())
+async def run_trainer(cfg: EchoConfig, ranks: Ranks) -> None:
+    learner = Learner(cfg, ranks)  # the other ranks load theirs meanwhile (follow_rank_0)
     try:
-        lease = await take_lease(run)  # before touching the run: a second trainer stops here
-    except BaseException:
-        await run.close()
-        raise
-    try:
-        async with Background() as background:
-            background.start(lease.renew_forever())
-            await train(cfg, run, lease, background)
+        run = await open_run(cfg.nats.url, cfg.run.id, "trainer", cfg.nats.hub_domain or None,
+                             credentials=credentials_of(cfg.nats.creds, cfg.nats.tls_ca), storage=cfg.nats.storage())
+        try:
+            lease = await take_lease(run)  # before touching the run: a second trainer stops here
+        except BaseException:
+            await run.close()
+            raise
+        try:
+            async with Background() as background:
+                background.start(lease.renew_forever())
+                await train(cfg, run, lease, background, learner)
+        finally:
+            await lease.release()
+            await run.close()
     finally:
-        await lease.release()
-        await run.close()
+        learner.close()
 
 
-async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background) -> None:
+async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background, learner: Learner) -> None:
     run_dir = cfg.run_dir
     (run_dir / "weights").mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(cfg.to_toml())
     # Samplers on other machines read the run's config here; this machine's files stay here.
     await run.state.put(CONFIG_KEY, cfg.model_dump_json(exclude={"nats": {"creds", "tls_ca"}}).encode())
 
-    device = resolve_device(cfg.model.device)
-    compute_dtype = resolve_dtype(cfg.model.dtype, device)
-    # What is trained stays fp32 (and so does its optimizer state): a LoRA adapter over a base
-    # in compute_dtype, or in full-weight mode the whole model, forwarded under autocast.
-    base, tokenizer = load_model(cfg.model.name, device, compute_dtype if cfg.lora.enabled else torch.float32)
-    policy = make_policy(base, cfg.lora)
-    optimizer = make_optimizer(policy, cfg)
-    checkpoint_path = run_dir / "checkpoint.pt"
-    state = load_checkpoint(checkpoint_path, policy, optimizer) or TrainerState()
+    state, proof = learner.state, learner.proof
     restore_metrics(run_dir / "metrics.jsonl", state)
-
-    referee = Referee(load_task(cfg.task), tokenizer, base.get_input_embeddings().num_embeddings, cfg.sampling)
+    referee = Referee(load_task(cfg.task), learner.tokenizer, learner.vocab_size, cfg.sampling)
     max_staleness = 0 if cfg.run.mode == "sequential" else cfg.trainer.max_staleness
     subscription = await trainer_subscription(run, cfg.trainer.ack_wait_s)
     consumed = ConsumedSeqs(**state.consumed)
     state.totals = await count_abandoned(subscription, consumed, state.totals)
     ledger, quarantine = GrantLedger(), Quarantined(run, cfg.trainer.quarantine_after)
     await quarantine.start(background)
-    proof = SamplingProof(policy, tokenizer.pad_token_id, cfg.sampling.temperature, cfg.trainer.verify_fraction,
-                          cfg.trainer.verify_tolerance, keep=max_staleness + 1, seed=cfg.run.seed,
-                          tolerance_16bit=cfg.trainer.verify_tolerance_16bit,
-                          publish_dtype=DTYPES[cfg.trainer.publish_dtype], compute_dtype=compute_dtype)
     collector = Collector(subscription, referee, max_staleness, consumed,
                           load_trained_content(run_dir, state.trained_content), ledger, proof, quarantine,
-                          run.epoch, state.version)
+                          run.epoch, state.version, check=learner.check)
     background.start(collector.keep_alive(cfg.trainer.ack_wait_s / 3))
     orders = (PullRequests if cfg.run.mode == "sequential" else Admission)(run, cfg, state, ledger, quarantine)
 
     # (Re)publish the current version: a fresh run's version 0, or the checkpoint's.
-    await publish_policy(run, cfg, policy, state.version, run_dir)
-    proof.remember(state.version)
+    await publish_policy(run, cfg, learner, state.version)
     await orders.start()
     log.info("trainer.ready", run=cfg.run.id, mode=cfg.run.mode, model=cfg.model.name, step=state.step,
-             version=state.version, steps=cfg.run.steps)
+             version=state.version, steps=cfg.run.steps, ranks=learner.ranks.world)
     started = time.perf_counter()
     with open(run_dir / "metrics.jsonl", "ab") as metrics_file:
         for step in range(state.step + 1, cfg.run.steps + 1):
@@ -446,7 +428,7 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background)
             await until_done("ask for groups", lambda: orders.ask(state.version))
             collected = await collector.collect(cfg.trainer.groups_per_step, state.version, orders.on_wait)
             batch = [(a.group, a.rewards) for a in collected.used]
-            stats = await train_in_thread(policy, optimizer, batch, cfg, tokenizer.pad_token_id, compute_dtype)
+            stats = await train_in_thread(learner, batch)
 
             groups = [a.group for a in collected.used]
             trained_at = time.perf_counter()
@@ -479,11 +461,9 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background)
                 "groups": [[g.group_id, g.policy_version, g.sampler_id] for g in groups],
                 "dropped_groups": collected.dropped_ids,
             }
-            await asyncio.to_thread(save_checkpoint, checkpoint_path, policy, optimizer, state)
+            await asyncio.to_thread(learner.save, state)
             lease.check()  # a trainer fenced out by another must not publish over it
-            publish_seconds = await until_done(
-                "publish weights", lambda: publish_policy(run, cfg, policy, state.version, run_dir))
-            proof.remember(state.version)
+            publish_seconds = await publish_policy(run, cfg, learner, state.version)
             unconfirmed = await collector.ack_held()  # only now: the step that consumed them is checkpointed
 
             accounting = await until_done(
@@ -541,15 +521,15 @@ async def account(subscription, totals: dict[str, int], consumed: ConsumedSeqs, 
             "unconfirmed_acks": unconfirmed}
 
 
-async def train_in_thread(policy, optimizer, batch, cfg: EchoConfig, pad_id: int, compute_dtype: torch.dtype) -> dict:
-    """train_step off the event loop. Cancelled (SIGTERM), it tells the step to stop at the next
-    group: the process then exits in seconds instead of finishing a long step; nothing of the
+async def train_in_thread(learner: Learner, batch) -> dict:
+    """A step off the event loop. Cancelled (SIGTERM), it tells the step to stop at the next
+    pass: the process then exits in seconds instead of finishing a long step; nothing of the
     step was acked, so its groups are redelivered to the next trainer."""
-    stop = threading.Event()
+    learner.stop.clear()
     try:
-        return await asyncio.to_thread(train_step, policy, optimizer, batch, cfg, pad_id, stop, compute_dtype)
+        return await asyncio.to_thread(learner.train, batch)
     except asyncio.CancelledError:
-        stop.set()
+        learner.stop.set()
         raise
 
 
@@ -570,13 +550,12 @@ def restore_metrics(path: Path, state: TrainerState) -> None:
         path.write_bytes(b"".join(metrics_line(r) for r in kept))
 
 
-async def publish_policy(run: Run, cfg: EchoConfig, policy, version: int, run_dir: Path) -> float:
-    """Write the version's shards to the run directory (for `echo-rl eval`), then publish them.
-    Both keep the newest `trainer.keep_versions` versions."""
+async def publish_policy(run: Run, cfg: EchoConfig, learner: Learner, version: int) -> float:
+    """Write the version's shards to the run directory (for `echo-rl eval`), then publish them
+    from there (a retry reads them again). Both keep the newest `trainer.keep_versions` versions."""
     started = time.perf_counter()
-    shards = weights_shards(policy, int(cfg.trainer.shard_mb * 2**20), DTYPES[cfg.trainer.publish_dtype])
-    for index, data in enumerate(shards):
-        weights_file(run_dir, version, index).write_bytes(data)
-    prune_weights(run_dir, version - cfg.trainer.keep_versions + 1)
-    await publish_weights(run, version, shards, cfg.model.name, weights_kind(policy), cfg.trainer.keep_versions)
+    files = await asyncio.to_thread(learner.write_weights, version)
+    await until_done("publish weights", lambda: publish_weights(
+        run, version, (f.read_bytes() for f in files), cfg.model.name, learner.kind, cfg.trainer.keep_versions))
+    await asyncio.to_thread(learner.remember, version)
     return time.perf_counter() - started

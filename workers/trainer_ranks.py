@@ -1,23 +1,83 @@
-"""The trainer's model over several ranks (torchrun): FSDP2 shards it, each rank trains on its
-share of a step's groups, and the gradients add up to the one-rank step.
+"""The trainer's model on one process or on several ranks (`torchrun --nproc-per-node N`).
 
-Each rank's loss is already divided by the whole step's token count (train_step's `normalizer`),
-so the step's gradient is the *sum* of the ranks' gradients: FSDP's reduction must not average.
+Rank 0 is the trainer the run knows: it does all NATS I/O (collecting, refereeing, acking,
+publishing). The model work is `Learner`'s: a step, a proof-of-sampling forward, a checkpoint,
+gathering the weights to publish. Rank 0's call of each is first sent to the other ranks, which
+wait in `Learner.follow` and run the same method with the same arguments, so every rank reaches
+the same collectives in the same order.
+
+FSDP2 shards the model: `fully_shard` per decoder layer, then the root. Each rank runs its share
+of a step's passes with the loss already divided by the whole step's tokens, so the step's
+gradient is the *sum* of the ranks' gradients: FSDP's reduction must not average.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import structlog
 import torch
 import torch.distributed as dist
 from peft import PeftModel
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from echo.checkpoint import TrainerState, load_checkpoint, prune_weights, save_checkpoint, weights_file
+from echo.config import EchoConfig
+from echo.devices import DTYPES, resolve_device, resolve_dtype
+from echo.learner import make_optimizer, merge_stats, set_threads, train_step
+from echo.models import load_model
+from echo.policy import make_policy, weights_kind, weights_shards
+from echo.proof import SamplingProof
+from echo.protocol import RolloutGroup
 
-def init_ranks(device: torch.device) -> tuple[int, int]:
-    """Join the process group torchrun describes (its env vars): NCCL on CUDA, gloo on the CPU.
-    Returns (rank, world size)."""
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size()
+log = structlog.get_logger()
+
+# The other ranks wait for rank 0's next call as long as rank 0 waits for rollouts: hours, if
+# the samplers are gone. A rank that dies is noticed by torchrun, which stops them all.
+CALL_WAIT = timedelta(days=30)
+
+
+class Ranks:
+    """This process's place among the trainer's ranks: rank 0 of 1 without torchrun."""
+
+    def __init__(self, device_name: str):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.device = resolve_device(device_name)
+        self.calls = None
+        if self.world == 1:
+            return
+        if self.device.type == "cuda" and self.device.index is None:  # one GPU per rank of this node
+            self.device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.calls = dist.new_group(backend="gloo", timeout=CALL_WAIT)  # Python objects, from the CPU
+
+    def send(self, call) -> None:
+        if self.world > 1:
+            dist.broadcast_object_list([call], src=0, group=self.calls)
+
+    def receive(self):
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.calls)
+        return box[0]
+
+    def gather(self, value) -> list:
+        """Every rank's `value`, in rank order (on every rank)."""
+        if self.world == 1:
+            return [value]
+        values = [None] * self.world
+        dist.all_gather_object(values, value, group=self.calls)
+        return values
+
+    def close(self) -> None:
+        if self.world > 1:
+            dist.destroy_process_group()
 
 
 def decoder_layers(policy) -> torch.nn.ModuleList:
@@ -26,7 +86,8 @@ def decoder_layers(policy) -> torch.nn.ModuleList:
 
 
 def shard(policy) -> None:
-    """FSDP2: each decoder layer, then the whole model (its embeddings and head)."""
+    """FSDP2: each decoder layer, then the whole model (its embeddings and head), onto this
+    rank's device."""
     for layer in decoder_layers(policy):
         fully_shard(layer)
     fully_shard(policy)
@@ -36,38 +97,104 @@ def shard(policy) -> None:
             module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
 
 
-def rank_share(batch: list, rank: int, world: int) -> list:
-    """This rank's groups of a step: every world-th, from its own index."""
-    return batch[rank::world]
+def everywhere(method):
+    """A Learner method every rank runs: rank 0's call is sent to the other ranks first."""
+
+    @functools.wraps(method)
+    def call(self, *args):
+        self.ranks.send((method.__name__, args))
+        return method(self, *args)
+
+    return call
 
 
-def gathered(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Whole tensors from sharded ones (a collective: every rank calls it), on the CPU."""
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in tensors.items()}
+class Learner:
+    """The policy, its optimizer and its proof of sampling, on every rank; rank 0 calls."""
+
+    def __init__(self, cfg: EchoConfig, ranks: Ranks):
+        set_threads(cfg.trainer.threads)
+        self.cfg, self.ranks = cfg, ranks
+        self.compute_dtype = resolve_dtype(cfg.model.dtype, ranks.device)
+        # What is trained stays fp32 (and so does its optimizer state): a LoRA adapter over a base
+        # in compute_dtype, or in full-weight mode the whole model, forwarded under autocast. On
+        # several ranks the model is read on the CPU and each rank keeps its shards on its device.
+        load_on = ranks.device if ranks.world == 1 else torch.device("cpu")
+        base, self.tokenizer = load_model(cfg.model.name, load_on, self.compute_dtype if cfg.lora.enabled else torch.float32)
+        self.vocab_size = base.get_input_embeddings().num_embeddings
+        self.policy = make_policy(base, cfg.lora)
+        if ranks.world > 1:
+            shard(self.policy)
+        self.kind = weights_kind(self.policy)
+        self.optimizer = make_optimizer(self.policy, cfg)
+        self.checkpoint_path = cfg.run_dir / "checkpoint.pt"
+        self.state = load_checkpoint(self.checkpoint_path, self.policy, self.optimizer, ranks.rank) or TrainerState()
+        max_staleness = 0 if cfg.run.mode == "sequential" else cfg.trainer.max_staleness
+        self.proof = SamplingProof(self.policy, self.tokenizer.pad_token_id, cfg.sampling.temperature,
+                                   cfg.trainer.verify_fraction, cfg.trainer.verify_tolerance, keep=max_staleness + 1,
+                                   seed=cfg.run.seed, tolerance_16bit=cfg.trainer.verify_tolerance_16bit,
+                                   publish_dtype=DTYPES[cfg.trainer.publish_dtype], compute_dtype=self.compute_dtype)
+        self.stop = threading.Event()  # set from rank 0's event loop: abandon the step (one process only)
+
+    @everywhere
+    def train(self, batch: list[tuple[RolloutGroup, list[float]]]) -> dict:
+        # On several ranks a step is never abandoned half way: the other ranks would wait in its
+        # collectives. A stopping trainer's ranks are all stopped by torchrun instead.
+        stop = self.stop if self.ranks.world == 1 else None
+        stats = train_step(self.policy, self.optimizer, batch, self.cfg, self.tokenizer.pad_token_id, stop,
+                           self.compute_dtype, self.ranks.rank, self.ranks.world)
+        return merge_stats(self.ranks.gather(stats))
+
+    @everywhere
+    def check(self, group: RolloutGroup) -> float | None:
+        """Proof of sampling: the group's log-prob gap (SamplingProof.check)."""
+        return self.proof.check(group)
+
+    @everywhere
+    def remember(self, version: int) -> None:
+        self.proof.remember(version)
+
+    @everywhere
+    def save(self, state: TrainerState) -> None:
+        rng_states = self.ranks.gather(torch.get_rng_state())
+        save_checkpoint(self.checkpoint_path, self.policy, self.optimizer, state, rng_states,
+                        commit=self.ranks.rank == 0)
+
+    @everywhere
+    def write_weights(self, version: int) -> list[Path]:
+        """The version's safetensors shards in the run directory (for publishing and `echo-rl
+        eval`), gathered shard by shard on rank 0; the newest `trainer.keep_versions` are kept."""
+        run_dir, tcfg = self.cfg.run_dir, self.cfg.trainer
+        files = []
+        for index, data in enumerate(weights_shards(self.policy, int(tcfg.shard_mb * 2**20), DTYPES[tcfg.publish_dtype])):
+            if self.ranks.rank == 0:
+                files.append(weights_file(run_dir, version, index))
+                files[-1].write_bytes(data)
+        if self.ranks.rank == 0:
+            prune_weights(run_dir, version - tcfg.keep_versions + 1)
+        return files
+
+    def follow(self) -> None:
+        """Ranks other than 0: run rank 0's calls until it says it is done."""
+        while (call := self.ranks.receive()) is not None:
+            name, args = call
+            getattr(Learner, name).__wrapped__(self, *args)
+
+    def close(self) -> None:
+        """Rank 0, at the end: let the other ranks leave `follow`."""
+        try:
+            self.ranks.send(None)
+        except (RuntimeError, dist.DistError) as e:  # a rank is gone already: torchrun stops the rest
+            log.warning("trainer.ranks_gone", reason=repr(e))
+        self.ranks.close()
 
 
-def _state(policy, optimizer) -> dict:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    # What is trained and its optimizer state; the frozen base is the model's own files.
-    model, optim = get_state_dict(policy, optimizer, options=StateDictOptions(ignore_frozen_params=True))
-    return {"model": model, "optimizer": optim}
-
-
-def save_sharded(path, policy, optimizer) -> None:
-    """torch.distributed.checkpoint: every rank writes its own shards (a collective)."""
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(_state(policy, optimizer), checkpoint_id=str(path))
-
-
-def load_sharded(path, policy, optimizer) -> None:
-    """Read a save_sharded checkpoint into this run's shards, whatever the number of ranks that
-    wrote it (the checkpoint holds whole-tensor metadata: DCP reshards)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    state = _state(policy, optimizer)
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=StateDictOptions(ignore_frozen_params=True, strict=False))  # frozen: not in it
+def follow_rank_0(cfg: EchoConfig, ranks: Ranks) -> int:
+    """The whole life of a rank other than 0."""
+    try:
+        learner = Learner(cfg, ranks)
+        learner.follow()
+        ranks.close()
+        return 0
+    except Exception as e:
+        log.exception("trainer.rank_failed", rank=ranks.rank, reason=repr(e))
+        return 1
