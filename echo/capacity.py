@@ -1,0 +1,180 @@
+"""ECHO-2's overlap capacity model: which samplers keep the learner busy within the staleness
+bound, and which do it cheapest. Pure: no I/O; the README derives it ("Scheduling").
+
+The learner takes a step in T seconds once its B groups are there (training and publishing).
+Sampler i applies a new version D_i seconds after it is announced, then generates in calls of
+g_i seconds at r_i groups per second. Step s + 1 starts when version s is published and takes
+groups of versions s - S and newer (echo-rl's staleness: age = the trainer's current version
+minus the group's; S = 0 is on-policy). In a steady cycle of C >= T seconds, version s - S was
+published S * C seconds before step s + 1 starts and the learner waits W = C - T for groups,
+so sampler i can start useful calls during (S + 1) * C - T - D_i - g_i seconds and delivers
+
+    u_i(C) = r_i * min(C, (S + 1) * C - T - D_i)   groups per cycle, if D_i + g_i <= (S + 1) * C - T,
+    u_i(C) = 0                                                     otherwise (its groups arrive stale).
+
+The cycle is the least C >= T with sum_i u_i(C) >= B, and the learner's utilisation is T / C.
+It never waits (C = T) when every active sampler delivers in time at the learner's own pace,
+D_i + g_i <= S * T, and together they deliver sum_i r_i * min(T, S * T - D_i) >= B groups, which
+is sum_i r_i >= B / T when each syncs within (S - 1) * T. (ECHO-2 counts the step being trained
+as well, which reads D_i + g_i <= (S + 1) * T in its numbering: its S is echo-rl's S - 1.)
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+
+EXACT_UP_TO = 12  # workers: every subset is tried up to here (4096), a greedy heuristic beyond
+TOLERANCE = 1e-9
+
+
+@dataclass(frozen=True)
+class Learner:
+    step_s: float  # T: one step's training and publishing, measured
+    groups_per_step: int  # B
+    max_staleness: int  # S
+
+
+@dataclass(frozen=True)
+class Worker:
+    id: str
+    groups_per_s: float  # r_i, measured over a sliding window
+    sync_s: float  # D_i: from a version's announcement to the sampler running it
+    call_s: float  # g_i: one generation call, from its start to its groups published
+    cost_per_hour: float = 0.0
+    device: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    learner: Learner
+    active: tuple[str, ...]
+    cycle_s: float  # C: seconds per step
+    utilisation: float  # T / C
+    cost_per_hour: float
+    cost_per_step: float
+    reached: bool  # the target utilisation
+    exact: bool  # every subset tried (else the greedy heuristic)
+    reasons: dict[str, str] = field(default_factory=dict)  # worker -> why chosen or not
+
+
+def delivers_in_time(worker: Worker, learner: Learner, cycle_s: float | None = None) -> bool:
+    """Whether the worker's groups can be fresh for a step, the learner stepping every cycle_s (T)."""
+    cycle = learner.step_s if cycle_s is None else cycle_s
+    return worker.sync_s + worker.call_s <= (learner.max_staleness + 1) * cycle - learner.step_s + TOLERANCE
+
+
+def groups_per_cycle(worker: Worker, learner: Learner, cycle_s: float) -> float:
+    """u_i(C): the groups the worker delivers in time for one step, steps coming every cycle_s."""
+    if not delivers_in_time(worker, learner, cycle_s):
+        return 0.0
+    window = (learner.max_staleness + 1) * cycle_s - learner.step_s - worker.sync_s
+    return worker.groups_per_s * min(cycle_s, window)
+
+
+def cycle_seconds(learner: Learner, workers: list[Worker]) -> float:
+    """C: the least cycle >= T at which the workers deliver a step's groups (inf: never)."""
+    def enough(cycle: float) -> bool:
+        return sum(groups_per_cycle(w, learner, cycle) for w in workers) >= learner.groups_per_step - TOLERANCE
+
+    if enough(learner.step_s):
+        return learner.step_s
+    if not any(w.groups_per_s > 0 for w in workers):
+        return math.inf
+    low, high = learner.step_s, 2 * learner.step_s
+    while not enough(high):  # delivery grows without bound with the cycle: this ends
+        low, high = high, 2 * high
+    while high - low > 1e-6 * high:
+        middle = (low + high) / 2
+        low, high = (low, middle) if enough(middle) else (middle, high)
+    return high
+
+
+def utilisation(learner: Learner, workers: list[Worker]) -> float:
+    return learner.step_s / cycle_seconds(learner, workers)
+
+
+def never_waits(learner: Learner, workers: list[Worker]) -> bool:
+    return cycle_seconds(learner, workers) == learner.step_s
+
+
+def _evaluate(learner: Learner, chosen: list[Worker], target: float, exact: bool) -> Plan:
+    cycle = cycle_seconds(learner, chosen)
+    hourly = sum(w.cost_per_hour for w in chosen)
+    per_step = hourly * cycle / 3600 if math.isfinite(cycle) else math.inf
+    return Plan(learner, tuple(w.id for w in chosen), cycle, learner.step_s / cycle, hourly, per_step,
+                learner.step_s / cycle >= target - TOLERANCE, exact)
+
+
+def _better(a: Plan, b: Plan | None) -> bool:
+    """Reaching the target first; then the lower cost per step; then fewer workers."""
+    if b is None:
+        return True
+    if a.reached != b.reached:
+        return a.reached
+    if not a.reached:
+        return a.utilisation > b.utilisation + TOLERANCE
+    return (a.cost_per_step, len(a.active)) < (b.cost_per_step - TOLERANCE, len(b.active))
+
+
+def cheapest(learner: Learner, workers: list[Worker], target: float) -> Plan:
+    """The set of workers that reaches `target` utilisation at the lowest cost per step (every
+    subset up to EXACT_UP_TO workers; greedy beyond). If no set reaches it, the one that comes
+    closest, with `reached` False: not enough throughput at any cost."""
+    if not 0 < target <= 1:
+        raise ValueError(f"target utilisation {target}: between 0 (excluded) and 1")
+    if len(workers) <= EXACT_UP_TO:
+        best = None
+        for n in range(1, len(workers) + 1):
+            for subset in itertools.combinations(workers, n):
+                plan = _evaluate(learner, list(subset), target, exact=True)
+                if _better(plan, best):
+                    best = plan
+        best = best or _evaluate(learner, [], target, exact=True)
+    else:
+        best = _greedy(learner, workers, target)
+    return replace(best, reasons=_reasons(learner, workers, best, target))
+
+
+def _greedy(learner: Learner, workers: list[Worker], target: float) -> Plan:
+    """Workers by cost per group they deliver at the target's pace, added until the target is
+    reached, then any that the others can do without dropped, the costliest first."""
+    pace = learner.step_s / target
+    useful = [w for w in workers if groups_per_cycle(w, learner, pace) > 0] or list(workers)
+    order = sorted(useful, key=lambda w: w.cost_per_hour / max(groups_per_cycle(w, learner, pace), TOLERANCE))
+    chosen: list[Worker] = []
+    for worker in order:
+        chosen.append(worker)
+        if _evaluate(learner, chosen, target, exact=False).reached:
+            break
+    for worker in sorted(chosen, key=lambda w: -w.cost_per_hour):
+        rest = [w for w in chosen if w is not worker]
+        if rest and _evaluate(learner, rest, target, exact=False).reached:
+            chosen = rest
+    return _evaluate(learner, chosen, target, exact=False)
+
+
+def _reasons(learner: Learner, workers: list[Worker], plan: Plan, target: float) -> dict[str, str]:
+    reasons = {}
+    for w in workers:
+        late = w.sync_s + w.call_s
+        if w.id in plan.active:
+            reasons[w.id] = f"active: {groups_per_cycle(w, learner, plan.cycle_s):.2f} groups per step"
+        elif not delivers_in_time(w, learner, plan.cycle_s):
+            bound = (learner.max_staleness + 1) * plan.cycle_s - learner.step_s
+            reasons[w.id] = (f"too late for S={learner.max_staleness}: sync {w.sync_s:.2f} s + call {w.call_s:.2f} s "
+                             f"= {late:.2f} s > {bound:.2f} s")
+        elif not plan.reached:
+            reasons[w.id] = "not in the set that comes closest to the target"
+        else:
+            reasons[w.id] = f"standby: the target {target:.0%} is reached at lower cost without it"
+    return reasons
+
+
+def best_staleness(learner: Learner, workers: list[Worker], target: float, max_staleness: int) -> list[Plan]:
+    """The cheapest plan at each S from 0 to `max_staleness`, cheapest per step first (those that
+    reach the target before those that do not; then the smaller S)."""
+    plans = [cheapest(replace(learner, max_staleness=s), workers, target) for s in range(max_staleness + 1)]
+    return sorted(plans, key=lambda p: (not p.reached, p.cost_per_step if p.reached else -p.utilisation,
+                                        p.learner.max_staleness))

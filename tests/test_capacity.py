@@ -1,0 +1,74 @@
+"""The capacity model (echo/capacity.py) on fleets small enough to compute by hand."""
+
+import pytest
+
+from echo.capacity import Learner, Worker, best_staleness, cheapest, cycle_seconds, never_waits, utilisation
+
+
+def test_an_on_policy_sampler_makes_the_learner_wait_for_its_sync_and_generation():
+    # S = 0: after each publish the sampler syncs (1 s) and generates 2 groups at 0.5/s (4 s):
+    # a cycle is 3 + 1 + 4 = 8 s, the learner busy 3/8 of it.
+    learner = Learner(step_s=3, groups_per_step=2, max_staleness=0)
+    worker = Worker("w", groups_per_s=0.5, sync_s=1, call_s=2)
+    assert cycle_seconds(learner, [worker]) == pytest.approx(8, rel=1e-5)
+    assert utilisation(learner, [worker]) == pytest.approx(3 / 8, rel=1e-5)
+    assert not never_waits(learner, [worker])
+
+
+def test_with_enough_fresh_throughput_the_learner_never_waits_and_the_cheapest_pair_is_chosen():
+    # S = 2, T = 2 s, B = 4: each sampler delivers r * min(T, S*T - D) = 1 * min(2, 3.5) = 2
+    # groups per step, so any two keep the learner busy; one alone: min(C, 3C - 2.5) >= 4 at C = 4.
+    learner = Learner(step_s=2, groups_per_step=4, max_staleness=2)
+    a, b, c = (Worker(name, 1.0, 0.5, 1.0, cost) for name, cost in [("a", 3.0), ("b", 1.0), ("c", 2.0)])
+    assert never_waits(learner, [a, b]) and utilisation(learner, [a, b, c]) == 1.0
+    assert cycle_seconds(learner, [a]) == pytest.approx(4, rel=1e-5)
+    plan = cheapest(learner, [a, b, c], target=1.0)
+    assert plan.reached and plan.exact and set(plan.active) == {"b", "c"}
+    assert plan.cost_per_step == pytest.approx(3.0 * 2 / 3600)
+    assert plan.reasons["a"].startswith("standby")
+
+
+def test_not_enough_throughput_at_any_cost_is_said_and_the_closest_set_given():
+    # S = 1, T = 1, B = 8: both samplers together deliver 2 groups per second: C = 4 s, 25% busy.
+    learner = Learner(step_s=1, groups_per_step=8, max_staleness=1)
+    workers = [Worker(name, 1.0, 0.1, 0.5, 1.0) for name in ("a", "b")]
+    plan = cheapest(learner, workers, target=0.9)
+    assert not plan.reached and set(plan.active) == {"a", "b"}
+    assert plan.utilisation == pytest.approx(0.25, rel=1e-5)
+
+
+def test_a_fast_cheap_worker_behind_a_slow_link_is_excluded():
+    # Its groups would arrive 5 + 0.5 s after a version: later than (S+1) * T - T = 2 s.
+    learner = Learner(step_s=2, groups_per_step=2, max_staleness=1)
+    far = Worker("far", groups_per_s=2.0, sync_s=5.0, call_s=0.5, cost_per_hour=1.0)
+    near = Worker("near", groups_per_s=1.5, sync_s=0.2, call_s=1.0, cost_per_hour=2.0)
+    plan = cheapest(learner, [far, near], target=1.0)
+    assert plan.active == ("near",) and plan.reached
+    assert plan.reasons["far"] == "too late for S=1: sync 5.00 s + call 0.50 s = 5.50 s > 2.00 s"
+
+
+def test_a_cheap_slow_worker_only_helps_at_a_larger_staleness_bound():
+    # Its calls take 4 s (4.8 groups each): 4.2 s after a version, within (S+1)T - T = S*T from S = 3.
+    learner = Learner(step_s=2, groups_per_step=2, max_staleness=1)
+    premium = Worker("premium", groups_per_s=1.5, sync_s=0.2, call_s=1.0, cost_per_hour=4.0)
+    cheap = Worker("cheap", groups_per_s=1.2, sync_s=0.2, call_s=4.0, cost_per_hour=1.0)
+    assert cheapest(learner, [premium, cheap], 1.0).active == ("premium",)
+    plans = best_staleness(learner, [premium, cheap], target=1.0, max_staleness=4)
+    assert [p.learner.max_staleness for p in plans] == [3, 4, 1, 2, 0]  # cheapest first, then never reached
+    best = plans[0]
+    assert best.active == ("cheap",) and best.cost_per_step == pytest.approx(1.0 * 2 / 3600)
+    assert plans[1].active == ("cheap",) and [p.active for p in plans[2:4]] == [("premium",), ("premium",)]
+    assert not plans[4].reached  # on-policy, the learner always waits for a sync and a call
+
+
+def test_beyond_a_dozen_workers_a_greedy_plan_reaches_the_target_with_the_cheapest():
+    learner = Learner(step_s=2, groups_per_step=6, max_staleness=2)
+    workers = [Worker(f"w{i:02d}", 1.0, 0.5, 1.0, cost_per_hour=1.0 + i) for i in range(14)]
+    plan = cheapest(learner, workers, target=1.0)
+    assert not plan.exact and plan.reached
+    assert plan.active == ("w00", "w01", "w02")  # 2 groups per step each
+
+
+def test_a_target_utilisation_outside_0_1_is_refused():
+    with pytest.raises(ValueError, match="target utilisation 1.5"):
+        cheapest(Learner(1, 1, 1), [Worker("a", 1, 0, 1)], 1.5)
