@@ -111,8 +111,9 @@ class Heartbeats:
         self.seen: dict[str, tuple[int, float]] = {}  # sampler -> (heartbeat revision, when it changed)
 
     def observe(self, sampler_id: str, revision: int, now: float) -> None:
+        """`revision` 0: no heartbeat key (none yet, or it expired): not a sign of life."""
         last = self.seen.get(sampler_id)
-        if last is None or last[0] != revision:
+        if last is None or (revision and last[0] != revision):
             self.seen[sampler_id] = (revision, now)
 
     def silent_for(self, sampler_id: str, now: float) -> float:

@@ -109,6 +109,13 @@ class SamplerConfig(_Section):
     engine: Literal["auto", "hf", "vllm"] = "auto"
     threads: int = Field(0, ge=0)
     heartbeat_s: float = Field(5.0, gt=0)  # how often a sampler writes its status to the run's KV
+    # Its own machine's, never taken from the trainer's config (echo/edge.py): what it costs per
+    # hour (the scheduler's input, any currency), and a pause per group generated (a slower
+    # machine, for tests and benchmarks of the scheduler).
+    cost_per_hour: float = Field(0.0, ge=0)
+    throttle_s: float = Field(0.0, ge=0)
+    rate_window_s: float = Field(60.0, gt=0)  # the rates in its heartbeat cover its calls of this long
+    entry_ttl_s: int = Field(30, ge=1)  # its registry entry expires this long after its last heartbeat
 
 
 class NatsConfig(_Section):
@@ -159,6 +166,9 @@ class EchoConfig(_Section):
 
     @model_validator(mode="after")
     def _dead_means_several_missed_heartbeats(self):
+        if self.sampler.entry_ttl_s <= self.sampler.heartbeat_s:
+            raise ValueError(f"sampler.entry_ttl_s ({self.sampler.entry_ttl_s}) must be longer than sampler.heartbeat_s "
+                             f"({self.sampler.heartbeat_s}): a live sampler's entry would expire between beats")
         if self.trainer.sampler_dead_after_s < 2 * self.sampler.heartbeat_s:
             raise ValueError(f"trainer.sampler_dead_after_s ({self.trainer.sampler_dead_after_s}) must be at least "
                              f"twice sampler.heartbeat_s ({self.sampler.heartbeat_s}): live samplers would be "

@@ -22,6 +22,7 @@ _LOCAL_ONLY = [
 _THIS_BOX = [
     ("nats", "creds"), ("nats", "tls_ca"), ("nats", "weights_url"),  # its own files and relay
     ("model", "device"), ("model", "dtype"), ("sampler", "engine"), ("sampler", "threads"),  # its hardware
+    ("sampler", "cost_per_hour"), ("sampler", "throttle_s"),
 ]
 
 

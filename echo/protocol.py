@@ -24,10 +24,11 @@ from nats.js.api import (
 )
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-SCHEMA_VERSION = 6  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
+SCHEMA_VERSION = 7  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
 # 4: the trainer grants work (GrantRequest/Grant), samplers no longer take it from KV;
 # 5: leases are numbered: a grant names them, a group carries the one it fulfils and its epoch;
-# 6: a group names the engine and precision that sampled it
+# 6: a group names the engine and precision that sampled it; 7: a sampler's heartbeat is its
+# registry entry (hardware, state, measured rates, sync times, cost, relay)
 
 # Run and sampler ids become subject tokens and stream names: keep them to safe characters.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -55,6 +56,7 @@ BUDGET_KEY = "budget"  # async mode's AdmissionBudget, written by the trainer
 TRAINER_KEY = "trainer"  # the TrainerLease: which trainer incarnation (epoch) owns the run
 LEASES_KEY = "leases"  # async mode: the number of leases granted so far (the trainer's, kept across restarts)
 QUARANTINE_KEY = "quarantine"  # samplers whose groups are ignored (Quarantine), by the trainer or an operator
+LEARNER_KEY = "learner"  # the trainer's pace (LearnerStatus), for the scheduler and `echo-rl plan`
 SAMPLER_STATUS_PREFIX = "samplers."  # + sampler id: each sampler's heartbeat (SamplerStatus)
 ROLLOUT_DEDUP_WINDOW_S = 300.0
 GRANT_TIMEOUT_S = 5.0  # a sampler waits this long for the trainer's answer, then asks again later
@@ -197,7 +199,7 @@ def weights_object_name(epoch: int, version: int, shard: int) -> str:
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    schema_version: Literal[6] = SCHEMA_VERSION
+    schema_version: Literal[7] = SCHEMA_VERSION
 
 
 class Completion(BaseModel):
@@ -286,15 +288,46 @@ class AdmissionBudget(_Message):
     groups_per_step: int = Field(ge=1)
 
 
+class LearnerStatus(_Message):
+    """The trainer's pace over its last steps: T, a step's seconds when its groups are there
+    (training, checkpoint, publishing), B and S; and the utilisation it measured, T over T plus
+    the time it waited for groups."""
+
+    step_s: float = Field(ge=0)
+    groups_per_step: int = Field(ge=1)
+    max_staleness: int = Field(ge=0)
+    version: int = Field(ge=0)
+    utilisation: float = Field(ge=0, le=1)
+    updated_at: float
+
+
+SamplerState = Literal["active", "standby", "draining", "quarantined"]
+
+
 class SamplerStatus(_Message):
-    """A sampler's heartbeat: what it runs, what it produced, and what went wrong."""
+    """A sampler's heartbeat, and its entry in the run's registry: what it runs and on what, how
+    fast it generates, what it costs, and what went wrong. The entry expires by itself `ttl_s`
+    after the last beat (a dead sampler's goes)."""
 
     sampler_id: str = Field(pattern=ID_PATTERN)
     version: int  # the adapter version its engine runs; -1 before the first
     groups_published: int = Field(ge=0)
     weight_failures: dict[str, int]  # refused adapters by reason (digest, truncated, shape, base model)
     updated_at: float
-    quarantined: bool = False  # the trainer ignores its groups (see Quarantine)
+    # active: takes leases; standby: keeps its weights current, takes none (the scheduler's
+    # choice); draining: stopping, finishing what it holds; quarantined: the trainer ignores it.
+    state: SamplerState = "active"
+    ttl_s: int = Field(30, ge=1)
+    engine: str = ""
+    device: str = ""
+    model: str = ""
+    relay: str = ""  # the JetStream domain of the relay it reads weights from; "" on the hub itself
+    cost_per_hour: float = Field(0.0, ge=0)
+    # Measured over its last calls (sampler.rate_window_s): rates while generating, not per wall second.
+    groups_per_s: float = Field(0.0, ge=0)
+    tokens_per_s: float = Field(0.0, ge=0)
+    call_s: float = Field(0.0, ge=0)  # one generation call, from its start to its groups published
+    sync_s: dict[str, float] = {}  # its last versions: from hearing of one to running it (fetch and load)
 
 
 class Quarantine(_Message):

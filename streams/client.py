@@ -92,6 +92,13 @@ class _WritesThroughDomain:
         return await self._js.publish(self._prefix + subject, *args, **kwargs)
 
 
+async def put_expiring(kv: KeyValue, key: str, value: bytes, ttl_s: int) -> None:
+    """kv.put with a per-key TTL: the key goes by itself `ttl_s` whole seconds after its last write
+    (nats-py creates KV streams that allow message TTLs; its put takes none, so this is its write
+    with the TTL header, through the same domain prefix)."""
+    await kv._js.publish(f"{kv._pre}{key}", value, msg_ttl=ttl_s)
+
+
 async def _open_kv(js: JetStreamContext, config: KeyValueConfig, domain: str | None, create: bool) -> KeyValue:
     kv = await (js.create_key_value(config=config) if create else js.key_value(config.bucket))
     if domain is None:

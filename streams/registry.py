@@ -1,16 +1,35 @@
-"""Samplers' heartbeats in the run's state bucket: one key per sampler, rewritten every few
-seconds, so anyone (the trainer, an operator) can see who runs which version and what failed."""
+"""The run's registry of samplers: each sampler's heartbeat (SamplerStatus) is one key of the
+run's state bucket, rewritten every few seconds with a per-key TTL, so anyone (the trainer, the
+scheduler, an operator) can see who runs what, how fast and at what cost, and a dead sampler's
+entry expires by itself."""
 
 from __future__ import annotations
 
 from nats.js.errors import KeyNotFoundError
 
-from echo.protocol import SAMPLER_STATUS_PREFIX, SamplerStatus, decode, encode
-from streams.client import Run
+from echo.protocol import LEARNER_KEY, SAMPLER_STATUS_PREFIX, LearnerStatus, SamplerStatus, decode, encode
+from streams.client import Run, put_expiring
 
 
 async def put_status(run: Run, status: SamplerStatus) -> None:
-    await run.state.put(SAMPLER_STATUS_PREFIX + status.sampler_id, encode(status))
+    await put_expiring(run.state, SAMPLER_STATUS_PREFIX + status.sampler_id, encode(status), status.ttl_s)
+
+
+async def put_learner(run: Run, status: LearnerStatus) -> None:
+    await run.state.put(LEARNER_KEY, encode(status))
+
+
+async def read_learner(run: Run) -> LearnerStatus | None:
+    try:
+        return decode(LearnerStatus, (await run.state.get(LEARNER_KEY)).value)
+    except KeyNotFoundError:  # no step taken yet
+        return None
+
+
+async def weights_relay(run: Run, hub_domain: str) -> str:
+    """The JetStream domain of the relay this client reads weights from; "" on the hub itself."""
+    domain = (await run.local_js.account_info()).domain or ""
+    return "" if domain == hub_domain else domain
 
 
 async def read_statuses(run: Run) -> list[SamplerStatus]:

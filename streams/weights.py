@@ -98,6 +98,7 @@ class WeightsFollower:
         )
         self._task: asyncio.Task | None = None
         self.failed: BaseException | None = None  # why the fetch loop ended, if it did
+        self.fetch_s: dict[tuple[int, int], float] = {}  # (epoch, version) -> from hearing of it to downloaded
 
     def _on_bad(self, error) -> None:
         self.failures[error.reason] += 1
@@ -135,6 +136,7 @@ class WeightsFollower:
             handled = seq
 
     async def _take(self, announcement: WeightsAnnouncement, seq: int) -> None:
+        started = time.perf_counter()
         if self.ready and self.ready[0].order >= announcement.order:
             return
         if announcement.epoch != await current_epoch(self.run):
@@ -145,11 +147,11 @@ class WeightsFollower:
             self.failures["wrong_base_model"] += 1
             log.warning("weights.refused", version=announcement.version, base=announcement.base_model)
             return
-        started = time.perf_counter()
         data = await self._fetch_while_newest(announcement, seq)
         if data is None:
             return
-        log.debug("weights.fetched", version=announcement.version, seconds=round(time.perf_counter() - started, 3))
+        self.fetch_s = {announcement.order: time.perf_counter() - started}  # the ready version's
+        log.debug("weights.fetched", version=announcement.version, seconds=round(self.fetch_s[announcement.order], 3))
         async with self._ready_changed:
             self.ready = (announcement, data)
             self._ready_changed.notify_all()

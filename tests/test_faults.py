@@ -54,7 +54,7 @@ def test_a_sampler_retries_a_heartbeat_the_broker_missed_and_stops_on_any_other_
     async def main():
         run = await open_run(nats_server.url, cfg.run.id, "sampler")
         monkeypatch.setattr("workers.sampler.put_status", put_with_faults)
-        sampler = Sampler(cfg, "s1", run, engine=None, task=None)  # it waits for weights: none come
+        sampler = Sampler(cfg, "s1", run, HFEngine("tiny", cfg.lora, cfg.sampling), task=None)  # it waits for weights: none come
         with pytest.raises(ValueError, match="a bug in the heartbeat"):
             await asyncio.wait_for(sampler.serve(), 10)
         assert len(beats) == 4  # the failed first, a good one, the bug, the last word on the way out

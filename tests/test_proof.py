@@ -110,8 +110,8 @@ def test_a_forging_sampler_is_rejected_then_quarantined_until_an_operator_lifts_
             assert (await orders.grant("s1", asked)).groups == 0 and (await orders.grant("s2", asked)).groups == 2
 
             # The sampler's heartbeat shows it.
-            await Sampler(cfg, "s1", run, engine=None, task=None).beat()
-            assert (await read_statuses(run))[0].quarantined
+            await Sampler(cfg, "s1", run, HFEngine("tiny", cfg.lora, cfg.sampling), task=None).beat()
+            assert (await read_statuses(run))[0].state == "quarantined"
 
             args = ["quarantine", "lift", "s1", "--nats", nats_server.url, "--run-id", "forge"]
             assert await quarantine_command(build_parser().parse_args(args)) == 0

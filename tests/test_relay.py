@@ -14,7 +14,7 @@ from echo.tasks import load_task
 from streams.grants import request_grant, serve_grants
 from streams.client import connect, open_run
 from streams.lease import take_lease
-from streams.registry import put_status, read_statuses
+from streams.registry import put_status, read_statuses, weights_relay
 from streams.relay import open_mirrors
 from streams.replay import read_rollouts
 from streams.server import NatsServer, free_port
@@ -171,6 +171,7 @@ def test_an_edge_sampler_behind_a_relay_reads_the_config_and_heartbeats_to_the_h
         got = await sampler_config_from_run(args)  # a KV read through the leaf connection
         assert got.nats.url == site.url and got.sampling == cfg.sampling
         sampler_run = await open_run(site.url, "edge", "sampler-far")
+        assert await weights_relay(sampler_run, "hub") == "site" and await weights_relay(run, "hub") == ""
         status = SamplerStatus(sampler_id="far", version=3, groups_published=1, weight_failures={}, updated_at=0.0)
         await put_status(sampler_run, status)  # a KV write through it
 

@@ -22,11 +22,12 @@ from echo.learner import set_threads
 from echo.policy import WeightsMismatch
 from echo.protocol import Completion, Grant, GrantRequest, PullRequest, RolloutGroup, SamplerStatus
 from echo.tasks import Task, load_task, safe_reward
+from echo.throughput import CallWindow
 from streams.admission import watch_budget
 from streams.client import BROKER_ERRORS, LatestValue, Run, open_run
 from streams.grants import request_grant
 from streams.quarantine import read_quarantine
-from streams.registry import put_status
+from streams.registry import put_status, weights_relay
 from streams.secure import credentials_of
 from streams.rollouts import publish_rollout
 from streams.weights import WeightsFollower
@@ -35,6 +36,7 @@ from workers.background import Background
 log = structlog.get_logger()
 
 ASK_AGAIN_S = 0.2
+SYNCS_KEPT = 8
 
 
 class Sampler:
@@ -46,6 +48,10 @@ class Sampler:
         self.refused = (0, -1)  # the newest weights the engine refused: not tried again, nor waited for
         self.published = 0
         self.quarantined = False  # the trainer ignores this sampler's groups (it shows in the heartbeat)
+        self.draining = False  # stopping: its last heartbeat says so
+        self.calls = CallWindow(cfg.sampler.rate_window_s)
+        self.syncs: dict[str, float] = {}  # its last SYNCS_KEPT versions: heard of to running
+        self.relay = ""  # the relay's JetStream domain, if it reads weights from one (serve)
         self.budget_changed = asyncio.Event()  # async mode: set by watch_budget, so an idle sampler asks again
 
     @property
@@ -59,6 +65,7 @@ class Sampler:
         announcement, shards = await self.weights.wait_for(at_least)
         if announcement.order <= max(self.order, self.refused):
             return
+        started = time.perf_counter()
         try:
             await asyncio.to_thread(self.engine.load_weights, shards)
         except WeightsMismatch as e:
@@ -67,6 +74,9 @@ class Sampler:
             log.warning("weights.refused", version=announcement.version, reason=str(e))
             return
         self.order = announcement.order
+        fetched = self.weights.fetch_s.get(announcement.order, 0.0)
+        self.syncs = dict(list(self.syncs.items())[-SYNCS_KEPT + 1:])
+        self.syncs[str(announcement.version)] = round(fetched + time.perf_counter() - started, 4)
         log.debug("weights.applied", version=self.version)
 
     async def ask_for_work(self, pull_request_id: str | None = None) -> Grant:
@@ -82,6 +92,7 @@ class Sampler:
         prompt_ids = [self.engine.encode_chat(p.messages) for p in prompts]
         started = time.perf_counter()
         generations = await asyncio.to_thread(self.engine.generate, prompt_ids, self.cfg.sampling.group_size)
+        await asyncio.sleep(self.cfg.sampler.throttle_s * len(leases))  # a slower machine, when asked
         seconds = time.perf_counter() - started
         for lease, prompt, ids, gens in zip(leases, prompts, prompt_ids, generations):
             group = RolloutGroup(
@@ -111,6 +122,8 @@ class Sampler:
             )
             await publish_rollout(self.run, group)
             self.published += 1
+        tokens = sum(len(g.token_ids) for gens in generations for g in gens)
+        self.calls.add(time.monotonic(), time.perf_counter() - started, len(leases), tokens)
 
     async def run_async(self) -> None:
         """Generate only what the trainer grants under its admission budget, so no work arrives
@@ -151,13 +164,25 @@ class Sampler:
                     break  # the request's groups are all given out: wait for the next request
 
     def status(self) -> SamplerStatus:
+        rates = self.calls.rates(time.monotonic())
+        scfg = self.cfg.sampler
         return SamplerStatus(
             sampler_id=self.sampler_id,
             version=self.version,
             groups_published=self.published,
             weight_failures=dict(self.weights.failures),
             updated_at=time.time(),
-            quarantined=self.quarantined,
+            state="draining" if self.draining else "quarantined" if self.quarantined else "active",
+            ttl_s=scfg.entry_ttl_s,
+            engine=self.engine.name,
+            device=str(self.engine.device),
+            model=self.cfg.model.name,
+            relay=self.relay,
+            cost_per_hour=scfg.cost_per_hour,
+            groups_per_s=round(rates.groups_per_s, 4),
+            tokens_per_s=round(rates.tokens_per_s, 2),
+            call_s=round(rates.call_s, 4),
+            sync_s=self.syncs,
         )
 
     async def beat(self) -> None:
@@ -182,7 +207,8 @@ class Sampler:
     async def serve(self) -> None:
         """Generate and heartbeat until stopped; if either fails, both stop and the error is raised."""
         await self.weights.start()
-        log.info("sampler.ready", sampler=self.sampler_id, mode=self.cfg.run.mode)
+        self.relay = await weights_relay(self.run, self.cfg.nats.hub_domain)
+        log.info("sampler.ready", sampler=self.sampler_id, mode=self.cfg.run.mode, relay=self.relay or None)
         try:
             async with Background() as background:
                 background.start(self.heartbeat())
@@ -192,6 +218,7 @@ class Sampler:
                     background.start(watch_budget(self.run, self.budget_changed))
                     await self.run_async()
         finally:
+            self.draining = True
             try:
                 await self.beat()  # the last word: what it did in total
             except BROKER_ERRORS as e:

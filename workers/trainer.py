@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +30,7 @@ from echo.protocol import (
     AdmissionBudget,
     Grant,
     GrantRequest,
+    LearnerStatus,
     ProtocolError,
     PullRequest,
     RolloutGroup,
@@ -41,7 +42,7 @@ from echo.referee import Referee, content_hash
 from echo.staleness import Verdict, judge
 from echo.tasks import load_task
 from streams.admission import leases_granted, publish_budget, record_leases_granted
-from streams.registry import heartbeat_revision
+from streams.registry import heartbeat_revision, put_learner
 from streams.client import BROKER_ERRORS, Run, open_run, until_done
 from streams.grants import serve_grants
 from streams.lease import Lease, take_lease
@@ -56,6 +57,7 @@ from workers.trainer_ranks import Learner, Ranks
 log = structlog.get_logger()
 
 ACK_ATTEMPTS = 3  # a held message's ack is confirmed, or left for the broker to offer again
+PACE_STEPS = 10  # the learner status averages this many steps
 
 
 @dataclass
@@ -422,11 +424,13 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
     log.info("trainer.ready", run=cfg.run.id, mode=cfg.run.mode, model=cfg.model.name, step=state.step,
              version=state.version, steps=cfg.run.steps, ranks=learner.ranks.world)
     started = time.perf_counter()
+    pace = Pace(cfg.trainer.groups_per_step, max_staleness)
     with open(run_dir / "metrics.jsonl", "ab") as metrics_file:
         for step in range(state.step + 1, cfg.run.steps + 1):
             step_started = time.perf_counter()
             await until_done("ask for groups", lambda: orders.ask(state.version))
             collected = await collector.collect(cfg.trainer.groups_per_step, state.version, orders.on_wait)
+            collected_at = time.perf_counter()
             batch = [(a.group, a.rewards) for a in collected.used]
             stats = await train_in_thread(learner, batch)
 
@@ -446,6 +450,7 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
                 "tokens_per_second": stats["tokens"] / stats["train_seconds"],
                 "learner_busy": stats["train_seconds"] / (trained_at - step_started),
                 "step_seconds": trained_at - step_started,  # waiting for groups + training
+                "wait_seconds": collected_at - step_started,  # for groups (and refereeing them)
                 "wall_seconds": trained_at - started,  # since this trainer process started
                 "used": len(groups),
                 "dropped_stale": len(collected.dropped_ids),
@@ -468,7 +473,10 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
 
             accounting = await until_done(
                 "account", lambda: account(subscription, state.totals, collector.consumed, unconfirmed))
-            record = {**state.record, "publish_seconds": publish_seconds, "accounting": accounting}
+            # Everything but the wait: T of the capacity model (echo/capacity.py).
+            record = {**state.record, "publish_seconds": publish_seconds, "accounting": accounting,
+                      "busy_seconds": time.perf_counter() - collected_at}
+            await until_done("learner status", lambda: put_learner(run, pace.add(record, state.version)))
             metrics_file.write(metrics_line(record))
             metrics_file.flush()
             log.info(
@@ -481,6 +489,21 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
                 busy=f"{record['learner_busy']:.0%}",
                 seconds=round(record["step_seconds"], 2),
             )
+
+
+class Pace:
+    """The trainer's LearnerStatus over its last PACE_STEPS steps."""
+
+    def __init__(self, groups_per_step: int, max_staleness: int):
+        self.groups_per_step, self.max_staleness = groups_per_step, max_staleness
+        self.steps: deque[tuple[float, float]] = deque(maxlen=PACE_STEPS)  # (busy, wait) seconds
+
+    def add(self, record: dict, version: int) -> LearnerStatus:
+        self.steps.append((record["busy_seconds"], record["wait_seconds"]))
+        busy, wait = (sum(column) for column in zip(*self.steps))
+        return LearnerStatus(step_s=busy / len(self.steps), groups_per_step=self.groups_per_step,
+                             max_staleness=self.max_staleness, version=version,
+                             utilisation=busy / (busy + wait) if busy + wait > 0 else 1.0, updated_at=time.time())
 
 
 def count_consumed(totals: dict[str, int], collected: Collected) -> dict[str, int]:

@@ -21,6 +21,7 @@ class Generation:
 
 class Engine(Protocol):
     name: str  # "hf" or "vllm", named in every group it samples
+    device: torch.device
     dtype: torch.dtype  # the precision it samples in
 
     def encode_chat(self, messages: list[dict]) -> list[int]:

@@ -40,10 +40,10 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the sampler logs what matters itself
         from vllm import LLM
 
-        device = resolve_device(model.device)
-        if device.type not in ("cuda", "cpu"):
+        self.device = resolve_device(model.device)
+        if self.device.type not in ("cuda", "cpu"):
             raise ConfigError(f"model.device = {model.device!r}: vLLM runs on CUDA or the CPU; use sampler.engine = 'hf'")
-        self.dtype = resolve_dtype(model.dtype, device)
+        self.dtype = resolve_dtype(model.dtype, self.device)
         folder = model_folder(model.name)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         # What a published version must look like, from the model's shapes alone (no weights).
@@ -56,7 +56,7 @@ class VLLMEngine:
         if self.lora:
             meta_policy.peft_config["default"].save_pretrained(self.scratch / "adapter-config")
         cpu = {}
-        if device.type == "cpu":
+        if self.device.type == "cpu":
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # else its worker gets one core of two
             if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # else vLLM takes a share of the machine's memory
                 cpu["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
@@ -68,7 +68,7 @@ class VLLMEngine:
             max_lora_rank=vllm_lora_rank(lora.r) if self.lora else None,
             max_loras=1,
             logprobs_mode="processed_logprobs",
-            enforce_eager=device.type == "cpu",  # no compile step on the CPU: start in seconds
+            enforce_eager=self.device.type == "cpu",  # no compile step on the CPU: start in seconds
             worker_extension_cls="echo.engines.vllm_worker.WeightsReloader",
             **cpu,
         )
