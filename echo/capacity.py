@@ -178,3 +178,20 @@ def best_staleness(learner: Learner, workers: list[Worker], target: float, max_s
     plans = [cheapest(replace(learner, max_staleness=s), workers, target) for s in range(max_staleness + 1)]
     return sorted(plans, key=lambda p: (not p.reached, p.cost_per_step if p.reached else -p.utilisation,
                                         p.learner.max_staleness))
+
+
+def replan_reason(used: dict[str, Worker], now: dict[str, Worker], drift: float) -> str | None:
+    """Why the set chosen from the workers `used` no longer holds for the workers there are
+    `now`: one joined, one left, or one's measured rates moved by more than `drift` (a
+    fraction); None if it holds."""
+    if joined := sorted(now.keys() - used.keys()):
+        return f"joined: {', '.join(joined)}"
+    if left := sorted(used.keys() - now.keys()):
+        return f"left: {', '.join(left)}"
+    for worker_id, old in sorted(used.items()):
+        new = now[worker_id]
+        for name in ("groups_per_s", "sync_s", "call_s"):
+            before, after = getattr(old, name), getattr(new, name)
+            if abs(after - before) > drift * max(abs(before), 1e-3):
+                return f"{worker_id}'s {name} moved from {before:.3g} to {after:.3g}"
+    return None

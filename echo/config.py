@@ -118,6 +118,15 @@ class SamplerConfig(_Section):
     entry_ttl_s: int = Field(30, ge=1)  # its registry entry expires this long after its last heartbeat
 
 
+class SchedulerConfig(_Section):
+    # ECHO-2's cost-aware activation (README, Scheduling): the trainer keeps on standby the samplers
+    # that cheaper ones make unnecessary for `target_utilisation`. Off: every sampler takes work.
+    enabled: bool = False
+    target_utilisation: float = Field(0.9, gt=0, le=1)
+    every_s: float = Field(5.0, gt=0)  # how often the trainer reads the registry
+    drift: float = Field(0.25, ge=0)  # a sampler's measured rate moving by more than this fraction: choose again
+
+
 class NatsConfig(_Section):
     url: str = "nats://127.0.0.1:4222"  # `echo-rl up` replaces it with its embedded server's
     # The hub's JetStream domain (its server config's `jetstream { domain: ... }`): samplers
@@ -155,6 +164,7 @@ class EchoConfig(_Section):
     sampling: SamplingConfig = SamplingConfig()
     trainer: TrainerConfig = TrainerConfig()
     sampler: SamplerConfig = SamplerConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
     nats: NatsConfig = NatsConfig()
 
     @model_validator(mode="after")

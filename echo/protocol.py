@@ -56,6 +56,7 @@ BUDGET_KEY = "budget"  # async mode's AdmissionBudget, written by the trainer
 TRAINER_KEY = "trainer"  # the TrainerLease: which trainer incarnation (epoch) owns the run
 LEASES_KEY = "leases"  # async mode: the number of leases granted so far (the trainer's, kept across restarts)
 QUARANTINE_KEY = "quarantine"  # samplers whose groups are ignored (Quarantine), by the trainer or an operator
+SCHEDULE_KEY = "schedule"  # the scheduler's choice of samplers (Schedule), written by the trainer
 LEARNER_KEY = "learner"  # the trainer's pace (LearnerStatus), for the scheduler and `echo-rl plan`
 SAMPLER_STATUS_PREFIX = "samplers."  # + sampler id: each sampler's heartbeat (SamplerStatus)
 ROLLOUT_DEDUP_WINDOW_S = 300.0
@@ -298,6 +299,19 @@ class LearnerStatus(_Message):
     max_staleness: int = Field(ge=0)
     version: int = Field(ge=0)
     utilisation: float = Field(ge=0, le=1)
+    updated_at: float
+
+
+class Schedule(_Message):
+    """The scheduler's choice (scheduler.enabled): the samplers to keep on standby, their weights
+    current and no leases taken, because cheaper ones reach the target utilisation without them.
+    Every sampler not named here takes leases (one that joined since is measured first)."""
+
+    active: list[str]
+    standby: list[str]
+    predicted_utilisation: float = Field(ge=0, le=1)
+    cost_per_step: float = Field(ge=0)
+    why: str  # what made the scheduler choose again
     updated_at: float
 
 

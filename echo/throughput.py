@@ -13,8 +13,11 @@ class Rates(NamedTuple):
     call_s: float  # mean seconds per call
 
 
+KEEP_AT_LEAST = 3  # calls: an idle sampler (on standby) keeps the rates it was last measured at
+
+
 class CallWindow:
-    """The calls that ended in the last `window_s` seconds."""
+    """The calls that ended in the last `window_s` seconds, and at least the last KEEP_AT_LEAST."""
 
     def __init__(self, window_s: float):
         self.window_s = window_s
@@ -24,7 +27,7 @@ class CallWindow:
         self.calls.append((ended_at, seconds, groups, tokens))
 
     def rates(self, now: float) -> Rates:
-        while self.calls and self.calls[0][0] < now - self.window_s:
+        while len(self.calls) > KEEP_AT_LEAST and self.calls[0][0] < now - self.window_s:
             self.calls.popleft()
         busy = sum(c[1] for c in self.calls)
         if not self.calls or busy <= 0:

@@ -1,8 +1,12 @@
 """The capacity model (echo/capacity.py) on fleets small enough to compute by hand."""
 
+from dataclasses import replace
+
 import pytest
 
-from echo.capacity import Learner, Worker, best_staleness, cheapest, cycle_seconds, never_waits, utilisation
+from echo.capacity import (
+    Learner, Worker, best_staleness, cheapest, cycle_seconds, never_waits, replan_reason, utilisation,
+)
 
 
 def test_an_on_policy_sampler_makes_the_learner_wait_for_its_sync_and_generation():
@@ -72,3 +76,13 @@ def test_beyond_a_dozen_workers_a_greedy_plan_reaches_the_target_with_the_cheape
 def test_a_target_utilisation_outside_0_1_is_refused():
     with pytest.raises(ValueError, match="target utilisation 1.5"):
         cheapest(Learner(1, 1, 1), [Worker("a", 1, 0, 1)], 1.5)
+
+
+def test_the_set_is_chosen_again_when_a_worker_joins_leaves_or_its_rates_drift():
+    a, b = Worker("a", 1.0, 0.5, 1.0), Worker("b", 2.0, 0.5, 1.0)
+    used = {"a": a, "b": b}
+    assert replan_reason(used, {"a": a, "b": b}, drift=0.25) is None
+    assert replan_reason(used, {"a": a, "b": replace(b, groups_per_s=2.4)}, 0.25) is None  # 20%: noise
+    assert replan_reason(used, {"a": a, "b": replace(b, groups_per_s=1.4)}, 0.25) == "b's groups_per_s moved from 2 to 1.4"
+    assert replan_reason(used, {"a": a}, 0.25) == "left: b"
+    assert replan_reason(used, {**used, "c": a}, 0.25) == "joined: c"

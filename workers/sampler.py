@@ -20,7 +20,7 @@ from echo.devices import dtype_name
 from echo.engines import Engine, make_engine
 from echo.learner import set_threads
 from echo.policy import WeightsMismatch
-from echo.protocol import Completion, Grant, GrantRequest, PullRequest, RolloutGroup, SamplerStatus
+from echo.protocol import Completion, Grant, GrantRequest, PullRequest, RolloutGroup, SamplerStatus, Schedule
 from echo.tasks import Task, load_task, safe_reward
 from echo.throughput import CallWindow
 from streams.admission import watch_budget
@@ -28,6 +28,7 @@ from streams.client import BROKER_ERRORS, LatestValue, Run, open_run
 from streams.grants import request_grant
 from streams.quarantine import read_quarantine
 from streams.registry import put_status, weights_relay
+from streams.schedule import watch_schedule
 from streams.secure import credentials_of
 from streams.rollouts import publish_rollout
 from streams.weights import WeightsFollower
@@ -49,6 +50,7 @@ class Sampler:
         self.published = 0
         self.quarantined = False  # the trainer ignores this sampler's groups (it shows in the heartbeat)
         self.draining = False  # stopping: its last heartbeat says so
+        self.standby = False  # the scheduler's choice: keep the weights current, take no work
         self.calls = CallWindow(cfg.sampler.rate_window_s)
         self.syncs: dict[str, float] = {}  # its last SYNCS_KEPT versions: heard of to running
         self.relay = ""  # the relay's JetStream domain, if it reads weights from one (serve)
@@ -86,8 +88,9 @@ class Sampler:
                                pull_request_id=pull_request_id)
         return await request_grant(self.run, self.sampler_id, request)
 
-    async def generate_and_publish(self, leases: list[int]) -> None:
-        """One group per lease the trainer granted, each naming its lease."""
+    async def generate_and_publish(self, leases: list[int], asked_at: float | None = None) -> None:
+        """One group per lease the trainer granted (asked for at `asked_at`, perf_counter), each
+        naming its lease. The call's time, from asking to published, is measured."""
         prompts = [self.task.prompt(self.rng.randrange(2**31)) for _ in leases]
         prompt_ids = [self.engine.encode_chat(p.messages) for p in prompts]
         started = time.perf_counter()
@@ -123,7 +126,8 @@ class Sampler:
             await publish_rollout(self.run, group)
             self.published += 1
         tokens = sum(len(g.token_ids) for gens in generations for g in gens)
-        self.calls.add(time.monotonic(), time.perf_counter() - started, len(leases), tokens)
+        self.calls.add(time.monotonic(), time.perf_counter() - (started if asked_at is None else asked_at), len(leases),
+                       tokens)
 
     async def run_async(self) -> None:
         """Generate only what the trainer grants under its admission budget, so no work arrives
@@ -132,13 +136,15 @@ class Sampler:
         while True:
             self.budget_changed.clear()  # before reading the budget: no update can slip past
             await self.apply_newest()
-            grant = await self.ask_for_work()
-            if grant.leases:
-                await self.generate_and_publish(grant.leases)
-                continue
-            if grant.more:
-                await asyncio.sleep(ASK_AGAIN_S)  # work is left, just not for this sampler yet
-                continue
+            if not self.standby:
+                asked_at = time.perf_counter()
+                grant = await self.ask_for_work()
+                if grant.leases:
+                    await self.generate_and_publish(grant.leases, asked_at)
+                    continue
+                if grant.more:
+                    await asyncio.sleep(ASK_AGAIN_S)  # work is left, just not for this sampler yet
+                    continue
             waits = [asyncio.ensure_future(self.budget_changed.wait()),
                      asyncio.ensure_future(self.weights.wait_newer(max(self.order, self.refused)))]
             _, pending = await asyncio.wait(waits, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
@@ -155,9 +161,13 @@ class Sampler:
             if self.version != request.version:
                 continue  # the trainer has moved past this request already
             while requests.seq == seq:
+                if self.standby:
+                    await asyncio.sleep(ASK_AGAIN_S)
+                    continue
+                asked_at = time.perf_counter()
                 grant = await self.ask_for_work(request.request_id)
                 if grant.leases:
-                    await self.generate_and_publish(grant.leases)
+                    await self.generate_and_publish(grant.leases, asked_at)
                 elif grant.more:
                     await asyncio.sleep(ASK_AGAIN_S)  # work is left, just not for this sampler yet
                 else:
@@ -172,7 +182,8 @@ class Sampler:
             groups_published=self.published,
             weight_failures=dict(self.weights.failures),
             updated_at=time.time(),
-            state="draining" if self.draining else "quarantined" if self.quarantined else "active",
+            state="draining" if self.draining else "quarantined" if self.quarantined else
+            "standby" if self.standby else "active",
             ttl_s=scfg.entry_ttl_s,
             engine=self.engine.name,
             device=str(self.engine.device),
@@ -201,6 +212,13 @@ class Sampler:
                 log.warning("sampler.heartbeat_failed", reason=repr(e))
             await asyncio.sleep(self.cfg.sampler.heartbeat_s)
 
+    def follow_schedule(self, schedule: Schedule) -> None:
+        standby = self.sampler_id in schedule.standby
+        if standby != self.standby:
+            log.info("sampler.standby" if standby else "sampler.active", why=schedule.why)
+            self.standby = standby
+            self.budget_changed.set()  # an idle sampler asks for work at once
+
     def _bad_request(self, error) -> None:
         log.warning("pull.bad_request", reason=str(error))
 
@@ -212,6 +230,7 @@ class Sampler:
         try:
             async with Background() as background:
                 background.start(self.heartbeat())
+                background.start(watch_schedule(self.run, self.follow_schedule))
                 if self.cfg.run.mode == "sequential":
                     await self.run_sequential()
                 else:

@@ -37,7 +37,8 @@ def _spawn(args: list[str], log_json: bool, ranks: int = 1, threads: int = 1) ->
     return subprocess.Popen(cmd, start_new_session=True, env=env)
 
 
-def _stop(processes: list[subprocess.Popen], timeout: float = 20.0) -> None:
+def stop_processes(processes: list[subprocess.Popen], timeout: float = 20.0) -> None:
+    """SIGTERM to each that runs, then wait for all; one that outlasts `timeout` is killed."""
     for p in processes:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -162,7 +163,7 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
         log.info("swarm.interrupted")
         code = 130
     finally:
-        _stop([trainer, *samplers, *relays])
+        stop_processes([trainer, *samplers, *relays])
         server.stop()
     if code == 0:
         summary = summarize(run_dir / "metrics.jsonl")

@@ -52,6 +52,7 @@ from streams.quarantine import change_quarantine, read_quarantine, watch_quarant
 from streams.rollouts import fetch_rollouts, trainer_subscription
 from streams.weights import publish_weights
 from workers.background import Background
+from workers.coordinator import Coordinator
 from workers.trainer_ranks import Learner, Ranks
 
 log = structlog.get_logger()
@@ -265,6 +266,7 @@ class Orders:
         self.version = state.version
         self.fleet: set[str] = set()  # samplers that asked for work since this trainer started
         self.heartbeats = Heartbeats()
+        self.standby: set[str] = set()  # the scheduler's (workers/coordinator.py): granted no work
 
     async def start(self) -> None:
         self.ledger.issued = await leases_granted(self.run)  # a restarted trainer numbers on
@@ -298,6 +300,8 @@ class Orders:
         a previous trainer's weights (it must apply ours first), none yet while fewer than
         `trainer.min_samplers` have asked (ask again soon), else what the mode grants."""
         if (self.quarantine and sampler_id in self.quarantine) or request.epoch != self.run.epoch:
+            return Grant()
+        if sampler_id in self.standby:
             return Grant()
         if sampler_id not in self.fleet:
             self.fleet.add(sampler_id)
@@ -417,6 +421,9 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
                           run.epoch, state.version, check=learner.check)
     background.start(collector.keep_alive(cfg.trainer.ack_wait_s / 3))
     orders = (PullRequests if cfg.run.mode == "sequential" else Admission)(run, cfg, state, ledger, quarantine)
+    coordinator = Coordinator(run, cfg, orders.standby)  # what it chooses, the grants obey
+    if cfg.scheduler.enabled:
+        background.start(coordinator.run_forever())
 
     # (Re)publish the current version: a fresh run's version 0, or the checkpoint's.
     await publish_policy(run, cfg, learner, state.version)
@@ -476,7 +483,8 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
             # Everything but the wait: T of the capacity model (echo/capacity.py).
             record = {**state.record, "publish_seconds": publish_seconds, "accounting": accounting,
                       "busy_seconds": time.perf_counter() - collected_at}
-            await until_done("learner status", lambda: put_learner(run, pace.add(record, state.version)))
+            coordinator.pace = pace.add(record, state.version)
+            await until_done("learner status", lambda: put_learner(run, coordinator.pace))
             metrics_file.write(metrics_line(record))
             metrics_file.flush()
             log.info(

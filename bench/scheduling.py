@@ -1,0 +1,146 @@
+"""Benchmark: the capacity model (echo/capacity.py) against the real swarm, and what cost-aware
+activation saves. Each fleet is a real trainer and real samplers on the tiny model, joined by a
+nats-server, the samplers slowed to different speeds (`sampler.throttle_s`, a pause per group)
+and given costs (`sampler.cost_per_hour`). After the run the model predicts the learner's
+utilisation from what the registry measured (each sampler's rates and sync times, the trainer's
+step time) and is compared with the utilisation the trainer measured over the second half of
+the run (busy / (busy + waiting for groups)). Cost per step: the active samplers' cost per hour
+times the measured seconds per step.
+
+    .venv/bin/python bench/scheduling.py [--steps 24]
+
+Writes bench/results/scheduling.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from echo.capacity import Learner, utilisation
+from echo.config import validate_config
+from streams.client import open_run
+from streams.registry import read_learner, read_statuses
+from streams.server import NatsServer
+from workers.plan import measured
+from workers.swarm import stop_processes, worker_command
+
+
+@dataclass(frozen=True)
+class FleetSampler:
+    id: str
+    throttle_s: float  # seconds per group on top of generating it
+    cost_per_hour: float
+
+
+FLEETS = {
+    "two fast": [FleetSampler("s1", 0.05, 1.0), FleetSampler("s2", 0.05, 1.0)],
+    "one slow": [FleetSampler("s1", 0.6, 1.0)],
+    "fast and slow": [FleetSampler("s1", 0.25, 2.0), FleetSampler("s2", 0.8, 0.5)],
+}
+# Where activation matters: two cheap samplers keep the learner 80% busy, a dear one adds little.
+ACTIVATION_FLEET = [FleetSampler("s1", 0.05, 1.0), FleetSampler("s2", 0.05, 1.0), FleetSampler("s3", 0.05, 6.0)]
+ACTIVATION_TARGET = 0.8
+
+
+def fleet_config(run_dir: Path, run_id: str, steps: int, scheduler: bool, target: float):
+    return validate_config({
+        "run": {"id": run_id, "dir": str(run_dir), "steps": steps},
+        "model": {"name": "tiny"},
+        "lora": {"r": 4, "alpha": 8.0},
+        "sampling": {"group_size": 4, "max_new_tokens": 8, "prompts_per_call": 2},
+        "trainer": {"groups_per_step": 4, "max_staleness": 1, "threads": 1},
+        "sampler": {"threads": 1, "heartbeat_s": 0.5, "entry_ttl_s": 3},
+        "scheduler": {"enabled": scheduler, "target_utilisation": target, "every_s": 1.0},
+    })
+
+
+async def _registry(url: str, run_id: str):
+    run = await open_run(url, run_id, "bench", create=False)
+    try:
+        return await read_learner(run), await read_statuses(run)
+    finally:
+        await run.close()
+
+
+def run_fleet(work_dir: Path, samplers: list[FleetSampler], steps: int, scheduler: bool = False,
+              target: float = 0.9, timeout: float = 240) -> dict:
+    """One run of a fleet: measured utilisation and cost per step, and the model's prediction."""
+    run_id = "fleet"
+    cfg = fleet_config(work_dir / "runs", run_id, steps, scheduler, target)
+    config_path = work_dir / "config.toml"
+    config_path.write_text(cfg.to_toml())
+    with NatsServer(work_dir / "nats") as server:
+        common = ["--config", str(config_path), "--nats", server.url, "--log-json"]
+        trainer = subprocess.Popen(worker_command(["trainer", *common]), stderr=subprocess.PIPE, text=True)
+        workers = [subprocess.Popen(worker_command(
+            ["sampler", *common, "--id", s.id, "--set", f"sampler.throttle_s={s.throttle_s}",
+             "--set", f"sampler.cost_per_hour={s.cost_per_hour}"]), stderr=subprocess.DEVNULL) for s in samplers]
+        try:
+            try:
+                logs = trainer.communicate(timeout=timeout)[1]
+            except subprocess.TimeoutExpired:
+                trainer.kill()
+                raise RuntimeError(f"the run did not finish in {timeout} s: {trainer.communicate()[1][-3000:]}") from None
+            if trainer.returncode != 0:
+                raise RuntimeError(f"the trainer failed: {logs[-2000:]}")
+            pace, statuses = asyncio.run(_registry(server.url, run_id))
+        finally:
+            stop_processes([trainer, *workers])
+    metrics = [orjson.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_bytes().splitlines()]
+    later = metrics[len(metrics) // 2:]
+    busy, wait = sum(m["busy_seconds"] for m in later), sum(m["wait_seconds"] for m in later)
+    active = [s for s in statuses if s.state == "active"]
+    costs = {s.id: s.cost_per_hour for s in samplers}
+    seconds_per_step = (busy + wait) / len(later)
+    hourly = sum(costs[s.sampler_id] for s in active)
+    # T over the same steps as the measured utilisation (the trainer's own pace covers its last 10).
+    learner = Learner(busy / len(later), pace.groups_per_step, pace.max_staleness)
+    return {
+        "samplers": [vars(s) for s in samplers],
+        "scheduler": scheduler,
+        "active": sorted(s.sampler_id for s in active),
+        "standby": sorted(s.sampler_id for s in statuses if s.state == "standby"),
+        "measured": {s.sampler_id: {"groups_per_s": s.groups_per_s, "call_s": s.call_s,
+                                    "sync_s": round(sum(s.sync_s.values()) / max(len(s.sync_s), 1), 4)}
+                     for s in statuses},
+        "step_s": round(learner.step_s, 3),
+        "predicted_utilisation": round(utilisation(learner, measured(active)), 3),
+        "measured_utilisation": round(busy / (busy + wait), 3),
+        "seconds_per_step": round(seconds_per_step, 3),
+        "cost_per_hour": hourly,
+        "cost_per_step": round(hourly * seconds_per_step / 3600, 6),
+        "groups_by_sampler_second_half": {s.id: sum(g[2] == s.id for m in later for g in m["groups"]) for s in samplers},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=24)
+    args = parser.parse_args()
+    results = {"machine": f"{os.cpu_count()} CPU cores", "model": "tiny", "steps": args.steps, "fleets": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for n, (name, fleet) in enumerate(FLEETS.items()):
+            results["fleets"][name] = run_fleet(Path(tmp) / f"f{n}", fleet, args.steps)
+            print(name, results["fleets"][name], flush=True)
+        started = time.monotonic()
+        on = run_fleet(Path(tmp) / "on", ACTIVATION_FLEET, args.steps, scheduler=True, target=ACTIVATION_TARGET)
+        off = run_fleet(Path(tmp) / "off", ACTIVATION_FLEET, args.steps, scheduler=False)
+        results["activation"] = {"on": on, "off": off,
+                                 "cost_per_step_on_vs_off": round(on["cost_per_step"] / off["cost_per_step"], 3),
+                                 "seconds": round(time.monotonic() - started)}
+    out = Path(__file__).parent / "results" / "scheduling.json"
+    out.write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
+    print(orjson.dumps(results, option=orjson.OPT_INDENT_2).decode())
+
+
+if __name__ == "__main__":
+    main()

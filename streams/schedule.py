@@ -1,0 +1,18 @@
+"""The scheduler's choice on the wire: one key in the run's state bucket, written by the trainer's
+coordinator and followed by every sampler (a standby sampler takes no leases)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from echo.protocol import SCHEDULE_KEY, Schedule, decode, encode
+from streams.client import Run, watch_forever
+
+
+async def publish_schedule(run: Run, schedule: Schedule) -> None:
+    await run.state.put(SCHEDULE_KEY, encode(schedule))
+
+
+async def watch_schedule(run: Run, on_change: Callable[[Schedule], None]) -> None:
+    """Forever: call `on_change` with the schedule, the current one first, then each new one."""
+    await watch_forever(run, SCHEDULE_KEY, lambda value: on_change(decode(Schedule, value)))

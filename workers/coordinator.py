@@ -1,0 +1,61 @@
+"""ECHO-2's cost-aware activation, run inside the trainer process (scheduler.enabled).
+
+Every `scheduler.every_s` the coordinator reads the run's registry. When a sampler joined, left
+(its entry expired) or its measured rates drifted, it chooses again the cheapest set of samplers
+that reaches `scheduler.target_utilisation` at the trainer's measured pace (echo/capacity.py) and
+publishes the choice (streams/schedule.py): the others go on standby, keeping their weights
+current and taking no leases, and the trainer grants them none. A sampler not yet measured (it
+has finished no call) takes work until it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+
+from echo.capacity import Learner, Worker, cheapest, replan_reason
+from echo.config import EchoConfig
+from echo.protocol import LearnerStatus, Schedule
+from streams.client import BROKER_ERRORS, Run
+from streams.registry import read_statuses
+from streams.schedule import publish_schedule
+from workers.plan import measured
+
+log = structlog.get_logger()
+
+
+class Coordinator:
+    def __init__(self, run: Run, cfg: EchoConfig, standby: set[str]):
+        self.run, self.cfg = run, cfg
+        self.pace: LearnerStatus | None = None  # the trainer's, set after each step
+        self.standby = standby  # the trainer's grants read this set: it is changed in place
+        self.used: dict[str, Worker] = {}  # the measurements the current choice was made from
+
+    async def run_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.scheduler.every_s)
+            try:
+                await self.choose()
+            except BROKER_ERRORS as e:  # the broker restarting: the next round reads again
+                log.warning("scheduler.read_failed", reason=repr(e))
+
+    async def choose(self) -> None:
+        if self.pace is None:  # no step yet: no pace to plan for
+            return
+        workers = {w.id: w for w in measured(await read_statuses(self.run))}
+        why = replan_reason(self.used, workers, self.cfg.scheduler.drift)
+        if why is None or not workers:
+            return
+        learner = Learner(self.pace.step_s, self.pace.groups_per_step, self.pace.max_staleness)
+        plan = cheapest(learner, list(workers.values()), self.cfg.scheduler.target_utilisation)
+        self.used = workers
+        self.standby.clear()
+        self.standby.update(set(workers) - set(plan.active))
+        await publish_schedule(self.run, Schedule(
+            active=sorted(plan.active), standby=sorted(self.standby), predicted_utilisation=min(plan.utilisation, 1.0),
+            cost_per_step=plan.cost_per_step, why=why, updated_at=time.time()))
+        log.info("scheduler.chose", active=sorted(plan.active), standby=sorted(self.standby), why=why,
+                 predicted_utilisation=round(plan.utilisation, 3), cost_per_step=round(plan.cost_per_step, 6),
+                 reached=plan.reached)
