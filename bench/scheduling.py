@@ -75,6 +75,7 @@ def run_fleet(work_dir: Path, samplers: list[FleetSampler], steps: int, schedule
               target: float = 0.9, timeout: float = 240) -> dict:
     """One run of a fleet: measured utilisation and cost per step, and the model's prediction."""
     run_id = "fleet"
+    work_dir.mkdir(parents=True, exist_ok=True)
     cfg = fleet_config(work_dir / "runs", run_id, steps, scheduler, target)
     config_path = work_dir / "config.toml"
     config_path.write_text(cfg.to_toml())
