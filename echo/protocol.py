@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import math
 import re
+import struct
+import sys
+from array import array
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
@@ -24,11 +27,12 @@ from nats.js.api import (
 )
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-SCHEMA_VERSION = 7  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
+SCHEMA_VERSION = 8  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
 # 4: the trainer grants work (GrantRequest/Grant), samplers no longer take it from KV;
 # 5: leases are numbered: a grant names them, a group carries the one it fulfils and its epoch;
 # 6: a group names the engine and precision that sampled it; 7: a sampler's heartbeat is its
-# registry entry (hardware, state, measured rates, sync times, cost, relay)
+# registry entry (hardware, state, measured rates, sync times, cost, relay); 8: a rollout group's
+# token ids and log-probs travel as fixed-width binary arrays after its fields (encode_rollout)
 
 # Run and sampler ids become subject tokens and stream names: keep them to safe characters.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -200,7 +204,7 @@ def weights_object_name(epoch: int, version: int, shard: int) -> str:
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    schema_version: Literal[7] = SCHEMA_VERSION
+    schema_version: Literal[8] = SCHEMA_VERSION
 
 
 class Completion(BaseModel):
@@ -393,12 +397,20 @@ def encode(message: _Message) -> bytes:
 
 
 def decode(cls: type[M], data: bytes) -> M:
+    return _validate(cls, _json_object(data))
+
+
+def _json_object(data: bytes) -> dict:
     try:
         raw = orjson.loads(data)
     except orjson.JSONDecodeError as e:
         raise ProtocolError("bad_json", str(e)) from None
     if not isinstance(raw, dict):
         raise ProtocolError("bad_json", "message is not an object")
+    return raw
+
+
+def _validate(cls: type[M], raw: dict) -> M:
     if raw.get("schema_version") != SCHEMA_VERSION:
         raise ProtocolError("bad_schema_version", f"got {raw.get('schema_version')!r}, speak {SCHEMA_VERSION}")
     try:
@@ -407,6 +419,115 @@ def decode(cls: type[M], data: bytes) -> M:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or cls.__name__
         raise ProtocolError("bad_schema", f"{where}: {err['msg']}") from None
+
+
+# A rollout message: magic, the length of the JSON that follows, that JSON (every field of the
+# group but its token ids and log-probs, plus how many tokens the prompt and each completion
+# have), then every token id (prompt first, then each completion's) as little-endian uint32,
+# then every completion token's log-prob as little-endian float32. About 8 bytes a completion
+# token plus its text, against about 31 as JSON; float32 is what the trainer computes with.
+ROLLOUT_MAGIC = b"ECRG"
+_ROLLOUT_HEAD = struct.Struct("<4sI")
+_IDS, _LOGPROBS = "I", "f"
+assert array(_IDS).itemsize == 4 and array(_LOGPROBS).itemsize == 4
+
+
+def encode_rollout(group: RolloutGroup) -> bytes:
+    fields = group.model_dump(exclude={"prompt_token_ids", "completions"})
+    fields["completions"] = [c.model_dump(exclude={"token_ids", "logprobs"}) for c in group.completions]
+    return _pack(fields, group.prompt_token_ids, [c.token_ids for c in group.completions],
+                 [c.logprobs for c in group.completions])
+
+
+def pack_rollout(raw: dict) -> bytes:
+    """A rollout message from a group's fields as plain data (RolloutGroup.model_dump(), or any
+    dict shaped like it: the tests build malformed ones)."""
+    fields = {k: v for k, v in raw.items() if k != "prompt_token_ids"}
+    fields["completions"] = [{k: v for k, v in c.items() if k not in ("token_ids", "logprobs")}
+                             for c in raw["completions"]]
+    return _pack(fields, raw["prompt_token_ids"], [c["token_ids"] for c in raw["completions"]],
+                 [c["logprobs"] for c in raw["completions"]])
+
+
+def _pack(fields: dict, prompt_ids: list[int], completion_ids: list[list[int]], logprobs: list[list[float]]) -> bytes:
+    ids, claimed = array(_IDS, prompt_ids), array(_LOGPROBS)
+    for token_ids, values in zip(completion_ids, logprobs, strict=True):
+        if len(token_ids) != len(values):
+            raise ValueError("each completion token needs its log-prob")
+        ids.extend(token_ids)
+        claimed.extend(values)
+    if sys.byteorder == "big":
+        ids.byteswap()
+        claimed.byteswap()
+    meta = orjson.dumps({**fields, "prompt_tokens": len(prompt_ids), "completion_tokens": list(map(len, completion_ids))})
+    return _ROLLOUT_HEAD.pack(ROLLOUT_MAGIC, len(meta)) + meta + ids.tobytes() + claimed.tobytes()
+
+
+def _read_rollout(data: bytes) -> tuple[dict, int, list[int], list[int], array]:
+    """A rollout message's parts, every byte accounted for: its fields (without the arrays), the
+    prompt's token count, each completion's, every token id, and every log-prob (not yet checked)."""
+    if len(data) < _ROLLOUT_HEAD.size or data[:4] != ROLLOUT_MAGIC:
+        raise ProtocolError("bad_encoding", f"not a rollout message (it starts {bytes(data[:8])!r})")
+    _, meta_len = _ROLLOUT_HEAD.unpack_from(data)
+    meta_end = _ROLLOUT_HEAD.size + meta_len
+    if meta_end > len(data):
+        raise ProtocolError("bad_encoding", f"its fields run {meta_len} bytes into a {len(data)}-byte message")
+    raw = _json_object(data[_ROLLOUT_HEAD.size : meta_end])
+    prompt_tokens, completion_tokens = raw.pop("prompt_tokens", None), raw.pop("completion_tokens", None)
+    completions = raw.get("completions")
+    if (type(prompt_tokens) is not int or prompt_tokens < 0 or not isinstance(completion_tokens, list)
+            or not all(type(n) is int and n >= 0 for n in completion_tokens) or not isinstance(completions, list)
+            or len(completions) != len(completion_tokens) or not all(isinstance(c, dict) for c in completions)):
+        raise ProtocolError("bad_schema", "token counts: one for the prompt and one for each completion")
+    tokens = prompt_tokens + sum(completion_tokens)
+    expected = meta_end + 4 * tokens + 4 * sum(completion_tokens)
+    if len(data) != expected:
+        raise ProtocolError("bad_encoding", f"{len(data)} bytes, its token counts make {expected}")
+    ids, logprobs = array(_IDS), array(_LOGPROBS)
+    ids.frombytes(data[meta_end : meta_end + 4 * tokens])
+    logprobs.frombytes(data[meta_end + 4 * tokens :])
+    if sys.byteorder == "big":
+        ids.byteswap()
+        logprobs.byteswap()
+    return raw, prompt_tokens, completion_tokens, ids.tolist(), logprobs
+
+
+def _spans(counts: list[int]):
+    start = 0
+    for n in counts:
+        yield start, start + n
+        start += n
+
+
+def unpack_rollout(data: bytes) -> dict:
+    """A rollout message back into plain data, as RolloutGroup.model_dump() gives it (unchecked)."""
+    raw, prompt_tokens, counts, ids, logprobs = _read_rollout(data)
+    raw["prompt_token_ids"] = ids[:prompt_tokens]
+    claimed = logprobs.tolist()
+    for c, (a, b) in zip(raw["completions"], _spans(counts)):
+        c["token_ids"], c["logprobs"] = ids[prompt_tokens + a : prompt_tokens + b], claimed[a:b]
+    return raw
+
+
+def _decode_group(data: bytes) -> RolloutGroup:
+    """Every check the schema makes, with the completions' arrays checked whole: the encoding
+    makes them integers and floats, one log-prob per token; here each completion has a token and
+    every log-prob is finite and <= 0. The schema validates everything else, the arrays going in
+    after it (element by element it would take most of a long group's decoding time)."""
+    raw, prompt_tokens, counts, ids, logprobs = _read_rollout(data)
+    if 0 in counts:
+        raise ProtocolError("bad_schema", f"completions.{counts.index(0)}.token_ids: an empty completion")
+    if logprobs and (not math.isfinite(math.fsum(logprobs)) or max(logprobs) > 0.0):
+        raise ProtocolError("bad_schema", "completions: logprobs must be finite and <= 0")
+    raw["prompt_token_ids"] = ids[:prompt_tokens]
+    for c in raw["completions"]:
+        c["token_ids"], c["logprobs"] = [0], [0.0]  # stand-ins that pass, replaced below
+    shell = _validate(RolloutGroup, raw)
+    claimed = logprobs.tolist()
+    completions = [c.model_copy(update={"token_ids": ids[prompt_tokens + a : prompt_tokens + b],
+                                        "logprobs": claimed[a:b]})
+                   for c, (a, b) in zip(shell.completions, _spans(counts))]
+    return shell.model_copy(update={"completions": completions})
 
 
 def rollout_headers(group: RolloutGroup) -> dict[str, str]:
@@ -428,7 +549,7 @@ def decode_rollout(data: bytes, headers: dict[str, str] | None, subject: str) ->
     """Decode a rollout message and check its subject and headers agree with its body. A
     sampler's credentials allow it only its own subject: a body naming another sampler is a
     sampler impersonating another."""
-    group = decode(RolloutGroup, data)
+    group = _decode_group(data)
     if subject.split(".")[-2:] != ["rollouts", group.sampler_id]:
         raise ProtocolError("subject_mismatch", f"{group.sampler_id!r} published on {subject}")
     headers = headers or {}

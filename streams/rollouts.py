@@ -10,7 +10,7 @@ import structlog
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from echo.protocol import TRAINER_CONSUMER, RolloutGroup, encode, rollout_headers
+from echo.protocol import TRAINER_CONSUMER, RolloutGroup, encode_rollout, rollout_headers
 from streams.client import BROKER_ERRORS, Run
 
 log = structlog.get_logger()
@@ -22,7 +22,7 @@ async def publish_rollout(run: Run, group: RolloutGroup) -> None:
     """Publish until the stream has it: through a broker restart or a relay's cut uplink (no
     responders), a sampler keeps its group and tries again with backoff, never dies of it."""
     subject = run.names.rollouts_subject(group.sampler_id)
-    data, headers = encode(group), rollout_headers(group)
+    data, headers = encode_rollout(group), rollout_headers(group)
     delay = 0.5
     while True:
         try:

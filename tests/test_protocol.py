@@ -1,3 +1,4 @@
+import struct
 import time
 
 import orjson
@@ -6,6 +7,7 @@ import pytest
 from echo.protocol import (
     HDR_MSG_ID,
     HDR_POLICY_VERSION,
+    ROLLOUT_MAGIC,
     Completion,
     ProtocolError,
     PullRequest,
@@ -16,7 +18,10 @@ from echo.protocol import (
     decode,
     decode_rollout,
     encode,
+    encode_rollout,
+    pack_rollout,
     rollout_headers,
+    unpack_rollout,
 )
 
 
@@ -46,7 +51,19 @@ def test_rollout_round_trip_with_headers():
     group = make_group()
     headers = rollout_headers(group)
     assert headers[HDR_POLICY_VERSION] == "3" and headers[HDR_MSG_ID] == "g1"
-    assert decode_rollout(encode(group), headers, RunNames("r").rollouts_subject(group.sampler_id)) == group
+    data = encode_rollout(group)
+    assert decode_rollout(data, headers, RunNames("r").rollouts_subject(group.sampler_id)) == group
+    assert data[:4] == b"ECRG" and b'"text":"<answer>3</answer>"' in data  # the fields stay readable
+
+
+def test_a_rollout_costs_8_bytes_a_completion_token_plus_its_text():
+    """Token ids as uint32 and log-probs as float32 (the JSON of schema 7 took about 31 bytes
+    with real log-probs: bench/transport.py)."""
+    long = make_group(size=16).model_copy(update={"completions": [
+        Completion(token_ids=list(range(50_000, 51_024)), logprobs=[-0.25] * 1024, text="", reward=0.0,
+                   finish_reason="length")] * 16})
+    per_token = len(encode_rollout(long)) / (16 * 1024)
+    assert 8.0 <= per_token < 8.2, per_token
 
 
 def test_other_messages_round_trip():
@@ -69,7 +86,7 @@ def test_names_are_per_run_and_per_sampler():
 
 
 def _mutate(**changes) -> bytes:
-    raw = orjson.loads(encode(make_group()))
+    raw = unpack_rollout(encode_rollout(make_group()))
     for key, value in changes.items():
         if key.startswith("c0_"):
             raw["completions"][0][key[3:]] = value
@@ -77,22 +94,38 @@ def _mutate(**changes) -> bytes:
             del raw[key]
         else:
             raw[key] = value
-    return orjson.dumps(raw)
+    return pack_rollout(raw)
+
+
+def _fields_as(meta: bytes) -> bytes:
+    """A message whose JSON part is `meta`."""
+    return ROLLOUT_MAGIC + struct.pack("<I", len(meta)) + meta
+
+
+GOOD = encode_rollout(make_group())
 
 
 @pytest.mark.parametrize(
     "data, reason",
     [
-        (b"not json", "bad_json"),
-        (b"[1, 2]", "bad_json"),
+        (orjson.dumps(make_group().model_dump()), "bad_encoding"),  # the JSON of schema 7
+        (b"", "bad_encoding"),
+        (GOOD[:-4], "bad_encoding"),  # a log-prob short
+        (GOOD + b"\0" * 4, "bad_encoding"),  # four bytes too many
+        (ROLLOUT_MAGIC + struct.pack("<I", 10**6) + b"{}", "bad_encoding"),  # fields longer than the message
+        (_fields_as(b"not json"), "bad_json"),
+        (_fields_as(b"[1, 2]"), "bad_json"),
+        (_fields_as(b'{"schema_version": 8, "prompt_tokens": 1}'), "bad_schema"),  # no completion counts
+        (_fields_as(b'{"prompt_tokens": -1, "completion_tokens": [], "completions": []}'), "bad_schema"),
         (_mutate(schema_version=1), "bad_schema_version"),
         (_mutate(policy_version=None), "bad_schema"),
         (_mutate(policy_version="3"), "bad_schema"),
         (_mutate(policy_version=-1), "bad_schema"),
         (_mutate(extra_field=1), "bad_schema"),
         (_mutate(completions=[]), "bad_schema"),
-        (_mutate(c0_logprobs=[-0.5]), "bad_schema"),  # not one per token
-        (_mutate(c0_logprobs=[-0.5, None]), "bad_schema"),  # NaN/inf arrive as null through JSON
+        (_mutate(c0_token_ids=[], c0_logprobs=[]), "bad_schema"),  # an empty completion
+        (_mutate(c0_logprobs=[-0.5, float("nan")]), "bad_schema"),
+        (_mutate(c0_logprobs=[-0.5, float("-inf")]), "bad_schema"),
         (_mutate(c0_logprobs=[-0.5, 0.5]), "bad_schema"),  # a log-prob above zero
         (_mutate(c0_finish_reason="bored"), "bad_schema"),
         (_mutate(sampler_id="s1.x"), "bad_schema"),
@@ -108,11 +141,11 @@ def test_headers_must_agree_with_the_body():
     headers = rollout_headers(make_group())
     headers[HDR_POLICY_VERSION] = "9"
     with pytest.raises(ProtocolError) as e:
-        decode_rollout(encode(make_group()), headers, RunNames("r").rollouts_subject("s1"))
+        decode_rollout(GOOD, headers, RunNames("r").rollouts_subject("s1"))
     assert e.value.reason == "header_mismatch"
 
 
 def test_the_subject_must_be_the_bodys_samplers():
     with pytest.raises(ProtocolError) as e:
-        decode_rollout(encode(make_group()), rollout_headers(make_group()), RunNames("r").rollouts_subject("s2"))
+        decode_rollout(GOOD, rollout_headers(make_group()), RunNames("r").rollouts_subject("s2"))
     assert e.value.reason == "subject_mismatch"

@@ -14,7 +14,7 @@ import pytest
 from nats.errors import NoRespondersError
 from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
-from echo.protocol import CONFIG_KEY, RunNames, encode, rollout_headers
+from echo.protocol import CONFIG_KEY, RunNames, encode_rollout, rollout_headers
 from streams.client import connect, open_run, wait_for_jetstream
 from streams.lease import take_lease
 from streams.secure import SERVER_CONF, SecureDir
@@ -90,7 +90,7 @@ def test_relay_credentials_mirror_and_nothing_else(secured_hub, tmp_path):
         await take_lease(trainer)
         await trainer.state.put(CONFIG_KEY, b'{"task": {"name": "math"}}')
         group = honest_group(group_id="evil", sampler_id="s1")
-        await trainer.js.publish(names.rollouts_subject("s1"), encode(group), headers=rollout_headers(group))
+        await trainer.js.publish(names.rollouts_subject("s1"), encode_rollout(group), headers=rollout_headers(group))
         with pytest.raises(Exception):  # a relay's nkey opens leaf connections only
             await nats.connect(hub.url, max_reconnect_attempts=0, allow_reconnect=False, connect_timeout=2,
                                **files.connect_options())
@@ -99,7 +99,7 @@ def test_relay_credentials_mirror_and_nothing_else(secured_hub, tmp_path):
         js = nc.jetstream(domain="hub", timeout=1.0)
         await wait_for_jetstream(js, "hub through the leaf", timeout=20)  # the leaf is up: INFO is allowed
         attacks = [
-            lambda: js.publish(names.rollouts_subject("s1"), encode(honest_group(group_id="x")),
+            lambda: js.publish(names.rollouts_subject("s1"), encode_rollout(honest_group(group_id="x")),
                                headers=rollout_headers(honest_group(group_id="x"))),
             lambda: js.publish(f"$JS.hub.API.$KV.{names.state_bucket}.{CONFIG_KEY}",
                                b'{"task": {"name": "os:system"}}'),

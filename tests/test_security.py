@@ -23,6 +23,7 @@ from echo.protocol import (
     WeightsAnnouncement,
     decode,
     encode,
+    encode_rollout,
     rollout_headers,
 )
 from streams.rollouts import trainer_subscription
@@ -219,7 +220,7 @@ def test_a_sampler_cannot_touch_what_the_trainer_owns(secured):
         nc = await _client(server.url, secure.credentials("sampler-s1"), errors)
         js = nc.jetstream(domain="hub", timeout=1.0)
         forged = encode(announcement.model_copy(update={"version": 10**9}))
-        impostor = encode(honest_group(group_id="imp", sampler_id="s2"))
+        impostor = encode_rollout(honest_group(group_id="imp", sampler_id="s2"))
         attacks = [
             js.delete_stream(names.rollouts_stream),
             js.purge_stream(names.rollouts_stream),
@@ -246,7 +247,7 @@ def test_a_sampler_cannot_touch_what_the_trainer_owns(secured):
         assert sum("permissions violation for publish" in e for e in errors) == len(attacks)
         assert any("permissions violation for subscription" in e and "_inbox.>" in e.lower() for e in errors)
         # What a sampler may do still works.
-        await js.publish(names.rollouts_subject("s1"), encode(honest_group(group_id="mine")),
+        await js.publish(names.rollouts_subject("s1"), encode_rollout(honest_group(group_id="mine")),
                          headers=rollout_headers(honest_group(group_id="mine")))
         await nc.close()
 

@@ -22,6 +22,7 @@ from echo.protocol import (
     WeightsAnnouncement,
     WeightsShard,
     encode,
+    encode_rollout,
     rollout_headers,
     weights_object_name,
 )
@@ -49,13 +50,13 @@ def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(nats_serv
         await publish_rollout(run, honest_group(policy_version=9, group_id="future"))
         await publish_rollout(run, honest_group(policy_version=5, group_id="wrongsize", texts=["a", "b", "c"]))
         spoofed = honest_group(policy_version=5, group_id="spoofed")
-        await run.js.publish(subject, encode(spoofed), headers={**rollout_headers(spoofed), HDR_POLICY_VERSION: "4"})
+        await run.js.publish(subject, encode_rollout(spoofed), headers={**rollout_headers(spoofed), HDR_POLICY_VERSION: "4"})
         liar = with_completion(honest_group(policy_version=4, group_id="liar"), reward=0.0)
         await publish_rollout(run, liar)
         # Attacks by a sampler with publish rights: s1's group on s2's subject; the liar's completions
         # re-sent under a new id; a group trained on in an earlier step re-sent under a new id.
         impostor = honest_group(15, policy_version=5, group_id="imp")
-        await run.js.publish(run.names.rollouts_subject("s2"), encode(impostor), headers=rollout_headers(impostor))
+        await run.js.publish(run.names.rollouts_subject("s2"), encode_rollout(impostor), headers=rollout_headers(impostor))
         await publish_rollout(run, honest_group(policy_version=5, group_id="replay"))
         await publish_rollout(run, honest_group(13, policy_version=5, group_id="old"))
         await publish_rollout(run, honest_group(14, policy_version=5, group_id="ok"))
@@ -68,7 +69,7 @@ def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(nats_serv
         assert collected.used[0].rewards == [1.0, 0.1]  # the trainer's rewards, not the liar's
         assert collected.reward_mismatch == {"s1": 1}
         assert collected.dropped == {4: 1} and collected.dropped_ids == ["stale"]
-        assert collected.rejected == {"bad_json": 1, "future_version": 1, "wrong_group_size": 1, "header_mismatch": 1,
+        assert collected.rejected == {"bad_encoding": 1, "future_version": 1, "wrong_group_size": 1, "header_mismatch": 1,
                                       "subject_mismatch": 1, "replayed_content": 2}
         info = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
         assert info.num_pending == 0 and info.num_ack_pending == 10  # all wait for the step's checkpoint

@@ -1,0 +1,141 @@
+"""Benchmark: rollout ingest through our code against bare nats-py on the same server, same run.
+
+Ours: the sampler's `publish_rollout` (binary encoding, headers, publish acked by the stream),
+the trainer's durable pull consumer, `decode_rollout` (every structural check: counts, lengths,
+schema, finite log-probs <= 0, headers against the body) and an ack per message. Bare: the same
+bytes published with `js.publish` and fetched with a pull consumer and acked, nothing decoded.
+Also the bytes per completion token of the binary encoding against schema 7's JSON, and the
+latency from a publish to the trainer holding the decoded group (one group in flight).
+
+    .venv/bin/python bench/transport.py [--seconds 5]
+
+Writes bench/results/transport.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import tempfile
+import time
+from array import array
+from pathlib import Path
+
+import orjson
+from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+
+from echo.protocol import Completion, RolloutGroup, decode_rollout, encode_rollout
+from streams.client import connect, open_run
+from streams.rollouts import fetch_rollouts, publish_rollout, trainer_subscription
+from streams.server import NatsServer
+
+SHAPES = [(8, 24), (16, 1024), (16, 16384)]  # completions x tokens per group
+
+
+def make_group(completions: int, tokens: int, index: int) -> RolloutGroup:
+    rng = random.Random(index)
+    logprobs = array("f", [-rng.random() * 4 for _ in range(tokens)]).tolist()  # as a float32 model gives them
+    return RolloutGroup(
+        group_id=f"g{index}", sampler_id="s1", policy_version=0, epoch=0, task="math", prompt_index=index, lease=1,
+        prompt_token_ids=[rng.randrange(49_152) for _ in range(128)],
+        completions=[Completion(token_ids=[rng.randrange(49_152) for _ in range(tokens)], logprobs=logprobs,
+                                text="word " * (tokens * 3 // 5), reward=1.0, finish_reason="length")
+                     for _ in range(completions)],
+        temperature=1.0, engine="hf", dtype="float32", gen_seconds=0.0, created_at=0.0)
+
+
+async def ours(url: str, run_id: str, groups: list[RolloutGroup], batch: int) -> float:
+    run = await open_run(url, run_id, "bench")
+    subscription = await trainer_subscription(run)
+    started = time.perf_counter()
+    for group in groups:
+        await publish_rollout(run, group)
+    got = 0
+    while got < len(groups):
+        for msg in await fetch_rollouts(subscription, batch, timeout=5.0):
+            decode_rollout(msg.data, msg.headers, msg.subject)
+            await msg.ack()
+            got += 1
+    seconds = time.perf_counter() - started
+    await run.close()
+    return seconds
+
+
+async def bare(url: str, stream: str, bodies: list[bytes], batch: int) -> float:
+    nc = await connect(url, "bench-bare")
+    js = nc.jetstream()
+    await js.add_stream(StreamConfig(name=stream, subjects=[f"{stream}.>"]))
+    sub = await js.pull_subscribe(f"{stream}.>", durable="bare", stream=stream,
+                                  config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, max_ack_pending=-1))
+    started = time.perf_counter()
+    for body in bodies:
+        await js.publish(f"{stream}.s1", body, timeout=10)
+    got = 0
+    while got < len(bodies):
+        for msg in await sub.fetch(batch, timeout=5.0):
+            await msg.ack()
+            got += 1
+    seconds = time.perf_counter() - started
+    await nc.close()
+    return seconds
+
+
+async def latency(url: str, run_id: str, groups: list[RolloutGroup]) -> list[float]:
+    run = await open_run(url, run_id, "bench-latency")
+    subscription = await trainer_subscription(run)
+    seconds = []
+    for group in groups:
+        started = time.perf_counter()
+        await publish_rollout(run, group)
+        while not (msgs := await fetch_rollouts(subscription, 1, timeout=5.0)):
+            pass
+        decode_rollout(msgs[0].data, msgs[0].headers, msgs[0].subject)
+        seconds.append(time.perf_counter() - started)
+        await msgs[0].ack()
+    await run.close()
+    return seconds
+
+
+async def measure(url: str, completions: int, tokens: int, seconds_each: float) -> dict:
+    probe = make_group(completions, tokens, 0)
+    body = encode_rollout(probe)
+    count = max(3, min(2000, int(seconds_each * 40_000_000 / len(body))))  # about seconds_each of bytes
+    groups = [make_group(completions, tokens, i) if i < 4 else probe.model_copy(update={"group_id": f"g{i}"})
+              for i in range(count)]
+    bodies = [encode_rollout(g) for g in groups]
+    batch = max(1, min(256, (32 << 20) // len(body)))  # a fetch well under the server's max_pending
+    name = f"{completions}x{tokens}"
+    our_s = await ours(url, f"ours{completions}x{tokens}", groups, batch)
+    bare_s = await bare(url, f"BARE{completions}X{tokens}", bodies, batch)
+    lat = await latency(url, f"lat{completions}x{tokens}", groups[: min(20, count)])
+    completion_tokens = completions * tokens
+    return {
+        "group": name, "groups": count,
+        "bytes_per_token": round(len(body) / completion_tokens, 2),
+        "json_bytes_per_token": round(len(orjson.dumps(probe.model_dump())) / completion_tokens, 2),
+        "ours_groups_per_s": round(count / our_s, 1), "bare_groups_per_s": round(count / bare_s, 1),
+        "ours_tokens_per_s": round(count * completion_tokens / our_s), "ratio_to_bare": round(bare_s / our_s, 2),
+        "latency_ms_median": round(1000 * statistics.median(lat), 2),
+    }
+
+
+async def main_async(seconds_each: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp, NatsServer(Path(tmp) / "js") as server:
+        results = [await measure(server.url, c, t, seconds_each) for c, t in SHAPES]
+    return {"machine": "this one (2 cores), loopback nats-server 2.15.1, nats-py 2.16.0", "shapes": results}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seconds", type=float, default=5.0, help="about how long each side runs per shape")
+    args = parser.parse_args()
+    result = asyncio.run(main_async(args.seconds))
+    out = Path(__file__).parent / "results" / "transport.json"
+    out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+
+
+if __name__ == "__main__":
+    main()
