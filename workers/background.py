@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Coroutine
 
+RECANCEL_AFTER_S = 0.5  # a task still running this long after its cancellation is cancelled again
+
 
 class Background:
     """`async with Background() as background: background.start(loop()); await main()`.
@@ -28,8 +30,12 @@ class Background:
         self._tasks.append(self._group.create_task(coro))
 
     async def __aexit__(self, *exc_info) -> bool | None:
-        for task in self._tasks:
-            task.cancel()
+        # nats-py swallows a CancelledError that lands inside its flush (Client._flush_pending):
+        # a task cancelled there runs on, and the block would never end. Cancel until they end.
+        while running := [task for task in self._tasks if not task.done()]:
+            for task in running:
+                task.cancel()
+            await asyncio.wait(running, timeout=RECANCEL_AFTER_S)
         try:
             return await self._group.__aexit__(*exc_info)
         except BaseExceptionGroup as group:
