@@ -31,7 +31,7 @@ def rank_step(rank: int, world: int, port: int, args, budget: int, out: Path) ->
     from echo.learner import make_optimizer, train_step
     from echo.models import load_model
     from echo.policy import make_policy
-    from workers.trainer_ranks import shard
+    from workers.trainer_ranks import leave, shard
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if world > 1:
@@ -52,7 +52,7 @@ def rank_step(rank: int, world: int, port: int, args, budget: int, out: Path) ->
               "before_step_rss_mb": round(before / 1024)}
     (out / f"rank{rank}.json").write_bytes(orjson.dumps(result))
     if world > 1:
-        dist.destroy_process_group()
+        leave()
 
 
 def setting(world: int, budget: int, args, out: Path) -> dict:

@@ -17,7 +17,7 @@ from echo.policy import make_policy, policy_tensors
 from streams.server import free_port
 from tests.conftest import tiny_config
 from tests.test_referee import honest_group
-from workers.trainer_ranks import shard
+from workers.trainer_ranks import leave, shard
 
 pytestmark = pytest.mark.slow
 STEPS = 3
@@ -65,7 +65,7 @@ def _rank(rank: int, world: int, port: int, tmp_path, lora: bool) -> None:
     tensors = policy_tensors(policy)  # gathered whole: a collective
     if rank == 0:
         torch.save({"tensors": tensors, "stats": merge_stats(parts)}, tmp_path / "ranks.pt")
-    dist.destroy_process_group()
+    leave()
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
@@ -115,7 +115,7 @@ def _rank_resuming(rank: int, world: int, port: int, tmp_path, resume: bool) -> 
         dist.all_gather_object(rngs, torch.get_rng_state())
         save_checkpoint(path, policy, optimizer, TrainerState(step=2, version=2), rngs, commit=rank == 0)
     if world > 1:
-        dist.destroy_process_group()
+        leave()
 
 
 @pytest.mark.parametrize("resume_ranks", [2, 1])

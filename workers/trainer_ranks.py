@@ -77,7 +77,15 @@ class Ranks:
 
     def close(self) -> None:
         if self.world > 1:
-            dist.destroy_process_group()
+            leave()
+
+
+def leave() -> None:
+    """Leave the process group together: a rank that tears its group down while another still
+    talks to it can abort (gloo: "terminate called without an active exception", seen once in
+    CI at the end of a 2-rank test)."""
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def decoder_layers(policy) -> torch.nn.ModuleList:
@@ -180,12 +188,12 @@ class Learner:
             getattr(Learner, name).__wrapped__(self, *args)
 
     def close(self) -> None:
-        """Rank 0, at the end: let the other ranks leave `follow`."""
+        """Rank 0, at the end: let the other ranks leave `follow`, and leave with them."""
         try:
             self.ranks.send(None)
+            self.ranks.close()
         except (RuntimeError, dist.DistError) as e:  # a rank is gone already: torchrun stops the rest
             log.warning("trainer.ranks_gone", reason=repr(e))
-        self.ranks.close()
 
 
 def follow_rank_0(cfg: EchoConfig, ranks: Ranks) -> int:
