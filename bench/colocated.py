@@ -1,0 +1,76 @@
+"""The co-located baseline: one process that alternates generating and training on the same
+model, what a verl-style co-located run does, built from the same library code as the swarm:
+the sampler's engine and group-making (`generate_groups`), the trainer's referee (its rewards),
+and the trainer's Learner (step, micro-batches, optimizer). Same config, task, seed and batch
+sizes as a swarm run; every step generates `trainer.groups_per_step` groups with the current
+weights (on-policy: staleness 0), then trains on them.
+
+It writes `metrics.jsonl` in the trainer's format (reward, loss, ..., `wait_seconds` is the
+generation, `busy_seconds` the training), so `echo-rl report` and the parity bench read it as
+they read a swarm's.
+
+    .venv/bin/python bench/colocated.py --config run.toml [--set section.key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import orjson
+
+from echo.config import EchoConfig, load_config
+from echo.engines import make_engine
+from echo.policy import weights_shards
+from echo.referee import Referee
+from echo.tasks import load_task
+from workers.sampler import generate_groups
+from workers.trainer import metrics_line
+from workers.trainer_ranks import Learner, Ranks
+
+
+def run_colocated(cfg: EchoConfig) -> None:
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(cfg.to_toml())
+    learner = Learner(cfg, Ranks(cfg.model.device))
+    engine, task = make_engine(cfg), load_task(cfg.task)
+    referee = Referee(task, learner.tokenizer, learner.vocab_size, cfg.sampling)
+    rng = random.Random(f"{cfg.run.seed}/colocated")
+    started = time.perf_counter()
+    with open(run_dir / "metrics.jsonl", "wb") as metrics:
+        for step in range(1, cfg.run.steps + 1):
+            step_started = time.perf_counter()
+            engine.load_weights([bytearray(s) for s in weights_shards(learner.policy, 2**40)])  # the current policy
+            prompts = [task.prompt(rng.randrange(2**31)) for _ in range(cfg.trainer.groups_per_step)]
+            groups = generate_groups(engine, task, prompts, cfg.sampling, "colocated", (0, step - 1),
+                                     list(range(1, len(prompts) + 1)))
+            batch = [(g, referee.score(g).rewards) for g in groups]
+            generated = time.perf_counter()
+            stats = learner.train(batch)
+            trained = time.perf_counter()
+            metrics.write(metrics_line({
+                "step": step, "version": step, **stats,
+                "tokens_per_second": stats["tokens"] / stats["train_seconds"],
+                "learner_busy": (trained - generated) / (trained - step_started),
+                "step_seconds": trained - step_started, "wait_seconds": generated - step_started,
+                "busy_seconds": trained - generated, "wall_seconds": trained - started,
+                "used": len(groups), "dropped_stale": 0, "dropped_tokens": 0,
+                "groups": [[g.group_id, g.policy_version, g.sampler_id] for g in groups],
+            }))
+            metrics.flush()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", help="TOML config file (the swarm run's)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    args = parser.parse_args()
+    cfg = load_config(args.config, args.set)
+    run_colocated(cfg)
+    print(orjson.dumps({"run_dir": str(cfg.run_dir)}).decode())
+
+
+if __name__ == "__main__":
+    main()
