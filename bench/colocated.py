@@ -1,7 +1,7 @@
 """The co-located baseline: one process that alternates generating and training on the same
 model, what a verl-style co-located run does, built from the same library code as the swarm:
 the sampler's engine and group-making (`generate_groups`), the trainer's referee (its rewards),
-and the trainer's Learner (step, micro-batches, optimizer). Same config, task, seed and batch
+and the trainer's Learner (step, micro-batches, optimizer, the weight files it publishes). Same config, task, seed and batch
 sizes as a swarm run; every step generates `trainer.groups_per_step` groups with the current
 weights (on-policy: staleness 0), then trains on them.
 
@@ -22,7 +22,6 @@ import orjson
 
 from echo.config import EchoConfig, load_config
 from echo.engines import make_engine
-from echo.policy import weights_shards
 from echo.referee import Referee
 from echo.tasks import load_task
 from workers.sampler import generate_groups
@@ -32,7 +31,7 @@ from workers.trainer_ranks import Learner, Ranks
 
 def run_colocated(cfg: EchoConfig) -> None:
     run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "weights").mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(cfg.to_toml())
     learner = Learner(cfg, Ranks(cfg.model.device))
     engine, task = make_engine(cfg), load_task(cfg.task)
@@ -42,7 +41,7 @@ def run_colocated(cfg: EchoConfig) -> None:
     with open(run_dir / "metrics.jsonl", "wb") as metrics:
         for step in range(1, cfg.run.steps + 1):
             step_started = time.perf_counter()
-            engine.load_weights([bytearray(s) for s in weights_shards(learner.policy, 2**40)])  # the current policy
+            engine.load_weights(_read(learner.write_weights(step - 1)))  # the current policy, as a sampler gets it
             prompts = [task.prompt(rng.randrange(2**31)) for _ in range(cfg.trainer.groups_per_step)]
             groups = generate_groups(engine, task, prompts, cfg.sampling, "colocated", (0, step - 1),
                                      list(range(1, len(prompts) + 1)))
@@ -56,10 +55,15 @@ def run_colocated(cfg: EchoConfig) -> None:
                 "learner_busy": (trained - generated) / (trained - step_started),
                 "step_seconds": trained - step_started, "wait_seconds": generated - step_started,
                 "busy_seconds": trained - generated, "wall_seconds": trained - started,
-                "used": len(groups), "dropped_stale": 0, "dropped_tokens": 0,
+                "used": len(groups), "dropped_stale": 0, "dropped_tokens": 0, "generated_seconds": generated - step_started,
                 "groups": [[g.group_id, g.policy_version, g.sampler_id] for g in groups],
             }))
             metrics.flush()
+    learner.write_weights(cfg.run.steps)  # the trained policy, for `echo-rl eval`
+
+
+def _read(files) -> list[bytearray]:
+    return [bytearray(f.read_bytes()) for f in files]
 
 
 def main() -> None:

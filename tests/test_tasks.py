@@ -4,6 +4,7 @@ formats and reject wrong and malformed ones."""
 
 import json
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -55,6 +56,20 @@ MATH = Math({"levels": [1, 2, 3]})
 def test_math_verifier(answer, completion, reward, format_ok):
     score = MATH.score(completion, Prompt(0, [], answer))
     assert (score.reward, score.format_ok, score.correct) == (reward, format_ok, reward == 1.0)
+
+
+def test_math_verifier_scores_alike_off_the_main_thread():
+    """A sampler scores its completions in a worker thread, the trainer in its main thread: the
+    verdicts must agree (math-verify's signal-based timeouts raised off the main thread, so a
+    sampler claimed 0 for every boxed answer and was quarantined for reward mismatches; seen on
+    SmolLM2, whose answers are often right)."""
+    prompt = Prompt(0, [], "\\frac{1}{2}")
+    completions = ["\\boxed{0.5}", "\\boxed{3}", "no box", "\\boxed{" + "1+" * 500 + "1}"]
+    in_main = [MATH.score(c, prompt) for c in completions]
+    with ThreadPoolExecutor(1) as pool:
+        in_thread = list(pool.map(lambda c: MATH.score(c, prompt), completions))
+    assert in_thread == in_main
+    assert [s.reward for s in in_main[:3]] == [1.0, 0.1, 0.0]
 
 
 def test_math_levels_are_graded():

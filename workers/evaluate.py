@@ -13,22 +13,23 @@ from echo.engines import make_engine
 from echo.tasks import load_task
 
 
+def held_out_score(engine, task, prompts, batch: int = 8) -> tuple[float, float]:
+    """(mean reward, share correct) of the engine's current weights, greedy, on `prompts`."""
+    scores = []
+    for start in range(0, len(prompts), batch):
+        chunk = prompts[start : start + batch]
+        outputs = engine.generate([engine.encode_chat(p.messages) for p in chunk], 1, greedy=True)
+        scores += [task.score(out[0].text, p) for out, p in zip(outputs, chunk)]
+    return sum(s.reward for s in scores) / len(scores), sum(s.correct for s in scores) / len(scores)
+
+
 def evaluate(cfg: EchoConfig, version: int, shards: list[Path], n: int, batch: int = 8) -> dict:
     engine = make_engine(cfg)
     task = load_task(cfg.task)
     prompts = task.held_out(n)
-    ids = [engine.encode_chat(p.messages) for p in prompts]
-
-    def score() -> tuple[float, float]:
-        scores = []
-        for start in range(0, len(ids), batch):
-            outputs = engine.generate(ids[start : start + batch], 1, greedy=True)
-            scores += [task.score(out[0].text, p) for out, p in zip(outputs, prompts[start : start + batch])]
-        return sum(s.reward for s in scores) / len(scores), sum(s.correct for s in scores) / len(scores)
-
-    base_reward, base_correct = score()  # the engine starts as the base model (a zero LoRA B)
+    base_reward, base_correct = held_out_score(engine, task, prompts, batch)  # the engine starts as the base model
     engine.load_weights([bytearray(path.read_bytes()) for path in shards])
-    trained_reward, trained_correct = score()
+    trained_reward, trained_correct = held_out_score(engine, task, prompts, batch)
     return {
         "task": task.name,
         "prompts": len(prompts),

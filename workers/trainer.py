@@ -75,6 +75,7 @@ class Collected:
     dropped: Counter = field(default_factory=Counter)  # stale groups by age in versions
     dropped_ids: list[str] = field(default_factory=list)
     dropped_tokens: int = 0  # completion tokens generated for nothing
+    generated_seconds: float = 0.0  # the samplers' time generating the used and the stale groups
     rejected: Counter = field(default_factory=Counter)  # malformed groups by reason
     reward_mismatch: Counter = field(default_factory=Counter)  # groups by sampler
     verifier_errors: int = 0
@@ -165,6 +166,7 @@ class Collector:
             out.dropped[version - group.policy_version] += 1
             out.dropped_ids.append(group.group_id)
             out.dropped_tokens += sum(len(c.token_ids) for c in group.completions)
+            out.generated_seconds += group.gen_seconds
             return None
         judgement = self.referee.score(group)
         if judgement.reason:
@@ -172,6 +174,7 @@ class Collector:
         if judgement.reward_mismatch:
             out.reward_mismatch[group.sampler_id] += 1
         out.verifier_errors += judgement.verifier_errors
+        out.generated_seconds += group.gen_seconds
         return Admitted(group, judgement.rewards, content, judgement.reward_mismatch)
 
     async def _check_sampling(self, admitted: Admitted, out: Collected) -> Admitted | None:
@@ -462,6 +465,7 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
                 "used": len(groups),
                 "dropped_stale": len(collected.dropped_ids),
                 "dropped_tokens": collected.dropped_tokens,
+                "generated_seconds": collected.generated_seconds,
                 "rejected": dict(collected.rejected),
                 "reward_mismatch": dict(collected.reward_mismatch),
                 "verifier_errors": collected.verifier_errors,

@@ -18,6 +18,7 @@ EXAMPLE = [
     {"role": "user", "content": INSTRUCTION.format(question="What is 3 + 4?")},
     {"role": "assistant", "content": "\\boxed{7}"},
 ]
+MAX_ANSWER_CHARS = 256  # of the last \\boxed{...}: longer is not an answer to these problems
 NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana"]
 ITEMS = ["apples", "marbles", "books", "stamps", "coins", "pencils"]
 
@@ -115,8 +116,11 @@ class Math(GeneratedTask):
         last = completion.rfind("\\boxed{")  # the last answer counts (math-verify would read a set)
         if last < 0:
             return Score(0.0, format_ok=False, correct=False)
-        predicted = parse(completion[last:])
+        # No math-verify timeouts: they use signal.alarm, which raises off the main thread (a
+        # sampler scores in a worker thread) and would make a verdict depend on load. The
+        # answer's length is capped instead, which bounds what sympy is given.
+        predicted = parse(completion[last : last + MAX_ANSWER_CHARS], parsing_timeout=None)
         if not predicted:
             return Score(0.0, format_ok=False, correct=False)
-        correct = verify(parse(f"${prompt.answer}$"), predicted)
+        correct = verify(parse(f"${prompt.answer}$", parsing_timeout=None), predicted, timeout_seconds=None)
         return Score(1.0 if correct else self.p.format_reward, format_ok=True, correct=bool(correct))
