@@ -8,7 +8,7 @@ ARGS ?=
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: up test install clean test-vllm
+.PHONY: up test install clean test-vllm bench bench-quick
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,29 @@ up: install
 
 test: install
 	$(PY) -m pytest -q $(ARGS)
+
+# Benchmarks (bench/, README "Performance"). bench-quick: the tiny model and short runs, under
+# 15 minutes on 2 cores, into bench/results/quick/. bench: every figure the README quotes, into
+# bench/results/ (hours on a CPU: the parity runs train SmolLM2 fifteen times; a GPU helps).
+QUICK := BENCH_RESULTS=bench/results/quick $(PY) -m
+bench-quick: install
+	$(QUICK) bench.parity --preset quick
+	$(QUICK) bench.transport --seconds 2
+	$(QUICK) bench.weights --sizes 20 --repeats 2
+	$(QUICK) bench.sync --model tiny --samplers 1 2 --versions 3
+	$(QUICK) bench.sync --model tiny --samplers 2 --versions 3 --wan 50 100
+	$(QUICK) bench.scheduling --steps 12
+
+bench: install
+	$(PY) -m bench.transport
+	$(PY) -m bench.weights
+	$(PY) -m bench.sync
+	$(PY) -m bench.sync --samplers 1 2 4 --wan 50 100
+	$(PY) -m bench.scheduling
+	$(PY) -m bench.micro_batches
+	$(PY) -m bench.ranks
+	$(PY) -m bench.proof_of_sampling
+	$(PY) -m bench.parity --preset full
 
 # The vLLM engine's tests, in a venv of their own: vLLM's CPU build pins torch and transformers.
 $(VLLM_VENV)/.installed: pyproject.toml

@@ -9,7 +9,7 @@ It writes `metrics.jsonl` in the trainer's format (reward, loss, ..., `wait_seco
 generation, `busy_seconds` the training), so `echo-rl report` and the parity bench read it as
 they read a swarm's.
 
-    .venv/bin/python bench/colocated.py --config run.toml [--set section.key=value ...]
+    .venv/bin/python -m bench.colocated --config run.toml [--set section.key=value ...]
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from pathlib import Path
 import orjson
 import torch
 
+from bench.common import results_dir
 from echo.config import LoraConfig, ModelConfig, SamplingConfig
 from echo.engines.hf import HFEngine
 from echo.engines.vllm import VLLMEngine
@@ -77,7 +78,7 @@ def main() -> None:
         "rounds": args.rounds,
     }
     result["vllm_speed_ratio"] = round(result["vllm"]["tokens_per_s"] / result["hf"]["tokens_per_s"], 2)
-    out = Path(__file__).parent / "results" / "engines.json"
+    out = results_dir() / "engines.json"
     out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
 

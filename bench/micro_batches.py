@@ -3,7 +3,7 @@
 process, so its peak resident memory (ru_maxrss) is its own; the baseline (0: the whole group in
 one forward) runs in the same invocation.
 
-    .venv/bin/python bench/micro_batches.py [--model smollm2] [--group 16] [--tokens 512] [--budgets 0 2048 1024]
+    .venv/bin/python -m bench.micro_batches [--model smollm2] [--group 16] [--tokens 512] [--budgets 0 2048 1024]
 
 Writes bench/results/micro_batches.json.
 """
@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import orjson
+from bench.common import results_dir
 
 
 def long_groups(vocab: int, groups: int, group: int, tokens: int) -> list:
@@ -75,7 +76,7 @@ def main() -> None:
         return
     runs = []
     for budget in args.budgets:
-        out = subprocess.run([sys.executable, __file__, "--model", args.model, "--group", str(args.group),
+        out = subprocess.run([sys.executable, "-m", "bench.micro_batches", "--model", args.model, "--group", str(args.group),
                               "--tokens", str(args.tokens), "--one", str(budget)], capture_output=True, text=True,
                              check=True)
         runs.append(orjson.loads(out.stdout.strip().splitlines()[-1]))
@@ -85,7 +86,7 @@ def main() -> None:
         run["time_vs_whole_group"] = round(run["step_s"] / baseline["step_s"], 2)
     result = {"model": args.model, "group": f"{args.group} completions x {args.tokens} tokens, prompt 64",
               "runs": runs}
-    out = Path(__file__).parent / "results" / "micro_batches.json"
+    out = results_dir() / "micro_batches.json"
     out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
 

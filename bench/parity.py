@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import orjson
+from bench.common import results_dir
 
 from echo.checkpoint import latest_weights
 from echo.config import EchoConfig, apply_override, validate_config
@@ -49,12 +50,11 @@ MODES = {
 # Level-1 sums and differences up to 50: ~5,000 problems, a tenth of them held out.
 TASK = {"name": "math", "params": {"levels": [1], "max_operand": 50}}
 PRESETS = {
-    # The tiny random model learns next to nothing in a few steps: this preset checks the
-    # pipeline and measures the modes' pace and waste, not their rewards.
-    "quick": {"model": "tiny", "steps": 12, "seeds": 3, "eval_prompts": 200, "parallel": 1,
+    "quick": {"model": "tiny", "note": "the tiny random model scores 0 in a few steps: this run checks the "
+              "pipeline and measures the modes' pace and waste, not their rewards", "steps": 12, "seeds": 3, "eval_prompts": 200, "parallel": 1,
               "sampling": {"group_size": 4, "max_new_tokens": 12}, "trainer": {"groups_per_step": 4, "lr": 1e-3},
               "lora": {"r": 4, "alpha": 8.0}},
-    "full": {"model": "smollm2", "steps": 40, "seeds": 3, "eval_prompts": 400, "parallel": 3,
+    "full": {"model": "smollm2", "note": "", "steps": 40, "seeds": 3, "eval_prompts": 400, "parallel": 3,
              "sampling": {"group_size": 8, "max_new_tokens": 32}, "trainer": {"groups_per_step": 8, "lr": 2e-4},
              "lora": {}},
 }
@@ -139,7 +139,9 @@ def verdict(modes: dict, reference: str, other: str) -> dict:
     a, b = modes[reference]["held_out_correct"], modes[other]["held_out_correct"]
     stderr = (a["std"] ** 2 / len(a["values"]) + b["std"] ** 2 / len(b["values"])) ** 0.5
     gap = b["mean"] - a["mean"]
-    return {"gap": round(gap, 4), "two_stderr": round(2 * stderr, 4), "within_noise": abs(gap) <= 2 * stderr,
+    # No spread and no gap (e.g. the tiny model scoring 0 everywhere): nothing to judge.
+    within = None if stderr == 0 and gap == 0 else abs(gap) <= 2 * stderr
+    return {"gap": round(gap, 4), "two_stderr": round(2 * stderr, 4), "within_noise": within,
             "speed_vs_reference": round(modes[reference]["seconds_per_step"]["mean"]
                                         / modes[other]["seconds_per_step"]["mean"], 3)}
 
@@ -153,7 +155,7 @@ def verdicts(modes: dict) -> dict:
 def add_to(path: Path, results: dict) -> dict:
     """The modes already in `path`, measured the same way (a device lends 10 minutes a call)."""
     earlier = orjson.loads(path.read_bytes())
-    for key in ("preset", "model", "steps", "seeds", "task", "machine"):
+    for key in ("preset", "model", "steps", "seeds", "task", "machine"):  # not the note
         if earlier[key] != results[key]:
             raise SystemExit(f"--add: {path} has {key} {earlier[key]!r}, this run {results[key]!r}")
     return earlier
@@ -195,7 +197,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="every run's config")
     parser.add_argument("--work-dir", help="keep the runs here (default: a temporary folder)")
     parser.add_argument("--add", action="store_true", help="keep the other modes already in the results file")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(results_dir()))
     args = parser.parse_args()
     preset = dict(PRESETS[args.preset], **{k: v for k, v in (("seeds", args.seeds), ("parallel", args.parallel)) if v})
     modes = args.modes.split(",")
@@ -208,7 +210,7 @@ def main() -> None:
         work = Path(args.work_dir or tmp)
         (work / "logs").mkdir(parents=True, exist_ok=True)
         results = {"preset": args.preset, "model": preset["model"], "steps": preset["steps"],
-                   "seeds": preset["seeds"], "task": TASK, "machine": machine(), "modes": {}}
+                   "seeds": preset["seeds"], "task": TASK, "machine": machine(), "note": preset["note"], "modes": {}}
         if args.add:
             results = add_to(out / f"parity-{args.preset}.json", results)
         started, held_out, earlier_seconds = time.monotonic(), None, results.get("seconds", 0)
@@ -250,8 +252,9 @@ def table(results: dict) -> str:
                     f"| {m['wasted_token_fraction']['mean']:.3f} |")
     base = results["base"]
     rows.append(f"\nbase model: correct {base['correct']:.3f}, reward {base['reward']:.3f} on {base['prompts']} prompts")
+    judged = {True: "within noise", False: "NOT within noise", None: "no signal to judge"}
     rows += [f"{name}: gap {v['gap']:+.4f} (2 s.e. {v['two_stderr']:.4f}) -> "
-             f"{'within noise' if v['within_noise'] else 'NOT within noise'}; {v['speed_vs_reference']:.2f}x the steps per second"
+             f"{judged[v['within_noise']]}; {v['speed_vs_reference']:.2f}x the steps per second"
              for name, v in results["verdict"].items()]
     return "\n".join(rows)
 

@@ -7,7 +7,7 @@ per-token gap of each group is recorded; the false-positive rate is the share of
 above `trainer.verify_tolerance`. Forged groups (log-probs shifted by a little) show what the
 tolerance still catches.
 
-    .venv/bin/python bench/proof_of_sampling.py [--models tiny smollm2] [--groups 40]
+    .venv/bin/python -m bench.proof_of_sampling [--models tiny smollm2] [--groups 40]
 
 Writes bench/results/proof_of_sampling.json.
 """
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import orjson
 import torch
+from bench.common import results_dir
 
 from echo.config import LoraConfig, SamplingConfig, TaskConfig, TrainerConfig
 from echo.engines.hf import HFEngine
@@ -117,7 +118,7 @@ def main() -> None:
         "tolerance": tolerance,
         "results": [measure(m, args.groups, tolerance) for m in args.models],
     }
-    out = Path(__file__).parent / "results" / "proof_of_sampling.json"
+    out = results_dir() / "proof_of_sampling.json"
     out.write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
     print(out.read_text())
 

@@ -3,7 +3,7 @@ and without micro-batching: step time and each rank's peak resident memory. Ever
 in fresh processes (ru_maxrss is per process); the baseline, 1 process with whole groups, runs
 in the same invocation.
 
-    .venv/bin/python bench/ranks.py [--model smollm2] [--groups 2] [--group 8] [--tokens 256] [--budgets 0 1024]
+    .venv/bin/python -m bench.ranks [--model smollm2] [--groups 2] [--group 8] [--tokens 256] [--budgets 0 1024]
 
 On a CPU two ranks share the same cores, so expect no speed-up: what 2 ranks buy here is memory
 per process (each holds half the trained tensors and optimizer state, and half the step's
@@ -22,8 +22,9 @@ import orjson
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bench.common import results_dir
 
-from micro_batches import long_groups
+from bench.micro_batches import long_groups
 
 
 def rank_step(rank: int, world: int, port: int, args, budget: int, out: Path) -> None:
@@ -75,7 +76,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--budgets", type=int, nargs="+", default=[0, 1024])
     args = parser.parse_args()
-    results = Path(__file__).parent / "results"
+    results = results_dir()
     runs = [setting(world, budget, args, results) for budget in args.budgets for world in (1, 2)]
     for old in results.glob("rank*.json"):
         old.unlink()

@@ -7,7 +7,7 @@ step time) and is compared with the utilisation the trainer measured over the se
 the run (busy / (busy + waiting for groups)). Cost per step: the active samplers' cost per hour
 times the measured seconds per step.
 
-    .venv/bin/python bench/scheduling.py [--steps 24]
+    .venv/bin/python -m bench.scheduling [--steps 24]
 
 Writes bench/results/scheduling.json.
 """
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
+from bench.common import results_dir
 
 from echo.capacity import Learner, utilisation
 from echo.config import validate_config
@@ -138,7 +139,7 @@ def main() -> None:
         results["activation"] = {"on": on, "off": off,
                                  "cost_per_step_on_vs_off": round(on["cost_per_step"] / off["cost_per_step"], 3),
                                  "seconds": round(time.monotonic() - started)}
-    out = Path(__file__).parent / "results" / "scheduling.json"
+    out = results_dir() / "scheduling.json"
     out.write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
     print(orjson.dumps(results, option=orjson.OPT_INDENT_2).decode())
 

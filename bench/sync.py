@@ -1,16 +1,19 @@
 """Benchmark: weight fan-out. For N = 1, 2, 4, 8 sampler processes, each following the weights
 subject and swapping the adapter into a real model (the samplers' own code path:
 WeightsFollower -> HFEngine.load_weights, without generating), connected either to the hub
-directly or to one site relay (`echo-rl relay`, a leaf node mirroring the weights), measure
+directly or to one site relay (`echo-rl relay`, a leaf node mirroring the weights), and with
+`--wan RTT_MS MBIT` across a shaped link between the hub and the site (bench/wan_proxy.py: the
+samplers' connections, or the relay's leaf connection, cross it; the link is shared), measure
 
 - latency: from the start of publish_weights (store + announce) until the slowest sampler
   runs the new version;
 - hub bytes: what the hub sent (its /varz out_bytes) per version, as a multiple of the
   adapter's size. Directly, each sampler pulls its own copy; through a relay, one copy.
 
-    .venv/bin/python bench/sync.py [--model smollm2] [--samplers 1 2 4 8] [--versions 5]
+    .venv/bin/python -m bench.sync [--model smollm2] [--samplers 1 2 4 8] [--versions 5] [--wan 50 100]
 
-Writes bench/results/sync.json: per (N, relay), the median and max over versions.
+Writes bench/results/sync.json (sync-wan.json with --wan): per (N, relay), the median and max
+over versions.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +32,7 @@ from pathlib import Path
 
 import orjson
 import torch
+from bench.common import results_dir
 
 from streams.server import NatsServer, free_port
 
@@ -59,7 +64,24 @@ def hub_out_bytes(http_port: int) -> int:
         return orjson.loads(response.read())["out_bytes"]
 
 
-async def measure(hub: NatsServer, model: str, n: int, versions: int, relay: bool) -> dict:
+def start_link(target_port: int, wan: tuple[float, float]) -> tuple[subprocess.Popen, int]:
+    """A shaped link (bench/wan_proxy.py) to the hub's `target_port`: (process, its port)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "bench.wan_proxy", str(port), f"127.0.0.1:{target_port}",
+                             str(wan[0]), str(wan[1])])
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, port
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("the WAN proxy did not start") from None
+            time.sleep(0.05)
+
+
+async def measure(hub: NatsServer, model: str, n: int, versions: int, relay: bool,
+                  wan: tuple[float, float] | None = None) -> dict:
     from echo.config import LoraConfig
     from echo.models import load_model
     from echo.policy import make_policy, weights_shards
@@ -79,14 +101,19 @@ async def measure(hub: NatsServer, model: str, n: int, versions: int, relay: boo
         applied.setdefault(version, {})[worker_id] = at
 
     await run.nc.subscribe(APPLIED, cb=on_applied)
-    procs, worker_url = [], hub.url
+    # The site (its relay, or its samplers) reaches the hub through the WAN link when there is one.
+    procs, worker_url, leaf_url = [], hub.url, hub.leaf_url
+    if wan:
+        link, link_port = start_link(hub.leaf_port if relay else hub.port, wan)
+        procs.append(link)
+        worker_url, leaf_url = f"nats://127.0.0.1:{link_port}", f"nats-leaf://127.0.0.1:{link_port}"
     if relay:
         port, store = free_port(), hub.store_dir / "relays" / run_id
-        procs.append(subprocess.Popen([sys.executable, "-m", "workers.cli", *loopback_relay_args(hub.leaf_url, run_id, port, store)],
+        procs.append(subprocess.Popen([sys.executable, "-m", "workers.cli", *loopback_relay_args(leaf_url, run_id, port, store)],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         worker_url = f"nats://127.0.0.1:{port}"
     procs += [
-        subprocess.Popen([sys.executable, __file__, "--worker", worker_url, run_id, model, str(i)],
+        subprocess.Popen([sys.executable, "-m", "bench.sync", "--worker", worker_url, run_id, model, str(i)],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for i in range(n)
     ]
@@ -118,6 +145,7 @@ async def measure(hub: NatsServer, model: str, n: int, versions: int, relay: boo
     return {
         "samplers": n,
         "relay": relay,
+        "wan": {"rtt_ms": wan[0], "mbit": wan[1]} if wan else None,
         "adapter_mb": round(size / 1e6, 2),
         "latency_median_s": round(statistics.median(latencies), 3),
         "latency_max_s": round(max(latencies), 3),
@@ -134,16 +162,18 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--samplers", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--versions", type=int, default=5)
+    parser.add_argument("--wan", nargs=2, type=float, metavar=("RTT_MS", "MBIT"),
+                        help="put a shaped link (round trip, bandwidth) between the hub and the site")
     args = parser.parse_args()
 
     from echo.models import resolve_model
 
     resolve_model(args.model)  # convert once, before the workers start
     with tempfile.TemporaryDirectory() as store, NatsServer(store, leaf_port=free_port(), http_port=free_port()) as hub:
-        results = [asyncio.run(measure(hub, args.model, n, args.versions, relay))
+        results = [asyncio.run(measure(hub, args.model, n, args.versions, relay, args.wan))
                    for relay in (False, True) for n in args.samplers]
     report = {"model": args.model, "cpus": os.cpu_count(), "versions": args.versions, "results": results}
-    out = Path(__file__).parent / "results" / "sync.json"
+    out = results_dir() / ("sync-wan.json" if args.wan else "sync.json")
     out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     for r in results:
         print(f"N={r['samplers']} {'relay ' if r['relay'] else 'direct'}: all samplers on the new version after "

@@ -7,7 +7,7 @@ bytes published with `js.publish` and fetched with a pull consumer and acked, no
 Also the bytes per completion token of the binary encoding against schema 7's JSON, and the
 latency from a publish to the trainer holding the decoded group (one group in flight).
 
-    .venv/bin/python bench/transport.py [--seconds 5]
+    .venv/bin/python -m bench.transport [--seconds 5]
 
 Writes bench/results/transport.json.
 """
@@ -25,6 +25,7 @@ from pathlib import Path
 
 import orjson
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+from bench.common import results_dir
 
 from echo.protocol import Completion, RolloutGroup, decode_rollout, encode_rollout
 from streams.client import connect, open_run
@@ -132,7 +133,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="about how long each side runs per shape")
     args = parser.parse_args()
     result = asyncio.run(main_async(args.seconds))
-    out = Path(__file__).parent / "results" / "transport.json"
+    out = results_dir() / "transport.json"
     out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
 

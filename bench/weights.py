@@ -1,7 +1,7 @@
 """Benchmark: our object-store transfer (streams/objects.py) against nats-py's ObjectStore,
 put and get, on one loopback nats-server, in one run so the ratio is fair on a noisy machine.
 
-    .venv/bin/python bench/weights.py [--sizes 20 256] [--repeats 3]
+    .venv/bin/python -m bench.weights [--sizes 20 256] [--repeats 3]
 
 Writes bench/results/weights.json. Speeds are MB/s (1 MB = 10^6 bytes), best of the repeats.
 """
@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import orjson
+from bench.common import results_dir
 
 from streams.client import open_run
 from streams.objects import get_object, put_object
@@ -69,7 +70,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as store, NatsServer(store) as server:
         results = [asyncio.run(measure(server.url, size, args.repeats)) for size in args.sizes]
     report = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, "results": results}
-    out = Path(__file__).parent / "results" / "weights.json"
+    out = results_dir() / "weights.json"
     out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     for r in results:
         print(f"{r['size_mb']:>4} MB  put: ours {r['ours_put_mb_s']} MB/s vs library {r['library_put_mb_s']} "

@@ -15,6 +15,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
+import numpy as np
 import orjson
 from nats.js.api import (
     ExternalStream,
@@ -429,6 +430,7 @@ def _validate(cls: type[M], raw: dict) -> M:
 ROLLOUT_MAGIC = b"ECRG"
 _ROLLOUT_HEAD = struct.Struct("<4sI")
 _IDS, _LOGPROBS = "I", "f"
+_WIRE_IDS, _WIRE_LOGPROBS = np.dtype("<u4"), np.dtype("<f4")  # the same, little-endian on any machine
 assert array(_IDS).itemsize == 4 and array(_LOGPROBS).itemsize == 4
 
 
@@ -463,7 +465,7 @@ def _pack(fields: dict, prompt_ids: list[int], completion_ids: list[list[int]], 
     return _ROLLOUT_HEAD.pack(ROLLOUT_MAGIC, len(meta)) + meta + ids.tobytes() + claimed.tobytes()
 
 
-def _read_rollout(data: bytes) -> tuple[dict, int, list[int], list[int], array]:
+def _read_rollout(data: bytes) -> tuple[dict, int, list[int], list[int], np.ndarray]:
     """A rollout message's parts, every byte accounted for: its fields (without the arrays), the
     prompt's token count, each completion's, every token id, and every log-prob (not yet checked)."""
     if len(data) < _ROLLOUT_HEAD.size or data[:4] != ROLLOUT_MAGIC:
@@ -483,12 +485,8 @@ def _read_rollout(data: bytes) -> tuple[dict, int, list[int], list[int], array]:
     expected = meta_end + 4 * tokens + 4 * sum(completion_tokens)
     if len(data) != expected:
         raise ProtocolError("bad_encoding", f"{len(data)} bytes, its token counts make {expected}")
-    ids, logprobs = array(_IDS), array(_LOGPROBS)
-    ids.frombytes(data[meta_end : meta_end + 4 * tokens])
-    logprobs.frombytes(data[meta_end + 4 * tokens :])
-    if sys.byteorder == "big":
-        ids.byteswap()
-        logprobs.byteswap()
+    ids = np.frombuffer(data, _WIRE_IDS, tokens, meta_end)
+    logprobs = np.frombuffer(data, _WIRE_LOGPROBS, tokens - prompt_tokens, meta_end + 4 * tokens)
     return raw, prompt_tokens, completion_tokens, ids.tolist(), logprobs
 
 
@@ -517,7 +515,7 @@ def _decode_group(data: bytes) -> RolloutGroup:
     raw, prompt_tokens, counts, ids, logprobs = _read_rollout(data)
     if 0 in counts:
         raise ProtocolError("bad_schema", f"completions.{counts.index(0)}.token_ids: an empty completion")
-    if logprobs and (not math.isfinite(math.fsum(logprobs)) or max(logprobs) > 0.0):
+    if not (np.isfinite(logprobs).all() and (logprobs <= 0.0).all()):
         raise ProtocolError("bad_schema", "completions: logprobs must be finite and <= 0")
     raw["prompt_token_ids"] = ids[:prompt_tokens]
     for c in raw["completions"]:
