@@ -45,6 +45,12 @@ HDR_POLICY_VERSION = "Echo-Policy-Version"
 HDR_SAMPLER_ID = "Echo-Sampler-Id"
 HDR_TASK = "Echo-Task"
 HDR_MSG_ID = "Nats-Msg-Id"  # JetStream de-duplicates on it: a retried publish is stored once
+# A group larger than one message: its encoded body is published in parts on the sampler's own
+# bodies subjects (RunNames.body_part_subject), then the rollout message carries no body, only
+# these headers beside the usual ones. The trainer reads the parts and checks size and digest.
+HDR_BODY_PARTS = "Echo-Body-Parts"
+HDR_BODY_SIZE = "Echo-Body-Size"
+HDR_BODY_SHA256 = "Echo-Body-Sha256"
 
 # The JetStream domain of the run's broker. A relay (a leaf node with a domain of its own)
 # reaches the broker's JetStream API as $JS.hub.API through its leaf connection.
@@ -114,6 +120,17 @@ class RunNames:
     def all_rollouts(self) -> str:
         return f"{self.prefix}.rollouts.>"
 
+    def body_part_subject(self, sampler_id: str, group_id: str, part: int) -> str:
+        # Under the sampler's own id, so its credentials can pin it there as for its rollouts.
+        return f"{self.prefix}.bodies.{check_id('sampler id', sampler_id)}.{check_id('group id', group_id)}.{part}"
+
+    def sampler_bodies(self, sampler_id: str) -> str:
+        return f"{self.prefix}.bodies.{check_id('sampler id', sampler_id)}.>"
+
+    @property
+    def bodies_stream(self) -> str:
+        return f"ECHO_{self.run_id}_BODIES"
+
     def grants_subject(self, sampler_id: str) -> str:
         # Request/reply: a sampler asks the trainer for work on its own subject (its credentials
         # allow it no other), so the trainer knows who holds what.
@@ -157,6 +174,19 @@ class RunNames:
         return StreamConfig(
             name=self.rollouts_stream,
             subjects=[self.all_rollouts],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            duplicate_window=ROLLOUT_DEDUP_WINDOW_S,
+            max_bytes=storage.rollouts_max_bytes,
+            max_age=storage.rollouts_max_age_s,
+            num_replicas=storage.replicas,
+        )
+
+    def bodies_stream_config(self, storage: Storage = Storage()) -> StreamConfig:
+        # Kept like the rollouts that point to them, so a replay can read large groups too.
+        return StreamConfig(
+            name=self.bodies_stream,
+            subjects=[f"{self.prefix}.bodies.>"],
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             duplicate_window=ROLLOUT_DEDUP_WINDOW_S,

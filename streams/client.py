@@ -135,6 +135,7 @@ async def _add_or_update_stream(js: JetStreamContext, config: StreamConfig) -> N
 
 async def _create_run(js: JetStreamContext, names: RunNames, hub_domain: str | None, storage: Storage):
     await _add_or_update_stream(js, names.rollouts_stream_config(storage))
+    await _add_or_update_stream(js, names.bodies_stream_config(storage))
     await _add_or_update_stream(js, names.control_stream_config(storage))
     # nats-py overwrites config.bucket with the positional name: pass both.
     weights = await js.create_object_store(names.weights_bucket, config=names.weights_bucket_config(storage))

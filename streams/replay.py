@@ -16,6 +16,7 @@ from nats.js.api import DeliverPolicy
 
 from echo.protocol import ProtocolError, RunNames, decode_rollout
 from streams.client import connect
+from streams.rollouts import rollout_body
 from streams.server import NatsServer
 
 
@@ -33,7 +34,8 @@ async def read_rollouts(url: str, run_id: str) -> AsyncIterator[dict]:
             msg = await sub.next_msg(timeout=10)
             record = {"seq": msg.metadata.sequence.stream, "subject": msg.subject, "headers": msg.headers}
             try:
-                record["group"] = decode_rollout(msg.data, msg.headers, msg.subject).model_dump()
+                data = await rollout_body(js, names, msg)
+                record["group"] = decode_rollout(data, msg.headers, msg.subject).model_dump()
             except ProtocolError as e:
                 record["error"] = str(e)
             yield record

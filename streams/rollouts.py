@@ -4,25 +4,56 @@ stream; the trainer reads them through a durable pull consumer and acks each exp
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 
 import structlog
 from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
 
-from echo.protocol import TRAINER_CONSUMER, RolloutGroup, encode_rollout, rollout_headers
+from echo.protocol import (
+    HDR_BODY_PARTS,
+    HDR_BODY_SHA256,
+    HDR_BODY_SIZE,
+    HDR_MSG_ID,
+    TRAINER_CONSUMER,
+    ProtocolError,
+    RolloutGroup,
+    RunNames,
+    encode_rollout,
+    rollout_headers,
+    subject_sampler,
+)
 from streams.client import BROKER_ERRORS, Run
 
 log = structlog.get_logger()
 
 PUBLISH_RETRY_MAX_S = 10.0
+HEADER_ROOM = 4096  # of a message's max payload, left for its headers
+MAX_BODY_PARTS = 64  # 64 x (8 MB - headers): past the largest group worth training on
 
 
 async def publish_rollout(run: Run, group: RolloutGroup) -> None:
     """Publish until the stream has it: through a broker restart or a relay's cut uplink (no
-    responders), a sampler keeps its group and tries again with backoff, never dies of it."""
-    subject = run.names.rollouts_subject(group.sampler_id)
+    responders), a sampler keeps its group and tries again with backoff, never dies of it. A
+    group larger than one message goes in parts on the sampler's bodies subjects first; its
+    rollout message then names them (echo/protocol.py, HDR_BODY_PARTS)."""
     data, headers = encode_rollout(group), rollout_headers(group)
+    part_size = run.nc.max_payload - HEADER_ROOM
+    if len(data) > part_size:
+        parts = [data[start : start + part_size] for start in range(0, len(data), part_size)]
+        for index, part in enumerate(parts):
+            subject = run.names.body_part_subject(group.sampler_id, group.group_id, index)
+            await _publish_until_stored(run, subject, part, {HDR_MSG_ID: f"{group.group_id}-{index}"})
+        headers |= {HDR_BODY_PARTS: str(len(parts)), HDR_BODY_SIZE: str(len(data)),
+                    HDR_BODY_SHA256: hashlib.sha256(data).hexdigest()}
+        data = b""
+    await _publish_until_stored(run, run.names.rollouts_subject(group.sampler_id), data, headers)
+
+
+async def _publish_until_stored(run: Run, subject: str, data: bytes, headers: dict[str, str]) -> None:
     delay = 0.5
     while True:
         try:
@@ -30,9 +61,42 @@ async def publish_rollout(run: Run, group: RolloutGroup) -> None:
             await run.js.publish(subject, data, headers=headers, timeout=10)
             return
         except (*BROKER_ERRORS, json.JSONDecodeError) as e:  # nats-py decodes a status-only reply as JSON
-            log.warning("rollout.publish_failed", group=group.group_id, reason=repr(e), retry_in_s=delay)
+            log.warning("rollout.publish_failed", msg_id=headers[HDR_MSG_ID], reason=repr(e), retry_in_s=delay)
             await asyncio.sleep(delay)
             delay = min(2 * delay, PUBLISH_RETRY_MAX_S)
+
+
+async def rollout_body(js: JetStreamContext, names: RunNames, msg) -> bytes:
+    """A rollout message's encoded group: its own data, or a large group's parts, read from the
+    bodies of the sampler whose subject it came on and checked against the size and digest the
+    message names (ProtocolError "bad_body" when they are missing or do not add up)."""
+    headers = msg.headers or {}
+    if HDR_BODY_PARTS not in headers:
+        return msg.data
+    sender, group_id = subject_sampler(msg.subject), headers.get(HDR_MSG_ID, "")
+    try:
+        count, size, digest = int(headers[HDR_BODY_PARTS]), int(headers[HDR_BODY_SIZE]), headers[HDR_BODY_SHA256]
+        subjects = [names.body_part_subject(sender, group_id, index) for index in range(count)]
+    except (KeyError, ValueError) as e:
+        raise ProtocolError("bad_body", f"a body in parts named badly: {e}") from None
+    if msg.data or not 0 < count <= MAX_BODY_PARTS:
+        raise ProtocolError("bad_body", f"{count} parts (1 to {MAX_BODY_PARTS}), and no data of its own")
+    parts = []
+    for subject in subjects:
+        while True:
+            try:
+                parts.append((await js.get_last_msg(names.bodies_stream, subject)).data)
+                break
+            except NotFoundError:
+                raise ProtocolError("bad_body", f"group {group_id}: {subject} is missing") from None
+            except BROKER_ERRORS as e:  # a broker restarting: the part is still there
+                log.warning("rollout.body_read_failed", subject=subject, reason=repr(e))
+                await asyncio.sleep(0.5)
+    data = b"".join(parts)
+    if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
+        raise ProtocolError("bad_body", f"group {group_id}: its parts make {len(data)} bytes that do not match "
+                                        f"the {size} bytes and digest its message names")
+    return data
 
 
 async def trainer_subscription(run: Run, ack_wait_s: float = 600.0):

@@ -132,7 +132,7 @@ def _kv_write(bucket: str, key: str, hub_domain: str) -> list[str]:
 def permissions(role: str, names: RunNames, public_key: str, sampler_id: str | None = None,
                 hub_domain: str = HUB_DOMAIN) -> dict:
     """The NATS permissions of one client of the run. The trainer owns everything; a sampler reads
-    weights, announcements, config and budget, publishes on its own rollout and grants subjects
+    weights, announcements, config and budget, publishes on its own rollout, bodies and grants subjects
     only and writes only its own heartbeat; an observer reads. No one but the trainer may create, change, purge or
     delete a stream or consumer, and no one may read another client's replies."""
     inbox = inbox_prefix(public_key) + ".>"
@@ -140,7 +140,7 @@ def permissions(role: str, names: RunNames, public_key: str, sampler_id: str | N
         return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
     readable = [names.control_stream, names.weights_stream, f"KV_{names.state_bucket}"]
     if role == "observer":
-        readable.append(names.rollouts_stream)  # replay
+        readable += [names.rollouts_stream, names.bodies_stream]  # replay
     allow = []
     for api in _api_prefixes(hub_domain):
         allow.append(f"{api}.INFO")
@@ -151,7 +151,7 @@ def permissions(role: str, names: RunNames, public_key: str, sampler_id: str | N
             for api in _api_prefixes(hub_domain) for tail in ("", ".>")]  # the trainer's own consumer
     if role == "sampler":
         check_id("sampler id", sampler_id)
-        allow += [names.rollouts_subject(sampler_id), names.grants_subject(sampler_id)]
+        allow += [names.rollouts_subject(sampler_id), names.sampler_bodies(sampler_id), names.grants_subject(sampler_id)]
         allow += _kv_write(names.state_bucket, f"{SAMPLER_STATUS_PREFIX}{sampler_id}", hub_domain)
     elif role != "observer":
         raise ValueError(f"unknown role {role!r}")

@@ -56,8 +56,10 @@ class NatsServer:
         cluster_port: int | None = None,
         routes: list[int] = (),
         advertise_leaf: bool = True,
+        max_payload: str = "8MB",  # 1 MiB weight chunks with room to spare
     ):
         self.store_dir = Path(store_dir)
+        self.max_payload = max_payload
         # False: relays reach this hub only at the URL they were given, never at the leaf address
         # it would tell them (which lets a relay behind a proxy or NAT go around it).
         self.advertise_leaf = advertise_leaf
@@ -81,7 +83,7 @@ class NatsServer:
         q = json.dumps  # a JSON string is a valid NATS config string
         lines = [
             f"listen: {q(f'{self.host}:{self.port}')}",
-            "max_payload: 8MB",  # 1 MiB weight chunks with room to spare
+            f"max_payload: {self.max_payload}",
             f"jetstream {{ store_dir: {q(str(self.store_dir))}, domain: {q(self.domain)} }}",
         ]
         if self.cluster_port:

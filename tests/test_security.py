@@ -236,6 +236,8 @@ def test_a_sampler_cannot_touch_what_the_trainer_owns(secured):
             js.publish(names.weights_subject, forged, headers={HDR_MSG_ID: "weights-1"}),
             js.publish(names.pull_subject, b"{}"),
             js.publish(names.rollouts_subject("s2"), impostor),
+            js.publish(names.body_part_subject("s2", "imp", 0), b"part"),  # a body under another's name
+            js.purge_stream(names.bodies_stream),
         ]
         for attack in attacks:
             with pytest.raises((nats.errors.TimeoutError, asyncio.TimeoutError, nats.js.errors.APIError)):
@@ -249,10 +251,12 @@ def test_a_sampler_cannot_touch_what_the_trainer_owns(secured):
         # What a sampler may do still works.
         await js.publish(names.rollouts_subject("s1"), encode_rollout(honest_group(group_id="mine")),
                          headers=rollout_headers(honest_group(group_id="mine")))
+        await js.publish(names.body_part_subject("s1", "mine", 0), b"part")  # a large group's part
         await nc.close()
 
         info = await trainer.js.stream_info(names.rollouts_stream)
         assert info.state.messages == 1  # only s1's own group
+        assert (await trainer.js.stream_info(names.bodies_stream)).state.messages == 1
         await trainer.js.consumer_info(names.rollouts_stream, TRAINER_CONSUMER)
         assert (await trainer.state.get(CONFIG_KEY)).value == b'{"task": {"name": "math"}}'
         last = await trainer.js.get_last_msg(names.control_stream, names.weights_subject)

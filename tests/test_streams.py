@@ -2,6 +2,7 @@
 
 import asyncio
 import base64
+import functools
 import hashlib
 import io
 import json
@@ -13,8 +14,12 @@ import torch
 from echo.consumed import ConsumedSeqs
 from echo.engines.hf import HFEngine
 from echo.policy import weights_shards
-from echo.referee import content_hash
+from echo.referee import Referee, content_hash
+from echo.config import SamplingConfig
 from echo.protocol import (
+    HDR_BODY_PARTS,
+    HDR_BODY_SHA256,
+    HDR_BODY_SIZE,
     HDR_MSG_ID,
     HDR_POLICY_VERSION,
     HDR_SAMPLER_ID,
@@ -32,10 +37,11 @@ from streams.lease import take_lease
 from streams.objects import TransferError, get_object, put_object
 from streams.registry import put_status, read_statuses
 from streams.replay import read_rollouts
-from streams.rollouts import publish_rollout, trainer_subscription
+from streams.rollouts import publish_rollout, rollout_body, trainer_subscription
+from streams.server import NatsServer
 from streams.weights import WeightsFollower, fetch_weights, publish_weights
 from tests.conftest import tiny_config
-from tests.test_referee import REFEREE, with_completion, honest_group
+from tests.test_referee import REFEREE, TASK, TOKENIZER, with_completion, honest_group
 from workers.sampler import Sampler
 from workers.trainer import Collector
 
@@ -84,6 +90,43 @@ def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(nats_serv
         await run.close()
 
     asyncio.run(main())
+
+
+def test_a_group_larger_than_a_message_travels_in_parts_and_bad_parts_are_refused(tmp_path):
+    """A reasoning-length group does not fit in one message: the sampler publishes its body in
+    parts on its own bodies subjects, the trainer reads them back and checks size and digest."""
+    async def main(server):
+        run = await open_run(server.url, "big", "test")
+        sub = await trainer_subscription(run)
+        answer = TASK.prompt(12).answer
+        big = honest_group(texts=["x" * 30_000 + f"\\boxed{{{answer}}}", "y" * 30_000 + "\\boxed{999}"],
+                           policy_version=5, group_id="big")
+        assert len(encode_rollout(big)) > 4 * run.nc.max_payload
+        # Pointers that do not add up: parts that do not match the digest; a part missing; and s2
+        # naming parts that s1 published (the trainer reads the subject's sampler's parts only).
+        forged = honest_group(policy_version=5, group_id="forged")
+        pointer = {**rollout_headers(forged), HDR_BODY_PARTS: "1", HDR_BODY_SIZE: "4", HDR_BODY_SHA256: "0" * 64}
+        await run.js.publish(run.names.body_part_subject("s1", "forged", 0), b"junk")
+        await run.js.publish(run.names.rollouts_subject("s1"), b"", headers=pointer)
+        await run.js.publish(run.names.rollouts_subject("s1"), b"", headers={**pointer, HDR_MSG_ID: "forged2"})
+        stolen = encode_rollout(honest_group(policy_version=5, group_id="stolen", sampler_id="s2"))
+        await run.js.publish(run.names.body_part_subject("s1", "stolen", 0), stolen)
+        await run.js.publish(run.names.rollouts_subject("s2"), b"", headers={
+            **rollout_headers(honest_group(policy_version=5, group_id="stolen", sampler_id="s2")),
+            HDR_BODY_PARTS: "1", HDR_BODY_SIZE: str(len(stolen)), HDR_BODY_SHA256: hashlib.sha256(stolen).hexdigest()})
+        await publish_rollout(run, big)
+        referee = Referee(TASK, TOKENIZER, len(TOKENIZER), SamplingConfig(group_size=2, max_new_tokens=40_000, temperature=1.0))
+        collector = Collector(sub, referee, 1, bodies=functools.partial(rollout_body, run.js, run.names))
+        collected = await collector.collect(1, version=5)
+        assert [a.group for a in collected.used] == [big] and collected.used[0].rewards == [1.0, 0.1]
+        assert collected.rejected == {"bad_body": 3}
+        records = [r async for r in read_rollouts(server.url, "big")]
+        assert [r["group"]["group_id"] for r in records if "group" in r] == ["big"]
+        assert sum("bad_body" in r.get("error", "") for r in records) == 3
+        await run.close()
+
+    with NatsServer(tmp_path / "js", max_payload="64KB") as server:
+        asyncio.run(main(server))
 
 
 def test_a_step_that_crashed_between_its_checkpoint_and_its_acks_is_not_counted_twice(nats_server):

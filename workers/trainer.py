@@ -12,6 +12,7 @@ the stream, and any it already trained on (their ids are in the checkpoint) are 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections import Counter, deque
@@ -49,7 +50,7 @@ from streams.lease import Lease, take_lease
 from streams.secure import credentials_of
 from streams.pull import publish_pull_request
 from streams.quarantine import change_quarantine, read_quarantine, watch_quarantine
-from streams.rollouts import fetch_rollouts, trainer_subscription
+from streams.rollouts import fetch_rollouts, rollout_body, trainer_subscription
 from streams.weights import publish_weights
 from workers.background import Background
 from workers.coordinator import Coordinator
@@ -94,9 +95,10 @@ class Collector:
         self, subscription, referee: Referee, max_staleness: int, consumed: ConsumedSeqs | None = None,
         trained_content: set[str] = frozenset(), ledger: GrantLedger | None = None,
         proof: SamplingProof | None = None, quarantine: "Quarantined | None" = None,
-        epoch: int = 0, resumed_from: int = 0, check=None,
+        epoch: int = 0, resumed_from: int = 0, check=None, bodies=None,
     ):
         self.subscription, self.referee = subscription, referee
+        self.bodies = bodies  # async msg -> encoded group: reads a large group's parts (rollout_body)
         self.check = check or (proof.check if proof else None)  # the proof's forward (on every rank)
         self.ledger = ledger or GrantLedger()  # a group naming its sender's lease ends that lease
         self.proof, self.quarantine = proof, quarantine
@@ -133,7 +135,8 @@ class Collector:
         that ended one of its sender's leases and is not trained wastes that lease."""
         sender = subject_sampler(msg.subject)
         try:
-            group = decode_rollout(msg.data, msg.headers, msg.subject)
+            data = await self.bodies(msg) if self.bodies else msg.data
+            group = decode_rollout(data, msg.headers, msg.subject)
         except ProtocolError as e:
             return _reject(out, e.reason, str(e))
         leased = self.ledger.delivered(sender, group.lease, time.monotonic())
@@ -421,7 +424,8 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
     await quarantine.start(background)
     collector = Collector(subscription, referee, max_staleness, consumed,
                           load_trained_content(run_dir, state.trained_content), ledger, proof, quarantine,
-                          run.epoch, state.version, check=learner.check)
+                          run.epoch, state.version, check=learner.check,
+                          bodies=functools.partial(rollout_body, run.js, run.names))
     background.start(collector.keep_alive(cfg.trainer.ack_wait_s / 3))
     orders = (PullRequests if cfg.run.mode == "sequential" else Admission)(run, cfg, state, ledger, quarantine)
     coordinator = Coordinator(run, cfg, orders.standby)  # what it chooses, the grants obey
