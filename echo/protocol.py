@@ -171,29 +171,11 @@ class RunNames:
     def rollouts_stream_config(self, storage: Storage = Storage()) -> StreamConfig:
         # Limits retention (not work-queue): acked rollouts stay, so a run can be replayed, up to
         # the storage's limits (the oldest go first).
-        return StreamConfig(
-            name=self.rollouts_stream,
-            subjects=[self.all_rollouts],
-            retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
-            duplicate_window=ROLLOUT_DEDUP_WINDOW_S,
-            max_bytes=storage.rollouts_max_bytes,
-            max_age=storage.rollouts_max_age_s,
-            num_replicas=storage.replicas,
-        )
+        return _history_stream(self.rollouts_stream, self.all_rollouts, storage)
 
     def bodies_stream_config(self, storage: Storage = Storage()) -> StreamConfig:
         # Kept like the rollouts that point to them, so a replay can read large groups too.
-        return StreamConfig(
-            name=self.bodies_stream,
-            subjects=[f"{self.prefix}.bodies.>"],
-            retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
-            duplicate_window=ROLLOUT_DEDUP_WINDOW_S,
-            max_bytes=storage.rollouts_max_bytes,
-            max_age=storage.rollouts_max_age_s,
-            num_replicas=storage.replicas,
-        )
+        return _history_stream(self.bodies_stream, f"{self.prefix}.bodies.>", storage)
 
     def control_stream_config(self, storage: Storage = Storage()) -> StreamConfig:
         # A last-value stream: it holds only the newest weights announcement and the newest
@@ -222,6 +204,19 @@ class RunNames:
 
     def state_bucket_config(self, storage: Storage = Storage()) -> KeyValueConfig:
         return KeyValueConfig(bucket=self.state_bucket, storage=StorageType.FILE, replicas=storage.replicas)
+
+
+def _history_stream(name: str, subjects: str, storage: Storage) -> StreamConfig:
+    return StreamConfig(
+        name=name,
+        subjects=[subjects],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        duplicate_window=ROLLOUT_DEDUP_WINDOW_S,
+        max_bytes=storage.rollouts_max_bytes,
+        max_age=storage.rollouts_max_age_s,
+        num_replicas=storage.replicas,
+    )
 
 
 def weights_object_name(epoch: int, version: int, shard: int) -> str:
