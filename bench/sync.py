@@ -120,10 +120,11 @@ async def measure(hub: NatsServer, model: str, n: int, versions: int, relay: boo
     try:
         latencies, hub_copies, size = [], [], 0
         for version in range(versions + 1):  # version 0 warms up: every worker loaded and following
-            with torch.no_grad():
+            with torch.no_grad():  # random like trained weights: a constant would compress on the leaf link
+                generator = torch.Generator().manual_seed(version)
                 for name, p in policy.named_parameters():
                     if "lora_B" in name:
-                        p.fill_(version / 1000)
+                        p.copy_(torch.randn(p.shape, generator=generator) / 1000)
             shards = list(weights_shards(policy, 2**30))
             size = sum(map(len, shards))
             sent_before, published_at = hub_out_bytes(hub.http_port), time.time()

@@ -195,3 +195,12 @@ def replan_reason(used: dict[str, Worker], now: dict[str, Worker], drift: float)
             if abs(after - before) > drift * max(abs(before), 1e-3):
                 return f"{worker_id}'s {name} moved from {before:.3g} to {after:.3g}"
     return None
+
+
+def still_good(learner: Learner, active: set[str], used: dict[str, Worker], now: dict[str, Worker], target: float) -> bool:
+    """Hysteresis: keep the active set through a re-plan while no worker joined (a cheaper set
+    may have become possible) and the active ones are all still there and still reach the
+    target with their new rates. Else measurement noise near the target would flip samplers
+    between active and standby, each flip costing a weight sync."""
+    return (bool(active) and not now.keys() - used.keys() and active <= now.keys()
+            and utilisation(learner, [now[i] for i in active]) >= target)

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 
 from echo.capacity import (
-    Learner, Worker, best_staleness, cheapest, cycle_seconds, never_waits, replan_reason, utilisation,
+    Learner, Worker, best_staleness, cheapest, cycle_seconds, never_waits, replan_reason, still_good, utilisation,
 )
 
 
@@ -86,3 +86,18 @@ def test_the_set_is_chosen_again_when_a_worker_joins_leaves_or_its_rates_drift()
     assert replan_reason(used, {"a": a, "b": replace(b, groups_per_s=1.4)}, 0.25) == "b's groups_per_s moved from 2 to 1.4"
     assert replan_reason(used, {"a": a}, 0.25) == "left: b"
     assert replan_reason(used, {**used, "c": a}, 0.25) == "joined: c"
+
+
+def test_a_chosen_set_that_still_reaches_the_target_is_kept_until_a_worker_joins():
+    # As in the cheapest-pair fleet: b and c keep the learner busy (utilisation 1.0).
+    learner = Learner(step_s=2, groups_per_step=4, max_staleness=2)
+    a, b, c = (Worker(name, 1.0, 0.5, 1.0, cost) for name, cost in [("a", 3.0), ("b", 1.0), ("c", 2.0)])
+    used = {"a": a, "b": b, "c": c}
+    slower_c = {**used, "c": replace(c, groups_per_s=0.6)}  # drifted 40%: b and c still reach 0.8
+    assert utilisation(learner, [b, slower_c["c"]]) >= 0.8 and still_good(learner, {"b", "c"}, used, slower_c, 0.8)
+    assert not still_good(learner, {"b", "c"}, used, slower_c, 0.85)  # not this target
+    assert not still_good(learner, {"b", "c"}, used, {**used, "c": replace(c, groups_per_s=0.1)}, 0.9)  # too slow now
+    assert still_good(learner, {"b", "c"}, used, {"b": b, "c": c}, 0.9)  # a standby one left
+    assert not still_good(learner, {"b", "c"}, used, {"a": a, "b": b}, 0.9)  # an active one left
+    assert not still_good(learner, {"b", "c"}, used, {**used, "d": a}, 0.9)  # one joined: maybe cheaper now
+    assert not still_good(learner, set(), used, used, 0.9)  # nothing chosen yet

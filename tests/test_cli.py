@@ -15,6 +15,22 @@ def test_bad_config_fails_at_start_naming_the_field(capsys):
     assert "trainer.lrr: unknown field" in capsys.readouterr().err
 
 
+def test_a_bad_task_fails_at_start_naming_the_field_before_anything_starts(tmp_path, capsys):
+    args = ["up", "--model", "tiny", "--set", f"run.dir={tmp_path}"]
+    assert main([*args, "--set", "task.params={levels = [7]}"]) == 2
+    assert "task.params" in capsys.readouterr().err
+    assert main([*args, "--set", "task.name=nosuch"]) == 2
+    assert "task.name 'nosuch'" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # no server, no run directory
+
+
+@pytest.mark.parametrize("command", ["report", "replay", "eval"])
+def test_a_wrong_run_directory_is_named_without_a_traceback(tmp_path, capsys, command):
+    assert main([command, "--run", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert "not a run directory" in err and "Traceback" not in err
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_a_vllm_sampler_without_vllm_stops_at_start_naming_the_extra(tmp_path, capsys):
     config_path = tmp_path / "config.toml"

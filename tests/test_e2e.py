@@ -147,7 +147,10 @@ def test_a_secured_swarm_trains_with_its_samplers_weights_from_a_secured_relay(t
     assert (run_dir / "secure" / "relay-site-cert.pem").exists()
 
 
-def test_ctrl_c_stops_every_process(tmp_path):
+@pytest.mark.parametrize("stop, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_stops_every_process(tmp_path, stop, code):
+    """Ctrl-C, `kill` or `timeout` on `up`: its nats-server, trainer and samplers all stop (a
+    SIGTERM once orphaned them, and a later `up` started a second server on the same store)."""
     proc = subprocess.Popen(up_command(tmp_path, "stop", 10_000), stderr=subprocess.PIPE, text=True)
     children = []
     for line in proc.stderr:
@@ -155,8 +158,8 @@ def test_ctrl_c_stops_every_process(tmp_path):
         if "step=" in line:
             break
     assert len(children) == 4  # nats-server, trainer, two samplers
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) == 130
+    proc.send_signal(stop)
+    assert proc.wait(timeout=60) == code
     time.sleep(0.5)
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
 

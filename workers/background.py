@@ -14,6 +14,16 @@ from collections.abc import Coroutine
 RECANCEL_AFTER_S = 0.5  # a task still running this long after its cancellation is cancelled again
 
 
+async def cancel_until_done(tasks: list[asyncio.Task], every_s: float = RECANCEL_AFTER_S) -> None:
+    """Cancel the tasks and wait for them to end. nats-py swallows a CancelledError that lands
+    inside its flush (Client._flush_pending): a task cancelled there runs on, so one
+    cancellation can be lost. Cancel again until every task has ended."""
+    while running := [task for task in tasks if not task.done()]:
+        for task in running:
+            task.cancel()
+        await asyncio.wait(running, timeout=every_s)
+
+
 class Background:
     """`async with Background() as background: background.start(loop()); await main()`.
     Leaving the block cancels the tasks."""
@@ -30,12 +40,7 @@ class Background:
         self._tasks.append(self._group.create_task(coro))
 
     async def __aexit__(self, *exc_info) -> bool | None:
-        # nats-py swallows a CancelledError that lands inside its flush (Client._flush_pending):
-        # a task cancelled there runs on, and the block would never end. Cancel until they end.
-        while running := [task for task in self._tasks if not task.done()]:
-            for task in running:
-                task.cancel()
-            await asyncio.wait(running, timeout=RECANCEL_AFTER_S)
+        await cancel_until_done(self._tasks)
         try:
             return await self._group.__aexit__(*exc_info)
         except BaseExceptionGroup as group:

@@ -20,7 +20,9 @@ from echo.config import ConfigError, EchoConfig, apply_override, format_errors, 
 from echo.edge import check_config_from_broker, drop_this_box_fields
 from echo.logs import configure_logging
 from echo.protocol import CONFIG_KEY, HUB_DOMAIN, check_id
+from echo.tasks import load_task
 from streams.secure import credentials_of
+from workers.background import cancel_until_done
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -63,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     relay.add_argument("--upstream-domain", default=HUB_DOMAIN, help="the upstream's domain: the hub's, or a parent relay's")
     relay.add_argument("--host", default="0.0.0.0", help="address samplers connect to")
     relay.add_argument("--port", type=int, default=4222, help="port samplers connect to")
-    relay.add_argument("--leaf-port", type=int, help="accept sub-site relays on this port")
+    relay.add_argument("--leaf-port", type=int, help="accept sub-site relays on this port (default: none accepted)")
     relay.add_argument("--store", type=Path, help="JetStream store (default runs/relays/<domain>)")
     relay.add_argument("--creds", type=Path, help="relay-NAME.nk from `echo-rl secure add-relay`, with its "
                        "relay-NAME-cert.pem, -key.pem and -users.conf beside it")
@@ -285,6 +287,14 @@ def check_hardware(cfg: EchoConfig, sampler: bool) -> None:
 RECANCEL_AFTER_S = 3.0  # longer than a worker's own clean-up (a last heartbeat, closing its connection)
 
 
+def run_directory(path: Path, needs: str) -> Path:
+    """`path` if it is a run directory holding `needs`, else a ConfigError saying where runs are."""
+    if not (Path(path) / needs).exists():
+        raise ConfigError(f"--run {path}: not a run directory (it has no {needs}); a run's directory is "
+                          "<run.dir>/<run.id>, e.g. runs/run-20261122-101500")
+    return Path(path)
+
+
 def run_until_signal(coro) -> int:
     """Run a worker's coroutine; SIGTERM or SIGINT cancels it so it can close cleanly (exit 0).
     A failure is logged with its reason and exits 1, for compose or systemd to restart it."""
@@ -298,11 +308,7 @@ def run_until_signal(coro) -> int:
         signalled = asyncio.ensure_future(stopping.wait())
         await asyncio.wait({task, signalled}, return_when=asyncio.FIRST_COMPLETED)
         signalled.cancel()
-        # nats-py swallows a CancelledError that lands inside its flush (Client._flush_pending),
-        # so one cancellation can be lost and the worker run on: repeat it until the worker ends.
-        while not task.done():
-            task.cancel()
-            await asyncio.wait({task}, timeout=RECANCEL_AFTER_S)
+        await cancel_until_done([task], RECANCEL_AFTER_S)
         with contextlib.suppress(asyncio.CancelledError):
             await task
         return 0
@@ -320,20 +326,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "eval":
             from workers.evaluate import evaluate_run
 
+            run_dir = run_directory(args.run, "config.toml")  # checked before logging is set up
             configure_logging(args.log_json, worker="eval")
-            print(orjson.dumps(evaluate_run(args.run, args.prompts, args.set), option=orjson.OPT_INDENT_2).decode())
+            print(orjson.dumps(evaluate_run(run_dir, args.prompts, args.set), option=orjson.OPT_INDENT_2).decode())
             return 0
         if args.command == "report":
             from workers.report import write_report
 
+            run_dir = run_directory(args.run, "metrics.jsonl")
             configure_logging(args.log_json)
-            print(write_report(args.run))
+            print(write_report(run_dir))
             return 0
         if args.command == "replay":
             from streams.replay import replay
 
+            run = args.run if args.nats else run_directory(args.run, "nats")
             configure_logging(args.log_json)
-            return replay(args.run, args.nats, args.out)
+            return replay(run, args.nats, args.out)
         if args.command == "secure":
             return secure_command(args)
         if args.command == "plan":
@@ -361,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_until_signal(run_sampler(cfg, args.id))
         cfg = config_from_args(args)
+        load_task(cfg.task)  # a bad task name or params fails here, once, not in each worker later
         if args.command == "trainer":
             check_hardware(cfg, sampler=False)
             from workers.trainer_ranks import Ranks, follow_rank_0

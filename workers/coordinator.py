@@ -15,7 +15,7 @@ import time
 
 import structlog
 
-from echo.capacity import Learner, Worker, cheapest, replan_reason
+from echo.capacity import Learner, Worker, cheapest, replan_reason, still_good
 from echo.config import EchoConfig
 from echo.protocol import LearnerStatus, Schedule
 from streams.client import BROKER_ERRORS, Run
@@ -27,10 +27,11 @@ log = structlog.get_logger()
 
 
 class Coordinator:
-    def __init__(self, run: Run, cfg: EchoConfig, standby: set[str]):
+    def __init__(self, run: Run, cfg: EchoConfig, standby: set[str], pace):
         self.run, self.cfg = run, cfg
-        self.pace: LearnerStatus | None = None  # the trainer's, set after each step
+        self.pace = pace  # the trainer's Pace: its `status` after each step
         self.standby = standby  # the trainer's grants read this set: it is changed in place
+        self.active: set[str] = set()
         self.used: dict[str, Worker] = {}  # the measurements the current choice was made from
 
     async def run_forever(self) -> None:
@@ -42,15 +43,20 @@ class Coordinator:
                 log.warning("scheduler.read_failed", reason=repr(e))
 
     async def choose(self) -> None:
-        if self.pace is None:  # no step yet: no pace to plan for
+        pace: LearnerStatus | None = self.pace.status
+        if pace is None:  # no step yet: no pace to plan for
             return
         workers = {w.id: w for w in measured(await read_statuses(self.run))}
         why = replan_reason(self.used, workers, self.cfg.scheduler.drift)
         if why is None or not workers:
             return
-        learner = Learner(self.pace.step_s, self.pace.groups_per_step, self.pace.max_staleness)
-        plan = cheapest(learner, list(workers.values()), self.cfg.scheduler.target_utilisation)
-        self.used = workers
+        learner, target = Learner(pace.step_s, pace.groups_per_step, pace.max_staleness), self.cfg.scheduler.target_utilisation
+        if still_good(learner, self.active, self.used, workers, target):
+            self.used = workers
+            log.info("scheduler.kept", active=sorted(self.active), why=why)
+            return
+        plan = cheapest(learner, list(workers.values()), target)
+        self.used, self.active = workers, set(plan.active)
         self.standby.clear()
         self.standby.update(set(workers) - set(plan.active))
         await publish_schedule(self.run, Schedule(

@@ -150,7 +150,13 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
                 *_creds_args(secure_dir, f"sampler-s{i}")], log_json)
         for i in range(1, cfg.sampler.count + 1)
     ]
-    code = 1
+    code, terminated = 1, []
+
+    def on_sigterm(signum, _frame):  # `kill` or `timeout` stops the swarm as Ctrl-C does
+        terminated.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         while (code := trainer.poll()) is None:
             died = [p for p in samplers if p.poll() is not None]
@@ -160,8 +166,8 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
                 break
             time.sleep(0.5)
     except KeyboardInterrupt:
-        log.info("swarm.interrupted")
-        code = 130
+        log.info("swarm.interrupted", signal="SIGTERM" if terminated else "SIGINT")
+        code = 143 if terminated else 130
     finally:
         stop_processes([trainer, *samplers, *relays])
         server.stop()

@@ -428,9 +428,9 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
                           bodies=functools.partial(rollout_body, run.js, run.names))
     background.start(collector.keep_alive(cfg.trainer.ack_wait_s / 3))
     orders = (PullRequests if cfg.run.mode == "sequential" else Admission)(run, cfg, state, ledger, quarantine)
-    coordinator = Coordinator(run, cfg, orders.standby)  # what it chooses, the grants obey
-    if cfg.scheduler.enabled:
-        background.start(coordinator.run_forever())
+    pace = Pace(cfg.trainer.groups_per_step, max_staleness)
+    if cfg.scheduler.enabled:  # what it chooses, the grants obey
+        background.start(Coordinator(run, cfg, orders.standby, pace).run_forever())
 
     # (Re)publish the current version: a fresh run's version 0, or the checkpoint's.
     await publish_policy(run, cfg, learner, state.version)
@@ -438,7 +438,6 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
     log.info("trainer.ready", run=cfg.run.id, mode=cfg.run.mode, model=cfg.model.name, step=state.step,
              version=state.version, steps=cfg.run.steps, ranks=learner.ranks.world)
     started = time.perf_counter()
-    pace = Pace(cfg.trainer.groups_per_step, max_staleness)
     with open(run_dir / "metrics.jsonl", "ab") as metrics_file:
         for step in range(state.step + 1, cfg.run.steps + 1):
             step_started = time.perf_counter()
@@ -491,8 +490,8 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
             # Everything but the wait: T of the capacity model (echo/capacity.py).
             record = {**state.record, "publish_seconds": publish_seconds, "accounting": accounting,
                       "busy_seconds": time.perf_counter() - collected_at}
-            coordinator.pace = pace.add(record, state.version)
-            await until_done("learner status", lambda: put_learner(run, coordinator.pace))
+            status = pace.add(record, state.version)
+            await until_done("learner status", lambda: put_learner(run, status))
             metrics_file.write(metrics_line(record))
             metrics_file.flush()
             log.info(
@@ -513,13 +512,15 @@ class Pace:
     def __init__(self, groups_per_step: int, max_staleness: int):
         self.groups_per_step, self.max_staleness = groups_per_step, max_staleness
         self.steps: deque[tuple[float, float]] = deque(maxlen=PACE_STEPS)  # (busy, wait) seconds
+        self.status: LearnerStatus | None = None  # after the last step
 
     def add(self, record: dict, version: int) -> LearnerStatus:
         self.steps.append((record["busy_seconds"], record["wait_seconds"]))
         busy, wait = (sum(column) for column in zip(*self.steps))
-        return LearnerStatus(step_s=busy / len(self.steps), groups_per_step=self.groups_per_step,
+        self.status = LearnerStatus(step_s=busy / len(self.steps), groups_per_step=self.groups_per_step,
                              max_staleness=self.max_staleness, version=version,
                              utilisation=busy / (busy + wait) if busy + wait > 0 else 1.0, updated_at=time.time())
+        return self.status
 
 
 def count_consumed(totals: dict[str, int], collected: Collected) -> dict[str, int]:
