@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import orjson
+
 from bench.common import results_dir
 
 

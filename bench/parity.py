@@ -31,8 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import orjson
-from bench.common import results_dir
 
+from bench.common import results_dir
 from echo.checkpoint import latest_weights
 from echo.config import EchoConfig, apply_override, validate_config
 from echo.devices import resolve_device

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import orjson
 import torch
-from bench.common import results_dir
 
+from bench.common import results_dir
 from echo.config import LoraConfig, SamplingConfig, TaskConfig, TrainerConfig
 from echo.engines.hf import HFEngine
 from echo.policy import load_weights, weights_shards

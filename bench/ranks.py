@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from bench.common import results_dir
-
 from bench.micro_batches import long_groups
 
 

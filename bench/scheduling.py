@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
-from bench.common import results_dir
 
+from bench.common import results_dir
 from echo.capacity import Learner, utilisation
 from echo.config import validate_config
 from streams.client import open_run

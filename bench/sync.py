@@ -32,8 +32,8 @@ from pathlib import Path
 
 import orjson
 import torch
-from bench.common import results_dir
 
+from bench.common import results_dir
 from streams.server import NatsServer, free_port
 
 APPLIED = "bench.applied"  # core NATS subject on which each worker reports (worker, version, time)

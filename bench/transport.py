@@ -25,8 +25,8 @@ from pathlib import Path
 
 import orjson
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
-from bench.common import results_dir
 
+from bench.common import results_dir
 from echo.protocol import Completion, RolloutGroup, decode_rollout, encode_rollout
 from streams.client import connect, open_run
 from streams.rollouts import fetch_rollouts, publish_rollout, trainer_subscription

@@ -9,6 +9,17 @@ import warnings
 import structlog
 
 
+class _CurrentStderr:
+    """sys.stderr as it is when a line is written, not when logging was configured (a test's
+    captured stream is closed after it; a worker's is the same throughout)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(json: bool = False, level: str = "info", **bind) -> None:
     renderer = (
         structlog.processors.JSONRenderer()
@@ -25,7 +36,7 @@ def configure_logging(json: bool = False, level: str = "info", **bind) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(_CurrentStderr()),
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.bind_contextvars(**bind)

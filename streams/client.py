@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Generic, TypeVar
@@ -10,7 +11,7 @@ from typing import Awaitable, Callable, Generic, TypeVar
 import nats
 import structlog
 from nats.aio.client import Client as NATS
-from nats.errors import NoRespondersError
+from nats.errors import NoRespondersError, NoServersError
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy, KeyValueConfig, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
@@ -42,13 +43,48 @@ async def until_done(what: str, call: Callable[[], Awaitable[M]], max_delay_s: f
             delay = min(2 * delay, max_delay_s)
 
 
+class ConnectionEvents:
+    """One log line per connection event, never a traceback for an expected network event (nats-py's
+    default logs each failed attempt with its traceback, and says nothing of a wrong URL): the
+    server cannot be reached (which URL, why, retrying; the same reason again at most every
+    REPEAT_S), a disconnect, a reconnect."""
+
+    REPEAT_S = 30.0
+
+    def __init__(self, url: str):
+        self.url, self.nc = url, None
+        self.last: tuple[str, float] | None = None  # the last reason logged, and when
+
+    async def error(self, e: Exception) -> None:
+        reason, now = f"{type(e).__name__}: {e}", time.monotonic()
+        if self.last and self.last[0] == reason and now - self.last[1] < self.REPEAT_S:
+            return
+        self.last = (reason, now)
+        if isinstance(e, (OSError, asyncio.TimeoutError, NoServersError)):
+            log.warning("nats.unreachable", url=self.url, reason=reason, retrying=True)
+        else:
+            log.warning("nats.error", url=self.url, reason=reason)
+
+    async def disconnected(self) -> None:
+        if self.nc is not None and not self.nc.is_closed:  # nats-py calls this on close() too
+            log.warning("nats.disconnected", url=self.url, reconnecting=True)
+
+    async def reconnected(self) -> None:
+        self.last = None
+        log.info("nats.reconnected", url=self.url)
+
+
 async def connect(url: str, name: str, credentials: Credentials | None = None) -> NATS:
     """`url`: one server, or a cluster's servers separated by commas (any of them will do)."""
     # Reconnect forever: a sampler on a flaky link should wait out a broker restart, not die.
     options = credentials.connect_options() if credentials else {}
-    return await nats.connect(
-        url.split(","), name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5, **options
+    events = ConnectionEvents(url)
+    log.info("nats.connecting", url=url)
+    events.nc = await nats.connect(
+        url.split(","), name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5,
+        error_cb=events.error, disconnected_cb=events.disconnected, reconnected_cb=events.reconnected, **options
     )
+    return events.nc
 
 
 @dataclass

@@ -1,11 +1,15 @@
 import asyncio
 import importlib.util
+import signal
+import subprocess
+import sys
 
 import pytest
 
 from echo.models import load_model
 from echo.protocol import CONFIG_KEY
 from streams.client import open_run
+from streams.server import free_port
 from tests.conftest import tiny_config
 from workers.cli import build_parser, config_from_args, main, sampler_config_from_run
 
@@ -22,6 +26,24 @@ def test_a_bad_task_fails_at_start_naming_the_field_before_anything_starts(tmp_p
     assert main([*args, "--set", "task.name=nosuch"]) == 2
     assert "task.name 'nosuch'" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # no server, no run directory
+
+
+def test_a_server_that_cannot_be_reached_is_said_at_once_in_one_line():
+    """Seen by a new user: a wrong URL printed nothing and kept waiting."""
+    url = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
+    proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "sampler", "--nats", url, "--run-id", "x",
+                             "--id", "s1"], stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in proc.stderr:  # the first attempt fails at once: connection refused
+            lines.append(line)
+            if "nats.unreachable" in line:
+                break
+        assert url in lines[-1] and "retrying" in lines[-1] and "ConnectionRefusedError" in lines[-1]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=30)[1]
+    assert "Traceback" not in "".join(lines) + rest
 
 
 @pytest.mark.parametrize("command", ["report", "replay", "eval"])

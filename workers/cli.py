@@ -360,12 +360,12 @@ def main(argv: list[str] | None = None) -> int:
                 check_id("sampler id", args.id)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+            configure_logging(args.log_json, worker=f"sampler-{args.id}")  # before reaching the broker
             if args.config is None:
                 cfg = asyncio.run(sampler_config_from_run(args))
             else:
                 cfg = config_from_args(args)
             check_hardware(cfg, sampler=True)
-            configure_logging(args.log_json, worker=f"sampler-{args.id}")
             from workers.sampler import run_sampler
 
             return run_until_signal(run_sampler(cfg, args.id))
