@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 from pathlib import Path
@@ -131,6 +132,42 @@ def model_folder(name: str) -> Path:
     fingerprint = hashlib.sha256(model.config.to_json_string().encode()).hexdigest()[:12]
     target = cache_dir() / f"tiny-{fingerprint}"
     return target if (target / "config.json").exists() else _save_once(target, model, tokenizer)
+
+
+def base_model_digest(name: str) -> str:
+    """What the base model is, by content: a SHA-256 over every weight tensor (name, dtype,
+    shape, bytes, in name order). Weights published for one base are refused by a sampler whose
+    base differs, wherever each keeps its copy (the path does not matter). A folder's digest is
+    cached beside the converted models, keyed by its files' sizes and times: it is read once."""
+    path = model_folder(name)  # the tiny model too, as saved (tied weights stored once)
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"model.name {name!r}: no .safetensors weights in {path}")
+    key = "|".join(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    cache = cache_dir() / "digests.json"
+    known = json.loads(cache.read_text()) if cache.exists() else {}
+    if key not in known:
+        from safetensors import safe_open
+
+        tensors = {}
+        for f in files:
+            with safe_open(f, "pt") as opened:
+                tensors |= {k: opened.get_tensor(k) for k in opened.keys()}
+        known[key] = _tensors_digest(tensors)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f"digests.json.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(known))
+        tmp.replace(cache)  # whole or not at all: processes starting together may race here
+    return known[key]
+
+
+def _tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return "sha256:" + digest.hexdigest()
 
 
 def model_on_meta(name: str) -> torch.nn.Module:

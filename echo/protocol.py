@@ -288,7 +288,7 @@ class WeightsAnnouncement(_Message):
     epoch: int = Field(ge=1)  # the announcing trainer's TrainerLease.epoch: versions are ordered within one
     kind: Literal["lora", "full"]
     shards: list[WeightsShard] = Field(min_length=1)
-    base_model: str
+    base_model: str  # its content digest (echo/models.py::base_model_digest): any copy matches
     created_at: float
 
     @property

@@ -10,8 +10,11 @@ import orjson
 import pytest
 
 from echo.config import EchoConfig, validate_config
+from echo.models import base_model_digest
 from streams.server import NatsServer
 from workers.swarm import worker_command
+
+TINY_BASE = base_model_digest("tiny")  # what weights for the tiny model are announced for
 
 
 @pytest.fixture

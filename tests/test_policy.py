@@ -8,7 +8,7 @@ import torch
 from echo.algorithms.grpo import token_logprobs
 from echo.config import LoraConfig, SamplingConfig
 from echo.engines.hf import HFEngine
-from echo.models import load_model
+from echo.models import base_model_digest, load_model
 from echo.policy import WeightsMismatch, group_logprobs, make_policy, tensors_from_buffer, weights_shards
 
 SAMPLING = SamplingConfig(group_size=4, max_new_tokens=12, temperature=0.7)
@@ -33,6 +33,23 @@ def test_tiny_base_model_is_the_same_in_every_process():
     a, _ = load_model("tiny")
     b, _ = load_model("tiny")
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_the_base_model_is_known_by_its_weights_wherever_its_copy_lies(tmp_path, monkeypatch):
+    """An edge sampler's copy of the model sits at another path than the trainer's: the weights
+    decide whether published adapters fit it, not the path (they did, and a copy never matched)."""
+    monkeypatch.setenv("ECHO_CACHE", str(tmp_path / "cache"))
+    model, tokenizer = load_model("tiny")
+    for folder in ("trainer-box", "edge-box"):
+        model.save_pretrained(tmp_path / folder)
+        tokenizer.save_pretrained(tmp_path / folder)
+    digest = base_model_digest(str(tmp_path / "trainer-box"))
+    assert digest == base_model_digest(str(tmp_path / "edge-box")) == base_model_digest("tiny")
+    with torch.no_grad():
+        model.model.norm.weight[0] += 1e-3
+    model.save_pretrained(tmp_path / "fine-tuned")
+    assert base_model_digest(str(tmp_path / "fine-tuned")) != digest
+    assert (tmp_path / "cache" / "digests.json").exists()  # a folder is read once per machine
 
 
 def test_adapter_moves_between_instances_and_reproduces_logits(engines):

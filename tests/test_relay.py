@@ -19,7 +19,7 @@ from streams.relay import open_mirrors
 from streams.replay import read_rollouts
 from streams.server import NatsServer, free_port
 from streams.weights import publish_weights
-from tests.conftest import tiny_config
+from tests.conftest import TINY_BASE, tiny_config
 from tests.test_streams import _adapter_for_version
 from workers.cli import build_parser, sampler_config_from_run
 from workers.relay import loopback_relay_args
@@ -84,7 +84,7 @@ def test_two_samplers_behind_a_relay_follow_weights_across_a_relay_restart(hub, 
     async def main(site: Relay):
         run = await open_run(hub.url, cfg.run.id, "trainer")
         await take_lease(run)
-        await publish_weights(run, 0, adapters[0], "tiny")
+        await publish_weights(run, 0, adapters[0], TINY_BASE)
         samplers = []
         for sampler_id in ("a", "b"):
             sampler_run = await open_run(site.url, cfg.run.id, f"sampler-{sampler_id}")
@@ -98,20 +98,20 @@ def test_two_samplers_behind_a_relay_follow_weights_across_a_relay_restart(hub, 
                 assert s.version == version
 
         await all_apply(0)
-        await publish_weights(run, 1, adapters[1], "tiny")
+        await publish_weights(run, 1, adapters[1], TINY_BASE)
         await all_apply(1)
         for s in samplers:  # rollouts go on to the hub's stream through the relay's leaf connection
             await s.generate_and_publish([1])
 
         site.stop()  # the relay goes down; the trainer publishes without it; it comes back
-        await publish_weights(run, 2, adapters[2], "tiny")
+        await publish_weights(run, 2, adapters[2], TINY_BASE)
         site.start()
         await all_apply(2)
 
         # Retention reaches the relay: after K+3 more versions, the mirror holds the chunks
         # of the same K versions as the hub, not all of them.
         for version in range(3, 7):
-            await publish_weights(run, version, adapters[version], "tiny", keep=3)
+            await publish_weights(run, version, adapters[version], TINY_BASE, keep=3)
         await all_apply(6)
         for _ in range(100):
             hub_chunks, relay_chunks = await _mirrored_chunk_sets(run, samplers[0].run)
@@ -139,12 +139,12 @@ def test_relays_chain_hub_to_site_to_subsite(hub, tmp_path):
     async def main(subsite: Relay):
         run = await open_run(hub.url, cfg.run.id, "trainer")
         await take_lease(run)
-        await publish_weights(run, 0, _adapter_for_version(trainer_side, 0), "tiny")
+        await publish_weights(run, 0, _adapter_for_version(trainer_side, 0), TINY_BASE)
         sampler_run = await open_run(subsite.url, cfg.run.id, "sampler-deep")
         sampler = Sampler(cfg, "deep", sampler_run, HFEngine("tiny", cfg.lora, cfg.sampling), load_task(cfg.task))
         await sampler.weights.start()
         await asyncio.wait_for(sampler.apply_newest(0), timeout=30)
-        await publish_weights(run, 1, _adapter_for_version(trainer_side, 1), "tiny")
+        await publish_weights(run, 1, _adapter_for_version(trainer_side, 1), TINY_BASE)
         await asyncio.wait_for(sampler.apply_newest(1), timeout=30)
         await sampler.generate_and_publish([1])  # two leaf hops up to the hub's stream
         await sampler.weights.stop()

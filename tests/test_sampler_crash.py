@@ -14,7 +14,7 @@ from streams.client import open_run
 from streams.lease import take_lease
 from streams.registry import read_statuses
 from streams.weights import publish_weights
-from tests.conftest import tiny_config
+from tests.conftest import TINY_BASE, tiny_config
 from tests.test_streams import _adapter_for_version
 
 pytestmark = pytest.mark.slow
@@ -91,13 +91,13 @@ def test_a_sampler_killed_mid_fetch_restarts_and_loads_the_latest_version(nats_s
     async def main():
         run = await open_run(nats_server.url, cfg.run.id, "trainer")
         await take_lease(run)
-        await publish_weights(run, 0, adapters[0], "tiny")
+        await publish_weights(run, 0, adapters[0], TINY_BASE)
         proxy = await StallingProxy(nats_server.port).start()
         sampler = _sampler(config_path, proxy.url)
         try:
             await _until_status(run, lambda s: s.version == 0)
             proxy.stall_after(len(adapters[1][0]) // 2)
-            await publish_weights(run, 1, adapters[1], "tiny")
+            await publish_weights(run, 1, adapters[1], TINY_BASE)
             await asyncio.wait_for(proxy.stalled.wait(), timeout=30)
             sampler.kill()  # kill -9, half of version 1 received
             sampler.wait()
@@ -105,7 +105,7 @@ def test_a_sampler_killed_mid_fetch_restarts_and_loads_the_latest_version(nats_s
             assert status.version == 0  # it never got to run version 1
             await proxy.close()
 
-            await publish_weights(run, 2, adapters[2], "tiny")
+            await publish_weights(run, 2, adapters[2], TINY_BASE)
             sampler = _sampler(config_path, nats_server.url)
             status = await _until_status(run, lambda s: s.version == 2)
             assert status.weight_failures == {}

@@ -33,7 +33,7 @@ from tests.test_referee import honest_group
 from streams.client import open_run
 from streams.lease import RENEW_S, AnotherTrainer, take_lease
 from streams.weights import WeightsFollower, publish_weights
-from tests.conftest import tiny_config
+from tests.conftest import TINY_BASE, tiny_config
 from workers.cli import main
 
 
@@ -112,9 +112,9 @@ def test_forged_and_pre_deduplicated_announcements_do_not_wedge_samplers(nats_se
     async def main():
         trainer = await open_run(nats_server.url, "forge", "trainer")
         lease = await take_lease(trainer)
-        real = await publish_weights(trainer, 0, [b"v0" * 100], "tiny")
+        real = await publish_weights(trainer, 0, [b"v0" * 100], TINY_BASE)
         sampler_run = await open_run(nats_server.url, "forge", "sampler")
-        follower = await WeightsFollower(sampler_run, "tiny").start()
+        follower = await WeightsFollower(sampler_run, TINY_BASE).start()
         await follower.wait_for(0)
 
         attacker = trainer.js  # any client allowed to publish on the weights subject
@@ -126,7 +126,7 @@ def test_forged_and_pre_deduplicated_announcements_do_not_wedge_samplers(nats_se
         # The next version's id taken first: with the old predictable ids the real one was dropped.
         await attacker.publish(trainer.names.weights_subject, encode(foreign), headers={HDR_MSG_ID: "weights-1"})
         await _until(lambda: follower.failures["wrong_epoch"] == 2)
-        await publish_weights(trainer, 1, [b"v1" * 100], "tiny")
+        await publish_weights(trainer, 1, [b"v1" * 100], TINY_BASE)
         assert (await follower.wait_for(1))[0].version == 1
 
         # A forgery in the current epoch wins until the trainer restarts: its next epoch orders
@@ -136,7 +136,7 @@ def test_forged_and_pre_deduplicated_announcements_do_not_wedge_samplers(nats_se
         await follower.wait_for(10**9)
         await lease.release()
         restarted = await take_lease(trainer)
-        await publish_weights(trainer, 2, [b"v2" * 100], "tiny")
+        await publish_weights(trainer, 2, [b"v2" * 100], TINY_BASE)
         await _until(lambda: follower.ready[0].order == (restarted.epoch, 2))
         await follower.stop()
         await sampler_run.close()
@@ -213,7 +213,7 @@ def test_a_sampler_cannot_touch_what_the_trainer_owns(secured):
         await take_lease(trainer)
         await trainer_subscription(trainer)
         await trainer.state.put(CONFIG_KEY, b'{"task": {"name": "math"}}')
-        announcement = await publish_weights(trainer, 0, [b"v0" * 100], "tiny")
+        announcement = await publish_weights(trainer, 0, [b"v0" * 100], TINY_BASE)
         names = trainer.names
 
         errors: list[str] = []

@@ -40,7 +40,7 @@ from streams.replay import read_rollouts
 from streams.rollouts import publish_rollout, rollout_body, trainer_subscription
 from streams.server import NatsServer
 from streams.weights import WeightsFollower, fetch_weights, publish_weights
-from tests.conftest import tiny_config
+from tests.conftest import TINY_BASE, tiny_config
 from tests.test_referee import REFEREE, TASK, TOKENIZER, with_completion, honest_group
 from workers.sampler import Sampler
 from workers.trainer import Collector
@@ -171,7 +171,7 @@ def test_weights_round_trip_and_a_wrong_digest_is_refused(nats_server, tmp_path)
         run = await open_run(nats_server.url, "w", "test")
         await take_lease(run)
         data = bytes(range(256)) * 4000  # 1 MB: several object-store chunks
-        announcement = await publish_weights(run, 7, [data, data[:1000]], "tiny", "full")
+        announcement = await publish_weights(run, 7, [data, data[:1000]], TINY_BASE, "full")
         assert await fetch_weights(run, announcement) == [data, data[:1000]]
         lie = announcement.shards[1].model_copy(update={"sha256": "0" * 64})
         lying = announcement.model_copy(update={"shards": [announcement.shards[0], lie]})
@@ -208,7 +208,7 @@ def test_a_sampler_joining_after_version_3_generates_with_version_3(nats_server,
         await take_lease(run)
         await trainer_subscription(run)
         for version, data in enumerate(adapters):
-            await publish_weights(run, version, data, "tiny")
+            await publish_weights(run, version, data, TINY_BASE)
 
         sampler_run = await open_run(nats_server.url, cfg.run.id, "late-sampler")
         engine = HFEngine("tiny", cfg.lora, cfg.sampling)
@@ -239,8 +239,8 @@ def test_follower_refuses_an_adapter_for_another_base_model(nats_server, tmp_pat
     async def main():
         run = await open_run(nats_server.url, "b", "test")
         await take_lease(run)
-        await publish_weights(run, 0, [b"good"], "tiny")
-        follower = await WeightsFollower(run, "tiny").start()
+        await publish_weights(run, 0, [b"good"], TINY_BASE)
+        follower = await WeightsFollower(run, TINY_BASE).start()
         assert (await follower.wait_for(0))[1] == [b"good"]
         await publish_weights(run, 1, [b"other"], "some-other-model")
         await _until_failure(follower)
@@ -260,7 +260,7 @@ def test_the_bucket_keeps_only_the_newest_versions(nats_server):
             return sorted(info.name for info in await run.weights.list(ignore_deletes=True))
 
         shards = [b"a" * 1000, b"b" * 1000]
-        announcements = [await publish_weights(run, v, shards, "tiny", keep=2) for v in range(5)]
+        announcements = [await publish_weights(run, v, shards, TINY_BASE, keep=2) for v in range(5)]
         assert await stored() == sorted(s.object_name for a in announcements[-2:] for s in a.shards)
         assert await fetch_weights(run, announcements[-1]) == shards
         with pytest.raises(TransferError, match="not_found"):
@@ -268,7 +268,7 @@ def test_the_bucket_keeps_only_the_newest_versions(nats_server):
         await run.close()
         run = await open_run(nats_server.url, "keep", "test")  # a restarted trainer sweeps what is left once
         await take_lease(run)
-        latest = await publish_weights(run, 5, shards[:1], "tiny", keep=1)
+        latest = await publish_weights(run, 5, shards[:1], TINY_BASE, keep=1)
         assert await stored() == [latest.shards[0].object_name]
         await run.close()
 
@@ -290,7 +290,7 @@ async def _store_tampered(run, version: int, data: bytes, tamper) -> None:
         await run.js.publish(subject, chunk)
     shard = WeightsShard(object_name=name, size=len(data), sha256=hashlib.sha256(data).hexdigest())
     announcement = WeightsAnnouncement(
-        version=version, epoch=run.epoch, kind="lora", shards=[shard], base_model="tiny", created_at=0.0
+        version=version, epoch=run.epoch, kind="lora", shards=[shard], base_model=TINY_BASE, created_at=0.0
     )
     # The object is announced as it would be by a trainer that computed the digest before damage.
     await run.js.publish(run.names.weights_subject, encode(announcement))
@@ -312,8 +312,8 @@ def test_a_damaged_adapter_is_refused_the_old_version_kept_and_the_fetch_retried
     async def main():
         run = await open_run(nats_server.url, "damage", "test")
         await take_lease(run)
-        await publish_weights(run, 0, [b"good" * 100_000], "tiny")
-        follower = await WeightsFollower(run, "tiny").start()
+        await publish_weights(run, 0, [b"good" * 100_000], TINY_BASE)
+        follower = await WeightsFollower(run, TINY_BASE).start()
         assert (await follower.wait_for(0))[0].version == 0
         adapter = bytes(range(256)) * 2000
         await _store_tampered(run, 1, adapter, tamper)
@@ -325,7 +325,7 @@ def test_a_damaged_adapter_is_refused_the_old_version_kept_and_the_fetch_retried
         await put_object(run.js, run.names.weights_bucket, weights_object_name(run.epoch, 1, 0), adapter)  # repaired
         async with asyncio.timeout(5):
             assert (await follower.wait_for(1))[1] == [adapter]
-        await publish_weights(run, 2, [b"next" * 1000], "tiny")  # and it still takes the next good one
+        await publish_weights(run, 2, [b"next" * 1000], TINY_BASE)  # and it still takes the next good one
         assert (await follower.wait_for(2))[1] == [b"next" * 1000]
         await follower.stop()
         await run.close()
@@ -359,9 +359,9 @@ def test_a_follower_that_fails_tells_whoever_waits_for_weights(nats_server, monk
     async def main():
         run = await open_run(nats_server.url, "broken", "test")
         await take_lease(run)
-        follower = await WeightsFollower(run, "tiny").start()
+        follower = await WeightsFollower(run, TINY_BASE).start()
         monkeypatch.setattr("streams.weights.fetch_weights", broken_fetch)
-        await publish_weights(run, 0, [b"w"], "tiny")
+        await publish_weights(run, 0, [b"w"], TINY_BASE)
         async with asyncio.timeout(5):
             with pytest.raises(RuntimeError, match="weights follower stopped") as raised:
                 await follower.wait_for(0)
@@ -403,19 +403,19 @@ def test_weights_the_engine_refuses_are_tried_once_and_not_waited_on(nats_server
     async def main():
         run = await open_run(nats_server.url, cfg.run.id, "trainer")
         await take_lease(run)
-        await publish_weights(run, 0, _adapter_for_version(trainer_side, 0), "tiny")
+        await publish_weights(run, 0, _adapter_for_version(trainer_side, 0), TINY_BASE)
         sampler_run = await open_run(nats_server.url, cfg.run.id, "sampler", create=False)
         sampler = Sampler(cfg, "s1", sampler_run, HFEngine("tiny", cfg.lora, cfg.sampling), load_task(cfg.task))
         await sampler.weights.start()
         await sampler.apply_newest()
-        await publish_weights(run, 1, [misfit], "tiny")
+        await publish_weights(run, 1, [misfit], TINY_BASE)
         await sampler.weights.wait_for(1)
         for _ in range(3):
             await sampler.apply_newest()
         assert sampler.weights.failures == {"weights_mismatch": 1} and sampler.version == 0
         with pytest.raises(TimeoutError):  # before: version 1 was "newer" at once, a busy loop
             await asyncio.wait_for(sampler.weights.wait_newer(max(sampler.order, sampler.refused)), 0.3)
-        await publish_weights(run, 2, good, "tiny")
+        await publish_weights(run, 2, good, TINY_BASE)
         await sampler.weights.wait_newer(sampler.refused)
         await sampler.apply_newest()
         assert sampler.version == 2

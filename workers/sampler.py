@@ -17,6 +17,7 @@ import structlog
 
 from echo.config import EchoConfig, SamplingConfig
 from echo.devices import dtype_name
+from echo.models import base_model_digest
 from echo.engines import Engine, make_engine
 from echo.learner import set_threads
 from echo.policy import WeightsMismatch
@@ -44,7 +45,7 @@ class Sampler:
     def __init__(self, cfg: EchoConfig, sampler_id: str, run: Run, engine: Engine, task: Task):
         self.cfg, self.sampler_id, self.run, self.engine, self.task = cfg, sampler_id, run, engine, task
         self.rng = random.Random(f"{cfg.run.seed}/{sampler_id}")
-        self.weights = WeightsFollower(run, cfg.model.name)
+        self.weights = WeightsFollower(run, base_model_digest(cfg.model.name))
         self.order = (0, -1)  # (trainer epoch, version) the engine runs: a restarted trainer's versions come later
         self.refused = (0, -1)  # the newest weights the engine refused: not tried again, nor waited for
         self.published = 0

@@ -596,6 +596,6 @@ async def publish_policy(run: Run, cfg: EchoConfig, learner: Learner, version: i
     started = time.perf_counter()
     files = await asyncio.to_thread(learner.write_weights, version)
     await until_done("publish weights", lambda: publish_weights(
-        run, version, (f.read_bytes() for f in files), cfg.model.name, learner.kind, cfg.trainer.keep_versions))
+        run, version, (f.read_bytes() for f in files), learner.base_model, learner.kind, cfg.trainer.keep_versions))
     await asyncio.to_thread(learner.remember, version)
     return time.perf_counter() - started

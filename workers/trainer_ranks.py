@@ -29,7 +29,7 @@ from echo.checkpoint import TrainerState, load_checkpoint, prune_weights, save_c
 from echo.config import EchoConfig
 from echo.devices import DTYPES, resolve_device, resolve_dtype
 from echo.learner import make_optimizer, merge_stats, set_threads, train_step
-from echo.models import load_model
+from echo.models import base_model_digest, load_model
 from echo.policy import make_policy, weights_kind, weights_shards
 from echo.proof import SamplingProof
 from echo.protocol import RolloutGroup
@@ -133,6 +133,7 @@ class Learner:
         if ranks.world > 1:
             shard(self.policy)
         self.kind = weights_kind(self.policy)
+        self.base_model = base_model_digest(cfg.model.name)  # what samplers check the weights are for
         self.optimizer = make_optimizer(self.policy, cfg)
         self.checkpoint_path = cfg.run_dir / "checkpoint.pt"
         self.state = load_checkpoint(self.checkpoint_path, self.policy, self.optimizer, ranks.rank) or TrainerState()
