@@ -330,6 +330,13 @@ class LearnerStatus(_Message):
     version: int = Field(ge=0)
     utilisation: float = Field(ge=0, le=1)
     updated_at: float
+    # For `echo-rl status`: the step, its recent rewards, the last publish's seconds, what became
+    # of the run's groups (trained, dropped_stale, rejected, pending, ...) and rejections by reason.
+    step: int = Field(0, ge=0)
+    rewards: list[float] = []
+    publish_s: float = Field(0.0, ge=0)
+    accounting: dict[str, int] = {}
+    rejected: dict[str, int] = {}
 
 
 class Schedule(_Message):

@@ -114,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
     quarantine.add_argument("--run-id", required=True)
     quarantine.add_argument("--creds", help="on a secured broker: the trainer's credentials (only it may write)")
     quarantine.add_argument("--tls-ca")
+    status = sub.add_parser("status", help="a live view of a run: trainer, samplers, stream, relays")
+    status.add_argument("--run", type=Path, help="a run directory: its config names the broker and the run id")
+    status.add_argument("--nats", help="the hub's URL (with --run-id)")
+    status.add_argument("--run-id")
+    status.add_argument("--creds", help="on a secured broker: observer (or trainer) credentials")
+    status.add_argument("--tls-ca")
+    status.add_argument("--once", action="store_true", help="one snapshot, then exit")
+    status.add_argument("--json", action="store_true", help="snapshots as JSON lines (one with --once)")
     plan = sub.add_parser("plan", help="which samplers to pay for: the capacity model on a fleet file or a live "
                           "run's registry")
     plan.add_argument("--fleet", type=Path, help="a fleet TOML file ([learner] and [[workers]]; README, Scheduling)")
@@ -220,6 +228,29 @@ def secure_command(args) -> int:
             print(f"sampler {args.id}: --creds {creds.seed_file} --tls-ca {creds.ca_file}")
     except (FileExistsError, FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from None
+    return 0
+
+
+def status_target(args) -> tuple[str, str]:
+    """(broker URL, run id) from a run directory's config, or as given."""
+    if args.run:
+        cfg = load_config(run_directory(args.run, "config.toml") / "config.toml")
+        return cfg.nats.url, cfg.run.id
+    if args.nats and args.run_id:
+        return args.nats, args.run_id
+    raise ConfigError("status: --run RUN_DIR, or --nats URL --run-id ID")
+
+
+async def status_command(args, url: str, run_id: str) -> int:
+    from streams.client import open_run
+    from workers.status import watch
+
+    run = await open_run(url, run_id, "status", credentials=credentials_of(args.creds, args.tls_ca),
+                         create=False, join_wait_s=5)
+    try:
+        await watch(run, args.once, args.json, sys.stdout)
+    finally:
+        await run.close()
     return 0
 
 
@@ -349,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
             return plan_command(args)
         if args.command == "quarantine":
             return asyncio.run(quarantine_command(args))
+        if args.command == "status":
+            url, run_id = status_target(args)
+            configure_logging(level="warning")  # the view is the output
+            return run_until_signal(status_command(args, url, run_id))
         if args.command == "relay":
             cfg = relay_config_from_args(args)
             configure_logging(args.log_json, worker=f"relay-{cfg.domain}")

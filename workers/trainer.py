@@ -512,14 +512,20 @@ class Pace:
     def __init__(self, groups_per_step: int, max_staleness: int):
         self.groups_per_step, self.max_staleness = groups_per_step, max_staleness
         self.steps: deque[tuple[float, float]] = deque(maxlen=PACE_STEPS)  # (busy, wait) seconds
+        self.rewards: deque[float] = deque(maxlen=PACE_STEPS)
+        self.rejected: Counter = Counter()  # by reason, since this trainer started
         self.status: LearnerStatus | None = None  # after the last step
 
     def add(self, record: dict, version: int) -> LearnerStatus:
         self.steps.append((record["busy_seconds"], record["wait_seconds"]))
+        self.rewards.append(record["reward_mean"])
+        self.rejected.update(record["rejected"])
         busy, wait = (sum(column) for column in zip(*self.steps))
-        self.status = LearnerStatus(step_s=busy / len(self.steps), groups_per_step=self.groups_per_step,
-                             max_staleness=self.max_staleness, version=version,
-                             utilisation=busy / (busy + wait) if busy + wait > 0 else 1.0, updated_at=time.time())
+        self.status = LearnerStatus(
+            step_s=busy / len(self.steps), groups_per_step=self.groups_per_step, max_staleness=self.max_staleness,
+            version=version, utilisation=busy / (busy + wait) if busy + wait > 0 else 1.0, updated_at=time.time(),
+            step=record["step"], rewards=list(self.rewards), publish_s=record["publish_seconds"],
+            accounting=record["accounting"], rejected=dict(self.rejected))
         return self.status
 
 

@@ -1,0 +1,127 @@
+"""`echo-rl status`: what a run is doing, read from the broker alone (any machine that reaches
+it can look; a secured broker's observer credentials suffice).
+
+One snapshot: the trainer (incarnation, step, version, recent rewards, learner busy, pace,
+publish time, what became of every group), each sampler in the registry (state, version and lag
+behind the trainer, engine and device, rates, sync time, cost, quarantine), the rollout stream
+(messages, bytes, pending, unacked) and which relay each sampler reads weights from. `--once
+--json` prints one snapshot for scripts; otherwise a terminal view refreshes every few seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+
+from nats.js.errors import NotFoundError
+
+from echo.protocol import TRAINER_CONSUMER
+from streams.client import Run
+from streams.lease import current_epoch
+from streams.quarantine import read_quarantine
+from streams.registry import read_learner, read_statuses
+
+REFRESH_S = 2.0
+
+
+async def snapshot(run: Run) -> dict:
+    learner, samplers = await read_learner(run), await read_statuses(run)
+    quarantined, now = await read_quarantine(run), time.time()
+    version = learner.version if learner else None
+    try:
+        info = await run.js.stream_info(run.names.rollouts_stream)
+        consumer = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
+        stream = {"messages": info.state.messages, "bytes": info.state.bytes,
+                  "pending": consumer.num_pending, "unacked": consumer.num_ack_pending}
+    except NotFoundError:  # the trainer has not created them yet
+        stream = None
+    relays: dict[str, list[str]] = {}
+    for s in samplers:
+        relays.setdefault(s.relay or "hub", []).append(s.sampler_id)
+    return {
+        "run_id": run.names.run_id,
+        "at": now,
+        "trainer": None if learner is None else {
+            "epoch": await current_epoch(run), "step": learner.step, "version": learner.version,
+            "rewards": learner.rewards, "learner_busy": learner.utilisation, "step_s": learner.step_s,
+            "publish_s": learner.publish_s, "accounting": learner.accounting, "rejected": learner.rejected,
+            "seen_s_ago": round(now - learner.updated_at, 1),
+        },
+        "samplers": [{
+            "id": s.sampler_id, "state": "quarantined" if s.sampler_id in quarantined else s.state,
+            "version": s.version, "lag": None if version is None or s.version < 0 else version - s.version,
+            "engine": s.engine, "device": s.device, "relay": s.relay or "hub",
+            "groups_per_s": s.groups_per_s, "tokens_per_s": s.tokens_per_s,
+            "sync_s": round(statistics.fmean(s.sync_s.values()), 3) if s.sync_s else None,
+            "cost_per_hour": s.cost_per_hour, "groups_published": s.groups_published,
+            "weight_failures": s.weight_failures, "quarantine_reason": quarantined.get(s.sampler_id),
+            "seen_s_ago": round(now - s.updated_at, 1),
+        } for s in samplers],
+        "stream": stream,
+        "relays": relays,
+    }
+
+
+def render(snap: dict):
+    """The snapshot as rich renderables, for a terminal."""
+    from rich.console import Group
+    from rich.table import Table
+
+    parts = []
+    trainer = snap["trainer"]
+    head = Table.grid(padding=(0, 2))
+    head.add_row("run", snap["run_id"])
+    if trainer is None:
+        head.add_row("trainer", "no step yet")
+    else:
+        head.add_row("trainer", f"incarnation {trainer['epoch']}, step {trainer['step']}, version {trainer['version']}, "
+                     f"learner busy {trainer['learner_busy']:.0%}, {trainer['step_s']:.2f} s a step, "
+                     f"publish {trainer['publish_s']:.2f} s")
+        head.add_row("reward (last steps)", " ".join(f"{r:.2f}" for r in trainer["rewards"]))
+        accounting, rejected = trainer["accounting"], trainer["rejected"]
+        head.add_row("groups", ", ".join(f"{k} {v}" for k, v in accounting.items()) or "-")
+        head.add_row("rejected by reason", ", ".join(f"{k} {v}" for k, v in sorted(rejected.items())) or "none")
+    if snap["stream"]:
+        s = snap["stream"]
+        head.add_row("rollout stream", f"{s['messages']} messages, {s['bytes'] / 1e6:.1f} MB, "
+                     f"{s['pending']} pending, {s['unacked']} unacked")
+    parts.append(head)
+    table = Table("sampler", "state", "version", "lag", "engine", "device", "relay", "groups/s", "tokens/s",
+                  "sync s", "cost/h", "published", "seen", title="samplers", title_justify="left")
+    for s in snap["samplers"]:
+        table.add_row(s["id"], s["state"], str(s["version"]), "-" if s["lag"] is None else str(s["lag"]),
+                      s["engine"], s["device"], s["relay"], f"{s['groups_per_s']:.2f}", f"{s['tokens_per_s']:.0f}",
+                      "-" if s["sync_s"] is None else f"{s['sync_s']:.2f}", f"{s['cost_per_hour']:g}",
+                      str(s["groups_published"]), f"{s['seen_s_ago']:.0f} s ago")
+    parts.append(table)
+    return Group(*parts)
+
+
+def _console(out):
+    from rich.console import Console
+
+    return Console(file=out, width=None if out.isatty() else 160)  # a pipe or file: one line per sampler
+
+
+async def watch(run: Run, once: bool, as_json: bool, out) -> None:
+    """A live terminal view; or snapshots as JSON lines (one with `once`), or one printed view."""
+    import orjson
+
+    if not (once or as_json):
+        from rich.live import Live
+
+        with Live(render(await snapshot(run)), console=_console(out), refresh_per_second=1) as live:
+            while True:
+                await asyncio.sleep(REFRESH_S)
+                live.update(render(await snapshot(run)))
+    while True:
+        snap = await snapshot(run)
+        if as_json:
+            out.write(orjson.dumps(snap).decode() + "\n")
+            out.flush()
+        else:
+            _console(out).print(render(snap))
+        if once:
+            return
+        await asyncio.sleep(REFRESH_S)
