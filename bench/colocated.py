@@ -31,7 +31,7 @@ from workers.trainer_ranks import Learner, Ranks
 
 def run_colocated(cfg: EchoConfig) -> None:
     run_dir = cfg.run_dir
-    (run_dir / "weights").mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(cfg.to_toml())
     learner = Learner(cfg, Ranks(cfg.model.device))
     engine, task = make_engine(cfg), load_task(cfg.task)

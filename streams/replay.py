@@ -8,20 +8,22 @@ from __future__ import annotations
 import asyncio
 import sys
 import tomllib
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator
 
 import orjson
 from nats.js.api import DeliverPolicy
 
-from echo.protocol import ProtocolError, RunNames, decode_rollout
+from echo.protocol import HDR_SAMPLER_ID, ProtocolError, RolloutGroup, RunNames, decode_rollout
 from streams.client import connect
 from streams.rollouts import rollout_body
 from streams.server import NatsServer
 
 
-async def read_rollouts(url: str, run_id: str) -> AsyncIterator[dict]:
-    """Each stored rollout message as {seq, subject, headers, group | error}, oldest first."""
+async def stored_groups(url: str, run_id: str) -> AsyncIterator[tuple[object, RolloutGroup | ProtocolError]]:
+    """Each stored rollout message, oldest first, with its decoded group or why it is malformed."""
     names = RunNames(run_id)
     nc = await connect(url, "replay")
     try:
@@ -32,13 +34,11 @@ async def read_rollouts(url: str, run_id: str) -> AsyncIterator[dict]:
         sub = await js.subscribe(names.all_rollouts, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
         while True:
             msg = await sub.next_msg(timeout=10)
-            record = {"seq": msg.metadata.sequence.stream, "subject": msg.subject, "headers": msg.headers}
             try:
                 data = await rollout_body(js, names, msg)
-                record["group"] = decode_rollout(data, msg.headers, msg.subject).model_dump()
+                yield msg, decode_rollout(data, msg.headers, msg.subject)
             except ProtocolError as e:
-                record["error"] = str(e)
-            yield record
+                yield msg, e
             if msg.metadata.num_pending == 0:
                 break
         await sub.unsubscribe()
@@ -46,24 +46,88 @@ async def read_rollouts(url: str, run_id: str) -> AsyncIterator[dict]:
         await nc.close()
 
 
-async def _dump(url: str, run_id: str, out) -> int:
+async def read_rollouts(url: str, run_id: str) -> AsyncIterator[dict]:
+    """Each stored rollout message as {seq, subject, headers, group | error}, oldest first."""
+    async for msg, group in stored_groups(url, run_id):
+        record = {"seq": msg.metadata.sequence.stream, "subject": msg.subject, "headers": msg.headers}
+        if isinstance(group, ProtocolError):
+            record["error"] = str(group)
+        else:
+            record["group"] = group.model_dump()
+        yield record
+
+
+@dataclass(frozen=True)
+class Keep:
+    """Which records `echo-rl replay` prints: every condition given must hold."""
+
+    seqs: tuple[int, int] | None = None  # stream sequences, both ends included
+    since: float | None = None  # the group's created_at (Unix seconds), both ends included
+    until: float | None = None
+    version: int | None = None
+    sampler: str | None = None
+    task: str | None = None
+    rewards: tuple[float, float] | None = None  # the group's mean claimed reward
+    rejected_only: bool = False
+
+    def __call__(self, record: dict) -> bool:
+        group = record.get("group")
+        if self.seqs and not self.seqs[0] <= record["seq"] <= self.seqs[1]:
+            return False
+        if self.rejected_only:
+            return group is None
+        if self.sampler and (record["headers"] or {}).get(HDR_SAMPLER_ID) != self.sampler:
+            return False
+        if (self.since, self.until, self.version, self.task, self.rewards) == (None,) * 5:
+            return True
+        if group is None:  # a malformed message has no trustworthy fields
+            return False
+        mean = sum(c["reward"] for c in group["completions"]) / len(group["completions"])
+        return ((self.since is None or group["created_at"] >= self.since)
+                and (self.until is None or group["created_at"] <= self.until)
+                and (self.version is None or group["policy_version"] == self.version)
+                and (self.task is None or group["task"] == self.task)
+                and (self.rewards is None or self.rewards[0] <= mean <= self.rewards[1]))
+
+
+def table_line(record: dict) -> str:
+    group = record.get("group")
+    if group is None:
+        return f"{record['seq']:>7}  {record['subject']}  REJECTED  {record['error']}"
+    rewards = [c["reward"] for c in group["completions"]]
+    tokens = sum(len(c["token_ids"]) for c in group["completions"])
+    return (f"{record['seq']:>7}  {group['sampler_id']:<10} v{group['policy_version']:<5} {group['task']:<10} "
+            f"{group['group_id']}  {len(rewards)} completions  {tokens} tokens  "
+            f"reward {sum(rewards) / len(rewards):.3f}")
+
+
+async def _dump(url: str, run_id: str, out, keep: Keep, table: bool) -> int:
     count = 0
     async for record in read_rollouts(url, run_id):
-        out.write(orjson.dumps(record).decode() + "\n")
-        count += 1
+        if keep(record):
+            out.write((table_line(record) if table else orjson.dumps(record).decode()) + "\n")
+            count += 1
     return count
 
 
-def replay(run: str, nats_url: str | None, out_path: str | None) -> int:
+@contextmanager
+def run_broker(run: str | Path, nats_url: str | None) -> Iterator[tuple[str, str]]:
+    """(broker URL, run id): the given server and run id, or a server started on a run
+    directory's own store (a finished run can be read after the fact)."""
+    if nats_url:
+        yield nats_url, str(run)
+        return
+    run_dir = Path(run)
+    run_id = tomllib.loads((run_dir / "config.toml").read_text())["run"]["id"]
+    with NatsServer(run_dir / "nats") as server:
+        yield server.url, run_id
+
+
+def replay(run: str | Path, nats_url: str | None, out_path: str | None, keep: Keep = Keep(), table: bool = False) -> int:
     out = open(out_path, "w") if out_path else sys.stdout
     try:
-        if nats_url:
-            asyncio.run(_dump(nats_url, run, out))
-            return 0
-        run_dir = Path(run)
-        run_id = tomllib.loads((run_dir / "config.toml").read_text())["run"]["id"]
-        with NatsServer(run_dir / "nats") as server:
-            asyncio.run(_dump(server.url, run_id, out))
+        with run_broker(run, nats_url) as (url, run_id):
+            asyncio.run(_dump(url, run_id, out, keep, table))
         return 0
     finally:
         if out_path:

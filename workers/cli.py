@@ -38,6 +38,18 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-json", action="store_true", help="JSON log lines instead of readable ones")
 
 
+def _span(kind):
+    """An argparse type for 'LOW:HIGH'."""
+
+    def parse(text: str):
+        low, sep, high = text.partition(":")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"{text!r}: LOW:HIGH")
+        return kind(low), kind(high)
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="echo-rl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -106,6 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--run", required=True, help="run directory (starts a server on its store) or run id with --nats")
     replay.add_argument("--nats", help="read from this server instead of the run directory's store")
     replay.add_argument("--out", help="write to this file instead of stdout")
+    replay.add_argument("--seq", type=_span(int), metavar="FIRST:LAST", help="stream sequences (both included)")
+    replay.add_argument("--since", type=float, metavar="UNIX_S", help="groups created at or after this time")
+    replay.add_argument("--until", type=float, metavar="UNIX_S", help="groups created at or before this time")
+    replay.add_argument("--version", type=int, help="groups generated with this policy version")
+    replay.add_argument("--sampler", help="groups published by this sampler")
+    replay.add_argument("--task", help="groups of this task")
+    replay.add_argument("--reward", type=_span(float), metavar="LOW:HIGH", help="groups whose mean claimed reward "
+                        "lies in this range")
+    replay.add_argument("--rejected", action="store_true", help="only the messages the trainer would reject, with why")
+    replay.add_argument("--table", action="store_true", help="one readable line per record instead of JSON lines")
+    replay.add_argument("--retrain", action="store_true", help="train again over exactly the groups each recorded "
+                        "step consumed, from the run's config and seed, and compare with its published weights")
     replay.add_argument("--log-json", action="store_true")
     quarantine = sub.add_parser("quarantine", help="samplers the trainer ignores: list them, or lift one's quarantine")
     quarantine.add_argument("action", choices=["list", "lift"])
@@ -369,11 +393,19 @@ def main(argv: list[str] | None = None) -> int:
             print(write_report(run_dir))
             return 0
         if args.command == "replay":
-            from streams.replay import replay
+            from streams.replay import Keep, replay
 
             run = args.run if args.nats else run_directory(args.run, "nats")
             configure_logging(args.log_json)
-            return replay(run, args.nats, args.out)
+            if args.retrain:
+                from workers.retrain import retrain
+
+                report = retrain(run_directory(args.run, "metrics.jsonl"), args.nats)
+                print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
+                return 0 if report["identical"] else 1
+            keep = Keep(seqs=args.seq, since=args.since, until=args.until, version=args.version, sampler=args.sampler,
+                        task=args.task, rewards=args.reward, rejected_only=args.rejected)
+            return replay(run, args.nats, args.out, keep, args.table)
         if args.command == "secure":
             return secure_command(args)
         if args.command == "plan":

@@ -51,11 +51,11 @@ class Coordinator:
         if why is None or not workers:
             return
         learner, target = Learner(pace.step_s, pace.groups_per_step, pace.max_staleness), self.cfg.scheduler.target_utilisation
-        if still_good(learner, self.active, self.used, workers, target):
+        plan = cheapest(learner, list(workers.values()), target)
+        if still_good(learner, self.active, self.used, workers, target, plan, self.cfg.scheduler.drift):
             self.used = workers
             log.info("scheduler.kept", active=sorted(self.active), why=why)
             return
-        plan = cheapest(learner, list(workers.values()), target)
         self.used, self.active = workers, set(plan.active)
         self.standby.clear()
         self.standby.update(set(workers) - set(plan.active))

@@ -129,7 +129,11 @@ class Learner:
         load_on = ranks.device if ranks.world == 1 else torch.device("cpu")
         base, self.tokenizer = load_model(cfg.model.name, load_on, self.compute_dtype if cfg.lora.enabled else torch.float32)
         self.vocab_size = base.get_input_embeddings().num_embeddings
-        self.policy = make_policy(base, cfg.lora)
+        # The adapter's initial values come from the run's seed: the same on every rank, and a
+        # retrain (`echo-rl replay --retrain`) starts where the run started.
+        with torch.random.fork_rng(devices=[ranks.device] if ranks.device.type == "cuda" else []):
+            torch.manual_seed(cfg.run.seed)
+            self.policy = make_policy(base, cfg.lora)
         if ranks.world > 1:
             shard(self.policy)
         self.kind = weights_kind(self.policy)
@@ -173,6 +177,8 @@ class Learner:
         """The version's safetensors shards in the run directory (for publishing and `echo-rl
         eval`), gathered shard by shard on rank 0; the newest `trainer.keep_versions` are kept."""
         run_dir, tcfg = self.cfg.run_dir, self.cfg.trainer
+        if self.ranks.rank == 0:
+            (run_dir / "weights").mkdir(parents=True, exist_ok=True)
         files = []
         for index, data in enumerate(weights_shards(self.policy, int(tcfg.shard_mb * 2**20), DTYPES[tcfg.publish_dtype])):
             if self.ranks.rank == 0:

@@ -1,0 +1,66 @@
+"""`echo-rl replay --run DIR --retrain`: train again over exactly the groups each recorded step
+consumed, in the recorded order, from the run's config and seed, and compare the result with
+the weights the run published. On the same machine (CPU, fp32, the run's thread count) the
+adapter comes out bit for bit the same: any odd run becomes a case anyone can re-run, step it
+through, or change one thing in.
+
+The groups come from the run's rollout stream (kept whole by its limits retention), the order
+from `metrics.jsonl` (each step names the groups it trained on), the rewards from the trainer's
+own referee, the initial adapter from the run's seed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+
+import orjson
+import structlog
+from safetensors.torch import load
+
+from echo.checkpoint import latest_weights
+from echo.config import load_config
+from echo.protocol import ProtocolError, RolloutGroup
+from echo.referee import Referee
+from echo.tasks import load_task
+from streams.replay import run_broker, stored_groups
+from workers.trainer_ranks import Learner, Ranks
+
+log = structlog.get_logger()
+
+
+async def _groups(url: str, run_id: str) -> dict[str, RolloutGroup]:
+    return {group.group_id: group async for _, group in stored_groups(url, run_id)
+            if not isinstance(group, ProtocolError)}
+
+
+def retrain(run_dir: Path, nats_url: str | None = None) -> dict:
+    """Retrain the run in a temporary directory; what came out, against what the run published."""
+    steps = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines() if line.strip()]
+    if not steps:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no steps")
+    target = load_config(run_dir / "config.toml").run.id if nats_url else run_dir  # a live server, or the run's store
+    with run_broker(target, nats_url) as (url, run_id):
+        groups = asyncio.run(_groups(url, run_id))
+    version, published = latest_weights(run_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(run_dir / "config.toml", [f"run.dir={tmp}"])  # a fresh learner, not the run's checkpoint
+        learner = Learner(cfg, Ranks(cfg.model.device))
+        referee = Referee(load_task(cfg.task), learner.tokenizer, learner.vocab_size, cfg.sampling)
+        for step in steps:
+            missing = [g for g, _, _ in step["groups"] if g not in groups]
+            if missing:
+                raise ValueError(f"step {step['step']}: groups {missing[:3]} are not in the stream (its retention?)")
+            learner.train([(groups[g], referee.score(groups[g]).rewards) for g, _, _ in step["groups"]])
+            log.info("retrain.step", step=step["step"], groups=len(step["groups"]))
+        retrained = learner.write_weights(steps[-1]["version"])
+        ours = [f.read_bytes() for f in retrained]
+    theirs = [f.read_bytes() for f in published]
+    report = {"steps": len(steps), "version": steps[-1]["version"], "published_version": version,
+              "identical": version == steps[-1]["version"] and ours == theirs}
+    if not report["identical"] and len(ours) == len(theirs):
+        diffs = [(a[k].float() - b[k].float()).abs().max().item()
+                 for a, b in zip(map(load, ours), map(load, theirs)) for k in a if k in b]
+        report["max_abs_diff"] = max(diffs, default=None)
+    return report
