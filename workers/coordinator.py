@@ -1,10 +1,12 @@
 """ECHO-2's cost-aware activation, run inside the trainer process (scheduler.enabled).
 
-Every `scheduler.every_s` the coordinator reads the run's registry. When a sampler joined, left
-(its entry expired) or its measured rates drifted, it chooses again the cheapest set of samplers
-that reaches `scheduler.target_utilisation` at the trainer's measured pace (echo/capacity.py) and
-publishes the choice (streams/schedule.py): the others go on standby, keeping their weights
-current and taking no leases, and the trainer grants them none. A sampler not yet measured (it
+Every `scheduler.every_s` the coordinator reads the run's registry and computes the cheapest set
+of samplers that reaches `scheduler.target_utilisation` at the trainer's measured pace
+(echo/capacity.py). It keeps the current set while no sampler joined, its samplers are all
+there, it still reaches the target and costs at most `scheduler.drift` more per step than the
+cheapest (so noise does not flip samplers); otherwise it publishes the new choice
+(streams/schedule.py): the others go on standby, keeping their weights current and taking no
+leases, and the trainer grants them none. A sampler not yet measured (it
 has finished no call) takes work until it is.
 """
 
@@ -47,15 +49,19 @@ class Coordinator:
         if pace is None:  # no step yet: no pace to plan for
             return
         workers = {w.id: w for w in measured(await read_statuses(self.run))}
-        why = replan_reason(self.used, workers, self.cfg.scheduler.drift)
-        if why is None or not workers:
+        if not workers:
             return
         learner, target = Learner(pace.step_s, pace.groups_per_step, pace.max_staleness), self.cfg.scheduler.target_utilisation
         plan = cheapest(learner, list(workers.values()), target)
+        why = replan_reason(self.used, workers, self.cfg.scheduler.drift)
+        # Every round, not only on a change: a set chosen on a sampler's first (slow) calls is
+        # replaced once the rates settle and a clearly cheaper set reaches the target.
         if still_good(learner, self.active, self.used, workers, target, plan, self.cfg.scheduler.drift):
-            self.used = workers
-            log.info("scheduler.kept", active=sorted(self.active), why=why)
+            if why:
+                self.used = workers
+                log.info("scheduler.kept", active=sorted(self.active), why=why)
             return
+        why = why or f"a cheaper set: {plan.cost_per_step:.3g} per step"
         self.used, self.active = workers, set(plan.active)
         self.standby.clear()
         self.standby.update(set(workers) - set(plan.active))
