@@ -79,7 +79,6 @@ async def connect(url: str, name: str, credentials: Credentials | None = None) -
     # Reconnect forever: a sampler on a flaky link should wait out a broker restart, not die.
     options = credentials.connect_options() if credentials else {}
     events = ConnectionEvents(url)
-    log.info("nats.connecting", url=url)
     events.nc = await nats.connect(
         url.split(","), name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5,
         error_cb=events.error, disconnected_cb=events.disconnected, reconnected_cb=events.reconnected, **options

@@ -3,6 +3,7 @@ FSDP2-sharded, each running its share of a step's passes, end with the policy on
 a checkpoint written by 2 ranks resumes on 2 ranks or in one process."""
 
 import copy
+import gc
 import os
 
 import pytest
@@ -65,6 +66,8 @@ def _rank(rank: int, world: int, port: int, tmp_path, lora: bool) -> None:
     tensors = policy_tensors(policy)  # gathered whole: a collective
     if rank == 0:
         torch.save({"tensors": tensors, "stats": merge_stats(parts)}, tmp_path / "ranks.pt")
+    del policy  # its FSDP state holds the process group: released before the group is destroyed
+    gc.collect()
     leave()
 
 
@@ -115,6 +118,8 @@ def _rank_resuming(rank: int, world: int, port: int, tmp_path, resume: bool) -> 
         dist.all_gather_object(rngs, torch.get_rng_state())
         save_checkpoint(path, policy, optimizer, TrainerState(step=2, version=2), rngs, commit=rank == 0)
     if world > 1:
+        del policy, optimizer  # as in _rank
+        gc.collect()
         leave()
 
 

@@ -26,8 +26,9 @@ def test_replay_filters_and_a_retrain_reproduces_the_published_adapter_bit_for_b
     report = orjson.loads(done.stdout)
     assert report == {"steps": 6, "version": 6, "published_version": 6, "identical": True}
 
-    records = [orjson.loads(line) for line in _replay(run_dir, "--sampler", "s1", "--version", "0").stdout.splitlines()]
-    expected = [r for r in stream if r["group"]["sampler_id"] == "s1" and r["group"]["policy_version"] == 0]
+    sampler, version = stream[-1]["group"]["sampler_id"], stream[-1]["group"]["policy_version"]
+    records = [orjson.loads(line) for line in _replay(run_dir, "--sampler", sampler, "--version", str(version)).stdout.splitlines()]
+    expected = [r for r in stream if r["group"]["sampler_id"] == sampler and r["group"]["policy_version"] == version]
     assert [r["seq"] for r in records] == [r["seq"] for r in expected] and expected
     assert [orjson.loads(x)["seq"] for x in _replay(run_dir, "--seq", "2:4").stdout.splitlines()] == [2, 3, 4]
     assert _replay(run_dir, "--rejected").stdout == ""  # an honest run: nothing malformed
