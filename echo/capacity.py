@@ -196,15 +196,3 @@ def replan_reason(used: dict[str, Worker], now: dict[str, Worker], drift: float)
                 return f"{worker_id}'s {name} moved from {before:.3g} to {after:.3g}"
     return None
 
-
-def still_good(learner: Learner, active: set[str], used: dict[str, Worker], now: dict[str, Worker], target: float,
-               best: Plan, margin: float) -> bool:
-    """Hysteresis: keep the active set through a re-plan while no worker joined, the active ones
-    are all still there, still reach the target with their new rates, and cost at most `margin`
-    more per step than `best`, the cheapest set now. Else measurement noise near the target
-    would flip samplers between active and standby (each flip costing a weight sync); and a
-    dearer set chosen on early measurements is still dropped for the cheaper one."""
-    if not active or now.keys() - used.keys() or not active <= now.keys():
-        return False
-    current = _evaluate(learner, [now[i] for i in sorted(active)], target, exact=True)
-    return current.reached and current.cost_per_step <= best.cost_per_step * (1 + margin) + TOLERANCE

@@ -1,12 +1,10 @@
 """ECHO-2's cost-aware activation, run inside the trainer process (scheduler.enabled).
 
-Every `scheduler.every_s` the coordinator reads the run's registry and computes the cheapest set
-of samplers that reaches `scheduler.target_utilisation` at the trainer's measured pace
-(echo/capacity.py). It keeps the current set while no sampler joined, its samplers are all
-there, it still reaches the target and costs at most `scheduler.drift` more per step than the
-cheapest (so noise does not flip samplers); otherwise it publishes the new choice
-(streams/schedule.py): the others go on standby, keeping their weights current and taking no
-leases, and the trainer grants them none. A sampler not yet measured (it
+Every `scheduler.every_s` the coordinator reads the run's registry. When a sampler joined, left
+(its entry expired) or its measured rates drifted, it chooses again the cheapest set of samplers
+that reaches `scheduler.target_utilisation` at the trainer's measured pace (echo/capacity.py) and
+publishes the choice (streams/schedule.py): the others go on standby, keeping their weights
+current and taking no leases, and the trainer grants them none. A sampler not yet measured (it
 has finished no call) takes work until it is.
 """
 
@@ -17,7 +15,7 @@ import time
 
 import structlog
 
-from echo.capacity import Learner, Worker, cheapest, replan_reason, still_good
+from echo.capacity import Learner, Worker, cheapest, replan_reason
 from echo.config import EchoConfig
 from echo.protocol import LearnerStatus, Schedule
 from streams.client import BROKER_ERRORS, Run
@@ -33,7 +31,6 @@ class Coordinator:
         self.run, self.cfg = run, cfg
         self.pace = pace  # the trainer's Pace: its `status` after each step
         self.standby = standby  # the trainer's grants read this set: it is changed in place
-        self.active: set[str] = set()
         self.used: dict[str, Worker] = {}  # the measurements the current choice was made from
 
     async def run_forever(self) -> None:
@@ -49,20 +46,12 @@ class Coordinator:
         if pace is None:  # no step yet: no pace to plan for
             return
         workers = {w.id: w for w in measured(await read_statuses(self.run))}
-        if not workers:
-            return
-        learner, target = Learner(pace.step_s, pace.groups_per_step, pace.max_staleness), self.cfg.scheduler.target_utilisation
-        plan = cheapest(learner, list(workers.values()), target)
         why = replan_reason(self.used, workers, self.cfg.scheduler.drift)
-        # Every round, not only on a change: a set chosen on a sampler's first (slow) calls is
-        # replaced once the rates settle and a clearly cheaper set reaches the target.
-        if still_good(learner, self.active, self.used, workers, target, plan, self.cfg.scheduler.drift):
-            if why:
-                self.used = workers
-                log.info("scheduler.kept", active=sorted(self.active), why=why)
+        if why is None or not workers:
             return
-        why = why or f"a cheaper set: {plan.cost_per_step:.3g} per step"
-        self.used, self.active = workers, set(plan.active)
+        learner = Learner(pace.step_s, pace.groups_per_step, pace.max_staleness)
+        plan = cheapest(learner, list(workers.values()), self.cfg.scheduler.target_utilisation)
+        self.used = workers
         self.standby.clear()
         self.standby.update(set(workers) - set(plan.active))
         await publish_schedule(self.run, Schedule(
