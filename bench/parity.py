@@ -33,7 +33,7 @@ from pathlib import Path
 import orjson
 
 from bench.common import results_dir
-from echo.checkpoint import latest_weights
+from echo.checkpoint import latest_weights, read_metrics
 from echo.config import EchoConfig, apply_override, validate_config
 from echo.devices import resolve_device
 from echo.engines import make_engine
@@ -93,7 +93,7 @@ def run_one(cfg: EchoConfig, mode: str, log_dir: Path) -> Path:
 
 
 def run_summary(run_dir: Path, samplers: int, mode: str) -> dict:
-    lines = [orjson.loads(x) for x in (run_dir / "metrics.jsonl").read_bytes().splitlines() if x.strip()]
+    lines = read_metrics(run_dir)
     wall = lines[-1]["wall_seconds"]
     # One process does both in the co-located run: its "sampler" is the same device, part time.
     sampler_count = 1 if mode == "colocated" else samplers

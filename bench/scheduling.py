@@ -27,6 +27,7 @@ import orjson
 
 from bench.common import results_dir
 from echo.capacity import Learner, utilisation
+from echo.checkpoint import read_metrics
 from echo.config import validate_config
 from streams.client import open_run
 from streams.registry import read_learner, read_statuses
@@ -97,7 +98,7 @@ def run_fleet(work_dir: Path, samplers: list[FleetSampler], steps: int, schedule
             pace, statuses = asyncio.run(_registry(server.url, run_id))
         finally:
             stop_processes([trainer, *workers])
-    metrics = [orjson.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_bytes().splitlines()]
+    metrics = read_metrics(cfg.run_dir)
     later = metrics[len(metrics) // 2:]
     busy, wait = sum(m["busy_seconds"] for m in later), sum(m["wait_seconds"] for m in later)
     active = [s for s in statuses if s.state == "active"]

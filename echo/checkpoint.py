@@ -19,6 +19,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import orjson
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -97,6 +98,12 @@ def weights_file(run_dir: Path, version: int, shard: int) -> Path:
 
 def _version_of(path: Path) -> int:
     return int(path.name[1:7])
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The run's `metrics.jsonl`, one record per step ([] before the first step)."""
+    path = run_dir / "metrics.jsonl"
+    return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()] if path.exists() else []
 
 
 def latest_weights(run_dir: Path) -> tuple[int, list[Path]]:

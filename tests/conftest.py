@@ -6,9 +6,9 @@ import signal
 import subprocess
 import time
 
-import orjson
 import pytest
 
+from echo.checkpoint import read_metrics
 from echo.config import EchoConfig, validate_config
 from echo.models import base_model_digest
 from streams.server import NatsServer
@@ -82,11 +82,6 @@ def run_trainer_and_sampler(tmp_path, cfg: EchoConfig, sampler_id: str, timeout:
         sampler.wait(timeout=60)
     assert trainer.returncode == 0, logs[-3000:]
     return logs, result
-
-
-def read_metrics(run_dir) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [orjson.loads(x) for x in path.read_bytes().splitlines()] if path.exists() else []
 
 
 def wait_for_steps(run_dir, steps: int, processes: list[subprocess.Popen], timeout: float = 120) -> None:

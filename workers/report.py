@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import orjson
+from echo.checkpoint import read_metrics
 
 
 def write_report(run_dir: Path) -> Path:
@@ -14,7 +14,7 @@ def write_report(run_dir: Path) -> Path:
     matplotlib.use("Agg")  # files only, no screen needed
     import matplotlib.pyplot as plt
 
-    lines = [orjson.loads(x) for x in (run_dir / "metrics.jsonl").read_bytes().splitlines() if x.strip()]
+    lines = read_metrics(run_dir)
     if not lines:
         raise ValueError(f"{run_dir}/metrics.jsonl has no steps yet")
     steps = [r["step"] for r in lines]

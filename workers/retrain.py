@@ -15,11 +15,10 @@ import asyncio
 import tempfile
 from pathlib import Path
 
-import orjson
 import structlog
 from safetensors.torch import load
 
-from echo.checkpoint import latest_weights
+from echo.checkpoint import latest_weights, read_metrics
 from echo.config import load_config
 from echo.protocol import ProtocolError, RolloutGroup
 from echo.referee import Referee
@@ -37,15 +36,14 @@ async def _groups(url: str, run_id: str) -> dict[str, RolloutGroup]:
 
 def retrain(run_dir: Path, nats_url: str | None = None) -> dict:
     """Retrain the run in a temporary directory; what came out, against what the run published."""
-    steps = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines() if line.strip()]
+    steps = read_metrics(run_dir)
     if not steps:
         raise ValueError(f"{run_dir}/metrics.jsonl has no steps")
-    target = load_config(run_dir / "config.toml").run.id if nats_url else run_dir  # a live server, or the run's store
-    with run_broker(target, nats_url) as (url, run_id):
-        groups = asyncio.run(_groups(url, run_id))
     version, published = latest_weights(run_dir)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(run_dir / "config.toml", [f"run.dir={tmp}"])  # a fresh learner, not the run's checkpoint
+        with run_broker(cfg.run.id if nats_url else run_dir, nats_url) as (url, run_id):  # live, or the run's store
+            groups = asyncio.run(_groups(url, run_id))
         learner = Learner(cfg, Ranks(cfg.model.device))
         referee = Referee(load_task(cfg.task), learner.tokenizer, learner.vocab_size, cfg.sampling)
         for step in steps:

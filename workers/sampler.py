@@ -17,9 +17,9 @@ import structlog
 
 from echo.config import EchoConfig, SamplingConfig
 from echo.devices import dtype_name
-from echo.models import base_model_digest
 from echo.engines import Engine, make_engine
 from echo.learner import set_threads
+from echo.models import base_model_digest
 from echo.policy import WeightsMismatch
 from echo.protocol import Completion, Grant, GrantRequest, PullRequest, RolloutGroup, SamplerStatus, Schedule
 from echo.tasks import Task, load_task, safe_reward

@@ -12,6 +12,7 @@ import time
 import orjson
 import structlog
 
+from echo.checkpoint import read_metrics
 from echo.config import ConfigError, EchoConfig
 from echo.models import resolve_model
 from streams.secure import SERVER_CONF, SecureDir
@@ -53,7 +54,7 @@ def stop_processes(processes: list[subprocess.Popen], timeout: float = 20.0) -> 
 
 
 def summarize(metrics_path) -> dict:
-    lines = [orjson.loads(line) for line in metrics_path.read_bytes().splitlines() if line.strip()]
+    lines = read_metrics(metrics_path.parent)
     if not lines:
         return {"steps": 0}
     first, last = lines[0], lines[-1]
