@@ -53,13 +53,13 @@ ACTIVATION_FLEET = [FleetSampler("s1", 0.05, 1.0), FleetSampler("s2", 0.05, 1.0)
 ACTIVATION_TARGET = 0.8
 
 
-def fleet_config(run_dir: Path, run_id: str, steps: int, scheduler: bool, target: float):
+def fleet_config(run_dir: Path, run_id: str, steps: int, scheduler: bool, target: float, step_throttle_s: float):
     return validate_config({
         "run": {"id": run_id, "dir": str(run_dir), "steps": steps},
         "model": {"name": "tiny"},
         "lora": {"r": 4, "alpha": 8.0},
         "sampling": {"group_size": 4, "max_new_tokens": 8, "prompts_per_call": 2},
-        "trainer": {"groups_per_step": 4, "max_staleness": 1, "threads": 1},
+        "trainer": {"groups_per_step": 4, "max_staleness": 1, "threads": 1, "throttle_s": step_throttle_s},
         "sampler": {"threads": 1, "heartbeat_s": 0.5, "entry_ttl_s": 3},
         "scheduler": {"enabled": scheduler, "target_utilisation": target, "every_s": 1.0},
     })
@@ -74,11 +74,12 @@ async def _registry(url: str, run_id: str):
 
 
 def run_fleet(work_dir: Path, samplers: list[FleetSampler], steps: int, scheduler: bool = False,
-              target: float = 0.9, timeout: float = 240) -> dict:
-    """One run of a fleet: measured utilisation and cost per step, and the model's prediction."""
+              target: float = 0.9, step_throttle_s: float = 0.0, timeout: float = 240) -> dict:
+    """One run of a fleet: measured utilisation and cost per step, and the model's prediction.
+    `step_throttle_s` slows the learner (trainer.throttle_s)."""
     run_id = "fleet"
     work_dir.mkdir(parents=True, exist_ok=True)
-    cfg = fleet_config(work_dir / "runs", run_id, steps, scheduler, target)
+    cfg = fleet_config(work_dir / "runs", run_id, steps, scheduler, target, step_throttle_s)
     config_path = work_dir / "config.toml"
     config_path.write_text(cfg.to_toml())
     with NatsServer(work_dir / "nats") as server:

@@ -446,6 +446,7 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
             collected_at = time.perf_counter()
             batch = [(a.group, a.rewards) for a in collected.used]
             stats = await train_in_thread(learner, batch)
+            await asyncio.sleep(cfg.trainer.throttle_s)  # a slower learner, when asked
 
             groups = [a.group for a in collected.used]
             trained_at = time.perf_counter()
