@@ -25,11 +25,12 @@ class _Section(BaseModel):
 
 
 class RunConfig(_Section):
+    # Names the run's streams, buckets and directory; a trainer started again with it resumes.
     id: str = Field(default_factory=lambda: time.strftime("run-%Y%m%d-%H%M%S"), pattern=ID_PATTERN)
     dir: str = "runs"  # the run directory is <dir>/<id>
-    mode: Literal["async", "sequential"] = "async"
-    steps: int = Field(20, ge=1)
-    seed: int = 0
+    mode: Literal["async", "sequential"] = "async"  # sequential: the trainer asks, samplers refresh, then generate
+    steps: int = Field(20, ge=1)  # training steps (policy versions published) in the run
+    seed: int = 0  # the adapter's initialisation and the trainer's randomness: `replay --retrain` relies on it
     eval_prompts: int = Field(50, ge=0)  # `echo-rl up` scores base vs trained on this many held-out prompts
 
 
@@ -38,14 +39,15 @@ class ModelConfig(_Section):
     # This process's hardware (echo/devices.py): each process resolves "auto" on its own machine,
     # and an edge sampler ignores the trainer's choice (its command line's --set wins).
     device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on a GPU that has it, else fp32
 
 
 class LoraConfig(_Section):
     enabled: bool = True  # false: train and publish every parameter (full-weight mode)
-    r: int = Field(16, ge=1)
-    alpha: float = Field(32.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
+    r: int = Field(16, ge=1)  # the adapter's rank
+    alpha: float = Field(32.0, gt=0)  # its scale is alpha / r
+    dropout: float = Field(0.0, ge=0, lt=1)  # on the adapter's input, while training
+    # The layers the adapter wraps (Llama/Qwen2 names: attention and MLP projections).
     target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -56,33 +58,33 @@ class TaskConfig(_Section):
 
 class SamplingConfig(_Section):
     group_size: int = Field(8, ge=2)  # completions per prompt; GRPO needs at least two
-    max_new_tokens: int = Field(24, ge=1)
-    temperature: float = Field(0.7, gt=0)
+    max_new_tokens: int = Field(24, ge=1)  # a completion's length limit
+    temperature: float = Field(0.7, gt=0)  # of sampling (no top-p or top-k: the log-probs stay exact)
     prompts_per_call: int = Field(2, ge=1)  # groups generated in one engine call
 
 
 class TrainerConfig(_Section):
-    groups_per_step: int = Field(4, ge=1)
+    groups_per_step: int = Field(4, ge=1)  # B: groups (prompts x group_size completions) trained per step
     # Forward and backpropagate a group's completions in micro-batches of at most this many tokens
     # (the prompt once, plus each completion padded to the longest beside it); 0: a group at a time.
     # The same step in less memory: bench/micro_batches.py (a SmolLM2 group of 16 x 256 tokens
     # peaks at 14.4 GB whole, 4.1 GB at 1024).
     micro_batch_tokens: int = Field(4096, ge=0)
-    lr: float = Field(1e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    clip_eps: float = Field(0.2, gt=0)
-    kl_coef: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
+    lr: float = Field(1e-4, gt=0)  # AdamW's learning rate
+    weight_decay: float = Field(0.0, ge=0)  # AdamW's
+    clip_eps: float = Field(0.2, gt=0)  # PPO-style clipping of the policy ratio
+    kl_coef: float = Field(0.0, ge=0)  # KL penalty to the base model (the adapter switched off); 0: none
+    max_grad_norm: float = Field(1.0, gt=0)  # gradients clipped to this norm
     # Off-policy correction: truncated importance weights pi_old / mu, capped at is_cap;
     # "sequence" also leaves out whole sequences whose mean ratio is beyond the cap.
     is_level: Literal["token", "sequence"] = "token"
-    is_cap: float = Field(2.0, ge=1.0)
+    is_cap: float = Field(2.0, ge=1.0)  # the importance weights' cap
     max_staleness: int = Field(1, ge=0)  # async: drop rollouts older than version - max_staleness; sequential uses 0
     # A sampler holding leases is dead when its heartbeat has not changed for sampler_dead_after_s,
     # and stuck when it has delivered none of them for reissue_after_s: its leases, and only
     # those, are then handed out again.
     sampler_dead_after_s: float = Field(15.0, gt=0)
-    reissue_after_s: float = Field(300.0, gt=0)
+    reissue_after_s: float = Field(300.0, gt=0)  # stuck: leases held this long without a group delivered
     # Grant no work until this many samplers have asked (0: start with the first). `up` sets it to
     # the samplers it starts, so that one ready first does not take a short run's every group.
     min_samplers: int = Field(0, ge=0)
@@ -93,7 +95,7 @@ class TrainerConfig(_Section):
     verify_tolerance: float = Field(0.01, gt=0)  # between fp32 samplers and an fp32 trainer
     # Where either side computes in bf16/fp16: honest SmolLM2 groups measured up to 0.33 (README).
     verify_tolerance_16bit: float = Field(0.5, gt=0)
-    quarantine_after: int = Field(3, ge=0)
+    quarantine_after: int = Field(3, ge=0)  # offences tolerated before quarantine (0: none)
     keep_versions: int = Field(3, ge=1)  # versions kept in the weights bucket and run dir; older ones are deleted
     shard_mb: float = Field(64.0, gt=0)  # published weights are split into objects of about this size
     # What published weights are stored as (samplers cast on load): bf16 halves the bytes on the
@@ -110,13 +112,13 @@ class SamplerConfig(_Section):
     count: int = Field(2, ge=1)  # samplers `echo-rl up` starts
     # auto: vLLM where it is installed and a CUDA device is present, else transformers (echo/engines/).
     engine: Literal["auto", "hf", "vllm"] = "auto"
-    threads: int = Field(0, ge=0)
+    threads: int = Field(0, ge=0)  # torch threads; 0 leaves torch's default
     heartbeat_s: float = Field(5.0, gt=0)  # how often a sampler writes its status to the run's KV
     # Its own machine's, never taken from the trainer's config (echo/edge.py): what it costs per
     # hour (the scheduler's input, any currency), and a pause per group generated (a slower
     # machine, for tests and benchmarks of the scheduler).
     cost_per_hour: float = Field(0.0, ge=0)
-    throttle_s: float = Field(0.0, ge=0)
+    throttle_s: float = Field(0.0, ge=0)  # seconds of pause per group generated
     rate_window_s: float = Field(60.0, gt=0)  # the rates in its heartbeat cover its calls of this long
     entry_ttl_s: int = Field(30, ge=1)  # its registry entry expires this long after its last heartbeat
 
@@ -125,7 +127,7 @@ class SchedulerConfig(_Section):
     # ECHO-2's cost-aware activation (README, Scheduling): the trainer keeps on standby the samplers
     # that cheaper ones make unnecessary for `target_utilisation`. Off: every sampler takes work.
     enabled: bool = False
-    target_utilisation: float = Field(0.9, gt=0, le=1)
+    target_utilisation: float = Field(0.9, gt=0, le=1)  # the learner's busy share to reach at the lowest cost
     every_s: float = Field(5.0, gt=0)  # how often the trainer reads the registry
     drift: float = Field(0.25, ge=0)  # a sampler's measured rate moving by more than this fraction: choose again
 
@@ -138,15 +140,15 @@ class NatsConfig(_Section):
     # A secured broker (`echo-rl secure init`): this client's nkey seed file and the CA that
     # signed the server's certificate. Local to each machine: never sent to the broker.
     creds: str = ""
-    tls_ca: str = ""
+    tls_ca: str = ""  # the CA file, with creds
     # A sampler behind a secured relay: read weights from the relay at this URL, everything
     # else at `url` (the hub). Local to each machine too.
     weights_url: str = ""
     # What the trainer creates the run's streams and buckets with: copies of each on a cluster's
     # nodes (3 survives one node down), and the rollout history kept (0: all; the oldest go first).
     replicas: int = Field(1, ge=1, le=5)
-    rollouts_max_gb: float = Field(0.0, ge=0)
-    rollouts_max_age_h: float = Field(0.0, ge=0)
+    rollouts_max_gb: float = Field(0.0, ge=0)  # the rollout history's size limit (0: none)
+    rollouts_max_age_h: float = Field(0.0, ge=0)  # its age limit (0: none)
 
     def storage(self) -> Storage:
         return Storage(replicas=self.replicas, rollouts_max_bytes=int(self.rollouts_max_gb * 2**30) or -1,

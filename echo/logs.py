@@ -20,26 +20,56 @@ class _CurrentStderr:
         sys.stderr.flush()
 
 
-def configure_logging(json: bool = False, level: str = "info", **bind) -> None:
+# Who writes this process's lines: run, role, worker and the policy version it runs (trainer:
+# the version it publishes next; sampler: the one its engine runs). A module-level dict, not a
+# contextvar: one worker per process, and its threads and tasks started earlier see changes too.
+_process: dict = {}
+IDENTITY = ("run", "role", "worker", "version")
+
+
+def bind_process(**fields) -> None:
+    """Fields every later log line of this process carries."""
+    _process.update(fields)
+
+
+def _add_identity(logger, method, event_dict: dict) -> dict:
+    for key, value in _process.items():
+        event_dict.setdefault(key, value)
+    return event_dict
+
+
+def _identity_prefix(logger, method, event_dict: dict) -> dict:
+    """On a terminal the identity leads the line, short: `[sampler-s1 v3] event key=value`."""
+    fields = {key: event_dict.pop(key, None) for key in IDENTITY}
+    head = " ".join(str(v) for v in (fields["worker"] or fields["role"], fields["version"] is not None
+                                     and f"v{fields['version']}") if v)
+    if head:
+        event_dict["event"] = f"[{head}] {event_dict['event']}"
+    return event_dict
+
+
+def configure_logging(json: bool = False, level: str = "info", **identity) -> None:
+    """`identity`: run, role, worker (and version), on every line; bind_process changes them."""
     renderer = (
         structlog.processors.JSONRenderer()
         if json
         else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(), pad_event_to=0)
     )
+    _process.clear()
+    _process.update({k: v for k, v in identity.items() if v is not None})
     structlog.configure(
         processors=[
-            structlog.contextvars.merge_contextvars,
+            _add_identity,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="%H:%M:%S" if not json else "iso"),
             # A JSON line carries the traceback as text (the console renderer prints its own).
-            *([structlog.processors.format_exc_info] if json else []),
+            *([structlog.processors.format_exc_info] if json else [_identity_prefix]),
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
         logger_factory=structlog.WriteLoggerFactory(_CurrentStderr()),
         cache_logger_on_first_use=True,
     )
-    structlog.contextvars.bind_contextvars(**bind)
     # peft calls a transformers API that warns of its own deprecation on every model wrap.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     # transformers' download/conversion progress bars would drown the step lines.

@@ -46,3 +46,16 @@ def test_bad_toml_file_is_a_config_error(tmp_path):
 def test_override_without_equals_is_refused():
     with pytest.raises(ConfigError, match="section.key=value"):
         load_config(None, ["trainer.lr"])
+
+
+def test_the_config_reference_is_current_and_explains_every_key():
+    from pathlib import Path
+
+    from echo.config_reference import reference
+
+    text = reference()
+    assert (Path(__file__).parent.parent / "docs" / "config.md").read_text() == text, (
+        "docs/config.md is behind echo/config.py: .venv/bin/python -m echo.config_reference > docs/config.md")
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert len(rows) == sum(len(f.annotation.model_fields) for f in EchoConfig.model_fields.values())
+    assert not [row for row in rows if row.endswith("|  |")], "a key without a meaning: comment it in echo/config.py"

@@ -67,6 +67,8 @@ def test_the_single_file_sampler_joins_a_swarm_from_a_box_with_only_torch(tmp_pa
     ready = next(line for line in lines if line["event"] == "sampler.ready")
     assert (ready["engine"], ready["device"]) == ("hf", "cpu")
     assert lines[-1]["event"] == "sampler.stopped" and "Traceback" not in logs
+    assert all((line["run"], line["role"], line["worker"]) == (cfg.run.id, "sampler", "sampler-edge1") for line in lines)
+    assert lines[-1]["version"] >= 0  # the version its engine ran last
     last = asyncio.run(sampler_entry(nats_server.url, cfg.run.id, "edge1"))
     assert last.state == "draining" and last.groups_published > 0  # its last heartbeat, written on SIGTERM
     assert [p.name for p in (tmp_path / "unpacked").iterdir()] == [description["id"]]  # unpacked once, in place

@@ -1,12 +1,19 @@
 """`echo-rl replay`: filters over a finished run's stream, and `--retrain`, which trains again
 over exactly the groups each step consumed and must reproduce the published adapter bit for bit."""
 
+import asyncio
+import signal
 import subprocess
 import sys
+import time
 
 import orjson
 import pytest
 
+from echo.checkpoint import read_metrics
+from streams.client import open_run
+from streams.registry import read_statuses
+from tests.conftest import assert_balanced, tiny_config, wait_for_steps, worker_process
 from tests.test_e2e import run_swarm
 
 pytestmark = pytest.mark.slow
@@ -34,3 +41,52 @@ def test_replay_filters_and_a_retrain_reproduces_the_published_adapter_bit_for_b
     assert _replay(run_dir, "--rejected").stdout == ""  # an honest run: nothing malformed
     everything = _replay(run_dir, "--reward", "0:1", "--table").stdout.splitlines()
     assert len(everything) == len(stream) and all(" completions " in line for line in everything)
+
+
+async def _published(url: str, run_id: str, sampler_id: str) -> int:
+    run = await open_run(url, run_id, "test", create=False)
+    try:
+        return next((s.groups_published for s in await read_statuses(run) if s.sampler_id == sampler_id), 0)
+    finally:
+        await run.close()
+
+
+def test_a_retrain_reproduces_an_async_run_that_dropped_stale_groups(tmp_path, nats_server):
+    """A sampler frozen (SIGSTOP) while it holds leases goes silent; the trainer hands its leases
+    to the other and steps on; thawed, it delivers groups of an old version, which are dropped as
+    stale. The retrain trains on what each step used, in order, and matches the run bit for bit."""
+    cfg = tiny_config(tmp_path, run={"steps": 6}, nats={"url": nats_server.url},
+                      trainer={"max_staleness": 0, "sampler_dead_after_s": 2.0},
+                      sampler={"heartbeat_s": 0.5, "entry_ttl_s": 3})
+    config_path = tmp_path / "config.toml"
+    config_path.write_text(cfg.to_toml())
+    trainer = worker_process(config_path, "trainer")
+    # s2 pauses 1 s per group after generating it: it holds its leases for 2 s of each call.
+    slow = worker_process(config_path, "sampler", "--id", "s2", "--set", "sampler.throttle_s=1.0")
+    fast = None
+    try:
+        deadline = time.monotonic() + 120
+        while asyncio.run(_published(nats_server.url, cfg.run.id, "s2")) < 2:  # its first call is in
+            assert time.monotonic() < deadline and slow.poll() is None
+            time.sleep(0.1)
+        slow.send_signal(signal.SIGSTOP)  # within its second call: holding leases 3 and 4 of step 1
+        fast = worker_process(config_path, "sampler", "--id", "s1")
+        wait_for_steps(cfg.run_dir, 3, [trainer, fast])
+        slow.send_signal(signal.SIGCONT)  # its groups of version 0 arrive at version 3 or later
+        logs = trainer.communicate(timeout=180)[1]
+        assert trainer.returncode == 0, logs[-3000:]
+    finally:
+        for p in (trainer, slow, fast):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=60)
+    metrics = read_metrics(cfg.run_dir)
+    dropped = [g for m in metrics for g in m["dropped_groups"]]
+    assert len(dropped) >= 2 and sum(m["dropped_stale"] for m in metrics) == len(dropped), metrics
+    assert_balanced(metrics)
+
+    done = subprocess.run([sys.executable, "-m", "workers.cli", "replay", "--run", str(cfg.run_dir), "--retrain",
+                           "--nats", nats_server.url], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    assert orjson.loads(done.stdout) == {"steps": 6, "version": 6, "published_version": 6, "identical": True}

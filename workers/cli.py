@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from echo.config import ConfigError, EchoConfig, apply_override, format_errors, load_config, validate_config
 from echo.edge import check_config_from_broker, drop_this_box_fields
-from echo.logs import configure_logging
+from echo.logs import bind_process, configure_logging
 from echo.protocol import CONFIG_KEY, HUB_DOMAIN, check_id
 from echo.tasks import load_task
 from streams.secure import credentials_of
@@ -402,21 +402,21 @@ def main(argv: list[str] | None = None) -> int:
             from workers.evaluate import evaluate_run
 
             run_dir = run_directory(args.run, "config.toml")  # checked before logging is set up
-            configure_logging(args.log_json, worker="eval")
+            configure_logging(args.log_json, run=run_dir.name, role="eval", worker="eval")
             print(orjson.dumps(evaluate_run(run_dir, args.prompts, args.set), option=orjson.OPT_INDENT_2).decode())
             return 0
         if args.command == "report":
             from workers.report import write_report
 
             run_dir = run_directory(args.run, "metrics.jsonl")
-            configure_logging(args.log_json)
+            configure_logging(args.log_json, run=run_dir.name, role="report", worker="report")
             print(write_report(run_dir))
             return 0
         if args.command == "replay":
             from streams.replay import Keep, replay
 
             run = args.run if args.nats else run_directory(args.run, "nats")
-            configure_logging(args.log_json)
+            configure_logging(args.log_json, run=Path(args.run).name, role="replay", worker="replay")
             if args.retrain:
                 from workers.retrain import retrain
 
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_until_signal(status_command(args, url, run_id))
         if args.command == "relay":
             cfg = relay_config_from_args(args)
-            configure_logging(args.log_json, worker=f"relay-{cfg.domain}")
+            configure_logging(args.log_json, run=cfg.run_id, role="relay", worker=f"relay-{cfg.domain}")
             from workers.relay import run_relay
 
             return run_until_signal(run_relay(cfg))
@@ -447,11 +447,13 @@ def main(argv: list[str] | None = None) -> int:
                 check_id("sampler id", args.id)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-            configure_logging(args.log_json, worker=f"sampler-{args.id}")  # before reaching the broker
+            # Before reaching the broker; the run id of a --config is known once it is read.
+            configure_logging(args.log_json, run=args.run_id, role="sampler", worker=f"sampler-{args.id}")
             if args.config is None:
                 cfg = asyncio.run(sampler_config_from_run(args))
             else:
                 cfg = config_from_args(args)
+            bind_process(run=cfg.run.id)
             check_hardware(cfg, sampler=True)
             from workers.sampler import run_sampler
 
@@ -463,13 +465,14 @@ def main(argv: list[str] | None = None) -> int:
             from workers.trainer_ranks import Ranks, follow_rank_0
 
             ranks = Ranks(cfg.model.device)  # rank 0 of 1, unless started by torchrun
-            configure_logging(args.log_json, worker="trainer" if ranks.rank == 0 else f"trainer-rank{ranks.rank}")
+            configure_logging(args.log_json, run=cfg.run.id, role="trainer",
+                              worker="trainer" if ranks.rank == 0 else f"trainer-rank{ranks.rank}")
             if ranks.rank > 0:
                 return follow_rank_0(cfg, ranks)  # no signal handling: torchrun's SIGTERM ends it
             from workers.trainer import run_trainer
 
             return run_until_signal(run_trainer(cfg, ranks))
-        configure_logging(args.log_json, worker="up")
+        configure_logging(args.log_json, run=cfg.run.id, role="up", worker="up")
         from workers.swarm import up
 
         return up(cfg, args.log_json, relay=args.relay, secure=args.secure, cluster=args.cluster,

@@ -19,6 +19,7 @@ from echo.config import EchoConfig, SamplingConfig
 from echo.devices import dtype_name
 from echo.engines import Engine, make_engine
 from echo.learner import set_threads
+from echo.logs import bind_process
 from echo.models import base_model_digest
 from echo.policy import WeightsMismatch
 from echo.protocol import Completion, Grant, GrantRequest, PullRequest, RolloutGroup, SamplerStatus, Schedule
@@ -77,6 +78,7 @@ class Sampler:
             log.warning("weights.refused", version=announcement.version, reason=str(e))
             return
         self.order = announcement.order
+        bind_process(version=self.version)
         fetched = self.weights.fetch_s.get(announcement.order, 0.0)
         self.syncs = dict(list(self.syncs.items())[-SYNCS_KEPT + 1:])
         self.syncs[str(announcement.version)] = round(fetched + time.perf_counter() - started, 4)

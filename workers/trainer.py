@@ -26,6 +26,7 @@ from echo.admission import GrantLedger, Heartbeats, allowance, sampler_cap
 from echo.checkpoint import TrainerState, append_trained_content, load_trained_content
 from echo.config import EchoConfig
 from echo.consumed import ConsumedSeqs
+from echo.logs import bind_process
 from echo.protocol import (
     CONFIG_KEY,
     AdmissionBudget,
@@ -434,6 +435,7 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
 
     # (Re)publish the current version: a fresh run's version 0, or the checkpoint's.
     await publish_policy(run, cfg, learner, state.version)
+    bind_process(version=state.version)
     await orders.start()
     log.info("trainer.ready", run=cfg.run.id, mode=cfg.run.mode, model=cfg.model.name, step=state.step,
              version=state.version, steps=cfg.run.steps, ranks=learner.ranks.world)
@@ -484,6 +486,7 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
             await asyncio.to_thread(learner.save, state)
             lease.check()  # a trainer fenced out by another must not publish over it
             publish_seconds = await publish_policy(run, cfg, learner, state.version)
+            bind_process(version=state.version)
             unconfirmed = await collector.ack_held()  # only now: the step that consumed them is checkpointed
 
             accounting = await until_done(
