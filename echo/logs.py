@@ -1,8 +1,10 @@
-"""structlog set-up: readable lines on a terminal, one JSON object per line with --log-json."""
+"""structlog set-up: readable lines on a terminal, one JSON object per line with --log-json;
+and a progress line for long operations, on a terminal only."""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import warnings
 
@@ -14,6 +16,7 @@ class _CurrentStderr:
     captured stream is closed after it; a worker's is the same throughout)."""
 
     def write(self, text: str) -> int:
+        Progress.end_line()  # a log line never lands on the end of a progress line
         return sys.stderr.write(text)
 
     def flush(self) -> None:
@@ -48,8 +51,48 @@ def _identity_prefix(logger, method, event_dict: dict) -> dict:
     return event_dict
 
 
-def configure_logging(json: bool = False, level: str = "info", **identity) -> None:
-    """`identity`: run, role, worker (and version), on every line; bind_process changes them."""
+class Progress:
+    """`label: done/total unit (pct)`, rewritten in place on a terminal as work advances; nothing
+    in JSON mode, to a pipe, or in a worker of `echo-rl up` (ECHO_PROGRESS=0: the swarm's
+    processes share one terminal). Callers advance it in coarse steps (a batch, a shard)."""
+
+    enabled = False  # configure_logging decides
+    _open = False  # a progress line is on the terminal without its newline
+
+    def __init__(self, label: str, total: float, unit: str = "", show: bool = True):
+        self.label, self.total, self.unit, self.done, self.show = label, total, unit, 0.0, show
+        self._draw()
+
+    def advance(self, amount: float = 1) -> None:
+        self.done += amount
+        self._draw()
+
+    def _draw(self) -> None:
+        if not (Progress.enabled and self.show):
+            return
+        share = self.done / self.total if self.total else 1.0
+        sys.stderr.write(f"\r{self.label}: {self.done:g}/{self.total:g}{self.unit} ({share:.0%})")
+        Progress._open = True
+        if self.done >= self.total:
+            Progress.end_line()
+        sys.stderr.flush()
+
+    @staticmethod
+    def end_line() -> None:
+        if Progress._open:
+            Progress._open = False
+            sys.stderr.write("\n")
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        Progress.end_line()
+
+
+def configure_logging(json: bool = False, level: str = "info", progress: bool | None = None, **identity) -> None:
+    """`identity`: run, role, worker (and version), on every line; bind_process changes them.
+    `progress`: draw progress lines (None: on a terminal, unless JSON or ECHO_PROGRESS=0)."""
     renderer = (
         structlog.processors.JSONRenderer()
         if json
@@ -72,8 +115,11 @@ def configure_logging(json: bool = False, level: str = "info", **identity) -> No
     )
     # peft calls a transformers API that warns of its own deprecation on every model wrap.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    # transformers' download/conversion progress bars would drown the step lines.
+    if progress is None:
+        progress = not json and sys.stderr.isatty() and os.environ.get("ECHO_PROGRESS") != "0"
+    Progress.enabled = progress
+    # transformers' progress bars (loading, converting SmolLM2's GGUF) follow the same rule.
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+    hf_logging.enable_progress_bar() if progress else hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()

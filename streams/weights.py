@@ -15,6 +15,7 @@ from typing import Literal
 import structlog
 from nats.js.errors import NotFoundError
 
+from echo.logs import Progress
 from echo.protocol import OBJ_HDR_EPOCH, OBJ_HDR_VERSION, WeightsAnnouncement, WeightsShard, encode, weights_object_name
 from streams.client import BROKER_ERRORS, LatestValue, Run, publish_once
 from streams.lease import current_epoch
@@ -24,6 +25,7 @@ log = structlog.get_logger()
 
 OBJECT_WAIT_S = 30.0  # how long an announced object may take to reach this server before it counts as missing
 NOT_YET_MIRRORED_S = 0.05  # how often to look for it meanwhile
+LARGE_MB = 64  # a fetch this large shows its progress on a terminal (full weights; an adapter is quick)
 RETRY_FIRST_S, RETRY_MAX_S = 0.25, 15.0  # backoff between fetches of the newest version that failed
 
 
@@ -79,8 +81,14 @@ async def delete_versions_before(run: Run, oldest_kept: int) -> None:
 async def fetch_weights(run: Run, announcement: WeightsAnnouncement) -> list[bytearray]:
     """The announced shards' bytes, each checked against the announcement's size and digest as
     well as the object's own info; TransferError (not found, truncated, mismatch) otherwise."""
-    return [await get_object(run.local_js, run.names.weights_bucket, shard.object_name, shard.sha256, shard.size)
-            for shard in announcement.shards]
+    shards = []
+    total_mb = sum(s.size for s in announcement.shards) / 2**20
+    with Progress(f"weights v{announcement.version}", round(total_mb), " MiB", show=total_mb >= LARGE_MB) as progress:
+        for shard in announcement.shards:
+            shards.append(await get_object(run.local_js, run.names.weights_bucket, shard.object_name, shard.sha256,
+                                           shard.size))
+            progress.advance(round(shard.size / 2**20))
+    return shards
 
 
 class WeightsFollower:

@@ -27,3 +27,20 @@ def test_a_terminal_line_leads_with_the_worker_and_version(capsys):
     structlog.get_logger().info("trainer.ready", steps=20)
     line = capsys.readouterr().err
     assert "[trainer v4] trainer.ready" in line and "steps=20" in line and "run=" not in line
+
+
+def test_progress_is_drawn_on_a_terminal_never_across_a_log_line_and_not_in_json(capsys):
+    from echo.logs import Progress
+
+    configure_logging(run="r1", role="eval", worker="eval", progress=True)
+    with Progress("held-out", 4, " prompts") as progress:
+        progress.advance(2)
+        structlog.get_logger().info("eval.note")
+        progress.advance(2)
+    err = capsys.readouterr().err
+    assert "\rheld-out: 2/4 prompts (50%)\n" in err  # the log line starts on a line of its own
+    assert err.endswith("\rheld-out: 4/4 prompts (100%)\n")
+    configure_logging(json=True)
+    with Progress("held-out", 4, " prompts") as progress:
+        progress.advance(4)
+    assert capsys.readouterr().err == ""

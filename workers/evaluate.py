@@ -10,16 +10,19 @@ import orjson
 from echo.checkpoint import latest_weights
 from echo.config import EchoConfig
 from echo.engines import make_engine
+from echo.logs import Progress
 from echo.tasks import load_task
 
 
 def held_out_score(engine, task, prompts, batch: int = 8) -> tuple[float, float]:
     """(mean reward, share correct) of the engine's current weights, greedy, on `prompts`."""
     scores = []
-    for start in range(0, len(prompts), batch):
-        chunk = prompts[start : start + batch]
-        outputs = engine.generate([engine.encode_chat(p.messages) for p in chunk], 1, greedy=True)
-        scores += [task.score(out[0].text, p) for out, p in zip(outputs, chunk)]
+    with Progress("held-out", len(prompts), " prompts") as progress:
+        for start in range(0, len(prompts), batch):
+            chunk = prompts[start : start + batch]
+            outputs = engine.generate([engine.encode_chat(p.messages) for p in chunk], 1, greedy=True)
+            scores += [task.score(out[0].text, p) for out, p in zip(outputs, chunk)]
+            progress.advance(len(chunk))
     return sum(s.reward for s in scores) / len(scores), sum(s.correct for s in scores) / len(scores)
 
 

@@ -33,7 +33,9 @@ def worker_command(args: list[str], ranks: int = 1) -> list[str]:
 
 def _spawn(args: list[str], log_json: bool, ranks: int = 1, threads: int = 1) -> subprocess.Popen:
     cmd = worker_command(args + (["--log-json"] if log_json else []), ranks)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if ranks > 1 else None  # else torchrun sets 1, loudly
+    env = {**os.environ, "ECHO_PROGRESS": "0"}  # the swarm shares one terminal: no progress lines redrawn in it
+    if ranks > 1:
+        env["OMP_NUM_THREADS"] = str(threads)  # else torchrun sets 1, loudly
     # Own session: Ctrl-C reaches only this launcher, which then stops the children in order.
     return subprocess.Popen(cmd, start_new_session=True, env=env)
 
