@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from nats.js.errors import KeyNotFoundError
 
-from echo.protocol import LEARNER_KEY, SAMPLER_STATUS_PREFIX, LearnerStatus, SamplerStatus, decode, encode
+from echo.protocol import (LEARNER_KEY, SAMPLER_STATUS_PREFIX, LearnerStatus, ProtocolError, SamplerStatus, decode,
+                           encode)
 from streams.client import Run, put_expiring
 
 
@@ -46,9 +47,14 @@ async def read_statuses(run: Run) -> list[SamplerStatus]:
     return statuses
 
 
-async def heartbeat_revision(run: Run, sampler_id: str) -> int:
-    """The revision of the sampler's heartbeat key (0: none yet): it changes with every beat."""
+async def heartbeat(run: Run, sampler_id: str) -> tuple[int, SamplerStatus | None]:
+    """The revision of the sampler's heartbeat key (0: none yet; it changes with every beat) and
+    what it says (None: none yet, or unreadable)."""
     try:
-        return (await run.state.get(SAMPLER_STATUS_PREFIX + sampler_id)).revision
+        entry = await run.state.get(SAMPLER_STATUS_PREFIX + sampler_id)
     except KeyNotFoundError:
-        return 0
+        return 0, None
+    try:
+        return entry.revision, decode(SamplerStatus, entry.value)
+    except ProtocolError:
+        return entry.revision, None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import time
@@ -11,6 +12,8 @@ import pytest
 from echo.checkpoint import read_metrics
 from echo.config import EchoConfig, validate_config
 from echo.models import base_model_digest
+from streams.client import open_run
+from streams.registry import read_statuses
 from streams.server import NatsServer
 from workers.swarm import worker_command
 
@@ -92,3 +95,21 @@ def wait_for_steps(run_dir, steps: int, processes: list[subprocess.Popen], timeo
             assert p.poll() is None, p.stderr.read()[-3000:]
         assert time.monotonic() < deadline, f"fewer than {steps} steps in {timeout} s"
         time.sleep(0.05)
+
+
+async def _published(url: str, run_id: str, sampler_id: str) -> int:
+    run = await open_run(url, run_id, "test", create=False)
+    try:
+        return next((s.groups_published for s in await read_statuses(run) if s.sampler_id == sampler_id), 0)
+    finally:
+        await run.close()
+
+
+def wait_until_published(url: str, run_id: str, sampler_id: str, groups: int, process: subprocess.Popen,
+                         timeout: float = 120) -> None:
+    """Until the sampler's heartbeat says it has published `groups`, while its process runs."""
+    deadline = time.monotonic() + timeout
+    while asyncio.run(_published(url, run_id, sampler_id)) < groups:
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, f"{sampler_id} published fewer than {groups} groups in {timeout} s"
+        time.sleep(0.1)

@@ -1,19 +1,15 @@
 """`echo-rl replay`: filters over a finished run's stream, and `--retrain`, which trains again
 over exactly the groups each step consumed and must reproduce the published adapter bit for bit."""
 
-import asyncio
 import signal
 import subprocess
 import sys
-import time
 
 import orjson
 import pytest
 
 from echo.checkpoint import read_metrics
-from streams.client import open_run
-from streams.registry import read_statuses
-from tests.conftest import assert_balanced, tiny_config, wait_for_steps, worker_process
+from tests.conftest import assert_balanced, tiny_config, wait_for_steps, wait_until_published, worker_process
 from tests.test_e2e import run_swarm
 
 pytestmark = pytest.mark.slow
@@ -43,14 +39,6 @@ def test_replay_filters_and_a_retrain_reproduces_the_published_adapter_bit_for_b
     assert len(everything) == len(stream) and all(" completions " in line for line in everything)
 
 
-async def _published(url: str, run_id: str, sampler_id: str) -> int:
-    run = await open_run(url, run_id, "test", create=False)
-    try:
-        return next((s.groups_published for s in await read_statuses(run) if s.sampler_id == sampler_id), 0)
-    finally:
-        await run.close()
-
-
 def test_a_retrain_reproduces_an_async_run_that_dropped_stale_groups(tmp_path, nats_server):
     """A sampler frozen (SIGSTOP) while it holds leases goes silent; the trainer hands its leases
     to the other and steps on; thawed, it delivers groups of an old version, which are dropped as
@@ -65,10 +53,7 @@ def test_a_retrain_reproduces_an_async_run_that_dropped_stale_groups(tmp_path, n
     slow = worker_process(config_path, "sampler", "--id", "s2", "--set", "sampler.throttle_s=1.0")
     fast = None
     try:
-        deadline = time.monotonic() + 120
-        while asyncio.run(_published(nats_server.url, cfg.run.id, "s2")) < 2:  # its first call is in
-            assert time.monotonic() < deadline and slow.poll() is None
-            time.sleep(0.1)
+        wait_until_published(nats_server.url, cfg.run.id, "s2", 2, slow)  # its first call is in
         slow.send_signal(signal.SIGSTOP)  # within its second call: holding leases 3 and 4 of step 1
         fast = worker_process(config_path, "sampler", "--id", "s1")
         wait_for_steps(cfg.run_dir, 3, [trainer, fast])

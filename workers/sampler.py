@@ -179,15 +179,18 @@ class Sampler:
             log.warning("sampler.quarantined", sampler=self.sampler_id, lift="echo-rl quarantine lift")
         await put_status(self.run, self.status())
 
-    async def heartbeat(self) -> None:
+    async def try_beat(self) -> None:
         """A beat the broker misses (restarting, unreachable) is logged and the next one tried;
         any other error ends the sampler, whose process then exits non-zero."""
+        try:
+            await self.beat()
+        except BROKER_ERRORS as e:
+            log.warning("sampler.heartbeat_failed", reason=repr(e))
+
+    async def heartbeat(self) -> None:
         while True:
-            try:
-                await self.beat()
-            except BROKER_ERRORS as e:
-                log.warning("sampler.heartbeat_failed", reason=repr(e))
             await asyncio.sleep(self.cfg.sampler.heartbeat_s)
+            await self.try_beat()
 
     def follow_schedule(self, schedule: Schedule) -> None:
         standby = self.sampler_id in schedule.standby
@@ -205,6 +208,9 @@ class Sampler:
         self.relay = await weights_relay(self.run, self.cfg.nats.hub_domain)
         log.info("sampler.ready", sampler=self.sampler_id, mode=self.cfg.run.mode, engine=self.engine.name,
                  device=str(self.engine.device), dtype=dtype_name(self.engine.dtype), relay=self.relay or None)
+        # Registered before it asks for work: the trainer releases at once the leases of a sampler
+        # whose entry says "draining", which a previous run of this id may have left.
+        await self.try_beat()
         try:
             async with Background() as background:
                 background.start(self.heartbeat())

@@ -44,7 +44,7 @@ from echo.referee import Referee, content_hash
 from echo.staleness import Verdict, judge
 from echo.tasks import load_task
 from streams.admission import leases_granted, publish_budget, record_leases_granted
-from streams.registry import heartbeat_revision, put_learner
+from streams.registry import heartbeat, put_learner
 from streams.client import BROKER_ERRORS, Run, open_run, until_done
 from streams.grants import serve_grants
 from streams.lease import Lease, take_lease
@@ -285,16 +285,19 @@ class Orders:
         await self.publish(self.cfg.trainer.groups_per_step)
 
     async def on_wait(self, missing: int) -> None:
-        """Waiting for groups: release the leases of dead or stalled holders, then hand out
-        again whatever was lost."""
+        """Waiting for groups: release the leases of stopped, dead or stalled holders, then hand
+        out again whatever was lost."""
         now = time.monotonic()
         for sampler_id in sorted(self.ledger.holders()):
-            self.heartbeats.observe(sampler_id, await heartbeat_revision(self.run, sampler_id), now)
+            revision, status = await heartbeat(self.run, sampler_id)
+            self.heartbeats.observe(sampler_id, revision, now)
+            stopped = status is not None and status.state == "draining"  # its last heartbeat: it abandoned them
             silent_s = self.heartbeats.silent_for(sampler_id, now)
             stalled_s = now - self.ledger.progress_at[sampler_id]
-            if silent_s > self.cfg.trainer.sampler_dead_after_s or stalled_s > self.cfg.trainer.reissue_after_s:
+            dead = silent_s > self.cfg.trainer.sampler_dead_after_s or stalled_s > self.cfg.trainer.reissue_after_s
+            if stopped or dead:
                 leases = self.ledger.release(sampler_id)
-                log.warning("orders.leases_released", sampler=sampler_id, leases=len(leases),
+                log.warning("orders.leases_released", sampler=sampler_id, leases=len(leases), stopped=stopped,
                             silent_s=round(silent_s, 1), stalled_s=round(stalled_s, 1))
         lost = self.ledger.take_lost()
         if lost:
