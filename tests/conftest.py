@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 import time
@@ -113,3 +114,27 @@ def wait_until_published(url: str, run_id: str, sampler_id: str, groups: int, pr
         assert process.poll() is None, process.stderr.read()[-3000:]
         assert time.monotonic() < deadline, f"{sampler_id} published fewer than {groups} groups in {timeout} s"
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def a_sampler_holding_leases(tmp_path, url: str, steps: int, dead_after_s: float):
+    """A trainer (max_staleness 0) and a sampler s2 that pauses 1 s per group after generating it,
+    so that it holds its leases for 2 s of each call. Yields (cfg, config_path, processes) once
+    s2's first call is in: it then holds leases 3 and 4 of step 1. On exit, every process of
+    `processes` (the test may add its own) still running is resumed and stopped."""
+    cfg = tiny_config(tmp_path, run={"steps": steps}, nats={"url": url},
+                      trainer={"max_staleness": 0, "sampler_dead_after_s": dead_after_s},
+                      sampler={"heartbeat_s": 0.5, "entry_ttl_s": 3})
+    config_path = tmp_path / "config.toml"
+    config_path.write_text(cfg.to_toml())
+    processes = [worker_process(config_path, "trainer"),
+                 worker_process(config_path, "sampler", "--id", "s2", "--set", "sampler.throttle_s=1.0")]
+    try:
+        wait_until_published(url, cfg.run.id, "s2", 2, processes[1])
+        yield cfg, config_path, processes
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=60)

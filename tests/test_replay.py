@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from echo.checkpoint import read_metrics
-from tests.conftest import assert_balanced, tiny_config, wait_for_steps, wait_until_published, worker_process
+from tests.conftest import a_sampler_holding_leases, assert_balanced, wait_for_steps, worker_process
 from tests.test_e2e import run_swarm
 
 pytestmark = pytest.mark.slow
@@ -43,29 +43,14 @@ def test_a_retrain_reproduces_an_async_run_that_dropped_stale_groups(tmp_path, n
     """A sampler frozen (SIGSTOP) while it holds leases goes silent; the trainer hands its leases
     to the other and steps on; thawed, it delivers groups of an old version, which are dropped as
     stale. The retrain trains on what each step used, in order, and matches the run bit for bit."""
-    cfg = tiny_config(tmp_path, run={"steps": 6}, nats={"url": nats_server.url},
-                      trainer={"max_staleness": 0, "sampler_dead_after_s": 2.0},
-                      sampler={"heartbeat_s": 0.5, "entry_ttl_s": 3})
-    config_path = tmp_path / "config.toml"
-    config_path.write_text(cfg.to_toml())
-    trainer = worker_process(config_path, "trainer")
-    # s2 pauses 1 s per group after generating it: it holds its leases for 2 s of each call.
-    slow = worker_process(config_path, "sampler", "--id", "s2", "--set", "sampler.throttle_s=1.0")
-    fast = None
-    try:
-        wait_until_published(nats_server.url, cfg.run.id, "s2", 2, slow)  # its first call is in
-        slow.send_signal(signal.SIGSTOP)  # within its second call: holding leases 3 and 4 of step 1
-        fast = worker_process(config_path, "sampler", "--id", "s1")
+    with a_sampler_holding_leases(tmp_path, nats_server.url, 6, dead_after_s=2.0) as (cfg, config_path, processes):
+        trainer, slow = processes
+        slow.send_signal(signal.SIGSTOP)  # holding leases 3 and 4 of step 1
+        processes.append(fast := worker_process(config_path, "sampler", "--id", "s1"))
         wait_for_steps(cfg.run_dir, 3, [trainer, fast])
         slow.send_signal(signal.SIGCONT)  # its groups of version 0 arrive at version 3 or later
         logs = trainer.communicate(timeout=180)[1]
         assert trainer.returncode == 0, logs[-3000:]
-    finally:
-        for p in (trainer, slow, fast):
-            if p is not None and p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.send_signal(signal.SIGTERM)
-                p.wait(timeout=60)
     metrics = read_metrics(cfg.run_dir)
     dropped = [g for m in metrics for g in m["dropped_groups"]]
     assert len(dropped) >= 2 and sum(m["dropped_stale"] for m in metrics) == len(dropped), metrics

@@ -16,7 +16,7 @@ from streams.client import open_run
 from streams.lease import take_lease
 from streams.registry import read_statuses
 from streams.weights import publish_weights
-from tests.conftest import TINY_BASE, tiny_config, wait_until_published, worker_process
+from tests.conftest import TINY_BASE, a_sampler_holding_leases, tiny_config, worker_process
 from tests.test_streams import _adapter_for_version
 
 pytestmark = pytest.mark.slow
@@ -122,26 +122,12 @@ def test_a_sampler_killed_mid_fetch_restarts_and_loads_the_latest_version(nats_s
 def test_a_sampler_stopped_while_holding_leases_hands_them_back_at_once(nats_server, tmp_path):
     """SIGTERM abandons the call in flight; the sampler's last heartbeat says `draining`, and the
     trainer hands its leases to another at once, not after sampler_dead_after_s (a minute here)."""
-    cfg = tiny_config(tmp_path, run={"steps": 3}, nats={"url": nats_server.url},
-                      trainer={"max_staleness": 0, "sampler_dead_after_s": 60.0},
-                      sampler={"heartbeat_s": 0.5, "entry_ttl_s": 3})
-    config_path = tmp_path / "config.toml"
-    config_path.write_text(cfg.to_toml())
-    trainer = worker_process(config_path, "trainer")
-    # s2 pauses 1 s per group after generating it: it holds its leases for 2 s of each call.
-    slow = worker_process(config_path, "sampler", "--id", "s2", "--set", "sampler.throttle_s=1.0")
-    fast = None
-    try:
-        wait_until_published(nats_server.url, cfg.run.id, "s2", 2, slow)
-        slow.send_signal(signal.SIGTERM)  # within its second call: holding leases 3 and 4 of step 1
+    with a_sampler_holding_leases(tmp_path, nats_server.url, 3, dead_after_s=60.0) as (cfg, config_path, processes):
+        trainer, slow = processes
+        slow.send_signal(signal.SIGTERM)  # holding leases 3 and 4 of step 1
         assert slow.wait(timeout=30) == 0
-        fast = worker_process(config_path, "sampler", "--id", "s1")
+        processes.append(worker_process(config_path, "sampler", "--id", "s1"))
         logs = trainer.communicate(timeout=45)[1]  # well before s2 could be declared dead
         assert trainer.returncode == 0, logs[-3000:]
-    finally:
-        for p in (trainer, slow, fast):
-            if p is not None and p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                p.wait(timeout=60)
     released = [orjson.loads(line) for line in logs.splitlines() if '"orders.leases_released"' in line]
     assert [(r["sampler"], r["stopped"], r["leases"]) for r in released] == [("s2", True, 2)], released
