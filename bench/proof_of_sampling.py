@@ -20,6 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import orjson
 import torch
 
@@ -59,7 +60,7 @@ def honest_groups(engine: HFEngine, task, count: int, group_size: int, prompts_p
 
 
 def forged(group: RolloutGroup, shift: float) -> RolloutGroup:
-    completions = [c.model_copy(update={"logprobs": [min(0.0, x - shift) for x in c.logprobs]}) for c in group.completions]
+    completions = [c.replaced(logprobs=np.minimum(c.logprobs - shift, 0.0)) for c in group.completions]
     return group.model_copy(update={"completions": completions, "sampler_id": f"forger{shift}"})
 
 

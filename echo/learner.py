@@ -7,6 +7,7 @@ import threading
 import time
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from echo.algorithms.grpo import ImportanceStats, LossStats, grpo_loss, group_advantages, importance_weights
@@ -154,7 +155,7 @@ def _pass(policy, cfg: EchoConfig, pad_id: int, device, compute_dtype, group: Ro
     behaviour = torch.zeros(logprobs.shape)
     for i, row in enumerate(rows):
         claimed = group.completions[row].logprobs
-        behaviour[i, : len(claimed)] = torch.tensor(claimed)
+        behaviour[i, : len(claimed)] = torch.tensor(np.asarray(claimed))
     old_logprobs = logprobs.detach()
     weights, is_stats = importance_weights(old_logprobs, behaviour.to(device), mask, tcfg.is_cap, tcfg.is_level)
     loss, loss_stats = grpo_loss(logprobs, old_logprobs, advantages, mask, tcfg.clip_eps, normalizer, weights,
@@ -163,8 +164,7 @@ def _pass(policy, cfg: EchoConfig, pad_id: int, device, compute_dtype, group: Ro
     return PassStats(int(mask.sum()), len(rows), loss.item(), loss_stats, is_stats, float(entropy[mask].mean()))
 
 
-def _forward(policy, cfg: EchoConfig, pad_id: int, device, compute_dtype, prompt: list[int],
-             completions: list[list[int]]):
+def _forward(policy, cfg: EchoConfig, pad_id: int, device, compute_dtype, prompt, completions: list):
     """Log-probs, mask and entropy of completions, and the reference's log-probs (KL on). Every
     pass calls the model alike (a reference forward with KL on; at least two completion
     positions, so a prompt call and a completion call): see rank_passes."""

@@ -8,6 +8,7 @@ import json
 import struct
 from collections.abc import Iterator
 
+import numpy as np
 import safetensors.torch
 import torch
 from peft import LoraConfig as PeftLoraConfig
@@ -150,11 +151,11 @@ def check_tensors(expected: dict[str, torch.Size], incoming: dict[str, torch.Ten
             raise WeightsMismatch(f"{key}: shape {tuple(tensor.shape)}, model has {tuple(expected[key])}")
 
 
-def group_logprobs(model, prompt_ids: list[int], completions: list[list[int]], temperature: float, pad_id: int,
+def group_logprobs(model, prompt_ids, completions: list, temperature: float, pad_id: int,
                    min_length: int = 1):
-    """Per-token log-probs [G, C] of a group's completions (right-padded to at least
-    `min_length`), their mask [G, C], and the sampling distribution's entropy at each position
-    [G, C] (no gradient).
+    """Per-token log-probs [G, C] of a group's completions (arrays or lists of token ids;
+    right-padded to at least `min_length`), their mask [G, C], and the sampling distribution's
+    entropy at each position [G, C] (no gradient).
 
     The prompt is shared by the whole group, so it goes through the model once; its key/value
     cache is repeated for each completion. Gradients flow through the cache into the prompt's
@@ -166,10 +167,11 @@ def group_logprobs(model, prompt_ids: list[int], completions: list[list[int]], t
     ids = torch.full((group, length), pad_id, dtype=torch.long)
     mask = torch.zeros((group, length), dtype=torch.bool)
     for i, completion in enumerate(completions):
-        ids[i, : len(completion)] = torch.tensor(completion)
+        ids[i, : len(completion)] = torch.from_numpy(np.asarray(completion, dtype=np.int64))
         mask[i, : len(completion)] = True
     ids, mask = ids.to(device), mask.to(device)
-    prompt = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True, logits_to_keep=1)
+    prompt_ids = torch.from_numpy(np.asarray(prompt_ids, dtype=np.int64))[None].to(device)
+    prompt = model(input_ids=prompt_ids, use_cache=True, logits_to_keep=1)
     cache = prompt.past_key_values
     cache.batch_repeat_interleave(group)
     # Completion token t is predicted at position t - 1: the first by the prompt's last position.

@@ -10,10 +10,8 @@ from __future__ import annotations
 import math
 import re
 import struct
-import sys
-from array import array
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 import numpy as np
 import orjson
@@ -26,7 +24,7 @@ from nats.js.api import (
     StreamConfig,
     StreamSource,
 )
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, model_validator
 
 SCHEMA_VERSION = 8  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
 # 4: the trainer grants work (GrantRequest/Grant), samplers no longer take it from KV;
@@ -233,27 +231,75 @@ class _Message(BaseModel):
     schema_version: Literal[8] = SCHEMA_VERSION
 
 
-class Completion(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    token_ids: list[int] = Field(min_length=1)
-    logprobs: list[float]  # behaviour log-prob of each token under the sampling distribution
+def _token_ids(value) -> np.ndarray:
+    """Token ids as a read-only uint32 array (the wire's width), from a sequence of integers."""
+    if isinstance(value, np.ndarray) and value.dtype == np.uint32 and value.ndim == 1 and not value.flags.writeable:
+        return value  # a decoded message's own view, already checked
+    ids = np.asarray(value)
+    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+        raise ValueError("token ids: a flat sequence of integers")
+    if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.uint32).max):
+        raise ValueError("token ids: between 0 and 2**32 - 1")
+    return _read_only(ids.astype(np.uint32))
+
+
+def _logprobs(value) -> np.ndarray:
+    """Log-probs as a read-only float32 array (what the trainer computes with)."""
+    if isinstance(value, np.ndarray) and value.dtype == np.float32 and value.ndim == 1 and not value.flags.writeable:
+        return value
+    values = np.asarray(value)
+    if values.ndim != 1 or (values.size and values.dtype.kind not in "iuf"):
+        raise ValueError("logprobs: a flat sequence of numbers")
+    return _read_only(values.astype(np.float32))
+
+
+def _read_only(values: np.ndarray) -> np.ndarray:
+    values.flags.writeable = False  # the models are frozen: so are their arrays
+    return values
+
+
+# In memory a group's tokens and log-probs are numpy arrays, end to end (decoding a long group
+# into Python lists took most of its ingest time); model_dump gives plain lists.
+TokenIds = Annotated[np.ndarray, BeforeValidator(_token_ids), PlainSerializer(lambda a: a.tolist())]
+LogProbs = Annotated[np.ndarray, BeforeValidator(_logprobs), PlainSerializer(lambda a: a.tolist())]
+
+
+class _HoldsArrays:
+    def __eq__(self, other) -> bool:  # pydantic's compares field by field, which arrays refuse
+        return type(self) is type(other) and self.model_dump() == other.model_dump()
+
+    __hash__ = None
+
+    def replaced(self, **changes):
+        """A copy with `changes`, validated (model_copy is not: a list would stay a list)."""
+        return type(self).model_validate({**self.model_dump(), **changes})
+
+
+class Completion(_HoldsArrays, BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, arbitrary_types_allowed=True)
+    token_ids: TokenIds
+    logprobs: LogProbs  # behaviour log-prob of each token under the sampling distribution
     text: str
     reward: float
     finish_reason: Literal["stop", "length"]
 
     @model_validator(mode="after")
     def _aligned(self):
+        if not self.token_ids.size:
+            raise ValueError("token_ids: an empty completion")
         if len(self.logprobs) != len(self.token_ids):
             raise ValueError("logprobs and token_ids differ in length")
-        if not all(math.isfinite(x) and x <= 0.0 for x in self.logprobs):
+        if not (np.isfinite(self.logprobs).all() and (self.logprobs <= 0.0).all()):
             raise ValueError("logprobs must be finite and <= 0")
         if not math.isfinite(self.reward):
             raise ValueError("reward must be finite")
         return self
 
 
-class RolloutGroup(_Message):
+class RolloutGroup(_HoldsArrays, _Message):
     """One GRPO group: every completion the sampler drew for one prompt."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
 
     group_id: str = Field(pattern=ID_PATTERN)
     sampler_id: str = Field(pattern=ID_PATTERN)
@@ -262,7 +308,7 @@ class RolloutGroup(_Message):
     task: str
     prompt_index: int = Field(ge=0)  # the task's prompt at this index (echo.tasks.Task.prompt)
     lease: int = Field(ge=1)  # the trainer's grant this group fulfils (Grant.leases)
-    prompt_token_ids: list[int] = Field(min_length=1)
+    prompt_token_ids: TokenIds
     completions: list[Completion] = Field(min_length=1)
     temperature: float = Field(gt=0)
     # What sampled it: 16-bit log-probs differ from the trainer's by rounding, which the proof
@@ -271,6 +317,12 @@ class RolloutGroup(_Message):
     dtype: Literal["float32", "bfloat16", "float16"]
     gen_seconds: float = Field(ge=0)
     created_at: float
+
+    @model_validator(mode="after")
+    def _has_a_prompt(self):
+        if not self.prompt_token_ids.size:
+            raise ValueError("prompt_token_ids: an empty prompt")
+        return self
 
 
 class WeightsShard(BaseModel):
@@ -461,9 +513,7 @@ def _validate(cls: type[M], raw: dict) -> M:
 # token plus its text, against about 31 as JSON; float32 is what the trainer computes with.
 ROLLOUT_MAGIC = b"ECRG"
 _ROLLOUT_HEAD = struct.Struct("<4sI")
-_IDS, _LOGPROBS = "I", "f"
-_WIRE_IDS, _WIRE_LOGPROBS = np.dtype("<u4"), np.dtype("<f4")  # the same, little-endian on any machine
-assert array(_IDS).itemsize == 4 and array(_LOGPROBS).itemsize == 4
+_WIRE_IDS, _WIRE_LOGPROBS = np.dtype("<u4"), np.dtype("<f4")  # little-endian on any machine
 
 
 def encode_rollout(group: RolloutGroup) -> bytes:
@@ -483,23 +533,21 @@ def pack_rollout(raw: dict) -> bytes:
                  [c["logprobs"] for c in raw["completions"]])
 
 
-def _pack(fields: dict, prompt_ids: list[int], completion_ids: list[list[int]], logprobs: list[list[float]]) -> bytes:
-    ids, claimed = array(_IDS, prompt_ids), array(_LOGPROBS)
+def _pack(fields: dict, prompt_ids, completion_ids: list, logprobs: list) -> bytes:
+    """Arrays or sequences: the prompt's ids, each completion's ids and each one's log-probs."""
     for token_ids, values in zip(completion_ids, logprobs, strict=True):
         if len(token_ids) != len(values):
             raise ValueError("each completion token needs its log-prob")
-        ids.extend(token_ids)
-        claimed.extend(values)
-    if sys.byteorder == "big":
-        ids.byteswap()
-        claimed.byteswap()
+    ids = np.concatenate([np.asarray(ids, _WIRE_IDS) for ids in (prompt_ids, *completion_ids)])
+    claimed = np.concatenate([np.empty(0, _WIRE_LOGPROBS), *(np.asarray(v, _WIRE_LOGPROBS) for v in logprobs)])
     meta = orjson.dumps({**fields, "prompt_tokens": len(prompt_ids), "completion_tokens": list(map(len, completion_ids))})
-    return _ROLLOUT_HEAD.pack(ROLLOUT_MAGIC, len(meta)) + meta + ids.tobytes() + claimed.tobytes()
+    return b"".join((_ROLLOUT_HEAD.pack(ROLLOUT_MAGIC, len(meta)), meta, ids.tobytes(), claimed.tobytes()))
 
 
-def _read_rollout(data: bytes) -> tuple[dict, int, list[int], list[int], np.ndarray]:
+def _read_rollout(data: bytes) -> tuple[dict, int, list[int], np.ndarray, np.ndarray]:
     """A rollout message's parts, every byte accounted for: its fields (without the arrays), the
-    prompt's token count, each completion's, every token id, and every log-prob (not yet checked)."""
+    prompt's token count, each completion's, every token id, and every log-prob (not yet checked):
+    read-only views of `data`."""
     if len(data) < _ROLLOUT_HEAD.size or data[:4] != ROLLOUT_MAGIC:
         raise ProtocolError("bad_encoding", f"not a rollout message (it starts {bytes(data[:8])!r})")
     _, meta_len = _ROLLOUT_HEAD.unpack_from(data)
@@ -517,9 +565,11 @@ def _read_rollout(data: bytes) -> tuple[dict, int, list[int], list[int], np.ndar
     expected = meta_end + 4 * tokens + 4 * sum(completion_tokens)
     if len(data) != expected:
         raise ProtocolError("bad_encoding", f"{len(data)} bytes, its token counts make {expected}")
-    ids = np.frombuffer(data, _WIRE_IDS, tokens, meta_end)
+    data = bytes(data)  # a read-only buffer: the arrays below are views of it
+    # Native byte order (a copy on a big-endian machine only): torch takes no other.
+    ids = np.frombuffer(data, _WIRE_IDS, tokens, meta_end).astype(np.uint32, copy=False)
     logprobs = np.frombuffer(data, _WIRE_LOGPROBS, tokens - prompt_tokens, meta_end + 4 * tokens)
-    return raw, prompt_tokens, completion_tokens, ids.tolist(), logprobs
+    return raw, prompt_tokens, completion_tokens, _read_only(ids), _read_only(logprobs.astype(np.float32, copy=False))
 
 
 def _spans(counts: list[int]):
@@ -532,32 +582,20 @@ def _spans(counts: list[int]):
 def unpack_rollout(data: bytes) -> dict:
     """A rollout message back into plain data, as RolloutGroup.model_dump() gives it (unchecked)."""
     raw, prompt_tokens, counts, ids, logprobs = _read_rollout(data)
-    raw["prompt_token_ids"] = ids[:prompt_tokens]
-    claimed = logprobs.tolist()
+    raw["prompt_token_ids"] = ids[:prompt_tokens].tolist()
     for c, (a, b) in zip(raw["completions"], _spans(counts)):
-        c["token_ids"], c["logprobs"] = ids[prompt_tokens + a : prompt_tokens + b], claimed[a:b]
+        c["token_ids"], c["logprobs"] = ids[prompt_tokens + a : prompt_tokens + b].tolist(), logprobs[a:b].tolist()
     return raw
 
 
 def _decode_group(data: bytes) -> RolloutGroup:
-    """Every check the schema makes, with the completions' arrays checked whole: the encoding
-    makes them integers and floats, one log-prob per token; here each completion has a token and
-    every log-prob is finite and <= 0. The schema validates everything else, the arrays going in
-    after it (element by element it would take most of a long group's decoding time)."""
+    """Every check the schema makes. The arrays go in as read-only views of the message, checked
+    whole (the encoding makes them integers and floats, one log-prob per token)."""
     raw, prompt_tokens, counts, ids, logprobs = _read_rollout(data)
-    if 0 in counts:
-        raise ProtocolError("bad_schema", f"completions.{counts.index(0)}.token_ids: an empty completion")
-    if not (np.isfinite(logprobs).all() and (logprobs <= 0.0).all()):
-        raise ProtocolError("bad_schema", "completions: logprobs must be finite and <= 0")
     raw["prompt_token_ids"] = ids[:prompt_tokens]
-    for c in raw["completions"]:
-        c["token_ids"], c["logprobs"] = [0], [0.0]  # stand-ins that pass, replaced below
-    shell = _validate(RolloutGroup, raw)
-    claimed = logprobs.tolist()
-    completions = [c.model_copy(update={"token_ids": ids[prompt_tokens + a : prompt_tokens + b],
-                                        "logprobs": claimed[a:b]})
-                   for c, (a, b) in zip(shell.completions, _spans(counts))]
-    return shell.model_copy(update={"completions": completions})
+    for c, (a, b) in zip(raw["completions"], _spans(counts)):
+        c["token_ids"], c["logprobs"] = ids[prompt_tokens + a : prompt_tokens + b], logprobs[a:b]
+    return _validate(RolloutGroup, raw)
 
 
 def rollout_headers(group: RolloutGroup) -> dict[str, str]:

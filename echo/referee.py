@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
+
 from echo.config import SamplingConfig
 from echo.models import encode_chat
 from echo.protocol import RolloutGroup
@@ -36,13 +38,14 @@ class Referee:
         if any(len(c.token_ids) > self.sampling.max_new_tokens for c in group.completions):
             return "completion_too_long"
         tokens = [group.prompt_token_ids, *(c.token_ids for c in group.completions)]
-        if any(not 0 <= t < self.vocab_size for ids in tokens for t in ids):
+        if any(ids.max() >= self.vocab_size for ids in tokens):  # uint32: none below 0
             return "token_out_of_vocab"
         eos = self.tokenizer.eos_token_id
         for c in group.completions:
             # Generation stops at the end-of-sequence token: nothing may follow it, and a
             # completion said to have stopped must end with it.
-            ends = c.token_ids.index(eos) + 1 if eos in c.token_ids else None
+            stops = np.flatnonzero(c.token_ids == eos)
+            ends = int(stops[0]) + 1 if stops.size else None
             if ends is not None and ends != len(c.token_ids):
                 return "tokens_after_eos"
             if (c.finish_reason == "stop") != (ends is not None):
@@ -52,11 +55,12 @@ class Referee:
     def score(self, group: RolloutGroup) -> Judgement:
         """Check the prompt is the task's and recompute the rewards. Run on groups to be used."""
         prompt = self.task.prompt(group.prompt_index)
-        if encode_chat(self.tokenizer, prompt.messages) != group.prompt_token_ids:
+        if not np.array_equal(encode_chat(self.tokenizer, prompt.messages), group.prompt_token_ids):
             return Judgement("prompt_mismatch", [])
         rewards, errors = [], 0
         for completion in group.completions:
-            reward = safe_reward(self.task, self.tokenizer.decode(completion.token_ids, skip_special_tokens=True), prompt)
+            text = self.tokenizer.decode(completion.token_ids.tolist(), skip_special_tokens=True)
+            reward = safe_reward(self.task, text, prompt)
             errors += reward is None
             rewards.append(reward or 0.0)
         mismatch = any(abs(r - c.reward) > 1e-6 for r, c in zip(rewards, group.completions))
@@ -66,5 +70,7 @@ class Referee:
 def content_hash(group: RolloutGroup) -> str:
     """What a group says, whatever its id: the prompt and the completions' tokens, in any order.
     The same completions resent under a new group id have the same hash."""
-    completions = sorted(hashlib.sha256(repr(c.token_ids).encode()).hexdigest() for c in group.completions)
-    return hashlib.sha256(repr((group.prompt_index, group.prompt_token_ids, completions)).encode()).hexdigest()[:32]
+    # The repr of lists, as when the groups held lists: a run's checkpointed hashes stay valid.
+    completions = sorted(hashlib.sha256(repr(c.token_ids.tolist()).encode()).hexdigest() for c in group.completions)
+    said = (group.prompt_index, group.prompt_token_ids.tolist(), completions)
+    return hashlib.sha256(repr(said).encode()).hexdigest()[:32]

@@ -118,7 +118,7 @@ def test_the_proof_checks_against_the_rounded_weights_samplers_run_and_keeps_the
     group = honest_group(12, policy_version=0, prompt_token_ids=prompt)
     completions = engine.generate([prompt], 4)[0]
     group = group.model_copy(update={"completions": [
-        c.model_copy(update={"token_ids": g.token_ids, "logprobs": g.logprobs})
+        c.replaced(token_ids=g.token_ids, logprobs=g.logprobs)
         for c, g in zip([group.completions[0]] * 4, completions)]})
     gap = proof.check(group)
     assert gap is not None and gap < 1e-4 and not proof.forged(group, gap)  # exact: same rounded weights, same dtype

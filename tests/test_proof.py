@@ -56,7 +56,7 @@ def test_honest_log_probs_pass_under_the_claimed_version_and_forged_ones_fail():
     prompt_ids = sampler.encode_chat(prompt.messages)
     generations = sampler.generate([prompt_ids], SAMPLING.group_size)[0]
     group = honest_group(3, policy_version=0, prompt_token_ids=prompt_ids, completions=[
-        honest_group().completions[0].model_copy(update={"token_ids": g.token_ids, "logprobs": g.logprobs})
+        honest_group().completions[0].replaced(token_ids=g.token_ids, logprobs=g.logprobs)
         for g in generations])
     assert proof.check(group) < 1e-4  # fp32: float error only
 
@@ -66,7 +66,7 @@ def test_honest_log_probs_pass_under_the_claimed_version_and_forged_ones_fail():
     assert proof.check(group) < 1e-4  # version 0 swapped in for the check...
     assert all(torch.equal(v, version_1[k]) for k, v in policy_tensors(trainer).items())  # ...and 1 back
 
-    shifted = [c.model_copy(update={"logprobs": [x - 0.05 for x in c.logprobs]}) for c in group.completions]
+    shifted = [c.replaced(logprobs=[x - 0.05 for x in c.logprobs]) for c in group.completions]
     forged = group.model_copy(update={"completions": shifted, "sampler_id": "s9"})
     assert proof.forged(forged, proof.check(forged)) and proof.suspects == {"s9"}
     assert proof.wants(forged.model_copy(update={"group_id": "next"}))  # every group of a suspect
@@ -84,7 +84,7 @@ def test_a_forging_sampler_is_rejected_then_quarantined_until_an_operator_lifts_
             logprobs, _, _ = group_logprobs(policy, group.prompt_token_ids, [c.token_ids for c in group.completions],
                                             SAMPLING.temperature, 0)
         return group.model_copy(update={"completions": [
-            c.model_copy(update={"logprobs": logprobs[i, : len(c.token_ids)].tolist()})
+            c.replaced(logprobs=logprobs[i, : len(c.token_ids)].tolist())
             for i, c in enumerate(group.completions)]})
 
     async def main():

@@ -1,8 +1,10 @@
 import struct
 import time
 
+import numpy as np
 import orjson
 import pytest
+from pydantic import ValidationError
 
 from echo.protocol import (
     HDR_MSG_ID,
@@ -54,6 +56,22 @@ def test_rollout_round_trip_with_headers():
     data = encode_rollout(group)
     assert decode_rollout(data, headers, RunNames("r").rollouts_subject(group.sampler_id)) == group
     assert data[:4] == b"ECRG" and b'"text":"<answer>3</answer>"' in data  # the fields stay readable
+
+
+def test_a_group_holds_its_tokens_as_read_only_arrays_and_dumps_them_as_lists():
+    group = make_group()
+    decoded = decode_rollout(encode_rollout(group), rollout_headers(group), RunNames("r").rollouts_subject("s1"))
+    for c in (group.completions[0], decoded.completions[0]):
+        assert (c.token_ids.dtype, c.logprobs.dtype) == (np.uint32, np.float32)
+        assert not c.token_ids.flags.writeable and not c.logprobs.flags.writeable  # frozen, arrays too
+    assert decoded.model_dump()["completions"][0]["token_ids"] == [4, 5]
+    assert decoded.model_dump()["prompt_token_ids"] == [1, 2, 3]
+    fields = {"logprobs": [-0.5], "text": "x", "reward": 0.0, "finish_reason": "length"}
+    for bad in ([-1], [1.5], [[1]], [True]):  # what no uint32 array holds
+        with pytest.raises(ValidationError, match="token ids"):
+            Completion(token_ids=bad, **fields)
+    with pytest.raises(ValidationError, match="empty completion"):
+        Completion(**{**fields, "token_ids": [], "logprobs": []})
 
 
 def test_a_rollout_costs_8_bytes_a_completion_token_plus_its_text():

@@ -49,7 +49,7 @@ def test_an_honest_group_passes_with_the_verifiers_rewards():
 def with_completion(group=None, i: int = 0, **changes):
     group = group or honest_group()
     completions = list(group.completions)
-    completions[i] = completions[i].model_copy(update=changes)
+    completions[i] = completions[i].replaced(**changes)
     return group.model_copy(update={"completions": completions})
 
 
@@ -60,8 +60,7 @@ def with_completion(group=None, i: int = 0, **changes):
         (honest_group(texts=["a", "b", "c"]), "wrong_group_size"),
         (honest_group(texts=["x" * 40, "y"]), "completion_too_long"),
         (with_completion(token_ids=[5, 10_000], logprobs=[-1.0, -1.0]), "token_out_of_vocab"),
-        (with_completion(token_ids=[-1], logprobs=[-1.0]), "token_out_of_vocab"),
-        (honest_group().model_copy(update={"prompt_token_ids": [5000, 5]}), "token_out_of_vocab"),
+        (honest_group().replaced(prompt_token_ids=[5000, 5]), "token_out_of_vocab"),
         (honest_group(temperature=0.5), "wrong_temperature"),
         (with_completion(token_ids=[65, EOS, 66], logprobs=[-1.0] * 3), "tokens_after_eos"),
         (with_completion(token_ids=[65, 66], logprobs=[-1.0] * 2), "bad_finish_reason"),  # "stop" without EOS
