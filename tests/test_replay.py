@@ -9,6 +9,7 @@ import orjson
 import pytest
 
 from echo.checkpoint import read_metrics
+from streams.server import NatsServer
 from tests.conftest import a_sampler_holding_leases, assert_balanced, wait_for_steps, worker_process
 from tests.test_e2e import run_swarm
 
@@ -25,14 +26,9 @@ def _replay(run_dir, *flags: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=180)
 
 
-def test_replay_filters_and_a_retrain_reproduces_the_published_adapter_bit_for_bit(tmp_path):
+def test_replay_filters_a_finished_runs_stream(tmp_path):
     metrics, stream, _ = run_swarm(tmp_path, "again", 6, "trainer.max_staleness=0")
     run_dir = tmp_path / "again"
-
-    done = _replay(run_dir, "--retrain")
-    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    report = orjson.loads(done.stdout)
-    assert report == {"steps": 6, "version": 6, "published_version": 6, "identical": True}
 
     sampler, version = stream[-1]["group"]["sampler_id"], stream[-1]["group"]["policy_version"]
     records = _records(_replay(run_dir, "--sampler", sampler, "--version", str(version)).stdout)
@@ -44,11 +40,14 @@ def test_replay_filters_and_a_retrain_reproduces_the_published_adapter_bit_for_b
     assert len(everything) == len(stream) and all(" completions " in line for line in everything)
 
 
-def test_a_retrain_reproduces_an_async_run_that_dropped_stale_groups(tmp_path, nats_server):
+def test_a_retrain_reproduces_an_async_run_that_dropped_stale_groups(tmp_path):
     """A sampler frozen (SIGSTOP) while it holds leases goes silent; the trainer hands its leases
     to the other and steps on; thawed, it delivers groups of an old version, which are dropped as
-    stale. The retrain trains on what each step used, in order, and matches the run bit for bit."""
-    with a_sampler_holding_leases(tmp_path, nats_server.url, 6, dead_after_s=2.0) as (cfg, config_path, processes):
+    stale. The retrain, from the finished run's directory (its broker's store is in it, as with
+    `up`), trains on what each step used, in order, and matches the run bit for bit."""
+    run_dir = tmp_path / "runs" / "test"  # tiny_config's
+    with NatsServer(run_dir / "nats") as server, \
+            a_sampler_holding_leases(tmp_path, server.url, 6, dead_after_s=2.0) as (cfg, config_path, processes):
         trainer, slow = processes
         slow.send_signal(signal.SIGSTOP)  # holding leases 3 and 4 of step 1
         processes.append(fast := worker_process(config_path, "sampler", "--id", "s1"))
@@ -56,12 +55,12 @@ def test_a_retrain_reproduces_an_async_run_that_dropped_stale_groups(tmp_path, n
         slow.send_signal(signal.SIGCONT)  # its groups of version 0 arrive at version 3 or later
         logs = trainer.communicate(timeout=180)[1]
         assert trainer.returncode == 0, logs[-3000:]
-    metrics = read_metrics(cfg.run_dir)
+    assert cfg.run_dir == run_dir
+    metrics = read_metrics(run_dir)
     dropped = [g for m in metrics for g in m["dropped_groups"]]
     assert len(dropped) >= 2 and sum(m["dropped_stale"] for m in metrics) == len(dropped), metrics
     assert_balanced(metrics)
 
-    done = subprocess.run([sys.executable, "-m", "workers.cli", "replay", "--run", str(cfg.run_dir), "--retrain",
-                           "--nats", nats_server.url], capture_output=True, text=True, timeout=180)
+    done = _replay(run_dir, "--retrain")
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     assert orjson.loads(done.stdout) == {"steps": 6, "version": 6, "published_version": 6, "identical": True}
