@@ -37,7 +37,7 @@ worker: install
 QUICK := BENCH_RESULTS=bench/results/quick $(PY) -m
 bench-quick: install
 	$(QUICK) bench.parity --preset quick
-	$(QUICK) bench.transport --seconds 2
+	$(QUICK) bench.transport --seconds 1 --rounds 3
 	$(QUICK) bench.weights --sizes 20 --repeats 2
 	$(QUICK) bench.sync --model tiny --samplers 1 2 --versions 3
 	$(QUICK) bench.sync --model tiny --samplers 2 --versions 3 --wan 50 100

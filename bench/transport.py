@@ -4,10 +4,12 @@ Ours: the sampler's `publish_rollout` (binary encoding, headers, publish acked b
 the trainer's durable pull consumer, `decode_rollout` (every structural check: counts, lengths,
 schema, finite log-probs <= 0, headers against the body) and an ack per message. Bare: the same
 bytes published with `js.publish` and fetched with a pull consumer and acked, nothing decoded.
-Also the bytes per completion token of the binary encoding against schema 7's JSON, and the
-latency from a publish to the trainer holding the decoded group (one group in flight).
+The two alternate `--rounds` times per shape (the machine's load falls on both alike); the ratio
+is the median round's, with the range over rounds. Also the bytes per completion token of the
+binary encoding against schema 7's JSON, and the latency from a publish to the trainer holding
+the decoded group (one group in flight).
 
-    .venv/bin/python -m bench.transport [--seconds 5]
+    .venv/bin/python -m bench.transport [--seconds 2] [--rounds 5]
 
 Writes bench/results/transport.json.
 """
@@ -99,7 +101,7 @@ async def latency(url: str, run_id: str, groups: list[RolloutGroup]) -> list[flo
     return seconds
 
 
-async def measure(url: str, completions: int, tokens: int, seconds_each: float) -> dict:
+async def measure(url: str, completions: int, tokens: int, seconds_each: float, rounds_each: int) -> dict:
     probe = make_group(completions, tokens, 0)
     body = encode_rollout(probe)
     count = max(3, min(2000, int(seconds_each * 40_000_000 / len(body))))  # about seconds_each of bytes
@@ -108,31 +110,38 @@ async def measure(url: str, completions: int, tokens: int, seconds_each: float) 
     bodies = [encode_rollout(g) for g in groups]
     batch = max(1, min(256, (32 << 20) // len(body)))  # a fetch well under the server's max_pending
     name = f"{completions}x{tokens}"
-    our_s = await ours(url, f"ours{completions}x{tokens}", groups, batch)
-    bare_s = await bare(url, f"BARE{completions}X{tokens}", bodies, batch)
-    lat = await latency(url, f"lat{completions}x{tokens}", groups[: min(20, count)])
+    rounds = []  # (ours, bare) seconds: alternated, so that the machine's load falls on both alike
+    for r in range(rounds_each):
+        rounds.append((await ours(url, f"ours{name}r{r}", groups, batch),
+                       await bare(url, f"BARE{name.upper()}R{r}", bodies, batch)))
+    ratios = sorted(bare_s / our_s for our_s, bare_s in rounds)
+    our_s, bare_s = (statistics.median(column) for column in zip(*rounds))
+    lat = await latency(url, f"lat{name}", groups[: min(20, count)])
     completion_tokens = completions * tokens
     return {
-        "group": name, "groups": count,
+        "group": name, "groups": count, "rounds": rounds_each,
         "bytes_per_token": round(len(body) / completion_tokens, 2),
         "json_bytes_per_token": round(len(orjson.dumps(probe.model_dump())) / completion_tokens, 2),
         "ours_groups_per_s": round(count / our_s, 1), "bare_groups_per_s": round(count / bare_s, 1),
-        "ours_tokens_per_s": round(count * completion_tokens / our_s), "ratio_to_bare": round(bare_s / our_s, 2),
+        "ours_tokens_per_s": round(count * completion_tokens / our_s),
+        "ratio_to_bare": round(statistics.median(ratios), 2),  # the median round's
+        "ratio_range": [round(ratios[0], 2), round(ratios[-1], 2)],
         "latency_ms_median": round(1000 * statistics.median(lat), 2),
     }
 
 
-async def main_async(seconds_each: float) -> dict:
+async def main_async(seconds_each: float, rounds_each: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp, NatsServer(Path(tmp) / "js") as server:
-        results = [await measure(server.url, c, t, seconds_each) for c, t in SHAPES]
+        results = [await measure(server.url, c, t, seconds_each, rounds_each) for c, t in SHAPES]
     return {"machine": "this one (2 cores), loopback nats-server 2.15.1, nats-py 2.16.0", "shapes": results}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--seconds", type=float, default=5.0, help="about how long each side runs per shape")
+    parser.add_argument("--seconds", type=float, default=2.0, help="about how long each side runs per shape and round")
+    parser.add_argument("--rounds", type=int, default=5, help="ours and bare alternated this many times per shape")
     args = parser.parse_args()
-    result = asyncio.run(main_async(args.seconds))
+    result = asyncio.run(main_async(args.seconds, args.rounds))
     out = results_dir() / "transport.json"
     out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())

@@ -24,7 +24,8 @@ from nats.js.api import (
     StreamConfig,
     StreamSource,
 )
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, ValidationInfo,
+                      model_validator)
 
 SCHEMA_VERSION = 8  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
 # 4: the trainer grants work (GrantRequest/Grant), samplers no longer take it from KV;
@@ -231,10 +232,19 @@ class _Message(BaseModel):
     schema_version: Literal[8] = SCHEMA_VERSION
 
 
-def _token_ids(value) -> np.ndarray:
+# The validation context of a decoded message, whose arrays _decode_group checked whole (per
+# completion, those checks cost more than the rest of a short group's decoding).
+_CHECKED = {"arrays_checked": True}
+
+
+def _checked(info: ValidationInfo) -> bool:
+    return info.context is _CHECKED
+
+
+def _token_ids(value, info: ValidationInfo) -> np.ndarray:
     """Token ids as a read-only uint32 array (the wire's width), from a sequence of integers."""
-    if isinstance(value, np.ndarray) and value.dtype == np.uint32 and value.ndim == 1 and not value.flags.writeable:
-        return value  # a decoded message's own view, already checked
+    if _checked(info):
+        return value
     ids = np.asarray(value)
     if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
         raise ValueError("token ids: a flat sequence of integers")
@@ -243,9 +253,9 @@ def _token_ids(value) -> np.ndarray:
     return _read_only(ids.astype(np.uint32))
 
 
-def _logprobs(value) -> np.ndarray:
+def _logprobs(value, info: ValidationInfo) -> np.ndarray:
     """Log-probs as a read-only float32 array (what the trainer computes with)."""
-    if isinstance(value, np.ndarray) and value.dtype == np.float32 and value.ndim == 1 and not value.flags.writeable:
+    if _checked(info):
         return value
     values = np.asarray(value)
     if values.ndim != 1 or (values.size and values.dtype.kind not in "iuf"):
@@ -284,13 +294,14 @@ class Completion(_HoldsArrays, BaseModel):
     finish_reason: Literal["stop", "length"]
 
     @model_validator(mode="after")
-    def _aligned(self):
-        if not self.token_ids.size:
-            raise ValueError("token_ids: an empty completion")
-        if len(self.logprobs) != len(self.token_ids):
-            raise ValueError("logprobs and token_ids differ in length")
-        if not (np.isfinite(self.logprobs).all() and (self.logprobs <= 0.0).all()):
-            raise ValueError("logprobs must be finite and <= 0")
+    def _aligned(self, info: ValidationInfo):
+        if not _checked(info):
+            if not self.token_ids.size:
+                raise ValueError("token_ids: an empty completion")
+            if len(self.logprobs) != len(self.token_ids):
+                raise ValueError("logprobs and token_ids differ in length")
+            if not (np.isfinite(self.logprobs).all() and (self.logprobs <= 0.0).all()):
+                raise ValueError("logprobs must be finite and <= 0")
         if not math.isfinite(self.reward):
             raise ValueError("reward must be finite")
         return self
@@ -495,11 +506,11 @@ def _json_object(data: bytes) -> dict:
     return raw
 
 
-def _validate(cls: type[M], raw: dict) -> M:
+def _validate(cls: type[M], raw: dict, context: dict | None = None) -> M:
     if raw.get("schema_version") != SCHEMA_VERSION:
         raise ProtocolError("bad_schema_version", f"got {raw.get('schema_version')!r}, speak {SCHEMA_VERSION}")
     try:
-        return cls.model_validate(raw)
+        return cls.model_validate(raw, context=context)
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or cls.__name__
@@ -590,12 +601,17 @@ def unpack_rollout(data: bytes) -> dict:
 
 def _decode_group(data: bytes) -> RolloutGroup:
     """Every check the schema makes. The arrays go in as read-only views of the message, checked
-    whole (the encoding makes them integers and floats, one log-prob per token)."""
+    whole here: the encoding makes them integers and floats, one log-prob per token; each
+    completion has a token, and every log-prob is finite and <= 0."""
     raw, prompt_tokens, counts, ids, logprobs = _read_rollout(data)
+    if 0 in counts:
+        raise ProtocolError("bad_schema", f"completions.{counts.index(0)}.token_ids: an empty completion")
+    if not (np.isfinite(logprobs).all() and (logprobs <= 0.0).all()):
+        raise ProtocolError("bad_schema", "completions: logprobs must be finite and <= 0")
     raw["prompt_token_ids"] = ids[:prompt_tokens]
     for c, (a, b) in zip(raw["completions"], _spans(counts)):
         c["token_ids"], c["logprobs"] = ids[prompt_tokens + a : prompt_tokens + b], logprobs[a:b]
-    return _validate(RolloutGroup, raw)
+    return _validate(RolloutGroup, raw, _CHECKED)
 
 
 def rollout_headers(group: RolloutGroup) -> dict[str, str]:
