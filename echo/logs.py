@@ -44,8 +44,10 @@ def _add_identity(logger, method, event_dict: dict) -> dict:
 def _identity_prefix(logger, method, event_dict: dict) -> dict:
     """On a terminal the identity leads the line, short: `[sampler-s1 v3] event key=value`."""
     fields = {key: event_dict.pop(key, None) for key in IDENTITY}
-    head = " ".join(str(v) for v in (fields["worker"] or fields["role"], fields["version"] is not None
-                                     and f"v{fields['version']}") if v)
+    parts = [fields["worker"] or fields["role"]]
+    if fields["version"] is not None:
+        parts.append(f"v{fields['version']}")
+    head = " ".join(str(p) for p in parts if p)
     if head:
         event_dict["event"] = f"[{head}] {event_dict['event']}"
     return event_dict
