@@ -27,7 +27,7 @@ class _Section(BaseModel):
 class RunConfig(_Section):
     # Names the run's streams, buckets and directory; a trainer started again with it resumes.
     id: str = Field(default_factory=lambda: time.strftime("run-%Y%m%d-%H%M%S"), pattern=ID_PATTERN)
-    dir: str = "runs"  # the run directory is <dir>/<id>
+    dir: str = "runs"  # the run directory is `<dir>/<id>`
     mode: Literal["async", "sequential"] = "async"  # sequential: the trainer asks, samplers refresh, then generate
     steps: int = Field(20, ge=1)  # training steps (policy versions published) in the run
     seed: int = 0  # the adapter's initialisation and the trainer's randomness: `replay --retrain` relies on it
