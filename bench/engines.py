@@ -14,12 +14,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
-import orjson
 import torch
 
-from bench.common import results_dir
+from bench.common import write_results
 from echo.config import LoraConfig, ModelConfig, SamplingConfig
 from echo.engines.hf import HFEngine
 from echo.engines.vllm import VLLMEngine
@@ -78,9 +76,8 @@ def main() -> None:
         "rounds": args.rounds,
     }
     result["vllm_speed_ratio"] = round(result["vllm"]["tokens_per_s"] / result["hf"]["tokens_per_s"], 2)
-    out = results_dir() / "engines.json"
-    out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
-    print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+    out = write_results("engines.json", result)
+    print(out.read_text())
 
 
 if __name__ == "__main__":

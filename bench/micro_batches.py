@@ -15,11 +15,10 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import orjson
 
-from bench.common import results_dir
+from bench.common import write_results
 
 
 def long_groups(vocab: int, groups: int, group: int, tokens: int) -> list:
@@ -87,9 +86,8 @@ def main() -> None:
         run["time_vs_whole_group"] = round(run["step_s"] / baseline["step_s"], 2)
     result = {"model": args.model, "group": f"{args.group} completions x {args.tokens} tokens, prompt 64",
               "runs": runs}
-    out = results_dir() / "micro_batches.json"
-    out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
-    print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+    out = write_results("micro_batches.json", result)
+    print(out.read_text())
 
 
 if __name__ == "__main__":

@@ -18,13 +18,11 @@ import argparse
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
-import orjson
 import torch
 
-from bench.common import results_dir
+from bench.common import write_results
 from echo.config import LoraConfig, SamplingConfig, TaskConfig, TrainerConfig
 from echo.engines.hf import HFEngine
 from echo.policy import load_weights, weights_shards
@@ -119,8 +117,7 @@ def main() -> None:
         "tolerance": tolerance,
         "results": [measure(m, args.groups, tolerance) for m in args.models],
     }
-    out = results_dir() / "proof_of_sampling.json"
-    out.write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
+    out = write_results("proof_of_sampling.json", results)
     print(out.read_text())
 
 

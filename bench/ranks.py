@@ -22,7 +22,7 @@ import orjson
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from bench.common import results_dir
+from bench.common import results_dir, write_results
 from bench.micro_batches import long_groups
 
 
@@ -86,8 +86,7 @@ def main() -> None:
     result = {"model": args.model, "machine": f"{os.cpu_count()} CPU cores, gloo",
               "batch": f"{args.groups} groups of {args.group} completions x {args.tokens} tokens, prompt 64",
               "runs": runs}
-    (results / "ranks.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
-    print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+    print(write_results("ranks.json", result).read_text())
 
 
 if __name__ == "__main__":

@@ -23,9 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import orjson
 
-from bench.common import results_dir
+from bench.common import write_results
 from echo.capacity import Learner, utilisation
 from echo.checkpoint import read_metrics
 from echo.config import validate_config
@@ -141,9 +140,8 @@ def main() -> None:
         results["activation"] = {"on": on, "off": off,
                                  "cost_per_step_on_vs_off": round(on["cost_per_step"] / off["cost_per_step"], 3),
                                  "seconds": round(time.monotonic() - started)}
-    out = results_dir() / "scheduling.json"
-    out.write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
-    print(orjson.dumps(results, option=orjson.OPT_INDENT_2).decode())
+    out = write_results("scheduling.json", results)
+    print(out.read_text())
 
 
 if __name__ == "__main__":

@@ -28,12 +28,11 @@ import sys
 import tempfile
 import time
 import urllib.request
-from pathlib import Path
 
 import orjson
 import torch
 
-from bench.common import results_dir
+from bench.common import write_results
 from streams.server import NatsServer, free_port
 
 APPLIED = "bench.applied"  # core NATS subject on which each worker reports (worker, version, time)
@@ -174,8 +173,7 @@ def main() -> None:
         results = [asyncio.run(measure(hub, args.model, n, args.versions, relay, args.wan))
                    for relay in (False, True) for n in args.samplers]
     report = {"model": args.model, "cpus": os.cpu_count(), "versions": args.versions, "results": results}
-    out = results_dir() / ("sync-wan.json" if args.wan else "sync.json")
-    out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    out = write_results(("sync-wan.json" if args.wan else "sync.json"), report)
     for r in results:
         print(f"N={r['samplers']} {'relay ' if r['relay'] else 'direct'}: all samplers on the new version after "
               f"{r['latency_median_s']} s (median of {args.versions}; max {r['latency_max_s']} s); hub sent "

@@ -28,7 +28,7 @@ from pathlib import Path
 import orjson
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
-from bench.common import results_dir
+from bench.common import write_results
 from echo.protocol import Completion, RolloutGroup, decode_rollout, encode_rollout
 from streams.client import connect, open_run
 from streams.rollouts import fetch_rollouts, publish_rollout, trainer_subscription
@@ -142,9 +142,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="ours and bare alternated this many times per shape")
     args = parser.parse_args()
     result = asyncio.run(main_async(args.seconds, args.rounds))
-    out = results_dir() / "transport.json"
-    out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
-    print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+    out = write_results("transport.json", result)
+    print(out.read_text())
 
 
 if __name__ == "__main__":

@@ -15,12 +15,10 @@ import os
 import platform
 import tempfile
 import time
-from pathlib import Path
 
-import orjson
 from nats.js.api import ObjectMeta, ObjectMetaOptions
 
-from bench.common import results_dir
+from bench.common import write_results
 from streams.client import open_run
 from streams.objects import CHUNK_SIZE, get_object, put_object
 from streams.server import NatsServer
@@ -75,8 +73,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as store, NatsServer(store) as server:
         results = [asyncio.run(measure(server.url, size, args.repeats)) for size in args.sizes]
     report = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, "results": results}
-    out = results_dir() / "weights.json"
-    out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    out = write_results("weights.json", report)
     for r in results:
         print(f"{r['size_mb']:>4} MB  put: ours {r['ours_put_mb_s']} MB/s vs library {r['library_put_mb_s']} "
               f"(x{r['put_speedup']})  get: ours {r['ours_get_mb_s']} vs library {r['library_get_mb_s']} "

@@ -4,6 +4,7 @@ are checked with math-verify, so equivalent forms count (0.5 = 1/2 = \\frac{1}{2
 
 from __future__ import annotations
 
+import logging
 import random
 from fractions import Fraction
 from pathlib import Path
@@ -14,6 +15,9 @@ from math_verify import parse, verify
 from pydantic import BaseModel, ConfigDict, Field
 
 from echo.tasks import GeneratedTask, Prompt, Score, is_held_out, parse_params
+
+# Its timeouts are off on purpose (Math.score): its warning that they are, once per process, is noise.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 INSTRUCTION = "{question} Put the final answer in \\boxed{{}}."
 EXAMPLE = [
