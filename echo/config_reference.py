@@ -70,7 +70,8 @@ def _type(field: FieldInfo) -> str:
 
 def _default(field: FieldInfo) -> str:
     if field.default_factory is not None:
-        return "generated" if field.default_factory().__class__ is str else repr(field.default_factory())
+        value = field.default_factory()
+        return "generated" if isinstance(value, str) else repr(value)
     return "`" + repr(field.default).replace("'", '"') + "`"
 
 

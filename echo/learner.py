@@ -7,7 +7,6 @@ import threading
 import time
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from echo.algorithms.grpo import ImportanceStats, LossStats, grpo_loss, group_advantages, importance_weights
@@ -155,7 +154,7 @@ def _pass(policy, cfg: EchoConfig, pad_id: int, device, compute_dtype, group: Ro
     behaviour = torch.zeros(logprobs.shape)
     for i, row in enumerate(rows):
         claimed = group.completions[row].logprobs
-        behaviour[i, : len(claimed)] = torch.tensor(np.asarray(claimed))
+        behaviour[i, : len(claimed)] = torch.tensor(claimed)
     old_logprobs = logprobs.detach()
     weights, is_stats = importance_weights(old_logprobs, behaviour.to(device), mask, tcfg.is_cap, tcfg.is_level)
     loss, loss_stats = grpo_loss(logprobs, old_logprobs, advantages, mask, tcfg.clip_eps, normalizer, weights,

@@ -24,7 +24,7 @@ class _CurrentStderr:
 
 
 # Who writes this process's lines: run, role, worker and the policy version it runs (trainer:
-# the version it publishes next; sampler: the one its engine runs). A module-level dict, not a
+# the version it last published; sampler: the one its engine runs). A module-level dict, not a
 # contextvar: one worker per process, and its threads and tasks started earlier see changes too.
 _process: dict = {}
 IDENTITY = ("run", "role", "worker", "version")

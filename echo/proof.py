@@ -19,7 +19,6 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-import numpy as np
 import torch
 
 from echo.devices import autocast, model_device
@@ -32,7 +31,7 @@ def logprob_gap(claimed: list, recomputed: torch.Tensor) -> float:
     (`recomputed` is [G, C], right-padded; each row is read up to its claimed length)."""
     gap = 0.0
     for row, logprobs in enumerate(claimed):
-        diff = (recomputed[row, : len(logprobs)] - torch.tensor(np.asarray(logprobs), dtype=recomputed.dtype)).abs()
+        diff = (recomputed[row, : len(logprobs)] - torch.tensor(logprobs, dtype=recomputed.dtype)).abs()
         gap = max(gap, float(diff.max()))
     return gap
 

@@ -241,13 +241,19 @@ def _checked(info: ValidationInfo) -> bool:
     return info.context is _CHECKED
 
 
+def _flat(value, kinds: str, what: str) -> np.ndarray:
+    """`value` as a 1-d array whose dtype kind is one of `kinds` (numpy's: i, u, f)."""
+    values = np.asarray(value)
+    if values.ndim != 1 or (values.size and values.dtype.kind not in kinds):
+        raise ValueError(what)
+    return values
+
+
 def _token_ids(value, info: ValidationInfo) -> np.ndarray:
     """Token ids as a read-only uint32 array (the wire's width), from a sequence of integers."""
     if _checked(info):
         return value
-    ids = np.asarray(value)
-    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-        raise ValueError("token ids: a flat sequence of integers")
+    ids = _flat(value, "iu", "token ids: a flat sequence of integers")
     if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.uint32).max):
         raise ValueError("token ids: between 0 and 2**32 - 1")
     return _read_only(ids.astype(np.uint32))
@@ -257,10 +263,7 @@ def _logprobs(value, info: ValidationInfo) -> np.ndarray:
     """Log-probs as a read-only float32 array (what the trainer computes with)."""
     if _checked(info):
         return value
-    values = np.asarray(value)
-    if values.ndim != 1 or (values.size and values.dtype.kind not in "iuf"):
-        raise ValueError("logprobs: a flat sequence of numbers")
-    return _read_only(values.astype(np.float32))
+    return _read_only(_flat(value, "iuf", "logprobs: a flat sequence of numbers").astype(np.float32))
 
 
 def _read_only(values: np.ndarray) -> np.ndarray:

@@ -58,10 +58,10 @@ def bundled_distributions() -> dict[str, metadata.Distribution]:
     return {name: dist for name, dist in closure(base_requirements()).items() if name not in on_box}
 
 
-def bundled_files() -> dict[str, Path]:
-    """Path in the bundle's site directory -> file here."""
+def bundled_files(distributions: dict[str, metadata.Distribution]) -> dict[str, Path]:
+    """Path in the bundle's site directory -> file here: the distributions' and echo-rl's own."""
     files: dict[str, Path] = {}
-    for dist in bundled_distributions().values():
+    for dist in distributions.values():
         for entry in dist.files or []:
             if entry.parts[0] == ".." or "__pycache__" in entry.parts:  # scripts outside site-packages; caches
                 continue
@@ -76,7 +76,8 @@ def bundled_files() -> dict[str, Path]:
 
 def build(out: Path) -> dict:
     """Write the bundle to `out`; returns its description (bundle.json)."""
-    files = bundled_files()
+    distributions = bundled_distributions()
+    files = bundled_files(distributions)
     digest = hashlib.sha256()
     for name, path in sorted(files.items()):
         digest.update(name.encode() + b"\0" + path.read_bytes())
@@ -84,7 +85,7 @@ def build(out: Path) -> dict:
         "id": digest.hexdigest()[:16],
         "python": list(platform.python_version_tuple()[:2]),
         "platform": sysconfig.get_platform(),
-        "packages": {d.metadata["Name"]: d.version for d in bundled_distributions().values()},
+        "packages": {d.metadata["Name"]: d.version for d in distributions.values()},
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "wb") as f:

@@ -438,7 +438,6 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
 
     # (Re)publish the current version: a fresh run's version 0, or the checkpoint's.
     await publish_policy(run, cfg, learner, state.version)
-    bind_process(version=state.version)
     await orders.start()
     log.info("trainer.ready", run=cfg.run.id, mode=cfg.run.mode, model=cfg.model.name, step=state.step,
              version=state.version, steps=cfg.run.steps, ranks=learner.ranks.world)
@@ -489,7 +488,6 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
             await asyncio.to_thread(learner.save, state)
             lease.check()  # a trainer fenced out by another must not publish over it
             publish_seconds = await publish_policy(run, cfg, learner, state.version)
-            bind_process(version=state.version)
             unconfirmed = await collector.ack_held()  # only now: the step that consumed them is checkpointed
 
             accounting = await until_done(
@@ -611,4 +609,5 @@ async def publish_policy(run: Run, cfg: EchoConfig, learner: Learner, version: i
     await until_done("publish weights", lambda: publish_weights(
         run, version, (f.read_bytes() for f in files), learner.base_model, learner.kind, cfg.trainer.keep_versions))
     await asyncio.to_thread(learner.remember, version)
+    bind_process(version=version)  # this trainer's log lines name the version it last published
     return time.perf_counter() - started
