@@ -9,11 +9,15 @@ scores the base model and each run's final weights on the task's held-out prompt
 Per mode: held-out score (mean and spread over seeds), reward vs step and vs wall-clock (one PNG),
 learner busy, sampler busy (the samplers' generating time over their wall time), seconds per
 step, and completion tokens wasted on groups dropped as stale. The verdict compares each async
-mode with sequential and co-located: "within noise" when the gap in mean held-out score is at
-most twice the standard error of that gap (over seeds).
+mode with sequential and co-located: "within noise" when an exact permutation test over seeds
+finds the gap in mean held-out score unremarkable (p >= 0.05). Not a gap against the standard
+error: on a task where a seed either takes off or does not by the last step, the scores are
+bimodal and three seeds that all failed have no spread at all.
 
     .venv/bin/python -m bench.parity --preset quick   # the tiny model: checks the pipeline (< 15 min)
     .venv/bin/python -m bench.parity --preset full    # SmolLM2-135M: the parity numbers
+    .venv/bin/python -m bench.parity --preset full --add --modes colocated --first-seed 3  # more seeds
+    .venv/bin/python -m bench.parity --preset full --report  # the table, verdict and PNG again
 
 Writes bench/results/parity-<preset>.json and parity-<preset>.png.
 """
@@ -21,7 +25,10 @@ Writes bench/results/parity-<preset>.json and parity-<preset>.png.
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -92,14 +99,15 @@ def run_one(cfg: EchoConfig, mode: str, log_dir: Path) -> Path:
     return cfg.run_dir
 
 
-def run_summary(run_dir: Path, samplers: int, mode: str) -> dict:
-    lines = read_metrics(run_dir)
+def run_summary(cfg: EchoConfig, samplers: int, mode: str) -> dict:
+    lines = read_metrics(cfg.run_dir)
     wall = lines[-1]["wall_seconds"]
     # One process does both in the co-located run: its "sampler" is the same device, part time.
     sampler_count = 1 if mode == "colocated" else samplers
     trained = sum(r["tokens"] for r in lines)
     wasted = sum(r["dropped_tokens"] for r in lines)
     return {
+        "seed": cfg.run.seed,
         "reward": [r["reward_mean"] for r in lines],
         "wall_seconds": [r["wall_seconds"] for r in lines],
         "seconds_per_step": wall / len(lines),
@@ -133,15 +141,35 @@ def _spread(values: list[float]) -> dict:
             "min": min(values), "max": max(values), "values": values}
 
 
+def permutation_p(a: list[float], b: list[float], resamples: int = 100_000) -> float:
+    """Two-sided p-value of the gap in means between `a` and `b`: the share of ways to deal the
+    pooled values into groups of their sizes whose gap is at least as large. Every way when
+    there are at most `resamples` of them, else that many random deals (seeded)."""
+    pooled, n = a + b, len(b)
+    observed = abs(statistics.fmean(b) - statistics.fmean(a)) - 1e-12
+    total = sum(pooled)
+
+    def gap(picked: tuple[int, ...]) -> float:
+        b_sum = sum(pooled[i] for i in picked)
+        return abs(b_sum / n - (total - b_sum) / len(a))
+
+    if math.comb(len(pooled), n) <= resamples:
+        deals = list(itertools.combinations(range(len(pooled)), n))
+    else:
+        rng = random.Random(0)
+        deals = [tuple(rng.sample(range(len(pooled)), n)) for _ in range(resamples)]
+    return sum(gap(d) >= observed for d in deals) / len(deals)
+
+
 def verdict(modes: dict, reference: str, other: str) -> dict:
-    """Is `other`'s mean held-out score within noise of `reference`'s (|gap| <= 2 standard
-    errors of the gap over seeds), and how much faster per wall-clock second is it?"""
-    a, b = modes[reference]["held_out_correct"], modes[other]["held_out_correct"]
-    stderr = (a["std"] ** 2 / len(a["values"]) + b["std"] ** 2 / len(b["values"])) ** 0.5
-    gap = b["mean"] - a["mean"]
-    # No spread and no gap (e.g. the tiny model scoring 0 everywhere): nothing to judge.
-    within = None if stderr == 0 and gap == 0 else abs(gap) <= 2 * stderr
-    return {"gap": round(gap, 4), "two_stderr": round(2 * stderr, 4), "within_noise": within,
+    """Is `other`'s mean held-out score within noise of `reference`'s (a permutation test over
+    seeds, p >= 0.05), and how much faster per wall-clock second is it?"""
+    a, b = modes[reference]["held_out_correct"]["values"], modes[other]["held_out_correct"]["values"]
+    gap = statistics.fmean(b) - statistics.fmean(a)
+    p = permutation_p(a, b)
+    # Every score the same (e.g. the tiny model scoring 0 everywhere): nothing to judge.
+    within = None if len(set(a + b)) == 1 else p >= 0.05
+    return {"gap": round(gap, 4), "p_value": round(p, 4), "within_noise": within,
             "speed_vs_reference": round(modes[reference]["seconds_per_step"]["mean"]
                                         / modes[other]["seconds_per_step"]["mean"], 3)}
 
@@ -155,7 +183,7 @@ def verdicts(modes: dict) -> dict:
 def add_to(path: Path, results: dict) -> dict:
     """The modes already in `path`, measured the same way (a device lends 10 minutes a call)."""
     earlier = orjson.loads(path.read_bytes())
-    for key in ("preset", "model", "steps", "seeds", "task", "machine"):  # not the note
+    for key in ("preset", "model", "steps", "task", "machine"):  # not the note
         if earlier[key] != results[key]:
             raise SystemExit(f"--add: {path} has {key} {earlier[key]!r}, this run {results[key]!r}")
     return earlier
@@ -183,7 +211,8 @@ def plot(results: dict, path: Path) -> None:
     by_step.set(xlabel="step", ylabel="training reward (mean over seeds, band: min-max)")
     by_time.set(xlabel="wall-clock seconds (mean over seeds)", ylabel="training reward")
     by_step.legend()
-    fig.suptitle(f"{results['model']}: {results['seeds']} seeds x {results['steps']} steps, {results['machine']}")
+    seeds = sorted({len(m["runs"]) for m in results["modes"].values()})
+    fig.suptitle(f"{results['model']}: {'-'.join(map(str, seeds))} seeds x {results['steps']} steps, {results['machine']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -193,18 +222,24 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="quick")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of: " + ", ".join(MODES))
     parser.add_argument("--seeds", type=int, help="runs per mode (the preset's by default)")
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1 "
+                        "(with --add, a mode's new seeds join its earlier runs)")
     parser.add_argument("--parallel", type=int, help="runs at once (the seeds of a mode run together)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="every run's config")
     parser.add_argument("--work-dir", help="keep the runs here (default: a temporary folder)")
     parser.add_argument("--add", action="store_true", help="keep the other modes already in the results file")
+    parser.add_argument("--report", action="store_true", help="run nothing: the verdict, table and PNG again "
+                        "from the results file")
     parser.add_argument("--out", default=str(results_dir()))
     args = parser.parse_args()
+    out = Path(args.out)
+    if args.report:
+        return report(out / f"parity-{args.preset}.json")
     preset = dict(PRESETS[args.preset], **{k: v for k, v in (("seeds", args.seeds), ("parallel", args.parallel)) if v})
     modes = args.modes.split(",")
     if unknown := set(modes) - set(MODES):
         parser.error(f"--modes: unknown {sorted(unknown)}; known: {list(MODES)}")
 
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work_dir or tmp)
@@ -215,23 +250,39 @@ def main() -> None:
             results = add_to(out / f"parity-{args.preset}.json", results)
         started, held_out, earlier_seconds = time.monotonic(), None, results.get("seconds", 0)
         for mode in modes:
-            configs = [run_config(preset, mode, seed, work / "runs", args.set) for seed in range(preset["seeds"])]
+            seeds = range(args.first_seed, args.first_seed + preset["seeds"])
+            earlier_runs = results["modes"].get(mode, {}).get("runs", [])
+            if repeated := sorted({r["seed"] for r in earlier_runs} & set(seeds)):
+                parser.error(f"{mode}: seeds {repeated} already in the results (--first-seed)")
+            configs = [run_config(preset, mode, seed, work / "runs", args.set) for seed in seeds]
             with ThreadPoolExecutor(preset["parallel"]) as pool:
                 run_dirs = list(pool.map(lambda c: run_one(c, mode, work / "logs"), configs))
             held_out = held_out or HeldOut(configs[0], preset["eval_prompts"])
             results["base"] = held_out.base
-            runs = [run_summary(d, 2, mode) for d in run_dirs]
+            runs = [run_summary(c, 2, mode) for c in configs]
             for run, run_dir in zip(runs, run_dirs):
                 run["held_out_reward"], run["held_out_correct"] = held_out.score_run(run_dir)
+            runs = earlier_runs + runs
             results["modes"][mode] = {"runs": runs, **{key: _spread([r[key] for r in runs]) for key in (
                 "held_out_reward", "held_out_correct", "seconds_per_step", "learner_busy", "sampler_busy",
                 "wasted_token_fraction")}}
-            results["verdict"] = verdicts(results["modes"])
             results["seconds"] = earlier_seconds + round(time.monotonic() - started)
             # After each mode: a run cut short keeps what it measured.
-            (out / f"parity-{args.preset}.json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
+            write(results, out / f"parity-{args.preset}.json")
             print(mode, f"{results['seconds']} s", flush=True)
-    plot(results, out / f"parity-{args.preset}.png")
+    report(out / f"parity-{args.preset}.json")
+
+
+def write(results: dict, path: Path) -> None:
+    results["modes"] = {mode: results["modes"][mode] for mode in MODES if mode in results["modes"]}
+    results["verdict"] = verdicts(results["modes"])
+    path.write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
+
+
+def report(path: Path) -> None:
+    results = orjson.loads(path.read_bytes())
+    write(results, path)
+    plot(results, path.with_suffix(".png"))
     print(table(results))
 
 
@@ -243,17 +294,17 @@ def machine() -> str:
 
 
 def table(results: dict) -> str:
-    rows = ["| mode | held-out correct | held-out reward | s/step | learner busy | sampler busy | tokens wasted |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = ["| mode | seeds | held-out correct | held-out reward | s/step | learner busy | sampler busy | tokens wasted |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for mode, m in results["modes"].items():
-        rows.append(f"| {mode} | {m['held_out_correct']['mean']:.3f} ± {m['held_out_correct']['std']:.3f} "
+        rows.append(f"| {mode} | {len(m['runs'])} | {m['held_out_correct']['mean']:.3f} ± {m['held_out_correct']['std']:.3f} "
                     f"| {m['held_out_reward']['mean']:.3f} | {m['seconds_per_step']['mean']:.2f} "
                     f"| {m['learner_busy']['mean']:.2f} | {m['sampler_busy']['mean']:.2f} "
                     f"| {m['wasted_token_fraction']['mean']:.3f} |")
     base = results["base"]
     rows.append(f"\nbase model: correct {base['correct']:.3f}, reward {base['reward']:.3f} on {base['prompts']} prompts")
     judged = {True: "within noise", False: "NOT within noise", None: "no signal to judge"}
-    rows += [f"{name}: gap {v['gap']:+.4f} (2 s.e. {v['two_stderr']:.4f}) -> "
+    rows += [f"{name}: gap {v['gap']:+.4f} (p = {v['p_value']:.3f}) -> "
              f"{judged[v['within_noise']]}; {v['speed_vs_reference']:.2f}x the steps per second"
              for name, v in results["verdict"].items()]
     return "\n".join(rows)
