@@ -50,6 +50,8 @@ bench: install
 	$(PY) -m bench.sync --samplers 1 2 4 --wan 50 100
 	$(PY) -m bench.scheduling
 	$(PY) -m bench.micro_batches
+	for model in tiny smollm2; do $(PY) -m bench.micro_batches --model $$model --groups 8 --group 8 --tokens 32 \
+		--budgets 0 4096 --repeats 3 --pack-groups on; done
 	$(PY) -m bench.ranks
 	$(PY) -m bench.proof_of_sampling
 	$(PY) -m bench.parity --preset full

@@ -1,11 +1,13 @@
-"""Benchmark: peak memory and time of one trainer step with and without micro-batching
-(`trainer.micro_batch_tokens`), on one group of long completions. Each setting runs in a fresh
-process, so its peak resident memory (ru_maxrss) is its own; the baseline (0: the whole group in
-one forward) runs in the same invocation.
+"""Benchmark: peak memory and time of one trainer step under `trainer.micro_batch_tokens`: on one
+group of long completions (micro-batches: less memory), or on many groups of short ones (groups
+packed into shared passes: fewer forwards). Each setting runs in a fresh process, so its peak
+resident memory (ru_maxrss) is its own; the baseline (0: a group a pass, whole) runs in the same
+invocation. With --repeats, the step's time is the fastest of that many (the first warms up).
 
     .venv/bin/python -m bench.micro_batches [--model smollm2] [--group 16] [--tokens 512] [--budgets 0 2048 1024]
+    .venv/bin/python -m bench.micro_batches --groups 8 --group 8 --tokens 32 --budgets 0 4096 --repeats 3 --pack-groups on
 
-Writes bench/results/micro_batches.json.
+Writes bench/results/micro_batches.json (one group) or micro_batches-<model>-<N>-groups.json.
 """
 
 from __future__ import annotations
@@ -42,23 +44,29 @@ def long_groups(vocab: int, groups: int, group: int, tokens: int) -> list:
     return batch
 
 
-def one_step(model: str, group: int, tokens: int, budget: int) -> dict:
+def one_step(model: str, groups: int, group: int, tokens: int, budget: int, repeats: int, pack_groups: str) -> dict:
     import torch
 
     from echo.config import validate_config
-    from echo.learner import make_optimizer, train_step
+    from echo.devices import model_device
+    from echo.learner import make_optimizer, shares_passes, step_passes, train_step
     from echo.models import load_model
     from echo.policy import make_policy
 
     torch.manual_seed(0)
-    cfg = validate_config({"model": {"name": model}, "trainer": {"micro_batch_tokens": budget}})
+    cfg = validate_config({"model": {"name": model}, "trainer": {"micro_batch_tokens": budget, "pack_groups": pack_groups}})
     base, tokenizer = load_model(model)
     policy = make_policy(base, cfg.lora)
-    batch = long_groups(base.get_input_embeddings().num_embeddings, 1, group, tokens)
+    batch = long_groups(base.get_input_embeddings().num_embeddings, groups, group, tokens)
+    optimizer = make_optimizer(policy, cfg)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    started = time.perf_counter()
-    train_step(policy, make_optimizer(policy, cfg), batch, cfg, tokenizer.pad_token_id)
-    return {"budget": budget, "step_s": round(time.perf_counter() - started, 2),
+    seconds = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        train_step(policy, optimizer, batch, cfg, tokenizer.pad_token_id)
+        seconds.append(time.perf_counter() - started)
+    passes = step_passes(batch, budget, shares_passes(pack_groups, model_device(policy)))
+    return {"budget": budget, "passes": len(passes), "step_s": round(min(seconds), 3),
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
             "before_step_rss_mb": round(before / 1024)}
 
@@ -66,27 +74,32 @@ def one_step(model: str, group: int, tokens: int, budget: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--group", type=int, default=16)
+    parser.add_argument("--groups", type=int, default=1, help="groups in the step")
+    parser.add_argument("--group", type=int, default=16, help="completions per group")
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--budgets", type=int, nargs="+", default=[0, 2048, 1024])
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--pack-groups", default="auto", choices=["auto", "on", "off"], help="trainer.pack_groups")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process: one setting
     args = parser.parse_args()
     if args.one is not None:
-        print(orjson.dumps(one_step(args.model, args.group, args.tokens, args.one)).decode())
+        print(orjson.dumps(one_step(args.model, args.groups, args.group, args.tokens, args.one, args.repeats,
+                                    args.pack_groups)).decode())
         return
     runs = []
     for budget in args.budgets:
-        out = subprocess.run([sys.executable, "-m", "bench.micro_batches", "--model", args.model, "--group", str(args.group),
-                              "--tokens", str(args.tokens), "--one", str(budget)], capture_output=True, text=True,
-                             check=True)
+        out = subprocess.run([sys.executable, "-m", "bench.micro_batches", "--model", args.model, "--groups", str(args.groups),
+                              "--group", str(args.group), "--tokens", str(args.tokens), "--repeats", str(args.repeats),
+                              "--pack-groups", args.pack_groups, "--one", str(budget)], capture_output=True, text=True, check=True)
         runs.append(orjson.loads(out.stdout.strip().splitlines()[-1]))
     baseline = runs[0]
     for run in runs:
         run["peak_vs_whole_group"] = round(run["peak_rss_mb"] / baseline["peak_rss_mb"], 2)
         run["time_vs_whole_group"] = round(run["step_s"] / baseline["step_s"], 2)
-    result = {"model": args.model, "group": f"{args.group} completions x {args.tokens} tokens, prompt 64",
-              "runs": runs}
-    out = write_results("micro_batches.json", result)
+    result = {"model": args.model, "groups": args.groups, "pack_groups": args.pack_groups,
+              "group": f"{args.group} completions x {args.tokens} tokens, prompt 64", "runs": runs}
+    out = write_results("micro_batches.json" if args.groups == 1 else f"micro_batches-{args.model}-{args.groups}-groups.json",
+                        result)
     print(out.read_text())
 
 

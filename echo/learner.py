@@ -12,7 +12,7 @@ import torch
 from echo.algorithms.grpo import ImportanceStats, LossStats, grpo_loss, group_advantages, importance_weights
 from echo.config import EchoConfig
 from echo.devices import autocast, model_device
-from echo.policy import group_logprobs
+from echo.policy import packed_logprobs
 from echo.protocol import RolloutGroup
 
 
@@ -29,26 +29,48 @@ class PassStats(NamedTuple):
     entropy: float
 
 
-def micro_batches(prompt_len: int, lengths: list[int], budget: int) -> list[list[int]]:
-    """A group's completions (by index, in order) packed into forwards of at most `budget`
-    tokens: the shared prompt once plus each row padded to the longest in its forward. A
-    completion that alone exceeds the budget gets a forward of its own. budget 0: one forward."""
+# A pass: the completions one forward and backward takes, as (group index, completion rows).
+Pass = list[tuple[int, list[int]]]
+
+
+def micro_batches(groups: list[tuple[int, list[int]]], budget: int, share: bool = True) -> list[Pass]:
+    """Completions of (prompt length, completion lengths) groups packed, in order, into passes of
+    at most `budget` tokens: each prompt in the pass once, padded to the longest, plus each
+    completion padded to the longest. With `share`, completions of several groups share a pass
+    (fewer, larger forwards: on a GPU a small model's forward costs its kernel launches, not its
+    arithmetic); without, a pass holds one group's. A completion that alone exceeds the budget
+    gets a pass of its own. budget 0: a group per pass, however long."""
     if budget <= 0:
-        return [list(range(len(lengths)))]
-    batches, current, longest = [], [], 0
-    for i, n in enumerate(lengths):
-        if current and prompt_len + (len(current) + 1) * max(longest, n) > budget:
-            batches.append(current)
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, n)
-    return batches + [current]
+        return [[(g, list(range(len(lengths))))] for g, (_, lengths) in enumerate(groups)]
+    passes: list[Pass] = []
+    current: Pass = []
+    prompts = longest_prompt = longest = rows = 0
+    for g, (prompt_len, lengths) in enumerate(groups):
+        for i, n in enumerate(lengths):
+            new_prompt = not current or current[-1][0] != g
+            cost = (prompts + new_prompt) * max(longest_prompt, prompt_len) + (rows + 1) * max(longest, n)
+            if current and (cost > budget or (new_prompt and not share)):
+                passes.append(current)
+                current, prompts, longest_prompt, longest, rows = [], 0, 0, 0, 0
+            if current and current[-1][0] == g:
+                current[-1][1].append(i)
+            else:
+                current.append((g, [i]))
+                prompts += 1
+            longest_prompt, longest, rows = max(longest_prompt, prompt_len), max(longest, n), rows + 1
+    return passes + [current]
 
 
-def step_passes(batch: list[tuple[RolloutGroup, list[float]]], budget: int) -> list[tuple[int, list[int]]]:
-    """A step's forward/backward passes, in order: (group index, completion rows) per micro-batch."""
-    return [(g, rows) for g, (group, _) in enumerate(batch)
-            for rows in micro_batches(len(group.prompt_token_ids), [len(c.token_ids) for c in group.completions], budget)]
+def step_passes(batch: list[tuple[RolloutGroup, list[float]]], budget: int, share: bool = True) -> list[Pass]:
+    """A step's forward/backward passes, in order."""
+    return micro_batches([(len(group.prompt_token_ids), [len(c.token_ids) for c in group.completions])
+                          for group, _ in batch], budget, share)
+
+
+def shares_passes(pack_groups: str, device: torch.device) -> bool:
+    """`trainer.pack_groups`: auto packs on a GPU, where it saves launches; on a CPU the forward
+    is arithmetic-bound and a larger pass only costs memory (bench/micro_batches.py)."""
+    return device.type == "cuda" if pack_groups == "auto" else pack_groups == "on"
 
 
 def rank_passes(passes: list, rank: int, world: int) -> list:
@@ -63,10 +85,11 @@ def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]],
                stop: threading.Event | None = None, compute_dtype: torch.dtype = torch.float32,
                rank: int = 0, world: int = 1) -> dict:
     """One optimizer step over (group, rewards) pairs. The loss is the token mean over the whole
-    batch; each group is forwarded and backpropagated on its own, or in micro-batches of its
-    completions under `trainer.micro_batch_tokens` (gradients accumulate: the same step, in less
-    memory). `stop`, set from another thread, abandons the step between passes (StepAbandoned):
-    a trainer told to stop does not finish a long step first.
+    batch; its completions are forwarded and backpropagated in passes of at most
+    `trainer.micro_batch_tokens` tokens, several short groups in one pass or a long group over
+    several (gradients accumulate: the same step, in fewer launches or less memory), or a group
+    a pass with the budget 0. `stop`, set from another thread, abandons the step between passes
+    (StepAbandoned): a trainer told to stop does not finish a long step first.
 
     On `world` ranks (a sharded model) each rank runs its share of the passes; their gradients
     add up to the whole step's (each pass divides by the whole batch's tokens). The statistics
@@ -81,7 +104,7 @@ def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]],
     tcfg = cfg.trainer
     device = model_device(policy)
     total_tokens = sum(len(c.token_ids) for g, _ in batch for c in g.completions)
-    passes = rank_passes(step_passes(batch, tcfg.micro_batch_tokens), rank, world)
+    passes = rank_passes(step_passes(batch, tcfg.micro_batch_tokens, shares_passes(tcfg.pack_groups, device)), rank, world)
     started = time.perf_counter()
     policy.train()
     optimizer.zero_grad(set_to_none=True)
@@ -93,8 +116,7 @@ def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]],
         if this is None:
             _empty_pass(policy, cfg, pad_id, device, compute_dtype)
             continue
-        group, rewards = batch[this[0]]
-        stats = _pass(policy, cfg, pad_id, device, compute_dtype, group, rewards, this[1], total_tokens)
+        stats = _pass(policy, cfg, pad_id, device, compute_dtype, [(*batch[g], rows) for g, rows in this], total_tokens)
         loss_sum += stats.loss_value
         per_pass.append(stats)
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], tcfg.max_grad_norm)
@@ -143,27 +165,30 @@ def merge_stats(parts: list[dict]) -> dict:
     }
 
 
-def _pass(policy, cfg: EchoConfig, pad_id: int, device, compute_dtype, group: RolloutGroup, rewards: list[float],
-          rows: list[int], normalizer: int) -> PassStats:
-    """Forward and backward over some of a group's completions (all share its prompt)."""
+def _pass(policy, cfg: EchoConfig, pad_id: int, device, compute_dtype,
+          segments: list[tuple[RolloutGroup, list[float], list[int]]], normalizer: int) -> PassStats:
+    """Forward and backward over some completions of some groups: (group, rewards, rows) each."""
     tcfg = cfg.trainer
-    completions = [group.completions[i].token_ids for i in rows]
-    advantages = group_advantages(torch.tensor(rewards, device=device))[rows]  # over the whole group
-    logprobs, mask, entropy, ref_logprobs = _forward(policy, cfg, pad_id, device, compute_dtype,
-                                                     group.prompt_token_ids, completions)
+    prompts = [group.prompt_token_ids for group, _, _ in segments]
+    claimed = [group.completions[i] for group, _, rows in segments for i in rows]
+    owners = [j for j, (_, _, rows) in enumerate(segments) for _ in rows]
+    # Advantages over each whole group, whichever of its completions this pass takes.
+    advantages = torch.cat([group_advantages(torch.tensor(rewards, device=device))[rows] for _, rewards, rows in segments])
+    logprobs, mask, entropy, ref_logprobs = _forward(policy, cfg, pad_id, device, compute_dtype, prompts,
+                                                     [c.token_ids for c in claimed], owners)
     behaviour = torch.zeros(logprobs.shape)
-    for i, row in enumerate(rows):
-        claimed = group.completions[row].logprobs
-        behaviour[i, : len(claimed)] = torch.tensor(claimed)
+    for i, completion in enumerate(claimed):
+        behaviour[i, : len(completion.logprobs)] = torch.tensor(completion.logprobs)
     old_logprobs = logprobs.detach()
     weights, is_stats = importance_weights(old_logprobs, behaviour.to(device), mask, tcfg.is_cap, tcfg.is_level)
     loss, loss_stats = grpo_loss(logprobs, old_logprobs, advantages, mask, tcfg.clip_eps, normalizer, weights,
                                  ref_logprobs, tcfg.kl_coef)
     loss.backward()
-    return PassStats(int(mask.sum()), len(rows), loss.item(), loss_stats, is_stats, float(entropy[mask].mean()))
+    return PassStats(int(mask.sum()), len(claimed), loss.item(), loss_stats, is_stats, float(entropy[mask].mean()))
 
 
-def _forward(policy, cfg: EchoConfig, pad_id: int, device, compute_dtype, prompt, completions: list):
+def _forward(policy, cfg: EchoConfig, pad_id: int, device, compute_dtype, prompts: list, completions: list,
+             owners: list[int]):
     """Log-probs, mask and entropy of completions, and the reference's log-probs (KL on). Every
     pass calls the model alike (a reference forward with KL on; at least two completion
     positions, so a prompt call and a completion call): see rank_passes."""
@@ -172,15 +197,16 @@ def _forward(policy, cfg: EchoConfig, pad_id: int, device, compute_dtype, prompt
         if cfg.trainer.kl_coef > 0:
             # The reference is the base model: the same weights with the adapter switched off.
             with torch.no_grad(), policy.disable_adapter():
-                ref_logprobs, _, _ = group_logprobs(policy, prompt, completions, temperature, pad_id, min_length=2)
-        logprobs, mask, entropy = group_logprobs(policy, prompt, completions, temperature, pad_id, min_length=2)
+                ref_logprobs, _, _ = packed_logprobs(policy, prompts, completions, owners, temperature, pad_id,
+                                                     min_length=2)
+        logprobs, mask, entropy = packed_logprobs(policy, prompts, completions, owners, temperature, pad_id, min_length=2)
     return logprobs, mask, entropy, ref_logprobs
 
 
 def _empty_pass(policy, cfg: EchoConfig, pad_id: int, device, compute_dtype) -> None:
     """A pass shaped like a real one whose gradient is zero: a rank with fewer passes than
     another still joins every collective of theirs."""
-    logprobs, _, _, ref_logprobs = _forward(policy, cfg, pad_id, device, compute_dtype, [pad_id], [[pad_id]])
+    logprobs, _, _, ref_logprobs = _forward(policy, cfg, pad_id, device, compute_dtype, [[pad_id]], [[pad_id]], [0])
     (logprobs.sum() * 0.0).backward()
 
 

@@ -153,33 +153,49 @@ def check_tensors(expected: dict[str, torch.Size], incoming: dict[str, torch.Ten
 
 def group_logprobs(model, prompt_ids, completions: list, temperature: float, pad_id: int,
                    min_length: int = 1):
-    """Per-token log-probs [G, C] of a group's completions (arrays or lists of token ids;
-    right-padded to at least `min_length`), their mask [G, C], and the sampling distribution's
-    entropy at each position [G, C] (no gradient).
+    """Per-token log-probs [G, C] of one group's completions, their mask and entropy: see
+    packed_logprobs (one prompt, which every completion continues)."""
+    return packed_logprobs(model, [prompt_ids], completions, [0] * len(completions), temperature, pad_id, min_length)
 
-    The prompt is shared by the whole group, so it goes through the model once; its key/value
-    cache is repeated for each completion. Gradients flow through the cache into the prompt's
-    forward, so this equals running every prompt + completion separately, at a fraction of the
-    cost when prompts are long (the tests check it against the sampler's own log-probs)."""
-    group, prompt_len = len(completions), len(prompt_ids)
-    length = max(min_length, *(len(c) for c in completions))
+
+def packed_logprobs(model, prompts: list, completions: list, owners: list[int], temperature: float, pad_id: int,
+                    min_length: int = 1):
+    """Per-token log-probs [R, C] of completions (arrays or lists of token ids; right-padded to at
+    least `min_length`), their mask [R, C], and the sampling distribution's entropy at each
+    position [R, C] (no gradient). Completion r continues prompt `owners[r]`.
+
+    Two model calls, however many prompts: the prompts (left-padded to the longest) go through
+    the model once, and each completion attends to its own prompt's key/value cache. Gradients
+    flow through the cache into the prompts' forward, so this equals running every prompt +
+    completion separately (the tests check it, and against the sampler's own log-probs), at a
+    fraction of the cost: a group's prompt runs once, not once per completion, and many short
+    groups share the two calls instead of making two each (on a GPU a call of a small model
+    costs its kernel launches, not its arithmetic)."""
+    rows, length = len(completions), max(min_length, *(len(c) for c in completions))
     device = model_device(model)
-    ids = torch.full((group, length), pad_id, dtype=torch.long)
-    mask = torch.zeros((group, length), dtype=torch.bool)
+    prompt_lengths = torch.tensor([len(p) for p in prompts])
+    prompt_ids = torch.full((len(prompts), int(prompt_lengths.max())), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros(prompt_ids.shape, dtype=torch.long)
+    for j, prompt in enumerate(prompts):
+        prompt_ids[j, prompt_ids.shape[1] - len(prompt):] = torch.from_numpy(np.asarray(prompt, dtype=np.int64))
+        prompt_mask[j, prompt_ids.shape[1] - len(prompt):] = 1
+    ids = torch.full((rows, length), pad_id, dtype=torch.long)
+    mask = torch.zeros((rows, length), dtype=torch.bool)
     for i, completion in enumerate(completions):
         ids[i, : len(completion)] = torch.from_numpy(np.asarray(completion, dtype=np.int64))
         mask[i, : len(completion)] = True
-    ids, mask = ids.to(device), mask.to(device)
-    prompt_ids = torch.from_numpy(np.asarray(prompt_ids, dtype=np.int64))[None].to(device)
-    prompt = model(input_ids=prompt_ids, use_cache=True, logits_to_keep=1)
+    owner = torch.tensor(owners, device=device)
+    ids, mask, prompt_ids, prompt_mask = ids.to(device), mask.to(device), prompt_ids.to(device), prompt_mask.to(device)
+    # Left padding: a prompt's positions count from its first real token.
+    prompt = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0),
+                   use_cache=True, logits_to_keep=1)
     cache = prompt.past_key_values
-    cache.batch_repeat_interleave(group)
-    # Completion token t is predicted at position t - 1: the first by the prompt's last position.
-    first = prompt.logits[:, -1:].expand(group, 1, -1)
+    cache.batch_select_indices(owner)  # each completion's own prompt's keys and values
+    # Completion token t is predicted at position t - 1: the first by its prompt's last position.
+    first = prompt.logits[owner, -1:]
     if length > 1:
-        attention = torch.cat([torch.ones((group, prompt_len), dtype=torch.long, device=device), mask[:, :-1].long()],
-                              dim=1)
-        positions = torch.arange(prompt_len, prompt_len + length - 1, device=device).expand(group, -1)
+        attention = torch.cat([prompt_mask[owner], mask[:, :-1].long()], dim=1)
+        positions = prompt_lengths.to(device)[owner, None] + torch.arange(length - 1, device=device)
         rest = model(
             input_ids=ids[:, :-1], attention_mask=attention, position_ids=positions, past_key_values=cache
         ).logits

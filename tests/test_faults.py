@@ -106,7 +106,7 @@ class StopAtCheck(threading.Event):
 
 
 def test_a_step_told_to_stop_is_abandoned_between_passes_and_leaves_the_policy_as_it_was(tmp_path):
-    cfg = tiny_config(tmp_path)
+    cfg = tiny_config(tmp_path, trainer={"micro_batch_tokens": 0})  # a group a pass: three passes
     base, tokenizer = load_model("tiny")
     policy = make_policy(base, cfg.lora)
     with torch.no_grad():  # a non-zero adapter, so an update shows in every tensor

@@ -9,7 +9,7 @@ from echo.algorithms.grpo import token_logprobs
 from echo.config import LoraConfig, SamplingConfig
 from echo.engines.hf import HFEngine
 from echo.models import base_model_digest, load_model
-from echo.policy import WeightsMismatch, group_logprobs, make_policy, tensors_from_buffer, weights_shards
+from echo.policy import WeightsMismatch, group_logprobs, make_policy, packed_logprobs, tensors_from_buffer, weights_shards
 
 SAMPLING = SamplingConfig(group_size=4, max_new_tokens=12, temperature=0.7)
 
@@ -140,11 +140,16 @@ def test_behaviour_logprobs_match_the_trainers(engines):
             assert (g.token_ids[-1] == engine.tokenizer.eos_token_id) == (g.finish_reason == "stop")
 
 
-def test_shared_prompt_logprobs_and_gradients_equal_separate_sequences(engines):
-    """The prefix-shared forward must be exactly the per-sequence computation, gradients included."""
+@pytest.mark.parametrize("questions, owners", [
+    (["What is 4 + 4?"], [0, 0, 0]),  # one group
+    (["What is 4 + 4?", "Add 123 and 4567, then say why."], [0, 1, 0]),  # two; the shorter is padded
+], ids=["one-prompt", "packed-prompts"])
+def test_shared_prompt_logprobs_and_gradients_equal_separate_sequences(engines, questions, owners):
+    """The prefix-shared forward (prompts left-padded to the longest, each completion on its own
+    prompt's cache) must be exactly the per-sequence computation, gradients included."""
     engine, _ = engines
     model, pad = engine.model, engine.tokenizer.pad_token_id
-    prompt = engine.encode_chat([{"role": "user", "content": "What is 4 + 4?"}])
+    prompts = [engine.encode_chat([{"role": "user", "content": q}]) for q in questions]
     completions = [[65, 66, 67, 258], [68], [69, 70]]  # ragged, one of length 1
 
     def grads():
@@ -153,10 +158,11 @@ def test_shared_prompt_logprobs_and_gradients_equal_separate_sequences(engines):
         return out
 
     model.zero_grad()
-    shared, mask, _ = group_logprobs(model, prompt, completions, 0.7, pad)
+    shared, mask, _ = packed_logprobs(model, prompts, completions, owners, 0.7, pad)
     (shared * mask).sum().backward()
     shared_grads = grads()
     for row, completion in enumerate(completions):  # the reference: one plain forward per sequence
+        prompt = prompts[owners[row]]
         ids = torch.tensor([prompt + completion])
         alone = token_logprobs(model(input_ids=ids).logits[:, len(prompt) - 1 : -1], ids[:, len(prompt) :], 0.7)
         assert torch.allclose(alone[0], shared[row, : len(completion)].detach(), atol=1e-5)
