@@ -118,10 +118,15 @@ def _better(a: Plan, b: Plan | None) -> bool:
     return (a.cost_per_step, len(a.active)) < (b.cost_per_step - TOLERANCE, len(b.active))
 
 
-def cheapest(learner: Learner, workers: list[Worker], target: float) -> Plan:
+def cheapest(learner: Learner, workers: list[Worker], target: float, keep: tuple[str, ...] = (),
+             margin: float = 0.0) -> Plan:
     """The set of workers that reaches `target` utilisation at the lowest cost per step (every
     subset up to EXACT_UP_TO workers; greedy beyond). If no set reaches it, the one that comes
-    closest, with `reached` False: not enough throughput at any cost."""
+    closest, with `reached` False: not enough throughput at any cost.
+
+    Hysteresis: the set `keep` (the one chosen before, those of it still here) stays while it
+    reaches the target at no more than (1 + margin) times the cheapest set's cost per step, so
+    that measured rates wobbling about a tie do not swap samplers back and forth."""
     if not 0 < target <= 1:
         raise ValueError(f"target utilisation {target}: between 0 (excluded) and 1")
     if len(workers) <= EXACT_UP_TO:
@@ -134,7 +139,14 @@ def cheapest(learner: Learner, workers: list[Worker], target: float) -> Plan:
         best = best or _evaluate(learner, [], target, exact=True)
     else:
         best = _greedy(learner, workers, target)
-    return replace(best, reasons=_reasons(learner, workers, best, target))
+    standby = f"standby: the target {target:.0%} is reached at lower cost without it"
+    if kept := [w for w in workers if w.id in keep]:
+        current = _evaluate(learner, kept, target, best.exact)
+        if (current.reached and best.reached and current.active != best.active
+                and current.cost_per_step <= best.cost_per_step * (1 + margin) + TOLERANCE):
+            best = current
+            standby = f"standby: the active set reaches the target {target:.0%} within {margin:.0%} of the cheapest's cost"
+    return replace(best, reasons=_reasons(learner, workers, best, target, standby))
 
 
 def _greedy(learner: Learner, workers: list[Worker], target: float) -> Plan:
@@ -155,7 +167,7 @@ def _greedy(learner: Learner, workers: list[Worker], target: float) -> Plan:
     return _evaluate(learner, chosen, target, exact=False)
 
 
-def _reasons(learner: Learner, workers: list[Worker], plan: Plan, target: float) -> dict[str, str]:
+def _reasons(learner: Learner, workers: list[Worker], plan: Plan, target: float, standby: str) -> dict[str, str]:
     reasons = {}
     for w in workers:
         late = w.sync_s + w.call_s
@@ -168,7 +180,7 @@ def _reasons(learner: Learner, workers: list[Worker], plan: Plan, target: float)
         elif not plan.reached:
             reasons[w.id] = "not in the set that comes closest to the target"
         else:
-            reasons[w.id] = f"standby: the target {target:.0%} is reached at lower cost without it"
+            reasons[w.id] = standby
     return reasons
 
 

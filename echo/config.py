@@ -135,6 +135,9 @@ class SchedulerConfig(_Section):
     target_utilisation: float = Field(0.9, gt=0, le=1)  # the learner's busy share to reach at the lowest cost
     every_s: float = Field(5.0, gt=0)  # how often the trainer reads the registry
     drift: float = Field(0.25, ge=0)  # a sampler's measured rate moving by more than this fraction: choose again
+    # Choosing again keeps the active set while it still reaches the target at no more than
+    # (1 + switch_margin) times the cheapest set's cost per step: no swapping on a near tie.
+    switch_margin: float = Field(0.1, ge=0)
 
 
 class NatsConfig(_Section):

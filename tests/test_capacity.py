@@ -65,6 +65,22 @@ def test_a_cheap_slow_worker_only_helps_at_a_larger_staleness_bound():
     assert not plans[4].reached  # on-policy, the learner always waits for a sync and a call
 
 
+def test_the_active_set_is_kept_while_it_reaches_the_target_within_the_switch_margin():
+    # Any two of three keep the learner busy (as above); b + c is cheapest at 3 an hour.
+    learner = Learner(step_s=2, groups_per_step=4, max_staleness=2)
+    a, b, c = (Worker(name, 1.0, 0.5, 1.0, cost) for name, cost in [("a", 3.2), ("b", 1.0), ("c", 3.0)])
+    assert set(cheapest(learner, [a, b, c], 1.0).active) == {"b", "c"}  # 4.0 an hour; a + b: 4.2
+    # a + b costs 4.2 against 4.0: within 10%, kept; within 1%, not.
+    kept = cheapest(learner, [a, b, c], 1.0, keep=("a", "b"), margin=0.1)
+    assert set(kept.active) == {"a", "b"} and kept.reasons["c"].startswith("standby: the active set reaches")
+    assert set(cheapest(learner, [a, b, c], 1.0, keep=("a", "b"), margin=0.01).active) == {"b", "c"}
+    # A kept set that does not reach the target is not kept, whatever the margin: one of it
+    # left (a alone is 50% busy), or its rates fell.
+    assert set(cheapest(learner, [a, b, c], 1.0, keep=("a",), margin=10.0).active) == {"b", "c"}
+    slow_a = replace(a, groups_per_s=0.2)
+    assert set(cheapest(learner, [slow_a, b, c], 1.0, keep=("a", "b"), margin=10.0).active) == {"b", "c"}
+
+
 def test_beyond_a_dozen_workers_a_greedy_plan_reaches_the_target_with_the_cheapest():
     learner = Learner(step_s=2, groups_per_step=6, max_staleness=2)
     workers = [Worker(f"w{i:02d}", 1.0, 0.5, 1.0, cost_per_hour=1.0 + i) for i in range(14)]

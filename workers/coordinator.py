@@ -50,7 +50,9 @@ class Coordinator:
         if why is None or not workers:
             return
         learner = Learner(pace.step_s, pace.groups_per_step, pace.max_staleness)
-        plan = cheapest(learner, list(workers.values()), self.cfg.scheduler.target_utilisation)
+        scheduler = self.cfg.scheduler
+        active = tuple(w for w in self.used if w not in self.standby)  # the set chosen before
+        plan = cheapest(learner, list(workers.values()), scheduler.target_utilisation, active, scheduler.switch_margin)
         self.used = workers
         self.standby.clear()
         self.standby.update(set(workers) - set(plan.active))
