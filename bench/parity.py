@@ -262,6 +262,7 @@ def main() -> None:
             runs = [run_summary(c, 2, mode) for c in configs]
             for run, run_dir in zip(runs, run_dirs):
                 run["held_out_reward"], run["held_out_correct"] = held_out.score_run(run_dir)
+                run["overrides"] = args.set  # seeds added later may have run with others
             runs = earlier_runs + runs
             results["modes"][mode] = {"runs": runs, **{key: _spread([r[key] for r in runs]) for key in (
                 "held_out_reward", "held_out_correct", "seconds_per_step", "learner_busy", "sampler_busy",
