@@ -232,25 +232,25 @@ def main() -> None:
                         "from the results file")
     parser.add_argument("--out", default=str(results_dir()))
     args = parser.parse_args()
-    out = Path(args.out)
+    path = Path(args.out) / f"parity-{args.preset}.json"
     if args.report:
-        return report(out / f"parity-{args.preset}.json")
+        return report(path)
     preset = dict(PRESETS[args.preset], **{k: v for k, v in (("seeds", args.seeds), ("parallel", args.parallel)) if v})
     modes = args.modes.split(",")
     if unknown := set(modes) - set(MODES):
         parser.error(f"--modes: unknown {sorted(unknown)}; known: {list(MODES)}")
 
-    out.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    seeds = range(args.first_seed, args.first_seed + preset["seeds"])
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work_dir or tmp)
         (work / "logs").mkdir(parents=True, exist_ok=True)
         results = {"preset": args.preset, "model": preset["model"], "steps": preset["steps"],
                    "seeds": preset["seeds"], "task": TASK, "machine": machine(), "note": preset["note"], "modes": {}}
         if args.add:
-            results = add_to(out / f"parity-{args.preset}.json", results)
+            results = add_to(path, results)
         started, held_out, earlier_seconds = time.monotonic(), None, results.get("seconds", 0)
         for mode in modes:
-            seeds = range(args.first_seed, args.first_seed + preset["seeds"])
             earlier_runs = results["modes"].get(mode, {}).get("runs", [])
             if repeated := sorted({r["seed"] for r in earlier_runs} & set(seeds)):
                 parser.error(f"{mode}: seeds {repeated} already in the results (--first-seed)")
@@ -269,9 +269,9 @@ def main() -> None:
                 "wasted_token_fraction")}}
             results["seconds"] = earlier_seconds + round(time.monotonic() - started)
             # After each mode: a run cut short keeps what it measured.
-            write(results, out / f"parity-{args.preset}.json")
+            write(results, path)
             print(mode, f"{results['seconds']} s", flush=True)
-    report(out / f"parity-{args.preset}.json")
+    show(results, path)
 
 
 def write(results: dict, path: Path) -> None:
@@ -281,8 +281,13 @@ def write(results: dict, path: Path) -> None:
 
 
 def report(path: Path) -> None:
+    """The results file's verdict computed again (as this code judges), its PNG and table."""
     results = orjson.loads(path.read_bytes())
     write(results, path)
+    show(results, path)
+
+
+def show(results: dict, path: Path) -> None:
     plot(results, path.with_suffix(".png"))
     print(table(results))
 

@@ -52,7 +52,7 @@ def micro_batches(groups: list[tuple[int, list[int]]], budget: int, share: bool 
             if current and (cost > budget or (new_prompt and not share)):
                 passes.append(current)
                 current, prompts, longest_prompt, longest, rows = [], 0, 0, 0, 0
-            if current and current[-1][0] == g:
+            if current and not new_prompt:
                 current[-1][1].append(i)
             else:
                 current.append((g, [i]))
