@@ -48,8 +48,7 @@ def one_step(model: str, groups: int, group: int, tokens: int, budget: int, repe
     import torch
 
     from echo.config import validate_config
-    from echo.devices import model_device
-    from echo.learner import make_optimizer, shares_passes, step_passes, train_step
+    from echo.learner import make_optimizer, train_step
     from echo.models import load_model
     from echo.policy import make_policy
 
@@ -63,10 +62,9 @@ def one_step(model: str, groups: int, group: int, tokens: int, budget: int, repe
     seconds = []
     for _ in range(repeats):
         started = time.perf_counter()
-        train_step(policy, optimizer, batch, cfg, tokenizer.pad_token_id)
+        stats = train_step(policy, optimizer, batch, cfg, tokenizer.pad_token_id)
         seconds.append(time.perf_counter() - started)
-    passes = step_passes(batch, budget, shares_passes(pack_groups, model_device(policy)))
-    return {"budget": budget, "passes": len(passes), "step_s": round(min(seconds), 3),
+    return {"budget": budget, "passes": stats["passes"], "step_s": round(min(seconds), 3),
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
             "before_step_rss_mb": round(before / 1024)}
 

@@ -143,6 +143,7 @@ def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]],
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
         "tokens": tokens,
         "sequences": sequences,
+        "passes": len(per_pass),
         "train_seconds": time.perf_counter() - started,
     }
 
@@ -161,6 +162,7 @@ def merge_stats(parts: list[dict]) -> dict:
         "loss": sum(p["loss"] for p in parts),
         "tokens": tokens,
         "sequences": sequences,
+        "passes": sum(p["passes"] for p in parts),
         "train_seconds": max(p["train_seconds"] for p in parts),
     }
 

@@ -63,8 +63,8 @@ def test_a_micro_batched_step_is_the_whole_batch_step(tmp_path):
         policy = copy.deepcopy(start)
         stats.append(train_step(policy, make_optimizer(policy, cfg), batch, cfg, tokenizer.pad_token_id))
         policies.append(policy)
-    assert len(step_passes(batch, len(batch[0][0].prompt_token_ids) + 30)) > 2  # it did split the groups
-    assert len(step_passes(batch, 10_000)) == 1  # and packed them
+    assert [s["passes"] for s in stats] == [2, len(step_passes(batch, len(batch[0][0].prompt_token_ids) + 30)), 1]
+    assert stats[1]["passes"] > 2  # it did split the groups, and packed them in one pass
     whole, *others = ([p.detach() for p in policy.parameters() if p.requires_grad] for policy in policies)
     for other, other_stats in zip(others, stats[1:]):
         assert all(torch.allclose(a, b, atol=1e-6, rtol=0) for a, b in zip(whole, other))
