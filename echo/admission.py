@@ -97,6 +97,12 @@ class GrantLedger:
         self._lost += leases
         return leases
 
+    def revoke(self, leases: list[int]) -> None:
+        """Granted leases never handed over (the grant could not be recorded): they are lost."""
+        for lease in leases:
+            del self.outstanding[lease]
+        self._lost += leases
+
     def take_lost(self) -> list[int]:
         """The leases lost since the last call."""
         lost, self._lost = self._lost, []

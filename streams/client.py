@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from dataclasses import dataclass
@@ -106,7 +107,10 @@ class Run:
         # Every publish here is awaited for its ack already, so there is nothing to drain.
         for nc in (self.weights_nc, self.nc):
             if nc is not None:
-                await nc.close()
+                # With the server gone, nats-py 2.16 flushes what it buffered meanwhile onto the
+                # lost connection and raises; the client is closed all the same.
+                with contextlib.suppress(ConnectionError):
+                    await nc.close()
 
 
 class _WritesThroughDomain:

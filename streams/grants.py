@@ -27,6 +27,9 @@ async def serve_grants(run: Run, decide: Decide):
         except ProtocolError as e:
             log.warning("grant.bad_request", sampler=sampler_id, reason=str(e))
             grant = Grant()
+        except Exception:  # a defect of ours: said with its traceback, and the sampler still answered
+            log.exception("grant.failed", sampler=sampler_id)
+            grant = Grant()
         await msg.respond(encode(grant))
 
     return await run.nc.subscribe(run.names.all_grants, cb=on_request)

@@ -46,11 +46,30 @@ class Lease:
             try:
                 self.revision = await self.run.state.update(TRAINER_KEY, encode(self.lease), last=self.revision)
             except KeyWrongLastSequenceError:
+                if await self._still_ours():
+                    continue
                 self.lost = AnotherTrainer(f"run {self.run.names.run_id}: another trainer took over epoch {self.epoch}")
                 log.error("trainer.fenced_out", epoch=self.epoch)
                 return
             except BROKER_ERRORS as e:
                 log.warning("trainer.lease_renewal_failed", epoch=self.epoch, error=repr(e))
+
+    async def _still_ours(self) -> bool:
+        """The key moved under a renewal: it is still this lease when its value is ours (a renewal
+        that timed out here was applied after all, or a broker killed mid-write came back with an
+        older revision); another trainer would have written the next epoch. Takes its revision."""
+        try:
+            entry = await self.run.state.get(TRAINER_KEY)
+        except KeyNotFoundError:  # the run's state is not what this trainer knew
+            return False
+        except BROKER_ERRORS as e:  # not known yet: the next renewal asks again
+            log.warning("trainer.lease_renewal_failed", epoch=self.epoch, error=repr(e))
+            return True
+        if decode(TrainerLease, entry.value) != self.lease:
+            return False
+        log.warning("trainer.lease_revision_moved", epoch=self.epoch, expected=self.revision, found=entry.revision)
+        self.revision = entry.revision
+        return True
 
     def check(self) -> None:
         """Raise if another trainer took the run: this one must not publish any more."""

@@ -2,14 +2,15 @@
 granting work to samplers that race for it on a real server."""
 
 import asyncio
+import signal
 import time
 
 from echo.admission import GrantLedger, Heartbeats, allowance, sampler_cap
 from echo.checkpoint import TrainerState
-from echo.protocol import SCHEMA_VERSION, GrantRequest
+from echo.protocol import GRANT_TIMEOUT_S, SCHEMA_VERSION, Grant, GrantRequest, decode, encode
 from streams.admission import leases_granted
 from streams.client import open_run
-from streams.grants import request_grant
+from streams.grants import request_grant, serve_grants
 from streams.lease import take_lease
 from tests.conftest import tiny_config
 from workers.trainer import Admission, PullRequests
@@ -150,6 +151,52 @@ def test_no_work_is_granted_until_min_samplers_have_asked(nats_server, tmp_path)
         assert (await orders.grant("early", asked)).groups == 0  # asking again does not count twice
         assert (await orders.grant("late", asked)).groups == 2
         assert (await orders.grant("early", asked)).groups == 2
+        await run.close()
+
+    asyncio.run(main())
+
+
+def test_a_grant_the_broker_cannot_record_hands_over_nothing_and_is_handed_out_again(nats_server, tmp_path):
+    """The count of leases granted is in KV so that a restarted trainer numbers on; with the
+    broker gone that write fails. Before, the leases stayed granted to a sampler that never got
+    the answer, shrinking the window for good. Now they are lost (handed out again) and the
+    sampler is told to ask again. A wait for groups meanwhile cannot read heartbeats: it
+    carries on waiting. And the run still closes (nats-py flushes the requests it buffered
+    meanwhile onto the lost connection, and raised)."""
+    cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "max_staleness": 0})
+
+    async def main():
+        run = await open_run(nats_server.url, "unrecorded", "trainer")
+        lease = await take_lease(run)
+        orders = Admission(run, cfg, TrainerState(), GrantLedger())
+        await orders.ask(0)
+        asked = GrantRequest(want=2, epoch=lease.epoch, version=0)
+        assert (await orders.grant("a", asked)).groups == 2
+        nats_server.process.send_signal(signal.SIGKILL)
+        nats_server.process.wait()
+        assert (await orders.grant("b", asked)).model_dump() == {
+            "schema_version": SCHEMA_VERSION, "leases": [], "more": True}
+        # b's grant was lease 3 (half the headroom left, two samplers asking): lost, not held
+        assert orders.ledger.holders() == {"a"} and orders.ledger.take_lost() == [3]
+        await orders.on_wait(2)  # waiting for groups meanwhile: a's heartbeat is unread, and that is no failure
+        assert orders.ledger.holders() == {"a"}
+        await run.close()
+
+    asyncio.run(main())
+
+
+def test_a_grant_that_fails_in_our_code_is_still_answered(nats_server):
+    """Nothing granted, at once: a sampler is not left to wait out its request's timeout."""
+
+    async def decide(sampler_id: str, request: GrantRequest):
+        raise RuntimeError("a defect")
+
+    async def main():
+        run = await open_run(nats_server.url, "failing", "trainer")
+        await serve_grants(run, decide)
+        reply = await run.nc.request(run.names.grants_subject("a"), encode(GrantRequest(want=1, epoch=1, version=0)),
+                                     timeout=GRANT_TIMEOUT_S)
+        assert decode(Grant, reply.data).groups == 0
         await run.close()
 
     asyncio.run(main())

@@ -20,11 +20,11 @@ from echo.engines.hf import HFEngine
 from echo.learner import StepAbandoned, make_optimizer, train_step
 from echo.models import load_model
 from echo.policy import make_policy
-from echo.protocol import WeightsAnnouncement, weights_object_name
+from echo.protocol import TRAINER_KEY, WeightsAnnouncement, encode, weights_object_name
 from echo.referee import Referee
 from echo.tasks import load_task
 from streams.client import LatestValue, open_run
-from streams.lease import take_lease
+from streams.lease import RENEW_S, AnotherTrainer, take_lease
 from streams.objects import put_object
 from streams.registry import put_status, read_statuses
 from streams.rollouts import trainer_subscription
@@ -190,6 +190,28 @@ def test_a_sampler_that_starts_following_weights_while_the_broker_is_down_waits_
         async with asyncio.timeout(30):
             await starting
         await announcements.stop()
+        await run.close()
+
+    asyncio.run(main())
+
+
+def test_a_trainer_keeps_its_lease_when_a_renewal_it_gave_up_on_was_applied(nats_server):
+    """Seen with the broker down 12 s: a renewal timed out here, nats-py sent it once the broker
+    was back, and the next renewal's compare-and-set failed; the trainer took that for another
+    trainer and stopped. The key holding this lease still is not a takeover; a later epoch is."""
+
+    async def main():
+        run = await open_run(nats_server.url, "renew", "trainer")
+        lease = await take_lease(run)
+        renewing = asyncio.create_task(lease.renew_forever())
+        await run.state.put(TRAINER_KEY, encode(lease.lease))  # the renewal given up on, applied
+        moved_to = (await run.state.get(TRAINER_KEY)).revision
+        await asyncio.sleep(2.5 * RENEW_S)
+        assert lease.lost is None and lease.revision > moved_to and not renewing.done()
+        await run.state.put(TRAINER_KEY, encode(lease.lease.model_copy(update={"epoch": lease.epoch + 1})))
+        async with asyncio.timeout(5 * RENEW_S):
+            await renewing
+        assert isinstance(lease.lost, AnotherTrainer)
         await run.close()
 
     asyncio.run(main())

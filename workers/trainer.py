@@ -256,7 +256,8 @@ class Quarantined:
         if self.strikes[sampler_id] > self.after and sampler_id not in self.samplers:
             why = f"{self.strikes[sampler_id]} strikes, the last {reason}"
             self.samplers[sampler_id] = why
-            await change_quarantine(self.run, lambda samplers: samplers.update({sampler_id: why}))
+            await until_done("quarantine", lambda: change_quarantine(
+                self.run, lambda samplers: samplers.update({sampler_id: why})))
             log.warning("sampler.quarantined", sampler=sampler_id, why=why)
 
 
@@ -289,7 +290,11 @@ class Orders:
         out again whatever was lost."""
         now = time.monotonic()
         for sampler_id in sorted(self.ledger.holders()):
-            revision, status = await heartbeat(self.run, sampler_id)
+            try:
+                revision, status = await heartbeat(self.run, sampler_id)
+            except BROKER_ERRORS as e:  # the broker restarting: the next wait reads them again
+                log.warning("orders.heartbeat_unread", sampler=sampler_id, reason=repr(e))
+                return
             self.heartbeats.observe(sampler_id, revision, now)
             stopped = status is not None and status.state == "draining"  # its last heartbeat: it abandoned them
             silent_s = self.heartbeats.silent_for(sampler_id, now)
@@ -303,7 +308,7 @@ class Orders:
         if lost:
             log.warning("orders.reissue", version=self.version, lost=len(lost), missing=missing)
             self.reissue_lost(lost)
-            await self.republish(missing)
+            await until_done("hand out lost work", lambda: self.republish(missing))
 
     async def grant(self, sampler_id: str, request: GrantRequest) -> Grant:
         """The answer to a sampler asking for work: none for a quarantined sampler or one running
@@ -320,7 +325,12 @@ class Orders:
             return Grant(more=True)
         leases, more = self.grant_work(sampler_id, request)
         if leases:
-            await record_leases_granted(self.run, self.ledger.issued)
+            try:
+                await record_leases_granted(self.run, self.ledger.issued)
+            except BROKER_ERRORS as e:  # a restarted trainer could number them again: not handed over
+                log.warning("orders.grant_unrecorded", sampler=sampler_id, leases=len(leases), reason=repr(e))
+                self.ledger.revoke(leases)
+                return Grant(more=True)
         return Grant(leases=leases, more=more)
 
 
