@@ -2,7 +2,9 @@
 
 Every subject, stream, bucket, header and message schema lives here; both sides import
 this module and nothing else about each other. Messages are JSON (orjson) validated by
-pydantic models; a message that does not match raises ProtocolError with a reason.
+pydantic models, except a rollout: its fields in JSON, then its token ids and log-probs as
+fixed-width arrays (encode_rollout). A message that does not match raises ProtocolError with a
+reason.
 """
 
 from __future__ import annotations
@@ -635,13 +637,13 @@ def subject_sampler(subject: str) -> str:
 def decode_rollout(data: bytes, headers: dict[str, str] | None, subject: str) -> RolloutGroup:
     """Decode a rollout message and check its subject and headers agree with its body. A
     sampler's credentials allow it only its own subject: a body naming another sampler is a
-    sampler impersonating another."""
+    sampler impersonating another. Every header is what its body makes: readers that go by
+    headers alone (replay's filters, JetStream's de-duplication) see what is trained."""
     group = _decode_group(data)
     if subject.split(".")[-2:] != ["rollouts", group.sampler_id]:
         raise ProtocolError("subject_mismatch", f"{group.sampler_id!r} published on {subject}")
     headers = headers or {}
-    if headers.get(HDR_POLICY_VERSION) != str(group.policy_version):
-        raise ProtocolError("header_mismatch", f"{HDR_POLICY_VERSION}={headers.get(HDR_POLICY_VERSION)!r}")
-    if headers.get(HDR_SAMPLER_ID) != group.sampler_id:
-        raise ProtocolError("header_mismatch", f"{HDR_SAMPLER_ID}={headers.get(HDR_SAMPLER_ID)!r}")
+    for name, value in rollout_headers(group).items():
+        if headers.get(name) != value:
+            raise ProtocolError("header_mismatch", f"{name}={headers.get(name)!r}, its body makes {value!r}")
     return group

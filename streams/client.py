@@ -270,12 +270,16 @@ async def publish_once(run: Run, subject: str, data: bytes) -> None:
 
 async def watch_forever(run: Run, key: str, on_value: Callable[[bytes], None]) -> None:
     """Call `on_value` with each value of the state bucket's `key` (the current one first),
-    forever: a watch that fails or ends (a broker restart can do either) is started again."""
+    forever: a watch that fails (a broker restarting) is started again, and a value `on_value`
+    refuses (ProtocolError) is said and skipped: the next good one counts."""
     while True:
         try:
             async for entry in await run.state.watch(key):
                 if entry is not None and entry.value:  # None: the end-of-history marker; b"": a delete
-                    on_value(entry.value)
+                    try:
+                        on_value(entry.value)
+                    except ProtocolError as e:
+                        log.warning("kv.bad_value", key=key, reason=str(e))
         except BROKER_ERRORS as e:
             log.warning("kv.watch_failed", key=key, reason=repr(e))
         await asyncio.sleep(1.0)

@@ -5,11 +5,14 @@ entry expires by itself."""
 
 from __future__ import annotations
 
+import structlog
 from nats.js.errors import KeyNotFoundError
 
 from echo.protocol import (LEARNER_KEY, SAMPLER_STATUS_PREFIX, LearnerStatus, ProtocolError, SamplerStatus, decode,
                            encode)
 from streams.client import Run, put_expiring
+
+log = structlog.get_logger()
 
 
 async def put_status(run: Run, status: SamplerStatus) -> None:
@@ -40,10 +43,19 @@ async def read_statuses(run: Run) -> list[SamplerStatus]:
     info = await run.js.stream_info(f"KV_{run.names.state_bucket}", subjects_filter=prefix + SAMPLER_STATUS_PREFIX + ">")
     statuses = []
     for subject in sorted(info.state.subjects or {}):
+        key = subject.removeprefix(prefix)
         try:
-            statuses.append(decode(SamplerStatus, (await run.state.get(subject.removeprefix(prefix))).value))
+            status = decode(SamplerStatus, (await run.state.get(key)).value)
         except KeyNotFoundError:  # deleted
             continue
+        except ProtocolError as e:  # one sampler's word: its bad heartbeat must not stop the readers
+            log.warning("registry.bad_status", key=key, reason=str(e))
+            continue
+        # A sampler writes its own key only (its credentials), but any value: not another's status.
+        if key != SAMPLER_STATUS_PREFIX + status.sampler_id:
+            log.warning("registry.misnamed_status", key=key, sampler=status.sampler_id)
+            continue
+        statuses.append(status)
     return statuses
 
 

@@ -76,11 +76,14 @@ async def rollout_body(js: JetStreamContext, names: RunNames, msg) -> bytes:
     sender, group_id = subject_sampler(msg.subject), headers.get(HDR_MSG_ID, "")
     try:
         count, size, digest = int(headers[HDR_BODY_PARTS]), int(headers[HDR_BODY_SIZE]), headers[HDR_BODY_SHA256]
-        subjects = [names.body_part_subject(sender, group_id, index) for index in range(count)]
     except (KeyError, ValueError) as e:
         raise ProtocolError("bad_body", f"a body in parts named badly: {e}") from None
-    if msg.data or not 0 < count <= MAX_BODY_PARTS:
+    if msg.data or not 0 < count <= MAX_BODY_PARTS:  # before naming the parts: a sender may claim billions
         raise ProtocolError("bad_body", f"{count} parts (1 to {MAX_BODY_PARTS}), and no data of its own")
+    try:
+        subjects = [names.body_part_subject(sender, group_id, index) for index in range(count)]
+    except ValueError as e:
+        raise ProtocolError("bad_body", f"a body in parts named badly: {e}") from None
     parts = []
     for subject in subjects:
         while True:

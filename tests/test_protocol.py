@@ -155,12 +155,14 @@ def test_bad_rollouts_are_rejected_with_a_reason(data, reason):
     assert e.value.reason == reason
 
 
-def test_headers_must_agree_with_the_body():
+@pytest.mark.parametrize("header", list(rollout_headers(make_group())))
+def test_every_header_must_agree_with_the_body(header):
     headers = rollout_headers(make_group())
-    headers[HDR_POLICY_VERSION] = "9"
+    decode_rollout(GOOD, headers, RunNames("r").rollouts_subject("s1"))
+    headers[header] += "9"
     with pytest.raises(ProtocolError) as e:
         decode_rollout(GOOD, headers, RunNames("r").rollouts_subject("s1"))
-    assert e.value.reason == "header_mismatch"
+    assert e.value.reason == "header_mismatch" and header in str(e.value)
 
 
 def test_the_subject_must_be_the_bodys_samplers():

@@ -23,7 +23,11 @@ from echo.protocol import (
     HDR_MSG_ID,
     HDR_POLICY_VERSION,
     HDR_SAMPLER_ID,
+    SAMPLER_STATUS_PREFIX,
+    SCHEDULE_KEY,
     TRAINER_CONSUMER,
+    SamplerStatus,
+    Schedule,
     WeightsAnnouncement,
     WeightsShard,
     encode,
@@ -38,6 +42,7 @@ from streams.objects import TransferError, get_object, put_object
 from streams.registry import put_status, read_statuses
 from streams.replay import read_rollouts
 from streams.rollouts import publish_rollout, rollout_body, trainer_subscription
+from streams.schedule import publish_schedule, watch_schedule
 from streams.server import NatsServer
 from streams.weights import WeightsFollower, fetch_weights, publish_weights
 from tests.conftest import TINY_BASE, tiny_config
@@ -102,13 +107,16 @@ def test_a_group_larger_than_a_message_travels_in_parts_and_bad_parts_are_refuse
         big = honest_group(texts=["x" * 30_000 + f"\\boxed{{{answer}}}", "y" * 30_000 + "\\boxed{999}"],
                            policy_version=5, group_id="big")
         assert len(encode_rollout(big)) > 4 * run.nc.max_payload
-        # Pointers that do not add up: parts that do not match the digest; a part missing; and s2
+        # Pointers that do not add up: parts that do not match the digest; a part missing; a
+        # billion parts; and s2
         # naming parts that s1 published (the trainer reads the subject's sampler's parts only).
         forged = honest_group(policy_version=5, group_id="forged")
         pointer = {**rollout_headers(forged), HDR_BODY_PARTS: "1", HDR_BODY_SIZE: "4", HDR_BODY_SHA256: "0" * 64}
         await run.js.publish(run.names.body_part_subject("s1", "forged", 0), b"junk")
         await run.js.publish(run.names.rollouts_subject("s1"), b"", headers=pointer)
         await run.js.publish(run.names.rollouts_subject("s1"), b"", headers={**pointer, HDR_MSG_ID: "forged2"})
+        await run.js.publish(run.names.rollouts_subject("s1"), b"", headers={  # refused before naming a billion parts
+            **pointer, HDR_MSG_ID: "forged3", HDR_BODY_PARTS: "1000000000"})
         stolen = encode_rollout(honest_group(policy_version=5, group_id="stolen", sampler_id="s2"))
         await run.js.publish(run.names.body_part_subject("s1", "stolen", 0), stolen)
         await run.js.publish(run.names.rollouts_subject("s2"), b"", headers={
@@ -119,10 +127,10 @@ def test_a_group_larger_than_a_message_travels_in_parts_and_bad_parts_are_refuse
         collector = Collector(sub, referee, 1, bodies=functools.partial(rollout_body, run.js, run.names))
         collected = await collector.collect(1, version=5)
         assert [a.group for a in collected.used] == [big] and collected.used[0].rewards == [1.0, 0.1]
-        assert collected.rejected == {"bad_body": 3}
+        assert collected.rejected == {"bad_body": 4}
         records = [r async for r in read_rollouts(server.url, "big")]
         assert [r["group"]["group_id"] for r in records if "group" in r] == ["big"]
-        assert sum("bad_body" in r.get("error", "") for r in records) == 3
+        assert sum("bad_body" in r.get("error", "") for r in records) == 4
         await run.close()
 
     with NatsServer(tmp_path / "js", max_payload="64KB") as server:
@@ -421,6 +429,40 @@ def test_weights_the_engine_refuses_are_tried_once_and_not_waited_on(nats_server
         assert sampler.version == 2
         await sampler.weights.stop()
         await sampler_run.close()
+        await run.close()
+
+    asyncio.run(main())
+
+
+def test_a_bad_or_misnamed_heartbeat_is_skipped_not_fatal(nats_server):
+    """A sampler's credentials let it write its own heartbeat key, with any value: garbage, or a
+    status naming another sampler. Readers (the scheduler, `echo-rl status`) skip both."""
+
+    async def main():
+        run = await open_run(nats_server.url, "beats", "trainer")
+        honest = SamplerStatus(sampler_id="s1", version=0, groups_published=0, weight_failures={}, updated_at=0.0)
+        await put_status(run, honest)
+        await run.state.put(SAMPLER_STATUS_PREFIX + "s2", b"junk")
+        await run.state.put(SAMPLER_STATUS_PREFIX + "s0", encode(honest))  # s0 speaking for s1
+        assert await read_statuses(run) == [honest]
+        await run.close()
+
+    asyncio.run(main())
+
+
+def test_a_bad_schedule_value_is_skipped_and_the_next_good_one_followed(nats_server):
+    async def main():
+        run = await open_run(nats_server.url, "schedule", "trainer")
+        seen = asyncio.Queue()
+        watching = asyncio.create_task(watch_schedule(run, seen.put_nowait))
+        await run.state.put(SCHEDULE_KEY, b"junk")
+        schedule = Schedule(active=["s1"], standby=["s2"], predicted_utilisation=0.5, cost_per_step=1.0, why="test",
+                            updated_at=0.0)
+        await publish_schedule(run, schedule)
+        async with asyncio.timeout(10):
+            assert await seen.get() == schedule
+        assert not watching.done()
+        watching.cancel()
         await run.close()
 
     asyncio.run(main())
