@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
 from echo.config import ConfigError
 
@@ -192,5 +192,8 @@ def load_model(name: str, device: torch.device | str = "cpu", dtype: torch.dtype
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    # None of the folder's generation defaults: transformers fills every field a caller leaves
+    # unset from them, and a repetition penalty, min_p or suppressed token would change what is
+    # sampled but not the log-probs an engine computes from the raw logits (nor the trainer's).
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     return model.eval(), tokenizer

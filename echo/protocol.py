@@ -29,12 +29,13 @@ from nats.js.api import (
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, ValidationInfo,
                       model_validator)
 
-SCHEMA_VERSION = 8  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
+SCHEMA_VERSION = 9  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
 # 4: the trainer grants work (GrantRequest/Grant), samplers no longer take it from KV;
 # 5: leases are numbered: a grant names them, a group carries the one it fulfils and its epoch;
 # 6: a group names the engine and precision that sampled it; 7: a sampler's heartbeat is its
 # registry entry (hardware, state, measured rates, sync times, cost, relay); 8: a rollout group's
-# token ids and log-probs travel as fixed-width binary arrays after its fields (encode_rollout)
+# token ids and log-probs travel as fixed-width binary arrays after its fields (encode_rollout);
+# 9: a pull request names the trainer's epoch (a resumed trainer asks for an older version)
 
 # Run and sampler ids become subject tokens and stream names: keep them to safe characters.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -231,7 +232,7 @@ def weights_object_name(epoch: int, version: int, shard: int) -> str:
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    schema_version: Literal[8] = SCHEMA_VERSION
+    schema_version: Literal[9] = SCHEMA_VERSION
 
 
 # The validation context of a decoded message, whose arrays _decode_group checked whole (per
@@ -458,9 +459,12 @@ class Quarantine(_Message):
 
 
 class PullRequest(_Message):
-    """Sequential mode: the trainer wants `groups` groups generated with `version`."""
+    """Sequential mode: the trainer wants `groups` groups generated with `version` of its
+    `epoch`: a trainer resumed from an older checkpoint asks for a version lower than the one
+    samplers run, and means its own."""
 
     request_id: str = Field(pattern=ID_PATTERN)
+    epoch: int = Field(ge=1)
     version: int = Field(ge=0)
     groups: int = Field(ge=1)
 

@@ -198,9 +198,12 @@ class WeightsFollower:
                 raise RuntimeError(f"the weights follower stopped: {self.failed!r}") from self.failed
             return self.ready
 
-    async def wait_for(self, version: int) -> tuple[WeightsAnnouncement, list[bytearray]]:
-        """Wait until weights of `version` or newer are downloaded; return the newest."""
-        return await self._wait(lambda announcement: announcement.version >= version)
+    async def wait_for(self, version: int, epoch: int | None = None) -> tuple[WeightsAnnouncement, list[bytearray]]:
+        """Wait until weights of `version` or newer are downloaded (of `epoch` or a later one,
+        when given: an earlier epoch's higher versions are older); return the newest."""
+        if epoch is None:
+            return await self._wait(lambda announcement: announcement.version >= version)
+        return await self._wait(lambda announcement: announcement.order >= (epoch, version))
 
     async def wait_newer(self, order: tuple[int, int]) -> None:
         """Wait until weights ordered after `order` (epoch, version) are downloaded."""

@@ -26,9 +26,10 @@ from echo.tasks import load_task
 from streams.client import LatestValue, open_run
 from streams.lease import RENEW_S, AnotherTrainer, take_lease
 from streams.objects import put_object
+from streams.weights import publish_weights
 from streams.registry import put_status, read_statuses
 from streams.rollouts import trainer_subscription
-from tests.conftest import tiny_config, wait_for_steps, worker_process
+from tests.conftest import TINY_BASE, tiny_config, wait_for_steps, worker_process
 from tests.test_referee import honest_group
 from tests.test_streams import _adapter_for_version, _store_tampered
 from workers.sampler import Sampler
@@ -128,6 +129,30 @@ def test_a_step_told_to_stop_is_abandoned_between_passes_and_leaves_the_policy_a
     assert not unchanged()
 
 
+async def _ask_for_version(run, cfg, version: int) -> PullRequests:
+    """A sequential trainer's orders, asking for `version`'s groups."""
+    orders = PullRequests(run, cfg, TrainerState(version=version), GrantLedger())
+    await orders.start()
+    await orders.ask(version)
+    return orders
+
+
+async def _serving_sampler(url: str, cfg) -> tuple:
+    """Sampler s1 on its own connection, serving: (its run, the sampler, its task)."""
+    sampler_run = await open_run(url, cfg.run.id, "sampler", create=False)
+    sampler = Sampler(cfg, "s1", sampler_run, HFEngine("tiny", cfg.lora, cfg.sampling), load_task(cfg.task))
+    return sampler_run, sampler, asyncio.create_task(sampler.serve())
+
+
+async def _collect_step(run, cfg, version: int):
+    """A trainer's collector for `version`, and the step's groups it collected."""
+    base, tokenizer = load_model("tiny")
+    referee = Referee(load_task(cfg.task), tokenizer, base.get_input_embeddings().num_embeddings, cfg.sampling)
+    collector = Collector(await trainer_subscription(run), referee, max_staleness=0, epoch=run.epoch)
+    async with asyncio.timeout(30):
+        return collector, await collector.collect(cfg.trainer.groups_per_step, version=version)
+
+
 def test_a_sequential_sampler_whose_fetch_of_the_requested_version_fails_recovers(nats_server, tmp_path):
     """Sequential mode waits for exactly the requested version. Its object arrives damaged
     (refused), is stored again whole, and the sampler, retrying while the version is the
@@ -140,22 +165,14 @@ def test_a_sequential_sampler_whose_fetch_of_the_requested_version_fails_recover
         run = await open_run(nats_server.url, cfg.run.id, "trainer")
         await take_lease(run)
         await _store_tampered(run, 0, adapter, lambda chunks: [chunks[0][:-1] + b"!", *chunks[1:]])
-        orders = PullRequests(run, cfg, TrainerState(), GrantLedger())
-        await orders.start()
-        await orders.ask(0)
-        sampler_run = await open_run(nats_server.url, cfg.run.id, "sampler", create=False)
-        sampler = Sampler(cfg, "s1", sampler_run, HFEngine("tiny", cfg.lora, cfg.sampling), load_task(cfg.task))
-        serving = asyncio.create_task(sampler.serve())
+        orders = await _ask_for_version(run, cfg, 0)
+        sampler_run, sampler, serving = await _serving_sampler(nats_server.url, cfg)
         async with asyncio.timeout(10):
             while not sampler.weights.failures:
                 await asyncio.sleep(0.02)
         assert set(sampler.weights.failures) == {"digest_mismatch"} and sampler.version == -1
         await put_object(run.js, run.names.weights_bucket, weights_object_name(run.epoch, 0, 0), adapter)  # whole again
-        base, tokenizer = load_model("tiny")
-        referee = Referee(load_task(cfg.task), tokenizer, base.get_input_embeddings().num_embeddings, cfg.sampling)
-        collector = Collector(await trainer_subscription(run), referee, max_staleness=0, epoch=run.epoch)
-        async with asyncio.timeout(30):
-            collected = await collector.collect(cfg.trainer.groups_per_step, version=0)
+        collector, collected = await _collect_step(run, cfg, 0)
         assert len(collected.used) == cfg.trainer.groups_per_step and sampler.version == 0
         collector.consumed.add(collected.seqs)  # the step checkpointed: every message is accounted for
         assert await collector.ack_held() == 0
@@ -165,6 +182,42 @@ def test_a_sequential_sampler_whose_fetch_of_the_requested_version_fails_recover
         serving.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await serving
+        await orders.subscription.unsubscribe()
+        await sampler_run.close()
+        await run.close()
+
+    asyncio.run(main())
+
+
+def test_a_sequential_sampler_asked_for_an_older_version_of_a_new_epoch_waits_for_it(nats_server, tmp_path):
+    """A trainer resumed from an older checkpoint asks for version 0 of its epoch 2 while the
+    samplers run version 1 of epoch 1, and its request can arrive before its weights (a relay's
+    mirror lags the hub). Before, the sampler took version 1 for 'version 0 or newer', skipped
+    the request and waited for the next one, which never came: the run stalled."""
+    cfg = tiny_config(tmp_path, run={"mode": "sequential"})
+    trainer_side = HFEngine("tiny", cfg.lora, cfg.sampling)
+    adapters = [_adapter_for_version(trainer_side, v) for v in (0, 1)]
+
+    async def main():
+        run = await open_run(nats_server.url, cfg.run.id, "trainer")
+        lease = await take_lease(run)
+        for version, adapter in enumerate(adapters):
+            await publish_weights(run, version, adapter, TINY_BASE)
+        orders = await _ask_for_version(run, cfg, 1)
+        sampler_run, sampler, serving = await _serving_sampler(nats_server.url, cfg)
+        async with asyncio.timeout(30):
+            while sampler.published < cfg.trainer.groups_per_step:
+                await asyncio.sleep(0.02)
+        assert sampler.order == (1, 1)
+        await orders.subscription.unsubscribe()
+        await lease.release()
+        lease = await take_lease(run)  # epoch 2, resumed at version 0
+        orders = await _ask_for_version(run, cfg, 0)
+        await asyncio.sleep(1.0)  # the sampler has the request, and no weights of epoch 2 yet
+        await publish_weights(run, 0, adapters[0], TINY_BASE)
+        _, collected = await _collect_step(run, cfg, 0)
+        assert {(a.group.epoch, a.group.policy_version) for a in collected.used} == {(2, 0)}
+        serving.cancel()
         await orders.subscription.unsubscribe()
         await sampler_run.close()
         await run.close()

@@ -140,6 +140,20 @@ def test_behaviour_logprobs_match_the_trainers(engines):
             assert (g.token_ids[-1] == engine.tokenizer.eos_token_id) == (g.finish_reason == "stop")
 
 
+def test_a_model_folders_generation_defaults_do_not_change_what_is_sampled(tmp_path):
+    """transformers fills the fields a generation config leaves unset from the model's own: a
+    folder suppressing every token but one would have made every sample that token, while the
+    behaviour log-probs, computed from the raw logits, said otherwise."""
+    model, tokenizer = load_model("tiny")
+    keep = tokenizer.convert_tokens_to_ids("x")
+    model.generation_config.suppress_tokens = [t for t in range(len(tokenizer)) if t != keep]
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    engine = HFEngine(str(tmp_path), LoraConfig(r=4), SAMPLING)
+    [group] = engine.generate([engine.encode_chat([{"role": "user", "content": "Hi"}])], 4)
+    assert {t for g in group for t in g.token_ids} != {keep}
+
+
 @pytest.mark.parametrize("questions, owners", [
     (["What is 4 + 4?"], [0, 0, 0]),  # one group
     (["What is 4 + 4?", "Add 123 and 4567, then say why."], [0, 1, 0]),  # two; the shorter is padded

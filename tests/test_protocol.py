@@ -88,7 +88,7 @@ def test_other_messages_round_trip():
     shard = WeightsShard(object_name="a", size=10, sha256="0" * 64)
     ann = WeightsAnnouncement(version=2, epoch=1, kind="full", shards=[shard, shard], base_model="tiny", created_at=1.0)
     assert ann.size == 20
-    req = PullRequest(request_id="r1", version=2, groups=8)
+    req = PullRequest(request_id="r1", epoch=1, version=2, groups=8)
     assert decode(WeightsAnnouncement, encode(ann)) == ann
     assert decode(PullRequest, encode(req)) == req
 
@@ -133,7 +133,7 @@ GOOD = encode_rollout(make_group())
         (ROLLOUT_MAGIC + struct.pack("<I", 10**6) + b"{}", "bad_encoding"),  # fields longer than the message
         (_fields_as(b"not json"), "bad_json"),
         (_fields_as(b"[1, 2]"), "bad_json"),
-        (_fields_as(b'{"schema_version": 8, "prompt_tokens": 1}'), "bad_schema"),  # no completion counts
+        (_fields_as(b'{"schema_version": 9, "prompt_tokens": 1}'), "bad_schema"),  # no completion counts
         (_fields_as(b'{"prompt_tokens": -1, "completion_tokens": [], "completions": []}'), "bad_schema"),
         (_mutate(schema_version=1), "bad_schema_version"),
         (_mutate(policy_version=None), "bad_schema"),

@@ -63,10 +63,10 @@ class Sampler:
         """The policy version the engine runs now; -1 before the first."""
         return self.order[1]
 
-    async def apply_newest(self, at_least: int = 0) -> None:
-        """Swap in the newest downloaded weights, waiting for version `at_least` if needed.
-        A generation in flight is not touched: swaps happen only between engine calls."""
-        announcement, shards = await self.weights.wait_for(at_least)
+    async def apply_newest(self, at_least: int = 0, epoch: int | None = None) -> None:
+        """Swap in the newest downloaded weights, waiting for version `at_least` (of `epoch`)
+        if needed. A generation in flight is not touched: swaps happen only between engine calls."""
+        announcement, shards = await self.weights.wait_for(at_least, epoch)
         if announcement.order <= max(self.order, self.refused):
             return
         started = time.perf_counter()
@@ -134,8 +134,8 @@ class Sampler:
         seq = 0
         while True:
             seq, request = await requests.wait_newer(seq)
-            await self.apply_newest(request.version)
-            if self.version != request.version:
+            await self.apply_newest(request.version, request.epoch)
+            if self.order != (request.epoch, request.version):
                 continue  # the trainer has moved past this request already
             while requests.seq == seq:
                 if self.standby:

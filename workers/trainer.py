@@ -343,7 +343,8 @@ class PullRequests(Orders):
 
     async def publish(self, groups: int) -> None:
         # Current before it is published: a sampler may ask for its groups at once.
-        self.request, self.granted = PullRequest(request_id=uuid.uuid4().hex, version=self.version, groups=groups), 0
+        self.request, self.granted = PullRequest(request_id=uuid.uuid4().hex, epoch=self.run.epoch,
+                                                  version=self.version, groups=groups), 0
         self.first_lease = self.ledger.issued + 1
         await publish_pull_request(self.run, self.request)
 
