@@ -113,9 +113,10 @@ async def trainer_subscription(run: Run, ack_wait_s: float = 600.0):
         max_ack_pending=-1,
         filter_subject=run.names.all_rollouts,
     )
-    return await run.js.pull_subscribe(
-        run.names.all_rollouts, durable=TRAINER_CONSUMER, stream=run.names.rollouts_stream, config=config
-    )
+    # Created, or brought to this config (a restarted trainer given another ack_wait_s):
+    # pull_subscribe alone would bind to an existing consumer as it is.
+    await run.js.add_consumer(run.names.rollouts_stream, config)
+    return await run.js.pull_subscribe_bind(TRAINER_CONSUMER, run.names.rollouts_stream)
 
 
 async def fetch_rollouts(subscription, batch: int, timeout: float) -> list:

@@ -466,3 +466,18 @@ def test_a_bad_schedule_value_is_skipped_and_the_next_good_one_followed(nats_ser
         await run.close()
 
     asyncio.run(main())
+
+
+def test_a_restarted_trainer_given_another_ack_wait_has_it(nats_server):
+    """Held messages come back after ack_wait: a trainer restarted with a longer one must get
+    it, not the consumer's first (its keep-alive runs at a third of the new one)."""
+
+    async def main():
+        run = await open_run(nats_server.url, "ackwait", "trainer")
+        await trainer_subscription(run, ack_wait_s=60.0)
+        await trainer_subscription(run, ack_wait_s=600.0)
+        info = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
+        assert info.config.ack_wait == 600.0
+        await run.close()
+
+    asyncio.run(main())
