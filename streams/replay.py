@@ -18,20 +18,25 @@ from nats.js.api import DeliverPolicy
 
 from echo.protocol import HDR_SAMPLER_ID, ProtocolError, RolloutGroup, RunNames, decode_rollout
 from streams.client import connect
+from streams.secure import Credentials
 from streams.rollouts import rollout_body
 from streams.server import NatsServer
 
 
-async def stored_groups(url: str, run_id: str) -> AsyncIterator[tuple[object, RolloutGroup | ProtocolError]]:
-    """Each stored rollout message, oldest first, with its decoded group or why it is malformed."""
+async def stored_groups(url: str, run_id: str, credentials: Credentials | None = None,
+                        ) -> AsyncIterator[tuple[object, RolloutGroup | ProtocolError]]:
+    """Each stored rollout message, oldest first, with its decoded group or why it is malformed.
+    `credentials`: on a secured broker, an observer's (or the trainer's)."""
     names = RunNames(run_id)
-    nc = await connect(url, "replay")
+    nc = await connect(url, "replay", credentials)
     try:
         js = nc.jetstream()
         info = await js.stream_info(names.rollouts_stream)
         if info.state.messages == 0:
             return
-        sub = await js.subscribe(names.all_rollouts, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+        # The stream named: an observer may not look streams up by subject.
+        sub = await js.subscribe(names.all_rollouts, stream=names.rollouts_stream, ordered_consumer=True,
+                                 deliver_policy=DeliverPolicy.ALL)
         while True:
             msg = await sub.next_msg(timeout=10)
             try:
@@ -46,9 +51,9 @@ async def stored_groups(url: str, run_id: str) -> AsyncIterator[tuple[object, Ro
         await nc.close()
 
 
-async def read_rollouts(url: str, run_id: str) -> AsyncIterator[dict]:
+async def read_rollouts(url: str, run_id: str, credentials: Credentials | None = None) -> AsyncIterator[dict]:
     """Each stored rollout message as {seq, subject, headers, group | error}, oldest first."""
-    async for msg, group in stored_groups(url, run_id):
+    async for msg, group in stored_groups(url, run_id, credentials):
         record = {"seq": msg.metadata.sequence.stream, "subject": msg.subject, "headers": msg.headers}
         if isinstance(group, ProtocolError):
             record["error"] = str(group)
@@ -101,9 +106,9 @@ def table_line(record: dict) -> str:
             f"reward {sum(rewards) / len(rewards):.3f}")
 
 
-async def _dump(url: str, run_id: str, out, keep: Keep, table: bool) -> int:
+async def _dump(url: str, run_id: str, out, keep: Keep, table: bool, credentials: Credentials | None) -> int:
     count = 0
-    async for record in read_rollouts(url, run_id):
+    async for record in read_rollouts(url, run_id, credentials):
         if keep(record):
             out.write((table_line(record) if table else orjson.dumps(record).decode()) + "\n")
             count += 1
@@ -123,11 +128,12 @@ def run_broker(run: str | Path, nats_url: str | None) -> Iterator[tuple[str, str
         yield server.url, run_id
 
 
-def replay(run: str | Path, nats_url: str | None, out_path: str | None, keep: Keep = Keep(), table: bool = False) -> int:
+def replay(run: str | Path, nats_url: str | None, out_path: str | None, keep: Keep = Keep(), table: bool = False,
+           credentials: Credentials | None = None) -> int:
     out = open(out_path, "w") if out_path else sys.stdout
     try:
         with run_broker(run, nats_url) as (url, run_id):
-            asyncio.run(_dump(url, run_id, out, keep, table))
+            asyncio.run(_dump(url, run_id, out, keep, table, credentials))
         return 0
     finally:
         if out_path:

@@ -284,3 +284,21 @@ def test_add_sampler_issues_credentials_a_running_hub_accepts_without_a_restart(
 
     asyncio.run(connect_new())
     assert main(["secure", "add-sampler", str(secure.dir), "s9"]) == 2  # issued already: refused
+
+
+def test_replay_reads_a_secured_run_with_an_observers_credentials(secured, tmp_path):
+    server, secure = secured
+
+    async def publish():
+        trainer = await open_run(server.url, "sec", "trainer", credentials=secure.credentials("trainer"))
+        group = honest_group(group_id="seen")
+        await trainer.js.publish(trainer.names.rollouts_subject("s1"), encode_rollout(group), headers=rollout_headers(group))
+        await trainer.close()
+
+    asyncio.run(publish())
+    observer = secure.credentials("observer")
+    out = tmp_path / "replay.jsonl"
+    assert main(["replay", "--run", "sec", "--nats", server.url, "--out", str(out),
+                 "--creds", str(observer.seed_file), "--tls-ca", str(observer.ca_file)]) == 0
+    [record] = [orjson.loads(line) for line in out.read_text().splitlines()]
+    assert record["group"]["group_id"] == "seen"

@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     replay = sub.add_parser("replay", help="print a run's rollout stream as JSON lines")
     replay.add_argument("--run", required=True, help="run directory (starts a server on its store) or run id with --nats")
     replay.add_argument("--nats", help="read from this server instead of the run directory's store")
+    replay.add_argument("--creds", help="with --nats, on a secured broker: observer (or trainer) credentials")
+    replay.add_argument("--tls-ca")
     replay.add_argument("--out", help="write to this file instead of stdout")
     replay.add_argument("--seq", type=_span(int), metavar="FIRST:LAST", help="stream sequences (both included)")
     replay.add_argument("--since", type=float, metavar="UNIX_S", help="groups created at or after this time")
@@ -420,12 +422,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.retrain:
                 from workers.retrain import retrain
 
-                report = retrain(run_directory(args.run, "metrics.jsonl"), args.nats)
+                report = retrain(run_directory(args.run, "metrics.jsonl"), args.nats, credentials_of(args.creds, args.tls_ca))
                 print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
                 return 0 if report["identical"] else 1
             keep = Keep(seqs=args.seq, since=args.since, until=args.until, version=args.version, sampler=args.sampler,
                         task=args.task, rewards=args.reward, rejected_only=args.rejected)
-            return replay(run, args.nats, args.out, keep, args.table)
+            return replay(run, args.nats, args.out, keep, args.table, credentials_of(args.creds, args.tls_ca))
         if args.command == "secure":
             return secure_command(args)
         if args.command == "plan":

@@ -24,17 +24,18 @@ from echo.protocol import ProtocolError, RolloutGroup
 from echo.referee import Referee
 from echo.tasks import load_task
 from streams.replay import run_broker, stored_groups
+from streams.secure import Credentials
 from workers.trainer_ranks import Learner, Ranks
 
 log = structlog.get_logger()
 
 
-async def _groups(url: str, run_id: str) -> dict[str, RolloutGroup]:
-    return {group.group_id: group async for _, group in stored_groups(url, run_id)
+async def _groups(url: str, run_id: str, credentials: Credentials | None) -> dict[str, RolloutGroup]:
+    return {group.group_id: group async for _, group in stored_groups(url, run_id, credentials)
             if not isinstance(group, ProtocolError)}
 
 
-def retrain(run_dir: Path, nats_url: str | None = None) -> dict:
+def retrain(run_dir: Path, nats_url: str | None = None, credentials: Credentials | None = None) -> dict:
     """Retrain the run in a temporary directory; what came out, against what the run published."""
     steps = read_metrics(run_dir)
     if not steps:
@@ -43,7 +44,7 @@ def retrain(run_dir: Path, nats_url: str | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(run_dir / "config.toml", [f"run.dir={tmp}"])  # a fresh learner, not the run's checkpoint
         with run_broker(cfg.run.id if nats_url else run_dir, nats_url) as (url, run_id):  # live, or the run's store
-            groups = asyncio.run(_groups(url, run_id))
+            groups = asyncio.run(_groups(url, run_id, credentials))
         learner = Learner(cfg, Ranks(cfg.model.device))
         referee = Referee(load_task(cfg.task), learner.tokenizer, learner.vocab_size, cfg.sampling)
         for step in steps:
