@@ -56,6 +56,7 @@ def run_colocated(cfg: EchoConfig) -> None:
                 "step_seconds": trained - step_started, "wait_seconds": generated - step_started,
                 "busy_seconds": trained - generated, "wall_seconds": trained - started,
                 "used": len(groups), "dropped_stale": 0, "dropped_tokens": 0, "generated_seconds": generated - step_started,
+                "staleness_used": {0: len(groups)}, "rejected": {},
                 "groups": [[g.group_id, g.policy_version, g.sampler_id] for g in groups],
             }))
             metrics.flush()

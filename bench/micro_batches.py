@@ -4,7 +4,7 @@ packed into shared passes: fewer forwards). Each setting runs in a fresh process
 resident memory (ru_maxrss) is its own; the baseline (0: a group a pass, whole) runs in the same
 invocation. With --repeats, the step's time is the fastest of that many (the first warms up).
 
-    .venv/bin/python -m bench.micro_batches [--model smollm2] [--group 16] [--tokens 512] [--budgets 0 2048 1024]
+    .venv/bin/python -m bench.micro_batches [--model smollm2] [--group 16] [--tokens 256] [--budgets 0 2048 1024]
     .venv/bin/python -m bench.micro_batches --groups 8 --group 8 --tokens 32 --budgets 0 4096 --repeats 3 --pack-groups on
 
 Writes bench/results/micro_batches.json (one group) or micro_batches-<model>-<N>-groups.json.
@@ -74,8 +74,9 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--groups", type=int, default=1, help="groups in the step")
     parser.add_argument("--group", type=int, default=16, help="completions per group")
-    parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--budgets", type=int, nargs="+", default=[0, 2048, 1024])
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[0, 2048, 1024], help="trainer.micro_batch_tokens "
+                        "settings; 0 (a group a pass, the baseline) always runs first")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--pack-groups", default="auto", choices=["auto", "on", "off"], help="trainer.pack_groups")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process: one setting
@@ -85,7 +86,7 @@ def main() -> None:
                                     args.pack_groups)).decode())
         return
     runs = []
-    for budget in args.budgets:
+    for budget in [0, *(b for b in args.budgets if b != 0)]:
         out = subprocess.run([sys.executable, "-m", "bench.micro_batches", "--model", args.model, "--groups", str(args.groups),
                               "--group", str(args.group), "--tokens", str(args.tokens), "--repeats", str(args.repeats),
                               "--pack-groups", args.pack_groups, "--one", str(budget)], capture_output=True, text=True, check=True)

@@ -99,11 +99,11 @@ def run_one(cfg: EchoConfig, mode: str, log_dir: Path) -> Path:
     return cfg.run_dir
 
 
-def run_summary(cfg: EchoConfig, samplers: int, mode: str) -> dict:
+def run_summary(cfg: EchoConfig, mode: str) -> dict:
     lines = read_metrics(cfg.run_dir)
     wall = lines[-1]["wall_seconds"]
     # One process does both in the co-located run: its "sampler" is the same device, part time.
-    sampler_count = 1 if mode == "colocated" else samplers
+    sampler_count = 1 if mode == "colocated" else cfg.sampler.count
     trained = sum(r["tokens"] for r in lines)
     wasted = sum(r["dropped_tokens"] for r in lines)
     return {
@@ -259,7 +259,7 @@ def main() -> None:
                 run_dirs = list(pool.map(lambda c: run_one(c, mode, work / "logs"), configs))
             held_out = held_out or HeldOut(configs[0], preset["eval_prompts"])
             results["base"] = held_out.base
-            runs = [run_summary(c, 2, mode) for c in configs]
+            runs = [run_summary(c, mode) for c in configs]
             for run, run_dir in zip(runs, run_dirs):
                 run["held_out_reward"], run["held_out_correct"] = held_out.score_run(run_dir)
                 run["overrides"] = args.set  # seeds added later may have run with others

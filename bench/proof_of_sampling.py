@@ -7,7 +7,7 @@ per-token gap of each group is recorded; the false-positive rate is the share of
 above `trainer.verify_tolerance`. Forged groups (log-probs shifted by a little) show what the
 tolerance still catches.
 
-    .venv/bin/python -m bench.proof_of_sampling [--models tiny smollm2] [--groups 40]
+    .venv/bin/python -m bench.proof_of_sampling [--models tiny smollm2] [--groups 24]
 
 Writes bench/results/proof_of_sampling.json.
 """
@@ -107,7 +107,7 @@ def measure(model_name: str, count: int, tolerance: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"])
-    parser.add_argument("--groups", type=int, default=40)
+    parser.add_argument("--groups", type=int, default=24, help="honest groups per model, each checked twice")
     args = parser.parse_args()
     torch.manual_seed(0)
     tolerance = TrainerConfig().verify_tolerance

@@ -53,6 +53,14 @@ def test_a_wrong_run_directory_is_named_without_a_traceback(tmp_path, capsys, co
     assert "not a run directory" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("args, named", [(["eval", "--run", "x", "--prompts", "0"], "--prompts: 0: at least 1"),
+                                         (["plan", "--fleet", "f", "--max-staleness", "-1"], "--max-staleness: -1: at least 0")])
+def test_a_count_out_of_range_is_refused_naming_the_flag(args, named, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2 and named in capsys.readouterr().err
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_a_vllm_sampler_without_vllm_stops_at_start_naming_the_extra(tmp_path, capsys):
     config_path = tmp_path / "config.toml"

@@ -6,6 +6,7 @@ import orjson
 from bench.colocated import run_colocated
 from tests.conftest import tiny_config
 from tests.test_e2e import USER_TASK
+from workers.report import write_report
 from workers.swarm import summarize
 
 
@@ -24,4 +25,5 @@ def test_the_colocated_baseline_trains_on_policy_and_writes_the_trainers_metrics
         assert {version for _, version, _ in m["groups"]} == {m["step"] - 1}
         # On-policy: each step generates with the weights it trains, so pi_old / mu is 1.
         assert abs(m["is_ratio_mean"] - 1) < 1e-4 and abs(m["is_ratio_max"] - 1) < 1e-3, m
-    assert summarize(cfg.run_dir / "metrics.jsonl")["steps"] == 3
+    assert summarize(cfg.run_dir)["steps"] == 3
+    assert write_report(cfg.run_dir).exists()  # `echo-rl report` reads it as a swarm run's

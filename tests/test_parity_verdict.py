@@ -1,9 +1,14 @@
 """The parity bench's verdict (bench/parity.py): an exact permutation test over seeds, so that
-bimodal scores (a seed takes off or does not) are judged without assuming normal noise."""
+bimodal scores (a seed takes off or does not) are judged without assuming normal noise. And a
+run's summary from its metrics."""
 
 import math
 
-from bench.parity import permutation_p, verdict
+import pytest
+
+from bench.parity import permutation_p, run_summary, verdict
+from tests.conftest import tiny_config
+from workers.trainer import metrics_line
 
 
 def modes(scores: dict[str, list[float]]) -> dict:
@@ -44,3 +49,19 @@ def test_a_bimodal_outcome_with_no_spread_in_one_mode_is_still_judged():
 def test_identical_scores_everywhere_give_no_signal():
     v = verdict(modes({"colocated": [0.0, 0.0, 0.0], "async S=1": [0.0, 0.0, 0.0]}), "colocated", "async S=1")
     assert v["within_noise"] is None and v["gap"] == 0
+
+
+@pytest.mark.parametrize("mode, samplers, sampler_busy", [("async S=1", 4, 0.25), ("colocated", 4, 1.0)])
+def test_sampler_busy_is_over_the_runs_own_samplers(tmp_path, mode, samplers, sampler_busy):
+    """Generating time over the samplers' wall time: the run's sampler.count of them (the
+    co-located run generates in its one process)."""
+    cfg = tiny_config(tmp_path, sampler={"count": samplers})
+    cfg.run_dir.mkdir(parents=True)
+    lines = [{"step": step, "reward_mean": 0.5, "wall_seconds": 10.0 * step, "busy_seconds": 5.0, "tokens": 90,
+              "generated_seconds": 10.0 * sampler_busy * samplers if mode != "colocated" else 10.0,
+              "dropped_tokens": 10, "dropped_stale": 1} for step in (1, 2)]
+    (cfg.run_dir / "metrics.jsonl").write_bytes(b"".join(metrics_line(line) for line in lines))
+    summary = run_summary(cfg, mode)
+    assert summary["sampler_busy"] == pytest.approx(sampler_busy)
+    assert summary["learner_busy"] == 0.5 and summary["seconds_per_step"] == 10.0
+    assert summary["wasted_token_fraction"] == 0.1 and summary["dropped_groups"] == 2

@@ -52,6 +52,18 @@ def _span(kind):
     return parse
 
 
+def _at_least(low: int):
+    """An argparse type for an integer of at least `low`."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value}: at least {low}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="echo-rl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -109,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "by (repeat; localhost and 127.0.0.1 always)")
     evaluate = sub.add_parser("eval", help="score the base model and the run's last published weights on held-out prompts")
     evaluate.add_argument("--run", required=True, type=Path, help="run directory")
-    evaluate.add_argument("--prompts", type=int, default=50, help="held-out prompts to score (greedy)")
+    evaluate.add_argument("--prompts", type=_at_least(1), default=50, help="held-out prompts to score (greedy)")
     evaluate.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                           help="override the run's config here, e.g. this machine's model.device")
     evaluate.add_argument("--log-json", action="store_true")
@@ -158,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--creds", help="on a secured broker: an observer's or the trainer's credentials")
     plan.add_argument("--tls-ca")
     plan.add_argument("--target", type=float, default=0.9, help="the learner utilisation to reach (0-1]")
-    plan.add_argument("--max-staleness", type=int, default=4, help="try staleness bounds 0 to N")
+    plan.add_argument("--max-staleness", type=_at_least(0), default=4, help="try staleness bounds 0 to N")
     plan.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     return parser
 

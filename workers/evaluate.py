@@ -30,6 +30,8 @@ def evaluate(cfg: EchoConfig, version: int, shards: list[Path], n: int, batch: i
     engine = make_engine(cfg)
     task = load_task(cfg.task)
     prompts = task.held_out(n)
+    if not prompts:
+        raise ValueError(f"task {task.name!r} holds out no prompts to score")
     base_reward, base_correct = held_out_score(engine, task, prompts, batch)  # the engine starts as the base model
     engine.load_weights([bytearray(path.read_bytes()) for path in shards])
     trained_reward, trained_correct = held_out_score(engine, task, prompts, batch)

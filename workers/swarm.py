@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import orjson
 import structlog
@@ -55,8 +56,8 @@ def stop_processes(processes: list[subprocess.Popen], timeout: float = 20.0) -> 
             p.wait()
 
 
-def summarize(metrics_path) -> dict:
-    lines = read_metrics(metrics_path.parent)
+def summarize(run_dir: Path) -> dict:
+    lines = read_metrics(run_dir)
     if not lines:
         return {"steps": 0}
     first, last = lines[0], lines[-1]
@@ -175,7 +176,7 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
         stop_processes([trainer, *samplers, *relays])
         server.stop()
     if code == 0:
-        summary = summarize(run_dir / "metrics.jsonl")
+        summary = summarize(run_dir)
         log.info("swarm.done", run_dir=str(run_dir), **summary)
         summary["report"] = str(write_report(run_dir))
         if cfg.run.eval_prompts:

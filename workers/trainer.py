@@ -601,13 +601,16 @@ def metrics_line(record: dict) -> bytes:
 
 def restore_metrics(path: Path, state: TrainerState) -> None:
     """After a crash, metrics.jsonl must hold exactly one line per checkpointed step: drop lines
-    of steps the checkpoint does not have, and restore the last step's line if it was lost."""
+    of steps the checkpoint does not have, and restore the last step's line if it was lost. A
+    restored line says so; what came after the checkpoint (publishing, accounting) is not in it,
+    and its busy time is the step's training only."""
     if not path.exists():
         return
     lines = [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
     kept = [r for r in lines if r["step"] <= state.step]
     if state.record and (not kept or kept[-1]["step"] < state.step):
-        kept.append(state.record)
+        record = state.record
+        kept.append({**record, "busy_seconds": record["step_seconds"] - record["wait_seconds"], "restored": True})
     if len(kept) != len(lines):
         path.write_bytes(b"".join(metrics_line(r) for r in kept))
 
