@@ -30,6 +30,18 @@ log = structlog.get_logger()
 # an error in our own code. nats-py's timeouts subclass TimeoutError.
 BROKER_ERRORS = (nats.errors.Error, TimeoutError, ConnectionError)
 
+RECANCEL_AFTER_S = 0.5  # a task still running this long after its cancellation is cancelled again
+
+
+async def cancel_until_done(tasks: list[asyncio.Task], every_s: float = RECANCEL_AFTER_S) -> None:
+    """Cancel the tasks and wait for them to end. nats-py swallows a CancelledError that lands
+    inside its flush (Client._flush_pending): a task cancelled there runs on, so one
+    cancellation can be lost. Cancel again until every task has ended."""
+    while running := [task for task in tasks if not task.done()]:
+        for task in running:
+            task.cancel()
+        await asyncio.wait(running, timeout=every_s)
+
 
 async def until_done(what: str, call: Callable[[], Awaitable[M]], max_delay_s: float = 10.0) -> M:
     """`call()` again, with backoff, while the broker fails it (restarting, out of reach, a

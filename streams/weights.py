@@ -17,7 +17,7 @@ from nats.js.errors import NotFoundError
 
 from echo.logs import Progress
 from echo.protocol import OBJ_HDR_EPOCH, OBJ_HDR_VERSION, WeightsAnnouncement, WeightsShard, encode, weights_object_name
-from streams.client import BROKER_ERRORS, LatestValue, Run, publish_once
+from streams.client import BROKER_ERRORS, LatestValue, Run, cancel_until_done, publish_once
 from streams.lease import current_epoch
 from streams.objects import TransferError, get_object, put_object, sha256_hex
 
@@ -210,6 +210,7 @@ class WeightsFollower:
         await self._wait(lambda announcement: announcement.order > order)
 
     async def stop(self) -> None:
+        """Stop fetching, and wait until the fetch has ended (its connection may close next)."""
         if self._task:
-            self._task.cancel()
+            await cancel_until_done([self._task])
         await self._announcements.stop()

@@ -336,6 +336,7 @@ def test_a_damaged_adapter_is_refused_the_old_version_kept_and_the_fetch_retried
         await publish_weights(run, 2, [b"next" * 1000], TINY_BASE)  # and it still takes the next good one
         assert (await follower.wait_for(2))[1] == [b"next" * 1000]
         await follower.stop()
+        assert follower._task.done()  # ended, not just told to: the connection closes next
         await run.close()
 
     asyncio.run(main())

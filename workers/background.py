@@ -11,18 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Coroutine
 
-RECANCEL_AFTER_S = 0.5  # a task still running this long after its cancellation is cancelled again
-
-
-async def cancel_until_done(tasks: list[asyncio.Task], every_s: float = RECANCEL_AFTER_S) -> None:
-    """Cancel the tasks and wait for them to end. nats-py swallows a CancelledError that lands
-    inside its flush (Client._flush_pending): a task cancelled there runs on, so one
-    cancellation can be lost. Cancel again until every task has ended."""
-    while running := [task for task in tasks if not task.done()]:
-        for task in running:
-            task.cancel()
-        await asyncio.wait(running, timeout=every_s)
-
+from streams.client import cancel_until_done
 
 class Background:
     """`async with Background() as background: background.start(loop()); await main()`.

@@ -22,9 +22,9 @@ from echo.edge import check_config_from_broker, drop_this_box_fields
 from echo.logs import bind_process, configure_logging
 from echo.protocol import CONFIG_KEY, HUB_DOMAIN, check_id
 from echo.tasks import load_task
+from streams.client import cancel_until_done
 from streams.secure import credentials_of
 from streams.server import nats_server_binary
-from workers.background import cancel_until_done
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -372,7 +372,7 @@ def check_full_install(command: str) -> None:
                           "out: pip install 'echo-rl[full]'")
 
 
-RECANCEL_AFTER_S = 3.0  # longer than a worker's own clean-up (a last heartbeat, closing its connection)
+STOPPING_RECANCEL_S = 3.0  # longer than a worker's own clean-up (a last heartbeat, closing its connection)
 
 
 def run_directory(path: Path, needs: str) -> Path:
@@ -396,7 +396,7 @@ def run_until_signal(coro) -> int:
         signalled = asyncio.ensure_future(stopping.wait())
         await asyncio.wait({task, signalled}, return_when=asyncio.FIRST_COMPLETED)
         signalled.cancel()
-        await cancel_until_done([task], RECANCEL_AFTER_S)
+        await cancel_until_done([task], STOPPING_RECANCEL_S)
         with contextlib.suppress(asyncio.CancelledError):
             await task
         return 0
