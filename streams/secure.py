@@ -30,6 +30,7 @@ from pathlib import Path
 import nkeys
 
 from echo.protocol import HUB_DOMAIN, SAMPLER_STATUS_PREFIX, TRAINER_CONSUMER, RunNames, check_id
+from streams.server import write_secret
 
 ROLES_FILE = "roles.json"  # public keys and roles: the source of server.conf's user list
 SERVER_CONF = "server.conf"
@@ -194,11 +195,6 @@ def _replace_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _write_secret(path: Path, data: bytes) -> None:
-    path.write_bytes(data)
-    os.chmod(path, 0o600)
-
-
 def _certificate(subject_cn: str, issuer, public_key, signer, extensions):
     """Signed by `signer` as `issuer` (a name; None: self-signed)."""
     from cryptography import x509
@@ -232,7 +228,7 @@ def _write_ca(directory: Path) -> None:
     ca = _certificate("echo-rl local CA", None, key.public_key(), key,
                       [(x509.BasicConstraints(ca=True, path_length=0), True)])
     (directory / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    _write_secret(directory / "ca-key.pem", _pem_key(key))  # keep offline: it can mint certificates
+    write_secret(directory / "ca-key.pem", _pem_key(key))  # keep offline: it can mint certificates
 
 
 def _issue_certificate(directory: Path, name: str, hosts: list[str], cert_file: Path, key_file: Path) -> None:
@@ -258,7 +254,7 @@ def _issue_certificate(directory: Path, name: str, hosts: list[str], cert_file: 
     key = ec.generate_private_key(ec.SECP256R1())
     cert = _certificate(name, ca.subject, key.public_key(), ca_key, extensions)
     cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    _write_secret(key_file, _pem_key(key))
+    write_secret(key_file, _pem_key(key))
 
 
 class SecureDir:
@@ -344,7 +340,7 @@ class SecureDir:
         if user in roles["users"]:
             raise FileExistsError(f"{user} has credentials already ({self.seed_file(user)})")
         seed = _new_seed()
-        _write_secret(self.seed_file(user), seed + b"\n")
+        write_secret(self.seed_file(user), seed + b"\n")
         credentials = self.credentials(user)
         _issue_certificate(self.dir, user, list(hosts), credentials.cert_file, credentials.key_file)
         public = nkeys.from_seed(bytearray(seed)).public_key.decode()

@@ -27,6 +27,14 @@ def nats_server_binary() -> str:
     return found
 
 
+def write_secret(path: Path, data: bytes) -> None:
+    """A file only its owner can read, from its first byte (not written, then restricted)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with open(fd, "wb") as f:
+        os.fchmod(fd, 0o600)  # a file that was there before keeps its mode otherwise
+        f.write(data)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -115,12 +123,13 @@ class NatsServer:
     def start(self, timeout: float = 10.0) -> "NatsServer":
         self.store_dir.mkdir(parents=True, exist_ok=True)
         conf = self.store_dir / "nats-server.conf"
-        conf.write_text(self.config_text())
-        os.chmod(conf, 0o600)  # a relay's holds its leaf nkey seed
+        write_secret(conf, self.config_text().encode())  # a relay's holds its leaf nkey seed
         args = [nats_server_binary(), "-c", str(conf)]
         log = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         # Its own session: a Ctrl-C meant for the workers must not kill the broker under them.
         self.process = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
+        if self.log_file:
+            log.close()  # the server holds its own copy
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -28,7 +28,7 @@ from echo.protocol import (
 )
 from streams.rollouts import trainer_subscription
 from streams.secure import SecureDir
-from streams.server import NatsServer
+from streams.server import NatsServer, write_secret
 from tests.test_referee import honest_group
 from streams.client import open_run
 from streams.lease import RENEW_S, AnotherTrainer, take_lease
@@ -302,3 +302,15 @@ def test_replay_reads_a_secured_run_with_an_observers_credentials(secured, tmp_p
                  "--creds", str(observer.seed_file), "--tls-ca", str(observer.ca_file)]) == 0
     [record] = [orjson.loads(line) for line in out.read_text().splitlines()]
     assert record["group"]["group_id"] == "seen"
+
+
+def test_seeds_and_keys_are_owners_only_from_their_first_byte(tmp_path):
+    secure = SecureDir(tmp_path / "secure")
+    secure.init("sec", ["localhost"], ["s1"])
+    secrets = [*secure.dir.glob("*.nk"), *secure.dir.glob("*key.pem")]
+    assert secrets and all(f.stat().st_mode & 0o777 == 0o600 for f in secrets)
+    stale = tmp_path / "was-readable"
+    stale.write_text("old")
+    stale.chmod(0o644)
+    write_secret(stale, b"seed")
+    assert stale.stat().st_mode & 0o777 == 0o600 and stale.read_bytes() == b"seed"
