@@ -95,10 +95,6 @@ def utilisation(learner: Learner, workers: list[Worker]) -> float:
     return learner.step_s / cycle_seconds(learner, workers)
 
 
-def never_waits(learner: Learner, workers: list[Worker]) -> bool:
-    return cycle_seconds(learner, workers) == learner.step_s
-
-
 def _evaluate(learner: Learner, chosen: list[Worker], target: float, exact: bool) -> Plan:
     cycle = cycle_seconds(learner, chosen)
     hourly = sum(w.cost_per_hour for w in chosen)
@@ -115,7 +111,9 @@ def _better(a: Plan, b: Plan | None) -> bool:
         return a.reached
     if not a.reached:
         return a.utilisation > b.utilisation + TOLERANCE
-    return (a.cost_per_step, len(a.active)) < (b.cost_per_step - TOLERANCE, len(b.active))
+    if abs(a.cost_per_step - b.cost_per_step) > TOLERANCE:
+        return a.cost_per_step < b.cost_per_step
+    return len(a.active) < len(b.active)
 
 
 def cheapest(learner: Learner, workers: list[Worker], target: float, keep: tuple[str, ...] = (),

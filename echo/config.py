@@ -155,7 +155,7 @@ class NatsConfig(_Section):
     # What the trainer creates the run's streams and buckets with: copies of each on a cluster's
     # nodes (3 survives one node down), and the rollout history kept (0: all; the oldest go first).
     replicas: int = Field(1, ge=1, le=5)
-    rollouts_max_gb: float = Field(0.0, ge=0)  # the rollout history's size limit (0: none)
+    rollouts_max_gb: float = Field(0.0, ge=0)  # the rollout history's size limit, each of its two streams (0: none)
     rollouts_max_age_h: float = Field(0.0, ge=0)  # its age limit (0: none)
 
     def storage(self) -> Storage:

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 
 from echo.capacity import (
-    Learner, Worker, best_staleness, cheapest, cycle_seconds, never_waits, replan_reason, utilisation,
+    Learner, Worker, _better, _evaluate, best_staleness, cheapest, cycle_seconds, replan_reason, utilisation,
 )
 
 
@@ -16,7 +16,7 @@ def test_an_on_policy_sampler_makes_the_learner_wait_for_its_sync_and_generation
     worker = Worker("w", groups_per_s=0.5, sync_s=1, call_s=2)
     assert cycle_seconds(learner, [worker]) == pytest.approx(8, rel=1e-5)
     assert utilisation(learner, [worker]) == pytest.approx(3 / 8, rel=1e-5)
-    assert not never_waits(learner, [worker])
+    assert utilisation(learner, [worker]) < 1  # it waits
 
 
 def test_with_enough_fresh_throughput_the_learner_never_waits_and_the_cheapest_pair_is_chosen():
@@ -24,7 +24,7 @@ def test_with_enough_fresh_throughput_the_learner_never_waits_and_the_cheapest_p
     # groups per step, so any two keep the learner busy; one alone: min(C, 3C - 2.5) >= 4 at C = 4.
     learner = Learner(step_s=2, groups_per_step=4, max_staleness=2)
     a, b, c = (Worker(name, 1.0, 0.5, 1.0, cost) for name, cost in [("a", 3.0), ("b", 1.0), ("c", 2.0)])
-    assert never_waits(learner, [a, b]) and utilisation(learner, [a, b, c]) == 1.0
+    assert utilisation(learner, [a, b]) == 1.0 and utilisation(learner, [a, b, c]) == 1.0
     assert cycle_seconds(learner, [a]) == pytest.approx(4, rel=1e-5)
     plan = cheapest(learner, [a, b, c], target=1.0)
     assert plan.reached and plan.exact and set(plan.active) == {"b", "c"}
@@ -79,6 +79,16 @@ def test_the_active_set_is_kept_while_it_reaches_the_target_within_the_switch_ma
     assert set(cheapest(learner, [a, b, c], 1.0, keep=("a",), margin=10.0).active) == {"b", "c"}
     slow_a = replace(a, groups_per_s=0.2)
     assert set(cheapest(learner, [slow_a, b, c], 1.0, keep=("a", "b"), margin=10.0).active) == {"b", "c"}
+
+
+def test_between_sets_of_equal_cost_the_smaller_is_better():
+    # a alone delivers 2 x min(2, 3.5) = 4 groups a step, b and c 2 each: both sets keep the
+    # learner busy at 2 an hour. Fewer workers: fewer to sync and to fail.
+    learner = Learner(step_s=2, groups_per_step=4, max_staleness=2)
+    a, b, c = Worker("a", 2.0, 0.5, 1.0, 2.0), Worker("b", 1.0, 0.5, 1.0, 1.0), Worker("c", 1.0, 0.5, 1.0, 1.0)
+    alone, pair = (_evaluate(learner, chosen, 1.0, exact=True) for chosen in ([a], [b, c]))
+    assert alone.reached and pair.reached and alone.cost_per_step == pytest.approx(pair.cost_per_step)
+    assert _better(alone, pair) and not _better(pair, alone)
 
 
 def test_beyond_a_dozen_workers_a_greedy_plan_reaches_the_target_with_the_cheapest():

@@ -160,6 +160,16 @@ def test_every_sokoban_room_is_solvable_and_its_solution_verifies(boxes):
 ROOM = "#####\n#P_X#\n#__O#\n#####"  # a box at (1,3) over its goal (2,3): push it down from above
 
 
+@pytest.mark.parametrize("params, named", [
+    ({"width": 3, "height": 3, "boxes": 4}, "do not fit a 3 x 3 floor"),  # 4 boxes, 4 goals, the player: 9 + 2 walls
+    ({"boxes": 4, "max_solution": 1}, "no room of 4 boxes"),  # no four pushes in one move
+])
+def test_sokoban_settings_no_room_can_meet_fail_at_start_naming_them(params, named):
+    with pytest.raises(ConfigError, match="task.params") as e:
+        Sokoban(params)
+    assert named in str(e.value)
+
+
 def test_sokoban_rules():
     room = Room.parse("######\n#PX_O#\n######")
     assert room.play("R") == {(1, 3)}

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import torch
 
 
-def group_advantages(rewards: torch.Tensor, norm_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Advantage of each completion relative to its group: (r - mean) / std.
     A group whose rewards are all equal carries no signal and gets zero advantage."""
     centered = rewards - rewards.mean()
-    if norm_std and rewards.numel() > 1:
+    if rewards.numel() > 1:
         centered = centered / (rewards.std() + eps)
     return centered
 

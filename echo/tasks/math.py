@@ -93,9 +93,12 @@ class Math(GeneratedTask):
 
     def __init__(self, params: dict):
         self.p = parse_params(MathParams, params)
-        self.rows: list[tuple[str, str]] | None = None
+        # A dataset's rows, training (False) and held out (True): split once, each row by a hash
+        # of its prompt. None: the problems are generated.
+        self.splits: dict[bool, list[tuple[str, str]]] | None = None
         if self.p.dataset:
-            self.rows = self._load(self.p.dataset)
+            rows = self._load(self.p.dataset)
+            self.splits = {side: [r for r in rows if is_held_out(self._messages(r[0])) == side] for side in (False, True)}
 
     def _load(self, path: str) -> list[tuple[str, str]]:
         rows = _read_rows(path)
@@ -112,20 +115,20 @@ class Math(GeneratedTask):
         return self._messages(question), answer
 
     def prompt(self, index: int) -> Prompt:
-        if self.rows is None:
+        if self.splits is None:
             return super().prompt(index)
         train = self._split(held_out=False)
         question, answer = train[index % len(train)]
         return Prompt(index, self._messages(question), answer)
 
     def held_out(self, n: int) -> list[Prompt]:
-        if self.rows is None:
+        if self.splits is None:
             return super().held_out(n)
         rows = self._split(held_out=True)[:n]
         return [Prompt(i, self._messages(q), a) for i, (q, a) in enumerate(rows)]
 
     def _split(self, held_out: bool) -> list[tuple[str, str]]:
-        rows = [r for r in self.rows if is_held_out(self._messages(r[0])) == held_out]
+        rows = self.splits[held_out]
         if not rows:
             raise ValueError(f"task.params.dataset: no {'held-out' if held_out else 'training'} rows")
         return rows

@@ -10,8 +10,9 @@ import random
 import re
 from collections import deque
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from echo.config import ConfigError
 from echo.tasks import GeneratedTask, Prompt, Score, parse_params
 
 MOVES = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
@@ -28,6 +29,13 @@ class SokobanParams(BaseModel):
     max_solution: int = Field(12, ge=1)  # keep rooms whose shortest solution is at most this long
     partial_credit: float = Field(0.0, ge=0, le=1)  # weight of the fraction of boxes on goals
     format_reward: float = Field(0.1, ge=0, le=1)  # a well-formed move list that does not solve it
+
+    @model_validator(mode="after")
+    def _fits(self):
+        if self.walls + 2 * self.boxes + 1 > self.width * self.height:
+            raise ValueError(f"walls + 2 x boxes + the player ({self.walls + 2 * self.boxes + 1} cells) do not fit "
+                             f"a {self.width} x {self.height} floor")
+        return self
 
 
 class Room:
@@ -105,12 +113,15 @@ class Room:
         return None
 
 
+ROOM_ATTEMPTS = 1000  # random rooms tried for one that solves within max_solution
+
+
 def make_room(rng: random.Random, p: SokobanParams) -> tuple[Room, str]:
     """A random room with a solution of 1..max_solution moves, and that solution."""
     shape = (p.height + 2, p.width + 2)
     border = {(r, c) for r in range(shape[0]) for c in range(shape[1]) if r in (0, shape[0] - 1) or c in (0, shape[1] - 1)}
     floor = [(r, c) for r in range(1, shape[0] - 1) for c in range(1, shape[1] - 1)]
-    while True:
+    for _ in range(ROOM_ATTEMPTS):
         cells = rng.sample(floor, p.walls + 2 * p.boxes + 1)
         walls = border | set(cells[: p.walls])
         goals = frozenset(cells[p.walls : p.walls + p.boxes])
@@ -119,6 +130,8 @@ def make_room(rng: random.Random, p: SokobanParams) -> tuple[Room, str]:
         solution = room.solve(p.max_solution)
         if solution:
             return room, solution
+    raise ConfigError(f"task.params: no room of {p.boxes} boxes and {p.walls} walls solved within max_solution "
+                      f"{p.max_solution} moves in {ROOM_ATTEMPTS} tries: allow more moves, or fewer boxes or walls")
 
 
 class Sokoban(GeneratedTask):
@@ -126,6 +139,7 @@ class Sokoban(GeneratedTask):
 
     def __init__(self, params: dict):
         self.p = parse_params(SokobanParams, params)
+        make_room(random.Random(0), self.p)  # settings no room can meet fail here, at start
 
     def generate(self, rng: random.Random) -> tuple[list[dict], str]:
         room, _ = make_room(rng, self.p)
