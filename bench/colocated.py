@@ -20,6 +20,7 @@ import time
 
 import orjson
 
+from echo.checkpoint import read_shards
 from echo.config import EchoConfig, load_config
 from echo.engines import make_engine
 from echo.referee import Referee
@@ -41,7 +42,7 @@ def run_colocated(cfg: EchoConfig) -> None:
     with open(run_dir / "metrics.jsonl", "wb") as metrics:
         for step in range(1, cfg.run.steps + 1):
             step_started = time.perf_counter()
-            engine.load_weights(_read(learner.write_weights(step - 1)))  # the current policy, as a sampler gets it
+            engine.load_weights(read_shards(learner.write_weights(step - 1)))  # the current policy, as a sampler gets it
             prompts = [task.prompt(rng.randrange(2**31)) for _ in range(cfg.trainer.groups_per_step)]
             groups = generate_groups(engine, task, prompts, cfg.sampling, "colocated", (0, step - 1),
                                      list(range(1, len(prompts) + 1)))
@@ -61,10 +62,6 @@ def run_colocated(cfg: EchoConfig) -> None:
             }))
             metrics.flush()
     learner.write_weights(cfg.run.steps)  # the trained policy, for `echo-rl eval`
-
-
-def _read(files) -> list[bytearray]:
-    return [bytearray(f.read_bytes()) for f in files]
 
 
 def main() -> None:

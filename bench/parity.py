@@ -40,7 +40,7 @@ from pathlib import Path
 import orjson
 
 from bench.common import results_dir
-from echo.checkpoint import latest_weights, read_metrics
+from echo.checkpoint import latest_weights, read_metrics, read_shards
 from echo.config import EchoConfig, apply_override, validate_config
 from echo.devices import resolve_device
 from echo.engines import make_engine
@@ -132,7 +132,7 @@ class HeldOut:
         return held_out_score(self.engine, self.task, self.prompts, self.batch)
 
     def score_run(self, run_dir: Path) -> tuple[float, float]:
-        self.engine.load_weights([bytearray(f.read_bytes()) for f in latest_weights(run_dir)[1]])
+        self.engine.load_weights(read_shards(latest_weights(run_dir)[1]))
         return self.score()
 
 

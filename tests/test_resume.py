@@ -51,13 +51,13 @@ def test_restore_metrics_keeps_one_line_per_checkpointed_step(tmp_path):
     path = tmp_path / "metrics.jsonl"
     lines = [{"step": 1}, {"step": 2}, {"step": 3}]  # step 3 was written, its checkpoint was not
     path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in lines))
-    restore_metrics(path, TrainerState(step=2, record={"step": 2, "step_seconds": 3.0, "wait_seconds": 1.0}))
+    restore_metrics(tmp_path, TrainerState(step=2, record={"step": 2, "step_seconds": 3.0, "wait_seconds": 1.0}))
     assert [orjson.loads(x)["step"] for x in path.read_bytes().splitlines()] == [1, 2]
     # The checkpoint of step 3 landed, its metrics line did not.
     path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in lines[:2]))
-    restore_metrics(path, TrainerState(step=3, record={"step": 3, "step_seconds": 3.0, "wait_seconds": 1.0}))
+    restore_metrics(tmp_path, TrainerState(step=3, record={"step": 3, "step_seconds": 3.0, "wait_seconds": 1.0}))
     assert [orjson.loads(x) for x in path.read_bytes().splitlines()][-1] == {
-        "step": 3, "step_seconds": 3.0, "wait_seconds": 1.0, "busy_seconds": 2.0, "restored": True}
+        "step": 3, "step_seconds": 3.0, "wait_seconds": 1.0, "busy_seconds": 2.0, "learner_busy": 2 / 3, "restored": True}
 
 
 def test_trained_content_keeps_the_checkpoints_hashes_and_cuts_what_a_crash_left_after_them(tmp_path):

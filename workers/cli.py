@@ -360,16 +360,18 @@ FULL_INSTALL = {"up": ("cryptography",), "secure": ("cryptography",), "status": 
                 "report": ("matplotlib",)}
 
 
-def check_full_install(command: str) -> None:
-    missing = [m for m in FULL_INSTALL.get(command, ()) if importlib.util.find_spec(m) is None]
-    if command == "up" and not missing:
+def check_full_install(args) -> None:
+    """What an edge sampler's install leaves out, said at start in one line."""
+    missing = [m for m in FULL_INSTALL.get(args.command, ()) if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(f"echo-rl {args.command} needs {', '.join(missing)}, which an edge sampler's install leaves "
+                          "out: pip install 'echo-rl[full]'")
+    # These start a server of their own: `up` the swarm's, `relay` the site's, `replay` one on a run's store.
+    if args.command in ("up", "relay") or (args.command == "replay" and not args.nats):
         try:
             nats_server_binary()
         except RuntimeError as e:
             raise ConfigError(str(e)) from None
-    if missing:
-        raise ConfigError(f"echo-rl {command} needs {', '.join(missing)}, which an edge sampler's install leaves "
-                          "out: pip install 'echo-rl[full]'")
 
 
 STOPPING_RECANCEL_S = 3.0  # longer than a worker's own clean-up (a last heartbeat, closing its connection)
@@ -411,7 +413,7 @@ def run_until_signal(coro) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        check_full_install(args.command)
+        check_full_install(args)
         if args.command == "eval":
             from workers.evaluate import evaluate_run
 

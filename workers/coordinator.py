@@ -47,18 +47,24 @@ class Coordinator:
             return
         workers = {w.id: w for w in measured(await read_statuses(self.run))}
         why = replan_reason(self.used, workers, self.cfg.scheduler.drift)
-        if why is None or not workers:
+        if why is None:
+            return
+        if not workers:  # none measured (all gone, or restarted): every sampler takes work until measured
+            self.used = {}
+            self.standby.clear()
             return
         learner = Learner(pace.step_s, pace.groups_per_step, pace.max_staleness)
         scheduler = self.cfg.scheduler
         active = tuple(w for w in self.used if w not in self.standby)  # the set chosen before
         plan = cheapest(learner, list(workers.values()), scheduler.target_utilisation, active, scheduler.switch_margin)
+        standby = set(workers) - set(plan.active)
+        await publish_schedule(self.run, Schedule(
+            active=sorted(plan.active), standby=sorted(standby), predicted_utilisation=min(plan.utilisation, 1.0),
+            cost_per_step=plan.cost_per_step, why=why, updated_at=time.time()))
+        # Only once published: a publish that failed leaves the choice to be made again next round.
         self.used = workers
         self.standby.clear()
-        self.standby.update(set(workers) - set(plan.active))
-        await publish_schedule(self.run, Schedule(
-            active=sorted(plan.active), standby=sorted(self.standby), predicted_utilisation=min(plan.utilisation, 1.0),
-            cost_per_step=plan.cost_per_step, why=why, updated_at=time.time()))
-        log.info("scheduler.chose", active=sorted(plan.active), standby=sorted(self.standby), why=why,
+        self.standby.update(standby)
+        log.info("scheduler.chose", active=sorted(plan.active), standby=sorted(standby), why=why,
                  predicted_utilisation=round(plan.utilisation, 3), cost_per_step=round(plan.cost_per_step, 6),
                  reached=plan.reached)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import orjson
 
-from echo.checkpoint import latest_weights
+from echo.checkpoint import latest_weights, read_shards
 from echo.config import EchoConfig
 from echo.engines import make_engine
 from echo.logs import Progress
@@ -33,7 +33,7 @@ def evaluate(cfg: EchoConfig, version: int, shards: list[Path], n: int, batch: i
     if not prompts:
         raise ValueError(f"task {task.name!r} holds out no prompts to score")
     base_reward, base_correct = held_out_score(engine, task, prompts, batch)  # the engine starts as the base model
-    engine.load_weights([bytearray(path.read_bytes()) for path in shards])
+    engine.load_weights(read_shards(shards))
     trained_reward, trained_correct = held_out_score(engine, task, prompts, batch)
     return {
         "task": task.name,

@@ -23,7 +23,7 @@ import orjson
 import structlog
 
 from echo.admission import GrantLedger, Heartbeats, allowance, sampler_cap
-from echo.checkpoint import TrainerState, append_trained_content, load_trained_content
+from echo.checkpoint import TrainerState, append_trained_content, load_trained_content, read_metrics
 from echo.config import EchoConfig
 from echo.consumed import ConsumedSeqs
 from echo.logs import bind_process
@@ -429,7 +429,7 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
     await run.state.put(CONFIG_KEY, cfg.model_dump_json(exclude={"nats": {"creds", "tls_ca"}}).encode())
 
     state, proof = learner.state, learner.proof
-    restore_metrics(run_dir / "metrics.jsonl", state)
+    restore_metrics(run_dir, state)
     referee = Referee(load_task(cfg.task), learner.tokenizer, learner.vocab_size, cfg.sampling)
     max_staleness = 0 if cfg.run.mode == "sequential" else cfg.trainer.max_staleness
     subscription = await trainer_subscription(run, cfg.trainer.ack_wait_s)
@@ -477,7 +477,6 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
                 "version": state.version,
                 **stats,
                 "tokens_per_second": stats["tokens"] / stats["train_seconds"],
-                "learner_busy": stats["train_seconds"] / (trained_at - step_started),
                 "step_seconds": trained_at - step_started,  # waiting for groups + training
                 "wait_seconds": collected_at - step_started,  # for groups (and refereeing them)
                 "wall_seconds": trained_at - started,  # since this trainer process started
@@ -503,9 +502,11 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
 
             accounting = await until_done(
                 "account", lambda: account(subscription, state.totals, collector.consumed, unconfirmed))
-            # Everything but the wait: T of the capacity model (echo/capacity.py).
+            # Everything but the wait: T of the capacity model (echo/capacity.py), and the share
+            # of the step it is (what `echo-rl status` shows over the last steps).
+            busy = time.perf_counter() - collected_at
             record = {**state.record, "publish_seconds": publish_seconds, "accounting": accounting,
-                      "busy_seconds": time.perf_counter() - collected_at}
+                      "busy_seconds": busy, "learner_busy": busy / (busy + state.record["wait_seconds"])}
             status = pace.add(record, state.version)
             await until_done("learner status", lambda: put_learner(run, status))
             metrics_file.write(metrics_line(record))
@@ -599,20 +600,18 @@ def metrics_line(record: dict) -> bytes:
     return orjson.dumps(record, option=orjson.OPT_NON_STR_KEYS) + b"\n"  # histograms have int keys
 
 
-def restore_metrics(path: Path, state: TrainerState) -> None:
+def restore_metrics(run_dir: Path, state: TrainerState) -> None:
     """After a crash, metrics.jsonl must hold exactly one line per checkpointed step: drop lines
     of steps the checkpoint does not have, and restore the last step's line if it was lost. A
     restored line says so; what came after the checkpoint (publishing, accounting) is not in it,
     and its busy time is the step's training only."""
-    if not path.exists():
-        return
-    lines = [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+    lines = read_metrics(run_dir)
     kept = [r for r in lines if r["step"] <= state.step]
     if state.record and (not kept or kept[-1]["step"] < state.step):
-        record = state.record
-        kept.append({**record, "busy_seconds": record["step_seconds"] - record["wait_seconds"], "restored": True})
+        record, busy = state.record, state.record["step_seconds"] - state.record["wait_seconds"]
+        kept.append({**record, "busy_seconds": busy, "learner_busy": busy / record["step_seconds"], "restored": True})
     if len(kept) != len(lines):
-        path.write_bytes(b"".join(metrics_line(r) for r in kept))
+        (run_dir / "metrics.jsonl").write_bytes(b"".join(metrics_line(r) for r in kept))
 
 
 async def publish_policy(run: Run, cfg: EchoConfig, learner: Learner, version: int) -> float:
