@@ -22,7 +22,7 @@ HEADER = """# Config reference
 
 Generated from `echo/config.py` by `python -m echo.config_reference`: do not edit by hand.
 A run's config is a TOML file (`--config run.toml`) with these sections, or `--set
-section.key=value` on any command line. An unknown key or a bad value stops the process at
+section.key=value` on the command line of `up`, `trainer`, `sampler` and `eval`. An unknown key or a bad value stops the process at
 start, naming the field.
 """
 

@@ -368,10 +368,14 @@ class SecureDir:
         return self.dir / LEAF_CONF
 
     def reload(self) -> bool:
-        """Tell a running hub to re-read its config (the new user list). False if none runs."""
+        """Tell a running hub on this machine to re-read its config (the new user list). False if
+        none runs here that this user may signal: the pid file may be a stopped hub's, or one in a
+        container, whose pid here is another process's (on Linux the name is checked first)."""
         try:
             pid = int((self.dir / PID_FILE).read_text())
+            if Path("/proc").is_dir() and Path(f"/proc/{pid}/comm").read_text().strip() != "nats-server":
+                return False
             os.kill(pid, signal.SIGHUP)
             return True
-        except (FileNotFoundError, ProcessLookupError, ValueError):
+        except (FileNotFoundError, ProcessLookupError, PermissionError, ValueError):
             return False

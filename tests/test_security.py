@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 
 import ssl
+import subprocess
+import time
 
 import nats
 import orjson
@@ -27,7 +29,7 @@ from echo.protocol import (
     rollout_headers,
 )
 from streams.rollouts import trainer_subscription
-from streams.secure import SecureDir
+from streams.secure import PID_FILE, SecureDir
 from streams.server import NatsServer, write_secret
 from tests.test_referee import honest_group
 from streams.client import open_run
@@ -314,3 +316,19 @@ def test_seeds_and_keys_are_owners_only_from_their_first_byte(tmp_path):
     stale.chmod(0o644)
     write_secret(stale, b"seed")
     assert stale.stat().st_mode & 0o777 == 0o600 and stale.read_bytes() == b"seed"
+
+
+def test_a_reload_signals_only_a_nats_server(tmp_path):
+    """The pid file of a hub in a container (or one that stopped) names another process here:
+    add-sampler must not send it SIGHUP."""
+    secure = SecureDir(tmp_path / "secure")
+    secure.init("sec", ["localhost"], ["s1"])
+    bystander = subprocess.Popen(["sleep", "30"])
+    try:
+        (secure.dir / PID_FILE).write_text(str(bystander.pid))
+        assert secure.reload() is False
+        time.sleep(0.2)
+        assert bystander.poll() is None  # not hung up on
+    finally:
+        bystander.kill()
+        bystander.wait()
