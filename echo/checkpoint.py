@@ -101,9 +101,11 @@ def _version_of(path: Path) -> int:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """The run's `metrics.jsonl`, one record per step ([] before the first step)."""
+    """The run's `metrics.jsonl`, one record per step ([] before the first step). A last line
+    without its newline is not one yet: being appended now, or cut short by a crash."""
     path = run_dir / "metrics.jsonl"
-    return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()] if path.exists() else []
+    data = path.read_bytes() if path.exists() else b""
+    return [orjson.loads(line) for line in data[: data.rfind(b"\n") + 1].splitlines() if line.strip()]
 
 
 def latest_weights(run_dir: Path) -> tuple[int, list[Path]]:

@@ -13,6 +13,7 @@ import pytest
 from echo.checkpoint import read_metrics
 from echo.config import EchoConfig, validate_config
 from echo.models import base_model_digest
+from streams.admission import leases_granted
 from streams.client import open_run
 from streams.registry import read_statuses
 from streams.server import NatsServer
@@ -98,6 +99,14 @@ def wait_for_steps(run_dir, steps: int, processes: list[subprocess.Popen], timeo
         time.sleep(0.05)
 
 
+async def _leases_granted(url: str, run_id: str) -> int:
+    run = await open_run(url, run_id, "test", create=False)
+    try:
+        return await leases_granted(run)
+    finally:
+        await run.close()
+
+
 async def _published(url: str, run_id: str, sampler_id: str) -> int:
     run = await open_run(url, run_id, "test", create=False)
     try:
@@ -120,7 +129,8 @@ def wait_until_published(url: str, run_id: str, sampler_id: str, groups: int, pr
 def a_sampler_holding_leases(tmp_path, url: str, steps: int, dead_after_s: float):
     """A trainer (max_staleness 0) and a sampler s2 that pauses 1 s per group after generating it,
     so that it holds its leases for 2 s of each call. Yields (cfg, config_path, processes) once
-    s2's first call is in: it then holds leases 3 and 4 of step 1. On exit, every process of
+    s2's first call is in and leases 3 and 4 of step 1 are granted (the trainer records a grant
+    before answering it): s2 holds them. On exit, every process of
     `processes` (the test may add its own) still running is resumed and stopped."""
     cfg = tiny_config(tmp_path, run={"steps": steps}, nats={"url": url},
                       trainer={"max_staleness": 0, "sampler_dead_after_s": dead_after_s},
@@ -131,6 +141,10 @@ def a_sampler_holding_leases(tmp_path, url: str, steps: int, dead_after_s: float
                  worker_process(config_path, "sampler", "--id", "s2", "--set", "sampler.throttle_s=1.0")]
     try:
         wait_until_published(url, cfg.run.id, "s2", 2, processes[1])
+        deadline = time.monotonic() + 60
+        while asyncio.run(_leases_granted(url, cfg.run.id)) < 4:
+            assert processes[1].poll() is None and time.monotonic() < deadline, "s2 was granted no second call"
+            time.sleep(0.02)
         yield cfg, config_path, processes
     finally:
         for p in processes:

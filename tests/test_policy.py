@@ -163,6 +163,10 @@ def test_shared_prompt_logprobs_and_gradients_equal_separate_sequences(engines, 
     prompt's cache) must be exactly the per-sequence computation, gradients included."""
     engine, _ = engines
     model, pad = engine.model, engine.tokenizer.pad_token_id
+    with torch.no_grad():  # lora_B non-zero whatever ran before: else every lora_A gradient is zero
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
     prompts = [engine.encode_chat([{"role": "user", "content": q}]) for q in questions]
     completions = [[65, 66, 67, 258], [68], [69, 70]]  # ragged, one of length 1
 
@@ -182,5 +186,6 @@ def test_shared_prompt_logprobs_and_gradients_equal_separate_sequences(engines, 
         assert torch.allclose(alone[0], shared[row, : len(completion)].detach(), atol=1e-5)
         alone.sum().backward()
     separate_grads = grads()
+    assert any(g.abs().sum() > 0 for name, g in shared_grads.items() if "lora_A" in name)
     for name, g in shared_grads.items():
         assert torch.allclose(g, separate_grads[name], atol=1e-4), name

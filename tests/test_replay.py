@@ -52,7 +52,10 @@ def test_a_retrain_reproduces_an_async_run_that_dropped_stale_groups(tmp_path):
         slow.send_signal(signal.SIGSTOP)  # holding leases 3 and 4 of step 1
         processes.append(fast := worker_process(config_path, "sampler", "--id", "s1"))
         wait_for_steps(cfg.run_dir, 3, [trainer, fast])
-        slow.send_signal(signal.SIGCONT)  # its groups of version 0 arrive at version 3 or later
+        # s1 frozen in turn: the trainer cannot finish before s2's groups of version 0 arrive
+        # (at version 3 or later); then s2 finishes the run.
+        fast.send_signal(signal.SIGSTOP)
+        slow.send_signal(signal.SIGCONT)
         logs = trainer.communicate(timeout=180)[1]
         assert trainer.returncode == 0, logs[-3000:]
     assert cfg.run_dir == run_dir

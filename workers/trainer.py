@@ -605,13 +605,15 @@ def restore_metrics(run_dir: Path, state: TrainerState) -> None:
     of steps the checkpoint does not have, and restore the last step's line if it was lost. A
     restored line says so; what came after the checkpoint (publishing, accounting) is not in it,
     and its busy time is the step's training only."""
+    path = run_dir / "metrics.jsonl"
     lines = read_metrics(run_dir)
     kept = [r for r in lines if r["step"] <= state.step]
     if state.record and (not kept or kept[-1]["step"] < state.step):
         record, busy = state.record, state.record["step_seconds"] - state.record["wait_seconds"]
         kept.append({**record, "busy_seconds": busy, "learner_busy": busy / record["step_seconds"], "restored": True})
-    if len(kept) != len(lines):
-        (run_dir / "metrics.jsonl").write_bytes(b"".join(metrics_line(r) for r in kept))
+    cut_short = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
+    if len(kept) != len(lines) or cut_short:  # a line cut short would run into the next one appended
+        path.write_bytes(b"".join(metrics_line(r) for r in kept))
 
 
 async def publish_policy(run: Run, cfg: EchoConfig, learner: Learner, version: int) -> float:
