@@ -185,31 +185,39 @@ def _leaf_connections(server: NatsServer) -> int:
 
 class CuttableLink:
     """A TCP proxy on its own thread and event loop: `cut()` drops every connection through it
-    and refuses new ones, `restore()` accepts again on the same port: a site's uplink going down."""
+    and drops new ones at once, `restore()` lets them through again: a site's uplink going down.
+    It listens all along, so no other process can take its port while the link is cut."""
 
     def __init__(self, target_port: int):
         self.port, self.target_port = free_port(), target_port
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self._writers: set = set()
-        self.restore()
+        self.up = True
+
+        async def listen():
+            self._server = await asyncio.start_server(self._on_client, "127.0.0.1", self.port)
+        self._run(listen())
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=10)
 
     def restore(self) -> None:
-        async def listen():
-            self._server = await asyncio.start_server(self._on_client, "127.0.0.1", self.port)
-        self._run(listen())
+        async def up():
+            self.up = True
+        self._run(up())
 
     def cut(self) -> None:
-        async def close():
-            self._server.close()
+        async def down():
+            self.up = False
             for writer in list(self._writers):
                 writer.transport.abort()
-        self._run(close())
+        self._run(down())
 
     async def _on_client(self, reader, writer):
+        if not self.up:
+            writer.transport.abort()
+            return
         upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         self._writers |= {writer, upstream_writer}
         await asyncio.gather(self._pipe(reader, upstream_writer), self._pipe(upstream_reader, writer),
