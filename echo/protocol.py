@@ -17,15 +17,6 @@ from typing import Annotated, Literal, TypeVar
 
 import numpy as np
 import orjson
-from nats.js.api import (
-    ExternalStream,
-    KeyValueConfig,
-    ObjectStoreConfig,
-    RetentionPolicy,
-    StorageType,
-    StreamConfig,
-    StreamSource,
-)
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, ValidationInfo,
                       model_validator)
 
@@ -169,56 +160,6 @@ class RunNames:
     @property
     def state_bucket(self) -> str:
         return f"echo_{self.run_id}_state"
-
-    def rollouts_stream_config(self, storage: Storage = Storage()) -> StreamConfig:
-        # Limits retention (not work-queue): acked rollouts stay, so a run can be replayed, up to
-        # the storage's limits (the oldest go first).
-        return _history_stream(self.rollouts_stream, self.all_rollouts, storage)
-
-    def bodies_stream_config(self, storage: Storage = Storage()) -> StreamConfig:
-        # Kept like the rollouts that point to them, so a replay can read large groups too.
-        return _history_stream(self.bodies_stream, f"{self.prefix}.bodies.>", storage)
-
-    def control_stream_config(self, storage: Storage = Storage()) -> StreamConfig:
-        # A last-value stream: it holds only the newest weights announcement and the newest
-        # pull request, so a sampler that joins late reads the current state at once.
-        return StreamConfig(
-            name=self.control_stream,
-            subjects=[self.weights_subject, self.pull_subject],
-            retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
-            max_msgs_per_subject=1,
-            num_replicas=storage.replicas,
-        )
-
-    def weights_bucket_config(self, storage: Storage = Storage()) -> ObjectStoreConfig:
-        return ObjectStoreConfig(bucket=self.weights_bucket, storage=StorageType.FILE, replicas=storage.replicas)
-
-    def weights_mirror_configs(self, upstream_domain: str) -> list[StreamConfig]:
-        """A relay's copies of what samplers read about weights: the object store and the control
-        stream (announcements), under the same names, so the same client code reads either."""
-        source = ExternalStream(api=f"$JS.{upstream_domain}.API")
-        return [
-            StreamConfig(name=name, storage=StorageType.FILE, mirror=StreamSource(name=name, external=source), **limits)
-            # The object store last: a sampler that finds it knows the relay is complete.
-            for name, limits in [(self.control_stream, {"max_msgs_per_subject": 1}), (self.weights_stream, {})]
-        ]
-
-    def state_bucket_config(self, storage: Storage = Storage()) -> KeyValueConfig:
-        return KeyValueConfig(bucket=self.state_bucket, storage=StorageType.FILE, replicas=storage.replicas)
-
-
-def _history_stream(name: str, subjects: str, storage: Storage) -> StreamConfig:
-    return StreamConfig(
-        name=name,
-        subjects=[subjects],
-        retention=RetentionPolicy.LIMITS,
-        storage=StorageType.FILE,
-        duplicate_window=ROLLOUT_DEDUP_WINDOW_S,
-        max_bytes=storage.rollouts_max_bytes,
-        max_age=storage.rollouts_max_age_s,
-        num_replicas=storage.replicas,
-    )
 
 
 def weights_object_name(epoch: int, version: int, shard: int) -> str:

@@ -20,6 +20,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from echo.protocol import HDR_MSG_ID, HUB_DOMAIN, ProtocolError, RunNames, Storage, decode
+from streams import layout
 from streams.secure import Credentials
 
 M = TypeVar("M")
@@ -185,12 +186,12 @@ async def _add_or_update_stream(js: JetStreamContext, config: StreamConfig) -> N
 
 
 async def _create_run(js: JetStreamContext, names: RunNames, hub_domain: str | None, storage: Storage):
-    await _add_or_update_stream(js, names.rollouts_stream_config(storage))
-    await _add_or_update_stream(js, names.bodies_stream_config(storage))
-    await _add_or_update_stream(js, names.control_stream_config(storage))
+    await _add_or_update_stream(js, layout.rollouts_stream(names, storage))
+    await _add_or_update_stream(js, layout.bodies_stream(names, storage))
+    await _add_or_update_stream(js, layout.control_stream(names, storage))
     # nats-py overwrites config.bucket with the positional name: pass both.
-    weights = await js.create_object_store(names.weights_bucket, config=names.weights_bucket_config(storage))
-    state = await _open_kv(js, names.state_bucket_config(storage), hub_domain, create=True)
+    weights = await js.create_object_store(names.weights_bucket, config=layout.weights_bucket(names, storage))
+    state = await _open_kv(js, layout.state_bucket(names, storage), hub_domain, create=True)
     return weights, state
 
 
@@ -201,7 +202,7 @@ async def _join_run(js: JetStreamContext, names: RunNames, hub_domain: str | Non
     while True:
         try:
             weights = await js.object_store(names.weights_bucket)
-            state = await _open_kv(js, names.state_bucket_config(), hub_domain, create=False)
+            state = await _open_kv(js, layout.state_bucket(names), hub_domain, create=False)
             return weights, state
         except NotFoundError:  # BucketNotFoundError too
             if asyncio.get_running_loop().time() > deadline:

@@ -23,6 +23,7 @@ from nats.js.api import DeliverPolicy, ObjectInfo
 
 from echo.protocol import RunNames
 from streams.client import wait_for_jetstream
+from streams.layout import weights_mirrors
 
 log = structlog.get_logger()
 
@@ -33,7 +34,7 @@ async def open_mirrors(nc: NATS, names: RunNames, upstream_domain: str, timeout:
     relay that cannot reach its hub says so instead of mirroring nothing."""
     js = nc.jetstream()
     await wait_for_jetstream(nc.jetstream(domain=upstream_domain), f"upstream domain {upstream_domain!r}", timeout)
-    for config in names.weights_mirror_configs(upstream_domain):
+    for config in weights_mirrors(names, upstream_domain):
         await js.add_stream(config)
     return js
 

@@ -1,0 +1,72 @@
+"""The run's streams and buckets on the broker, as nats-py configs: what the trainer creates and
+a relay mirrors, under the names echo/protocol.py's RunNames gives them."""
+
+from __future__ import annotations
+
+from nats.js.api import (
+    ExternalStream,
+    KeyValueConfig,
+    ObjectStoreConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+    StreamSource,
+)
+
+from echo.protocol import ROLLOUT_DEDUP_WINDOW_S, RunNames, Storage
+
+
+def rollouts_stream(names: RunNames, storage: Storage = Storage()) -> StreamConfig:
+    # Limits retention (not work-queue): acked rollouts stay, so a run can be replayed, up to
+    # the storage's limits (the oldest go first).
+    return _history_stream(names.rollouts_stream, names.all_rollouts, storage)
+
+
+def bodies_stream(names: RunNames, storage: Storage = Storage()) -> StreamConfig:
+    # Kept like the rollouts that point to them, so a replay can read large groups too.
+    return _history_stream(names.bodies_stream, f"{names.prefix}.bodies.>", storage)
+
+
+def control_stream(names: RunNames, storage: Storage = Storage()) -> StreamConfig:
+    # A last-value stream: it holds only the newest weights announcement and the newest pull
+    # request, so a sampler that joins late reads the current state at once.
+    return StreamConfig(
+        name=names.control_stream,
+        subjects=[names.weights_subject, names.pull_subject],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_msgs_per_subject=1,
+        num_replicas=storage.replicas,
+    )
+
+
+def weights_bucket(names: RunNames, storage: Storage = Storage()) -> ObjectStoreConfig:
+    return ObjectStoreConfig(bucket=names.weights_bucket, storage=StorageType.FILE, replicas=storage.replicas)
+
+
+def state_bucket(names: RunNames, storage: Storage = Storage()) -> KeyValueConfig:
+    return KeyValueConfig(bucket=names.state_bucket, storage=StorageType.FILE, replicas=storage.replicas)
+
+
+def weights_mirrors(names: RunNames, upstream_domain: str) -> list[StreamConfig]:
+    """A relay's copies of what samplers read about weights: the object store and the control
+    stream (announcements), under the same names, so the same client code reads either."""
+    source = ExternalStream(api=f"$JS.{upstream_domain}.API")
+    return [
+        StreamConfig(name=name, storage=StorageType.FILE, mirror=StreamSource(name=name, external=source), **limits)
+        # The object store last: a sampler that finds it knows the relay is complete.
+        for name, limits in [(names.control_stream, {"max_msgs_per_subject": 1}), (names.weights_stream, {})]
+    ]
+
+
+def _history_stream(name: str, subjects: str, storage: Storage) -> StreamConfig:
+    return StreamConfig(
+        name=name,
+        subjects=[subjects],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        duplicate_window=ROLLOUT_DEDUP_WINDOW_S,
+        max_bytes=storage.rollouts_max_bytes,
+        max_age=storage.rollouts_max_age_s,
+        num_replicas=storage.replicas,
+    )
