@@ -44,29 +44,40 @@ def long_groups(vocab: int, groups: int, group: int, tokens: int) -> list:
     return batch
 
 
-def one_step(model: str, groups: int, group: int, tokens: int, budget: int, repeats: int, pack_groups: str) -> dict:
+def step_setup(model: str, groups: int, group: int, tokens: int, budget: int, pack_groups: str = "auto"):
+    """(config, policy, pad id, batch) for a bench step, the same in every process (seeded)."""
     import torch
 
     from echo.config import validate_config
-    from echo.learner import make_optimizer, train_step
     from echo.models import load_model
     from echo.policy import make_policy
 
     torch.manual_seed(0)
     cfg = validate_config({"model": {"name": model}, "trainer": {"micro_batch_tokens": budget, "pack_groups": pack_groups}})
     base, tokenizer = load_model(model)
-    policy = make_policy(base, cfg.lora)
     batch = long_groups(base.get_input_embeddings().num_embeddings, groups, group, tokens)
+    return cfg, make_policy(base, cfg.lora), tokenizer.pad_token_id, batch
+
+
+def timed_step(cfg, policy, pad_id: int, batch, repeats: int = 1, **ranks) -> dict:
+    """The fastest of `repeats` steps (the first warms up), its passes, and this process's peak
+    resident memory before and after."""
+    from echo.learner import make_optimizer, train_step
+
     optimizer = make_optimizer(policy, cfg)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     seconds = []
     for _ in range(repeats):
         started = time.perf_counter()
-        stats = train_step(policy, optimizer, batch, cfg, tokenizer.pad_token_id)
+        stats = train_step(policy, optimizer, batch, cfg, pad_id, **ranks)
         seconds.append(time.perf_counter() - started)
-    return {"budget": budget, "passes": stats["passes"], "step_s": round(min(seconds), 3),
+    return {"passes": stats["passes"], "step_s": round(min(seconds), 3),
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
             "before_step_rss_mb": round(before / 1024)}
+
+
+def one_step(model: str, groups: int, group: int, tokens: int, budget: int, repeats: int, pack_groups: str) -> dict:
+    return {"budget": budget, **timed_step(*step_setup(model, groups, group, tokens, budget, pack_groups), repeats)}
 
 
 def main() -> None:

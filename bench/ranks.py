@@ -14,43 +14,29 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import tempfile
-import time
 from pathlib import Path
 
 import orjson
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from bench.common import write_results
-from bench.micro_batches import long_groups
+from bench.micro_batches import step_setup, timed_step
 
 
 def rank_step(rank: int, world: int, port: int, args, budget: int, out: Path) -> None:
-    from echo.config import validate_config
-    from echo.learner import make_optimizer, train_step
-    from echo.models import load_model
-    from echo.policy import make_policy
     from workers.trainer_ranks import leave, shard
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
         dist.init_process_group("gloo")
-    torch.manual_seed(0)
-    cfg = validate_config({"model": {"name": args.model}, "trainer": {"micro_batch_tokens": budget}})
-    base, tokenizer = load_model(args.model)
-    policy = make_policy(base, cfg.lora)
+    cfg, policy, pad_id, batch = step_setup(args.model, args.groups, args.group, args.tokens, budget)
     if world > 1:
         shard(policy)
-    batch = long_groups(base.get_input_embeddings().num_embeddings, args.groups, args.group, args.tokens)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    started = time.perf_counter()
-    train_step(policy, make_optimizer(policy, cfg), batch, cfg, tokenizer.pad_token_id, rank=rank, world=world)
-    result = {"rank": rank, "step_s": round(time.perf_counter() - started, 2),
-              "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-              "before_step_rss_mb": round(before / 1024)}
+    result = {"rank": rank, **timed_step(cfg, policy, pad_id, batch, rank=rank, world=world)}
     (out / f"rank{rank}.json").write_bytes(orjson.dumps(result))
     if world > 1:
         leave()
