@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -28,8 +29,9 @@ M = TypeVar("M")
 log = structlog.get_logger()
 
 # What a call to a broker that is restarting or out of reach raises: worth trying again, unlike
-# an error in our own code. nats-py's timeouts subclass TimeoutError.
-BROKER_ERRORS = (nats.errors.Error, TimeoutError, ConnectionError)
+# an error in our own code. nats-py's timeouts subclass TimeoutError; it decodes a JetStream
+# reply as JSON, and a status-only reply (a broker restarting) fails that decoding.
+BROKER_ERRORS = (nats.errors.Error, TimeoutError, ConnectionError, json.JSONDecodeError)
 
 RECANCEL_AFTER_S = 0.5  # a task still running this long after its cancellation is cancelled again
 

@@ -35,14 +35,16 @@ async def serve_grants(run: Run, decide: Decide):
     return await run.nc.subscribe(run.names.all_grants, cb=on_request)
 
 
-async def request_grant(run: Run, sampler_id: str, request: GrantRequest, timeout: float = GRANT_TIMEOUT_S) -> Grant:
-    """The trainer's answer; nothing granted if no trainer answers (none yet, or busy)."""
+async def request_grant(run: Run, sampler_id: str, request: GrantRequest,
+                        timeout: float = GRANT_TIMEOUT_S) -> Grant | None:
+    """The trainer's answer, or None when none came (no trainer yet, a busy one, a broker
+    restarting): not "nothing left", which only the trainer can say."""
     try:
         reply = await run.nc.request(run.names.grants_subject(sampler_id), encode(request), timeout=timeout)
-    except BROKER_ERRORS:  # no trainer yet, a busy one, or a broker restarting: ask again later
-        return Grant()
+    except BROKER_ERRORS:
+        return None
     try:
         return decode(Grant, reply.data)
     except ProtocolError as e:  # a status-only reply while the broker restarts, or an old trainer
         log.warning("grant.bad_reply", reason=str(e))
-        return Grant()
+        return None

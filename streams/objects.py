@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import json
 from collections import deque
@@ -20,6 +21,8 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, ObjectInfo, ObjectMetaOptions
 from nats.js.errors import NotFoundError
 from nats.nuid import NUID
+
+from streams.client import BROKER_ERRORS
 
 CHUNK_SIZE = 1 << 20  # publish throughput peaks at 1 MiB chunks on loopback
 WINDOW = 16  # chunk publishes awaiting their ack
@@ -64,7 +67,10 @@ async def put_object(
         for ack in in_flight:  # publish_async futures have no timeout of their own
             await asyncio.wait_for(ack, ACK_TIMEOUT_S)
     except BaseException:
-        await js.purge_stream(store, subject=chunks_subject)
+        for ack in in_flight:  # acks that may never come: no publish slot held for them
+            ack.cancel()
+        with contextlib.suppress(*BROKER_ERRORS):  # the reason is the error above, not this clean-up's
+            await js.purge_stream(store, subject=chunks_subject)
         raise
     info = ObjectInfo(
         name=name,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 
 import structlog
 from nats.errors import TimeoutError as NatsTimeout
@@ -60,7 +59,7 @@ async def _publish_until_stored(run: Run, subject: str, data: bytes, headers: di
             # Nats-Msg-Id makes a retry safe: a publish can time out although it was stored.
             await run.js.publish(subject, data, headers=headers, timeout=10)
             return
-        except (*BROKER_ERRORS, json.JSONDecodeError) as e:  # nats-py decodes a status-only reply as JSON
+        except BROKER_ERRORS as e:
             log.warning("rollout.publish_failed", msg_id=headers[HDR_MSG_ID], reason=repr(e), retry_in_s=delay)
             await asyncio.sleep(delay)
             delay = min(2 * delay, PUBLISH_RETRY_MAX_S)

@@ -56,7 +56,7 @@ async def _take_leases_and_die(url: str, run_id: str, sampler_id: str) -> list[i
                 version = decode(WeightsAnnouncement, last.data).version
                 request = GrantRequest(want=2, epoch=await current_epoch(run), version=version)
                 grant = await request_grant(run, sampler_id, request)
-                if grant.leases:
+                if grant and grant.leases:
                     await put_status(run, SamplerStatus(sampler_id=sampler_id, version=version, groups_published=0,
                                                         weight_failures={}, updated_at=time.time()))
                     return grant.leases

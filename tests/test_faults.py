@@ -225,6 +225,35 @@ def test_a_sequential_sampler_asked_for_an_older_version_of_a_new_epoch_waits_fo
     asyncio.run(main())
 
 
+def test_a_sequential_sampler_whose_request_for_work_goes_unanswered_asks_again(nats_server, tmp_path):
+    """No answer to a request for work (the trainer not serving grants yet, a broker restarting)
+    is not "all given out". Before, a sequential sampler took it so and waited for the next pull
+    request, which a trainer waiting for this one's groups never publishes: the run stalled."""
+    cfg = tiny_config(tmp_path, run={"mode": "sequential"})
+    adapter = _adapter_for_version(HFEngine("tiny", cfg.lora, cfg.sampling), 0)
+
+    async def main():
+        run = await open_run(nats_server.url, cfg.run.id, "trainer")
+        await take_lease(run)
+        await publish_weights(run, 0, adapter, TINY_BASE)
+        orders = PullRequests(run, cfg, TrainerState(), GrantLedger())
+        await orders.ask(0)  # the request is out; no one answers requests for work yet
+        sampler_run, sampler, serving = await _serving_sampler(nats_server.url, cfg)
+        async with asyncio.timeout(30):
+            while sampler.order != (1, 0):  # it has the request's weights, and is asking
+                await asyncio.sleep(0.02)
+        await asyncio.sleep(0.5)  # asked, and not answered
+        await orders.start()  # now the trainer answers
+        _, collected = await _collect_step(run, cfg, 0)
+        assert len(collected.used) == cfg.trainer.groups_per_step
+        serving.cancel()
+        await orders.subscription.unsubscribe()
+        await sampler_run.close()
+        await run.close()
+
+    asyncio.run(main())
+
+
 def test_a_sampler_that_starts_following_weights_while_the_broker_is_down_waits_for_it(nats_server):
     """Seen in the broker-restart chaos test: a sampler still starting when the broker was
     killed failed its first subscription (a timeout) and exited. Starting is retried like any

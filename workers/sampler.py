@@ -39,6 +39,7 @@ from workers.background import Background
 log = structlog.get_logger()
 
 ASK_AGAIN_S = 0.2
+NO_ANSWER_WAIT_S = 1.0  # no trainer answered a request for work (none yet, or a broker restarting)
 SYNCS_KEPT = 8
 
 
@@ -84,8 +85,9 @@ class Sampler:
         self.syncs[str(announcement.version)] = round(fetched + time.perf_counter() - started, 4)
         log.debug("weights.applied", version=self.version)
 
-    async def ask_for_work(self, pull_request_id: str | None = None) -> Grant:
-        """What the trainer grants this sampler to generate with the weights it runs now."""
+    async def ask_for_work(self, pull_request_id: str | None = None) -> Grant | None:
+        """What the trainer grants this sampler to generate with the weights it runs now (None:
+        no answer came)."""
         epoch, version = self.order
         request = GrantRequest(want=self.cfg.sampling.prompts_per_call, epoch=epoch, version=version,
                                pull_request_id=pull_request_id)
@@ -116,10 +118,10 @@ class Sampler:
             if not self.standby:
                 asked_at = time.perf_counter()
                 grant = await self.ask_for_work()
-                if grant.leases:
+                if grant and grant.leases:
                     await self.generate_and_publish(grant.leases, asked_at)
                     continue
-                if grant.more:
+                if grant and grant.more:
                     await asyncio.sleep(ASK_AGAIN_S)  # work is left, just not for this sampler yet
                     continue
             waits = [asyncio.ensure_future(self.budget_changed.wait()),
@@ -143,7 +145,9 @@ class Sampler:
                     continue
                 asked_at = time.perf_counter()
                 grant = await self.ask_for_work(request.request_id)
-                if grant.leases:
+                if grant is None:  # no answer: the request may still want its groups
+                    await asyncio.sleep(NO_ANSWER_WAIT_S)
+                elif grant.leases:
                     await self.generate_and_publish(grant.leases, asked_at)
                 elif grant.more:
                     await asyncio.sleep(ASK_AGAIN_S)  # work is left, just not for this sampler yet
