@@ -101,7 +101,9 @@ class TrainerConfig(_Section):
     # Where either side computes in bf16/fp16: honest SmolLM2 groups measured up to 0.33 (README).
     verify_tolerance_16bit: float = Field(0.5, gt=0)
     quarantine_after: int = Field(3, ge=0)  # offences tolerated before quarantine (0: none)
-    keep_versions: int = Field(3, ge=1)  # versions kept in the weights bucket and run dir; older ones are deleted
+    # Versions kept in the weights bucket and run dir; older ones are deleted. A sampler must fetch
+    # a version within this many steps: raise it for slow links or full weights.
+    keep_versions: int = Field(3, ge=1)
     shard_mb: float = Field(64.0, gt=0)  # published weights are split into objects of about this size
     # What published weights are stored as (samplers cast on load): bf16 halves the bytes on the
     # wire, at a rounding of the trained fp32 weights that the importance weights correct for.
