@@ -63,6 +63,19 @@ def test_a_heartbeat_that_stops_changing_is_silent_by_this_clock():
     assert beats.silent_for("a", now=112.0) == 1.0
 
 
+ASK_AGAIN = {"schema_version": SCHEMA_VERSION, "leases": [], "more": True}  # nothing now, ask again soon
+
+
+async def _admission_at_version_0(url: str, run_id: str, cfg):
+    """A trainer holding the run, its admission at version 0, and a request for 2 groups made
+    with its weights: (run, orders, request)."""
+    run = await open_run(url, run_id, "trainer")
+    lease = await take_lease(run)
+    orders = Admission(run, cfg, TrainerState(), GrantLedger())
+    await orders.ask(0)
+    return run, orders, GrantRequest(want=2, epoch=lease.epoch, version=0)
+
+
 def _ask(run, sampler_id, epoch, version, want=2, pull_request_id=None):
     request = GrantRequest(want=want, epoch=epoch, version=version, pull_request_id=pull_request_id)
     return request_grant(run, sampler_id, request)
@@ -86,8 +99,8 @@ def test_grants_never_pass_the_cap_however_many_samplers_race(nats_server, tmp_p
         assert (await _ask(sampler, "s0", lease.epoch, 3)).groups == 0  # a version the trainer has not published
         assert (await _ask(sampler, "s0", lease.epoch - 1, 2)).groups == 0  # a previous trainer's weights
         await orders.ask(3)
-        assert (await _ask(sampler, "s0", lease.epoch, 3, want=8)).model_dump() == {
-            "schema_version": SCHEMA_VERSION, "leases": [], "more": True}  # s0 holds 2, more than its share: ask again later
+        # s0 holds 2, more than its share: ask again later
+        assert (await _ask(sampler, "s0", lease.epoch, 3, want=8)).model_dump() == ASK_AGAIN
         assert (await _ask(sampler, "late", lease.epoch, 3, want=8)).groups == 1  # 14 asking: a share of 1 of 8
 
         # A restarted trainer numbers its grants on from the count in KV.
@@ -141,13 +154,8 @@ def test_no_work_is_granted_until_min_samplers_have_asked(nats_server, tmp_path)
     cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "min_samplers": 2})
 
     async def main():
-        run = await open_run(nats_server.url, "fleet", "trainer")
-        lease = await take_lease(run)
-        orders = Admission(run, cfg, TrainerState(), GrantLedger())
-        await orders.ask(0)
-        asked = GrantRequest(want=2, epoch=lease.epoch, version=0)
-        refused = {"schema_version": SCHEMA_VERSION, "leases": [], "more": True}
-        assert (await orders.grant("early", asked)).model_dump() == refused
+        run, orders, asked = await _admission_at_version_0(nats_server.url, "fleet", cfg)
+        assert (await orders.grant("early", asked)).model_dump() == ASK_AGAIN
         assert (await orders.grant("early", asked)).groups == 0  # asking again does not count twice
         assert (await orders.grant("late", asked)).groups == 2
         assert (await orders.grant("early", asked)).groups == 2
@@ -166,16 +174,11 @@ def test_a_grant_the_broker_cannot_record_hands_over_nothing_and_is_handed_out_a
     cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "max_staleness": 0})
 
     async def main():
-        run = await open_run(nats_server.url, "unrecorded", "trainer")
-        lease = await take_lease(run)
-        orders = Admission(run, cfg, TrainerState(), GrantLedger())
-        await orders.ask(0)
-        asked = GrantRequest(want=2, epoch=lease.epoch, version=0)
+        run, orders, asked = await _admission_at_version_0(nats_server.url, "unrecorded", cfg)
         assert (await orders.grant("a", asked)).groups == 2
         nats_server.process.send_signal(signal.SIGKILL)
         nats_server.process.wait()
-        assert (await orders.grant("b", asked)).model_dump() == {
-            "schema_version": SCHEMA_VERSION, "leases": [], "more": True}
+        assert (await orders.grant("b", asked)).model_dump() == ASK_AGAIN
         # b's grant was lease 3 (half the headroom left, two samplers asking): lost, not held
         assert orders.ledger.holders() == {"a"} and orders.ledger.take_lost() == [3]
         await orders.on_wait(2)  # waiting for groups meanwhile: a's heartbeat is unread, and that is no failure
