@@ -3,6 +3,9 @@ group of long completions (micro-batches: less memory), or on many groups of sho
 packed into shared passes: fewer forwards). Each setting runs in a fresh process, so its peak
 resident memory (ru_maxrss) is its own; the baseline (0: a group a pass, whole) runs in the same
 invocation. With --repeats, the step's time is the fastest of that many (the first warms up).
+The step runs where the trainer's would (`--device`, `--dtype`: model.device and model.dtype,
+auto by default); on a GPU the peak that counts is the device's (torch's allocator), not the
+process's resident memory.
 
     .venv/bin/python -m bench.micro_batches [--model smollm2] [--group 16] [--tokens 256] [--budgets 0 2048 1024]
     .venv/bin/python -m bench.micro_batches --groups 8 --group 8 --tokens 32 --budgets 0 4096 --repeats 3 --pack-groups on
@@ -44,40 +47,59 @@ def long_groups(vocab: int, groups: int, group: int, tokens: int) -> list:
     return batch
 
 
-def step_setup(model: str, groups: int, group: int, tokens: int, budget: int, pack_groups: str = "auto"):
-    """(config, policy, pad id, batch) for a bench step, the same in every process (seeded)."""
+def step_setup(model: str, groups: int, group: int, tokens: int, budget: int, pack_groups: str = "auto",
+               device: str = "auto", dtype: str = "auto"):
+    """(config, policy, pad id, batch, compute dtype) for a bench step, as the trainer builds them
+    (the base in its compute dtype on model.device, the adapter fp32), the same in every process
+    (seeded)."""
     import torch
 
     from echo.config import validate_config
+    from echo.devices import resolve_device, resolve_dtype
     from echo.models import load_model
     from echo.policy import make_policy
 
     torch.manual_seed(0)
-    cfg = validate_config({"model": {"name": model}, "trainer": {"micro_batch_tokens": budget, "pack_groups": pack_groups}})
-    base, tokenizer = load_model(model)
+    cfg = validate_config({"model": {"name": model, "device": device, "dtype": dtype},
+                           "trainer": {"micro_batch_tokens": budget, "pack_groups": pack_groups}})
+    on = resolve_device(cfg.model.device)
+    compute_dtype = resolve_dtype(cfg.model.dtype, on)
+    base, tokenizer = load_model(model, on, compute_dtype)
     batch = long_groups(base.get_input_embeddings().num_embeddings, groups, group, tokens)
-    return cfg, make_policy(base, cfg.lora), tokenizer.pad_token_id, batch
+    return cfg, make_policy(base, cfg.lora), tokenizer.pad_token_id, batch, compute_dtype
 
 
-def timed_step(cfg, policy, pad_id: int, batch, repeats: int = 1, **ranks) -> dict:
-    """The fastest of `repeats` steps (the first warms up), its passes, and this process's peak
-    resident memory before and after."""
+def timed_step(cfg, policy, pad_id: int, batch, compute_dtype, repeats: int = 1, **ranks) -> dict:
+    """The fastest of `repeats` steps (the first warms up), its passes, where it ran, and this
+    process's peak resident memory before and after (and on a GPU, the device's peak)."""
+    import torch
+
+    from echo.devices import dtype_name, model_device
     from echo.learner import make_optimizer, train_step
 
+    device = model_device(policy)
     optimizer = make_optimizer(policy, cfg)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     seconds = []
     for _ in range(repeats):
         started = time.perf_counter()
-        stats = train_step(policy, optimizer, batch, cfg, pad_id, **ranks)
+        stats = train_step(policy, optimizer, batch, cfg, pad_id, compute_dtype=compute_dtype, **ranks)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         seconds.append(time.perf_counter() - started)
-    return {"passes": stats["passes"], "step_s": round(min(seconds), 3),
+    on_device = {"peak_device_mb": round(torch.cuda.max_memory_allocated(device) / 2**20)} if device.type == "cuda" else {}
+    return {"passes": stats["passes"], "step_s": round(min(seconds), 3), "device": str(device),
+            "dtype": dtype_name(compute_dtype), **on_device,
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
             "before_step_rss_mb": round(before / 1024)}
 
 
-def one_step(model: str, groups: int, group: int, tokens: int, budget: int, repeats: int, pack_groups: str) -> dict:
-    return {"budget": budget, **timed_step(*step_setup(model, groups, group, tokens, budget, pack_groups), repeats)}
+def one_step(model: str, groups: int, group: int, tokens: int, budget: int, repeats: int, pack_groups: str,
+             device: str = "auto", dtype: str = "auto") -> dict:
+    return {"budget": budget,
+            **timed_step(*step_setup(model, groups, group, tokens, budget, pack_groups, device, dtype), repeats)}
 
 
 def main() -> None:
@@ -90,23 +112,28 @@ def main() -> None:
                         "settings; 0 (a group a pass, the baseline) always runs first")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--pack-groups", default="auto", choices=["auto", "on", "off"], help="trainer.pack_groups")
+    parser.add_argument("--device", default="auto", help="model.device")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="model.dtype")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process: one setting
     args = parser.parse_args()
     if args.one is not None:
         print(orjson.dumps(one_step(args.model, args.groups, args.group, args.tokens, args.one, args.repeats,
-                                    args.pack_groups)).decode())
+                                    args.pack_groups, args.device, args.dtype)).decode())
         return
     runs = []
     for budget in [0, *(b for b in args.budgets if b != 0)]:
         out = subprocess.run([sys.executable, "-m", "bench.micro_batches", "--model", args.model, "--groups", str(args.groups),
                               "--group", str(args.group), "--tokens", str(args.tokens), "--repeats", str(args.repeats),
-                              "--pack-groups", args.pack_groups, "--one", str(budget)], capture_output=True, text=True, check=True)
+                              "--pack-groups", args.pack_groups, "--device", args.device, "--dtype", args.dtype,
+                              "--one", str(budget)], capture_output=True, text=True, check=True)
         runs.append(orjson.loads(out.stdout.strip().splitlines()[-1]))
     baseline = runs[0]
+    peak = "peak_device_mb" if "peak_device_mb" in baseline else "peak_rss_mb"  # where the step's memory is
     for run in runs:
-        run["peak_vs_whole_group"] = round(run["peak_rss_mb"] / baseline["peak_rss_mb"], 2)
+        run["peak_vs_whole_group"] = round(run[peak] / baseline[peak], 2)
         run["time_vs_whole_group"] = round(run["step_s"] / baseline["step_s"], 2)
-    result = {"model": args.model, "groups": args.groups, "pack_groups": args.pack_groups,
+    result = {"model": args.model, "device": baseline["device"], "dtype": baseline["dtype"], "groups": args.groups,
+              "pack_groups": args.pack_groups,
               "group": f"{args.group} completions x {args.tokens} tokens, prompt 64", "runs": runs}
     out = write_results("micro_batches.json" if args.groups == 1 else f"micro_batches-{args.model}-{args.groups}-groups.json",
                         result)

@@ -33,10 +33,12 @@ def rank_step(rank: int, world: int, port: int, args, budget: int, out: Path) ->
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
         dist.init_process_group("gloo")
-    cfg, policy, pad_id, batch = step_setup(args.model, args.groups, args.group, args.tokens, budget)
+    # On the CPU: the ranks talk over gloo, as this bench measures them.
+    cfg, policy, pad_id, batch, compute_dtype = step_setup(args.model, args.groups, args.group, args.tokens, budget,
+                                                           device="cpu")
     if world > 1:
         shard(policy)
-    result = {"rank": rank, **timed_step(cfg, policy, pad_id, batch, rank=rank, world=world)}
+    result = {"rank": rank, **timed_step(cfg, policy, pad_id, batch, compute_dtype, rank=rank, world=world)}
     (out / f"rank{rank}.json").write_bytes(orjson.dumps(result))
     if world > 1:
         leave()

@@ -1,0 +1,31 @@
+"""The learner benches (bench/micro_batches.py, bench/ranks.py) time the step the trainer would
+take: its device and compute dtype (model.device, model.dtype), the adapter in fp32."""
+
+import subprocess
+import sys
+
+import orjson
+import torch
+
+from bench.micro_batches import step_setup, timed_step
+
+
+def test_a_bench_step_runs_in_the_configured_device_and_dtype():
+    cfg, policy, pad_id, batch, compute_dtype = step_setup("tiny", 2, 2, 8, 0, device="cpu", dtype="bfloat16")
+    assert compute_dtype == torch.bfloat16
+    assert policy.get_input_embeddings().weight.dtype == torch.bfloat16  # the base, as the trainer loads it
+    trained = [p for p in policy.parameters() if p.requires_grad]
+    assert trained and all(p.dtype == torch.float32 for p in trained)
+    result = timed_step(cfg, policy, pad_id, batch, compute_dtype)
+    assert (result["device"], result["dtype"], result["passes"]) == ("cpu", "bfloat16", 2)
+    assert "peak_device_mb" not in result  # on the CPU, the process's resident peak is the step's
+
+
+def test_the_bench_says_where_its_steps_ran(tmp_path):
+    subprocess.run([sys.executable, "-m", "bench.micro_batches", "--model", "tiny", "--groups", "2", "--group", "2",
+                    "--tokens", "8", "--budgets", "0", "4096", "--pack-groups", "on", "--dtype", "bfloat16"], check=True, capture_output=True,
+                   env={"BENCH_RESULTS": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    result = orjson.loads((tmp_path / "micro_batches-tiny-2-groups.json").read_bytes())
+    assert (result["device"], result["dtype"]) == ("cpu", "bfloat16")
+    assert [run["budget"] for run in result["runs"]] == [0, 4096]
+    assert [run["passes"] for run in result["runs"]] == [2, 1]  # packed: both groups in one pass
