@@ -101,9 +101,11 @@ class TrainerConfig(_Section):
     # Where either side computes in bf16/fp16: honest SmolLM2 groups measured up to 0.33 (README).
     verify_tolerance_16bit: float = Field(0.5, gt=0)
     quarantine_after: int = Field(3, ge=0)  # offences tolerated before quarantine (0: none)
-    # Versions kept in the weights bucket and run dir; older ones are deleted. A sampler must fetch
-    # a version within this many steps: raise it for slow links or full weights.
-    keep_versions: int = Field(3, ge=1)
+    keep_versions: int = Field(3, ge=1)  # Versions kept in the weights bucket and run dir; older ones are deleted.
+    # Seconds an older version stays in the bucket after a newer one came out, past keep_versions:
+    # a sampler has at least that long to fetch a version. Raise it for slow links or full weights
+    # (it costs bucket space when steps are fast).
+    keep_versions_s: float = Field(120.0, ge=0)
     shard_mb: float = Field(64.0, gt=0)  # published weights are split into objects of about this size
     # What published weights are stored as (samplers cast on load): bf16 halves the bytes on the
     # wire, at a rounding of the trained fp32 weights that the importance weights correct for.

@@ -115,7 +115,9 @@ class Run:
     weights: ObjectStore
     state: KeyValue
     epoch: int | None = None  # the trainer's lease epoch, once it holds one (streams/lease.py)
-    weights_swept: bool = False  # this process has deleted earlier trainers' old versions once
+    # The versions this process keeps in the weights bucket -> when a newer one was announced
+    # (inf: not yet); None until its first publish has deleted earlier trainers' old versions.
+    weights_superseded_at: dict[int, float] | None = None
     weights_nc: NATS | None = None
 
     async def close(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -17,6 +18,7 @@ from nats.js.errors import NotFoundError
 
 from echo.logs import Progress
 from echo.protocol import OBJ_HDR_EPOCH, OBJ_HDR_VERSION, WeightsAnnouncement, WeightsShard, encode, weights_object_name
+from echo.retention import expired_versions
 from streams.client import BROKER_ERRORS, LatestValue, Run, cancel_until_done, publish_once
 from streams.lease import current_epoch
 from streams.objects import TransferError, get_object, put_object, sha256_hex
@@ -30,11 +32,14 @@ RETRY_FIRST_S, RETRY_MAX_S = 0.25, 15.0  # backoff between fetches of the newest
 
 
 async def publish_weights(
-    run: Run, version: int, shards: Iterable[bytes], base_model: str, kind: Literal["lora", "full"] = "lora", keep: int = 3
+    run: Run, version: int, shards: Iterable[bytes], base_model: str, kind: Literal["lora", "full"] = "lora",
+    keep: int = 3, keep_seconds: float = 0.0,
 ) -> WeightsAnnouncement:
     """Store every shard, then announce them: a sampler never hears of an object not yet
-    complete. Only the newest `keep` versions stay in the bucket, so disk use is bounded. Only
-    the holder of the run's lease (streams/lease.py) publishes: the announcement names its epoch."""
+    complete. A version leaves the bucket once `keep` newer ones exist and a newer one was
+    announced `keep_seconds` ago (echo/retention.py), so disk use is bounded and a fetch that
+    takes less than that finishes. Only the holder of the run's lease (streams/lease.py)
+    publishes: the announcement names its epoch."""
     if run.epoch is None:
         raise RuntimeError("publish_weights needs the run's trainer lease (streams.lease.take_lease)")
     stored = []
@@ -46,11 +51,18 @@ async def publish_weights(
         version=version, epoch=run.epoch, kind=kind, shards=stored, base_model=base_model, created_at=time.time()
     )
     await publish_once(run, run.names.weights_subject, encode(announcement))
-    if run.weights_swept:
-        await delete_version(run, version - keep)  # the one that just left the window
-    else:  # once per process: whatever earlier trainers left
+    now = time.time()
+    kept = run.weights_superseded_at
+    if kept is None:  # once per process: whatever earlier trainers left; what stays counts from now
         await delete_versions_before(run, version - keep + 1)
-        run.weights_swept = True
+        kept = run.weights_superseded_at = {v: now for v in range(max(version - keep + 1, 0), version)}
+    for older, at in kept.items():
+        if older < version and at == math.inf:
+            kept[older] = now
+    kept.setdefault(version, math.inf)  # a retried publish of this version is still the newest
+    for old in expired_versions(kept, version, keep, keep_seconds, now):
+        await delete_version(run, old)
+        del kept[old]
     return announcement
 
 

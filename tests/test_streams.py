@@ -283,6 +283,25 @@ def test_the_bucket_keeps_only_the_newest_versions(nats_server):
     asyncio.run(main())
 
 
+def test_a_version_a_slow_sampler_is_fetching_stays_for_keep_seconds(nats_server):
+    """Counted in versions alone (keep_seconds 0), a version goes `keep` publishes after it came,
+    so a fetch longer than that many steps never finished. Kept `keep_seconds` past its
+    successor's announcement, it can."""
+    async def main():
+        run = await open_run(nats_server.url, "slow-link", "test")
+        await take_lease(run)
+        started = await publish_weights(run, 0, [b"v0" * 500], TINY_BASE, keep=1, keep_seconds=60)
+        for version in (1, 2, 3):  # the trainer goes on while a sampler is still reading version 0
+            await publish_weights(run, version, [b"vN" * 500], TINY_BASE, keep=1, keep_seconds=60)
+        assert await fetch_weights(run, started) == [b"v0" * 500]
+        await publish_weights(run, 4, [b"vN" * 500], TINY_BASE, keep=1, keep_seconds=0)
+        with pytest.raises(TransferError, match="not_found"):
+            await fetch_weights(run, started)
+        await run.close()
+
+    asyncio.run(main())
+
+
 async def _store_tampered(run, version: int, data: bytes, tamper) -> None:
     """Store an adapter, rewrite its chunks in the bucket with `tamper`, then announce the
     original's size and digest, as a trainer would have."""

@@ -618,11 +618,13 @@ def restore_metrics(run_dir: Path, state: TrainerState) -> None:
 
 async def publish_policy(run: Run, cfg: EchoConfig, learner: Learner, version: int) -> float:
     """Write the version's shards to the run directory (for `echo-rl eval`), then publish them
-    from there (a retry reads them again). Both keep the newest `trainer.keep_versions` versions."""
+    from there (a retry reads them again). Both keep the newest `trainer.keep_versions` versions
+    (the bucket, for `trainer.keep_versions_s` more: what a slow sampler's fetch may take)."""
     started = time.perf_counter()
     files = await asyncio.to_thread(learner.write_weights, version)
     await until_done("publish weights", lambda: publish_weights(
-        run, version, (f.read_bytes() for f in files), learner.base_model, learner.kind, cfg.trainer.keep_versions))
+        run, version, (f.read_bytes() for f in files), learner.base_model, learner.kind, cfg.trainer.keep_versions,
+        cfg.trainer.keep_versions_s))
     await asyncio.to_thread(learner.remember, version)
     bind_process(version=version)  # this trainer's log lines name the version it last published
     return time.perf_counter() - started
