@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -35,10 +36,25 @@ def write_secret(path: Path, data: bytes) -> None:
         f.write(data)
 
 
+# Ports our servers listen on come from below the kernels' ephemeral ranges (Linux 32768-60999,
+# macOS and Windows 49152+), not from port 0: a port from the ephemeral range can be taken by
+# any outgoing connection between the pick and the server's bind, or while a broker restarts on it.
+LISTEN_PORTS = range(10_000, 32_768)
+_handed_out: set[int] = set()  # two picks in a row (a server and its leaf port) never match
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for port in random.sample(LISTEN_PORTS, 100):
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use, or lingering from a recent connection
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {LISTEN_PORTS.start}-{LISTEN_PORTS.stop - 1} on 127.0.0.1")
 
 
 class NatsServer:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import nats.errors
 import orjson
@@ -28,6 +29,7 @@ from streams.lease import RENEW_S, AnotherTrainer, take_lease
 from streams.objects import put_object
 from streams.weights import publish_weights
 from streams.registry import put_status, read_statuses
+from streams.server import free_port
 from streams.rollouts import trainer_subscription
 from tests.conftest import TINY_BASE, tiny_config, wait_for_steps, worker_process
 from tests.test_referee import honest_group
@@ -329,3 +331,16 @@ def test_sigterm_stops_a_worker_even_when_nats_py_swallows_the_cancellation(nats
         assert worker.wait(timeout=15) == 0
     finally:
         worker.kill()
+
+
+def test_servers_listen_outside_the_ports_outgoing_connections_take():
+    """A broker restarted on its port (the chaos tests, a relay) needs the port still free, and a
+    server started on a port just picked needs it free until it binds. A port from the kernel's
+    ephemeral range can be taken meanwhile by any outgoing connection: picks stay below it."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    if not ephemeral.exists():
+        pytest.skip("Linux's ephemeral port range")
+    low, high = map(int, ephemeral.read_text().split())
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)  # a server and its leaf port never share one
+    assert not any(low <= port <= high for port in ports)
