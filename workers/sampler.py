@@ -17,7 +17,8 @@ import structlog
 
 from echo.config import EchoConfig, SamplingConfig
 from echo.devices import dtype_name
-from echo.engines import Engine, make_engine
+from echo.engines import make_engine
+from echo.engines.base import Engine
 from echo.learner import set_threads
 from echo.logs import bind_process
 from echo.models import base_model_digest

@@ -10,7 +10,7 @@ from transformers import GenerationConfig
 
 from echo.config import LoraConfig, SamplingConfig
 from echo.devices import resolve_device, resolve_dtype
-from echo.engines import Generation
+from echo.engines.base import Generation
 from echo.models import encode_chat, load_model
 from echo.policy import load_weights, make_policy
 

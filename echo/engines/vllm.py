@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from echo.config import ConfigError, LoraConfig, ModelConfig, SamplingConfig
 from echo.devices import dtype_name, resolve_device, resolve_dtype
-from echo.engines import Generation
+from echo.engines.base import Generation
 from echo.models import encode_chat, model_folder, model_on_meta
 from echo.policy import check_tensors, make_policy, policy_shapes, shards_tensors
 
