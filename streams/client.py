@@ -22,7 +22,7 @@ from nats.js.object_store import ObjectStore
 
 from echo.protocol import HDR_MSG_ID, HUB_DOMAIN, ProtocolError, RunNames, Storage, decode
 from streams import layout
-from streams.secure import Credentials
+from streams.credentials import Credentials
 
 M = TypeVar("M")
 

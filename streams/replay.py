@@ -18,7 +18,7 @@ from nats.js.api import DeliverPolicy
 
 from echo.protocol import HDR_SAMPLER_ID, ProtocolError, RolloutGroup, RunNames, decode_rollout
 from streams.client import connect
-from streams.secure import Credentials
+from streams.credentials import Credentials
 from streams.rollouts import rollout_body
 from streams.server import NatsServer
 

@@ -13,6 +13,9 @@ box. Adding a sampler rewrites the user list and reloads the server (SIGHUP): no
 `secure add-relay DIR NAME` issues a relay's leaf nkey (accepted on the hub's leaf port only,
 allowed to mirror the weights and announcements and nothing else) and a certificate and user
 list (the samplers, reading its mirrors only) for the relay's own client port.
+
+This module is the operator's (the CA, certificates, permissions, server config); what a client
+needs to connect with the files it writes is in streams/credentials.py.
 """
 
 from __future__ import annotations
@@ -23,55 +26,20 @@ import json
 import os
 import secrets
 import signal
-import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
 import nkeys
 
 from echo.protocol import HUB_DOMAIN, SAMPLER_STATUS_PREFIX, TRAINER_CONSUMER, RunNames, check_id
+from streams.credentials import Credentials, inbox_prefix, sibling_file
+from streams.credentials import credentials_of  # noqa: F401  (still imported from here by workers/trainer.py)
 from streams.server import write_secret
 
 ROLES_FILE = "roles.json"  # public keys and roles: the source of server.conf's user list
 SERVER_CONF = "server.conf"
 LEAF_CONF = "leafnodes.conf"
 PID_FILE = "nats-server.pid"
-
-
-def inbox_prefix(public_key: str) -> str:
-    """Each client reads replies only under its own prefix: `_INBOX.>` would let it read everyone's."""
-    return f"_INBOX_{public_key}"
-
-
-def _sibling(seed_file: Path, suffix: str) -> Path:
-    return seed_file.with_name(seed_file.stem + suffix)
-
-
-@dataclass(frozen=True)
-class Credentials:
-    """What a client needs to join a secured broker: its nkey seed, its client certificate and key
-    (NAME-cert.pem and NAME-key.pem beside NAME.nk) and the CA to check the server."""
-
-    seed_file: Path
-    ca_file: Path
-
-    @property
-    def cert_file(self) -> Path:
-        return _sibling(self.seed_file, "-cert.pem")
-
-    @property
-    def key_file(self) -> Path:
-        return _sibling(self.seed_file, "-key.pem")
-
-    def connect_options(self) -> dict:
-        seed = self.seed_file.read_bytes().strip()
-        public = nkeys.from_seed(bytearray(seed)).public_key.decode()
-        if not self.cert_file.exists():
-            raise FileNotFoundError(f"{self.cert_file}: a secured broker wants the client certificate issued with "
-                                    f"{self.seed_file.name}; copy it and {self.key_file.name} beside the seed")
-        tls = ssl.create_default_context(cafile=str(self.ca_file))
-        tls.load_cert_chain(self.cert_file, self.key_file)
-        return {"nkeys_seed_str": seed.decode(), "tls": tls, "inbox_prefix": inbox_prefix(public)}
 
 
 @dataclass(frozen=True)
@@ -84,7 +52,7 @@ class RelayFiles(Credentials):
 
     @property
     def users_file(self) -> Path:
-        return _sibling(self.seed_file, "-users.conf")
+        return sibling_file(self.seed_file, "-users.conf")
 
     def leaf_remote(self) -> dict:
         """The nats-server `leafnodes.remotes` entry's options: sign with the nkey, present the
@@ -104,11 +72,6 @@ def _tls_block(cert_file: Path, key_file: Path, ca_file: Path) -> str:
     q = json.dumps
     return (f"tls {{ cert_file: {q(str(cert_file))}, key_file: {q(str(key_file))}, ca_file: {q(str(ca_file))}, "
             f"verify: true, timeout: 5 }}")
-
-
-def credentials_of(creds: str, tls_ca: str) -> Credentials | None:
-    """The `nats.creds` and `nats.tls_ca` fields of a config, or None for an open broker."""
-    return Credentials(Path(creds), Path(tls_ca)) if creds else None
 
 
 def _stream_reads(api: str, stream: str) -> list[str]:

@@ -23,7 +23,7 @@ from echo.logs import bind_process, configure_logging
 from echo.protocol import CONFIG_KEY, HUB_DOMAIN, check_id
 from echo.tasks import load_task
 from streams.client import cancel_until_done
-from streams.secure import credentials_of
+from streams.credentials import credentials_of
 from streams.server import nats_server_binary
 
 

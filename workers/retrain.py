@@ -23,8 +23,8 @@ from echo.config import load_config
 from echo.protocol import ProtocolError, RolloutGroup
 from echo.referee import Referee
 from echo.tasks import load_task
+from streams.credentials import Credentials
 from streams.replay import run_broker, stored_groups
-from streams.secure import Credentials
 from workers.trainer_ranks import Learner, Ranks
 
 log = structlog.get_logger()

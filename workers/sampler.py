@@ -28,11 +28,11 @@ from echo.tasks import Task, load_task, safe_reward
 from echo.throughput import CallWindow
 from streams.admission import watch_budget
 from streams.client import BROKER_ERRORS, LatestValue, Run, open_run
+from streams.credentials import credentials_of
 from streams.grants import request_grant
 from streams.quarantine import read_quarantine
 from streams.registry import put_status, weights_relay
 from streams.schedule import watch_schedule
-from streams.secure import credentials_of
 from streams.rollouts import publish_rollout
 from streams.weights import WeightsFollower
 from workers.background import Background
