@@ -1,7 +1,7 @@
 """The co-located baseline: one process that alternates generating and training on the same
 model, what a verl-style co-located run does, built from the same library code as the swarm:
 the sampler's engine and group-making (`generate_groups`), the trainer's referee (its rewards),
-and the trainer's Learner (step, micro-batches, optimizer, the weight files it publishes). Same config, task, seed and batch
+and the trainer's TrainerModel (step, micro-batches, optimizer, the weight files it publishes). Same config, task, seed and batch
 sizes as a swarm run; every step generates `trainer.groups_per_step` groups with the current
 weights (on-policy: staleness 0), then trains on them.
 
@@ -23,32 +23,33 @@ import orjson
 from echo.checkpoint import read_shards
 from echo.config import EchoConfig, load_config
 from echo.engines import make_engine
+from echo.protocol import PolicyVersion
 from echo.referee import Referee
 from echo.tasks import load_task
 from workers.sampler import generate_groups
-from workers.trainer import metrics_line
-from workers.trainer_ranks import Learner, Ranks
+from workers.accounting import metrics_line
+from workers.trainer_model import Ranks, TrainerModel
 
 
 def run_colocated(cfg: EchoConfig) -> None:
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(cfg.to_toml())
-    learner = Learner(cfg, Ranks(cfg.model.device))
+    model = TrainerModel(cfg, Ranks(cfg.model.device))
     engine, task = make_engine(cfg), load_task(cfg.task)
-    referee = Referee(task, learner.tokenizer, learner.vocab_size, cfg.sampling)
+    referee = Referee(task, model.tokenizer, model.vocab_size, cfg.sampling)
     rng = random.Random(f"{cfg.run.seed}/colocated")
     started = time.perf_counter()
     with open(run_dir / "metrics.jsonl", "wb") as metrics:
         for step in range(1, cfg.run.steps + 1):
             step_started = time.perf_counter()
-            engine.load_weights(read_shards(learner.write_weights(step - 1)))  # the current policy, as a sampler gets it
+            engine.load_weights(read_shards(model.write_weights(step - 1)))  # the current policy, as a sampler gets it
             prompts = [task.prompt(rng.randrange(2**31)) for _ in range(cfg.trainer.groups_per_step)]
-            groups = generate_groups(engine, task, prompts, cfg.sampling, "colocated", (0, step - 1),
+            groups = generate_groups(engine, task, prompts, cfg.sampling, "colocated", PolicyVersion(0, step - 1),
                                      list(range(1, len(prompts) + 1)))
             batch = [(g, referee.score(g).rewards) for g in groups]
             generated = time.perf_counter()
-            stats = learner.train(batch)
+            stats = model.train(batch)
             trained = time.perf_counter()
             metrics.write(metrics_line({
                 "step": step, "version": step, **stats,
@@ -61,7 +62,7 @@ def run_colocated(cfg: EchoConfig) -> None:
                 "groups": [[g.group_id, g.policy_version, g.sampler_id] for g in groups],
             }))
             metrics.flush()
-    learner.write_weights(cfg.run.steps)  # the trained policy, for `echo-rl eval`
+    model.write_weights(cfg.run.steps)  # the trained policy, for `echo-rl eval`
 
 
 def main() -> None:

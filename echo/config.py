@@ -206,6 +206,11 @@ class EchoConfig(_Section):
     def run_dir(self) -> Path:
         return Path(self.run.dir) / self.run.id
 
+    @property
+    def staleness_bound(self) -> int:
+        """The staleness bound the trainer applies: sequential mode trains on its current version only."""
+        return 0 if self.run.mode == "sequential" else self.trainer.max_staleness
+
     def to_toml(self) -> str:
         return tomli_w.dumps(self.model_dump())
 

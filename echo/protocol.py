@@ -13,7 +13,7 @@ import math
 import re
 import struct
 from dataclasses import dataclass
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Literal, NamedTuple, TypeVar
 
 import numpy as np
 import orjson
@@ -168,6 +168,15 @@ def weights_object_name(epoch: int, version: int, shard: int) -> str:
     return f"weights-e{epoch:06d}-v{version:08d}-{shard:04d}.safetensors"
 
 
+class PolicyVersion(NamedTuple):
+    """A version of the policy: the trainer incarnation (epoch) that published it and its number.
+    Ordered as a tuple: a restarted trainer's versions come after its predecessor's, whatever
+    their numbers."""
+
+    epoch: int
+    version: int
+
+
 # ---- messages ----------------------------------------------------------------------------
 
 
@@ -306,9 +315,8 @@ class WeightsAnnouncement(_Message):
         return sum(s.size for s in self.shards)
 
     @property
-    def order(self) -> tuple[int, int]:
-        """A restarted trainer's versions come after its predecessor's, whatever their numbers."""
-        return self.epoch, self.version
+    def policy(self) -> PolicyVersion:
+        return PolicyVersion(self.epoch, self.version)
 
 
 class TrainerLease(_Message):

@@ -46,10 +46,12 @@ async def cancel_until_done(tasks: list[asyncio.Task], every_s: float = RECANCEL
         await asyncio.wait(running, timeout=every_s)
 
 
-async def until_done(what: str, call: Callable[[], Awaitable[M]], max_delay_s: float = 10.0) -> M:
-    """`call()` again, with backoff, while the broker fails it (restarting, out of reach, a
-    cluster electing a new leader); for calls that are safe to repeat."""
-    delay = 0.25
+async def retry_forever(what: str, call: Callable[[], Awaitable[M]], first_delay_s: float = 0.25,
+                        max_delay_s: float = 10.0) -> M:
+    """`call()` again, with backoff and no limit, while the broker fails it (restarting, out of
+    reach, a cluster electing a new leader); for calls that are safe to repeat. An error of
+    our own code is raised at once."""
+    delay = first_delay_s
     while True:
         try:
             return await call()
@@ -320,7 +322,7 @@ class LatestValue(Generic[M]):
     async def start(self) -> "LatestValue[M]":
         # The stream is named: a relay's mirror has no subjects to look it up by. A short idle
         # heartbeat lets the ordered consumer notice a restarted server in seconds, not ~20 s.
-        self._sub = await until_done(f"follow {self.subject}", lambda: self.js.subscribe(
+        self._sub = await retry_forever(f"follow {self.subject}", lambda: self.js.subscribe(
             self.subject,
             stream=self.stream,
             ordered_consumer=True,

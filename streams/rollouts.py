@@ -25,7 +25,7 @@ from echo.protocol import (
     rollout_headers,
     subject_sampler,
 )
-from streams.client import BROKER_ERRORS, Run
+from streams.client import BROKER_ERRORS, Run, retry_forever
 
 log = structlog.get_logger()
 
@@ -53,16 +53,9 @@ async def publish_rollout(run: Run, group: RolloutGroup) -> None:
 
 
 async def _publish_until_stored(run: Run, subject: str, data: bytes, headers: dict[str, str]) -> None:
-    delay = 0.5
-    while True:
-        try:
-            # Nats-Msg-Id makes a retry safe: a publish can time out although it was stored.
-            await run.js.publish(subject, data, headers=headers, timeout=10)
-            return
-        except BROKER_ERRORS as e:
-            log.warning("rollout.publish_failed", msg_id=headers[HDR_MSG_ID], reason=repr(e), retry_in_s=delay)
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, PUBLISH_RETRY_MAX_S)
+    # Nats-Msg-Id makes a retry safe: a publish can time out although it was stored.
+    await retry_forever(f"publish {headers[HDR_MSG_ID]}", lambda: run.js.publish(subject, data, headers=headers, timeout=10),
+                        first_delay_s=0.5, max_delay_s=PUBLISH_RETRY_MAX_S)
 
 
 async def rollout_body(js: JetStreamContext, names: RunNames, msg) -> bytes:

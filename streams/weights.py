@@ -17,7 +17,7 @@ import structlog
 from nats.js.errors import NotFoundError
 
 from echo.logs import Progress
-from echo.protocol import OBJ_HDR_EPOCH, OBJ_HDR_VERSION, WeightsAnnouncement, WeightsShard, encode, weights_object_name
+from echo.protocol import OBJ_HDR_EPOCH, OBJ_HDR_VERSION, PolicyVersion, WeightsAnnouncement, WeightsShard, encode, weights_object_name
 from echo.retention import expired_versions
 from streams.client import BROKER_ERRORS, LatestValue, Run, cancel_until_done, publish_once
 from streams.lease import current_epoch
@@ -157,7 +157,7 @@ class WeightsFollower:
 
     async def _take(self, announcement: WeightsAnnouncement, seq: int) -> None:
         started = time.perf_counter()
-        if self.ready and self.ready[0].order >= announcement.order:
+        if self.ready and self.ready[0].policy >= announcement.policy:
             return
         if announcement.epoch != await current_epoch(self.run):
             self.failures["wrong_epoch"] += 1  # not from the trainer that holds the run
@@ -170,8 +170,8 @@ class WeightsFollower:
         data = await self._fetch_while_newest(announcement, seq)
         if data is None:
             return
-        self.fetch_s = {announcement.order: time.perf_counter() - started}  # the ready version's
-        log.debug("weights.fetched", version=announcement.version, seconds=round(self.fetch_s[announcement.order], 3))
+        self.fetch_s = {announcement.policy: time.perf_counter() - started}  # the ready version's
+        log.debug("weights.fetched", version=announcement.version, seconds=round(self.fetch_s[announcement.policy], 3))
         async with self._ready_changed:
             self.ready = (announcement, data)
             self._ready_changed.notify_all()
@@ -215,11 +215,11 @@ class WeightsFollower:
         when given: an earlier epoch's higher versions are older); return the newest."""
         if epoch is None:
             return await self._wait(lambda announcement: announcement.version >= version)
-        return await self._wait(lambda announcement: announcement.order >= (epoch, version))
+        return await self._wait(lambda announcement: announcement.policy >= PolicyVersion(epoch, version))
 
-    async def wait_newer(self, order: tuple[int, int]) -> None:
-        """Wait until weights ordered after `order` (epoch, version) are downloaded."""
-        await self._wait(lambda announcement: announcement.order > order)
+    async def wait_newer(self, policy: PolicyVersion) -> None:
+        """Wait until weights of a version after `policy` are downloaded."""
+        await self._wait(lambda announcement: announcement.policy > policy)
 
     async def stop(self) -> None:
         """Stop fetching, and wait until the fetch has ended (its connection may close next)."""

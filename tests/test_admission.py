@@ -13,7 +13,7 @@ from streams.client import open_run
 from streams.grants import request_grant, serve_grants
 from streams.lease import take_lease
 from tests.conftest import tiny_config
-from workers.trainer import Admission, PullRequests
+from workers.dispatch import AsyncDispatch, SequentialDispatch
 
 
 def test_allowance_covers_the_staleness_window_plus_lost_groups():
@@ -71,7 +71,7 @@ async def _admission_at_version_0(url: str, run_id: str, cfg):
     with its weights: (run, orders, request)."""
     run = await open_run(url, run_id, "trainer")
     lease = await take_lease(run)
-    orders = Admission(run, cfg, TrainerState(), GrantLedger())
+    orders = AsyncDispatch(run, cfg, TrainerState(), GrantLedger())
     await orders.ask(0)
     return run, orders, GrantRequest(want=2, epoch=lease.epoch, version=0)
 
@@ -89,7 +89,7 @@ def test_grants_never_pass_the_cap_however_many_samplers_race(nats_server, tmp_p
         sampler = await open_run(nats_server.url, "lease", "sampler", create=False)
         assert await _ask(sampler, "a", 1, 0) is None  # no trainer yet: no answer
         lease = await take_lease(run)
-        orders = Admission(run, cfg, TrainerState(version=2), GrantLedger())
+        orders = AsyncDispatch(run, cfg, TrainerState(version=2), GrantLedger())
         await orders.start()
         await orders.ask(2)  # leases up to (2 + 1 + 1) * 4 = 16
         assert (await _ask(sampler, "a", lease.epoch, 0, want=8)).groups == 8  # two versions behind: cap 16 - 2 * 4
@@ -104,7 +104,7 @@ def test_grants_never_pass_the_cap_however_many_samplers_race(nats_server, tmp_p
         assert (await _ask(sampler, "late", lease.epoch, 3, want=8)).groups == 1  # 14 asking: a share of 1 of 8
 
         # A restarted trainer numbers its grants on from the count in KV.
-        again = Admission(run, cfg, TrainerState(version=3), GrantLedger())
+        again = AsyncDispatch(run, cfg, TrainerState(version=3), GrantLedger())
         await again.start()
         assert again.ledger.issued == 17 and again.state.lost == 17 - 3 * 4  # what was out is counted lost
         await orders.subscription.unsubscribe()
@@ -122,7 +122,7 @@ def test_sequential_groups_are_granted_once_and_only_for_the_current_request(nat
         run = await open_run(nats_server.url, "seq", "trainer")
         sampler = await open_run(nats_server.url, "seq", "sampler", create=False)
         lease = await take_lease(run)
-        orders = PullRequests(run, cfg, TrainerState(), GrantLedger())
+        orders = SequentialDispatch(run, cfg, TrainerState(), GrantLedger())
         await orders.start()
         await orders.ask(0)
         request = orders.request

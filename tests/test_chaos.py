@@ -75,7 +75,7 @@ def test_a_sampler_that_dies_holding_leases_costs_its_leases_only_until_its_hear
     logs, leases = run_trainer_and_sampler(tmp_path, cfg, "s1", timeout=120, meanwhile=lambda: asyncio.run(
         _take_leases_and_die(nats_server.url, "ghost", "ghost")))
     events = [orjson.loads(line) for line in logs.splitlines() if line.startswith("{")]
-    released = [e for e in events if e["event"] == "orders.leases_released"]
+    released = [e for e in events if e["event"] == "dispatch.leases_released"]
     assert [(e["sampler"], e["leases"]) for e in released] == [("ghost", len(leases))]
     assert 3.0 <= released[0]["silent_s"] < 7  # released once silent for sampler_dead_after_s, not 300 s
     metrics = read_metrics(cfg.run_dir)

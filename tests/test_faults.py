@@ -30,12 +30,14 @@ from streams.objects import put_object
 from streams.weights import publish_weights
 from streams.registry import put_status, read_statuses
 from streams.server import free_port
-from streams.rollouts import trainer_subscription
+from streams.inbox import RolloutInbox
 from tests.conftest import TINY_BASE, tiny_config, wait_for_steps, worker_process
 from tests.test_referee import honest_group
 from tests.test_streams import _adapter_for_version, _store_tampered
 from workers.sampler import Sampler
-from workers.trainer import Collector, PullRequests, account, count_consumed
+from workers.accounting import account, count_consumed
+from workers.dispatch import SequentialDispatch
+from workers.intake import Collector, Judge, Timeline
 
 
 def test_a_sampler_retries_a_heartbeat_the_broker_missed_and_stops_on_any_other_error(
@@ -131,9 +133,9 @@ def test_a_step_told_to_stop_is_abandoned_between_passes_and_leaves_the_policy_a
     assert not unchanged()
 
 
-async def _ask_for_version(run, cfg, version: int) -> PullRequests:
+async def _ask_for_version(run, cfg, version: int) -> SequentialDispatch:
     """A sequential trainer's orders, asking for `version`'s groups."""
-    orders = PullRequests(run, cfg, TrainerState(version=version), GrantLedger())
+    orders = SequentialDispatch(run, cfg, TrainerState(version=version), GrantLedger())
     await orders.start()
     await orders.ask(version)
     return orders
@@ -150,7 +152,7 @@ async def _collect_step(run, cfg, version: int):
     """A trainer's collector for `version`, and the step's groups it collected."""
     base, tokenizer = load_model("tiny")
     referee = Referee(load_task(cfg.task), tokenizer, base.get_input_embeddings().num_embeddings, cfg.sampling)
-    collector = Collector(await trainer_subscription(run), referee, max_staleness=0, epoch=run.epoch)
+    collector = Collector(await RolloutInbox.open(run), Judge(referee, Timeline(max_staleness=0, epoch=run.epoch)))
     async with asyncio.timeout(30):
         return collector, await collector.collect(cfg.trainer.groups_per_step, version=version)
 
@@ -177,8 +179,8 @@ def test_a_sequential_sampler_whose_fetch_of_the_requested_version_fails_recover
         collector, collected = await _collect_step(run, cfg, 0)
         assert len(collected.used) == cfg.trainer.groups_per_step and sampler.version == 0
         collector.consumed.add(collected.seqs)  # the step checkpointed: every message is accounted for
-        assert await collector.ack_held() == 0
-        a = await account(collector.subscription, count_consumed({}, collected), collector.consumed, 0)
+        assert await collector.inbox.ack_held() == 0
+        a = await account(collector.inbox, count_consumed({}, collected), collector.consumed, 0)
         assert a["trained"] + a["dropped_stale"] + a["rejected"] == a["counted"]
         assert a["published"] == a["counted"] + a["pending"], a
         serving.cancel()
@@ -210,7 +212,7 @@ def test_a_sequential_sampler_asked_for_an_older_version_of_a_new_epoch_waits_fo
         async with asyncio.timeout(30):
             while sampler.published < cfg.trainer.groups_per_step:
                 await asyncio.sleep(0.02)
-        assert sampler.order == (1, 1)
+        assert sampler.policy == (1, 1)
         await orders.subscription.unsubscribe()
         await lease.release()
         lease = await take_lease(run)  # epoch 2, resumed at version 0
@@ -238,11 +240,11 @@ def test_a_sequential_sampler_whose_request_for_work_goes_unanswered_asks_again(
         run = await open_run(nats_server.url, cfg.run.id, "trainer")
         await take_lease(run)
         await publish_weights(run, 0, adapter, TINY_BASE)
-        orders = PullRequests(run, cfg, TrainerState(), GrantLedger())
+        orders = SequentialDispatch(run, cfg, TrainerState(), GrantLedger())
         await orders.ask(0)  # the request is out; no one answers requests for work yet
         sampler_run, sampler, serving = await _serving_sampler(nats_server.url, cfg)
         async with asyncio.timeout(30):
-            while sampler.order != (1, 0):  # it has the request's weights, and is asking
+            while sampler.policy != (1, 0):  # it has the request's weights, and is asking
                 await asyncio.sleep(0.02)
         await asyncio.sleep(0.5)  # asked, and not answered
         await orders.start()  # now the trainer answers

@@ -8,7 +8,7 @@ import pytest
 
 from bench.parity import permutation_p, run_summary, verdict
 from tests.conftest import tiny_config
-from workers.trainer import metrics_line
+from workers.accounting import metrics_line
 
 
 def modes(scores: dict[str, list[float]]) -> dict:

@@ -17,13 +17,16 @@ from streams.client import open_run
 from streams.lease import take_lease
 from streams.quarantine import read_quarantine
 from streams.registry import read_statuses
-from streams.rollouts import publish_rollout, trainer_subscription
+from streams.inbox import RolloutInbox
+from streams.rollouts import publish_rollout
 from tests.conftest import tiny_config
 from tests.test_referee import REFEREE, SAMPLING, honest_group
 from workers.background import Background
 from workers.cli import build_parser, quarantine_command
 from workers.sampler import Sampler
-from workers.trainer import Admission, Collector, Quarantined
+from workers.dispatch import AsyncDispatch
+from workers.intake import Collector, Judge, Timeline
+from workers.quarantine import Quarantined
 
 LORA = LoraConfig(r=4, alpha=8.0)
 
@@ -96,7 +99,8 @@ def test_a_forging_sampler_is_rejected_then_quarantined_until_an_operator_lifts_
             proof = _proof(policy, fraction=0.0)  # no random checks: the first catch is by suspicion
             proof.remember(1)
             proof.suspects.add("s1")
-            collector = Collector(await trainer_subscription(run), REFEREE, 1, set(), proof=proof, quarantine=quarantine)
+            collector = Collector(await RolloutInbox.open(run), Judge(REFEREE, Timeline(max_staleness=1), proof=proof,
+                                                                        quarantine=quarantine))
             # honest_group's log-probs are a constant -0.5: not what the model gives its tokens.
             for index, group_id in [(12, "f1"), (13, "f2"), (16, "f3")]:
                 await publish_rollout(run, honest_group(index, group_id=group_id, sampler_id="s1"))
@@ -105,7 +109,7 @@ def test_a_forging_sampler_is_rejected_then_quarantined_until_an_operator_lifts_
             assert [a.group.group_id for a in collected.used] == ["h1"]
             assert collected.rejected == {"logprob_forgery": 2, "quarantined": 1}  # f3 came after the quarantine
             assert await read_quarantine(run) == {"s1": "2 strikes, the last logprob_forgery"}
-            orders = Admission(run, cfg, TrainerState(version=1), GrantLedger(), quarantine)
+            orders = AsyncDispatch(run, cfg, TrainerState(version=1), GrantLedger(), quarantine)
             asked = GrantRequest(want=2, epoch=lease.epoch, version=1)
             assert (await orders.grant("s1", asked)).groups == 0 and (await orders.grant("s2", asked)).groups == 2
 

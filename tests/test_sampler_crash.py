@@ -129,5 +129,5 @@ def test_a_sampler_stopped_while_holding_leases_hands_them_back_at_once(nats_ser
         processes.append(worker_process(config_path, "sampler", "--id", "s1"))
         logs = trainer.communicate(timeout=180)[1]  # s2 is never declared dead (an hour): released as stopped
         assert trainer.returncode == 0, logs[-3000:]
-    released = [orjson.loads(line) for line in logs.splitlines() if '"orders.leases_released"' in line]
+    released = [orjson.loads(line) for line in logs.splitlines() if '"dispatch.leases_released"' in line]
     assert [(r["sampler"], r["stopped"], r["leases"]) for r in released] == [("s2", True, 2)], released

@@ -139,7 +139,7 @@ def test_forged_and_pre_deduplicated_announcements_do_not_wedge_samplers(nats_se
         await lease.release()
         restarted = await take_lease(trainer)
         await publish_weights(trainer, 2, [b"v2" * 100], TINY_BASE)
-        await _until(lambda: follower.ready[0].order == (restarted.epoch, 2))
+        await _until(lambda: follower.ready[0].policy == (restarted.epoch, 2))
         await follower.stop()
         await sampler_run.close()
         await trainer.close()

@@ -2,7 +2,6 @@
 
 import asyncio
 import base64
-import functools
 import hashlib
 import io
 import json
@@ -41,20 +40,21 @@ from streams.lease import take_lease
 from streams.objects import TransferError, get_object, put_object
 from streams.registry import put_status, read_statuses
 from streams.replay import read_rollouts
-from streams.rollouts import publish_rollout, rollout_body, trainer_subscription
+from streams.inbox import RolloutInbox
+from streams.rollouts import publish_rollout, trainer_subscription
 from streams.schedule import publish_schedule, watch_schedule
 from streams.server import NatsServer
 from streams.weights import WeightsFollower, fetch_weights, publish_weights
 from tests.conftest import TINY_BASE, tiny_config
 from tests.test_referee import REFEREE, TASK, TOKENIZER, with_completion, honest_group
 from workers.sampler import Sampler
-from workers.trainer import Collector
+from workers.intake import Collector, Judge, Timeline
 
 
 def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(nats_server):
     async def main():
         run = await open_run(nats_server.url, "c", "test")
-        sub = await trainer_subscription(run)
+        inbox = await RolloutInbox.open(run)
         subject = run.names.rollouts_subject("s1")
         await run.js.publish(subject, b"{broken", headers={HDR_MSG_ID: "bad1", HDR_SAMPLER_ID: "s1"})
         await publish_rollout(run, honest_group(policy_version=1, group_id="stale"))  # 5 - 1 > bound
@@ -74,7 +74,7 @@ def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(nats_serv
         await publish_rollout(run, honest_group(14, policy_version=5, group_id="ok"))  # a retry: de-duplicated
 
         trained_earlier = content_hash(honest_group(13))
-        collector = Collector(sub, REFEREE, max_staleness=1, trained_content={trained_earlier})
+        collector = Collector(inbox, Judge(REFEREE, Timeline(max_staleness=1), trained_content={trained_earlier}))
         collected = await collector.collect(2, version=5)
         assert [a.group.group_id for a in collected.used] == ["liar", "ok"]
         assert collected.used[0].rewards == [1.0, 0.1]  # the trainer's rewards, not the liar's
@@ -84,7 +84,7 @@ def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(nats_serv
                                       "subject_mismatch": 1, "replayed_content": 2}
         info = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
         assert info.num_pending == 0 and info.num_ack_pending == 10  # all wait for the step's checkpoint
-        assert await collector.ack_held() == 0  # every ack confirmed
+        assert await inbox.ack_held() == 0  # every ack confirmed
         info = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
         assert info.num_ack_pending == 0  # confirmed
         # Nothing is lost: rejected messages stay in the stream for replay.
@@ -102,7 +102,7 @@ def test_a_group_larger_than_a_message_travels_in_parts_and_bad_parts_are_refuse
     parts on its own bodies subjects, the trainer reads them back and checks size and digest."""
     async def main(server):
         run = await open_run(server.url, "big", "test")
-        sub = await trainer_subscription(run)
+        inbox = await RolloutInbox.open(run)
         answer = TASK.prompt(12).answer
         big = honest_group(texts=["x" * 30_000 + f"\\boxed{{{answer}}}", "y" * 30_000 + "\\boxed{999}"],
                            policy_version=5, group_id="big")
@@ -124,7 +124,7 @@ def test_a_group_larger_than_a_message_travels_in_parts_and_bad_parts_are_refuse
             HDR_BODY_PARTS: "1", HDR_BODY_SIZE: str(len(stolen)), HDR_BODY_SHA256: hashlib.sha256(stolen).hexdigest()})
         await publish_rollout(run, big)
         referee = Referee(TASK, TOKENIZER, len(TOKENIZER), SamplingConfig(group_size=2, max_new_tokens=40_000, temperature=1.0))
-        collector = Collector(sub, referee, 1, bodies=functools.partial(rollout_body, run.js, run.names))
+        collector = Collector(inbox, Judge(referee, Timeline(max_staleness=1)))
         collected = await collector.collect(1, version=5)
         assert [a.group for a in collected.used] == [big] and collected.used[0].rewards == [1.0, 0.1]
         assert collected.rejected == {"bad_body": 4}
@@ -144,11 +144,12 @@ def test_a_step_that_crashed_between_its_checkpoint_and_its_acks_is_not_counted_
         run = await open_run(nats_server.url, "redeliver", "test")
         for i in range(3):
             await publish_rollout(run, honest_group(20 + i, policy_version=5, group_id=f"g{i}"))
-        first = Collector(await trainer_subscription(run, ack_wait_s=0.5), REFEREE, max_staleness=1)
+        first = Collector(await RolloutInbox.open(run, ack_wait_s=0.5), Judge(REFEREE, Timeline(max_staleness=1)))
         step = await first.collect(2, version=5)  # checkpointed, then the crash: never acked
         assert [a.group.group_id for a in step.used] == ["g0", "g1"]
         await publish_rollout(run, honest_group(23, policy_version=5, group_id="g3"))
-        restarted = Collector(await trainer_subscription(run, ack_wait_s=0.5), REFEREE, 1, consumed=ConsumedSeqs(above=step.seqs))
+        restarted = Collector(await RolloutInbox.open(run, ack_wait_s=0.5), Judge(REFEREE, Timeline(max_staleness=1)),
+                              consumed=ConsumedSeqs(above=step.seqs))
         await asyncio.sleep(1.0)  # past ack_wait: g0 and g1 are due again, and come before newer messages
         again = await restarted.collect(2, version=5)
         assert [a.group.group_id for a in again.used] == ["g2", "g3"] and again.already_counted == 2
@@ -442,7 +443,7 @@ def test_weights_the_engine_refuses_are_tried_once_and_not_waited_on(nats_server
             await sampler.apply_newest()
         assert sampler.weights.failures == {"weights_mismatch": 1} and sampler.version == 0
         with pytest.raises(TimeoutError):  # before: version 1 was "newer" at once, a busy loop
-            await asyncio.wait_for(sampler.weights.wait_newer(max(sampler.order, sampler.refused)), 0.3)
+            await asyncio.wait_for(sampler.weights.wait_newer(max(sampler.policy, sampler.refused)), 0.3)
         await publish_weights(run, 2, good, TINY_BASE)
         await sampler.weights.wait_newer(sampler.refused)
         await sampler.apply_newest()

@@ -478,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         load_task(cfg.task)  # a bad task name or params fails here, once, not in each worker later
         if args.command == "trainer":
             check_hardware(cfg, sampler=False)
-            from workers.trainer_ranks import Ranks, follow_rank_0
+            from workers.trainer_model import Ranks, follow_rank_0
 
             ranks = Ranks(cfg.model.device)  # rank 0 of 1, unless started by torchrun
             configure_logging(args.log_json, run=cfg.run.id, role="trainer",

@@ -25,7 +25,7 @@ from echo.referee import Referee
 from echo.tasks import load_task
 from streams.credentials import Credentials
 from streams.replay import run_broker, stored_groups
-from workers.trainer_ranks import Learner, Ranks
+from workers.trainer_model import Ranks, TrainerModel
 
 log = structlog.get_logger()
 
@@ -42,18 +42,18 @@ def retrain(run_dir: Path, nats_url: str | None = None, credentials: Credentials
         raise ValueError(f"{run_dir}/metrics.jsonl has no steps")
     version, published = latest_weights(run_dir)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(run_dir / "config.toml", [f"run.dir={tmp}"])  # a fresh learner, not the run's checkpoint
+        cfg = load_config(run_dir / "config.toml", [f"run.dir={tmp}"])  # a fresh model, not the run's checkpoint
         with run_broker(cfg.run.id if nats_url else run_dir, nats_url) as (url, run_id):  # live, or the run's store
             groups = asyncio.run(_groups(url, run_id, credentials))
-        learner = Learner(cfg, Ranks(cfg.model.device))
-        referee = Referee(load_task(cfg.task), learner.tokenizer, learner.vocab_size, cfg.sampling)
+        model = TrainerModel(cfg, Ranks(cfg.model.device))
+        referee = Referee(load_task(cfg.task), model.tokenizer, model.vocab_size, cfg.sampling)
         for step in steps:
             missing = [g for g, _, _ in step["groups"] if g not in groups]
             if missing:
                 raise ValueError(f"step {step['step']}: groups {missing[:3]} are not in the stream (its retention?)")
-            learner.train([(groups[g], referee.score(groups[g]).rewards) for g, _, _ in step["groups"]])
+            model.train([(groups[g], referee.score(groups[g]).rewards) for g, _, _ in step["groups"]])
             log.info("retrain.step", step=step["step"], groups=len(step["groups"]))
-        retrained = learner.write_weights(steps[-1]["version"])
+        retrained = model.write_weights(steps[-1]["version"])
         ours = [f.read_bytes() for f in retrained]
     theirs = [f.read_bytes() for f in published]
     report = {"steps": len(steps), "version": steps[-1]["version"], "published_version": version,

@@ -23,7 +23,7 @@ from echo.learner import set_threads
 from echo.logs import bind_process
 from echo.models import base_model_digest
 from echo.policy import WeightsMismatch
-from echo.protocol import Completion, Grant, GrantRequest, PullRequest, RolloutGroup, SamplerStatus, Schedule
+from echo.protocol import Completion, Grant, GrantRequest, PolicyVersion, PullRequest, RolloutGroup, SamplerStatus, Schedule
 from echo.tasks import Task, load_task, safe_reward
 from echo.throughput import CallWindow
 from streams.admission import watch_budget
@@ -49,8 +49,8 @@ class Sampler:
         self.cfg, self.sampler_id, self.run, self.engine, self.task = cfg, sampler_id, run, engine, task
         self.rng = random.Random(f"{cfg.run.seed}/{sampler_id}")
         self.weights = WeightsFollower(run, base_model_digest(cfg.model.name))
-        self.order = (0, -1)  # (trainer epoch, version) the engine runs: a restarted trainer's versions come later
-        self.refused = (0, -1)  # the newest weights the engine refused: not tried again, nor waited for
+        self.policy = PolicyVersion(0, -1)  # what the engine runs
+        self.refused = PolicyVersion(0, -1)  # the newest weights the engine refused: not tried again, nor waited for
         self.published = 0
         self.quarantined = False  # the trainer ignores this sampler's groups (it shows in the heartbeat)
         self.draining = False  # stopping: its last heartbeat says so
@@ -63,25 +63,25 @@ class Sampler:
     @property
     def version(self) -> int:
         """The policy version the engine runs now; -1 before the first."""
-        return self.order[1]
+        return self.policy.version
 
     async def apply_newest(self, at_least: int = 0, epoch: int | None = None) -> None:
         """Swap in the newest downloaded weights, waiting for version `at_least` (of `epoch`)
         if needed. A generation in flight is not touched: swaps happen only between engine calls."""
         announcement, shards = await self.weights.wait_for(at_least, epoch)
-        if announcement.order <= max(self.order, self.refused):
+        if announcement.policy <= max(self.policy, self.refused):
             return
         started = time.perf_counter()
         try:
             await asyncio.to_thread(self.engine.load_weights, shards)
         except WeightsMismatch as e:
-            self.refused = announcement.order
+            self.refused = announcement.policy
             self.weights.failures["weights_mismatch"] += 1
             log.warning("weights.refused", version=announcement.version, reason=str(e))
             return
-        self.order = announcement.order
+        self.policy = announcement.policy
         bind_process(version=self.version)
-        fetched = self.weights.fetch_s.get(announcement.order, 0.0)
+        fetched = self.weights.fetch_s.get(announcement.policy, 0.0)
         self.syncs = dict(list(self.syncs.items())[-SYNCS_KEPT + 1:])
         self.syncs[str(announcement.version)] = round(fetched + time.perf_counter() - started, 4)
         log.debug("weights.applied", version=self.version)
@@ -89,8 +89,7 @@ class Sampler:
     async def ask_for_work(self, pull_request_id: str | None = None) -> Grant | None:
         """What the trainer grants this sampler to generate with the weights it runs now (None:
         no answer came)."""
-        epoch, version = self.order
-        request = GrantRequest(want=self.cfg.sampling.prompts_per_call, epoch=epoch, version=version,
+        request = GrantRequest(want=self.cfg.sampling.prompts_per_call, epoch=self.policy.epoch, version=self.policy.version,
                                pull_request_id=pull_request_id)
         return await request_grant(self.run, self.sampler_id, request)
 
@@ -100,7 +99,7 @@ class Sampler:
         prompts = [self.task.prompt(self.rng.randrange(2**31)) for _ in leases]
         started = time.perf_counter()
         groups = await asyncio.to_thread(generate_groups, self.engine, self.task, prompts, self.cfg.sampling,
-                                         self.sampler_id, self.order, leases)
+                                         self.sampler_id, self.policy, leases)
         await asyncio.sleep(self.cfg.sampler.throttle_s * len(leases))  # a slower machine, when asked
         for group in groups:
             await publish_rollout(self.run, group)
@@ -126,7 +125,7 @@ class Sampler:
                     await asyncio.sleep(ASK_AGAIN_S)  # work is left, just not for this sampler yet
                     continue
             waits = [asyncio.ensure_future(self.budget_changed.wait()),
-                     asyncio.ensure_future(self.weights.wait_newer(max(self.order, self.refused)))]
+                     asyncio.ensure_future(self.weights.wait_newer(max(self.policy, self.refused)))]
             _, pending = await asyncio.wait(waits, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
             for task in pending:
                 task.cancel()
@@ -138,7 +137,7 @@ class Sampler:
         while True:
             seq, request = await requests.wait_newer(seq)
             await self.apply_newest(request.version, request.epoch)
-            if self.order != (request.epoch, request.version):
+            if self.policy != (request.epoch, request.version):
                 continue  # the trainer has moved past this request already
             while requests.seq == seq:
                 if self.standby:
@@ -236,8 +235,8 @@ class Sampler:
 
 
 def generate_groups(engine: Engine, task: Task, prompts: list, sampling: SamplingConfig, sampler_id: str,
-                    order: tuple[int, int], leases: list[int]) -> list[RolloutGroup]:
-    """One group per prompt (and lease), generated by `engine` running version `order` (epoch,
+                    policy: PolicyVersion, leases: list[int]) -> list[RolloutGroup]:
+    """One group per prompt (and lease), generated by `engine` running `policy` (epoch,
     version), the sampler's rewards from the task's verifier."""
     prompt_ids = [engine.encode_chat(p.messages) for p in prompts]
     started = time.perf_counter()
@@ -247,8 +246,8 @@ def generate_groups(engine: Engine, task: Task, prompts: list, sampling: Samplin
         RolloutGroup(
             group_id=uuid.uuid4().hex,
             sampler_id=sampler_id,
-            policy_version=order[1],
-            epoch=order[0],
+            policy_version=policy.version,
+            epoch=policy.epoch,
             task=task.name,
             prompt_index=prompt.index,
             lease=lease,

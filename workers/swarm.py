@@ -108,7 +108,7 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
     with both, the relay mirrors weights only, and its samplers reach the hub for the rest.
     With `cluster` N, the broker is N nats-servers in one JetStream cluster, every stream and
     bucket kept on all of them (`nats.replicas`). With `trainer_ranks` N, the trainer is N ranks
-    under torchrun, its model sharded across them (workers/trainer_ranks.py)."""
+    under torchrun, its model sharded across them (workers/trainer_model.py)."""
     if trainer_ranks < 1:
         raise ConfigError(f"--trainer-ranks {trainer_ranks}: at least 1")
     if cluster and not 1 <= cluster <= 5:

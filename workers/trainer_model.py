@@ -1,9 +1,9 @@
 """The trainer's model on one process or on several ranks (`torchrun --nproc-per-node N`).
 
 Rank 0 is the trainer the run knows: it does all NATS I/O (collecting, refereeing, acking,
-publishing). The model work is `Learner`'s: a step, a proof-of-sampling forward, a checkpoint,
+publishing). The model work is `TrainerModel`'s: a step, a proof-of-sampling forward, a checkpoint,
 gathering the weights to publish. Rank 0's call of each is first sent to the other ranks, which
-wait in `Learner.follow` and run the same method with the same arguments, so every rank reaches
+wait in `TrainerModel.follow` and run the same method with the same arguments, so every rank reaches
 the same collectives in the same order.
 
 FSDP2 shards the model: `fully_shard` per decoder layer, then the root. Each rank runs its share
@@ -106,7 +106,7 @@ def shard(policy) -> None:
 
 
 def everywhere(method):
-    """A Learner method every rank runs: rank 0's call is sent to the other ranks first."""
+    """A TrainerModel method every rank runs: rank 0's call is sent to the other ranks first."""
 
     @functools.wraps(method)
     def call(self, *args):
@@ -116,7 +116,7 @@ def everywhere(method):
     return call
 
 
-class Learner:
+class TrainerModel:
     """The policy, its optimizer and its proof of sampling, on every rank; rank 0 calls."""
 
     def __init__(self, cfg: EchoConfig, ranks: Ranks):
@@ -141,9 +141,8 @@ class Learner:
         self.optimizer = make_optimizer(self.policy, cfg)
         self.checkpoint_path = cfg.run_dir / "checkpoint.pt"
         self.state = load_checkpoint(self.checkpoint_path, self.policy, self.optimizer, ranks.rank) or TrainerState()
-        max_staleness = 0 if cfg.run.mode == "sequential" else cfg.trainer.max_staleness
         self.proof = SamplingProof(self.policy, self.tokenizer.pad_token_id, cfg.sampling.temperature,
-                                   cfg.trainer.verify_fraction, cfg.trainer.verify_tolerance, keep=max_staleness + 1,
+                                   cfg.trainer.verify_fraction, cfg.trainer.verify_tolerance, keep=cfg.staleness_bound + 1,
                                    seed=cfg.run.seed, tolerance_16bit=cfg.trainer.verify_tolerance_16bit,
                                    publish_dtype=DTYPES[cfg.trainer.publish_dtype], compute_dtype=self.compute_dtype)
         self.stop = threading.Event()  # set from rank 0's event loop: abandon the step (one process only)
@@ -192,7 +191,7 @@ class Learner:
         """Ranks other than 0: run rank 0's calls until it says it is done."""
         while (call := self.ranks.receive()) is not None:
             name, args = call
-            getattr(Learner, name).__wrapped__(self, *args)
+            getattr(TrainerModel, name).__wrapped__(self, *args)
 
     def close(self) -> None:
         """Rank 0, at the end: let the other ranks leave `follow`, and leave with them."""
@@ -206,8 +205,8 @@ class Learner:
 def follow_rank_0(cfg: EchoConfig, ranks: Ranks) -> int:
     """The whole life of a rank other than 0."""
     try:
-        learner = Learner(cfg, ranks)
-        learner.follow()
+        model = TrainerModel(cfg, ranks)
+        model.follow()
         ranks.close()
         return 0
     except Exception as e:

@@ -1,0 +1,156 @@
+"""The trainer's accounting: what each step did, and what became of every rollout message.
+
+Owns the step's metrics record (metrics.jsonl, one line per checkpointed step, restored after a
+crash), the run's totals by outcome (checkpointed with the step), the accounting identity
+checked against the rollout inbox's consumer counts (streams/inbox.py), and the learner's pace
+published for the scheduler and `echo-rl status` (LearnerStatus). Pure bookkeeping but for the
+inbox's counts and the metrics file: it decides nothing about groups or grants.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+import structlog
+
+from echo.checkpoint import TrainerState, read_metrics
+from echo.consumed import ConsumedSeqs
+from echo.protocol import LearnerStatus
+from streams.inbox import RolloutInbox
+from workers.intake import Collected
+
+log = structlog.get_logger()
+
+PACE_STEPS = 10  # the learner status averages this many steps
+
+
+@dataclass
+class StepClock:
+    """perf_counter readings of one step: the process's start, and the step's milestones."""
+
+    process_started: float
+    started: float = 0.0
+    collected: float = 0.0  # its groups are in
+    trained: float = 0.0
+
+
+def step_record(step: int, version: int, stats: dict, collected: Collected, clock: StepClock,
+                proof_counts: dict, quarantined: list[str]) -> dict:
+    """The step's metrics as checkpointed with it (`version`: the one it published)."""
+    groups = [a.group for a in collected.used]
+    return {
+        "step": step,
+        "version": version,
+        **stats,
+        "tokens_per_second": stats["tokens"] / stats["train_seconds"],
+        "step_seconds": clock.trained - clock.started,  # waiting for groups + training
+        "wait_seconds": clock.collected - clock.started,  # for groups (and refereeing them)
+        "wall_seconds": clock.trained - clock.process_started,  # since this trainer process started
+        "used": len(groups),
+        "dropped_stale": len(collected.dropped_ids),
+        "dropped_tokens": collected.dropped_tokens,
+        "generated_seconds": collected.generated_seconds,
+        "rejected": dict(collected.rejected),
+        "reward_mismatch": dict(collected.reward_mismatch),
+        "verifier_errors": collected.verifier_errors,
+        "already_counted": collected.already_counted,
+        "proof_of_sampling": proof_counts,  # groups checked so far by this process, by outcome
+        "quarantined": quarantined,
+        "staleness_used": dict(Counter(version - 1 - g.policy_version for g in groups)),
+        "staleness_dropped": dict(collected.dropped),
+        "groups": [[g.group_id, g.policy_version, g.sampler_id] for g in groups],
+        "dropped_groups": collected.dropped_ids,
+    }
+
+
+def finished_record(record: dict, publish_seconds: float, accounting: dict, clock: StepClock) -> dict:
+    """The checkpointed record with what came after the checkpoint: publishing, accounting, and
+    the step's busy time (everything but the wait: T of the capacity model, echo/capacity.py,
+    and the share of the step it is, what `echo-rl status` shows over the last steps)."""
+    busy = time.perf_counter() - clock.collected
+    return {**record, "publish_seconds": publish_seconds, "accounting": accounting,
+            "busy_seconds": busy, "learner_busy": busy / (busy + record["wait_seconds"])}
+
+
+class RecentSteps:
+    """The trainer's pace (LearnerStatus) over its last PACE_STEPS steps."""
+
+    def __init__(self, groups_per_step: int, max_staleness: int):
+        self.groups_per_step, self.max_staleness = groups_per_step, max_staleness
+        self.steps: deque[tuple[float, float]] = deque(maxlen=PACE_STEPS)  # (busy, wait) seconds
+        self.rewards: deque[float] = deque(maxlen=PACE_STEPS)
+        self.rejected: Counter = Counter()  # by reason, since this trainer started
+        self.status: LearnerStatus | None = None  # after the last step
+
+    def add(self, record: dict, version: int) -> LearnerStatus:
+        self.steps.append((record["busy_seconds"], record["wait_seconds"]))
+        self.rewards.append(record["reward_mean"])
+        self.rejected.update(record["rejected"])
+        busy, wait = (sum(column) for column in zip(*self.steps))
+        self.status = LearnerStatus(
+            step_s=busy / len(self.steps), groups_per_step=self.groups_per_step, max_staleness=self.max_staleness,
+            version=version, utilisation=busy / (busy + wait) if busy + wait > 0 else 1.0, updated_at=time.time(),
+            step=record["step"], rewards=list(self.rewards), publish_s=record["publish_seconds"],
+            accounting=record["accounting"], rejected=dict(self.rejected))
+        return self.status
+
+
+def count_consumed(totals: dict[str, int], collected: Collected) -> dict[str, int]:
+    """The run's messages so far by what became of them (checkpointed with the step)."""
+    return {
+        **totals,
+        "trained": totals.get("trained", 0) + len(collected.used),
+        "dropped_stale": totals.get("dropped_stale", 0) + len(collected.dropped_ids),
+        "rejected": totals.get("rejected", 0) + sum(collected.rejected.values()),
+    }
+
+
+async def count_abandoned(inbox: RolloutInbox, consumed: ConsumedSeqs, totals: dict[str, int]) -> dict[str, int]:
+    """Messages the broker has acked that this trainer's checkpoint never counted: a previous
+    incarnation consumed them in a timeline whose checkpoint is gone (the run restarted from an
+    older checkpoint, or a wiped run directory on a broker that kept its streams). They are
+    counted as `abandoned`, once."""
+    acked = (await inbox.counts()).ack_floor
+    abandoned = consumed.missing_through(acked)
+    if not abandoned:
+        return totals
+    log.warning("trainer.rewound", abandoned=abandoned, checkpoint_floor=consumed.floor, broker_ack_floor=acked)
+    consumed.raise_floor(acked)
+    return {**totals, "abandoned": totals.get("abandoned", 0) + abandoned}
+
+
+async def account(inbox: RolloutInbox, totals: dict[str, int], consumed: ConsumedSeqs, unconfirmed: int) -> dict[str, int]:
+    """Every message published on the run's rollouts stream is trained, dropped as stale,
+    rejected, or still pending (not acked): `published = trained + dropped_stale + rejected +
+    pending`, and `counted` (distinct messages counted) equals the first three (each once).
+    One reading of the consumer's counts gives published and pending at the same instant. After a broker crash
+    the broker may offer counted messages again (`unconfirmed` acks, or state it lost): until
+    they are skipped, they are in `pending` too."""
+    counts = await inbox.counts()
+    consumed.raise_floor(counts.ack_floor)
+    return {"published": counts.published, **totals, "pending": counts.pending, "counted": len(consumed),
+            "unconfirmed_acks": unconfirmed}
+
+
+def metrics_line(record: dict) -> bytes:
+    return orjson.dumps(record, option=orjson.OPT_NON_STR_KEYS) + b"\n"  # histograms have int keys
+
+
+def restore_metrics(run_dir: Path, state: TrainerState) -> None:
+    """After a crash, metrics.jsonl must hold exactly one line per checkpointed step: drop lines
+    of steps the checkpoint does not have, and restore the last step's line if it was lost. A
+    restored line says so; what came after the checkpoint (publishing, accounting) is not in it,
+    and its busy time is the step's training only."""
+    path = run_dir / "metrics.jsonl"
+    lines = read_metrics(run_dir)
+    kept = [r for r in lines if r["step"] <= state.step]
+    if state.record and (not kept or kept[-1]["step"] < state.step):
+        record, busy = state.record, state.record["step_seconds"] - state.record["wait_seconds"]
+        kept.append({**record, "busy_seconds": busy, "learner_busy": busy / record["step_seconds"], "restored": True})
+    cut_short = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
+    if len(kept) != len(lines) or cut_short:  # a line cut short would run into the next one appended
+        path.write_bytes(b"".join(metrics_line(r) for r in kept))

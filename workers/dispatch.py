@@ -1,0 +1,175 @@
+"""The trainer's dispatch: how it asks the samplers for groups and grants them the work.
+
+Owns the grants (numbered, answered on each sampler's grants subject while the trainer runs,
+streams/grants.py), the count of grants lost and handed out again, and the choice between the
+two modes: sequential mode's pull requests (each step asks for exactly its groups) and async
+mode's admission budget (echo/admission.py). It reads heartbeats (streams/registry.py) to
+release the grants of dead or stalled samplers, asks the quarantine (workers/quarantine.py)
+and honours the scheduler's standby set (workers/coordinator.py). It reads no rollouts: the
+intake tells it, through the shared GrantLedger, which grants were fulfilled or wasted.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import structlog
+
+from echo.admission import GrantLedger, Heartbeats, allowance, sampler_cap
+from echo.checkpoint import TrainerState
+from echo.config import EchoConfig
+from echo.protocol import AdmissionBudget, Grant, GrantRequest, PullRequest
+from streams.admission import leases_granted, publish_budget, record_leases_granted
+from streams.client import BROKER_ERRORS, Run, retry_forever
+from streams.grants import serve_grants
+from streams.pull import publish_pull_request
+from streams.registry import heartbeat
+from workers.quarantine import Quarantined
+
+log = structlog.get_logger()
+
+
+class Dispatch:
+    """How the trainer asks the samplers for groups and grants them the work (numbered leases,
+    streams/grants.py, answered while it runs), and hands out again the work of leases lost:
+    groups that arrived and were not trained, and the leases of a sampler whose heartbeat
+    stopped (`trainer.sampler_dead_after_s`) or that delivered nothing for
+    `trainer.reissue_after_s` (alive but stuck)."""
+
+    def __init__(self, run: Run, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
+                 quarantine: Quarantined | None = None):
+        self.run, self.cfg, self.state, self.ledger, self.quarantine = run, cfg, state, ledger, quarantine
+        self.version = state.version
+        self.fleet: set[str] = set()  # samplers that asked for work since this trainer started
+        self.heartbeats = Heartbeats()
+        self.standby: set[str] = set()  # the scheduler's (workers/coordinator.py): granted no work
+
+    async def start(self) -> None:
+        self.ledger.issued = await leases_granted(self.run)  # a restarted trainer numbers on
+        self.subscription = await serve_grants(self.run, self.grant)
+
+    async def ask(self, version: int) -> None:
+        self.version = version
+        self.reissue_lost(self.ledger.take_lost())
+        await self.publish(self.cfg.trainer.groups_per_step)
+
+    async def on_wait(self, missing: int) -> None:
+        """Waiting for groups: release the leases of stopped, dead or stalled holders, then hand
+        out again whatever was lost."""
+        now = time.monotonic()
+        for sampler_id in sorted(self.ledger.holders()):
+            try:
+                revision, status = await heartbeat(self.run, sampler_id)
+            except BROKER_ERRORS as e:  # the broker restarting: the next wait reads them again
+                log.warning("dispatch.heartbeat_unread", sampler=sampler_id, reason=repr(e))
+                return
+            self.heartbeats.observe(sampler_id, revision, now)
+            stopped = status is not None and status.state == "draining"  # its last heartbeat: it abandoned them
+            silent_s = self.heartbeats.silent_for(sampler_id, now)
+            stalled_s = now - self.ledger.progress_at[sampler_id]
+            dead = silent_s > self.cfg.trainer.sampler_dead_after_s or stalled_s > self.cfg.trainer.reissue_after_s
+            if stopped or dead:
+                leases = self.ledger.release(sampler_id)
+                log.warning("dispatch.leases_released", sampler=sampler_id, leases=len(leases), stopped=stopped,
+                            silent_s=round(silent_s, 1), stalled_s=round(stalled_s, 1))
+        lost = self.ledger.take_lost()
+        if lost:
+            log.warning("dispatch.reissue", version=self.version, lost=len(lost), missing=missing)
+            self.reissue_lost(lost)
+            await retry_forever("hand out lost work", lambda: self.republish(missing))
+
+    async def grant(self, sampler_id: str, request: GrantRequest) -> Grant:
+        """The answer to a sampler asking for work: none for a quarantined sampler or one running
+        a previous trainer's weights (it must apply ours first), none yet while fewer than
+        `trainer.min_samplers` have asked (ask again soon), else what the mode grants."""
+        if (self.quarantine and sampler_id in self.quarantine) or request.epoch != self.run.epoch:
+            return Grant()
+        if sampler_id in self.standby:
+            return Grant()
+        if sampler_id not in self.fleet:
+            self.fleet.add(sampler_id)
+            log.info("trainer.sampler_joined", sampler=sampler_id, samplers=len(self.fleet))
+        if len(self.fleet) < self.cfg.trainer.min_samplers:
+            return Grant(more=True)
+        leases, more = self.grant_work(sampler_id, request)
+        if leases:
+            try:
+                await record_leases_granted(self.run, self.ledger.issued)
+            except BROKER_ERRORS as e:  # a restarted trainer could number them again: not handed over
+                log.warning("dispatch.grant_unrecorded", sampler=sampler_id, leases=len(leases), reason=repr(e))
+                self.ledger.revoke(leases)
+                return Grant(more=True)
+        return Grant(leases=leases, more=more)
+
+
+class SequentialDispatch(Dispatch):
+    """Sequential mode: each step asks for exactly its groups, generated with its version."""
+
+    request: PullRequest | None = None
+    granted = 0  # of the current request's groups
+    first_lease = 0  # the current request's leases are numbered from here
+
+    async def publish(self, groups: int) -> None:
+        # Current before it is published: a sampler may ask for its groups at once.
+        self.request, self.granted = PullRequest(request_id=uuid.uuid4().hex, epoch=self.run.epoch,
+                                                  version=self.version, groups=groups), 0
+        self.first_lease = self.ledger.issued + 1
+        await publish_pull_request(self.run, self.request)
+
+    def reissue_lost(self, lost: list[int]) -> None:
+        # Only the current request's leases matter: older requests' groups are not wanted.
+        self.granted -= sum(1 for lease in lost if lease >= self.first_lease)
+
+    async def republish(self, missing: int) -> None:
+        # The same request again: samplers that were told it was all given out ask once more.
+        await publish_pull_request(self.run, self.request)
+
+    def grant_work(self, sampler_id: str, request: GrantRequest) -> tuple[list[int], bool]:
+        current = self.request
+        if current is None or request.pull_request_id != current.request_id or request.version != current.version:
+            return [], False
+        leases, more = self.ledger.grant(sampler_id, request.want, current.groups - self.granted, current.groups,
+                                         time.monotonic())
+        self.granted += len(leases)
+        return leases, more
+
+
+class AsyncDispatch(Dispatch):
+    """Async mode: the admission budget, so that samplers generate no group that would arrive
+    stale (echo/admission.py). Lost leases are handed out again by raising the allowance."""
+
+    async def start(self) -> None:
+        await super().start()
+        # A restarted trainer cannot know which of its predecessor's leases are still out: it
+        # counts every one not trained as lost, opening a fresh window. Their groups, should
+        # they still come, are trained if fresh.
+        self.state.lost = max(0, self.ledger.issued - self.state.version * self.cfg.trainer.groups_per_step)
+
+    def highest_lease(self) -> int:
+        return allowance(self.version, self.cfg.trainer.max_staleness, self.cfg.trainer.groups_per_step, self.state.lost)
+
+    async def publish(self, groups: int) -> None:
+        # Samplers watch the budget to ask for work again as soon as there is some.
+        budget = AdmissionBudget(version=self.version, allowance=self.highest_lease(), groups_per_step=groups)
+        await publish_budget(self.run, budget)
+
+    def reissue_lost(self, lost: list[int]) -> None:
+        self.state.lost += len(lost)
+
+    async def republish(self, missing: int) -> None:
+        await self.publish(self.cfg.trainer.groups_per_step)
+
+    def grant_work(self, sampler_id: str, request: GrantRequest) -> tuple[list[int], bool]:
+        if request.pull_request_id is not None or not 0 <= request.version <= self.version:
+            return [], False
+        per_step = self.cfg.trainer.groups_per_step
+        cap = sampler_cap(self.version, self.highest_lease(), request.version, per_step)
+        window = (self.cfg.trainer.max_staleness + 1) * per_step  # groups that may be in flight at once
+        return self.ledger.grant(sampler_id, request.want, cap - self.ledger.issued, window, time.monotonic())
+
+
+def dispatch_for(run: Run, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
+                 quarantine: Quarantined) -> "Dispatch":
+    mode = SequentialDispatch if cfg.run.mode == "sequential" else AsyncDispatch
+    return mode(run, cfg, state, ledger, quarantine)

@@ -1,0 +1,177 @@
+"""The trainer's intake: what becomes of every rollout message it consumes.
+
+Owns the judging of groups (decoded, well formed, this timeline's, fresh, not a replay, the
+trainer's own rewards, the proof of sampling) and what a step collected. It reads deliveries
+from the rollout inbox (streams/inbox.py), which holds them unacked until the process says the
+step is checkpointed; it ends the grants a delivery fulfils in the ledger (echo/admission.py)
+and strikes samplers through the quarantine (workers/quarantine.py). It publishes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import structlog
+
+from echo.admission import GrantLedger
+from echo.consumed import ConsumedSeqs
+from echo.protocol import ProtocolError, RolloutGroup, decode_rollout
+from echo.proof import SamplingProof
+from echo.referee import Referee, content_hash
+from echo.staleness import Verdict, judge
+from streams.inbox import Delivery, RolloutInbox
+from workers.quarantine import Quarantined
+
+log = structlog.get_logger()
+
+
+@dataclass
+class Admitted:
+    group: RolloutGroup
+    rewards: list[float]  # the trainer's own, from the task's verifier
+    content: str  # content_hash of the group
+    reward_mismatch: bool = False  # the sampler claimed other rewards than the verifier's
+
+
+@dataclass
+class Collected:
+    used: list[Admitted] = field(default_factory=list)  # acked after the step's checkpoint
+    dropped: Counter = field(default_factory=Counter)  # stale groups by age in versions
+    dropped_ids: list[str] = field(default_factory=list)
+    dropped_tokens: int = 0  # completion tokens generated for nothing
+    generated_seconds: float = 0.0  # the samplers' time generating the used and the stale groups
+    rejected: Counter = field(default_factory=Counter)  # malformed groups by reason
+    reward_mismatch: Counter = field(default_factory=Counter)  # groups by sampler
+    verifier_errors: int = 0
+    already_counted: int = 0  # offered again after a crash, counted when first consumed
+    seqs: list[int] = field(default_factory=list)  # stream sequences of every message consumed and counted
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Which versions' groups this trainer may train on."""
+
+    max_staleness: int
+    epoch: int = 0  # this trainer's lease epoch (streams/lease.py)
+    # The version it resumed from: an earlier incarnation's versions up to that one are this
+    # timeline's too; later ones came from a checkpoint since discarded.
+    resumed_from: int = 0
+
+
+class Judge:
+    """Whether a group may be trained on, counting in a step's Collected what happened to it."""
+
+    def __init__(self, referee: Referee, timeline: Timeline, trained_content=frozenset(),
+                 proof: SamplingProof | None = None, check=None, quarantine: Quarantined | None = None):
+        self.referee, self.timeline = referee, timeline
+        self.trained_content = set(trained_content)  # content hashes: the same groups under new ids are replays
+        self.proof, self.quarantine = proof, quarantine
+        self.check = check or (proof.check if proof else None)  # the proof's forward (on every rank)
+
+    async def admit(self, group: RolloutGroup, sender: str, version: int, out: Collected) -> Admitted | None:
+        admitted = self._judge(group, sender, version, out)
+        return None if admitted is None else await self._check_sampling(admitted, out)
+
+    def _judge(self, group: RolloutGroup, sender: str, version: int, out: Collected) -> Admitted | None:
+        if self.quarantine and sender in self.quarantine:
+            return reject(out, "quarantined", f"a group from {sender}")
+        if any(a.group.group_id == group.group_id for a in out.used):
+            return reject(out, "duplicate_group_id", f"group {group.group_id} from {group.sampler_id}")
+        reason = self.referee.malformed(group)
+        if reason:
+            return reject(out, reason, f"group {group.group_id} from {group.sampler_id}")
+        content = content_hash(group)
+        if content in self.trained_content or any(a.content == content for a in out.used):
+            return reject(out, "replayed_content", f"group {group.group_id} from {group.sampler_id}")
+        timeline = self.timeline
+        if group.epoch > timeline.epoch:
+            return reject(out, "future_epoch", f"{group.epoch} > {timeline.epoch}")
+        if group.epoch < timeline.epoch and group.policy_version > timeline.resumed_from:
+            return reject(out, "discarded_timeline", f"version {group.policy_version} of epoch {group.epoch}")
+        verdict = judge(group.policy_version, version, timeline.max_staleness)
+        if verdict is Verdict.FUTURE:
+            return reject(out, "future_version", f"{group.policy_version} > {version}")
+        if verdict is Verdict.STALE:
+            out.dropped[version - group.policy_version] += 1
+            out.dropped_ids.append(group.group_id)
+            out.dropped_tokens += sum(len(c.token_ids) for c in group.completions)
+            out.generated_seconds += group.gen_seconds
+            return None
+        judgement = self.referee.score(group)
+        if judgement.reason:
+            return reject(out, judgement.reason, f"group {group.group_id} from {group.sampler_id}")
+        if judgement.reward_mismatch:
+            out.reward_mismatch[group.sampler_id] += 1
+        out.verifier_errors += judgement.verifier_errors
+        out.generated_seconds += group.gen_seconds
+        return Admitted(group, judgement.rewards, content, judgement.reward_mismatch)
+
+    async def _check_sampling(self, admitted: Admitted, out: Collected) -> Admitted | None:
+        """Proof of sampling on the groups chosen for it; strikes for forgeries and claimed rewards."""
+        group = admitted.group
+        forged = False
+        if self.proof and self.proof.wants(group):
+            gap = await asyncio.to_thread(self.check, group)
+            forged = self.proof.forged(group, gap)
+        if self.quarantine and (forged or admitted.reward_mismatch):
+            await self.quarantine.strike(group.sampler_id, "logprob_forgery" if forged else "reward_mismatch")
+        if forged:
+            return reject(out, "logprob_forgery", f"group {group.group_id} from {group.sampler_id}: gap {gap:.3g}")
+        return admitted
+
+
+class Collector:
+    """Pulls rollout messages until it has enough usable groups. Every message consumed (used,
+    dropped or rejected) stays held in the inbox until the step is checkpointed: a crash
+    redelivers them all, and each is counted once, in the step that checkpointed it (`consumed`)."""
+
+    def __init__(self, inbox: RolloutInbox, judge: Judge, ledger: GrantLedger | None = None,
+                 consumed: ConsumedSeqs | None = None):
+        self.inbox, self.judge = inbox, judge
+        self.ledger = ledger or GrantLedger()  # a group naming its sender's slot ends that slot
+        self.consumed = consumed or ConsumedSeqs()  # stream sequences counted by checkpointed steps
+
+    async def collect(self, need: int, version: int, on_wait=None) -> Collected:
+        out = Collected()
+        while len(out.used) < need:
+            deliveries = await self.inbox.fetch(need - len(out.used), timeout=1.0)
+            if not deliveries and on_wait is not None:
+                await on_wait(need - len(out.used))
+            for delivery in deliveries:
+                if delivery.seq in self.consumed or delivery.seq in out.seqs:
+                    # Offered again: a crash came between its step's checkpoint and its ack, or the
+                    # broker restarted and lost the state of this step's deliveries.
+                    out.already_counted += 1
+                    continue
+                out.seqs.append(delivery.seq)
+                admitted = await self._admit(delivery, version, out)
+                if admitted is not None:
+                    out.used.append(admitted)
+        return out
+
+    async def _admit(self, delivery: Delivery, version: int, out: Collected) -> Admitted | None:
+        """The group to train on, or None (counted in `out` by what happened to it). A group
+        that ended one of its sender's slots and is not trained wastes that slot."""
+        try:
+            group = decode_rollout(await self.inbox.body(delivery), delivery.headers, delivery.subject)
+        except ProtocolError as e:
+            return reject(out, e.reason, str(e))
+        granted = self.ledger.delivered(delivery.sender, group.lease, time.monotonic())
+        admitted = await self.judge.admit(group, delivery.sender, version, out)
+        if admitted is None and granted:
+            self.ledger.wasted(group.lease)
+        return admitted
+
+    def trained(self, collected: Collected) -> None:
+        """The step that collected these is checkpointed: their sequences and contents are counted."""
+        self.consumed.add(collected.seqs)
+        self.judge.trained_content.update(a.content for a in collected.used)
+
+
+def reject(out: Collected, reason: str, detail: str) -> None:
+    out.rejected[reason] += 1
+    log.warning("rollout.rejected", reason=reason, detail=detail)
+    return None
