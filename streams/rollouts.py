@@ -122,3 +122,15 @@ async def fetch_rollouts(subscription, batch: int, timeout: float) -> list:
         await asyncio.sleep(timeout)
         return []
 
+
+
+async def rollouts_backlog(run: Run) -> dict[str, int] | None:
+    """The rollout stream's messages and bytes, and the trainer's consumer's pending (not yet
+    delivered) and unacked messages; None before the trainer has created them."""
+    try:
+        info = await run.js.stream_info(run.names.rollouts_stream)
+        consumer = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
+    except NotFoundError:
+        return None
+    return {"messages": info.state.messages, "bytes": info.state.bytes,
+            "pending": consumer.num_pending, "unacked": consumer.num_ack_pending}

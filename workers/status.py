@@ -14,13 +14,11 @@ import asyncio
 import statistics
 import time
 
-from nats.js.errors import NotFoundError
-
-from echo.protocol import TRAINER_CONSUMER
 from streams.client import Run
 from streams.lease import current_epoch
 from streams.quarantine import read_quarantine
 from streams.registry import read_learner, read_statuses
+from streams.rollouts import rollouts_backlog
 
 REFRESH_S = 2.0
 
@@ -29,13 +27,7 @@ async def snapshot(run: Run) -> dict:
     learner, samplers = await read_learner(run), await read_statuses(run)
     quarantined, now = await read_quarantine(run), time.time()
     version = learner.version if learner else None
-    try:
-        info = await run.js.stream_info(run.names.rollouts_stream)
-        consumer = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
-        stream = {"messages": info.state.messages, "bytes": info.state.bytes,
-                  "pending": consumer.num_pending, "unacked": consumer.num_ack_pending}
-    except NotFoundError:  # the trainer has not created them yet
-        stream = None
+    stream = await rollouts_backlog(run)
     relays: dict[str, list[str]] = {}
     for s in samplers:
         relays.setdefault(s.relay or "hub", []).append(s.sampler_id)
