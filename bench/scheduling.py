@@ -23,9 +23,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
 
 from bench.common import write_results
-from echo.capacity import Learner, utilisation
+from echo.capacity import LearnerPace, utilisation
 from echo.checkpoint import read_metrics
 from echo.config import validate_config
 from streams.client import open_run
@@ -106,7 +107,7 @@ def run_fleet(work_dir: Path, samplers: list[FleetSampler], steps: int, schedule
     seconds_per_step = (busy + wait) / len(later)
     hourly = sum(costs[s.sampler_id] for s in active)
     # T over the same steps as the measured utilisation (the trainer's own pace covers its last 10).
-    learner = Learner(busy / len(later), pace.groups_per_step, pace.max_staleness)
+    learner = LearnerPace(busy / len(later), pace.groups_per_step, pace.max_staleness)
     return {
         "samplers": [vars(s) for s in samplers],
         "scheduler": scheduler,
@@ -122,7 +123,17 @@ def run_fleet(work_dir: Path, samplers: list[FleetSampler], steps: int, schedule
         "cost_per_hour": hourly,
         "cost_per_step": round(hourly * seconds_per_step / 3600, 6),
         "groups_by_sampler_second_half": {s.id: sum(g[2] == s.id for m in later for g in m["groups"]) for s in samplers},
+        "samplers_by_step": {m["step"]: [g[2] for g in m["groups"]] for m in metrics},
+        "choices": [event for event in map(_json_line, logs.splitlines()) if event.get("event") == "scheduler.chose"],
     }
+
+
+def _json_line(line: str) -> dict:
+    try:
+        event = orjson.loads(line)
+    except orjson.JSONDecodeError:  # a line not from the logger
+        return {}
+    return event if isinstance(event, dict) else {}
 
 
 def main() -> None:

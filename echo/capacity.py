@@ -25,19 +25,19 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 
-EXACT_UP_TO = 12  # workers: every subset is tried up to here (4096), a greedy heuristic beyond
+EXACT_UP_TO = 12  # samplers: every subset is tried up to here (4096), a greedy heuristic beyond
 TOLERANCE = 1e-9
 
 
 @dataclass(frozen=True)
-class Learner:
+class LearnerPace:
     step_s: float  # T: one step's training and publishing, measured
     groups_per_step: int  # B
     max_staleness: int  # S
 
 
 @dataclass(frozen=True)
-class Worker:
+class SamplerPace:
     id: str
     groups_per_s: float  # r_i, measured over a sliding window
     sync_s: float  # D_i: from a version's announcement to the sampler running it
@@ -48,7 +48,7 @@ class Worker:
 
 @dataclass(frozen=True)
 class Plan:
-    learner: Learner
+    learner: LearnerPace
     active: tuple[str, ...]
     cycle_s: float  # C: seconds per step
     utilisation: float  # T / C
@@ -56,31 +56,31 @@ class Plan:
     cost_per_step: float
     reached: bool  # the target utilisation
     exact: bool  # every subset tried (else the greedy heuristic)
-    reasons: dict[str, str] = field(default_factory=dict)  # worker -> why chosen or not
+    reasons: dict[str, str] = field(default_factory=dict)  # sampler -> why chosen or not
 
 
-def delivers_in_time(worker: Worker, learner: Learner, cycle_s: float | None = None) -> bool:
-    """Whether the worker's groups can be fresh for a step, the learner stepping every cycle_s (T)."""
+def delivers_in_time(sampler: SamplerPace, learner: LearnerPace, cycle_s: float | None = None) -> bool:
+    """Whether the sampler's groups can be fresh for a step, the learner stepping every cycle_s (T)."""
     cycle = learner.step_s if cycle_s is None else cycle_s
-    return worker.sync_s + worker.call_s <= (learner.max_staleness + 1) * cycle - learner.step_s + TOLERANCE
+    return sampler.sync_s + sampler.call_s <= (learner.max_staleness + 1) * cycle - learner.step_s + TOLERANCE
 
 
-def groups_per_cycle(worker: Worker, learner: Learner, cycle_s: float) -> float:
-    """u_i(C): the groups the worker delivers in time for one step, steps coming every cycle_s."""
-    if not delivers_in_time(worker, learner, cycle_s):
+def groups_per_cycle(sampler: SamplerPace, learner: LearnerPace, cycle_s: float) -> float:
+    """u_i(C): the groups the sampler delivers in time for one step, steps coming every cycle_s."""
+    if not delivers_in_time(sampler, learner, cycle_s):
         return 0.0
-    window = (learner.max_staleness + 1) * cycle_s - learner.step_s - worker.sync_s
-    return worker.groups_per_s * min(cycle_s, window)
+    window = (learner.max_staleness + 1) * cycle_s - learner.step_s - sampler.sync_s
+    return sampler.groups_per_s * min(cycle_s, window)
 
 
-def cycle_seconds(learner: Learner, workers: list[Worker]) -> float:
-    """C: the least cycle >= T at which the workers deliver a step's groups (inf: never)."""
+def cycle_seconds(learner: LearnerPace, samplers: list[SamplerPace]) -> float:
+    """C: the least cycle >= T at which the samplers deliver a step's groups (inf: never)."""
     def enough(cycle: float) -> bool:
-        return sum(groups_per_cycle(w, learner, cycle) for w in workers) >= learner.groups_per_step - TOLERANCE
+        return sum(groups_per_cycle(w, learner, cycle) for w in samplers) >= learner.groups_per_step - TOLERANCE
 
     if enough(learner.step_s):
         return learner.step_s
-    if not any(w.groups_per_s > 0 for w in workers):
+    if not any(w.groups_per_s > 0 for w in samplers):
         return math.inf
     low, high = learner.step_s, 2 * learner.step_s
     while not enough(high):  # delivery grows without bound with the cycle: this ends
@@ -91,11 +91,11 @@ def cycle_seconds(learner: Learner, workers: list[Worker]) -> float:
     return high
 
 
-def utilisation(learner: Learner, workers: list[Worker]) -> float:
-    return learner.step_s / cycle_seconds(learner, workers)
+def utilisation(learner: LearnerPace, samplers: list[SamplerPace]) -> float:
+    return learner.step_s / cycle_seconds(learner, samplers)
 
 
-def _evaluate(learner: Learner, chosen: list[Worker], target: float, exact: bool) -> Plan:
+def _evaluate(learner: LearnerPace, chosen: list[SamplerPace], target: float, exact: bool) -> Plan:
     cycle = cycle_seconds(learner, chosen)
     hourly = sum(w.cost_per_hour for w in chosen)
     per_step = hourly * cycle / 3600 if math.isfinite(cycle) else math.inf
@@ -104,7 +104,7 @@ def _evaluate(learner: Learner, chosen: list[Worker], target: float, exact: bool
 
 
 def _better(a: Plan, b: Plan | None) -> bool:
-    """Reaching the target first; then the lower cost per step; then fewer workers."""
+    """Reaching the target first; then the lower cost per step; then fewer samplers."""
     if b is None:
         return True
     if a.reached != b.reached:
@@ -116,10 +116,10 @@ def _better(a: Plan, b: Plan | None) -> bool:
     return len(a.active) < len(b.active)
 
 
-def cheapest(learner: Learner, workers: list[Worker], target: float, keep: tuple[str, ...] = (),
+def cheapest(learner: LearnerPace, samplers: list[SamplerPace], target: float, keep: tuple[str, ...] = (),
              margin: float = 0.0) -> Plan:
-    """The set of workers that reaches `target` utilisation at the lowest cost per step (every
-    subset up to EXACT_UP_TO workers; greedy beyond). If no set reaches it, the one that comes
+    """The set of samplers that reaches `target` utilisation at the lowest cost per step (every
+    subset up to EXACT_UP_TO samplers; greedy beyond). If no set reaches it, the one that comes
     closest, with `reached` False: not enough throughput at any cost.
 
     Hysteresis: the set `keep` (the one chosen before, those of it still here) stays while it
@@ -127,47 +127,47 @@ def cheapest(learner: Learner, workers: list[Worker], target: float, keep: tuple
     that measured rates wobbling about a tie do not swap samplers back and forth."""
     if not 0 < target <= 1:
         raise ValueError(f"target utilisation {target}: between 0 (excluded) and 1")
-    if len(workers) <= EXACT_UP_TO:
+    if len(samplers) <= EXACT_UP_TO:
         best = None
-        for n in range(1, len(workers) + 1):
-            for subset in itertools.combinations(workers, n):
+        for n in range(1, len(samplers) + 1):
+            for subset in itertools.combinations(samplers, n):
                 plan = _evaluate(learner, list(subset), target, exact=True)
                 if _better(plan, best):
                     best = plan
         best = best or _evaluate(learner, [], target, exact=True)
     else:
-        best = _greedy(learner, workers, target)
+        best = _greedy(learner, samplers, target)
     standby = f"standby: the target {target:.0%} is reached at lower cost without it"
-    if kept := [w for w in workers if w.id in keep]:
+    if kept := [w for w in samplers if w.id in keep]:
         current = _evaluate(learner, kept, target, best.exact)
         if (current.reached and best.reached and current.active != best.active
                 and current.cost_per_step <= best.cost_per_step * (1 + margin) + TOLERANCE):
             best = current
             standby = f"standby: the active set reaches the target {target:.0%} within {margin:.0%} of the cheapest's cost"
-    return replace(best, reasons=_reasons(learner, workers, best, target, standby))
+    return replace(best, reasons=_reasons(learner, samplers, best, target, standby))
 
 
-def _greedy(learner: Learner, workers: list[Worker], target: float) -> Plan:
+def _greedy(learner: LearnerPace, samplers: list[SamplerPace], target: float) -> Plan:
     """Workers by cost per group they deliver at the target's pace, added until the target is
     reached, then any that the others can do without dropped, the costliest first."""
     pace = learner.step_s / target
-    useful = [w for w in workers if groups_per_cycle(w, learner, pace) > 0] or list(workers)
+    useful = [w for w in samplers if groups_per_cycle(w, learner, pace) > 0] or list(samplers)
     order = sorted(useful, key=lambda w: w.cost_per_hour / max(groups_per_cycle(w, learner, pace), TOLERANCE))
-    chosen: list[Worker] = []
-    for worker in order:
-        chosen.append(worker)
+    chosen: list[SamplerPace] = []
+    for sampler in order:
+        chosen.append(sampler)
         if _evaluate(learner, chosen, target, exact=False).reached:
             break
-    for worker in sorted(chosen, key=lambda w: -w.cost_per_hour):
-        rest = [w for w in chosen if w is not worker]
+    for sampler in sorted(chosen, key=lambda w: -w.cost_per_hour):
+        rest = [w for w in chosen if w is not sampler]
         if rest and _evaluate(learner, rest, target, exact=False).reached:
             chosen = rest
     return _evaluate(learner, chosen, target, exact=False)
 
 
-def _reasons(learner: Learner, workers: list[Worker], plan: Plan, target: float, standby: str) -> dict[str, str]:
+def _reasons(learner: LearnerPace, samplers: list[SamplerPace], plan: Plan, target: float, standby: str) -> dict[str, str]:
     reasons = {}
-    for w in workers:
+    for w in samplers:
         late = w.sync_s + w.call_s
         if w.id in plan.active:
             reasons[w.id] = f"active: {groups_per_cycle(w, learner, plan.cycle_s):.2f} groups per step"
@@ -182,16 +182,16 @@ def _reasons(learner: Learner, workers: list[Worker], plan: Plan, target: float,
     return reasons
 
 
-def best_staleness(learner: Learner, workers: list[Worker], target: float, max_staleness: int) -> list[Plan]:
+def best_staleness(learner: LearnerPace, samplers: list[SamplerPace], target: float, max_staleness: int) -> list[Plan]:
     """The cheapest plan at each S from 0 to `max_staleness`, cheapest per step first (those that
     reach the target before those that do not; then the smaller S)."""
-    plans = [cheapest(replace(learner, max_staleness=s), workers, target) for s in range(max_staleness + 1)]
+    plans = [cheapest(replace(learner, max_staleness=s), samplers, target) for s in range(max_staleness + 1)]
     return sorted(plans, key=lambda p: (not p.reached, p.cost_per_step if p.reached else -p.utilisation,
                                         p.learner.max_staleness))
 
 
-def replan_reason(used: dict[str, Worker], now: dict[str, Worker], drift: float) -> str | None:
-    """Why the set chosen from the workers `used` no longer holds for the workers there are
+def replan_reason(used: dict[str, SamplerPace], now: dict[str, SamplerPace], drift: float) -> str | None:
+    """Why the set chosen from the samplers `used` no longer holds for the samplers there are
     `now`: one joined, one left, or one's measured rates moved by more than `drift` (a
     fraction); None if it holds."""
     if joined := sorted(now.keys() - used.keys()):

@@ -15,7 +15,7 @@ import time
 
 import structlog
 
-from echo.capacity import Learner, Worker, cheapest, replan_reason
+from echo.capacity import LearnerPace, SamplerPace, cheapest, replan_reason
 from echo.config import EchoConfig
 from echo.protocol import LearnerStatus, Schedule
 from streams.client import BROKER_ERRORS, Run
@@ -31,7 +31,7 @@ class Coordinator:
         self.run, self.cfg = run, cfg
         self.pace = pace  # the trainer's Pace: its `status` after each step
         self.standby = standby  # the trainer's grants read this set: it is changed in place
-        self.used: dict[str, Worker] = {}  # the measurements the current choice was made from
+        self.used: dict[str, SamplerPace] = {}  # the measurements the current choice was made from
 
     async def run_forever(self) -> None:
         while True:
@@ -45,26 +45,29 @@ class Coordinator:
         pace: LearnerStatus | None = self.pace.status
         if pace is None:  # no step yet: no pace to plan for
             return
-        workers = {w.id: w for w in measured(await read_statuses(self.run))}
-        why = replan_reason(self.used, workers, self.cfg.scheduler.drift)
+        samplers = {w.id: w for w in measured(await read_statuses(self.run))}
+        why = replan_reason(self.used, samplers, self.cfg.scheduler.drift)
         if why is None:
             return
-        if not workers:  # none measured (all gone, or restarted): every sampler takes work until measured
+        if not samplers:  # none measured (all gone, or restarted): every sampler takes work until measured
             self.used = {}
             self.standby.clear()
             return
-        learner = Learner(pace.step_s, pace.groups_per_step, pace.max_staleness)
+        learner = LearnerPace(pace.step_s, pace.groups_per_step, pace.max_staleness)
         scheduler = self.cfg.scheduler
         active = tuple(w for w in self.used if w not in self.standby)  # the set chosen before
-        plan = cheapest(learner, list(workers.values()), scheduler.target_utilisation, active, scheduler.switch_margin)
-        standby = set(workers) - set(plan.active)
+        plan = cheapest(learner, list(samplers.values()), scheduler.target_utilisation, active, scheduler.switch_margin)
+        standby = set(samplers) - set(plan.active)
         await publish_schedule(self.run, Schedule(
             active=sorted(plan.active), standby=sorted(standby), predicted_utilisation=min(plan.utilisation, 1.0),
             cost_per_step=plan.cost_per_step, why=why, updated_at=time.time()))
         # Only once published: a publish that failed leaves the choice to be made again next round.
-        self.used = workers
+        self.used = samplers
         self.standby.clear()
         self.standby.update(standby)
+        # With what it chose from (the pace, the measured samplers, the set it kept), so anyone can
+        # check the choice against the capacity model (tests/test_scheduling.py).
         log.info("scheduler.chose", active=sorted(plan.active), standby=sorted(standby), why=why,
                  predicted_utilisation=round(plan.utilisation, 3), cost_per_step=round(plan.cost_per_step, 6),
-                 reached=plan.reached)
+                 reached=plan.reached, version=pace.version, learner=vars(learner), kept=sorted(active),
+                 samplers=[vars(s) for s in samplers.values()])

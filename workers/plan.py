@@ -12,7 +12,7 @@ from statistics import mean
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from echo.capacity import Learner, Plan, Worker, best_staleness, cheapest
+from echo.capacity import LearnerPace, Plan, SamplerPace, best_staleness, cheapest
 from echo.config import ConfigError, format_errors
 from echo.protocol import SamplerStatus
 
@@ -29,7 +29,7 @@ class LearnerSpec(_Strict):
     max_staleness: int = Field(ge=0)
 
 
-class WorkerSpec(_Strict):
+class SamplerSpec(_Strict):
     id: str
     groups_per_s: float = Field(ge=0)
     sync_s: float = Field(ge=0)
@@ -39,13 +39,13 @@ class WorkerSpec(_Strict):
 
 
 class Fleet(_Strict):
-    """A fleet file: `[learner]` and one `[[workers]]` table per sampler (README, Scheduling)."""
+    """A fleet file: `[learner]` and one `[[samplers]]` table per sampler (README, Scheduling)."""
 
     learner: LearnerSpec
-    workers: list[WorkerSpec]
+    samplers: list[SamplerSpec]
 
 
-def fleet_from_file(path: Path) -> tuple[Learner, list[Worker]]:
+def fleet_from_file(path: Path) -> tuple[LearnerPace, list[SamplerPace]]:
     try:
         fleet = Fleet.model_validate(tomllib.loads(path.read_text()))
     except FileNotFoundError:
@@ -54,28 +54,28 @@ def fleet_from_file(path: Path) -> tuple[Learner, list[Worker]]:
         raise ConfigError(f"{path}: not TOML: {e}") from None
     except ValidationError as e:
         raise ConfigError(f"{path}: {format_errors(e)}") from None
-    return Learner(**fleet.learner.model_dump()), [Worker(**w.model_dump()) for w in fleet.workers]
+    return LearnerPace(**fleet.learner.model_dump()), [SamplerPace(**w.model_dump()) for w in fleet.samplers]
 
 
-def worker_from_status(status: SamplerStatus) -> Worker:
-    """A registry entry as the model's worker: its sync time is the mean over its last versions."""
-    return Worker(status.sampler_id, status.groups_per_s, mean(status.sync_s.values()) if status.sync_s else 0.0,
+def sampler_pace(status: SamplerStatus) -> SamplerPace:
+    """A registry entry as the model's sampler: its sync time is the mean over its last versions."""
+    return SamplerPace(status.sampler_id, status.groups_per_s, mean(status.sync_s.values()) if status.sync_s else 0.0,
                   status.call_s or math.inf, status.cost_per_hour, status.device)
 
 
-def measured(statuses: list[SamplerStatus]) -> list[Worker]:
+def measured(statuses: list[SamplerStatus]) -> list[SamplerPace]:
     """The samplers the scheduler may use, and has rates for (a sampler that has not finished a
     call yet has none)."""
-    return [worker_from_status(s) for s in statuses if s.state in SCHEDULED and s.groups_per_s > 0]
+    return [sampler_pace(s) for s in statuses if s.state in SCHEDULED and s.groups_per_s > 0]
 
 
-def plan_report(learner: Learner, workers: list[Worker], target: float, max_staleness: int) -> dict:
-    plan = cheapest(learner, workers, target)
-    by_staleness = best_staleness(learner, workers, target, max_staleness)
+def plan_report(learner: LearnerPace, samplers: list[SamplerPace], target: float, max_staleness: int) -> dict:
+    plan = cheapest(learner, samplers, target)
+    by_staleness = best_staleness(learner, samplers, target, max_staleness)
     return {
         "learner": vars(learner),
         "target_utilisation": target,
-        "plan": _plan_json(plan, workers),
+        "plan": _plan_json(plan, samplers),
         "by_staleness": [{"max_staleness": p.learner.max_staleness, **_summary(p)} for p in
                          sorted(by_staleness, key=lambda p: p.learner.max_staleness)],
         "cheapest_staleness": by_staleness[0].learner.max_staleness,
@@ -88,18 +88,18 @@ def _summary(plan: Plan) -> dict:
             "reached": plan.reached, "exact": plan.exact}
 
 
-def _plan_json(plan: Plan, workers: list[Worker]) -> dict:
-    return {**_summary(plan), "workers": [
-        {**vars(w), "chosen": w.id in plan.active, "why": plan.reasons[w.id]} for w in workers]}
+def _plan_json(plan: Plan, samplers: list[SamplerPace]) -> dict:
+    return {**_summary(plan), "samplers": [
+        {**vars(w), "chosen": w.id in plan.active, "why": plan.reasons[w.id]} for w in samplers]}
 
 
 def format_report(report: dict) -> str:
     learner, plan = report["learner"], report["plan"]
     lines = [f"learner: T = {learner['step_s']:.2f} s a step, B = {learner['groups_per_step']} groups, "
              f"S = {learner['max_staleness']}; target utilisation {report['target_utilisation']:.0%}", ""]
-    rows = [("worker", "device", "groups/s", "call s", "sync s", "cost/h", "chosen", "why")]
+    rows = [("sampler", "device", "groups/s", "call s", "sync s", "cost/h", "chosen", "why")]
     rows += [(w["id"], w["device"] or "-", f"{w['groups_per_s']:.3g}", f"{w['call_s']:.3g}", f"{w['sync_s']:.3g}",
-              f"{w['cost_per_hour']:.3g}", "yes" if w["chosen"] else "no", w["why"]) for w in plan["workers"]]
+              f"{w['cost_per_hour']:.3g}", "yes" if w["chosen"] else "no", w["why"]) for w in plan["samplers"]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     lines += ["  ".join(cell.ljust(width) for cell, width in zip(r, widths)) + "  " + r[-1] for r in rows]
     reached = "" if plan["reached"] else "  (the target is out of reach: not enough throughput at any cost)"
@@ -109,7 +109,7 @@ def format_report(report: dict) -> str:
     for p in report["by_staleness"]:
         mark = "  <- cheapest per step" if p["max_staleness"] == report["cheapest_staleness"] else ""
         lines.append(f"  S={p['max_staleness']}: {p['utilisation']:.0%} busy, {p['cost_per_step']:.3g} per step, "
-                     f"{len(p['active'])} worker(s){'' if p['reached'] else ', target not reached'}{mark}")
+                     f"{len(p['active'])} sampler(s){'' if p['reached'] else ', target not reached'}{mark}")
     return "\n".join(lines)
 
 
