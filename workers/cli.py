@@ -317,7 +317,7 @@ async def quarantine_command(args) -> int:
 
 async def live_fleet(args):
     """The capacity model's inputs from a live run: the trainer's pace and the registry."""
-    from echo.capacity import Learner
+    from echo.capacity import LearnerPace
     from streams.client import open_run
     from streams.registry import read_learner, read_statuses
     from workers.plan import measured
@@ -330,7 +330,7 @@ async def live_fleet(args):
         await run.close()
     if pace is None:
         raise ConfigError(f"run {args.run_id!r}: its trainer has not finished a step yet, so its step time is unknown")
-    return Learner(pace.step_s, pace.groups_per_step, pace.max_staleness), measured(statuses)
+    return LearnerPace(pace.step_s, pace.groups_per_step, pace.max_staleness), measured(statuses)
 
 
 def plan_command(args) -> int:
