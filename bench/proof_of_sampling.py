@@ -51,7 +51,7 @@ def honest_groups(engine: HFEngine, task, count: int, group_size: int, prompts_p
             completions = [Completion(token_ids=g.token_ids, logprobs=g.logprobs, text=g.text, reward=0.0,
                                       finish_reason=g.finish_reason) for g in gens]
             groups.append(RolloutGroup(group_id=f"g{prompt.index}", sampler_id="honest", policy_version=0,
-                                       task=task.name, prompt_index=prompt.index, lease=1, epoch=0, prompt_token_ids=prompt_ids,
+                                       task=task.name, prompt_index=prompt.index, slot=1, epoch=0, prompt_token_ids=prompt_ids,
                                        completions=completions, temperature=engine.temperature, engine="hf",
                                        dtype="float32", gen_seconds=0.0, created_at=0.0))
     return groups

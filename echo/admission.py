@@ -1,19 +1,20 @@
 """Async mode's admission budget: how many groups samplers may generate so that none arrives
-stale. Pure arithmetic; streams/admission.py keeps the numbers in KV.
+stale. Pure arithmetic; streams/grants.py keeps the numbers in KV.
 
-Leases are numbered 1, 2, 3, ... in the order samplers take them, and the trainer consumes groups
-roughly in that order, B = groups_per_step per step. A group leased as number n is consumed by
+A slot is one group the trainer granted a sampler to generate (the wire calls it a lease: schema
+9's field names). Slots are numbered 1, 2, 3, ... in the order samplers take them, and the trainer consumes groups
+roughly in that order, B = groups_per_step per step. A group whose slot is number n is consumed by
 step ceil(n / B) (plus the groups lost on the way). Generated with version w, it is fresh at that
-step if ceil(n / B) - 1 <= w + S. So a sampler running version w may take lease n only while
-n <= (w + S + 1) * B + lost, where lost counts leases that will never be trained: their group
+step if ceil(n / B) - 1 <= w + S. So a sampler running version w may take slot n only while
+n <= (w + S + 1) * B + lost, where lost counts slots that will never be trained: their group
 arrived stale or rejected, or their holder died or stalled. The trainer publishes that number
 for its own version v; a sampler still running an older w shifts it down by (v - w) * B.
 
-The trainer alone grants leases (GrantLedger), and no sampler may hold more than its share of
+The trainer alone grants slots (GrantLedger), and no sampler may hold more than its share of
 the groups that may be in flight: one that takes work and never delivers (dead or malicious)
 blocks its share, never the whole window, and only until its heartbeat stops or it has
-delivered nothing for a while; then its leases, and only those, are lost and handed out again.
-Junk that never held a lease changes nothing.
+delivered nothing for a while; then its slots, and only those, are lost and handed out again.
+Junk that never held a slot changes nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ ACTIVE_S = 30.0  # a sampler that asked for work this recently shares the window
 
 
 def allowance(version: int, max_staleness: int, groups_per_step: int, lost: int) -> int:
-    """The highest lease number a sampler running `version` may take."""
+    """The highest slot number a sampler running `version` may take."""
     return (version + max_staleness + 1) * groups_per_step + lost
 
 
@@ -35,18 +36,18 @@ def sampler_cap(budget_version: int, budget_allowance: int, sampler_version: int
 
 
 class GrantLedger:
-    """Every lease the trainer granted and has not yet received, by number and holder.
+    """Every slot the trainer granted and has not yet received, by number and holder.
 
-    A lease ends when a group naming it arrives from its holder (`delivered`). One that arrives
+    A slot ends when a group naming it arrives from its holder (`delivered`). One that arrives
     and is not trained (stale, rejected) is wasted; one whose holder died or stalled is
     released: both are lost, reported once by `take_lost` so the trainer hands the work out
-    again. A group naming no lease of its sender's (junk, a previous trainer's grant) changes
+    again. A group naming no slot of its sender's (junk, a previous trainer's grant) changes
     nothing here."""
 
     def __init__(self, issued: int = 0, active_s: float = ACTIVE_S):
-        self.issued = issued  # leases numbered so far in the run, by every incarnation of the trainer
+        self.issued = issued  # slots numbered so far in the run, by every incarnation of the trainer
         self.active_s = active_s
-        self.outstanding: dict[int, str] = {}  # lease number -> the sampler holding it
+        self.outstanding: dict[int, str] = {}  # slot number -> the sampler holding it
         self.asked_at: dict[str, float] = {}
         self.progress_at: dict[str, float] = {}  # a holder's last delivery, or the grant that made it one
         self._lost: list[int] = []
@@ -63,48 +64,48 @@ class GrantLedger:
         return math.ceil(window / max(1, active))
 
     def grant(self, sampler_id: str, want: int, headroom: int, window: int, now: float) -> tuple[list[int], bool]:
-        """Grant `sampler_id` up to `want` leases of the `headroom` left, within its share.
-        Returns (the leases' numbers, whether headroom is left after them)."""
+        """Grant `sampler_id` up to `want` slots of the `headroom` left, within its share.
+        Returns (the slots' numbers, whether headroom is left after them)."""
         self.asked_at[sampler_id] = now
         held = self.held(sampler_id)
         # Scarce headroom is split too: a sampler that always asks first must not take it all.
         headroom_share = self.share(headroom, now) if headroom > 0 else 0
         groups = max(0, min(want, headroom_share, self.share(window, now) - held))
-        leases = list(range(self.issued + 1, self.issued + 1 + groups))
+        slots = list(range(self.issued + 1, self.issued + 1 + groups))
         self.issued += groups
-        self.outstanding.update((lease, sampler_id) for lease in leases)
-        if leases and not held:
+        self.outstanding.update((slot, sampler_id) for slot in slots)
+        if slots and not held:
             self.progress_at[sampler_id] = now
-        return leases, headroom > groups
+        return slots, headroom > groups
 
-    def delivered(self, sampler_id: str, lease: int, now: float) -> bool:
-        """A group naming `lease` arrived from `sampler_id`: whether it ended one of its leases."""
-        if self.outstanding.get(lease) != sampler_id:
+    def delivered(self, sampler_id: str, slot: int, now: float) -> bool:
+        """A group naming `slot` arrived from `sampler_id`: whether it ended one of its slots."""
+        if self.outstanding.get(slot) != sampler_id:
             return False
-        del self.outstanding[lease]
+        del self.outstanding[slot]
         self.progress_at[sampler_id] = now
         return True
 
-    def wasted(self, lease: int) -> None:
-        """A delivered lease's group was not trained (stale or rejected)."""
-        self._lost.append(lease)
+    def wasted(self, slot: int) -> None:
+        """A delivered slot's group was not trained (stale or rejected)."""
+        self._lost.append(slot)
 
     def release(self, sampler_id: str) -> list[int]:
-        """End every lease `sampler_id` holds (it died or stalled): they are lost."""
-        leases = sorted(lease for lease, holder in self.outstanding.items() if holder == sampler_id)
-        for lease in leases:
-            del self.outstanding[lease]
-        self._lost += leases
-        return leases
+        """End every slot `sampler_id` holds (it died or stalled): they are lost."""
+        slots = sorted(slot for slot, holder in self.outstanding.items() if holder == sampler_id)
+        for slot in slots:
+            del self.outstanding[slot]
+        self._lost += slots
+        return slots
 
-    def revoke(self, leases: list[int]) -> None:
-        """Granted leases never handed over (the grant could not be recorded): they are lost."""
-        for lease in leases:
-            del self.outstanding[lease]
-        self._lost += leases
+    def revoke(self, slots: list[int]) -> None:
+        """Granted slots never handed over (the grant could not be recorded): they are lost."""
+        for slot in slots:
+            del self.outstanding[slot]
+        self._lost += slots
 
     def take_lost(self) -> list[int]:
-        """The leases lost since the last call."""
+        """The slots lost since the last call."""
         lost, self._lost = self._lost, []
         return lost
 

@@ -33,7 +33,7 @@ class TrainerState:
     consumed: dict = field(default_factory=dict)  # stream sequences counted (echo/consumed.py), never twice
     totals: dict[str, int] = field(default_factory=dict)  # messages consumed so far, by what became of them
     trained_content: int = 0  # how many lines of trained_content.txt are this checkpoint's
-    lost: int = 0  # leases that will never be trained (the admission budget hands them out again)
+    lost: int = 0  # slots that will never be trained (the admission budget hands them out again)
     record: dict | None = None  # the last step's metrics line, restored if the crash lost it
 
 

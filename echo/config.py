@@ -85,11 +85,11 @@ class TrainerConfig(_Section):
     is_level: Literal["token", "sequence"] = "token"
     is_cap: float = Field(2.0, ge=1.0)  # the importance weights' cap
     max_staleness: int = Field(1, ge=0)  # async: drop rollouts older than version - max_staleness; sequential uses 0
-    # A sampler holding leases is dead when its heartbeat has not changed for sampler_dead_after_s,
-    # and stuck when it has delivered none of them for reissue_after_s: its leases, and only
+    # A sampler holding slots is dead when its heartbeat has not changed for sampler_dead_after_s,
+    # and stuck when it has delivered none of them for reissue_after_s: its slots, and only
     # those, are then handed out again.
     sampler_dead_after_s: float = Field(15.0, gt=0)
-    reissue_after_s: float = Field(300.0, gt=0)  # stuck: leases held this long without a group delivered
+    reissue_after_s: float = Field(300.0, gt=0)  # stuck: slots held this long without a group delivered
     # Grant no work until this many samplers have asked (0: start with the first). `up` sets it to
     # the samplers it starts, so that one ready first does not take a short run's every group.
     min_samplers: int = Field(0, ge=0)

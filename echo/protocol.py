@@ -22,7 +22,8 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerial
 
 SCHEMA_VERSION = 9  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
 # 4: the trainer grants work (GrantRequest/Grant), samplers no longer take it from KV;
-# 5: leases are numbered: a grant names them, a group carries the one it fulfils and its epoch;
+# 5: grants are numbered slots ("leases" on the wire): a grant names them, a group carries the
+# one it fills and its epoch;
 # 6: a group names the engine and precision that sampled it; 7: a sampler's heartbeat is its
 # registry entry (hardware, state, measured rates, sync times, cost, relay); 8: a rollout group's
 # token ids and log-probs travel as fixed-width binary arrays after its fields (encode_rollout);
@@ -58,7 +59,7 @@ TRAINER_CONSUMER = "trainer"
 CONFIG_KEY = "config"  # the run's config, JSON: an edge sampler needs only the URL and the run id
 BUDGET_KEY = "budget"  # async mode's AdmissionBudget, written by the trainer
 TRAINER_KEY = "trainer"  # the TrainerLease: which trainer incarnation (epoch) owns the run
-LEASES_KEY = "leases"  # async mode: the number of leases granted so far (the trainer's, kept across restarts)
+SLOTS_KEY = "leases"  # the number of slots granted so far (the trainer's, kept across restarts; schema 9's name)
 QUARANTINE_KEY = "quarantine"  # samplers whose groups are ignored (Quarantine), by the trainer or an operator
 SCHEDULE_KEY = "schedule"  # the scheduler's choice of samplers (Schedule), written by the trainer
 LEARNER_KEY = "learner"  # the trainer's pace (LearnerStatus), for the scheduler and `echo-rl plan`
@@ -181,7 +182,9 @@ class PolicyVersion(NamedTuple):
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # A field's alias is its name on the wire, where that differs from its name here: code
+    # builds messages by name, decoding accepts the wire's names only (_validate).
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_by_name=True, serialize_by_alias=True)
     schema_version: Literal[9] = SCHEMA_VERSION
 
 
@@ -238,7 +241,7 @@ class _HoldsArrays:
 
     def replaced(self, **changes):
         """A copy with `changes`, validated (model_copy is not: a list would stay a list)."""
-        return type(self).model_validate({**self.model_dump(), **changes})
+        return type(self).model_validate({**self.model_dump(by_alias=False), **changes})
 
 
 class Completion(_HoldsArrays, BaseModel):
@@ -274,7 +277,7 @@ class RolloutGroup(_HoldsArrays, _Message):
     epoch: int = Field(ge=0)  # the trainer incarnation whose weights generated it (versions restart with one)
     task: str
     prompt_index: int = Field(ge=0)  # the task's prompt at this index (echo.tasks.Task.prompt)
-    lease: int = Field(ge=1)  # the trainer's grant this group fulfils (Grant.leases)
+    slot: int = Field(ge=1, alias="lease")  # the granted slot this group fills (Grant.slots)
     prompt_token_ids: TokenIds
     completions: list[Completion] = Field(min_length=1)
     temperature: float = Field(gt=0)
@@ -330,7 +333,7 @@ class TrainerLease(_Message):
 
 
 class AdmissionBudget(_Message):
-    """Async mode: samplers running `version` may take leases numbered up to `allowance`."""
+    """Async mode: samplers running `version` may take slots numbered up to `allowance`."""
 
     version: int = Field(ge=0)
     allowance: int = Field(ge=0)
@@ -359,8 +362,8 @@ class LearnerStatus(_Message):
 
 class Schedule(_Message):
     """The scheduler's choice (scheduler.enabled): the samplers to keep on standby, their weights
-    current and no leases taken, because cheaper ones reach the target utilisation without them.
-    Every sampler not named here takes leases (one that joined since is measured first)."""
+    current and no slots taken, because cheaper ones reach the target utilisation without them.
+    Every sampler not named here takes slots (one that joined since is measured first)."""
 
     active: list[str]
     standby: list[str]
@@ -383,7 +386,7 @@ class SamplerStatus(_Message):
     groups_published: int = Field(ge=0)
     weight_failures: dict[str, int]  # refused adapters by reason (digest, truncated, shape, base model)
     updated_at: float
-    # active: takes leases; standby: keeps its weights current, takes none (the scheduler's
+    # active: takes slots; standby: keeps its weights current, takes none (the scheduler's
     # choice); draining: stopping, finishing what it holds; quarantined: the trainer ignores it.
     state: SamplerState = "active"
     ttl_s: int = Field(30, ge=1)
@@ -429,18 +432,18 @@ class GrantRequest(_Message):
 
 
 class Grant(_Message):
-    """The trainer's answer: generate one group for each of `leases` (numbered across the run),
-    each group naming its lease, so the trainer knows which grants were fulfilled and which are
+    """The trainer's answer: generate one group for each of `slots` (numbered across the run),
+    each group naming its slot, so the trainer knows which grants were fulfilled and which are
     still out. `more`: work is left that this sampler may get soon (once the trainer has
     received the groups it holds, or once enough samplers have joined): ask again shortly;
     otherwise nothing is left until the trainer asks for more (a new budget or pull request)."""
 
-    leases: list[int] = Field(default_factory=list, max_length=1024)
+    slots: list[int] = Field(default_factory=list, max_length=1024, alias="leases")
     more: bool = False
 
     @property
     def groups(self) -> int:
-        return len(self.leases)
+        return len(self.slots)
 
 
 M = TypeVar("M", bound=_Message)
@@ -468,7 +471,7 @@ def _validate(cls: type[M], raw: dict, context: dict | None = None) -> M:
     if raw.get("schema_version") != SCHEMA_VERSION:
         raise ProtocolError("bad_schema_version", f"got {raw.get('schema_version')!r}, speak {SCHEMA_VERSION}")
     try:
-        return cls.model_validate(raw, context=context)
+        return cls.model_validate(raw, context=context, by_alias=True, by_name=False)
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or cls.__name__

@@ -1,15 +1,20 @@
 """Work grants on the wire: a sampler asks the trainer for groups to generate (request/reply
 on its own grants subject) and the trainer alone decides, so no sampler can take work meant
-for the others. Used by both modes: async leases and sequential mode's pull requests."""
+for the others. Used by both modes: async mode's admission budget and sequential mode's pull
+requests. Async mode's AdmissionBudget and the count of slots granted so far live in the run's
+state bucket, written by the trainer only."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Awaitable, Callable
 
 import structlog
+from nats.js.errors import KeyNotFoundError
 
-from echo.protocol import GRANT_TIMEOUT_S, Grant, GrantRequest, ProtocolError, decode, encode, subject_sampler
-from streams.client import BROKER_ERRORS, Run
+from echo.protocol import (BUDGET_KEY, GRANT_TIMEOUT_S, SLOTS_KEY, AdmissionBudget, Grant, GrantRequest, ProtocolError,
+                           decode, encode, subject_sampler)
+from streams.client import BROKER_ERRORS, Run, watch_forever
 
 log = structlog.get_logger()
 
@@ -48,3 +53,25 @@ async def request_grant(run: Run, sampler_id: str, request: GrantRequest,
     except ProtocolError as e:  # a status-only reply while the broker restarts, or an old trainer
         log.warning("grant.bad_reply", reason=str(e))
         return None
+
+
+async def publish_budget(run: Run, budget: AdmissionBudget) -> None:
+    await run.state.put(BUDGET_KEY, encode(budget))
+
+
+async def watch_budget(run: Run, changed: asyncio.Event) -> None:
+    """Set `changed` whenever the trainer publishes a budget, so idle samplers ask for work
+    again at once instead of polling the trainer."""
+    await watch_forever(run, BUDGET_KEY, lambda _: changed.set())
+
+
+async def slots_granted(run: Run) -> int:
+    """Slots granted so far: a restarted trainer numbers its grants on from there."""
+    try:
+        return int((await run.state.get(SLOTS_KEY)).value)
+    except KeyNotFoundError:
+        return 0
+
+
+async def record_slots_granted(run: Run, granted: int) -> None:
+    await run.state.put(SLOTS_KEY, str(granted).encode())

@@ -59,7 +59,7 @@ async def read_statuses(run: Run) -> list[SamplerStatus]:
     return statuses
 
 
-async def heartbeat(run: Run, sampler_id: str) -> tuple[int, SamplerStatus | None]:
+async def read_heartbeat(run: Run, sampler_id: str) -> tuple[int, SamplerStatus | None]:
     """The revision of the sampler's heartbeat key (0: none yet; it changes with every beat) and
     what it says (None: none yet, or unreadable)."""
     try:

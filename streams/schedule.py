@@ -1,5 +1,5 @@
 """The scheduler's choice on the wire: one key in the run's state bucket, written by the trainer's
-coordinator and followed by every sampler (a standby sampler takes no leases)."""
+coordinator and followed by every sampler (a standby sampler takes no slots)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,12 @@
-"""Shared fixtures: a real nats-server per test on a free loopback port with a temp store."""
+"""Shared fixtures: a real nats-server per test on a free loopback port with a temp store, and
+`async def` tests: each runs on an event loop of its own, and the runs it opened through the
+`runs` fixture are closed on that loop when it ends, failed or not."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import signal
 import subprocess
 import time
@@ -13,8 +16,8 @@ import pytest
 from echo.checkpoint import read_metrics
 from echo.config import EchoConfig, validate_config
 from echo.models import base_model_digest
-from streams.admission import leases_granted
-from streams.client import open_run
+from streams.grants import slots_granted
+from streams.client import Run, open_run
 from streams.registry import read_statuses
 from streams.server import NatsServer
 from workers.swarm import worker_command
@@ -26,6 +29,48 @@ TINY_BASE = base_model_digest("tiny")  # what weights for the tiny model are ann
 def nats_server(tmp_path):
     with NatsServer(tmp_path / "jetstream") as server:
         yield server
+
+
+class Runs:
+    """The runs an async test opened (on `url`, the test's server unless it names another),
+    closed when the test ends."""
+
+    def __init__(self, url: str):
+        self.url, self.opened = url, []
+
+    async def open(self, run_id: str, client_name: str = "test", url: str | None = None, **options) -> Run:
+        run = await open_run(url or self.url, run_id, client_name, **options)
+        self.opened.append(run)
+        return run
+
+    async def close(self) -> None:
+        for run in reversed(self.opened):
+            await run.close()
+        self.opened.clear()
+
+
+@pytest.fixture
+def runs(nats_server):
+    return Runs(nats_server.url)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """An `async def` test runs on a fresh event loop; its `runs` are closed on that loop, also
+    when the test fails (a run left open would keep its connections and tasks to the end)."""
+    if not inspect.iscoroutinefunction(pyfuncitem.obj):
+        return None
+    args = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+
+    async def main():
+        try:
+            await pyfuncitem.obj(**args)
+        finally:
+            if isinstance(args.get("runs"), Runs):
+                await args["runs"].close()
+
+    asyncio.run(main())
+    return True
 
 
 def tiny_config(tmp_path, **sections) -> EchoConfig:
@@ -99,10 +144,10 @@ def wait_for_steps(run_dir, steps: int, processes: list[subprocess.Popen], timeo
         time.sleep(0.05)
 
 
-async def _leases_granted(url: str, run_id: str) -> int:
+async def _slots_granted(url: str, run_id: str) -> int:
     run = await open_run(url, run_id, "test", create=False)
     try:
-        return await leases_granted(run)
+        return await slots_granted(run)
     finally:
         await run.close()
 
@@ -126,10 +171,10 @@ def wait_until_published(url: str, run_id: str, sampler_id: str, groups: int, pr
 
 
 @contextlib.contextmanager
-def a_sampler_holding_leases(tmp_path, url: str, steps: int, dead_after_s: float):
+def a_sampler_holding_slots(tmp_path, url: str, steps: int, dead_after_s: float):
     """A trainer (max_staleness 0) and a sampler s2 that pauses 1 s per group after generating it,
-    so that it holds its leases for 2 s of each call. Yields (cfg, config_path, processes) once
-    s2's first call is in and leases 3 and 4 of step 1 are granted (the trainer records a grant
+    so that it holds its slots for 2 s of each call. Yields (cfg, config_path, processes) once
+    s2's first call is in and slots 3 and 4 of step 1 are granted (the trainer records a grant
     before answering it): s2 holds them. On exit, every process of
     `processes` (the test may add its own) still running is resumed and stopped."""
     cfg = tiny_config(tmp_path, run={"steps": steps}, nats={"url": url},
@@ -142,7 +187,7 @@ def a_sampler_holding_leases(tmp_path, url: str, steps: int, dead_after_s: float
     try:
         wait_until_published(url, cfg.run.id, "s2", 2, processes[1])
         deadline = time.monotonic() + 60
-        while asyncio.run(_leases_granted(url, cfg.run.id)) < 4:
+        while asyncio.run(_slots_granted(url, cfg.run.id)) < 4:
             assert processes[1].poll() is None and time.monotonic() < deadline, "s2 was granted no second call"
             time.sleep(0.02)
         yield cfg, config_path, processes

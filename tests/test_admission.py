@@ -8,7 +8,7 @@ import time
 from echo.admission import GrantLedger, Heartbeats, allowance, sampler_cap
 from echo.checkpoint import TrainerState
 from echo.protocol import GRANT_TIMEOUT_S, SCHEMA_VERSION, Grant, GrantRequest, decode, encode
-from streams.admission import leases_granted
+from streams.grants import slots_granted
 from streams.client import open_run
 from streams.grants import request_grant, serve_grants
 from streams.lease import take_lease
@@ -31,8 +31,8 @@ def test_each_sampler_asking_holds_at_most_an_equal_share_of_the_window():
     assert ledger.grant("a", want=8, headroom=100, window=8, now=0) == (list(range(11, 19)), True)  # alone: all
     assert ledger.grant("b", want=8, headroom=92, window=8, now=1) == ([19, 20, 21, 22], True)  # two ask: 4 each
     assert ledger.grant("a", want=8, headroom=88, window=8, now=2) == ([], True)  # a holds 8 already
-    for lease in range(11, 17):
-        assert ledger.delivered("a", lease, now=3)
+    for slot in range(11, 17):
+        assert ledger.delivered("a", slot, now=3)
     assert ledger.grant("a", want=8, headroom=88, window=8, now=3) == ([23, 24], True)
     assert ledger.grant("c", want=8, headroom=3, window=8, now=4) == ([25], True)  # scarce headroom: a third of it
     # a and b stop asking (dead, or a hoarder gone quiet): after active_s the window is c's again.
@@ -40,14 +40,14 @@ def test_each_sampler_asking_holds_at_most_an_equal_share_of_the_window():
     assert ledger.held("a") == 4 and ledger.holders() == {"a", "b", "c"} and ledger.issued == 32
 
 
-def test_leases_end_by_number_and_only_lost_ones_are_reported():
+def test_slots_end_by_number_and_only_lost_ones_are_reported():
     ledger = GrantLedger()
-    leases, _ = ledger.grant("a", want=3, headroom=10, window=10, now=0)
+    slots, _ = ledger.grant("a", want=3, headroom=10, window=10, now=0)
     ledger.grant("b", want=2, headroom=7, window=10, now=0)  # 4, 5
-    assert not ledger.delivered("b", leases[0], now=1)  # another's lease: ends nothing
+    assert not ledger.delivered("b", slots[0], now=1)  # another's slot: ends nothing
     assert not ledger.delivered("a", 99, now=1)  # junk, or a previous trainer's grant
-    assert ledger.delivered("a", leases[0], now=1) and not ledger.delivered("a", leases[0], now=2)  # once
-    ledger.wasted(leases[0])  # it arrived stale
+    assert ledger.delivered("a", slots[0], now=1) and not ledger.delivered("a", slots[0], now=2)  # once
+    ledger.wasted(slots[0])  # it arrived stale
     assert ledger.take_lost() == [1] and ledger.take_lost() == []
     assert ledger.release("b") == [4, 5] and ledger.holders() == {"a"}  # b died holding two
     assert ledger.take_lost() == [4, 5]
@@ -63,7 +63,7 @@ def test_a_heartbeat_that_stops_changing_is_silent_by_this_clock():
     assert beats.silent_for("a", now=112.0) == 1.0
 
 
-ASK_AGAIN = {"schema_version": SCHEMA_VERSION, "leases": [], "more": True}  # nothing now, ask again soon
+ASK_AGAIN = {"schema_version": SCHEMA_VERSION, "leases": [], "more": True}  # nothing now, ask again soon ("leases": the slots, as schema 9 names them)
 
 
 async def _admission_at_version_0(url: str, run_id: str, cfg):
@@ -85,16 +85,16 @@ def test_grants_never_pass_the_cap_however_many_samplers_race(nats_server, tmp_p
     cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "max_staleness": 1})
 
     async def main():
-        run = await open_run(nats_server.url, "lease", "trainer")
-        sampler = await open_run(nats_server.url, "lease", "sampler", create=False)
+        run = await open_run(nats_server.url, "slots", "trainer")
+        sampler = await open_run(nats_server.url, "slots", "sampler", create=False)
         assert await _ask(sampler, "a", 1, 0) is None  # no trainer yet: no answer
         lease = await take_lease(run)
         orders = AsyncDispatch(run, cfg, TrainerState(version=2), GrantLedger())
         await orders.start()
-        await orders.ask(2)  # leases up to (2 + 1 + 1) * 4 = 16
+        await orders.ask(2)  # slots up to (2 + 1 + 1) * 4 = 16
         assert (await _ask(sampler, "a", lease.epoch, 0, want=8)).groups == 8  # two versions behind: cap 16 - 2 * 4
         grants = await asyncio.gather(*(_ask(sampler, f"s{i}", lease.epoch, 2) for i in range(12)))
-        assert sum(g.groups for g in grants) == 8 and await leases_granted(run) == 16
+        assert sum(g.groups for g in grants) == 8 and await slots_granted(run) == 16
         assert (await _ask(sampler, "s0", lease.epoch, 2)).groups == 0
         assert (await _ask(sampler, "s0", lease.epoch, 3)).groups == 0  # a version the trainer has not published
         assert (await _ask(sampler, "s0", lease.epoch - 1, 2)).groups == 0  # a previous trainer's weights
@@ -130,17 +130,17 @@ def test_sequential_groups_are_granted_once_and_only_for_the_current_request(nat
         assert sum(g.groups for g in grants) == 6  # in arrival order: the first alone may get its whole want
         assert (await _ask(sampler, "s0", lease.epoch, 0, 4, request.request_id)).model_dump() == {
             "schema_version": SCHEMA_VERSION, "leases": [], "more": False}
-        assert sorted(lease for g in grants for lease in g.leases) == list(range(1, 7))
+        assert sorted(slot for g in grants for slot in g.slots) == list(range(1, 7))
         await asyncio.sleep(0.1)
-        keeper = next(f"s{i}" for i, g in enumerate(grants) if g.leases)
-        orders.ledger.delivered(keeper, grants[int(keeper[1:])].leases[0], time.monotonic())  # it makes progress
+        keeper = next(f"s{i}" for i, g in enumerate(grants) if g.slots)
+        orders.ledger.delivered(keeper, grants[int(keeper[1:])].slots[0], time.monotonic())  # it makes progress
         released = 6 - orders.ledger.held(keeper) - 1
-        await orders.on_wait(5)  # the others delivered nothing for reissue_after_s: only their leases are lost
+        await orders.on_wait(5)  # the others delivered nothing for reissue_after_s: only their slots are lost
         assert orders.ledger.holders() <= {keeper} and orders.granted == 6 - released
         assert orders.request.request_id == request.request_id  # the same request, published again
         asked_again = [await _ask(sampler, f"s{i}", lease.epoch, 0, 4, request.request_id) for i in range(3)]
         assert sum(g.groups for g in asked_again) == released
-        assert min(lease for g in asked_again for lease in g.leases) == 7  # new numbers
+        assert min(slot for g in asked_again for slot in g.slots) == 7  # new numbers
         await orders.ask(1)  # the next step: the old request is over
         assert (await _ask(sampler, "s1", lease.epoch, 0, 4, request.request_id)).groups == 0
         await orders.subscription.unsubscribe()
@@ -165,8 +165,8 @@ def test_no_work_is_granted_until_min_samplers_have_asked(nats_server, tmp_path)
 
 
 def test_a_grant_the_broker_cannot_record_hands_over_nothing_and_is_handed_out_again(nats_server, tmp_path):
-    """The count of leases granted is in KV so that a restarted trainer numbers on; with the
-    broker gone that write fails. Before, the leases stayed granted to a sampler that never got
+    """The count of slots granted is in KV so that a restarted trainer numbers on; with the
+    broker gone that write fails. Before, the slots stayed granted to a sampler that never got
     the answer, shrinking the window for good. Now they are lost (handed out again) and the
     sampler is told to ask again. A wait for groups meanwhile cannot read heartbeats: it
     carries on waiting. And the run still closes (nats-py flushes the requests it buffered
@@ -179,7 +179,7 @@ def test_a_grant_the_broker_cannot_record_hands_over_nothing_and_is_handed_out_a
         nats_server.process.send_signal(signal.SIGKILL)
         nats_server.process.wait()
         assert (await orders.grant("b", asked)).model_dump() == ASK_AGAIN
-        # b's grant was lease 3 (half the headroom left, two samplers asking): lost, not held
+        # b's grant was slot 3 (half the headroom left, two samplers asking): lost, not held
         assert orders.ledger.holders() == {"a"} and orders.ledger.take_lost() == [3]
         await orders.on_wait(2)  # waiting for groups meanwhile: a's heartbeat is unread, and that is no failure
         assert orders.ledger.holders() == {"a"}

@@ -42,7 +42,7 @@ def _finishes_with_every_sampler_alive(trainer, samplers) -> str:
 
 
 async def _take_leases_and_die(url: str, run_id: str, sampler_id: str) -> list[int]:
-    """A sampler that asks for work with the trainer's current weights, gets leases, beats once
+    """A sampler that asks for work with the trainer's current weights, gets slots, beats once
     and is never heard of again (kill -9 in the middle of generating them)."""
     run = await open_run(url, run_id, "ghost", create=False)
     try:
@@ -56,31 +56,31 @@ async def _take_leases_and_die(url: str, run_id: str, sampler_id: str) -> list[i
                 version = decode(WeightsAnnouncement, last.data).version
                 request = GrantRequest(want=2, epoch=await current_epoch(run), version=version)
                 grant = await request_grant(run, sampler_id, request)
-                if grant and grant.leases:
+                if grant and grant.slots:
                     await put_status(run, SamplerStatus(sampler_id=sampler_id, version=version, groups_published=0,
                                                         weight_failures={}, updated_at=time.time()))
-                    return grant.leases
+                    return grant.slots
     finally:
         await run.close()
 
 
-def test_a_sampler_that_dies_holding_leases_costs_its_leases_only_until_its_heartbeat_expires(nats_server, tmp_path):
+def test_a_sampler_that_dies_holding_slots_costs_its_slots_only_until_its_heartbeat_expires(nats_server, tmp_path):
     """The issue's case: on-policy (S=0), two samplers, one dies holding its share of the
-    window. Before, the run stopped until trainer.reissue_after_s (300 s); now its leases, and
+    window. Before, the run stopped until trainer.reissue_after_s (300 s); now its slots, and
     only those, are handed out again once its heartbeat is silent for sampler_dead_after_s, and
     no group arrives stale afterwards."""
     cfg = tiny_config(tmp_path, run={"id": "ghost", "steps": 10},
                       trainer={"max_staleness": 0, "sampler_dead_after_s": 3.0, "min_samplers": 2},
                       sampler={"heartbeat_s": 0.2}, nats={"url": nats_server.url})
-    logs, leases = run_trainer_and_sampler(tmp_path, cfg, "s1", timeout=120, meanwhile=lambda: asyncio.run(
+    logs, slots = run_trainer_and_sampler(tmp_path, cfg, "s1", timeout=120, meanwhile=lambda: asyncio.run(
         _take_leases_and_die(nats_server.url, "ghost", "ghost")))
     events = [orjson.loads(line) for line in logs.splitlines() if line.startswith("{")]
-    released = [e for e in events if e["event"] == "dispatch.leases_released"]
-    assert [(e["sampler"], e["leases"]) for e in released] == [("ghost", len(leases))]
+    released = [e for e in events if e["event"] == "dispatch.slots_released"]
+    assert [(e["sampler"], e["slots"]) for e in released] == [("ghost", len(slots))]
     assert 3.0 <= released[0]["silent_s"] < 7  # released once silent for sampler_dead_after_s, not 300 s
     metrics = read_metrics(cfg.run_dir)
     assert [m["step"] for m in metrics] == list(range(1, 11))
-    assert sum(m["dropped_stale"] for m in metrics) == 0  # lost leases did not over-admit
+    assert sum(m["dropped_stale"] for m in metrics) == 0  # lost slots did not over-admit
     assert_balanced(metrics)
     assert {sampler for m in metrics for _, _, sampler in m["groups"]} == {"s1"}
 

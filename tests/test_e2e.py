@@ -48,7 +48,7 @@ def run_swarm(tmp_path, run_id: str, steps: int, *overrides: str, flags=()):
     assert {s.sampler_id for s in statuses} == {"s1", "s2"}  # both ran and heartbeat
     assert all(s.weight_failures == {} for s in statuses), statuses  # no weights refused
     # Every group trained came from them. How many each made is up to its speed: in a run of a few
-    # tenths of a second, a sampler a version behind the other may be granted nothing (its lease
+    # tenths of a second, a sampler a version behind the other may be granted nothing (its slot
     # cap is a step lower), so only the 5-step async test checks that both contribute.
     assert sum(s.groups_published for s in statuses) >= sum(m["used"] for m in metrics), statuses
     assert_balanced(metrics, stream)

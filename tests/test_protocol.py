@@ -34,7 +34,7 @@ def make_group(version: int = 3, sampler: str = "s1", size: int = 2, group_id: s
         policy_version=version,
         task="math",
         prompt_index=12,
-        lease=1,
+        slot=1,
         epoch=0,
         prompt_token_ids=[1, 2, 3],
         completions=[

@@ -31,7 +31,7 @@ def honest_group(index: int = 12, texts=None, **changes) -> RolloutGroup:
         for t in texts
     ]
     fields = dict(
-        group_id="g", sampler_id="s1", policy_version=1, task="math", prompt_index=index, lease=1, epoch=0,
+        group_id="g", sampler_id="s1", policy_version=1, task="math", prompt_index=index, slot=1, epoch=0,
         prompt_token_ids=encode_chat(TOKENIZER, prompt.messages), completions=completions,
         temperature=1.0, engine="hf", dtype="float32", gen_seconds=0.1, created_at=0.0,
     )

@@ -54,8 +54,8 @@ def test_a_samplers_entry_shows_hardware_rates_syncs_and_cost_and_expires_when_i
         assert main(["plan", "--nats", nats_server.url, "--run-id", "registry", "--json"]) == 0
         report = orjson.loads(capsys.readouterr().out)
         assert report["learner"]["groups_per_step"] == 4 and report["learner"]["step_s"] > 0
-        [worker] = report["plan"]["workers"]
-        assert worker["id"] == "s1" and worker["cost_per_hour"] == 0.7 and worker["groups_per_s"] > 0
+        [sampler_plan] = report["plan"]["samplers"]
+        assert sampler_plan["id"] == "s1" and sampler_plan["cost_per_hour"] == 0.7 and sampler_plan["groups_per_s"] > 0
 
         os.kill(sampler.pid, signal.SIGKILL)
         killed = time.monotonic()

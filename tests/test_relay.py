@@ -176,7 +176,7 @@ def test_an_edge_sampler_behind_a_relay_reads_the_config_and_heartbeats_to_the_h
         await put_status(sampler_run, status)  # a KV write through it
 
         async def grant_all(sampler_id, request):
-            return Grant(leases=list(range(1, request.want + 1)) if sampler_id == "far" else [])
+            return Grant(slots=list(range(1, request.want + 1)) if sampler_id == "far" else [])
 
         await serve_grants(run, grant_all)
         async with asyncio.timeout(5):  # the hub tells the leaf of the trainer's interest a moment later

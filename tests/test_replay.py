@@ -10,7 +10,7 @@ import pytest
 
 from echo.checkpoint import read_metrics
 from streams.server import NatsServer
-from tests.conftest import a_sampler_holding_leases, assert_balanced, wait_for_steps, worker_process
+from tests.conftest import a_sampler_holding_slots, assert_balanced, wait_for_steps, worker_process
 from tests.test_e2e import run_swarm
 
 pytestmark = pytest.mark.slow
@@ -41,15 +41,15 @@ def test_replay_filters_a_finished_runs_stream(tmp_path):
 
 
 def test_a_retrain_reproduces_an_async_run_that_dropped_stale_groups(tmp_path):
-    """A sampler frozen (SIGSTOP) while it holds leases goes silent; the trainer hands its leases
+    """A sampler frozen (SIGSTOP) while it holds slots goes silent; the trainer hands its slots
     to the other and steps on; thawed, it delivers groups of an old version, which are dropped as
     stale. The retrain, from the finished run's directory (its broker's store is in it, as with
     `up`), trains on what each step used, in order, and matches the run bit for bit."""
     run_dir = tmp_path / "runs" / "test"  # tiny_config's
     with NatsServer(run_dir / "nats") as server, \
-            a_sampler_holding_leases(tmp_path, server.url, 6, dead_after_s=2.0) as (cfg, config_path, processes):
+            a_sampler_holding_slots(tmp_path, server.url, 6, dead_after_s=2.0) as (cfg, config_path, processes):
         trainer, slow = processes
-        slow.send_signal(signal.SIGSTOP)  # holding leases 3 and 4 of step 1
+        slow.send_signal(signal.SIGSTOP)  # holding slots 3 and 4 of step 1
         processes.append(fast := worker_process(config_path, "sampler", "--id", "s1"))
         wait_for_steps(cfg.run_dir, 3, [trainer, fast])
         # s1 frozen in turn: the trainer cannot finish before s2's groups of version 0 arrive

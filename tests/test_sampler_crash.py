@@ -16,7 +16,7 @@ from streams.client import open_run
 from streams.lease import take_lease
 from streams.registry import read_statuses
 from streams.weights import publish_weights
-from tests.conftest import TINY_BASE, a_sampler_holding_leases, tiny_config, worker_process
+from tests.conftest import TINY_BASE, a_sampler_holding_slots, tiny_config, worker_process
 from tests.test_streams import _adapter_for_version
 
 pytestmark = pytest.mark.slow
@@ -119,15 +119,15 @@ def test_a_sampler_killed_mid_fetch_restarts_and_loads_the_latest_version(nats_s
     asyncio.run(main())
 
 
-def test_a_sampler_stopped_while_holding_leases_hands_them_back_at_once(nats_server, tmp_path):
+def test_a_sampler_stopped_while_holding_slots_hands_them_back_at_once(nats_server, tmp_path):
     """SIGTERM abandons the call in flight; the sampler's last heartbeat says `draining`, and the
-    trainer hands its leases to another at once, not after sampler_dead_after_s (an hour here)."""
-    with a_sampler_holding_leases(tmp_path, nats_server.url, 3, dead_after_s=3600.0) as (cfg, config_path, processes):
+    trainer hands its slots to another at once, not after sampler_dead_after_s (an hour here)."""
+    with a_sampler_holding_slots(tmp_path, nats_server.url, 3, dead_after_s=3600.0) as (cfg, config_path, processes):
         trainer, slow = processes
-        slow.send_signal(signal.SIGTERM)  # holding leases 3 and 4 of step 1
+        slow.send_signal(signal.SIGTERM)  # holding slots 3 and 4 of step 1
         assert slow.wait(timeout=30) == 0
         processes.append(worker_process(config_path, "sampler", "--id", "s1"))
         logs = trainer.communicate(timeout=180)[1]  # s2 is never declared dead (an hour): released as stopped
         assert trainer.returncode == 0, logs[-3000:]
-    released = [orjson.loads(line) for line in logs.splitlines() if '"dispatch.leases_released"' in line]
-    assert [(r["sampler"], r["stopped"], r["leases"]) for r in released] == [("s2", True, 2)], released
+    released = [orjson.loads(line) for line in logs.splitlines() if '"dispatch.slots_released"' in line]
+    assert [(r["sampler"], r["stopped"], r["slots"]) for r in released] == [("s2", True, 2)], released

@@ -19,7 +19,7 @@ from echo.protocol import (
     BUDGET_KEY,
     CONFIG_KEY,
     HDR_MSG_ID,
-    LEASES_KEY,
+    SLOTS_KEY,
     TRAINER_CONSUMER,
     TRAINER_KEY,
     WeightsAnnouncement,
@@ -232,7 +232,7 @@ def test_a_sampler_cannot_touch_what_the_trainer_owns(secured):
             js.publish(f"$KV.{names.state_bucket}.{TRAINER_KEY}", b"{}"),
             js.publish(f"$KV.{names.state_bucket}.{BUDGET_KEY}", b"{}"),
             js.publish(f"$KV.{names.state_bucket}.samplers.s2", b"{}"),
-            js.publish(f"$KV.{names.state_bucket}.{LEASES_KEY}", b"1000000"),  # starve the others of leases
+            js.publish(f"$KV.{names.state_bucket}.{SLOTS_KEY}", b"1000000"),  # starve the others of slots
             nc.request(names.grants_subject("s2"), b"{}", timeout=1.0),  # ask for work as another sampler
             js.publish(names.weights_subject, forged),
             js.publish(names.weights_subject, forged, headers={HDR_MSG_ID: "weights-1"}),

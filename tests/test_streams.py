@@ -51,50 +51,46 @@ from workers.sampler import Sampler
 from workers.intake import Collector, Judge, Timeline
 
 
-def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(nats_server):
-    async def main():
-        run = await open_run(nats_server.url, "c", "test")
-        inbox = await RolloutInbox.open(run)
-        subject = run.names.rollouts_subject("s1")
-        await run.js.publish(subject, b"{broken", headers={HDR_MSG_ID: "bad1", HDR_SAMPLER_ID: "s1"})
-        await publish_rollout(run, honest_group(policy_version=1, group_id="stale"))  # 5 - 1 > bound
-        await publish_rollout(run, honest_group(policy_version=9, group_id="future"))
-        await publish_rollout(run, honest_group(policy_version=5, group_id="wrongsize", texts=["a", "b", "c"]))
-        spoofed = honest_group(policy_version=5, group_id="spoofed")
-        await run.js.publish(subject, encode_rollout(spoofed), headers={**rollout_headers(spoofed), HDR_POLICY_VERSION: "4"})
-        liar = with_completion(honest_group(policy_version=4, group_id="liar"), reward=0.0)
-        await publish_rollout(run, liar)
-        # Attacks by a sampler with publish rights: s1's group on s2's subject; the liar's completions
-        # re-sent under a new id; a group trained on in an earlier step re-sent under a new id.
-        impostor = honest_group(15, policy_version=5, group_id="imp")
-        await run.js.publish(run.names.rollouts_subject("s2"), encode_rollout(impostor), headers=rollout_headers(impostor))
-        await publish_rollout(run, honest_group(policy_version=5, group_id="replay"))
-        await publish_rollout(run, honest_group(13, policy_version=5, group_id="old"))
-        await publish_rollout(run, honest_group(14, policy_version=5, group_id="ok"))
-        await publish_rollout(run, honest_group(14, policy_version=5, group_id="ok"))  # a retry: de-duplicated
+async def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(runs):
+    run = await runs.open("c")
+    inbox = await RolloutInbox.open(run)
+    subject = run.names.rollouts_subject("s1")
+    await run.js.publish(subject, b"{broken", headers={HDR_MSG_ID: "bad1", HDR_SAMPLER_ID: "s1"})
+    await publish_rollout(run, honest_group(policy_version=1, group_id="stale"))  # 5 - 1 > bound
+    await publish_rollout(run, honest_group(policy_version=9, group_id="future"))
+    await publish_rollout(run, honest_group(policy_version=5, group_id="wrongsize", texts=["a", "b", "c"]))
+    spoofed = honest_group(policy_version=5, group_id="spoofed")
+    await run.js.publish(subject, encode_rollout(spoofed), headers={**rollout_headers(spoofed), HDR_POLICY_VERSION: "4"})
+    liar = with_completion(honest_group(policy_version=4, group_id="liar"), reward=0.0)
+    await publish_rollout(run, liar)
+    # Attacks by a sampler with publish rights: s1's group on s2's subject; the liar's completions
+    # re-sent under a new id; a group trained on in an earlier step re-sent under a new id.
+    impostor = honest_group(15, policy_version=5, group_id="imp")
+    await run.js.publish(run.names.rollouts_subject("s2"), encode_rollout(impostor), headers=rollout_headers(impostor))
+    await publish_rollout(run, honest_group(policy_version=5, group_id="replay"))
+    await publish_rollout(run, honest_group(13, policy_version=5, group_id="old"))
+    await publish_rollout(run, honest_group(14, policy_version=5, group_id="ok"))
+    await publish_rollout(run, honest_group(14, policy_version=5, group_id="ok"))  # a retry: de-duplicated
 
-        trained_earlier = content_hash(honest_group(13))
-        collector = Collector(inbox, Judge(REFEREE, Timeline(max_staleness=1), trained_content={trained_earlier}))
-        collected = await collector.collect(2, version=5)
-        assert [a.group.group_id for a in collected.used] == ["liar", "ok"]
-        assert collected.used[0].rewards == [1.0, 0.1]  # the trainer's rewards, not the liar's
-        assert collected.reward_mismatch == {"s1": 1}
-        assert collected.dropped == {4: 1} and collected.dropped_ids == ["stale"]
-        assert collected.rejected == {"bad_encoding": 1, "future_version": 1, "wrong_group_size": 1, "header_mismatch": 1,
-                                      "subject_mismatch": 1, "replayed_content": 2}
-        info = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
-        assert info.num_pending == 0 and info.num_ack_pending == 10  # all wait for the step's checkpoint
-        assert await inbox.ack_held() == 0  # every ack confirmed
-        info = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
-        assert info.num_ack_pending == 0  # confirmed
-        # Nothing is lost: rejected messages stay in the stream for replay.
-        records = [r async for r in read_rollouts(nats_server.url, "c")]
-        assert len(records) == 10 and sum("error" in r for r in records) == 3
-        assert len(collected.seqs) == 10 == len(collected.used) + len(collected.dropped_ids) + sum(
-            collected.rejected.values())
-        await run.close()
-
-    asyncio.run(main())
+    trained_earlier = content_hash(honest_group(13))
+    collector = Collector(inbox, Judge(REFEREE, Timeline(max_staleness=1), trained_content={trained_earlier}))
+    collected = await collector.collect(2, version=5)
+    assert [a.group.group_id for a in collected.used] == ["liar", "ok"]
+    assert collected.used[0].rewards == [1.0, 0.1]  # the trainer's rewards, not the liar's
+    assert collected.reward_mismatch == {"s1": 1}
+    assert collected.dropped == {4: 1} and collected.dropped_ids == ["stale"]
+    assert collected.rejected == {"bad_encoding": 1, "future_version": 1, "wrong_group_size": 1, "header_mismatch": 1,
+                                  "subject_mismatch": 1, "replayed_content": 2}
+    info = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
+    assert info.num_pending == 0 and info.num_ack_pending == 10  # all wait for the step's checkpoint
+    assert await inbox.ack_held() == 0  # every ack confirmed
+    info = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
+    assert info.num_ack_pending == 0  # confirmed
+    # Nothing is lost: rejected messages stay in the stream for replay.
+    records = [r async for r in read_rollouts(runs.url, "c")]
+    assert len(records) == 10 and sum("error" in r for r in records) == 3
+    assert len(collected.seqs) == 10 == len(collected.used) + len(collected.dropped_ids) + sum(
+        collected.rejected.values())
 
 
 def test_a_group_larger_than_a_message_travels_in_parts_and_bad_parts_are_refused(tmp_path):

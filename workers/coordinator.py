@@ -4,7 +4,7 @@ Every `scheduler.every_s` the coordinator reads the run's registry. When a sampl
 (its entry expired) or its measured rates drifted, it chooses again the cheapest set of samplers
 that reaches `scheduler.target_utilisation` at the trainer's measured pace (echo/capacity.py) and
 publishes the choice (streams/schedule.py): the others go on standby, keeping their weights
-current and taking no leases, and the trainer grants them none. A sampler not yet measured (it
+current and taking no slots, and the trainer grants them none. A sampler not yet measured (it
 has finished no call) takes work until it is.
 """
 

@@ -20,20 +20,19 @@ from echo.admission import GrantLedger, Heartbeats, allowance, sampler_cap
 from echo.checkpoint import TrainerState
 from echo.config import EchoConfig
 from echo.protocol import AdmissionBudget, Grant, GrantRequest, PullRequest
-from streams.admission import leases_granted, publish_budget, record_leases_granted
 from streams.client import BROKER_ERRORS, Run, retry_forever
-from streams.grants import serve_grants
+from streams.grants import publish_budget, record_slots_granted, serve_grants, slots_granted
 from streams.pull import publish_pull_request
-from streams.registry import heartbeat
+from streams.registry import read_heartbeat
 from workers.quarantine import Quarantined
 
 log = structlog.get_logger()
 
 
 class Dispatch:
-    """How the trainer asks the samplers for groups and grants them the work (numbered leases,
-    streams/grants.py, answered while it runs), and hands out again the work of leases lost:
-    groups that arrived and were not trained, and the leases of a sampler whose heartbeat
+    """How the trainer asks the samplers for groups and grants them the work (numbered slots,
+    streams/grants.py, answered while it runs), and hands out again the work of slots lost:
+    groups that arrived and were not trained, and the slots of a sampler whose heartbeat
     stopped (`trainer.sampler_dead_after_s`) or that delivered nothing for
     `trainer.reissue_after_s` (alive but stuck)."""
 
@@ -46,7 +45,7 @@ class Dispatch:
         self.standby: set[str] = set()  # the scheduler's (workers/coordinator.py): granted no work
 
     async def start(self) -> None:
-        self.ledger.issued = await leases_granted(self.run)  # a restarted trainer numbers on
+        self.ledger.issued = await slots_granted(self.run)  # a restarted trainer numbers on
         self.subscription = await serve_grants(self.run, self.grant)
 
     async def ask(self, version: int) -> None:
@@ -55,12 +54,12 @@ class Dispatch:
         await self.publish(self.cfg.trainer.groups_per_step)
 
     async def on_wait(self, missing: int) -> None:
-        """Waiting for groups: release the leases of stopped, dead or stalled holders, then hand
+        """Waiting for groups: release the slots of stopped, dead or stalled holders, then hand
         out again whatever was lost."""
         now = time.monotonic()
         for sampler_id in sorted(self.ledger.holders()):
             try:
-                revision, status = await heartbeat(self.run, sampler_id)
+                revision, status = await read_heartbeat(self.run, sampler_id)
             except BROKER_ERRORS as e:  # the broker restarting: the next wait reads them again
                 log.warning("dispatch.heartbeat_unread", sampler=sampler_id, reason=repr(e))
                 return
@@ -70,8 +69,8 @@ class Dispatch:
             stalled_s = now - self.ledger.progress_at[sampler_id]
             dead = silent_s > self.cfg.trainer.sampler_dead_after_s or stalled_s > self.cfg.trainer.reissue_after_s
             if stopped or dead:
-                leases = self.ledger.release(sampler_id)
-                log.warning("dispatch.leases_released", sampler=sampler_id, leases=len(leases), stopped=stopped,
+                slots = self.ledger.release(sampler_id)
+                log.warning("dispatch.leases_released", sampler=sampler_id, slots=len(slots), stopped=stopped,
                             silent_s=round(silent_s, 1), stalled_s=round(stalled_s, 1))
         lost = self.ledger.take_lost()
         if lost:
@@ -92,15 +91,15 @@ class Dispatch:
             log.info("trainer.sampler_joined", sampler=sampler_id, samplers=len(self.fleet))
         if len(self.fleet) < self.cfg.trainer.min_samplers:
             return Grant(more=True)
-        leases, more = self.grant_work(sampler_id, request)
-        if leases:
+        slots, more = self.grant_work(sampler_id, request)
+        if slots:
             try:
-                await record_leases_granted(self.run, self.ledger.issued)
+                await record_slots_granted(self.run, self.ledger.issued)
             except BROKER_ERRORS as e:  # a restarted trainer could number them again: not handed over
-                log.warning("dispatch.grant_unrecorded", sampler=sampler_id, leases=len(leases), reason=repr(e))
-                self.ledger.revoke(leases)
+                log.warning("dispatch.grant_unrecorded", sampler=sampler_id, slots=len(slots), reason=repr(e))
+                self.ledger.revoke(slots)
                 return Grant(more=True)
-        return Grant(leases=leases, more=more)
+        return Grant(slots=slots, more=more)
 
 
 class SequentialDispatch(Dispatch):
@@ -108,18 +107,18 @@ class SequentialDispatch(Dispatch):
 
     request: PullRequest | None = None
     granted = 0  # of the current request's groups
-    first_lease = 0  # the current request's leases are numbered from here
+    first_slot = 0  # the current request's slots are numbered from here
 
     async def publish(self, groups: int) -> None:
         # Current before it is published: a sampler may ask for its groups at once.
         self.request, self.granted = PullRequest(request_id=uuid.uuid4().hex, epoch=self.run.epoch,
                                                   version=self.version, groups=groups), 0
-        self.first_lease = self.ledger.issued + 1
+        self.first_slot = self.ledger.issued + 1
         await publish_pull_request(self.run, self.request)
 
     def reissue_lost(self, lost: list[int]) -> None:
-        # Only the current request's leases matter: older requests' groups are not wanted.
-        self.granted -= sum(1 for lease in lost if lease >= self.first_lease)
+        # Only the current request's slots matter: older requests' groups are not wanted.
+        self.granted -= sum(1 for slot in lost if slot >= self.first_slot)
 
     async def republish(self, missing: int) -> None:
         # The same request again: samplers that were told it was all given out ask once more.
@@ -129,29 +128,29 @@ class SequentialDispatch(Dispatch):
         current = self.request
         if current is None or request.pull_request_id != current.request_id or request.version != current.version:
             return [], False
-        leases, more = self.ledger.grant(sampler_id, request.want, current.groups - self.granted, current.groups,
+        slots, more = self.ledger.grant(sampler_id, request.want, current.groups - self.granted, current.groups,
                                          time.monotonic())
-        self.granted += len(leases)
-        return leases, more
+        self.granted += len(slots)
+        return slots, more
 
 
 class AsyncDispatch(Dispatch):
     """Async mode: the admission budget, so that samplers generate no group that would arrive
-    stale (echo/admission.py). Lost leases are handed out again by raising the allowance."""
+    stale (echo/admission.py). Lost slots are handed out again by raising the allowance."""
 
     async def start(self) -> None:
         await super().start()
-        # A restarted trainer cannot know which of its predecessor's leases are still out: it
+        # A restarted trainer cannot know which of its predecessor's slots are still out: it
         # counts every one not trained as lost, opening a fresh window. Their groups, should
         # they still come, are trained if fresh.
         self.state.lost = max(0, self.ledger.issued - self.state.version * self.cfg.trainer.groups_per_step)
 
-    def highest_lease(self) -> int:
+    def highest_slot(self) -> int:
         return allowance(self.version, self.cfg.trainer.max_staleness, self.cfg.trainer.groups_per_step, self.state.lost)
 
     async def publish(self, groups: int) -> None:
         # Samplers watch the budget to ask for work again as soon as there is some.
-        budget = AdmissionBudget(version=self.version, allowance=self.highest_lease(), groups_per_step=groups)
+        budget = AdmissionBudget(version=self.version, allowance=self.highest_slot(), groups_per_step=groups)
         await publish_budget(self.run, budget)
 
     def reissue_lost(self, lost: list[int]) -> None:
@@ -164,7 +163,7 @@ class AsyncDispatch(Dispatch):
         if request.pull_request_id is not None or not 0 <= request.version <= self.version:
             return [], False
         per_step = self.cfg.trainer.groups_per_step
-        cap = sampler_cap(self.version, self.highest_lease(), request.version, per_step)
+        cap = sampler_cap(self.version, self.highest_slot(), request.version, per_step)
         window = (self.cfg.trainer.max_staleness + 1) * per_step  # groups that may be in flight at once
         return self.ledger.grant(sampler_id, request.want, cap - self.ledger.issued, window, time.monotonic())
 

@@ -55,7 +55,7 @@ class Timeline:
     """Which versions' groups this trainer may train on."""
 
     max_staleness: int
-    epoch: int = 0  # this trainer's lease epoch (streams/lease.py)
+    epoch: int = 0  # this trainer's slot epoch (streams/slot.py)
     # The version it resumed from: an earlier incarnation's versions up to that one are this
     # timeline's too; later ones came from a checkpoint since discarded.
     resumed_from: int = 0
@@ -159,10 +159,10 @@ class Collector:
             group = decode_rollout(await self.inbox.body(delivery), delivery.headers, delivery.subject)
         except ProtocolError as e:
             return reject(out, e.reason, str(e))
-        granted = self.ledger.delivered(delivery.sender, group.lease, time.monotonic())
+        granted = self.ledger.delivered(delivery.sender, group.slot, time.monotonic())
         admitted = await self.judge.admit(group, delivery.sender, version, out)
         if admitted is None and granted:
-            self.ledger.wasted(group.lease)
+            self.ledger.wasted(group.slot)
         return admitted
 
     def trained(self, collected: Collected) -> None:

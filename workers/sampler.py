@@ -26,10 +26,9 @@ from echo.policy import WeightsMismatch
 from echo.protocol import Completion, Grant, GrantRequest, PolicyVersion, PullRequest, RolloutGroup, SamplerStatus, Schedule
 from echo.tasks import Task, load_task, safe_reward
 from echo.throughput import CallWindow
-from streams.admission import watch_budget
 from streams.client import BROKER_ERRORS, LatestValue, Run, open_run
 from streams.credentials import credentials_of
-from streams.grants import request_grant
+from streams.grants import request_grant, watch_budget
 from streams.quarantine import read_quarantine
 from streams.registry import put_status, weights_relay
 from streams.schedule import watch_schedule
@@ -93,19 +92,19 @@ class Sampler:
                                pull_request_id=pull_request_id)
         return await request_grant(self.run, self.sampler_id, request)
 
-    async def generate_and_publish(self, leases: list[int], asked_at: float | None = None) -> None:
-        """One group per lease the trainer granted (asked for at `asked_at`, perf_counter), each
-        naming its lease. The call's time, from asking to published, is measured."""
-        prompts = [self.task.prompt(self.rng.randrange(2**31)) for _ in leases]
+    async def generate_and_publish(self, slots: list[int], asked_at: float | None = None) -> None:
+        """One group per slot the trainer granted (asked for at `asked_at`, perf_counter), each
+        naming its slot. The call's time, from asking to published, is measured."""
+        prompts = [self.task.prompt(self.rng.randrange(2**31)) for _ in slots]
         started = time.perf_counter()
         groups = await asyncio.to_thread(generate_groups, self.engine, self.task, prompts, self.cfg.sampling,
-                                         self.sampler_id, self.policy, leases)
-        await asyncio.sleep(self.cfg.sampler.throttle_s * len(leases))  # a slower machine, when asked
+                                         self.sampler_id, self.policy, slots)
+        await asyncio.sleep(self.cfg.sampler.throttle_s * len(slots))  # a slower machine, when asked
         for group in groups:
             await publish_rollout(self.run, group)
             self.published += 1
         tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
-        self.calls.add(time.monotonic(), time.perf_counter() - (started if asked_at is None else asked_at), len(leases),
+        self.calls.add(time.monotonic(), time.perf_counter() - (started if asked_at is None else asked_at), len(slots),
                        tokens)
 
     async def run_async(self) -> None:
@@ -118,8 +117,8 @@ class Sampler:
             if not self.standby:
                 asked_at = time.perf_counter()
                 grant = await self.ask_for_work()
-                if grant and grant.leases:
-                    await self.generate_and_publish(grant.leases, asked_at)
+                if grant and grant.slots:
+                    await self.generate_and_publish(grant.slots, asked_at)
                     continue
                 if grant and grant.more:
                     await asyncio.sleep(ASK_AGAIN_S)  # work is left, just not for this sampler yet
@@ -147,8 +146,8 @@ class Sampler:
                 grant = await self.ask_for_work(request.request_id)
                 if grant is None:  # no answer: the request may still want its groups
                     await asyncio.sleep(NO_ANSWER_WAIT_S)
-                elif grant.leases:
-                    await self.generate_and_publish(grant.leases, asked_at)
+                elif grant.slots:
+                    await self.generate_and_publish(grant.slots, asked_at)
                 elif grant.more:
                     await asyncio.sleep(ASK_AGAIN_S)  # work is left, just not for this sampler yet
                 else:
@@ -191,7 +190,7 @@ class Sampler:
         except BROKER_ERRORS as e:
             log.warning("sampler.heartbeat_failed", reason=repr(e))
 
-    async def heartbeat(self) -> None:
+    async def beat_forever(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.sampler.heartbeat_s)
             await self.try_beat()
@@ -212,12 +211,12 @@ class Sampler:
         self.relay = await weights_relay(self.run, self.cfg.nats.hub_domain)
         log.info("sampler.ready", sampler=self.sampler_id, mode=self.cfg.run.mode, engine=self.engine.name,
                  device=str(self.engine.device), dtype=dtype_name(self.engine.dtype), relay=self.relay or None)
-        # Registered before it asks for work: the trainer releases at once the leases of a sampler
+        # Registered before it asks for work: the trainer releases at once the slots of a sampler
         # whose entry says "draining", which a previous run of this id may have left.
         await self.try_beat()
         try:
             async with Background() as background:
-                background.start(self.heartbeat())
+                background.start(self.beat_forever())
                 background.start(watch_schedule(self.run, self.follow_schedule))
                 if self.cfg.run.mode == "sequential":
                     await self.run_sequential()
@@ -235,8 +234,8 @@ class Sampler:
 
 
 def generate_groups(engine: Engine, task: Task, prompts: list, sampling: SamplingConfig, sampler_id: str,
-                    policy: PolicyVersion, leases: list[int]) -> list[RolloutGroup]:
-    """One group per prompt (and lease), generated by `engine` running `policy` (epoch,
+                    policy: PolicyVersion, slots: list[int]) -> list[RolloutGroup]:
+    """One group per prompt (and slot), generated by `engine` running `policy` (epoch,
     version), the sampler's rewards from the task's verifier."""
     prompt_ids = [engine.encode_chat(p.messages) for p in prompts]
     started = time.perf_counter()
@@ -250,7 +249,7 @@ def generate_groups(engine: Engine, task: Task, prompts: list, sampling: Samplin
             epoch=policy.epoch,
             task=task.name,
             prompt_index=prompt.index,
-            lease=lease,
+            slot=slot,
             prompt_token_ids=ids,
             completions=[
                 Completion(token_ids=g.token_ids, logprobs=g.logprobs, text=g.text,
@@ -263,7 +262,7 @@ def generate_groups(engine: Engine, task: Task, prompts: list, sampling: Samplin
             gen_seconds=seconds / len(prompts),
             created_at=time.time(),
         )
-        for lease, prompt, ids, gens in zip(leases, prompts, prompt_ids, generations)
+        for slot, prompt, ids, gens in zip(slots, prompts, prompt_ids, generations)
     ]
 
 
