@@ -31,8 +31,8 @@ test: install
 worker: install
 	$(PY) -m workers.edge_bundle --out dist/echo-sampler
 
-# Benchmarks (bench/, README "Performance"). bench-quick: the tiny model and short runs, under
-# 15 minutes on 2 cores, into bench/results/quick/. bench: every figure the README quotes, into
+# Benchmarks (bench/, docs/performance.md). bench-quick: the tiny model and short runs, under
+# 15 minutes on 2 cores, into bench/results/quick/. bench: every figure docs/performance.md quotes, into
 # bench/results/ (hours on a CPU: the parity runs train SmolLM2 fifteen times; a GPU helps).
 QUICK := BENCH_RESULTS=bench/results/quick $(PY) -m
 bench-quick: install

@@ -1,5 +1,5 @@
 """ECHO-2's overlap capacity model: which samplers keep the learner busy within the staleness
-bound, and which do it cheapest. Pure: no I/O; the README derives it ("Scheduling").
+bound, and which do it cheapest. Pure: no I/O; docs/operations.md derives it ("Scheduling").
 
 The learner takes a step in T seconds once its B groups are there (training and publishing).
 Sampler i applies a new version D_i seconds after it is announced, then generates in calls of

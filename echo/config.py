@@ -98,7 +98,7 @@ class TrainerConfig(_Section):
     # forgery. A sampler with more than quarantine_after forgeries or reward mismatches is quarantined.
     verify_fraction: float = Field(0.1, ge=0, le=1)
     verify_tolerance: float = Field(0.01, gt=0)  # between fp32 samplers and an fp32 trainer
-    # Where either side computes in bf16/fp16: honest SmolLM2 groups measured up to 0.33 (README).
+    # Where either side computes in bf16/fp16: honest SmolLM2 groups measured up to 0.33 (docs/operations.md).
     verify_tolerance_16bit: float = Field(0.5, gt=0)
     quarantine_after: int = Field(3, ge=0)  # offences tolerated before quarantine (0: none)
     keep_versions: int = Field(3, ge=1)  # Versions kept in the weights bucket and run dir; older ones are deleted.
@@ -133,7 +133,7 @@ class SamplerConfig(_Section):
 
 
 class SchedulerConfig(_Section):
-    # ECHO-2's cost-aware activation (README, Scheduling): the trainer keeps on standby the samplers
+    # ECHO-2's cost-aware activation (docs/operations.md, Scheduling): the trainer keeps on standby the samplers
     # that cheaper ones make unnecessary for `target_utilisation`. Off: every sampler takes work.
     enabled: bool = False
     target_utilisation: float = Field(0.9, gt=0, le=1)  # the learner's busy share to reach at the lowest cost

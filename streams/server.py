@@ -178,7 +178,7 @@ class NatsCluster:
     """`size` nats-servers on this machine routed into one JetStream cluster (`echo-rl up
     --cluster 3`): streams created with `nats.replicas = size` keep a copy on every node and
     survive one node down (a majority of 3). Clients get every node's URL (`url`); relays join
-    the first node's leaf port. In production the nodes sit on separate machines: README."""
+    the first node's leaf port. In production the nodes sit on separate machines: docs/operations.md."""
 
     def __init__(self, store_dir: str | Path, size: int, log_dir: str | Path | None = None,
                  leaf_port: int | None = None):

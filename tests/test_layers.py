@@ -1,4 +1,4 @@
-"""The layers stay as the README draws them: echo/ (pure: no broker, no process) <- streams/ (all
+"""The layers stay as docs/design.md draws them: echo/ (pure: no broker, no process) <- streams/ (all
 NATS) <- workers/ (processes) <- bench/. No module imports from a layer above its own, even
 lazily inside a function; and only streams/ and workers/ speak to NATS."""
 

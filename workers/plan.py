@@ -39,7 +39,7 @@ class SamplerSpec(_Strict):
 
 
 class Fleet(_Strict):
-    """A fleet file: `[learner]` and one `[[samplers]]` table per sampler (README, Scheduling)."""
+    """A fleet file: `[learner]` and one `[[samplers]]` table per sampler (docs/operations.md, Scheduling)."""
 
     learner: LearnerSpec
     samplers: list[SamplerSpec]

