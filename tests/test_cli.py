@@ -11,7 +11,9 @@ from echo.protocol import CONFIG_KEY
 from streams.client import open_run
 from streams.server import free_port
 from tests.conftest import tiny_config
-from workers.cli import build_parser, config_from_args, main, sampler_config_from_run
+from workers.cli import build_parser, main
+from workers.commands.common import config_from_args
+from workers.commands.sampler import sampler_config_from_run
 
 
 def test_bad_config_fails_at_start_naming_the_field(capsys):

@@ -14,7 +14,8 @@ from echo.config import load_config
 from streams.client import connect, wait_for_jetstream
 from streams.secure import SecureDir
 from streams.server import NatsServer, free_port, nats_server_binary
-from workers.cli import build_parser, main, relay_config_from_args
+from workers.cli import build_parser, main
+from workers.commands.relay import relay_config_from_args
 
 ROOT = Path(__file__).parent.parent
 

@@ -308,7 +308,7 @@ def test_a_trainer_keeps_its_lease_when_a_renewal_it_gave_up_on_was_applied(nats
 BUSY_WORKER = """
 import asyncio, sys
 import nats
-from workers.cli import run_until_signal
+from workers.commands.common import run_until_signal
 
 async def worker(url):
     nc = await nats.connect(url)

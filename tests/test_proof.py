@@ -22,7 +22,8 @@ from streams.rollouts import publish_rollout
 from tests.conftest import tiny_config
 from tests.test_referee import REFEREE, SAMPLING, honest_group
 from workers.background import Background
-from workers.cli import build_parser, quarantine_command
+from workers.cli import build_parser
+from workers.commands.quarantine import quarantine_command
 from workers.sampler import Sampler
 from workers.dispatch import AsyncDispatch
 from workers.intake import Collector, Judge, Timeline

@@ -21,7 +21,8 @@ from streams.server import NatsServer, free_port
 from streams.weights import publish_weights
 from tests.conftest import TINY_BASE, tiny_config
 from tests.test_streams import _adapter_for_version
-from workers.cli import build_parser, sampler_config_from_run
+from workers.cli import build_parser
+from workers.commands.sampler import sampler_config_from_run
 from workers.relay import loopback_relay_args
 from workers.sampler import Sampler
 

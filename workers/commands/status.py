@@ -1,0 +1,54 @@
+"""`echo-rl status`: a live view of a run (workers/status.py): trainer, samplers, stream, relays."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from echo.config import ConfigError, load_config
+from echo.logs import configure_logging
+from streams.credentials import credentials_of
+from workers.commands.common import run_directory, run_until_signal
+
+NAME = "status"
+NEEDS = ("rich",)
+
+
+def register(sub) -> None:
+    status = sub.add_parser("status", help="a live view of a run: trainer, samplers, stream, relays")
+    status.add_argument("--run", type=Path, help="a run directory: its config names the broker and the run id")
+    status.add_argument("--nats", help="the hub's URL (with --run-id)")
+    status.add_argument("--run-id")
+    status.add_argument("--creds", help="on a secured broker: observer (or trainer) credentials")
+    status.add_argument("--tls-ca")
+    status.add_argument("--once", action="store_true", help="one snapshot, then exit")
+    status.add_argument("--json", action="store_true", help="snapshots as JSON lines (one with --once)")
+
+
+def status_target(args) -> tuple[str, str]:
+    """(broker URL, run id) from a run directory's config, or as given."""
+    if args.run:
+        cfg = load_config(run_directory(args.run, "config.toml") / "config.toml")
+        return cfg.nats.url, cfg.run.id
+    if args.nats and args.run_id:
+        return args.nats, args.run_id
+    raise ConfigError("status: --run RUN_DIR, or --nats URL --run-id ID")
+
+
+async def status_command(args, url: str, run_id: str) -> int:
+    from streams.client import open_run
+    from workers.status import watch
+
+    run = await open_run(url, run_id, "status", credentials=credentials_of(args.creds, args.tls_ca),
+                         create=False, join_wait_s=5)
+    try:
+        await watch(run, args.once, args.json, sys.stdout)
+    finally:
+        await run.close()
+    return 0
+
+
+def run(args) -> int:
+    url, run_id = status_target(args)
+    configure_logging(level="warning")  # the view is the output
+    return run_until_signal(status_command(args, url, run_id))
