@@ -33,7 +33,6 @@ import nkeys
 
 from echo.protocol import HUB_DOMAIN, SAMPLER_STATUS_PREFIX, TRAINER_CONSUMER, RunNames, check_id
 from streams.credentials import Credentials, inbox_prefix, sibling_file
-from streams.credentials import credentials_of  # noqa: F401  (still imported from here by workers/trainer.py)
 from streams.server import write_secret
 
 ROLES_FILE = "roles.json"  # public keys and roles: the source of server.conf's user list
