@@ -16,7 +16,7 @@ NAME = "plan"
 def register(sub) -> None:
     plan = sub.add_parser("plan", help="which samplers to pay for: the capacity model on a fleet file or a live "
                           "run's registry")
-    plan.add_argument("--fleet", type=Path, help="a fleet TOML file ([learner] and [[workers]]; README, Scheduling)")
+    plan.add_argument("--fleet", type=Path, help="a fleet TOML file ([learner] and [[samplers]]; docs/operations.md, Scheduling)")
     plan.add_argument("--nats", help="a live run's broker (with --run-id): its samplers' measured rates and costs")
     plan.add_argument("--run-id")
     plan.add_argument("--creds", help="on a secured broker: an observer's or the trainer's credentials")

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-import orjson
-from nats.js.errors import KeyNotFoundError
-
 from echo.config import ConfigError, EchoConfig, apply_override, validate_config
 from echo.edge import check_config_from_broker, drop_this_box_fields
 from echo.logs import bind_process, configure_logging
-from echo.protocol import CONFIG_KEY, HUB_DOMAIN, check_id
+from echo.protocol import HUB_DOMAIN, check_id
 from streams.credentials import credentials_of
 from workers.commands.common import check_hardware, config_args, config_from_args, local_overrides, run_until_signal
 
@@ -29,6 +26,7 @@ def register(sub) -> None:
 async def sampler_config_from_run(args) -> EchoConfig:
     """An edge sampler needs only the server and run id: the trainer keeps the config in KV."""
     from streams.client import open_run
+    from streams.run_config import wait_for_run_config
 
     if not (args.nats and args.run_id):
         raise ConfigError("a sampler without --config needs --nats and --run-id")
@@ -42,15 +40,9 @@ async def sampler_config_from_run(args) -> EchoConfig:
     run = await open_run(args.nats, args.run_id, f"sampler-{args.id}-config", hub_domain or None,
                          credentials=credentials, create=False)
     try:
-        while True:
-            try:
-                entry = await run.state.get(CONFIG_KEY)
-                break
-            except KeyNotFoundError:  # the trainer has not started yet
-                await asyncio.sleep(1.0)
+        data = await wait_for_run_config(run)  # the trainer may not have started yet
     finally:
         await run.close()
-    data = orjson.loads(entry.value)
     check_config_from_broker(data, given)
     drop_this_box_fields(data)
     for assignment in local:  # --nats among them: the hub, or this site's relay
