@@ -7,6 +7,7 @@ state bucket, written by the trainer only."""
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Awaitable, Callable
 
 import structlog
@@ -20,6 +21,14 @@ log = structlog.get_logger()
 
 Decide = Callable[[str, GrantRequest], Awaitable[Grant]]  # (sampler id, request) -> the answer
 
+INBOX = re.compile(r"^_INBOX[._][A-Za-z0-9_.-]+$")  # nats-py's `_INBOX.`, a secured client's `_INBOX_<key>.`
+
+
+def is_inbox(reply: str) -> bool:
+    """Whether an answer may go to `reply`: a client's inbox, which no stream of a run captures
+    (they capture echo.<run>.>, $KV.<bucket>.> and $O.<bucket>.>) and only its owner reads."""
+    return bool(INBOX.match(reply or ""))
+
 
 async def serve_grants(run: Run, decide: Decide):
     """Answer every sampler's grant requests with `decide`; returns the subscription. The
@@ -27,6 +36,9 @@ async def serve_grants(run: Run, decide: Decide):
 
     async def on_request(msg) -> None:
         sampler_id = subject_sampler(msg.subject)
+        if not is_inbox(msg.reply):  # a reply subject is not permission-checked: it could name a stream's
+            log.warning("grant.reply_refused", sampler=sampler_id, reply=msg.reply[:200])
+            return
         try:
             grant = await decide(sampler_id, decode(GrantRequest, msg.data))
         except ProtocolError as e:
@@ -35,7 +47,8 @@ async def serve_grants(run: Run, decide: Decide):
         except Exception:  # a defect of ours: said with its traceback, and the sampler still answered
             log.exception("grant.failed", sampler=sampler_id)
             grant = Grant()
-        await msg.respond(encode(grant))
+        # Not msg.respond: nats-py copies the request's headers onto the answer (Nats-Rollup among them).
+        await run.nc.publish(msg.reply, encode(grant))
 
     return await run.nc.subscribe(run.names.all_grants, cb=on_request)
 
