@@ -9,7 +9,6 @@ from echo.admission import GrantLedger, Heartbeats, allowance, sampler_cap
 from echo.checkpoint import TrainerState
 from echo.protocol import GRANT_TIMEOUT_S, SCHEMA_VERSION, Grant, GrantRequest, decode, encode
 from streams.grants import slots_granted
-from streams.client import open_run
 from streams.grants import request_grant, serve_grants
 from streams.lease import take_lease
 from tests.conftest import tiny_config
@@ -66,10 +65,10 @@ def test_a_heartbeat_that_stops_changing_is_silent_by_this_clock():
 ASK_AGAIN = {"schema_version": SCHEMA_VERSION, "leases": [], "more": True}  # nothing now, ask again soon ("leases": the slots, as schema 9 names them)
 
 
-async def _admission_at_version_0(url: str, run_id: str, cfg):
-    """A trainer holding the run, its admission at version 0, and a request for 2 groups made
-    with its weights: (run, orders, request)."""
-    run = await open_run(url, run_id, "trainer")
+async def _admission_at_version_0(runs, run_id: str, cfg):
+    """A trainer holding the run (opened through the `runs` fixture), its admission at version 0,
+    and a request for 2 groups made with its weights: (run, orders, request)."""
+    run = await runs.open(run_id, "trainer")
     lease = await take_lease(run)
     orders = AsyncDispatch(run, cfg, TrainerState(), GrantLedger())
     await orders.ask(0)
@@ -81,90 +80,76 @@ def _ask(run, sampler_id, epoch, version, want=2, pull_request_id=None):
     return request_grant(run, sampler_id, request)
 
 
-def test_grants_never_pass_the_cap_however_many_samplers_race(nats_server, tmp_path):
+async def test_grants_never_pass_the_cap_however_many_samplers_race(runs, tmp_path):
     cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "max_staleness": 1})
 
-    async def main():
-        run = await open_run(nats_server.url, "slots", "trainer")
-        sampler = await open_run(nats_server.url, "slots", "sampler", create=False)
-        assert await _ask(sampler, "a", 1, 0) is None  # no trainer yet: no answer
-        lease = await take_lease(run)
-        orders = AsyncDispatch(run, cfg, TrainerState(version=2), GrantLedger())
-        await orders.start()
-        await orders.ask(2)  # slots up to (2 + 1 + 1) * 4 = 16
-        assert (await _ask(sampler, "a", lease.epoch, 0, want=8)).groups == 8  # two versions behind: cap 16 - 2 * 4
-        grants = await asyncio.gather(*(_ask(sampler, f"s{i}", lease.epoch, 2) for i in range(12)))
-        assert sum(g.groups for g in grants) == 8 and await slots_granted(run) == 16
-        assert (await _ask(sampler, "s0", lease.epoch, 2)).groups == 0
-        assert (await _ask(sampler, "s0", lease.epoch, 3)).groups == 0  # a version the trainer has not published
-        assert (await _ask(sampler, "s0", lease.epoch - 1, 2)).groups == 0  # a previous trainer's weights
-        await orders.ask(3)
-        # s0 holds 2, more than its share: ask again later
-        assert (await _ask(sampler, "s0", lease.epoch, 3, want=8)).model_dump() == ASK_AGAIN
-        assert (await _ask(sampler, "late", lease.epoch, 3, want=8)).groups == 1  # 14 asking: a share of 1 of 8
+    run = await runs.open("slots", "trainer")
+    sampler = await runs.open("slots", "sampler", create=False)
+    assert await _ask(sampler, "a", 1, 0) is None  # no trainer yet: no answer
+    lease = await take_lease(run)
+    orders = AsyncDispatch(run, cfg, TrainerState(version=2), GrantLedger())
+    await orders.start()
+    await orders.ask(2)  # slots up to (2 + 1 + 1) * 4 = 16
+    assert (await _ask(sampler, "a", lease.epoch, 0, want=8)).groups == 8  # two versions behind: cap 16 - 2 * 4
+    grants = await asyncio.gather(*(_ask(sampler, f"s{i}", lease.epoch, 2) for i in range(12)))
+    assert sum(g.groups for g in grants) == 8 and await slots_granted(run) == 16
+    assert (await _ask(sampler, "s0", lease.epoch, 2)).groups == 0
+    assert (await _ask(sampler, "s0", lease.epoch, 3)).groups == 0  # a version the trainer has not published
+    assert (await _ask(sampler, "s0", lease.epoch - 1, 2)).groups == 0  # a previous trainer's weights
+    await orders.ask(3)
+    # s0 holds 2, more than its share: ask again later
+    assert (await _ask(sampler, "s0", lease.epoch, 3, want=8)).model_dump() == ASK_AGAIN
+    assert (await _ask(sampler, "late", lease.epoch, 3, want=8)).groups == 1  # 14 asking: a share of 1 of 8
 
-        # A restarted trainer numbers its grants on from the count in KV.
-        again = AsyncDispatch(run, cfg, TrainerState(version=3), GrantLedger())
-        await again.start()
-        assert again.ledger.issued == 17 and again.state.lost == 17 - 3 * 4  # what was out is counted lost
-        await orders.subscription.unsubscribe()
-        await again.subscription.unsubscribe()
-        await sampler.close()
-        await run.close()
-
-    asyncio.run(main())
+    # A restarted trainer numbers its grants on from the count in KV.
+    again = AsyncDispatch(run, cfg, TrainerState(version=3), GrantLedger())
+    await again.start()
+    assert again.ledger.issued == 17 and again.state.lost == 17 - 3 * 4  # what was out is counted lost
+    await orders.subscription.unsubscribe()
+    await again.subscription.unsubscribe()
 
 
-def test_sequential_groups_are_granted_once_and_only_for_the_current_request(nats_server, tmp_path):
+async def test_sequential_groups_are_granted_once_and_only_for_the_current_request(runs, tmp_path):
     cfg = tiny_config(tmp_path, run={"mode": "sequential"}, trainer={"groups_per_step": 6, "reissue_after_s": 0.1})
 
-    async def main():
-        run = await open_run(nats_server.url, "seq", "trainer")
-        sampler = await open_run(nats_server.url, "seq", "sampler", create=False)
-        lease = await take_lease(run)
-        orders = SequentialDispatch(run, cfg, TrainerState(), GrantLedger())
-        await orders.start()
-        await orders.ask(0)
-        request = orders.request
-        grants = await asyncio.gather(*(_ask(sampler, f"s{i}", lease.epoch, 0, 4, request.request_id) for i in range(3)))
-        assert sum(g.groups for g in grants) == 6  # in arrival order: the first alone may get its whole want
-        assert (await _ask(sampler, "s0", lease.epoch, 0, 4, request.request_id)).model_dump() == {
-            "schema_version": SCHEMA_VERSION, "leases": [], "more": False}
-        assert sorted(slot for g in grants for slot in g.slots) == list(range(1, 7))
-        await asyncio.sleep(0.1)
-        keeper = next(f"s{i}" for i, g in enumerate(grants) if g.slots)
-        orders.ledger.delivered(keeper, grants[int(keeper[1:])].slots[0], time.monotonic())  # it makes progress
-        released = 6 - orders.ledger.held(keeper) - 1
-        await orders.on_wait(5)  # the others delivered nothing for reissue_after_s: only their slots are lost
-        assert orders.ledger.holders() <= {keeper} and orders.granted == 6 - released
-        assert orders.request.request_id == request.request_id  # the same request, published again
-        asked_again = [await _ask(sampler, f"s{i}", lease.epoch, 0, 4, request.request_id) for i in range(3)]
-        assert sum(g.groups for g in asked_again) == released
-        assert min(slot for g in asked_again for slot in g.slots) == 7  # new numbers
-        await orders.ask(1)  # the next step: the old request is over
-        assert (await _ask(sampler, "s1", lease.epoch, 0, 4, request.request_id)).groups == 0
-        await orders.subscription.unsubscribe()
-        await sampler.close()
-        await run.close()
-
-    asyncio.run(main())
+    run = await runs.open("seq", "trainer")
+    sampler = await runs.open("seq", "sampler", create=False)
+    lease = await take_lease(run)
+    orders = SequentialDispatch(run, cfg, TrainerState(), GrantLedger())
+    await orders.start()
+    await orders.ask(0)
+    request = orders.request
+    grants = await asyncio.gather(*(_ask(sampler, f"s{i}", lease.epoch, 0, 4, request.request_id) for i in range(3)))
+    assert sum(g.groups for g in grants) == 6  # in arrival order: the first alone may get its whole want
+    assert (await _ask(sampler, "s0", lease.epoch, 0, 4, request.request_id)).model_dump() == {
+        "schema_version": SCHEMA_VERSION, "leases": [], "more": False}
+    assert sorted(slot for g in grants for slot in g.slots) == list(range(1, 7))
+    await asyncio.sleep(0.1)
+    keeper = next(f"s{i}" for i, g in enumerate(grants) if g.slots)
+    orders.ledger.delivered(keeper, grants[int(keeper[1:])].slots[0], time.monotonic())  # it makes progress
+    released = 6 - orders.ledger.held(keeper) - 1
+    await orders.on_wait(5)  # the others delivered nothing for reissue_after_s: only their slots are lost
+    assert orders.ledger.holders() <= {keeper} and orders.granted == 6 - released
+    assert orders.request.request_id == request.request_id  # the same request, published again
+    asked_again = [await _ask(sampler, f"s{i}", lease.epoch, 0, 4, request.request_id) for i in range(3)]
+    assert sum(g.groups for g in asked_again) == released
+    assert min(slot for g in asked_again for slot in g.slots) == 7  # new numbers
+    await orders.ask(1)  # the next step: the old request is over
+    assert (await _ask(sampler, "s1", lease.epoch, 0, 4, request.request_id)).groups == 0
+    await orders.subscription.unsubscribe()
 
 
-def test_no_work_is_granted_until_min_samplers_have_asked(nats_server, tmp_path):
+async def test_no_work_is_granted_until_min_samplers_have_asked(runs, tmp_path):
     cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "min_samplers": 2})
 
-    async def main():
-        run, orders, asked = await _admission_at_version_0(nats_server.url, "fleet", cfg)
-        assert (await orders.grant("early", asked)).model_dump() == ASK_AGAIN
-        assert (await orders.grant("early", asked)).groups == 0  # asking again does not count twice
-        assert (await orders.grant("late", asked)).groups == 2
-        assert (await orders.grant("early", asked)).groups == 2
-        await run.close()
-
-    asyncio.run(main())
+    _, orders, asked = await _admission_at_version_0(runs, "fleet", cfg)
+    assert (await orders.grant("early", asked)).model_dump() == ASK_AGAIN
+    assert (await orders.grant("early", asked)).groups == 0  # asking again does not count twice
+    assert (await orders.grant("late", asked)).groups == 2
+    assert (await orders.grant("early", asked)).groups == 2
 
 
-def test_a_grant_the_broker_cannot_record_hands_over_nothing_and_is_handed_out_again(nats_server, tmp_path):
+async def test_a_grant_the_broker_cannot_record_hands_over_nothing_and_is_handed_out_again(nats_server, runs, tmp_path):
     """The count of slots granted is in KV so that a restarted trainer numbers on; with the
     broker gone that write fails. Before, the slots stayed granted to a sampler that never got
     the answer, shrinking the window for good. Now they are lost (handed out again) and the
@@ -173,33 +158,26 @@ def test_a_grant_the_broker_cannot_record_hands_over_nothing_and_is_handed_out_a
     meanwhile onto the lost connection, and raised)."""
     cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "max_staleness": 0})
 
-    async def main():
-        run, orders, asked = await _admission_at_version_0(nats_server.url, "unrecorded", cfg)
-        assert (await orders.grant("a", asked)).groups == 2
-        nats_server.process.send_signal(signal.SIGKILL)
-        nats_server.process.wait()
-        assert (await orders.grant("b", asked)).model_dump() == ASK_AGAIN
-        # b's grant was slot 3 (half the headroom left, two samplers asking): lost, not held
-        assert orders.ledger.holders() == {"a"} and orders.ledger.take_lost() == [3]
-        await orders.on_wait(2)  # waiting for groups meanwhile: a's heartbeat is unread, and that is no failure
-        assert orders.ledger.holders() == {"a"}
-        await run.close()
-
-    asyncio.run(main())
+    run, orders, asked = await _admission_at_version_0(runs, "unrecorded", cfg)
+    assert (await orders.grant("a", asked)).groups == 2
+    nats_server.process.send_signal(signal.SIGKILL)
+    nats_server.process.wait()
+    assert (await orders.grant("b", asked)).model_dump() == ASK_AGAIN
+    # b's grant was slot 3 (half the headroom left, two samplers asking): lost, not held
+    assert orders.ledger.holders() == {"a"} and orders.ledger.take_lost() == [3]
+    await orders.on_wait(2)  # waiting for groups meanwhile: a's heartbeat is unread, and that is no failure
+    assert orders.ledger.holders() == {"a"}
+    await run.close()  # with the broker gone: it raises nothing (the fixture's close is then a no-op)
 
 
-def test_a_grant_that_fails_in_our_code_is_still_answered(nats_server):
+async def test_a_grant_that_fails_in_our_code_is_still_answered(runs):
     """Nothing granted, at once: a sampler is not left to wait out its request's timeout."""
 
     async def decide(sampler_id: str, request: GrantRequest):
         raise RuntimeError("a defect")
 
-    async def main():
-        run = await open_run(nats_server.url, "failing", "trainer")
-        await serve_grants(run, decide)
-        reply = await run.nc.request(run.names.grants_subject("a"), encode(GrantRequest(want=1, epoch=1, version=0)),
-                                     timeout=GRANT_TIMEOUT_S)
-        assert decode(Grant, reply.data).groups == 0
-        await run.close()
-
-    asyncio.run(main())
+    run = await runs.open("failing", "trainer")
+    await serve_grants(run, decide)
+    reply = await run.nc.request(run.names.grants_subject("a"), encode(GrantRequest(want=1, epoch=1, version=0)),
+                                 timeout=GRANT_TIMEOUT_S)
+    assert decode(Grant, reply.data).groups == 0

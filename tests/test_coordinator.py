@@ -1,12 +1,10 @@
 """The trainer's coordinator (workers/coordinator.py) on a real server: it chooses from the
 registry, and a fleet that is no longer measured leaves no sampler on standby."""
 
-import asyncio
 import time
 from types import SimpleNamespace
 
 from echo.protocol import SAMPLER_STATUS_PREFIX, LearnerStatus, SamplerStatus
-from streams.client import open_run
 from streams.registry import put_status
 from tests.conftest import tiny_config
 from workers.coordinator import Coordinator
@@ -17,24 +15,20 @@ def _status(sampler_id: str, cost: float) -> SamplerStatus:
                          updated_at=time.time(), cost_per_hour=cost, groups_per_s=2.0, call_s=1.0, sync_s={"1": 0.5})
 
 
-def test_a_fleet_no_longer_measured_leaves_no_sampler_on_standby(nats_server, tmp_path):
+async def test_a_fleet_no_longer_measured_leaves_no_sampler_on_standby(runs, tmp_path):
     # S = 2, T = 2 s, B = 4: a sampler at 2 groups/s delivers 2 x min(2, 2.5) = 4 a step, enough alone.
     cfg = tiny_config(tmp_path, scheduler={"enabled": True}, trainer={"groups_per_step": 4, "max_staleness": 2})
     pace = SimpleNamespace(status=LearnerStatus(step_s=2.0, groups_per_step=4, max_staleness=2, version=1,
                                                 utilisation=1.0, updated_at=time.time()))
 
-    async def main():
-        run = await open_run(nats_server.url, "coordinated", "trainer")
-        standby: set[str] = set()
-        coordinator = Coordinator(run, cfg, standby, pace)
-        for sampler_id, cost in (("cheap", 1.0), ("dear", 3.0)):
-            await put_status(run, _status(sampler_id, cost))
-        await coordinator.choose()
-        assert standby == {"dear"}
-        for sampler_id in ("cheap", "dear"):  # both entries expired, or both restarted and unmeasured
-            await run.state.delete(SAMPLER_STATUS_PREFIX + sampler_id)
-        await coordinator.choose()
-        assert standby == set()  # a restarted "dear" takes work, so it can be measured again
-        await run.close()
-
-    asyncio.run(main())
+    run = await runs.open("coordinated", "trainer")
+    standby: set[str] = set()
+    coordinator = Coordinator(run, cfg, standby, pace)
+    for sampler_id, cost in (("cheap", 1.0), ("dear", 3.0)):
+        await put_status(run, _status(sampler_id, cost))
+    await coordinator.choose()
+    assert standby == {"dear"}
+    for sampler_id in ("cheap", "dear"):  # both entries expired, or both restarted and unmeasured
+        await run.state.delete(SAMPLER_STATUS_PREFIX + sampler_id)
+    await coordinator.choose()
+    assert standby == set()  # a restarted "dear" takes work, so it can be measured again

@@ -24,7 +24,7 @@ from echo.policy import make_policy
 from echo.protocol import TRAINER_KEY, WeightsAnnouncement, encode, weights_object_name
 from echo.referee import Referee
 from echo.tasks import load_task
-from streams.client import LatestValue, open_run
+from streams.client import LatestValue
 from streams.lease import RENEW_S, AnotherTrainer, take_lease
 from streams.objects import put_object
 from streams.weights import publish_weights
@@ -40,8 +40,8 @@ from workers.dispatch import SequentialDispatch
 from workers.intake import Collector, Judge, Timeline
 
 
-def test_a_sampler_retries_a_heartbeat_the_broker_missed_and_stops_on_any_other_error(
-        nats_server, tmp_path, monkeypatch):
+async def test_a_sampler_retries_a_heartbeat_the_broker_missed_and_stops_on_any_other_error(
+        runs, tmp_path, monkeypatch):
     """A missed beat (the broker restarting) is tried again; an error in our own code ends the
     sampler with that error (its process exits non-zero and is restarted) instead of leaving a
     generation loop running without a heartbeat."""
@@ -56,17 +56,13 @@ def test_a_sampler_retries_a_heartbeat_the_broker_missed_and_stops_on_any_other_
             raise ValueError("a bug in the heartbeat")
         await put_status(run, status)
 
-    async def main():
-        run = await open_run(nats_server.url, cfg.run.id, "sampler")
-        monkeypatch.setattr("workers.sampler.put_status", put_with_faults)
-        sampler = Sampler(cfg, "s1", run, HFEngine("tiny", cfg.lora, cfg.sampling), task=None)  # it waits for weights: none come
-        with pytest.raises(ValueError, match="a bug in the heartbeat"):
-            await asyncio.wait_for(sampler.serve(), 10)
-        assert len(beats) == 4  # the failed first, a good one, the bug, the last word on the way out
-        assert [s.sampler_id for s in await read_statuses(run)] == ["s1"]
-        await run.close()
-
-    asyncio.run(main())
+    run = await runs.open(cfg.run.id, "sampler")
+    monkeypatch.setattr("workers.sampler.put_status", put_with_faults)
+    sampler = Sampler(cfg, "s1", run, HFEngine("tiny", cfg.lora, cfg.sampling), task=None)  # it waits for weights: none come
+    with pytest.raises(ValueError, match="a bug in the heartbeat"):
+        await asyncio.wait_for(sampler.serve(), 10)
+    assert len(beats) == 4  # the failed first, a good one, the bug, the last word on the way out
+    assert [s.sampler_id for s in await read_statuses(run)] == ["s1"]
 
 
 def _stop(process: subprocess.Popen) -> tuple[float, str]:
@@ -141,9 +137,10 @@ async def _ask_for_version(run, cfg, version: int) -> SequentialDispatch:
     return orders
 
 
-async def _serving_sampler(url: str, cfg) -> tuple:
-    """Sampler s1 on its own connection, serving: (its run, the sampler, its task)."""
-    sampler_run = await open_run(url, cfg.run.id, "sampler", create=False)
+async def _serving_sampler(runs, cfg) -> tuple:
+    """Sampler s1 on its own connection (a run of the `runs` fixture), serving: (its run, the
+    sampler, its task)."""
+    sampler_run = await runs.open(cfg.run.id, "sampler", create=False)
     sampler = Sampler(cfg, "s1", sampler_run, HFEngine("tiny", cfg.lora, cfg.sampling), load_task(cfg.task))
     return sampler_run, sampler, asyncio.create_task(sampler.serve())
 
@@ -157,7 +154,7 @@ async def _collect_step(run, cfg, version: int):
         return collector, await collector.collect(cfg.trainer.groups_per_step, version=version)
 
 
-def test_a_sequential_sampler_whose_fetch_of_the_requested_version_fails_recovers(nats_server, tmp_path):
+async def test_a_sequential_sampler_whose_fetch_of_the_requested_version_fails_recovers(runs, tmp_path):
     """Sequential mode waits for exactly the requested version. Its object arrives damaged
     (refused), is stored again whole, and the sampler, retrying while the version is the
     newest, applies it and generates the request's groups: no deadlock. Before, it waited for a
@@ -165,35 +162,30 @@ def test_a_sequential_sampler_whose_fetch_of_the_requested_version_fails_recover
     cfg = tiny_config(tmp_path, run={"mode": "sequential"})
     adapter = _adapter_for_version(HFEngine("tiny", cfg.lora, cfg.sampling), 0)[0]
 
-    async def main():
-        run = await open_run(nats_server.url, cfg.run.id, "trainer")
-        await take_lease(run)
-        await _store_tampered(run, 0, adapter, lambda chunks: [chunks[0][:-1] + b"!", *chunks[1:]])
-        orders = await _ask_for_version(run, cfg, 0)
-        sampler_run, sampler, serving = await _serving_sampler(nats_server.url, cfg)
-        async with asyncio.timeout(10):
-            while not sampler.weights.failures:
-                await asyncio.sleep(0.02)
-        assert set(sampler.weights.failures) == {"digest_mismatch"} and sampler.version == -1
-        await put_object(run.js, run.names.weights_bucket, weights_object_name(run.epoch, 0, 0), adapter)  # whole again
-        collector, collected = await _collect_step(run, cfg, 0)
-        assert len(collected.used) == cfg.trainer.groups_per_step and sampler.version == 0
-        collector.consumed.add(collected.seqs)  # the step checkpointed: every message is accounted for
-        assert await collector.inbox.ack_held() == 0
-        a = await account(collector.inbox, count_consumed({}, collected), collector.consumed, 0)
-        assert a["trained"] + a["dropped_stale"] + a["rejected"] == a["counted"]
-        assert a["published"] == a["counted"] + a["pending"], a
-        serving.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await serving
-        await orders.subscription.unsubscribe()
-        await sampler_run.close()
-        await run.close()
-
-    asyncio.run(main())
+    run = await runs.open(cfg.run.id, "trainer")
+    await take_lease(run)
+    await _store_tampered(run, 0, adapter, lambda chunks: [chunks[0][:-1] + b"!", *chunks[1:]])
+    orders = await _ask_for_version(run, cfg, 0)
+    _, sampler, serving = await _serving_sampler(runs, cfg)
+    async with asyncio.timeout(10):
+        while not sampler.weights.failures:
+            await asyncio.sleep(0.02)
+    assert set(sampler.weights.failures) == {"digest_mismatch"} and sampler.version == -1
+    await put_object(run.js, run.names.weights_bucket, weights_object_name(run.epoch, 0, 0), adapter)  # whole again
+    collector, collected = await _collect_step(run, cfg, 0)
+    assert len(collected.used) == cfg.trainer.groups_per_step and sampler.version == 0
+    collector.consumed.add(collected.seqs)  # the step checkpointed: every message is accounted for
+    assert await collector.inbox.ack_held() == 0
+    a = await account(collector.inbox, count_consumed({}, collected), collector.consumed, 0)
+    assert a["trained"] + a["dropped_stale"] + a["rejected"] == a["counted"]
+    assert a["published"] == a["counted"] + a["pending"], a
+    serving.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await serving
+    await orders.subscription.unsubscribe()
 
 
-def test_a_sequential_sampler_asked_for_an_older_version_of_a_new_epoch_waits_for_it(nats_server, tmp_path):
+async def test_a_sequential_sampler_asked_for_an_older_version_of_a_new_epoch_waits_for_it(runs, tmp_path):
     """A trainer resumed from an older checkpoint asks for version 0 of its epoch 2 while the
     samplers run version 1 of epoch 1, and its request can arrive before its weights (a relay's
     mirror lags the hub). Before, the sampler took version 1 for 'version 0 or newer', skipped
@@ -202,107 +194,89 @@ def test_a_sequential_sampler_asked_for_an_older_version_of_a_new_epoch_waits_fo
     trainer_side = HFEngine("tiny", cfg.lora, cfg.sampling)
     adapters = [_adapter_for_version(trainer_side, v) for v in (0, 1)]
 
-    async def main():
-        run = await open_run(nats_server.url, cfg.run.id, "trainer")
-        lease = await take_lease(run)
-        for version, adapter in enumerate(adapters):
-            await publish_weights(run, version, adapter, TINY_BASE)
-        orders = await _ask_for_version(run, cfg, 1)
-        sampler_run, sampler, serving = await _serving_sampler(nats_server.url, cfg)
-        async with asyncio.timeout(30):
-            while sampler.published < cfg.trainer.groups_per_step:
-                await asyncio.sleep(0.02)
-        assert sampler.policy == (1, 1)
-        await orders.subscription.unsubscribe()
-        await lease.release()
-        lease = await take_lease(run)  # epoch 2, resumed at version 0
-        orders = await _ask_for_version(run, cfg, 0)
-        await asyncio.sleep(1.0)  # the sampler has the request, and no weights of epoch 2 yet
-        await publish_weights(run, 0, adapters[0], TINY_BASE)
-        _, collected = await _collect_step(run, cfg, 0)
-        assert {(a.group.epoch, a.group.policy_version) for a in collected.used} == {(2, 0)}
-        serving.cancel()
-        await orders.subscription.unsubscribe()
-        await sampler_run.close()
-        await run.close()
-
-    asyncio.run(main())
+    run = await runs.open(cfg.run.id, "trainer")
+    lease = await take_lease(run)
+    for version, adapter in enumerate(adapters):
+        await publish_weights(run, version, adapter, TINY_BASE)
+    orders = await _ask_for_version(run, cfg, 1)
+    _, sampler, serving = await _serving_sampler(runs, cfg)
+    async with asyncio.timeout(30):
+        while sampler.published < cfg.trainer.groups_per_step:
+            await asyncio.sleep(0.02)
+    assert sampler.policy == (1, 1)
+    await orders.subscription.unsubscribe()
+    await lease.release()
+    lease = await take_lease(run)  # epoch 2, resumed at version 0
+    orders = await _ask_for_version(run, cfg, 0)
+    await asyncio.sleep(1.0)  # the sampler has the request, and no weights of epoch 2 yet
+    await publish_weights(run, 0, adapters[0], TINY_BASE)
+    _, collected = await _collect_step(run, cfg, 0)
+    assert {(a.group.epoch, a.group.policy_version) for a in collected.used} == {(2, 0)}
+    serving.cancel()
+    await orders.subscription.unsubscribe()
 
 
-def test_a_sequential_sampler_whose_request_for_work_goes_unanswered_asks_again(nats_server, tmp_path):
+async def test_a_sequential_sampler_whose_request_for_work_goes_unanswered_asks_again(runs, tmp_path):
     """No answer to a request for work (the trainer not serving grants yet, a broker restarting)
     is not "all given out". Before, a sequential sampler took it so and waited for the next pull
     request, which a trainer waiting for this one's groups never publishes: the run stalled."""
     cfg = tiny_config(tmp_path, run={"mode": "sequential"})
     adapter = _adapter_for_version(HFEngine("tiny", cfg.lora, cfg.sampling), 0)
 
-    async def main():
-        run = await open_run(nats_server.url, cfg.run.id, "trainer")
-        await take_lease(run)
-        await publish_weights(run, 0, adapter, TINY_BASE)
-        orders = SequentialDispatch(run, cfg, TrainerState(), GrantLedger())
-        await orders.ask(0)  # the request is out; no one answers requests for work yet
-        sampler_run, sampler, serving = await _serving_sampler(nats_server.url, cfg)
-        async with asyncio.timeout(30):
-            while sampler.policy != (1, 0):  # it has the request's weights, and is asking
-                await asyncio.sleep(0.02)
-        await asyncio.sleep(0.5)  # asked, and not answered
-        await orders.start()  # now the trainer answers
-        _, collected = await _collect_step(run, cfg, 0)
-        assert len(collected.used) == cfg.trainer.groups_per_step
-        serving.cancel()
-        await orders.subscription.unsubscribe()
-        await sampler_run.close()
-        await run.close()
-
-    asyncio.run(main())
+    run = await runs.open(cfg.run.id, "trainer")
+    await take_lease(run)
+    await publish_weights(run, 0, adapter, TINY_BASE)
+    orders = SequentialDispatch(run, cfg, TrainerState(), GrantLedger())
+    await orders.ask(0)  # the request is out; no one answers requests for work yet
+    _, sampler, serving = await _serving_sampler(runs, cfg)
+    async with asyncio.timeout(30):
+        while sampler.policy != (1, 0):  # it has the request's weights, and is asking
+            await asyncio.sleep(0.02)
+    await asyncio.sleep(0.5)  # asked, and not answered
+    await orders.start()  # now the trainer answers
+    _, collected = await _collect_step(run, cfg, 0)
+    assert len(collected.used) == cfg.trainer.groups_per_step
+    serving.cancel()
+    await orders.subscription.unsubscribe()
 
 
-def test_a_sampler_that_starts_following_weights_while_the_broker_is_down_waits_for_it(nats_server):
+async def test_a_sampler_that_starts_following_weights_while_the_broker_is_down_waits_for_it(nats_server, runs):
     """Seen in the broker-restart chaos test: a sampler still starting when the broker was
     killed failed its first subscription (a timeout) and exited. Starting is retried like any
     other call to the broker: the follower comes up once the broker is back."""
 
-    async def main():
-        run = await open_run(nats_server.url, "late", "trainer")
-        announcements = LatestValue(run.js, run.names.control_stream, run.names.weights_subject, WeightsAnnouncement,
-                                    lambda error: None)
-        nats_server.process.send_signal(signal.SIGKILL)
-        nats_server.process.wait()
-        starting = asyncio.create_task(announcements.start())
-        await asyncio.sleep(7.0)  # longer than one JetStream request's timeout (5 s): one attempt failed
-        assert not starting.done()
-        await asyncio.to_thread(nats_server.start)
-        async with asyncio.timeout(30):
-            await starting
-        await announcements.stop()
-        await run.close()
-
-    asyncio.run(main())
+    run = await runs.open("late", "trainer")
+    announcements = LatestValue(run.js, run.names.control_stream, run.names.weights_subject, WeightsAnnouncement,
+                                lambda error: None)
+    nats_server.process.send_signal(signal.SIGKILL)
+    nats_server.process.wait()
+    starting = asyncio.create_task(announcements.start())
+    await asyncio.sleep(7.0)  # longer than one JetStream request's timeout (5 s): one attempt failed
+    assert not starting.done()
+    await asyncio.to_thread(nats_server.start)
+    async with asyncio.timeout(30):
+        await starting
+    await announcements.stop()
 
 
-def test_a_trainer_keeps_its_lease_when_a_renewal_it_gave_up_on_was_applied(nats_server):
+async def test_a_trainer_keeps_its_lease_when_a_renewal_it_gave_up_on_was_applied(runs):
     """Seen with the broker down 12 s: a renewal timed out here, nats-py sent it once the broker
     was back, and the next renewal's compare-and-set failed; the trainer took that for another
     trainer and stopped. The key holding this lease still is not a takeover; a later epoch is."""
 
-    async def main():
-        run = await open_run(nats_server.url, "renew", "trainer")
-        lease = await take_lease(run)
-        renewing = asyncio.create_task(lease.renew_forever())
-        await run.state.put(TRAINER_KEY, encode(lease.lease))  # the renewal given up on, applied
-        moved_to = (await run.state.get(TRAINER_KEY)).revision
-        async with asyncio.timeout(10 * RENEW_S):
-            while lease.revision <= moved_to and not renewing.done():  # renewed past it, or fenced out
-                await asyncio.sleep(0.05)
-        assert lease.lost is None and not renewing.done()
-        await run.state.put(TRAINER_KEY, encode(lease.lease.model_copy(update={"epoch": lease.epoch + 1})))
-        async with asyncio.timeout(5 * RENEW_S):
-            await renewing
-        assert isinstance(lease.lost, AnotherTrainer)
-        await run.close()
-
-    asyncio.run(main())
+    run = await runs.open("renew", "trainer")
+    lease = await take_lease(run)
+    renewing = asyncio.create_task(lease.renew_forever())
+    await run.state.put(TRAINER_KEY, encode(lease.lease))  # the renewal given up on, applied
+    moved_to = (await run.state.get(TRAINER_KEY)).revision
+    async with asyncio.timeout(10 * RENEW_S):
+        while lease.revision <= moved_to and not renewing.done():  # renewed past it, or fenced out
+            await asyncio.sleep(0.05)
+    assert lease.lost is None and not renewing.done()
+    await run.state.put(TRAINER_KEY, encode(lease.lease.model_copy(update={"epoch": lease.epoch + 1})))
+    async with asyncio.timeout(5 * RENEW_S):
+        await renewing
+    assert isinstance(lease.lost, AnotherTrainer)
 
 
 BUSY_WORKER = """

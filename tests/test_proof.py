@@ -13,7 +13,6 @@ from echo.admission import GrantLedger
 from echo.policy import group_logprobs, load_weights, policy_tensors, weights_shards
 from echo.proof import SamplingProof, logprob_gap
 from echo.protocol import GrantRequest
-from streams.client import open_run
 from streams.lease import take_lease
 from streams.quarantine import read_quarantine
 from streams.registry import read_statuses
@@ -78,7 +77,7 @@ def test_honest_log_probs_pass_under_the_claimed_version_and_forged_ones_fail():
     assert proof.check(group) is None and proof.counts == {"passed": 2, "forged": 1, "unverifiable": 1}
 
 
-def test_a_forging_sampler_is_rejected_then_quarantined_until_an_operator_lifts_it(nats_server, tmp_path):
+async def test_a_forging_sampler_is_rejected_then_quarantined_until_an_operator_lifts_it(runs, tmp_path):
     cfg = tiny_config(tmp_path, run={"id": "forge"})
     policy = HFEngine("tiny", LORA, SAMPLING).model
     _perturb(policy, seed=0)
@@ -91,39 +90,35 @@ def test_a_forging_sampler_is_rejected_then_quarantined_until_an_operator_lifts_
             c.replaced(logprobs=logprobs[i, : len(c.token_ids)].tolist())
             for i, c in enumerate(group.completions)]})
 
-    async def main():
-        run = await open_run(nats_server.url, "forge", "trainer")
-        lease = await take_lease(run)
-        async with Background() as background:  # the quarantine watch
-            quarantine = Quarantined(run, after=1)
-            await quarantine.start(background)
-            proof = _proof(policy, fraction=0.0)  # no random checks: the first catch is by suspicion
-            proof.remember(1)
-            proof.suspects.add("s1")
-            collector = Collector(await RolloutInbox.open(run), Judge(REFEREE, Timeline(max_staleness=1), proof=proof,
-                                                                        quarantine=quarantine))
-            # honest_group's log-probs are a constant -0.5: not what the model gives its tokens.
-            for index, group_id in [(12, "f1"), (13, "f2"), (16, "f3")]:
-                await publish_rollout(run, honest_group(index, group_id=group_id, sampler_id="s1"))
-            await publish_rollout(run, true_logprobs(honest_group(14, group_id="h1", sampler_id="s2")))
-            collected = await collector.collect(1, version=1)
-            assert [a.group.group_id for a in collected.used] == ["h1"]
-            assert collected.rejected == {"logprob_forgery": 2, "quarantined": 1}  # f3 came after the quarantine
-            assert await read_quarantine(run) == {"s1": "2 strikes, the last logprob_forgery"}
-            orders = AsyncDispatch(run, cfg, TrainerState(version=1), GrantLedger(), quarantine)
-            asked = GrantRequest(want=2, epoch=lease.epoch, version=1)
-            assert (await orders.grant("s1", asked)).groups == 0 and (await orders.grant("s2", asked)).groups == 2
+    run = await runs.open("forge", "trainer")
+    lease = await take_lease(run)
+    async with Background() as background:  # the quarantine watch
+        quarantine = Quarantined(run, after=1)
+        await quarantine.start(background)
+        proof = _proof(policy, fraction=0.0)  # no random checks: the first catch is by suspicion
+        proof.remember(1)
+        proof.suspects.add("s1")
+        collector = Collector(await RolloutInbox.open(run), Judge(REFEREE, Timeline(max_staleness=1), proof=proof,
+                                                                    quarantine=quarantine))
+        # honest_group's log-probs are a constant -0.5: not what the model gives its tokens.
+        for index, group_id in [(12, "f1"), (13, "f2"), (16, "f3")]:
+            await publish_rollout(run, honest_group(index, group_id=group_id, sampler_id="s1"))
+        await publish_rollout(run, true_logprobs(honest_group(14, group_id="h1", sampler_id="s2")))
+        collected = await collector.collect(1, version=1)
+        assert [a.group.group_id for a in collected.used] == ["h1"]
+        assert collected.rejected == {"logprob_forgery": 2, "quarantined": 1}  # f3 came after the quarantine
+        assert await read_quarantine(run) == {"s1": "2 strikes, the last logprob_forgery"}
+        orders = AsyncDispatch(run, cfg, TrainerState(version=1), GrantLedger(), quarantine)
+        asked = GrantRequest(want=2, epoch=lease.epoch, version=1)
+        assert (await orders.grant("s1", asked)).groups == 0 and (await orders.grant("s2", asked)).groups == 2
 
-            # The sampler's heartbeat shows it.
-            await Sampler(cfg, "s1", run, HFEngine("tiny", cfg.lora, cfg.sampling), task=None).beat()
-            assert (await read_statuses(run))[0].state == "quarantined"
+        # The sampler's heartbeat shows it.
+        await Sampler(cfg, "s1", run, HFEngine("tiny", cfg.lora, cfg.sampling), task=None).beat()
+        assert (await read_statuses(run))[0].state == "quarantined"
 
-            args = ["quarantine", "lift", "s1", "--nats", nats_server.url, "--run-id", "forge"]
-            assert await quarantine_command(build_parser().parse_args(args)) == 0
-            async with asyncio.timeout(5):  # the trainer follows the key
-                while "s1" in quarantine:
-                    await asyncio.sleep(0.02)
-            assert quarantine.strikes["s1"] == 0 and (await orders.grant("s1", asked)).groups == 2
-        await run.close()
-
-    asyncio.run(main())
+        args = ["quarantine", "lift", "s1", "--nats", runs.url, "--run-id", "forge"]
+        assert await quarantine_command(build_parser().parse_args(args)) == 0
+        async with asyncio.timeout(5):  # the trainer follows the key
+            while "s1" in quarantine:
+                await asyncio.sleep(0.02)
+        assert quarantine.strikes["s1"] == 0 and (await orders.grant("s1", asked)).groups == 2

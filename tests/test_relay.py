@@ -12,7 +12,7 @@ from echo.engines.hf import HFEngine
 from echo.protocol import CONFIG_KEY, HDR_SAMPLER_ID, Grant, GrantRequest, RunNames, SamplerStatus
 from echo.tasks import load_task
 from streams.grants import request_grant, serve_grants
-from streams.client import connect, open_run
+from streams.client import connect
 from streams.lease import take_lease
 from streams.registry import put_status, read_statuses, weights_relay
 from streams.relay import open_mirrors
@@ -30,6 +30,14 @@ from workers.sampler import Sampler
 @pytest.fixture
 def hub(tmp_path):
     with NatsServer(tmp_path / "hub", leaf_port=free_port()) as server:
+        yield server
+
+
+@pytest.fixture
+def site(hub, tmp_path):
+    """A site's nats-server with its own JetStream domain, a leaf node of the hub: what a relay
+    runs, without the relay's process."""
+    with NatsServer(tmp_path / "site", domain="site", hub_leaf_url=hub.leaf_url) as server:
         yield server
 
 
@@ -77,18 +85,18 @@ async def _mirrored_chunk_sets(hub_run, relay_run) -> tuple[set, set]:
     return sets[0], sets[1]
 
 
-def test_two_samplers_behind_a_relay_follow_weights_across_a_relay_restart(hub, tmp_path):
+async def test_two_samplers_behind_a_relay_follow_weights_across_a_relay_restart(hub, runs, tmp_path):
     cfg = tiny_config(tmp_path)
     trainer_side = HFEngine("tiny", cfg.lora, cfg.sampling)
     adapters = [_adapter_for_version(trainer_side, v) for v in range(7)]
 
-    async def main(site: Relay):
-        run = await open_run(hub.url, cfg.run.id, "trainer")
+    with relay(tmp_path, hub.leaf_url, cfg.run.id, "site") as site:
+        run = await runs.open(cfg.run.id, "trainer", url=hub.url)
         await take_lease(run)
         await publish_weights(run, 0, adapters[0], TINY_BASE)
         samplers = []
         for sampler_id in ("a", "b"):
-            sampler_run = await open_run(site.url, cfg.run.id, f"sampler-{sampler_id}")
+            sampler_run = await runs.open(cfg.run.id, f"sampler-{sampler_id}", url=site.url)
             engine = HFEngine("tiny", cfg.lora, cfg.sampling)
             samplers.append(Sampler(cfg, sampler_id, sampler_run, engine, load_task(cfg.task)))
             await samplers[-1].weights.start()
@@ -127,21 +135,18 @@ def test_two_samplers_behind_a_relay_follow_weights_across_a_relay_restart(hub, 
             await s.run.close()
         records = [r async for r in read_rollouts(hub.url, cfg.run.id)]
         assert sorted(r["headers"][HDR_SAMPLER_ID] for r in records) == ["a", "b"]
-        await run.close()
-
-    with relay(tmp_path, hub.leaf_url, cfg.run.id, "site") as site:
-        asyncio.run(main(site))
 
 
-def test_relays_chain_hub_to_site_to_subsite(hub, tmp_path):
+async def test_relays_chain_hub_to_site_to_subsite(hub, runs, tmp_path):
     cfg = tiny_config(tmp_path)
     trainer_side = HFEngine("tiny", cfg.lora, cfg.sampling)
 
-    async def main(subsite: Relay):
-        run = await open_run(hub.url, cfg.run.id, "trainer")
+    with (relay(tmp_path, hub.leaf_url, cfg.run.id, "site") as site,
+          relay(tmp_path, site.leaf_url, cfg.run.id, "subsite", upstream_domain="site") as subsite):
+        run = await runs.open(cfg.run.id, "trainer", url=hub.url)
         await take_lease(run)
         await publish_weights(run, 0, _adapter_for_version(trainer_side, 0), TINY_BASE)
-        sampler_run = await open_run(subsite.url, cfg.run.id, "sampler-deep")
+        sampler_run = await runs.open(cfg.run.id, "sampler-deep", url=subsite.url)
         sampler = Sampler(cfg, "deep", sampler_run, HFEngine("tiny", cfg.lora, cfg.sampling), load_task(cfg.task))
         await sampler.weights.start()
         await asyncio.wait_for(sampler.apply_newest(0), timeout=30)
@@ -152,42 +157,30 @@ def test_relays_chain_hub_to_site_to_subsite(hub, tmp_path):
         await sampler_run.close()
         records = [r async for r in read_rollouts(hub.url, cfg.run.id)]
         assert [r["headers"][HDR_SAMPLER_ID] for r in records] == ["deep"]
-        await run.close()
-
-    with relay(tmp_path, hub.leaf_url, cfg.run.id, "site") as site:
-        with relay(tmp_path, site.leaf_url, cfg.run.id, "subsite", upstream_domain="site") as subsite:
-            asyncio.run(main(subsite))
 
 
-def test_an_edge_sampler_behind_a_relay_reads_the_config_and_heartbeats_to_the_hub(hub, tmp_path):
+async def test_an_edge_sampler_behind_a_relay_reads_the_config_and_heartbeats_to_the_hub(hub, site, runs, tmp_path):
     cfg = tiny_config(tmp_path, run={"id": "edge"})
-    site = NatsServer(tmp_path / "site", domain="site", hub_leaf_url=hub.leaf_url)
     args = build_parser().parse_args(["sampler", "--id", "far", "--nats", site.url, "--run-id", "edge"])
 
-    async def main():
-        run = await open_run(hub.url, "edge", "trainer")
-        await run.state.put(CONFIG_KEY, cfg.model_dump_json().encode())
-        relay_nc = await connect(site.url, "relay")
-        await open_mirrors(relay_nc, RunNames("edge"), "hub")
-        got = await sampler_config_from_run(args)  # a KV read through the leaf connection
-        assert got.nats.url == site.url and got.sampling == cfg.sampling
-        sampler_run = await open_run(site.url, "edge", "sampler-far")
-        assert await weights_relay(sampler_run, "hub") == "site" and await weights_relay(run, "hub") == ""
-        status = SamplerStatus(sampler_id="far", version=3, groups_published=1, weight_failures={}, updated_at=0.0)
-        await put_status(sampler_run, status)  # a KV write through it
+    run = await runs.open("edge", "trainer", url=hub.url)
+    await run.state.put(CONFIG_KEY, cfg.model_dump_json().encode())
+    relay_nc = await connect(site.url, "relay")
+    await open_mirrors(relay_nc, RunNames("edge"), "hub")
+    got = await sampler_config_from_run(args)  # a KV read through the leaf connection
+    assert got.nats.url == site.url and got.sampling == cfg.sampling
+    sampler_run = await runs.open("edge", "sampler-far", url=site.url)
+    assert await weights_relay(sampler_run, "hub") == "site" and await weights_relay(run, "hub") == ""
+    status = SamplerStatus(sampler_id="far", version=3, groups_published=1, weight_failures={}, updated_at=0.0)
+    await put_status(sampler_run, status)  # a KV write through it
 
-        async def grant_all(sampler_id, request):
-            return Grant(slots=list(range(1, request.want + 1)) if sampler_id == "far" else [])
+    async def grant_all(sampler_id, request):
+        return Grant(slots=list(range(1, request.want + 1)) if sampler_id == "far" else [])
 
-        await serve_grants(run, grant_all)
-        async with asyncio.timeout(5):  # the hub tells the leaf of the trainer's interest a moment later
-            while not (grant := await request_grant(sampler_run, "far", GrantRequest(want=3, epoch=1, version=0))):
-                await asyncio.sleep(0.05)
-        assert grant.groups == 3  # the trainer's answer through it
-        assert await read_statuses(run) == [status]
-        for nc in (sampler_run, run):
-            await nc.close()
-        await relay_nc.close()
-
-    with site:
-        asyncio.run(main())
+    await serve_grants(run, grant_all)
+    async with asyncio.timeout(5):  # the hub tells the leaf of the trainer's interest a moment later
+        while not (grant := await request_grant(sampler_run, "far", GrantRequest(want=3, epoch=1, version=0))):
+            await asyncio.sleep(0.05)
+    assert grant.groups == 3  # the trainer's answer through it
+    assert await read_statuses(run) == [status]
+    await relay_nc.close()

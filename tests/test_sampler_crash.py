@@ -12,7 +12,6 @@ import orjson
 import pytest
 
 from echo.engines.hf import HFEngine
-from streams.client import open_run
 from streams.lease import take_lease
 from streams.registry import read_statuses
 from streams.weights import publish_weights
@@ -82,7 +81,7 @@ async def _until_status(run, predicate, timeout: float = 60.0):
     raise TimeoutError(f"sampler status never matched; last {statuses}")
 
 
-def test_a_sampler_killed_mid_fetch_restarts_and_loads_the_latest_version(nats_server, tmp_path):
+async def test_a_sampler_killed_mid_fetch_restarts_and_loads_the_latest_version(nats_server, runs, tmp_path):
     # LoRA r=256 on every linear layer: a 2 MiB adapter in three 1 MiB chunks, cut halfway.
     cfg = tiny_config(tmp_path, lora={"r": 256, "alpha": 256.0}, sampler={"heartbeat_s": 0.2})
     config_path = tmp_path / "config.toml"
@@ -90,33 +89,29 @@ def test_a_sampler_killed_mid_fetch_restarts_and_loads_the_latest_version(nats_s
     trainer_side = HFEngine("tiny", cfg.lora, cfg.sampling)
     adapters = [_adapter_for_version(trainer_side, v) for v in range(3)]
 
-    async def main():
-        run = await open_run(nats_server.url, cfg.run.id, "trainer")
-        await take_lease(run)
-        await publish_weights(run, 0, adapters[0], TINY_BASE)
-        proxy = await StallingProxy(nats_server.port).start()
-        sampler = _sampler(config_path, proxy.url)
-        try:
-            await _until_status(run, lambda s: s.version == 0)
-            proxy.stall_after(len(adapters[1][0]) // 2)
-            await publish_weights(run, 1, adapters[1], TINY_BASE)
-            await asyncio.wait_for(proxy.stalled.wait(), timeout=30)
-            sampler.kill()  # kill -9, half of version 1 received
-            sampler.wait()
-            [status] = await read_statuses(run)
-            assert status.version == 0  # it never got to run version 1
-            await proxy.close()
+    run = await runs.open(cfg.run.id, "trainer")
+    await take_lease(run)
+    await publish_weights(run, 0, adapters[0], TINY_BASE)
+    proxy = await StallingProxy(nats_server.port).start()
+    sampler = _sampler(config_path, proxy.url)
+    try:
+        await _until_status(run, lambda s: s.version == 0)
+        proxy.stall_after(len(adapters[1][0]) // 2)
+        await publish_weights(run, 1, adapters[1], TINY_BASE)
+        await asyncio.wait_for(proxy.stalled.wait(), timeout=30)
+        sampler.kill()  # kill -9, half of version 1 received
+        sampler.wait()
+        [status] = await read_statuses(run)
+        assert status.version == 0  # it never got to run version 1
+        await proxy.close()
 
-            await publish_weights(run, 2, adapters[2], TINY_BASE)
-            sampler = _sampler(config_path, nats_server.url)
-            status = await _until_status(run, lambda s: s.version == 2)
-            assert status.weight_failures == {}
-        finally:
-            sampler.kill()
-            sampler.wait()
-            await run.close()
-
-    asyncio.run(main())
+        await publish_weights(run, 2, adapters[2], TINY_BASE)
+        sampler = _sampler(config_path, nats_server.url)
+        status = await _until_status(run, lambda s: s.version == 2)
+        assert status.weight_failures == {}
+    finally:
+        sampler.kill()
+        sampler.wait()
 
 
 def test_a_sampler_stopped_while_holding_slots_hands_them_back_at_once(nats_server, tmp_path):

@@ -89,62 +89,52 @@ def test_only_built_in_names_are_taken_from_the_broker(broker, local, refused):
             check_config_from_broker(broker, local)
 
 
-def test_a_second_trainer_refuses_to_start_and_a_dead_ones_lease_lapses(nats_server):
-    async def main():
-        first = await open_run(nats_server.url, "fence", "trainer-1")
-        lease = await take_lease(first)
-        renewing = asyncio.create_task(lease.renew_forever())
-        second = await open_run(nats_server.url, "fence", "trainer-2")
-        with pytest.raises(AnotherTrainer, match="live trainer"):
-            await take_lease(second)
-        renewing.cancel()  # the first trainer dies without releasing
-        taken = await take_lease(second)
-        assert taken.epoch == lease.epoch + 1
-        await asyncio.sleep(RENEW_S * 1.5)
-        await lease.renew_forever()  # the old holder wakes up: its renewal fails, it must stop
-        with pytest.raises(AnotherTrainer):
-            lease.check()
-        await first.close()
-        await second.close()
-
-    asyncio.run(main())
+async def test_a_second_trainer_refuses_to_start_and_a_dead_ones_lease_lapses(runs):
+    first = await runs.open("fence", "trainer-1")
+    lease = await take_lease(first)
+    renewing = asyncio.create_task(lease.renew_forever())
+    second = await runs.open("fence", "trainer-2")
+    with pytest.raises(AnotherTrainer, match="live trainer"):
+        await take_lease(second)
+    renewing.cancel()  # the first trainer dies without releasing
+    taken = await take_lease(second)
+    assert taken.epoch == lease.epoch + 1
+    await asyncio.sleep(RENEW_S * 1.5)
+    await lease.renew_forever()  # the old holder wakes up: its renewal fails, it must stop
+    with pytest.raises(AnotherTrainer):
+        lease.check()
 
 
-def test_forged_and_pre_deduplicated_announcements_do_not_wedge_samplers(nats_server):
-    async def main():
-        trainer = await open_run(nats_server.url, "forge", "trainer")
-        lease = await take_lease(trainer)
-        real = await publish_weights(trainer, 0, [b"v0" * 100], TINY_BASE)
-        sampler_run = await open_run(nats_server.url, "forge", "sampler")
-        follower = await WeightsFollower(sampler_run, TINY_BASE).start()
-        await follower.wait_for(0)
+async def test_forged_and_pre_deduplicated_announcements_do_not_wedge_samplers(runs):
+    trainer = await runs.open("forge", "trainer")
+    lease = await take_lease(trainer)
+    real = await publish_weights(trainer, 0, [b"v0" * 100], TINY_BASE)
+    sampler_run = await runs.open("forge", "sampler")
+    follower = await WeightsFollower(sampler_run, TINY_BASE).start()
+    await follower.wait_for(0)
 
-        attacker = trainer.js  # any client allowed to publish on the weights subject
-        # Another epoch than the lease's is refused, whatever its version.
-        foreign = real.model_copy(update={"version": 10**9, "epoch": 99})
-        await attacker.publish(trainer.names.weights_subject, encode(foreign))
-        # The follower only looks at the newest announcement: wait for each refusal before the next.
-        await _until(lambda: follower.failures["wrong_epoch"] == 1)
-        # The next version's id taken first: with the old predictable ids the real one was dropped.
-        await attacker.publish(trainer.names.weights_subject, encode(foreign), headers={HDR_MSG_ID: "weights-1"})
-        await _until(lambda: follower.failures["wrong_epoch"] == 2)
-        await publish_weights(trainer, 1, [b"v1" * 100], TINY_BASE)
-        assert (await follower.wait_for(1))[0].version == 1
+    attacker = trainer.js  # any client allowed to publish on the weights subject
+    # Another epoch than the lease's is refused, whatever its version.
+    foreign = real.model_copy(update={"version": 10**9, "epoch": 99})
+    await attacker.publish(trainer.names.weights_subject, encode(foreign))
+    # The follower only looks at the newest announcement: wait for each refusal before the next.
+    await _until(lambda: follower.failures["wrong_epoch"] == 1)
+    # The next version's id taken first: with the old predictable ids the real one was dropped.
+    await attacker.publish(trainer.names.weights_subject, encode(foreign), headers={HDR_MSG_ID: "weights-1"})
+    await _until(lambda: follower.failures["wrong_epoch"] == 2)
+    await publish_weights(trainer, 1, [b"v1" * 100], TINY_BASE)
+    assert (await follower.wait_for(1))[0].version == 1
 
-        # A forgery in the current epoch wins until the trainer restarts: its next epoch orders
-        # its versions after every version of the old epoch, forged or not.
-        forged = real.model_copy(update={"version": 10**9, "epoch": lease.epoch})
-        await attacker.publish(trainer.names.weights_subject, encode(forged))
-        await follower.wait_for(10**9)
-        await lease.release()
-        restarted = await take_lease(trainer)
-        await publish_weights(trainer, 2, [b"v2" * 100], TINY_BASE)
-        await _until(lambda: follower.ready[0].policy == (restarted.epoch, 2))
-        await follower.stop()
-        await sampler_run.close()
-        await trainer.close()
-
-    asyncio.run(main())
+    # A forgery in the current epoch wins until the trainer restarts: its next epoch orders
+    # its versions after every version of the old epoch, forged or not.
+    forged = real.model_copy(update={"version": 10**9, "epoch": lease.epoch})
+    await attacker.publish(trainer.names.weights_subject, encode(forged))
+    await follower.wait_for(10**9)
+    await lease.release()
+    restarted = await take_lease(trainer)
+    await publish_weights(trainer, 2, [b"v2" * 100], TINY_BASE)
+    await _until(lambda: follower.ready[0].policy == (restarted.epoch, 2))
+    await follower.stop()
 
 
 @pytest.fixture
@@ -152,7 +142,8 @@ def secured(tmp_path):
     """A hub that speaks TLS only, with trainer, observer and sampler s1 credentials for run "sec"."""
     secure = SecureDir(tmp_path / "secure")
     secure.init("sec", ["localhost", "127.0.0.1"], ["s1"])
-    with NatsServer(tmp_path / "jetstream", include=secure.dir / "server.conf") as server:
+    # Not tmp_path/jetstream: the `runs` fixture's (unused) nats-server keeps its store there.
+    with NatsServer(tmp_path / "secured-jetstream", include=secure.dir / "server.conf") as server:
         yield server, secure
 
 
@@ -163,7 +154,7 @@ async def _client(url: str, credentials, errors: list):
     return await nats.connect(url, error_cb=on_error, max_reconnect_attempts=0, **credentials.connect_options())
 
 
-def test_a_client_without_its_certificate_and_seed_is_refused(secured, tmp_path):
+async def test_a_client_without_its_certificate_and_seed_is_refused(secured, tmp_path):
     """Mutual TLS, then the nkey: a client needs a certificate the run's CA signed and a seed the
     hub knows. A stolen seed alone, or one paired with another CA's certificate, is refused."""
     server, secure = secured
@@ -197,75 +188,68 @@ def test_a_client_without_its_certificate_and_seed_is_refused(secured, tmp_path)
         await nc.close()
         return True
 
-    async def main():
-        refused = {name: not await connects(options) for name, options in attempts.items()}
-        assert all(refused.values()), refused
-        assert await connects({"tls": tls(mine), "nkeys_seed_str": seed(mine)})  # both: accepted
-
-    asyncio.run(main())
+    refused = {name: not await connects(options) for name, options in attempts.items()}
+    assert all(refused.values()), refused
+    assert await connects({"tls": tls(mine), "nkeys_seed_str": seed(mine)})  # both: accepted
 
 
-def test_a_sampler_cannot_touch_what_the_trainer_owns(secured):
+async def test_a_sampler_cannot_touch_what_the_trainer_owns(secured, runs):
     """Each attack a malicious sampler could make with its own credentials: the server refuses
     it, and the trainer then finds its run as it was."""
     server, secure = secured
 
-    async def main():
-        trainer = await open_run(server.url, "sec", "trainer", credentials=secure.credentials("trainer"))
-        await take_lease(trainer)
-        await trainer_subscription(trainer)
-        await trainer.state.put(CONFIG_KEY, b'{"task": {"name": "math"}}')
-        announcement = await publish_weights(trainer, 0, [b"v0" * 100], TINY_BASE)
-        names = trainer.names
+    trainer = await runs.open("sec", "trainer", url=server.url, credentials=secure.credentials("trainer"))
+    await take_lease(trainer)
+    await trainer_subscription(trainer)
+    await trainer.state.put(CONFIG_KEY, b'{"task": {"name": "math"}}')
+    announcement = await publish_weights(trainer, 0, [b"v0" * 100], TINY_BASE)
+    names = trainer.names
 
-        errors: list[str] = []
-        nc = await _client(server.url, secure.credentials("sampler-s1"), errors)
-        js = nc.jetstream(domain="hub", timeout=1.0)
-        forged = encode(announcement.model_copy(update={"version": 10**9}))
-        impostor = encode_rollout(honest_group(group_id="imp", sampler_id="s2"))
-        attacks = [
-            js.delete_stream(names.rollouts_stream),
-            js.purge_stream(names.rollouts_stream),
-            js.delete_consumer(names.rollouts_stream, TRAINER_CONSUMER),
-            js.add_stream(name="ECHO_sec_JUNK", subjects=["junk.>"]),
-            js.publish(f"$JS.hub.API.$KV.{names.state_bucket}.{CONFIG_KEY}", b'{"task": {"name": "os:system"}}'),
-            js.publish(f"$KV.{names.state_bucket}.{TRAINER_KEY}", b"{}"),
-            js.publish(f"$KV.{names.state_bucket}.{BUDGET_KEY}", b"{}"),
-            js.publish(f"$KV.{names.state_bucket}.samplers.s2", b"{}"),
-            js.publish(f"$KV.{names.state_bucket}.{SLOTS_KEY}", b"1000000"),  # starve the others of slots
-            nc.request(names.grants_subject("s2"), b"{}", timeout=1.0),  # ask for work as another sampler
-            js.publish(names.weights_subject, forged),
-            js.publish(names.weights_subject, forged, headers={HDR_MSG_ID: "weights-1"}),
-            js.publish(names.pull_subject, b"{}"),
-            js.publish(names.rollouts_subject("s2"), impostor),
-            js.publish(names.body_part_subject("s2", "imp", 0), b"part"),  # a body under another's name
-            js.purge_stream(names.bodies_stream),
-        ]
-        for attack in attacks:
-            with pytest.raises((nats.errors.TimeoutError, asyncio.TimeoutError, nats.js.errors.APIError)):
-                await attack
-        # Replies to others: a subscription on every inbox is refused.
-        await nc.subscribe("_INBOX.>")
-        await nc.flush()
-        await asyncio.sleep(0.2)
-        assert sum("permissions violation for publish" in e for e in errors) == len(attacks)
-        assert any("permissions violation for subscription" in e and "_inbox.>" in e.lower() for e in errors)
-        # What a sampler may do still works.
-        await js.publish(names.rollouts_subject("s1"), encode_rollout(honest_group(group_id="mine")),
-                         headers=rollout_headers(honest_group(group_id="mine")))
-        await js.publish(names.body_part_subject("s1", "mine", 0), b"part")  # a large group's part
-        await nc.close()
+    errors: list[str] = []
+    nc = await _client(server.url, secure.credentials("sampler-s1"), errors)
+    js = nc.jetstream(domain="hub", timeout=1.0)
+    forged = encode(announcement.model_copy(update={"version": 10**9}))
+    impostor = encode_rollout(honest_group(group_id="imp", sampler_id="s2"))
+    attacks = [
+        js.delete_stream(names.rollouts_stream),
+        js.purge_stream(names.rollouts_stream),
+        js.delete_consumer(names.rollouts_stream, TRAINER_CONSUMER),
+        js.add_stream(name="ECHO_sec_JUNK", subjects=["junk.>"]),
+        js.publish(f"$JS.hub.API.$KV.{names.state_bucket}.{CONFIG_KEY}", b'{"task": {"name": "os:system"}}'),
+        js.publish(f"$KV.{names.state_bucket}.{TRAINER_KEY}", b"{}"),
+        js.publish(f"$KV.{names.state_bucket}.{BUDGET_KEY}", b"{}"),
+        js.publish(f"$KV.{names.state_bucket}.samplers.s2", b"{}"),
+        js.publish(f"$KV.{names.state_bucket}.{SLOTS_KEY}", b"1000000"),  # starve the others of slots
+        nc.request(names.grants_subject("s2"), b"{}", timeout=1.0),  # ask for work as another sampler
+        js.publish(names.weights_subject, forged),
+        js.publish(names.weights_subject, forged, headers={HDR_MSG_ID: "weights-1"}),
+        js.publish(names.pull_subject, b"{}"),
+        js.publish(names.rollouts_subject("s2"), impostor),
+        js.publish(names.body_part_subject("s2", "imp", 0), b"part"),  # a body under another's name
+        js.purge_stream(names.bodies_stream),
+    ]
+    for attack in attacks:
+        with pytest.raises((nats.errors.TimeoutError, asyncio.TimeoutError, nats.js.errors.APIError)):
+            await attack
+    # Replies to others: a subscription on every inbox is refused.
+    await nc.subscribe("_INBOX.>")
+    await nc.flush()
+    await asyncio.sleep(0.2)
+    assert sum("permissions violation for publish" in e for e in errors) == len(attacks)
+    assert any("permissions violation for subscription" in e and "_inbox.>" in e.lower() for e in errors)
+    # What a sampler may do still works.
+    await js.publish(names.rollouts_subject("s1"), encode_rollout(honest_group(group_id="mine")),
+                     headers=rollout_headers(honest_group(group_id="mine")))
+    await js.publish(names.body_part_subject("s1", "mine", 0), b"part")  # a large group's part
+    await nc.close()
 
-        info = await trainer.js.stream_info(names.rollouts_stream)
-        assert info.state.messages == 1  # only s1's own group
-        assert (await trainer.js.stream_info(names.bodies_stream)).state.messages == 1
-        await trainer.js.consumer_info(names.rollouts_stream, TRAINER_CONSUMER)
-        assert (await trainer.state.get(CONFIG_KEY)).value == b'{"task": {"name": "math"}}'
-        last = await trainer.js.get_last_msg(names.control_stream, names.weights_subject)
-        assert decode(WeightsAnnouncement, last.data).version == 0
-        await trainer.close()
-
-    asyncio.run(main())
+    info = await trainer.js.stream_info(names.rollouts_stream)
+    assert info.state.messages == 1  # only s1's own group
+    assert (await trainer.js.stream_info(names.bodies_stream)).state.messages == 1
+    await trainer.js.consumer_info(names.rollouts_stream, TRAINER_CONSUMER)
+    assert (await trainer.state.get(CONFIG_KEY)).value == b'{"task": {"name": "math"}}'
+    last = await trainer.js.get_last_msg(names.control_stream, names.weights_subject)
+    assert decode(WeightsAnnouncement, last.data).version == 0
 
 
 def test_add_sampler_issues_credentials_a_running_hub_accepts_without_a_restart(secured):

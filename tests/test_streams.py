@@ -35,7 +35,6 @@ from echo.protocol import (
     weights_object_name,
 )
 from echo.tasks import load_task
-from streams.client import open_run
 from streams.lease import take_lease
 from streams.objects import TransferError, get_object, put_object
 from streams.registry import put_status, read_statuses
@@ -93,98 +92,88 @@ async def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(run
         collected.rejected.values())
 
 
-def test_a_group_larger_than_a_message_travels_in_parts_and_bad_parts_are_refused(tmp_path):
+@pytest.fixture
+def small_messages_server(tmp_path):
+    """A nats-server whose messages are at most 64 KB."""
+    with NatsServer(tmp_path / "js", max_payload="64KB") as server:
+        yield server
+
+
+async def test_a_group_larger_than_a_message_travels_in_parts_and_bad_parts_are_refused(small_messages_server, runs):
     """A reasoning-length group does not fit in one message: the sampler publishes its body in
     parts on its own bodies subjects, the trainer reads them back and checks size and digest."""
-    async def main(server):
-        run = await open_run(server.url, "big", "test")
-        inbox = await RolloutInbox.open(run)
-        answer = TASK.prompt(12).answer
-        big = honest_group(texts=["x" * 30_000 + f"\\boxed{{{answer}}}", "y" * 30_000 + "\\boxed{999}"],
-                           policy_version=5, group_id="big")
-        assert len(encode_rollout(big)) > 4 * run.nc.max_payload
-        # Pointers that do not add up: parts that do not match the digest; a part missing; a
-        # billion parts; and s2
-        # naming parts that s1 published (the trainer reads the subject's sampler's parts only).
-        forged = honest_group(policy_version=5, group_id="forged")
-        pointer = {**rollout_headers(forged), HDR_BODY_PARTS: "1", HDR_BODY_SIZE: "4", HDR_BODY_SHA256: "0" * 64}
-        await run.js.publish(run.names.body_part_subject("s1", "forged", 0), b"junk")
-        await run.js.publish(run.names.rollouts_subject("s1"), b"", headers=pointer)
-        await run.js.publish(run.names.rollouts_subject("s1"), b"", headers={**pointer, HDR_MSG_ID: "forged2"})
-        await run.js.publish(run.names.rollouts_subject("s1"), b"", headers={  # refused before naming a billion parts
-            **pointer, HDR_MSG_ID: "forged3", HDR_BODY_PARTS: "1000000000"})
-        stolen = encode_rollout(honest_group(policy_version=5, group_id="stolen", sampler_id="s2"))
-        await run.js.publish(run.names.body_part_subject("s1", "stolen", 0), stolen)
-        await run.js.publish(run.names.rollouts_subject("s2"), b"", headers={
-            **rollout_headers(honest_group(policy_version=5, group_id="stolen", sampler_id="s2")),
-            HDR_BODY_PARTS: "1", HDR_BODY_SIZE: str(len(stolen)), HDR_BODY_SHA256: hashlib.sha256(stolen).hexdigest()})
-        await publish_rollout(run, big)
-        referee = Referee(TASK, TOKENIZER, len(TOKENIZER), SamplingConfig(group_size=2, max_new_tokens=40_000, temperature=1.0))
-        collector = Collector(inbox, Judge(referee, Timeline(max_staleness=1)))
-        collected = await collector.collect(1, version=5)
-        assert [a.group for a in collected.used] == [big] and collected.used[0].rewards == [1.0, 0.1]
-        assert collected.rejected == {"bad_body": 4}
-        records = [r async for r in read_rollouts(server.url, "big")]
-        assert [r["group"]["group_id"] for r in records if "group" in r] == ["big"]
-        assert sum("bad_body" in r.get("error", "") for r in records) == 4
-        await run.close()
-
-    with NatsServer(tmp_path / "js", max_payload="64KB") as server:
-        asyncio.run(main(server))
+    run = await runs.open("big", url=small_messages_server.url)
+    inbox = await RolloutInbox.open(run)
+    answer = TASK.prompt(12).answer
+    big = honest_group(texts=["x" * 30_000 + f"\\boxed{{{answer}}}", "y" * 30_000 + "\\boxed{999}"],
+                       policy_version=5, group_id="big")
+    assert len(encode_rollout(big)) > 4 * run.nc.max_payload
+    # Pointers that do not add up: parts that do not match the digest; a part missing; a
+    # billion parts; and s2
+    # naming parts that s1 published (the trainer reads the subject's sampler's parts only).
+    forged = honest_group(policy_version=5, group_id="forged")
+    pointer = {**rollout_headers(forged), HDR_BODY_PARTS: "1", HDR_BODY_SIZE: "4", HDR_BODY_SHA256: "0" * 64}
+    await run.js.publish(run.names.body_part_subject("s1", "forged", 0), b"junk")
+    await run.js.publish(run.names.rollouts_subject("s1"), b"", headers=pointer)
+    await run.js.publish(run.names.rollouts_subject("s1"), b"", headers={**pointer, HDR_MSG_ID: "forged2"})
+    await run.js.publish(run.names.rollouts_subject("s1"), b"", headers={  # refused before naming a billion parts
+        **pointer, HDR_MSG_ID: "forged3", HDR_BODY_PARTS: "1000000000"})
+    stolen = encode_rollout(honest_group(policy_version=5, group_id="stolen", sampler_id="s2"))
+    await run.js.publish(run.names.body_part_subject("s1", "stolen", 0), stolen)
+    await run.js.publish(run.names.rollouts_subject("s2"), b"", headers={
+        **rollout_headers(honest_group(policy_version=5, group_id="stolen", sampler_id="s2")),
+        HDR_BODY_PARTS: "1", HDR_BODY_SIZE: str(len(stolen)), HDR_BODY_SHA256: hashlib.sha256(stolen).hexdigest()})
+    await publish_rollout(run, big)
+    referee = Referee(TASK, TOKENIZER, len(TOKENIZER), SamplingConfig(group_size=2, max_new_tokens=40_000, temperature=1.0))
+    collector = Collector(inbox, Judge(referee, Timeline(max_staleness=1)))
+    collected = await collector.collect(1, version=5)
+    assert [a.group for a in collected.used] == [big] and collected.used[0].rewards == [1.0, 0.1]
+    assert collected.rejected == {"bad_body": 4}
+    records = [r async for r in read_rollouts(small_messages_server.url, "big")]
+    assert [r["group"]["group_id"] for r in records if "group" in r] == ["big"]
+    assert sum("bad_body" in r.get("error", "") for r in records) == 4
 
 
-def test_a_step_that_crashed_between_its_checkpoint_and_its_acks_is_not_counted_twice(nats_server):
+async def test_a_step_that_crashed_between_its_checkpoint_and_its_acks_is_not_counted_twice(runs):
     """The checkpoint names the stream sequences its step consumed; when they come back (the
     trainer died before acking them), the next trainer skips them, and counts the rest."""
-    async def main():
-        run = await open_run(nats_server.url, "redeliver", "test")
-        for i in range(3):
-            await publish_rollout(run, honest_group(20 + i, policy_version=5, group_id=f"g{i}"))
-        first = Collector(await RolloutInbox.open(run, ack_wait_s=0.5), Judge(REFEREE, Timeline(max_staleness=1)))
-        step = await first.collect(2, version=5)  # checkpointed, then the crash: never acked
-        assert [a.group.group_id for a in step.used] == ["g0", "g1"]
-        await publish_rollout(run, honest_group(23, policy_version=5, group_id="g3"))
-        restarted = Collector(await RolloutInbox.open(run, ack_wait_s=0.5), Judge(REFEREE, Timeline(max_staleness=1)),
-                              consumed=ConsumedSeqs(above=step.seqs))
-        await asyncio.sleep(1.0)  # past ack_wait: g0 and g1 are due again, and come before newer messages
-        again = await restarted.collect(2, version=5)
-        assert [a.group.group_id for a in again.used] == ["g2", "g3"] and again.already_counted == 2
-        assert set(again.seqs).isdisjoint(step.seqs)
-        await run.close()
-
-    asyncio.run(main())
+    run = await runs.open("redeliver", "test")
+    for i in range(3):
+        await publish_rollout(run, honest_group(20 + i, policy_version=5, group_id=f"g{i}"))
+    first = Collector(await RolloutInbox.open(run, ack_wait_s=0.5), Judge(REFEREE, Timeline(max_staleness=1)))
+    step = await first.collect(2, version=5)  # checkpointed, then the crash: never acked
+    assert [a.group.group_id for a in step.used] == ["g0", "g1"]
+    await publish_rollout(run, honest_group(23, policy_version=5, group_id="g3"))
+    restarted = Collector(await RolloutInbox.open(run, ack_wait_s=0.5), Judge(REFEREE, Timeline(max_staleness=1)),
+                          consumed=ConsumedSeqs(above=step.seqs))
+    await asyncio.sleep(1.0)  # past ack_wait: g0 and g1 are due again, and come before newer messages
+    again = await restarted.collect(2, version=5)
+    assert [a.group.group_id for a in again.used] == ["g2", "g3"] and again.already_counted == 2
+    assert set(again.seqs).isdisjoint(step.seqs)
 
 
-def test_the_trainer_keeps_the_rollout_history_its_config_allows_and_can_change_it(nats_server, tmp_path):
+async def test_the_trainer_keeps_the_rollout_history_its_config_allows_and_can_change_it(runs, tmp_path):
     cfg = tiny_config(tmp_path, nats={"rollouts_max_gb": 0.5, "rollouts_max_age_h": 2})
 
-    async def main():
-        run = await open_run(nats_server.url, "limits", "trainer", storage=cfg.nats.storage())
-        limits = (await run.js.stream_info(run.names.rollouts_stream)).config
-        assert (limits.max_bytes, limits.max_age) == (2**29, 7200)
-        await run.close()
-        run = await open_run(nats_server.url, "limits", "trainer")  # restarted with the defaults: no limit
-        limits = (await run.js.stream_info(run.names.rollouts_stream)).config
-        assert limits.max_bytes == -1 and not limits.max_age
-        await run.close()
-
-    asyncio.run(main())
+    run = await runs.open("limits", "trainer", storage=cfg.nats.storage())
+    limits = (await run.js.stream_info(run.names.rollouts_stream)).config
+    assert (limits.max_bytes, limits.max_age) == (2**29, 7200)
+    await run.close()
+    run = await runs.open("limits", "trainer")  # restarted with the defaults: no limit
+    limits = (await run.js.stream_info(run.names.rollouts_stream)).config
+    assert limits.max_bytes == -1 and not limits.max_age
 
 
-def test_weights_round_trip_and_a_wrong_digest_is_refused(nats_server, tmp_path):
-    async def main():
-        run = await open_run(nats_server.url, "w", "test")
-        await take_lease(run)
-        data = bytes(range(256)) * 4000  # 1 MB: several object-store chunks
-        announcement = await publish_weights(run, 7, [data, data[:1000]], TINY_BASE, "full")
-        assert await fetch_weights(run, announcement) == [data, data[:1000]]
-        lie = announcement.shards[1].model_copy(update={"sha256": "0" * 64})
-        lying = announcement.model_copy(update={"shards": [announcement.shards[0], lie]})
-        with pytest.raises(TransferError, match="digest_mismatch"):
-            await fetch_weights(run, lying)
-        await run.close()
-
-    asyncio.run(main())
+async def test_weights_round_trip_and_a_wrong_digest_is_refused(runs, tmp_path):
+    run = await runs.open("w", "test")
+    await take_lease(run)
+    data = bytes(range(256)) * 4000  # 1 MB: several object-store chunks
+    announcement = await publish_weights(run, 7, [data, data[:1000]], TINY_BASE, "full")
+    assert await fetch_weights(run, announcement) == [data, data[:1000]]
+    lie = announcement.shards[1].model_copy(update={"sha256": "0" * 64})
+    lying = announcement.model_copy(update={"shards": [announcement.shards[0], lie]})
+    with pytest.raises(TransferError, match="digest_mismatch"):
+        await fetch_weights(run, lying)
 
 
 async def _until_failure(follower: WeightsFollower, timeout: float = 4.0) -> None:
@@ -203,100 +192,83 @@ def _adapter_for_version(engine: HFEngine, version: int) -> list[bytes]:
     return list(weights_shards(engine.model, 2**30))
 
 
-def test_a_sampler_joining_after_version_3_generates_with_version_3(nats_server, tmp_path):
+async def test_a_sampler_joining_after_version_3_generates_with_version_3(runs, tmp_path):
     cfg = tiny_config(tmp_path)
     trainer_side = HFEngine("tiny", cfg.lora, cfg.sampling)
     adapters = [_adapter_for_version(trainer_side, v) for v in range(4)]
 
-    async def main():
-        run = await open_run(nats_server.url, cfg.run.id, "trainer")
-        await take_lease(run)
-        await trainer_subscription(run)
-        for version, data in enumerate(adapters):
-            await publish_weights(run, version, data, TINY_BASE)
+    run = await runs.open(cfg.run.id, "trainer")
+    await take_lease(run)
+    await trainer_subscription(run)
+    for version, data in enumerate(adapters):
+        await publish_weights(run, version, data, TINY_BASE)
 
-        sampler_run = await open_run(nats_server.url, cfg.run.id, "late-sampler")
-        engine = HFEngine("tiny", cfg.lora, cfg.sampling)
-        sampler = Sampler(cfg, "late", sampler_run, engine, load_task(cfg.task))
-        await sampler.weights.start()
-        await sampler.apply_newest()
-        await sampler.generate_and_publish([1])
-        # A damaged version 4 is refused, the sampler stays on 3, and its heartbeat says why.
-        await _store_tampered(run, 4, adapters[0][0], lambda chunks: [bytes([c[0] ^ 0xFF]) + c[1:] for c in chunks])
-        await _until_failure(sampler.weights)
-        await sampler.apply_newest()
-        await put_status(sampler_run, sampler.status())
-        [status] = await read_statuses(run)
-        assert (status.sampler_id, status.version, status.groups_published) == ("late", 3, 1)
-        assert set(status.weight_failures) == {"digest_mismatch"}  # refused (and retried: it may count 2)
-        await sampler.weights.stop()
-        assert sampler.version == 3
-        assert list(weights_shards(engine.model, 2**30)) == adapters[3]
-        records = [r async for r in read_rollouts(nats_server.url, cfg.run.id)]
-        assert [r["headers"][HDR_POLICY_VERSION] for r in records] == ["3"]
-        await sampler_run.close()
-        await run.close()
-
-    asyncio.run(main())
+    sampler_run = await runs.open(cfg.run.id, "late-sampler")
+    engine = HFEngine("tiny", cfg.lora, cfg.sampling)
+    sampler = Sampler(cfg, "late", sampler_run, engine, load_task(cfg.task))
+    await sampler.weights.start()
+    await sampler.apply_newest()
+    await sampler.generate_and_publish([1])
+    # A damaged version 4 is refused, the sampler stays on 3, and its heartbeat says why.
+    await _store_tampered(run, 4, adapters[0][0], lambda chunks: [bytes([c[0] ^ 0xFF]) + c[1:] for c in chunks])
+    await _until_failure(sampler.weights)
+    await sampler.apply_newest()
+    await put_status(sampler_run, sampler.status())
+    [status] = await read_statuses(run)
+    assert (status.sampler_id, status.version, status.groups_published) == ("late", 3, 1)
+    assert set(status.weight_failures) == {"digest_mismatch"}  # refused (and retried: it may count 2)
+    await sampler.weights.stop()
+    assert sampler.version == 3
+    assert list(weights_shards(engine.model, 2**30)) == adapters[3]
+    records = [r async for r in read_rollouts(runs.url, cfg.run.id)]
+    assert [r["headers"][HDR_POLICY_VERSION] for r in records] == ["3"]
 
 
-def test_follower_refuses_an_adapter_for_another_base_model(nats_server, tmp_path):
-    async def main():
-        run = await open_run(nats_server.url, "b", "test")
-        await take_lease(run)
-        await publish_weights(run, 0, [b"good"], TINY_BASE)
-        follower = await WeightsFollower(run, TINY_BASE).start()
-        assert (await follower.wait_for(0))[1] == [b"good"]
-        await publish_weights(run, 1, [b"other"], "some-other-model")
-        await _until_failure(follower)
-        assert follower.failures == {"wrong_base_model": 1}
-        assert follower.ready[0].version == 0  # the old version stays
-        await follower.stop()
-        await run.close()
-
-    asyncio.run(main())
+async def test_follower_refuses_an_adapter_for_another_base_model(runs, tmp_path):
+    run = await runs.open("b", "test")
+    await take_lease(run)
+    await publish_weights(run, 0, [b"good"], TINY_BASE)
+    follower = await WeightsFollower(run, TINY_BASE).start()
+    assert (await follower.wait_for(0))[1] == [b"good"]
+    await publish_weights(run, 1, [b"other"], "some-other-model")
+    await _until_failure(follower)
+    assert follower.failures == {"wrong_base_model": 1}
+    assert follower.ready[0].version == 0  # the old version stays
+    await follower.stop()
 
 
-def test_the_bucket_keeps_only_the_newest_versions(nats_server):
-    async def main():
-        run = await open_run(nats_server.url, "keep", "test")
-        await take_lease(run)
-        async def stored() -> list[str]:
-            return sorted(info.name for info in await run.weights.list(ignore_deletes=True))
+async def test_the_bucket_keeps_only_the_newest_versions(runs):
+    run = await runs.open("keep", "test")
+    await take_lease(run)
+    async def stored() -> list[str]:
+        return sorted(info.name for info in await run.weights.list(ignore_deletes=True))
 
-        shards = [b"a" * 1000, b"b" * 1000]
-        announcements = [await publish_weights(run, v, shards, TINY_BASE, keep=2) for v in range(5)]
-        assert await stored() == sorted(s.object_name for a in announcements[-2:] for s in a.shards)
-        assert await fetch_weights(run, announcements[-1]) == shards
-        with pytest.raises(TransferError, match="not_found"):
-            await fetch_weights(run, announcements[0])
-        await run.close()
-        run = await open_run(nats_server.url, "keep", "test")  # a restarted trainer sweeps what is left once
-        await take_lease(run)
-        latest = await publish_weights(run, 5, shards[:1], TINY_BASE, keep=1)
-        assert await stored() == [latest.shards[0].object_name]
-        await run.close()
-
-    asyncio.run(main())
+    shards = [b"a" * 1000, b"b" * 1000]
+    announcements = [await publish_weights(run, v, shards, TINY_BASE, keep=2) for v in range(5)]
+    assert await stored() == sorted(s.object_name for a in announcements[-2:] for s in a.shards)
+    assert await fetch_weights(run, announcements[-1]) == shards
+    with pytest.raises(TransferError, match="not_found"):
+        await fetch_weights(run, announcements[0])
+    await run.close()
+    run = await runs.open("keep", "test")  # a restarted trainer sweeps what is left once
+    await take_lease(run)
+    latest = await publish_weights(run, 5, shards[:1], TINY_BASE, keep=1)
+    assert await stored() == [latest.shards[0].object_name]
 
 
-def test_a_version_a_slow_sampler_is_fetching_stays_for_keep_seconds(nats_server):
+async def test_a_version_a_slow_sampler_is_fetching_stays_for_keep_seconds(runs):
     """Counted in versions alone (keep_seconds 0), a version goes `keep` publishes after it came,
     so a fetch longer than that many steps never finished. Kept `keep_seconds` past its
     successor's announcement, it can."""
-    async def main():
-        run = await open_run(nats_server.url, "slow-link", "test")
-        await take_lease(run)
-        started = await publish_weights(run, 0, [b"v0" * 500], TINY_BASE, keep=1, keep_seconds=60)
-        for version in (1, 2, 3):  # the trainer goes on while a sampler is still reading version 0
-            await publish_weights(run, version, [b"vN" * 500], TINY_BASE, keep=1, keep_seconds=60)
-        assert await fetch_weights(run, started) == [b"v0" * 500]
-        await publish_weights(run, 4, [b"vN" * 500], TINY_BASE, keep=1, keep_seconds=0)
-        with pytest.raises(TransferError, match="not_found"):
-            await fetch_weights(run, started)
-        await run.close()
-
-    asyncio.run(main())
+    run = await runs.open("slow-link", "test")
+    await take_lease(run)
+    started = await publish_weights(run, 0, [b"v0" * 500], TINY_BASE, keep=1, keep_seconds=60)
+    for version in (1, 2, 3):  # the trainer goes on while a sampler is still reading version 0
+        await publish_weights(run, version, [b"vN" * 500], TINY_BASE, keep=1, keep_seconds=60)
+    assert await fetch_weights(run, started) == [b"v0" * 500]
+    await publish_weights(run, 4, [b"vN" * 500], TINY_BASE, keep=1, keep_seconds=0)
+    with pytest.raises(TransferError, match="not_found"):
+        await fetch_weights(run, started)
 
 
 async def _store_tampered(run, version: int, data: bytes, tamper) -> None:
@@ -328,96 +300,80 @@ async def _store_tampered(run, version: int, data: bytes, tamper) -> None:
     ],
     ids=["corrupt-chunk", "truncated"],
 )
-def test_a_damaged_adapter_is_refused_the_old_version_kept_and_the_fetch_retried(nats_server, tamper):
+async def test_a_damaged_adapter_is_refused_the_old_version_kept_and_the_fetch_retried(runs, tamper):
     """A damaged object is refused (the old weights stay) and fetched again with backoff while
     its announcement is the newest: once the object is whole again (here: stored again, as a
     trainer's retry or a relay's re-mirror would), the follower takes it without a new
     announcement. Before, it waited for a newer version: forever, in sequential mode."""
-    async def main():
-        run = await open_run(nats_server.url, "damage", "test")
-        await take_lease(run)
-        await publish_weights(run, 0, [b"good" * 100_000], TINY_BASE)
-        follower = await WeightsFollower(run, TINY_BASE).start()
-        assert (await follower.wait_for(0))[0].version == 0
-        adapter = bytes(range(256)) * 2000
-        await _store_tampered(run, 1, adapter, tamper)
-        async with asyncio.timeout(5):
-            while sum(follower.failures.values()) < 2:  # refused, and tried again
-                await asyncio.sleep(0.02)
-        assert set(follower.failures) <= {"digest_mismatch", "truncated", "size_mismatch"}
-        assert follower.ready[0].version == 0 and follower.ready[1] == [b"good" * 100_000]
-        await put_object(run.js, run.names.weights_bucket, weights_object_name(run.epoch, 1, 0), adapter)  # repaired
-        async with asyncio.timeout(5):
-            assert (await follower.wait_for(1))[1] == [adapter]
-        await publish_weights(run, 2, [b"next" * 1000], TINY_BASE)  # and it still takes the next good one
-        assert (await follower.wait_for(2))[1] == [b"next" * 1000]
-        await follower.stop()
-        assert follower._task.done()  # ended, not just told to: the connection closes next
-        await run.close()
-
-    asyncio.run(main())
+    run = await runs.open("damage", "test")
+    await take_lease(run)
+    await publish_weights(run, 0, [b"good" * 100_000], TINY_BASE)
+    follower = await WeightsFollower(run, TINY_BASE).start()
+    assert (await follower.wait_for(0))[0].version == 0
+    adapter = bytes(range(256)) * 2000
+    await _store_tampered(run, 1, adapter, tamper)
+    async with asyncio.timeout(5):
+        while sum(follower.failures.values()) < 2:  # refused, and tried again
+            await asyncio.sleep(0.02)
+    assert set(follower.failures) <= {"digest_mismatch", "truncated", "size_mismatch"}
+    assert follower.ready[0].version == 0 and follower.ready[1] == [b"good" * 100_000]
+    await put_object(run.js, run.names.weights_bucket, weights_object_name(run.epoch, 1, 0), adapter)  # repaired
+    async with asyncio.timeout(5):
+        assert (await follower.wait_for(1))[1] == [adapter]
+    await publish_weights(run, 2, [b"next" * 1000], TINY_BASE)  # and it still takes the next good one
+    assert (await follower.wait_for(2))[1] == [b"next" * 1000]
+    await follower.stop()
+    assert follower._task.done()  # ended, not just told to: the connection closes next
 
 
-def test_an_object_larger_than_announced_is_refused_before_its_buffer_is_allocated(nats_server):
+async def test_an_object_larger_than_announced_is_refused_before_its_buffer_is_allocated(runs):
     """An object's info is what the reader allocates for: one claiming a terabyte is refused by
     the announced size first (before: MemoryError, or a swapping box)."""
-    async def main():
-        run = await open_run(nats_server.url, "huge", "test")
-        bucket = run.names.weights_bucket
-        info = await put_object(run.js, bucket, "w", b"x" * 16)
-        forged = info.as_dict() | {"size": 1 << 40}
-        name_subject = base64.urlsafe_b64encode(b"w").decode()
-        await run.js.publish(f"$O.{bucket}.M.{name_subject}", json.dumps(forged).encode(), headers={"Nats-Rollup": "sub"})
-        with pytest.raises(TransferError, match="size_mismatch"):
-            await get_object(run.js, bucket, "w", expected_size=16)
-        await run.close()
-
-    asyncio.run(main())
+    run = await runs.open("huge", "test")
+    bucket = run.names.weights_bucket
+    info = await put_object(run.js, bucket, "w", b"x" * 16)
+    forged = info.as_dict() | {"size": 1 << 40}
+    name_subject = base64.urlsafe_b64encode(b"w").decode()
+    await run.js.publish(f"$O.{bucket}.M.{name_subject}", json.dumps(forged).encode(), headers={"Nats-Rollup": "sub"})
+    with pytest.raises(TransferError, match="size_mismatch"):
+        await get_object(run.js, bucket, "w", expected_size=16)
 
 
-def test_a_follower_that_fails_tells_whoever_waits_for_weights(nats_server, monkeypatch):
+async def test_a_follower_that_fails_tells_whoever_waits_for_weights(runs, monkeypatch):
     """An error the fetch loop does not expect ends it, and the next wait raises it instead of
     hanging: a sampler must not heartbeat on while frozen on old weights."""
     async def broken_fetch(run, announcement):
         raise KeyError("a bug in our own code")
 
-    async def main():
-        run = await open_run(nats_server.url, "broken", "test")
-        await take_lease(run)
-        follower = await WeightsFollower(run, TINY_BASE).start()
-        monkeypatch.setattr("streams.weights.fetch_weights", broken_fetch)
-        await publish_weights(run, 0, [b"w"], TINY_BASE)
-        async with asyncio.timeout(5):
-            with pytest.raises(RuntimeError, match="weights follower stopped") as raised:
-                await follower.wait_for(0)
-        assert isinstance(raised.value.__cause__, KeyError)
-        await follower.stop()
-        await run.close()
-
-    asyncio.run(main())
+    run = await runs.open("broken", "test")
+    await take_lease(run)
+    follower = await WeightsFollower(run, TINY_BASE).start()
+    monkeypatch.setattr("streams.weights.fetch_weights", broken_fetch)
+    await publish_weights(run, 0, [b"w"], TINY_BASE)
+    async with asyncio.timeout(5):
+        with pytest.raises(RuntimeError, match="weights follower stopped") as raised:
+            await follower.wait_for(0)
+    assert isinstance(raised.value.__cause__, KeyError)
+    await follower.stop()
 
 
-def test_our_objects_and_the_libraries_read_each_other(nats_server):
-    async def main():
-        run = await open_run(nats_server.url, "interop", "test")
-        bucket, data = run.names.weights_bucket, bytes(range(256)) * 12_000  # 3 MB: several chunks
-        await put_object(run.js, bucket, "ours", data, headers={"policy-version": ["4"]})
-        library_read = io.BytesIO()
-        await run.weights.get("ours", writeinto=library_read)  # the standard client checks the digest too
-        assert library_read.getvalue() == data
-        assert (await run.weights.get_info("ours")).headers == {"policy-version": ["4"]}
-        await run.weights.put("theirs", data)
-        assert await get_object(run.js, bucket, "theirs") == data
-        await put_object(run.js, bucket, "ours", b"replaced")  # same name: the old chunks are purged
-        assert await get_object(run.js, bucket, "ours") == b"replaced"
-        await put_object(run.js, bucket, "empty", b"")
-        assert await get_object(run.js, bucket, "empty") == b""
-        await run.close()
-
-    asyncio.run(main())
+async def test_our_objects_and_the_libraries_read_each_other(runs):
+    run = await runs.open("interop", "test")
+    bucket, data = run.names.weights_bucket, bytes(range(256)) * 12_000  # 3 MB: several chunks
+    await put_object(run.js, bucket, "ours", data, headers={"policy-version": ["4"]})
+    library_read = io.BytesIO()
+    await run.weights.get("ours", writeinto=library_read)  # the standard client checks the digest too
+    assert library_read.getvalue() == data
+    assert (await run.weights.get_info("ours")).headers == {"policy-version": ["4"]}
+    await run.weights.put("theirs", data)
+    assert await get_object(run.js, bucket, "theirs") == data
+    await put_object(run.js, bucket, "ours", b"replaced")  # same name: the old chunks are purged
+    assert await get_object(run.js, bucket, "ours") == b"replaced"
+    await put_object(run.js, bucket, "empty", b"")
+    assert await get_object(run.js, bucket, "empty") == b""
 
 
-def test_weights_the_engine_refuses_are_tried_once_and_not_waited_on(nats_server, tmp_path):
+async def test_weights_the_engine_refuses_are_tried_once_and_not_waited_on(runs, tmp_path):
     """A version that does not fit the model (here: other tensor names) is refused once; the
     sampler neither reloads it on every loop nor wakes up for it again, and takes the next one."""
     cfg = tiny_config(tmp_path)
@@ -425,76 +381,59 @@ def test_weights_the_engine_refuses_are_tried_once_and_not_waited_on(nats_server
     good = _adapter_for_version(trainer_side, 2)
     misfit = safetensors.torch.save({"not_a_lora_tensor": torch.zeros(3)})
 
-    async def main():
-        run = await open_run(nats_server.url, cfg.run.id, "trainer")
-        await take_lease(run)
-        await publish_weights(run, 0, _adapter_for_version(trainer_side, 0), TINY_BASE)
-        sampler_run = await open_run(nats_server.url, cfg.run.id, "sampler", create=False)
-        sampler = Sampler(cfg, "s1", sampler_run, HFEngine("tiny", cfg.lora, cfg.sampling), load_task(cfg.task))
-        await sampler.weights.start()
+    run = await runs.open(cfg.run.id, "trainer")
+    await take_lease(run)
+    await publish_weights(run, 0, _adapter_for_version(trainer_side, 0), TINY_BASE)
+    sampler_run = await runs.open(cfg.run.id, "sampler", create=False)
+    sampler = Sampler(cfg, "s1", sampler_run, HFEngine("tiny", cfg.lora, cfg.sampling), load_task(cfg.task))
+    await sampler.weights.start()
+    await sampler.apply_newest()
+    await publish_weights(run, 1, [misfit], TINY_BASE)
+    await sampler.weights.wait_for(1)
+    for _ in range(3):
         await sampler.apply_newest()
-        await publish_weights(run, 1, [misfit], TINY_BASE)
-        await sampler.weights.wait_for(1)
-        for _ in range(3):
-            await sampler.apply_newest()
-        assert sampler.weights.failures == {"weights_mismatch": 1} and sampler.version == 0
-        with pytest.raises(TimeoutError):  # before: version 1 was "newer" at once, a busy loop
-            await asyncio.wait_for(sampler.weights.wait_newer(max(sampler.policy, sampler.refused)), 0.3)
-        await publish_weights(run, 2, good, TINY_BASE)
-        await sampler.weights.wait_newer(sampler.refused)
-        await sampler.apply_newest()
-        assert sampler.version == 2
-        await sampler.weights.stop()
-        await sampler_run.close()
-        await run.close()
-
-    asyncio.run(main())
+    assert sampler.weights.failures == {"weights_mismatch": 1} and sampler.version == 0
+    with pytest.raises(TimeoutError):  # before: version 1 was "newer" at once, a busy loop
+        await asyncio.wait_for(sampler.weights.wait_newer(max(sampler.policy, sampler.refused)), 0.3)
+    await publish_weights(run, 2, good, TINY_BASE)
+    await sampler.weights.wait_newer(sampler.refused)
+    await sampler.apply_newest()
+    assert sampler.version == 2
+    await sampler.weights.stop()
 
 
-def test_a_bad_or_misnamed_heartbeat_is_skipped_not_fatal(nats_server):
+async def test_a_bad_or_misnamed_heartbeat_is_skipped_not_fatal(runs):
     """A sampler's credentials let it write its own heartbeat key, with any value: garbage, or a
     status naming another sampler. Readers (the scheduler, `echo-rl status`) skip both."""
 
-    async def main():
-        run = await open_run(nats_server.url, "beats", "trainer")
-        honest = SamplerStatus(sampler_id="s1", version=0, groups_published=0, weight_failures={}, updated_at=0.0)
-        await put_status(run, honest)
-        await run.state.put(SAMPLER_STATUS_PREFIX + "s2", b"junk")
-        await run.state.put(SAMPLER_STATUS_PREFIX + "s0", encode(honest))  # s0 speaking for s1
-        assert await read_statuses(run) == [honest]
-        await run.close()
-
-    asyncio.run(main())
+    run = await runs.open("beats", "trainer")
+    honest = SamplerStatus(sampler_id="s1", version=0, groups_published=0, weight_failures={}, updated_at=0.0)
+    await put_status(run, honest)
+    await run.state.put(SAMPLER_STATUS_PREFIX + "s2", b"junk")
+    await run.state.put(SAMPLER_STATUS_PREFIX + "s0", encode(honest))  # s0 speaking for s1
+    assert await read_statuses(run) == [honest]
 
 
-def test_a_bad_schedule_value_is_skipped_and_the_next_good_one_followed(nats_server):
-    async def main():
-        run = await open_run(nats_server.url, "schedule", "trainer")
-        seen = asyncio.Queue()
-        watching = asyncio.create_task(watch_schedule(run, seen.put_nowait))
-        await run.state.put(SCHEDULE_KEY, b"junk")
-        schedule = Schedule(active=["s1"], standby=["s2"], predicted_utilisation=0.5, cost_per_step=1.0, why="test",
-                            updated_at=0.0)
-        await publish_schedule(run, schedule)
-        async with asyncio.timeout(10):
-            assert await seen.get() == schedule
-        assert not watching.done()
-        watching.cancel()
-        await run.close()
-
-    asyncio.run(main())
+async def test_a_bad_schedule_value_is_skipped_and_the_next_good_one_followed(runs):
+    run = await runs.open("schedule", "trainer")
+    seen = asyncio.Queue()
+    watching = asyncio.create_task(watch_schedule(run, seen.put_nowait))
+    await run.state.put(SCHEDULE_KEY, b"junk")
+    schedule = Schedule(active=["s1"], standby=["s2"], predicted_utilisation=0.5, cost_per_step=1.0, why="test",
+                        updated_at=0.0)
+    await publish_schedule(run, schedule)
+    async with asyncio.timeout(10):
+        assert await seen.get() == schedule
+    assert not watching.done()
+    watching.cancel()
 
 
-def test_a_restarted_trainer_given_another_ack_wait_has_it(nats_server):
+async def test_a_restarted_trainer_given_another_ack_wait_has_it(runs):
     """Held messages come back after ack_wait: a trainer restarted with a longer one must get
     it, not the consumer's first (its keep-alive runs at a third of the new one)."""
 
-    async def main():
-        run = await open_run(nats_server.url, "ackwait", "trainer")
-        await trainer_subscription(run, ack_wait_s=60.0)
-        await trainer_subscription(run, ack_wait_s=600.0)
-        info = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
-        assert info.config.ack_wait == 600.0
-        await run.close()
-
-    asyncio.run(main())
+    run = await runs.open("ackwait", "trainer")
+    await trainer_subscription(run, ack_wait_s=60.0)
+    await trainer_subscription(run, ack_wait_s=600.0)
+    info = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
+    assert info.config.ack_wait == 600.0
