@@ -20,7 +20,6 @@ Junk that never held a slot changes nothing.
 from __future__ import annotations
 
 import math
-from collections import Counter
 
 ACTIVE_S = 30.0  # a sampler that asked for work this recently shares the window
 

@@ -7,6 +7,7 @@ import contextlib
 import json
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Generic, TypeVar
 
@@ -16,7 +17,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError, NoServersError
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy, KeyValueConfig, StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
+from nats.js.errors import BadRequestError, KeyNotFoundError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
@@ -287,18 +288,43 @@ async def publish_once(run: Run, subject: str, data: bytes) -> None:
         raise DuplicatePublish(f"{subject}: the server dropped our message as a duplicate")
 
 
+BAD_VALUES: Counter[str] = Counter()  # values this process found malformed in the run's state, by key
+
+
+def bad_value(key: str, reason: str) -> None:
+    """A value that does not decode: said and counted, never fatal. Whoever reaches the broker
+    may have written it (a JetStream answer reflected into a key, a sampler's own key): a
+    reader takes it for absent and goes on."""
+    BAD_VALUES[key] += 1
+    log.warning("kv.bad_value", key=key, reason=reason[:200], seen=BAD_VALUES[key])
+
+
+async def read_value(kv: KeyValue, key: str, decode_value: Callable[[bytes], M]) -> tuple[M | None, int]:
+    """The key's value, decoded, and its revision: (None, 0) when there is none; (None, its
+    revision) when it does not decode (bad_value)."""
+    try:
+        entry = await kv.get(key)
+    except KeyNotFoundError:  # KeyDeletedError too
+        return None, 0
+    try:
+        return decode_value(entry.value or b""), entry.revision
+    except ValueError as e:  # ProtocolError, a JSON or number that does not parse
+        bad_value(key, str(e))
+        return None, entry.revision
+
+
 async def watch_forever(run: Run, key: str, on_value: Callable[[bytes], None]) -> None:
     """Call `on_value` with each value of the state bucket's `key` (the current one first),
     forever: a watch that fails (a broker restarting) is started again, and a value `on_value`
-    refuses (ProtocolError) is said and skipped: the next good one counts."""
+    refuses (ProtocolError) is said, counted and skipped: the next good one counts."""
     while True:
         try:
             async for entry in await run.state.watch(key):
                 if entry is not None and entry.value:  # None: the end-of-history marker; b"": a delete
                     try:
                         on_value(entry.value)
-                    except ProtocolError as e:
-                        log.warning("kv.bad_value", key=key, reason=str(e))
+                    except ValueError as e:
+                        bad_value(key, str(e))
         except BROKER_ERRORS as e:
             log.warning("kv.watch_failed", key=key, reason=repr(e))
         await asyncio.sleep(1.0)

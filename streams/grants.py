@@ -11,11 +11,10 @@ import re
 from typing import Awaitable, Callable
 
 import structlog
-from nats.js.errors import KeyNotFoundError
 
 from echo.protocol import (BUDGET_KEY, GRANT_TIMEOUT_S, SLOTS_KEY, AdmissionBudget, Grant, GrantRequest, ProtocolError,
                            decode, encode, subject_sampler)
-from streams.client import BROKER_ERRORS, Run, watch_forever
+from streams.client import BROKER_ERRORS, Run, read_value, watch_forever
 
 log = structlog.get_logger()
 
@@ -80,10 +79,7 @@ async def watch_budget(run: Run, changed: asyncio.Event) -> None:
 
 async def slots_granted(run: Run) -> int:
     """Slots granted so far: a restarted trainer numbers its grants on from there."""
-    try:
-        return int((await run.state.get(SLOTS_KEY)).value)
-    except KeyNotFoundError:
-        return 0
+    return (await read_value(run.state, SLOTS_KEY, int))[0] or 0
 
 
 async def record_slots_granted(run: Run, granted: int) -> None:

@@ -13,10 +13,10 @@ import os
 import socket
 
 import structlog
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 
-from echo.protocol import TRAINER_KEY, TrainerLease, decode, encode
-from streams.client import BROKER_ERRORS, Run
+from echo.protocol import TRAINER_KEY, ProtocolError, TrainerLease, WeightsAnnouncement, decode, encode
+from streams.client import BROKER_ERRORS, Run, read_value
 
 log = structlog.get_logger()
 
@@ -50,7 +50,7 @@ class Lease:
                     continue
                 self.lost = AnotherTrainer(f"run {self.run.names.run_id}: another trainer took over epoch {self.epoch}")
                 log.error("trainer.fenced_out", epoch=self.epoch)
-                return
+                raise self.lost  # at once: the process exits non-zero (workers/background.py)
             except BROKER_ERRORS as e:
                 log.warning("trainer.lease_renewal_failed", epoch=self.epoch, error=repr(e))
 
@@ -59,16 +59,14 @@ class Lease:
         that timed out here was applied after all, or a broker killed mid-write came back with an
         older revision); another trainer would have written the next epoch. Takes its revision."""
         try:
-            entry = await self.run.state.get(TRAINER_KEY)
-        except KeyNotFoundError:  # the run's state is not what this trainer knew
-            return False
+            held, revision = await read_value(self.run.state, TRAINER_KEY, _decode_lease)
         except BROKER_ERRORS as e:  # not known yet: the next renewal asks again
             log.warning("trainer.lease_renewal_failed", epoch=self.epoch, error=repr(e))
             return True
-        if decode(TrainerLease, entry.value) != self.lease:
+        if held != self.lease:  # another's, gone, or unreadable: the run's state is not what this trainer knew
             return False
-        log.warning("trainer.lease_revision_moved", epoch=self.epoch, expected=self.revision, found=entry.revision)
-        self.revision = entry.revision
+        log.warning("trainer.lease_revision_moved", epoch=self.epoch, expected=self.revision, found=revision)
+        self.revision = revision
         return True
 
     def check(self) -> None:
@@ -90,26 +88,24 @@ async def take_lease(run: Run, lapse_s: float = LAPSE_S) -> Lease:
     loop = asyncio.get_running_loop()
     watched: tuple[int, float] | None = None  # (revision seen, when)
     while True:
-        try:
-            entry = await run.state.get(TRAINER_KEY)
-            held = decode(TrainerLease, entry.value)
-        except KeyNotFoundError:
-            entry, held = None, None
-        if held is not None and not held.released:
+        held, revision = await read_value(run.state, TRAINER_KEY, _decode_lease)
+        if revision and (held is None or not held.released):  # an unreadable lease is watched as a held one
+            holder = f"{held.holder}, epoch {held.epoch}" if held else "its lease unreadable"
             if watched is None:
-                watched = (entry.revision, loop.time())
-                log.info("trainer.lease_held", epoch=held.epoch, holder=held.holder, waiting_s=lapse_s)
-            elif entry.revision != watched[0]:
-                raise AnotherTrainer(f"run {run.names.run_id} has a live trainer ({held.holder}, epoch {held.epoch})")
+                watched = (revision, loop.time())
+                log.info("trainer.lease_held", holder=holder, waiting_s=lapse_s)
+            elif revision != watched[0]:
+                raise AnotherTrainer(f"run {run.names.run_id} has a live trainer ({holder})")
             if loop.time() - watched[1] < lapse_s:
                 await asyncio.sleep(RENEW_S / 4)
                 continue
-        lease = TrainerLease(epoch=held.epoch + 1 if held else 1, holder=f"{socket.gethostname()}:{os.getpid()}")
+        epoch = held.epoch if held else await _last_announced_epoch(run) if revision else 0
+        lease = TrainerLease(epoch=epoch + 1, holder=f"{socket.gethostname()}:{os.getpid()}")
         try:
-            if entry is None:
+            if revision == 0:
                 revision = await run.state.create(TRAINER_KEY, encode(lease))
             else:
-                revision = await run.state.update(TRAINER_KEY, encode(lease), last=entry.revision)
+                revision = await run.state.update(TRAINER_KEY, encode(lease), last=revision)
         except KeyWrongLastSequenceError:
             raise AnotherTrainer(f"run {run.names.run_id}: another trainer started at the same moment") from None
         run.epoch = lease.epoch
@@ -117,8 +113,20 @@ async def take_lease(run: Run, lapse_s: float = LAPSE_S) -> Lease:
 
 
 async def current_epoch(run: Run) -> int | None:
-    """The epoch of the run's trainer, or None before any trainer started."""
+    """The epoch of the run's trainer, or None before any trainer started (or its lease unreadable)."""
+    held, _ = await read_value(run.state, TRAINER_KEY, _decode_lease)
+    return held.epoch if held else None
+
+
+def _decode_lease(value: bytes) -> TrainerLease:
+    return decode(TrainerLease, value)
+
+
+async def _last_announced_epoch(run: Run) -> int:
+    """The epoch of the newest weights announcement (0: none readable): after an unreadable lease
+    the next epoch comes after every one samplers have seen."""
     try:
-        return decode(TrainerLease, (await run.state.get(TRAINER_KEY)).value).epoch
-    except KeyNotFoundError:
-        return None
+        last = await run.js.get_last_msg(run.names.control_stream, run.names.weights_subject)
+        return decode(WeightsAnnouncement, last.data).epoch
+    except (NotFoundError, ProtocolError):
+        return 0

@@ -3,20 +3,18 @@ compare-and-set by the trainer (catching a sampler) and by an operator (lifting 
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyWrongLastSequenceError
 
 from echo.protocol import QUARANTINE_KEY, Quarantine, decode, encode
-from streams.client import Run, watch_forever
+from streams.client import Run, read_value, watch_forever
 
 
 async def _read(run: Run) -> tuple[Quarantine, int]:
-    try:
-        entry = await run.state.get(QUARANTINE_KEY)
-    except KeyNotFoundError:
-        return Quarantine(), 0
-    return decode(Quarantine, entry.value), entry.revision
+    quarantine, revision = await read_value(run.state, QUARANTINE_KEY, functools.partial(decode, Quarantine))
+    return quarantine or Quarantine(), revision
 
 
 async def read_quarantine(run: Run) -> dict[str, str]:

@@ -5,12 +5,12 @@ entry expires by itself."""
 
 from __future__ import annotations
 
-import structlog
-from nats.js.errors import KeyNotFoundError
+import functools
 
-from echo.protocol import (LEARNER_KEY, SAMPLER_STATUS_PREFIX, LearnerStatus, ProtocolError, SamplerStatus, decode,
-                           encode)
-from streams.client import Run, put_expiring
+import structlog
+
+from echo.protocol import LEARNER_KEY, SAMPLER_STATUS_PREFIX, LearnerStatus, SamplerStatus, decode, encode
+from streams.client import Run, put_expiring, read_value
 
 log = structlog.get_logger()
 
@@ -24,10 +24,7 @@ async def put_learner(run: Run, status: LearnerStatus) -> None:
 
 
 async def read_learner(run: Run) -> LearnerStatus | None:
-    try:
-        return decode(LearnerStatus, (await run.state.get(LEARNER_KEY)).value)
-    except KeyNotFoundError:  # no step taken yet
-        return None
+    return (await read_value(run.state, LEARNER_KEY, functools.partial(decode, LearnerStatus)))[0]  # None: no step yet
 
 
 async def weights_relay(run: Run, hub_domain: str) -> str:
@@ -44,12 +41,8 @@ async def read_statuses(run: Run) -> list[SamplerStatus]:
     statuses = []
     for subject in sorted(info.state.subjects or {}):
         key = subject.removeprefix(prefix)
-        try:
-            status = decode(SamplerStatus, (await run.state.get(key)).value)
-        except KeyNotFoundError:  # deleted
-            continue
-        except ProtocolError as e:  # one sampler's word: its bad heartbeat must not stop the readers
-            log.warning("registry.bad_status", key=key, reason=str(e))
+        status, _ = await read_value(run.state, key, _decode_status)
+        if status is None:  # deleted, or one sampler's bad word: it must not stop the readers
             continue
         # A sampler writes its own key only (its credentials), but any value: not another's status.
         if key != SAMPLER_STATUS_PREFIX + status.sampler_id:
@@ -60,13 +53,11 @@ async def read_statuses(run: Run) -> list[SamplerStatus]:
 
 
 async def read_heartbeat(run: Run, sampler_id: str) -> tuple[int, SamplerStatus | None]:
-    """The revision of the sampler's heartbeat key (0: none yet; it changes with every beat) and
-    what it says (None: none yet, or unreadable)."""
-    try:
-        entry = await run.state.get(SAMPLER_STATUS_PREFIX + sampler_id)
-    except KeyNotFoundError:
-        return 0, None
-    try:
-        return entry.revision, decode(SamplerStatus, entry.value)
-    except ProtocolError:
-        return entry.revision, None
+    """The revision of the sampler's heartbeat key (it changes with every beat) and what it says;
+    (0, None) when there is none or it is unreadable: not a sign of life."""
+    status, revision = await read_value(run.state, SAMPLER_STATUS_PREFIX + sampler_id, _decode_status)
+    return (revision, status) if status is not None else (0, None)
+
+
+def _decode_status(value: bytes) -> SamplerStatus:
+    return decode(SamplerStatus, value)

@@ -8,11 +8,9 @@ from __future__ import annotations
 import asyncio
 
 import orjson
-from nats.js.errors import KeyNotFoundError
-
 from echo.config import EchoConfig
 from echo.protocol import CONFIG_KEY
-from streams.client import Run
+from streams.client import Run, read_value
 
 
 async def publish_run_config(run: Run, cfg: EchoConfig) -> None:
@@ -21,8 +19,13 @@ async def publish_run_config(run: Run, cfg: EchoConfig) -> None:
 
 async def wait_for_run_config(run: Run, poll_s: float = 1.0) -> dict:
     """The run's config as plain data, waiting for a trainer that has not started yet."""
-    while True:
-        try:
-            return orjson.loads((await run.state.get(CONFIG_KEY)).value)
-        except KeyNotFoundError:
-            await asyncio.sleep(poll_s)
+    while (config := (await read_value(run.state, CONFIG_KEY, _json_object))[0]) is None:
+        await asyncio.sleep(poll_s)  # none yet, or unreadable (said and counted): the trainer writes it again
+    return config
+
+
+def _json_object(value: bytes) -> dict:
+    config = orjson.loads(value)
+    if not isinstance(config, dict):
+        raise ValueError(f"not a JSON object: {type(config).__name__}")
+    return config

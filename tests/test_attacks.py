@@ -4,18 +4,26 @@ before the defence it checks."""
 
 from __future__ import annotations
 
+import asyncio
+
 import nats
 import pytest
+from nats.js.errors import KeyNotFoundError
 
 from echo.admission import GrantLedger
 from echo.checkpoint import TrainerState
-from echo.protocol import GrantRequest, encode
-from streams.client import open_run
-from streams.lease import take_lease
+from echo.protocol import (BUDGET_KEY, CONFIG_KEY, LEARNER_KEY, QUARANTINE_KEY, SAMPLER_STATUS_PREFIX, SCHEDULE_KEY,
+                           SLOTS_KEY, TRAINER_KEY, GrantRequest, encode)
+from streams.client import BAD_VALUES, open_run
+from streams.grants import slots_granted
+from streams.lease import RENEW_S, AnotherTrainer, current_epoch, take_lease
+from streams.quarantine import change_quarantine, read_quarantine
+from streams.registry import read_heartbeat, read_learner, read_statuses
 from streams.secure import SecureDir
 from streams.server import NatsServer
 from streams.weights import fetch_weights, publish_weights
 from tests.conftest import TINY_BASE, tiny_config
+from workers.cli import main
 from workers.dispatch import AsyncDispatch
 
 
@@ -26,6 +34,13 @@ def secured(tmp_path):
     secure.init("sec", ["localhost", "127.0.0.1"], ["s1"])
     with NatsServer(tmp_path / "jetstream", include=secure.dir / "server.conf") as server:
         yield server, secure
+
+
+async def _revision(kv, key: str) -> int:
+    try:
+        return (await kv.get(key)).revision
+    except KeyNotFoundError:
+        return 0
 
 
 async def _serving_trainer(server, secure, tmp_path):
@@ -59,8 +74,53 @@ async def test_the_trainer_answers_a_grant_request_only_in_an_inbox_and_copies_n
         assert not answer.headers, answer.headers  # none of the request's headers came back
         assert await fetch_weights(trainer, announcement) == [bytearray(b"v0" * 100)]  # the bucket is whole
         assert (await trainer.js.stream_info(names.rollouts_stream)).state.messages == 0
-        assert "x" not in await trainer.state.keys()
+        assert await _revision(trainer.state, "x") == 0
     finally:
+        await attacker.close()
+        await dispatch.subscription.unsubscribe()
+        await trainer.close()
+
+
+async def test_jetstream_answers_reflected_into_the_state_bucket_are_read_as_absent_and_fence_the_trainer_out(
+        secured, tmp_path, capsys):
+    """Reply reflection through the JetStream API: a request the sampler may make ($JS.hub.API.INFO)
+    whose reply names a key of the run's state bucket has the server write its answer there.
+    Every sampler and the trainer exited on the next read (bad_schema_version), restarts failed
+    the same way, `echo-rl quarantine list` crashed. Every reader now takes such a value for
+    absent, says and counts it; the trainer whose lease it overwrote stops at once, and the
+    next one takes the run in an epoch after every one announced."""
+    server, secure = secured
+    trainer, lease, announcement, dispatch = await _serving_trainer(server, secure, tmp_path)
+    names = trainer.names
+    await change_quarantine(trainer, lambda samplers: samplers.update({"s9": "caught"}))
+    renewing = asyncio.create_task(lease.renew_forever())
+    attacker = await nats.connect(server.url, **secure.credentials("sampler-s1").connect_options())
+    keys = [QUARANTINE_KEY, TRAINER_KEY, SCHEDULE_KEY, BUDGET_KEY, LEARNER_KEY, SLOTS_KEY, CONFIG_KEY,
+            SAMPLER_STATUS_PREFIX + "s1"]
+    try:
+        revisions = {key: await _revision(trainer.state, key) for key in keys}
+        for key in keys:
+            await attacker.publish("$JS.hub.API.INFO", b"", reply=f"$KV.{names.state_bucket}.{key}")
+        await attacker.flush()
+        async with asyncio.timeout(10):  # until the server has written its answer into every key
+            while any([await _revision(trainer.state, key) <= revision for key, revision in revisions.items()]):
+                await asyncio.sleep(0.05)
+        assert (await trainer.state.get(QUARANTINE_KEY)).value.startswith(b'{"type":"io.nats.jetstream.api.v1')
+
+        counted = BAD_VALUES[QUARANTINE_KEY]
+        assert await read_quarantine(trainer) == {} and BAD_VALUES[QUARANTINE_KEY] == counted + 1
+        assert await current_epoch(trainer) is None
+        assert await read_learner(trainer) is None and await slots_granted(trainer) == 0
+        assert await read_statuses(trainer) == [] and await read_heartbeat(trainer, "s1") == (0, None)
+        args = ["quarantine", "list", "--nats", server.url, "--run-id", "sec",
+                "--creds", str(secure.seed_file("observer")), "--tls-ca", str(secure.ca_file)]
+        assert await asyncio.to_thread(main, args) == 0 and capsys.readouterr().out.splitlines()[-1] == "{}"
+        with pytest.raises(AnotherTrainer):  # its lease overwritten: fenced out, at once
+            await asyncio.wait_for(renewing, 5 * RENEW_S)
+        successor = await take_lease(trainer, lapse_s=0.5)  # the unreadable lease lapses like a dead one's
+        assert successor.epoch == announcement.epoch + 1
+    finally:
+        renewing.cancel()
         await attacker.close()
         await dispatch.subscription.unsubscribe()
         await trainer.close()

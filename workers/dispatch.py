@@ -70,7 +70,7 @@ class Dispatch:
             dead = silent_s > self.cfg.trainer.sampler_dead_after_s or stalled_s > self.cfg.trainer.reissue_after_s
             if stopped or dead:
                 slots = self.ledger.release(sampler_id)
-                log.warning("dispatch.leases_released", sampler=sampler_id, slots=len(slots), stopped=stopped,
+                log.warning("dispatch.slots_released", sampler=sampler_id, slots=len(slots), stopped=stopped,
                             silent_s=round(silent_s, 1), stalled_s=round(stalled_s, 1))
         lost = self.ledger.take_lost()
         if lost:
