@@ -63,7 +63,6 @@ SLOTS_KEY = "leases"  # the number of slots granted so far (the trainer's, kept 
 QUARANTINE_KEY = "quarantine"  # samplers whose groups are ignored (Quarantine), by the trainer or an operator
 SCHEDULE_KEY = "schedule"  # the scheduler's choice of samplers (Schedule), written by the trainer
 LEARNER_KEY = "learner"  # the trainer's pace (LearnerStatus), for the scheduler and `echo-rl plan`
-SAMPLER_STATUS_PREFIX = "samplers."  # + sampler id: each sampler's heartbeat (SamplerStatus)
 ROLLOUT_DEDUP_WINDOW_S = 300.0
 GRANT_TIMEOUT_S = 5.0  # a sampler waits this long for the trainer's answer, then asks again later
 
@@ -161,6 +160,12 @@ class RunNames:
     @property
     def state_bucket(self) -> str:
         return f"echo_{self.run_id}_state"
+
+    @property
+    def registry_bucket(self) -> str:
+        # The samplers' heartbeats (SamplerStatus), keyed by sampler id: apart from the trainer's
+        # state, so that nothing a sampler writes can reach it (streams/layout.py).
+        return f"echo_{self.run_id}_registry"
 
 
 def weights_object_name(epoch: int, version: int, shard: int) -> str:

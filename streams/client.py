@@ -116,7 +116,8 @@ class Run:
     local_js: JetStreamContext
     names: RunNames
     weights: ObjectStore
-    state: KeyValue
+    state: KeyValue  # the trainer's: only it writes here
+    registry: KeyValue  # the samplers' heartbeats, each its own key (streams/registry.py)
     epoch: int | None = None  # the trainer's lease epoch, once it holds one (streams/lease.py)
     # The versions this process keeps in the weights bucket -> when a newer one was announced
     # (inf: not yet); None until its first publish has deleted earlier trainers' old versions.
@@ -199,7 +200,9 @@ async def _create_run(js: JetStreamContext, names: RunNames, hub_domain: str | N
     # nats-py overwrites config.bucket with the positional name: pass both.
     weights = await js.create_object_store(names.weights_bucket, config=layout.weights_bucket(names, storage))
     state = await _open_kv(js, layout.state_bucket(names, storage), hub_domain, create=True)
-    return weights, state
+    await _add_or_update_stream(js, layout.registry_stream(names, storage))
+    registry = await _open_kv(js, KeyValueConfig(bucket=names.registry_bucket), hub_domain, create=False)
+    return weights, state, registry
 
 
 async def _join_run(js: JetStreamContext, names: RunNames, hub_domain: str | None, wait_s: float):
@@ -210,7 +213,8 @@ async def _join_run(js: JetStreamContext, names: RunNames, hub_domain: str | Non
         try:
             weights = await js.object_store(names.weights_bucket)
             state = await _open_kv(js, layout.state_bucket(names), hub_domain, create=False)
-            return weights, state
+            registry = await _open_kv(js, KeyValueConfig(bucket=names.registry_bucket), hub_domain, create=False)
+            return weights, state, registry
         except NotFoundError:  # BucketNotFoundError too
             if asyncio.get_running_loop().time() > deadline:
                 raise NoRun(f"run {names.run_id!r} does not exist on this broker: is its trainer running?") from None
@@ -241,13 +245,13 @@ async def open_run(
     try:
         await wait_for_jetstream(js, f"{url} (domain {hub_domain})", timeout=mirror_wait_s)
         if create:
-            weights, state = await _create_run(js, names, hub_domain, storage)
+            weights, state, registry = await _create_run(js, names, hub_domain, storage)
         else:
-            weights, state = await _join_run(js, names, hub_domain, join_wait_s)
+            weights, state, registry = await _join_run(js, names, hub_domain, join_wait_s)
     except BaseException:
         await nc.close()
         raise
-    run = Run(nc, js, nc.jetstream(), names, weights, state)
+    run = Run(nc, js, nc.jetstream(), names, weights, state, registry)
     try:
         if weights_url:
             run.weights_nc = await connect(weights_url, f"{client_name}-weights", credentials)

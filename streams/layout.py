@@ -4,6 +4,7 @@ a relay mirrors, under the names echo/protocol.py's RunNames gives them."""
 from __future__ import annotations
 
 from nats.js.api import (
+    DiscardPolicy,
     ExternalStream,
     KeyValueConfig,
     ObjectStoreConfig,
@@ -46,6 +47,27 @@ def weights_bucket(names: RunNames, storage: Storage = Storage()) -> ObjectStore
 
 def state_bucket(names: RunNames, storage: Storage = Storage()) -> KeyValueConfig:
     return KeyValueConfig(bucket=names.state_bucket, storage=StorageType.FILE, replicas=storage.replicas)
+
+
+def registry_stream(names: RunNames, storage: Storage = Storage()) -> StreamConfig:
+    """The samplers' heartbeat bucket as its stream: a KV bucket whose writes (each sampler its
+    own key) can roll nothing up, and no one may purge or delete from (a `Nats-Rollup: all` on a
+    sampler's own key of the state bucket wiped the trainer's lease, config and slot count).
+    Keys expire by their TTL (put_expiring)."""
+    return StreamConfig(
+        name=f"KV_{names.registry_bucket}",
+        subjects=[f"$KV.{names.registry_bucket}.>"],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_msgs_per_subject=1,
+        discard=DiscardPolicy.NEW,
+        allow_rollup_hdrs=False,
+        deny_delete=True,
+        deny_purge=True,
+        allow_direct=True,
+        allow_msg_ttl=True,
+        num_replicas=storage.replicas,
+    )
 
 
 def weights_mirrors(names: RunNames, upstream_domain: str) -> list[StreamConfig]:

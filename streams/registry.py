@@ -1,5 +1,5 @@
 """The run's registry of samplers: each sampler's heartbeat (SamplerStatus) is one key of the
-run's state bucket, rewritten every few seconds with a per-key TTL, so anyone (the trainer, the
+run's registry bucket (its sampler id), rewritten every few seconds with a per-key TTL, so anyone (the trainer, the
 scheduler, an operator) can see who runs what, how fast and at what cost, and a dead sampler's
 entry expires by itself."""
 
@@ -9,14 +9,14 @@ import functools
 
 import structlog
 
-from echo.protocol import LEARNER_KEY, SAMPLER_STATUS_PREFIX, LearnerStatus, SamplerStatus, decode, encode
+from echo.protocol import LEARNER_KEY, LearnerStatus, SamplerStatus, decode, encode
 from streams.client import Run, put_expiring, read_value
 
 log = structlog.get_logger()
 
 
 async def put_status(run: Run, status: SamplerStatus) -> None:
-    await put_expiring(run.state, SAMPLER_STATUS_PREFIX + status.sampler_id, encode(status), status.ttl_s)
+    await put_expiring(run.registry, status.sampler_id, encode(status), status.ttl_s)
 
 
 async def put_learner(run: Run, status: LearnerStatus) -> None:
@@ -36,16 +36,16 @@ async def weights_relay(run: Run, hub_domain: str) -> str:
 async def read_statuses(run: Run) -> list[SamplerStatus]:
     # The bucket's stream lists its subjects exactly. nats-py's `keys()` watches the bucket
     # instead and can stop before the first key arrives (its end marker races the delivery).
-    prefix = f"$KV.{run.names.state_bucket}."
-    info = await run.js.stream_info(f"KV_{run.names.state_bucket}", subjects_filter=prefix + SAMPLER_STATUS_PREFIX + ">")
+    prefix = f"$KV.{run.names.registry_bucket}."
+    info = await run.js.stream_info(f"KV_{run.names.registry_bucket}", subjects_filter=prefix + ">")
     statuses = []
     for subject in sorted(info.state.subjects or {}):
         key = subject.removeprefix(prefix)
-        status, _ = await read_value(run.state, key, _decode_status)
+        status, _ = await read_value(run.registry, key, _decode_status)
         if status is None:  # deleted, or one sampler's bad word: it must not stop the readers
             continue
         # A sampler writes its own key only (its credentials), but any value: not another's status.
-        if key != SAMPLER_STATUS_PREFIX + status.sampler_id:
+        if key != status.sampler_id:
             log.warning("registry.misnamed_status", key=key, sampler=status.sampler_id)
             continue
         statuses.append(status)
@@ -55,7 +55,7 @@ async def read_statuses(run: Run) -> list[SamplerStatus]:
 async def read_heartbeat(run: Run, sampler_id: str) -> tuple[int, SamplerStatus | None]:
     """The revision of the sampler's heartbeat key (it changes with every beat) and what it says;
     (0, None) when there is none or it is unreadable: not a sign of life."""
-    status, revision = await read_value(run.state, SAMPLER_STATUS_PREFIX + sampler_id, _decode_status)
+    status, revision = await read_value(run.registry, sampler_id, _decode_status)
     return (revision, status) if status is not None else (0, None)
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import nkeys
 
-from echo.protocol import HUB_DOMAIN, SAMPLER_STATUS_PREFIX, TRAINER_CONSUMER, RunNames, check_id
+from echo.protocol import HUB_DOMAIN, TRAINER_CONSUMER, RunNames, check_id
 from streams.credentials import Credentials, inbox_prefix, sibling_file
 from streams.server import write_secret
 
@@ -103,7 +103,7 @@ def permissions(role: str, names: RunNames, public_key: str, sampler_id: str | N
         return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
     readable = [names.control_stream, names.weights_stream, f"KV_{names.state_bucket}"]
     if role == "observer":
-        readable += [names.rollouts_stream, names.bodies_stream]  # replay
+        readable += [names.rollouts_stream, names.bodies_stream, f"KV_{names.registry_bucket}"]  # replay, status
     allow = []
     for api in _api_prefixes(hub_domain):
         allow.append(f"{api}.INFO")
@@ -115,7 +115,8 @@ def permissions(role: str, names: RunNames, public_key: str, sampler_id: str | N
     if role == "sampler":
         check_id("sampler id", sampler_id)
         allow += [names.rollouts_subject(sampler_id), names.sampler_bodies(sampler_id), names.grants_subject(sampler_id)]
-        allow += _kv_write(names.state_bucket, f"{SAMPLER_STATUS_PREFIX}{sampler_id}", hub_domain)
+        allow += _kv_write(names.registry_bucket, sampler_id, hub_domain)
+        allow += [f"{api}.STREAM.INFO.KV_{names.registry_bucket}" for api in _api_prefixes(hub_domain)]  # to open it
     elif role != "observer":
         raise ValueError(f"unknown role {role!r}")
     return {"publish": {"allow": allow, "deny": deny}, "subscribe": {"allow": [inbox]}}

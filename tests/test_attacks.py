@@ -12,8 +12,8 @@ from nats.js.errors import KeyNotFoundError
 
 from echo.admission import GrantLedger
 from echo.checkpoint import TrainerState
-from echo.protocol import (BUDGET_KEY, CONFIG_KEY, LEARNER_KEY, QUARANTINE_KEY, SAMPLER_STATUS_PREFIX, SCHEDULE_KEY,
-                           SLOTS_KEY, TRAINER_KEY, GrantRequest, encode)
+from echo.protocol import (BUDGET_KEY, CONFIG_KEY, LEARNER_KEY, QUARANTINE_KEY, SCHEDULE_KEY, SLOTS_KEY, TRAINER_KEY,
+                           GrantRequest, encode)
 from streams.client import BAD_VALUES, open_run
 from streams.grants import slots_granted
 from streams.lease import RENEW_S, AnotherTrainer, current_epoch, take_lease
@@ -95,15 +95,16 @@ async def test_jetstream_answers_reflected_into_the_state_bucket_are_read_as_abs
     await change_quarantine(trainer, lambda samplers: samplers.update({"s9": "caught"}))
     renewing = asyncio.create_task(lease.renew_forever())
     attacker = await nats.connect(server.url, **secure.credentials("sampler-s1").connect_options())
-    keys = [QUARANTINE_KEY, TRAINER_KEY, SCHEDULE_KEY, BUDGET_KEY, LEARNER_KEY, SLOTS_KEY, CONFIG_KEY,
-            SAMPLER_STATUS_PREFIX + "s1"]
+    keys = [(trainer.state, names.state_bucket, key) for key in (
+        QUARANTINE_KEY, TRAINER_KEY, SCHEDULE_KEY, BUDGET_KEY, LEARNER_KEY, SLOTS_KEY, CONFIG_KEY)]
+    keys.append((trainer.registry, names.registry_bucket, "s1"))  # and its own heartbeat
     try:
-        revisions = {key: await _revision(trainer.state, key) for key in keys}
-        for key in keys:
-            await attacker.publish("$JS.hub.API.INFO", b"", reply=f"$KV.{names.state_bucket}.{key}")
+        revisions = {(kv, key): await _revision(kv, key) for kv, _, key in keys}
+        for _, bucket, key in keys:
+            await attacker.publish("$JS.hub.API.INFO", b"", reply=f"$KV.{bucket}.{key}")
         await attacker.flush()
         async with asyncio.timeout(10):  # until the server has written its answer into every key
-            while any([await _revision(trainer.state, key) <= revision for key, revision in revisions.items()]):
+            while any([await _revision(kv, key) <= revision for (kv, key), revision in revisions.items()]):
                 await asyncio.sleep(0.05)
         assert (await trainer.state.get(QUARANTINE_KEY)).value.startswith(b'{"type":"io.nats.jetstream.api.v1')
 
@@ -121,6 +122,35 @@ async def test_jetstream_answers_reflected_into_the_state_bucket_are_read_as_abs
         assert successor.epoch == announcement.epoch + 1
     finally:
         renewing.cancel()
+        await attacker.close()
+        await dispatch.subscription.unsubscribe()
+        await trainer.close()
+
+
+async def test_a_rollup_on_the_samplers_own_heartbeat_key_wipes_nothing(secured, tmp_path):
+    """One publish on the sampler's own heartbeat key with `Nats-Rollup: all` wiped the state
+    bucket (config, trainer lease, slot count, quarantine): the trainer was fenced out and its
+    successor started again at epoch 1. Heartbeats now live in a bucket of their own that
+    refuses rollups, purges and deletes, and the state bucket holds nothing a sampler writes."""
+    server, secure = secured
+    trainer, lease, announcement, dispatch = await _serving_trainer(server, secure, tmp_path)
+    names = trainer.names
+    await trainer.state.put(CONFIG_KEY, b'{"task": {"name": "math"}}')
+    await trainer.registry.put("s0", b"another sampler's heartbeat")
+    attacker = await nats.connect(server.url, **secure.credentials("sampler-s1").connect_options())
+    js = attacker.jetstream(domain="hub", timeout=2.0)
+    try:
+        for subject in (f"$KV.{names.registry_bucket}.s1", f"$KV.{names.state_bucket}.samplers.s1"):
+            for rollup in ("all", "sub"):
+                with pytest.raises((nats.errors.TimeoutError, nats.js.errors.APIError)):
+                    await js.publish(subject, b"{}", headers={"Nats-Rollup": rollup})
+        with pytest.raises(nats.js.errors.APIError):  # nor may it purge its own key
+            await js.publish(f"$KV.{names.registry_bucket}.s1", b"",
+                             headers={"KV-Operation": "PURGE", "Nats-Rollup": "sub"})
+        assert (await trainer.state.get(CONFIG_KEY)).value == b'{"task": {"name": "math"}}'
+        assert await current_epoch(trainer) == lease.epoch and await slots_granted(trainer) == 0
+        assert (await trainer.registry.get("s0")).value == b"another sampler's heartbeat"
+    finally:
         await attacker.close()
         await dispatch.subscription.unsubscribe()
         await trainer.close()

@@ -4,7 +4,7 @@ registry, and a fleet that is no longer measured leaves no sampler on standby.""
 import time
 from types import SimpleNamespace
 
-from echo.protocol import SAMPLER_STATUS_PREFIX, LearnerStatus, SamplerStatus
+from echo.protocol import LearnerStatus, SamplerStatus
 from streams.registry import put_status
 from tests.conftest import tiny_config
 from workers.coordinator import Coordinator
@@ -29,6 +29,6 @@ async def test_a_fleet_no_longer_measured_leaves_no_sampler_on_standby(runs, tmp
     await coordinator.choose()
     assert standby == {"dear"}
     for sampler_id in ("cheap", "dear"):  # both entries expired, or both restarted and unmeasured
-        await run.state.delete(SAMPLER_STATUS_PREFIX + sampler_id)
+        await run.registry.delete(sampler_id)
     await coordinator.choose()
     assert standby == set()  # a restarted "dear" takes work, so it can be measured again

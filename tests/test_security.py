@@ -220,6 +220,7 @@ async def test_a_sampler_cannot_touch_what_the_trainer_owns(secured, runs):
         js.publish(f"$KV.{names.state_bucket}.{TRAINER_KEY}", b"{}"),
         js.publish(f"$KV.{names.state_bucket}.{BUDGET_KEY}", b"{}"),
         js.publish(f"$KV.{names.state_bucket}.samplers.s2", b"{}"),
+        js.publish(f"$KV.{names.registry_bucket}.s2", b"{}"),  # another's heartbeat
         js.publish(f"$KV.{names.state_bucket}.{SLOTS_KEY}", b"1000000"),  # starve the others of slots
         nc.request(names.grants_subject("s2"), b"{}", timeout=1.0),  # ask for work as another sampler
         js.publish(names.weights_subject, forged),

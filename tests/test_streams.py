@@ -22,7 +22,6 @@ from echo.protocol import (
     HDR_MSG_ID,
     HDR_POLICY_VERSION,
     HDR_SAMPLER_ID,
-    SAMPLER_STATUS_PREFIX,
     SCHEDULE_KEY,
     TRAINER_CONSUMER,
     SamplerStatus,
@@ -409,8 +408,8 @@ async def test_a_bad_or_misnamed_heartbeat_is_skipped_not_fatal(runs):
     run = await runs.open("beats", "trainer")
     honest = SamplerStatus(sampler_id="s1", version=0, groups_published=0, weight_failures={}, updated_at=0.0)
     await put_status(run, honest)
-    await run.state.put(SAMPLER_STATUS_PREFIX + "s2", b"junk")
-    await run.state.put(SAMPLER_STATUS_PREFIX + "s0", encode(honest))  # s0 speaking for s1
+    await run.registry.put("s2", b"junk")
+    await run.registry.put("s0", encode(honest))  # s0 speaking for s1
     assert await read_statuses(run) == [honest]
 
 
