@@ -51,13 +51,15 @@ class SamplingProof:
     versions to check them against, and the check itself."""
 
     def __init__(self, policy, pad_id: int, temperature: float, fraction: float, tolerance: float,
-                 keep: int, seed: int, tolerance_16bit: float | None = None, publish_dtype: torch.dtype = torch.float32,
+                 keep: int, tolerance_16bit: float | None = None, publish_dtype: torch.dtype = torch.float32,
                  compute_dtype: torch.dtype = torch.float32):
         self.policy, self.pad_id, self.temperature = policy, pad_id, temperature
         self.fraction, self.keep = fraction, keep
         self.tolerance, self.tolerance_16bit = tolerance, tolerance_16bit or tolerance
         self.publish_dtype, self.compute_dtype = publish_dtype, compute_dtype
-        self.rng = random.Random(f"{seed}/proof")
+        # From the OS, not the run's seed: every sampler reads the config, and one that could tell
+        # which groups will be checked would forge only the others.
+        self.rng = random.SystemRandom()
         self.versions: dict[int, dict[str, torch.Tensor]] = {}  # as published: what the samplers run
         self.live: dict[str, torch.Tensor] = {}  # the trainer's own (unrounded) current tensors
         self.suspects: set[str] = set()

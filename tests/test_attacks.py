@@ -5,26 +5,30 @@ before the defence it checks."""
 from __future__ import annotations
 
 import asyncio
+import io
+import time
 
 import nats
 import pytest
 from nats.js.errors import KeyNotFoundError
+from rich.console import Console
 
 from echo.admission import GrantLedger
 from echo.checkpoint import TrainerState
 from echo.protocol import (BUDGET_KEY, CONFIG_KEY, LEARNER_KEY, QUARANTINE_KEY, SCHEDULE_KEY, SLOTS_KEY, TRAINER_KEY,
-                           GrantRequest, encode)
+                           GrantRequest, SamplerStatus, encode)
 from streams.client import BAD_VALUES, open_run
 from streams.grants import slots_granted
 from streams.lease import RENEW_S, AnotherTrainer, current_epoch, take_lease
 from streams.quarantine import change_quarantine, read_quarantine
-from streams.registry import read_heartbeat, read_learner, read_statuses
+from streams.registry import put_status, read_heartbeat, read_learner, read_statuses
 from streams.secure import SecureDir
 from streams.server import NatsServer
 from streams.weights import fetch_weights, publish_weights
 from tests.conftest import TINY_BASE, tiny_config
 from workers.cli import main
 from workers.dispatch import AsyncDispatch
+from workers.status import render, snapshot
 
 
 @pytest.fixture
@@ -154,3 +158,23 @@ async def test_a_rollup_on_the_samplers_own_heartbeat_key_wipes_nothing(secured,
         await attacker.close()
         await dispatch.subscription.unsubscribe()
         await trainer.close()
+
+
+async def test_status_shows_a_samplers_own_words_as_written(secured, tmp_path):
+    """A heartbeat is the sampler's word: markup in it ([link=...], styles) reached the operator's
+    terminal as markup. `echo-rl status` prints it literally."""
+    server, secure = secured
+    trainer, lease, announcement, dispatch = await _serving_trainer(server, secure, tmp_path)
+    sampler = await open_run(server.url, "sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
+    observer = await open_run(server.url, "sec", "observer", credentials=secure.credentials("observer"), create=False)
+    words = "[link=https://evil.example]update your drivers[/link][blink]"
+    try:
+        await put_status(sampler, SamplerStatus(sampler_id="s1", version=0, groups_published=0, weight_failures={},
+                                                updated_at=time.time(), engine=words, device=words, relay=words))
+        out = io.StringIO()
+        Console(file=out, width=400).print(render(await snapshot(observer)))
+        assert out.getvalue().count(words) == 3, out.getvalue()
+    finally:
+        await dispatch.subscription.unsubscribe()
+        for run in (observer, sampler, trainer):
+            await run.close()

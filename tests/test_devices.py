@@ -111,7 +111,7 @@ def test_the_proof_checks_against_the_rounded_weights_samplers_run_and_keeps_the
                 p.normal_(0, 0.05)
     live = {k: v.clone() for k, v in policy_tensors(trainer).items()}
     proof = SamplingProof(trainer, engine.tokenizer.pad_token_id, cfg.sampling.temperature, 1.0, 1e-4, keep=2,
-                          seed=0, publish_dtype=torch.bfloat16)
+                          publish_dtype=torch.bfloat16)
     proof.remember(0)
     load_weights(engine.model, [bytearray(s) for s in weights_shards(trainer, 2**30, torch.bfloat16)])
     prompt = engine.encode_chat([{"role": "user", "content": "2+2?"}])

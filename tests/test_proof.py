@@ -40,7 +40,16 @@ def _perturb(model, seed: int) -> None:
 
 
 def _proof(policy, tolerance: float = 0.01, fraction: float = 1.0) -> SamplingProof:
-    return SamplingProof(policy, 0, SAMPLING.temperature, fraction, tolerance, keep=2, seed=0)
+    return SamplingProof(policy, 0, SAMPLING.temperature, fraction, tolerance, keep=2)
+
+
+def test_which_groups_are_checked_cannot_be_told_from_the_run_config():
+    """The choice was drawn from a generator seeded by run.seed, which every sampler reads in the
+    config: a forger could tell which groups would be checked. Two trainers of the same config
+    now choose differently (the chance that 128 draws agree is 2**-128)."""
+    group = honest_group(policy_version=0)
+    first, second = (_proof(torch.nn.Linear(1, 1), fraction=0.5) for _ in range(2))
+    assert [first.wants(group) for _ in range(128)] != [second.wants(group) for _ in range(128)]
 
 
 def test_the_gap_is_the_largest_token_difference():

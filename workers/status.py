@@ -59,6 +59,7 @@ def render(snap: dict):
     """The snapshot as rich renderables, for a terminal."""
     from rich.console import Group
     from rich.table import Table
+    from rich.text import Text  # a sampler's own words, shown as written: no markup of theirs is interpreted
 
     parts = []
     trainer = snap["trainer"]
@@ -83,7 +84,8 @@ def render(snap: dict):
                   "sync s", "cost/h", "published", "seen", title="samplers", title_justify="left")
     for s in snap["samplers"]:
         table.add_row(s["id"], s["state"], str(s["version"]), "-" if s["lag"] is None else str(s["lag"]),
-                      s["engine"], s["device"], s["relay"], f"{s['groups_per_s']:.2f}", f"{s['tokens_per_s']:.0f}",
+                      Text(s["engine"]), Text(s["device"]), Text(s["relay"]), f"{s['groups_per_s']:.2f}",
+                      f"{s['tokens_per_s']:.0f}",
                       "-" if s["sync_s"] is None else f"{s['sync_s']:.2f}", f"{s['cost_per_hour']:g}",
                       str(s["groups_published"]), f"{s['seen_s_ago']:.0f} s ago")
     parts.append(table)

@@ -143,7 +143,7 @@ class TrainerModel:
         self.state = load_checkpoint(self.checkpoint_path, self.policy, self.optimizer, ranks.rank) or TrainerState()
         self.proof = SamplingProof(self.policy, self.tokenizer.pad_token_id, cfg.sampling.temperature,
                                    cfg.trainer.verify_fraction, cfg.trainer.verify_tolerance, keep=cfg.staleness_bound + 1,
-                                   seed=cfg.run.seed, tolerance_16bit=cfg.trainer.verify_tolerance_16bit,
+                                   tolerance_16bit=cfg.trainer.verify_tolerance_16bit,
                                    publish_dtype=DTYPES[cfg.trainer.publish_dtype], compute_dtype=self.compute_dtype)
         self.stop = threading.Event()  # set from rank 0's event loop: abandon the step (one process only)
 
