@@ -489,6 +489,35 @@ def _validate(cls: type[M], raw: dict, context: dict | None = None) -> M:
 # then every completion token's log-prob as little-endian float32. About 8 bytes a completion
 # token plus its text, against about 31 as JSON; float32 is what the trainer computes with.
 ROLLOUT_MAGIC = b"ECRG"
+PROMPT_TOKENS_ALLOWED = 32_768  # a prompt's length on the wire (the trainer then checks it is the task's own)
+TEXT_BYTES_PER_TOKEN = 48  # a completion's text as JSON: a token's bytes, escaped, with room to spare
+FIELDS_BYTES = 4096  # a group's other fields as JSON, and each completion's, beside its text
+
+
+@dataclass(frozen=True)
+class RolloutLimits:
+    """What a rollout message may hold in a run, from its config: checked before anything of it
+    is validated (its counts) or read (a body in parts, by the size it claims), so the trainer's
+    time and memory per message stay bounded whatever a sampler sends."""
+
+    group_size: int
+    max_new_tokens: int
+
+    @property
+    def max_bytes(self) -> int:
+        per_completion = FIELDS_BYTES + self.max_new_tokens * (8 + TEXT_BYTES_PER_TOKEN)  # id, log-prob, text
+        return _ROLLOUT_HEAD.size + FIELDS_BYTES + 4 * PROMPT_TOKENS_ALLOWED + self.group_size * per_completion
+
+    def check(self, size: int, prompt_tokens: int | None = None, completion_tokens: list[int] = ()) -> None:
+        if size > self.max_bytes:
+            raise ProtocolError("too_large", f"{size} bytes, more than the {self.max_bytes} a group of this run takes")
+        if prompt_tokens is not None and prompt_tokens > PROMPT_TOKENS_ALLOWED:
+            raise ProtocolError("prompt_too_long", f"{prompt_tokens} tokens")
+        if len(completion_tokens) > self.group_size:
+            raise ProtocolError("wrong_group_size", f"{len(completion_tokens)} completions, the run's groups have "
+                                                    f"{self.group_size}")
+        if any(n > self.max_new_tokens for n in completion_tokens):
+            raise ProtocolError("completion_too_long", f"{max(completion_tokens)} tokens")
 _ROLLOUT_HEAD = struct.Struct("<4sI")
 _WIRE_IDS, _WIRE_LOGPROBS = np.dtype("<u4"), np.dtype("<f4")  # little-endian on any machine
 
@@ -521,10 +550,13 @@ def _pack(fields: dict, prompt_ids, completion_ids: list, logprobs: list) -> byt
     return b"".join((_ROLLOUT_HEAD.pack(ROLLOUT_MAGIC, len(meta)), meta, ids.tobytes(), claimed.tobytes()))
 
 
-def _read_rollout(data: bytes) -> tuple[dict, int, list[int], np.ndarray, np.ndarray]:
+def _read_rollout(data: bytes,
+                  limits: RolloutLimits | None = None) -> tuple[dict, int, list[int], np.ndarray, np.ndarray]:
     """A rollout message's parts, every byte accounted for: its fields (without the arrays), the
     prompt's token count, each completion's, every token id, and every log-prob (not yet checked):
-    read-only views of `data`."""
+    read-only views of `data`. Within `limits`, checked before any completion is looked at."""
+    if limits is not None:
+        limits.check(len(data))
     if len(data) < _ROLLOUT_HEAD.size or data[:4] != ROLLOUT_MAGIC:
         raise ProtocolError("bad_encoding", f"not a rollout message (it starts {bytes(data[:8])!r})")
     _, meta_len = _ROLLOUT_HEAD.unpack_from(data)
@@ -538,6 +570,8 @@ def _read_rollout(data: bytes) -> tuple[dict, int, list[int], np.ndarray, np.nda
             or not all(type(n) is int and n >= 0 for n in completion_tokens) or not isinstance(completions, list)
             or len(completions) != len(completion_tokens) or not all(isinstance(c, dict) for c in completions)):
         raise ProtocolError("bad_schema", "token counts: one for the prompt and one for each completion")
+    if limits is not None:
+        limits.check(len(data), prompt_tokens, completion_tokens)
     tokens = prompt_tokens + sum(completion_tokens)
     expected = meta_end + 4 * tokens + 4 * sum(completion_tokens)
     if len(data) != expected:
@@ -565,11 +599,11 @@ def unpack_rollout(data: bytes) -> dict:
     return raw
 
 
-def _decode_group(data: bytes) -> RolloutGroup:
+def _decode_group(data: bytes, limits: RolloutLimits | None) -> RolloutGroup:
     """Every check the schema makes. The arrays go in as read-only views of the message, checked
     whole here: the encoding makes them integers and floats, one log-prob per token; each
     completion has a token, and every log-prob is finite and <= 0."""
-    raw, prompt_tokens, counts, ids, logprobs = _read_rollout(data)
+    raw, prompt_tokens, counts, ids, logprobs = _read_rollout(data, limits)
     if 0 in counts:
         raise ProtocolError("bad_schema", f"completions.{counts.index(0)}.token_ids: an empty completion")
     if not (np.isfinite(logprobs).all() and (logprobs <= 0.0).all()):
@@ -595,12 +629,14 @@ def subject_sampler(subject: str) -> str:
     return subject.rsplit(".", 1)[-1]
 
 
-def decode_rollout(data: bytes, headers: dict[str, str] | None, subject: str) -> RolloutGroup:
-    """Decode a rollout message and check its subject and headers agree with its body. A
-    sampler's credentials allow it only its own subject: a body naming another sampler is a
-    sampler impersonating another. Every header is what its body makes: readers that go by
-    headers alone (replay's filters, JetStream's de-duplication) see what is trained."""
-    group = _decode_group(data)
+def decode_rollout(data: bytes, headers: dict[str, str] | None, subject: str,
+                   limits: RolloutLimits | None = None) -> RolloutGroup:
+    """Decode a rollout message (within the run's `limits`, when given) and check its subject
+    and headers agree with its body. A sampler's credentials allow it only its own subject: a
+    body naming another sampler is a sampler impersonating another. Every header is what its
+    body makes: readers that go by headers alone (replay's filters, JetStream's de-duplication)
+    see what is trained."""
+    group = _decode_group(data, limits)
     if subject.split(".")[-2:] != ["rollouts", group.sampler_id]:
         raise ProtocolError("subject_mismatch", f"{group.sampler_id!r} published on {subject}")
     headers = headers or {}

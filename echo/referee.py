@@ -11,7 +11,7 @@ import numpy as np
 
 from echo.config import SamplingConfig
 from echo.models import encode_chat
-from echo.protocol import RolloutGroup
+from echo.protocol import RolloutGroup, RolloutLimits
 from echo.tasks import Task, safe_reward
 
 
@@ -26,6 +26,11 @@ class Judgement:
 class Referee:
     def __init__(self, task: Task, tokenizer, vocab_size: int, sampling: SamplingConfig):
         self.task, self.tokenizer, self.vocab_size, self.sampling = task, tokenizer, vocab_size, sampling
+
+    @property
+    def limits(self) -> RolloutLimits:
+        """What the run's groups may hold on the wire."""
+        return RolloutLimits(self.sampling.group_size, self.sampling.max_new_tokens)
 
     def malformed(self, group: RolloutGroup) -> str | None:
         """A reason to reject the group's shape, or None. Cheap: run before the staleness check."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import structlog
 from nats.aio.msg import Msg
 
-from echo.protocol import subject_sampler
+from echo.protocol import RolloutLimits, subject_sampler
 from streams.client import BROKER_ERRORS, Run
 from streams.rollouts import fetch_rollouts, rollout_body, trainer_subscription
 
@@ -61,9 +61,10 @@ class RolloutInbox:
         self.held += deliveries  # acked after the checkpoint, used or not; they stay in the stream for replay
         return deliveries
 
-    async def body(self, delivery: Delivery) -> bytes:
-        """Its encoded group: its own data, or a large group's parts (ProtocolError "bad_body")."""
-        return await rollout_body(self.run.js, self.run.names, delivery.msg)
+    async def body(self, delivery: Delivery, limits: RolloutLimits | None = None) -> bytes:
+        """Its encoded group: its own data, or a large group's parts (ProtocolError "bad_body";
+        "too_large" before a part is read, for a size beyond `limits`)."""
+        return await rollout_body(self.run.js, self.run.names, delivery.msg, limits)
 
     async def keep_alive(self, every: float) -> None:
         """Tell the server the held messages are still being worked on, so a long step does not

@@ -20,6 +20,7 @@ from echo.protocol import (
     TRAINER_CONSUMER,
     ProtocolError,
     RolloutGroup,
+    RolloutLimits,
     RunNames,
     encode_rollout,
     rollout_headers,
@@ -58,10 +59,11 @@ async def _publish_until_stored(run: Run, subject: str, data: bytes, headers: di
                         first_delay_s=0.5, max_delay_s=PUBLISH_RETRY_MAX_S)
 
 
-async def rollout_body(js: JetStreamContext, names: RunNames, msg) -> bytes:
+async def rollout_body(js: JetStreamContext, names: RunNames, msg, limits: RolloutLimits | None = None) -> bytes:
     """A rollout message's encoded group: its own data, or a large group's parts, read from the
     bodies of the sampler whose subject it came on and checked against the size and digest the
-    message names (ProtocolError "bad_body" when they are missing or do not add up)."""
+    message names (ProtocolError "bad_body" when they are missing or do not add up). A size
+    beyond the run's `limits` is refused before a part is read ("too_large")."""
     headers = msg.headers or {}
     if HDR_BODY_PARTS not in headers:
         return msg.data
@@ -72,6 +74,8 @@ async def rollout_body(js: JetStreamContext, names: RunNames, msg) -> bytes:
         raise ProtocolError("bad_body", f"a body in parts named badly: {e}") from None
     if msg.data or not 0 < count <= MAX_BODY_PARTS:  # before naming the parts: a sender may claim billions
         raise ProtocolError("bad_body", f"{count} parts (1 to {MAX_BODY_PARTS}), and no data of its own")
+    if limits is not None:
+        limits.check(size)
     try:
         subjects = [names.body_part_subject(sender, group_id, index) for index in range(count)]
     except ValueError as e:

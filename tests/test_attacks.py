@@ -15,19 +15,25 @@ from rich.console import Console
 
 from echo.admission import GrantLedger
 from echo.checkpoint import TrainerState
-from echo.protocol import (BUDGET_KEY, CONFIG_KEY, LEARNER_KEY, QUARANTINE_KEY, SCHEDULE_KEY, SLOTS_KEY, TRAINER_KEY,
-                           GrantRequest, SamplerStatus, encode)
+from echo.protocol import (BUDGET_KEY, CONFIG_KEY, HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE, HDR_MSG_ID,
+                           LEARNER_KEY,
+                           QUARANTINE_KEY, SCHEDULE_KEY, SLOTS_KEY, TRAINER_KEY, GrantRequest, SamplerStatus, encode,
+                           pack_rollout, rollout_headers)
 from streams.client import BAD_VALUES, open_run
 from streams.grants import slots_granted
 from streams.lease import RENEW_S, AnotherTrainer, current_epoch, take_lease
 from streams.quarantine import change_quarantine, read_quarantine
+from streams.inbox import RolloutInbox
 from streams.registry import put_status, read_heartbeat, read_learner, read_statuses
 from streams.secure import SecureDir
+from streams.rollouts import publish_rollout
 from streams.server import NatsServer
 from streams.weights import fetch_weights, publish_weights
 from tests.conftest import TINY_BASE, tiny_config
+from tests.test_referee import REFEREE, honest_group
 from workers.cli import main
 from workers.dispatch import AsyncDispatch
+from workers.intake import Collector, Judge, Timeline
 from workers.status import render, snapshot
 
 
@@ -178,3 +184,35 @@ async def test_status_shows_a_samplers_own_words_as_written(secured, tmp_path):
         await dispatch.subscription.unsubscribe()
         for run in (observer, sampler, trainer):
             await run.close()
+
+
+async def test_a_message_past_the_runs_limits_is_refused_before_it_is_validated_or_read(secured, tmp_path):
+    """One 60 MB message of 1,000,000 completions froze the trainer's event loop for 15.8 s and
+    took it from 0.43 to 2.1 GB (every completion was validated before their count was checked
+    against the group size); a 256 MB body in parts took it to 4.3 GB before it was refused. A
+    message's counts and the size a body claims are now checked against the run's config first:
+    the reasons below are the counts' and the size's, where the old order met the bad
+    log-probs, or the missing parts, first."""
+    server, secure = secured
+    trainer = await open_run(server.url, "sec", "trainer", credentials=secure.credentials("trainer"))
+    attacker = await open_run(server.url, "sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
+    try:
+        raw = honest_group(policy_version=5, group_id="many").model_dump()
+        junk = {"token_ids": [1], "logprobs": [0.5], "text": "", "reward": 0.0, "finish_reason": "length"}
+        headers = rollout_headers(honest_group(policy_version=5, group_id="many"))
+        for count in (50_000, 100):  # with log-probs above 0: bad_schema, had they been validated first
+            raw["completions"] = [junk] * count
+            await attacker.js.publish(trainer.names.rollouts_subject("s1"), pack_rollout(raw),
+                                      headers={**headers, HDR_MSG_ID: f"many{count}"})
+        pointer = {**rollout_headers(honest_group(policy_version=5, group_id="huge")),
+                   HDR_BODY_PARTS: "64", HDR_BODY_SIZE: str(64 * 8 * 2**20), HDR_BODY_SHA256: "0" * 64}
+        await attacker.js.publish(trainer.names.rollouts_subject("s1"), b"", headers=pointer)  # no part exists
+        await publish_rollout(attacker, honest_group(policy_version=5, group_id="fine"))
+        collector = Collector(await RolloutInbox.open(trainer), Judge(REFEREE, Timeline(max_staleness=1)))
+        collected = await collector.collect(1, version=5)
+        assert [a.group.group_id for a in collected.used] == ["fine"]
+        # 50,000 completions: refused by the message's size alone; 100 (within it): by their count.
+        assert collected.rejected == {"too_large": 2, "wrong_group_size": 1}, collected.rejected
+    finally:
+        await attacker.close()
+        await trainer.close()

@@ -156,7 +156,8 @@ class Collector:
         """The group to train on, or None (counted in `out` by what happened to it). A group
         that ended one of its sender's slots and is not trained wastes that slot."""
         try:
-            group = decode_rollout(await self.inbox.body(delivery), delivery.headers, delivery.subject)
+            limits = self.judge.referee.limits
+            group = decode_rollout(await self.inbox.body(delivery, limits), delivery.headers, delivery.subject, limits)
         except ProtocolError as e:
             return reject(out, e.reason, str(e))
         granted = self.ledger.delivered(delivery.sender, group.slot, time.monotonic())
