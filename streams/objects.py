@@ -108,11 +108,13 @@ async def get_object(
     digest, offset, received = hashlib.sha256(), 0, 0
     if info.chunks:
         chunk_size = (info.options.max_chunk_size if info.options else None) or 128 * 1024
-        subscription = await js.pull_subscribe(
-            f"$O.{bucket}.C.{info.nuid}",
-            stream=f"OBJ_{bucket}",
-            config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=30.0),
-        )
+        # An ephemeral consumer made without a name (nats-py's pull_subscribe names one, which
+        # a sampler's permissions refuse: named consumers can be made to stay, streams/secure.py).
+        stream = f"OBJ_{bucket}"
+        consumer = await js.add_consumer(stream, ConsumerConfig(
+            ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=30.0,
+            filter_subject=f"$O.{bucket}.C.{info.nuid}"))
+        subscription = await js.pull_subscribe_bind(consumer.name, stream)
         try:
             stored = (await subscription.consumer_info()).num_pending
             if stored != info.chunks:  # known before a byte moves: a missing chunk never comes

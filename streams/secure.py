@@ -74,10 +74,13 @@ def _tls_block(cert_file: Path, key_file: Path, ca_file: Path) -> str:
 
 
 def _stream_reads(api: str, stream: str) -> list[str]:
-    """The JetStream API subjects that read one stream: info, messages, and (ordered) consumers."""
+    """The JetStream API subjects that read one stream: info, messages, and ephemeral consumers
+    (ordered ones, a fetch's). `CONSUMER.CREATE.<stream>.<name>` (named) and DURABLE.CREATE are
+    not among them: a sampler made 1000 durable consumers on the weights stream, the server's
+    limit, and every fetch failed until someone deleted them."""
     return [f"{api}.STREAM.INFO.{stream}", f"{api}.STREAM.MSG.GET.{stream}",
             f"{api}.DIRECT.GET.{stream}", f"{api}.DIRECT.GET.{stream}.>",
-            f"{api}.CONSUMER.CREATE.{stream}", f"{api}.CONSUMER.CREATE.{stream}.>",
+            f"{api}.CONSUMER.CREATE.{stream}",
             f"{api}.CONSUMER.INFO.{stream}.>", f"{api}.CONSUMER.MSG.NEXT.{stream}.>"]
 
 

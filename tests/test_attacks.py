@@ -10,6 +10,7 @@ import time
 
 import nats
 import pytest
+from nats.js.api import ConsumerConfig
 from nats.js.errors import KeyNotFoundError
 from rich.console import Console
 
@@ -215,4 +216,29 @@ async def test_a_message_past_the_runs_limits_is_refused_before_it_is_validated_
         assert collected.rejected == {"too_large": 2, "wrong_group_size": 1}, collected.rejected
     finally:
         await attacker.close()
+        await trainer.close()
+
+
+async def test_a_sampler_cannot_make_named_or_durable_consumers(secured, tmp_path):
+    """1000 named durable consumers on the weights bucket's stream (the server's limit) made every
+    sampler's fetch fail, and stayed after the swarm restarted. A sampler may now make only the
+    ephemeral consumers its reads use, and those go when unused."""
+    server, secure = secured
+    trainer, lease, announcement, dispatch = await _serving_trainer(server, secure, tmp_path)
+    names = trainer.names
+    attacker = await nats.connect(server.url, **secure.credentials("sampler-s1").connect_options())
+    js = attacker.jetstream(domain="hub", timeout=1.0)
+    try:
+        for stream in (names.weights_stream, names.control_stream, f"KV_{names.state_bucket}"):
+            for config in (ConsumerConfig(durable_name="squat"), ConsumerConfig(name="squat")):
+                with pytest.raises((nats.errors.TimeoutError, asyncio.TimeoutError)):  # no permission: no answer
+                    await js.add_consumer(stream, config)
+            with pytest.raises(nats.js.errors.NotFoundError):
+                await trainer.js.consumer_info(stream, "squat")
+        sampler = await open_run(server.url, "sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
+        assert await fetch_weights(sampler, announcement) == [bytearray(b"v0" * 100)]  # its own reads still work
+        await sampler.close()
+    finally:
+        await attacker.close()
+        await dispatch.subscription.unsubscribe()
         await trainer.close()
