@@ -19,6 +19,7 @@ from echo.models import base_model_digest
 from streams.grants import slots_granted
 from streams.client import Run, open_run
 from streams.registry import read_statuses
+from streams.secure import SecureDir
 from streams.server import NatsServer
 from workers.swarm import worker_command
 
@@ -29,6 +30,16 @@ TINY_BASE = base_model_digest("tiny")  # what weights for the tiny model are ann
 def nats_server(tmp_path):
     with NatsServer(tmp_path / "jetstream") as server:
         yield server
+
+
+@pytest.fixture
+def secured(tmp_path):
+    """A hub that speaks TLS only, with trainer, observer and sampler s1 credentials for run "sec"."""
+    secure = SecureDir(tmp_path / "secure")
+    secure.init("sec", ["localhost", "127.0.0.1"], ["s1"])
+    # Not tmp_path/jetstream: the `runs` fixture's (unused) nats-server keeps its store there.
+    with NatsServer(tmp_path / "secured-jetstream", include=secure.dir / "server.conf") as server:
+        yield server, secure
 
 
 class Runs:

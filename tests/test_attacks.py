@@ -26,9 +26,7 @@ from streams.lease import RENEW_S, AnotherTrainer, current_epoch, take_lease
 from streams.quarantine import change_quarantine, read_quarantine
 from streams.inbox import RolloutInbox
 from streams.registry import put_status, read_heartbeat, read_learner, read_statuses
-from streams.secure import SecureDir
 from streams.rollouts import publish_rollout
-from streams.server import NatsServer
 from streams.weights import fetch_weights, publish_weights
 from tests.conftest import TINY_BASE, tiny_config
 from tests.test_referee import REFEREE, honest_group
@@ -36,15 +34,6 @@ from workers.cli import main
 from workers.dispatch import AsyncDispatch
 from workers.intake import Collector, Judge, Timeline
 from workers.status import render, snapshot
-
-
-@pytest.fixture
-def secured(tmp_path):
-    """A hub that speaks TLS only, with trainer, observer and sampler s1 credentials for run "sec"."""
-    secure = SecureDir(tmp_path / "secure")
-    secure.init("sec", ["localhost", "127.0.0.1"], ["s1"])
-    with NatsServer(tmp_path / "jetstream", include=secure.dir / "server.conf") as server:
-        yield server, secure
 
 
 async def _revision(kv, key: str) -> int:

@@ -30,7 +30,7 @@ from echo.protocol import (
 )
 from streams.rollouts import trainer_subscription
 from streams.secure import PID_FILE, SecureDir
-from streams.server import NatsServer, write_secret
+from streams.server import write_secret
 from tests.test_referee import honest_group
 from streams.client import open_run
 from streams.lease import RENEW_S, AnotherTrainer, take_lease
@@ -136,16 +136,6 @@ async def test_forged_and_pre_deduplicated_announcements_do_not_wedge_samplers(r
     await publish_weights(trainer, 2, [b"v2" * 100], TINY_BASE)
     await _until(lambda: follower.ready[0].policy == (restarted.epoch, 2))
     await follower.stop()
-
-
-@pytest.fixture
-def secured(tmp_path):
-    """A hub that speaks TLS only, with trainer, observer and sampler s1 credentials for run "sec"."""
-    secure = SecureDir(tmp_path / "secure")
-    secure.init("sec", ["localhost", "127.0.0.1"], ["s1"])
-    # Not tmp_path/jetstream: the `runs` fixture's (unused) nats-server keeps its store there.
-    with NatsServer(tmp_path / "secured-jetstream", include=secure.dir / "server.conf") as server:
-        yield server, secure
 
 
 async def _client(url: str, credentials, errors: list):
