@@ -15,6 +15,13 @@ from echo.protocol import RolloutGroup, RolloutLimits
 from echo.tasks import Task, safe_reward
 
 
+# A completion drawn twice is plausible only if it was likely: the chance that two samples agree
+# on any completion less likely than this is below it, per pair. An honest group of 16 has 120
+# pairs, so a repeat this unlikely is refused in about one honest group in ten million; a
+# replayed reasoning-length completion has a log-prob of hundreds of nats below it.
+REPEAT_LOGPROB = -18.42  # ln(1e-8)
+
+
 @dataclass(frozen=True)
 class Judgement:
     reason: str | None  # why the group is rejected, or None
@@ -70,6 +77,27 @@ class Referee:
             rewards.append(reward or 0.0)
         mismatch = any(abs(r - c.reward) > 1e-6 for r, c in zip(rewards, group.completions))
         return Judgement(None, rewards, mismatch, errors)
+
+
+def completion_keys(group: RolloutGroup) -> list[int]:
+    """Each completion's identity for its prompt (the same tokens for the same prompt index), in
+    64 bits: a run trains millions of completions."""
+    prompt = group.prompt_index.to_bytes(8, "little")
+    return [int.from_bytes(hashlib.sha256(prompt + c.token_ids.tobytes()).digest()[:8], "little")
+            for c in group.completions]
+
+
+def repeats(group: RolloutGroup, *known: set[int]) -> bool:
+    """Whether an unlikely completion (log-prob below REPEAT_LOGPROB) appears twice in the group or
+    in one of `known` (the completion_keys trained on, or taken this step): resent, not sampled.
+    A likely one may repeat (a short answer the policy has settled on)."""
+    seen: set[int] = set()
+    for key, completion in zip(completion_keys(group), group.completions):
+        repeated = key in seen or any(key in keys for keys in known)
+        if repeated and float(completion.logprobs.sum(dtype=np.float64)) < REPEAT_LOGPROB:
+            return True
+        seen.add(key)
+    return False
 
 
 def content_hash(group: RolloutGroup) -> str:

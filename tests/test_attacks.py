@@ -29,7 +29,7 @@ from streams.registry import put_status, read_heartbeat, read_learner, read_stat
 from streams.rollouts import publish_rollout
 from streams.weights import fetch_weights, publish_weights
 from tests.conftest import TINY_BASE, tiny_config
-from tests.test_referee import REFEREE, honest_group
+from tests.test_referee import REFEREE, TASK, _unlikely, honest_group
 from workers.cli import main
 from workers.dispatch import AsyncDispatch
 from workers.intake import Collector, Judge, Timeline
@@ -230,4 +230,35 @@ async def test_a_sampler_cannot_make_named_or_durable_consumers(secured, tmp_pat
     finally:
         await attacker.close()
         await dispatch.subscription.unsubscribe()
+        await trainer.close()
+
+
+async def test_a_group_resending_trained_completions_is_refused(secured):
+    """Earlier trained completions resent with one of them doubled (true log-probs, current
+    version): the group's content hash is new, and 10 of 10 such groups were trained. A
+    completion that is unlikely (as every sampled reasoning-length one is) may not appear twice
+    in a group, nor again for a prompt it was trained on; a likely short answer may."""
+    server, secure = secured
+    trainer = await open_run(server.url, "sec", "trainer", credentials=secure.credentials("trainer"))
+    attacker = await open_run(server.url, "sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
+    try:
+        long_answer = f"so it is \\boxed{{{TASK.prompt(12).answer}}}"
+        first = _unlikely(_unlikely(honest_group(texts=[long_answer, "no idea \\boxed{999}"], policy_version=5,
+                                                 group_id="first"), 0), 1)
+        collector = Collector(await RolloutInbox.open(trainer), Judge(REFEREE, Timeline(max_staleness=1)))
+        await publish_rollout(attacker, first)
+        async with asyncio.timeout(30):
+            collector.trained(await collector.collect(1, version=5))  # trained, and checkpointed
+
+        doubled = first.replaced(group_id="doubled", completions=[first.completions[0]] * 2)
+        swapped = first.replaced(group_id="swapped", completions=[first.completions[0], honest_group().completions[1]])
+        likely = honest_group(texts=["\\boxed{4}", "\\boxed{4}"], policy_version=5, group_id="likely")
+        for group in (doubled, swapped, likely):
+            await publish_rollout(attacker, group)
+        async with asyncio.timeout(30):
+            collected = await collector.collect(1, version=5)
+        assert [a.group.group_id for a in collected.used] == ["likely"]
+        assert collected.rejected == {"repeated_completion": 2}, collected.rejected
+    finally:
+        await attacker.close()
         await trainer.close()

@@ -5,7 +5,7 @@ import pytest
 from echo.config import SamplingConfig
 from echo.models import byte_tokenizer, encode_chat
 from echo.protocol import Completion, RolloutGroup
-from echo.referee import Referee, content_hash
+from echo.referee import REPEAT_LOGPROB, Referee, completion_keys, content_hash, repeats
 from echo.tasks import Score
 from echo.tasks.math import Math
 
@@ -112,3 +112,24 @@ def test_the_same_completions_under_a_new_id_have_the_same_content_hash():
     assert content_hash(reordered) == content_hash(group)
     assert content_hash(with_completion(token_ids=[65, EOS], logprobs=[-1.0, -1.0])) != content_hash(group)
     assert content_hash(honest_group(index=13)) != content_hash(group)
+
+
+def _unlikely(group, i: int):
+    """Completion i of `group` with log-probs of -1.5 a token: a completion of 13 tokens or more
+    is below REPEAT_LOGPROB, as any sampled reasoning-length completion is."""
+    n = len(group.completions[i].token_ids)
+    return with_completion(group, i, logprobs=[-1.5] * n)
+
+
+def test_an_unlikely_completion_may_not_repeat_a_likely_one_may():
+    prompt = TASK.prompt(12)
+    long_answer = f"so it is \\boxed{{{prompt.answer}}}"  # 15 tokens or so
+    twice = _unlikely(_unlikely(honest_group(texts=[long_answer, long_answer]), 0), 1)
+    assert sum(c.logprobs.sum() for c in twice.completions[:1]) < REPEAT_LOGPROB
+    assert repeats(twice)  # drawn twice though it had a chance below 1e-8: resent
+    short = honest_group(texts=["\\boxed{4}", "\\boxed{4}"])  # -0.5 a token: a likely answer
+    assert not repeats(short)
+    once = _unlikely(honest_group(texts=[long_answer, "\\boxed{999}"]), 0)
+    assert not repeats(once) and repeats(once, set(completion_keys(twice)))  # trained before: resent
+    other_prompt = _unlikely(honest_group(13, texts=[long_answer, "\\boxed{999}"]), 0)
+    assert not repeats(other_prompt, set(completion_keys(twice)))  # the same words for another prompt

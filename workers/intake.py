@@ -20,7 +20,7 @@ from echo.admission import GrantLedger
 from echo.consumed import ConsumedSeqs
 from echo.protocol import ProtocolError, RolloutGroup, decode_rollout
 from echo.proof import SamplingProof
-from echo.referee import Referee, content_hash
+from echo.referee import Referee, completion_keys, content_hash, repeats
 from echo.staleness import Verdict, judge
 from streams.inbox import Delivery, RolloutInbox
 from workers.quarantine import Quarantined
@@ -68,6 +68,7 @@ class Judge:
                  proof: SamplingProof | None = None, check=None, quarantine: Quarantined | None = None):
         self.referee, self.timeline = referee, timeline
         self.trained_content = set(trained_content)  # content hashes: the same groups under new ids are replays
+        self.trained_completions: set[int] = set()  # completion_keys of the groups this process trained
         self.proof, self.quarantine = proof, quarantine
         self.check = check or (proof.check if proof else None)  # the proof's forward (on every rank)
 
@@ -86,6 +87,8 @@ class Judge:
         content = content_hash(group)
         if content in self.trained_content or any(a.content == content for a in out.used):
             return reject(out, "replayed_content", f"group {group.group_id} from {group.sampler_id}")
+        if repeats(group, self.trained_completions, {k for a in out.used for k in completion_keys(a.group)}):
+            return reject(out, "repeated_completion", f"group {group.group_id} from {group.sampler_id}")
         timeline = self.timeline
         if group.epoch > timeline.epoch:
             return reject(out, "future_epoch", f"{group.epoch} > {timeline.epoch}")
@@ -170,6 +173,8 @@ class Collector:
         """The step that collected these is checkpointed: their sequences and contents are counted."""
         self.consumed.add(collected.seqs)
         self.judge.trained_content.update(a.content for a in collected.used)
+        for admitted in collected.used:
+            self.judge.trained_completions.update(completion_keys(admitted.group))
 
 
 def reject(out: Collected, reason: str, detail: str) -> None:
