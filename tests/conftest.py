@@ -108,7 +108,8 @@ def assert_balanced(metrics: list[dict], stream: list[dict] | None = None, broke
         if m.get("restored"):
             continue  # a line restored from the checkpoint: the trainer died before writing it
         a = m["accounting"]
-        assert a["trained"] + a["dropped_stale"] + a["rejected"] + a.get("abandoned", 0) == a["counted"], m
+        assert a["trained"] + a["dropped_stale"] + a["rejected"] + a.get("abandoned", 0) + a.get("evicted", 0) == a[
+            "counted"], m
         if broker_crashed:
             assert a["published"] <= a["counted"] + a["pending"], m
         else:

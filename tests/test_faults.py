@@ -21,7 +21,7 @@ from echo.engines.hf import HFEngine
 from echo.learner import StepAbandoned, make_optimizer, train_step
 from echo.models import load_model
 from echo.policy import make_policy
-from echo.protocol import TRAINER_KEY, WeightsAnnouncement, encode, weights_object_name
+from echo.protocol import TRAINER_KEY, Storage, WeightsAnnouncement, encode, weights_object_name
 from echo.referee import Referee
 from echo.tasks import load_task
 from streams.client import LatestValue
@@ -32,10 +32,11 @@ from streams.registry import put_status, read_statuses
 from streams.server import free_port
 from streams.inbox import RolloutInbox
 from tests.conftest import TINY_BASE, tiny_config, wait_for_steps, worker_process
-from tests.test_referee import honest_group
+from streams.rollouts import publish_rollout
+from tests.test_referee import REFEREE, honest_group
 from tests.test_streams import _adapter_for_version, _store_tampered
 from workers.sampler import Sampler
-from workers.accounting import account, count_consumed
+from workers.accounting import account, count_consumed, count_evicted
 from workers.dispatch import SequentialDispatch
 from workers.intake import Collector, Judge, Timeline
 
@@ -321,3 +322,33 @@ def test_servers_listen_outside_the_ports_outgoing_connections_take():
     ports = [free_port() for _ in range(50)]
     assert len(set(ports)) == len(ports)  # a server and its leaf port never share one
     assert not any(low <= port <= high for port in ports)
+
+
+async def test_messages_the_stream_evicted_before_the_trainer_read_them_are_named_in_the_accounting(runs):
+    """With `nats.rollouts_max_gb` set, the stream evicts its oldest messages, read or not: 1239
+    published against 1145 counted, and the accounting identity no longer held. Those the trainer
+    never read are now counted as `evicted`."""
+    run = await runs.open("evict", "trainer", storage=Storage(rollouts_max_bytes=12_000))
+    collector = Collector(await RolloutInbox.open(run), Judge(REFEREE, Timeline(max_staleness=1)))
+    totals: dict[str, int] = {}
+
+    async def step(need: int) -> dict[str, int]:
+        nonlocal totals
+        async with asyncio.timeout(30):
+            collected = await collector.collect(need, version=5)
+        collector.trained(collected)  # checkpointed
+        totals = count_consumed(totals, collected)
+        unconfirmed = await collector.inbox.ack_held()
+        totals = await count_evicted(collector.inbox, collector.consumed, totals)
+        return await account(collector.inbox, totals, collector.consumed, unconfirmed)
+
+    for i in range(2):
+        await publish_rollout(run, honest_group(30 + i, policy_version=5, group_id=f"early{i}"))
+    first = await step(2)
+    for i in range(40):  # more than the stream keeps: the oldest unread ones go
+        await publish_rollout(run, honest_group(40 + i, policy_version=5, group_id=f"late{i}"))
+    later = await step(2)
+    for a in (first, later):
+        assert a["trained"] + a["dropped_stale"] + a["rejected"] + a.get("evicted", 0) == a["counted"], a
+        assert a["published"] == a["counted"] + a["pending"], a
+    assert later["evicted"] > 0 and later["published"] == 42, later

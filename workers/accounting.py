@@ -110,23 +110,36 @@ def count_consumed(totals: dict[str, int], collected: Collected) -> dict[str, in
 
 
 async def count_abandoned(inbox: RolloutInbox, consumed: ConsumedSeqs, totals: dict[str, int]) -> dict[str, int]:
-    """Messages the broker has acked that this trainer's checkpoint never counted: a previous
-    incarnation consumed them in a timeline whose checkpoint is gone (the run restarted from an
-    older checkpoint, or a wiped run directory on a broker that kept its streams). They are
-    counted as `abandoned`, once."""
+    """At start: messages the broker has acked that this trainer's checkpoint never counted. A
+    previous incarnation consumed them in a timeline whose checkpoint is gone (the run restarted
+    from an older checkpoint, or a wiped run directory on a broker that kept its streams). They
+    are counted as `abandoned`, once."""
+    return await _count_uncounted(inbox, consumed, totals, "abandoned")
+
+
+async def count_evicted(inbox: RolloutInbox, consumed: ConsumedSeqs, totals: dict[str, int]) -> dict[str, int]:
+    """After a step's acks: messages the stream's retention limits (nats.rollouts_max_gb, _hours)
+    removed before the trainer read them, which the broker's ack floor passes over. They are
+    counted as `evicted`, once."""
+    return await _count_uncounted(inbox, consumed, totals, "evicted")
+
+
+async def _count_uncounted(inbox: RolloutInbox, consumed: ConsumedSeqs, totals: dict[str, int],
+                           name: str) -> dict[str, int]:
     acked = (await inbox.counts()).ack_floor
-    abandoned = consumed.missing_through(acked)
-    if not abandoned:
+    uncounted = consumed.missing_through(acked)
+    if not uncounted:
         return totals
-    log.warning("trainer.rewound", abandoned=abandoned, checkpoint_floor=consumed.floor, broker_ack_floor=acked)
+    log.warning(f"rollouts.{name}", messages=uncounted, checkpoint_floor=consumed.floor, broker_ack_floor=acked)
     consumed.raise_floor(acked)
-    return {**totals, "abandoned": totals.get("abandoned", 0) + abandoned}
+    return {**totals, name: totals.get(name, 0) + uncounted}
 
 
 async def account(inbox: RolloutInbox, totals: dict[str, int], consumed: ConsumedSeqs, unconfirmed: int) -> dict[str, int]:
     """Every message published on the run's rollouts stream is trained, dropped as stale,
-    rejected, or still pending (not acked): `published = trained + dropped_stale + rejected +
-    pending`, and `counted` (distinct messages counted) equals the first three (each once).
+    rejected, abandoned or evicted (count_abandoned, count_evicted), or still pending (not
+    acked): `published = counted + pending`, and `counted` (distinct messages counted) is the
+    sum of the others (each once).
     One reading of the consumer's counts gives published and pending at the same instant. After a broker crash
     the broker may offer counted messages again (`unconfirmed` acks, or state it lost): until
     they are skipped, they are in `pending` too."""

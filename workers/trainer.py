@@ -38,8 +38,8 @@ from streams.lease import Lease, take_lease
 from streams.registry import put_learner
 from streams.run_config import publish_run_config
 from streams.weights import publish_weights
-from workers.accounting import (RecentSteps, StepClock, account, count_abandoned, count_consumed, finished_record,
-                                metrics_line, restore_metrics, step_record)
+from workers.accounting import (RecentSteps, StepClock, account, count_abandoned, count_consumed, count_evicted,
+                                finished_record, metrics_line, restore_metrics, step_record)
 from workers.background import Background
 from workers.coordinator import Coordinator
 from workers.dispatch import dispatch_for
@@ -125,6 +125,8 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
             publish_seconds = await publish_policy(run, cfg, model, state.version)
             unconfirmed = await inbox.ack_held()  # only now: the step that consumed them is checkpointed
 
+            state.totals = await retry_forever(
+                "count evicted", lambda: count_evicted(inbox, collector.consumed, state.totals))
             accounting = await retry_forever(
                 "account", lambda: account(inbox, state.totals, collector.consumed, unconfirmed))
             record = finished_record(state.record, publish_seconds, accounting, clock)
