@@ -19,6 +19,10 @@ from streams.rollouts import fetch_rollouts, rollout_body, trainer_subscription
 log = structlog.get_logger()
 
 ACK_ATTEMPTS = 3  # a held message's ack is confirmed, or left for the broker to offer again
+# What one fetch may have the server send: half its max_pending for one client (64 MB), so that
+# a fetch of the largest messages never makes it close the trainer's connection (the batch lost
+# with it came back only after ack_wait).
+FETCH_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,9 @@ class RolloutInbox:
         return cls(run, await trainer_subscription(run, ack_wait_s))
 
     async def fetch(self, batch: int, timeout: float) -> list[Delivery]:
-        """Up to `batch` deliveries ([] when none came within `timeout`), each held until ack_held."""
+        """Up to `batch` deliveries ([] when none came within `timeout`), each held until ack_held;
+        no more at once than FETCH_BYTES of messages of the server's largest size."""
+        batch = max(1, min(batch, FETCH_BYTES // self.run.nc.max_payload))
         deliveries = [Delivery(msg.metadata.sequence.stream, msg.subject, msg.headers or {}, msg)
                       for msg in await fetch_rollouts(self.subscription, batch, timeout)]
         self.held += deliveries  # acked after the checkpoint, used or not; they stay in the stream for replay

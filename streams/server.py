@@ -40,6 +40,7 @@ def write_secret(path: Path, data: bytes) -> None:
 # macOS and Windows 49152+), not from port 0: a port from the ephemeral range can be taken by
 # any outgoing connection between the pick and the server's bind, or while a broker restarts on it.
 LISTEN_PORTS = range(10_000, 32_768)
+MAX_PENDING = "64MB"  # the server's default, written out: FETCH_BYTES (streams/inbox.py) is half of it
 _handed_out: set[int] = set()  # two picks in a row (a server and its leaf port) never match
 
 
@@ -108,6 +109,12 @@ class NatsServer:
         lines = [
             f"listen: {q(f'{self.host}:{self.port}')}",
             f"max_payload: {self.max_payload}",
+            # What the server holds for one slow client before it closes the connection: the
+            # trainer's fetches stay under half of it (streams/inbox.py FETCH_BYTES). A write
+            # that blocks longer than write_deadline closes it too (a WAN link of 10 MB/s writes
+            # one 8 MB message in under a second).
+            f"max_pending: {MAX_PENDING}",
+            "write_deadline: \"10s\"",
             f"jetstream {{ store_dir: {q(str(self.store_dir))}, domain: {q(self.domain)} }}",
         ]
         if self.cluster_port:

@@ -436,3 +436,20 @@ async def test_a_restarted_trainer_given_another_ack_wait_has_it(runs):
     await trainer_subscription(run, ack_wait_s=600.0)
     info = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
     assert info.config.ack_wait == 600.0
+
+
+async def test_a_backlog_of_long_groups_is_fetched_without_dropping_the_trainers_connection(runs):
+    """40 groups of 16 x 16,384 tokens (2.9 MB each) waiting, fetched 64 at a time (a step's
+    groups): 40 x 2.9 MB pending to one client is over the server's max_pending (64 MB), the
+    server closed the trainer's connection and the lost batch came back only after ack_wait
+    (600 s). A fetch now asks for no more messages than the server holds for one client."""
+    run = await runs.open("backlog")
+    inbox = await RolloutInbox.open(run, ack_wait_s=600.0)
+    body = bytes(2_900_000)
+    for i in range(40):
+        await run.js.publish(run.names.rollouts_subject("s1"), body, headers={HDR_MSG_ID: f"g{i}"}, timeout=30)
+    got: set[int] = set()
+    async with asyncio.timeout(60):  # a tenth of ack_wait: the lost batch of a dropped connection never comes
+        while len(got) < 40:
+            got.update(d.seq for d in await inbox.fetch(64, timeout=5.0))
+    assert run.nc.stats["reconnects"] == 0
