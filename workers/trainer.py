@@ -132,6 +132,7 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
             record = finished_record(state.record, publish_seconds, accounting, clock)
             status = recent.add(record, state.version)
             await retry_forever("learner status", lambda: put_learner(run, status))
+            await retry_forever("run config", lambda: publish_run_config(run, cfg))  # whatever overwrote it
             metrics_file.write(metrics_line(record))
             metrics_file.flush()
             log.info("step", step=step, version=state.version, reward=round(stats["reward_mean"], 3),
