@@ -1,6 +1,8 @@
 """The policy on the tiny model: published weights (LoRA or full) move between model instances
 exactly, and the engine's behaviour log-probs are what the trainer computes for the same tokens."""
 
+import copy
+
 import pytest
 import safetensors.torch
 import torch
@@ -189,3 +191,25 @@ def test_shared_prompt_logprobs_and_gradients_equal_separate_sequences(engines, 
     assert any(g.abs().sum() > 0 for name, g in shared_grads.items() if "lora_A" in name)
     for name, g in shared_grads.items():
         assert torch.allclose(g, separate_grads[name], atol=1e-4), name
+
+
+def test_the_engine_keeps_one_steps_logits_and_its_log_probs_are_those_of_every_steps(engines):
+    """The engine's behaviour log-probs, computed one step at a time (SampledLogprobs), are exactly
+    what the same draw's every-step logits (generate's output_logits, ~51 GB for 16 x 16k tokens
+    over a 49k vocabulary) give: log-softmax(logits / T) at each sampled token."""
+    engine, _ = engines
+    prompts = [engine.encode_chat([{"role": "user", "content": f"What is {i} + {i}?"}]) for i in range(2)]
+    torch.manual_seed(7)
+    generations = engine.generate(prompts, n=3)
+    batch = engine.tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
+    config = copy.deepcopy(engine.generation_config)
+    config.num_return_sequences, config.output_logits = 3, True
+    torch.manual_seed(7)
+    with torch.no_grad():
+        out = engine.model.generate(**batch, generation_config=config)
+    new_tokens = out.sequences[:, batch["input_ids"].shape[1]:]
+    steps = torch.stack(out.logits, dim=1).float() / SAMPLING.temperature
+    every_step = torch.log_softmax(steps, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+    for row, g in enumerate(g for per_prompt in generations for g in per_prompt):
+        assert g.token_ids == new_tokens[row, :len(g.token_ids)].tolist()  # the same draw
+        assert g.logprobs == every_step[row, :len(g.token_ids)].tolist()  # bit for bit

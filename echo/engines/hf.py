@@ -6,13 +6,39 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from echo.config import LoraConfig, SamplingConfig
 from echo.devices import resolve_device, resolve_dtype
 from echo.engines.base import Generation
 from echo.models import encode_chat, load_model
 from echo.policy import load_weights, make_policy
+
+
+class SampledLogprobs(LogitsProcessor):
+    """Each sampled token's behaviour log-prob, its log-softmax(logits / T), one step at a time:
+    a step's log-probs are kept until the next call shows which token was drawn from them.
+    `generate(output_logits=True)` kept every step's logits instead: 16 completions of 16k
+    tokens over a 49k vocabulary is ~51 GB for one call; this holds one step's.
+
+    generate runs a processor given to it before its sampling warpers (temperature): it sees
+    the model's logits as they are."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.last: torch.Tensor | None = None  # the latest step's log-probs, (rows, vocab)
+        self.steps: list[torch.Tensor] = []  # (rows,) for each step whose token is known
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.last is not None:  # the token drawn at the previous step is the last input
+            self.steps.append(self.last.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
+        """Every step's log-probs, (rows, steps), given each row's last generated token."""
+        self.steps.append(self.last.gather(-1, last_tokens.unsqueeze(-1)).squeeze(-1))
+        return torch.stack(self.steps, dim=1)
 
 
 class HFEngine:
@@ -37,7 +63,6 @@ class HFEngine:
             eos_token_id=self.tokenizer.eos_token_id,
             pad_token_id=self.tokenizer.pad_token_id,
             return_dict_in_generate=True,
-            output_logits=True,
         )
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
@@ -54,13 +79,10 @@ class HFEngine:
         if greedy:  # evaluation: the log-probs are then those of the tempered distribution, unused
             config.do_sample = False
             config.temperature, config.top_k, config.top_p = None, None, None
-        out = self.model.generate(**batch, generation_config=config)
+        sampled = SampledLogprobs(self.temperature)
+        out = self.model.generate(**batch, generation_config=config, logits_processor=LogitsProcessorList([sampled]))
         new_tokens = out.sequences[:, batch["input_ids"].shape[1] :]
-        # out.logits holds the raw scores of each step; the sampled token's log-prob under
-        # softmax(logits / T) is the behaviour log-prob.
-        steps = torch.stack(out.logits, dim=1).float() / self.temperature
-        logprobs = torch.log_softmax(steps, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
-        new_tokens, logprobs = new_tokens.cpu(), logprobs.cpu()
+        new_tokens, logprobs = new_tokens.cpu(), sampled.finish(new_tokens[:, -1]).cpu()
         eos = self.tokenizer.eos_token_id
         generations = []
         for row in range(new_tokens.shape[0]):
