@@ -20,6 +20,7 @@ import random
 from collections import Counter
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from echo.devices import autocast, model_device
 from echo.policy import group_logprobs
@@ -41,6 +42,9 @@ def _trainable(policy) -> dict[str, torch.Tensor]:
 
 
 def _copy_into(policy, tensors: dict[str, torch.Tensor]) -> None:
+    for module in policy.modules():  # FSDP2 leaves the root's parameters whole after a forward
+        if isinstance(module, FSDPModule):  # with no backward: shard them again, as the copies are
+            module.reshard()
     with torch.no_grad():
         for k, p in _trainable(policy).items():
             p.copy_(tensors[k])  # casts a rounded version back to the parameter's dtype

@@ -14,8 +14,7 @@ import pytest
 from echo.protocol import HDR_MSG_ID, HDR_POLICY_VERSION
 from streams.client import open_run
 from streams.registry import read_statuses
-from streams.replay import read_rollouts
-from streams.server import NatsServer
+from streams.replay import read_rollouts, run_broker
 from tests.conftest import assert_balanced
 
 pytestmark = pytest.mark.slow
@@ -37,14 +36,14 @@ def run_swarm(tmp_path, run_id: str, steps: int, *overrides: str, flags=()):
     run_dir = tmp_path / run_id
     metrics = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
 
-    async def read():
-        with NatsServer(run_dir / "nats") as server:  # the run's own store, after the run
-            run = await open_run(server.url, run_id, "check")
-            statuses = await read_statuses(run)
-            await run.close()
-            return [r async for r in read_rollouts(server.url, run_id)], statuses
+    async def read(url: str, credentials):
+        run = await open_run(url, run_id, "check", credentials=credentials, create=False)
+        statuses = await read_statuses(run)
+        await run.close()
+        return [r async for r in read_rollouts(url, run_id, credentials)], statuses
 
-    stream, statuses = asyncio.run(read())
+    with run_broker(run_dir, None) as (url, _, credentials):  # the run's own store, after the run
+        stream, statuses = asyncio.run(read(url, credentials))
     assert {s.sampler_id for s in statuses} == {"s1", "s2"}  # both ran and heartbeat
     assert all(s.weight_failures == {} for s in statuses), statuses  # no weights refused
     # Every group trained came from them. How many each made is up to its speed: in a run of a few
@@ -211,8 +210,11 @@ def test_full_weight_mode_trains_and_publishes_every_parameter_in_shards(tmp_pat
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "user_tasks"))
     metrics, stream, _ = run_swarm(tmp_path, "full", 3, 'task.name="shout:Shout"', 'task.params={word="hey"}',
                                    "lora.enabled=false", "trainer.shard_mb=0.05", "run.eval_prompts=2",
-                                   flags=["--trainer-ranks", str(ranks)])
+                                   "trainer.verify_fraction=1.0", flags=["--trainer-ranks", str(ranks)])
     assert [m["version"] for m in metrics] == [1, 2, 3]
+    # Every group's proof of sampling, on sharded full weights too (it copied a version's tensors into
+    # the root's parameters, which FSDP2 leaves whole after a forward: it crashed the ranks).
+    assert metrics[-1]["proof_of_sampling"] == {"passed": sum(m["used"] for m in metrics)}
     assert max(int(r["headers"][HDR_POLICY_VERSION]) for r in stream) >= 1  # samplers loaded new full weights
     files = sorted(p.name for p in (tmp_path / "full" / "weights").iterdir())
     assert {f[:7] for f in files} == {"v000001", "v000002", "v000003"}  # the newest keep_versions = 3
