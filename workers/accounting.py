@@ -114,23 +114,23 @@ async def count_abandoned(inbox: RolloutInbox, consumed: ConsumedSeqs, totals: d
     previous incarnation consumed them in a timeline whose checkpoint is gone (the run restarted
     from an older checkpoint, or a wiped run directory on a broker that kept its streams). They
     are counted as `abandoned`, once."""
-    return await _count_uncounted(inbox, consumed, totals, "abandoned")
+    return await _count_uncounted(inbox, consumed, totals, "abandoned", "trainer.rewound")
 
 
 async def count_evicted(inbox: RolloutInbox, consumed: ConsumedSeqs, totals: dict[str, int]) -> dict[str, int]:
     """After a step's acks: messages the stream's retention limits (nats.rollouts_max_gb, _hours)
     removed before the trainer read them, which the broker's ack floor passes over. They are
     counted as `evicted`, once."""
-    return await _count_uncounted(inbox, consumed, totals, "evicted")
+    return await _count_uncounted(inbox, consumed, totals, "evicted", "rollouts.evicted")
 
 
 async def _count_uncounted(inbox: RolloutInbox, consumed: ConsumedSeqs, totals: dict[str, int],
-                           name: str) -> dict[str, int]:
+                           name: str, event: str) -> dict[str, int]:
     acked = (await inbox.counts()).ack_floor
     uncounted = consumed.missing_through(acked)
     if not uncounted:
         return totals
-    log.warning(f"rollouts.{name}", messages=uncounted, checkpoint_floor=consumed.floor, broker_ack_floor=acked)
+    log.warning(event, **{name: uncounted}, checkpoint_floor=consumed.floor, broker_ack_floor=acked)
     consumed.raise_floor(acked)
     return {**totals, name: totals.get(name, 0) + uncounted}
 
