@@ -20,7 +20,9 @@ log = structlog.get_logger()
 
 Decide = Callable[[str, GrantRequest], Awaitable[Grant]]  # (sampler id, request) -> the answer
 
-INBOX = re.compile(r"^_INBOX[._][A-Za-z0-9_.-]+$")  # nats-py's `_INBOX.`, a secured client's `_INBOX_<key>.`
+# nats-py's `_INBOX.`, a secured client's `_INBOX_<key>.`; `_R_.`: the server's name for a request
+# that came through an account import, whose answer it routes back into the requester's account.
+INBOX = re.compile(r"^(_INBOX[._]|_R_\.)[A-Za-z0-9_.-]+$")
 
 
 def is_inbox(reply: str) -> bool:

@@ -20,6 +20,7 @@ from echo.protocol import HDR_SAMPLER_ID, ProtocolError, RolloutGroup, RunNames,
 from streams.client import connect
 from streams.credentials import Credentials
 from streams.rollouts import rollout_body
+from streams.secure import SERVER_CONF, SecureDir
 from streams.server import NatsServer
 
 
@@ -116,23 +117,31 @@ async def _dump(url: str, run_id: str, out, keep: Keep, table: bool, credentials
 
 
 @contextmanager
-def run_broker(run: str | Path, nats_url: str | None) -> Iterator[tuple[str, str]]:
-    """(broker URL, run id): the given server and run id, or a server started on a run
-    directory's own store (a finished run can be read after the fact)."""
+def run_broker(run: str | Path, nats_url: str | None,
+               credentials: Credentials | None = None) -> Iterator[tuple[str, str, Credentials | None]]:
+    """(broker URL, run id, credentials): the given server, run id and credentials, or a server
+    started on a run directory's own store (a finished run can be read after the fact). A
+    secured `up` run's store keeps the run in its accounts: the server gets the run's own
+    secured config, and the run's observer reads it."""
     if nats_url:
-        yield nats_url, str(run)
+        yield nats_url, str(run), credentials
         return
     run_dir = Path(run)
     run_id = tomllib.loads((run_dir / "config.toml").read_text())["run"]["id"]
+    secure = SecureDir(run_dir / "secure")
+    if (secure.dir / SERVER_CONF).exists():
+        with NatsServer(run_dir / "nats", include=secure.dir / SERVER_CONF) as server:
+            yield server.url, run_id, secure.credentials("observer")
+        return
     with NatsServer(run_dir / "nats") as server:
-        yield server.url, run_id
+        yield server.url, run_id, credentials
 
 
 def replay(run: str | Path, nats_url: str | None, out_path: str | None, keep: Keep = Keep(), table: bool = False,
            credentials: Credentials | None = None) -> int:
     out = open(out_path, "w") if out_path else sys.stdout
     try:
-        with run_broker(run, nats_url) as (url, run_id):
+        with run_broker(run, nats_url, credentials) as (url, run_id, credentials):
             asyncio.run(_dump(url, run_id, out, keep, table, credentials))
         return 0
     finally:

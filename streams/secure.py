@@ -150,6 +150,54 @@ def mirror_reader_permissions(names: RunNames, public_key: str) -> dict:
     return {"publish": {"allow": allow}, "subscribe": {"allow": [inbox_prefix(public_key) + ".>"]}}
 
 
+# NATS accounts: the run's streams and buckets live in RUN, with the trainer alone. Samplers,
+# observers and relays' leaf connections each sit in an account of their own (no JetStream there)
+# that imports from RUN exactly the subjects its users may publish, as services, and its users'
+# inboxes as streams. NATS does not check a request's reply subject: whoever answers (the
+# JetStream API, a stream's publish ack, the trainer) writes there with its own rights. Across
+# an import the answer goes back into the requester's account, where no stream of the run
+# listens: one sampler's credentials can no longer have the server write into the run's state.
+RUN, SAMPLERS, OBSERVERS, RELAYS = "RUN", "SAMPLERS", "OBSERVERS", "RELAYS"
+ACCOUNT_OF_ROLE = {"trainer": RUN, "sampler": SAMPLERS, "observer": OBSERVERS, "relay": RELAYS}
+
+
+def hub_accounts(users: list[tuple[str, dict]], hub_domain: str) -> dict:
+    """The hub's `accounts` block for (role, user entry) pairs: each user in its role's account,
+    and RUN's exports and the other accounts' imports derived from the users' permissions."""
+    accounts = {RUN: {"jetstream": "enabled", "users": [], "exports": []}}
+    accounts |= {name: {"users": [], "imports": []} for name in (SAMPLERS, OBSERVERS, RELAYS)}
+    exported: dict[tuple[str, str], dict] = {}
+
+    def share(kind: str, subject: str, account: str) -> None:
+        entry = exported.get((kind, subject))
+        if entry is None:
+            entry = exported[(kind, subject)] = {kind: subject, "accounts": []}
+            if ".MSG.NEXT." in subject or ".CONSUMER.CREATE." in subject and account == RELAYS:
+                entry["response_type"] = "stream"  # a fetch (a mirror's consumer) answers with many messages
+            accounts[RUN]["exports"].append(entry)
+            if kind == "service":
+                accounts[account]["imports"].append({"service": {"account": RUN, "subject": subject}})
+        if account not in entry["accounts"]:
+            entry["accounts"].append(account)
+            if kind == "stream" or len(entry["accounts"]) > 1:
+                accounts[account]["imports"].append({kind: {"account": RUN, "subject": subject}})
+
+    for role, user in users:
+        account = ACCOUNT_OF_ROLE[role]
+        accounts[account]["users"].append(user)
+        if account == RUN:
+            continue
+        for subject in user["permissions"]["publish"]["allow"]:
+            if role == "relay":  # the hub maps a leaf's $JS.<domain>.API requests to $JS.API in its account
+                subject = subject.replace(f"$JS.{hub_domain}.API.", "$JS.API.")
+            share("service", subject, account)
+        if role == "relay":
+            share("stream", "$JS.M.>", account)  # its mirrors' deliveries
+        else:
+            share("stream", inbox_prefix(user["nkey"]) + ".>", account)  # its consumers' deliveries, its answers
+    return accounts
+
+
 def _new_seed() -> bytes:
     return nkeys.encode_seed(secrets.token_bytes(32), nkeys.PREFIX_BYTE_USER)
 
@@ -285,14 +333,15 @@ class SecureDir:
         self.reload()
         return self.relay_files(name)
 
-    def _user_entry(self, user: dict, names: RunNames, hub_domain: str) -> dict:
+    def _user_entry(self, user: dict, names: RunNames, hub_domain: str) -> tuple[str, dict]:
         """One user of the hub's config. A relay's nkey opens only a leaf connection, and a
         client's only a client connection: each role's permissions are written for one kind."""
         if user["role"] == "relay":
-            return {"nkey": user["nkey"], "allowed_connection_types": ["LEAFNODE"],
-                    "permissions": relay_leaf_permissions(names, user["nkey"], hub_domain)}
-        return {"nkey": user["nkey"], "allowed_connection_types": ["STANDARD"],
-                "permissions": permissions(user["role"], names, user["nkey"], user["sampler_id"], hub_domain)}
+            return "relay", {"nkey": user["nkey"], "allowed_connection_types": ["LEAFNODE"],
+                             "permissions": relay_leaf_permissions(names, user["nkey"], hub_domain)}
+        return user["role"], {"nkey": user["nkey"], "allowed_connection_types": ["STANDARD"],
+                              "permissions": permissions(user["role"], names, user["nkey"], user["sampler_id"],
+                                                         hub_domain)}
 
     def _relay_users(self, relay_key: str, names: RunNames) -> list[dict]:
         """A relay's client port: the relay itself owns its server; samplers read the mirrors."""
@@ -314,14 +363,15 @@ class SecureDir:
         (self.dir / ROLES_FILE).write_text(json.dumps(roles, indent=1))
 
     def write_server_conf(self) -> None:
-        """TLS and the user list, for the hub's config to include. JSON is valid NATS config."""
+        """TLS and the accounts with their users, for the hub's config to include. JSON is valid
+        NATS config."""
         roles = self._roles()
         names = RunNames(roles["run_id"])
         users = [self._user_entry(u, names, roles["hub_domain"]) for u in roles["users"].values()]
         q = json.dumps
         tls = _tls_block(self.dir / "server-cert.pem", self.dir / "server-key.pem", self.ca_file)
         _replace_text(self.dir / SERVER_CONF, "\n".join(
-            [tls, f"authorization {{ users: {q(users)} }}", f"pid_file: {q(str(self.dir / PID_FILE))}"]))
+            [tls, f"accounts: {q(hub_accounts(users, roles['hub_domain']))}", f"pid_file: {q(str(self.dir / PID_FILE))}"]))
         _replace_text(self.leaf_conf, tls)  # the leaf port speaks TLS too; leaf users are in the list above
         for name, u in roles["users"].items():
             if u["role"] == "relay":  # a new sampler may read every relay's mirrors

@@ -84,33 +84,56 @@ async def test_the_trainer_answers_a_grant_request_only_in_an_inbox_and_copies_n
         await trainer.close()
 
 
-async def test_jetstream_answers_reflected_into_the_state_bucket_are_read_as_absent_and_fence_the_trainer_out(
-        secured, tmp_path, capsys):
-    """Reply reflection through the JetStream API: a request the sampler may make ($JS.hub.API.INFO)
-    whose reply names a key of the run's state bucket has the server write its answer there.
-    Every sampler and the trainer exited on the next read (bad_schema_version), restarts failed
-    the same way, `echo-rl quarantine list` crashed. Every reader now takes such a value for
-    absent, says and counts it; the trainer whose lease it overwrote stops at once, and the
-    next one takes the run in an epoch after every one announced."""
+async def test_no_answer_a_sampler_asks_for_lands_in_the_runs_state(secured, tmp_path):
+    """Reply reflection through the JetStream API: a request the sampler may make ($JS.hub.API.INFO,
+    a publish on its own rollout subject, a grant request) whose reply names a key of the run's
+    state had the server, the stream or the trainer write its answer there: every sampler and the
+    trainer exited on the next read, restarts failed the same way, and an answer on the trainer's
+    lease key fenced it out. The samplers' account imports what they may ask for from the run's
+    account: an answer goes back into theirs, where no stream of the run listens."""
     server, secure = secured
     trainer, lease, announcement, dispatch = await _serving_trainer(server, secure, tmp_path)
     names = trainer.names
-    await change_quarantine(trainer, lambda samplers: samplers.update({"s9": "caught"}))
-    renewing = asyncio.create_task(lease.renew_forever())
     attacker = await nats.connect(server.url, **secure.credentials("sampler-s1").connect_options())
     keys = [(trainer.state, names.state_bucket, key) for key in (
-        QUARANTINE_KEY, TRAINER_KEY, SCHEDULE_KEY, BUDGET_KEY, LEARNER_KEY, SLOTS_KEY, CONFIG_KEY)]
-    keys.append((trainer.registry, names.registry_bucket, "s1"))  # and its own heartbeat
+        QUARANTINE_KEY, TRAINER_KEY, SCHEDULE_KEY, BUDGET_KEY, LEARNER_KEY, CONFIG_KEY, "x")]
+    keys.append((trainer.registry, names.registry_bucket, "s0"))  # another sampler's heartbeat (its own it writes)
+    grant = encode(GrantRequest(want=1, epoch=lease.epoch, version=0))
     try:
         revisions = {(kv, key): await _revision(kv, key) for kv, _, key in keys}
         for _, bucket, key in keys:
-            await attacker.publish("$JS.hub.API.INFO", b"", reply=f"$KV.{bucket}.{key}")
-        await attacker.flush()
-        async with asyncio.timeout(10):  # until the server has written its answer into every key
-            while any([await _revision(kv, key) <= revision for (kv, key), revision in revisions.items()]):
-                await asyncio.sleep(0.05)
-        assert (await trainer.state.get(QUARANTINE_KEY)).value.startswith(b'{"type":"io.nats.jetstream.api.v1')
+            for api in ("$JS.hub.API", "$JS.API"):
+                await attacker.publish(f"{api}.INFO", b"", reply=f"$KV.{bucket}.{key}")
+                await attacker.publish(f"{api}.STREAM.INFO.{names.weights_stream}", b"", reply=f"$KV.{bucket}.{key}")
+            await attacker.publish(names.rollouts_subject("s1"), b"junk", reply=f"$KV.{bucket}.{key}")  # its ack
+            await attacker.publish(names.grants_subject("s1"), grant, reply=f"$KV.{bucket}.{key}")
+        # Each is answered in its turn: once these answers are in, the ones above were given.
+        await attacker.request("$JS.hub.API.INFO", b"", timeout=5)
+        await attacker.request(names.grants_subject("s1"), grant, timeout=5)
+        assert {(kv, key): await _revision(kv, key) for kv, _, key in keys} == revisions
+        assert await slots_granted(trainer) > 0  # the grants it asked for were made: the count is the trainer's
+        lease.check()  # still the run's trainer
+    finally:
+        await attacker.close()
+        await dispatch.subscription.unsubscribe()
+        await trainer.close()
 
+
+async def test_a_malformed_value_in_the_runs_state_is_read_as_absent_and_fences_the_trainer_out(
+        secured, tmp_path, capsys):
+    """Whatever writes junk into the run's state (it was a reflected server answer; any client of
+    the run's account could), no reader crashes: each takes the value for absent, says and counts
+    it; the trainer whose lease it overwrote stops at once, and the next one takes the run in an
+    epoch after every one announced."""
+    server, secure = secured
+    trainer, lease, announcement, dispatch = await _serving_trainer(server, secure, tmp_path)
+    await change_quarantine(trainer, lambda samplers: samplers.update({"s9": "caught"}))
+    renewing = asyncio.create_task(lease.renew_forever())
+    junk = b'{"type":"io.nats.jetstream.api.v1.account_info_response"}'
+    try:
+        for key in (QUARANTINE_KEY, TRAINER_KEY, SCHEDULE_KEY, BUDGET_KEY, LEARNER_KEY, SLOTS_KEY, CONFIG_KEY):
+            await trainer.state.put(key, junk)
+        await trainer.registry.put("s1", junk)
         counted = BAD_VALUES[QUARANTINE_KEY]
         assert await read_quarantine(trainer) == {} and BAD_VALUES[QUARANTINE_KEY] == counted + 1
         assert await current_epoch(trainer) is None
@@ -125,7 +148,6 @@ async def test_jetstream_answers_reflected_into_the_state_bucket_are_read_as_abs
         assert successor.epoch == announcement.epoch + 1
     finally:
         renewing.cancel()
-        await attacker.close()
         await dispatch.subscription.unsubscribe()
         await trainer.close()
 

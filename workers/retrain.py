@@ -43,7 +43,8 @@ def retrain(run_dir: Path, nats_url: str | None = None, credentials: Credentials
     version, published = latest_weights(run_dir)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(run_dir / "config.toml", [f"run.dir={tmp}"])  # a fresh model, not the run's checkpoint
-        with run_broker(cfg.run.id if nats_url else run_dir, nats_url) as (url, run_id):  # live, or the run's store
+        # The live run, or the run's store.
+        with run_broker(cfg.run.id if nats_url else run_dir, nats_url, credentials) as (url, run_id, credentials):
             groups = asyncio.run(_groups(url, run_id, credentials))
         model = TrainerModel(cfg, Ranks(cfg.model.device))
         referee = Referee(load_task(cfg.task), model.tokenizer, model.vocab_size, cfg.sampling)
