@@ -1,4 +1,5 @@
-"""A secured broker: TLS, one nkey per client, and per-role permissions on one run's subjects.
+"""A secured broker: TLS, one nkey per client, an account per role, and per-role permissions on
+one run's subjects.
 
 `echo-rl secure init DIR --run-id ID` writes DIR/ca.pem and the server's certificate, an nkey
 seed and a client certificate per client (trainer.nk, trainer-cert.pem, trainer-key.pem; the
@@ -9,6 +10,10 @@ handshake. Permissions are written from the run's names (echo/protocol.py), so t
 wire contract. Why nkeys and not JWTs: one config file and no operator/account signing chain to
 run; a client proves it holds its seed by signing the server's nonce, the seed never leaves its
 box. Adding a sampler rewrites the user list and reloads the server (SIGHUP): no restart.
+
+The run's streams and buckets live in account RUN with the trainer; samplers, observers and
+relays are in accounts of their own that import from RUN only what their users may publish
+(hub_accounts): a server's answer to a sampler's request cannot land in the run's state.
 
 `secure add-relay DIR NAME` issues a relay's leaf nkey (accepted on the hub's leaf port only,
 allowed to mirror the weights and announcements and nothing else) and a certificate and user
