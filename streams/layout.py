@@ -82,6 +82,8 @@ def weights_mirrors(names: RunNames, upstream_domain: str) -> list[StreamConfig]
 
 
 def _history_stream(name: str, subjects: str, storage: Storage) -> StreamConfig:
+    # What samplers write: no message of theirs may roll the stream up, and no one purges or
+    # deletes from it (its retention limits alone remove messages).
     return StreamConfig(
         name=name,
         subjects=[subjects],
@@ -91,4 +93,7 @@ def _history_stream(name: str, subjects: str, storage: Storage) -> StreamConfig:
         max_bytes=storage.rollouts_max_bytes,
         max_age=storage.rollouts_max_age_s,
         num_replicas=storage.replicas,
+        allow_rollup_hdrs=False,
+        deny_delete=True,
+        deny_purge=True,
     )

@@ -172,6 +172,11 @@ async def test_a_rollup_on_the_samplers_own_heartbeat_key_wipes_nothing(secured,
         with pytest.raises(nats.js.errors.APIError):  # nor may it purge its own key
             await js.publish(f"$KV.{names.registry_bucket}.s1", b"",
                              headers={"KV-Operation": "PURGE", "Nats-Rollup": "sub"})
+        with pytest.raises(nats.js.errors.APIError):  # nor roll up what it wrote on its own subject
+            await js.publish(names.rollouts_subject("s1"), b"x", headers={"Nats-Rollup": "all"})
+        for stream in (names.rollouts_stream, names.bodies_stream):  # what samplers write: no one purges it
+            with pytest.raises(nats.js.errors.APIError):
+                await trainer.js.purge_stream(stream)
         assert (await trainer.state.get(CONFIG_KEY)).value == b'{"task": {"name": "math"}}'
         assert await current_epoch(trainer) == lease.epoch and await slots_granted(trainer) == 0
         assert (await trainer.registry.get("s0")).value == b"another sampler's heartbeat"
