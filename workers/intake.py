@@ -71,6 +71,7 @@ class Judge:
         self.trained_completions: set[int] = set()  # completion_keys of the groups this process trained
         self.proof, self.quarantine = proof, quarantine
         self.check = check or (proof.check if proof else None)  # the proof's forward (on every rank)
+        self.limits = referee.limits  # what a message may hold, checked before it is read
 
     async def admit(self, group: RolloutGroup, sender: str, version: int, out: Collected) -> Admitted | None:
         admitted = self._judge(group, sender, version, out)
@@ -159,7 +160,7 @@ class Collector:
         """The group to train on, or None (counted in `out` by what happened to it). A group
         that ended one of its sender's slots and is not trained wastes that slot."""
         try:
-            limits = self.judge.referee.limits
+            limits = self.judge.limits
             group = decode_rollout(await self.inbox.body(delivery, limits), delivery.headers, delivery.subject, limits)
         except ProtocolError as e:
             return reject(out, e.reason, str(e))
