@@ -155,48 +155,55 @@ def mirror_reader_permissions(names: RunNames, public_key: str) -> dict:
     return {"publish": {"allow": allow}, "subscribe": {"allow": [inbox_prefix(public_key) + ".>"]}}
 
 
-# NATS accounts: the run's streams and buckets live in RUN, with the trainer alone. Samplers,
-# observers and relays' leaf connections each sit in an account of their own (no JetStream there)
-# that imports from RUN exactly the subjects its users may publish, as services, and its users'
-# inboxes as streams. NATS does not check a request's reply subject: whoever answers (the
+# NATS accounts: the run's streams and buckets live in RUN, with the trainer alone. Each sampler,
+# the observers and relays' leaf connections sit in accounts of their own (no JetStream there)
+# that import from RUN exactly the subjects their users may publish, as services, and their
+# users' inboxes as streams. NATS does not check a request's reply subject: whoever answers (the
 # JetStream API, a stream's publish ack, the trainer) writes there with its own rights. Across
 # an import the answer goes back into the requester's account, where no stream of the run
 # listens: one sampler's credentials can no longer have the server write into the run's state.
-RUN, SAMPLERS, OBSERVERS, RELAYS = "RUN", "SAMPLERS", "OBSERVERS", "RELAYS"
-ACCOUNT_OF_ROLE = {"trainer": RUN, "sampler": SAMPLERS, "observer": OBSERVERS, "relay": RELAYS}
+# A sampler's account is its own, so the server bounds its connections and subscriptions.
+RUN, OBSERVERS, RELAYS = "RUN", "OBSERVERS", "RELAYS"
+SAMPLER_LIMITS = {"max_connections": 8, "max_subscriptions": 512}  # a sampler needs 1-3 and a few dozen
+
+
+def account_of(user: dict) -> str:
+    """The account of a user of roles.json."""
+    if user["role"] == "sampler":
+        return f"SAMPLER_{user['sampler_id']}"
+    return {"trainer": RUN, "observer": OBSERVERS, "relay": RELAYS}[user["role"]]
 
 
 def hub_accounts(users: list[tuple[str, dict]], hub_domain: str) -> dict:
-    """The hub's `accounts` block for (role, user entry) pairs: each user in its role's account,
-    and RUN's exports and the other accounts' imports derived from the users' permissions."""
+    """The hub's `accounts` block for (account, user entry) pairs: each user in its account, and
+    RUN's exports and the other accounts' imports derived from the users' permissions."""
     accounts = {RUN: {"jetstream": "enabled", "users": [], "exports": []}}
-    accounts |= {name: {"users": [], "imports": []} for name in (SAMPLERS, OBSERVERS, RELAYS)}
     exported: dict[tuple[str, str], dict] = {}
 
     def share(kind: str, subject: str, account: str) -> None:
         entry = exported.get((kind, subject))
         if entry is None:
             entry = exported[(kind, subject)] = {kind: subject, "accounts": []}
-            if ".MSG.NEXT." in subject or ".CONSUMER.CREATE." in subject and account == RELAYS:
-                entry["response_type"] = "stream"  # a fetch (a mirror's consumer) answers with many messages
+            if ".MSG.NEXT." in subject:
+                entry["response_type"] = "stream"  # a fetch answers with many messages
             accounts[RUN]["exports"].append(entry)
-            if kind == "service":
-                accounts[account]["imports"].append({"service": {"account": RUN, "subject": subject}})
         if account not in entry["accounts"]:
             entry["accounts"].append(account)
-            if kind == "stream" or len(entry["accounts"]) > 1:
-                accounts[account]["imports"].append({kind: {"account": RUN, "subject": subject}})
+            accounts[account]["imports"].append({kind: {"account": RUN, "subject": subject}})
 
-    for role, user in users:
-        account = ACCOUNT_OF_ROLE[role]
+    for account, user in users:
+        if account not in accounts:
+            accounts[account] = {"users": [], "imports": []}
+            if account.startswith("SAMPLER_"):
+                accounts[account]["limits"] = SAMPLER_LIMITS
         accounts[account]["users"].append(user)
         if account == RUN:
             continue
         for subject in user["permissions"]["publish"]["allow"]:
-            if role == "relay":  # the hub maps a leaf's $JS.<domain>.API requests to $JS.API in its account
+            if account == RELAYS:  # the hub maps a leaf's $JS.<domain>.API requests to $JS.API in its account
                 subject = subject.replace(f"$JS.{hub_domain}.API.", "$JS.API.")
             share("service", subject, account)
-        if role == "relay":
+        if account == RELAYS:
             share("stream", "$JS.M.>", account)  # its mirrors' deliveries
         else:
             share("stream", inbox_prefix(user["nkey"]) + ".>", account)  # its consumers' deliveries, its answers
@@ -342,11 +349,11 @@ class SecureDir:
         """One user of the hub's config. A relay's nkey opens only a leaf connection, and a
         client's only a client connection: each role's permissions are written for one kind."""
         if user["role"] == "relay":
-            return "relay", {"nkey": user["nkey"], "allowed_connection_types": ["LEAFNODE"],
-                             "permissions": relay_leaf_permissions(names, user["nkey"], hub_domain)}
-        return user["role"], {"nkey": user["nkey"], "allowed_connection_types": ["STANDARD"],
-                              "permissions": permissions(user["role"], names, user["nkey"], user["sampler_id"],
-                                                         hub_domain)}
+            return RELAYS, {"nkey": user["nkey"], "allowed_connection_types": ["LEAFNODE"],
+                            "permissions": relay_leaf_permissions(names, user["nkey"], hub_domain)}
+        return account_of(user), {"nkey": user["nkey"], "allowed_connection_types": ["STANDARD"],
+                                  "permissions": permissions(user["role"], names, user["nkey"], user["sampler_id"],
+                                                             hub_domain)}
 
     def _relay_users(self, relay_key: str, names: RunNames) -> list[dict]:
         """A relay's client port: the relay itself owns its server; samplers read the mirrors."""

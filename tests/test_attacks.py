@@ -5,6 +5,7 @@ before the defence it checks."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import time
 from types import SimpleNamespace
@@ -26,6 +27,7 @@ from streams.client import BAD_VALUES, open_run
 from streams.grants import slots_granted
 from streams.lease import RENEW_S, AnotherTrainer, current_epoch, take_lease
 from streams.quarantine import change_quarantine, read_quarantine
+from streams.secure import SAMPLER_LIMITS
 from streams.inbox import RolloutInbox
 from streams.registry import put_status, read_heartbeat, read_learner, read_statuses
 from streams.rollouts import publish_rollout
@@ -322,3 +324,41 @@ async def test_a_heartbeat_claiming_a_huge_rate_at_no_cost_puts_no_honest_sample
     finally:
         await liar.close()
         await trainer.close()
+
+
+async def test_one_samplers_connections_and_subscriptions_are_bounded(secured):
+    """1000 connections and 200,000 subscriptions on one sampler's credentials were allowed. Each
+    sampler is an account of its own, and the server bounds an account's (SAMPLER_LIMITS); the
+    other samplers' are their own."""
+    server, secure = secured
+    secure.add_sampler("s2")  # another sampler, whose connection must not count against s1's
+    options = secure.credentials("sampler-s1").connect_options()
+    async with asyncio.timeout(10):  # once the hub has reloaded its config (add_sampler signals it)
+        while True:
+            with contextlib.suppress(Exception):
+                opened = [await nats.connect(server.url, allow_reconnect=False,
+                                             **secure.credentials("sampler-s2").connect_options())]
+                break
+            await asyncio.sleep(0.1)
+    try:
+        for _ in range(SAMPLER_LIMITS["max_connections"]):
+            opened.append(await nats.connect(server.url, allow_reconnect=False, **options))
+        with pytest.raises(Exception):  # one more is refused (maximum account active connections exceeded)
+            opened.append(await nats.connect(server.url, allow_reconnect=False, connect_timeout=2, **options))
+        for nc in opened[1:]:
+            await nc.close()
+        nc = await nats.connect(server.url, allow_reconnect=False, **options)
+        opened.append(nc)
+        for i in range(SAMPLER_LIMITS["max_subscriptions"] + 1):  # its own inbox: subscriptions it may make
+            await nc.subscribe(f"{options['inbox_prefix']}.x{i}")
+        with contextlib.suppress(Exception):
+            await nc.flush(timeout=2)
+        async with asyncio.timeout(5):  # the server refuses the one too many; nats-py closes on it
+            while not nc.is_closed:
+                await asyncio.sleep(0.05)
+        assert "maximum subscriptions exceeded" in str(nc.last_error), nc.last_error
+        assert opened[0].is_connected  # the other sampler's connection stands
+    finally:
+        for nc in opened:
+            with contextlib.suppress(Exception):
+                await nc.close()
