@@ -181,22 +181,3 @@ async def test_a_grant_that_fails_in_our_code_is_still_answered(runs):
     reply = await run.nc.request(run.names.grants_subject("a"), encode(GrantRequest(want=1, epoch=1, version=0)),
                                  timeout=GRANT_TIMEOUT_S)
     assert decode(Grant, reply.data).groups == 0
-
-
-def test_the_trainer_measures_each_grant_by_the_groups_it_accepted():
-    """A grant is a call the trainer times itself, from the grant to its last group's arrival:
-    only groups it accepted count, so a sampler cannot seem faster than what it delivered."""
-    ledger = GrantLedger(rate_window_s=60.0)
-    slots, _ = ledger.grant("a", want=4, headroom=4, window=8, now=10.0)
-    for slot, at in zip(slots, (11.0, 12.0, 13.0, 14.0)):
-        assert ledger.delivered("a", slot, now=at)
-        (ledger.wasted if slot == slots[3] else ledger.accepted)(slot)  # the last one arrived stale
-    rates = ledger.measured("a", now=15.0)
-    assert (rates.groups_per_s, rates.call_s) == (3 / 4.0, 4.0)  # 3 accepted in the 4 s from grant to last
-    junk, _ = ledger.grant("b", want=2, headroom=2, window=8, now=10.0)
-    for slot in junk:
-        assert ledger.delivered("b", slot, now=10.1)
-        ledger.wasted(slot)  # refused: not a rate
-    ledger.grant("c", want=2, headroom=2, window=8, now=10.0)
-    ledger.release("c")  # died holding them
-    assert ledger.measured("b", now=15.0).groups_per_s == 0 == ledger.measured("c", now=15.0).groups_per_s

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import io
 import time
-from types import SimpleNamespace
 
 import nats
 import pytest
@@ -20,8 +19,7 @@ from echo.admission import GrantLedger
 from echo.checkpoint import TrainerState
 from echo.protocol import (BUDGET_KEY, CONFIG_KEY, HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE, HDR_MSG_ID,
                            LEARNER_KEY,
-                           QUARANTINE_KEY, SCHEDULE_KEY, SLOTS_KEY, TRAINER_KEY, GrantRequest, LearnerStatus,
-                           SamplerStatus, encode,
+                           QUARANTINE_KEY, SCHEDULE_KEY, SLOTS_KEY, TRAINER_KEY, GrantRequest, SamplerStatus, encode,
                            pack_rollout, rollout_headers)
 from streams.client import BAD_VALUES, open_run
 from streams.grants import slots_granted
@@ -35,7 +33,6 @@ from streams.weights import fetch_weights, publish_weights
 from tests.conftest import TINY_BASE, tiny_config
 from tests.test_referee import REFEREE, TASK, _unlikely, honest_group
 from workers.cli import main
-from workers.coordinator import Coordinator
 from workers.dispatch import AsyncDispatch
 from workers.intake import Collector, Judge, Timeline
 from workers.status import render, snapshot
@@ -293,36 +290,6 @@ async def test_a_group_resending_trained_completions_is_refused(secured):
         assert collected.rejected == {"repeated_completion": 2}, collected.rejected
     finally:
         await attacker.close()
-        await trainer.close()
-
-
-async def test_a_heartbeat_claiming_a_huge_rate_at_no_cost_puts_no_honest_sampler_on_standby(secured, tmp_path):
-    """With scheduler.enabled, a heartbeat claiming 1000 groups/s at cost 0 put the honest samplers
-    on standby and the liar alone active: no step for as long as it kept beating. The scheduler
-    now plans from the rates the trainer measured of each sampler's grants."""
-    server, secure = secured
-    cfg = tiny_config(tmp_path, run={"id": "sec"}, scheduler={"enabled": True},
-                      trainer={"groups_per_step": 4, "max_staleness": 2})
-    trainer = await open_run(server.url, "sec", "trainer", credentials=secure.credentials("trainer"))
-    liar = await open_run(server.url, "sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
-    try:
-        now, ledger, standby = time.time(), GrantLedger(), set()
-        await put_status(trainer, SamplerStatus(  # the honest one: 2 groups/s, as the trainer measured
-            sampler_id="s0", version=1, groups_published=4, weight_failures={}, updated_at=now, cost_per_hour=1.0,
-            groups_per_s=2.0, call_s=1.0, sync_s={"1": 0.5}))
-        slots, _ = ledger.grant("s0", 2, headroom=2, window=8, now=time.monotonic() - 1.0)
-        for slot in slots:
-            ledger.delivered("s0", slot, time.monotonic())
-            ledger.accepted(slot)
-        await put_status(liar, SamplerStatus(
-            sampler_id="s1", version=1, groups_published=10**6, weight_failures={}, updated_at=now, cost_per_hour=0.0,
-            groups_per_s=1000.0, call_s=0.001, sync_s={"1": 0.0}))
-        pace = SimpleNamespace(status=LearnerStatus(step_s=2.0, groups_per_step=4, max_staleness=2, version=1,
-                                                    utilisation=1.0, updated_at=now))
-        await Coordinator(trainer, cfg, standby, pace, ledger).choose()
-        assert standby == set()  # the honest sampler works; the liar takes work until it is measured
-    finally:
-        await liar.close()
         await trainer.close()
 
 

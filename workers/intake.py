@@ -166,8 +166,8 @@ class Collector:
             return reject(out, e.reason, str(e))
         granted = self.ledger.delivered(delivery.sender, group.slot, time.monotonic())
         admitted = await self.judge.admit(group, delivery.sender, version, out)
-        if granted:
-            (self.ledger.wasted if admitted is None else self.ledger.accepted)(group.slot)
+        if admitted is None and granted:
+            self.ledger.wasted(group.slot)
         return admitted
 
     def trained(self, collected: Collected) -> None:
