@@ -508,10 +508,12 @@ class RolloutLimits:
         per_completion = FIELDS_BYTES + self.max_new_tokens * (8 + TEXT_BYTES_PER_TOKEN)  # id, log-prob, text
         return _ROLLOUT_HEAD.size + FIELDS_BYTES + 4 * PROMPT_TOKENS_ALLOWED + self.group_size * per_completion
 
-    def check(self, size: int, prompt_tokens: int | None = None, completion_tokens: list[int] = ()) -> None:
+    def check_size(self, size: int) -> None:
         if size > self.max_bytes:
             raise ProtocolError("too_large", f"{size} bytes, more than the {self.max_bytes} a group of this run takes")
-        if prompt_tokens is not None and prompt_tokens > PROMPT_TOKENS_ALLOWED:
+
+    def check_counts(self, prompt_tokens: int, completion_tokens: list[int]) -> None:
+        if prompt_tokens > PROMPT_TOKENS_ALLOWED:
             raise ProtocolError("prompt_too_long", f"{prompt_tokens} tokens")
         if len(completion_tokens) > self.group_size:
             raise ProtocolError("wrong_group_size", f"{len(completion_tokens)} completions, the run's groups have "
@@ -556,7 +558,7 @@ def _read_rollout(data: bytes,
     prompt's token count, each completion's, every token id, and every log-prob (not yet checked):
     read-only views of `data`. Within `limits`, checked before any completion is looked at."""
     if limits is not None:
-        limits.check(len(data))
+        limits.check_size(len(data))
     if len(data) < _ROLLOUT_HEAD.size or data[:4] != ROLLOUT_MAGIC:
         raise ProtocolError("bad_encoding", f"not a rollout message (it starts {bytes(data[:8])!r})")
     _, meta_len = _ROLLOUT_HEAD.unpack_from(data)
@@ -571,7 +573,7 @@ def _read_rollout(data: bytes,
             or len(completions) != len(completion_tokens) or not all(isinstance(c, dict) for c in completions)):
         raise ProtocolError("bad_schema", "token counts: one for the prompt and one for each completion")
     if limits is not None:
-        limits.check(len(data), prompt_tokens, completion_tokens)
+        limits.check_counts(prompt_tokens, completion_tokens)
     tokens = prompt_tokens + sum(completion_tokens)
     expected = meta_end + 4 * tokens + 4 * sum(completion_tokens)
     if len(data) != expected:

@@ -9,6 +9,7 @@ its predecessor's, even a version number forged far ahead."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import socket
 
@@ -19,6 +20,8 @@ from echo.protocol import TRAINER_KEY, ProtocolError, TrainerLease, WeightsAnnou
 from streams.client import BROKER_ERRORS, Run, read_value
 
 log = structlog.get_logger()
+
+_DECODE_LEASE = functools.partial(decode, TrainerLease)
 
 RENEW_S = 1.0
 LAPSE_S = 4.0  # a lease not renewed for this long (by a clock on this side) belongs to a dead trainer
@@ -59,7 +62,7 @@ class Lease:
         that timed out here was applied after all, or a broker killed mid-write came back with an
         older revision); another trainer would have written the next epoch. Takes its revision."""
         try:
-            held, revision = await read_value(self.run.state, TRAINER_KEY, _decode_lease)
+            held, revision = await read_value(self.run.state, TRAINER_KEY, _DECODE_LEASE)
         except BROKER_ERRORS as e:  # not known yet: the next renewal asks again
             log.warning("trainer.lease_renewal_failed", epoch=self.epoch, error=repr(e))
             return True
@@ -88,7 +91,7 @@ async def take_lease(run: Run, lapse_s: float = LAPSE_S) -> Lease:
     loop = asyncio.get_running_loop()
     watched: tuple[int, float] | None = None  # (revision seen, when)
     while True:
-        held, revision = await read_value(run.state, TRAINER_KEY, _decode_lease)
+        held, revision = await read_value(run.state, TRAINER_KEY, _DECODE_LEASE)
         if revision and (held is None or not held.released):  # an unreadable lease is watched as a held one
             holder = f"{held.holder}, epoch {held.epoch}" if held else "its lease unreadable"
             if watched is None:
@@ -114,12 +117,8 @@ async def take_lease(run: Run, lapse_s: float = LAPSE_S) -> Lease:
 
 async def current_epoch(run: Run) -> int | None:
     """The epoch of the run's trainer, or None before any trainer started (or its lease unreadable)."""
-    held, _ = await read_value(run.state, TRAINER_KEY, _decode_lease)
+    held, _ = await read_value(run.state, TRAINER_KEY, _DECODE_LEASE)
     return held.epoch if held else None
-
-
-def _decode_lease(value: bytes) -> TrainerLease:
-    return decode(TrainerLease, value)
 
 
 async def _last_announced_epoch(run: Run) -> int:

@@ -14,6 +14,8 @@ from streams.client import Run, put_expiring, read_value
 
 log = structlog.get_logger()
 
+_DECODE_STATUS = functools.partial(decode, SamplerStatus)
+
 
 async def put_status(run: Run, status: SamplerStatus) -> None:
     await put_expiring(run.registry, status.sampler_id, encode(status), status.ttl_s)
@@ -41,7 +43,7 @@ async def read_statuses(run: Run) -> list[SamplerStatus]:
     statuses = []
     for subject in sorted(info.state.subjects or {}):
         key = subject.removeprefix(prefix)
-        status, _ = await read_value(run.registry, key, _decode_status)
+        status, _ = await read_value(run.registry, key, _DECODE_STATUS)
         if status is None:  # deleted, or one sampler's bad word: it must not stop the readers
             continue
         # A sampler writes its own key only (its credentials), but any value: not another's status.
@@ -55,9 +57,6 @@ async def read_statuses(run: Run) -> list[SamplerStatus]:
 async def read_heartbeat(run: Run, sampler_id: str) -> tuple[int, SamplerStatus | None]:
     """The revision of the sampler's heartbeat key (it changes with every beat) and what it says;
     (0, None) when there is none or it is unreadable: not a sign of life."""
-    status, revision = await read_value(run.registry, sampler_id, _decode_status)
+    status, revision = await read_value(run.registry, sampler_id, _DECODE_STATUS)
     return (revision, status) if status is not None else (0, None)
 
-
-def _decode_status(value: bytes) -> SamplerStatus:
-    return decode(SamplerStatus, value)

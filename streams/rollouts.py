@@ -75,7 +75,7 @@ async def rollout_body(js: JetStreamContext, names: RunNames, msg, limits: Rollo
     if msg.data or not 0 < count <= MAX_BODY_PARTS:  # before naming the parts: a sender may claim billions
         raise ProtocolError("bad_body", f"{count} parts (1 to {MAX_BODY_PARTS}), and no data of its own")
     if limits is not None:
-        limits.check(size)
+        limits.check_size(size)
     try:
         subjects = [names.body_part_subject(sender, group_id, index) for index in range(count)]
     except ValueError as e:
