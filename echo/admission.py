@@ -20,6 +20,9 @@ Junk that never held a slot changes nothing.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+
+from echo.throughput import CallWindow, Rates
 
 ACTIVE_S = 30.0  # a sampler that asked for work this recently shares the window
 
@@ -34,6 +37,17 @@ def sampler_cap(budget_version: int, budget_allowance: int, sampler_version: int
     return budget_allowance - (budget_version - sampler_version) * groups_per_step
 
 
+@dataclass
+class _Call:
+    """One grant, as the trainer sees its sampler work through it."""
+
+    sampler_id: str
+    granted_at: float
+    open: int  # its slots neither accepted, wasted nor given up yet
+    accepted: int = 0
+    last_at: float = 0.0  # its latest group's arrival
+
+
 class GrantLedger:
     """Every slot the trainer granted and has not yet received, by number and holder.
 
@@ -41,15 +55,21 @@ class GrantLedger:
     and is not trained (stale, rejected) is wasted; one whose holder died or stalled is
     released: both are lost, reported once by `take_lost` so the trainer hands the work out
     again. A group naming no slot of its sender's (junk, a previous trainer's grant) changes
-    nothing here."""
+    nothing here.
 
-    def __init__(self, issued: int = 0, active_s: float = ACTIVE_S):
+    Each grant is a call the trainer measures itself, from the grant to its last group's
+    arrival in the stream, counting only the groups it accepted (`measured`): the scheduler
+    plans from what a sampler delivered, not from what its heartbeat claims."""
+
+    def __init__(self, issued: int = 0, active_s: float = ACTIVE_S, rate_window_s: float = 60.0):
         self.issued = issued  # slots numbered so far in the run, by every incarnation of the trainer
-        self.active_s = active_s
+        self.active_s, self.rate_window_s = active_s, rate_window_s
         self.outstanding: dict[int, str] = {}  # slot number -> the sampler holding it
         self.asked_at: dict[str, float] = {}
         self.progress_at: dict[str, float] = {}  # a holder's last delivery, or the grant that made it one
         self._lost: list[int] = []
+        self._calls: dict[int, _Call] = {}  # slot -> its grant's call, until the slot settles
+        self._rates: dict[str, CallWindow] = {}  # by sampler: the calls measured here
 
     def held(self, sampler_id: str) -> int:
         return sum(1 for holder in self.outstanding.values() if holder == sampler_id)
@@ -73,35 +93,57 @@ class GrantLedger:
         slots = list(range(self.issued + 1, self.issued + 1 + groups))
         self.issued += groups
         self.outstanding.update((slot, sampler_id) for slot in slots)
+        call = _Call(sampler_id, now, len(slots))
+        self._calls.update((slot, call) for slot in slots)
         if slots and not held:
             self.progress_at[sampler_id] = now
         return slots, headroom > groups
 
-    def delivered(self, sampler_id: str, slot: int, now: float) -> bool:
-        """A group naming `slot` arrived from `sampler_id`: whether it ended one of its slots."""
+    def delivered(self, sampler_id: str, slot: int, arrived: float) -> bool:
+        """A group naming `slot` arrived from `sampler_id` (stored by the broker at `arrived`, not
+        when the trainer, busy with a step, got to it): whether it ended one of its slots."""
         if self.outstanding.get(slot) != sampler_id:
             return False
         del self.outstanding[slot]
-        self.progress_at[sampler_id] = now
+        call = self._calls[slot]
+        call.last_at = max(call.last_at, arrived, call.granted_at)  # clocks apart by a little
+        self.progress_at[sampler_id] = max(self.progress_at.get(sampler_id, 0.0), call.last_at)
         return True
+
+    def accepted(self, slot: int) -> None:
+        """A delivered slot's group is to be trained."""
+        self._settle(slot, accepted=True)
 
     def wasted(self, slot: int) -> None:
         """A delivered slot's group was not trained (stale or rejected)."""
+        self._settle(slot, accepted=False)
         self._lost.append(slot)
 
     def release(self, sampler_id: str) -> list[int]:
         """End every slot `sampler_id` holds (it died or stalled): they are lost."""
         slots = sorted(slot for slot, holder in self.outstanding.items() if holder == sampler_id)
-        for slot in slots:
-            del self.outstanding[slot]
-        self._lost += slots
+        self.revoke(slots)
         return slots
 
     def revoke(self, slots: list[int]) -> None:
         """Granted slots never handed over (the grant could not be recorded): they are lost."""
         for slot in slots:
             del self.outstanding[slot]
+            self._settle(slot, accepted=False)
         self._lost += slots
+
+    def _settle(self, slot: int, accepted: bool) -> None:
+        call = self._calls.pop(slot)
+        call.open -= 1
+        call.accepted += accepted
+        if call.open == 0 and call.accepted:
+            window = self._rates.setdefault(call.sampler_id, CallWindow(self.rate_window_s))
+            window.add(call.last_at, call.last_at - call.granted_at, call.accepted, 0)
+
+    def measured(self, sampler_id: str, now: float) -> Rates:
+        """The sampler's rates over its calls the trainer measured (zero before the first)."""
+        window = self._rates.get(sampler_id)
+        return window.rates(now) if window else Rates(0.0, 0.0, 0.0)
 
     def take_lost(self) -> list[int]:
         """The slots lost since the last call."""

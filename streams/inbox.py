@@ -7,6 +7,7 @@ confirmation, and reads the consumer's counts for the run's accounting."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import structlog
@@ -33,6 +34,7 @@ class Delivery:
     subject: str
     headers: dict[str, str]
     msg: Msg = field(repr=False)
+    arrived: float = 0.0  # when the broker stored it, on this process's monotonic clock
 
     @property
     def sender(self) -> str:
@@ -62,8 +64,11 @@ class RolloutInbox:
         """Up to `batch` deliveries ([] when none came within `timeout`), each held until ack_held;
         no more at once than FETCH_BYTES of messages of the server's largest size."""
         batch = max(1, min(batch, FETCH_BYTES // self.run.nc.max_payload))
-        deliveries = [Delivery(msg.metadata.sequence.stream, msg.subject, msg.headers or {}, msg)
-                      for msg in await fetch_rollouts(self.subscription, batch, timeout)]
+        msgs = await fetch_rollouts(self.subscription, batch, timeout)
+        now, wall = time.monotonic(), time.time()
+        deliveries = [Delivery(msg.metadata.sequence.stream, msg.subject, msg.headers or {}, msg,
+                               arrived=now - max(0.0, wall - msg.metadata.timestamp.timestamp()))
+                      for msg in msgs]
         self.held += deliveries  # acked after the checkpoint, used or not; they stay in the stream for replay
         return deliveries
 

@@ -31,7 +31,7 @@ def test_each_sampler_asking_holds_at_most_an_equal_share_of_the_window():
     assert ledger.grant("b", want=8, headroom=92, window=8, now=1) == ([19, 20, 21, 22], True)  # two ask: 4 each
     assert ledger.grant("a", want=8, headroom=88, window=8, now=2) == ([], True)  # a holds 8 already
     for slot in range(11, 17):
-        assert ledger.delivered("a", slot, now=3)
+        assert ledger.delivered("a", slot, arrived=3)
     assert ledger.grant("a", want=8, headroom=88, window=8, now=3) == ([23, 24], True)
     assert ledger.grant("c", want=8, headroom=3, window=8, now=4) == ([25], True)  # scarce headroom: a third of it
     # a and b stop asking (dead, or a hoarder gone quiet): after active_s the window is c's again.
@@ -43,9 +43,9 @@ def test_slots_end_by_number_and_only_lost_ones_are_reported():
     ledger = GrantLedger()
     slots, _ = ledger.grant("a", want=3, headroom=10, window=10, now=0)
     ledger.grant("b", want=2, headroom=7, window=10, now=0)  # 4, 5
-    assert not ledger.delivered("b", slots[0], now=1)  # another's slot: ends nothing
-    assert not ledger.delivered("a", 99, now=1)  # junk, or a previous trainer's grant
-    assert ledger.delivered("a", slots[0], now=1) and not ledger.delivered("a", slots[0], now=2)  # once
+    assert not ledger.delivered("b", slots[0], arrived=1)  # another's slot: ends nothing
+    assert not ledger.delivered("a", 99, arrived=1)  # junk, or a previous trainer's grant
+    assert ledger.delivered("a", slots[0], arrived=1) and not ledger.delivered("a", slots[0], arrived=2)  # once
     ledger.wasted(slots[0])  # it arrived stale
     assert ledger.take_lost() == [1] and ledger.take_lost() == []
     assert ledger.release("b") == [4, 5] and ledger.holders() == {"a"}  # b died holding two
@@ -181,3 +181,22 @@ async def test_a_grant_that_fails_in_our_code_is_still_answered(runs):
     reply = await run.nc.request(run.names.grants_subject("a"), encode(GrantRequest(want=1, epoch=1, version=0)),
                                  timeout=GRANT_TIMEOUT_S)
     assert decode(Grant, reply.data).groups == 0
+
+
+def test_the_trainer_measures_each_grant_by_the_groups_it_accepted():
+    """A grant is a call the trainer times itself, from the grant to its last group's arrival:
+    only groups it accepted count, so a sampler cannot seem faster than what it delivered."""
+    ledger = GrantLedger(rate_window_s=60.0)
+    slots, _ = ledger.grant("a", want=4, headroom=4, window=8, now=10.0)
+    for slot, at in zip(slots, (11.0, 12.0, 13.0, 14.0)):
+        assert ledger.delivered("a", slot, arrived=at)
+        (ledger.wasted if slot == slots[3] else ledger.accepted)(slot)  # the last one arrived stale
+    rates = ledger.measured("a", now=15.0)
+    assert (rates.groups_per_s, rates.call_s) == (3 / 4.0, 4.0)  # 3 accepted in the 4 s from grant to last
+    junk, _ = ledger.grant("b", want=2, headroom=2, window=8, now=10.0)
+    for slot in junk:
+        assert ledger.delivered("b", slot, arrived=10.1)
+        ledger.wasted(slot)  # refused: not a rate
+    ledger.grant("c", want=2, headroom=2, window=8, now=10.0)
+    ledger.release("c")  # died holding them
+    assert ledger.measured("b", now=15.0).groups_per_s == 0 == ledger.measured("c", now=15.0).groups_per_s

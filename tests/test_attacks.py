@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import io
 import time
+from types import SimpleNamespace
 
 import nats
 import pytest
@@ -19,13 +20,15 @@ from echo.admission import GrantLedger
 from echo.checkpoint import TrainerState
 from echo.protocol import (BUDGET_KEY, CONFIG_KEY, HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE, HDR_MSG_ID,
                            LEARNER_KEY,
-                           QUARANTINE_KEY, SCHEDULE_KEY, SLOTS_KEY, TRAINER_KEY, GrantRequest, SamplerStatus, encode,
+                           QUARANTINE_KEY, SCHEDULE_KEY, SLOTS_KEY, TRAINER_KEY, GrantRequest, LearnerStatus,
+                           SamplerStatus, encode,
                            pack_rollout, rollout_headers)
 from streams.client import BAD_VALUES, open_run
 from streams.grants import slots_granted
 from streams.lease import RENEW_S, AnotherTrainer, current_epoch, take_lease
 from streams.quarantine import change_quarantine, read_quarantine
-from streams.secure import SAMPLER_LIMITS
+from streams.secure import SAMPLER_LIMITS, SecureDir
+from streams.server import NatsServer
 from streams.inbox import RolloutInbox
 from streams.registry import put_status, read_heartbeat, read_learner, read_statuses
 from streams.rollouts import publish_rollout
@@ -33,6 +36,7 @@ from streams.weights import fetch_weights, publish_weights
 from tests.conftest import TINY_BASE, tiny_config
 from tests.test_referee import REFEREE, TASK, _unlikely, honest_group
 from workers.cli import main
+from workers.coordinator import Coordinator
 from workers.dispatch import AsyncDispatch
 from workers.intake import Collector, Judge, Timeline
 from workers.status import render, snapshot
@@ -293,20 +297,21 @@ async def test_a_group_resending_trained_completions_is_refused(secured):
         await trainer.close()
 
 
-async def test_one_samplers_connections_and_subscriptions_are_bounded(secured):
+async def test_one_samplers_connections_and_subscriptions_are_bounded(tmp_path):
     """1000 connections and 200,000 subscriptions on one sampler's credentials were allowed. Each
     sampler is an account of its own, and the server bounds an account's (SAMPLER_LIMITS); the
     other samplers' are their own."""
-    server, secure = secured
-    secure.add_sampler("s2")  # another sampler, whose connection must not count against s1's
+    # Both samplers from the start: a connection the hub accepts while it reloads its accounts
+    # (add_sampler) may be closed by that reload, which would be no limit at work.
+    secure = SecureDir(tmp_path / "secure")
+    secure.init("sec", ["localhost", "127.0.0.1"], ["s1", "s2"])
+    with NatsServer(tmp_path / "jetstream", include=secure.dir / "server.conf") as server:
+        await _connections_and_subscriptions_are_bounded(server, secure)
+
+
+async def _connections_and_subscriptions_are_bounded(server: NatsServer, secure: SecureDir) -> None:
     options = secure.credentials("sampler-s1").connect_options()
-    async with asyncio.timeout(10):  # once the hub has reloaded its config (add_sampler signals it)
-        while True:
-            with contextlib.suppress(Exception):
-                opened = [await nats.connect(server.url, allow_reconnect=False,
-                                             **secure.credentials("sampler-s2").connect_options())]
-                break
-            await asyncio.sleep(0.1)
+    opened = [await nats.connect(server.url, allow_reconnect=False, **secure.credentials("sampler-s2").connect_options())]
     try:
         for _ in range(SAMPLER_LIMITS["max_connections"]):
             opened.append(await nats.connect(server.url, allow_reconnect=False, **options))
@@ -329,3 +334,33 @@ async def test_one_samplers_connections_and_subscriptions_are_bounded(secured):
         for nc in opened:
             with contextlib.suppress(Exception):
                 await nc.close()
+
+
+async def test_a_heartbeat_claiming_a_huge_rate_at_no_cost_puts_no_honest_sampler_on_standby(secured, tmp_path):
+    """With scheduler.enabled, a heartbeat claiming 1000 groups/s at cost 0 put the honest samplers
+    on standby and the liar alone active: no step for as long as it kept beating. The scheduler
+    now plans from the rates the trainer measured of each sampler's grants."""
+    server, secure = secured
+    cfg = tiny_config(tmp_path, run={"id": "sec"}, scheduler={"enabled": True},
+                      trainer={"groups_per_step": 4, "max_staleness": 2})
+    trainer = await open_run(server.url, "sec", "trainer", credentials=secure.credentials("trainer"))
+    liar = await open_run(server.url, "sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
+    try:
+        now, ledger, standby = time.time(), GrantLedger(), set()
+        await put_status(trainer, SamplerStatus(  # the honest one: 2 groups/s, as the trainer measured
+            sampler_id="s0", version=1, groups_published=4, weight_failures={}, updated_at=now, cost_per_hour=1.0,
+            groups_per_s=2.0, call_s=1.0, sync_s={"1": 0.5}))
+        slots, _ = ledger.grant("s0", 2, headroom=2, window=8, now=time.monotonic() - 1.0)
+        for slot in slots:
+            ledger.delivered("s0", slot, time.monotonic())
+            ledger.accepted(slot)
+        await put_status(liar, SamplerStatus(
+            sampler_id="s1", version=1, groups_published=10**6, weight_failures={}, updated_at=now, cost_per_hour=0.0,
+            groups_per_s=1000.0, call_s=0.001, sync_s={"1": 0.0}))
+        pace = SimpleNamespace(status=LearnerStatus(step_s=2.0, groups_per_step=4, max_staleness=2, version=1,
+                                                    utilisation=1.0, updated_at=now))
+        await Coordinator(trainer, cfg, standby, pace, ledger).choose()
+        assert standby == set()  # the honest sampler works; the liar takes work until it is measured
+    finally:
+        await liar.close()
+        await trainer.close()

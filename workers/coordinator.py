@@ -1,11 +1,12 @@
 """ECHO-2's cost-aware activation, run inside the trainer process (scheduler.enabled).
 
-Every `scheduler.every_s` the coordinator reads the run's registry. When a sampler joined, left
-(its entry expired) or its measured rates drifted, it chooses again the cheapest set of samplers
+Every `scheduler.every_s` the coordinator reads the run's registry and the rates the trainer
+measured of each sampler's grants (echo/admission.py). When a sampler joined, left (its entry
+expired) or its measured rates drifted, it chooses again the cheapest set of samplers
 that reaches `scheduler.target_utilisation` at the trainer's measured pace (echo/capacity.py) and
 publishes the choice (streams/schedule.py): the others go on standby, keeping their weights
-current and taking no slots, and the trainer grants them none. A sampler not yet measured (it
-has finished no call) takes work until it is.
+current and taking no slots, and the trainer grants them none. A sampler not yet measured (the
+trainer has accepted no grant's groups from it) takes work until it is.
 """
 
 from __future__ import annotations
@@ -15,20 +16,36 @@ import time
 
 import structlog
 
+from dataclasses import replace
+
+from echo.admission import GrantLedger
 from echo.capacity import LearnerPace, SamplerPace, cheapest, replan_reason
 from echo.config import EchoConfig
-from echo.protocol import LearnerStatus, Schedule
+from echo.protocol import LearnerStatus, SamplerStatus, Schedule
 from streams.client import BROKER_ERRORS, Run
 from streams.registry import read_statuses
 from streams.schedule import publish_schedule
-from workers.plan import measured
+from workers.plan import SCHEDULED, sampler_pace
 
 log = structlog.get_logger()
 
 
+def delivered_paces(statuses: list[SamplerStatus], ledger: GrantLedger, now: float) -> list[SamplerPace]:
+    """The samplers the scheduler may use, at the rates the trainer measured of their grants (a
+    heartbeat's rates are the sampler's word: one claiming 1000 groups/s at no cost had the
+    honest ones put on standby and the run stopped); their sync time and cost as they say. One
+    the trainer has not measured yet takes work until it has."""
+    paces = []
+    for status in statuses:
+        rates = ledger.measured(status.sampler_id, now)
+        if status.state in SCHEDULED and rates.groups_per_s > 0:
+            paces.append(replace(sampler_pace(status), groups_per_s=rates.groups_per_s, call_s=rates.call_s))
+    return paces
+
+
 class Coordinator:
-    def __init__(self, run: Run, cfg: EchoConfig, standby: set[str], pace):
-        self.run, self.cfg = run, cfg
+    def __init__(self, run: Run, cfg: EchoConfig, standby: set[str], pace, ledger: GrantLedger):
+        self.run, self.cfg, self.ledger = run, cfg, ledger
         self.pace = pace  # the trainer's Pace: its `status` after each step
         self.standby = standby  # the trainer's grants read this set: it is changed in place
         self.used: dict[str, SamplerPace] = {}  # the measurements the current choice was made from
@@ -45,7 +62,7 @@ class Coordinator:
         pace: LearnerStatus | None = self.pace.status
         if pace is None:  # no step yet: no pace to plan for
             return
-        samplers = {w.id: w for w in measured(await read_statuses(self.run))}
+        samplers = {w.id: w for w in delivered_paces(await read_statuses(self.run), self.ledger, time.monotonic())}
         why = replan_reason(self.used, samplers, self.cfg.scheduler.drift)
         if why is None:
             return

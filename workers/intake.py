@@ -10,7 +10,6 @@ and strikes samplers through the quarantine (workers/quarantine.py). It publishe
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -164,10 +163,10 @@ class Collector:
             group = decode_rollout(await self.inbox.body(delivery, limits), delivery.headers, delivery.subject, limits)
         except ProtocolError as e:
             return reject(out, e.reason, str(e))
-        granted = self.ledger.delivered(delivery.sender, group.slot, time.monotonic())
+        granted = self.ledger.delivered(delivery.sender, group.slot, delivery.arrived)
         admitted = await self.judge.admit(group, delivery.sender, version, out)
-        if admitted is None and granted:
-            self.ledger.wasted(group.slot)
+        if granted:
+            (self.ledger.wasted if admitted is None else self.ledger.accepted)(group.slot)
         return admitted
 
     def trained(self, collected: Collected) -> None:

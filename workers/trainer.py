@@ -82,7 +82,8 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
     inbox = await RolloutInbox.open(run, cfg.trainer.ack_wait_s)
     consumed = ConsumedSeqs(**state.consumed)
     state.totals = await count_abandoned(inbox, consumed, state.totals)
-    ledger, quarantine = GrantLedger(), Quarantined(run, cfg.trainer.quarantine_after)
+    ledger = GrantLedger(rate_window_s=cfg.sampler.rate_window_s)
+    quarantine = Quarantined(run, cfg.trainer.quarantine_after)
     await quarantine.start(background)
     referee = Referee(load_task(cfg.task), model.tokenizer, model.vocab_size, cfg.sampling)
     judge = Judge(referee, Timeline(cfg.staleness_bound, run.epoch, state.version),
@@ -92,7 +93,7 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
     dispatch = dispatch_for(run, cfg, state, ledger, quarantine)
     recent = RecentSteps(cfg.trainer.groups_per_step, cfg.staleness_bound)
     if cfg.scheduler.enabled:  # what it chooses, the grants obey
-        background.start(Coordinator(run, cfg, dispatch.standby, recent).run_forever())
+        background.start(Coordinator(run, cfg, dispatch.standby, recent, ledger).run_forever())
 
     # (Re)publish the current version: a fresh run's version 0, or the checkpoint's.
     await publish_policy(run, cfg, model, state.version)
