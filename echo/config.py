@@ -110,7 +110,7 @@ class TrainerConfig(_Section):
     # What published weights are stored as (samplers cast on load): bf16 halves the bytes on the
     # wire, at a rounding of the trained fp32 weights that the importance weights correct for.
     publish_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    ack_wait_s: float = Field(60.0, gt=0)  # a crashed trainer's unacked groups come back after this
+    ack_wait_s: float = Field(60.0, gt=0)  # a stalled trainer's unacked groups come back after this
     threads: int = Field(0, ge=0)  # torch threads; 0 leaves torch's default
     # A pause per step on top of training it: a slower learner, for tests and benchmarks of the
     # scheduler (the tiny model's step is short and varies with the machine's load).

@@ -2,7 +2,13 @@
 on the rollouts stream. The trainer sees deliveries (a stream sequence, a subject, headers, an
 encoded group) and says when its step is checkpointed; this module fetches, holds each message
 unacked until then, keeps held messages alive through a long step, acks them with the broker's
-confirmation, and reads the consumer's counts for the run's accounting."""
+confirmation, and reads the consumer's counts for the run's accounting.
+
+Nothing waits out ack_wait: when the inbox opens (a previous trainer's deliveries are in flight)
+and after its connection dropped (a broker restart, a cut link: a fetch's messages lost with it,
+acks for deliveries made before it unanswered), it resets the consumer to its ack floor, and
+every unacked message is offered again at once; the trainer skips those it already counted by
+their sequences."""
 
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ from nats.aio.msg import Msg
 
 from echo.protocol import RolloutLimits, subject_sampler
 from streams.client import BROKER_ERRORS, Run
-from streams.rollouts import fetch_rollouts, rollout_body, trainer_subscription
+from streams.rollouts import fetch_rollouts, reset_trainer_consumer, rollout_body, trainer_subscription
 
 log = structlog.get_logger()
 
@@ -35,6 +41,7 @@ class Delivery:
     headers: dict[str, str]
     msg: Msg = field(repr=False)
     arrived: float = 0.0  # when the broker stored it, on this process's monotonic clock
+    connection: int = 0  # the trainer's connection it came on (its count of reconnects then)
 
     @property
     def sender(self) -> str:
@@ -55,19 +62,37 @@ class RolloutInbox:
     def __init__(self, run: Run, subscription):
         self.run, self.subscription = run, subscription
         self.held: list[Delivery] = []  # fetched and not yet acked
+        self.connection = -1  # the connection the consumer was last reset on: none yet
 
     @classmethod
     async def open(cls, run: Run, ack_wait_s: float = 600.0) -> "RolloutInbox":
-        return cls(run, await trainer_subscription(run, ack_wait_s))
+        inbox = cls(run, await trainer_subscription(run, ack_wait_s))
+        await inbox._reset_if_reconnected()
+        return inbox
+
+    def _reconnects(self) -> int:
+        return self.run.nc.stats["reconnects"]
+
+    async def _reset_if_reconnected(self) -> None:
+        """On a connection the consumer was not reset on yet, offer every unacked message again."""
+        if self.connection == self._reconnects():
+            return
+        try:
+            await reset_trainer_consumer(self.run)
+            self.connection = self._reconnects()
+        except BROKER_ERRORS as e:  # still reconnecting: the next fetch tries again
+            log.warning("inbox.reset_failed", reason=repr(e))
 
     async def fetch(self, batch: int, timeout: float) -> list[Delivery]:
         """Up to `batch` deliveries ([] when none came within `timeout`), each held until ack_held;
         no more at once than FETCH_BYTES of messages of the server's largest size."""
+        await self._reset_if_reconnected()
         batch = max(1, min(batch, FETCH_BYTES // self.run.nc.max_payload))
         msgs = await fetch_rollouts(self.subscription, batch, timeout)
-        now, wall = time.monotonic(), time.time()
+        now, wall, connection = time.monotonic(), time.time(), self._reconnects()
         deliveries = [Delivery(msg.metadata.sequence.stream, msg.subject, msg.headers or {}, msg,
-                               arrived=now - max(0.0, wall - msg.metadata.timestamp.timestamp()))
+                               arrived=now - max(0.0, wall - msg.metadata.timestamp.timestamp()),
+                               connection=connection)
                       for msg in msgs]
         self.held += deliveries  # acked after the checkpoint, used or not; they stay in the stream for replay
         return deliveries
@@ -79,31 +104,38 @@ class RolloutInbox:
 
     async def keep_alive(self, every: float) -> None:
         """Tell the server the held messages are still being worked on, so a long step does not
-        get them redelivered, while a crashed trainer's are redelivered after one ack_wait."""
+        get them redelivered, while a crashed trainer's are redelivered after one ack_wait (or at
+        once, when its successor opens the inbox)."""
         while True:
             await asyncio.sleep(every)
             try:
-                for delivery in self.held:
+                for delivery in self._on_this_connection():
                     await delivery.msg.in_progress()
             except BROKER_ERRORS as e:  # a broker restart: the next round tells it again
                 log.warning("inbox.keep_alive_failed", reason=repr(e))
 
     async def ack_held(self) -> int:
-        """Ack every held message, waiting for the broker to confirm each; returns how many it
-        did not. Those are offered again (after a broker restart, acks for deliveries made
-        before it go unanswered): the trainer skips them then, by their sequences."""
-        unconfirmed = 0
-        for delivery in self.held:
-            for attempt in range(ACK_ATTEMPTS):
-                try:
-                    await delivery.msg.ack_sync(timeout=1.0)
-                    break
-                except BROKER_ERRORS as e:
-                    log.warning("inbox.ack_failed", seq=delivery.seq, reason=repr(e), attempt=attempt)
-            else:
-                unconfirmed += 1
+        """Ack every held message, all at once, waiting for the broker to confirm each; returns how
+        many it did not. Those are offered again and the trainer skips them then, by their
+        sequences: deliveries made on a connection since dropped are not acked at all (their acks
+        would go unanswered after a broker restart, a second each), the reset offers them again."""
+        acked = await asyncio.gather(*(self._ack(delivery) for delivery in self._on_this_connection()))
+        unconfirmed = len(self.held) - sum(acked)
         self.held.clear()
         return unconfirmed
+
+    def _on_this_connection(self) -> list[Delivery]:
+        return [delivery for delivery in self.held if delivery.connection == self._reconnects()]
+
+    @staticmethod
+    async def _ack(delivery: Delivery) -> bool:
+        for attempt in range(ACK_ATTEMPTS):
+            try:
+                await delivery.msg.ack_sync(timeout=1.0)
+                return True
+            except BROKER_ERRORS as e:
+                log.warning("inbox.ack_failed", seq=delivery.seq, reason=repr(e), attempt=attempt)
+        return False
 
     async def counts(self) -> ConsumerCounts:
         info = await self.subscription.consumer_info()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 
+import nats
+import orjson
 import structlog
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
@@ -113,6 +115,16 @@ async def trainer_subscription(run: Run, ack_wait_s: float = 600.0):
     # pull_subscribe alone would bind to an existing consumer as it is.
     await run.js.add_consumer(run.names.rollouts_stream, config)
     return await run.js.pull_subscribe_bind(TRAINER_CONSUMER, run.names.rollouts_stream)
+
+
+async def reset_trainer_consumer(run: Run) -> None:
+    """Offer again at once every message the trainer's consumer has not had acked (nats-server
+    2.14's consumer reset, to its ack floor): deliveries lost with a dropped connection, or made
+    to a trainer that died, would otherwise come back only after ack_wait."""
+    subject = f"{run.js._prefix}.CONSUMER.RESET.{run.names.rollouts_stream}.{TRAINER_CONSUMER}"
+    answer = orjson.loads((await run.nc.request(subject, b"{}", timeout=5.0)).data)
+    if "error" in answer:
+        raise nats.errors.Error(f"consumer reset refused: {answer['error']}")
 
 
 async def fetch_rollouts(subscription, batch: int, timeout: float) -> list:

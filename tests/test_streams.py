@@ -139,13 +139,13 @@ async def test_a_step_that_crashed_between_its_checkpoint_and_its_acks_is_not_co
     run = await runs.open("redeliver", "test")
     for i in range(3):
         await publish_rollout(run, honest_group(20 + i, policy_version=5, group_id=f"g{i}"))
-    first = Collector(await RolloutInbox.open(run, ack_wait_s=0.5), Judge(REFEREE, Timeline(max_staleness=1)))
+    first = Collector(await RolloutInbox.open(run, ack_wait_s=600.0), Judge(REFEREE, Timeline(max_staleness=1)))
     step = await first.collect(2, version=5)  # checkpointed, then the crash: never acked
     assert [a.group.group_id for a in step.used] == ["g0", "g1"]
     await publish_rollout(run, honest_group(23, policy_version=5, group_id="g3"))
-    restarted = Collector(await RolloutInbox.open(run, ack_wait_s=0.5), Judge(REFEREE, Timeline(max_staleness=1)),
+    # Opening the inbox offers g0 and g1 again at once (not after ack_wait), before newer messages.
+    restarted = Collector(await RolloutInbox.open(run, ack_wait_s=600.0), Judge(REFEREE, Timeline(max_staleness=1)),
                           consumed=ConsumedSeqs(above=step.seqs))
-    await asyncio.sleep(1.0)  # past ack_wait: g0 and g1 are due again, and come before newer messages
     again = await restarted.collect(2, version=5)
     assert [a.group.group_id for a in again.used] == ["g2", "g3"] and again.already_counted == 2
     assert set(again.seqs).isdisjoint(step.seqs)
@@ -453,3 +453,26 @@ async def test_a_backlog_of_long_groups_is_fetched_without_dropping_the_trainers
         while len(got) < 40:
             got.update(d.seq for d in await inbox.fetch(64, timeout=5.0))
     assert run.nc.stats["reconnects"] == 0
+
+
+async def test_a_fetch_lost_with_the_connection_comes_back_at_once_and_old_deliveries_are_not_acked(
+        nats_server, runs):
+    """A dropped connection (here a broker restart) loses what was in flight with it: the lost
+    batch came back only after ack_wait (600 s), and the acks of deliveries made before a restart
+    went unanswered, three attempts of a second each, one message after another (95 s of a
+    32-group step's recovery). The inbox resets its consumer on each new connection: every
+    unacked message is offered again at once, and deliveries from before are not acked."""
+    run = await runs.open("dropped")
+    inbox = await RolloutInbox.open(run, ack_wait_s=600.0)
+    for i in range(8):
+        await run.js.publish(run.names.rollouts_subject("s1"), b"x", headers={HDR_MSG_ID: f"g{i}"})
+    assert len(await inbox.fetch(4, timeout=5.0)) == 4  # the batch the drop loses
+    nats_server.stop()
+    nats_server.start()
+    again: set[int] = set()
+    async with asyncio.timeout(60):  # a tenth of ack_wait
+        while len(again) < 8:
+            again.update(d.seq for d in await inbox.fetch(8, timeout=1.0) if d.connection > 0)
+    assert again == set(range(1, 9))
+    assert await inbox.ack_held() == 4  # the lost batch's first deliveries: left to the reset
+    assert (await inbox.counts()).pending == 0
