@@ -10,6 +10,12 @@ n <= (w + S + 1) * B + lost, where lost counts slots that will never be trained:
 arrived stale or rejected, or their holder died or stalled. The trainer publishes that number
 for its own version v; a sampler still running an older w shifts it down by (v - w) * B.
 
+Lost is counted from what is really out, every step (`lost_slots`), not added up as losses
+happen: a released slot whose group came after all and was trained, or a trained group that
+held no slot (a previous trainer's grant, a forged one), would otherwise leave one group too
+many in flight for the rest of the run. So the groups in flight (slots out plus headroom) come
+back to the window (S + 1) * B whatever arrives.
+
 The trainer alone grants slots (GrantLedger), and no sampler may hold more than its share of
 the groups that may be in flight: one that takes work and never delivers (dead or malicious)
 blocks its share, never the whole window, and only until its heartbeat stops or it has
@@ -30,6 +36,13 @@ ACTIVE_S = 30.0  # a sampler that asked for work this recently shares the window
 def allowance(version: int, max_staleness: int, groups_per_step: int, lost: int) -> int:
     """The highest slot number a sampler running `version` may take."""
     return (version + max_staleness + 1) * groups_per_step + lost
+
+
+def lost_slots(issued: int, outstanding: int, version: int, groups_per_step: int, accepted: int) -> int:
+    """Slots that will never be trained: every slot issued is out, trained (at `version`, version
+    x B groups were), accepted for the step being collected, or lost. Negative when groups that
+    held no slot were trained in their place: the window then closes by as many."""
+    return issued - outstanding - version * groups_per_step - accepted
 
 
 def sampler_cap(budget_version: int, budget_allowance: int, sampler_version: int, groups_per_step: int) -> int:

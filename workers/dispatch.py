@@ -16,7 +16,7 @@ import uuid
 
 import structlog
 
-from echo.admission import GrantLedger, Heartbeats, allowance, sampler_cap
+from echo.admission import GrantLedger, Heartbeats, allowance, lost_slots, sampler_cap
 from echo.checkpoint import TrainerState
 from echo.config import EchoConfig
 from echo.protocol import AdmissionBudget, Grant, GrantRequest, PullRequest
@@ -50,7 +50,7 @@ class Dispatch:
 
     async def ask(self, version: int) -> None:
         self.version = version
-        self.reissue_lost(self.ledger.take_lost())
+        self.reissue_lost(self.ledger.take_lost(), accepted=0)
         await self.publish(self.cfg.trainer.groups_per_step)
 
     async def on_wait(self, missing: int) -> None:
@@ -75,7 +75,7 @@ class Dispatch:
         lost = self.ledger.take_lost()
         if lost:
             log.warning("dispatch.reissue", version=self.version, lost=len(lost), missing=missing)
-            self.reissue_lost(lost)
+            self.reissue_lost(lost, accepted=self.cfg.trainer.groups_per_step - missing)
             await retry_forever("hand out lost work", lambda: self.republish(missing))
 
     async def grant(self, sampler_id: str, request: GrantRequest) -> Grant:
@@ -116,7 +116,7 @@ class SequentialDispatch(Dispatch):
         self.first_slot = self.ledger.issued + 1
         await publish_pull_request(self.run, self.request)
 
-    def reissue_lost(self, lost: list[int]) -> None:
+    def reissue_lost(self, lost: list[int], accepted: int) -> None:
         # Only the current request's slots matter: older requests' groups are not wanted.
         self.granted -= sum(1 for slot in lost if slot >= self.first_slot)
 
@@ -142,8 +142,8 @@ class AsyncDispatch(Dispatch):
         await super().start()
         # A restarted trainer cannot know which of its predecessor's slots are still out: it
         # counts every one not trained as lost, opening a fresh window. Their groups, should
-        # they still come, are trained if fresh.
-        self.state.lost = max(0, self.ledger.issued - self.state.version * self.cfg.trainer.groups_per_step)
+        # they still come, are trained if fresh, and the window closes by as many then.
+        self.reissue_lost([], accepted=0)
 
     def highest_slot(self) -> int:
         return allowance(self.version, self.cfg.trainer.max_staleness, self.cfg.trainer.groups_per_step, self.state.lost)
@@ -153,8 +153,11 @@ class AsyncDispatch(Dispatch):
         budget = AdmissionBudget(version=self.version, allowance=self.highest_slot(), groups_per_step=groups)
         await publish_budget(self.run, budget)
 
-    def reissue_lost(self, lost: list[int]) -> None:
-        self.state.lost += len(lost)
+    def reissue_lost(self, lost: list[int], accepted: int) -> None:
+        """Count what is lost from what is out (echo/admission.py): `accepted`, the groups the
+        step being collected took so far, are not."""
+        self.state.lost = lost_slots(self.ledger.issued, len(self.ledger.outstanding), self.version,
+                                     self.cfg.trainer.groups_per_step, accepted)
 
     async def republish(self, missing: int) -> None:
         await self.publish(self.cfg.trainer.groups_per_step)
