@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import json
 import os
+import errno
+import functools
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from echo.lifeline import arm_parent_death_signal
 from echo.protocol import HUB_DOMAIN
 
 
@@ -56,6 +60,42 @@ def free_port() -> int:
         _handed_out.add(port)
         return port
     raise RuntimeError(f"no free port in {LISTEN_PORTS.start}-{LISTEN_PORTS.stop - 1} on 127.0.0.1")
+
+
+def port_holder(host: str, port: int) -> str | None:
+    """Who listens on `port` already (None: no one). A server started there exits at once, and
+    without this check a relay took its predecessor's server, still running, for its own."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port lingering from a restart is free
+        try:
+            s.bind((host, port))
+            return None
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+    return _listening_process(port) or "another process"
+
+
+def _listening_process(port: int) -> str | None:
+    """'pid N (command line)' of the process listening on `port`, where /proc tells (Linux)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # LISTEN
+                inodes.add(f"socket:[{fields[9]}]")
+    for pid in filter(str.isdigit, os.listdir("/proc") if inodes else ()):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd")):
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                return f"pid {pid} ({command.strip()})"
+        except OSError:  # gone, or not ours to read
+            continue
+    return None
 
 
 class NatsServer:
@@ -148,9 +188,16 @@ class NatsServer:
         conf = self.store_dir / "nats-server.conf"
         write_secret(conf, self.config_text().encode())  # a relay's holds its leaf nkey seed
         args = [nats_server_binary(), "-c", str(conf)]
+        for port in (self.port, self.leaf_port, self.http_port, self.cluster_port):
+            holder = port and port_holder(self.host, port)
+            if holder:
+                raise RuntimeError(f"port {port} on {self.host} is held by {holder}: stop it, or choose another port")
         log = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         # Its own session: a Ctrl-C meant for the workers must not kill the broker under them.
-        self.process = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
+        # But it dies with the process that started it (on Linux): a relay's or `up`'s server
+        # outlived a kill -9 of them and held its port against their next start.
+        self.process = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True,
+                                        preexec_fn=functools.partial(arm_parent_death_signal, signal.SIGTERM))
         if self.log_file:
             log.close()  # the server holds its own copy
         deadline = time.monotonic() + timeout

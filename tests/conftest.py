@@ -10,6 +10,7 @@ import inspect
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +31,14 @@ TINY_BASE = base_model_digest("tiny")  # what weights for the tiny model are ann
 def nats_server(tmp_path):
     with NatsServer(tmp_path / "jetstream") as server:
         yield server
+
+
+def alive(pid: int) -> bool:
+    """Running (Linux; a zombie waiting for its reaper is not)."""
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
 
 
 @pytest.fixture

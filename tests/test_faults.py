@@ -29,9 +29,9 @@ from streams.lease import RENEW_S, AnotherTrainer, take_lease
 from streams.objects import put_object
 from streams.weights import publish_weights
 from streams.registry import put_status, read_statuses
-from streams.server import free_port
+from streams.server import NatsServer, free_port
 from streams.inbox import RolloutInbox
-from tests.conftest import TINY_BASE, tiny_config, wait_for_steps, worker_process
+from tests.conftest import TINY_BASE, alive, tiny_config, wait_for_steps, worker_process
 from streams.rollouts import publish_rollout
 from tests.test_referee import REFEREE, honest_group
 from tests.test_streams import _adapter_for_version, _store_tampered
@@ -309,6 +309,30 @@ def test_sigterm_stops_a_worker_even_when_nats_py_swallows_the_cancellation(nats
         assert worker.wait(timeout=15) == 0
     finally:
         worker.kill()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_an_embedded_server_dies_with_the_process_that_started_it_and_a_held_port_is_named(tmp_path):
+    """A relay's nats-server runs in a session of its own and outlived a kill -9 of the relay; on
+    restart the new server exited with "address already in use", yet the relay logged
+    relay.ready: NatsServer.start() only checked that something listened on the port. Now the
+    server gets SIGTERM when its starter dies, and a port held by another process is an error
+    naming it."""
+    script = ("import sys, time; from streams.server import NatsServer; "
+              f"s = NatsServer({str(tmp_path / 'store')!r}).start(); print(s.port, s.process.pid, flush=True); "
+              "time.sleep(600)")
+    starter = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                               cwd=Path(__file__).parent.parent)
+    port, pid = map(int, starter.stdout.readline().split())
+    with pytest.raises(RuntimeError, match=f"port {port} on 127.0.0.1 is held by pid {pid} "):
+        NatsServer(tmp_path / "second", port=port).start()
+    starter.kill()
+    starter.wait()
+    deadline = time.monotonic() + 30
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(pid)
+    NatsServer(tmp_path / "second", port=port).start().stop()  # the port is free again
 
 
 def test_servers_listen_outside_the_ports_outgoing_connections_take():

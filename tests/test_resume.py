@@ -3,6 +3,7 @@
 import asyncio
 import os
 import signal
+import time
 from pathlib import Path
 
 import orjson
@@ -16,7 +17,7 @@ from echo.policy import make_policy
 from echo.protocol import HDR_MSG_ID, TRAINER_CONSUMER, RunNames
 from streams.client import connect
 from streams.replay import read_rollouts
-from tests.conftest import assert_balanced, read_metrics, tiny_config, wait_for_steps, worker_process
+from tests.conftest import alive, assert_balanced, read_metrics, tiny_config, wait_for_steps, worker_process
 from workers.accounting import restore_metrics
 
 
@@ -85,10 +86,15 @@ def rank_pid(torchrun_pid: int, rank: int) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks", [1, 2], ids=["one-process", "rank-1-of-2"])
-def test_kill_9_the_trainer_and_resume_trains_every_group_once(nats_server, tmp_path, ranks):
-    """kill -9 of the trainer, or of one of its 2 ranks (torchrun then stops the other), in the
-    middle of a step; a new trainer resumes from the checkpoint with every group trained once."""
+@pytest.mark.parametrize("ranks,killed", [(1, "trainer"), (2, "rank 1"), (2, "torchrun")],
+                         ids=["one-process", "rank-1-of-2", "launcher-of-2"])
+def test_kill_9_the_trainer_and_resume_trains_every_group_once(nats_server, tmp_path, ranks, killed):
+    """kill -9 of the trainer, of one of its 2 ranks (torchrun then stops the other), or of
+    torchrun itself, in the middle of a step; a new trainer resumes from the checkpoint with
+    every group trained once. Killing torchrun left its ranks training unsupervised (step 15
+    to 42 in 20 s), and a trainer started meanwhile crashed reading a checkpoint folder they
+    pruned: ranks now die with their launcher, and a trainer reads the checkpoint only once it
+    holds the run's lease."""
     cfg = tiny_config(tmp_path, run={"id": "crash", "steps": 8}, trainer={"ack_wait_s": 3.0, "max_staleness": 1},
                       nats={"url": nats_server.url})
     config_path = tmp_path / "config.toml"
@@ -98,9 +104,14 @@ def test_kill_9_the_trainer_and_resume_trains_every_group_once(nats_server, tmp_
     try:
         wait_for_steps(cfg.run_dir, 3, [trainer])
         # In the middle of step 4: groups fetched, not acked.
-        os.kill(trainer.pid if ranks == 1 else rank_pid(trainer.pid, 1), signal.SIGKILL)
+        rank_pids = [rank_pid(trainer.pid, rank) for rank in range(ranks)] if ranks > 1 else [trainer.pid]
+        os.kill(rank_pids[1] if killed == "rank 1" else trainer.pid, signal.SIGKILL)
         trainer.communicate(timeout=60)
         assert trainer.returncode != 0
+        deadline = time.monotonic() + 30
+        while any(map(alive, rank_pids)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(alive, rank_pids))  # no rank outlives its launcher
 
         resumed = worker_process(config_path, "trainer", ranks=ranks)
         logs = resumed.communicate(timeout=180)[1]

@@ -51,7 +51,7 @@ log = structlog.get_logger()
 
 
 async def run_trainer(cfg: EchoConfig, ranks: Ranks) -> None:
-    model = TrainerModel(cfg, ranks)  # the other ranks load theirs meanwhile (follow_rank_0)
+    model = TrainerModel(cfg, ranks)  # the other ranks build theirs meanwhile (follow_rank_0)
     try:
         run = await open_run(cfg.nats.url, cfg.run.id, "trainer", cfg.nats.hub_domain or None,
                              credentials=credentials_of(cfg.nats.creds, cfg.nats.tls_ca), storage=cfg.nats.storage())
@@ -63,6 +63,7 @@ async def run_trainer(cfg: EchoConfig, ranks: Ranks) -> None:
         try:
             async with Background() as background:
                 background.start(lease.renew_forever())
+                await asyncio.to_thread(model.resume)  # holding the lease: no other trainer prunes it now
                 await train(cfg, run, lease, background, model)
         finally:
             await lease.release()
@@ -120,8 +121,9 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
             state.trained_content += len(collected.used)
             state.record = step_record(step, state.version, stats, collected, clock, dict(model.proof.counts),
                                        sorted(quarantine.samplers))
+            lease.check()  # a trainer fenced out by another must not checkpoint or publish over it
             await asyncio.to_thread(model.save, state)
-            lease.check()  # a trainer fenced out by another must not publish over it
+            lease.check()
             publish_seconds = await publish_policy(run, cfg, model, state.version)
             unconfirmed = await inbox.ack_held()  # only now: the step that consumed them is checkpointed
 

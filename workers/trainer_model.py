@@ -28,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from echo.checkpoint import TrainerState, load_checkpoint, prune_weights, save_checkpoint, weights_file
 from echo.config import EchoConfig
 from echo.devices import DTYPES, resolve_device, resolve_dtype
+from echo.lifeline import die_with_parent
 from echo.learner import make_optimizer, merge_stats, set_threads, train_step
 from echo.models import base_model_digest, load_model
 from echo.policy import make_policy, weights_kind, weights_shards
@@ -51,6 +52,7 @@ class Ranks:
         self.calls = None
         if self.world == 1:
             return
+        die_with_parent()  # torchrun: killed, it would leave this rank training unsupervised
         if self.device.type == "cuda" and self.device.index is None:  # one GPU per rank of this node
             self.device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         if self.device.type == "cuda":
@@ -140,12 +142,18 @@ class TrainerModel:
         self.base_model = base_model_digest(cfg.model.name)  # what samplers check the weights are for
         self.optimizer = make_optimizer(self.policy, cfg)
         self.checkpoint_path = cfg.run_dir / "checkpoint.pt"
-        self.state = load_checkpoint(self.checkpoint_path, self.policy, self.optimizer, ranks.rank) or TrainerState()
+        self.state = TrainerState()  # a fresh run's, until `resume` reads the checkpoint
         self.proof = SamplingProof(self.policy, self.tokenizer.pad_token_id, cfg.sampling.temperature,
                                    cfg.trainer.verify_fraction, cfg.trainer.verify_tolerance, keep=cfg.staleness_bound + 1,
                                    tolerance_16bit=cfg.trainer.verify_tolerance_16bit,
                                    publish_dtype=DTYPES[cfg.trainer.publish_dtype], compute_dtype=self.compute_dtype)
         self.stop = threading.Event()  # set from rank 0's event loop: abandon the step (one process only)
+
+    @everywhere
+    def resume(self) -> None:
+        """Read the run's checkpoint, if it has one. Only once this trainer holds the run's lease:
+        another trainer (an orphan, one fenced out) prunes checkpoint folders as it saves."""
+        self.state = load_checkpoint(self.checkpoint_path, self.policy, self.optimizer, self.ranks.rank) or TrainerState()
 
     @everywhere
     def train(self, batch: list[tuple[RolloutGroup, list[float]]]) -> dict:
