@@ -455,24 +455,31 @@ async def test_a_backlog_of_long_groups_is_fetched_without_dropping_the_trainers
     assert run.nc.stats["reconnects"] == 0
 
 
+@pytest.mark.parametrize("groups_per_step", [4, 64])
 async def test_a_fetch_lost_with_the_connection_comes_back_at_once_and_old_deliveries_are_not_acked(
-        nats_server, runs):
+        nats_server, runs, groups_per_step):
     """A dropped connection (here a broker restart) loses what was in flight with it: the lost
     batch came back only after ack_wait (600 s), and the acks of deliveries made before a restart
-    went unanswered, three attempts of a second each, one message after another (95 s of a
-    32-group step's recovery). The inbox resets its consumer on each new connection: every
-    unacked message is offered again at once, and deliveries from before are not acked."""
+    went unanswered, three attempts of a second each, one message after another (17.6 s of
+    recovery at 4 groups a step, 101.9 s at 32). The inbox resets its consumer on each new
+    connection: every unacked message is offered again at once, and deliveries from before are
+    not acked, whatever the step's size."""
     run = await runs.open("dropped")
     inbox = await RolloutInbox.open(run, ack_wait_s=600.0)
-    for i in range(8):
+    for i in range(2 * groups_per_step):
         await run.js.publish(run.names.rollouts_subject("s1"), b"x", headers={HDR_MSG_ID: f"g{i}"})
-    assert len(await inbox.fetch(4, timeout=5.0)) == 4  # the batch the drop loses
+    while len(inbox.held) < groups_per_step:  # a step's groups, held when the broker goes
+        await inbox.fetch(groups_per_step - len(inbox.held), timeout=5.0)
     nats_server.stop()
     nats_server.start()
     again: set[int] = set()
     async with asyncio.timeout(60):  # a tenth of ack_wait
-        while len(again) < 8:
-            again.update(d.seq for d in await inbox.fetch(8, timeout=1.0) if d.connection > 0)
-    assert again == set(range(1, 9))
-    assert await inbox.ack_held() == 4  # the lost batch's first deliveries: left to the reset
+        while len(again) < 2 * groups_per_step:
+            again.update(d.seq for d in await inbox.fetch(2 * groups_per_step, timeout=1.0) if d.connection > 0)
+    assert again == set(range(1, 2 * groups_per_step + 1))
+    attempts = []
+    for delivery in inbox.held:
+        delivery.msg.ack_sync = lambda timeout, d=delivery, ack=delivery.msg.ack_sync: attempts.append(d) or ack(timeout)
+    assert await inbox.ack_held() == groups_per_step  # the first deliveries: left to the reset, not tried
+    assert all(d.connection > 0 for d in attempts) and len(attempts) == 2 * groups_per_step
     assert (await inbox.counts()).pending == 0
