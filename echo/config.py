@@ -60,6 +60,9 @@ class SamplingConfig(_Section):
     group_size: int = Field(8, ge=2)  # completions per prompt; GRPO needs at least two
     max_new_tokens: int = Field(24, ge=1)  # a completion's length limit
     temperature: float = Field(0.7, gt=0)  # of sampling (no top-p or top-k: the log-probs stay exact)
+    # Partial rollouts (HF engine): generate this many tokens at a time and swap in newer weights
+    # between chunks, so a long completion is not dropped whole as stale. 0: whole completions.
+    chunk_tokens: int = Field(0, ge=0)
     prompts_per_call: int = Field(2, ge=1)  # groups generated in one engine call
 
 

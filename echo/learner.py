@@ -83,7 +83,7 @@ def rank_passes(passes: list, rank: int, world: int) -> list:
 
 def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]], cfg: EchoConfig, pad_id: int,
                stop: threading.Event | None = None, compute_dtype: torch.dtype = torch.float32,
-               rank: int = 0, world: int = 1) -> dict:
+               rank: int = 0, world: int = 1, oldest_version: int = 0) -> dict:
     """One optimizer step over (group, rewards) pairs. The loss is the token mean over the whole
     batch; its completions are forwarded and backpropagated in passes of at most
     `trainer.micro_batch_tokens` tokens, several short groups in one pass or a long group over
@@ -100,10 +100,14 @@ def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]],
     truncated importance weights pi_old / mu.
 
     The forward runs in `compute_dtype` (autocast) over fp32 trainable parameters; log-probs,
-    importance weights and the loss are fp32."""
+    importance weights and the loss are fp32.
+
+    A partial rollout's tokens sampled with a version older than `oldest_version` (the
+    staleness bound) are left out of the loss: the bound holds for every token trained, while
+    the newer rest of a long completion is not thrown away with them."""
     tcfg = cfg.trainer
     device = model_device(policy)
-    total_tokens = sum(len(c.token_ids) for g, _ in batch for c in g.completions)
+    total_tokens = sum(max(0, len(c.token_ids) - g.sampled_from(oldest_version)) for g, _ in batch for c in g.completions)
     passes = rank_passes(step_passes(batch, tcfg.micro_batch_tokens, shares_passes(tcfg.pack_groups, device)), rank, world)
     started = time.perf_counter()
     policy.train()
@@ -116,7 +120,8 @@ def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]],
         if this is None:
             _empty_pass(policy, cfg, pad_id, device, compute_dtype)
             continue
-        stats = _pass(policy, cfg, pad_id, device, compute_dtype, [(*batch[g], rows) for g, rows in this], total_tokens)
+        stats = _pass(policy, cfg, pad_id, device, compute_dtype, [(*batch[g], rows) for g, rows in this], total_tokens,
+                      oldest_version)
         loss_sum += stats.loss_value
         per_pass.append(stats)
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], tcfg.max_grad_norm)
@@ -168,7 +173,7 @@ def merge_stats(parts: list[dict]) -> dict:
 
 
 def _pass(policy, cfg: EchoConfig, pad_id: int, device, compute_dtype,
-          segments: list[tuple[RolloutGroup, list[float], list[int]]], normalizer: int) -> PassStats:
+          segments: list[tuple[RolloutGroup, list[float], list[int]]], normalizer: int, oldest_version: int) -> PassStats:
     """Forward and backward over some completions of some groups: (group, rewards, rows) each."""
     tcfg = cfg.trainer
     prompts = [group.prompt_token_ids for group, _, _ in segments]
@@ -181,12 +186,16 @@ def _pass(policy, cfg: EchoConfig, pad_id: int, device, compute_dtype,
     behaviour = torch.zeros(logprobs.shape)
     for i, completion in enumerate(claimed):
         behaviour[i, : len(completion.logprobs)] = torch.tensor(completion.logprobs)
+    stale = [group.sampled_from(oldest_version) for group, _, rows in segments for _ in rows]
+    if any(stale):
+        mask = mask & (torch.arange(mask.shape[1], device=mask.device) >= torch.tensor(stale, device=mask.device)[:, None])
     old_logprobs = logprobs.detach()
     weights, is_stats = importance_weights(old_logprobs, behaviour.to(device), mask, tcfg.is_cap, tcfg.is_level)
     loss, loss_stats = grpo_loss(logprobs, old_logprobs, advantages, mask, tcfg.clip_eps, normalizer, weights,
                                  ref_logprobs, tcfg.kl_coef)
     loss.backward()
-    return PassStats(int(mask.sum()), len(claimed), loss.item(), loss_stats, is_stats, float(entropy[mask].mean()))
+    return PassStats(int(mask.sum()), len(claimed), loss.item(), loss_stats, is_stats,
+                     float(entropy[mask].mean()) if mask.any() else 0.0)
 
 
 def _forward(policy, cfg: EchoConfig, pad_id: int, device, compute_dtype, prompts: list, completions: list,

@@ -204,3 +204,27 @@ def packed_logprobs(model, prompts: list, completions: list, owners: list[int], 
         logits = first
     logprobs, entropy = token_logprobs(logits, ids, temperature, with_entropy=True)
     return logprobs, mask, entropy
+
+
+def spanning_logprobs(model, prompt_ids, completions: list, starts: list[int], use_version, temperature: float,
+                      pad_id: int) -> torch.Tensor:
+    """Per-token log-probs [G, C] of one group's completions sampled by several versions in turn
+    (partial rollouts): version k predicted the tokens from `starts[k]` on (starts[0] = 0), and
+    `use_version(k)` puts its weights in the model. As in generation, a swap keeps the cache:
+    version k also reads in the token before its first, and attends to the keys and values the
+    earlier versions left."""
+    rows, length = len(completions), max(len(c) for c in completions)
+    device = model_device(model)
+    prompt = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64)).repeat(rows, 1)
+    ids = torch.full((rows, length), pad_id, dtype=torch.long)
+    for i, completion in enumerate(completions):
+        ids[i, : len(completion)] = torch.from_numpy(np.asarray(completion, dtype=np.int64))
+    inputs = torch.cat([prompt, ids[:, :-1]], dim=1).to(device)  # input j predicts completion token j + 1 - P
+    cuts = [0, *(prompt.shape[1] + s - 1 for s in starts[1:]), inputs.shape[1]]
+    cache, logits = None, []
+    for k, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        use_version(k)
+        out = model(input_ids=inputs[:, a:b], past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        logits.append(out.logits[:, max(0, prompt.shape[1] - 1 - a):])
+    return token_logprobs(torch.cat(logits, dim=1), ids.to(device), temperature)

@@ -1,5 +1,6 @@
 """Proof of sampling: the trainer recomputes the behaviour log-probs a sampler claims for a
-group under the policy version the group names, and compares. Compute only; no I/O.
+group under the policy version the group names (each token under the version that sampled it,
+for a partial rollout), and compares. Compute only; no I/O.
 
 A sampler's log-probs drive the importance weights pi_old / mu: a sampler that invents them
 (to inflate its groups' weight, or to pass off completions it did not sample from the policy)
@@ -23,7 +24,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from echo.devices import autocast, model_device
-from echo.policy import group_logprobs
+from echo.policy import group_logprobs, spanning_logprobs
 from echo.protocol import RolloutGroup
 
 
@@ -81,22 +82,35 @@ class SamplingProof:
         return group.sampler_id in self.suspects or self.rng.random() < self.fraction
 
     def check(self, group: RolloutGroup) -> float | None:
-        """The group's log-prob gap, or None if its version is no longer kept (not checked).
-        A gap beyond the tolerance makes its sampler a suspect: all its groups are checked."""
-        tensors = self.versions.get(group.policy_version)
-        if tensors is None:
+        """The group's log-prob gap, or None if a version that sampled it is no longer kept (not
+        checked). A gap beyond the tolerance makes its sampler a suspect: all its groups are
+        checked. A partial rollout's tokens are each checked under the version that sampled them."""
+        versions = [group.policy_version, *(change.version for change in group.version_changes)]
+        if any(version not in self.versions for version in versions):
             self.counts["unverifiable"] += 1
             return None
         completions = [c.token_ids for c in group.completions]
-        swap = tensors is not self.live
-        try:
-            if swap:
+        swapped = False
+
+        def use_version(k: int) -> None:
+            nonlocal swapped
+            tensors = self.versions[versions[k]]
+            if tensors is not self.live or swapped:
                 _copy_into(self.policy, tensors)
+                swapped = True
+
+        try:
             with torch.no_grad(), autocast(model_device(self.policy), self.compute_dtype):
-                recomputed, _, _ = group_logprobs(self.policy, group.prompt_token_ids, completions, self.temperature,
-                                                  self.pad_id)
+                if len(versions) == 1:
+                    use_version(0)
+                    recomputed, _, _ = group_logprobs(self.policy, group.prompt_token_ids, completions,
+                                                      self.temperature, self.pad_id)
+                else:
+                    starts = [0, *(change.at for change in group.version_changes)]
+                    recomputed = spanning_logprobs(self.policy, group.prompt_token_ids, completions, starts,
+                                                   use_version, self.temperature, self.pad_id)
         finally:
-            if swap:
+            if swapped:
                 _copy_into(self.policy, self.live)
         gap = logprob_gap([c.logprobs for c in group.completions], recomputed.float().cpu())
         if self.forged(group, gap):

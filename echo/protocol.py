@@ -20,14 +20,15 @@ import orjson
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, ValidationInfo,
                       model_validator)
 
-SCHEMA_VERSION = 9  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
+SCHEMA_VERSION = 10  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
 # 4: the trainer grants work (GrantRequest/Grant), samplers no longer take it from KV;
 # 5: grants are numbered slots ("leases" on the wire): a grant names them, a group carries the
 # one it fills and its epoch;
 # 6: a group names the engine and precision that sampled it; 7: a sampler's heartbeat is its
 # registry entry (hardware, state, measured rates, sync times, cost, relay); 8: a rollout group's
 # token ids and log-probs travel as fixed-width binary arrays after its fields (encode_rollout);
-# 9: a pull request names the trainer's epoch (a resumed trainer asks for an older version)
+# 9: a pull request names the trainer's epoch (a resumed trainer asks for an older version);
+# 10: a completion sampled across weight updates names where each newer version took over
 
 # Run and sampler ids become subject tokens and stream names: keep them to safe characters.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -190,7 +191,7 @@ class _Message(BaseModel):
     # A field's alias is its name on the wire, where that differs from its name here: code
     # builds messages by name, decoding accepts the wire's names only (_validate).
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_by_name=True, serialize_by_alias=True)
-    schema_version: Literal[9] = SCHEMA_VERSION
+    schema_version: Literal[10] = SCHEMA_VERSION
 
 
 # The validation context of a decoded message, whose arrays _decode_group checked whole (per
@@ -249,10 +250,19 @@ class _HoldsArrays:
         return type(self).model_validate({**self.model_dump(by_alias=False), **changes})
 
 
+class VersionChange(BaseModel):
+    """Where, in a completion sampled across weight updates (partial rollouts), a newer version
+    took over: it sampled the tokens from `at` on (until the next change)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    at: int = Field(ge=1)
+    version: int = Field(ge=0)
+
+
 class Completion(_HoldsArrays, BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, arbitrary_types_allowed=True)
     token_ids: TokenIds
-    logprobs: LogProbs  # behaviour log-prob of each token under the sampling distribution
+    logprobs: LogProbs  # behaviour log-prob of each token, under the version that sampled it
     text: str
     reward: float
     finish_reason: Literal["stop", "length"]
@@ -292,12 +302,33 @@ class RolloutGroup(_HoldsArrays, _Message):
     dtype: Literal["float32", "bfloat16", "float16"]
     gen_seconds: float = Field(ge=0)
     created_at: float
+    # Partial rollouts: its completions were sampled together, and newer weights took over
+    # between chunks. None: policy_version sampled it all; else it sampled the tokens before the
+    # first change, and each change's version those from its `at` (in every completion that long).
+    version_changes: list[VersionChange] = []
 
     @model_validator(mode="after")
     def _has_a_prompt(self):
         if not self.prompt_token_ids.size:
             raise ValueError("prompt_token_ids: an empty prompt")
+        changes, versions = self.version_changes, [self.policy_version, *(c.version for c in self.version_changes)]
+        if any(a.at >= b.at for a, b in zip(changes, changes[1:])) or any(a >= b for a, b in zip(versions, versions[1:])):
+            raise ValueError("version_changes: each later in the completions than the one before, and newer")
+        if changes and changes[-1].at >= max(len(c.token_ids) for c in self.completions):
+            raise ValueError("version_changes: past every completion's last token")
         return self
+
+    @property
+    def newest_version(self) -> int:
+        """The version that sampled its last tokens (policy_version sampled its first)."""
+        return self.version_changes[-1].version if self.version_changes else self.policy_version
+
+    def sampled_from(self, oldest: int) -> int:
+        """The token index from which its completions were sampled with version `oldest` or newer."""
+        if self.policy_version >= oldest:
+            return 0
+        return next((c.at for c in self.version_changes if c.version >= oldest),
+                    max(len(c.token_ids) for c in self.completions))
 
 
 class WeightsShard(BaseModel):

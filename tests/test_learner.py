@@ -70,3 +70,29 @@ def test_a_micro_batched_step_is_the_whole_batch_step(tmp_path):
         assert all(torch.allclose(a, b, atol=1e-6, rtol=0) for a, b in zip(whole, other))
         for key in ("loss", "kl", "entropy", "is_ratio_mean", "is_masked_fraction", "grad_norm", "tokens"):
             assert other_stats[key] == pytest.approx(stats[0][key], abs=1e-6), key
+
+
+def test_a_partial_rollouts_tokens_older_than_the_bound_are_not_trained(tmp_path):
+    """A group versions 2, 3 and 4 sampled in turn, trained at a bound that admits 3 and newer:
+    its first 2 tokens of each completion are left out of the loss (whatever their log-probs
+    say), the rest are trained, and the step counts only those."""
+    texts = ["\\boxed{5} and so on", "no idea at all, sorry"]
+    spanning = honest_group(11, texts=texts, policy_version=2,
+                            version_changes=[{"at": 2, "version": 3}, {"at": 4, "version": 4}])
+    base, tokenizer = load_model("tiny")
+    start = make_policy(base, tiny_config(tmp_path).lora)
+    cfg = tiny_config(tmp_path)
+    steps = []
+    for group in (spanning, spanning.replaced(completions=[  # other log-probs for the stale tokens only
+            c.replaced(logprobs=[-3.0, -3.0, *c.logprobs[2:]]) for c in spanning.completions])):
+        policy = copy.deepcopy(start)
+        stats = train_step(policy, make_optimizer(policy, cfg), [(group, [1.0, 0.0])], cfg, tokenizer.pad_token_id,
+                           oldest_version=3)
+        steps.append(([p.detach() for p in policy.parameters() if p.requires_grad], stats))
+    (first, stats), (second, _) = steps
+    assert stats["tokens"] == sum(len(c.token_ids) - 2 for c in spanning.completions)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    policy = copy.deepcopy(start)
+    whole = train_step(policy, make_optimizer(policy, cfg), [(spanning, [1.0, 0.0])], cfg, tokenizer.pad_token_id,
+                       oldest_version=2)
+    assert whole["tokens"] == sum(len(c.token_ids) for c in spanning.completions)

@@ -131,3 +131,40 @@ async def test_a_forging_sampler_is_rejected_then_quarantined_until_an_operator_
             while "s1" in quarantine:
                 await asyncio.sleep(0.02)
         assert quarantine.strikes["s1"] == 0 and (await orders.grant("s1", asked)).groups == 2
+
+
+def test_a_partial_rollout_is_checked_token_by_token_under_the_version_that_sampled_it():
+    """A sampler generating in chunks swaps in each newer version between them (keeping its
+    key/value cache); the group says where each took over, and the proof recomputes every token
+    under the version that sampled it. The same tokens claimed as one version's do not pass."""
+    sampling = SAMPLING.model_copy(update={"max_new_tokens": 24, "chunk_tokens": 8, "group_size": 16})
+    sampler = HFEngine("tiny", LORA, sampling)
+    trainer = HFEngine("tiny", LORA, sampling).model
+    proof = SamplingProof(trainer, 0, sampling.temperature, 1.0, 0.01, keep=3)
+    versions = []
+    for version in range(3):  # as the trainer publishes them
+        _perturb(trainer, seed=version)
+        proof.remember(version)
+        versions.append([bytearray(s) for s in weights_shards(trainer, 2**30)])
+    load_weights(sampler.model, versions[0])
+    swaps = iter([1, 2])
+
+    def between_chunks() -> int | None:
+        version = next(swaps, None)
+        if version is not None:
+            load_weights(sampler.model, versions[version])
+        return version
+
+    prompt_ids = sampler.encode_chat(REFEREE.task.prompt(3).messages)
+    torch.manual_seed(0)  # of 16 completions, one goes past 16 tokens (the tiny model may stop sooner)
+    generations = sampler.generate([prompt_ids], sampling.group_size, between_chunks=between_chunks)[0]
+    for g in generations:  # a completion that ended before a swap does not name it
+        assert g.version_changes == tuple(c for c in ((8, 1), (16, 2)) if c[0] < len(g.token_ids))
+    assert max(len(g.version_changes) for g in generations) == 2
+    group = honest_group(3, policy_version=0, prompt_token_ids=prompt_ids, completions=[
+        honest_group().completions[0].replaced(token_ids=g.token_ids, logprobs=g.logprobs) for g in generations],
+        version_changes=[{"at": 8, "version": 1}, {"at": 16, "version": 2}])
+    assert group.newest_version == 2
+    assert proof.check(group) < 1e-4  # fp32: float error only
+    as_one_version = group.replaced(version_changes=[])
+    assert proof.forged(as_one_version, proof.check(as_one_version))

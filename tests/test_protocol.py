@@ -169,3 +169,35 @@ def test_the_subject_must_be_the_bodys_samplers():
     with pytest.raises(ProtocolError) as e:
         decode_rollout(GOOD, rollout_headers(make_group()), RunNames("r").rollouts_subject("s2"))
     assert e.value.reason == "subject_mismatch"
+
+
+def _spanning(changes: list[dict], version: int = 3, lengths=(6, 3)) -> RolloutGroup:
+    """A group newer weights took over at `changes` (partial rollouts)."""
+    completions = [Completion(token_ids=list(range(4, 4 + n)), logprobs=[-0.5] * n, text="x", reward=0.0,
+                              finish_reason="length").model_dump() for n in lengths]
+    return make_group(version).replaced(completions=completions, version_changes=changes)
+
+
+def test_a_group_sampled_across_versions_says_where_each_took_over_and_travels_so():
+    group = _spanning([{"at": 2, "version": 4}, {"at": 5, "version": 6}])
+    data = encode_rollout(group)
+    assert decode_rollout(data, rollout_headers(group), RunNames("r").rollouts_subject("s1")) == group
+    assert b'"version_changes":[{"at":2,"version":4},{"at":5,"version":6}]' in data  # compact: change points
+    assert group.newest_version == 6 and make_group(3).newest_version == 3
+    assert [group.sampled_from(oldest) for oldest in (3, 4, 5, 6, 7)] == [0, 2, 5, 5, 6]
+    assert make_group(3).sampled_from(4) == 2  # none of it: its longest completion's length
+
+
+@pytest.mark.parametrize("changes", [
+    [{"at": 3, "version": 5}, {"at": 3, "version": 6}],  # two at one token
+    [{"at": 2, "version": 5}, {"at": 4, "version": 5}],  # not newer
+    [{"at": 6, "version": 4}],  # past every completion's last token
+    [{"at": 2, "version": 3}],  # not newer than the version that began it
+    [{"at": 0, "version": 4}],  # before the first token
+])
+def test_version_changes_out_of_order_are_refused(changes):
+    raw = _spanning([]).model_dump()
+    raw["version_changes"] = changes
+    with pytest.raises(ProtocolError) as refused:
+        decode_rollout(pack_rollout(raw), rollout_headers(make_group(3)), RunNames("r").rollouts_subject("s1"))
+    assert refused.value.reason == "bad_schema" and "version_changes" in str(refused.value)

@@ -92,13 +92,14 @@ class Judge:
         timeline = self.timeline
         if group.epoch > timeline.epoch:
             return reject(out, "future_epoch", f"{group.epoch} > {timeline.epoch}")
-        if group.epoch < timeline.epoch and group.policy_version > timeline.resumed_from:
-            return reject(out, "discarded_timeline", f"version {group.policy_version} of epoch {group.epoch}")
-        verdict = judge(group.policy_version, version, timeline.max_staleness)
+        newest = group.newest_version  # a partial rollout's last tokens: the rest may be older
+        if group.epoch < timeline.epoch and newest > timeline.resumed_from:
+            return reject(out, "discarded_timeline", f"version {newest} of epoch {group.epoch}")
+        verdict = judge(newest, version, timeline.max_staleness)
         if verdict is Verdict.FUTURE:
-            return reject(out, "future_version", f"{group.policy_version} > {version}")
+            return reject(out, "future_version", f"{newest} > {version}")
         if verdict is Verdict.STALE:
-            out.dropped[version - group.policy_version] += 1
+            out.dropped[version - newest] += 1
             out.dropped_ids.append(group.group_id)
             out.dropped_tokens += sum(len(c.token_ids) for c in group.completions)
             out.generated_seconds += group.gen_seconds

@@ -108,7 +108,8 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
             await retry_forever("ask for groups", lambda: dispatch.ask(state.version))
             collected = await collector.collect(cfg.trainer.groups_per_step, state.version, dispatch.on_wait)
             clock.collected = time.perf_counter()
-            stats = await train_in_thread(model, [(a.group, a.rewards) for a in collected.used])
+            stats = await train_in_thread(model, [(a.group, a.rewards) for a in collected.used],
+                                          state.version - cfg.staleness_bound)
             await asyncio.sleep(cfg.trainer.throttle_s)  # a slower learner, when asked
             clock.trained = time.perf_counter()
 
@@ -142,13 +143,13 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
                      seconds=round(record["step_seconds"], 2))
 
 
-async def train_in_thread(model: TrainerModel, batch) -> dict:
+async def train_in_thread(model: TrainerModel, batch, oldest_version: int) -> dict:
     """A step off the event loop. Cancelled (SIGTERM), it tells the step to stop at the next
     pass: the process then exits in seconds instead of finishing a long step; nothing of the
     step was acked, so its groups are redelivered to the next trainer."""
     model.stop.clear()
     try:
-        return await asyncio.to_thread(model.train, batch)
+        return await asyncio.to_thread(model.train, batch, oldest_version)
     except asyncio.CancelledError:
         model.stop.set()
         raise

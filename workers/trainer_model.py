@@ -156,12 +156,13 @@ class TrainerModel:
         self.state = load_checkpoint(self.checkpoint_path, self.policy, self.optimizer, self.ranks.rank) or TrainerState()
 
     @everywhere
-    def train(self, batch: list[tuple[RolloutGroup, list[float]]]) -> dict:
+    def train(self, batch: list[tuple[RolloutGroup, list[float]]], oldest_version: int = 0) -> dict:
+        """A step; tokens sampled with a version older than `oldest_version` are not trained."""
         # On several ranks a step is never abandoned half way: the other ranks would wait in its
         # collectives. A stopping trainer's ranks are all stopped by torchrun instead.
         stop = self.stop if self.ranks.world == 1 else None
         stats = train_step(self.policy, self.optimizer, batch, self.cfg, self.tokenizer.pad_token_id, stop,
-                           self.compute_dtype, self.ranks.rank, self.ranks.world)
+                           self.compute_dtype, self.ranks.rank, self.ranks.world, oldest_version)
         return merge_stats(self.ranks.gather(stats))
 
     @everywhere

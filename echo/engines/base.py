@@ -4,7 +4,7 @@ drives an `Engine` and reads `Generation`s, whichever engine it is."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -15,6 +15,14 @@ class Generation:
     logprobs: list[float]  # behaviour log-prob of each token under the sampling distribution
     text: str
     finish_reason: str  # "stop" or "length"
+    # Partial rollouts: (token index, version) where newer weights took over, in order; the
+    # tokens before the first were sampled with the version the call started with.
+    version_changes: tuple[tuple[int, int], ...] = ()
+
+
+# Called by an engine between chunks of a generation (sampling.chunk_tokens): swaps in newer
+# weights if the sampler has some, and returns their version (None: nothing changed).
+BetweenChunks = Callable[[], "int | None"]
 
 
 class Engine(Protocol):
@@ -25,8 +33,11 @@ class Engine(Protocol):
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of a chat prompt, ending with the assistant's turn opener."""
 
-    def generate(self, prompts: list[list[int]], n: int, greedy: bool = False) -> list[list[Generation]]:
-        """n sampled completions for each prompt (greedy: the most likely one, for evaluation)."""
+    def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
+                 between_chunks: BetweenChunks | None = None) -> list[list[Generation]]:
+        """n sampled completions for each prompt (greedy: the most likely one, for evaluation).
+        An engine that generates in chunks calls `between_chunks` between them; one that does
+        not (vLLM here) ignores it, and its completions carry no version changes."""
 
     def load_weights(self, shards: list[bytearray]) -> None:
         """Swap in a published version (safetensors shards: a LoRA adapter, or every parameter)

@@ -10,7 +10,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from echo.config import LoraConfig, SamplingConfig
 from echo.devices import resolve_device, resolve_dtype
-from echo.engines.base import Generation
+from echo.engines.base import BetweenChunks, Generation
 from echo.models import encode_chat, load_model
 from echo.policy import load_weights, make_policy
 
@@ -52,6 +52,7 @@ class HFEngine:
         # peft keeps the adapter in fp32 over a 16-bit base; published weights are cast on load.
         self.model = make_policy(base, lora).eval()
         self.temperature = sampling.temperature
+        self.max_new_tokens, self.chunk_tokens = sampling.max_new_tokens, sampling.chunk_tokens
         # Plain sampling at `temperature`: no top-k/top-p, so the behaviour log-probs the
         # trainer receives are those of the distribution the tokens were really drawn from.
         self.generation_config = GenerationConfig(
@@ -72,31 +73,52 @@ class HFEngine:
         load_weights(self.model, shards)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int, greedy: bool = False) -> list[list[Generation]]:
+    def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
+                 between_chunks: BetweenChunks | None = None) -> list[list[Generation]]:
+        """With `between_chunks`, generation goes `chunk_tokens` at a time and calls it between
+        chunks, where the sampler may swap in newer weights: the completions go on from the key/value
+        cache as it is (the partial rollouts of PipelineRL), and each says where a version took over."""
         batch = self.tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(self.device)
         config = copy.deepcopy(self.generation_config)
-        config.num_return_sequences = n
         if greedy:  # evaluation: the log-probs are then those of the tempered distribution, unused
             config.do_sample = False
             config.temperature, config.top_k, config.top_p = None, None, None
-        sampled = SampledLogprobs(self.temperature)
-        out = self.model.generate(**batch, generation_config=config, logits_processor=LogitsProcessorList([sampled]))
-        new_tokens = out.sequences[:, batch["input_ids"].shape[1] :]
-        new_tokens, logprobs = new_tokens.cpu(), sampled.finish(new_tokens[:, -1]).cpu()
-        eos = self.tokenizer.eos_token_id
-        generations = []
-        for row in range(new_tokens.shape[0]):
-            ids = new_tokens[row].tolist()
-            finish = "length"
-            if eos in ids:
-                ids = ids[: ids.index(eos) + 1]
-                finish = "stop"
-            generations.append(
-                Generation(
-                    token_ids=ids,
-                    logprobs=logprobs[row, : len(ids)].tolist(),
-                    text=self.tokenizer.decode(ids, skip_special_tokens=True),
-                    finish_reason=finish,
-                )
-            )
+        chunk = self.chunk_tokens if between_chunks is not None and self.chunk_tokens else self.max_new_tokens
+        ids, mask = batch["input_ids"].repeat_interleave(n, 0), batch["attention_mask"].repeat_interleave(n, 0)
+        rows = list(range(ids.shape[0]))  # the completions still being generated
+        tokens, logprobs = [[] for _ in rows], [[] for _ in rows]
+        changes: list[list[tuple[int, int]]] = [[] for _ in rows]
+        produced, cache, eos = 0, None, self.tokenizer.eos_token_id
+        while True:
+            config.max_new_tokens = min(chunk, self.max_new_tokens - produced)
+            sampled = SampledLogprobs(self.temperature)
+            out = self.model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, generation_config=config,
+                                      logits_processor=LogitsProcessorList([sampled]))
+            new_tokens = out.sequences[:, ids.shape[1]:]
+            chunk_logprobs = sampled.finish(new_tokens[:, -1]).cpu()
+            going = []
+            for i, row in enumerate(rows):
+                ids_i = new_tokens[i].tolist()
+                end = ids_i.index(eos) + 1 if eos in ids_i else len(ids_i)
+                tokens[row] += ids_i[:end]
+                logprobs[row] += chunk_logprobs[i, :end].tolist()
+                if eos not in ids_i:
+                    going.append(i)
+            produced += new_tokens.shape[1]
+            if not going or produced >= self.max_new_tokens:
+                break
+            version = between_chunks()
+            keep = torch.tensor(going, device=self.device)
+            cache = out.past_key_values
+            cache.batch_select_indices(keep)  # the finished completions leave the batch
+            ids, mask = out.sequences[keep], torch.cat([mask, torch.ones_like(new_tokens)], dim=1)[keep]
+            rows = [rows[i] for i in going]
+            if version is not None:
+                for row in rows:
+                    changes[row].append((produced, version))
+        generations = [
+            Generation(token_ids=t, logprobs=lp, text=self.tokenizer.decode(t, skip_special_tokens=True),
+                       finish_reason="stop" if t[-1] == eos else "length", version_changes=tuple(c))
+            for t, lp, c in zip(tokens, logprobs, changes)
+        ]
         return [generations[i * n : (i + 1) * n] for i in range(len(prompts))]
