@@ -130,7 +130,7 @@ class SamplerConfig(_Section):
     # hour (the scheduler's input, any currency), and a pause per group generated (a slower
     # machine, for tests and benchmarks of the scheduler).
     cost_per_hour: float = Field(0.0, ge=0)
-    throttle_s: float = Field(0.0, ge=0)  # seconds of pause per group generated
+    throttle_s: float = Field(0.0, ge=0)  # seconds of pause per group generated, and between chunks
     rate_window_s: float = Field(60.0, gt=0)  # the rates in its heartbeat cover its calls of this long
     entry_ttl_s: int = Field(30, ge=1)  # its registry entry expires this long after its last heartbeat
 
@@ -213,6 +213,14 @@ class EchoConfig(_Section):
     def staleness_bound(self) -> int:
         """The staleness bound the trainer applies: sequential mode trains on its current version only."""
         return 0 if self.run.mode == "sequential" else self.trainer.max_staleness
+
+    @property
+    def begun_within(self) -> int:
+        """How many versions back a group's first tokens may have been sampled: the staleness
+        bound, or with partial rollouts its window once more (tokens older than the bound are
+        not trained, but the proof of sampling reads them under their versions: it keeps these)."""
+        bound = self.staleness_bound
+        return 2 * bound + 1 if self.sampling.chunk_tokens else bound
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.model_dump())

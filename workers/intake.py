@@ -58,6 +58,7 @@ class Timeline:
     # The version it resumed from: an earlier incarnation's versions up to that one are this
     # timeline's too; later ones came from a checkpoint since discarded.
     resumed_from: int = 0
+    begun_within: int | None = None  # a partial rollout's first tokens (EchoConfig.begun_within); None: max_staleness
 
 
 class Judge:
@@ -96,6 +97,9 @@ class Judge:
         if group.epoch < timeline.epoch and newest > timeline.resumed_from:
             return reject(out, "discarded_timeline", f"version {newest} of epoch {group.epoch}")
         verdict = judge(newest, version, timeline.max_staleness)
+        begun_within = timeline.max_staleness if timeline.begun_within is None else timeline.begun_within
+        if verdict is Verdict.USE and group.policy_version < version - begun_within:
+            verdict = Verdict.STALE  # begun too long ago: the proof of sampling could not read it
         if verdict is Verdict.FUTURE:
             return reject(out, "future_version", f"{newest} > {version}")
         if verdict is Verdict.STALE:

@@ -76,6 +76,7 @@ class Sampler:
     def swap_between_chunks(self) -> int | None:
         """Partial rollouts: called from the engine's thread between chunks of a generation. The
         newest downloaded weights of the epoch it began with, if newer: their version."""
+        time.sleep(self.cfg.sampler.throttle_s)  # a slower machine, when asked: slower chunks too
         ready = self.weights.ready
         if ready is None or ready[0].epoch != self.policy.epoch or ready[0].policy <= max(self.policy, self.refused):
             return None

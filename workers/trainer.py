@@ -87,7 +87,7 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
     quarantine = Quarantined(run, cfg.trainer.quarantine_after)
     await quarantine.start(background)
     referee = Referee(load_task(cfg.task), model.tokenizer, model.vocab_size, cfg.sampling)
-    judge = Judge(referee, Timeline(cfg.staleness_bound, run.epoch, state.version),
+    judge = Judge(referee, Timeline(cfg.staleness_bound, run.epoch, state.version, cfg.begun_within),
                   load_trained_content(run_dir, state.trained_content), model.proof, model.check, quarantine)
     collector = Collector(inbox, judge, ledger, consumed)
     background.start(inbox.keep_alive(cfg.trainer.ack_wait_s / 3))

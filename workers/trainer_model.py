@@ -144,7 +144,7 @@ class TrainerModel:
         self.checkpoint_path = cfg.run_dir / "checkpoint.pt"
         self.state = TrainerState()  # a fresh run's, until `resume` reads the checkpoint
         self.proof = SamplingProof(self.policy, self.tokenizer.pad_token_id, cfg.sampling.temperature,
-                                   cfg.trainer.verify_fraction, cfg.trainer.verify_tolerance, keep=cfg.staleness_bound + 1,
+                                   cfg.trainer.verify_fraction, cfg.trainer.verify_tolerance, keep=cfg.begun_within + 1,
                                    tolerance_16bit=cfg.trainer.verify_tolerance_16bit,
                                    publish_dtype=DTYPES[cfg.trainer.publish_dtype], compute_dtype=self.compute_dtype)
         self.stop = threading.Event()  # set from rank 0's event loop: abandon the step (one process only)
