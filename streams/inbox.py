@@ -97,6 +97,12 @@ class RolloutInbox:
         self.held += deliveries  # acked after the checkpoint, used or not; they stay in the stream for replay
         return deliveries
 
+    @staticmethod
+    def let_go(delivery: Delivery) -> None:
+        """Its body is no longer needed (the group is not trained): only its ack is kept until the
+        checkpoint, so a step's memory holds the groups it trains, however many it refuses."""
+        delivery.msg.data = b""
+
     async def body(self, delivery: Delivery, limits: RolloutLimits | None = None) -> bytes:
         """Its encoded group: its own data, or a large group's parts (ProtocolError "bad_body";
         "too_large" before a part is read, for a size beyond `limits`)."""

@@ -81,6 +81,8 @@ async def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(run
                                   "subject_mismatch": 1, "replayed_content": 2}
     info = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
     assert info.num_pending == 0 and info.num_ack_pending == 10  # all wait for the step's checkpoint
+    # What waits holds a body only if its group is trained: junk costs the step no memory.
+    assert sorted(len(d.msg.data) > 0 for d in inbox.held) == [False] * 8 + [True] * 2
     assert await inbox.ack_held() == 0  # every ack confirmed
     info = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
     assert info.num_ack_pending == 0  # confirmed

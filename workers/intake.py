@@ -153,11 +153,14 @@ class Collector:
                     # Offered again: a crash came between its step's checkpoint and its ack, or the
                     # broker restarted and lost the state of this step's deliveries.
                     out.already_counted += 1
+                    self.inbox.let_go(delivery)
                     continue
                 out.seqs.append(delivery.seq)
                 admitted = await self._admit(delivery, version, out)
                 if admitted is not None:
                     out.used.append(admitted)
+                else:
+                    self.inbox.let_go(delivery)
         return out
 
     async def _admit(self, delivery: Delivery, version: int, out: Collected) -> Admitted | None:

@@ -1,0 +1,298 @@
+"""Benchmark: the real protocol at reasoning shapes. The real trainer loop (intake, referee,
+admission, accounting, weights publishing), a real nats-server and real samplers (grants,
+weights following, heartbeats, publishing), with the two computations this machine cannot do at
+that shape replaced by bench-only stand-ins that live here and nowhere else (no config selects
+them):
+
+- SyntheticEngine: a sampler's generation. Completion lengths are long-tailed (log-normal, capped
+  at sampling.max_new_tokens), token ids and log-probs random, the time taken is the tokens
+  produced over the sampler's `--tokens-per-s`; with sampling.chunk_tokens it calls the
+  sampler between chunks, which swaps in newer weights (partial rollouts).
+- SyntheticLearner: the trainer's model. A step takes `--learner-us-per-token` for each token it
+  trains (tokens older than the staleness bound are not trained); weights are a 4 MB stand-in
+  for a LoRA adapter.
+
+Reported per shape: the step's time apart from the learner's, as a share of the learner's (the
+broker's and the trainer's own overhead: fetching, refereeing, publishing, acks, accounting),
+the trainer's and the broker's peak resident memory, the tokens wasted (dropped as stale, or
+not trained as older than the bound), and how long each version took from its publish to a
+sampler running it.
+
+    .venv/bin/python -m bench.load --samplers 8 --groups 64 --group-size 16 --max-tokens 16384 --steps 4
+
+Writes bench/results/load.json (each run appends its shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import math
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import orjson
+import psutil
+import torch
+
+from bench.common import results_dir, write_results
+from echo.checkpoint import TrainerState, read_metrics
+from echo.config import EchoConfig, load_config, validate_config
+from echo.engines.base import BetweenChunks, Generation
+from echo.models import base_model_digest, encode_chat, load_model
+from echo.proof import SamplingProof
+from echo.tasks import load_task
+from streams.client import open_run
+from streams.lease import take_lease
+from streams.registry import read_statuses
+from streams.server import NatsServer
+from workers.background import Background
+from workers.sampler import Sampler
+
+ADAPTER_BYTES = 4 << 20  # a LoRA adapter of rank 16 on a 1-2B model is a few MB
+
+
+class SyntheticEngine:
+    """Bench only: generation at `tokens_per_s` with log-normal lengths (median `median_tokens`)."""
+
+    name, device, dtype = "hf", torch.device("cpu"), torch.float32
+
+    def __init__(self, cfg: EchoConfig, tokens_per_s: float, median_tokens: int, seed: int):
+        _, self.tokenizer = load_model(cfg.model.name)
+        self.vocab = len(self.tokenizer)
+        self.max_new, self.chunk = cfg.sampling.max_new_tokens, cfg.sampling.chunk_tokens or cfg.sampling.max_new_tokens
+        self.tokens_per_s, self.median = tokens_per_s, median_tokens
+        self.rng = np.random.default_rng(seed)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return encode_chat(self.tokenizer, messages)
+
+    def load_weights(self, shards: list[bytearray]) -> None:
+        pass
+
+    def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
+                 between_chunks: BetweenChunks | None = None) -> list[list[Generation]]:
+        rows = len(prompts) * n
+        lengths = np.minimum(self.max_new, np.ceil(self.rng.lognormal(math.log(self.median), 1.0, rows))).astype(int)
+        changes: list[list[tuple[int, int]]] = [[] for _ in range(rows)]
+        produced = 0
+        while True:
+            step = min(self.chunk, self.max_new - produced)
+            alive = lengths > produced
+            time.sleep(float(np.minimum(lengths[alive] - produced, step).sum()) / self.tokens_per_s)
+            produced += step
+            if produced >= lengths.max():
+                break
+            version = between_chunks() if between_chunks is not None and self.chunk < self.max_new else None
+            if version is not None:
+                for row in np.flatnonzero(lengths > produced):
+                    changes[row].append((produced, version))
+        eos = self.tokenizer.eos_token_id
+        generations = []
+        for row, length in enumerate(lengths):
+            stops = length < self.max_new
+            ids = self.rng.integers(0, self.vocab, length).tolist()
+            ids = [t if t != eos else eos - 1 for t in ids]  # no end of sequence but the last
+            if stops:
+                ids[-1] = eos
+            generations.append(Generation(
+                token_ids=ids, logprobs=self.rng.uniform(-3.0, -0.01, length).tolist(),
+                text=self.tokenizer.decode(ids, skip_special_tokens=True), finish_reason="stop" if stops else "length",
+                version_changes=tuple(changes[row])))
+        return [generations[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+class SyntheticLearner:
+    """Bench only: the trainer's model, with a step of `seconds_per_token` a token trained."""
+
+    def __init__(self, cfg: EchoConfig, seconds_per_token: float):
+        _, self.tokenizer = load_model(cfg.model.name)
+        self.vocab_size = len(self.tokenizer)
+        self.cfg, self.seconds_per_token = cfg, seconds_per_token
+        self.state, self.ranks, self.stop = TrainerState(), SimpleNamespace(world=1), threading.Event()
+        self.base_model, self.kind = base_model_digest(cfg.model.name), "lora"
+        self.proof = SamplingProof(torch.nn.Linear(1, 1), 0, cfg.sampling.temperature, 0.0, 1.0, keep=1)
+        self.check = None
+
+    def resume(self) -> None:
+        pass
+
+    def train(self, batch, oldest_version: int = 0) -> dict:
+        tokens = sum(max(0, len(c.token_ids) - g.sampled_from(oldest_version)) for g, _ in batch for c in g.completions)
+        every = sum(len(c.token_ids) for g, _ in batch for c in g.completions)
+        seconds = max(tokens * self.seconds_per_token, 1e-6)
+        time.sleep(seconds)
+        rewards = [r for _, rs in batch for r in rs]
+        return {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "is_ratio_mean": 1.0,
+                "is_ratio_max": 1.0, "is_truncated_fraction": 0.0, "is_masked_fraction": 0.0, "grad_norm": 0.0,
+                "reward_mean": float(np.mean(rewards)), "reward_std": float(np.std(rewards)), "tokens": tokens,
+                "untrained_tokens": every - tokens, "sequences": sum(len(g.completions) for g, _ in batch),
+                "passes": 1, "train_seconds": seconds}
+
+    def save(self, state: TrainerState) -> None:
+        pass  # no checkpoint: the bench measures the protocol
+
+    def write_weights(self, version: int) -> list[Path]:
+        path = self.cfg.run_dir / "weights" / f"v{version:06d}.bin"
+        path.write_bytes(random.randbytes(ADAPTER_BYTES))
+        for old in sorted(path.parent.glob("v*.bin"))[: -self.cfg.trainer.keep_versions]:
+            old.unlink()
+        return [path]
+
+    def remember(self, version: int) -> None:
+        self.proof.remember(version)
+
+    def close(self) -> None:
+        pass
+
+
+async def trainer_role(cfg: EchoConfig, seconds_per_token: float, peak_file: Path) -> None:
+    from workers.trainer import train  # the real loop, given the stand-in model
+
+    model = SyntheticLearner(cfg, seconds_per_token)
+    run = await open_run(cfg.nats.url, cfg.run.id, "trainer")
+    lease = await take_lease(run)
+    try:
+        async with Background() as background:
+            background.start(lease.renew_forever())
+            await train(cfg, run, lease, background, model)
+    finally:
+        await lease.release()
+        await run.close()
+        peak_file.write_text(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+
+
+async def samplers_role(cfg: EchoConfig, count: int, tokens_per_s: float, median_tokens: int, trainer) -> list:
+    # Each sampler's generation sleeps in a thread: enough threads that none waits for another.
+    asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(count + 8))
+    task = load_task(cfg.task)
+    runs = [await open_run(cfg.nats.url, cfg.run.id, f"sampler-s{i}", create=False) for i in range(count)]
+    samplers = [Sampler(cfg, f"s{i}", run, SyntheticEngine(cfg, tokens_per_s, median_tokens, seed=i), task)
+                for i, run in enumerate(runs)]
+    serving = [asyncio.create_task(s.serve()) for s in samplers]
+    while trainer.poll() is None:
+        await asyncio.sleep(0.5)
+        failed = [t for t in serving if t.done()]
+        if failed:
+            trainer.kill()
+            raise RuntimeError(f"a sampler stopped: {failed[0].exception()!r}")
+    statuses = await read_statuses(runs[0])
+    for t in serving:
+        t.cancel()
+    await asyncio.gather(*serving, return_exceptions=True)
+    for run in runs:
+        await run.close()
+    return statuses
+
+
+def run_shape(args, chunk_tokens: int, max_staleness: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp, NatsServer(Path(tmp) / "nats") as server:
+        cfg = validate_config({
+            "run": {"id": "load", "dir": tmp, "steps": args.steps},
+            "model": {"name": "tiny"},
+            "sampling": {"group_size": args.group_size, "max_new_tokens": args.max_tokens,
+                         "chunk_tokens": chunk_tokens, "prompts_per_call": args.prompts_per_call},
+            "trainer": {"groups_per_step": args.groups, "max_staleness": max_staleness, "verify_fraction": 0.0,
+                        "min_samplers": args.samplers},
+            "nats": {"url": server.url},
+        })
+        config_path = Path(tmp) / "load.toml"
+        config_path.write_text(cfg.to_toml())
+        peak_file = Path(tmp) / "trainer-peak"
+        trainer = subprocess.Popen([sys.executable, "-m", "bench.load", "--role", "trainer", "--config", str(config_path),
+                                    "--learner-us-per-token", str(args.learner_us_per_token), "--peak-file", str(peak_file)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        broker = psutil.Process(server.process.pid)
+        broker_peak = [0]
+
+        async def watch_broker():
+            while True:
+                broker_peak[0] = max(broker_peak[0], broker.memory_info().rss)
+                await asyncio.sleep(0.5)
+
+        async def main():
+            watching = asyncio.create_task(watch_broker())
+            try:
+                return await samplers_role(cfg, args.samplers, args.tokens_per_s, args.median_tokens, trainer)
+            finally:
+                watching.cancel()
+
+        started = time.perf_counter()
+        statuses = asyncio.run(main())
+        _, logs = trainer.communicate()
+        if trainer.returncode != 0:
+            raise RuntimeError(f"the trainer failed: {logs[-3000:]}")
+        metrics = read_metrics(cfg.run_dir)
+        return report(metrics, statuses, args, chunk_tokens, max_staleness, int(peak_file.read_text()), broker_peak[0],
+                      time.perf_counter() - started)
+
+
+def report(metrics: list[dict], statuses: list, args, chunk_tokens: int, max_staleness: int, trainer_peak: int,
+           broker_peak: int, seconds: float) -> dict:
+    later = metrics[1:] or metrics  # the first step waits for every sampler's first call
+    learner = sum(m["train_seconds"] for m in later)
+    overhead = sum(m["busy_seconds"] - m["train_seconds"] for m in later)  # checkpoint, publish, acks, accounting
+    trained = sum(m["tokens"] for m in metrics)
+    untrained = sum(m["untrained_tokens"] for m in metrics)
+    dropped = sum(m["dropped_tokens"] for m in metrics)
+    syncs = [s for status in statuses for s in status.sync_s.values()]
+    return {
+        "samplers": args.samplers, "groups_per_step": args.groups, "group_size": args.group_size,
+        "max_new_tokens": args.max_tokens, "median_tokens": args.median_tokens, "chunk_tokens": chunk_tokens,
+        "max_staleness": max_staleness, "steps": len(metrics), "seconds": round(seconds, 1),
+        "tokens_per_step": round(trained / len(metrics)),
+        "learner_seconds_per_step": round(learner / len(later), 2),
+        # the step's time after its groups are in, apart from the learner: publishing the
+        # version, acks, accounting (fetching and refereeing are in the wait, shared with generation)
+        "overhead_share_of_learner": round(overhead / learner, 4) if learner else None,
+        "wait_share_of_step": round(sum(m["wait_seconds"] for m in later) / sum(m["step_seconds"] for m in later), 3),
+        "wasted_token_share": round((dropped + untrained) / max(1, dropped + untrained + trained), 4),
+        "dropped_stale_groups": sum(m["dropped_stale"] for m in metrics),
+        "trainer_peak_gb": round(trainer_peak / 2**30, 3), "broker_peak_gb": round(broker_peak / 2**30, 3),
+        "sync_s_median": round(float(np.median(syncs)), 3) if syncs else None,
+        "sync_s_max": round(max(syncs), 3) if syncs else None,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--role", choices=["bench", "trainer"], default="bench")
+    p.add_argument("--config", type=Path)
+    p.add_argument("--peak-file", type=Path)
+    p.add_argument("--samplers", type=int, default=8)
+    p.add_argument("--groups", type=int, default=64, help="groups a step")
+    p.add_argument("--group-size", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=16384)
+    p.add_argument("--median-tokens", type=int, default=4096)
+    p.add_argument("--prompts-per-call", type=int, default=2)
+    p.add_argument("--tokens-per-s", type=float, default=50_000.0, help="each sampler's, over its batch")
+    p.add_argument("--learner-us-per-token", type=float, default=2.0)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--staleness", type=int, nargs="+", default=[1])
+    p.add_argument("--chunks", type=int, nargs="+", default=[0, 1024], help="chunk_tokens: 0 is whole completions")
+    p.add_argument("--out", default="load.json")
+    args = p.parse_args()
+    if args.role == "trainer":
+        asyncio.run(trainer_role(load_config(args.config), args.learner_us_per_token * 1e-6, args.peak_file))
+        return
+    results = []
+    for max_staleness in args.staleness:
+        for chunk_tokens in args.chunks:
+            results.append(run_shape(args, chunk_tokens, max_staleness))
+            print(orjson.dumps(results[-1]).decode(), flush=True)
+    existing = results_dir() / args.out
+    earlier = orjson.loads(existing.read_bytes())["shapes"] if existing.exists() else []
+    print(write_results(args.out, {"shapes": earlier + results}))
+
+
+if __name__ == "__main__":
+    main()
