@@ -42,6 +42,7 @@ bench-quick: install
 	$(QUICK) bench.sync --model tiny --samplers 1 2 --versions 3
 	$(QUICK) bench.sync --model tiny --samplers 2 --versions 3 --wan 50 100
 	$(QUICK) bench.scheduling --steps 12
+	$(QUICK) bench.load --samplers 4 --groups 8 --group-size 4 --max-tokens 1024 --median-tokens 256 --steps 3
 
 bench: install
 	$(PY) -m bench.transport
@@ -49,6 +50,7 @@ bench: install
 	$(PY) -m bench.sync
 	$(PY) -m bench.sync --samplers 1 2 4 --wan 50 100
 	$(PY) -m bench.scheduling
+	$(PY) -m bench.load --samplers 8 32 64 --staleness 1 2 --chunks 0 1024
 	$(PY) -m bench.micro_batches
 	for model in tiny smollm2; do $(PY) -m bench.micro_batches --model $$model --groups 8 --group 8 --tokens 32 \
 		--budgets 0 4096 --repeats 3 --pack-groups on; done

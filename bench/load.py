@@ -5,9 +5,10 @@ that shape replaced by bench-only stand-ins that live here and nowhere else (no 
 them):
 
 - SyntheticEngine: a sampler's generation. Completion lengths are long-tailed (log-normal, capped
-  at sampling.max_new_tokens), token ids and log-probs random, the time taken is the tokens
-  produced over the sampler's `--tokens-per-s`; with sampling.chunk_tokens it calls the
-  sampler between chunks, which swaps in newer weights (partial rollouts).
+  at sampling.max_new_tokens), token ids and log-probs random; the rows decode in parallel at
+  `--tokens-per-s` each (a GPU's batch), so a call lasts as long as its longest completion; with
+  sampling.chunk_tokens it calls the sampler between chunks, which swaps in newer weights
+  (partial rollouts).
 - SyntheticLearner: the trainer's model. A step takes `--learner-us-per-token` for each token it
   trains (tokens older than the staleness bound are not trained); weights are a 4 MB stand-in
   for a LoRA adapter.
@@ -18,9 +19,9 @@ the trainer's and the broker's peak resident memory, the tokens wasted (dropped 
 not trained as older than the bound), and how long each version took from its publish to a
 sampler running it.
 
-    .venv/bin/python -m bench.load --samplers 8 --groups 64 --group-size 16 --max-tokens 16384 --steps 4
+    .venv/bin/python -m bench.load --samplers 8 32 64 --staleness 1 2 --chunks 0 1024 --steps 4
 
-Writes bench/results/load.json (each run appends its shape).
+Writes bench/results/load.json (a shape measured again replaces its earlier result).
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ from echo.proof import SamplingProof
 from echo.tasks import load_task
 from streams.client import open_run
 from streams.lease import take_lease
-from streams.registry import read_statuses
 from streams.server import NatsServer
 from workers.background import Background
 from workers.sampler import Sampler
@@ -87,8 +87,8 @@ class SyntheticEngine:
         produced = 0
         while True:
             step = min(self.chunk, self.max_new - produced)
-            alive = lengths > produced
-            time.sleep(float(np.minimum(lengths[alive] - produced, step).sum()) / self.tokens_per_s)
+            # The rows decode in parallel (a GPU's batch): a chunk takes its longest row's tokens.
+            time.sleep(min(step, int(lengths.max()) - produced) / self.tokens_per_s)
             produced += step
             if produced >= lengths.max():
                 break
@@ -185,13 +185,13 @@ async def samplers_role(cfg: EchoConfig, count: int, tokens_per_s: float, median
         if failed:
             trainer.kill()
             raise RuntimeError(f"a sampler stopped: {failed[0].exception()!r}")
-    statuses = await read_statuses(runs[0])
+    syncs = [seconds for s in samplers for seconds in s.syncs.values()]  # from hearing of a version to running it
     for t in serving:
         t.cancel()
     await asyncio.gather(*serving, return_exceptions=True)
     for run in runs:
         await run.close()
-    return statuses
+    return syncs
 
 
 def run_shape(args, chunk_tokens: int, max_staleness: int) -> dict:
@@ -227,16 +227,16 @@ def run_shape(args, chunk_tokens: int, max_staleness: int) -> dict:
                 watching.cancel()
 
         started = time.perf_counter()
-        statuses = asyncio.run(main())
+        syncs = asyncio.run(main())
         _, logs = trainer.communicate()
         if trainer.returncode != 0:
             raise RuntimeError(f"the trainer failed: {logs[-3000:]}")
         metrics = read_metrics(cfg.run_dir)
-        return report(metrics, statuses, args, chunk_tokens, max_staleness, int(peak_file.read_text()), broker_peak[0],
+        return report(metrics, syncs, args, chunk_tokens, max_staleness, int(peak_file.read_text()), broker_peak[0],
                       time.perf_counter() - started)
 
 
-def report(metrics: list[dict], statuses: list, args, chunk_tokens: int, max_staleness: int, trainer_peak: int,
+def report(metrics: list[dict], syncs: list[float], args, chunk_tokens: int, max_staleness: int, trainer_peak: int,
            broker_peak: int, seconds: float) -> dict:
     later = metrics[1:] or metrics  # the first step waits for every sampler's first call
     learner = sum(m["train_seconds"] for m in later)
@@ -244,10 +244,10 @@ def report(metrics: list[dict], statuses: list, args, chunk_tokens: int, max_sta
     trained = sum(m["tokens"] for m in metrics)
     untrained = sum(m["untrained_tokens"] for m in metrics)
     dropped = sum(m["dropped_tokens"] for m in metrics)
-    syncs = [s for status in statuses for s in status.sync_s.values()]
     return {
         "samplers": args.samplers, "groups_per_step": args.groups, "group_size": args.group_size,
-        "max_new_tokens": args.max_tokens, "median_tokens": args.median_tokens, "chunk_tokens": chunk_tokens,
+        "max_new_tokens": args.max_tokens, "median_tokens": args.median_tokens, "tokens_per_s": args.tokens_per_s,
+        "chunk_tokens": chunk_tokens,
         "max_staleness": max_staleness, "steps": len(metrics), "seconds": round(seconds, 1),
         "tokens_per_step": round(trained / len(metrics)),
         "learner_seconds_per_step": round(learner / len(later), 2),
@@ -268,14 +268,14 @@ def main() -> None:
     p.add_argument("--role", choices=["bench", "trainer"], default="bench")
     p.add_argument("--config", type=Path)
     p.add_argument("--peak-file", type=Path)
-    p.add_argument("--samplers", type=int, default=8)
+    p.add_argument("--samplers", type=int, nargs="+", default=[8])
     p.add_argument("--groups", type=int, default=64, help="groups a step")
     p.add_argument("--group-size", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=16384)
     p.add_argument("--median-tokens", type=int, default=4096)
     p.add_argument("--prompts-per-call", type=int, default=2)
-    p.add_argument("--tokens-per-s", type=float, default=50_000.0, help="each sampler's, over its batch")
-    p.add_argument("--learner-us-per-token", type=float, default=2.0)
+    p.add_argument("--tokens-per-s", type=float, default=2000.0, help="a sampler's decoding speed, each row of its batch")
+    p.add_argument("--learner-us-per-token", type=float, default=1.0)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--staleness", type=int, nargs="+", default=[1])
     p.add_argument("--chunks", type=int, nargs="+", default=[0, 1024], help="chunk_tokens: 0 is whole completions")
@@ -285,13 +285,21 @@ def main() -> None:
         asyncio.run(trainer_role(load_config(args.config), args.learner_us_per_token * 1e-6, args.peak_file))
         return
     results = []
-    for max_staleness in args.staleness:
-        for chunk_tokens in args.chunks:
-            results.append(run_shape(args, chunk_tokens, max_staleness))
-            print(orjson.dumps(results[-1]).decode(), flush=True)
-    existing = results_dir() / args.out
+    for samplers in args.samplers:
+        for max_staleness in args.staleness:
+            for chunk_tokens in args.chunks:
+                results.append(run_shape(argparse.Namespace(**{**vars(args), "samplers": samplers}), chunk_tokens,
+                                         max_staleness))
+                print(orjson.dumps(results[-1]).decode(), flush=True)
+    existing = results_dir() / args.out  # shapes measured before stay, unless measured again now
     earlier = orjson.loads(existing.read_bytes())["shapes"] if existing.exists() else []
-    print(write_results(args.out, {"shapes": earlier + results}))
+    measured = {_shape(r) for r in results}
+    print(write_results(args.out, {"shapes": [r for r in earlier if _shape(r) not in measured] + results}))
+
+
+def _shape(result: dict) -> tuple:
+    return tuple(result[k] for k in ("samplers", "groups_per_step", "group_size", "max_new_tokens", "median_tokens",
+                                     "tokens_per_s", "chunk_tokens", "max_staleness"))
 
 
 if __name__ == "__main__":
