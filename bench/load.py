@@ -46,6 +46,7 @@ import psutil
 import torch
 
 from bench.common import results_dir, write_results
+from bench.sync import start_link
 from echo.checkpoint import TrainerState, read_metrics
 from echo.config import EchoConfig, load_config, validate_config
 from echo.engines.base import BetweenChunks, Generation
@@ -54,9 +55,11 @@ from echo.proof import SamplingProof
 from echo.tasks import load_task
 from streams.client import open_run
 from streams.lease import take_lease
-from streams.server import NatsServer
+from streams.server import NatsServer, free_port
 from workers.background import Background
+from workers.relay import loopback_relay_args
 from workers.sampler import Sampler
+from workers.swarm import stop_processes
 
 ADAPTER_BYTES = 4 << 20  # a LoRA adapter of rank 16 on a 1-2B model is a few MB
 
@@ -171,11 +174,13 @@ async def trainer_role(cfg: EchoConfig, seconds_per_token: float, peak_file: Pat
         peak_file.write_text(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
 
 
-async def samplers_role(cfg: EchoConfig, count: int, tokens_per_s: float, median_tokens: int, trainer) -> list:
+async def samplers_role(cfg: EchoConfig, count: int, tokens_per_s: float, median_tokens: int, trainer,
+                        urls: list[str]) -> list:
+    """`count` samplers, each on the next of `urls` (the hub, or the sites' relays) in turn."""
     # Each sampler's generation sleeps in a thread: enough threads that none waits for another.
     asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(count + 8))
     task = load_task(cfg.task)
-    runs = [await open_run(cfg.nats.url, cfg.run.id, f"sampler-s{i}", create=False) for i in range(count)]
+    runs = [await open_run(urls[i % len(urls)], cfg.run.id, f"sampler-s{i}", create=False) for i in range(count)]
     samplers = [Sampler(cfg, f"s{i}", run, SyntheticEngine(cfg, tokens_per_s, median_tokens, seed=i), task)
                 for i, run in enumerate(runs)]
     serving = [asyncio.create_task(s.serve()) for s in samplers]
@@ -194,8 +199,28 @@ async def samplers_role(cfg: EchoConfig, count: int, tokens_per_s: float, median
     return syncs
 
 
+def start_sites(hub: NatsServer, relays: int, wan: list[float] | None, store: Path) -> tuple[list[str], list]:
+    """`relays` sites, each a relay (`echo-rl relay`) whose leaf connection to the hub crosses a
+    shaped link of its own when `wan` (RTT ms, Mbit/s) is given: (the relays' URLs, processes)."""
+    urls, procs = [], []
+    for site in range(relays):
+        leaf_url = hub.leaf_url
+        if wan:
+            link, link_port = start_link(hub.leaf_port, tuple(wan))
+            procs.append(link)
+            leaf_url = f"nats-leaf://127.0.0.1:{link_port}"
+        port = free_port()
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "workers.cli",
+             *loopback_relay_args(leaf_url, "load", port, store / f"site{site}", domain=f"site{site}")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        urls.append(f"nats://127.0.0.1:{port}")
+    return urls, procs
+
+
 def run_shape(args, chunk_tokens: int, max_staleness: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp, NatsServer(Path(tmp) / "nats") as server:
+    with (tempfile.TemporaryDirectory() as tmp,
+          NatsServer(Path(tmp) / "nats", leaf_port=free_port(), advertise_leaf=False) as server):
         cfg = validate_config({
             "run": {"id": "load", "dir": tmp, "steps": args.steps},
             "model": {"name": "tiny"},
@@ -211,6 +236,7 @@ def run_shape(args, chunk_tokens: int, max_staleness: int) -> dict:
         trainer = subprocess.Popen([sys.executable, "-m", "bench.load", "--role", "trainer", "--config", str(config_path),
                                     "--learner-us-per-token", str(args.learner_us_per_token), "--peak-file", str(peak_file)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        urls, sites = start_sites(server, args.relays, args.wan, Path(tmp) / "sites")
         broker = psutil.Process(server.process.pid)
         broker_peak = [0]
 
@@ -222,12 +248,16 @@ def run_shape(args, chunk_tokens: int, max_staleness: int) -> dict:
         async def main():
             watching = asyncio.create_task(watch_broker())
             try:
-                return await samplers_role(cfg, args.samplers, args.tokens_per_s, args.median_tokens, trainer)
+                return await samplers_role(cfg, args.samplers, args.tokens_per_s, args.median_tokens, trainer,
+                                           urls or [server.url])
             finally:
                 watching.cancel()
 
         started = time.perf_counter()
-        syncs = asyncio.run(main())
+        try:
+            syncs = asyncio.run(main())
+        finally:
+            stop_processes(sites)
         _, logs = trainer.communicate()
         if trainer.returncode != 0:
             raise RuntimeError(f"the trainer failed: {logs[-3000:]}")
@@ -245,7 +275,7 @@ def report(metrics: list[dict], syncs: list[float], args, chunk_tokens: int, max
     untrained = sum(m["untrained_tokens"] for m in metrics)
     dropped = sum(m["dropped_tokens"] for m in metrics)
     return {
-        "samplers": args.samplers, "groups_per_step": args.groups, "group_size": args.group_size,
+        "samplers": args.samplers, "relays": args.relays, "wan": args.wan, "groups_per_step": args.groups, "group_size": args.group_size,
         "max_new_tokens": args.max_tokens, "median_tokens": args.median_tokens, "tokens_per_s": args.tokens_per_s,
         "chunk_tokens": chunk_tokens,
         "max_staleness": max_staleness, "steps": len(metrics), "seconds": round(seconds, 1),
@@ -279,6 +309,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--staleness", type=int, nargs="+", default=[1])
     p.add_argument("--chunks", type=int, nargs="+", default=[0, 1024], help="chunk_tokens: 0 is whole completions")
+    p.add_argument("--relays", type=int, default=0, help="sites, each a relay its samplers reach the run through")
+    p.add_argument("--wan", nargs=2, type=float, metavar=("RTT_MS", "MBIT"), help="each site's link to the hub")
     p.add_argument("--out", default="load.json")
     args = p.parse_args()
     if args.role == "trainer":
@@ -298,8 +330,9 @@ def main() -> None:
 
 
 def _shape(result: dict) -> tuple:
-    return tuple(result[k] for k in ("samplers", "groups_per_step", "group_size", "max_new_tokens", "median_tokens",
-                                     "tokens_per_s", "chunk_tokens", "max_staleness"))
+    return tuple(str(result.get(k)) for k in ("samplers", "relays", "wan", "groups_per_step", "group_size",
+                                              "max_new_tokens", "median_tokens", "tokens_per_s", "chunk_tokens",
+                                              "max_staleness"))
 
 
 if __name__ == "__main__":

@@ -184,12 +184,18 @@ async def wait_for_jetstream(js: JetStreamContext, where: str, timeout: float = 
             await asyncio.sleep(0.2)
 
 
+NO_PEERS_YET = 10005  # "no suitable peers for placement": a cluster whose nodes have not all joined yet
+PLACEMENT_WAIT_S = 60.0
+
+
 async def _add_or_update_stream(js: JetStreamContext, config: StreamConfig) -> None:
     """Create the stream, or bring an existing one to `config` (a restarted trainer given other
     retention limits)."""
     try:
         await js.add_stream(config)
-    except BadRequestError:  # in use with another configuration
+    except BadRequestError as e:  # in use with another configuration
+        if e.err_code == NO_PEERS_YET:
+            raise
         await js.update_stream(config)
 
 
@@ -203,6 +209,20 @@ async def _create_run(js: JetStreamContext, names: RunNames, hub_domain: str | N
     await _add_or_update_stream(js, layout.registry_stream(names, storage))
     registry = await _open_kv(js, KeyValueConfig(bucket=names.registry_bucket), hub_domain, create=False)
     return weights, state, registry
+
+
+async def _create_run_once_placed(js: JetStreamContext, names: RunNames, hub_domain: str | None, storage: Storage):
+    """_create_run, tried again while a cluster still forms (its replicas have nowhere to go yet:
+    a trainer started with the nodes, as `up --cluster` does, failed on its first stream)."""
+    deadline = asyncio.get_running_loop().time() + PLACEMENT_WAIT_S
+    while True:
+        try:
+            return await _create_run(js, names, hub_domain, storage)
+        except BadRequestError as e:
+            if e.err_code != NO_PEERS_YET or asyncio.get_running_loop().time() > deadline:
+                raise
+            log.info("nats.placement_pending", reason=e.description)
+            await asyncio.sleep(0.5)
 
 
 async def _join_run(js: JetStreamContext, names: RunNames, hub_domain: str | None, wait_s: float):
@@ -245,7 +265,7 @@ async def open_run(
     try:
         await wait_for_jetstream(js, f"{url} (domain {hub_domain})", timeout=mirror_wait_s)
         if create:
-            weights, state, registry = await _create_run(js, names, hub_domain, storage)
+            weights, state, registry = await _create_run_once_placed(js, names, hub_domain, storage)
         else:
             weights, state, registry = await _join_run(js, names, hub_domain, join_wait_s)
     except BaseException:

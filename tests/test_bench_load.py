@@ -11,12 +11,12 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def test_the_load_bench_runs_a_shape_with_partial_rollouts_and_accounts_for_it(tmp_path):
-    subprocess.run([sys.executable, "-m", "bench.load", "--samplers", "3", "--groups", "4", "--group-size", "4",
+def test_the_load_bench_runs_a_shape_with_partial_rollouts_behind_a_relay(tmp_path):
+    subprocess.run([sys.executable, "-m", "bench.load", "--samplers", "3", "--relays", "1", "--groups", "4", "--group-size", "4",
                     "--max-tokens", "256", "--median-tokens", "64", "--steps", "3", "--chunks", "32",
                     "--tokens-per-s", "4000"], check=True, capture_output=True,
                    env={**os.environ, "BENCH_RESULTS": str(tmp_path)}, timeout=300)
     (shape,) = orjson.loads((tmp_path / "load.json").read_bytes())["shapes"]
-    assert (shape["samplers"], shape["chunk_tokens"], shape["steps"]) == (3, 32, 3)
+    assert (shape["samplers"], shape["relays"], shape["chunk_tokens"], shape["steps"]) == (3, 1, 32, 3)
     assert shape["tokens_per_step"] > 0 and shape["trainer_peak_gb"] > 0 and shape["broker_peak_gb"] > 0
     assert 0 <= shape["wasted_token_share"] < 1 and shape["overhead_share_of_learner"] >= 0

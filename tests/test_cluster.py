@@ -39,3 +39,4 @@ async def test_a_run_on_a_cluster_keeps_three_copies_and_survives_a_node_killed(
                 await asyncio.sleep(0.5)
     info = await run.js.stream_info(names.rollouts_stream)
     assert info.state.messages == 4  # every acknowledged publish is there
+
