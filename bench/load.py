@@ -53,7 +53,7 @@ from echo.engines.base import BetweenChunks, Generation
 from echo.models import base_model_digest, encode_chat, load_model
 from echo.proof import SamplingProof
 from echo.tasks import load_task
-from streams.client import open_run
+from streams.client import cancel_until_done, open_run
 from streams.lease import take_lease
 from streams.server import NatsServer, free_port
 from workers.background import Background
@@ -191,9 +191,7 @@ async def samplers_role(cfg: EchoConfig, count: int, tokens_per_s: float, median
             trainer.kill()
             raise RuntimeError(f"a sampler stopped: {failed[0].exception()!r}")
     syncs = [seconds for s in samplers for seconds in s.syncs.values()]  # from hearing of a version to running it
-    for t in serving:
-        t.cancel()
-    await asyncio.gather(*serving, return_exceptions=True)
+    await cancel_until_done(serving)  # nats-py may swallow a cancellation (streams/client.py)
     for run in runs:
         await run.close()
     return syncs
