@@ -62,6 +62,9 @@ class RolloutInbox:
     def __init__(self, run: Run, subscription):
         self.run, self.subscription = run, subscription
         self.held: list[Delivery] = []  # fetched and not yet acked
+        # Delivered beyond a fetch's batch (nats-py returns whatever its subscription queued, a
+        # pull request it gave up on included): handed out by the next fetches, first.
+        self.waiting: list[Msg] = []
         self.connection = -1  # the connection the consumer was last reset on: none yet
 
     @classmethod
@@ -80,6 +83,7 @@ class RolloutInbox:
         try:
             await reset_trainer_consumer(self.run)
             self.connection = self._reconnects()
+            self.waiting.clear()  # offered again
         except BROKER_ERRORS as e:  # still reconnecting: the next fetch tries again
             log.warning("inbox.reset_failed", reason=repr(e))
 
@@ -88,7 +92,9 @@ class RolloutInbox:
         no more at once than FETCH_BYTES of messages of the server's largest size."""
         await self._reset_if_reconnected()
         batch = max(1, min(batch, FETCH_BYTES // self.run.nc.max_payload))
-        msgs = await fetch_rollouts(self.subscription, batch, timeout)
+        if not self.waiting:
+            self.waiting = await fetch_rollouts(self.subscription, batch, timeout)
+        msgs, self.waiting = self.waiting[:batch], self.waiting[batch:]
         now, wall, connection = time.monotonic(), time.time(), self._reconnects()
         deliveries = [Delivery(msg.metadata.sequence.stream, msg.subject, msg.headers or {}, msg,
                                arrived=now - max(0.0, wall - msg.metadata.timestamp.timestamp()),

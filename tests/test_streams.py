@@ -485,3 +485,22 @@ async def test_a_fetch_lost_with_the_connection_comes_back_at_once_and_old_deliv
     assert await inbox.ack_held() == groups_per_step  # the first deliveries: left to the reset, not tried
     assert all(d.connection > 0 for d in attempts) and len(attempts) == 2 * groups_per_step
     assert (await inbox.counts()).pending == 0
+
+
+async def test_a_fetch_returns_no_more_than_its_batch_whatever_the_subscription_queued(runs):
+    """nats-py's fetch returns every message its subscription has queued, those of a pull request
+    it gave up on included: a step was handed 6 groups for its 4 (seen in CI). The inbox hands
+    out at most a fetch's batch and keeps the rest for the next fetch."""
+    run = await runs.open("queued")
+    inbox = await RolloutInbox.open(run, ack_wait_s=600.0)
+    for i in range(6):
+        await run.js.publish(run.names.rollouts_subject("s1"), b"x", headers={HDR_MSG_ID: f"g{i}"})
+    pull = inbox.subscription._sub  # a pull request for 6 whose client stopped waiting: they queue up
+    await run.nc.publish(inbox.subscription._nms, json.dumps({"batch": 6, "no_wait": True}).encode(),
+                         inbox.subscription._deliver)
+    async with asyncio.timeout(10):
+        while pull._pending_queue.qsize() < 6:
+            await asyncio.sleep(0.01)
+    assert [d.seq for d in await inbox.fetch(4, timeout=1.0)] == [1, 2, 3, 4]
+    assert [d.seq for d in await inbox.fetch(4, timeout=1.0)] == [5, 6]
+    assert await inbox.ack_held() == 0 and (await inbox.counts()).pending == 0
