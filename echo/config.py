@@ -164,10 +164,15 @@ class NatsConfig(_Section):
     replicas: int = Field(1, ge=1, le=5)
     rollouts_max_gb: float = Field(0.0, ge=0)  # the rollout history's size limit, each of its two streams (0: none)
     rollouts_max_age_h: float = Field(0.0, ge=0)  # its age limit (0: none)
+    # What one sampler may keep in each of the rollout streams: past it, its own oldest messages go first (its
+    # unread ones counted as evicted), no other sampler's. 4 GB is its newest 16,384 groups (of at
+    # most 256 KiB each, larger ones in parts) and 512 parts. 0: no limit, for a fleet you trust.
+    sampler_quota_gb: float = Field(4.0, ge=0)
 
     def storage(self) -> Storage:
         return Storage(replicas=self.replicas, rollouts_max_bytes=int(self.rollouts_max_gb * 2**30) or -1,
-                       rollouts_max_age_s=self.rollouts_max_age_h * 3600)
+                       rollouts_max_age_s=self.rollouts_max_age_h * 3600,
+                       sampler_max_bytes=int(self.sampler_quota_gb * 2**30) or -1)
 
     @model_validator(mode="after")
     def _creds_come_with_a_ca(self):

@@ -20,7 +20,7 @@ import orjson
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, ValidationInfo,
                       model_validator)
 
-SCHEMA_VERSION = 10  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
+SCHEMA_VERSION = 11  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
 # 4: the trainer grants work (GrantRequest/Grant), samplers no longer take it from KV;
 # 5: grants are numbered slots ("leases" on the wire): a grant names them, a group carries the
 # one it fills and its epoch;
@@ -28,7 +28,8 @@ SCHEMA_VERSION = 10  # 2: a weights announcement lists shards; 3: and names the 
 # registry entry (hardware, state, measured rates, sync times, cost, relay); 8: a rollout group's
 # token ids and log-probs travel as fixed-width binary arrays after its fields (encode_rollout);
 # 9: a pull request names the trainer's epoch (a resumed trainer asks for an older version);
-# 10: a completion sampled across weight updates names where each newer version took over
+# 10: a completion sampled across weight updates names where each newer version took over;
+# 11: a group's body parts share their sampler's one bodies subject, its message names their sequences
 
 # Run and sampler ids become subject tokens and stream names: keep them to safe characters.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -40,12 +41,19 @@ HDR_POLICY_VERSION = "Echo-Policy-Version"
 HDR_SAMPLER_ID = "Echo-Sampler-Id"
 HDR_TASK = "Echo-Task"
 HDR_MSG_ID = "Nats-Msg-Id"  # JetStream de-duplicates on it: a retried publish is stored once
-# A group larger than one message: its encoded body is published in parts on the sampler's own
-# bodies subjects (RunNames.body_part_subject), then the rollout message carries no body, only
-# these headers beside the usual ones. The trainer reads the parts and checks size and digest.
+# A group larger than ROLLOUT_MESSAGE_MAX: its encoded body is published in parts of at most
+# BODY_PART_MAX on the sampler's own bodies subject (RunNames.bodies_subject), each with the
+# Nats-Msg-Id `<group id>-<index>`; then the rollout message carries no body, only these headers
+# beside the usual ones: the parts' stream sequences (comma-separated, in order), the body's size
+# and digest. The trainer reads the parts by sequence and checks subject, id, size and digest.
 HDR_BODY_PARTS = "Echo-Body-Parts"
 HDR_BODY_SIZE = "Echo-Body-Size"
 HDR_BODY_SHA256 = "Echo-Body-Sha256"
+# The largest message each stream stores (headers included), so a sampler's quota in messages
+# (NatsConfig.sampler_quota_gb) is one in bytes too.
+ROLLOUT_MESSAGE_MAX = 256 << 10  # a group of 16 completions of ~1k tokens
+BODY_PART_MAX = 8 << 20  # the max_payload of the servers we configure
+MAX_BODY_PARTS = 64  # 64 x (8 MB - headers): past the largest group worth training on
 
 # The JetStream domain of the run's broker. A relay (a leaf node with a domain of its own)
 # reaches the broker's JetStream API as $JS.hub.API through its leaf connection.
@@ -90,6 +98,7 @@ class Storage:
     replicas: int = 1
     rollouts_max_bytes: int = -1  # -1: no limit
     rollouts_max_age_s: float = 0.0  # 0: no limit
+    sampler_max_bytes: int = -1  # each sampler's share of each of the two streams (-1: no limit)
 
 
 @dataclass(frozen=True)
@@ -114,12 +123,14 @@ class RunNames:
     def all_rollouts(self) -> str:
         return f"{self.prefix}.rollouts.>"
 
-    def body_part_subject(self, sampler_id: str, group_id: str, part: int) -> str:
-        # Under the sampler's own id, so its credentials can pin it there as for its rollouts.
-        return f"{self.prefix}.bodies.{check_id('sampler id', sampler_id)}.{check_id('group id', group_id)}.{part}"
+    def bodies_subject(self, sampler_id: str) -> str:
+        # One per sampler, as for its rollouts: its credentials pin it there, and the stream's
+        # per-subject limit is its quota.
+        return f"{self.prefix}.bodies.{check_id('sampler id', sampler_id)}"
 
-    def sampler_bodies(self, sampler_id: str) -> str:
-        return f"{self.prefix}.bodies.{check_id('sampler id', sampler_id)}.>"
+    @property
+    def all_bodies(self) -> str:
+        return f"{self.prefix}.bodies.*"
 
     @property
     def bodies_stream(self) -> str:
@@ -191,7 +202,7 @@ class _Message(BaseModel):
     # A field's alias is its name on the wire, where that differs from its name here: code
     # builds messages by name, decoding accepts the wire's names only (_validate).
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_by_name=True, serialize_by_alias=True)
-    schema_version: Literal[10] = SCHEMA_VERSION
+    schema_version: Literal[11] = SCHEMA_VERSION
 
 
 # The validation context of a decoded message, whose arrays _decode_group checked whole (per

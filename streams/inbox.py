@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import structlog
 from nats.aio.msg import Msg
 
-from echo.protocol import RolloutLimits, subject_sampler
+from echo.protocol import ROLLOUT_MESSAGE_MAX, RolloutLimits, subject_sampler
 from streams.client import BROKER_ERRORS, Run
 from streams.rollouts import fetch_rollouts, reset_trainer_consumer, rollout_body, trainer_subscription
 
@@ -89,9 +89,9 @@ class RolloutInbox:
 
     async def fetch(self, batch: int, timeout: float) -> list[Delivery]:
         """Up to `batch` deliveries ([] when none came within `timeout`), each held until ack_held;
-        no more at once than FETCH_BYTES of messages of the server's largest size."""
+        no more at once than FETCH_BYTES of messages of the stream's largest size."""
         await self._reset_if_reconnected()
-        batch = max(1, min(batch, FETCH_BYTES // self.run.nc.max_payload))
+        batch = max(1, min(batch, FETCH_BYTES // ROLLOUT_MESSAGE_MAX))
         if not self.waiting:
             self.waiting = await fetch_rollouts(self.subscription, batch, timeout)
         msgs, self.waiting = self.waiting[:batch], self.waiting[batch:]

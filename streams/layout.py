@@ -14,18 +14,18 @@ from nats.js.api import (
     StreamSource,
 )
 
-from echo.protocol import ROLLOUT_DEDUP_WINDOW_S, RunNames, Storage
+from echo.protocol import BODY_PART_MAX, ROLLOUT_DEDUP_WINDOW_S, ROLLOUT_MESSAGE_MAX, RunNames, Storage
 
 
 def rollouts_stream(names: RunNames, storage: Storage = Storage()) -> StreamConfig:
     # Limits retention (not work-queue): acked rollouts stay, so a run can be replayed, up to
     # the storage's limits (the oldest go first).
-    return _history_stream(names.rollouts_stream, names.all_rollouts, storage)
+    return _history_stream(names.rollouts_stream, names.all_rollouts, storage, ROLLOUT_MESSAGE_MAX)
 
 
 def bodies_stream(names: RunNames, storage: Storage = Storage()) -> StreamConfig:
     # Kept like the rollouts that point to them, so a replay can read large groups too.
-    return _history_stream(names.bodies_stream, f"{names.prefix}.bodies.>", storage)
+    return _history_stream(names.bodies_stream, names.all_bodies, storage, BODY_PART_MAX)
 
 
 def control_stream(names: RunNames, storage: Storage = Storage()) -> StreamConfig:
@@ -81,9 +81,12 @@ def weights_mirrors(names: RunNames, upstream_domain: str) -> list[StreamConfig]
     ]
 
 
-def _history_stream(name: str, subjects: str, storage: Storage) -> StreamConfig:
+def _history_stream(name: str, subjects: str, storage: Storage, message_max: int) -> StreamConfig:
     # What samplers write: no message of theirs may roll the stream up, and no one purges or
-    # deletes from it (its retention limits alone remove messages).
+    # deletes from it (its retention limits alone remove messages). Each sampler writes one
+    # subject: the per-subject limit, in messages of at most `message_max`, is its byte quota, and
+    # past it only its own oldest messages go (NATS has no per-subject byte limit).
+    per_sampler = max(1, storage.sampler_max_bytes // message_max) if storage.sampler_max_bytes > 0 else -1
     return StreamConfig(
         name=name,
         subjects=[subjects],
@@ -92,6 +95,8 @@ def _history_stream(name: str, subjects: str, storage: Storage) -> StreamConfig:
         duplicate_window=ROLLOUT_DEDUP_WINDOW_S,
         max_bytes=storage.rollouts_max_bytes,
         max_age=storage.rollouts_max_age_s,
+        max_msg_size=message_max,
+        max_msgs_per_subject=per_sampler,
         num_replicas=storage.replicas,
         allow_rollup_hdrs=False,
         deny_delete=True,

@@ -15,10 +15,13 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from echo.protocol import (
+    BODY_PART_MAX,
     HDR_BODY_PARTS,
     HDR_BODY_SHA256,
     HDR_BODY_SIZE,
     HDR_MSG_ID,
+    MAX_BODY_PARTS,
+    ROLLOUT_MESSAGE_MAX,
     TRAINER_CONSUMER,
     ProtocolError,
     RolloutGroup,
@@ -33,71 +36,85 @@ from streams.client import BROKER_ERRORS, Run, retry_forever
 log = structlog.get_logger()
 
 PUBLISH_RETRY_MAX_S = 10.0
-HEADER_ROOM = 4096  # of a message's max payload, left for its headers
-MAX_BODY_PARTS = 64  # 64 x (8 MB - headers): past the largest group worth training on
+HEADER_ROOM = 4096  # of a message's largest size, left for its headers
 
 
 async def publish_rollout(run: Run, group: RolloutGroup) -> None:
     """Publish until the stream has it: through a broker restart or a relay's cut uplink (no
     responders), a sampler keeps its group and tries again with backoff, never dies of it. A
-    group larger than one message goes in parts on the sampler's bodies subjects first; its
-    rollout message then names them (echo/protocol.py, HDR_BODY_PARTS)."""
+    group larger than one rollout message goes in parts on the sampler's bodies subject first;
+    its rollout message then names them (echo/protocol.py, HDR_BODY_PARTS)."""
     data, headers = encode_rollout(group), rollout_headers(group)
-    part_size = run.nc.max_payload - HEADER_ROOM
-    if len(data) > part_size:
-        parts = [data[start : start + part_size] for start in range(0, len(data), part_size)]
-        for index, part in enumerate(parts):
-            subject = run.names.body_part_subject(group.sampler_id, group.group_id, index)
-            await _publish_until_stored(run, subject, part, {HDR_MSG_ID: f"{group.group_id}-{index}"})
-        headers |= {HDR_BODY_PARTS: str(len(parts)), HDR_BODY_SIZE: str(len(data)),
+    if len(data) > min(run.nc.max_payload, ROLLOUT_MESSAGE_MAX) - HEADER_ROOM:
+        part_size = min(run.nc.max_payload, BODY_PART_MAX) - HEADER_ROOM
+        subject, sequences = run.names.bodies_subject(group.sampler_id), []
+        for index, start in enumerate(range(0, len(data), part_size)):
+            sequences.append(await _publish_until_stored(run, subject, data[start : start + part_size],
+                                                         {HDR_MSG_ID: _part_id(group.group_id, index)}))
+        headers |= {HDR_BODY_PARTS: ",".join(map(str, sequences)), HDR_BODY_SIZE: str(len(data)),
                     HDR_BODY_SHA256: hashlib.sha256(data).hexdigest()}
         data = b""
     await _publish_until_stored(run, run.names.rollouts_subject(group.sampler_id), data, headers)
 
 
-async def _publish_until_stored(run: Run, subject: str, data: bytes, headers: dict[str, str]) -> None:
-    # Nats-Msg-Id makes a retry safe: a publish can time out although it was stored.
-    await retry_forever(f"publish {headers[HDR_MSG_ID]}", lambda: run.js.publish(subject, data, headers=headers, timeout=10),
-                        first_delay_s=0.5, max_delay_s=PUBLISH_RETRY_MAX_S)
+async def _publish_until_stored(run: Run, subject: str, data: bytes, headers: dict[str, str]) -> int:
+    """The message's stream sequence. Nats-Msg-Id makes a retry safe: a publish can time out
+    although it was stored (the retry's ack then names the stored message's sequence)."""
+    ack = await retry_forever(f"publish {headers[HDR_MSG_ID]}",
+                              lambda: run.js.publish(subject, data, headers=headers, timeout=10),
+                              first_delay_s=0.5, max_delay_s=PUBLISH_RETRY_MAX_S)
+    return ack.seq
+
+
+def _part_id(group_id: str, index: int) -> str:
+    return f"{group_id}-{index}"
 
 
 async def rollout_body(js: JetStreamContext, names: RunNames, msg, limits: RolloutLimits | None = None) -> bytes:
-    """A rollout message's encoded group: its own data, or a large group's parts, read from the
-    bodies of the sampler whose subject it came on and checked against the size and digest the
-    message names (ProtocolError "bad_body" when they are missing or do not add up). A size
-    beyond the run's `limits` is refused before a part is read ("too_large")."""
+    """A rollout message's encoded group: its own data, or a large group's parts, read by their
+    sequences from the bodies stream, each on the bodies subject of the sampler whose subject the
+    message came on and named as that group's part, and checked against the size and digest the
+    message names (ProtocolError "bad_body" when they are missing or do not add up). A size beyond
+    the run's `limits` is refused before a part is read ("too_large")."""
     headers = msg.headers or {}
     if HDR_BODY_PARTS not in headers:
         return msg.data
-    sender, group_id = subject_sampler(msg.subject), headers.get(HDR_MSG_ID, "")
+    group_id = headers.get(HDR_MSG_ID, "")
     try:
-        count, size, digest = int(headers[HDR_BODY_PARTS]), int(headers[HDR_BODY_SIZE]), headers[HDR_BODY_SHA256]
+        subject = names.bodies_subject(subject_sampler(msg.subject))
+        sequences = [int(seq) for seq in headers[HDR_BODY_PARTS].split(",", MAX_BODY_PARTS)]
+        size, digest = int(headers[HDR_BODY_SIZE]), headers[HDR_BODY_SHA256]
     except (KeyError, ValueError) as e:
         raise ProtocolError("bad_body", f"a body in parts named badly: {e}") from None
-    if msg.data or not 0 < count <= MAX_BODY_PARTS:  # before naming the parts: a sender may claim billions
-        raise ProtocolError("bad_body", f"{count} parts (1 to {MAX_BODY_PARTS}), and no data of its own")
+    if msg.data or len(sequences) > MAX_BODY_PARTS:  # before reading a part: a sender may claim billions
+        raise ProtocolError("bad_body", f"{len(sequences)} parts (1 to {MAX_BODY_PARTS}), and no data of its own")
     if limits is not None:
         limits.check_size(size)
-    try:
-        subjects = [names.body_part_subject(sender, group_id, index) for index in range(count)]
-    except ValueError as e:
-        raise ProtocolError("bad_body", f"a body in parts named badly: {e}") from None
     parts = []
-    for subject in subjects:
-        while True:
-            try:
-                parts.append((await js.get_last_msg(names.bodies_stream, subject)).data)
-                break
-            except NotFoundError:
-                raise ProtocolError("bad_body", f"group {group_id}: {subject} is missing") from None
-            except BROKER_ERRORS as e:  # a broker restarting: the part is still there
-                log.warning("rollout.body_read_failed", subject=subject, reason=repr(e))
-                await asyncio.sleep(0.5)
+    for index, sequence in enumerate(sequences):
+        part = await _body_part(js, names, sequence)
+        if part is None or part.subject != subject or (part.headers or {}).get(HDR_MSG_ID) != _part_id(group_id, index):
+            raise ProtocolError("bad_body", f"group {group_id}: its part {index} (sequence {sequence}) is missing "
+                                            f"or not its sampler's")
+        parts.append(part.data)
     data = b"".join(parts)
     if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
         raise ProtocolError("bad_body", f"group {group_id}: its parts make {len(data)} bytes that do not match "
                                         f"the {size} bytes and digest its message names")
     return data
+
+
+async def _body_part(js: JetStreamContext, names: RunNames, sequence: int):
+    """The bodies stream's message at `sequence`, or None when it has none there (never stored,
+    or gone past its sampler's quota)."""
+    while True:
+        try:
+            return await js.get_msg(names.bodies_stream, sequence)
+        except NotFoundError:
+            return None
+        except BROKER_ERRORS as e:  # a broker restarting: the part is still there
+            log.warning("rollout.body_read_failed", sequence=sequence, reason=repr(e))
+            await asyncio.sleep(0.5)
 
 
 async def trainer_subscription(run: Run, ack_wait_s: float = 600.0):

@@ -122,7 +122,7 @@ def permissions(role: str, names: RunNames, public_key: str, sampler_id: str | N
             for api in _api_prefixes(hub_domain) for tail in ("", ".>")]  # the trainer's own consumer
     if role == "sampler":
         check_id("sampler id", sampler_id)
-        allow += [names.rollouts_subject(sampler_id), names.sampler_bodies(sampler_id), names.grants_subject(sampler_id)]
+        allow += [names.rollouts_subject(sampler_id), names.bodies_subject(sampler_id), names.grants_subject(sampler_id)]
         allow += _kv_write(names.registry_bucket, sampler_id, hub_domain)
         allow += [f"{api}.STREAM.INFO.KV_{names.registry_bucket}" for api in _api_prefixes(hub_domain)]  # to open it
     elif role != "observer":

@@ -18,10 +18,10 @@ from rich.console import Console
 
 from echo.admission import GrantLedger
 from echo.checkpoint import TrainerState
-from echo.protocol import (BUDGET_KEY, CONFIG_KEY, HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE, HDR_MSG_ID,
+from echo.protocol import (BODY_PART_MAX, BUDGET_KEY, CONFIG_KEY, HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE, HDR_MSG_ID,
                            LEARNER_KEY,
-                           QUARANTINE_KEY, SCHEDULE_KEY, SLOTS_KEY, TRAINER_KEY, GrantRequest, LearnerStatus,
-                           SamplerStatus, encode,
+                           QUARANTINE_KEY, ROLLOUT_MESSAGE_MAX, SCHEDULE_KEY, SLOTS_KEY, TRAINER_KEY, GrantRequest,
+                           LearnerStatus, SamplerStatus, Storage, encode,
                            pack_rollout, rollout_headers)
 from streams.client import BAD_VALUES, open_run
 from streams.grants import slots_granted
@@ -34,6 +34,7 @@ from streams.registry import put_status, read_heartbeat, read_learner, read_stat
 from streams.rollouts import publish_rollout
 from streams.weights import fetch_weights, publish_weights
 from tests.conftest import TINY_BASE, tiny_config
+from tests.test_faults import assert_accounting_holds, collect_and_account
 from tests.test_referee import REFEREE, TASK, _unlikely, honest_group
 from workers.cli import main
 from workers.coordinator import Coordinator
@@ -213,7 +214,8 @@ async def test_a_message_past_the_runs_limits_is_refused_before_it_is_validated_
     """One 60 MB message of 1,000,000 completions froze the trainer's event loop for 15.8 s and
     took it from 0.43 to 2.1 GB (every completion was validated before their count was checked
     against the group size); a 256 MB body in parts took it to 4.3 GB before it was refused. A
-    message's counts and the size a body claims are now checked against the run's config first:
+    message's counts and the size a body claims are now checked against the run's config first
+    (and the stream stores no message past ROLLOUT_MESSAGE_MAX):
     the reasons below are the counts' and the size's, where the old order met the bad
     log-probs, or the missing parts, first."""
     server, secure = secured
@@ -223,19 +225,23 @@ async def test_a_message_past_the_runs_limits_is_refused_before_it_is_validated_
         raw = honest_group(policy_version=5, group_id="many").model_dump()
         junk = {"token_ids": [1], "logprobs": [0.5], "text": "", "reward": 0.0, "finish_reason": "length"}
         headers = rollout_headers(honest_group(policy_version=5, group_id="many"))
-        for count in (50_000, 100):  # with log-probs above 0: bad_schema, had they been validated first
-            raw["completions"] = [junk] * count
+        raw["completions"] = [junk] * 50_000  # with log-probs above 0: bad_schema, had it been validated first
+        with pytest.raises(nats.js.errors.BadRequestError, match="message size exceeds maximum"):  # the stream's limit
             await attacker.js.publish(trainer.names.rollouts_subject("s1"), pack_rollout(raw),
-                                      headers={**headers, HDR_MSG_ID: f"many{count}"})
+                                      headers={**headers, HDR_MSG_ID: "many50000"})
+        raw["completions"] = [junk] * 100
+        await attacker.js.publish(trainer.names.rollouts_subject("s1"), pack_rollout(raw),
+                                  headers={**headers, HDR_MSG_ID: "many100"})
         pointer = {**rollout_headers(honest_group(policy_version=5, group_id="huge")),
-                   HDR_BODY_PARTS: "64", HDR_BODY_SIZE: str(64 * 8 * 2**20), HDR_BODY_SHA256: "0" * 64}
+                   HDR_BODY_PARTS: ",".join(map(str, range(1, 65))), HDR_BODY_SIZE: str(64 * 8 * 2**20),
+                   HDR_BODY_SHA256: "0" * 64}
         await attacker.js.publish(trainer.names.rollouts_subject("s1"), b"", headers=pointer)  # no part exists
         await publish_rollout(attacker, honest_group(policy_version=5, group_id="fine"))
         collector = Collector(await RolloutInbox.open(trainer), Judge(REFEREE, Timeline(max_staleness=1)))
         collected = await collector.collect(1, version=5)
         assert [a.group.group_id for a in collected.used] == ["fine"]
-        # 50,000 completions: refused by the message's size alone; 100 (within it): by their count.
-        assert collected.rejected == {"too_large": 2, "wrong_group_size": 1}, collected.rejected
+        # 100 completions (within the message's size): refused by their count; 512 MB claimed: by its size.
+        assert collected.rejected == {"too_large": 1, "wrong_group_size": 1}, collected.rejected
     finally:
         await attacker.close()
         await trainer.close()
@@ -297,16 +303,55 @@ async def test_a_group_resending_trained_completions_is_refused(secured):
         await trainer.close()
 
 
-async def test_one_samplers_connections_and_subscriptions_are_bounded(tmp_path):
-    """1000 connections and 200,000 subscriptions on one sampler's credentials were allowed. Each
-    sampler is an account of its own, and the server bounds an account's (SAMPLER_LIMITS); the
-    other samplers' are their own."""
-    # Both samplers from the start: a connection the hub accepts while it reloads its accounts
-    # (add_sampler) may be closed by that reload, which would be no limit at work.
+@pytest.fixture
+def two_samplers(tmp_path):
+    """A secured hub for run "sec" with samplers s1 and s2 from the start: a connection the hub
+    accepts while it reloads its accounts (add_sampler) may be closed by that reload."""
     secure = SecureDir(tmp_path / "secure")
     secure.init("sec", ["localhost", "127.0.0.1"], ["s1", "s2"])
     with NatsServer(tmp_path / "jetstream", include=secure.dir / "server.conf") as server:
-        await _connections_and_subscriptions_are_bounded(server, secure)
+        yield server, secure
+
+
+async def test_one_samplers_connections_and_subscriptions_are_bounded(two_samplers):
+    """1000 connections and 200,000 subscriptions on one sampler's credentials were allowed. Each
+    sampler is an account of its own, and the server bounds an account's (SAMPLER_LIMITS); the
+    other samplers' are their own."""
+    await _connections_and_subscriptions_are_bounded(*two_samplers)
+
+
+async def test_one_sampler_keeps_no_more_than_its_quota_and_evicts_only_its_own(two_samplers):
+    """8 MB messages in a loop on its own rollout subject stored 3.4 GB in 45 s: no per-sampler
+    limit. Each sampler now keeps at most its quota in each rollout stream (in messages of a
+    bounded size); past it its own oldest go, counted as evicted when unread, and no other
+    sampler's group is lost."""
+    server, secure = two_samplers
+    quota = 32 << 20
+    trainer = await open_run(server.url, "sec", "trainer", credentials=secure.credentials("trainer"),
+                             storage=Storage(sampler_max_bytes=quota))
+    honest = await open_run(server.url, "sec", "s2", credentials=secure.credentials("sampler-s2"), create=False)
+    attacker = await open_run(server.url, "sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
+    names = trainer.names
+    try:
+        collector = Collector(await RolloutInbox.open(trainer), Judge(REFEREE, Timeline(max_staleness=1)))
+        await publish_rollout(honest, honest_group(30, policy_version=5, group_id="before", sampler_id="s2"))
+        for i in range(400):  # 80 MB
+            await attacker.js.publish(names.rollouts_subject("s1"), bytes(200_000), headers={HDR_MSG_ID: f"r{i}"})
+            if i % 10 == 0:
+                await attacker.js.publish(names.bodies_subject("s1"), bytes(2 << 20), headers={HDR_MSG_ID: f"b{i}"})
+            if i == 200:
+                await publish_rollout(honest, honest_group(31, policy_version=5, group_id="amid", sampler_id="s2"))
+        rollouts, bodies = (await trainer.js.stream_info(names.rollouts_stream)), await trainer.js.stream_info(names.bodies_stream)
+        assert rollouts.state.bytes <= quota + (1 << 20) and rollouts.state.messages <= quota // ROLLOUT_MESSAGE_MAX + 2
+        assert bodies.state.bytes <= quota and bodies.state.messages <= quota // BODY_PART_MAX
+        totals, accounting = await collect_and_account(collector, {}, 2)
+        # Both honest groups trained; the attacker's oldest 272 went unread, the 201 before the
+        # second honest group counted as evicted once the ack floor passed them.
+        assert accounting["trained"] == 2 and accounting["rejected"] == 0 and accounting["evicted"] == 201, accounting
+        assert_accounting_holds(accounting)
+    finally:
+        for run in (attacker, honest, trainer):
+            await run.close()
 
 
 async def _connections_and_subscriptions_are_bounded(server: NatsServer, secure: SecureDir) -> None:

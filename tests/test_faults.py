@@ -348,31 +348,35 @@ def test_servers_listen_outside_the_ports_outgoing_connections_take():
     assert not any(low <= port <= high for port in ports)
 
 
+async def collect_and_account(collector: Collector, totals: dict[str, int], need: int):
+    """One step's intake as the trainer runs it: collect, checkpoint, ack, count the evicted, then
+    account. Returns the new totals and the accounting."""
+    async with asyncio.timeout(30):
+        collected = await collector.collect(need, version=5)
+    collector.trained(collected)  # checkpointed
+    totals = count_consumed(totals, collected)
+    unconfirmed = await collector.inbox.ack_held()
+    totals = await count_evicted(collector.inbox, collector.consumed, totals)
+    return totals, await account(collector.inbox, totals, collector.consumed, unconfirmed)
+
+
+def assert_accounting_holds(a: dict[str, int]) -> None:
+    assert a["trained"] + a["dropped_stale"] + a["rejected"] + a.get("evicted", 0) == a["counted"], a
+    assert a["published"] == a["counted"] + a["pending"], a
+
+
 async def test_messages_the_stream_evicted_before_the_trainer_read_them_are_named_in_the_accounting(runs):
     """With `nats.rollouts_max_gb` set, the stream evicts its oldest messages, read or not: 1239
     published against 1145 counted, and the accounting identity no longer held. Those the trainer
     never read are now counted as `evicted`."""
     run = await runs.open("evict", "trainer", storage=Storage(rollouts_max_bytes=12_000))
     collector = Collector(await RolloutInbox.open(run), Judge(REFEREE, Timeline(max_staleness=1)))
-    totals: dict[str, int] = {}
-
-    async def step(need: int) -> dict[str, int]:
-        nonlocal totals
-        async with asyncio.timeout(30):
-            collected = await collector.collect(need, version=5)
-        collector.trained(collected)  # checkpointed
-        totals = count_consumed(totals, collected)
-        unconfirmed = await collector.inbox.ack_held()
-        totals = await count_evicted(collector.inbox, collector.consumed, totals)
-        return await account(collector.inbox, totals, collector.consumed, unconfirmed)
-
     for i in range(2):
         await publish_rollout(run, honest_group(30 + i, policy_version=5, group_id=f"early{i}"))
-    first = await step(2)
+    totals, first = await collect_and_account(collector, {}, 2)
     for i in range(40):  # more than the stream keeps: the oldest unread ones go
         await publish_rollout(run, honest_group(40 + i, policy_version=5, group_id=f"late{i}"))
-    later = await step(2)
+    totals, later = await collect_and_account(collector, totals, 2)
     for a in (first, later):
-        assert a["trained"] + a["dropped_stale"] + a["rejected"] + a.get("evicted", 0) == a["counted"], a
-        assert a["published"] == a["counted"] + a["pending"], a
+        assert_accounting_holds(a)
     assert later["evicted"] > 0 and later["published"] == 42, later

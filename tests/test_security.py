@@ -217,7 +217,7 @@ async def test_a_sampler_cannot_touch_what_the_trainer_owns(secured, runs):
         js.publish(names.weights_subject, forged, headers={HDR_MSG_ID: "weights-1"}),
         js.publish(names.pull_subject, b"{}"),
         js.publish(names.rollouts_subject("s2"), impostor),
-        js.publish(names.body_part_subject("s2", "imp", 0), b"part"),  # a body under another's name
+        js.publish(names.bodies_subject("s2"), b"part"),  # a body under another's name
         js.purge_stream(names.bodies_stream),
     ]
     for attack in attacks:
@@ -232,7 +232,7 @@ async def test_a_sampler_cannot_touch_what_the_trainer_owns(secured, runs):
     # What a sampler may do still works.
     await js.publish(names.rollouts_subject("s1"), encode_rollout(honest_group(group_id="mine")),
                      headers=rollout_headers(honest_group(group_id="mine")))
-    await js.publish(names.body_part_subject("s1", "mine", 0), b"part")  # a large group's part
+    await js.publish(names.bodies_subject("s1"), b"part")  # a large group's part
     await nc.close()
 
     info = await trainer.js.stream_info(names.rollouts_stream)

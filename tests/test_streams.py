@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 
+import nats.js.errors
 import pytest
 import safetensors.torch
 import torch
@@ -39,7 +40,7 @@ from streams.objects import TransferError, get_object, put_object
 from streams.registry import put_status, read_statuses
 from streams.replay import read_rollouts
 from streams.inbox import RolloutInbox
-from streams.rollouts import publish_rollout, trainer_subscription
+from streams.rollouts import publish_rollout, rollout_body, trainer_subscription
 from streams.schedule import publish_schedule, watch_schedule
 from streams.server import NatsServer
 from streams.weights import WeightsFollower, fetch_weights, publish_weights
@@ -102,28 +103,30 @@ def small_messages_server(tmp_path):
 
 async def test_a_group_larger_than_a_message_travels_in_parts_and_bad_parts_are_refused(small_messages_server, runs):
     """A reasoning-length group does not fit in one message: the sampler publishes its body in
-    parts on its own bodies subjects, the trainer reads them back and checks size and digest."""
+    parts on its own bodies subject, the trainer reads them back and checks subject, size and digest."""
     run = await runs.open("big", url=small_messages_server.url)
     inbox = await RolloutInbox.open(run)
     answer = TASK.prompt(12).answer
     big = honest_group(texts=["x" * 30_000 + f"\\boxed{{{answer}}}", "y" * 30_000 + "\\boxed{999}"],
                        policy_version=5, group_id="big")
     assert len(encode_rollout(big)) > 4 * run.nc.max_payload
-    # Pointers that do not add up: parts that do not match the digest; a part missing; a
-    # billion parts; and s2
-    # naming parts that s1 published (the trainer reads the subject's sampler's parts only).
+    # Pointers that do not add up: a part that does not match the digest; a part missing; a
+    # thousand parts; and s2 naming a part that s1 published (the trainer reads the parts on the
+    # subject's sampler's bodies subject only).
     forged = honest_group(policy_version=5, group_id="forged")
-    pointer = {**rollout_headers(forged), HDR_BODY_PARTS: "1", HDR_BODY_SIZE: "4", HDR_BODY_SHA256: "0" * 64}
-    await run.js.publish(run.names.body_part_subject("s1", "forged", 0), b"junk")
+    junk = await run.js.publish(run.names.bodies_subject("s1"), b"junk", headers={HDR_MSG_ID: "forged-0"})
+    pointer = {**rollout_headers(forged), HDR_BODY_PARTS: str(junk.seq), HDR_BODY_SIZE: "4", HDR_BODY_SHA256: "0" * 64}
     await run.js.publish(run.names.rollouts_subject("s1"), b"", headers=pointer)
-    await run.js.publish(run.names.rollouts_subject("s1"), b"", headers={**pointer, HDR_MSG_ID: "forged2"})
-    await run.js.publish(run.names.rollouts_subject("s1"), b"", headers={  # refused before naming a billion parts
-        **pointer, HDR_MSG_ID: "forged3", HDR_BODY_PARTS: "1000000000"})
+    await run.js.publish(run.names.rollouts_subject("s1"), b"", headers={
+        **pointer, HDR_MSG_ID: "forged2", HDR_BODY_PARTS: "999999"})
+    await run.js.publish(run.names.rollouts_subject("s1"), b"", headers={  # refused before reading a thousand parts
+        **pointer, HDR_MSG_ID: "forged3", HDR_BODY_PARTS: ",".join(["1"] * 1000)})
     stolen = encode_rollout(honest_group(policy_version=5, group_id="stolen", sampler_id="s2"))
-    await run.js.publish(run.names.body_part_subject("s1", "stolen", 0), stolen)
+    part = await run.js.publish(run.names.bodies_subject("s1"), stolen, headers={HDR_MSG_ID: "stolen-0"})
     await run.js.publish(run.names.rollouts_subject("s2"), b"", headers={
         **rollout_headers(honest_group(policy_version=5, group_id="stolen", sampler_id="s2")),
-        HDR_BODY_PARTS: "1", HDR_BODY_SIZE: str(len(stolen)), HDR_BODY_SHA256: hashlib.sha256(stolen).hexdigest()})
+        HDR_BODY_PARTS: str(part.seq), HDR_BODY_SIZE: str(len(stolen)),
+        HDR_BODY_SHA256: hashlib.sha256(stolen).hexdigest()})
     await publish_rollout(run, big)
     referee = Referee(TASK, TOKENIZER, len(TOKENIZER), SamplingConfig(group_size=2, max_new_tokens=40_000, temperature=1.0))
     collector = Collector(inbox, Judge(referee, Timeline(max_staleness=1)))
@@ -444,16 +447,25 @@ async def test_a_backlog_of_long_groups_is_fetched_without_dropping_the_trainers
     """40 groups of 16 x 16,384 tokens (2.9 MB each) waiting, fetched 64 at a time (a step's
     groups): 40 x 2.9 MB pending to one client is over the server's max_pending (64 MB), the
     server closed the trainer's connection and the lost batch came back only after ack_wait
-    (600 s). A fetch now asks for no more messages than the server holds for one client."""
+    (600 s). The rollouts stream now holds no message over ROLLOUT_MESSAGE_MAX (a long group's
+    body goes in parts, read one by one), and a fetch asks for no more than the server holds for
+    one client."""
     run = await runs.open("backlog")
     inbox = await RolloutInbox.open(run, ack_wait_s=600.0)
     body = bytes(2_900_000)
+    with pytest.raises(nats.js.errors.BadRequestError, match="message size exceeds maximum"):
+        await run.js.publish(run.names.rollouts_subject("s1"), body, headers={HDR_MSG_ID: "inline"}, timeout=30)
     for i in range(40):
-        await run.js.publish(run.names.rollouts_subject("s1"), body, headers={HDR_MSG_ID: f"g{i}"}, timeout=30)
+        part = await run.js.publish(run.names.bodies_subject("s1"), body, headers={HDR_MSG_ID: f"g{i}-0"}, timeout=30)
+        await run.js.publish(run.names.rollouts_subject("s1"), b"", headers={
+            HDR_MSG_ID: f"g{i}", HDR_BODY_PARTS: str(part.seq), HDR_BODY_SIZE: str(len(body)),
+            HDR_BODY_SHA256: hashlib.sha256(body).hexdigest()})
     got: set[int] = set()
     async with asyncio.timeout(60):  # a tenth of ack_wait: the lost batch of a dropped connection never comes
         while len(got) < 40:
-            got.update(d.seq for d in await inbox.fetch(64, timeout=5.0))
+            for delivery in await inbox.fetch(64, timeout=5.0):
+                assert await rollout_body(run.js, run.names, delivery.msg) == body
+                got.add(delivery.seq)
     assert run.nc.stats["reconnects"] == 0
 
 
