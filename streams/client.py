@@ -16,7 +16,7 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError, NoServersError
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy, KeyValueConfig, StreamConfig
+from nats.js.api import KeyValueConfig, StreamConfig
 from nats.js.errors import BadRequestError, KeyNotFoundError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
@@ -35,6 +35,7 @@ log = structlog.get_logger()
 BROKER_ERRORS = (nats.errors.Error, TimeoutError, ConnectionError, json.JSONDecodeError)
 
 RECANCEL_AFTER_S = 0.5  # a task still running this long after its cancellation is cancelled again
+POLL_S = 0.1  # how often a follower reads the newest value of what it follows
 
 
 async def cancel_until_done(tasks: list[asyncio.Task], every_s: float = RECANCEL_AFTER_S) -> None:
@@ -338,27 +339,36 @@ async def read_value(kv: KeyValue, key: str, decode_value: Callable[[bytes], M])
 
 
 async def watch_forever(run: Run, key: str, on_value: Callable[[bytes], None]) -> None:
-    """Call `on_value` with each value of the state bucket's `key` (the current one first),
-    forever: a watch that fails (a broker restarting) is started again, and a value `on_value`
-    refuses (ProtocolError) is said, counted and skipped: the next good one counts."""
+    """Call `on_value` with each new value of the state bucket's `key` (the current one first),
+    forever, read every POLL_S (no consumer: samplers may make none, streams/secure.py). A
+    broker restarting is said once and waited out; a value `on_value` refuses (ProtocolError) is
+    said, counted and skipped: the next good one counts."""
+    seen, failing = 0, False
     while True:
         try:
-            async for entry in await run.state.watch(key):
-                if entry is not None and entry.value:  # None: the end-of-history marker; b"": a delete
-                    try:
-                        on_value(entry.value)
-                    except ValueError as e:
-                        bad_value(key, str(e))
+            entry = await run.state.get(key)
+            failing = False
+        except KeyNotFoundError:  # none yet, or deleted
+            entry = None
         except BROKER_ERRORS as e:
-            log.warning("kv.watch_failed", key=key, reason=repr(e))
-        await asyncio.sleep(1.0)
+            if not failing:
+                log.warning("kv.watch_failed", key=key, reason=repr(e))
+            failing, entry = True, None
+        if entry is not None and entry.revision != seen:
+            seen = entry.revision
+            try:
+                on_value(entry.value or b"")
+            except ValueError as e:
+                bad_value(key, str(e))
+        await asyncio.sleep(POLL_S)
 
 
 class LatestValue(Generic[M]):
     """Follows one subject of the last-value control stream and holds its newest message.
 
-    Starting at the last message per subject means a late joiner reads the current value at
-    once; afterwards every new one arrives as it is published."""
+    It reads the subject's last message by direct get every POLL_S: a late joiner reads the
+    current value at once, a restarted broker or relay costs no consumer to rebuild, and it needs
+    no consumer at all (samplers may make none, streams/secure.py)."""
 
     def __init__(
         self, js: JetStreamContext, stream: str, subject: str, cls: type[M], on_error: Callable[[ProtocolError], None]
@@ -367,29 +377,38 @@ class LatestValue(Generic[M]):
         self.value: M | None = None
         self.seq = 0  # stream sequence of `value`: orders messages of any kind
         self._changed = asyncio.Condition()
-        self._sub = None
+        self._task: asyncio.Task | None = None
 
     async def start(self) -> "LatestValue[M]":
-        # The stream is named: a relay's mirror has no subjects to look it up by. A short idle
-        # heartbeat lets the ordered consumer notice a restarted server in seconds, not ~20 s.
-        self._sub = await retry_forever(f"follow {self.subject}", lambda: self.js.subscribe(
-            self.subject,
-            stream=self.stream,
-            ordered_consumer=True,
-            idle_heartbeat=1.0,
-            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
-            cb=self._on_msg,
-        ))
+        self._task = asyncio.create_task(self._poll())
         return self
 
-    async def _on_msg(self, msg) -> None:
+    async def _poll(self) -> None:
+        failing = False
+        while True:
+            try:
+                # The stream is named: a relay's mirror has no subjects to look it up by.
+                msg = await self.js.get_msg(self.stream, subject=self.subject, direct=True)
+                failing = False
+            except NotFoundError:  # nothing published yet
+                msg = None
+            except BROKER_ERRORS as e:  # a broker restarting: said once, until it answers again
+                if not failing:
+                    log.warning("control.read_failed", subject=self.subject, reason=repr(e))
+                failing, msg = True, None
+            if msg is not None and msg.seq > self.seq:
+                await self._take(msg)
+            await asyncio.sleep(POLL_S)
+
+    async def _take(self, msg) -> None:
         try:
             value = decode(self.cls, msg.data)
         except ProtocolError as e:
             self.on_error(e)
+            self.seq = msg.seq  # said once
             return
         async with self._changed:
-            self.value, self.seq = value, msg.metadata.sequence.stream
+            self.value, self.seq = value, msg.seq
             self._changed.notify_all()
 
     async def wait_newer(self, seq: int) -> tuple[int, M]:
@@ -399,5 +418,5 @@ class LatestValue(Generic[M]):
             return self.seq, self.value
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            await self._sub.unsubscribe()
+        if self._task is not None:
+            await cancel_until_done([self._task])

@@ -37,6 +37,7 @@ def control_stream(names: RunNames, storage: Storage = Storage()) -> StreamConfi
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
         max_msgs_per_subject=1,
+        allow_direct=True,  # read by direct gets (streams/client.py LatestValue)
         num_replicas=storage.replicas,
     )
 
@@ -46,7 +47,8 @@ def weights_bucket(names: RunNames, storage: Storage = Storage()) -> ObjectStore
 
 
 def state_bucket(names: RunNames, storage: Storage = Storage()) -> KeyValueConfig:
-    return KeyValueConfig(bucket=names.state_bucket, storage=StorageType.FILE, replicas=storage.replicas)
+    # Read by direct gets (streams/client.py watch_forever).
+    return KeyValueConfig(bucket=names.state_bucket, storage=StorageType.FILE, replicas=storage.replicas, direct=True)
 
 
 def registry_stream(names: RunNames, storage: Storage = Storage()) -> StreamConfig:
@@ -72,10 +74,12 @@ def registry_stream(names: RunNames, storage: Storage = Storage()) -> StreamConf
 
 def weights_mirrors(names: RunNames, upstream_domain: str) -> list[StreamConfig]:
     """A relay's copies of what samplers read about weights: the object store and the control
-    stream (announcements), under the same names, so the same client code reads either."""
+    stream (announcements), under the same names, so the same client code reads either (by
+    direct gets)."""
     source = ExternalStream(api=f"$JS.{upstream_domain}.API")
     return [
-        StreamConfig(name=name, storage=StorageType.FILE, mirror=StreamSource(name=name, external=source), **limits)
+        StreamConfig(name=name, storage=StorageType.FILE, mirror=StreamSource(name=name, external=source),
+                     allow_direct=True, **limits)
         # The object store last: a sampler that finds it knows the relay is complete.
         for name, limits in [(names.control_stream, {"max_msgs_per_subject": 1}), (names.weights_stream, {})]
     ]

@@ -3,8 +3,9 @@
 client reads what we write, but it moves the bytes faster than nats-py's ObjectStore:
 
 - put publishes chunks with a window of acks in flight instead of waiting for each one;
-- get reads the chunk subject with a pull consumer in batches of bounded size into one
-  preallocated buffer (nats-py's get() into bytes is quadratic), and checks size and SHA-256.
+- get reads the chunk subject with batched direct gets (no consumer: a reader that may make
+  consumers can make thousands, streams/secure.py) of bounded size into one preallocated buffer
+  (nats-py's get() into bytes is quadratic), and checks size and SHA-256.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections import deque
 from datetime import datetime, timezone
 
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, ObjectInfo, ObjectMetaOptions
+from nats.js.api import ObjectInfo, ObjectMetaOptions
 from nats.js.errors import NotFoundError
 from nats.nuid import NUID
 
@@ -26,7 +27,7 @@ from streams.client import BROKER_ERRORS
 
 CHUNK_SIZE = 1 << 20  # publish throughput peaks at 1 MiB chunks on loopback
 WINDOW = 16  # chunk publishes awaiting their ack
-BATCH_BYTES = 8 << 20  # per fetch: well under the server's 64 MiB max_pending for one client
+BATCH_BYTES = 8 << 20  # per batched get: well under the server's 64 MiB max_pending for one client
 ACK_TIMEOUT_S = 30.0
 
 
@@ -108,32 +109,22 @@ async def get_object(
     digest, offset, received = hashlib.sha256(), 0, 0
     if info.chunks:
         chunk_size = (info.options.max_chunk_size if info.options else None) or 128 * 1024
-        # An ephemeral consumer made without a name (nats-py's pull_subscribe names one, which
-        # a sampler's permissions refuse: named consumers can be made to stay, streams/secure.py).
-        stream = f"OBJ_{bucket}"
-        consumer = await js.add_consumer(stream, ConsumerConfig(
-            ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=30.0,
-            filter_subject=f"$O.{bucket}.C.{info.nuid}"))
-        subscription = await js.pull_subscribe_bind(consumer.name, stream)
-        try:
-            stored = (await subscription.consumer_info()).num_pending
-            if stored != info.chunks:  # known before a byte moves: a missing chunk never comes
+        subject, after = f"$O.{bucket}.C.{info.nuid}", 0
+        while received < info.chunks:
+            batch = min(max(1, BATCH_BYTES // chunk_size), info.chunks - received)
+            msgs = await direct_get_batch(js, f"OBJ_{bucket}", subject, after + 1, batch, timeout)
+            if not msgs or (received == 0 and int(msgs[0].headers["Nats-Num-Pending"]) + 1 != info.chunks):
+                # Known before the bytes move: a missing chunk never comes.
+                stored = int(msgs[0].headers["Nats-Num-Pending"]) + 1 if msgs else received
                 raise TransferError("truncated", f"{stored} of {info.chunks} chunks stored")
-            while received < info.chunks:
-                batch = min(max(1, BATCH_BYTES // chunk_size), info.chunks - received)
-                try:
-                    msgs = await subscription.fetch(batch, timeout=timeout)
-                except (asyncio.TimeoutError, TimeoutError):
-                    raise TransferError("timeout", f"{received} of {info.chunks} chunks arrived") from None
-                for msg in msgs:
-                    end = offset + len(msg.data)
-                    if end > info.size:
-                        raise TransferError("size_mismatch", f"more than the {info.size} bytes announced")
-                    data[offset:end] = msg.data
-                    digest.update(msg.data)
-                    offset, received = end, received + 1
-        finally:
-            await subscription.unsubscribe()
+            for msg in msgs:
+                end = offset + len(msg.data)
+                if end > info.size:
+                    raise TransferError("size_mismatch", f"more than the {info.size} bytes announced")
+                data[offset:end] = msg.data
+                digest.update(msg.data)
+                offset, received = end, received + 1
+            after = int(msgs[-1].headers["Nats-Sequence"])
     if offset != info.size:
         raise TransferError("size_mismatch", f"got {offset} bytes, info says {info.size}")
     if f"SHA-256={_b64(digest.digest())}" != info.digest:
@@ -141,3 +132,30 @@ async def get_object(
     if expected_sha256 is not None and digest.hexdigest() != expected_sha256:
         raise TransferError("digest_mismatch", f"{bucket}/{name} is not the object expected")
     return data
+
+
+async def direct_get_batch(js: JetStreamContext, stream: str, subject: str, start: int, batch: int,
+                           timeout: float) -> list:
+    """Up to `batch` messages of `subject` from stream sequence `start` on, in one direct get
+    (nats-server 2.11's batched form: the messages, then an end-of-batch status); [] when there
+    are none. Each carries Nats-Sequence and Nats-Num-Pending (those of the subject after it)."""
+    nc = js._nc
+    inbox = nc.new_inbox()
+    subscription = await nc.subscribe(inbox, max_msgs=batch + 1)
+    try:
+        request = json.dumps({"next_by_subj": subject, "seq": start, "batch": batch}).encode()
+        await nc.publish(f"{js._prefix}.DIRECT.GET.{stream}", request, reply=inbox)
+        msgs = []
+        while True:
+            try:
+                msg = await subscription.next_msg(timeout=timeout)
+            except TimeoutError:  # nats-py's subclasses it
+                raise TransferError("timeout", f"{len(msgs)} of a batch of {batch} arrived") from None
+            status = (msg.headers or {}).get("Status")
+            if status in ("204", "404"):  # the end of the batch; nothing there
+                return msgs
+            if status is not None:
+                raise TransferError("refused", f"direct get of {stream}: {status} {msg.headers.get('Description', '')}")
+            msgs.append(msg)
+    finally:
+        await subscription.unsubscribe()

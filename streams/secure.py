@@ -79,14 +79,19 @@ def _tls_block(cert_file: Path, key_file: Path, ca_file: Path) -> str:
 
 
 def _stream_reads(api: str, stream: str) -> list[str]:
-    """The JetStream API subjects that read one stream: info, messages, and ephemeral consumers
-    (ordered ones, a fetch's). `CONSUMER.CREATE.<stream>.<name>` (named) and DURABLE.CREATE are
-    not among them: a sampler made 1000 durable consumers on the weights stream, the server's
-    limit, and every fetch failed until someone deleted them."""
+    """The JetStream API subjects that read one stream's messages without a consumer: info and
+    (direct) gets. No consumer: a sampler made 1000 durable consumers on the weights stream, the
+    server's limit, and every fetch failed until someone deleted them; it could make as many
+    ephemeral ones, each told to stay for a year."""
     return [f"{api}.STREAM.INFO.{stream}", f"{api}.STREAM.MSG.GET.{stream}",
-            f"{api}.DIRECT.GET.{stream}", f"{api}.DIRECT.GET.{stream}.>",
-            f"{api}.CONSUMER.CREATE.{stream}",
-            f"{api}.CONSUMER.INFO.{stream}.>", f"{api}.CONSUMER.MSG.NEXT.{stream}.>"]
+            f"{api}.DIRECT.GET.{stream}", f"{api}.DIRECT.GET.{stream}.>"]
+
+
+def _stream_consumers(api: str, stream: str) -> list[str]:
+    """What reading one stream through ephemeral consumers takes (an observer's replay, status):
+    `CONSUMER.CREATE.<stream>` without a name, and their fetches."""
+    return [f"{api}.CONSUMER.CREATE.{stream}", f"{api}.CONSUMER.INFO.{stream}.>",
+            f"{api}.CONSUMER.MSG.NEXT.{stream}.>"]
 
 
 def _api_prefixes(hub_domain: str) -> list[str]:
@@ -104,8 +109,9 @@ def permissions(role: str, names: RunNames, public_key: str, sampler_id: str | N
                 hub_domain: str = HUB_DOMAIN) -> dict:
     """The NATS permissions of one client of the run. The trainer owns everything; a sampler reads
     weights, announcements, config and budget, publishes on its own rollout, bodies and grants subjects
-    only and writes only its own heartbeat; an observer reads. No one but the trainer may create, change, purge or
-    delete a stream or consumer, and no one may read another client's replies."""
+    only and writes only its own heartbeat, all without a consumer; an observer reads, through
+    ephemeral consumers too. No one but the trainer may create, change, purge or delete a stream
+    or make a named consumer, and no one may read another client's replies."""
     inbox = inbox_prefix(public_key) + ".>"
     if role == "trainer":
         return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
@@ -116,8 +122,9 @@ def permissions(role: str, names: RunNames, public_key: str, sampler_id: str | N
     for api in _api_prefixes(hub_domain):
         allow.append(f"{api}.INFO")
         for stream in readable:
-            allow += _stream_reads(api, stream)
-    allow += [f"$JS.FC.{stream}.>" for stream in readable]  # flow control of ordered consumers
+            allow += _stream_reads(api, stream) + (_stream_consumers(api, stream) if role == "observer" else [])
+    if role == "observer":
+        allow += [f"$JS.FC.{stream}.>" for stream in readable]  # flow control of ordered consumers
     deny = [f"{api}.CONSUMER.CREATE.{names.rollouts_stream}.{TRAINER_CONSUMER}{tail}"
             for api in _api_prefixes(hub_domain) for tail in ("", ".>")]  # the trainer's own consumer
     if role == "sampler":
@@ -151,7 +158,6 @@ def mirror_reader_permissions(names: RunNames, public_key: str) -> dict:
     """A sampler on a relay's client port: it reads the relay's mirrors (its own JetStream, no
     domain) and nothing else; everything else it does on the hub."""
     allow = ["$JS.API.INFO"] + [s for stream in _mirrored(names) for s in _stream_reads("$JS.API", stream)]
-    allow += [f"$JS.FC.{stream}.>" for stream in _mirrored(names)]
     return {"publish": {"allow": allow}, "subscribe": {"allow": [inbox_prefix(public_key) + ".>"]}}
 
 
@@ -184,8 +190,8 @@ def hub_accounts(users: list[tuple[str, dict]], hub_domain: str) -> dict:
         entry = exported.get((kind, subject))
         if entry is None:
             entry = exported[(kind, subject)] = {kind: subject, "accounts": []}
-            if ".MSG.NEXT." in subject:
-                entry["response_type"] = "stream"  # a fetch answers with many messages
+            if ".MSG.NEXT." in subject or ".DIRECT.GET." in subject:
+                entry["response_type"] = "stream"  # a fetch, a batched get answer with many messages
             accounts[RUN]["exports"].append(entry)
         if account not in entry["accounts"]:
             entry["accounts"].append(account)

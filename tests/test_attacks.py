@@ -21,9 +21,9 @@ from echo.checkpoint import TrainerState
 from echo.protocol import (BODY_PART_MAX, BUDGET_KEY, CONFIG_KEY, HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE, HDR_MSG_ID,
                            LEARNER_KEY,
                            QUARANTINE_KEY, ROLLOUT_MESSAGE_MAX, SCHEDULE_KEY, SLOTS_KEY, TRAINER_KEY, GrantRequest,
-                           LearnerStatus, SamplerStatus, Storage, encode,
+                           LearnerStatus, SamplerStatus, Storage, WeightsAnnouncement, encode,
                            pack_rollout, rollout_headers)
-from streams.client import BAD_VALUES, open_run
+from streams.client import BAD_VALUES, LatestValue, open_run
 from streams.grants import slots_granted
 from streams.lease import RENEW_S, AnotherTrainer, current_epoch, take_lease
 from streams.quarantine import change_quarantine, read_quarantine
@@ -247,10 +247,11 @@ async def test_a_message_past_the_runs_limits_is_refused_before_it_is_validated_
         await trainer.close()
 
 
-async def test_a_sampler_cannot_make_named_or_durable_consumers(secured, tmp_path):
+async def test_a_sampler_cannot_make_consumers(secured, tmp_path):
     """1000 named durable consumers on the weights bucket's stream (the server's limit) made every
-    sampler's fetch fail, and stayed after the swarm restarted. A sampler may now make only the
-    ephemeral consumers its reads use, and those go when unused."""
+    sampler's fetch fail, and stayed after the swarm restarted; ephemeral ones told to stay for a
+    year would do the same. A sampler now reads weights, announcements and state by direct gets
+    and may make no consumer at all."""
     server, secure = secured
     trainer, lease, announcement, dispatch = await _serving_trainer(server, secure, tmp_path)
     names = trainer.names
@@ -258,13 +259,19 @@ async def test_a_sampler_cannot_make_named_or_durable_consumers(secured, tmp_pat
     js = attacker.jetstream(domain="hub", timeout=1.0)
     try:
         for stream in (names.weights_stream, names.control_stream, f"KV_{names.state_bucket}"):
-            for config in (ConsumerConfig(durable_name="squat"), ConsumerConfig(name="squat")):
+            before = (await trainer.js.stream_info(stream)).state.consumer_count  # the trainer's own
+            for config in (ConsumerConfig(durable_name="squat"), ConsumerConfig(name="squat"),
+                           ConsumerConfig(inactive_threshold=365 * 86400.0)):
                 with pytest.raises((nats.errors.TimeoutError, asyncio.TimeoutError)):  # no permission: no answer
                     await js.add_consumer(stream, config)
-            with pytest.raises(nats.js.errors.NotFoundError):
-                await trainer.js.consumer_info(stream, "squat")
+            assert (await trainer.js.stream_info(stream)).state.consumer_count == before
         sampler = await open_run(server.url, "sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
         assert await fetch_weights(sampler, announcement) == [bytearray(b"v0" * 100)]  # its own reads still work
+        announcements = await LatestValue(sampler.local_js, names.control_stream, names.weights_subject,
+                                          WeightsAnnouncement, on_error=print).start()
+        async with asyncio.timeout(10):
+            assert (await announcements.wait_newer(0))[1] == announcement
+        await announcements.stop()
         await sampler.close()
     finally:
         await attacker.close()
