@@ -8,6 +8,8 @@ its folder is complete, so a crash leaves either the old checkpoint or the new o
 of one. Its size does not grow with the run.
 trained_content.txt: the content hash of every group trained on (replays are refused), one per
 line, appended and synced before each checkpoint, which counts the lines that are its own.
+trained_completions.bin: the key of every completion trained on (resent ones are refused),
+8 bytes each, kept the same way.
 weights/: the newest published versions' safetensors shards, for `echo-rl eval`."""
 
 from __future__ import annotations
@@ -18,12 +20,17 @@ import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
+import numpy as np
 import orjson
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from echo.protocol import RolloutGroup
+from echo.referee import completion_keys
 
 
 @dataclass
@@ -33,6 +40,7 @@ class TrainerState:
     consumed: dict = field(default_factory=dict)  # stream sequences counted (echo/consumed.py), never twice
     totals: dict[str, int] = field(default_factory=dict)  # messages consumed so far, by what became of them
     trained_content: int = 0  # how many lines of trained_content.txt are this checkpoint's
+    trained_completions: int = 0  # how many keys of trained_completions.bin are
     lost: int = 0  # slots that will never be trained (the admission budget hands them out again)
     record: dict | None = None  # the last step's metrics line, restored if the crash lost it
 
@@ -128,19 +136,52 @@ def prune_weights(run_dir: Path, oldest_kept: int) -> None:
             path.unlink()
 
 
+def remember_trained(run_dir: Path, state: TrainerState, contents: list[str], groups: list[RolloutGroup]) -> None:
+    """Before the step's checkpoint: what it trained, so no later trainer of the run trains it
+    again (a replayed group, a completion resent)."""
+    keys = [key for group in groups for key in completion_keys(group)]
+    append_trained_content(run_dir, contents)
+    append_trained_completions(run_dir, keys)
+    state.trained_content += len(contents)
+    state.trained_completions += len(keys)
+
+
 def append_trained_content(run_dir: Path, hashes: list[str]) -> None:
-    with open(run_dir / "trained_content.txt", "a") as f:
-        f.writelines(h + "\n" for h in hashes)
-        f.flush()
-        os.fsync(f.fileno())
+    _append_synced(run_dir / "trained_content.txt", "".join(h + "\n" for h in hashes).encode())
 
 
 def load_trained_content(run_dir: Path, count: int) -> set[str]:
     """The checkpoint's `count` hashes; lines a crash left after them are cut off."""
     path = run_dir / "trained_content.txt"
     lines = path.read_text().splitlines() if path.exists() else []
-    if len(lines) < count:
-        raise RuntimeError(f"{path} holds {len(lines)} content hashes, the checkpoint counts {count}")
-    if len(lines) > count:
-        path.write_text("".join(h + "\n" for h in lines[:count]))
+    _keep_first(path, count, len(lines), "content hashes", lambda: "".join(h + "\n" for h in lines[:count]).encode())
     return set(lines[:count])
+
+
+def append_trained_completions(run_dir: Path, keys: list[int]) -> None:
+    _append_synced(run_dir / "trained_completions.bin", np.asarray(keys, dtype="<u8").tobytes())
+
+
+def load_trained_completions(run_dir: Path, count: int) -> set[int]:
+    """The checkpoint's `count` completion keys (echo/referee.py completion_keys); what a crash
+    left after them is cut off."""
+    path = run_dir / "trained_completions.bin"
+    data = path.read_bytes() if path.exists() else b""
+    _keep_first(path, count, len(data) // 8, "completion keys", lambda: data[: 8 * count])
+    return set(np.frombuffer(data, dtype="<u8", count=count).tolist())
+
+
+def _append_synced(path: Path, data: bytes) -> None:
+    with open(path, "ab") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _keep_first(path: Path, count: int, held: int, what: str, first: Callable[[], bytes]) -> None:
+    # An append-only log the checkpoint counts: appended and synced before each checkpoint, so it
+    # holds at least the checkpoint's records, and a crash may have left more.
+    if held < count:
+        raise RuntimeError(f"{path} holds {held} {what}, the checkpoint counts {count}")
+    if held > count or (path.exists() and path.stat().st_size != len(first())):
+        path.write_bytes(first())

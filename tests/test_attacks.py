@@ -17,7 +17,7 @@ from nats.js.errors import KeyNotFoundError
 from rich.console import Console
 
 from echo.admission import GrantLedger
-from echo.checkpoint import TrainerState
+from echo.checkpoint import TrainerState, load_trained_completions, remember_trained
 from echo.protocol import (BODY_PART_MAX, BUDGET_KEY, CONFIG_KEY, HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE, HDR_MSG_ID,
                            LEARNER_KEY,
                            QUARANTINE_KEY, ROLLOUT_MESSAGE_MAX, SCHEDULE_KEY, SLOTS_KEY, TRAINER_KEY, GrantRequest,
@@ -39,7 +39,7 @@ from tests.test_referee import REFEREE, TASK, _unlikely, honest_group
 from workers.cli import main
 from workers.coordinator import Coordinator
 from workers.dispatch import AsyncDispatch
-from workers.intake import Collector, Judge, Timeline
+from workers.intake import Collected, Collector, Judge, Timeline
 from workers.status import render, snapshot
 
 
@@ -279,11 +279,12 @@ async def test_a_sampler_cannot_make_consumers(secured, tmp_path):
         await trainer.close()
 
 
-async def test_a_group_resending_trained_completions_is_refused(secured):
+async def test_a_group_resending_trained_completions_is_refused(secured, tmp_path):
     """Earlier trained completions resent with one of them doubled (true log-probs, current
     version): the group's content hash is new, and 10 of 10 such groups were trained. A
     completion that is unlikely (as every sampled reasoning-length one is) may not appear twice
-    in a group, nor again for a prompt it was trained on; a likely short answer may."""
+    in a group, nor again for a prompt it was trained on, by this trainer or one resumed from its
+    checkpoint; a likely short answer may."""
     server, secure = secured
     trainer = await open_run(server.url, "sec", "trainer", credentials=secure.credentials("trainer"))
     attacker = await open_run(server.url, "sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
@@ -294,7 +295,10 @@ async def test_a_group_resending_trained_completions_is_refused(secured):
         collector = Collector(await RolloutInbox.open(trainer), Judge(REFEREE, Timeline(max_staleness=1)))
         await publish_rollout(attacker, first)
         async with asyncio.timeout(30):
-            collector.trained(await collector.collect(1, version=5))  # trained, and checkpointed
+            step = await collector.collect(1, version=5)
+        collector.trained(step)  # trained, and checkpointed
+        state = TrainerState()
+        remember_trained(tmp_path, state, [a.content for a in step.used], [a.group for a in step.used])
 
         doubled = first.replaced(group_id="doubled", completions=[first.completions[0]] * 2)
         swapped = first.replaced(group_id="swapped", completions=[first.completions[0], honest_group().completions[1]])
@@ -305,6 +309,12 @@ async def test_a_group_resending_trained_completions_is_refused(secured):
             collected = await collector.collect(1, version=5)
         assert [a.group.group_id for a in collected.used] == ["likely"]
         assert collected.rejected == {"repeated_completion": 2}, collected.rejected
+        # A trainer resumed from the checkpoint remembers them too.
+        resumed = Judge(REFEREE, Timeline(max_staleness=1),
+                        trained_completions=load_trained_completions(tmp_path, state.trained_completions))
+        again = Collected()
+        assert resumed._judge(swapped.replaced(group_id="again"), "s1", 5, again) is None
+        assert again.rejected == {"repeated_completion": 1}
     finally:
         await attacker.close()
         await trainer.close()

@@ -10,7 +10,8 @@ import orjson
 import pytest
 import torch
 
-from echo.checkpoint import TrainerState, append_trained_content, load_checkpoint, load_trained_content, save_checkpoint
+from echo.checkpoint import (TrainerState, append_trained_completions, append_trained_content, load_checkpoint,
+                             load_trained_completions, load_trained_content, save_checkpoint)
 from echo.config import LoraConfig
 from echo.models import load_model
 from echo.policy import make_policy
@@ -74,6 +75,18 @@ def test_trained_content_keeps_the_checkpoints_hashes_and_cuts_what_a_crash_left
     assert load_trained_content(tmp_path / "fresh", 0) == set()
     with pytest.raises(RuntimeError, match="holds 2 content hashes, the checkpoint counts 3"):
         load_trained_content(tmp_path, 3)
+
+
+def test_trained_completions_keep_the_checkpoints_keys_and_cut_what_a_crash_left_after_them(tmp_path):
+    append_trained_completions(tmp_path, [1, 2**64 - 1])
+    append_trained_completions(tmp_path, [7])  # appended, then the crash: the checkpoint still counts 2
+    with open(tmp_path / "trained_completions.bin", "ab") as f:
+        f.write(b"\x01\x02\x03")  # and a key cut short
+    assert load_trained_completions(tmp_path, 2) == {1, 2**64 - 1}
+    assert (tmp_path / "trained_completions.bin").stat().st_size == 16
+    assert load_trained_completions(tmp_path / "fresh", 0) == set()
+    with pytest.raises(RuntimeError, match="holds 2 completion keys, the checkpoint counts 3"):
+        load_trained_completions(tmp_path, 3)
 
 
 def rank_pid(torchrun_pid: int, rank: int) -> int:

@@ -64,11 +64,11 @@ class Timeline:
 class Judge:
     """Whether a group may be trained on, counting in a step's Collected what happened to it."""
 
-    def __init__(self, referee: Referee, timeline: Timeline, trained_content=frozenset(),
+    def __init__(self, referee: Referee, timeline: Timeline, trained_content=frozenset(), trained_completions=frozenset(),
                  proof: SamplingProof | None = None, check=None, quarantine: Quarantined | None = None):
         self.referee, self.timeline = referee, timeline
         self.trained_content = set(trained_content)  # content hashes: the same groups under new ids are replays
-        self.trained_completions: set[int] = set()  # completion_keys of the groups this process trained
+        self.trained_completions = set(trained_completions)  # completion_keys of the groups trained
         self.proof, self.quarantine = proof, quarantine
         self.check = check or (proof.check if proof else None)  # the proof's forward (on every rank)
         self.limits = referee.limits  # what a message may hold, checked before it is read

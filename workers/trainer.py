@@ -25,7 +25,7 @@ import time
 import structlog
 
 from echo.admission import GrantLedger
-from echo.checkpoint import append_trained_content, load_trained_content
+from echo.checkpoint import load_trained_completions, load_trained_content, remember_trained
 from echo.config import EchoConfig
 from echo.consumed import ConsumedSeqs
 from echo.logs import bind_process
@@ -88,7 +88,8 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
     await quarantine.start(background)
     referee = Referee(load_task(cfg.task), model.tokenizer, model.vocab_size, cfg.sampling)
     judge = Judge(referee, Timeline(cfg.staleness_bound, run.epoch, state.version, cfg.begun_within),
-                  load_trained_content(run_dir, state.trained_content), model.proof, model.check, quarantine)
+                  load_trained_content(run_dir, state.trained_content),
+                  load_trained_completions(run_dir, state.trained_completions), model.proof, model.check, quarantine)
     collector = Collector(inbox, judge, ledger, consumed)
     background.start(inbox.keep_alive(cfg.trainer.ack_wait_s / 3))
     dispatch = dispatch_for(run, cfg, state, ledger, quarantine)
@@ -118,8 +119,7 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
             collector.trained(collected)
             state.consumed = collector.consumed.as_dict()
             state.totals = count_consumed(state.totals, collected)
-            append_trained_content(run_dir, [a.content for a in collected.used])
-            state.trained_content += len(collected.used)
+            remember_trained(run_dir, state, [a.content for a in collected.used], [a.group for a in collected.used])
             state.record = step_record(step, state.version, stats, collected, clock, dict(model.proof.counts),
                                        sorted(quarantine.samplers))
             lease.check()  # a trainer fenced out by another must not checkpoint or publish over it
