@@ -147,6 +147,12 @@ class Sampler:
     async def run_sequential(self) -> None:
         names = self.run.names
         requests = await LatestValue(self.run.js, names.control_stream, names.pull_subject, PullRequest, self._bad_request).start()
+        try:
+            await self._follow_requests(requests)
+        finally:
+            await requests.stop()
+
+    async def _follow_requests(self, requests: LatestValue[PullRequest]) -> None:
         seq = 0
         while True:
             seq, request = await requests.wait_newer(seq)

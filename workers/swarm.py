@@ -173,7 +173,8 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
         log.info("swarm.interrupted", signal="SIGTERM" if terminated else "SIGINT")
         code = 143 if terminated else 130
     finally:
-        stop_processes([trainer, *samplers, *relays])
+        stop_processes([trainer, *samplers])
+        stop_processes(relays)  # after their samplers: a sampler's last heartbeat goes through its relay
         server.stop()
     if code == 0:
         summary = summarize(run_dir)
