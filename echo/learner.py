@@ -104,10 +104,12 @@ def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]],
 
     A partial rollout's tokens sampled with a version older than `oldest_version` (the
     staleness bound) are left out of the loss: the bound holds for every token trained, while
-    the newer rest of a long completion is not thrown away with them."""
+    the newer rest of a long completion is not thrown away with them. So are a multi-turn
+    episode's observations (the environment's tokens): the loss, importance weights and KL are
+    over the model's tokens only; the advantage is the episode's, over its group."""
     tcfg = cfg.trainer
     device = model_device(policy)
-    total_tokens = sum(max(0, len(c.token_ids) - g.sampled_from(oldest_version)) for g, _ in batch for c in g.completions)
+    total_tokens = sum(int(c.model_mask()[g.sampled_from(oldest_version):].sum()) for g, _ in batch for c in g.completions)
     passes = rank_passes(step_passes(batch, tcfg.micro_batch_tokens, shares_passes(tcfg.pack_groups, device)), rank, world)
     started = time.perf_counter()
     policy.train()
@@ -183,9 +185,11 @@ def _pass(policy, cfg: EchoConfig, pad_id: int, device, compute_dtype,
     advantages = torch.cat([group_advantages(torch.tensor(rewards, device=device))[rows] for _, rewards, rows in segments])
     logprobs, mask, entropy, ref_logprobs = _forward(policy, cfg, pad_id, device, compute_dtype, prompts,
                                                      [c.token_ids for c in claimed], owners)
-    behaviour = torch.zeros(logprobs.shape)
+    behaviour, sampled = torch.zeros(logprobs.shape), torch.zeros(mask.shape, dtype=torch.bool)
     for i, completion in enumerate(claimed):
         behaviour[i, : len(completion.logprobs)] = torch.tensor(completion.logprobs)
+        sampled[i, : len(completion.token_ids)] = torch.from_numpy(completion.model_mask())
+    mask = mask & sampled.to(mask.device)  # an episode's observations are the environment's: never trained
     stale = [group.sampled_from(oldest_version) for group, _, rows in segments for _ in rows]
     if any(stale):
         mask = mask & (torch.arange(mask.shape[1], device=mask.device) >= torch.tensor(stale, device=mask.device)[:, None])

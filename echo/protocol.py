@@ -20,7 +20,7 @@ import orjson
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, ValidationInfo,
                       model_validator)
 
-SCHEMA_VERSION = 11  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
+SCHEMA_VERSION = 12  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
 # 4: the trainer grants work (GrantRequest/Grant), samplers no longer take it from KV;
 # 5: grants are numbered slots ("leases" on the wire): a grant names them, a group carries the
 # one it fills and its epoch;
@@ -29,7 +29,8 @@ SCHEMA_VERSION = 11  # 2: a weights announcement lists shards; 3: and names the 
 # token ids and log-probs travel as fixed-width binary arrays after its fields (encode_rollout);
 # 9: a pull request names the trainer's epoch (a resumed trainer asks for an older version);
 # 10: a completion sampled across weight updates names where each newer version took over;
-# 11: a group's body parts share their sampler's one bodies subject, its message names their sequences
+# 11: a group's body parts share their sampler's one bodies subject, its message names their sequences;
+# 12: a completion may be a multi-turn episode: it names where the environment's tokens lie
 
 # Run and sampler ids become subject tokens and stream names: keep them to safe characters.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -202,7 +203,7 @@ class _Message(BaseModel):
     # A field's alias is its name on the wire, where that differs from its name here: code
     # builds messages by name, decoding accepts the wire's names only (_validate).
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_by_name=True, serialize_by_alias=True)
-    schema_version: Literal[11] = SCHEMA_VERSION
+    schema_version: Literal[12] = SCHEMA_VERSION
 
 
 # The validation context of a decoded message, whose arrays _decode_group checked whole (per
@@ -270,13 +271,26 @@ class VersionChange(BaseModel):
     version: int = Field(ge=0)
 
 
+class Observation(BaseModel):
+    """Where, in a multi-turn episode's tokens, the environment answered: `tokens` tokens from
+    `at` on are its observation (rendered by echo/environments.py), not sampled by the model."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    at: int = Field(ge=1)
+    tokens: int = Field(ge=1)
+
+
 class Completion(_HoldsArrays, BaseModel):
+    """One completion, or one multi-turn episode: the model's turns and, between them, the
+    environment's observations (`observations`; their log-probs are 0 and mean nothing)."""
+
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, arbitrary_types_allowed=True)
     token_ids: TokenIds
     logprobs: LogProbs  # behaviour log-prob of each token, under the version that sampled it
     text: str
     reward: float
     finish_reason: Literal["stop", "length"]
+    observations: list[Observation] = []
 
     @model_validator(mode="after")
     def _aligned(self, info: ValidationInfo):
@@ -289,7 +303,25 @@ class Completion(_HoldsArrays, BaseModel):
                 raise ValueError("logprobs must be finite and <= 0")
         if not math.isfinite(self.reward):
             raise ValueError("reward must be finite")
+        # Model turns and observations alternate, the model's first and last: each observation
+        # begins after a model token and is followed by one.
+        ends = [0, *(o.at + o.tokens for o in self.observations)]
+        if any(o.at <= end for o, end in zip(self.observations, ends)) or ends[-1] >= len(self.token_ids):
+            raise ValueError("observations: each after a model turn and before the next, in order")
         return self
+
+    def model_turns(self) -> list[tuple[int, int]]:
+        """The (start, end) of each of the model's turns in token_ids."""
+        starts = [0, *(o.at + o.tokens for o in self.observations)]
+        ends = [*(o.at for o in self.observations), len(self.token_ids)]
+        return list(zip(starts, ends))
+
+    def model_mask(self) -> np.ndarray:
+        """True at the tokens the model sampled: the only ones trained, weighted and checked."""
+        mask = np.ones(len(self.token_ids), dtype=bool)
+        for o in self.observations:
+            mask[o.at : o.at + o.tokens] = False
+        return mask
 
 
 class RolloutGroup(_HoldsArrays, _Message):

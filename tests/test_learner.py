@@ -96,3 +96,32 @@ def test_a_partial_rollouts_tokens_older_than_the_bound_are_not_trained(tmp_path
     whole = train_step(policy, make_optimizer(policy, cfg), [(spanning, [1.0, 0.0])], cfg, tokenizer.pad_token_id,
                        oldest_version=2)
     assert whole["tokens"] == sum(len(c.token_ids) for c in spanning.completions)
+
+
+def test_an_episodes_observations_are_not_trained(tmp_path):
+    """A multi-turn episode: the model's turns around the environment's observation. Its
+    observation tokens are left out of the loss and of the importance weights (other log-probs
+    claimed for them change nothing), the step counts the model's tokens only; the same tokens
+    all taken as the model's train otherwise."""
+    texts = ["\\boxed{5} and so on, then more", "no idea at all, sorry"]
+    plain = honest_group(11, texts=texts)
+    first = plain.completions[0]
+    observation = {"at": 4, "tokens": 6}
+    episode = plain.replaced(completions=[
+        first.replaced(observations=[observation], logprobs=[*first.logprobs[:4], *[0.0] * 6, *first.logprobs[10:]]),
+        plain.completions[1]])
+    other_claims = episode.replaced(completions=[
+        episode.completions[0].replaced(logprobs=[*first.logprobs[:4], *[-7.0] * 6, *first.logprobs[10:]]),
+        plain.completions[1]])
+    base, tokenizer = load_model("tiny")
+    start = make_policy(base, tiny_config(tmp_path).lora)
+    cfg = tiny_config(tmp_path, trainer={"kl_coef": 0.1})
+    results = []
+    for group in (episode, other_claims, plain):
+        policy = copy.deepcopy(start)
+        stats = train_step(policy, make_optimizer(policy, cfg), [(group, [1.0, 0.0])], cfg, tokenizer.pad_token_id)
+        results.append(([p.detach() for p in policy.parameters() if p.requires_grad], stats))
+    (trained, stats), (claimed_otherwise, _), (unmasked, plain_stats) = results
+    assert stats["tokens"] == sum(len(c.token_ids) for c in plain.completions) - 6 == plain_stats["tokens"] - 6
+    assert all(torch.equal(a, b) for a, b in zip(trained, claimed_otherwise))
+    assert not all(torch.allclose(a, b) for a, b in zip(trained, unmasked))

@@ -201,3 +201,44 @@ def test_version_changes_out_of_order_are_refused(changes):
     with pytest.raises(ProtocolError) as refused:
         decode_rollout(pack_rollout(raw), rollout_headers(make_group(3)), RunNames("r").rollouts_subject("s1"))
     assert refused.value.reason == "bad_schema" and "version_changes" in str(refused.value)
+
+
+def _episode(observations: list[dict], length: int = 10) -> dict:
+    """A group whose first completion is a multi-turn episode: `length` tokens, the environment's
+    where `observations` say."""
+    raw = make_group().model_dump()
+    logprobs = [-0.5] * length
+    for o in observations:
+        span = slice(o["at"], o["at"] + o["tokens"])
+        logprobs[span] = [0.0] * len(logprobs[span])
+    raw["completions"][0] |= {"token_ids": list(range(4, 4 + length)), "logprobs": logprobs,
+                              "observations": observations, "finish_reason": "length"}
+    return raw
+
+
+def test_a_multi_turn_episode_travels_exactly_with_its_observations_as_turn_boundaries():
+    raw = _episode([{"at": 2, "tokens": 3}, {"at": 7, "tokens": 1}])
+    group = RolloutGroup.model_validate(raw)
+    data = encode_rollout(group)
+    decoded = decode_rollout(data, rollout_headers(group), RunNames("r").rollouts_subject("s1"))
+    assert decoded == group and np.array_equal(decoded.completions[0].token_ids, np.arange(4, 14))
+    assert b'"observations":[{"at":2,"tokens":3},{"at":7,"tokens":1}]' in data  # compact: boundaries
+    episode = decoded.completions[0]
+    assert episode.model_turns() == [(0, 2), (5, 7), (8, 10)]
+    assert episode.model_mask().tolist() == [True, True, False, False, False, True, True, False, True, True]
+    assert decoded.completions[1].model_turns() == [(0, 2)] and decoded.completions[1].model_mask().all()
+
+
+@pytest.mark.parametrize("observations", [
+    [{"at": 0, "tokens": 2}],  # before the model's first turn
+    [{"at": 2, "tokens": 3}, {"at": 5, "tokens": 1}],  # no model turn between the two
+    [{"at": 6, "tokens": 2}, {"at": 2, "tokens": 2}],  # out of order
+    [{"at": 7, "tokens": 3}],  # the episode ends with an observation: the model has the last turn
+    [{"at": 8, "tokens": 5}],  # past the last token
+    [{"at": 2, "tokens": 0}],  # empty
+])
+def test_observations_out_of_place_are_refused(observations):
+    with pytest.raises(ProtocolError) as refused:
+        decode_rollout(pack_rollout(_episode(observations)), rollout_headers(make_group()),
+                       RunNames("r").rollouts_subject("s1"))
+    assert refused.value.reason == "bad_schema" and "observations" in str(refused.value)

@@ -27,6 +27,7 @@ BUILTIN = {
     "math": "echo.tasks.math:Math",
     "knights_knaves": "echo.tasks.knights_knaves:KnightsKnaves",
     "sokoban": "echo.tasks.sokoban:Sokoban",
+    "sokoban_game": "echo.tasks.sokoban:SokobanGame",  # multi-turn (echo/environments.py)
 }
 
 

@@ -13,6 +13,7 @@ from collections import deque
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from echo.config import ConfigError
+from echo.environments import Step
 from echo.tasks import GeneratedTask, Prompt, Score, parse_params
 
 MOVES = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
@@ -153,9 +154,8 @@ class Sokoban(GeneratedTask):
         return [{"role": "user", "content": question}], room.render()
 
     def score(self, completion: str, prompt: Prompt) -> Score:
-        found = re.findall(r"<answer>(.*?)</answer>", completion, re.DOTALL)
-        moves = re.sub(r"[\s,]", "", found[-1]).upper() if found else ""
-        if not moves or set(moves) - set(MOVES):
+        moves = _moves(completion)
+        if not moves:
             return Score(0.0, format_ok=False, correct=False)
         room = Room.parse(prompt.answer)
         on_goal = len(room.play(moves) & room.goals)
@@ -163,3 +163,64 @@ class Sokoban(GeneratedTask):
             return Score(1.0, format_ok=True, correct=True)
         reward = max(self.p.format_reward, self.p.partial_credit * on_goal / len(room.goals))
         return Score(reward, format_ok=True, correct=False)
+
+
+class GameParams(SokobanParams):
+    max_turns: int = Field(8, ge=1, le=64)  # model turns an episode may take
+
+
+GAME_RULES = ("Push every box onto a goal. You can push a box but not pull it.\n"
+              "# wall, _ floor, O goal, X box, V box on goal, P you, S you on a goal. "
+              "U moves up, D down, L left, R right.")
+
+
+class SokobanGame(Sokoban):
+    """Sokoban played a few moves a turn (an environment, echo/environments.py): the model
+    answers with its next moves, and sees the board they lead to, until every box is on a goal
+    or its turns run out. The reward: 1 when it solves the room; a well-formed turn that does
+    not earns format_reward / max_turns (a turn's moves that are not well-formed end the episode)."""
+
+    name = "sokoban_game"
+
+    def __init__(self, params: dict):
+        self.p = parse_params(GameParams, params)
+        self.max_turns = self.p.max_turns
+        make_room(random.Random(0), self.p)
+
+    def generate(self, rng: random.Random) -> tuple[list[dict], str]:
+        room, _ = make_room(rng, self.p)
+        question = (f"Let's play Sokoban. {GAME_RULES}\n\n{room.render()}\n\n"
+                    "Answer with your next move or few inside <answer></answer>, like <answer>R U</answer>; "
+                    "you will see the board after them.")
+        return [{"role": "user", "content": question}], room.render()
+
+    def episode(self, prompt: Prompt) -> "Game":
+        return Game(Room.parse(prompt.answer), self.p)
+
+
+class Game:
+    """One episode of SokobanGame: the room as the moves so far left it."""
+
+    def __init__(self, room: Room, p: GameParams):
+        self.room, self.p = room, p
+        self.player, self.boxes, self.earned = room.player, room.boxes, 0.0
+
+    def step(self, action: str) -> Step:
+        moves = _moves(action)
+        if not moves:
+            return Step([], 0.0, done=True)
+        for move in moves:
+            self.player, self.boxes = self.room.step(self.player, self.boxes, move)
+        if self.boxes == self.room.goals:
+            return Step([], 1.0 - self.earned, done=True)
+        reward = self.p.format_reward / self.p.max_turns
+        self.earned += reward
+        board = Room(self.room.walls, self.room.goals, self.boxes, self.player, self.room.shape).render()
+        return Step([{"role": "user", "content": f"{board}\n\nYour next moves?"}], reward, done=False)
+
+
+def _moves(text: str) -> str:
+    """The moves in the last <answer></answer> of `text` ("" when there is none or one is not a move)."""
+    found = re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL)
+    moves = re.sub(r"[\s,]", "", found[-1]).upper() if found else ""
+    return "" if set(moves) - set(MOVES) else moves
