@@ -174,14 +174,15 @@ async def trainer_role(cfg: EchoConfig, seconds_per_token: float, peak_file: Pat
         peak_file.write_text(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
 
 
-async def samplers_role(cfg: EchoConfig, count: int, tokens_per_s: float, median_tokens: int, trainer,
-                        urls: list[str]) -> list:
-    """`count` samplers, each on the next of `urls` (the hub, or the sites' relays) in turn."""
+async def samplers_role(cfg: EchoConfig, speeds: list[float], median_tokens: int, trainer, urls: list[str]) -> list:
+    """A sampler decoding at each of `speeds` (tokens/s a row), each on the next of `urls` (the
+    hub, or the sites' relays) in turn."""
+    count = len(speeds)
     # Each sampler's generation sleeps in a thread: enough threads that none waits for another.
     asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(count + 8))
     task = load_task(cfg.task)
     runs = [await open_run(urls[i % len(urls)], cfg.run.id, f"sampler-s{i}", create=False) for i in range(count)]
-    samplers = [Sampler(cfg, f"s{i}", run, SyntheticEngine(cfg, tokens_per_s, median_tokens, seed=i), task)
+    samplers = [Sampler(cfg, f"s{i}", run, SyntheticEngine(cfg, speeds[i], median_tokens, seed=i), task)
                 for i, run in enumerate(runs)]
     serving = [asyncio.create_task(s.serve()) for s in samplers]
     while trainer.poll() is None:
@@ -246,8 +247,7 @@ def run_shape(args, chunk_tokens: int, max_staleness: int) -> dict:
         async def main():
             watching = asyncio.create_task(watch_broker())
             try:
-                return await samplers_role(cfg, args.samplers, args.tokens_per_s, args.median_tokens, trainer,
-                                           urls or [server.url])
+                return await samplers_role(cfg, speeds(args), args.median_tokens, trainer, urls or [server.url])
             finally:
                 watching.cancel()
 
@@ -264,6 +264,13 @@ def run_shape(args, chunk_tokens: int, max_staleness: int) -> dict:
                       time.perf_counter() - started)
 
 
+def speeds(args) -> list[float]:
+    """Each sampler's decoding speed: a heterogeneous fleet has `slow_share` of its samplers
+    `slow_factor` times slower (a gaming GPU beside datacenter ones), whose calls outlast steps."""
+    slow = round(args.slow_share * args.samplers)
+    return [args.tokens_per_s / (args.slow_factor if i < slow else 1.0) for i in range(args.samplers)]
+
+
 def report(metrics: list[dict], syncs: list[float], args, chunk_tokens: int, max_staleness: int, trainer_peak: int,
            broker_peak: int, seconds: float) -> dict:
     later = metrics[1:] or metrics  # the first step waits for every sampler's first call
@@ -275,7 +282,7 @@ def report(metrics: list[dict], syncs: list[float], args, chunk_tokens: int, max
     return {
         "samplers": args.samplers, "relays": args.relays, "wan": args.wan, "groups_per_step": args.groups, "group_size": args.group_size,
         "max_new_tokens": args.max_tokens, "median_tokens": args.median_tokens, "tokens_per_s": args.tokens_per_s,
-        "chunk_tokens": chunk_tokens,
+        "slow_share": args.slow_share, "slow_factor": args.slow_factor, "chunk_tokens": chunk_tokens,
         "max_staleness": max_staleness, "steps": len(metrics), "seconds": round(seconds, 1),
         "tokens_per_step": round(trained / len(metrics)),
         "learner_seconds_per_step": round(learner / len(later), 2),
@@ -303,6 +310,8 @@ def main() -> None:
     p.add_argument("--median-tokens", type=int, default=4096)
     p.add_argument("--prompts-per-call", type=int, default=2)
     p.add_argument("--tokens-per-s", type=float, default=2000.0, help="a sampler's decoding speed, each row of its batch")
+    p.add_argument("--slow-share", type=float, default=0.0, help="the share of samplers that decode slower")
+    p.add_argument("--slow-factor", type=float, default=1.0, help="how many times slower they decode")
     p.add_argument("--learner-us-per-token", type=float, default=1.0)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--staleness", type=int, nargs="+", default=[1])
@@ -329,8 +338,8 @@ def main() -> None:
 
 def _shape(result: dict) -> tuple:
     return tuple(str(result.get(k)) for k in ("samplers", "relays", "wan", "groups_per_step", "group_size",
-                                              "max_new_tokens", "median_tokens", "tokens_per_s", "chunk_tokens",
-                                              "max_staleness"))
+                                              "max_new_tokens", "median_tokens", "tokens_per_s", "slow_share",
+                                              "slow_factor", "chunk_tokens", "max_staleness"))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 def test_the_load_bench_runs_a_shape_with_partial_rollouts_behind_a_relay(tmp_path):
     subprocess.run([sys.executable, "-m", "bench.load", "--samplers", "3", "--relays", "1", "--groups", "4", "--group-size", "4",
                     "--max-tokens", "256", "--median-tokens", "64", "--steps", "3", "--chunks", "32",
-                    "--tokens-per-s", "4000"], check=True, capture_output=True,
+                    "--tokens-per-s", "4000", "--slow-share", "0.34", "--slow-factor", "4"], check=True, capture_output=True,
                    env={**os.environ, "BENCH_RESULTS": str(tmp_path)}, timeout=300)
     (shape,) = orjson.loads((tmp_path / "load.json").read_bytes())["shapes"]
     assert (shape["samplers"], shape["relays"], shape["chunk_tokens"], shape["steps"]) == (3, 1, 32, 3)
