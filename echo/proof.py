@@ -25,16 +25,18 @@ from torch.distributed.fsdp import FSDPModule
 
 from echo.devices import autocast, model_device
 from echo.policy import group_logprobs, spanning_logprobs
-from echo.protocol import RolloutGroup
+from echo.protocol import Completion, RolloutGroup
 
 
-def logprob_gap(claimed: list, recomputed: torch.Tensor) -> float:
-    """The largest absolute difference between a claimed and a recomputed token log-prob
-    (`recomputed` is [G, C], right-padded; each row is read up to its claimed length)."""
+def logprob_gap(claimed: list[Completion], recomputed: torch.Tensor) -> float:
+    """The largest absolute difference between a claimed and a recomputed log-prob of a token the
+    model sampled (`recomputed` is [G, C], right-padded; each row is read up to its completion's
+    length; an episode's observations are the environment's, with no log-prob to check)."""
     gap = 0.0
-    for row, logprobs in enumerate(claimed):
-        diff = (recomputed[row, : len(logprobs)] - torch.tensor(logprobs, dtype=recomputed.dtype)).abs()
-        gap = max(gap, float(diff.max()))
+    for row, completion in enumerate(claimed):
+        sampled = torch.from_numpy(completion.model_mask())
+        diff = (recomputed[row, : len(completion.logprobs)] - torch.tensor(completion.logprobs, dtype=recomputed.dtype))
+        gap = max(gap, float(diff.abs()[sampled].max()))
     return gap
 
 
@@ -112,7 +114,7 @@ class SamplingProof:
         finally:
             if swapped:
                 _copy_into(self.policy, self.live)
-        gap = logprob_gap([c.logprobs for c in group.completions], recomputed.float().cpu())
+        gap = logprob_gap(group.completions, recomputed.float().cpu())
         if self.forged(group, gap):
             self.counts["forged"] += 1
             self.suspects.add(group.sampler_id)

@@ -12,7 +12,7 @@ from echo.engines.hf import HFEngine
 from echo.admission import GrantLedger
 from echo.policy import group_logprobs, load_weights, policy_tensors, weights_shards
 from echo.proof import SamplingProof, logprob_gap
-from echo.protocol import GrantRequest
+from echo.protocol import Completion, GrantRequest, Observation
 from streams.lease import take_lease
 from streams.quarantine import read_quarantine
 from streams.registry import read_statuses
@@ -52,9 +52,17 @@ def test_which_groups_are_checked_cannot_be_told_from_the_run_config():
     assert [first.wants(group) for _ in range(128)] != [second.wants(group) for _ in range(128)]
 
 
-def test_the_gap_is_the_largest_token_difference():
-    recomputed = torch.tensor([[-0.5, -1.0, 0.0], [-2.0, -0.1, -0.3]])
-    assert logprob_gap([[-0.5, -1.0], [-2.0, -0.4, -0.3]], recomputed) == pytest.approx(0.3)
+def _claimed(logprobs: list[float], observations=()) -> Completion:
+    return Completion(token_ids=[5] * len(logprobs), logprobs=logprobs, text="", reward=0.0, finish_reason="length",
+                      observations=list(observations))
+
+
+def test_the_gap_is_the_largest_difference_of_a_token_the_model_sampled():
+    recomputed = torch.tensor([[-0.5, -1.0, 0.0, 0.0], [-2.0, -0.1, -0.3, -0.2]])
+    assert logprob_gap([_claimed([-0.5, -1.0]), _claimed([-2.0, -0.4, -0.3])], recomputed) == pytest.approx(0.3)
+    # An episode's observation (the environment's tokens, claimed 0) is not the model's to check.
+    episode = _claimed([-2.0, 0.0, -0.3, -0.2], observations=[Observation(at=1, tokens=1)])
+    assert logprob_gap([_claimed([-0.5, -1.0]), episode], recomputed) == pytest.approx(0.0)
 
 
 def test_honest_log_probs_pass_under_the_claimed_version_and_forged_ones_fail():
