@@ -49,10 +49,15 @@ class Environment(Protocol):
     def episode(self, prompt: Prompt) -> Episode: ...
 
 
+def plays_episodes(task) -> bool:
+    """Whether the config's task is an environment of its own (multi-turn), not a plain task."""
+    return hasattr(task, "episode")
+
+
 def load_environment(cfg: TaskConfig) -> Environment:
     """The config's task as an environment: one that plays episodes itself, or a task's one turn."""
     task = load_task(cfg)
-    return task if hasattr(task, "episode") else SingleTurn(task)
+    return task if plays_episodes(task) else SingleTurn(task)
 
 
 class SingleTurn:
@@ -103,6 +108,11 @@ def action_text(tokenizer, completion: Completion, turn: int) -> str:
     return tokenizer.decode(completion.token_ids[start:end].tolist(), skip_special_tokens=True)
 
 
+def no_room(tokens: int, observation: list[int], max_tokens: int) -> bool:
+    """Whether an episode of `tokens` so far has no room for `observation` and a model turn after it."""
+    return tokens + len(observation) >= max_tokens
+
+
 class Replayed(NamedTuple):
     reward: float  # the episode's, as the environment gives it for the sampler's actions
     reason: str | None  # why the episode is refused, or None
@@ -116,11 +126,14 @@ def replay(env: Environment, tokenizer, prompt: Prompt, completion: Completion, 
     if len(turns) > env.max_turns:
         return Replayed(reward, "too_many_turns")
     for turn, observation in enumerate([*completion.observations, None]):
-        step = episode.step(action_text(tokenizer, completion, turn))
+        try:
+            step = episode.step(action_text(tokenizer, completion, turn))
+        except Exception:  # a bug in an environment costs that group, not the run
+            return Replayed(reward, "environment_error")
         reward += step.reward
         if observation is None:  # the model's last turn: the episode must be over
             over = (step.done or len(turns) == env.max_turns or completion.finish_reason == "length"
-                    or len(completion.token_ids) >= max_tokens)
+                    or no_room(len(completion.token_ids), observation_tokens(tokenizer, step.observation), max_tokens))
             return Replayed(reward, None if over else "episode_cut_short")
         if step.done:
             return Replayed(reward, "episode_went_on")
@@ -169,7 +182,7 @@ class EpisodeBuilder:
             self.done = True
             return
         observation = observation_tokens(self.tokenizer, step.observation)
-        if len(self.ids) + len(observation) >= self.max_tokens:  # no room left for a turn after it
+        if no_room(len(self.ids), observation, self.max_tokens):
             self.done = True
             return
         self.observations.append(Observation(at=len(self.ids), tokens=len(observation)))
@@ -181,3 +194,20 @@ class EpisodeBuilder:
             raise ValueError("an episode still being played has no completion yet")
         return Completion(token_ids=self.ids, logprobs=self.logprobs, text="\n\n".join(self.actions),
                           reward=self.reward, finish_reason=self.finish_reason, observations=self.observations)
+
+
+def play_episodes(engine, env: Environment, prompts: list[Prompt], prompt_ids: list[list[int]], n: int,
+                  max_tokens: int) -> list[list[Completion]]:
+    """`n` episodes from each prompt, played turn by turn: each round, every episode still going
+    takes its next model turn (all in one batch, each at most the tokens its budget has left),
+    and the environment answers. Returns each prompt's episodes as completions."""
+    episodes = [[EpisodeBuilder(env, engine.tokenizer, prompt, ids, max_tokens) for _ in range(n)]
+                for prompt, ids in zip(prompts, prompt_ids)]
+    going = [e for group in episodes for e in group]
+    while going:
+        turns = engine.generate([e.context for e in going], 1, max_tokens=max(e.room for e in going))
+        for episode, (generation,) in zip(going, turns):
+            keep = min(len(generation.token_ids), episode.room)  # a shorter budget than the batch's
+            episode.add_turn(generation.token_ids[:keep], generation.logprobs[:keep])
+        going = [e for e in going if not e.done]
+    return [[e.completion() for e in group] for group in episodes]

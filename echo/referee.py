@@ -1,6 +1,8 @@
 """The trainer's own judgement of a rollout group. Samplers are not trusted: a group must be
 well-formed, its prompt must be the task's prompt at its index, and its rewards are recomputed
-with the task's verifier from the completion tokens. Pure logic, no I/O."""
+with the task's verifier from the completion tokens (a multi-turn task's episodes are played
+again with the sampler's actions, every observation checked: echo/environments.py replay).
+Pure logic, no I/O."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from echo.config import SamplingConfig
+from echo.environments import plays_episodes, replay
 from echo.models import encode_chat
 from echo.protocol import RolloutGroup, RolloutLimits
 from echo.tasks import Task, safe_reward
@@ -28,6 +31,7 @@ class Judgement:
     rewards: list[float]  # the trainer's rewards, one per completion
     reward_mismatch: bool = False  # the sampler claimed other rewards
     verifier_errors: int = 0  # completions whose verifier raised (reward 0)
+    lie: bool = False  # rejected for claiming what the environment never said: a strike, as a forgery
 
 
 class Referee:
@@ -54,14 +58,19 @@ class Referee:
             return "token_out_of_vocab"
         eos = self.tokenizer.eos_token_id
         for c in group.completions:
-            # Generation stops at the end-of-sequence token: nothing may follow it, and a
-            # completion said to have stopped must end with it.
-            stops = np.flatnonzero(c.token_ids == eos)
-            ends = int(stops[0]) + 1 if stops.size else None
-            if ends is not None and ends != len(c.token_ids):
-                return "tokens_after_eos"
-            if (c.finish_reason == "stop") != (ends is not None):
-                return "bad_finish_reason"
+            # A model turn stops at the end-of-sequence token: nothing of that turn may follow it,
+            # every turn but the last ends with it (an episode goes on only after a finished
+            # turn), and the last ends with it exactly when the completion says it stopped.
+            turns = c.model_turns()
+            for turn, (start, end) in enumerate(turns):
+                stops = np.flatnonzero(c.token_ids[start:end] == eos)
+                if stops.size and stops[0] + 1 != end - start:
+                    return "tokens_after_eos"
+                last = turn == len(turns) - 1
+                if (not stops.size) and not last:
+                    return "turn_not_finished"
+                if last and (c.finish_reason == "stop") != bool(stops.size):
+                    return "bad_finish_reason"
         return None
 
     def score(self, group: RolloutGroup) -> Judgement:
@@ -69,6 +78,8 @@ class Referee:
         prompt = self.task.prompt(group.prompt_index)
         if not np.array_equal(encode_chat(self.tokenizer, prompt.messages), group.prompt_token_ids):
             return Judgement("prompt_mismatch", [])
+        if plays_episodes(self.task):
+            return self._replayed(group, prompt)
         rewards, errors = [], 0
         for completion in group.completions:
             text = self.tokenizer.decode(completion.token_ids.tolist(), skip_special_tokens=True)
@@ -77,6 +88,17 @@ class Referee:
             rewards.append(reward or 0.0)
         mismatch = any(abs(r - c.reward) > 1e-6 for r, c in zip(rewards, group.completions))
         return Judgement(None, rewards, mismatch, errors)
+
+    def _replayed(self, group: RolloutGroup, prompt) -> Judgement:
+        """A multi-turn task's group: each episode played again with the sampler's actions."""
+        rewards = []
+        for completion in group.completions:
+            replayed = replay(self.task, self.tokenizer, prompt, completion, self.sampling.max_new_tokens)
+            if replayed.reason:
+                return Judgement(replayed.reason, [], lie=replayed.reason != "environment_error")
+            rewards.append(replayed.reward)
+        mismatch = any(abs(r - c.reward) > 1e-6 for r, c in zip(rewards, group.completions))
+        return Judgement(None, rewards, mismatch)
 
 
 def completion_keys(group: RolloutGroup) -> list[int]:

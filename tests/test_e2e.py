@@ -131,6 +131,20 @@ def test_sequential_run_trains_only_on_its_current_version(tmp_path, relay):
     assert len(logs) == len(stderr.splitlines())  # every line is JSON
 
 
+@pytest.mark.parametrize("mode", ["async", "sequential"])
+def test_multi_turn_sokoban_trains_end_to_end(tmp_path, mode):
+    """Episodes of Sokoban played move by move (sokoban_game): the samplers play them turn by
+    turn, the trainer replays each with the sampler's moves and trains on the model's tokens;
+    nothing is refused, and some episodes went past their first turn."""
+    metrics, stream, _ = run_swarm(tmp_path, f"game-{mode}", 3, "task.name=sokoban_game", f"run.mode={mode}",
+                                   "sampling.max_new_tokens=256", "task.params.max_turns=3")
+    assert [m["version"] for m in metrics] == [1, 2, 3] and all(m["used"] == 4 for m in metrics)
+    assert not any(m["rejected"] for m in metrics)
+    episodes = [c for r in stream for c in r["group"]["completions"]]
+    assert any(c["observations"] for c in episodes)  # a model turn, the board, another turn
+    assert all(len(c["observations"]) < 3 for c in episodes)  # at most max_turns turns
+
+
 def test_a_secured_swarm_trains_over_tls_with_role_credentials(tmp_path):
     metrics, stream, stderr = run_swarm(tmp_path, "secured", 3, flags=["--secure"])
     assert [m["version"] for m in metrics] == [1, 2, 3] and all(m["used"] == 4 for m in metrics)

@@ -109,3 +109,10 @@ def test_a_single_turn_task_is_the_one_step_case():
     assert not episode.completion().observations
     assert replay(math, TOKENIZER, prompt, episode.completion(), 4096) == (1.0, None)
     assert isinstance(load_environment(TaskConfig(name="sokoban_game")), SokobanGame)
+
+
+def test_an_episode_with_no_room_for_the_next_board_is_over_for_the_trainer_too():
+    tight = play(GAME, 3, ["<answer>U</answer>"], max_tokens=60)
+    assert tight.done and not tight.completion().observations
+    assert replay(GAME, TOKENIZER, GAME.prompt(3), tight.completion(), 60).reason is None
+    assert replay(GAME, TOKENIZER, GAME.prompt(3), tight.completion(), 4096).reason == "episode_cut_short"

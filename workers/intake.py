@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import structlog
 
@@ -75,9 +76,13 @@ class Judge:
 
     async def admit(self, group: RolloutGroup, sender: str, version: int, out: Collected) -> Admitted | None:
         admitted = self._judge(group, sender, version, out)
+        if isinstance(admitted, Lie):  # an episode claiming what the environment never said
+            if self.quarantine:
+                await self.quarantine.strike(group.sampler_id, admitted.reason)
+            return None
         return None if admitted is None else await self._check_sampling(admitted, out)
 
-    def _judge(self, group: RolloutGroup, sender: str, version: int, out: Collected) -> Admitted | None:
+    def _judge(self, group: RolloutGroup, sender: str, version: int, out: Collected) -> Admitted | Lie | None:
         if self.quarantine and sender in self.quarantine:
             return reject(out, "quarantined", f"a group from {sender}")
         if any(a.group.group_id == group.group_id for a in out.used):
@@ -110,7 +115,8 @@ class Judge:
             return None
         judgement = self.referee.score(group)
         if judgement.reason:
-            return reject(out, judgement.reason, f"group {group.group_id} from {group.sampler_id}")
+            reject(out, judgement.reason, f"group {group.group_id} from {group.sampler_id}")
+            return Lie(judgement.reason) if judgement.lie else None
         if judgement.reward_mismatch:
             out.reward_mismatch[group.sampler_id] += 1
         out.verifier_errors += judgement.verifier_errors
@@ -183,6 +189,12 @@ class Collector:
         self.judge.trained_content.update(a.content for a in collected.used)
         for admitted in collected.used:
             self.judge.trained_completions.update(completion_keys(admitted.group))
+
+
+class Lie(NamedTuple):
+    """A group rejected for a lie that counts toward quarantine, as a forgery does."""
+
+    reason: str
 
 
 def reject(out: Collected, reason: str, detail: str) -> None:

@@ -29,13 +29,15 @@ class Engine(Protocol):
     name: str  # "hf" or "vllm", named in every group it samples
     device: torch.device
     dtype: torch.dtype  # the precision it samples in
+    tokenizer: object  # a transformers tokenizer: multi-turn episodes render observations with it
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of a chat prompt, ending with the assistant's turn opener."""
 
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
-                 between_chunks: BetweenChunks | None = None) -> list[list[Generation]]:
-        """n sampled completions for each prompt (greedy: the most likely one, for evaluation).
+                 between_chunks: BetweenChunks | None = None, max_tokens: int | None = None) -> list[list[Generation]]:
+        """n sampled completions for each prompt (greedy: the most likely one, for evaluation), of
+        at most `max_tokens` (None: sampling.max_new_tokens; an episode's turn takes what is left).
         An engine that generates in chunks calls `between_chunks` between them; one that does
         not (vLLM here) ignores it, and its completions carry no version changes."""
 

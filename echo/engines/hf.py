@@ -74,7 +74,7 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
-                 between_chunks: BetweenChunks | None = None) -> list[list[Generation]]:
+                 between_chunks: BetweenChunks | None = None, max_tokens: int | None = None) -> list[list[Generation]]:
         """With `between_chunks`, generation goes `chunk_tokens` at a time and calls it between
         chunks, where the sampler may swap in newer weights: the completions go on from the key/value
         cache as it is (the partial rollouts of PipelineRL), and each says where a version took over."""
@@ -83,14 +83,15 @@ class HFEngine:
         if greedy:  # evaluation: the log-probs are then those of the tempered distribution, unused
             config.do_sample = False
             config.temperature, config.top_k, config.top_p = None, None, None
-        chunk = self.chunk_tokens if between_chunks is not None and self.chunk_tokens else self.max_new_tokens
+        limit = self.max_new_tokens if max_tokens is None else max_tokens
+        chunk = self.chunk_tokens if between_chunks is not None and self.chunk_tokens else limit
         ids, mask = batch["input_ids"].repeat_interleave(n, 0), batch["attention_mask"].repeat_interleave(n, 0)
         rows = list(range(ids.shape[0]))  # the completions still being generated
         tokens, logprobs = [[] for _ in rows], [[] for _ in rows]
         changes: list[list[tuple[int, int]]] = [[] for _ in rows]
         produced, cache, eos = 0, None, self.tokenizer.eos_token_id
         while True:
-            config.max_new_tokens = min(chunk, self.max_new_tokens - produced)
+            config.max_new_tokens = min(chunk, limit - produced)
             sampled = SampledLogprobs(self.temperature)
             out = self.model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, generation_config=config,
                                       logits_processor=LogitsProcessorList([sampled]))
@@ -105,7 +106,7 @@ class HFEngine:
                 if eos not in ids_i:
                     going.append(i)
             produced += new_tokens.shape[1]
-            if not going or produced >= self.max_new_tokens:
+            if not going or produced >= limit:
                 break
             version = between_chunks()
             keep = torch.tensor(going, device=self.device)

@@ -178,7 +178,8 @@ class SokobanGame(Sokoban):
     """Sokoban played a few moves a turn (an environment, echo/environments.py): the model
     answers with its next moves, and sees the board they lead to, until every box is on a goal
     or its turns run out. The reward: 1 when it solves the room; a well-formed turn that does
-    not earns format_reward / max_turns (a turn's moves that are not well-formed end the episode)."""
+    not earns format_reward / max_turns; a turn with no well-formed moves is told so, and sees
+    the board again."""
 
     name = "sokoban_game"
 
@@ -207,16 +208,15 @@ class Game:
 
     def step(self, action: str) -> Step:
         moves = _moves(action)
-        if not moves:
-            return Step([], 0.0, done=True)
         for move in moves:
             self.player, self.boxes = self.room.step(self.player, self.boxes, move)
         if self.boxes == self.room.goals:
             return Step([], 1.0 - self.earned, done=True)
-        reward = self.p.format_reward / self.p.max_turns
+        reward = self.p.format_reward / self.p.max_turns if moves else 0.0
         self.earned += reward
         board = Room(self.room.walls, self.room.goals, self.boxes, self.player, self.room.shape).render()
-        return Step([{"role": "user", "content": f"{board}\n\nYour next moves?"}], reward, done=False)
+        said = "Your next moves?" if moves else "No moves found: answer like <answer>R U</answer>. Your next moves?"
+        return Step([{"role": "user", "content": f"{board}\n\n{said}"}], reward, done=False)
 
 
 def _moves(text: str) -> str:
