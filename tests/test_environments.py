@@ -1,6 +1,8 @@
 """Multi-turn episodes (echo/environments.py): built token-in token-out as a sampler builds them,
 replayed by the trainer, and refused when a sampler lies about what the environment said."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -116,3 +118,16 @@ def test_an_episode_with_no_room_for_the_next_board_is_over_for_the_trainer_too(
     assert tight.done and not tight.completion().observations
     assert replay(GAME, TOKENIZER, GAME.prompt(3), tight.completion(), 60).reason is None
     assert replay(GAME, TOKENIZER, GAME.prompt(3), tight.completion(), 4096).reason == "episode_cut_short"
+
+
+def test_the_documented_plug_in_environment_plays_and_replays(tmp_path):
+    """docs/operations.md's example environment, as a user would name it (`file.py:Class`)."""
+    text = (Path(__file__).parent.parent / "docs" / "operations.md").read_text()
+    section = text[text.index("### Multi-turn environments"):]
+    (tmp_path / "guess.py").write_text(section.split("```python\n")[1].split("```")[0])
+    env = load_environment(TaskConfig(name=f"{tmp_path / 'guess.py'}:Guess"))
+    prompt = env.prompt(5)
+    episode = play(env, 5, ["50", "25", prompt.answer])
+    completion = episode.completion()
+    assert episode.done and completion.reward == 1.0 and len(completion.observations) == 2
+    assert replay(env, TOKENIZER, prompt, completion, 4096) == (1.0, None)
