@@ -125,11 +125,12 @@ class HeldOut:
         self.engine, self.task = make_engine(cfg), load_task(cfg.task)
         self.prompts = self.task.held_out(n)
         self.batch = 64 if resolve_device(cfg.model.device).type == "cuda" else 16
+        self.max_tokens = cfg.sampling.max_new_tokens
         reward, correct = self.score()  # the engine starts as the base model
         self.base = {"prompts": len(self.prompts), "reward": reward, "correct": correct}
 
     def score(self) -> tuple[float, float]:
-        return held_out_score(self.engine, self.task, self.prompts, self.batch)
+        return held_out_score(self.engine, self.task, self.prompts, self.max_tokens, self.batch)
 
     def score_run(self, run_dir: Path) -> tuple[float, float]:
         self.engine.load_weights(read_shards(latest_weights(run_dir)[1]))

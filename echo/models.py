@@ -179,19 +179,25 @@ def model_on_meta(name: str) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
 
 
+def load_tokenizer(name: str):
+    """The model's tokenizer, padding on the left for generation."""
+    path = resolve_model(name)
+    tokenizer = byte_tokenizer() if path == "tiny" else AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def load_model(name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
     """(model, tokenizer): the model in `dtype` on `device`, eval mode. Tokenizers pad on the
     left for generation."""
     path = resolve_model(name)
+    tokenizer = load_tokenizer(name)
     if path == "tiny":
-        tokenizer = byte_tokenizer()
         model = tiny_model(tokenizer).to(device=device, dtype=dtype)  # built in fp32: the same weights everywhere
     else:
-        tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
     # None of the folder's generation defaults: transformers fills every field a caller leaves
     # unset from them, and a repetition penalty, min_p or suppressed token would change what is
     # sampled but not the log-probs an engine computes from the raw logits (nor the trainer's).

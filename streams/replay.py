@@ -11,12 +11,12 @@ import tomllib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Callable, Iterator
 
 import orjson
 from nats.js.api import DeliverPolicy
 
-from echo.protocol import HDR_SAMPLER_ID, ProtocolError, RolloutGroup, RunNames, decode_rollout
+from echo.protocol import HDR_SAMPLER_ID, Completion, ProtocolError, RolloutGroup, RunNames, decode_rollout
 from streams.client import connect
 from streams.credentials import Credentials
 from streams.rollouts import rollout_body
@@ -96,22 +96,38 @@ class Keep:
                 and (self.rewards is None or self.rewards[0] <= mean <= self.rewards[1]))
 
 
-def table_line(record: dict) -> str:
+def table_line(record: dict, decode: Callable[[list[int]], str] | None = None) -> str:
+    """One line per record; with `decode` (a tokenizer's), each multi-turn episode after it, turn
+    by turn: the model's and the environment's words."""
     group = record.get("group")
     if group is None:
         return f"{record['seq']:>7}  {record['subject']}  REJECTED  {record['error']}"
     rewards = [c["reward"] for c in group["completions"]]
     tokens = sum(len(c["token_ids"]) for c in group["completions"])
-    return (f"{record['seq']:>7}  {group['sampler_id']:<10} v{group['policy_version']:<5} {group['task']:<10} "
+    line = (f"{record['seq']:>7}  {group['sampler_id']:<10} v{group['policy_version']:<5} {group['task']:<10} "
             f"{group['group_id']}  {len(rewards)} completions  {tokens} tokens  "
             f"reward {sum(rewards) / len(rewards):.3f}")
+    if decode is None or not any(c["observations"] for c in group["completions"]):
+        return line
+    lines = [line]
+    for i, completion in enumerate(group["completions"]):
+        turns = Completion.model_validate(completion)
+        lines.append(f"    episode {i}: reward {completion['reward']:.3f}, {len(turns.model_turns())} turns")
+        ids, observations = completion["token_ids"], [*completion["observations"], None]
+        for (start, end), observation in zip(turns.model_turns(), observations):
+            lines.append(f"      model: {decode(ids[start:end])!r}")
+            if observation is not None:
+                at = observation["at"]
+                lines.append(f"      environment: {decode(ids[at : at + observation['tokens']])!r}")
+    return "\n".join(lines)
 
 
-async def _dump(url: str, run_id: str, out, keep: Keep, table: bool, credentials: Credentials | None) -> int:
+async def _dump(url: str, run_id: str, out, keep: Keep, table: bool, credentials: Credentials | None,
+                decode: Callable[[list[int]], str] | None) -> int:
     count = 0
     async for record in read_rollouts(url, run_id, credentials):
         if keep(record):
-            out.write((table_line(record) if table else orjson.dumps(record).decode()) + "\n")
+            out.write((table_line(record, decode) if table else orjson.dumps(record).decode()) + "\n")
             count += 1
     return count
 
@@ -138,11 +154,11 @@ def run_broker(run: str | Path, nats_url: str | None,
 
 
 def replay(run: str | Path, nats_url: str | None, out_path: str | None, keep: Keep = Keep(), table: bool = False,
-           credentials: Credentials | None = None) -> int:
+           credentials: Credentials | None = None, decode: Callable[[list[int]], str] | None = None) -> int:
     out = open(out_path, "w") if out_path else sys.stdout
     try:
         with run_broker(run, nats_url, credentials) as (url, run_id, credentials):
-            asyncio.run(_dump(url, run_id, out, keep, table, credentials))
+            asyncio.run(_dump(url, run_id, out, keep, table, credentials, decode))
         return 0
     finally:
         if out_path:

@@ -132,17 +132,25 @@ def test_sequential_run_trains_only_on_its_current_version(tmp_path, relay):
 
 
 @pytest.mark.parametrize("mode", ["async", "sequential"])
-def test_multi_turn_sokoban_trains_end_to_end(tmp_path, mode):
-    """Episodes of Sokoban played move by move (sokoban_game): the samplers play them turn by
-    turn, the trainer replays each with the sampler's moves and trains on the model's tokens;
-    nothing is refused, and some episodes went past their first turn."""
-    metrics, stream, _ = run_swarm(tmp_path, f"game-{mode}", 3, "task.name=sokoban_game", f"run.mode={mode}",
-                                   "sampling.max_new_tokens=256", "task.params.max_turns=3")
+@pytest.mark.parametrize("task", ["sokoban_game", "math_tools"])
+def test_multi_turn_tasks_train_end_to_end(tmp_path, task, mode):
+    """Episodes of Sokoban played move by move, and of arithmetic with a calculator: the samplers
+    play them turn by turn, the trainer replays each with the sampler's actions and trains on
+    the model's tokens; nothing is refused, and some episodes went past their first turn."""
+    run_id = f"{task}-{mode}".replace("_", "-")
+    metrics, stream, _ = run_swarm(tmp_path, run_id, 3, f"task.name={task}",
+                                   f"run.mode={mode}", "sampling.max_new_tokens=256", "task.params.max_turns=3",
+                                   "run.eval_prompts=2")
     assert [m["version"] for m in metrics] == [1, 2, 3] and all(m["used"] == 4 for m in metrics)
     assert not any(m["rejected"] for m in metrics)
     episodes = [c for r in stream for c in r["group"]["completions"]]
     assert any(c["observations"] for c in episodes)  # a model turn, the board, another turn
     assert all(len(c["observations"]) < 3 for c in episodes)  # at most max_turns turns
+    shown = subprocess.run([sys.executable, "-m", "workers.cli", "replay", "--run", str(tmp_path / run_id), "--table",
+                            "--turns"], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "      model: " in shown and "      environment: " in shown  # episodes turn by turn
+    scored = orjson.loads((tmp_path / run_id / "summary.json").read_bytes())["eval"]  # held-out episodes, played greedily
+    assert scored["prompts"] == 2 and 0 <= scored["base_reward"] <= 1 and 0 <= scored["trained_reward"] <= 1
 
 
 def test_a_secured_swarm_trains_over_tls_with_role_credentials(tmp_path):

@@ -10,7 +10,7 @@ from echo.config import TaskConfig
 from echo.environments import EpisodeBuilder, SingleTurn, load_environment, observation_tokens, replay
 from echo.models import byte_tokenizer, encode_chat
 from echo.protocol import Observation
-from echo.tasks.math import Math
+from echo.tasks.math import Math, calculate
 from echo.tasks.sokoban import Room, SokobanGame
 
 TOKENIZER = byte_tokenizer()
@@ -131,3 +131,26 @@ def test_the_documented_plug_in_environment_plays_and_replays(tmp_path):
     completion = episode.completion()
     assert episode.done and completion.reward == 1.0 and len(completion.observations) == 2
     assert replay(env, TOKENIZER, prompt, completion, 4096) == (1.0, None)
+
+
+def test_a_calculator_call_is_answered_and_a_lie_about_its_result_is_refused():
+    tools = load_environment(TaskConfig(name="math_tools", params={"levels": [2]}))
+    prompt = tools.prompt(3)
+    episode = play(tools, 3, ["let me see <calc>(2 + 3) * 4</calc>", f"so \\boxed{{{prompt.answer}}}"])
+    completion = episode.completion()
+    assert episode.done and completion.reward == 1.0 and len(completion.observations) == 1
+    answer = completion.token_ids[completion.observations[0].at:][:completion.observations[0].tokens]
+    assert TOKENIZER.decode(answer.tolist()) == "\n<|im_start|>tool\n20<|im_end|>\n<|im_start|>assistant\n"
+    assert replay(tools, TOKENIZER, prompt, completion, 4096) == (1.0, None)
+    ids = completion.token_ids.copy()
+    ids[completion.observations[0].at + 7] = TOKENIZER("1", add_special_tokens=False)["input_ids"][0]  # 20 said 10
+    assert replay(tools, TOKENIZER, prompt, completion.replaced(token_ids=ids), 4096).reason == "observation_mismatch"
+
+
+@pytest.mark.parametrize("expression, value", [
+    ("2 + 3 * 4", "14"), ("(1 + 2) / 4", "0.75"), ("-3 - 4", "-7"), ("10 / 0", "error: ZeroDivisionError"),
+    ("__import__('os').system('true')", "error: ValueError"), ("2 ** 99999", "error: ValueError"),
+    ("1e308 * 10", "error: overflow"), ("x" * 300, "error: too long"),
+])
+def test_the_calculator_computes_arithmetic_and_nothing_else(expression, value):
+    assert calculate(expression) == value

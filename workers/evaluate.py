@@ -10,20 +10,28 @@ import orjson
 from echo.checkpoint import latest_weights, read_shards
 from echo.config import EchoConfig
 from echo.engines import make_engine
+from echo.environments import play_episodes, plays_episodes
 from echo.logs import Progress
 from echo.tasks import load_task
 
 
-def held_out_score(engine, task, prompts, batch: int = 8) -> tuple[float, float]:
-    """(mean reward, share correct) of the engine's current weights, greedy, on `prompts`."""
+def held_out_score(engine, task, prompts, max_tokens: int, batch: int = 8) -> tuple[float, float]:
+    """(mean reward, share correct) of the engine's current weights, greedy, on `prompts`. A
+    multi-turn task's episodes are played to their end; one is correct when it earned the whole
+    reward (1)."""
     scores = []
     with Progress("held-out", len(prompts), " prompts") as progress:
         for start in range(0, len(prompts), batch):
             chunk = prompts[start : start + batch]
-            outputs = engine.generate([engine.encode_chat(p.messages) for p in chunk], 1, greedy=True)
-            scores += [task.score(out[0].text, p) for out, p in zip(outputs, chunk)]
+            ids = [engine.encode_chat(p.messages) for p in chunk]
+            if plays_episodes(task):
+                episodes = play_episodes(engine, task, chunk, ids, 1, max_tokens, greedy=True)
+                scores += [(e.reward, e.reward >= 1.0 - 1e-9) for (e,) in episodes]
+            else:
+                outputs = engine.generate(ids, 1, greedy=True)
+                scores += [(s.reward, s.correct) for s in (task.score(out[0].text, p) for out, p in zip(outputs, chunk))]
             progress.advance(len(chunk))
-    return sum(s.reward for s in scores) / len(scores), sum(s.correct for s in scores) / len(scores)
+    return sum(r for r, _ in scores) / len(scores), sum(c for _, c in scores) / len(scores)
 
 
 def evaluate(cfg: EchoConfig, version: int, shards: list[Path], n: int, batch: int = 8) -> dict:
@@ -32,9 +40,10 @@ def evaluate(cfg: EchoConfig, version: int, shards: list[Path], n: int, batch: i
     prompts = task.held_out(n)
     if not prompts:
         raise ValueError(f"task {task.name!r} holds out no prompts to score")
-    base_reward, base_correct = held_out_score(engine, task, prompts, batch)  # the engine starts as the base model
+    max_tokens = cfg.sampling.max_new_tokens
+    base_reward, base_correct = held_out_score(engine, task, prompts, max_tokens, batch)  # the base model first
     engine.load_weights(read_shards(shards))
-    trained_reward, trained_correct = held_out_score(engine, task, prompts, batch)
+    trained_reward, trained_correct = held_out_score(engine, task, prompts, max_tokens, batch)
     return {
         "task": task.name,
         "prompts": len(prompts),

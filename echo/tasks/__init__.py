@@ -25,6 +25,7 @@ from echo.config import ConfigError, TaskConfig, format_errors
 
 BUILTIN = {
     "math": "echo.tasks.math:Math",
+    "math_tools": "echo.tasks.math:MathTools",  # multi-turn, with a calculator (echo/environments.py)
     "knights_knaves": "echo.tasks.knights_knaves:KnightsKnaves",
     "sokoban": "echo.tasks.sokoban:Sokoban",
     "sokoban_game": "echo.tasks.sokoban:SokobanGame",  # multi-turn (echo/environments.py)

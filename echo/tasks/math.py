@@ -4,8 +4,12 @@ are checked with math-verify, so equivalent forms count (0.5 = 1/2 = \\frac{1}{2
 
 from __future__ import annotations
 
+import ast
 import logging
+import math
+import operator
 import random
+import re
 from fractions import Fraction
 from pathlib import Path
 from typing import Literal
@@ -14,6 +18,7 @@ import orjson
 from math_verify import parse, verify
 from pydantic import BaseModel, ConfigDict, Field
 
+from echo.environments import Step
 from echo.tasks import GeneratedTask, Prompt, Score, is_held_out, parse_params
 
 # Its timeouts are off on purpose (Math.score): its warning that they are, once per process, is noise.
@@ -90,9 +95,10 @@ def _read_rows(path: str) -> list[dict]:
 
 class Math(GeneratedTask):
     name = "math"
+    params_model: type[MathParams] = MathParams
 
     def __init__(self, params: dict):
-        self.p = parse_params(MathParams, params)
+        self.p = parse_params(self.params_model, params)
         # A dataset's rows, training (False) and held out (True): split once, each row by a hash
         # of its prompt. None: the problems are generated.
         self.splits: dict[bool, list[tuple[str, str]]] | None = None
@@ -107,8 +113,10 @@ class Math(GeneratedTask):
                 raise ValueError(f"task.params.dataset {path}: no field {field!r} (has {sorted(rows[0])})")
         return [(str(r[self.p.question_field]), _final_answer(str(r[self.p.answer_field]))) for r in rows]
 
+    instruction = INSTRUCTION
+
     def _messages(self, question: str) -> list[dict]:
-        return [*(EXAMPLE if self.p.example else []), {"role": "user", "content": INSTRUCTION.format(question=question)}]
+        return [*(EXAMPLE if self.p.example else []), {"role": "user", "content": self.instruction.format(question=question)}]
 
     def generate(self, rng: random.Random) -> tuple[list[dict], str]:
         question, answer = GENERATORS[rng.choice(self.p.levels)](rng, self.p.max_operand)
@@ -145,3 +153,73 @@ class Math(GeneratedTask):
             return Score(0.0, format_ok=False, correct=False)
         correct = verify(parse(f"${prompt.answer}$", parsing_timeout=None), predicted, timeout_seconds=None)
         return Score(1.0 if correct else self.p.format_reward, format_ok=True, correct=bool(correct))
+
+
+class ToolParams(MathParams):
+    max_turns: int = Field(4, ge=1, le=64)  # model turns an episode may take (calculator calls + the answer)
+    example: bool = False  # the calculator's instruction instead of the plain worked example
+
+
+TOOL_INSTRUCTION = ("{question} You may use a calculator: write <calc>expression</calc> (numbers, + - * / "
+                    "and parentheses) and its result is shown to you. Put the final answer in \\boxed{{}}.")
+CALC = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
+MAX_CALC_CHARS = 200
+
+
+class MathTools(Math):
+    """Math with a calculator (an environment, echo/environments.py): a turn with a <calc> call
+    is answered with the result (a `tool` turn); a turn with a \\boxed{} answer ends the episode,
+    scored as the `math` task scores it; a turn with neither is told what it may do."""
+
+    name = "math_tools"
+    params_model = ToolParams
+    instruction = TOOL_INSTRUCTION
+
+    @property
+    def max_turns(self) -> int:
+        return self.p.max_turns
+
+    def episode(self, prompt: Prompt) -> "Calculator":
+        return Calculator(self, prompt)
+
+
+class Calculator:
+    def __init__(self, task: MathTools, prompt: Prompt):
+        self.task, self.prompt = task, prompt
+
+    def step(self, action: str) -> Step:
+        if "\\boxed{" in action:
+            return Step([], self.task.score(action, self.prompt).reward, done=True)
+        calls = CALC.findall(action)
+        if not calls:
+            return Step([{"role": "user", "content": "Use <calc>...</calc>, or give the answer in \\boxed{}."}],
+                        0.0, done=False)
+        return Step([{"role": "tool", "content": calculate(calls[-1])}], 0.0, done=False)
+
+
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def calculate(expression: str) -> str:
+    """The value of an arithmetic expression (numbers, + - * /, parentheses) as text, or why not:
+    parsed, never evaluated as Python."""
+    if len(expression) > MAX_CALC_CHARS:
+        return "error: too long"
+    try:
+        value = _value(ast.parse(expression.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError) as e:
+        return f"error: {e.__class__.__name__}"
+    if not math.isfinite(value):
+        return "error: overflow"
+    return str(int(value)) if value == int(value) else f"{value:.6g}"
+
+
+def _value(node) -> float:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _value(node.operand)
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        return _OPERATORS[type(node.op)](_value(node.left), _value(node.right))
+    raise ValueError("not arithmetic")
