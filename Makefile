@@ -51,6 +51,8 @@ bench: install
 	$(PY) -m bench.sync --samplers 1 2 4 --wan 50 100
 	$(PY) -m bench.scheduling
 	$(PY) -m bench.load --samplers 8 32 64 --staleness 1 2 --chunks 0 1024
+	$(PY) -m bench.largest_body
+	$(PY) -m bench.episode_check
 	$(PY) -m bench.micro_batches
 	for model in tiny smollm2; do $(PY) -m bench.micro_batches --model $$model --groups 8 --group 8 --tokens 32 \
 		--budgets 0 4096 --repeats 3 --pack-groups on; done
