@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from echo.throughput import CallWindow, Rates
 
 ACTIVE_S = 30.0  # a sampler that asked for work this recently shares the window
+SYNC_SAMPLES = 8  # a sampler's observed sync time: the least of its last this many
 
 
 def allowance(version: int, max_staleness: int, groups_per_step: int, lost: int) -> int:
@@ -72,7 +73,10 @@ class GrantLedger:
 
     Each grant is a call the trainer measures itself, from the grant to its last group's
     arrival in the stream, counting only the groups it accepted (`measured`): the scheduler
-    plans from what a sampler delivered, not from what its heartbeat claims."""
+    plans from what a sampler delivered, not from what its heartbeat claims. So is each
+    sampler's sync time (`synced`): from a version's announcement to the sampler's first request
+    for work naming it (a sampler asks once it runs the version; one busy with a call asks after
+    it, so the least of its last SYNC_SAMPLES is taken)."""
 
     def __init__(self, issued: int = 0, active_s: float = ACTIVE_S, rate_window_s: float = 60.0):
         self.issued = issued  # slots numbered so far in the run, by every incarnation of the trainer
@@ -83,6 +87,9 @@ class GrantLedger:
         self._lost: list[int] = []
         self._calls: dict[int, _Call] = {}  # slot -> its grant's call, until the slot settles
         self._rates: dict[str, CallWindow] = {}  # by sampler: the calls measured here
+        self._announced: dict[int, float] = {}  # version -> when the trainer announced it
+        self._syncs: dict[str, list[float]] = {}  # by sampler: its last SYNC_SAMPLES sync times
+        self._running: dict[str, int] = {}  # by sampler: the newest version it asked with
 
     def held(self, sampler_id: str) -> int:
         return sum(1 for holder in self.outstanding.values() if holder == sampler_id)
@@ -95,10 +102,24 @@ class GrantLedger:
         active = sum(1 for asked in self.asked_at.values() if now - asked <= self.active_s)
         return math.ceil(window / max(1, active))
 
-    def grant(self, sampler_id: str, want: int, headroom: int, window: int, now: float) -> tuple[list[int], bool]:
-        """Grant `sampler_id` up to `want` slots of the `headroom` left, within its share.
-        Returns (the slots' numbers, whether headroom is left after them)."""
+    def announced(self, version: int, now: float) -> None:
+        """The trainer announced `version` (samplers begin to fetch it now)."""
+        self._announced.setdefault(version, now)
+        for old in [v for v in self._announced if v < version - SYNC_SAMPLES]:
+            del self._announced[old]
+
+    def synced(self, sampler_id: str) -> float | None:
+        """The sync time the trainer observed of `sampler_id`, or None before the first."""
+        samples = self._syncs.get(sampler_id)
+        return min(samples) if samples else None
+
+    def grant(self, sampler_id: str, want: int, headroom: int, window: int, now: float,
+              version: int | None = None) -> tuple[list[int], bool]:
+        """Grant `sampler_id`, which runs `version`, up to `want` slots of the `headroom` left,
+        within its share. Returns (the slots' numbers, whether headroom is left after them)."""
         self.asked_at[sampler_id] = now
+        if version is not None:
+            self._observe_sync(sampler_id, version, now)
         held = self.held(sampler_id)
         # Scarce headroom is split too: a sampler that always asks first must not take it all.
         headroom_share = self.share(headroom, now) if headroom > 0 else 0
@@ -111,6 +132,17 @@ class GrantLedger:
         if slots and not held:
             self.progress_at[sampler_id] = now
         return slots, headroom > groups
+
+    def _observe_sync(self, sampler_id: str, version: int, now: float) -> None:
+        # Only a move to a newer version by a sampler already running: one that joins late did
+        # not wait for the announcement.
+        running = self._running.get(sampler_id)
+        if running is not None and version > running and version in self._announced:
+            samples = self._syncs.setdefault(sampler_id, [])
+            samples.append(now - self._announced[version])
+            del samples[:-SYNC_SAMPLES]
+        if running is None or version > running:
+            self._running[sampler_id] = version
 
     def delivered(self, sampler_id: str, slot: int, arrived: float) -> bool:
         """A group naming `slot` arrived from `sampler_id` (stored by the broker at `arrived`, not

@@ -5,13 +5,16 @@ import asyncio
 import signal
 import time
 
+import pytest
+
 from echo.admission import GrantLedger, Heartbeats, allowance, lost_slots, sampler_cap
 from echo.checkpoint import TrainerState
-from echo.protocol import GRANT_TIMEOUT_S, SCHEMA_VERSION, Grant, GrantRequest, decode, encode
+from echo.protocol import GRANT_TIMEOUT_S, SCHEMA_VERSION, Grant, GrantRequest, SamplerStatus, decode, encode
 from streams.grants import record_slots_granted, slots_granted
 from streams.grants import request_grant, serve_grants
 from streams.lease import take_lease
 from tests.conftest import tiny_config
+from workers.coordinator import delivered_paces
 from workers.dispatch import AsyncDispatch, SequentialDispatch
 
 
@@ -285,3 +288,25 @@ def test_the_trainer_measures_each_grant_by_the_groups_it_accepted():
     ledger.grant("c", want=2, headroom=2, window=8, now=10.0)
     ledger.release("c")  # died holding them
     assert ledger.measured("b", now=15.0).groups_per_s == 0 == ledger.measured("c", now=15.0).groups_per_s
+
+
+def test_the_sync_time_is_what_the_trainer_saw_not_what_the_heartbeat_says():
+    """A sampler's sync time is timed by the trainer, from its announcement of a version to the
+    sampler's first request for work naming it; the least of the last few (one busy with a call
+    asks after it). The scheduler plans with it, whatever the heartbeat claims."""
+    ledger = GrantLedger(rate_window_s=60.0)
+    ledger.announced(1, now=100.0)
+    slots, _ = ledger.grant("a", want=1, headroom=8, window=8, now=100.5, version=1)  # joined: not a sync
+    assert ledger.synced("a") is None
+    ledger.announced(2, now=110.0)
+    ledger.grant("a", want=1, headroom=8, window=8, now=113.0, version=2)  # after a call: 3 s
+    ledger.announced(3, now=120.0)
+    ledger.grant("a", want=1, headroom=8, window=8, now=120.8, version=3)
+    ledger.grant("a", want=1, headroom=8, window=8, now=125.0, version=3)  # the same version again
+    assert ledger.synced("a") == pytest.approx(0.8)
+    assert ledger.delivered("a", slots[0], arrived=101.0)
+    ledger.accepted(slots[0])
+    claims = SamplerStatus(sampler_id="a", version=3, groups_published=1, weight_failures={}, updated_at=0.0,
+                           groups_per_s=1000.0, call_s=0.0, sync_s={"3": 0.0})
+    (pace,) = delivered_paces([claims], ledger, now=130.0)
+    assert (pace.sync_s, pace.call_s) == (pytest.approx(0.8), pytest.approx(0.5))

@@ -1,7 +1,7 @@
 """ECHO-2's cost-aware activation, run inside the trainer process (scheduler.enabled).
 
-Every `scheduler.every_s` the coordinator reads the run's registry and the rates the trainer
-measured of each sampler's grants (echo/admission.py). When a sampler joined, left (its entry
+Every `scheduler.every_s` the coordinator reads the run's registry and the rates and sync times
+the trainer measured of each sampler (echo/admission.py). When a sampler joined, left (its entry
 expired) or its measured rates drifted, it chooses again the cheapest set of samplers
 that reaches `scheduler.target_utilisation` at the trainer's measured pace (echo/capacity.py) and
 publishes the choice (streams/schedule.py): the others go on standby, keeping their weights
@@ -31,15 +31,17 @@ log = structlog.get_logger()
 
 
 def delivered_paces(statuses: list[SamplerStatus], ledger: GrantLedger, now: float) -> list[SamplerPace]:
-    """The samplers the scheduler may use, at the rates the trainer measured of their grants (a
-    heartbeat's rates are the sampler's word: one claiming 1000 groups/s at no cost had the
-    honest ones put on standby and the run stopped); their sync time and cost as they say. One
-    the trainer has not measured yet takes work until it has."""
+    """The samplers the scheduler may use, at the rates and sync times the trainer measured of
+    them (a heartbeat's are the sampler's word: one claiming 1000 groups/s at no cost had the
+    honest ones put on standby and the run stopped); their cost as they say, and their sync
+    time too until the trainer has seen one. One the trainer has not measured yet takes work
+    until it has."""
     paces = []
     for status in statuses:
-        rates = ledger.measured(status.sampler_id, now)
+        rates, synced = ledger.measured(status.sampler_id, now), ledger.synced(status.sampler_id)
         if status.state in SCHEDULED and rates.groups_per_s > 0:
-            paces.append(replace(sampler_pace(status), groups_per_s=rates.groups_per_s, call_s=rates.call_s))
+            pace = replace(sampler_pace(status), groups_per_s=rates.groups_per_s, call_s=rates.call_s)
+            paces.append(pace if synced is None else replace(pace, sync_s=synced))
     return paces
 
 

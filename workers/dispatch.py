@@ -50,6 +50,7 @@ class Dispatch:
 
     async def ask(self, version: int) -> None:
         self.version = version
+        self.ledger.announced(version, time.monotonic())  # published just before the step asks
         self.reissue_lost(self.ledger.take_lost(), accepted=0)
         await self.publish(self.cfg.trainer.groups_per_step)
 
@@ -129,7 +130,7 @@ class SequentialDispatch(Dispatch):
         if current is None or request.pull_request_id != current.request_id or request.version != current.version:
             return [], False
         slots, more = self.ledger.grant(sampler_id, request.want, current.groups - self.granted, current.groups,
-                                         time.monotonic())
+                                         time.monotonic(), request.version)
         self.granted += len(slots)
         return slots, more
 
@@ -168,7 +169,8 @@ class AsyncDispatch(Dispatch):
         per_step = self.cfg.trainer.groups_per_step
         cap = sampler_cap(self.version, self.highest_slot(), request.version, per_step)
         window = (self.cfg.trainer.max_staleness + 1) * per_step  # groups that may be in flight at once
-        return self.ledger.grant(sampler_id, request.want, cap - self.ledger.issued, window, time.monotonic())
+        return self.ledger.grant(sampler_id, request.want, cap - self.ledger.issued, window, time.monotonic(),
+                                 request.version)
 
 
 def dispatch_for(run: Run, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
