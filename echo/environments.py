@@ -173,7 +173,11 @@ class EpisodeBuilder:
         self.logprobs += logprobs
         action = self.tokenizer.decode(ids, skip_special_tokens=True)
         self.actions.append(action)
-        step = self.episode.step(action)
+        try:
+            step = self.episode.step(action)
+        except Exception:  # a bug in an environment ends the episode, not the sampler (the trainer refuses it)
+            self.done = True
+            return
         self.reward += step.reward
         ended = not ids or ids[-1] != self.tokenizer.eos_token_id
         if ended:

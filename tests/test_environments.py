@@ -154,3 +154,18 @@ def test_a_calculator_call_is_answered_and_a_lie_about_its_result_is_refused():
 ])
 def test_the_calculator_computes_arithmetic_and_nothing_else(expression, value):
     assert calculate(expression) == value
+
+
+class _Broken(SingleTurn):
+    def episode(self, prompt):
+        return self
+
+    def step(self, action):
+        raise RuntimeError("a bug in the environment")
+
+
+def test_an_environment_that_raises_ends_the_episode_and_the_trainer_refuses_it():
+    broken = _Broken(Math({}))
+    episode = play(broken, 12, ["\\boxed{1}"])
+    assert episode.done and episode.reward == 0.0
+    assert replay(broken, TOKENIZER, broken.prompt(12), episode.completion(), 4096).reason == "environment_error"
