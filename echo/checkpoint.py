@@ -20,7 +20,6 @@ import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import orjson
@@ -154,7 +153,7 @@ def load_trained_content(run_dir: Path, count: int) -> set[str]:
     """The checkpoint's `count` hashes; lines a crash left after them are cut off."""
     path = run_dir / "trained_content.txt"
     lines = path.read_text().splitlines() if path.exists() else []
-    _keep_first(path, count, len(lines), "content hashes", lambda: "".join(h + "\n" for h in lines[:count]).encode())
+    _keep_first(path, count, len(lines), "content hashes", "".join(h + "\n" for h in lines[:count]).encode())
     return set(lines[:count])
 
 
@@ -167,7 +166,7 @@ def load_trained_completions(run_dir: Path, count: int) -> set[int]:
     left after them is cut off."""
     path = run_dir / "trained_completions.bin"
     data = path.read_bytes() if path.exists() else b""
-    _keep_first(path, count, len(data) // 8, "completion keys", lambda: data[: 8 * count])
+    _keep_first(path, count, len(data) // 8, "completion keys", data[: 8 * count])
     return set(np.frombuffer(data, dtype="<u8", count=count).tolist())
 
 
@@ -178,10 +177,10 @@ def _append_synced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _keep_first(path: Path, count: int, held: int, what: str, first: Callable[[], bytes]) -> None:
+def _keep_first(path: Path, count: int, held: int, what: str, kept: bytes) -> None:
     # An append-only log the checkpoint counts: appended and synced before each checkpoint, so it
-    # holds at least the checkpoint's records, and a crash may have left more.
+    # holds at least the checkpoint's `count` records (`kept`), and a crash may have left more.
     if held < count:
         raise RuntimeError(f"{path} holds {held} {what}, the checkpoint counts {count}")
-    if held > count or (path.exists() and path.stat().st_size != len(first())):
-        path.write_bytes(first())
+    if path.exists() and path.stat().st_size != len(kept):
+        path.write_bytes(kept)

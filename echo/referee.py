@@ -78,27 +78,20 @@ class Referee:
         prompt = self.task.prompt(group.prompt_index)
         if not np.array_equal(encode_chat(self.tokenizer, prompt.messages), group.prompt_token_ids):
             return Judgement("prompt_mismatch", [])
-        if plays_episodes(self.task):
-            return self._replayed(group, prompt)
         rewards, errors = [], 0
         for completion in group.completions:
-            text = self.tokenizer.decode(completion.token_ids.tolist(), skip_special_tokens=True)
-            reward = safe_reward(self.task, text, prompt)
-            errors += reward is None
+            if plays_episodes(self.task):  # the episode played again with the sampler's actions
+                replayed = replay(self.task, self.tokenizer, prompt, completion, self.sampling.max_new_tokens)
+                if replayed.reason:
+                    return Judgement(replayed.reason, [], lie=replayed.reason != "environment_error")
+                reward = replayed.reward
+            else:
+                text = self.tokenizer.decode(completion.token_ids.tolist(), skip_special_tokens=True)
+                reward = safe_reward(self.task, text, prompt)
+                errors += reward is None
             rewards.append(reward or 0.0)
         mismatch = any(abs(r - c.reward) > 1e-6 for r, c in zip(rewards, group.completions))
         return Judgement(None, rewards, mismatch, errors)
-
-    def _replayed(self, group: RolloutGroup, prompt) -> Judgement:
-        """A multi-turn task's group: each episode played again with the sampler's actions."""
-        rewards = []
-        for completion in group.completions:
-            replayed = replay(self.task, self.tokenizer, prompt, completion, self.sampling.max_new_tokens)
-            if replayed.reason:
-                return Judgement(replayed.reason, [], lie=replayed.reason != "environment_error")
-            rewards.append(replayed.reward)
-        mismatch = any(abs(r - c.reward) > 1e-6 for r, c in zip(rewards, group.completions))
-        return Judgement(None, rewards, mismatch)
 
 
 def completion_keys(group: RolloutGroup) -> list[int]:

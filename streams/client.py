@@ -338,29 +338,44 @@ async def read_value(kv: KeyValue, key: str, decode_value: Callable[[bytes], M])
         return None, entry.revision
 
 
-async def watch_forever(run: Run, key: str, on_value: Callable[[bytes], None]) -> None:
-    """Call `on_value` with each new value of the state bucket's `key` (the current one first),
-    forever, read every POLL_S (no consumer: samplers may make none, streams/secure.py). A
-    broker restarting is said once and waited out; a value `on_value` refuses (ProtocolError) is
-    said, counted and skipped: the next good one counts."""
+async def poll_newest(read: Callable[[], Awaitable[tuple[int, bytes] | None]],
+                      on_new: Callable[[int, bytes], Awaitable[None]], what: str) -> None:
+    """Forever, every POLL_S: `read()` the newest (revision or stream sequence, value) of what is
+    followed (None: none yet) and hand each newer one to `on_new`. No consumer: samplers may make
+    none (streams/secure.py). A broker restarting is said once and waited out."""
     seen, failing = 0, False
     while True:
         try:
-            entry = await run.state.get(key)
+            newest = await read()
             failing = False
-        except KeyNotFoundError:  # none yet, or deleted
-            entry = None
         except BROKER_ERRORS as e:
             if not failing:
-                log.warning("kv.watch_failed", key=key, reason=repr(e))
-            failing, entry = True, None
-        if entry is not None and entry.revision != seen:
-            seen = entry.revision
-            try:
-                on_value(entry.value or b"")
-            except ValueError as e:
-                bad_value(key, str(e))
+                log.warning("follow.read_failed", what=what, reason=repr(e))
+            failing, newest = True, None
+        if newest is not None and newest[0] > seen:
+            seen = newest[0]
+            await on_new(*newest)
         await asyncio.sleep(POLL_S)
+
+
+async def watch_forever(run: Run, key: str, on_value: Callable[[bytes], None]) -> None:
+    """Call `on_value` with each new value of the state bucket's `key` (the current one first),
+    forever (poll_newest). A value `on_value` refuses (ProtocolError) is said, counted and
+    skipped: the next good one counts."""
+    async def read() -> tuple[int, bytes] | None:
+        try:
+            entry = await run.state.get(key)
+        except KeyNotFoundError:  # none yet, or deleted
+            return None
+        return entry.revision, entry.value or b""
+
+    async def take(_: int, value: bytes) -> None:
+        try:
+            on_value(value)
+        except ValueError as e:
+            bad_value(key, str(e))
+
+    await poll_newest(read, take, key)
 
 
 class LatestValue(Generic[M]):
@@ -380,35 +395,25 @@ class LatestValue(Generic[M]):
         self._task: asyncio.Task | None = None
 
     async def start(self) -> "LatestValue[M]":
-        self._task = asyncio.create_task(self._poll())
+        self._task = asyncio.create_task(poll_newest(self._read, self._take, self.subject))
         return self
 
-    async def _poll(self) -> None:
-        failing = False
-        while True:
-            try:
-                # The stream is named: a relay's mirror has no subjects to look it up by.
-                msg = await self.js.get_msg(self.stream, subject=self.subject, direct=True)
-                failing = False
-            except NotFoundError:  # nothing published yet
-                msg = None
-            except BROKER_ERRORS as e:  # a broker restarting: said once, until it answers again
-                if not failing:
-                    log.warning("control.read_failed", subject=self.subject, reason=repr(e))
-                failing, msg = True, None
-            if msg is not None and msg.seq > self.seq:
-                await self._take(msg)
-            await asyncio.sleep(POLL_S)
-
-    async def _take(self, msg) -> None:
+    async def _read(self) -> tuple[int, bytes] | None:
         try:
-            value = decode(self.cls, msg.data)
+            # The stream is named: a relay's mirror has no subjects to look it up by.
+            msg = await self.js.get_msg(self.stream, subject=self.subject, direct=True)
+        except NotFoundError:  # nothing published yet
+            return None
+        return msg.seq, msg.data
+
+    async def _take(self, seq: int, data: bytes) -> None:
+        try:
+            value = decode(self.cls, data)
         except ProtocolError as e:
             self.on_error(e)
-            self.seq = msg.seq  # said once
             return
         async with self._changed:
-            self.value, self.seq = value, msg.seq
+            self.value, self.seq = value, seq
             self._changed.notify_all()
 
     async def wait_newer(self, seq: int) -> tuple[int, M]:
