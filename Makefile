@@ -8,7 +8,7 @@ ARGS ?=
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: up test install clean test-vllm bench bench-quick worker
+.PHONY: up test install clean test-vllm test-compose bench bench-quick worker
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,12 @@ up: install
 
 test: install
 	$(PY) -m pytest -q $(ARGS)
+
+# docker-compose.yml run for real (Docker and root; not part of `make test`): compose/local-images.sh
+# starts dockerd and builds local stand-ins for the images a registry would give, then the test
+# follows the README's compose section.
+test-compose: install
+	images=$$(PY=$(PY) bash compose/local-images.sh) && env $$images $(PY) -m pytest -q --compose tests/test_compose_swarm.py $(ARGS)
 
 # dist/echo-sampler: a sampler in one file for an edge box with this Python version and torch.
 worker: install
@@ -51,6 +57,8 @@ bench: install
 	$(PY) -m bench.sync --samplers 1 2 4 --wan 50 100
 	$(PY) -m bench.scheduling
 	$(PY) -m bench.load --samplers 8 32 64 --staleness 1 2 --chunks 0 1024
+	$(PY) -m bench.load --samplers 8 32 64 --relays 4 --wan 50 100 --chunks 0 1024
+	$(PY) -m bench.load --samplers 32 --slow-share 0.25 --slow-factor 8 --steps 8 --staleness 1 2 --chunks 0 1024
 	$(PY) -m bench.largest_body
 	$(PY) -m bench.episode_check
 	$(PY) -m bench.micro_batches
