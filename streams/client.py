@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 import time
 import uuid
 from collections import Counter
@@ -21,6 +22,7 @@ from nats.js.errors import BadRequestError, KeyNotFoundError, NotFoundError, Ser
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
+from echo.config import ConfigError
 from echo.protocol import HDR_MSG_ID, HUB_DOMAIN, ProtocolError, RunNames, Storage, decode
 from streams import layout
 from streams.credentials import Credentials
@@ -36,6 +38,9 @@ BROKER_ERRORS = (nats.errors.Error, TimeoutError, ConnectionError, json.JSONDeco
 
 RECANCEL_AFTER_S = 0.5  # a task still running this long after its cancellation is cancelled again
 POLL_S = 0.1  # how often a follower reads the newest value of what it follows
+# How long a command a person waits on (status, replay, plan, quarantine) tries to reach the
+# broker before it says why not, in one line (a run it names is there, or not, at once).
+PATIENCE_S = 10.0
 
 
 async def cancel_until_done(tasks: list[asyncio.Task], every_s: float = RECANCEL_AFTER_S) -> None:
@@ -63,20 +68,42 @@ async def retry_forever(what: str, call: Callable[[], Awaitable[M]], first_delay
             delay = min(2 * delay, max_delay_s)
 
 
+class NoBroker(ConfigError):
+    """A first connection that cannot succeed as configured: the server refused this client's
+    certificate or credentials, or nothing answered within the patience of a command a person waits on."""
+
+
+# Retrying cannot mend these on a first connection (a certificate, a CA, credentials or TLS
+# settings that do not match the server's): a wrong value is said at once, not retried for hours.
+REFUSALS = (ssl.SSLError, nats.errors.AuthorizationError, nats.errors.SecureConnRequiredError,
+            nats.errors.SecureConnWantedError, nats.errors.SecureConnFailedError)
+
+
+def refused(e: Exception) -> bool:
+    # nats-py raises the server's "-ERR 'Authorization Violation'" as a plain nats.errors.Error
+    return isinstance(e, REFUSALS) or "authorization violation" in str(e).lower()
+
+
 class ConnectionEvents:
     """One log line per connection event, never a traceback for an expected network event (nats-py's
     default logs each failed attempt with its traceback, and says nothing of a wrong URL): the
     server cannot be reached (which URL, why, retrying; the same reason again at most every
-    REPEAT_S), a disconnect, a reconnect."""
+    REPEAT_S), a disconnect, a reconnect. Before the first connection, a refusal resolves
+    `refused` with its reason instead."""
 
     REPEAT_S = 30.0
 
     def __init__(self, url: str):
         self.url, self.nc = url, None
         self.last: tuple[str, float] | None = None  # the last reason logged, and when
+        self.refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     async def error(self, e: Exception) -> None:
         reason, now = f"{type(e).__name__}: {e}", time.monotonic()
+        if self.nc is None and refused(e):
+            if not self.refused.done():
+                self.refused.set_result(reason)
+            return
         if self.last and self.last[0] == reason and now - self.last[1] < self.REPEAT_S:
             return
         self.last = (reason, now)
@@ -94,16 +121,33 @@ class ConnectionEvents:
         log.info("nats.reconnected", url=self.url)
 
 
-async def connect(url: str, name: str, credentials: Credentials | None = None) -> NATS:
-    """`url`: one server, or a cluster's servers separated by commas (any of them will do)."""
+async def connect(url: str, name: str, credentials: Credentials | None = None,
+                  give_up_s: float | None = None) -> NATS:
+    """`url`: one server, or a cluster's servers separated by commas (any of them will do).
+    Out of reach, the first connection is retried without end (a worker waits for its broker),
+    or for `give_up_s` (a command a person waits on); a refusal raises NoBroker at once."""
     # Reconnect forever: a sampler on a flaky link should wait out a broker restart, not die.
     options = credentials.connect_options() if credentials else {}
-    events = ConnectionEvents(url)
-    events.nc = await nats.connect(
+    events, nc = ConnectionEvents(url), NATS()
+    connecting = asyncio.ensure_future(nc.connect(
         url.split(","), name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5,
         error_cb=events.error, disconnected_cb=events.disconnected, reconnected_cb=events.reconnected, **options
-    )
-    return events.nc
+    ))
+    try:
+        await asyncio.wait([connecting, events.refused], timeout=give_up_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not connecting.done():
+            await cancel_until_done([connecting])
+            with contextlib.suppress(Exception):
+                await nc.close()
+    if connecting.done() and not connecting.cancelled():
+        connecting.result()  # raises what a first connection raised
+        events.nc = nc
+        return nc
+    if events.refused.done():
+        raise NoBroker(f"{url} refused {name}: {events.refused.result()}")
+    last = f" (last: {events.last[0]})" if events.last else ""
+    raise NoBroker(f"no NATS server answered at {url} within {give_up_s:g} s{last}")
 
 
 @dataclass
@@ -167,7 +211,7 @@ async def _open_kv(js: JetStreamContext, config: KeyValueConfig, domain: str | N
     return KeyValue(name=kv._name, stream=kv._stream, pre=kv._pre, js=_WritesThroughDomain(js, domain), direct=kv._direct)
 
 
-class NoWeightsMirror(RuntimeError):
+class NoWeightsMirror(ConfigError):
     pass
 
 
@@ -227,41 +271,51 @@ async def _create_run_once_placed(js: JetStreamContext, names: RunNames, hub_dom
 
 
 async def _join_run(js: JetStreamContext, names: RunNames, hub_domain: str | None, wait_s: float):
-    """Bind to a run the trainer created, waiting for it to do so: on a secured broker only the
-    trainer may create streams and buckets."""
-    deadline = asyncio.get_running_loop().time() + wait_s
+    """Bind to a run the trainer created, waiting up to `wait_s` for it to do so: on a secured
+    broker only the trainer may create streams and buckets. A secured broker answers nothing to
+    credentials issued for another run (its permissions drop the request): that is a timeout."""
+    deadline, waited = asyncio.get_running_loop().time() + wait_s, False
     while True:
         try:
             weights = await js.object_store(names.weights_bucket)
             state = await _open_kv(js, layout.state_bucket(names), hub_domain, create=False)
             registry = await _open_kv(js, KeyValueConfig(bucket=names.registry_bucket), hub_domain, create=False)
             return weights, state, registry
-        except NotFoundError:  # BucketNotFoundError too
+        except (NotFoundError, *BROKER_ERRORS) as e:  # BucketNotFoundError too; or the broker restarting
             if asyncio.get_running_loop().time() > deadline:
-                raise NoRun(f"run {names.run_id!r} does not exist on this broker: is its trainer running?") from None
-            await asyncio.sleep(0.5)
-        except BROKER_ERRORS as e:  # the broker restarting under us: wait it out like any other call
-            log.warning("broker.retry", what="join the run", reason=repr(e))
+                raise no_run(names.run_id, e) from None
+            if not waited and wait_s > 0:
+                log.info("run.waiting", run=names.run_id, for_s=wait_s, why="no trainer has created it yet")
+                waited = True
+            if not isinstance(e, NotFoundError):
+                log.warning("broker.retry", what="join the run", reason=repr(e))
             await asyncio.sleep(0.5)
 
 
-class NoRun(RuntimeError):
+def no_run(run_id: str, e: Exception) -> NoRun:
+    if isinstance(e, NotFoundError):
+        return NoRun(f"run {run_id!r} is not on this broker: is its trainer running?")
+    return NoRun(f"run {run_id!r} did not answer ({type(e).__name__}): it is not on this broker, or these "
+                 "credentials are another run's")
+
+
+class NoRun(ConfigError):
     pass
 
 
 async def open_run(
     url: str, run_id: str, client_name: str, hub_domain: str | None = HUB_DOMAIN, mirror_wait_s: int = 30,
     credentials: Credentials | None = None, create: bool = True, join_wait_s: float = 600.0,
-    weights_url: str | None = None, storage: Storage = Storage(),
+    weights_url: str | None = None, storage: Storage = Storage(), give_up_s: float | None = None,
 ) -> Run:
     """Connect and open the run's streams and buckets. The trainer creates them (`create`:
     creation with an identical config is a no-op); every other client joins, waiting up to
     `join_wait_s` for the trainer to have created them. `url` is the hub, or a relay in front of
     it; `hub_domain` is the hub's JetStream domain (None: the hub has none, and `url` must be
     the hub). `weights_url`: read weights from this relay over a second connection (a secured
-    relay forwards nothing else), everything else goes to `url`."""
+    relay forwards nothing else), everything else goes to `url`. `give_up_s`: connect()'s."""
     names = RunNames(run_id)
-    nc = await connect(url, client_name, credentials)
+    nc = await connect(url, client_name, credentials, give_up_s)
     js = nc.jetstream(domain=hub_domain)
     try:
         await wait_for_jetstream(js, f"{url} (domain {hub_domain})", timeout=mirror_wait_s)
@@ -275,7 +329,7 @@ async def open_run(
     run = Run(nc, js, nc.jetstream(), names, weights, state, registry)
     try:
         if weights_url:
-            run.weights_nc = await connect(weights_url, f"{client_name}-weights", credentials)
+            run.weights_nc = await connect(weights_url, f"{client_name}-weights", credentials, give_up_s)
             run.local_js = run.weights_nc.jetstream()
         await _wait_for_weights_mirror(run.local_js, names, weights_url or url, mirror_wait_s)
     except BaseException:

@@ -15,9 +15,10 @@ from typing import AsyncIterator, Callable, Iterator
 
 import orjson
 from nats.js.api import DeliverPolicy
+from nats.js.errors import NotFoundError
 
 from echo.protocol import HDR_SAMPLER_ID, Completion, ProtocolError, RolloutGroup, RunNames, decode_rollout
-from streams.client import connect
+from streams.client import BROKER_ERRORS, PATIENCE_S, connect, no_run
 from streams.credentials import Credentials
 from streams.rollouts import rollout_body
 from streams.secure import SERVER_CONF, SecureDir
@@ -29,10 +30,13 @@ async def stored_groups(url: str, run_id: str, credentials: Credentials | None =
     """Each stored rollout message, oldest first, with its decoded group or why it is malformed.
     `credentials`: on a secured broker, an observer's (or the trainer's)."""
     names = RunNames(run_id)
-    nc = await connect(url, "replay", credentials)
+    nc = await connect(url, "replay", credentials, give_up_s=PATIENCE_S)
     try:
         js = nc.jetstream()
-        info = await js.stream_info(names.rollouts_stream)
+        try:
+            info = await js.stream_info(names.rollouts_stream)
+        except (NotFoundError, *BROKER_ERRORS) as e:
+            raise no_run(run_id, e) from None
         if info.state.messages == 0:
             return
         # The stream named: an observer may not look streams up by subject.

@@ -27,6 +27,18 @@ from workers.swarm import worker_command
 TINY_BASE = base_model_digest("tiny")  # what weights for the tiny model are announced for
 
 
+def pytest_addoption(parser):
+    parser.addoption("--compose", action="store_true", help="run the Docker compose swarm's test (make test-compose)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--compose"):
+        return
+    for item in items:
+        if "compose" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason="needs Docker and root: make test-compose runs it"))
+
+
 @pytest.fixture
 def nats_server(tmp_path):
     with NatsServer(tmp_path / "jetstream") as server:

@@ -9,6 +9,7 @@ import pytest
 from echo.models import load_model
 from echo.protocol import CONFIG_KEY
 from streams.client import open_run
+from streams.secure import SecureDir
 from streams.server import free_port
 from tests.conftest import tiny_config
 from workers.cli import build_parser, main
@@ -128,3 +129,36 @@ def test_an_edge_sampler_reads_the_runs_config_from_nats_and_keeps_its_own_hardw
     assert got.sampler.threads == 3 and got.sampling == cfg.sampling and got.task == cfg.task
     # The trainer's GPU is not this laptop's: device and engine are its own defaults, dtype its flag.
     assert (got.model.device, got.model.dtype, got.sampler.engine) == ("auto", "float16", "auto")
+
+
+def test_a_person_waiting_on_a_command_gets_one_line_for_a_refused_broker_or_a_wrong_run(secured, tmp_path, capsys,
+                                                                                        monkeypatch):
+    """Seen by a new user: status without credentials retried a certificate error for 10 minutes;
+    a wrong run id gave status, quarantine, plan and replay tracebacks of 25-183 lines."""
+    server, secure = secured
+    observer, trainer = secure.credentials("observer"), secure.credentials("trainer")
+    as_observer = ["--creds", str(observer.seed_file), "--tls-ca", str(observer.ca_file)]
+    other = SecureDir(tmp_path / "other")  # another swarm's seed, with this swarm's observer certificate
+    other.init("sec", ["localhost"], [])
+    unknown_seed = tmp_path / "unknown.nk"
+    unknown_seed.write_text(other.credentials("observer").seed_file.read_text())
+    for suffix in ("-cert.pem", "-key.pem"):
+        (tmp_path / f"unknown{suffix}").write_bytes((secure.dir / f"observer{suffix}").read_bytes())
+    monkeypatch.setattr("streams.client.PATIENCE_S", 2.0)
+
+    def one_line(args: list[str], *said: str) -> None:
+        assert main(args) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and all(s in err for s in said), (args, err)
+
+    status = ["status", "--nats", server.url, "--once"]
+    one_line([*status, "--run-id", "sec"], "refused", "CERTIFICATE_VERIFY_FAILED")  # no CA, no credentials
+    one_line([*status, "--run-id", "sec", "--creds", str(unknown_seed), "--tls-ca", str(observer.ca_file)],
+             "refused", "uthorization")
+    one_line([*status, "--run-id", "nope", *as_observer], "run 'nope'", "not on this broker")
+    closed = f"nats://127.0.0.1:{free_port()}"
+    one_line(["status", "--nats", closed, "--run-id", "sec", "--once"], f"no NATS server answered at {closed} within 2 s")
+    one_line(["quarantine", "list", "--nats", server.url, "--run-id", "nope", "--creds", str(trainer.seed_file),
+              "--tls-ca", str(trainer.ca_file)], "run 'nope'", "not on this broker")
+    one_line(["plan", "--nats", server.url, "--run-id", "nope", *as_observer], "run 'nope'", "not on this broker")
+    one_line(["replay", "--nats", server.url, "--run", "nope", *as_observer], "run 'nope'", "not on this broker")

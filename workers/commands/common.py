@@ -102,7 +102,8 @@ STOPPING_RECANCEL_S = 3.0  # longer than a worker's own clean-up (a last heartbe
 
 def run_until_signal(coro) -> int:
     """Run a worker's coroutine; SIGTERM or SIGINT cancels it so it can close cleanly (exit 0).
-    A failure is logged with its reason and exits 1, for compose or systemd to restart it."""
+    A failure is logged with its reason and exits 1, for compose or systemd to restart it; a
+    ConfigError is raised for the CLI to say (restarting would not mend it)."""
 
     async def main():
         task = asyncio.ensure_future(coro)
@@ -120,6 +121,8 @@ def run_until_signal(coro) -> int:
 
     try:
         return asyncio.run(main())
+    except ConfigError:
+        raise  # a wrong setting (URL, credentials, run id): one line from the CLI, exit 2
     except Exception as e:
         structlog.get_logger().exception("worker.failed", reason=repr(e))
         return 1

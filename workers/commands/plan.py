@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 
 from echo.config import ConfigError
+from echo.logs import configure_logging
 from streams.credentials import credentials_of
 from workers.commands.common import at_least
 
@@ -29,12 +30,12 @@ def register(sub) -> None:
 async def live_fleet(args):
     """The capacity model's inputs from a live run: the trainer's pace and the registry."""
     from echo.capacity import LearnerPace
-    from streams.client import open_run
+    from streams.client import PATIENCE_S, open_run
     from streams.registry import read_learner, read_statuses
     from workers.plan import measured
 
     run = await open_run(args.nats, args.run_id, "planner", credentials=credentials_of(args.creds, args.tls_ca),
-                         create=False, join_wait_s=5)
+                         create=False, join_wait_s=0, give_up_s=PATIENCE_S)
     try:
         pace, statuses = await read_learner(run), await read_statuses(run)
     finally:
@@ -51,6 +52,7 @@ def run(args) -> int:
         raise ConfigError("plan: give --fleet FILE, or --nats URL with --run-id ID")
     if not 0 < args.target <= 1:
         raise ConfigError(f"--target {args.target}: a utilisation above 0, at most 1")
+    configure_logging(level="error")  # the plan is the output; a failure is said in one line
     learner, workers = fleet_from_file(args.fleet) if args.fleet else asyncio.run(live_fleet(args))
     print_plan(plan_report(learner, workers, args.target, args.max_staleness), args.json)
     return 0

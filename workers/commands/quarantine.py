@@ -7,6 +7,7 @@ import asyncio
 import orjson
 
 from echo.config import ConfigError
+from echo.logs import configure_logging
 from streams.credentials import credentials_of
 
 NAME = "quarantine"
@@ -24,13 +25,13 @@ def register(sub) -> None:
 
 async def quarantine_command(args) -> int:
     """Print the quarantined samplers (JSON) after lifting `args.sampler`'s quarantine, if asked."""
-    from streams.client import open_run
+    from streams.client import PATIENCE_S, open_run
     from streams.quarantine import change_quarantine, read_quarantine
 
     if args.action == "lift" and not args.sampler:
         raise ConfigError("quarantine lift: name the sampler to lift")
     run = await open_run(args.nats, args.run_id, "operator", credentials=credentials_of(args.creds, args.tls_ca),
-                         create=False, join_wait_s=5)
+                         create=False, join_wait_s=0, give_up_s=PATIENCE_S)
     try:
         samplers = await read_quarantine(run)
         if args.action == "lift":
@@ -44,4 +45,5 @@ async def quarantine_command(args) -> int:
 
 
 def run(args) -> int:
+    configure_logging(level="error")  # its answer is the output; a failure is said in one line
     return asyncio.run(quarantine_command(args))

@@ -36,11 +36,11 @@ def status_target(args) -> tuple[str, str]:
 
 
 async def status_command(args, url: str, run_id: str) -> int:
-    from streams.client import open_run
+    from streams.client import PATIENCE_S, open_run
     from workers.status import watch
 
     run = await open_run(url, run_id, "status", credentials=credentials_of(args.creds, args.tls_ca),
-                         create=False, join_wait_s=5)
+                         create=False, join_wait_s=0, give_up_s=PATIENCE_S)
     try:
         await watch(run, args.once, args.json, sys.stdout)
     finally:
@@ -50,5 +50,5 @@ async def status_command(args, url: str, run_id: str) -> int:
 
 def run(args) -> int:
     url, run_id = status_target(args)
-    configure_logging(level="warning")  # the view is the output
+    configure_logging(level="error")  # the view is the output; a failure is said in one line
     return run_until_signal(status_command(args, url, run_id))
