@@ -93,6 +93,8 @@ def project(tmp_path):
     finally:
         for files in ([], INSECURE):
             p(*files, "down", "--volumes", "--remove-orphans", "--timeout", "5", check=False)
+        # Earlier builds' images of the worker, left untagged by this one (GBs each on vfs).
+        subprocess.run(["docker", "image", "prune", "--force", "--filter", "label=org.echo-rl.image"], check=False)
         shutil.rmtree(folder, ignore_errors=True)
 
 
