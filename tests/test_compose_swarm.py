@@ -141,6 +141,9 @@ def test_the_readme_compose_swarm_trains_grows_resumes_and_runs_open(project, tm
     try:
         step = p.wait("s4 (outside the containers) publishing", training({"s1", "s2", "s3", "s4"}, 0), observer)
         assert edge.poll() is None
+    except AssertionError as e:
+        edge.terminate()
+        raise AssertionError(f"{e}\ns4's log:\n{edge.communicate(timeout=60)[1][-4000:]}") from None
     finally:
         edge.terminate()
         edge.wait(timeout=60)
