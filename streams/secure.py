@@ -169,21 +169,32 @@ def mirror_reader_permissions(names: RunNames, public_key: str) -> dict:
 # an import the answer goes back into the requester's account, where no stream of the run
 # listens: one sampler's credentials can no longer have the server write into the run's state.
 # A sampler's account is its own, so the server bounds its connections and subscriptions.
+# nats-server starts a configured account's service imports when it starts, not when a reload
+# adds the account (server.go, configureAccounts: `!reloading`): a sampler whose account a reload
+# introduced could connect and reach nothing. So every account a reload may fill exists from the
+# start: RELAYS always, and one empty spare sampler account, SAMPLER_<n+1> after n samplers,
+# which the next add-sampler fills while writing the next spare.
 RUN, OBSERVERS, RELAYS = "RUN", "OBSERVERS", "RELAYS"
 SAMPLER_LIMITS = {"max_connections": 8, "max_subscriptions": 512}  # a sampler needs 1-3 and a few dozen
+
+
+def sampler_account(slot: int) -> str:
+    return f"SAMPLER_{slot}"
 
 
 def account_of(user: dict) -> str:
     """The account of a user of roles.json."""
     if user["role"] == "sampler":
-        return f"SAMPLER_{user['sampler_id']}"
+        return sampler_account(user["slot"])
     return {"trainer": RUN, "observer": OBSERVERS, "relay": RELAYS}[user["role"]]
 
 
-def hub_accounts(users: list[tuple[str, dict]], hub_domain: str) -> dict:
+def hub_accounts(users: list[tuple[str, dict]], hub_domain: str, spare: str) -> dict:
     """The hub's `accounts` block for (account, user entry) pairs: each user in its account, and
-    RUN's exports and the other accounts' imports derived from the users' permissions."""
-    accounts = {RUN: {"jetstream": "enabled", "users": [], "exports": []}}
+    RUN's exports and the other accounts' imports derived from the users' permissions; RELAYS and
+    the `spare` sampler account empty until a user is issued into them."""
+    accounts = {RUN: {"jetstream": "enabled", "users": [], "exports": []},
+                RELAYS: {"users": [], "imports": []}, spare: {"users": [], "imports": [], "limits": SAMPLER_LIMITS}}
     exported: dict[tuple[str, str], dict] = {}
 
     def share(kind: str, subject: str, account: str) -> None:
@@ -214,6 +225,11 @@ def hub_accounts(users: list[tuple[str, dict]], hub_domain: str) -> dict:
         else:
             share("stream", inbox_prefix(user["nkey"]) + ".>", account)  # its consumers' deliveries, its answers
     return accounts
+
+
+def _sampler_slots(roles: dict) -> int:
+    """How many sampler accounts are filled: the spare is the next."""
+    return sum(u["role"] == "sampler" for u in roles["users"].values())
 
 
 def _new_seed() -> bytes:
@@ -377,7 +393,10 @@ class SecureDir:
         credentials = self.credentials(user)
         _issue_certificate(self.dir, user, list(hosts), credentials.cert_file, credentials.key_file)
         public = nkeys.from_seed(bytearray(seed)).public_key.decode()
-        roles["users"][user] = {"role": role, "nkey": public, "sampler_id": sampler_id}
+        entry = {"role": role, "nkey": public, "sampler_id": sampler_id}
+        if role == "sampler":  # into the spare account, which the hub has had since its last (re)load
+            entry["slot"] = _sampler_slots(roles) + 1
+        roles["users"][user] = entry
         (self.dir / ROLES_FILE).write_text(json.dumps(roles, indent=1))
 
     def write_server_conf(self) -> None:
@@ -389,7 +408,8 @@ class SecureDir:
         q = json.dumps
         tls = _tls_block(self.dir / "server-cert.pem", self.dir / "server-key.pem", self.ca_file)
         _replace_text(self.dir / SERVER_CONF, "\n".join(
-            [tls, f"accounts: {q(hub_accounts(users, roles['hub_domain']))}", f"pid_file: {q(str(self.dir / PID_FILE))}"]))
+            [tls, f"accounts: {q(hub_accounts(users, roles['hub_domain'], sampler_account(_sampler_slots(roles) + 1)))}",
+             f"pid_file: {q(str(self.dir / PID_FILE))}"]))
         _replace_text(self.leaf_conf, tls)  # the leaf port speaks TLS too; leaf users are in the list above
         for name, u in roles["users"].items():
             if u["role"] == "relay":  # a new sampler may read every relay's mirrors

@@ -19,9 +19,11 @@ from echo.protocol import (
     BUDGET_KEY,
     CONFIG_KEY,
     HDR_MSG_ID,
+    HUB_DOMAIN,
     SLOTS_KEY,
     TRAINER_CONSUMER,
     TRAINER_KEY,
+    RunNames,
     WeightsAnnouncement,
     decode,
     encode,
@@ -245,10 +247,12 @@ async def test_a_sampler_cannot_touch_what_the_trainer_owns(secured, runs):
 
 
 def test_add_sampler_issues_credentials_a_running_hub_accepts_without_a_restart(secured):
+    """Accepted, and able to do its work: nats-server leaves inert the imports of an account a
+    reload introduces, so a sampler issued into one connected and reached nothing."""
     server, secure = secured
 
-    async def connect_new():
-        credentials = secure.add_sampler("s9")  # rewrites the user list and signals the hub
+    async def connect_new(sampler_id: str):
+        credentials = secure.add_sampler(sampler_id)  # rewrites the user list and signals the hub
         for _ in range(50):  # the reload is asynchronous
             try:
                 nc = await nats.connect(server.url, max_reconnect_attempts=0, allow_reconnect=False,
@@ -258,9 +262,18 @@ def test_add_sampler_issues_credentials_a_running_hub_accepts_without_a_restart(
                 await asyncio.sleep(0.1)
         else:
             pytest.fail("the new sampler's credentials were not accepted")
+        js = nc.jetstream(domain=HUB_DOMAIN)
+        assert (await js.account_info()).streams > 0
+        assert (await js.publish(RunNames("sec").rollouts_subject(sampler_id), b"{}")).seq
         await nc.close()
 
-    asyncio.run(connect_new())
+    async def main_():
+        trainer = await open_run(server.url, "sec", "trainer", credentials=secure.credentials("trainer"))
+        for sampler_id in ("s8", "s9"):  # the second is issued into the spare the first one's reload made
+            await connect_new(sampler_id)
+        await trainer.close()
+
+    asyncio.run(main_())
     assert main(["secure", "add-sampler", str(secure.dir), "s9"]) == 2  # issued already: refused
 
 
