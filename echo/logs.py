@@ -113,7 +113,9 @@ def configure_logging(json: bool = False, level: str = "info", progress: bool | 
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
         logger_factory=structlog.WriteLoggerFactory(_CurrentStderr()),
-        cache_logger_on_first_use=True,
+        # Not cached: a module's logger used before this call (a library, a test before it) would
+        # keep the old configuration for good, and a command's level="error" would not hold.
+        cache_logger_on_first_use=False,
     )
     # peft calls a transformers API that warns of its own deprecation on every model wrap.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)

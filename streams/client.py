@@ -215,18 +215,50 @@ class NoWeightsMirror(ConfigError):
     pass
 
 
-async def wait_for_jetstream(js: JetStreamContext, where: str, timeout: float = 30.0) -> None:
+class Unanswered(TimeoutError):
+    """A request the server took and never answered."""
+
+
+async def wait_for_jetstream(js: JetStreamContext, where: str, timeout: float = 30.0,
+                             raise_unanswered: bool = False) -> None:
     """Wait until `js` answers: a domain behind a leaf connection that is still being made
-    (a relay just started, or reconnecting) has no responders for a moment."""
+    (a relay just started, or reconnecting) has no responders for a moment. A request that
+    times out is tried again, or raised at once as Unanswered (`raise_unanswered`)."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         try:
             await js.account_info()
             return
         except (NoRespondersError, ServiceUnavailableError, TimeoutError, asyncio.TimeoutError) as e:
+            if raise_unanswered and isinstance(e, (TimeoutError, asyncio.TimeoutError)):
+                raise Unanswered(f"{where}: {e!r}") from None
             if asyncio.get_running_loop().time() > deadline:
                 raise RuntimeError(f"no JetStream answers at {where} after {timeout:.0f} s ({e!r})") from None
             await asyncio.sleep(0.2)
+
+
+async def connect_answered(url: str, name: str, credentials: Credentials | None, give_up_s: float | None,
+                           hub_domain: str | None, wait_s: float) -> NATS:
+    """A connection whose JetStream answers. nats-server loses the subscriptions of a client that
+    connects while it reloads its accounts (`secure add-sampler`): its requests go out and no
+    answer ever comes back while it stays connected. A connection whose request times out is
+    replaced by a new one (a reload takes milliseconds)."""
+    where = f"{url} (domain {hub_domain})"
+    deadline = asyncio.get_running_loop().time() + wait_s
+    while True:
+        nc = await connect(url, name, credentials, give_up_s)
+        try:
+            left = max(deadline - asyncio.get_running_loop().time(), 0.0)
+            await wait_for_jetstream(nc.jetstream(domain=hub_domain), where, left, raise_unanswered=True)
+            return nc
+        except Unanswered as e:
+            await nc.close()
+            if asyncio.get_running_loop().time() > deadline:
+                raise RuntimeError(f"no JetStream answers at {where} after {wait_s:.0f} s ({e})") from None
+            log.warning("nats.unanswered", url=url, reason=str(e), reconnecting=True)
+        except BaseException:
+            await nc.close()
+            raise
 
 
 NO_PEERS_YET = 10005  # "no suitable peers for placement": a cluster whose nodes have not all joined yet
@@ -315,10 +347,9 @@ async def open_run(
     the hub). `weights_url`: read weights from this relay over a second connection (a secured
     relay forwards nothing else), everything else goes to `url`. `give_up_s`: connect()'s."""
     names = RunNames(run_id)
-    nc = await connect(url, client_name, credentials, give_up_s)
+    nc = await connect_answered(url, client_name, credentials, give_up_s, hub_domain, mirror_wait_s)
     js = nc.jetstream(domain=hub_domain)
     try:
-        await wait_for_jetstream(js, f"{url} (domain {hub_domain})", timeout=mirror_wait_s)
         if create:
             weights, state, registry = await _create_run_once_placed(js, names, hub_domain, storage)
         else:

@@ -34,7 +34,7 @@ from streams.rollouts import trainer_subscription
 from streams.secure import PID_FILE, SecureDir
 from streams.server import write_secret
 from tests.test_referee import honest_group
-from streams.client import open_run
+from streams.client import NoBroker, open_run
 from streams.lease import RENEW_S, AnotherTrainer, take_lease
 from streams.weights import WeightsFollower, publish_weights
 from tests.conftest import TINY_BASE, tiny_config
@@ -248,24 +248,25 @@ async def test_a_sampler_cannot_touch_what_the_trainer_owns(secured, runs):
 
 def test_add_sampler_issues_credentials_a_running_hub_accepts_without_a_restart(secured):
     """Accepted, and able to do its work: nats-server leaves inert the imports of an account a
-    reload introduces, so a sampler issued into one connected and reached nothing."""
+    reload introduces, so a sampler issued into one connected and reached nothing. Joined at
+    once, as a sampler does: a connection made while the hub reloads loses its subscriptions
+    (its requests went unanswered for good, 1 try in 4), and is replaced."""
     server, secure = secured
 
     async def connect_new(sampler_id: str):
         credentials = secure.add_sampler(sampler_id)  # rewrites the user list and signals the hub
-        for _ in range(50):  # the reload is asynchronous
+        for _ in range(50):  # the reload is asynchronous: until it has begun, the user is unknown
             try:
-                nc = await nats.connect(server.url, max_reconnect_attempts=0, allow_reconnect=False,
-                                        **credentials.connect_options())
+                run = await open_run(server.url, "sec", sampler_id, credentials=credentials, create=False,
+                                     give_up_s=5)
                 break
-            except Exception:
+            except NoBroker:
                 await asyncio.sleep(0.1)
         else:
             pytest.fail("the new sampler's credentials were not accepted")
-        js = nc.jetstream(domain=HUB_DOMAIN)
-        assert (await js.account_info()).streams > 0
-        assert (await js.publish(RunNames("sec").rollouts_subject(sampler_id), b"{}")).seq
-        await nc.close()
+        assert (await run.js.account_info()).streams > 0
+        assert (await run.js.publish(RunNames("sec").rollouts_subject(sampler_id), b"{}")).seq
+        await run.close()
 
     async def main_():
         trainer = await open_run(server.url, "sec", "trainer", credentials=secure.credentials("trainer"))

@@ -48,7 +48,9 @@ def run(args) -> int:
     from streams.replay import Keep, replay
 
     source = args.run if args.nats else run_directory(args.run, "nats")
-    configure_logging(args.log_json, run=Path(args.run).name, role="replay", worker="replay")
+    # A replay's records are the output, a failure is said in one line; a retrain logs its steps.
+    configure_logging(args.log_json, level="info" if args.retrain else "error", run=Path(args.run).name,
+                      role="replay", worker="replay")
     if args.retrain:
         from workers.retrain import retrain
 
