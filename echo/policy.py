@@ -13,6 +13,7 @@ import safetensors.torch
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from echo.algorithms.grpo import token_logprobs
 from echo.config import ConfigError, LoraConfig
@@ -21,6 +22,16 @@ from echo.devices import model_device
 
 class WeightsMismatch(ValueError):
     """Weights that do not fit this model (other base, rank, target modules, or kind)."""
+
+
+# transformers 5.24 renamed the key/value cache `past_key_values` -> `cache`, as an argument and
+# an output (the old name warns); vLLM's CPU build pins transformers < 5.20, which knows only the old.
+CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def kv_cache(out):
+    """A forward's or generate's key/value cache, under this transformers' name for it."""
+    return getattr(out, CACHE)
 
 
 def make_policy(model: torch.nn.Module, cfg: LoraConfig):
@@ -189,7 +200,7 @@ def packed_logprobs(model, prompts: list, completions: list, owners: list[int], 
     # Left padding: a prompt's positions count from its first real token.
     prompt = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0),
                    use_cache=True, logits_to_keep=1)
-    cache = prompt.past_key_values
+    cache = kv_cache(prompt)
     cache.batch_select_indices(owner)  # each completion's own prompt's keys and values
     # Completion token t is predicted at position t - 1: the first by its prompt's last position.
     first = prompt.logits[owner, -1:]
@@ -197,7 +208,7 @@ def packed_logprobs(model, prompts: list, completions: list, owners: list[int], 
         attention = torch.cat([prompt_mask[owner], mask[:, :-1].long()], dim=1)
         positions = prompt_lengths.to(device)[owner, None] + torch.arange(length - 1, device=device)
         rest = model(
-            input_ids=ids[:, :-1], attention_mask=attention, position_ids=positions, past_key_values=cache
+            input_ids=ids[:, :-1], attention_mask=attention, position_ids=positions, **{CACHE: cache}
         ).logits
         logits = torch.cat([first, rest], dim=1)
     else:
@@ -224,7 +235,7 @@ def spanning_logprobs(model, prompt_ids, completions: list, starts: list[int], u
     cache, logits = None, []
     for k, (a, b) in enumerate(zip(cuts, cuts[1:])):
         use_version(k)
-        out = model(input_ids=inputs[:, a:b], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        out = model(input_ids=inputs[:, a:b], use_cache=True, **{CACHE: cache})
+        cache = kv_cache(out)
         logits.append(out.logits[:, max(0, prompt.shape[1] - 1 - a):])
     return token_logprobs(torch.cat(logits, dim=1), ids.to(device), temperature)

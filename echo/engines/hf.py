@@ -12,7 +12,7 @@ from echo.config import LoraConfig, SamplingConfig
 from echo.devices import resolve_device, resolve_dtype
 from echo.engines.base import BetweenChunks, Generation
 from echo.models import encode_chat, load_model
-from echo.policy import load_weights, make_policy
+from echo.policy import CACHE, kv_cache, load_weights, make_policy
 
 
 class SampledLogprobs(LogitsProcessor):
@@ -93,7 +93,7 @@ class HFEngine:
         while True:
             config.max_new_tokens = min(chunk, limit - produced)
             sampled = SampledLogprobs(self.temperature)
-            out = self.model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, generation_config=config,
+            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **{CACHE: cache},
                                       logits_processor=LogitsProcessorList([sampled]))
             new_tokens = out.sequences[:, ids.shape[1]:]
             chunk_logprobs = sampled.finish(new_tokens[:, -1]).cpu()
@@ -110,7 +110,7 @@ class HFEngine:
                 break
             version = between_chunks()
             keep = torch.tensor(going, device=self.device)
-            cache = out.past_key_values
+            cache = kv_cache(out)
             cache.batch_select_indices(keep)  # the finished completions leave the batch
             ids, mask = out.sequences[keep], torch.cat([mask, torch.ones_like(new_tokens)], dim=1)[keep]
             rows = [rows[i] for i in going]
