@@ -39,7 +39,8 @@ class ModelConfig(_Section):
     # This process's hardware (echo/devices.py): each process resolves "auto" on its own machine,
     # and an edge sampler ignores the trainer's choice (its command line's --set wins).
     device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on a GPU that has it, else fp32
+    # auto: bf16 on a CUDA GPU that has it, fp16 on an older one and on MPS, fp32 on a CPU (echo/devices.py).
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
 class LoraConfig(_Section):
@@ -126,11 +127,12 @@ class SamplerConfig(_Section):
     engine: Literal["auto", "hf", "vllm"] = "auto"
     threads: int = Field(0, ge=0)  # torch threads; 0 leaves torch's default
     heartbeat_s: float = Field(5.0, gt=0)  # how often a sampler writes its status to the run's KV
-    # Its own machine's, never taken from the trainer's config (echo/edge.py): what it costs per
-    # hour (the scheduler's input, any currency), and a pause per group generated (a slower
-    # machine, for tests and benchmarks of the scheduler).
+    # What this machine costs per hour (the scheduler's input, any currency): its own, never
+    # taken from the trainer's config (echo/edge.py).
     cost_per_hour: float = Field(0.0, ge=0)
-    throttle_s: float = Field(0.0, ge=0)  # seconds of pause per group generated, and between chunks
+    # Seconds of pause per group generated, and between chunks: a slower machine, for tests and
+    # benchmarks of the scheduler. Its own, like cost_per_hour.
+    throttle_s: float = Field(0.0, ge=0)
     rate_window_s: float = Field(60.0, gt=0)  # the rates in its heartbeat cover its calls of this long
     entry_ttl_s: int = Field(30, ge=1)  # its registry entry expires this long after its last heartbeat
 
@@ -159,11 +161,12 @@ class NatsConfig(_Section):
     # A sampler behind a secured relay: read weights from the relay at this URL, everything
     # else at `url` (the hub). Local to each machine too.
     weights_url: str = ""
-    # What the trainer creates the run's streams and buckets with: copies of each on a cluster's
-    # nodes (3 survives one node down), and the rollout history kept (0: all; the oldest go first).
+    # Copies the trainer makes of each of the run's streams and buckets on a cluster's nodes
+    # (3 survives one node down).
     replicas: int = Field(1, ge=1, le=5)
-    rollouts_max_gb: float = Field(0.0, ge=0)  # the rollout history's size limit, each of its two streams (0: none)
-    rollouts_max_age_h: float = Field(0.0, ge=0)  # its age limit (0: none)
+    # The rollout history's size limit, each of its two streams; past it the oldest go first (0: none).
+    rollouts_max_gb: float = Field(0.0, ge=0)
+    rollouts_max_age_h: float = Field(0.0, ge=0)  # the rollout history's age limit, in hours (0: none)
     # What one sampler may keep in each of the rollout streams: past it, its own oldest messages go first (its
     # unread ones counted as evicted), no other sampler's. 4 GB is its newest 16,384 groups (of at
     # most 256 KiB each, larger ones in parts) and 512 parts. 0: no limit, for a fleet you trust.

@@ -92,6 +92,10 @@ class Progress:
         Progress.end_line()
 
 
+def _not_tls_eof_noise(record: logging.LogRecord) -> bool:
+    return "eof_received() has no effect when using ssl" not in record.getMessage()
+
+
 def configure_logging(json: bool = False, level: str = "info", progress: bool | None = None, **identity) -> None:
     """`identity`: run, role, worker (and version), on every line; bind_process changes them.
     `progress`: draw progress lines (None: on a terminal, unless JSON or ECHO_PROGRESS=0)."""
@@ -117,6 +121,9 @@ def configure_logging(json: bool = False, level: str = "info", progress: bool | 
         # keep the old configuration for good, and a command's level="error" would not hold.
         cache_logger_on_first_use=False,
     )
+    # asyncio warns of its own protocol mismatch whenever a TLS peer closes (nats-py's reader
+    # returns True from eof_received): a line with no prefix and nothing for the user to do.
+    logging.getLogger("asyncio").addFilter(_not_tls_eof_noise)
     # peft calls a transformers API that warns of its own deprecation on every model wrap.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     if progress is None:

@@ -112,13 +112,14 @@ def _save_once(target: Path, model, tokenizer) -> Path:
 
 def resolve_model(name: str) -> str:
     """Turn a model name into what load_model needs, doing any one-time conversion now."""
-    if name == "tiny":
-        return name
-    if name == "smollm2":
-        return str(smollm2_dir())
-    if not Path(name, "config.json").exists():
-        raise ConfigError(f"model.name {name!r}: not 'tiny', 'smollm2', or a local model folder")
-    return name
+    check_model_name(name)
+    return str(smollm2_dir()) if name == "smollm2" else name
+
+
+def check_model_name(name: str) -> None:
+    """A model.name that cannot be loaded here is said at once (nothing is converted or loaded)."""
+    if name not in ("tiny", "smollm2") and not Path(name, "config.json").exists():
+        raise ConfigError(f"model.name {name!r}: not 'tiny', 'smollm2', or a local model folder (none at {name})")
 
 
 def model_folder(name: str) -> Path:

@@ -20,7 +20,7 @@ import orjson
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, ValidationInfo,
                       model_validator)
 
-SCHEMA_VERSION = 12  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
+SCHEMA_VERSION = 13  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
 # 4: the trainer grants work (GrantRequest/Grant), samplers no longer take it from KV;
 # 5: grants are numbered slots ("leases" on the wire): a grant names them, a group carries the
 # one it fills and its epoch;
@@ -30,7 +30,8 @@ SCHEMA_VERSION = 12  # 2: a weights announcement lists shards; 3: and names the 
 # 9: a pull request names the trainer's epoch (a resumed trainer asks for an older version);
 # 10: a completion sampled across weight updates names where each newer version took over;
 # 11: a group's body parts share their sampler's one bodies subject, its message names their sequences;
-# 12: a completion may be a multi-turn episode: it names where the environment's tokens lie
+# 12: a completion may be a multi-turn episode: it names where the environment's tokens lie;
+# 13: the trainer's LearnerStatus says when the run has finished
 
 # Run and sampler ids become subject tokens and stream names: keep them to safe characters.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -203,7 +204,7 @@ class _Message(BaseModel):
     # A field's alias is its name on the wire, where that differs from its name here: code
     # builds messages by name, decoding accepts the wire's names only (_validate).
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_by_name=True, serialize_by_alias=True)
-    schema_version: Literal[12] = SCHEMA_VERSION
+    schema_version: Literal[13] = SCHEMA_VERSION
 
 
 # The validation context of a decoded message, whose arrays _decode_group checked whole (per
@@ -437,6 +438,7 @@ class LearnerStatus(_Message):
     publish_s: float = Field(0.0, ge=0)
     accounting: dict[str, int] = {}
     rejected: dict[str, int] = {}
+    finished: bool = False  # its last step is trained: status says so, samplers stop
 
 
 class Schedule(_Message):

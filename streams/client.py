@@ -99,7 +99,7 @@ class ConnectionEvents:
         self.refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     async def error(self, e: Exception) -> None:
-        reason, now = f"{type(e).__name__}: {e}", time.monotonic()
+        reason, now = self.reason(e), time.monotonic()
         if self.nc is None and refused(e):
             if not self.refused.done():
                 self.refused.set_result(reason)
@@ -111,6 +111,14 @@ class ConnectionEvents:
             log.warning("nats.unreachable", url=self.url, reason=reason, retrying=True)
         else:
             log.warning("nats.error", url=self.url, reason=reason)
+
+    @staticmethod
+    def reason(e: Exception) -> str:
+        if isinstance(e, (TimeoutError, asyncio.TimeoutError)) and not str(e):
+            # The TCP connection was made and nothing spoke NATS on it within connect_timeout.
+            return "connected, but no NATS greeting came: not a NATS server's client port (the monitoring " \
+                   "port? a proxy?), or one too busy to answer"
+        return f"{type(e).__name__}: {e}"
 
     async def disconnected(self) -> None:
         if self.nc is not None and not self.nc.is_closed:  # nats-py calls this on close() too

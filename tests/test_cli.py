@@ -1,6 +1,7 @@
 import asyncio
 import importlib.util
 import signal
+import socket
 import subprocess
 import sys
 
@@ -162,3 +163,33 @@ def test_a_person_waiting_on_a_command_gets_one_line_for_a_refused_broker_or_a_w
               "--tls-ca", str(trainer.ca_file)], "run 'nope'", "not on this broker")
     one_line(["plan", "--nats", server.url, "--run-id", "nope", *as_observer], "run 'nope'", "not on this broker")
     one_line(["replay", "--nats", server.url, "--run", "nope", *as_observer], "run 'nope'", "not on this broker")
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--task", "maths"], "did you mean math or math_tools?"),
+    (["--model", "/nope"], "model.name '/nope'"),
+    (["--set", "run.id=bad/id"], "run.id"),
+    (["--run-id", "y", "--set", "run.id=z"], "both set run.id"),
+])
+def test_a_samplers_typo_is_said_in_one_line_before_it_reaches_for_the_broker(capsys, args, said):
+    """`--task maths` and `--model /nope` gave a 256-line traceback once the run's config came
+    (and against an unreachable server were not checked at all); `--run-id X --set run.id=bad/id`
+    silently took X. The port here is closed: a check after connecting would retry for ever."""
+    closed = f"nats://127.0.0.1:{free_port()}"
+    assert main(["sampler", "--id", "s1", "--nats", closed, "--run-id", "x", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and said in err, err
+
+
+def test_a_server_that_does_not_speak_nats_is_named_as_such(capsys, monkeypatch):
+    """A port that accepts and says nothing (an HTTP server, the monitoring port) was reported as
+    `reason='TimeoutError: '`."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    monkeypatch.setattr("streams.client.PATIENCE_S", 7.0)  # past nats-py's connect_timeout of 5 s
+    try:
+        assert main(["status", "--nats", f"nats://127.0.0.1:{listener.getsockname()[1]}", "--run-id", "x",
+                     "--once"]) == 2
+    finally:
+        listener.close()
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no NATS greeting" in err, err

@@ -188,6 +188,24 @@ def test_ctrl_c_or_sigterm_stops_every_process(tmp_path, stop, code):
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
 
 
+
+def test_sigterm_during_the_final_evaluation_stops_it_in_one_line(tmp_path):
+    """SIGTERM while `up` scored the held-out set printed a KeyboardInterrupt traceback. The run
+    is trained and kept; only its evaluation is cut short. (Held-out completions of up to 2,048
+    tokens: the evaluation outlasts the signal's delivery on any CPU.)"""
+    proc = subprocess.Popen(up_command(tmp_path, "evals", 1, "run.eval_prompts=50", "sampling.max_new_tokens=2048"),
+                            stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "eval.start" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) == 143, "".join(seen)[-3000:] + rest
+    assert "Traceback" not in rest and "swarm.interrupted" in rest and "evaluation" in rest, rest
+    assert (tmp_path / "evals" / "metrics.jsonl").exists() and not (tmp_path / "evals" / "eval.json").exists()
+
 USER_TASK = '''
 from echo.tasks import GeneratedTask, Score
 

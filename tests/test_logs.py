@@ -1,11 +1,16 @@
 """Every log line says who wrote it: run, role, worker and the policy version it runs."""
 
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import orjson
 import structlog
 
 from echo.logs import bind_process, configure_logging
+
+ECHO_RL = str(Path(sys.executable).parent / "echo-rl")
 
 
 def test_json_lines_carry_the_processs_identity_from_any_thread(capsys):
@@ -44,3 +49,27 @@ def test_progress_is_drawn_on_a_terminal_never_across_a_log_line_and_not_in_json
     with Progress("held-out", 4, " prompts") as progress:
         progress.advance(4)
     assert capsys.readouterr().err == ""
+
+
+def test_a_tls_peer_closing_prints_no_asyncio_noise(secured):
+    """Every TLS client printed `returning true from eof_received() has no effect when using ssl`
+    (asyncio's own warning, no prefix) when its server closed."""
+    server, secure = secured
+    observer = secure.credentials("observer")
+    done = subprocess.run([ECHO_RL, "status", "--nats", server.url, "--run-id", "sec", "--creds",
+                           str(observer.seed_file), "--tls-ca", str(observer.ca_file), "--once"],
+                          capture_output=True, text=True, timeout=120)
+    assert "eof_received" not in done.stderr, done.stderr
+
+
+def test_a_module_logger_used_before_a_commands_set_up_follows_it(capsys):
+    """A command's level="error" did not hold for a module's logger used before it (structlog
+    caches a logger's configuration on first use): `status` printed the connection's warnings
+    above its one line when an earlier test had connected at the info level."""
+    from streams.client import log
+
+    configure_logging(level="info")
+    log.warning("early")
+    configure_logging(level="error")  # a command whose output is its answer
+    log.warning("said only at the info level")
+    assert capsys.readouterr().err.count("\n") == 1

@@ -8,6 +8,7 @@ import time
 import orjson
 import pytest
 
+from tests.conftest import tiny_config, worker_process
 from tests.test_e2e import up_command
 
 pytestmark = pytest.mark.slow
@@ -45,3 +46,39 @@ def test_status_shows_the_trainer_and_every_sampler_of_a_live_swarm(tmp_path):
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
+
+
+def test_the_end_of_a_standalone_run_is_seen_outside_the_trainer(tmp_path, nats_server):
+    """A standalone trainer exited without a summary, its samplers stayed "active" for minutes and
+    `status` showed the last step as if live. Now its last line is the summary, the run is marked
+    finished (status says so) and the sampler leaves by itself (exit 0)."""
+    cfg = tiny_config(tmp_path, run={"id": "ends", "steps": 2}, nats={"url": nats_server.url},
+                      sampler={"heartbeat_s": 0.5})
+    config_path = tmp_path / "config.toml"
+    config_path.write_text(cfg.to_toml())
+    trainer = worker_process(config_path, "trainer")
+    sampler = worker_process(config_path, "sampler", "--id", "s1")
+    try:
+        _, trainer_log = trainer.communicate(timeout=180)
+        _, sampler_log = sampler.communicate(timeout=60)  # no signal: it stops by itself
+    finally:
+        for p in (trainer, sampler):
+            if p.poll() is None:
+                p.kill()
+    assert trainer.returncode == 0, trainer_log[-3000:]
+    last = orjson.loads(trainer_log.strip().splitlines()[-1])
+    assert last["event"] == "trainer.finished" and last["steps"] == 2 and "reward_last5" in last
+    assert sampler.returncode == 0, sampler_log[-3000:]
+    assert any(orjson.loads(line).get("event") == "sampler.run_finished" for line in sampler_log.splitlines()
+               if line.startswith("{"))
+    snap = orjson.loads(_status_of(nats_server.url, "ends"))
+    assert snap["trainer"]["finished"] is True and snap["trainer"]["step"] == 2
+    assert [s["state"] for s in snap["samplers"]] == ["draining"]  # its last word
+    assert "finished at step 2" in _status_of(nats_server.url, "ends", json=False)
+
+
+def _status_of(url: str, run_id: str, json: bool = True) -> str:
+    done = subprocess.run([sys.executable, "-m", "workers.cli", "status", "--nats", url, "--run-id", run_id, "--once",
+                           *(["--json"] if json else [])], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout

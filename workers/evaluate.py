@@ -3,9 +3,11 @@ held-out set, with greedy decoding, so the two numbers differ only by what train
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import orjson
+import structlog
 
 from echo.checkpoint import latest_weights, read_shards
 from echo.config import EchoConfig
@@ -13,6 +15,8 @@ from echo.engines import make_engine
 from echo.environments import play_episodes, plays_episodes
 from echo.logs import Progress
 from echo.tasks import load_task
+
+log = structlog.get_logger()
 
 
 def held_out_score(engine, task, prompts, max_tokens: int, batch: int = 8) -> tuple[float, float]:
@@ -40,6 +44,7 @@ def evaluate(cfg: EchoConfig, version: int, shards: list[Path], n: int, batch: i
     prompts = task.held_out(n)
     if not prompts:
         raise ValueError(f"task {task.name!r} holds out no prompts to score")
+    log.info("eval.start", prompts=len(prompts), asked=n, decoding="greedy")  # a task may hold out fewer
     max_tokens = cfg.sampling.max_new_tokens
     base_reward, base_correct = held_out_score(engine, task, prompts, max_tokens, batch)  # the base model first
     engine.load_weights(read_shards(shards))
@@ -55,10 +60,16 @@ def evaluate(cfg: EchoConfig, version: int, shards: list[Path], n: int, batch: i
     }
 
 
-def evaluate_run(run_dir: Path, n: int, overrides: list[str] = ()) -> dict:
+def evaluate_run(run_dir: Path, n: int, overrides: list[str] = (), keep_earlier: bool = False) -> dict:
+    """Scores the run's last weights into <run>/eval.json; `keep_earlier`: into the first free
+    eval-K.json if there is one already (`echo-rl eval` after `up`: the run's own result stays)."""
     from echo.config import load_config
 
     cfg = load_config(run_dir / "config.toml", overrides)
     result = evaluate(cfg, *latest_weights(run_dir), n)
-    (run_dir / "eval.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    out = run_dir / "eval.json"
+    if keep_earlier:
+        out = next(p for k in itertools.count(1) if not (p := run_dir / (f"eval-{k}.json" if k > 1 else "eval.json")).exists())
+    out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    log.info("eval.done", file=str(out), **result)
     return result

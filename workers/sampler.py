@@ -32,13 +32,22 @@ from streams.client import BROKER_ERRORS, LatestValue, Run, open_run
 from streams.credentials import credentials_of
 from streams.grants import request_grant, watch_budget
 from streams.quarantine import read_quarantine
-from streams.registry import put_status, weights_relay
+from streams.registry import put_status, read_learner, weights_relay
 from streams.schedule import watch_schedule
 from streams.rollouts import publish_rollout
 from streams.weights import WeightsFollower
 from workers.background import Background
 
 log = structlog.get_logger()
+
+
+class RunFinished(Exception):
+    """The trainer has trained the run's last step: nothing more will be asked for."""
+
+    def __init__(self, step: int):
+        super().__init__(f"the run finished at step {step}")
+        self.step = step
+
 
 ASK_AGAIN_S = 0.2
 NO_ANSWER_WAIT_S = 1.0  # no trainer answered a request for work (none yet, or a broker restarting)
@@ -213,9 +222,16 @@ class Sampler:
             log.warning("sampler.heartbeat_failed", reason=repr(e))
 
     async def beat_forever(self) -> None:
+        """Heartbeats until the trainer says the run has finished (RunFinished)."""
         while True:
             await asyncio.sleep(self.cfg.sampler.heartbeat_s)
             await self.try_beat()
+            try:
+                learner = await read_learner(self.run)
+            except BROKER_ERRORS:
+                continue
+            if learner is not None and learner.finished:
+                raise RunFinished(learner.step)
 
     def follow_schedule(self, schedule: Schedule) -> None:
         standby = self.sampler_id in schedule.standby
@@ -245,6 +261,8 @@ class Sampler:
                 else:
                     background.start(watch_budget(self.run, self.budget_changed))
                     await self.run_async()
+        except RunFinished as e:
+            log.info("sampler.run_finished", step=e.step)
         finally:
             self.draining = True
             try:

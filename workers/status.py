@@ -38,7 +38,7 @@ async def snapshot(run: Run) -> dict:
             "epoch": await current_epoch(run), "step": learner.step, "version": learner.version,
             "rewards": learner.rewards, "learner_busy": learner.utilisation, "step_s": learner.step_s,
             "publish_s": learner.publish_s, "accounting": learner.accounting, "rejected": learner.rejected,
-            "seen_s_ago": round(now - learner.updated_at, 1),
+            "seen_s_ago": round(now - learner.updated_at, 1), "finished": learner.finished,
         },
         "samplers": [{
             "id": s.sampler_id, "state": "quarantined" if s.sampler_id in quarantined else s.state,
@@ -68,7 +68,9 @@ def render(snap: dict):
     if trainer is None:
         head.add_row("trainer", "no step yet")
     else:
-        head.add_row("trainer", f"incarnation {trainer['epoch']}, step {trainer['step']}, version {trainer['version']}, "
+        head.add_row("trainer", (f"finished at step {trainer['step']} ({trainer['seen_s_ago']:.0f} s ago), "
+                                 if trainer["finished"] else "") +
+                     f"incarnation {trainer['epoch']}, step {trainer['step']}, version {trainer['version']}, "
                      f"learner busy {trainer['learner_busy']:.0%}, {trainer['step_s']:.2f} s a step, "
                      f"publish {trainer['publish_s']:.2f} s")
         head.add_row("reward (last steps)", " ".join(f"{r:.2f}" for r in trainer["rewards"]))

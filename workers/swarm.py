@@ -13,11 +13,11 @@ from pathlib import Path
 import orjson
 import structlog
 
-from echo.checkpoint import read_metrics
 from echo.config import ConfigError, EchoConfig
 from echo.models import resolve_model
 from streams.secure import SERVER_CONF, SecureDir
 from streams.server import NatsCluster, NatsServer, free_port
+from workers.accounting import summarize
 from workers.evaluate import evaluate_run
 from workers.relay import loopback_relay_args
 from workers.report import write_report
@@ -54,29 +54,6 @@ def stop_processes(processes: list[subprocess.Popen], timeout: float = 20.0) -> 
             log.warning("swarm.kill", pid=p.pid, args=p.args[3:5])
             p.kill()
             p.wait()
-
-
-def summarize(run_dir: Path) -> dict:
-    lines = read_metrics(run_dir)
-    if not lines:
-        return {"steps": 0}
-    first, last = lines[0], lines[-1]
-    later = lines[1:] or lines
-    wasted = sum(r["dropped_tokens"] for r in lines)
-    return {
-        "steps": len(lines),
-        "final_version": last["version"],
-        "time_to_first_step_s": round(first["wall_seconds"], 1),
-        "seconds_per_step": round(sum(r["step_seconds"] for r in later) / len(later), 2),
-        "reward_first": round(first["reward_mean"], 3),
-        "reward_last": round(last["reward_mean"], 3),
-        "reward_last5": round(sum(r["reward_mean"] for r in lines[-5:]) / len(lines[-5:]), 3),
-        "rollouts_used": sum(r["used"] for r in lines),
-        "rollouts_dropped_stale": sum(r["dropped_stale"] for r in lines),
-        "wasted_token_fraction": round(wasted / max(wasted + sum(r["tokens"] for r in lines), 1), 4),
-        "learner_busy": round(sum(r["learner_busy"] for r in lines) / len(lines), 2),
-        "accounting": last.get("accounting"),  # published = trained + dropped_stale + rejected + pending
-    }
 
 
 SITE = "site"  # the relay of `up --relay`
@@ -163,9 +140,10 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
         while (code := trainer.poll()) is None:
-            died = [p for p in samplers if p.poll() is not None]
-            if len(died) == len(samplers):
-                log.error("swarm.no_samplers", exit_codes=[p.returncode for p in died])
+            codes = [p.poll() for p in samplers]
+            # Samplers leave by themselves (0) once the trainer says the run has finished.
+            if None not in codes and any(codes):
+                log.error("swarm.no_samplers", exit_codes=codes)
                 code = 1
                 break
             time.sleep(0.5)
@@ -177,12 +155,20 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
         stop_processes(relays)  # after their samplers: a sampler's last heartbeat goes through its relay
         server.stop()
     if code == 0:
-        summary = summarize(run_dir)
-        log.info("swarm.done", run_dir=str(run_dir), **summary)
-        summary["report"] = str(write_report(run_dir))
-        if cfg.run.eval_prompts:
-            log.info("eval.start", prompts=cfg.run.eval_prompts, decoding="greedy")
-            summary["eval"] = evaluate_run(run_dir, cfg.run.eval_prompts)
-            log.info("eval.done", **summary["eval"])
-        (run_dir / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+        try:
+            finish(run_dir, cfg.run.eval_prompts)
+        except KeyboardInterrupt:  # the run is trained and kept: only its evaluation is cut short
+            log.info("swarm.interrupted", signal="SIGTERM" if terminated else "SIGINT", during="evaluation")
+            code = 143 if terminated else 130
     return code
+
+
+def finish(run_dir: Path, eval_prompts: int) -> None:
+    """A finished run's summary, report and held-out evaluation, each said where it is written."""
+    summary = summarize(run_dir)
+    log.info("swarm.done", run_dir=str(run_dir), **summary)
+    if eval_prompts:
+        summary["eval"] = evaluate_run(run_dir, eval_prompts)
+    summary["report"] = str(write_report(run_dir))  # after the evaluation: the report shows it
+    (run_dir / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    log.info("swarm.report", report=summary["report"], summary=str(run_dir / "summary.json"))

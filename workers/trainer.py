@@ -35,11 +35,11 @@ from streams.client import Run, open_run, retry_forever
 from streams.credentials import credentials_of
 from streams.inbox import RolloutInbox
 from streams.lease import Lease, take_lease
-from streams.registry import put_learner
+from streams.registry import put_learner, read_learner
 from streams.run_config import publish_run_config
 from streams.weights import publish_weights
 from workers.accounting import (RecentSteps, StepClock, account, count_abandoned, count_consumed, count_evicted,
-                                finished_record, metrics_line, restore_metrics, step_record)
+                                finished_record, metrics_line, restore_metrics, step_record, summarize)
 from workers.background import Background
 from workers.coordinator import Coordinator
 from workers.dispatch import dispatch_for
@@ -141,6 +141,17 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
             log.info("step", step=step, version=state.version, reward=round(stats["reward_mean"], 3),
                      used=record["used"], stale=record["dropped_stale"], busy=f"{record['learner_busy']:.0%}",
                      seconds=round(record["step_seconds"], 2))
+    await say_finished(run, cfg)
+
+
+async def say_finished(run: Run, cfg: EchoConfig) -> None:
+    """The run's end, visible outside this process: its learner status marked finished (status
+    shows it, samplers stop on it) and its summary as the last line."""
+    learner = await retry_forever("read the learner status", lambda: read_learner(run))
+    if learner is not None:
+        finished = learner.model_copy(update={"finished": True})
+        await retry_forever("mark the run finished", lambda: put_learner(run, finished))
+    log.info("trainer.finished", run_dir=str(cfg.run_dir), **summarize(cfg.run_dir))
 
 
 async def train_in_thread(model: TrainerModel, batch, oldest_version: int) -> dict:

@@ -10,6 +10,7 @@ Built-in tasks are named in the config (`task.name = "sokoban"`); a user's own i
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -112,11 +113,15 @@ def parse_params(model: type[P], params: dict) -> P:
         raise ConfigError("invalid config: " + format_errors(e, prefix="task.params.")) from None
 
 
-def load_task(cfg: TaskConfig) -> Task:
-    path = BUILTIN.get(cfg.name, cfg.name)
+def task_class(name: str) -> type:
+    """The class a task.name names (a built-in, module:Class or file.py:Class), imported, not yet
+    made: a wrong name is said before anything else is done."""
+    path = BUILTIN.get(name, name)
     module_name, _, class_name = path.rpartition(":")
     if not module_name:
-        raise ConfigError(f"task.name {cfg.name!r}: not a built-in task ({', '.join(BUILTIN)}) nor module:Class")
+        close = difflib.get_close_matches(name, BUILTIN, n=3)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        raise ConfigError(f"task.name {name!r}: {hint}not a built-in task ({', '.join(BUILTIN)}) nor module:Class")
     try:
         if module_name.endswith(".py"):
             spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
@@ -126,7 +131,10 @@ def load_task(cfg: TaskConfig) -> Task:
             spec.loader.exec_module(module)
         else:
             module = importlib.import_module(module_name)
-        cls = getattr(module, class_name)
+        return getattr(module, class_name)
     except (ImportError, AttributeError, FileNotFoundError) as e:
-        raise ConfigError(f"task.name {cfg.name!r}: {e}") from None
-    return cls(cfg.params)
+        raise ConfigError(f"task.name {name!r}: {e}") from None
+
+
+def load_task(cfg: TaskConfig) -> Task:
+    return task_class(cfg.name)(cfg.params)

@@ -57,12 +57,16 @@ def at_least(low: int):
 def local_overrides(args) -> list[str]:
     """The command line's config fields as `section.key=value` overrides: `--set` and the shortcut flags."""
     overrides = list(args.set)
+    set_fields = {assignment.partition("=")[0].strip(): assignment for assignment in args.set}
     for flag, field in [("model", "model.name"), ("mode", "run.mode"), ("steps", "run.steps"),
                         ("run_id", "run.id"), ("nats", "nats.url"), ("samplers", "sampler.count"),
                         ("task", "task.name"), ("creds", "nats.creds"), ("tls_ca", "nats.tls_ca"),
                         ("weights_from", "nats.weights_url")]:
         value = getattr(args, flag, None)
         if value is not None:
+            if field in set_fields:  # which one was meant? Neither silently.
+                raise ConfigError(f"--{flag.replace('_', '-')} {value} and --set {set_fields[field]} both set {field}: "
+                                  "give one")
             overrides.append(f"{field}={orjson.dumps(value).decode()}")  # a JSON scalar is a TOML value
     return overrides
 

@@ -27,5 +27,5 @@ def run(args) -> int:
 
     run_dir = run_directory(args.run, "config.toml")  # checked before logging is set up
     configure_logging(args.log_json, run=run_dir.name, role="eval", worker="eval")
-    print(orjson.dumps(evaluate_run(run_dir, args.prompts, args.set), option=orjson.OPT_INDENT_2).decode())
+    print(orjson.dumps(evaluate_run(run_dir, args.prompts, args.set, keep_earlier=True), option=orjson.OPT_INDENT_2).decode())
     return 0

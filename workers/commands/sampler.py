@@ -8,6 +8,7 @@ from echo.config import ConfigError, EchoConfig, apply_override, validate_config
 from echo.edge import check_config_from_broker, drop_this_box_fields
 from echo.logs import bind_process, configure_logging
 from echo.protocol import HUB_DOMAIN, check_id
+from echo.tasks import task_class
 from streams.credentials import credentials_of
 from workers.commands.common import check_hardware, config_args, config_from_args, local_overrides, run_until_signal
 
@@ -31,9 +32,7 @@ async def sampler_config_from_run(args) -> EchoConfig:
     if not (args.nats and args.run_id):
         raise ConfigError("a sampler without --config needs --nats and --run-id")
     local = local_overrides(args)
-    given: dict = {}
-    for assignment in local:
-        apply_override(given, assignment)
+    given = checked_command_line(local)
     nats_given = given.get("nats", {})
     hub_domain = nats_given.get("hub_domain", HUB_DOMAIN)
     credentials = credentials_of(nats_given.get("creds", ""), nats_given.get("tls_ca", ""))
@@ -48,6 +47,22 @@ async def sampler_config_from_run(args) -> EchoConfig:
     for assignment in local:  # --nats among them: the hub, or this site's relay
         apply_override(data, assignment)
     return validate_config(data)
+
+
+def checked_command_line(local: list[str]) -> dict:
+    """The fields this box's command line sets, checked before the broker is reached: a typo in a
+    value, a task or a model is said at once, not after minutes of waiting for a run."""
+    given: dict = {}
+    for assignment in local:
+        apply_override(given, assignment)
+    cfg = validate_config(given)  # every type and limit (run.id's characters among them)
+    if "task" in given:
+        task_class(cfg.task.name)
+    if "model" in given:
+        from echo.models import check_model_name  # torch: imported by the commands that need it
+
+        check_model_name(cfg.model.name)
+    return given
 
 
 def run(args) -> int:
