@@ -1,17 +1,20 @@
 """Replay a run's rollout stream, for debugging: every stored group in order, with its headers.
 
-Given a run directory, it starts a server on the run's own JetStream store, so a finished run
-can be inspected after the fact; given --nats, it reads a live server."""
+Given a run directory, it reads the run where its config says it lives (a hub), or, for an `up`
+run whose embedded server has stopped, from a server started on the run's own JetStream store,
+so a finished run can be inspected after the fact; given --nats, it reads that server."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 import tomllib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Callable, Iterator
+from urllib.parse import urlparse
 
 import orjson
 from nats.js.api import DeliverPolicy
@@ -19,7 +22,7 @@ from nats.js.errors import NotFoundError
 
 from echo.protocol import HDR_SAMPLER_ID, Completion, ProtocolError, RolloutGroup, RunNames, decode_rollout
 from streams.client import BROKER_ERRORS, PATIENCE_S, connect, no_run
-from streams.credentials import Credentials
+from streams.credentials import Credentials, credentials_of
 from streams.rollouts import rollout_body
 from streams.secure import SERVER_CONF, SecureDir
 from streams.server import NatsServer
@@ -139,22 +142,37 @@ async def _dump(url: str, run_id: str, out, keep: Keep, table: bool, credentials
 @contextmanager
 def run_broker(run: str | Path, nats_url: str | None,
                credentials: Credentials | None = None) -> Iterator[tuple[str, str, Credentials | None]]:
-    """(broker URL, run id, credentials): the given server, run id and credentials, or a server
-    started on a run directory's own store (a finished run can be read after the fact). A
-    secured `up` run's store keeps the run in its accounts: the server gets the run's own
-    secured config, and the run's observer reads it."""
+    """(broker URL, run id, credentials) of a run: the given server and run id; or, for a run
+    directory, where its config says the run lives, with the config's credentials unless others
+    are given. An `up` run whose embedded server has stopped (a finished run) is read from a
+    server started on its own store; a secured one's store keeps the run in its accounts, so that
+    server gets the run's own secured config, and the run's observer reads it."""
     if nats_url:
         yield nats_url, str(run), credentials
         return
     run_dir = Path(run)
-    run_id = tomllib.loads((run_dir / "config.toml").read_text())["run"]["id"]
+    cfg = tomllib.loads((run_dir / "config.toml").read_text())
+    run_id, nats = cfg["run"]["id"], cfg.get("nats", {})
     secure = SecureDir(run_dir / "secure")
-    if (secure.dir / SERVER_CONF).exists():
-        with NatsServer(run_dir / "nats", include=secure.dir / SERVER_CONF) as server:
-            yield server.url, run_id, secure.credentials("observer")
+    secured = (secure.dir / SERVER_CONF).exists()
+    credentials = credentials or (secure.credentials("observer") if secured else
+                                  credentials_of(nats.get("creds", ""), nats.get("tls_ca", "")))
+    url = nats.get("url", "")
+    if (run_dir / "nats").is_dir() and not listening(url):
+        with NatsServer(run_dir / "nats", include=secure.dir / SERVER_CONF if secured else None) as server:
+            yield server.url, run_id, credentials
         return
-    with NatsServer(run_dir / "nats") as server:
-        yield server.url, run_id, credentials
+    yield url, run_id, credentials
+
+
+def listening(url: str) -> bool:
+    """Whether anything accepts a TCP connection at the first server of `url`."""
+    address = urlparse(url.split(",")[0])
+    try:
+        socket.create_connection((address.hostname or "127.0.0.1", address.port or 4222), timeout=1.0).close()
+        return True
+    except OSError:
+        return False
 
 
 def replay(run: str | Path, nats_url: str | None, out_path: str | None, keep: Keep = Keep(), table: bool = False,

@@ -48,16 +48,22 @@ def test_status_shows_the_trainer_and_every_sampler_of_a_live_swarm(tmp_path):
         proc.wait(timeout=60)
 
 
-def test_the_end_of_a_standalone_run_is_seen_outside_the_trainer(tmp_path, nats_server):
+
+def test_the_end_of_a_secured_standalone_run_is_seen_from_its_run_directory(tmp_path, secured):
     """A standalone trainer exited without a summary, its samplers stayed "active" for minutes and
-    `status` showed the last step as if live. Now its last line is the summary, the run is marked
-    finished (status says so) and the sampler leaves by itself (exit 0)."""
-    cfg = tiny_config(tmp_path, run={"id": "ends", "steps": 2}, nats={"url": nats_server.url},
-                      sampler={"heartbeat_s": 0.5})
+    `status` showed the last step as if live; `status --run DIR` ignored the credentials in the
+    run's config (a certificate error, retried for 10 minutes) and `replay --run DIR` refused a
+    run whose rollouts live on a hub. Now the trainer's last line is the summary, the run is
+    marked finished, the sampler leaves by itself (exit 0), and both commands read the run from
+    its directory alone."""
+    server, secure = secured
+    trainer_creds, sampler_creds = secure.credentials("trainer"), secure.credentials("sampler-s1")
+    cfg = tiny_config(tmp_path, run={"id": "sec", "steps": 2}, sampler={"heartbeat_s": 0.5},
+                      nats={"url": server.url, "creds": str(trainer_creds.seed_file), "tls_ca": str(trainer_creds.ca_file)})
     config_path = tmp_path / "config.toml"
     config_path.write_text(cfg.to_toml())
     trainer = worker_process(config_path, "trainer")
-    sampler = worker_process(config_path, "sampler", "--id", "s1")
+    sampler = worker_process(config_path, "sampler", "--id", "s1", "--creds", str(sampler_creds.seed_file))
     try:
         _, trainer_log = trainer.communicate(timeout=180)
         _, sampler_log = sampler.communicate(timeout=60)  # no signal: it stops by itself
@@ -71,14 +77,20 @@ def test_the_end_of_a_standalone_run_is_seen_outside_the_trainer(tmp_path, nats_
     assert sampler.returncode == 0, sampler_log[-3000:]
     assert any(orjson.loads(line).get("event") == "sampler.run_finished" for line in sampler_log.splitlines()
                if line.startswith("{"))
-    snap = orjson.loads(_status_of(nats_server.url, "ends"))
+
+    run_dir = cfg.run_dir  # its config names the hub and the trainer's credentials
+    snap = orjson.loads(_status(run_dir, "--json"))
     assert snap["trainer"]["finished"] is True and snap["trainer"]["step"] == 2
     assert [s["state"] for s in snap["samplers"]] == ["draining"]  # its last word
-    assert "finished at step 2" in _status_of(nats_server.url, "ends", json=False)
+    assert "finished at step 2" in _status(run_dir)
+    replayed = subprocess.run([sys.executable, "-m", "workers.cli", "replay", "--run", str(run_dir)],
+                              capture_output=True, text=True, timeout=60)
+    assert replayed.returncode == 0 and len(replayed.stdout.splitlines()) >= 8, replayed.stderr[-2000:]
 
 
-def _status_of(url: str, run_id: str, json: bool = True) -> str:
-    done = subprocess.run([sys.executable, "-m", "workers.cli", "status", "--nats", url, "--run-id", run_id, "--once",
-                           *(["--json"] if json else [])], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
+def test_a_finished_up_run_is_read_from_its_own_store(tmp_path):
+    """`status --run DIR` of a finished `up` run retried the stopped embedded server's port forever."""
+    done = subprocess.run(up_command(tmp_path, "done", 2), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    snap = orjson.loads(_status(tmp_path / "done", "--json"))
+    assert snap["trainer"]["finished"] is True and snap["trainer"]["step"] == 2

@@ -47,7 +47,7 @@ def starts_server(args) -> bool:
 def run(args) -> int:
     from streams.replay import Keep, replay
 
-    source = args.run if args.nats else run_directory(args.run, "nats")
+    source = args.run if args.nats else run_directory(args.run, "config.toml")
     # A replay's records are the output, a failure is said in one line; a retrain logs its steps.
     configure_logging(args.log_json, level="info" if args.retrain else "error", run=Path(args.run).name,
                       role="replay", worker="replay")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from echo.config import ConfigError, load_config
+from echo.config import ConfigError
 from echo.logs import configure_logging
 from streams.credentials import credentials_of
 from workers.commands.common import run_directory, run_until_signal
@@ -25,22 +25,12 @@ def register(sub) -> None:
     status.add_argument("--json", action="store_true", help="snapshots as JSON lines (one with --once)")
 
 
-def status_target(args) -> tuple[str, str]:
-    """(broker URL, run id) from a run directory's config, or as given."""
-    if args.run:
-        cfg = load_config(run_directory(args.run, "config.toml") / "config.toml")
-        return cfg.nats.url, cfg.run.id
-    if args.nats and args.run_id:
-        return args.nats, args.run_id
-    raise ConfigError("status: --run RUN_DIR, or --nats URL --run-id ID")
-
-
-async def status_command(args, url: str, run_id: str) -> int:
+async def status_command(args, url: str, run_id: str, credentials) -> int:
     from streams.client import PATIENCE_S, open_run
     from workers.status import watch
 
-    run = await open_run(url, run_id, "status", credentials=credentials_of(args.creds, args.tls_ca),
-                         create=False, join_wait_s=0, give_up_s=PATIENCE_S)
+    run = await open_run(url, run_id, "status", credentials=credentials, create=False, join_wait_s=0,
+                         give_up_s=PATIENCE_S)
     try:
         await watch(run, args.once, args.json, sys.stdout)
     finally:
@@ -49,6 +39,12 @@ async def status_command(args, url: str, run_id: str) -> int:
 
 
 def run(args) -> int:
-    url, run_id = status_target(args)
+    from streams.replay import run_broker
+
+    if not (args.run or (args.nats and args.run_id)):
+        raise ConfigError("status: --run RUN_DIR, or --nats URL --run-id ID")
     configure_logging(level="error")  # the view is the output; a failure is said in one line
-    return run_until_signal(status_command(args, url, run_id))
+    run = run_directory(args.run, "config.toml") if args.run else args.run_id
+    # A run directory: where its config says, with its credentials; a finished `up` run from its store.
+    with run_broker(run, None if args.run else args.nats, credentials_of(args.creds, args.tls_ca)) as (url, run_id, creds):
+        return run_until_signal(status_command(args, url, run_id, creds))
