@@ -100,7 +100,7 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
     # (Re)publish the current version: a fresh run's version 0, or the checkpoint's.
     await publish_policy(run, cfg, model, state.version)
     await dispatch.start()
-    log.info("trainer.ready", run=cfg.run.id, mode=cfg.run.mode, model=cfg.model.name, step=state.step,
+    log.info("trainer.ready", run_id=cfg.run.id, mode=cfg.run.mode, model=cfg.model.name, step=state.step,
              version=state.version, steps=cfg.run.steps, ranks=model.ranks.world)
     clock = StepClock(process_started=time.perf_counter())
     with open(run_dir / "metrics.jsonl", "ab") as metrics_file:

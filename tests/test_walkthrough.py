@@ -1,0 +1,82 @@
+"""The README's "Several machines" walkthrough on a trusted network, followed to the letter on
+one machine: the hub from compose/nats.conf (its store_dir edited, as the README says, and free
+ports for this test), the trainer on the shipped docs/run.toml, a site relay with its own client
+port, a sampler behind it that knows only the relay's URL and the run id, then status, report,
+eval and replay. The one departure: the tiny model and 3 steps, not SmolLM2 and 40."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from streams.server import free_port, nats_server_binary
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).parent.parent
+ECHO_RL = [sys.executable, "-m", "workers.cli"]
+SMALL = ["--model", "tiny", "--steps", "3", "--set", "lora.r=4", "--set", "sampling.group_size=4",
+         "--set", "sampling.max_new_tokens=8", "--set", "trainer.threads=1"]
+
+
+def _hub_config(tmp_path: Path) -> tuple[Path, int, int]:
+    """compose/nats.conf with this test's store and ports."""
+    client, leaf, monitor = free_port(), free_port(), free_port()
+    text = (ROOT / "compose" / "nats.conf").read_text()
+    for old, new in [("port: 4222", f"port: {client}"), ("http_port: 8222", f"http_port: {monitor}"),
+                     ("store_dir: /data", f"store_dir: {tmp_path / 'hub'}"), ("port: 7422", f"port: {leaf}")]:
+        assert old in text, old
+        text = text.replace(old, new, 1)
+    path = tmp_path / "hub.conf"
+    path.write_text(text)
+    return path, client, leaf
+
+
+def test_the_readme_walkthrough_on_a_trusted_network(tmp_path):
+    conf, client, leaf = _hub_config(tmp_path)
+    hub_url, relay_port = f"nats://127.0.0.1:{client}", free_port()
+    processes = []
+
+    def start(*args: str) -> subprocess.Popen:
+        processes.append(subprocess.Popen(list(args), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                          text=True))
+        return processes[-1]
+
+    try:
+        start(nats_server_binary(), "-c", str(conf))  # 1. the hub
+        trainer = start(*ECHO_RL, "trainer", "--config", str(ROOT / "docs" / "run.toml"), "--nats", hub_url, *SMALL,
+                        "--log-json")  # 2.
+        start(*ECHO_RL, "relay", "--hub", f"nats-leaf://127.0.0.1:{leaf}", "--run-id", "arith-1", "--domain", "site-a",
+              "--insecure", "--port", str(relay_port))  # 3. beside the hub: another client port
+        sampler = start(*ECHO_RL, "sampler", "--nats", f"nats://127.0.0.1:{relay_port}", "--run-id", "arith-1",
+                        "--id", "s3", "--set", "sampler.heartbeat_s=0.5")  # 4. the relay's URL and the run id only
+        _, trainer_log = trainer.communicate(timeout=300)
+        assert trainer.returncode == 0, trainer_log[-3000:]
+        lines = [orjson.loads(line) for line in trainer_log.splitlines() if line.startswith("{")]
+        assert [line["run_id"] for line in lines if line["event"] == "trainer.ready"] == ["arith-1"]
+        assert lines[-1]["event"] == "trainer.finished" and lines[-1]["steps"] == 3
+        assert sampler.wait(timeout=60) == 0  # it leaves by itself once the run has finished
+
+        status = subprocess.run([*ECHO_RL, "status", "--nats", hub_url, "--run-id", "arith-1", "--once", "--json"],
+                                cwd=tmp_path, capture_output=True, text=True, timeout=60)  # 5.
+        snap = orjson.loads(status.stdout)
+        assert snap["trainer"]["finished"] and snap["samplers"][0]["relay"] == "site-a", snap
+        run_dir = tmp_path / "runs" / "arith-1"  # 7. results on the trainer's box
+        for args in (["report", "--run", str(run_dir)], ["eval", "--run", str(run_dir), "--prompts", "3"],
+                     ["replay", "--run", str(run_dir)]):
+            done = subprocess.run([*ECHO_RL, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, (args, done.stderr[-2000:])
+        assert (run_dir / "report.png").exists() and (run_dir / "eval.json").exists()
+        assert len(done.stdout.splitlines()) >= 12  # replay: every group of the 3 steps, from the hub
+    finally:
+        for p in reversed(processes):
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
