@@ -32,7 +32,7 @@ from echo.config import validate_config
 from streams.client import open_run
 from streams.registry import read_learner, read_statuses
 from streams.server import NatsServer
-from workers.plan import measured
+from workers.plan import sampler_pace
 from workers.swarm import stop_processes, worker_command
 
 
@@ -60,7 +60,9 @@ def fleet_config(run_dir: Path, run_id: str, steps: int, scheduler: bool, target
         "lora": {"r": 4, "alpha": 8.0},
         "sampling": {"group_size": 4, "max_new_tokens": 8, "prompts_per_call": 2},
         "trainer": {"groups_per_step": 4, "max_staleness": 1, "threads": 1, "throttle_s": step_throttle_s},
-        "sampler": {"threads": 1, "heartbeat_s": 0.5, "entry_ttl_s": 3},
+        # Entries that outlive the run's end: the samplers leave once the trainer says it has
+        # finished, and their rates are read from the registry after the trainer has exited.
+        "sampler": {"threads": 1, "heartbeat_s": 0.5, "entry_ttl_s": 60},
         "scheduler": {"enabled": scheduler, "target_utilisation": target, "every_s": 1.0},
     })
 
@@ -102,7 +104,11 @@ def run_fleet(work_dir: Path, samplers: list[FleetSampler], steps: int, schedule
     metrics = read_metrics(cfg.run_dir)
     later = metrics[len(metrics) // 2:]
     busy, wait = sum(m["busy_seconds"] for m in later), sum(m["wait_seconds"] for m in later)
-    active = [s for s in statuses if s.state == "active"]
+    choices = [event for event in map(_json_line, logs.splitlines()) if event.get("event") == "scheduler.chose"]
+    # The scheduler's last choice, not the samplers' own last words: they leave ("draining") as
+    # soon as the trainer says the run has finished.
+    standby = choices[-1]["standby"] if choices else []
+    active = [s for s in statuses if s.sampler_id not in standby and s.state != "quarantined"]
     costs = {s.id: s.cost_per_hour for s in samplers}
     seconds_per_step = (busy + wait) / len(later)
     hourly = sum(costs[s.sampler_id] for s in active)
@@ -112,19 +118,19 @@ def run_fleet(work_dir: Path, samplers: list[FleetSampler], steps: int, schedule
         "samplers": [vars(s) for s in samplers],
         "scheduler": scheduler,
         "active": sorted(s.sampler_id for s in active),
-        "standby": sorted(s.sampler_id for s in statuses if s.state == "standby"),
+        "standby": sorted(standby),
         "measured": {s.sampler_id: {"groups_per_s": s.groups_per_s, "call_s": s.call_s,
                                     "sync_s": round(sum(s.sync_s.values()) / max(len(s.sync_s), 1), 4)}
                      for s in statuses},
         "step_s": round(learner.step_s, 3),
-        "predicted_utilisation": round(utilisation(learner, measured(active)), 3),
+        "predicted_utilisation": round(utilisation(learner, [sampler_pace(s) for s in active if s.groups_per_s > 0]), 3),
         "measured_utilisation": round(busy / (busy + wait), 3),
         "seconds_per_step": round(seconds_per_step, 3),
         "cost_per_hour": hourly,
         "cost_per_step": round(hourly * seconds_per_step / 3600, 6),
         "groups_by_sampler_second_half": {s.id: sum(g[2] == s.id for m in later for g in m["groups"]) for s in samplers},
         "samplers_by_step": {m["step"]: [g[2] for g in m["groups"]] for m in metrics},
-        "choices": [event for event in map(_json_line, logs.splitlines()) if event.get("event") == "scheduler.chose"],
+        "choices": choices,
     }
 
 

@@ -14,10 +14,12 @@ class Rates(NamedTuple):
 
 
 KEEP_AT_LEAST = 3  # calls: an idle sampler (on standby) keeps the rates it was last measured at
+KEEP_AT_MOST = 8
 
 
 class CallWindow:
-    """The calls that ended in the last `window_s` seconds, and at least the last KEEP_AT_LEAST."""
+    """The calls that ended in the last `window_s` seconds, at least the last KEEP_AT_LEAST and
+    at most the last KEEP_AT_MOST."""
 
     def __init__(self, window_s: float):
         self.window_s = window_s
@@ -27,7 +29,11 @@ class CallWindow:
         self.calls.append((ended_at, seconds, groups, tokens))
 
     def rates(self, now: float) -> Rates:
-        while len(self.calls) > KEEP_AT_LEAST and self.calls[0][0] < now - self.window_s:
+        """Per second of generating over the calls kept: those that ended in the last window_s,
+        at most the last KEEP_AT_MOST, so a sampler's first calls (loading, warming up, a swarm
+        starting on shared cores: 5-20 s where later ones take 0.1-0.6 s) stop counting after a
+        few typical ones, not a whole window later."""
+        while len(self.calls) > KEEP_AT_LEAST and (self.calls[0][0] < now - self.window_s or len(self.calls) > KEEP_AT_MOST):
             self.calls.popleft()
         busy = sum(c[1] for c in self.calls)
         if not self.calls or busy <= 0:
