@@ -60,9 +60,7 @@ def fleet_config(run_dir: Path, run_id: str, steps: int, scheduler: bool, target
         "lora": {"r": 4, "alpha": 8.0},
         "sampling": {"group_size": 4, "max_new_tokens": 8, "prompts_per_call": 2},
         "trainer": {"groups_per_step": 4, "max_staleness": 1, "threads": 1, "throttle_s": step_throttle_s},
-        # Entries that outlive the run's end: the samplers leave once the trainer says it has
-        # finished, and their rates are read from the registry after the trainer has exited.
-        "sampler": {"threads": 1, "heartbeat_s": 0.5, "entry_ttl_s": 60},
+        "sampler": {"threads": 1, "heartbeat_s": 0.5, "entry_ttl_s": 3},
         "scheduler": {"enabled": scheduler, "target_utilisation": target, "every_s": 1.0},
     })
 
@@ -105,8 +103,8 @@ def run_fleet(work_dir: Path, samplers: list[FleetSampler], steps: int, schedule
     later = metrics[len(metrics) // 2:]
     busy, wait = sum(m["busy_seconds"] for m in later), sum(m["wait_seconds"] for m in later)
     choices = [event for event in map(_json_line, logs.splitlines()) if event.get("event") == "scheduler.chose"]
-    # The scheduler's last choice, not the samplers' own last words: they leave ("draining") as
-    # soon as the trainer says the run has finished.
+    # The scheduler's last choice, not the samplers' own states: once the trainer says the run
+    # has finished, they say "finished".
     standby = choices[-1]["standby"] if choices else []
     active = [s for s in statuses if s.sampler_id not in standby and s.state != "quarantined"]
     costs = {s.id: s.cost_per_hour for s in samplers}

@@ -31,7 +31,7 @@ SCHEMA_VERSION = 13  # 2: a weights announcement lists shards; 3: and names the 
 # 10: a completion sampled across weight updates names where each newer version took over;
 # 11: a group's body parts share their sampler's one bodies subject, its message names their sequences;
 # 12: a completion may be a multi-turn episode: it names where the environment's tokens lie;
-# 13: the trainer's LearnerStatus says when the run has finished
+# 13: the trainer's LearnerStatus says when the run has finished, a sampler's heartbeat that it saw it
 
 # Run and sampler ids become subject tokens and stream names: keep them to safe characters.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -454,7 +454,8 @@ class Schedule(_Message):
     updated_at: float
 
 
-SamplerState = Literal["active", "standby", "draining", "quarantined"]
+# finished: the trainer said the run has finished; the sampler waits, in case the run goes on.
+SamplerState = Literal["active", "standby", "draining", "quarantined", "finished"]
 
 
 class SamplerStatus(_Message):

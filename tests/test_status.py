@@ -50,12 +50,12 @@ def test_status_shows_the_trainer_and_every_sampler_of_a_live_swarm(tmp_path):
 
 
 def test_the_end_of_a_secured_standalone_run_is_seen_from_its_run_directory(tmp_path, secured):
-    """A standalone trainer exited without a summary, its samplers stayed "active" for minutes and
-    `status` showed the last step as if live; `status --run DIR` ignored the credentials in the
-    run's config (a certificate error, retried for 10 minutes) and `replay --run DIR` refused a
-    run whose rollouts live on a hub. Now the trainer's last line is the summary, the run is
-    marked finished, the sampler leaves by itself (exit 0), and both commands read the run from
-    its directory alone."""
+    """A standalone trainer exited without a summary, its samplers stayed "active" and `status`
+    showed the last step as if live; `status --run DIR` ignored the credentials in the run's
+    config (a certificate error, retried for 10 minutes) and `replay --run DIR` refused a run
+    whose rollouts live on a hub. Now the trainer's last line is the summary, the run is marked
+    finished, its sampler says so in its heartbeat, and both commands read the run from its
+    directory alone."""
     server, secure = secured
     trainer_creds, sampler_creds = secure.credentials("trainer"), secure.credentials("sampler-s1")
     cfg = tiny_config(tmp_path, run={"id": "sec", "steps": 2}, sampler={"heartbeat_s": 0.5},
@@ -64,25 +64,25 @@ def test_the_end_of_a_secured_standalone_run_is_seen_from_its_run_directory(tmp_
     config_path.write_text(cfg.to_toml())
     trainer = worker_process(config_path, "trainer")
     sampler = worker_process(config_path, "sampler", "--id", "s1", "--creds", str(sampler_creds.seed_file))
+    run_dir = cfg.run_dir  # its config names the hub and the trainer's credentials
     try:
         _, trainer_log = trainer.communicate(timeout=180)
-        _, sampler_log = sampler.communicate(timeout=60)  # no signal: it stops by itself
+        assert trainer.returncode == 0, trainer_log[-3000:]
+        last = orjson.loads(trainer_log.strip().splitlines()[-1])
+        assert last["event"] == "trainer.finished" and last["steps"] == 2 and "reward_last5" in last
+        deadline = time.monotonic() + 30
+        while (snap := orjson.loads(_status(run_dir, "--json")))["samplers"][0]["state"] != "finished":
+            assert time.monotonic() < deadline, snap  # its next heartbeats say it
+            time.sleep(0.5)
+        assert snap["trainer"]["finished"] is True and snap["trainer"]["step"] == 2
+        assert "finished at step 2" in _status(run_dir)
     finally:
         for p in (trainer, sampler):
             if p.poll() is None:
-                p.kill()
-    assert trainer.returncode == 0, trainer_log[-3000:]
-    last = orjson.loads(trainer_log.strip().splitlines()[-1])
-    assert last["event"] == "trainer.finished" and last["steps"] == 2 and "reward_last5" in last
-    assert sampler.returncode == 0, sampler_log[-3000:]
+                p.send_signal(signal.SIGTERM)
+        _, sampler_log = sampler.communicate(timeout=60)
     assert any(orjson.loads(line).get("event") == "sampler.run_finished" for line in sampler_log.splitlines()
                if line.startswith("{"))
-
-    run_dir = cfg.run_dir  # its config names the hub and the trainer's credentials
-    snap = orjson.loads(_status(run_dir, "--json"))
-    assert snap["trainer"]["finished"] is True and snap["trainer"]["step"] == 2
-    assert [s["state"] for s in snap["samplers"]] == ["draining"]  # its last word
-    assert "finished at step 2" in _status(run_dir)
     replayed = subprocess.run([sys.executable, "-m", "workers.cli", "replay", "--run", str(run_dir)],
                               capture_output=True, text=True, timeout=60)
     assert replayed.returncode == 0 and len(replayed.stdout.splitlines()) >= 8, replayed.stderr[-2000:]

@@ -41,14 +41,6 @@ from workers.background import Background
 log = structlog.get_logger()
 
 
-class RunFinished(Exception):
-    """The trainer has trained the run's last step: nothing more will be asked for."""
-
-    def __init__(self, step: int):
-        super().__init__(f"the run finished at step {step}")
-        self.step = step
-
-
 ASK_AGAIN_S = 0.2
 NO_ANSWER_WAIT_S = 1.0  # no trainer answered a request for work (none yet, or a broker restarting)
 SYNCS_KEPT = 8
@@ -65,6 +57,7 @@ class Sampler:
         self.quarantined = False  # the trainer ignores this sampler's groups (it shows in the heartbeat)
         self.draining = False  # stopping: its last heartbeat says so
         self.standby = False  # the scheduler's choice: keep the weights current, take no work
+        self.finished = False  # the trainer said the run has finished (it shows in the heartbeat)
         self.calls = CallWindow(cfg.sampler.rate_window_s)
         self.syncs: dict[str, float] = {}  # its last SYNCS_KEPT versions: heard of to running
         self.relay = ""  # the relay's JetStream domain, if it reads weights from one (serve)
@@ -194,7 +187,7 @@ class Sampler:
             weight_failures=dict(self.weights.failures),
             updated_at=time.time(),
             state="draining" if self.draining else "quarantined" if self.quarantined else
-            "standby" if self.standby else "active",
+            "finished" if self.finished else "standby" if self.standby else "active",
             ttl_s=scfg.entry_ttl_s,
             engine=self.engine.name,
             device=str(self.engine.device),
@@ -211,6 +204,12 @@ class Sampler:
         self.quarantined = self.sampler_id in await read_quarantine(self.run)
         if self.quarantined:
             log.warning("sampler.quarantined", sampler=self.sampler_id, lift="echo-rl quarantine lift")
+        learner = await read_learner(self.run)
+        finished = learner is not None and learner.finished  # until a trainer takes the run further
+        if finished and not self.finished:
+            log.info("sampler.run_finished", step=learner.step, waiting="in case the run goes on: stop this "
+                     "sampler when it is done with")
+        self.finished = finished
         await put_status(self.run, self.status())
 
     async def try_beat(self) -> None:
@@ -222,16 +221,9 @@ class Sampler:
             log.warning("sampler.heartbeat_failed", reason=repr(e))
 
     async def beat_forever(self) -> None:
-        """Heartbeats until the trainer says the run has finished (RunFinished)."""
         while True:
             await asyncio.sleep(self.cfg.sampler.heartbeat_s)
             await self.try_beat()
-            try:
-                learner = await read_learner(self.run)
-            except BROKER_ERRORS:
-                continue
-            if learner is not None and learner.finished:
-                raise RunFinished(learner.step)
 
     def follow_schedule(self, schedule: Schedule) -> None:
         standby = self.sampler_id in schedule.standby
@@ -261,8 +253,6 @@ class Sampler:
                 else:
                     background.start(watch_budget(self.run, self.budget_changed))
                     await self.run_async()
-        except RunFinished as e:
-            log.info("sampler.run_finished", step=e.step)
         finally:
             self.draining = True
             try:

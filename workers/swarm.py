@@ -140,10 +140,9 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
         while (code := trainer.poll()) is None:
-            codes = [p.poll() for p in samplers]
-            # Samplers leave by themselves (0) once the trainer says the run has finished.
-            if None not in codes and any(codes):
-                log.error("swarm.no_samplers", exit_codes=codes)
+            died = [p for p in samplers if p.poll() is not None]
+            if len(died) == len(samplers):
+                log.error("swarm.no_samplers", exit_codes=[p.returncode for p in died])
                 code = 1
                 break
             time.sleep(0.5)
