@@ -23,6 +23,7 @@ import orjson
 from echo.checkpoint import read_shards
 from echo.config import EchoConfig, load_config
 from echo.engines import make_engine
+from echo.engines.base import call_seed
 from echo.protocol import PolicyVersion
 from echo.referee import Referee
 from echo.tasks import load_task
@@ -46,7 +47,7 @@ def run_colocated(cfg: EchoConfig) -> None:
             engine.load_weights(read_shards(model.write_weights(step - 1)))  # the current policy, as a sampler gets it
             prompts = [task.prompt(rng.randrange(2**31)) for _ in range(cfg.trainer.groups_per_step)]
             groups = generate_groups(engine, task, prompts, cfg.sampling, "colocated", PolicyVersion(0, step - 1),
-                                     list(range(1, len(prompts) + 1)))
+                                     list(range(1, len(prompts) + 1)), seed=call_seed(cfg.run.seed, "colocated", step))
             batch = [(g, referee.score(g).rewards) for g in groups]
             generated = time.perf_counter()
             stats = model.train(batch)

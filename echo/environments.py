@@ -201,16 +201,18 @@ class EpisodeBuilder:
 
 
 def play_episodes(engine, env: Environment, prompts: list[Prompt], prompt_ids: list[list[int]], n: int,
-                  max_tokens: int, greedy: bool = False) -> list[list[Completion]]:
+                  max_tokens: int, greedy: bool = False, seed: int | None = None) -> list[list[Completion]]:
     """`n` episodes from each prompt, played turn by turn: each round, every episode still going
     takes its next model turn (all in one batch, each at most the tokens its budget has left;
-    greedy for evaluation), and the environment answers. Returns each prompt's episodes as
-    completions."""
+    greedy for evaluation; round k drawn with `seed` + k), and the environment answers. Returns
+    each prompt's episodes as completions."""
     episodes = [[EpisodeBuilder(env, engine.tokenizer, prompt, ids, max_tokens) for _ in range(n)]
                 for prompt, ids in zip(prompts, prompt_ids)]
-    going = [e for group in episodes for e in group]
+    going, round_ = [e for group in episodes for e in group], 0
     while going:
-        turns = engine.generate([e.context for e in going], 1, greedy=greedy, max_tokens=max(e.room for e in going))
+        turns = engine.generate([e.context for e in going], 1, greedy=greedy, max_tokens=max(e.room for e in going),
+                                seed=None if seed is None else (seed + round_) % 2**32)
+        round_ += 1
         for episode, (generation,) in zip(going, turns):
             keep = min(len(generation.token_ids), episode.room)  # a shorter budget than the batch's
             episode.add_turn(generation.token_ids[:keep], generation.logprobs[:keep])

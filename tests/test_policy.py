@@ -9,6 +9,7 @@ import torch
 
 from echo.algorithms.grpo import token_logprobs
 from echo.config import LoraConfig, SamplingConfig
+from echo.engines.base import call_seed
 from echo.engines.hf import HFEngine
 from echo.models import base_model_digest, load_model
 from echo.policy import WeightsMismatch, group_logprobs, make_policy, packed_logprobs, tensors_from_buffer, weights_shards
@@ -213,3 +214,20 @@ def test_the_engine_keeps_one_steps_logits_and_its_log_probs_are_those_of_every_
     for row, g in enumerate(g for per_prompt in generations for g in per_prompt):
         assert g.token_ids == new_tokens[row, :len(g.token_ids)].tolist()  # the same draw
         assert g.logprobs == every_step[row, :len(g.token_ids)].tolist()  # bit for bit
+
+
+def test_a_calls_sampling_noise_comes_from_the_runs_seed(engines):
+    """Each process seeded its sampling at random: no run was reproducible from its config. A
+    call's seed (call_seed: run seed, sampler, call) draws the same completions in another engine,
+    and another call's or sampler's seed draws others."""
+    a, b = engines
+    b.load_weights(shards_of(a.model))  # the same weights in both
+    prompts = [a.encode_chat([{"role": "user", "content": text}]) for text in ("What is 2 + 3?", "Hi")]
+
+    def tokens(engine, seed):
+        return [[g.token_ids for g in group] for group in engine.generate(prompts, 4, seed=seed)]
+
+    first = tokens(a, call_seed(0, "s1", 0))
+    assert tokens(b, call_seed(0, "s1", 0)) == first
+    assert len({str(tokens(a, seed)) for seed in (call_seed(0, "s1", 1), call_seed(0, "s2", 0),
+                                                  call_seed(1, "s1", 0))} | {str(first)}) == 4

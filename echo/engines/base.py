@@ -3,6 +3,7 @@ drives an `Engine` and reads `Generation`s, whichever engine it is."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -20,6 +21,13 @@ class Generation:
     version_changes: tuple[tuple[int, int], ...] = ()
 
 
+def call_seed(run_seed: int, sampler_id: str, call: int) -> int:
+    """The sampling noise of a sampler's `call`-th generation call, from the run's seed: a run is
+    reproducible from its config, and no two samplers (or calls) draw the same."""
+    digest = hashlib.sha256(f"{run_seed}/{sampler_id}/{call}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")  # vLLM's seeds are 32-bit
+
+
 # Called by an engine between chunks of a generation (sampling.chunk_tokens): swaps in newer
 # weights if the sampler has some, and returns their version (None: nothing changed).
 BetweenChunks = Callable[[], "int | None"]
@@ -35,9 +43,11 @@ class Engine(Protocol):
         """Token ids of a chat prompt, ending with the assistant's turn opener."""
 
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
-                 between_chunks: BetweenChunks | None = None, max_tokens: int | None = None) -> list[list[Generation]]:
+                 between_chunks: BetweenChunks | None = None, max_tokens: int | None = None,
+                 seed: int | None = None) -> list[list[Generation]]:
         """n sampled completions for each prompt (greedy: the most likely one, for evaluation), of
-        at most `max_tokens` (None: sampling.max_new_tokens; an episode's turn takes what is left).
+        at most `max_tokens` (None: sampling.max_new_tokens; an episode's turn takes what is left),
+        drawn with `seed` (call_seed: the same call of the same run draws the same; None: fresh).
         An engine that generates in chunks calls `between_chunks` between them; one that does
         not (vLLM here) ignores it, and its completions carry no version changes."""
 

@@ -74,11 +74,14 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
-                 between_chunks: BetweenChunks | None = None, max_tokens: int | None = None) -> list[list[Generation]]:
+                 between_chunks: BetweenChunks | None = None, max_tokens: int | None = None,
+                 seed: int | None = None) -> list[list[Generation]]:
         """With `between_chunks`, generation goes `chunk_tokens` at a time and calls it between
         chunks, where the sampler may swap in newer weights: the completions go on from the key/value
         cache as it is (the partial rollouts of PipelineRL), and each says where a version took over."""
         batch = self.tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(self.device)
+        if seed is not None:  # generate draws from torch's global generator (one sampler a process)
+            torch.manual_seed(seed)
         config = copy.deepcopy(self.generation_config)
         if greedy:  # evaluation: the log-probs are then those of the tempered distribution, unused
             config.do_sample = False

@@ -115,13 +115,14 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()  # cached prompt keys/values were computed by the old weights
 
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
-                 between_chunks: BetweenChunks | None = None, max_tokens: int | None = None) -> list[list[Generation]]:
+                 between_chunks: BetweenChunks | None = None, max_tokens: int | None = None,
+                 seed: int | None = None) -> list[list[Generation]]:
         """Whole completions: `between_chunks` is not called (partial rollouts are the HF engine's)."""
         from vllm import SamplingParams
 
         # Plain sampling at `temperature` (no top-k/top-p), as the trainer assumes; greedy for eval.
         params = SamplingParams(n=n, temperature=0.0 if greedy else self.temperature, max_tokens=max_tokens or self.max_new_tokens,
-                                logprobs=0, stop_token_ids=[self.tokenizer.eos_token_id])
+                                logprobs=0, stop_token_ids=[self.tokenizer.eos_token_id], seed=seed)
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=self.adapter,
                                     use_tqdm=False)
         return [[self._generation(c) for c in out.outputs] for out in outputs]
