@@ -47,7 +47,7 @@ def run_colocated(cfg: EchoConfig) -> None:
             engine.load_weights(read_shards(model.write_weights(step - 1)))  # the current policy, as a sampler gets it
             prompts = [task.prompt(rng.randrange(2**31)) for _ in range(cfg.trainer.groups_per_step)]
             groups = generate_groups(engine, task, prompts, cfg.sampling, "colocated", PolicyVersion(0, step - 1),
-                                     list(range(1, len(prompts) + 1)), seed=call_seed(cfg.run.seed, "colocated", step))
+                                     list(range(1, len(prompts) + 1)), seed=call_seed(cfg.run.seed, "colocated", 0, step))
             batch = [(g, referee.score(g).rewards) for g in groups]
             generated = time.perf_counter()
             stats = model.train(batch)

@@ -218,8 +218,8 @@ def test_the_engine_keeps_one_steps_logits_and_its_log_probs_are_those_of_every_
 
 def test_a_calls_sampling_noise_comes_from_the_runs_seed(engines):
     """Each process seeded its sampling at random: no run was reproducible from its config. A
-    call's seed (call_seed: run seed, sampler, call) draws the same completions in another engine,
-    and another call's or sampler's seed draws others."""
+    call's seed (call_seed: run seed, sampler, trainer epoch, first slot) draws the same
+    completions in another engine, and another slot's, epoch's, sampler's or run's draws others."""
     a, b = engines
     b.load_weights(shards_of(a.model))  # the same weights in both
     prompts = [a.encode_chat([{"role": "user", "content": text}]) for text in ("What is 2 + 3?", "Hi")]
@@ -227,7 +227,7 @@ def test_a_calls_sampling_noise_comes_from_the_runs_seed(engines):
     def tokens(engine, seed):
         return [[g.token_ids for g in group] for group in engine.generate(prompts, 4, seed=seed)]
 
-    first = tokens(a, call_seed(0, "s1", 0))
-    assert tokens(b, call_seed(0, "s1", 0)) == first
-    assert len({str(tokens(a, seed)) for seed in (call_seed(0, "s1", 1), call_seed(0, "s2", 0),
-                                                  call_seed(1, "s1", 0))} | {str(first)}) == 4
+    first = tokens(a, call_seed(0, "s1", 1, 1))
+    assert tokens(b, call_seed(0, "s1", 1, 1)) == first
+    others = (call_seed(0, "s1", 1, 2), call_seed(0, "s1", 2, 1), call_seed(0, "s2", 1, 1), call_seed(1, "s1", 1, 1))
+    assert len({str(tokens(a, seed)) for seed in others} | {str(first)}) == 5

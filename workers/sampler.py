@@ -49,10 +49,7 @@ SYNCS_KEPT = 8
 class Sampler:
     def __init__(self, cfg: EchoConfig, sampler_id: str, run: Run, engine: Engine, task: Task):
         self.cfg, self.sampler_id, self.run, self.engine, self.task = cfg, sampler_id, run, engine, task
-        # Prompts and sampling noise from the run's seed: the same config draws the same
-        # (restarted, a sampler draws them again from its first call).
-        self.rng = random.Random(f"{cfg.run.seed}/{sampler_id}")
-        self.calls_made = 0
+        self.rng = random.Random(f"{cfg.run.seed}/{sampler_id}")  # prompts; the noise: call_seed
         self.weights = WeightsFollower(run, base_model_digest(cfg.model.name))
         self.policy = PolicyVersion(0, -1)  # what the engine runs
         self.refused = PolicyVersion(0, -1)  # the newest weights the engine refused: not tried again, nor waited for
@@ -117,7 +114,7 @@ class Sampler:
         """One group per slot the trainer granted (asked for at `asked_at`, perf_counter), each
         naming its slot. The call's time, from asking to published, is measured."""
         prompts = [self.task.prompt(self.rng.randrange(2**31)) for _ in slots]
-        seed, self.calls_made = call_seed(self.cfg.run.seed, self.sampler_id, self.calls_made), self.calls_made + 1
+        seed = call_seed(self.cfg.run.seed, self.sampler_id, self.policy.epoch, slots[0])
         started = time.perf_counter()
         groups = await asyncio.to_thread(generate_groups, self.engine, self.task, prompts, self.cfg.sampling,
                                          self.sampler_id, self.policy, slots, self.swap_between_chunks, seed)

@@ -21,10 +21,12 @@ class Generation:
     version_changes: tuple[tuple[int, int], ...] = ()
 
 
-def call_seed(run_seed: int, sampler_id: str, call: int) -> int:
-    """The sampling noise of a sampler's `call`-th generation call, from the run's seed: a run is
-    reproducible from its config, and no two samplers (or calls) draw the same."""
-    digest = hashlib.sha256(f"{run_seed}/{sampler_id}/{call}".encode()).digest()
+def call_seed(run_seed: int, sampler_id: str, epoch: int, slot: int) -> int:
+    """The sampling noise of the generation call that fills `slot` (its first) of trainer
+    incarnation `epoch`, from the run's seed: a run is reproducible from its config, and no two
+    calls draw the same, a restarted sampler's included (slots are numbered once per run: an
+    honest sampler must never repeat a completion, which the trainer refuses)."""
+    digest = hashlib.sha256(f"{run_seed}/{sampler_id}/{epoch}/{slot}".encode()).digest()
     return int.from_bytes(digest[:4], "little")  # vLLM's seeds are 32-bit
 
 
