@@ -83,32 +83,34 @@ class SyntheticEngine:
         pass
 
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
-                 between_chunks: BetweenChunks | None = None) -> list[list[Generation]]:
-        rows = len(prompts) * n
-        lengths = np.minimum(self.max_new, np.ceil(self.rng.lognormal(math.log(self.median), 1.0, rows))).astype(int)
+                 between_chunks: BetweenChunks | None = None, max_tokens: int | None = None,
+                 seed: int | None = None) -> list[list[Generation]]:
+        rows, rng = len(prompts) * n, self.rng if seed is None else np.random.default_rng(seed)
+        limit = max_tokens or self.max_new
+        lengths = np.minimum(limit, np.ceil(rng.lognormal(math.log(self.median), 1.0, rows))).astype(int)
         changes: list[list[tuple[int, int]]] = [[] for _ in range(rows)]
         produced = 0
         while True:
-            step = min(self.chunk, self.max_new - produced)
+            step = min(self.chunk, limit - produced)
             # The rows decode in parallel (a GPU's batch): a chunk takes its longest row's tokens.
             time.sleep(min(step, int(lengths.max()) - produced) / self.tokens_per_s)
             produced += step
             if produced >= lengths.max():
                 break
-            version = between_chunks() if between_chunks is not None and self.chunk < self.max_new else None
+            version = between_chunks() if between_chunks is not None and self.chunk < limit else None
             if version is not None:
                 for row in np.flatnonzero(lengths > produced):
                     changes[row].append((produced, version))
         eos = self.tokenizer.eos_token_id
         generations = []
         for row, length in enumerate(lengths):
-            stops = length < self.max_new
-            ids = self.rng.integers(0, self.vocab, length).tolist()
+            stops = length < limit
+            ids = rng.integers(0, self.vocab, length).tolist()
             ids = [t if t != eos else eos - 1 for t in ids]  # no end of sequence but the last
             if stops:
                 ids[-1] = eos
             generations.append(Generation(
-                token_ids=ids, logprobs=self.rng.uniform(-3.0, -0.01, length).tolist(),
+                token_ids=ids, logprobs=rng.uniform(-3.0, -0.01, length).tolist(),
                 text=self.tokenizer.decode(ids, skip_special_tokens=True), finish_reason="stop" if stops else "length",
                 version_changes=tuple(changes[row])))
         return [generations[i * n : (i + 1) * n] for i in range(len(prompts))]

@@ -41,8 +41,8 @@ if ! docker image inspect "$PYTHON_IMAGE" >/dev/null 2>&1; then
   debootstrap --variant=minbase --include=python3,python3-venv,python3-pip bookworm "$root" >/dev/null
   "$PY" -m pip download -q --dest "$root/tmp/wheels" torch=="$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')"
   # env -i: the host's PIP_* settings name its own paths
-  chroot "$root" env -i python3 -m venv /opt/venv
-  chroot "$root" env -i /opt/venv/bin/pip install -q --no-index --find-links /tmp/wheels torch
+  chroot "$root" env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin python3 -m venv /opt/venv
+  chroot "$root" env -i PATH=/opt/venv/bin:/usr/sbin:/usr/bin:/sbin:/bin /opt/venv/bin/pip install -q --no-index --find-links /tmp/wheels torch
   rm -rf "$root/tmp/wheels"
   cp "${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}" "$root/etc/ssl/certs/host-ca.crt"
   tar -C "$root" -c . | docker import \

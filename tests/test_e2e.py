@@ -159,6 +159,13 @@ def test_a_secured_swarm_trains_over_tls_with_role_credentials(tmp_path):
     assert not any(m["rejected"] for m in metrics)
     assert "permissions violation" not in (tmp_path / "secured" / "nats.log").read_text().lower()
     assert (tmp_path / "secured" / "secure" / "sampler-s2.nk").exists()
+    # `status --run` of the finished run (it retried the stopped embedded server's port forever):
+    # read from a server on the run's own store, as its observer, and seen finished.
+    done = subprocess.run([sys.executable, "-m", "workers.cli", "status", "--run", str(tmp_path / "secured"), "--once",
+                           "--json"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    trainer = orjson.loads(done.stdout)["trainer"]
+    assert trainer["finished"] is True and trainer["step"] == 3
 
 
 def test_a_secured_swarm_trains_with_its_samplers_weights_from_a_secured_relay(tmp_path):

@@ -86,11 +86,3 @@ def test_the_end_of_a_secured_standalone_run_is_seen_from_its_run_directory(tmp_
     replayed = subprocess.run([sys.executable, "-m", "workers.cli", "replay", "--run", str(run_dir)],
                               capture_output=True, text=True, timeout=60)
     assert replayed.returncode == 0 and len(replayed.stdout.splitlines()) >= 8, replayed.stderr[-2000:]
-
-
-def test_a_finished_up_run_is_read_from_its_own_store(tmp_path):
-    """`status --run DIR` of a finished `up` run retried the stopped embedded server's port forever."""
-    done = subprocess.run(up_command(tmp_path, "done", 2), capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    snap = orjson.loads(_status(tmp_path / "done", "--json"))
-    assert snap["trainer"]["finished"] is True and snap["trainer"]["step"] == 2

@@ -72,6 +72,15 @@ def test_the_readme_walkthrough_on_a_trusted_network(tmp_path):
             assert done.returncode == 0, (args, done.stderr[-2000:])
         assert (run_dir / "report.png").exists() and (run_dir / "eval.json").exists()
         assert len(done.stdout.splitlines()) >= 12  # replay: every group of the 3 steps, from the hub
+        # Asked for more held-out prompts than the task has: the log counts those scored, and the
+        # run's first eval.json is kept (a second eval overwrote it).
+        again = subprocess.run([*ECHO_RL, "eval", "--run", str(run_dir), "--prompts", "500", "--log-json"],
+                               cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert again.returncode == 0, again.stderr[-2000:]
+        start = next(orjson.loads(line) for line in again.stderr.splitlines() if '"eval.start"' in line)
+        second = orjson.loads((run_dir / "eval-2.json").read_bytes())
+        assert start["asked"] == 500 and start["prompts"] == second["prompts"] < 500
+        assert orjson.loads((run_dir / "eval.json").read_bytes())["prompts"] == 3
     finally:
         for p in reversed(processes):
             if p.poll() is None:
