@@ -129,7 +129,7 @@ def test_the_readme_compose_swarm_trains_grows_resumes_and_runs_open(project, tm
                           capture_output=True, timeout=120).returncode != 0, "the secured hub answered without credentials"
 
     # Another machine's sampler, as the README adds it.
-    p("run", "--rm", "--no-deps", "-v", f"{p.dir}/secrets:/secrets", "trainer", "secure", "add-sampler", "/secrets", "s4")
+    p("run", "--rm", "--no-deps", "secrets", "secure", "add-sampler", "/secrets", "s4")
     p("kill", "-s", "HUP", "nats")
     elsewhere = tmp_path / "edge"
     elsewhere.mkdir()
