@@ -213,6 +213,26 @@ def test_sigterm_during_the_final_evaluation_stops_it_in_one_line(tmp_path):
     assert "Traceback" not in rest and "swarm.interrupted" in rest and "evaluation" in rest, rest
     assert (tmp_path / "evals" / "metrics.jsonl").exists() and not (tmp_path / "evals" / "eval.json").exists()
 
+
+def test_a_sequential_run_is_reproducible_from_its_config(tmp_path, monkeypatch):
+    """Each process seeded its sampling noise at random, so no run could be reproduced from its
+    config. With one sampler in sequential mode (which slot a group fills is then the same every
+    time), two runs of one config publish the same weights bit for bit (they differed with each
+    sampler's noise unseeded). Rewards that vary within a group (the user's task), so the noise
+    moves the adapter."""
+    (tmp_path / "user_tasks").mkdir()
+    (tmp_path / "user_tasks" / "shout.py").write_text(USER_TASK)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "user_tasks"))
+
+    def last_weights(name: str, seed: int) -> bytes:
+        cmd = up_command(tmp_path / name, "same", 2, "run.mode=sequential", "sampler.count=1", f"run.seed={seed}",
+                         'task.name="shout:Shout"', 'task.params={word="hey"}')
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return sorted((tmp_path / name / "same" / "weights").glob("v*.safetensors"))[-1].read_bytes()
+
+    assert last_weights("a", 0) == last_weights("b", 0)
+
 USER_TASK = '''
 from echo.tasks import GeneratedTask, Score
 
