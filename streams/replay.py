@@ -7,7 +7,6 @@ so a finished run can be inspected after the fact; given --nats, it reads that s
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 import tomllib
 from contextlib import contextmanager
@@ -25,7 +24,7 @@ from streams.client import BROKER_ERRORS, PATIENCE_S, connect, no_run
 from streams.credentials import Credentials, credentials_of
 from streams.rollouts import rollout_body
 from streams.secure import SERVER_CONF, SecureDir
-from streams.server import NatsServer
+from streams.server import NatsServer, listening
 
 
 async def stored_groups(url: str, run_id: str, credentials: Credentials | None = None,
@@ -158,21 +157,12 @@ def run_broker(run: str | Path, nats_url: str | None,
     credentials = credentials or (secure.credentials("observer") if secured else
                                   credentials_of(nats.get("creds", ""), nats.get("tls_ca", "")))
     url = nats.get("url", "")
-    if (run_dir / "nats").is_dir() and not listening(url):
+    address = urlparse(url.split(",")[0])  # its first server
+    if (run_dir / "nats").is_dir() and not listening(address.hostname or "127.0.0.1", address.port or 4222):
         with NatsServer(run_dir / "nats", include=secure.dir / SERVER_CONF if secured else None) as server:
             yield server.url, run_id, credentials
         return
     yield url, run_id, credentials
-
-
-def listening(url: str) -> bool:
-    """Whether anything accepts a TCP connection at the first server of `url`."""
-    address = urlparse(url.split(",")[0])
-    try:
-        socket.create_connection((address.hostname or "127.0.0.1", address.port or 4222), timeout=1.0).close()
-        return True
-    except OSError:
-        return False
 
 
 def replay(run: str | Path, nats_url: str | None, out_path: str | None, keep: Keep = Keep(), table: bool = False,

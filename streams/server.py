@@ -76,6 +76,15 @@ def port_holder(host: str, port: int) -> str | None:
     return _listening_process(port) or "another process"
 
 
+def listening(host: str, port: int, timeout: float = 1.0) -> bool:
+    """Whether anything accepts a TCP connection at host:port."""
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def _listening_process(port: int) -> str | None:
     """'pid N (command line)' of the process listening on `port`, where /proc tells (Linux)."""
     inodes = set()
@@ -204,11 +213,9 @@ class NatsServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"nats-server exited with {self.process.returncode} (config {conf})")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+            if listening("127.0.0.1", self.port, timeout=0.2):
                 return self
-            except OSError:
-                time.sleep(0.02)
+            time.sleep(0.02)
         self.stop()
         raise RuntimeError(f"nats-server did not listen on port {self.port} within {timeout}s")
 
