@@ -438,7 +438,7 @@ class LearnerStatus(_Message):
     publish_s: float = Field(0.0, ge=0)
     accounting: dict[str, int] = {}
     rejected: dict[str, int] = {}
-    finished: bool = False  # its last step is trained: status says so, samplers stop
+    finished: bool = False  # its last step is trained: status and samplers' heartbeats say so
 
 
 class Schedule(_Message):

@@ -3,8 +3,9 @@ utilisation of a run, against step and against wall-clock time, as one PNG."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+import orjson
 
 from echo.checkpoint import read_metrics
 
@@ -44,8 +45,8 @@ def write_report(run_dir: Path) -> Path:
                 if row == 0:
                     ax.plot(x[a:b], trend[a:b], color="black", linewidth=2,
                             label=f"rolling mean of {window}" if k == 0 else None)
-            for a, _ in pieces[1:]:
-                if col == 1:
+            if col == 1:
+                for a, _ in pieces[1:]:
                     ax.axvline(x[a], color="gray", linestyle=":", linewidth=1)  # a resume
             if row == 0:
                 ax.legend(loc="upper left", fontsize=8)
@@ -85,6 +86,6 @@ def held_out_line(run_dir: Path) -> str:
     path = run_dir / "eval.json"
     if not path.exists():
         return ""
-    e = json.loads(path.read_text())
+    e = orjson.loads(path.read_bytes())
     return (f"\nheld-out ({e['prompts']} prompts, greedy, version {e['version']}): correct {e['base_correct']:.0%}"
             f" -> {e['trained_correct']:.0%}, reward {e['base_reward']:.2f} -> {e['trained_reward']:.2f}")

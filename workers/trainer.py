@@ -146,7 +146,7 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
 
 async def say_finished(run: Run, cfg: EchoConfig) -> None:
     """The run's end, visible outside this process: its learner status marked finished (status
-    shows it, samplers stop on it) and its summary as the last line."""
+    shows it, samplers' heartbeats say it) and its summary as the last line."""
     learner = await retry_forever("read the learner status", lambda: read_learner(run))
     if learner is not None:
         finished = learner.model_copy(update={"finished": True})
