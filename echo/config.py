@@ -53,7 +53,7 @@ class LoraConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: str = "math"  # math, knights_knaves, sokoban, or a user's module:Class / file.py:Class
+    name: str = "math"  # math, knights_knaves, sokoban, reasoning_gym:<dataset>, or a module:Class / file.py:Class
     params: dict[str, Any] = {}  # the task's own options, checked by the task (echo/tasks/)
 
 

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 from echo.config import ConfigError
 from echo.tasks import BUILTIN as BUILTIN_TASKS
+from echo.tasks import GYM
 
 BUILTIN_MODELS = ("tiny", "smollm2")
 
-# (path in the config, built-in values the broker may name, the sampler's flag that sets it)
+# (path in the config, whether the broker may name this value, the sampler's flag that sets it).
+# reasoning-gym's datasets are installed code, and echo/tasks/gym.py takes no file path from a config.
 _LOCAL_ONLY = [
-    (("task", "name"), tuple(BUILTIN_TASKS), "--task"),
-    (("model", "name"), BUILTIN_MODELS, "--model"),
-    (("task", "params", "dataset"), (None,), "--set task.params.dataset="),  # a file on this box
+    (("task", "name"), lambda name: name in BUILTIN_TASKS or str(name).startswith(GYM), "--task"),
+    (("model", "name"), lambda name: name in BUILTIN_MODELS, "--model"),
+    (("task", "params", "dataset"), lambda path: path is None, "--set task.params.dataset="),  # a file on this box
 ]
 
 
@@ -46,7 +48,7 @@ def check_config_from_broker(broker: dict, local: dict) -> None:
         if _get(local, path) is not None:
             continue  # this box chose it itself
         value = _get(broker, path)
-        if value is not None and value not in allowed:
+        if value is not None and not allowed(value):
             field = ".".join(path)
             raise ConfigError(
                 f"{field} = {value!r} comes from the broker, and an edge sampler loads no code or file the broker "

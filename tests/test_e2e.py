@@ -11,7 +11,9 @@ import orjson
 import psutil
 import pytest
 
+from echo.config import TaskConfig
 from echo.protocol import HDR_MSG_ID, HDR_POLICY_VERSION
+from echo.tasks import load_task
 from streams.client import open_run
 from streams.registry import read_statuses
 from streams.replay import read_rollouts, run_broker
@@ -267,6 +269,22 @@ def test_a_user_task_given_as_module_and_class_trains_end_to_end(tmp_path, monke
     summary = orjson.loads((tmp_path / "user" / "summary.json").read_bytes())
     assert summary["eval"]["task"] == "shout" and summary["eval"]["prompts"] == 4
     assert (tmp_path / "user" / "report.png").stat().st_size > 10_000
+
+
+def test_a_swarm_trains_on_a_composite_of_two_reasoning_gym_datasets(tmp_path):
+    """The trainer re-derives each group's problem from its index and scores it itself."""
+    datasets = '[{name="chain_sum", weight=1, config={max_terms=3}}, {name="shortest_path", weight=1}]'
+    metrics, stream, _ = run_swarm(tmp_path, "gym", 2, 'task.name="reasoning_gym:composite"',
+                                   f"task.params={{datasets={datasets}}}", "run.eval_prompts=4")
+    assert [m["version"] for m in metrics] == [1, 2]
+    assert {r["headers"]["Echo-Task"] for r in stream} == {"reasoning_gym:composite"}
+    task = load_task(TaskConfig(name="reasoning_gym:composite", params={"datasets": [
+        {"name": "chain_sum", "config": {"max_terms": 3}}, {"name": "shortest_path"}]}))
+    drawn = {task.prompt(r["group"]["prompt_index"]).answer.split("/")[0] for r in stream}
+    assert drawn == {"chain_sum", "shortest_path"}
+    assert metrics[-1]["accounting"]["rejected"] == 0  # every prompt was the trainer's own
+    summary = orjson.loads((tmp_path / "gym" / "summary.json").read_bytes())
+    assert summary["eval"]["task"] == "reasoning_gym:composite" and summary["eval"]["prompts"] == 4
 
 
 @pytest.mark.parametrize("ranks", [1, 2], ids=["one-process", "two-ranks"])

@@ -81,6 +81,7 @@ def test_a_config_from_the_broker_naming_code_is_refused_and_nothing_runs(nats_s
         ({"model": {"name": "/home/me/model"}}, {}, "model.name"),
         ({"model": {"name": "/home/me/model"}}, {"model": {"name": "/srv/model"}}, None),
         ({"task": {"name": "math", "params": {"dataset": "/etc/passwd"}}}, {}, "task.params.dataset"),
+        ({"task": {"name": "reasoning_gym:chain_sum", "params": {"max_terms": 4}}}, {}, None),  # installed code
     ],
 )
 def test_only_built_in_names_are_taken_from_the_broker(broker, local, refused):

@@ -4,8 +4,9 @@ A task serves prompts by index (the same index gives the same prompt in every pr
 sampler sends only the index and the trainer looks up the ground truth itself), scores a
 completion with a verifier, and keeps a held-out set for evaluation that training never sees.
 
-Built-in tasks are named in the config (`task.name = "sokoban"`); a user's own is given as
-`module:Class` (importable) or `path/to/file.py:Class`, and gets `task.params` as a dict.
+Built-in tasks are named in the config (`task.name = "sokoban"`); reasoning-gym's generators as
+`reasoning_gym:<dataset>` (echo/tasks/gym.py, the `tasks` extra); a user's own as `module:Class`
+(importable) or `path/to/file.py:Class`, and gets `task.params` as a dict.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ BUILTIN = {
     "sokoban": "echo.tasks.sokoban:Sokoban",
     "sokoban_game": "echo.tasks.sokoban:SokobanGame",  # multi-turn (echo/environments.py)
 }
+GYM = "reasoning_gym:"  # reasoning-gym's datasets: echo/tasks/gym.py
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,15 @@ def parse_params(model: type[P], params: dict) -> P:
 def task_class(name: str) -> type:
     """The class a task.name names (a built-in, module:Class or file.py:Class), imported, not yet
     made: a wrong name is said before anything else is done."""
+    if name.startswith(GYM):
+        try:
+            from echo.tasks import gym
+        except ModuleNotFoundError as e:
+            if (e.name or "").partition(".")[0] != "reasoning_gym":
+                raise
+            raise ConfigError(f"task.name {name!r} needs reasoning-gym, an extra the base install leaves out: "
+                              "pip install 'echo-rl[tasks]'") from None
+        return gym.task_class(name.removeprefix(GYM))
     path = BUILTIN.get(name, name)
     module_name, _, class_name = path.rpartition(":")
     if not module_name:
