@@ -16,7 +16,7 @@ from echo.config import ConfigError, SamplingConfig, TaskConfig
 from echo.models import byte_tokenizer, encode_chat
 from echo.protocol import Completion, RolloutGroup
 from echo.referee import Referee
-from echo.tasks import gym, load_task
+from echo.tasks import Score, gym, load_task
 from streams.server import free_port
 
 # An arithmetic task, a logic puzzle, a graph task, and a composite of two with our own keys.
@@ -110,6 +110,14 @@ def test_the_trainer_recomputes_the_rewards_with_the_datasets_verifier():
     assert referee.score(other.model_copy(update={"prompt_index": 2})).reason == "prompt_mismatch"
 
 
+def test_an_answer_the_verifier_cannot_read_is_wrong_not_a_verifier_error():
+    """prime_factorization's verifier raises on `2 × 3 = 6` (int('3 = 6')): the model's fault."""
+    task = load_task(TaskConfig(name="reasoning_gym:prime_factorization", params={"max_value": 50}))
+    prompt = task.prompt(0)
+    assert task.score("<answer>2 × 3 = 6</answer>", prompt) == Score(0.1, format_ok=True, correct=False)
+    assert task.score(right_answer(task, prompt), prompt).correct
+
+
 @pytest.mark.parametrize("size", [60, gym.POOL_SIZE])
 def test_the_held_out_split_never_meets_training(size):
     task = load_task(TaskConfig(name="reasoning_gym:chain_sum", params={"size": size}))
@@ -129,6 +137,8 @@ def test_the_held_out_split_never_meets_training(size):
         ("reasoning_gym:chain_sum", {"min_termz": 2}, "task.params.min_termz: not an option of chain_sum"),
         ("reasoning_gym:chain_sum", {"min_terms": 5, "max_terms": 2}, r"task.params \(chain_sum\)"),
         ("reasoning_gym:chain_sum", {"format_reward": 2}, "task.params.format_reward"),
+        # Its validate() lets this through; drawing a problem fails: said at start, not in the sampler.
+        ("reasoning_gym:simple_equations", {"operators": ["+", "-"]}, r"task.params \(simple_equations\): ValueError"),
         ("reasoning_gym:chain_sum", {"datasets": [{"name": "gcd"}]}, "only for reasoning_gym:composite"),
         ("reasoning_gym:composite", {"datasets": [{"name": "gcd"}, {"name": "lcm", "config": {"max_valu": 3}}]},
          "task.params.datasets.1.config.max_valu: not an option of lcm"),

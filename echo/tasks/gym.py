@@ -76,6 +76,12 @@ def task_class(dataset: str):
     return functools.partial(ReasoningGym, dataset)
 
 
+def draw(generator, index: int) -> dict:
+    """One problem. bf prints as it generates: not into a worker's output."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        return generator[index]
+
+
 def make_generator(name: str, config: dict, where: str):
     """reasoning-gym's dataset `name` with `config`, its errors said as config errors at `where`."""
     check_dataset(name, PREFIX + name)
@@ -97,9 +103,12 @@ def make_generator(name: str, config: dict, where: str):
         made = config_cls(**config)
         if hasattr(made, "validate"):
             made.validate()
-        return dataset_cls(config=made)
-    except (AssertionError, ValueError, TypeError) as e:
-        raise ConfigError(f"invalid config: {where.rstrip('.')} ({name}): {e or 'rejected by its validate()'}") from None
+        generator = dataset_cls(config=made)
+        draw(generator, 0)  # options its validate() lets through may still fail to draw a problem
+        return generator
+    except Exception as e:  # noqa: BLE001 - whatever a generator raises on its options is a config error
+        said = f"{e.__class__.__name__}: {e}" if str(e) else f"{e.__class__.__name__} from its config check"
+        raise ConfigError(f"invalid config: {where.rstrip('.')} ({name}): {said}") from None
 
 
 class ReasoningGym(GeneratedTask):
@@ -126,8 +135,7 @@ class ReasoningGym(GeneratedTask):
         self.entry = functools.lru_cache(maxsize=4096)(self._entry)  # prompt() then score(): one draw
 
     def _entry(self, dataset: str, index: int) -> dict:
-        with contextlib.redirect_stdout(io.StringIO()):  # bf and codeio print as they generate
-            return self.generators[dataset][index]
+        return draw(self.generators[dataset], index)
 
     def _messages(self, dataset: str, index: int) -> list[dict]:
         entry = self.entry(dataset, index)
@@ -160,7 +168,10 @@ class ReasoningGym(GeneratedTask):
         if answer is None:
             return Score(0.0, format_ok=False, correct=False)
         dataset = prompt.answer.rsplit("/", 1)[0]
-        verdict = float(self.generators[dataset].score_answer(answer, self.problem(prompt)))
+        try:
+            verdict = float(self.generators[dataset].score_answer(answer, self.problem(prompt)))
+        except Exception:  # noqa: BLE001 - some verifiers raise on an answer they cannot read: a wrong one
+            verdict = 0.0
         if verdict >= 1.0:
             return Score(1.0, format_ok=True, correct=True)
         return Score(max(verdict, self.p.format_reward), format_ok=True, correct=False)

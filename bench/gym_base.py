@@ -1,0 +1,75 @@
+"""Benchmark: where SmolLM2-135M-Instruct starts on reasoning-gym's datasets (echo/tasks/gym.py).
+
+Each candidate (a dataset at an easy setting) is scored on its held-out prompts with greedy
+decoding, the way `echo-rl eval` scores a base model. A task for the parity study (issue 32)
+should start well above 0 and below 0.5: learnable, with room to learn.
+
+    .venv/bin/python -m bench.gym_base                       # every candidate, 50 prompts each
+    .venv/bin/python -m bench.gym_base --only chain_sum gcd  # some of them
+
+Writes bench/results/gym_base.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from bench.common import write_results
+from echo.config import validate_config
+from echo.engines import make_engine
+from echo.tasks import load_task
+from workers.evaluate import held_out_score
+
+CANDIDATES = {
+    "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+", "-"],
+                         "allow_parentheses": False, "allow_negation": False},
+    "chain_sum": {"min_terms": 2, "max_terms": 2, "max_digits": 2},
+    "products": {"min_terms": 2, "max_terms": 2, "max_digits": 1},
+    "simple_equations": {"min_terms": 2, "max_terms": 2, "max_value": 20, "operators": ["+", "-"],
+                         "operators_weights": [0.5, 0.5]},
+    "gcd": {"max_value": 20},
+    "lcm": {"max_value": 12},
+    "prime_factorization": {"max_value": 50},
+    "fraction_simplification": {"max_value": 20, "max_factor": 5, "styles": ["plain"]},
+    "base_conversion": {"max_base": 10, "max_value": 32},
+    "count_bits": {"max_n": 64},
+    "leg_counting": {"min_animals": 1, "max_animals": 2, "max_instances": 3},
+    "letter_counting": {"min_words": 3, "max_words": 5},
+    "number_sorting": {"min_numbers": 3, "max_numbers": 4, "max_decimals": 0, "min_value": 0, "max_value": 50},
+    "spell_backward": {"max_word_len": 5},
+    "word_sequence_reversal": {"min_words": 3, "max_words": 4},
+    "syllogism": {},
+    "course_schedule": {"max_num_courses": 5},
+    "largest_island": {"min_rows": 3, "max_rows": 5, "min_cols": 3, "max_cols": 5},
+    "family_relationships": {"max_family_size": 5},
+    "knights_knaves": {},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="*", help="candidates to score (default: all)")
+    parser.add_argument("--prompts", type=int, default=50)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    args = parser.parse_args()
+    names = args.only or list(CANDIDATES)
+    engine = None
+    results = {}
+    for name in names:
+        cfg = validate_config({"model": {"name": "smollm2"}, "sampling": {"max_new_tokens": args.max_tokens},
+                               "task": {"name": f"reasoning_gym:{name}", "params": CANDIDATES[name]}})
+        engine = engine or make_engine(cfg)  # one model: only the task changes
+        task = load_task(cfg.task)
+        prompts = task.held_out(args.prompts)
+        started = time.monotonic()
+        reward, correct = held_out_score(engine, task, prompts, args.max_tokens, batch=16)
+        results[name] = {"params": CANDIDATES[name], "prompts": len(prompts), "correct": round(correct, 4),
+                         "reward": round(reward, 4), "seconds": round(time.monotonic() - started, 1)}
+        print(name, results[name], flush=True)
+    write_results("gym_base.json", {"model": "smollm2", "decoding": "greedy", "max_new_tokens": args.max_tokens,
+                               "candidates": results})
+
+
+if __name__ == "__main__":
+    main()
