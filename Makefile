@@ -39,7 +39,7 @@ worker: install
 
 # Benchmarks (bench/, docs/performance.md). bench-quick: the tiny model and short runs, under
 # 15 minutes on 2 cores, into bench/results/quick/. bench: every figure docs/performance.md quotes, into
-# bench/results/ (hours on a CPU: the parity runs train SmolLM2 fifteen times; a GPU helps).
+# bench/results/ (the parity study trains SmolLM2 fifty times: a GPU; bench/gpu/parity.sh).
 QUICK := BENCH_RESULTS=bench/results/quick $(PY) -m
 bench-quick: install
 	$(QUICK) bench.parity --preset quick
@@ -66,7 +66,8 @@ bench: install
 		--budgets 0 4096 --repeats 3 --pack-groups on; done
 	$(PY) -m bench.ranks
 	$(PY) -m bench.proof_of_sampling
-	$(PY) -m bench.parity --preset full
+	$(PY) -m bench.gym_base
+	$(PY) -m bench.parity --preset study
 
 # The vLLM engine's tests, in a venv of their own: vLLM's CPU build pins torch and transformers.
 $(VLLM_VENV)/.installed: pyproject.toml

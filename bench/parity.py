@@ -1,25 +1,35 @@
-"""Benchmark: does decoupling match co-located training? Echo's claim, measured.
+"""Benchmark: does decoupling match co-located training? Echo's claim, measured with power.
 
-Five modes on the same model, task, seeds, batch sizes and optimizer, the same number of steps:
+Five modes on the same model, task, batch sizes and optimizer, the same number of steps:
 co-located (bench/colocated.py: generate, then train, in one process), sequential (the swarm,
 samplers refreshed before every step), and async at staleness S = 1, 2, 4 (the swarm, samplers
-generating while the trainer trains). Each mode runs once per seed. After every run, one engine
-scores the base model and each run's final weights on the task's held-out prompts, greedy.
+generating while the trainer trains). Runs are interleaved: seed by seed, each seed's modes in
+an order rotated from the last seed's, so no stretch of the machine's time or version of the code
+goes with one mode (every run records the commit it ran and when it started).
 
-Per mode: held-out score (mean and spread over seeds), reward vs step and vs wall-clock (one PNG),
-learner busy, sampler busy (the samplers' generating time over their wall time), seconds per
-step, and completion tokens wasted on groups dropped as stale. The verdict compares each async
-mode with sequential and co-located: "within noise" when an exact permutation test over seeds
-finds the gap in mean held-out score unremarkable (p >= 0.05). Not a gap against the standard
-error: on a task where a seed either takes off or does not by the last step, the scores are
-bimodal and three seeds that all failed have no spread at all.
+The task measures skill from step 0: reasoning-gym's gcd with a solved problem shown first, so
+SmolLM2 answers in the format from the start and scores about 0.3 held out
+(bench/results/gym_base.json). After each run one engine scores its weights every `eval_every`
+steps on the held-out problems, greedy: a held-out curve per run. For each async mode against
+sequential and co-located the verdict compares
+- the final held-out accuracy and the area under the held-out curve: a permutation test over
+  seeds (exact when the deals can be counted), which assumes no shape of the noise;
+- the steps to reach `threshold` held-out accuracy: a log-rank test, runs that never reach it
+  censored at the last step;
+and it is "within noise" when none of the three finds a gap (p >= 0.05). Cost: dollars per point
+of held-out accuracy gained (over the base model), from the runs' busy times at stated hourly
+prices: the learner's training time at the trainer's price, the samplers' generating time at the
+sampler's (the co-located run's one device, its whole wall time at the trainer's). Every run
+keeps its per-step metrics: importance ratios, clip fraction, KL, grad norm, staleness, groups
+dropped and rejected, reward mismatches, proof-of-sampling results.
 
-    .venv/bin/python -m bench.parity --preset quick   # the tiny model: checks the pipeline (< 15 min)
-    .venv/bin/python -m bench.parity --preset full    # SmolLM2-135M: the parity numbers
-    .venv/bin/python -m bench.parity --preset full --add --modes colocated --first-seed 3  # more seeds
-    .venv/bin/python -m bench.parity --preset full --report  # the table, verdict and PNG again
+    .venv/bin/python -m bench.parity --preset quick   # the tiny model: checks the pipeline (minutes)
+    .venv/bin/python -m bench.parity --preset study   # SmolLM2, 10 seeds a mode (a GPU: bench/gpu/parity.sh)
+    .venv/bin/python -m bench.parity --preset study --add --first-seed 10 --seeds 2   # more seeds
+    .venv/bin/python -m bench.parity --preset study --report   # verdict, table and PNG again
 
-Writes bench/results/parity-<preset>.json and parity-<preset>.png.
+Writes bench/results/parity-<preset>.json and parity-<preset>.png. (parity-full.json is the
+earlier study: 21 runs on the math task, which SmolLM2 starts at 0.013.)
 """
 
 from __future__ import annotations
@@ -29,18 +39,21 @@ import itertools
 import math
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import orjson
 
 from bench.common import results_dir
-from echo.checkpoint import latest_weights, read_metrics, read_shards
+from echo.checkpoint import read_metrics, read_shards, weights_at
 from echo.config import EchoConfig, apply_override, validate_config
 from echo.devices import resolve_device
 from echo.engines import make_engine
@@ -54,17 +67,24 @@ MODES = {
     "async S=2": {"trainer": {"max_staleness": 2}},
     "async S=4": {"trainer": {"max_staleness": 4}},
 }
-# Level-1 sums and differences up to 50: ~5,000 problems, a tenth of them held out.
-TASK = {"name": "math", "params": {"levels": [1], "max_operand": 50}}
+# gcd of two numbers up to 40: 1,600 problems, a tenth held out; SmolLM2 starts near 0.3.
+TASK = {"name": "reasoning_gym:gcd", "params": {"max_value": 40}}
 PRESETS = {
-    "quick": {"model": "tiny", "note": "the tiny random model scores 0 in a few steps: this run checks the "
-              "pipeline and measures the modes' pace and waste, not their rewards", "steps": 12, "seeds": 3, "eval_prompts": 200, "parallel": 1,
-              "sampling": {"group_size": 4, "max_new_tokens": 12}, "trainer": {"groups_per_step": 4, "lr": 1e-3},
-              "lora": {"r": 4, "alpha": 8.0}},
-    "full": {"model": "smollm2", "note": "", "steps": 40, "seeds": 3, "eval_prompts": 400, "parallel": 3,
-             "sampling": {"group_size": 8, "max_new_tokens": 32}, "trainer": {"groups_per_step": 8, "lr": 2e-4},
-             "lora": {}},
+    "quick": {"model": "tiny", "note": "the tiny random model scores ~0: this run checks the pipeline and the "
+              "modes' pace, not their rewards", "steps": 6, "seeds": 2, "eval_every": 3, "eval_prompts": 40,
+              "threshold": 0.5, "parallel": 1, "sampling": {"group_size": 4, "max_new_tokens": 12},
+              "trainer": {"groups_per_step": 4, "lr": 1e-3}, "lora": {"r": 4, "alpha": 8.0}},
+    "study": {"model": "smollm2", "note": "", "steps": 60, "seeds": 10, "eval_every": 10, "eval_prompts": 160,
+              "threshold": 0.6, "parallel": 5, "sampling": {"group_size": 8, "max_new_tokens": 32},
+              "trainer": {"groups_per_step": 8, "lr": 2e-4}, "lora": {}},
 }
+# Stated prices (USD an hour), to turn busy time into cost: an H100 rented on demand for the
+# trainer, a consumer GPU for a sampler. Change them with --trainer-price / --sampler-price.
+PRICES = {"trainer": 2.50, "sampler": 0.40}
+# What each run keeps of every step's metrics line (workers/accounting.py).
+STEP_KEYS = ("reward_mean", "is_ratio_mean", "is_ratio_max", "is_truncated_fraction", "clip_fraction", "kl",
+             "grad_norm", "entropy", "wall_seconds", "busy_seconds", "generated_seconds", "used", "dropped_stale",
+             "staleness_used", "rejected", "reward_mismatch", "verifier_errors")
 
 
 def run_config(preset: dict, mode: str, seed: int, runs_dir: Path, overrides: list[str] = ()) -> EchoConfig:
@@ -76,7 +96,9 @@ def run_config(preset: dict, mode: str, seed: int, runs_dir: Path, overrides: li
         "task": TASK,
         "lora": preset["lora"],
         "sampling": preset["sampling"],
-        "trainer": {**preset["trainer"], "verify_fraction": 0.0},  # the proof of sampling costs every mode alike
+        # Every version kept until the run's curve is scored (then its weights are deleted); the
+        # proof of sampling checks every mode's groups alike.
+        "trainer": {**preset["trainer"], "keep_versions": preset["steps"] + 1},
         "sampler": {"count": 2},
     }
     for section, values in MODES[mode].items():
@@ -86,7 +108,13 @@ def run_config(preset: dict, mode: str, seed: int, runs_dir: Path, overrides: li
     return validate_config(sections)
 
 
-def run_one(cfg: EchoConfig, mode: str, log_dir: Path) -> Path:
+def schedule(modes: list[str], seeds: range) -> list[tuple[str, int]]:
+    """Seed by seed, each seed's modes in an order rotated by one from the last seed's: over as
+    many seeds as modes, every mode runs once in every position."""
+    return [(modes[(i + j) % len(modes)], seed) for i, seed in enumerate(seeds) for j in range(len(modes))]
+
+
+def run_one(cfg: EchoConfig, mode: str, log_dir: Path) -> None:
     """One run in its own processes: `echo-rl up`, or the co-located baseline."""
     config_path = log_dir / f"{cfg.run.id}.toml"
     config_path.write_text(cfg.to_toml())
@@ -96,50 +124,90 @@ def run_one(cfg: EchoConfig, mode: str, log_dir: Path) -> Path:
         done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
     if done.returncode != 0:
         raise RuntimeError(f"{cfg.run.id} failed ({done.returncode}): see {log_dir / cfg.run.id}.log")
-    return cfg.run_dir
 
 
 def run_summary(cfg: EchoConfig, mode: str) -> dict:
+    """A run's pace, waste and per-step metrics, from its metrics.jsonl."""
     lines = read_metrics(cfg.run_dir)
     wall = lines[-1]["wall_seconds"]
     # One process does both in the co-located run: its "sampler" is the same device, part time.
     sampler_count = 1 if mode == "colocated" else cfg.sampler.count
     trained = sum(r["tokens"] for r in lines)
     wasted = sum(r["dropped_tokens"] for r in lines)
+    busy, generated = sum(r["busy_seconds"] for r in lines), sum(r["generated_seconds"] for r in lines)
     return {
         "seed": cfg.run.seed,
-        "reward": [r["reward_mean"] for r in lines],
-        "wall_seconds": [r["wall_seconds"] for r in lines],
+        "run_id": cfg.run.id,
+        "wall_seconds": wall,
         "seconds_per_step": wall / len(lines),
-        "learner_busy": sum(r["busy_seconds"] for r in lines) / wall,
-        "sampler_busy": sum(r["generated_seconds"] for r in lines) / (sampler_count * wall),
+        "learner_seconds": busy,
+        "sampler_seconds": generated,
+        "learner_busy": busy / wall,
+        "sampler_busy": generated / (sampler_count * wall),
         "wasted_token_fraction": wasted / max(trained + wasted, 1),
         "dropped_groups": sum(r["dropped_stale"] for r in lines),
+        "rejected": dict(sum((Counter(r.get("rejected", {})) for r in lines), Counter())),
+        "reward_mismatch": dict(sum((Counter(r.get("reward_mismatch", {})) for r in lines), Counter())),
+        "proof_of_sampling": lines[-1].get("proof_of_sampling", {}),  # the trainer's running count
+        "steps": [{key: r[key] for key in STEP_KEYS if key in r} for r in lines],
     }
 
 
 class HeldOut:
-    """One engine that scores the base model once, then each run's final weights, greedy."""
+    """One engine that scores the base model once, then runs' kept versions, greedy."""
 
     def __init__(self, cfg: EchoConfig, n: int):
         self.engine, self.task = make_engine(cfg), load_task(cfg.task)
         self.prompts = self.task.held_out(n)
         self.batch = 64 if resolve_device(cfg.model.device).type == "cuda" else 16
         self.max_tokens = cfg.sampling.max_new_tokens
+        self.lock = threading.Lock()  # runs finish in several threads; one engine
         reward, correct = self.score()  # the engine starts as the base model
         self.base = {"prompts": len(self.prompts), "reward": reward, "correct": correct}
 
     def score(self) -> tuple[float, float]:
         return held_out_score(self.engine, self.task, self.prompts, self.max_tokens, self.batch)
 
-    def score_run(self, run_dir: Path) -> tuple[float, float]:
-        self.engine.load_weights(read_shards(latest_weights(run_dir)[1]))
-        return self.score()
+    def curve(self, run_dir: Path, steps: int, every: int) -> list[list[float]]:
+        """[step, held-out correct, held-out reward] at step 0 (the base model) and every `every`
+        steps to the last."""
+        points = [[0, self.base["correct"], self.base["reward"]]]
+        with self.lock:
+            for step in sorted({*range(every, steps + 1, every), steps}):
+                self.engine.load_weights(read_shards(weights_at(run_dir, step)))
+                reward, correct = self.score()
+                points.append([step, correct, reward])
+        return points
 
 
-def _spread(values: list[float]) -> dict:
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "min": min(values), "max": max(values), "values": values}
+def area_under(curve: list[list[float]]) -> float:
+    """The held-out curve's mean height over the run (trapezoids over steps): learning early
+    counts as well as learning at all."""
+    area = sum((b[0] - a[0]) * (a[1] + b[1]) / 2 for a, b in itertools.pairwise(curve))
+    return area / (curve[-1][0] - curve[0][0])
+
+
+def reached(curve: list[list[float]], threshold: float) -> tuple[int, bool]:
+    """(the first step whose held-out accuracy is at least `threshold`, True), or (the last step,
+    False): a time to an event, censored where it did not happen."""
+    return next(((step, True) for step, correct, _ in curve[1:] if correct >= threshold), (curve[-1][0], False))
+
+
+def logrank_p(a: list[tuple[float, bool]], b: list[tuple[float, bool]]) -> float:
+    """Two-sided p-value of the log-rank test that two groups reach an event at the same rate.
+    Each item is (time, the event happened), else censored at that time."""
+    observed_minus_expected = variance = 0.0
+    for t in sorted({when for when, event in a + b if event}):
+        at_risk_a, at_risk_b = sum(when >= t for when, _ in a), sum(when >= t for when, _ in b)
+        events_a = sum(when == t and event for when, event in a)
+        events = events_a + sum(when == t and event for when, event in b)
+        n = at_risk_a + at_risk_b
+        observed_minus_expected += events_a - events * at_risk_a / n
+        if n > 1:
+            variance += events * (at_risk_a / n) * (at_risk_b / n) * (n - events) / (n - 1)
+    if variance == 0:
+        return 1.0
+    return math.erfc(math.sqrt(observed_minus_expected**2 / variance / 2))  # chi-square, 1 degree of freedom
 
 
 def permutation_p(a: list[float], b: list[float], resamples: int = 100_000) -> float:
@@ -162,133 +230,147 @@ def permutation_p(a: list[float], b: list[float], resamples: int = 100_000) -> f
     return sum(gap(d) >= observed for d in deals) / len(deals)
 
 
-def verdict(modes: dict, reference: str, other: str) -> dict:
-    """Is `other`'s mean held-out score within noise of `reference`'s (a permutation test over
-    seeds, p >= 0.05), and how much faster per wall-clock second is it?"""
-    a, b = modes[reference]["held_out_correct"]["values"], modes[other]["held_out_correct"]["values"]
-    gap = statistics.fmean(b) - statistics.fmean(a)
-    p = permutation_p(a, b)
+def run_cost(run: dict, mode: str, prices: dict) -> float:
+    """USD for a run's busy time at the stated hourly prices."""
+    if mode == "colocated":
+        return run["wall_seconds"] * prices["trainer"] / 3600
+    return (run["learner_seconds"] * prices["trainer"] + run["sampler_seconds"] * prices["sampler"]) / 3600
+
+
+def _spread(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values), "values": values}
+
+
+def mode_summary(mode: str, runs: list[dict], base: dict, threshold: float, prices: dict) -> dict:
+    costs = [run_cost(r, mode, prices) for r in runs]
+    gain = statistics.fmean(r["curve"][-1][1] for r in runs) - base["correct"]
+    return {
+        "runs": runs,
+        "reached": sum(reached(r["curve"], threshold)[1] for r in runs),
+        "cost_usd": _spread(costs),
+        # Per percentage point of held-out accuracy over the base model's; none where it gained nothing.
+        "usd_per_point": statistics.fmean(costs) / (100 * gain) if gain > 0 else None,
+        "final_correct": _spread([r["curve"][-1][1] for r in runs]),
+        "auc": _spread([area_under(r["curve"]) for r in runs]),
+        **{key: _spread([r[key] for r in runs]) for key in (
+            "seconds_per_step", "learner_busy", "sampler_busy", "wasted_token_fraction")},
+    }
+
+
+def verdict(modes: dict, reference: str, other: str, threshold: float) -> dict:
+    """Does `other` differ from `reference` in final held-out accuracy, in the area under the
+    held-out curve, or in steps to `threshold`? And how much faster per wall-clock second is it?"""
+    a, b = modes[reference]["runs"], modes[other]["runs"]
+    finals = [[r["curve"][-1][1] for r in runs] for runs in (a, b)]
+    areas = [[area_under(r["curve"]) for r in runs] for runs in (a, b)]
+    times = [[reached(r["curve"], threshold) for r in runs] for runs in (a, b)]
+    p = {"final": permutation_p(*finals), "auc": permutation_p(*areas), "threshold": logrank_p(*times)}
     # Every score the same (e.g. the tiny model scoring 0 everywhere): nothing to judge.
-    within = None if len(set(a + b)) == 1 else p >= 0.05
-    return {"gap": round(gap, 4), "p_value": round(p, 4), "within_noise": within,
+    signal = len(set(finals[0] + finals[1])) > 1 or len(set(areas[0] + areas[1])) > 1
+    return {"final_gap": round(statistics.fmean(finals[1]) - statistics.fmean(finals[0]), 4),
+            "auc_gap": round(statistics.fmean(areas[1]) - statistics.fmean(areas[0]), 4),
+            "reached": [sum(event for _, event in t) for t in times],
+            "p_values": {k: round(v, 4) for k, v in p.items()},
+            "within_noise": min(p.values()) >= 0.05 if signal else None,
             "speed_vs_reference": round(modes[reference]["seconds_per_step"]["mean"]
                                         / modes[other]["seconds_per_step"]["mean"], 3)}
 
 
-def verdicts(modes: dict) -> dict:
-    return {f"{other} vs {reference}": verdict(modes, reference, other)
-            for reference in ("sequential", "colocated") if reference in modes
-            for other in modes if other.startswith("async")}
+def summarize(results: dict) -> dict:
+    """Each mode's spreads, costs and the verdicts, computed from the runs (again, after --add)."""
+    runs = results["runs"]
+    by_mode = {mode: [r for r in runs if r["mode"] == mode] for mode in MODES}
+    results["modes"] = {mode: mode_summary(mode, rs, results["base"], results["threshold"], results["prices"])
+                        for mode, rs in by_mode.items() if rs}
+    results["verdict"] = {f"{other} vs {reference}": verdict(results["modes"], reference, other, results["threshold"])
+                          for reference in ("sequential", "colocated") if reference in results["modes"]
+                          for other in results["modes"] if other.startswith("async")}
+    return results
 
 
-def add_to(path: Path, results: dict) -> dict:
-    """The modes already in `path`, measured the same way (a device lends 10 minutes a call)."""
-    earlier = orjson.loads(path.read_bytes())
-    for key in ("preset", "model", "steps", "task", "machine"):  # not the note
-        if earlier[key] != results[key]:
-            raise SystemExit(f"--add: {path} has {key} {earlier[key]!r}, this run {results[key]!r}")
-    return earlier
-
-
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for mode, m in results["modes"].items():
-        runs = m["runs"]
-        steps = range(1, min(len(r["reward"]) for r in runs) + 1)
-        rewards = [[r["reward"][i - 1] for r in runs] for i in steps]
-        mean = [statistics.fmean(x) for x in rewards]
-        line, = by_step.plot(steps, mean, label=mode)
-        by_step.fill_between(steps, [min(x) for x in rewards], [max(x) for x in rewards], alpha=0.15,
-                             color=line.get_color())
-        seconds = [statistics.fmean(r["wall_seconds"][i - 1] for r in runs) for i in steps]
-        by_time.plot(seconds, mean, label=mode, color=line.get_color())
-        by_time.fill_between(seconds, [min(x) for x in rewards], [max(x) for x in rewards], alpha=0.15,
-                             color=line.get_color())
-    by_step.set(xlabel="step", ylabel="training reward (mean over seeds, band: min-max)")
-    by_time.set(xlabel="wall-clock seconds (mean over seeds)", ylabel="training reward")
-    by_step.legend()
-    seeds = sorted({len(m["runs"]) for m in results["modes"].values()})
-    fig.suptitle(f"{results['model']}: {'-'.join(map(str, seeds))} seeds x {results['steps']} steps, {results['machine']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def code_version() -> str:
+    root = Path(__file__).parent.parent
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                           text=True).stdout
+    return commit.strip() + ("+changes" if dirty.strip() else "")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", choices=sorted(PRESETS), default="quick")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of: " + ", ".join(MODES))
-    parser.add_argument("--seeds", type=int, help="runs per mode (the preset's by default)")
-    parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1 "
-                        "(with --add, a mode's new seeds join its earlier runs)")
-    parser.add_argument("--parallel", type=int, help="runs at once (the seeds of a mode run together)")
+    parser.add_argument("--seeds", type=int, help="seeds a mode (the preset's by default)")
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
+    parser.add_argument("--parallel", type=int, help="runs at once")
+    parser.add_argument("--trainer-price", type=float, default=PRICES["trainer"], help="USD an hour")
+    parser.add_argument("--sampler-price", type=float, default=PRICES["sampler"], help="USD an hour")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="every run's config")
-    parser.add_argument("--work-dir", help="keep the runs here (default: a temporary folder)")
-    parser.add_argument("--add", action="store_true", help="keep the other modes already in the results file")
+    parser.add_argument("--work-dir", help="keep the runs' logs and metrics here (default: a temporary folder)")
+    parser.add_argument("--add", action="store_true", help="add to the runs already in the results file")
     parser.add_argument("--report", action="store_true", help="run nothing: the verdict, table and PNG again "
                         "from the results file")
     parser.add_argument("--out", default=str(results_dir()))
     args = parser.parse_args()
     path = Path(args.out) / f"parity-{args.preset}.json"
+    prices = {"trainer": args.trainer_price, "sampler": args.sampler_price}
     if args.report:
-        return report(path)
+        results = summarize({**orjson.loads(path.read_bytes()), "prices": prices})
+        return show(results, path)
     preset = dict(PRESETS[args.preset], **{k: v for k, v in (("seeds", args.seeds), ("parallel", args.parallel)) if v})
     modes = args.modes.split(",")
     if unknown := set(modes) - set(MODES):
         parser.error(f"--modes: unknown {sorted(unknown)}; known: {list(MODES)}")
-
+    results = {"preset": args.preset, "model": preset["model"], "steps": preset["steps"], "task": TASK,
+               "eval_every": preset["eval_every"], "threshold": preset["threshold"], "prices": prices,
+               "note": preset["note"], "runs": []}
+    if args.add:
+        results = added_to(path, results)
+    planned = schedule(modes, range(args.first_seed, args.first_seed + preset["seeds"]))
+    if repeated := {(m, s) for m, s in planned} & {(r["mode"], r["seed"]) for r in results["runs"]}:
+        parser.error(f"already in the results: {sorted(repeated)} (--first-seed)")
     path.parent.mkdir(parents=True, exist_ok=True)
-    seeds = range(args.first_seed, args.first_seed + preset["seeds"])
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work_dir or tmp)
         (work / "logs").mkdir(parents=True, exist_ok=True)
-        results = {"preset": args.preset, "model": preset["model"], "steps": preset["steps"],
-                   "seeds": preset["seeds"], "task": TASK, "machine": machine(), "note": preset["note"], "modes": {}}
-        if args.add:
-            results = add_to(path, results)
-        started, held_out, earlier_seconds = time.monotonic(), None, results.get("seconds", 0)
-        for mode in modes:
-            earlier_runs = results["modes"].get(mode, {}).get("runs", [])
-            if repeated := sorted({r["seed"] for r in earlier_runs} & set(seeds)):
-                parser.error(f"{mode}: seeds {repeated} already in the results (--first-seed)")
-            configs = [run_config(preset, mode, seed, work / "runs", args.set) for seed in seeds]
-            with ThreadPoolExecutor(preset["parallel"]) as pool:
-                run_dirs = list(pool.map(lambda c: run_one(c, mode, work / "logs"), configs))
-            held_out = held_out or HeldOut(configs[0], preset["eval_prompts"])
-            results["base"] = held_out.base
-            runs = [run_summary(c, mode) for c in configs]
-            for run, run_dir in zip(runs, run_dirs):
-                run["held_out_reward"], run["held_out_correct"] = held_out.score_run(run_dir)
-                run["overrides"] = args.set  # seeds added later may have run with others
-            runs = earlier_runs + runs
-            results["modes"][mode] = {"runs": runs, **{key: _spread([r[key] for r in runs]) for key in (
-                "held_out_reward", "held_out_correct", "seconds_per_step", "learner_busy", "sampler_busy",
-                "wasted_token_fraction")}}
-            results["seconds"] = earlier_seconds + round(time.monotonic() - started)
-            # After each mode: a run cut short keeps what it measured.
-            write(results, path)
-            print(mode, f"{results['seconds']} s", flush=True)
+        configs = {(m, s): run_config(preset, m, s, work / "runs", args.set) for m, s in planned}
+        held_out = HeldOut(next(iter(configs.values())), preset["eval_prompts"])
+        results["base"] = held_out.base
+        writing = threading.Lock()
+
+        def measure(mode: str, seed: int) -> None:
+            cfg, started = configs[mode, seed], time.time()
+            run_one(cfg, mode, work / "logs")
+            run = {"mode": mode, **run_summary(cfg, mode), "started_at": round(started), "code": code_version(),
+                   "machine": machine(), "overrides": args.set,
+                   "curve": held_out.curve(cfg.run_dir, preset["steps"], preset["eval_every"])}
+            shutil.rmtree(cfg.run_dir / "weights")  # a study's versions would fill the disk
+            with writing:  # after each run: a study cut short keeps what it measured
+                results["runs"].append(run)
+                write(summarize(results), path)
+            print(f"{mode} seed {seed}: held-out {run['curve'][-1][1]:.3f}", flush=True)
+
+        with ThreadPoolExecutor(preset["parallel"]) as pool:
+            list(pool.map(lambda planned_run: measure(*planned_run), planned))
     show(results, path)
+
+
+def added_to(path: Path, results: dict) -> dict:
+    """The runs already in `path`, measured the same way (a device lends 10 minutes a call)."""
+    earlier = orjson.loads(path.read_bytes())
+    for key in ("preset", "model", "steps", "task", "eval_every"):
+        if earlier[key] != results[key]:
+            raise SystemExit(f"--add: {path} has {key} {earlier[key]!r}, this run {results[key]!r}")
+    return {**earlier, "prices": results["prices"]}
 
 
 def write(results: dict, path: Path) -> None:
-    results["modes"] = {mode: results["modes"][mode] for mode in MODES if mode in results["modes"]}
-    results["verdict"] = verdicts(results["modes"])
     path.write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
 
 
-def report(path: Path) -> None:
-    """The results file's verdict computed again (as this code judges), its PNG and table."""
-    results = orjson.loads(path.read_bytes())
-    write(results, path)
-    show(results, path)
-
-
 def show(results: dict, path: Path) -> None:
+    write(results, path)
     plot(results, path.with_suffix(".png"))
     print(table(results))
 
@@ -300,19 +382,53 @@ def machine() -> str:
     return f"{gpu}, {os.cpu_count()} CPU cores" if gpu else f"{os.cpu_count()} CPU cores, no GPU"
 
 
-def table(results: dict) -> str:
-    rows = ["| mode | seeds | held-out correct | held-out reward | s/step | learner busy | sampler busy | tokens wasted |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (held, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
     for mode, m in results["modes"].items():
-        rows.append(f"| {mode} | {len(m['runs'])} | {m['held_out_correct']['mean']:.3f} ± {m['held_out_correct']['std']:.3f} "
-                    f"| {m['held_out_reward']['mean']:.3f} | {m['seconds_per_step']['mean']:.2f} "
-                    f"| {m['learner_busy']['mean']:.2f} | {m['sampler_busy']['mean']:.2f} "
-                    f"| {m['wasted_token_fraction']['mean']:.3f} |")
+        runs = m["runs"]
+        steps = [step for step, _, _ in runs[0]["curve"]]
+        correct = [[r["curve"][i][1] for r in runs] for i in range(len(steps))]
+        line, = held.plot(steps, [statistics.fmean(c) for c in correct], marker="o", label=f"{mode} ({len(runs)})")
+        held.fill_between(steps, [min(c) for c in correct], [max(c) for c in correct], alpha=0.12,
+                          color=line.get_color())
+        last = min(len(r["steps"]) for r in runs)
+        seconds = [statistics.fmean(r["steps"][i]["wall_seconds"] for r in runs) for i in range(last)]
+        rewards = [statistics.fmean(r["steps"][i]["reward_mean"] for r in runs) for i in range(last)]
+        by_time.plot(seconds, rewards, label=mode, color=line.get_color())
+    held.axhline(results["threshold"], color="grey", linestyle=":", linewidth=1)
+    held.set(xlabel="step", ylabel="held-out accuracy (mean over seeds, band: min-max)")
+    by_time.set(xlabel="wall-clock seconds (mean over seeds)", ylabel="training reward (mean over seeds)")
+    held.legend()
+    fig.suptitle(f"{results['model']} on {results['task']['name']}: {results['steps']} steps, "
+                 f"{len(results['runs'])} runs, {results['runs'][0]['machine']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def table(results: dict) -> str:
+    rows = ["| mode | seeds | held-out final | area under curve | reached threshold | s/step | learner busy "
+            "| sampler busy | tokens wasted | USD a run | USD a point |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for mode, m in results["modes"].items():
+        per_point = f"{m['usd_per_point']:.4f}" if m["usd_per_point"] is not None else "no gain"
+        rows.append(f"| {mode} | {len(m['runs'])} | {m['final_correct']['mean']:.3f} ± {m['final_correct']['std']:.3f} "
+                    f"| {m['auc']['mean']:.3f} ± {m['auc']['std']:.3f} | {m['reached']} of {len(m['runs'])} "
+                    f"| {m['seconds_per_step']['mean']:.2f} | {m['learner_busy']['mean']:.2f} "
+                    f"| {m['sampler_busy']['mean']:.2f} | {m['wasted_token_fraction']['mean']:.3f} "
+                    f"| {m['cost_usd']['mean']:.4f} | {per_point} |")
     base = results["base"]
-    rows.append(f"\nbase model: correct {base['correct']:.3f}, reward {base['reward']:.3f} on {base['prompts']} prompts")
+    rows.append(f"\nbase model: correct {base['correct']:.3f}, reward {base['reward']:.3f} on {base['prompts']} "
+                f"prompts; threshold {results['threshold']}; prices {results['prices']} USD an hour")
     judged = {True: "within noise", False: "NOT within noise", None: "no signal to judge"}
-    rows += [f"{name}: gap {v['gap']:+.4f} (p = {v['p_value']:.3f}) -> "
-             f"{judged[v['within_noise']]}; {v['speed_vs_reference']:.2f}x the steps per second"
+    rows += [f"{name}: final {v['final_gap']:+.4f} (p = {v['p_values']['final']:.3f}), area {v['auc_gap']:+.4f} "
+             f"(p = {v['p_values']['auc']:.3f}), reached {v['reached'][1]} vs {v['reached'][0]} "
+             f"(log-rank p = {v['p_values']['threshold']:.3f}) -> {judged[v['within_noise']]}; "
+             f"{v['speed_vs_reference']:.2f}x the steps per second"
              for name, v in results["verdict"].items()]
     return "\n".join(rows)
 

@@ -121,7 +121,15 @@ def latest_weights(run_dir: Path) -> tuple[int, list[Path]]:
     if not files:
         raise FileNotFoundError(f"{run_dir}/weights holds no published version")
     version = _version_of(files[-1])
-    return version, [f for f in files if _version_of(f) == version]
+    return version, weights_at(run_dir, version)
+
+
+def weights_at(run_dir: Path, version: int) -> list[Path]:
+    """A kept version's shards, in order."""
+    files = sorted((run_dir / "weights").glob(f"v{version:06d}-*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{run_dir}/weights does not hold version {version}")
+    return files
 
 
 def read_shards(files: list[Path]) -> list[bytearray]:

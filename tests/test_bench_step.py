@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import orjson
+import pytest
 import torch
 
 from bench.micro_batches import step_setup, timed_step
@@ -29,3 +30,16 @@ def test_the_bench_says_where_its_steps_ran(tmp_path):
     assert (result["device"], result["dtype"]) == ("cpu", "bfloat16")
     assert [run["budget"] for run in result["runs"]] == [0, 4096]
     assert [run["passes"] for run in result["runs"]] == [2, 1]  # packed: both groups in one pass
+
+
+def test_the_learner_bench_reports_throughput_mfu_and_where_the_time_went():
+    from bench.learner import measure
+
+    result = measure("tiny", "parity", repeats=1, pack_groups="on", device="cpu", dtype="float32", peak_tflops=1.0,
+                     profile=True)
+    assert (result["groups"], result["completions"], result["tokens"], result["passes"]) == (8, 8, 32, 1)
+    assert result["completion_tokens_per_s"] == round(64 * 32 / result["step_s"], 1)
+    assert result["mfu"] > 0 and result["mfu"] == pytest.approx(result["tflops_per_s"], abs=1e-3)  # peak 1 TFLOP/s
+    ops = result["profile"]
+    assert ops and ops[0]["self_ms"] >= ops[-1]["self_ms"] and 0 < sum(op["share"] for op in ops) <= 1.0001
+    assert any(op["op"].startswith("aten::") for op in ops)

@@ -1,19 +1,20 @@
-"""The parity bench's verdict (bench/parity.py): an exact permutation test over seeds, so that
-bimodal scores (a seed takes off or does not) are judged without assuming normal noise. And a
-run's summary from its metrics."""
+"""The parity bench's statistics (bench/parity.py): an exact permutation test over seeds, so that
+bimodal scores (a seed takes off or does not) are judged without assuming normal noise; the
+log-rank test of steps to a threshold; the area under a held-out curve; the interleaved schedule;
+cost per point. And a run's summary from its metrics."""
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
+import orjson
 import pytest
 
-from bench.parity import permutation_p, run_summary, verdict
+from bench.parity import (MODES, area_under, logrank_p, mode_summary, permutation_p, reached, run_cost, run_summary,
+                          schedule, verdict)
 from tests.conftest import tiny_config
 from workers.accounting import metrics_line
-
-
-def modes(scores: dict[str, list[float]]) -> dict:
-    return {name: {"held_out_correct": {"values": values}, "seconds_per_step": {"mean": 1.0}}
-            for name, values in scores.items()}
 
 
 def test_three_seeds_apart_are_as_far_apart_as_three_seeds_can_be():
@@ -39,29 +40,120 @@ def test_many_seeds_are_judged_on_random_deals_close_to_the_exact_value():
     assert abs(permutation_p(a, b, resamples=20_000) - exact) < 0.02
 
 
+def test_the_log_rank_test_by_hand():
+    # a: events at steps 1 and 2; b: both censored at 3. At t=1: 4 at risk (2 a), 1 event in a:
+    # O-E = 1 - 2/4, V = 1/4. At t=2: 3 at risk (1 a), 1 event in a: O-E += 1 - 1/3, V += 2/9.
+    # chi2 = (7/6)^2 / (17/36) = 49/17; p = erfc(sqrt(chi2 / 2)).
+    a, b = [(1, True), (2, True)], [(3, False), (3, False)]
+    assert logrank_p(a, b) == pytest.approx(math.erfc(math.sqrt(49 / 17 / 2)))  # ~0.0896
+    assert logrank_p(a, b) == pytest.approx(logrank_p(b, a))
+    assert logrank_p(a, a) == pytest.approx(1.0)
+    assert logrank_p([(60, False)] * 3, [(60, False)] * 3) == 1.0  # nobody reached it: nothing to compare
+
+
+def test_ten_seeds_a_mode_tell_early_from_late_learners():
+    """The power the study is for: every seed of one mode reaching the threshold by step 20, of
+    the other at step 40 or never, is a clear difference; half and half of each is none."""
+    early = [(20, True)] * 8 + [(10, True)] * 2
+    late = [(40, True)] * 5 + [(60, False)] * 5
+    assert logrank_p(early, late) < 0.001
+    mixed = [(20, True)] * 5 + [(60, False)] * 5
+    assert logrank_p(mixed, list(reversed(mixed))) == pytest.approx(1.0)
+
+
+def test_a_held_out_curve_gives_its_area_and_its_time_to_a_threshold():
+    curve = [[0, 0.3, 0.4], [10, 0.5, 0.6], [20, 0.7, 0.8], [30, 0.7, 0.8]]
+    assert area_under(curve) == pytest.approx((10 * 0.4 + 10 * 0.6 + 10 * 0.7) / 30)
+    assert reached(curve, 0.6) == (20, True)
+    assert reached(curve, 0.3) == (10, True)  # the base model's point is not a step of training
+    assert reached(curve, 0.9) == (30, False)  # censored at the last step
+
+
+def test_the_schedule_interleaves_modes_so_none_owns_a_stretch_of_time():
+    modes = list(MODES)
+    planned = schedule(modes, range(10))
+    assert sorted(planned) == sorted((m, s) for m in modes for s in range(10))  # each run once
+    for seed in range(10):  # a seed's runs together, then the next seed's
+        assert {m for m, s in planned[5 * seed: 5 * seed + 5]} == set(modes)
+    for mode in modes:  # over as many seeds as modes, a mode is in every position once
+        assert sorted(planned[5 * s: 5 * s + 5].index((mode, s)) for s in range(5)) == [0, 1, 2, 3, 4]
+
+
+def run(final: float, seconds_per_step: float = 1.0, mode: str = "async S=1") -> dict:
+    return {"mode": mode, "curve": [[0, 0.3, 0.3], [10, final, final]], "seconds_per_step": seconds_per_step,
+            "learner_busy": 0.9, "sampler_busy": 0.5, "wasted_token_fraction": 0.0, "wall_seconds": 3600.0,
+            "learner_seconds": 1800.0, "sampler_seconds": 3600.0}
+
+
+def modes(finals: dict[str, list[float]]) -> dict:
+    base = {"correct": 0.3}
+    return {name: mode_summary(name, [run(f) for f in values], base, 0.6, {"trainer": 2.0, "sampler": 0.5})
+            for name, values in finals.items()}
+
+
 def test_a_bimodal_outcome_with_no_spread_in_one_mode_is_still_judged():
     # Three seeds that failed alike have no spread; the test asks how often a deal of the six
     # pooled scores is as lopsided, which here is every deal (the one take-off lands somewhere).
-    v = verdict(modes({"sequential": [1.0, 0.05, 0.06], "async S=2": [0.08, 0.09, 0.07]}), "sequential", "async S=2")
-    assert v["within_noise"] is True and v["p_value"] > 0.5
+    v = verdict(modes({"sequential": [1.0, 0.05, 0.06], "async S=2": [0.08, 0.09, 0.07]}), "sequential", "async S=2",
+                0.6)
+    assert v["within_noise"] is True and v["p_values"]["final"] > 0.5 and v["reached"] == [1, 0]
 
 
 def test_identical_scores_everywhere_give_no_signal():
-    v = verdict(modes({"colocated": [0.0, 0.0, 0.0], "async S=1": [0.0, 0.0, 0.0]}), "colocated", "async S=1")
-    assert v["within_noise"] is None and v["gap"] == 0
+    v = verdict(modes({"colocated": [0.0, 0.0, 0.0], "async S=1": [0.0, 0.0, 0.0]}), "colocated", "async S=1", 0.6)
+    assert v["within_noise"] is None and v["final_gap"] == 0
+
+
+def test_ten_seeds_that_all_learn_more_are_not_within_noise():
+    v = verdict(modes({"sequential": [0.4] * 5 + [0.5] * 5, "async S=1": [0.8] * 5 + [0.9] * 5}), "sequential",
+                "async S=1", 0.6)
+    assert v["within_noise"] is False and v["p_values"]["final"] < 0.001 and v["reached"] == [0, 10]
+
+
+def test_cost_is_busy_time_at_the_stated_prices_and_a_point_is_a_percent_gained():
+    prices = {"trainer": 2.0, "sampler": 0.5}
+    assert run_cost(run(0.5), "async S=1", prices) == pytest.approx(0.5 * 2.0 + 1.0 * 0.5)
+    assert run_cost(run(0.5), "colocated", prices) == pytest.approx(1.0 * 2.0)  # one device, its whole time
+    summary = mode_summary("async S=1", [run(0.5), run(0.7)], {"correct": 0.3}, 0.6, prices)
+    assert summary["usd_per_point"] == pytest.approx(1.5 / 30)  # 0.3 -> 0.6 mean: 30 points for $1.50
+    assert mode_summary("async S=1", [run(0.2)], {"correct": 0.3}, 0.6, prices)["usd_per_point"] is None
 
 
 @pytest.mark.parametrize("mode, samplers, sampler_busy", [("async S=1", 4, 0.25), ("colocated", 4, 1.0)])
-def test_sampler_busy_is_over_the_runs_own_samplers(tmp_path, mode, samplers, sampler_busy):
-    """Generating time over the samplers' wall time: the run's sampler.count of them (the
-    co-located run generates in its one process)."""
+def test_a_runs_summary_keeps_its_pace_and_every_steps_metrics(tmp_path, mode, samplers, sampler_busy):
+    """Sampler busy is generating time over the samplers' wall time: the run's sampler.count of
+    them (the co-located run generates in its one process)."""
     cfg = tiny_config(tmp_path, sampler={"count": samplers})
     cfg.run_dir.mkdir(parents=True)
     lines = [{"step": step, "reward_mean": 0.5, "wall_seconds": 10.0 * step, "busy_seconds": 5.0, "tokens": 90,
               "generated_seconds": 10.0 * sampler_busy * samplers if mode != "colocated" else 10.0,
-              "dropped_tokens": 10, "dropped_stale": 1} for step in (1, 2)]
+              "dropped_tokens": 10, "dropped_stale": 1, "is_ratio_mean": 1.0, "clip_fraction": 0.01, "kl": 0.002,
+              "grad_norm": 0.3, "staleness_used": {"0": 3, "1": 1}, "rejected": {"prompt_mismatch": step},
+              "proof_of_sampling": {"passed": step}} for step in (1, 2)]
     (cfg.run_dir / "metrics.jsonl").write_bytes(b"".join(metrics_line(line) for line in lines))
     summary = run_summary(cfg, mode)
     assert summary["sampler_busy"] == pytest.approx(sampler_busy)
     assert summary["learner_busy"] == 0.5 and summary["seconds_per_step"] == 10.0
     assert summary["wasted_token_fraction"] == 0.1 and summary["dropped_groups"] == 2
+    assert summary["rejected"] == {"prompt_mismatch": 3} and summary["proof_of_sampling"] == {"passed": 2}
+    assert [s["grad_norm"] for s in summary["steps"]] == [0.3, 0.3]
+    assert summary["steps"][0]["staleness_used"] == {"0": 3, "1": 1} and summary["steps"][1]["kl"] == 0.002
+
+
+@pytest.mark.slow
+def test_the_study_runs_interleaved_scores_curves_and_keeps_every_run(tmp_path):
+    """The harness end to end on the tiny model (the quick preset, one seed of two modes): each
+    run's held-out curve, metrics, commit and cost in the results, its weights deleted after."""
+    done = subprocess.run([sys.executable, "-m", "bench.parity", "--preset", "quick", "--seeds", "1",
+                           "--modes", "async S=1,colocated", "--out", str(tmp_path), "--work-dir", str(tmp_path / "work")],
+                          cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = orjson.loads((tmp_path / "parity-quick.json").read_bytes())
+    assert [r["mode"] for r in results["runs"]] == ["async S=1", "colocated"]  # in the schedule's order
+    for r in results["runs"]:
+        assert [point[0] for point in r["curve"]] == [0, 3, 6]
+        assert len(r["steps"]) == 6 and all("is_ratio_mean" in s and "grad_norm" in s for s in r["steps"])
+        assert r["code"] and r["seed"] == 0 and not (tmp_path / "work" / "runs" / r["run_id"] / "weights").exists()
+    assert set(results["modes"]) == {"async S=1", "colocated"} and "async S=1 vs colocated" in results["verdict"]
+    assert results["modes"]["async S=1"]["cost_usd"]["mean"] > 0
+    assert (tmp_path / "parity-quick.png").stat().st_size > 10_000
