@@ -1,12 +1,15 @@
-"""Benchmark: the two sampler engines on the same model, same machine, same run. For each,
+"""Benchmark: the sampler engines on the same model, same machine, same run. For each,
 generation throughput (one engine call of `prompts` groups of `group` completions, `tokens` new
 tokens at most, the sampler's call) and the time to swap in a new policy version (load_weights of
 a published LoRA adapter: what a sampler does per version). Rounds alternate between the engines,
-so both see the same load on a shared machine.
+so all see the same load on a shared machine. Speeds are also given as ratios to `hf`
+(transformers' `generate`), measured in the same run.
 
-    .venv-vllm/bin/python bench/engines.py [--model smollm2] [--rounds 3]   (needs vLLM: make test-vllm)
+    .venv/bin/python -m bench.engines --engines hf hf-paged [--model smollm2] [--rounds 3]
+    .venv-vllm/bin/python -m bench.engines --engines hf vllm   (needs vLLM: make test-vllm)
+    python -m bench.engines --engines hf hf-paged --device cuda --dtype bfloat16 --prompts 8 --group 16 --tokens 1024
 
-Writes bench/results/engines.json; the speed is also given as vLLM's ratio to transformers.
+Writes bench/results/engines[-<engines>-<device>].json.
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ import time
 import torch
 
 from bench.common import write_results
-from echo.config import LoraConfig, ModelConfig, SamplingConfig
+from echo.config import validate_config
+from echo.engines import make_engine
 from echo.engines.hf import HFEngine
-from echo.engines.vllm import VLLMEngine
 from echo.policy import weights_shards
 
 
@@ -37,24 +40,30 @@ def new_version(hf: HFEngine, seed: int, scale: float = 0.02) -> list[bytearray]
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=["hf", "hf-paged", "vllm"],
+                        help="sampler.engine settings, hf first: the others' speeds are ratios to it")
+    parser.add_argument("--device", default="cpu", help="model.device")
+    parser.add_argument("--dtype", default="float32", help="model.dtype")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)
     args = parser.parse_args()
-    sampling = SamplingConfig(group_size=args.group, max_new_tokens=args.tokens, temperature=0.7)
-    lora = LoraConfig()
-    started = time.perf_counter()
-    hf = HFEngine(args.model, lora, sampling, "cpu", "float32")
-    hf_start = time.perf_counter() - started
-    started = time.perf_counter()
-    vllm = VLLMEngine(ModelConfig(name=args.model, device="cpu", dtype="float32"), lora, sampling)
-    vllm_start = time.perf_counter() - started
-    engines = {"hf": hf, "vllm": vllm}
+    if args.engines[0] != "hf":
+        parser.error("--engines: hf first (the baseline)")
+    engines, start_s = {}, {}
+    for name in args.engines:
+        cfg = validate_config({"model": {"name": args.model, "device": args.device, "dtype": args.dtype},
+                               "sampling": {"group_size": args.group, "max_new_tokens": args.tokens, "temperature": 0.7},
+                               "sampler": {"engine": name}})
+        started = time.perf_counter()
+        engines[name] = make_engine(cfg)
+        start_s[name] = round(time.perf_counter() - started, 1)
+    hf = engines["hf"]
     prompts = [hf.encode_chat([{"role": "user", "content": f"What is {i} + {i + 3}? Explain."}])
                for i in range(args.prompts)]
     samples: dict[str, dict[str, list[float]]] = {name: {"tokens_per_s": [], "swap_s": []} for name in engines}
-    for round_ in range(args.rounds + 1):  # round 0 warms both up (first-call costs) and is not counted
+    for round_ in range(args.rounds + 1):  # round 0 warms every engine up (first-call costs) and is not counted
         shards = new_version(hf, seed=round_)
         for name, engine in engines.items():
             started = time.perf_counter()
@@ -62,6 +71,8 @@ def main() -> None:
             swap = time.perf_counter() - started
             started = time.perf_counter()
             groups = engine.generate(prompts, args.group)
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize(engine.device)
             seconds = time.perf_counter() - started
             if round_:
                 tokens = sum(len(g.token_ids) for group in groups for g in group)
@@ -69,14 +80,18 @@ def main() -> None:
                 samples[name]["swap_s"].append(swap)
     result = {
         "model": args.model,
-        "call": f"{args.prompts} prompts x {args.group} completions x {args.tokens} tokens, fp32, CPU, LoRA r={lora.r}",
+        "call": f"{args.prompts} prompts x {args.group} completions x {args.tokens} tokens, {args.dtype}, "
+                f"{hf.device}, LoRA r={hf.model.peft_config['default'].r}",
         "adapter_mb": round(sum(len(s) for s in shards) / 2**20, 2),
-        "start_s": {"hf": round(hf_start, 1), "vllm": round(vllm_start, 1)},
+        "start_s": start_s,
         **{name: {k: round(statistics.median(v), 4) for k, v in s.items()} for name, s in samples.items()},
         "rounds": args.rounds,
     }
-    result["vllm_speed_ratio"] = round(result["vllm"]["tokens_per_s"] / result["hf"]["tokens_per_s"], 2)
-    out = write_results("engines.json", result)
+    for name in args.engines[1:]:
+        result[f"{name}_speed_ratio"] = round(result[name]["tokens_per_s"] / result["hf"]["tokens_per_s"], 2)
+    default = args.engines == ["hf", "vllm"] and args.device == "cpu"  # the figure docs/performance.md quotes
+    out = write_results("engines.json" if default else f"engines-{'-'.join(args.engines)}-{hf.device.type}.json",
+                        result)
     print(out.read_text())
 
 

@@ -271,6 +271,17 @@ def test_a_user_task_given_as_module_and_class_trains_end_to_end(tmp_path, monke
     assert (tmp_path / "user" / "report.png").stat().st_size > 10_000
 
 
+def test_samplers_on_the_paged_engine_train_a_run_and_pass_every_proof(tmp_path):
+    """sampler.engine = "hf-paged" (transformers' continuous batching) through the whole protocol:
+    the trainer recomputes every group's log-probs (verify_fraction 1) and finds them its own, and
+    on-policy (sequential) its importance ratios are 1."""
+    metrics, stream, _ = run_swarm(tmp_path, "paged", 2, 'sampler.engine="hf-paged"', "trainer.verify_fraction=1.0",
+                                   "run.mode=sequential")
+    assert [m["version"] for m in metrics] == [1, 2]
+    assert metrics[-1]["proof_of_sampling"] == {"passed": sum(m["used"] for m in metrics)}
+    assert all(m["is_ratio_mean"] == pytest.approx(1.0, abs=1e-3) for m in metrics)
+
+
 def test_a_swarm_trains_on_a_composite_of_two_reasoning_gym_datasets(tmp_path):
     """The trainer re-derives each group's problem from its index and scores it itself."""
     datasets = '[{name="chain_sum", weight=1, config={max_terms=3}}, {name="shortest_path", weight=1}]'

@@ -10,7 +10,7 @@ import torch
 from echo.algorithms.grpo import token_logprobs
 from echo.config import LoraConfig, SamplingConfig
 from echo.engines.base import call_seed
-from echo.engines.hf import HFEngine
+from echo.engines.hf import HFEngine, PagedEngine
 from echo.models import base_model_digest, load_model
 from echo.policy import WeightsMismatch, group_logprobs, make_policy, packed_logprobs, tensors_from_buffer, weights_shards
 
@@ -231,3 +231,30 @@ def test_a_calls_sampling_noise_comes_from_the_runs_seed(engines):
     assert tokens(b, call_seed(0, "s1", 1, 1)) == first
     others = (call_seed(0, "s1", 1, 2), call_seed(0, "s1", 2, 1), call_seed(0, "s2", 1, 1), call_seed(1, "s1", 1, 1))
     assert len({str(tokens(a, seed)) for seed in others} | {str(first)}) == 5
+
+
+def test_the_paged_engine_samples_what_the_trainer_computes_and_follows_a_new_version():
+    """transformers' continuous batching (sampler.engine = "hf-paged"): its behaviour log-probs
+    are the trainer's (importance ratio 1), its noise comes from the call's seed, and after a
+    swap of weights it samples from the new version (its cache is the call's own)."""
+    engine = PagedEngine("tiny", LoraConfig(r=4), SAMPLING)
+    prompts = [engine.encode_chat([{"role": "user", "content": text}]) for text in ("What is 2 + 3?", "Hi")]
+    for swap in range(2):
+        with torch.no_grad():  # a new, non-trivial adapter: a version the sampler swaps in
+            for name, p in engine.model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(swap))
+        groups = engine.generate(prompts, 4, seed=call_seed(0, "s1", 1, 1 + swap))
+        assert [len(g) for g in groups] == [4, 4]
+        for prompt, group in zip(prompts, groups):
+            with torch.no_grad():
+                logprobs, _, _ = group_logprobs(engine.model, prompt, [g.token_ids for g in group],
+                                                SAMPLING.temperature, engine.tokenizer.pad_token_id)
+            for row, g in enumerate(group):
+                assert torch.allclose(logprobs[row, : len(g.token_ids)], torch.tensor(g.logprobs), atol=1e-4)
+                assert len(g.token_ids) <= SAMPLING.max_new_tokens
+                assert (g.token_ids[-1] == engine.tokenizer.eos_token_id) == (g.finish_reason == "stop")
+    again = engine.generate(prompts, 4, seed=call_seed(0, "s1", 1, 2))
+    assert [[g.token_ids for g in group] for group in again] == [[g.token_ids for g in group] for group in groups]
+    other = engine.generate(prompts, 4, seed=call_seed(0, "s1", 1, 3))
+    assert [[g.token_ids for g in group] for group in other] != [[g.token_ids for g in group] for group in groups]

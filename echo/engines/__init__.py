@@ -13,7 +13,7 @@ from echo.engines.base import Engine
 
 
 def engine_choice(choice: str) -> str:
-    """"hf" or "vllm" for `sampler.engine` on this machine."""
+    """"hf", "hf-paged" or "vllm" for `sampler.engine` on this machine."""
     if choice == "auto":
         return "vllm" if importlib.util.find_spec("vllm") and torch.cuda.is_available() else "hf"
     if choice == "vllm" and importlib.util.find_spec("vllm") is None:
@@ -28,6 +28,7 @@ def make_engine(cfg: EchoConfig) -> Engine:
         from echo.engines.vllm import VLLMEngine
 
         return VLLMEngine(cfg.model, cfg.lora, cfg.sampling)
-    from echo.engines.hf import HFEngine
+    from echo.engines.hf import HFEngine, PagedEngine
 
-    return HFEngine(cfg.model.name, cfg.lora, cfg.sampling, cfg.model.device, cfg.model.dtype)
+    engine = PagedEngine if engine_choice(cfg.sampler.engine) == "hf-paged" else HFEngine
+    return engine(cfg.model.name, cfg.lora, cfg.sampling, cfg.model.device, cfg.model.dtype)

@@ -72,6 +72,13 @@ class HFEngine:
     def load_weights(self, shards: list[bytearray]) -> None:
         load_weights(self.model, shards)
 
+    def call_config(self, greedy: bool) -> GenerationConfig:
+        config = copy.deepcopy(self.generation_config)
+        if greedy:  # evaluation: the log-probs are then those of the tempered distribution, unused
+            config.do_sample = False
+            config.temperature, config.top_k, config.top_p = None, None, None
+        return config
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
                  between_chunks: BetweenChunks | None = None, max_tokens: int | None = None,
@@ -82,10 +89,7 @@ class HFEngine:
         batch = self.tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(self.device)
         if seed is not None:  # generate draws from torch's global generator (one sampler a process)
             torch.manual_seed(seed)
-        config = copy.deepcopy(self.generation_config)
-        if greedy:  # evaluation: the log-probs are then those of the tempered distribution, unused
-            config.do_sample = False
-            config.temperature, config.top_k, config.top_p = None, None, None
+        config = self.call_config(greedy)
         limit = self.max_new_tokens if max_tokens is None else max_tokens
         chunk = self.chunk_tokens if between_chunks is not None and self.chunk_tokens else limit
         ids, mask = batch["input_ids"].repeat_interleave(n, 0), batch["attention_mask"].repeat_interleave(n, 0)
@@ -124,5 +128,48 @@ class HFEngine:
             Generation(token_ids=t, logprobs=lp, text=self.tokenizer.decode(t, skip_special_tokens=True),
                        finish_reason="stop" if t[-1] == eos else "length", version_changes=tuple(c))
             for t, lp, c in zip(tokens, logprobs, changes)
+        ]
+        return [generations[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+class PagedEngine(HFEngine):
+    """transformers' continuous batching over a paged key/value cache (`generate_batch`): each
+    completion joins the batch, generates and leaves on its own, with no padding, and the
+    completions of a group share their prompt's cache blocks. Its behaviour log-probs are those
+    of softmax(logits / T), as `hf`'s. A call builds its own manager and cache, sized for the
+    call, so keys and values computed under one version never serve the next. Whole
+    completions: partial rollouts (sampling.chunk_tokens) need `hf`."""
+
+    name = "hf"  # on the wire: transformers sampled it, with the same model code and log-probs as `hf`
+    PAGE_TOKENS = 32
+    MAX_BATCH_TOKENS = 8192  # tokens in one forward: prompts are prefilled in slices of this
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
+                 between_chunks: BetweenChunks | None = None, max_tokens: int | None = None,
+                 seed: int | None = None) -> list[list[Generation]]:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        limit = self.max_new_tokens if max_tokens is None else max_tokens
+        requests = [prompt for prompt in prompts for _ in range(n)]
+        config = self.call_config(greedy)
+        config.max_new_tokens = limit
+        # Sized for this call: left to itself the manager sizes its cache from the device's free
+        # memory, gigabytes on a CPU (a call then took 40 s instead of 1).
+        pages = sum(-(-(len(prompt) + limit) // self.PAGE_TOKENS) for prompt in requests)
+        batching = ContinuousBatchingConfig(
+            return_logprobs=True, seed=seed, page_size=self.PAGE_TOKENS, num_blocks=pages + 1,
+            max_batch_tokens=min(self.MAX_BATCH_TOKENS, max(256, sum(map(len, requests)))), use_cuda_graph=False)
+        out = list(self.model.generate_batch(requests, generation_config=config, continuous_batching_config=batching,
+                                             warmup=False).values())
+        if len(out) != len(requests) or any(o.error for o in out):
+            errors = [o.error for o in out if o.error]
+            raise RuntimeError(f"continuous batching returned {len(out)} of {len(requests)} completions: {errors[:1]}")
+        eos = self.tokenizer.eos_token_id
+        generations = [
+            Generation(token_ids=list(o.generated_tokens), logprobs=list(o.logprobs),
+                       text=self.tokenizer.decode(o.generated_tokens, skip_special_tokens=True),
+                       finish_reason="stop" if o.generated_tokens[-1] == eos else "length")
+            for o in out
         ]
         return [generations[i * n : (i + 1) * n] for i in range(len(prompts))]
