@@ -5,7 +5,7 @@ decoding, the way `echo-rl eval` scores a base model. A task for the parity stud
 should start well above 0 and below 0.5: learnable, with room to learn.
 
     .venv/bin/python -m bench.gym_base                       # every candidate, 50 prompts each
-    .venv/bin/python -m bench.gym_base --only chain_sum gcd  # some of them
+    .venv/bin/python -m bench.gym_base --only gcd:40 --prompts 160  # some of them, added to the results
 
 Writes bench/results/gym_base.json.
 """
@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench.common import write_results
+import orjson
+
+from bench.common import results_dir, write_results
 from echo.config import validate_config
 from echo.engines import make_engine
 from echo.tasks import load_task
@@ -44,6 +46,7 @@ CANDIDATES = {
     "largest_island": {"min_rows": 3, "max_rows": 5, "min_cols": 3, "max_cols": 5},
     "family_relationships": {"max_family_size": 5},
     "knights_knaves": {},
+    "gcd:40": {"max_value": 40},  # the parity study's task (bench/parity.py): name:label for a second setting
 }
 
 
@@ -55,10 +58,11 @@ def main() -> None:
     args = parser.parse_args()
     names = args.only or list(CANDIDATES)
     engine = None
-    results = {}
+    earlier = results_dir() / "gym_base.json"  # --only adds to (or redoes in) what was measured before
+    results = orjson.loads(earlier.read_bytes())["candidates"] if args.only and earlier.exists() else {}
     for name in names:
         cfg = validate_config({"model": {"name": "smollm2"}, "sampling": {"max_new_tokens": args.max_tokens},
-                               "task": {"name": f"reasoning_gym:{name}", "params": CANDIDATES[name]}})
+                               "task": {"name": f"reasoning_gym:{name.split(':')[0]}", "params": CANDIDATES[name]}})
         engine = engine or make_engine(cfg)  # one model: only the task changes
         task = load_task(cfg.task)
         prompts = task.held_out(args.prompts)
