@@ -71,7 +71,7 @@ def measure(model: str, shape: str, repeats: int, pack_groups: str, device: str,
         if on.type == "cuda":
             torch.cuda.synchronize(on)
         seconds.append(time.perf_counter() - started)
-    step_s = min(seconds[1:])
+    step_s = round(min(seconds[1:]), 4)  # the rates below are of the step reported
     parameters = sum(p.numel() for p in policy.parameters())
     # Every token of the step goes through the model: the prompts' too (once a group when packed).
     tokens_in = sum(len(g.prompt_token_ids) + sum(len(c.token_ids) for c in g.completions) for g, _ in batch)
@@ -81,7 +81,7 @@ def measure(model: str, shape: str, repeats: int, pack_groups: str, device: str,
               "device_name": torch.cuda.get_device_name(on) if on.type == "cuda" else "cpu",
               "dtype": dtype_name(compute_dtype), "pack_groups": pack_groups, "micro_batch_tokens": budget,
               "passes": stats["passes"],
-              "step_s": round(step_s, 4), "completion_tokens_per_s": round(stats["tokens"] / step_s, 1),
+              "step_s": step_s, "completion_tokens_per_s": round(stats["tokens"] / step_s, 1),
               "tflops_per_s": round(flops / step_s / 1e12, 3),
               "mfu": round(flops / step_s / (peak * 1e12), 5) if peak else None, "parameters": parameters}
     if profile:

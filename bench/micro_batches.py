@@ -5,12 +5,16 @@ resident memory (ru_maxrss) is its own; the baseline (0: a group a pass, whole) 
 invocation. With --repeats, the step's time is the fastest of that many (the first warms up).
 The step runs where the trainer's would (`--device`, `--dtype`: model.device and model.dtype,
 auto by default); on a GPU the peak that counts is the device's (torch's allocator), not the
-process's resident memory.
+process's resident memory. `--heads logits chunked` measures each setting both ways: the
+log-probs from the model's whole logits (the learner before head_logprobs, and still its way for
+a head that is not plain) and from the hidden states a chunk of positions at a time.
 
     .venv/bin/python -m bench.micro_batches [--model smollm2] [--group 16] [--tokens 256] [--budgets 0 2048 1024]
     .venv/bin/python -m bench.micro_batches --groups 8 --group 8 --tokens 32 --budgets 0 4096 --repeats 3 --pack-groups on
+    .venv/bin/python -m bench.micro_batches --tokens 1024 --budgets 0 4096 --heads logits chunked
 
-Writes bench/results/micro_batches.json (one group) or micro_batches-<model>-<N>-groups.json.
+Writes bench/results/micro_batches.json (one group) or micro_batches-<model>-<N>-groups.json;
+with two heads, -heads before .json.
 """
 
 from __future__ import annotations
@@ -97,8 +101,12 @@ def timed_step(cfg, policy, pad_id: int, batch, compute_dtype, repeats: int = 1,
 
 
 def one_step(model: str, groups: int, group: int, tokens: int, budget: int, repeats: int, pack_groups: str,
-             device: str = "auto", dtype: str = "auto") -> dict:
-    return {"budget": budget,
+             device: str = "auto", dtype: str = "auto", head: str = "chunked") -> dict:
+    import echo.policy
+
+    if head == "logits":  # every model family as if its head were not plain: the whole logits
+        echo.policy.PLAIN_HEADS = frozenset()
+    return {"budget": budget, "head": head,
             **timed_step(*step_setup(model, groups, group, tokens, budget, pack_groups, device, dtype), repeats)}
 
 
@@ -114,29 +122,39 @@ def main() -> None:
     parser.add_argument("--pack-groups", default="auto", choices=["auto", "on", "off"], help="trainer.pack_groups")
     parser.add_argument("--device", default="auto", help="model.device")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="model.dtype")
+    parser.add_argument("--heads", nargs="+", default=["chunked"], choices=["chunked", "logits"],
+                        help="log-probs from the hidden states a chunk at a time, or from the whole logits; "
+                        "the first is the baseline")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process: one setting
+    parser.add_argument("--head", default="chunked", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one is not None:
         print(orjson.dumps(one_step(args.model, args.groups, args.group, args.tokens, args.one, args.repeats,
-                                    args.pack_groups, args.device, args.dtype)).decode())
+                                    args.pack_groups, args.device, args.dtype, args.head)).decode())
         return
     runs = []
-    for budget in [0, *(b for b in args.budgets if b != 0)]:
-        out = subprocess.run([sys.executable, "-m", "bench.micro_batches", "--model", args.model, "--groups", str(args.groups),
-                              "--group", str(args.group), "--tokens", str(args.tokens), "--repeats", str(args.repeats),
-                              "--pack-groups", args.pack_groups, "--device", args.device, "--dtype", args.dtype,
-                              "--one", str(budget)], capture_output=True, text=True, check=True)
-        runs.append(orjson.loads(out.stdout.strip().splitlines()[-1]))
+    for head in args.heads:
+        for budget in [0, *(b for b in args.budgets if b != 0)]:
+            out = subprocess.run([sys.executable, "-m", "bench.micro_batches", "--model", args.model,
+                                  "--groups", str(args.groups), "--group", str(args.group), "--tokens", str(args.tokens),
+                                  "--repeats", str(args.repeats), "--pack-groups", args.pack_groups,
+                                  "--device", args.device, "--dtype", args.dtype, "--one", str(budget), "--head", head],
+                                 capture_output=True, text=True, check=True)
+            runs.append(orjson.loads(out.stdout.strip().splitlines()[-1]))
     baseline = runs[0]
     peak = "peak_device_mb" if "peak_device_mb" in baseline else "peak_rss_mb"  # where the step's memory is
     for run in runs:
         run["peak_vs_whole_group"] = round(run[peak] / baseline[peak], 2)
         run["time_vs_whole_group"] = round(run["step_s"] / baseline["step_s"], 2)
+        if len(args.heads) > 1:  # against the first head's run of the same budget
+            first = next(r for r in runs if r["budget"] == run["budget"])
+            run[f"peak_vs_{args.heads[0]}"] = round(run[peak] / first[peak], 2)
+            run[f"time_vs_{args.heads[0]}"] = round(run["step_s"] / first["step_s"], 2)
     result = {"model": args.model, "device": baseline["device"], "dtype": baseline["dtype"], "groups": args.groups,
               "pack_groups": args.pack_groups,
               "group": f"{args.group} completions x {args.tokens} tokens, prompt 64", "runs": runs}
-    out = write_results("micro_batches.json" if args.groups == 1 else f"micro_batches-{args.model}-{args.groups}-groups.json",
-                        result)
+    name = "micro_batches" if args.groups == 1 else f"micro_batches-{args.model}-{args.groups}-groups"
+    out = write_results(f"{name}-heads.json" if len(args.heads) > 1 else f"{name}.json", result)
     print(out.read_text())
 
 

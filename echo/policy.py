@@ -15,7 +15,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from echo.algorithms.grpo import token_logprobs
+from echo.algorithms.grpo import head_logprobs, token_logprobs
 from echo.config import ConfigError, LoraConfig
 from echo.devices import model_device
 
@@ -32,6 +32,34 @@ CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "
 def kv_cache(out):
     """A forward's or generate's key/value cache, under this transformers' name for it."""
     return getattr(out, CACHE)
+
+
+# Model families whose causal-LM forward is the output embedding applied to the decoder's last
+# hidden state and nothing after it (Gemma soft-caps its logits, Cohere and Granite scale them):
+# their log-probs are taken from those hidden states a chunk at a time (head_logprobs), never from
+# a pass's whole [tokens x vocabulary] logits.
+PLAIN_HEADS = frozenset({"llama", "mistral", "mixtral", "olmo2", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
+
+
+def _plain_head(model) -> bool:
+    return model.config.model_type in PLAIN_HEADS
+
+
+def _forward(model, **inputs):
+    """A forward's cache and what its log-probs are taken from at each position: the final
+    hidden states (a plain head: the head's logits only at the last position), else the logits."""
+    if _plain_head(model):
+        out = model(**{**inputs, "output_hidden_states": True, "logits_to_keep": 1})
+        return out.hidden_states[-1], kv_cache(out)
+    out = model(**inputs)
+    return out.logits, kv_cache(out)
+
+
+def _logprobs(model, states, tokens, temperature: float, with_entropy: bool = False):
+    """Log-probs (and entropy) of `tokens` from what _forward gave at each position."""
+    if _plain_head(model):
+        return head_logprobs(model.get_output_embeddings(), states, tokens, temperature, with_entropy)
+    return token_logprobs(states, tokens, temperature, with_entropy)
 
 
 def make_policy(model: torch.nn.Module, cfg: LoraConfig):
@@ -198,22 +226,18 @@ def packed_logprobs(model, prompts: list, completions: list, owners: list[int], 
     owner = torch.tensor(owners, device=device)
     ids, mask, prompt_ids, prompt_mask = ids.to(device), mask.to(device), prompt_ids.to(device), prompt_mask.to(device)
     # Left padding: a prompt's positions count from its first real token.
-    prompt = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0),
-                   use_cache=True, logits_to_keep=1)
-    cache = kv_cache(prompt)
+    prompt, cache = _forward(model, input_ids=prompt_ids, attention_mask=prompt_mask,
+                             position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
     cache.batch_select_indices(owner)  # each completion's own prompt's keys and values
     # Completion token t is predicted at position t - 1: the first by its prompt's last position.
-    first = prompt.logits[owner, -1:]
+    states = prompt[owner, -1:]
     if length > 1:
         attention = torch.cat([prompt_mask[owner], mask[:, :-1].long()], dim=1)
         positions = prompt_lengths.to(device)[owner, None] + torch.arange(length - 1, device=device)
-        rest = model(
-            input_ids=ids[:, :-1], attention_mask=attention, position_ids=positions, **{CACHE: cache}
-        ).logits
-        logits = torch.cat([first, rest], dim=1)
-    else:
-        logits = first
-    logprobs, entropy = token_logprobs(logits, ids, temperature, with_entropy=True)
+        rest, _ = _forward(model, input_ids=ids[:, :-1], attention_mask=attention, position_ids=positions,
+                           **{CACHE: cache})
+        states = torch.cat([states, rest], dim=1)
+    logprobs, entropy = _logprobs(model, states, ids, temperature, with_entropy=True)
     return logprobs, mask, entropy
 
 
@@ -232,10 +256,9 @@ def spanning_logprobs(model, prompt_ids, completions: list, starts: list[int], u
         ids[i, : len(completion)] = torch.from_numpy(np.asarray(completion, dtype=np.int64))
     inputs = torch.cat([prompt, ids[:, :-1]], dim=1).to(device)  # input j predicts completion token j + 1 - P
     cuts = [0, *(prompt.shape[1] + s - 1 for s in starts[1:]), inputs.shape[1]]
-    cache, logits = None, []
+    cache, states = None, []
     for k, (a, b) in enumerate(zip(cuts, cuts[1:])):
         use_version(k)
-        out = model(input_ids=inputs[:, a:b], use_cache=True, **{CACHE: cache})
-        cache = kv_cache(out)
-        logits.append(out.logits[:, max(0, prompt.shape[1] - 1 - a):])
-    return token_logprobs(torch.cat(logits, dim=1), ids.to(device), temperature)
+        out, cache = _forward(model, input_ids=inputs[:, a:b], use_cache=True, **{CACHE: cache})
+        states.append(out[:, max(0, prompt.shape[1] - 1 - a):])
+    return _logprobs(model, torch.cat(states, dim=1), ids.to(device), temperature)

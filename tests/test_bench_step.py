@@ -22,14 +22,18 @@ def test_a_bench_step_runs_in_the_configured_device_and_dtype():
     assert "peak_device_mb" not in result  # on the CPU, the process's resident peak is the step's
 
 
-def test_the_bench_says_where_its_steps_ran(tmp_path):
+def test_the_bench_says_where_its_steps_ran_and_compares_the_two_ways_to_log_probs(tmp_path):
     subprocess.run([sys.executable, "-m", "bench.micro_batches", "--model", "tiny", "--groups", "2", "--group", "2",
-                    "--tokens", "8", "--budgets", "0", "4096", "--pack-groups", "on", "--dtype", "bfloat16"], check=True, capture_output=True,
+                    "--tokens", "8", "--budgets", "0", "4096", "--pack-groups", "on", "--dtype", "bfloat16",
+                    "--heads", "logits", "chunked"], check=True, capture_output=True,
                    env={"BENCH_RESULTS": str(tmp_path), "PATH": "/usr/bin:/bin"})
-    result = orjson.loads((tmp_path / "micro_batches-tiny-2-groups.json").read_bytes())
+    result = orjson.loads((tmp_path / "micro_batches-tiny-2-groups-heads.json").read_bytes())
     assert (result["device"], result["dtype"]) == ("cpu", "bfloat16")
-    assert [run["budget"] for run in result["runs"]] == [0, 4096]
-    assert [run["passes"] for run in result["runs"]] == [2, 1]  # packed: both groups in one pass
+    runs = result["runs"]
+    assert [(run["head"], run["budget"]) for run in runs] == [("logits", 0), ("logits", 4096), ("chunked", 0),
+                                                              ("chunked", 4096)]
+    assert [run["passes"] for run in runs] == [2, 1, 2, 1]  # packed: both groups in one pass
+    assert runs[0]["peak_vs_logits"] == 1.0 and all("time_vs_logits" in run for run in runs)
 
 
 def test_the_learner_bench_reports_throughput_mfu_and_where_the_time_went():

@@ -7,6 +7,8 @@ import pytest
 import safetensors.torch
 import torch
 
+import echo.policy
+from echo.algorithms import grpo
 from echo.algorithms.grpo import token_logprobs
 from echo.config import LoraConfig, SamplingConfig
 from echo.engines.base import call_seed
@@ -192,6 +194,52 @@ def test_shared_prompt_logprobs_and_gradients_equal_separate_sequences(engines, 
     assert any(g.abs().sum() > 0 for name, g in shared_grads.items() if "lora_A" in name)
     for name, g in shared_grads.items():
         assert torch.allclose(g, separate_grads[name], atol=1e-4), name
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["head-in-chunks", "model-logits"])
+def test_log_probs_taken_a_few_positions_at_a_time_are_the_whole_logits_log_softmax(engines, monkeypatch, plain):
+    """A plain head's log-probs come from the decoder's hidden states a chunk of positions at a
+    time (the head never sees more at once; a chunk's logits are made again in the backward), any
+    other head's from the model's logits: both are log-softmax of every position's logits over
+    the vocabulary, in value, entropy and gradient."""
+    engine, _ = engines
+    model, pad, head = engine.model, engine.tokenizer.pad_token_id, engine.model.get_output_embeddings()
+    monkeypatch.setattr(grpo, "HEAD_CHUNK_ELEMENTS", head.weight.shape[0] * 5)  # 5 positions: cuts mid-completion
+    if not plain:
+        monkeypatch.setattr(echo.policy, "PLAIN_HEADS", frozenset())
+    with torch.no_grad():  # lora_B non-zero: else every lora_A gradient is zero
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
+    prompts = [engine.encode_chat([{"role": "user", "content": q}]) for q in ("What is 4 + 4?", "Add 12 and 30.")]
+    completions, owners = [[65, 66, 67, 258, 70, 71], [68], [69, 70, 72, 73]], [0, 1, 0]
+    seen = []
+    hook = head.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[:-1].numel()))
+    try:
+        model.zero_grad()
+        logprobs, mask, entropy = packed_logprobs(model, prompts, completions, owners, 0.7, pad)
+        (logprobs * mask).sum().backward()
+    finally:
+        hook.remove()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    for row, completion in enumerate(completions):
+        prompt = prompts[owners[row]]
+        ids = torch.tensor([prompt + completion])
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1 : -1] / 0.7, dim=-1)
+        chosen = logp.gather(-1, ids[0, len(prompt) :, None]).squeeze(-1)
+        assert torch.allclose(logprobs[row, : len(completion)].detach(), chosen.detach(), atol=1e-5)
+        assert torch.allclose(entropy[row, : len(completion)], -(logp.exp() * logp).sum(-1).detach(), atol=1e-4)
+        chosen.sum().backward()
+    assert any(g.abs().sum() > 0 for name, g in grads.items() if "lora_A" in name)
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert torch.allclose(grads[name], p.grad, atol=1e-4), name
+    model.zero_grad()
+    if plain:  # the head saw 5 positions at most, and every position in some chunk
+        assert max(seen) <= 5 and sum(seen) >= 2 * 3 * 6
+    else:
+        assert max(seen) == 3 * 5  # the whole completion call's logits at once (its inputs: all but the last token)
 
 
 def test_the_engine_keeps_one_steps_logits_and_its_log_probs_are_those_of_every_steps(engines):

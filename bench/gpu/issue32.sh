@@ -10,7 +10,8 @@
 # There, then:                bash bench/gpu/issue32.sh learner | engines | parity [SEEDS FIRST]
 #
 # learner: bench/learner.py on SmolLM2, bf16, the parity batch and a 16 x 1k-token group, packed
-#   and not, with torch.profiler's top ops (~3 min). engines: bench/engines.py, hf against
+#   and not, with torch.profiler's top ops, and a 16 x 1k-token group's peak memory and time with
+#   its log-probs from the whole logits against the head a chunk at a time (~5 min). engines: bench/engines.py, hf against
 #   hf-paged at the sampler's call and at the reasoning shape (~4 min). parity: SEEDS seeds of
 #   every mode from FIRST (default 1 from 0), added to bench/results/parity-study.json, 5 runs at
 #   once (~8 min a seed on an H100, estimated from the last study's 5 s steps: one seed a call).
@@ -58,6 +59,8 @@ receive)
   learner)
     python3 -m bench.learner --model smollm2 --dtype bfloat16 --repeats 5 --profile --pack-groups on
     python3 -m bench.learner --model smollm2 --dtype bfloat16 --repeats 5 --pack-groups off --shapes parity
+    python3 -m bench.micro_batches --model smollm2 --dtype bfloat16 --tokens 1024 --budgets 0 4096 --repeats 3 \
+      --heads logits chunked
     ;;
   engines)
     python3 -m bench.engines --engines hf hf-paged --model smollm2 --device cuda --dtype bfloat16 --prompts 8 --group 8 --tokens 32

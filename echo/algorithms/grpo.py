@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 
 # Rewards whose spread is below this are equal: what differs is float rounding, not signal.
@@ -24,15 +25,42 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool = False):
-    """Log-prob of each token under softmax(logits / temperature), the distribution sampled from;
-    with_entropy also returns that distribution's entropy at each position (no gradient)."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    chosen = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    """Log-prob of each token under softmax(logits / temperature), the distribution sampled from:
+    its logit less the row's log-sum-exp (no log-softmax rows are made for the vocabulary's other
+    tokens); with_entropy also returns that distribution's entropy at each position (no gradient)."""
+    scaled = logits.float() / temperature
+    lse = torch.logsumexp(scaled, dim=-1)
+    chosen = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
     if not with_entropy:
         return chosen
     with torch.no_grad():
-        entropy = -(logp.exp() * logp).sum(-1)
+        entropy = lse - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)
     return chosen, entropy
+
+
+# fp32 logits a head_logprobs chunk holds at once (256 MB): 1,365 positions of a 49k vocabulary.
+HEAD_CHUNK_ELEMENTS = 2**26
+
+
+def head_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool = False):
+    """token_logprobs(head(hidden), tokens, ...) without ever holding a pass's full-vocabulary
+    logits: a chunk of positions at a time, each chunk's logits dropped once its log-probs are
+    taken and made again in the backward (activation checkpointing: one more matmul of the head
+    instead of keeping [tokens x vocabulary] fp32 for the backward: 0.8 GB at 4,096 tokens of
+    a 49k vocabulary). hidden [..., H] is what the head reads at each position; tokens [...]."""
+    flat_hidden, flat_tokens = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)
+    chunk = max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])
+    recompute = torch.is_grad_enabled() and flat_hidden.requires_grad
+
+    def part(h: torch.Tensor, t: torch.Tensor):
+        return token_logprobs(head(h), t, temperature, with_entropy)
+
+    parts = [checkpoint(part, flat_hidden[i : i + chunk], flat_tokens[i : i + chunk], use_reentrant=False)
+             if recompute else part(flat_hidden[i : i + chunk], flat_tokens[i : i + chunk])
+             for i in range(0, flat_tokens.numel(), chunk)]
+    if not with_entropy:
+        return torch.cat(parts).view(tokens.shape)
+    return torch.cat([p for p, _ in parts]).view(tokens.shape), torch.cat([e for _, e in parts]).view(tokens.shape)
 
 
 @dataclass
