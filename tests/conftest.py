@@ -185,10 +185,11 @@ async def _slots_granted(url: str, run_id: str) -> int:
         await run.close()
 
 
-async def _published(url: str, run_id: str, sampler_id: str) -> int:
+async def sampler_statuses(url: str, run_id: str) -> dict:
+    """Every sampler's last heartbeat in the run's registry, by sampler id."""
     run = await open_run(url, run_id, "test", create=False)
     try:
-        return next((s.groups_published for s in await read_statuses(run) if s.sampler_id == sampler_id), 0)
+        return {s.sampler_id: s for s in await read_statuses(run)}
     finally:
         await run.close()
 
@@ -197,7 +198,10 @@ def wait_until_published(url: str, run_id: str, sampler_id: str, groups: int, pr
                          timeout: float = 120) -> None:
     """Until the sampler's heartbeat says it has published `groups`, while its process runs."""
     deadline = time.monotonic() + timeout
-    while asyncio.run(_published(url, run_id, sampler_id)) < groups:
+    while True:
+        status = asyncio.run(sampler_statuses(url, run_id)).get(sampler_id)
+        if status is not None and status.groups_published >= groups:
+            return
         assert process.poll() is None, process.stderr.read()[-3000:]
         assert time.monotonic() < deadline, f"{sampler_id} published fewer than {groups} groups in {timeout} s"
         time.sleep(0.1)

@@ -20,10 +20,11 @@ from echo.protocol import GrantRequest, SamplerStatus, WeightsAnnouncement, deco
 from streams.client import open_run
 from streams.grants import request_grant
 from streams.lease import current_epoch
-from streams.registry import put_status, read_statuses
+from streams.registry import put_status
 from streams.server import NatsServer, free_port
 from tests.conftest import (
-    assert_balanced, read_metrics, run_trainer_and_sampler, tiny_config, wait_for_steps, worker_process,
+    assert_balanced, read_metrics, run_trainer_and_sampler, sampler_statuses, tiny_config, wait_for_steps,
+    worker_process,
 )
 from tests.test_e2e import up_command
 from workers.relay import loopback_relay_args
@@ -275,20 +276,12 @@ def test_samplers_behind_a_relay_whose_uplink_is_cut_and_restored_carry_on(tmp_p
     assert_balanced(metrics)
 
 
-async def _statuses(url: str, run_id: str) -> dict[str, SamplerStatus]:
-    run = await open_run(url, run_id, "test", create=False)
-    try:
-        return {s.sampler_id: s for s in await read_statuses(run)}
-    finally:
-        await run.close()
-
-
 def _wait_until_beating_on(url: str, run_id: str, samplers: set[str], version: int, since: float,
                            timeout: float = 60) -> None:
     """Until each of `samplers` has written a heartbeat after `since` saying it runs `version`."""
     deadline = time.monotonic() + timeout
     while True:
-        statuses = asyncio.run(_statuses(url, run_id))
+        statuses = asyncio.run(sampler_statuses(url, run_id))
         behind = {i: statuses.get(i) for i in samplers
                   if i not in statuses or statuses[i].updated_at <= since or statuses[i].version != version}
         if not behind:

@@ -11,8 +11,9 @@
 #
 # learner: bench/learner.py on SmolLM2, bf16, the parity batch and a 16 x 1k-token group, packed
 #   and not, with torch.profiler's top ops, and a 16 x 1k-token group's peak memory and time with
-#   its log-probs from the whole logits against the head a chunk at a time (~5 min). engines: bench/engines.py, hf against
-#   hf-paged at the sampler's call and at the reasoning shape (~4 min). pilot: before the study,
+#   its log-probs from the whole logits against the head a chunk at a time (~5 min).
+#   engines: bench/engines.py, hf against hf-paged at the sampler's call and at the reasoning
+#   shape (~4 min). pilot: before the study,
 #   one seed of async S = 1 for each of three settings at once (a KL penalty, a lower lr: the
 #   study preset's own collapsed on the CPU, docs/performance.md), into $OUT/pilot-<setting>/;
 #   keep one whose held-out curve rises steadily (~10 min). parity: SEEDS seeds of
