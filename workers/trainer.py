@@ -70,6 +70,9 @@ async def run_trainer(cfg: EchoConfig, ranks: Ranks) -> None:
             await run.close()
     finally:
         model.close()
+    # Only now, every connection closed: nothing this process logs comes after the summary (a
+    # connection's error callback can still fire while it closes).
+    log.info("trainer.finished", run_dir=str(cfg.run_dir), **summarize(cfg.run_dir))
 
 
 async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background, model: TrainerModel) -> None:
@@ -141,17 +144,16 @@ async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background,
             log.info("step", step=step, version=state.version, reward=round(stats["reward_mean"], 3),
                      used=record["used"], stale=record["dropped_stale"], busy=f"{record['learner_busy']:.0%}",
                      seconds=round(record["step_seconds"], 2))
-    await say_finished(run, cfg)
+    await mark_finished(run)
 
 
-async def say_finished(run: Run, cfg: EchoConfig) -> None:
+async def mark_finished(run: Run) -> None:
     """The run's end, visible outside this process: its learner status marked finished (status
-    shows it, samplers' heartbeats say it) and its summary as the last line."""
+    shows it, samplers' heartbeats say it)."""
     learner = await retry_forever("read the learner status", lambda: read_learner(run))
     if learner is not None:
         finished = learner.model_copy(update={"finished": True})
         await retry_forever("mark the run finished", lambda: put_learner(run, finished))
-    log.info("trainer.finished", run_dir=str(cfg.run_dir), **summarize(cfg.run_dir))
 
 
 async def train_in_thread(model: TrainerModel, batch, oldest_version: int) -> dict:
