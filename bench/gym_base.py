@@ -2,7 +2,11 @@
 
 Each candidate (a dataset at an easy setting) is scored on its held-out prompts with greedy
 decoding, the way `echo-rl eval` scores a base model. A task for the parity study (issue 32)
-should start well above 0 and below 0.5: learnable, with room to learn.
+should start well above 0 and below 0.5: learnable, with room to learn. And well above
+`constant`, the share of held-out problems that one fixed answer (the best of their five
+commonest) gets right: on a task where a constant answer scores like the model, RL learns to
+give that answer (gcd up to 40: "1" gets 0.56 of its held-out problems right, "2" 0.18, the
+held-out score the study's first pilot collapsed to, docs/performance.md).
 
     .venv/bin/python -m bench.gym_base                       # every candidate, 50 prompts each
     .venv/bin/python -m bench.gym_base --only gcd:40 --prompts 160  # some of them, added to the results
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 
 import orjson
 
@@ -46,8 +51,23 @@ CANDIDATES = {
     "largest_island": {"min_rows": 3, "max_rows": 5, "min_cols": 3, "max_cols": 5},
     "family_relationships": {"max_family_size": 5},
     "knights_knaves": {},
-    "gcd:40": {"max_value": 40},  # the parity study's task (bench/parity.py): name:label for a second setting
+    # name:label for a second setting of a dataset
+    "gcd:40": {"max_value": 40},
+    "lcm:20": {"max_value": 20},
+    "basic_arithmetic:add2": {"min_terms": 2, "max_terms": 2, "max_digits": 2, "operators": ["+"],
+                              "allow_parentheses": False, "allow_negation": False},
+    "chain_sum:1": {"min_terms": 2, "max_terms": 3, "max_digits": 1},
+    "products:2x1": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2},
+    "calendar_arithmetic": {},
 }
+
+
+def best_constant(task, prompts) -> tuple[str, float]:
+    """The fixed answer, of the five commonest among `prompts`, that gets most of them right, and that share."""
+    answers = Counter(str(task.problem(p)["answer"]) for p in prompts)
+    scored = [(a, sum(task.score(f"<answer>{a}</answer>", p).correct for p in prompts) / len(prompts))
+              for a, _ in answers.most_common(5)]
+    return max(scored, key=lambda pair: pair[1])
 
 
 def main() -> None:
@@ -68,8 +88,10 @@ def main() -> None:
         prompts = task.held_out(args.prompts)
         started = time.monotonic()
         reward, correct = held_out_score(engine, task, prompts, args.max_tokens, batch=16)
+        answer, constant = best_constant(task, prompts)
         results[name] = {"params": CANDIDATES[name], "prompts": len(prompts), "correct": round(correct, 4),
-                         "reward": round(reward, 4), "seconds": round(time.monotonic() - started, 1)}
+                         "reward": round(reward, 4), "constant": round(constant, 4), "constant_answer": answer,
+                         "seconds": round(time.monotonic() - started, 1)}
         print(name, results[name], flush=True)
     write_results("gym_base.json", {"model": "smollm2", "decoding": "greedy", "max_new_tokens": args.max_tokens,
                                "candidates": results})

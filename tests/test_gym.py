@@ -12,6 +12,8 @@ from pathlib import Path
 import orjson
 import pytest
 
+from bench.gym_base import best_constant
+from bench.parity import TASK
 from echo.config import ConfigError, SamplingConfig, TaskConfig
 from echo.models import byte_tokenizer, encode_chat
 from echo.protocol import Completion, RolloutGroup
@@ -116,6 +118,16 @@ def test_an_answer_the_verifier_cannot_read_is_wrong_not_a_verifier_error():
     prompt = task.prompt(0)
     assert task.score("<answer>2 × 3 = 6</answer>", prompt) == Score(0.1, format_ok=True, correct=False)
     assert task.score(right_answer(task, prompt), prompt).correct
+
+
+def test_one_fixed_answer_gets_most_of_gcd_right_and_little_of_the_parity_study_task():
+    """Why the parity study left gcd: "1" answers 0.56 of its held-out problems (numbers up to 40),
+    above SmolLM2's 0.22, so RL can learn to guess; on the study's lcm no answer gets 0.1."""
+    gcd = load_task(TaskConfig(name="reasoning_gym:gcd", params={"max_value": 40}))
+    answer, share = best_constant(gcd, gcd.held_out(160))
+    assert answer == "1" and share > 0.5
+    study = load_task(TaskConfig(**TASK))
+    assert best_constant(study, study.held_out(160))[1] < 0.1
 
 
 @pytest.mark.parametrize("size", [60, gym.POOL_SIZE])
