@@ -1,5 +1,6 @@
 """The learner benches (bench/micro_batches.py, bench/ranks.py) time the step the trainer would
-take: its device and compute dtype (model.device, model.dtype), the adapter in fp32."""
+take: its device and compute dtype (model.device, model.dtype), the adapter in fp32. The engine
+bench (bench/engines.py) times each engine on one call."""
 
 import subprocess
 import sys
@@ -47,3 +48,14 @@ def test_the_learner_bench_reports_throughput_mfu_and_where_the_time_went():
     ops = result["profile"]
     assert ops and ops[0]["self_ms"] >= ops[-1]["self_ms"] and 0 < sum(op["share"] for op in ops) <= 1.0001
     assert any(op["op"].startswith("aten::") for op in ops)
+
+
+def test_the_engine_bench_times_generate_against_continuous_batching(tmp_path):
+    """What issue 32's GPU job runs (bench/gpu/issue32.sh engines), here on the tiny model."""
+    subprocess.run([sys.executable, "-m", "bench.engines", "--engines", "hf", "hf-paged", "--model", "tiny",
+                    "--prompts", "2", "--group", "2", "--tokens", "8"], check=True, capture_output=True,
+                   env={"BENCH_RESULTS": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    result = orjson.loads((tmp_path / "engines-hf-hf-paged-cpu.json").read_bytes())
+    assert result["hf"]["tokens_per_s"] > 0 and result["hf-paged"]["tokens_per_s"] > 0
+    assert result["hf-paged_speed_ratio"] == pytest.approx(
+        result["hf-paged"]["tokens_per_s"] / result["hf"]["tokens_per_s"], rel=0.01)

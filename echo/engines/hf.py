@@ -4,6 +4,7 @@ mode), generation with `generate`."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
@@ -157,8 +158,10 @@ class PagedEngine(HFEngine):
         # Sized for this call: left to itself the manager sizes its cache from the device's free
         # memory, gigabytes on a CPU (a call then took 40 s instead of 1).
         pages = sum(-(-(len(prompt) + limit) // self.PAGE_TOKENS) for prompt in requests)
+        # transformers 5.17 (the GPU machine's) names the page `block_size`; later ones `page_size`.
+        page = "page_size" if "page_size" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)} else "block_size"
         batching = ContinuousBatchingConfig(
-            return_logprobs=True, seed=seed, page_size=self.PAGE_TOKENS, num_blocks=pages + 1,
+            return_logprobs=True, seed=seed, num_blocks=pages + 1, **{page: self.PAGE_TOKENS},
             max_batch_tokens=min(self.MAX_BATCH_TOKENS, max(256, sum(map(len, requests)))), use_cuda_graph=False)
         out = list(self.model.generate_batch(requests, generation_config=config, continuous_batching_config=batching,
                                              warmup=False).values())
