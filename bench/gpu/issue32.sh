@@ -14,9 +14,9 @@
 #   its log-probs from the whole logits against the head a chunk at a time (~5 min).
 #   engines: bench/engines.py, hf against hf-paged at the sampler's call and at the reasoning
 #   shape (~4 min). pilot: before the study,
-#   one seed of async S = 1 for each of three settings at once (a KL penalty, a lower lr: the
-#   study preset's own collapsed on the CPU, docs/performance.md), into $OUT/pilot-<setting>/;
-#   keep one whose held-out curve rises steadily (~10 min). parity: SEEDS seeds of
+#   a second seed of async S = 1 for each of three settings at once (the preset, a KL penalty, a
+#   lower lr: on the CPU the preset's one seed rose steadily on lcm, T 1.0 swung, docs/performance.md),
+#   into $OUT/pilot-<setting>/; keep one whose held-out curve rises steadily (~10 min). parity: SEEDS seeds of
 #   every mode from FIRST (default 1 from 0), added to bench/results/parity-study.json, 5 runs at
 #   once (~8 min a seed on an H100, estimated from the last study's 5 s steps: one seed a call).
 # Each writes its JSON under $OUT; copy it into bench/results/ here and commit.
@@ -71,12 +71,10 @@ receive)
     python3 -m bench.engines --engines hf hf-paged --model smollm2 --device cuda --dtype bfloat16 --prompts 1 --group 16 --tokens 1024 --rounds 2
     ;;
   pilot)
-    declare -A SETTINGS=([t1-kl]="sampling.temperature=1.0 trainer.lr=1e-4 trainer.kl_coef=0.05"
-                         [t1-lr5e-5]="sampling.temperature=1.0 trainer.lr=5e-5"
-                         [t07-kl]="trainer.kl_coef=0.05")
+    declare -A SETTINGS=([preset]="" [kl]="trainer.kl_coef=0.05" [lr1e-4]="trainer.lr=1e-4")
     for name in "${!SETTINGS[@]}"; do
       sets=(--set model.dtype=bfloat16); for s in ${SETTINGS[$name]}; do sets+=(--set "$s"); done
-      python3 -m bench.parity --preset study --modes "async S=1" --seeds 1 "${sets[@]}" \
+      python3 -m bench.parity --preset study --modes "async S=1" --seeds 1 --first-seed 1 "${sets[@]}" \
         --out "$BENCH_RESULTS/pilot-$name" > "$BENCH_RESULTS/pilot-$name.log" 2>&1 &
     done
     wait
