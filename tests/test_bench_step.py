@@ -57,5 +57,5 @@ def test_the_engine_bench_times_generate_against_continuous_batching(tmp_path):
                    env={"BENCH_RESULTS": str(tmp_path), "PATH": "/usr/bin:/bin"})
     result = orjson.loads((tmp_path / "engines-hf-hf-paged-cpu.json").read_bytes())
     assert result["hf"]["tokens_per_s"] > 0 and result["hf-paged"]["tokens_per_s"] > 0
-    assert result["hf-paged_speed_ratio"] == pytest.approx(
-        result["hf-paged"]["tokens_per_s"] / result["hf"]["tokens_per_s"], rel=0.01)
+    # The ratio of the rates it reports, to its two decimals, whichever engine this machine favours.
+    assert result["hf-paged_speed_ratio"] == round(result["hf-paged"]["tokens_per_s"] / result["hf"]["tokens_per_s"], 2)
