@@ -9,8 +9,8 @@ goes with one mode (every run records the commit it ran and when it started).
 
 The task measures skill from step 0: reasoning-gym's lcm with a solved problem shown first, so
 SmolLM2 answers in the format from the start and scores about 0.2 held out, where no constant
-answer scores above 0.07 (bench/results/gym_base.json). After each run one engine scores its weights every `eval_every`
-steps on the held-out problems, greedy: a held-out curve per run. For each async mode against
+answer scores above 0.07 (bench/results/gym_base.json). After each run one engine scores its
+weights every `eval_every` steps on the held-out problems, greedy: a held-out curve per run. For each async mode against
 sequential and co-located the verdict compares
 - the final held-out accuracy and the area under the held-out curve: a permutation test over
   seeds (exact when the deals can be counted), which assumes no shape of the noise;

@@ -13,12 +13,12 @@
 #   and not, with torch.profiler's top ops, and a 16 x 1k-token group's peak memory and time with
 #   its log-probs from the whole logits against the head a chunk at a time (~5 min).
 #   engines: bench/engines.py, hf against hf-paged at the sampler's call and at the reasoning
-#   shape (~4 min). pilot: before the study,
-#   a second seed of async S = 1 for each of three settings at once (the preset, a KL penalty, a
-#   lower lr: on the CPU the preset's one seed rose steadily on lcm, T 1.0 swung, docs/performance.md),
-#   into $OUT/pilot-<setting>/; keep one whose held-out curve rises steadily (~10 min). parity: SEEDS seeds of
-#   every mode from FIRST (default 1 from 0), added to bench/results/parity-study.json, 5 runs at
-#   once (~8 min a seed on an H100, estimated from the last study's 5 s steps: one seed a call).
+#   shape (~4 min). pilot: before the study, a second seed of async S = 1 for each of three
+#   settings at once (the preset, a KL penalty, a lower lr: on the CPU the preset's one seed rose
+#   steadily on lcm, T 1.0 swung, docs/performance.md), into $OUT/pilot-<setting>/; keep one
+#   whose held-out curve rises steadily (~10 min). parity: SEEDS seeds of every mode from FIRST
+#   (default 1 from 0), added to bench/results/parity-study.json, 5 runs at once (~8 min a seed
+#   on an H100, estimated from the last study's 5 s steps: one seed a call).
 # Each writes its JSON under $OUT; copy it into bench/results/ here and commit.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

@@ -159,7 +159,8 @@ class PagedEngine(HFEngine):
         # memory, gigabytes on a CPU (a call then took 40 s instead of 1).
         pages = sum(-(-(len(prompt) + limit) // self.PAGE_TOKENS) for prompt in requests)
         # transformers 5.17 (the GPU machine's) names the page `block_size`; later ones `page_size`.
-        page = "page_size" if "page_size" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)} else "block_size"
+        fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+        page = "page_size" if "page_size" in fields else "block_size"
         batching = ContinuousBatchingConfig(
             return_logprobs=True, seed=seed, num_blocks=pages + 1, **{page: self.PAGE_TOKENS},
             max_batch_tokens=min(self.MAX_BATCH_TOKENS, max(256, sum(map(len, requests)))), use_cuda_graph=False)
