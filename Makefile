@@ -29,7 +29,8 @@ test: install
 
 # docker-compose.yml run for real (Docker and root; not part of `make test`): compose/local-images.sh
 # starts dockerd and builds local stand-ins for the images a registry would give, then the test
-# follows the README's compose section.
+# follows the README's compose section. Run it before landing a change to compose/, docker-compose*.yml or
+# pyproject.toml's extras (tests/test_image.py, in `make test`, catches only a dependency with no wheel).
 test-compose: install
 	images=$$(PY=$(PY) bash compose/local-images.sh) && env $$images $(PY) -m pytest -q --compose tests/test_compose_swarm.py $(ARGS)
 
