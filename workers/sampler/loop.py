@@ -1,0 +1,139 @@
+"""The sampler process: follow the policy weights, generate rollout groups, publish them.
+
+async mode: generate continuously with the newest weights it has, swapping between calls.
+sequential mode: wait for a pull request, make sure it runs exactly the requested version,
+then ask the trainer for the request's groups a few at a time and generate them.
+
+This file is the process and its two loops; the other rooms of the wing: workers/sampler/__init__.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+
+from echo.config import EchoConfig
+from echo.devices import dtype_name
+from echo.engines import make_engine
+from echo.engines.base import Engine
+from echo.learner import set_threads
+from echo.protocol import PullRequest
+from echo.tasks import Task, load_task
+from streams.client import LatestValue, Run, open_run
+from streams.credentials import credentials_of
+from streams.grants import watch_budget
+from streams.registry import weights_relay
+from streams.schedule import watch_schedule
+from workers.background import Background
+from workers.sampler.generation import Generation
+from workers.sampler.heartbeat import Heartbeat
+from workers.sampler.weights import EngineWeights
+from workers.sampler.work import Work
+
+log = structlog.get_logger()
+
+ASK_AGAIN_S = 0.2
+NO_ANSWER_WAIT_S = 1.0  # no trainer answered a request for work (none yet, or a broker restarting)
+
+
+class Sampler:
+    def __init__(self, cfg: EchoConfig, sampler_id: str, run: Run, engine: Engine, task: Task):
+        self.cfg, self.sampler_id, self.run = cfg, sampler_id, run
+        self.weights = EngineWeights(run, engine, cfg.model.name, cfg.sampler.throttle_s)
+        self.work = Work(run, sampler_id, cfg.sampling.prompts_per_call)
+        self.generation = Generation(cfg, sampler_id, run, task, self.weights)
+        self.heartbeat = Heartbeat(cfg, sampler_id, run, engine, self.weights, self.generation, self.work)
+
+    async def run_async(self) -> None:
+        """Generate only what the trainer grants under its admission budget, so no work arrives
+        stale. With nothing granted, wait until the budget or this sampler's weights change (or
+        5 s pass)."""
+        while True:
+            self.work.changed.clear()  # before reading the budget: no update can slip past
+            await self.weights.apply_newest()
+            if not self.work.standby:
+                asked_at = time.perf_counter()
+                grant = await self.work.ask(self.weights.running)
+                if grant and grant.slots:
+                    await self.generation.generate_and_publish(grant.slots, asked_at)
+                    continue
+                if grant and grant.more:
+                    await asyncio.sleep(ASK_AGAIN_S)  # work is left, just not for this sampler yet
+                    continue
+            waits = [asyncio.ensure_future(self.work.changed.wait()), asyncio.ensure_future(self.weights.wait_newer())]
+            _, pending = await asyncio.wait(waits, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+
+    async def run_sequential(self) -> None:
+        names = self.run.names
+        requests = await LatestValue(self.run.js, names.control_stream, names.pull_subject, PullRequest,
+                                     lambda error: log.warning("pull.bad_request", reason=str(error))).start()
+        try:
+            seq = 0
+            while True:
+                seq, request = await requests.wait_newer(seq)
+                await self.weights.apply_newest(request.version, request.epoch)
+                if self.weights.running != (request.epoch, request.version):
+                    continue  # the trainer has moved past this request already
+                while requests.seq == seq and await self.fill(request):
+                    pass
+        finally:
+            await requests.stop()
+
+    async def fill(self, request: PullRequest) -> bool:
+        """One round of asking for `request`'s groups and generating what is granted; False once
+        they are all given out."""
+        if self.work.standby:
+            await asyncio.sleep(ASK_AGAIN_S)
+            return True
+        asked_at = time.perf_counter()
+        grant = await self.work.ask(self.weights.running, request.request_id)
+        if grant is None:  # no answer: the request may still want its groups
+            await asyncio.sleep(NO_ANSWER_WAIT_S)
+        elif grant.slots:
+            await self.generation.generate_and_publish(grant.slots, asked_at)
+        elif grant.more:
+            await asyncio.sleep(ASK_AGAIN_S)  # work is left, just not for this sampler yet
+        else:
+            return False  # wait for the next request
+        return True
+
+    async def serve(self) -> None:
+        """Generate and heartbeat until stopped; if either fails, both stop and the error is raised."""
+        await self.weights.start()
+        engine = self.weights.engine
+        self.heartbeat.relay = await weights_relay(self.run, self.cfg.nats.hub_domain)
+        log.info("sampler.ready", sampler=self.sampler_id, mode=self.cfg.run.mode, engine=engine.name,
+                 device=str(engine.device), dtype=dtype_name(engine.dtype), relay=self.heartbeat.relay or None)
+        # Registered before it asks for work: the trainer releases at once the slots of a sampler
+        # whose entry says "draining", which a previous run of this id may have left.
+        await self.heartbeat.try_beat()
+        try:
+            async with Background() as background:
+                background.start(self.heartbeat.beat_forever())
+                background.start(watch_schedule(self.run, self.work.follow_schedule))
+                if self.cfg.run.mode == "sequential":
+                    await self.run_sequential()
+                else:
+                    background.start(watch_budget(self.run, self.work.changed))
+                    await self.run_async()
+        finally:
+            await self.heartbeat.last_beat()
+            await self.weights.stop()
+            log.info("sampler.stopped", published=self.generation.published, version=self.weights.version,
+                     failures=dict(self.weights.follower.failures))
+
+
+async def run_sampler(cfg: EchoConfig, sampler_id: str) -> None:
+    set_threads(cfg.sampler.threads)
+    run = await open_run(cfg.nats.url, cfg.run.id, f"sampler-{sampler_id}", cfg.nats.hub_domain or None,
+                         credentials=credentials_of(cfg.nats.creds, cfg.nats.tls_ca), create=False,
+                         weights_url=cfg.nats.weights_url or None)
+    try:
+        engine = make_engine(cfg)
+        await Sampler(cfg, sampler_id, run, engine, load_task(cfg.task)).serve()
+    finally:
+        await run.close()

@@ -1,0 +1,36 @@
+"""Asking the trainer for work. The trainer grants slots (streams/grants.py) under its admission
+budget (async mode) or a pull request (sequential mode); the scheduler may put the sampler on
+standby (streams/schedule.py), when it keeps its weights current and asks for nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from echo.protocol import Grant, GrantRequest, PolicyVersion, Schedule
+from streams.client import Run
+from streams.grants import request_grant
+
+log = structlog.get_logger()
+
+
+class Work:
+    def __init__(self, run: Run, sampler_id: str, prompts_per_call: int):
+        self.run, self.sampler_id, self.prompts_per_call = run, sampler_id, prompts_per_call
+        self.standby = False  # the scheduler's choice: keep the weights current, take no work
+        self.changed = asyncio.Event()  # async mode: the budget or the standby changed, so an idle sampler asks again
+
+    async def ask(self, running: PolicyVersion, pull_request_id: str | None = None) -> Grant | None:
+        """What the trainer grants this sampler to generate with the weights it runs (None: no
+        answer came)."""
+        request = GrantRequest(want=self.prompts_per_call, epoch=running.epoch, version=running.version,
+                               pull_request_id=pull_request_id)
+        return await request_grant(self.run, self.sampler_id, request)
+
+    def follow_schedule(self, schedule: Schedule) -> None:
+        standby = self.sampler_id in schedule.standby
+        if standby != self.standby:
+            log.info("sampler.standby" if standby else "sampler.active", why=schedule.why)
+            self.standby = standby
+            self.changed.set()  # an idle sampler asks for work at once
