@@ -27,9 +27,9 @@ from echo.engines.base import call_seed
 from echo.protocol import PolicyVersion
 from echo.referee import Referee
 from echo.tasks import load_task
-from workers.sampler import generate_groups
-from workers.accounting import metrics_line
-from workers.trainer_model import Ranks, TrainerModel
+from workers.sampler.generation import generate_groups
+from workers.trainer.accounting import metrics_line
+from workers.trainer.model import Ranks, TrainerModel
 
 
 def run_colocated(cfg: EchoConfig) -> None:

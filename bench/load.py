@@ -49,7 +49,7 @@ from bench.common import results_dir, write_results
 from bench.sync import start_link
 from echo.checkpoint import TrainerState, read_metrics
 from echo.config import EchoConfig, load_config, validate_config
-from echo.engines.base import BetweenChunks, Generation
+from echo.engines.base import Generation, NewerWeights
 from echo.models import base_model_digest, encode_chat, load_model
 from echo.proof import SamplingProof
 from echo.tasks import load_task
@@ -58,7 +58,7 @@ from streams.lease import take_lease
 from streams.server import NatsServer, free_port
 from workers.background import Background
 from workers.relay import loopback_relay_args
-from workers.sampler import Sampler
+from workers.sampler.loop import Sampler
 from workers.swarm import stop_processes
 
 ADAPTER_BYTES = 4 << 20  # a LoRA adapter of rank 16 on a 1-2B model is a few MB
@@ -83,7 +83,7 @@ class SyntheticEngine:
         pass
 
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
-                 between_chunks: BetweenChunks | None = None, max_tokens: int | None = None,
+                 newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
                  seed: int | None = None) -> list[list[Generation]]:
         rows, rng = len(prompts) * n, self.rng if seed is None else np.random.default_rng(seed)
         limit = max_tokens or self.max_new
@@ -97,7 +97,7 @@ class SyntheticEngine:
             produced += step
             if produced >= lengths.max():
                 break
-            version = between_chunks() if between_chunks is not None and self.chunk < limit else None
+            version = newer_weights.between_chunks() if newer_weights is not None and self.chunk < limit else None
             if version is not None:
                 for row in np.flatnonzero(lengths > produced):
                     changes[row].append((produced, version))
@@ -161,7 +161,7 @@ class SyntheticLearner:
 
 
 async def trainer_role(cfg: EchoConfig, seconds_per_token: float, peak_file: Path) -> None:
-    from workers.trainer import train  # the real loop, given the stand-in model
+    from workers.trainer.loop import train  # the real loop, given the stand-in model
 
     model = SyntheticLearner(cfg, seconds_per_token)
     run = await open_run(cfg.nats.url, cfg.run.id, "trainer")
@@ -193,7 +193,7 @@ async def samplers_role(cfg: EchoConfig, speeds: list[float], median_tokens: int
         if failed:
             trainer.kill()
             raise RuntimeError(f"a sampler stopped: {failed[0].exception()!r}")
-    syncs = [seconds for s in samplers for seconds in s.syncs.values()]  # from hearing of a version to running it
+    syncs = [seconds for s in samplers for seconds in s.weights.syncs.values()]  # from hearing of a version to running it
     await cancel_until_done(serving)  # nats-py may swallow a cancellation (streams/client.py)
     for run in runs:
         await run.close()

@@ -27,7 +27,7 @@ from bench.micro_batches import step_setup, timed_step
 
 
 def rank_step(rank: int, world: int, port: int, args, budget: int, out: Path) -> None:
-    from workers.trainer_model import leave, shard
+    from workers.trainer.model import leave, shard
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if world > 1:

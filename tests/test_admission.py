@@ -14,8 +14,8 @@ from streams.grants import record_slots_granted, slots_granted
 from streams.grants import request_grant, serve_grants
 from streams.lease import take_lease
 from tests.conftest import tiny_config
-from workers.coordinator import delivered_paces
-from workers.dispatch import AsyncDispatch, SequentialDispatch
+from workers.trainer.coordinator import delivered_paces
+from workers.trainer.dispatch import AsyncDispatch, SequentialDispatch
 
 
 def test_allowance_covers_the_staleness_window_plus_lost_groups():
@@ -44,7 +44,7 @@ class _Budget:
         return self.dispatch.grant_work(sampler, request)[0]
 
     def arrive(self, sampler: str, slot: int, trained: bool = True) -> None:
-        """A group naming `slot` from `sampler`, as the intake settles it (workers/intake.py)."""
+        """A group naming `slot` from `sampler`, as the intake settles it (workers/trainer/intake.py)."""
         ledger = self.dispatch.ledger
         if ledger.delivered(sampler, slot, arrived=0.0):
             (ledger.accepted if trained else ledger.wasted)(slot)

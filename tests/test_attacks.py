@@ -37,9 +37,9 @@ from tests.conftest import TINY_BASE, tiny_config
 from tests.test_faults import assert_accounting_holds, collect_and_account
 from tests.test_referee import REFEREE, TASK, _unlikely, honest_group
 from workers.cli import main
-from workers.coordinator import Coordinator
-from workers.dispatch import AsyncDispatch
-from workers.intake import Collected, Collector, Judge, Timeline
+from workers.trainer.coordinator import Coordinator
+from workers.trainer.dispatch import AsyncDispatch
+from workers.trainer.intake import Collected, Collector, Judge, Timeline
 from workers.status import render, snapshot
 
 

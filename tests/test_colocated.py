@@ -7,7 +7,7 @@ from bench.colocated import run_colocated
 from tests.conftest import tiny_config
 from tests.test_e2e import USER_TASK
 from workers.report import write_report
-from workers.accounting import summarize
+from workers.trainer.accounting import summarize
 
 
 def test_the_colocated_baseline_trains_on_policy_and_writes_the_trainers_metrics(tmp_path, monkeypatch):

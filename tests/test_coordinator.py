@@ -1,4 +1,4 @@
-"""The trainer's coordinator (workers/coordinator.py) on a real server: it chooses from the
+"""The trainer's coordinator (workers/trainer/coordinator.py) on a real server: it chooses from the
 registry, and a fleet that is no longer measured leaves no sampler on standby."""
 
 import time
@@ -8,7 +8,7 @@ from echo.admission import GrantLedger
 from echo.protocol import LearnerStatus, SamplerStatus
 from streams.registry import put_status
 from tests.conftest import tiny_config
-from workers.coordinator import Coordinator
+from workers.trainer.coordinator import Coordinator
 
 
 def _status(sampler_id: str, cost: float) -> SamplerStatus:

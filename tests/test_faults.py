@@ -35,10 +35,10 @@ from tests.conftest import TINY_BASE, alive, tiny_config, wait_for_steps, worker
 from streams.rollouts import publish_rollout
 from tests.test_referee import REFEREE, honest_group
 from tests.test_streams import _adapter_for_version, _store_tampered
-from workers.sampler import Sampler
-from workers.accounting import account, count_consumed, count_evicted
-from workers.dispatch import SequentialDispatch
-from workers.intake import Collector, Judge, Timeline
+from workers.sampler.loop import Sampler
+from workers.trainer.accounting import account, count_consumed, count_evicted
+from workers.trainer.dispatch import SequentialDispatch
+from workers.trainer.intake import Collector, Judge, Timeline
 
 
 async def test_a_sampler_retries_a_heartbeat_the_broker_missed_and_stops_on_any_other_error(
@@ -58,7 +58,7 @@ async def test_a_sampler_retries_a_heartbeat_the_broker_missed_and_stops_on_any_
         await put_status(run, status)
 
     run = await runs.open(cfg.run.id, "sampler")
-    monkeypatch.setattr("workers.sampler.put_status", put_with_faults)
+    monkeypatch.setattr("workers.sampler.heartbeat.put_status", put_with_faults)
     sampler = Sampler(cfg, "s1", run, HFEngine("tiny", cfg.lora, cfg.sampling), task=None)  # it waits for weights: none come
     with pytest.raises(ValueError, match="a bug in the heartbeat"):
         await asyncio.wait_for(sampler.serve(), 10)
@@ -169,12 +169,12 @@ async def test_a_sequential_sampler_whose_fetch_of_the_requested_version_fails_r
     orders = await _ask_for_version(run, cfg, 0)
     _, sampler, serving = await _serving_sampler(runs, cfg)
     async with asyncio.timeout(10):
-        while not sampler.weights.failures:
+        while not sampler.weights.follower.failures:
             await asyncio.sleep(0.02)
-    assert set(sampler.weights.failures) == {"digest_mismatch"} and sampler.version == -1
+    assert set(sampler.weights.follower.failures) == {"digest_mismatch"} and sampler.weights.version == -1
     await put_object(run.js, run.names.weights_bucket, weights_object_name(run.epoch, 0, 0), adapter)  # whole again
     collector, collected = await _collect_step(run, cfg, 0)
-    assert len(collected.used) == cfg.trainer.groups_per_step and sampler.version == 0
+    assert len(collected.used) == cfg.trainer.groups_per_step and sampler.weights.version == 0
     collector.consumed.add(collected.seqs)  # the step checkpointed: every message is accounted for
     assert await collector.inbox.ack_held() == 0
     a = await account(collector.inbox, count_consumed({}, collected), collector.consumed, 0)
@@ -202,9 +202,9 @@ async def test_a_sequential_sampler_asked_for_an_older_version_of_a_new_epoch_wa
     orders = await _ask_for_version(run, cfg, 1)
     _, sampler, serving = await _serving_sampler(runs, cfg)
     async with asyncio.timeout(30):
-        while sampler.published < cfg.trainer.groups_per_step:
+        while sampler.generation.published < cfg.trainer.groups_per_step:
             await asyncio.sleep(0.02)
-    assert sampler.policy == (1, 1)
+    assert sampler.weights.running == (1, 1)
     await orders.subscription.unsubscribe()
     await lease.release()
     lease = await take_lease(run)  # epoch 2, resumed at version 0
@@ -231,7 +231,7 @@ async def test_a_sequential_sampler_whose_request_for_work_goes_unanswered_asks_
     await orders.ask(0)  # the request is out; no one answers requests for work yet
     _, sampler, serving = await _serving_sampler(runs, cfg)
     async with asyncio.timeout(30):
-        while sampler.policy != (1, 0):  # it has the request's weights, and is asking
+        while sampler.weights.running != (1, 0):  # it has the request's weights, and is asking
             await asyncio.sleep(0.02)
     await asyncio.sleep(0.5)  # asked, and not answered
     await orders.start()  # now the trainer answers

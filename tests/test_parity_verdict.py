@@ -14,7 +14,7 @@ import pytest
 from bench.parity import (MODES, area_under, logrank_p, mode_summary, permutation_p, reached, run_cost, run_summary,
                           schedule, verdict)
 from tests.conftest import tiny_config
-from workers.accounting import metrics_line
+from workers.trainer.accounting import metrics_line
 
 
 def test_three_seeds_apart_are_as_far_apart_as_three_seeds_can_be():

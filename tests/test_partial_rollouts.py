@@ -10,7 +10,7 @@ import pytest
 from streams.replay import read_rollouts
 from tests.conftest import assert_balanced, read_metrics, tiny_config, worker_process
 from tests.test_referee import REFEREE, honest_group
-from workers.intake import Collected, Judge, Timeline
+from workers.trainer.intake import Collected, Judge, Timeline
 
 
 def test_a_partial_rollout_is_judged_by_its_newest_tokens_and_may_have_begun_a_window_further_back():

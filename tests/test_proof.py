@@ -23,10 +23,10 @@ from tests.test_referee import REFEREE, SAMPLING, honest_group
 from workers.background import Background
 from workers.cli import build_parser
 from workers.commands.quarantine import quarantine_command
-from workers.sampler import Sampler
-from workers.dispatch import AsyncDispatch
-from workers.intake import Collector, Judge, Timeline
-from workers.quarantine import Quarantined
+from workers.sampler.loop import Sampler
+from workers.trainer.dispatch import AsyncDispatch
+from workers.trainer.intake import Collector, Judge, Timeline
+from workers.trainer.quarantine import Quarantined
 
 LORA = LoraConfig(r=4, alpha=8.0)
 
@@ -130,7 +130,7 @@ async def test_a_forging_sampler_is_rejected_then_quarantined_until_an_operator_
         assert (await orders.grant("s1", asked)).groups == 0 and (await orders.grant("s2", asked)).groups == 2
 
         # The sampler's heartbeat shows it.
-        await Sampler(cfg, "s1", run, HFEngine("tiny", cfg.lora, cfg.sampling), task=None).beat()
+        await Sampler(cfg, "s1", run, HFEngine("tiny", cfg.lora, cfg.sampling), task=None).heartbeat.beat()
         assert (await read_statuses(run))[0].state == "quarantined"
 
         args = ["quarantine", "lift", "s1", "--nats", runs.url, "--run-id", "forge"]
@@ -155,17 +155,18 @@ def test_a_partial_rollout_is_checked_token_by_token_under_the_version_that_samp
         proof.remember(version)
         versions.append([bytearray(s) for s in weights_shards(trainer, 2**30)])
     load_weights(sampler.model, versions[0])
-    swaps = iter([1, 2])
+    class TwoSwaps:  # the sampler's weights room, as the engine sees it (NewerWeights)
+        swaps = iter([1, 2])
 
-    def between_chunks() -> int | None:
-        version = next(swaps, None)
-        if version is not None:
-            load_weights(sampler.model, versions[version])
-        return version
+        def between_chunks(self) -> int | None:
+            version = next(self.swaps, None)
+            if version is not None:
+                load_weights(sampler.model, versions[version])
+            return version
 
     prompt_ids = sampler.encode_chat(REFEREE.task.prompt(3).messages)
     torch.manual_seed(0)  # of 16 completions, one goes past 16 tokens (the tiny model may stop sooner)
-    generations = sampler.generate([prompt_ids], sampling.group_size, between_chunks=between_chunks)[0]
+    generations = sampler.generate([prompt_ids], sampling.group_size, newer_weights=TwoSwaps())[0]
     for g in generations:  # a completion that ended before a swap does not name it
         assert g.version_changes == tuple(c for c in ((8, 1), (16, 2)) if c[0] < len(g.token_ids))
     assert max(len(g.version_changes) for g in generations) == 2

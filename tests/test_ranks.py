@@ -1,4 +1,4 @@
-"""The trainer's model on several ranks (workers/trainer_model.py): gloo ranks on the CPU,
+"""The trainer's model on several ranks (workers/trainer/model.py): gloo ranks on the CPU,
 FSDP2-sharded, each running its share of a step's passes, end with the policy one process gets;
 a checkpoint written by 2 ranks resumes on 2 ranks or in one process."""
 
@@ -18,7 +18,7 @@ from echo.policy import make_policy, policy_tensors
 from streams.server import free_port
 from tests.conftest import tiny_config
 from tests.test_referee import honest_group
-from workers.trainer_model import leave, shard
+from workers.trainer.model import leave, shard
 
 pytestmark = pytest.mark.slow
 STEPS = 3

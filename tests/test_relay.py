@@ -24,7 +24,7 @@ from tests.test_streams import _adapter_for_version
 from workers.cli import build_parser
 from workers.commands.sampler import sampler_config_from_run
 from workers.relay import loopback_relay_args
-from workers.sampler import Sampler
+from workers.sampler.loop import Sampler
 
 
 @pytest.fixture
@@ -103,14 +103,14 @@ async def test_two_samplers_behind_a_relay_follow_weights_across_a_relay_restart
 
         async def all_apply(version: int) -> None:
             for s in samplers:
-                await asyncio.wait_for(s.apply_newest(version), timeout=30)
-                assert s.version == version
+                await asyncio.wait_for(s.weights.apply_newest(version), timeout=30)
+                assert s.weights.version == version
 
         await all_apply(0)
         await publish_weights(run, 1, adapters[1], TINY_BASE)
         await all_apply(1)
         for s in samplers:  # rollouts go on to the hub's stream through the relay's leaf connection
-            await s.generate_and_publish([1])
+            await s.generation.generate_and_publish([1])
 
         site.stop()  # the relay goes down; the trainer publishes without it; it comes back
         await publish_weights(run, 2, adapters[2], TINY_BASE)
@@ -129,7 +129,7 @@ async def test_two_samplers_behind_a_relay_follow_weights_across_a_relay_restart
             await asyncio.sleep(0.05)
         assert len(hub_chunks) == 3 and relay_chunks == hub_chunks
 
-        assert all(s.weights.failures == {} for s in samplers)
+        assert all(s.weights.follower.failures == {} for s in samplers)
         for s in samplers:
             await s.weights.stop()
             await s.run.close()
@@ -149,10 +149,10 @@ async def test_relays_chain_hub_to_site_to_subsite(hub, runs, tmp_path):
         sampler_run = await runs.open(cfg.run.id, "sampler-deep", url=subsite.url)
         sampler = Sampler(cfg, "deep", sampler_run, HFEngine("tiny", cfg.lora, cfg.sampling), load_task(cfg.task))
         await sampler.weights.start()
-        await asyncio.wait_for(sampler.apply_newest(0), timeout=30)
+        await asyncio.wait_for(sampler.weights.apply_newest(0), timeout=30)
         await publish_weights(run, 1, _adapter_for_version(trainer_side, 1), TINY_BASE)
-        await asyncio.wait_for(sampler.apply_newest(1), timeout=30)
-        await sampler.generate_and_publish([1])  # two leaf hops up to the hub's stream
+        await asyncio.wait_for(sampler.weights.apply_newest(1), timeout=30)
+        await sampler.generation.generate_and_publish([1])  # two leaf hops up to the hub's stream
         await sampler.weights.stop()
         await sampler_run.close()
         records = [r async for r in read_rollouts(hub.url, cfg.run.id)]

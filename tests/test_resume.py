@@ -19,7 +19,7 @@ from echo.protocol import HDR_MSG_ID, TRAINER_CONSUMER, RunNames
 from streams.client import connect
 from streams.replay import read_rollouts
 from tests.conftest import alive, assert_balanced, read_metrics, tiny_config, wait_for_steps, worker_process
-from workers.accounting import restore_metrics
+from workers.trainer.accounting import restore_metrics
 
 
 def _policy_and_optimizer(lora: LoraConfig):

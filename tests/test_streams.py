@@ -46,8 +46,8 @@ from streams.server import NatsServer
 from streams.weights import WeightsFollower, fetch_weights, publish_weights
 from tests.conftest import TINY_BASE, tiny_config
 from tests.test_referee import REFEREE, TASK, TOKENIZER, with_completion, honest_group
-from workers.sampler import Sampler
-from workers.intake import Collector, Judge, Timeline
+from workers.sampler.loop import Sampler
+from workers.trainer.intake import Collector, Judge, Timeline
 
 
 async def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(runs):
@@ -211,18 +211,18 @@ async def test_a_sampler_joining_after_version_3_generates_with_version_3(runs, 
     engine = HFEngine("tiny", cfg.lora, cfg.sampling)
     sampler = Sampler(cfg, "late", sampler_run, engine, load_task(cfg.task))
     await sampler.weights.start()
-    await sampler.apply_newest()
-    await sampler.generate_and_publish([1])
+    await sampler.weights.apply_newest()
+    await sampler.generation.generate_and_publish([1])
     # A damaged version 4 is refused, the sampler stays on 3, and its heartbeat says why.
     await _store_tampered(run, 4, adapters[0][0], lambda chunks: [bytes([c[0] ^ 0xFF]) + c[1:] for c in chunks])
-    await _until_failure(sampler.weights)
-    await sampler.apply_newest()
-    await put_status(sampler_run, sampler.status())
+    await _until_failure(sampler.weights.follower)
+    await sampler.weights.apply_newest()
+    await put_status(sampler_run, sampler.heartbeat.status())
     [status] = await read_statuses(run)
     assert (status.sampler_id, status.version, status.groups_published) == ("late", 3, 1)
     assert set(status.weight_failures) == {"digest_mismatch"}  # refused (and retried: it may count 2)
     await sampler.weights.stop()
-    assert sampler.version == 3
+    assert sampler.weights.version == 3
     assert list(weights_shards(engine.model, 2**30)) == adapters[3]
     records = [r async for r in read_rollouts(runs.url, cfg.run.id)]
     assert [r["headers"][HDR_POLICY_VERSION] for r in records] == ["3"]
@@ -391,18 +391,18 @@ async def test_weights_the_engine_refuses_are_tried_once_and_not_waited_on(runs,
     sampler_run = await runs.open(cfg.run.id, "sampler", create=False)
     sampler = Sampler(cfg, "s1", sampler_run, HFEngine("tiny", cfg.lora, cfg.sampling), load_task(cfg.task))
     await sampler.weights.start()
-    await sampler.apply_newest()
+    await sampler.weights.apply_newest()
     await publish_weights(run, 1, [misfit], TINY_BASE)
-    await sampler.weights.wait_for(1)
+    await sampler.weights.follower.wait_for(1)
     for _ in range(3):
-        await sampler.apply_newest()
-    assert sampler.weights.failures == {"weights_mismatch": 1} and sampler.version == 0
+        await sampler.weights.apply_newest()
+    assert sampler.weights.follower.failures == {"weights_mismatch": 1} and sampler.weights.version == 0
     with pytest.raises(TimeoutError):  # before: version 1 was "newer" at once, a busy loop
-        await asyncio.wait_for(sampler.weights.wait_newer(max(sampler.policy, sampler.refused)), 0.3)
+        await asyncio.wait_for(sampler.weights.wait_newer(), 0.3)
     await publish_weights(run, 2, good, TINY_BASE)
-    await sampler.weights.wait_newer(sampler.refused)
-    await sampler.apply_newest()
-    assert sampler.version == 2
+    await sampler.weights.follower.wait_newer(sampler.weights.refused)
+    await sampler.weights.apply_newest()
+    assert sampler.weights.version == 2
     await sampler.weights.stop()
 
 

@@ -25,7 +25,7 @@ from echo.referee import Referee
 from echo.tasks import load_task
 from streams.credentials import Credentials
 from streams.replay import run_broker, stored_groups
-from workers.trainer_model import Ranks, TrainerModel
+from workers.trainer.model import Ranks, TrainerModel
 
 log = structlog.get_logger()
 

@@ -17,7 +17,7 @@ from echo.config import ConfigError, EchoConfig
 from echo.models import resolve_model
 from streams.secure import SERVER_CONF, SecureDir
 from streams.server import NatsCluster, NatsServer, free_port
-from workers.accounting import summarize
+from workers.trainer.accounting import summarize
 from workers.evaluate import evaluate_run
 from workers.relay import loopback_relay_args
 from workers.report import write_report
@@ -85,7 +85,7 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
     with both, the relay mirrors weights only, and its samplers reach the hub for the rest.
     With `cluster` N, the broker is N nats-servers in one JetStream cluster, every stream and
     bucket kept on all of them (`nats.replicas`). With `trainer_ranks` N, the trainer is N ranks
-    under torchrun, its model sharded across them (workers/trainer_model.py)."""
+    under torchrun, its model sharded across them (workers/trainer/model.py)."""
     if trainer_ranks < 1:
         raise ConfigError(f"--trainer-ranks {trainer_ranks}: at least 1")
     if cluster and not 1 <= cluster <= 5:

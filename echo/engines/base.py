@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -30,9 +30,14 @@ def call_seed(run_seed: int, sampler_id: str, epoch: int, slot: int) -> int:
     return int.from_bytes(digest[:4], "little")  # vLLM's seeds are 32-bit
 
 
-# Called by an engine between chunks of a generation (sampling.chunk_tokens): swaps in newer
-# weights if the sampler has some, and returns their version (None: nothing changed).
-BetweenChunks = Callable[[], "int | None"]
+class NewerWeights(Protocol):
+    """Partial rollouts: what an engine that generates in chunks (sampling.chunk_tokens) asks
+    between them, from its own thread. The sampler's weights room implements it
+    (workers/sampler/weights.py)."""
+
+    def between_chunks(self) -> int | None:
+        """Swap newer weights into the engine if the sampler has some: their version (None:
+        nothing changed)."""
 
 
 class Engine(Protocol):
@@ -45,12 +50,12 @@ class Engine(Protocol):
         """Token ids of a chat prompt, ending with the assistant's turn opener."""
 
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
-                 between_chunks: BetweenChunks | None = None, max_tokens: int | None = None,
+                 newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
                  seed: int | None = None) -> list[list[Generation]]:
         """n sampled completions for each prompt (greedy: the most likely one, for evaluation), of
         at most `max_tokens` (None: sampling.max_new_tokens; an episode's turn takes what is left),
         drawn with `seed` (call_seed: the same call of the same run draws the same; None: fresh).
-        An engine that generates in chunks calls `between_chunks` between them; one that does
+        An engine that generates in chunks asks `newer_weights` between them; one that does
         not (vLLM here) ignores it, and its completions carry no version changes."""
 
     def load_weights(self, shards: list[bytearray]) -> None:

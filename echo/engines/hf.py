@@ -11,7 +11,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from echo.config import LoraConfig, SamplingConfig
 from echo.devices import resolve_device, resolve_dtype
-from echo.engines.base import BetweenChunks, Generation
+from echo.engines.base import Generation, NewerWeights
 from echo.models import encode_chat, load_model
 from echo.policy import CACHE, kv_cache, load_weights, make_policy
 
@@ -82,9 +82,9 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
-                 between_chunks: BetweenChunks | None = None, max_tokens: int | None = None,
+                 newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
                  seed: int | None = None) -> list[list[Generation]]:
-        """With `between_chunks`, generation goes `chunk_tokens` at a time and calls it between
+        """With `newer_weights`, generation goes `chunk_tokens` at a time and asks it between
         chunks, where the sampler may swap in newer weights: the completions go on from the key/value
         cache as it is (the partial rollouts of PipelineRL), and each says where a version took over."""
         batch = self.tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(self.device)
@@ -92,7 +92,7 @@ class HFEngine:
             torch.manual_seed(seed)
         config = self.call_config(greedy)
         limit = self.max_new_tokens if max_tokens is None else max_tokens
-        chunk = self.chunk_tokens if between_chunks is not None and self.chunk_tokens else limit
+        chunk = self.chunk_tokens if newer_weights is not None and self.chunk_tokens else limit
         ids, mask = batch["input_ids"].repeat_interleave(n, 0), batch["attention_mask"].repeat_interleave(n, 0)
         rows = list(range(ids.shape[0]))  # the completions still being generated
         tokens, logprobs = [[] for _ in rows], [[] for _ in rows]
@@ -116,7 +116,7 @@ class HFEngine:
             produced += new_tokens.shape[1]
             if not going or produced >= limit:
                 break
-            version = between_chunks()
+            version = newer_weights.between_chunks()
             keep = torch.tensor(going, device=self.device)
             cache = kv_cache(out)
             cache.batch_select_indices(keep)  # the finished completions leave the batch
@@ -147,7 +147,7 @@ class PagedEngine(HFEngine):
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
-                 between_chunks: BetweenChunks | None = None, max_tokens: int | None = None,
+                 newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
                  seed: int | None = None) -> list[list[Generation]]:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from echo.config import ConfigError, LoraConfig, ModelConfig, SamplingConfig
 from echo.devices import dtype_name, resolve_device, resolve_dtype
-from echo.engines.base import BetweenChunks, Generation
+from echo.engines.base import Generation, NewerWeights
 from echo.models import encode_chat, model_folder, model_on_meta
 from echo.policy import check_tensors, make_policy, policy_shapes, shards_tensors
 
@@ -115,9 +115,9 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()  # cached prompt keys/values were computed by the old weights
 
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
-                 between_chunks: BetweenChunks | None = None, max_tokens: int | None = None,
+                 newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
                  seed: int | None = None) -> list[list[Generation]]:
-        """Whole completions: `between_chunks` is not called (partial rollouts are the HF engine's)."""
+        """Whole completions: `newer_weights` is not asked (partial rollouts are the HF engine's)."""
         from vllm import SamplingParams
 
         # Plain sampling at `temperature` (no top-k/top-p), as the trainer assumes; greedy for eval.

@@ -78,6 +78,6 @@ def run(args) -> int:
         cfg = config_from_args(args)
     bind_process(run=cfg.run.id)
     check_hardware(cfg, sampler=True)
-    from workers.sampler import run_sampler
+    from workers.sampler.loop import run_sampler
 
     return run_until_signal(run_sampler(cfg, args.id))

@@ -16,13 +16,13 @@ def register(sub) -> None:
 def run(args) -> int:
     cfg = config_and_task_from_args(args)
     check_hardware(cfg, sampler=False)
-    from workers.trainer_model import Ranks, follow_rank_0
+    from workers.trainer.model import Ranks, follow_rank_0
 
     ranks = Ranks(cfg.model.device)  # rank 0 of 1, unless started by torchrun
     configure_logging(args.log_json, run=cfg.run.id, role="trainer",
                       worker="trainer" if ranks.rank == 0 else f"trainer-rank{ranks.rank}")
     if ranks.rank > 0:
         return follow_rank_0(cfg, ranks)  # no signal handling: torchrun's SIGTERM ends it
-    from workers.trainer import run_trainer
+    from workers.trainer.loop import run_trainer
 
     return run_until_signal(run_trainer(cfg, ranks))

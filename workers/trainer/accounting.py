@@ -21,7 +21,7 @@ from echo.checkpoint import TrainerState, read_metrics
 from echo.consumed import ConsumedSeqs
 from echo.protocol import LearnerStatus
 from streams.inbox import RolloutInbox
-from workers.intake import Collected
+from workers.trainer.intake import Collected
 
 log = structlog.get_logger()
 

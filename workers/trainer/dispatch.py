@@ -4,8 +4,8 @@ Owns the grants (numbered, answered on each sampler's grants subject while the t
 streams/grants.py), the count of grants lost and handed out again, and the choice between the
 two modes: sequential mode's pull requests (each step asks for exactly its groups) and async
 mode's admission budget (echo/admission.py). It reads heartbeats (streams/registry.py) to
-release the grants of dead or stalled samplers, asks the quarantine (workers/quarantine.py)
-and honours the scheduler's standby set (workers/coordinator.py). It reads no rollouts: the
+release the grants of dead or stalled samplers, asks the quarantine (workers/trainer/quarantine.py)
+and honours the scheduler's standby set (workers/trainer/coordinator.py). It reads no rollouts: the
 intake tells it, through the shared GrantLedger, which grants were fulfilled or wasted.
 """
 
@@ -24,7 +24,7 @@ from streams.client import BROKER_ERRORS, Run, retry_forever
 from streams.grants import publish_budget, record_slots_granted, serve_grants, slots_granted
 from streams.pull import publish_pull_request
 from streams.registry import read_heartbeat
-from workers.quarantine import Quarantined
+from workers.trainer.quarantine import Quarantined
 
 log = structlog.get_logger()
 
@@ -42,7 +42,7 @@ class Dispatch:
         self.version = state.version
         self.fleet: set[str] = set()  # samplers that asked for work since this trainer started
         self.heartbeats = Heartbeats()
-        self.standby: set[str] = set()  # the scheduler's (workers/coordinator.py): granted no work
+        self.standby: set[str] = set()  # the scheduler's (workers/trainer/coordinator.py): granted no work
 
     async def start(self) -> None:
         self.ledger.issued = await slots_granted(self.run)  # a restarted trainer numbers on

@@ -4,7 +4,7 @@ Owns the judging of groups (decoded, well formed, this timeline's, fresh, not a 
 trainer's own rewards, the proof of sampling) and what a step collected. It reads deliveries
 from the rollout inbox (streams/inbox.py), which holds them unacked until the process says the
 step is checkpointed; it ends the grants a delivery fulfils in the ledger (echo/admission.py)
-and strikes samplers through the quarantine (workers/quarantine.py). It publishes nothing.
+and strikes samplers through the quarantine (workers/trainer/quarantine.py). It publishes nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from echo.proof import SamplingProof
 from echo.referee import Referee, completion_keys, content_hash, repeats
 from echo.staleness import Verdict, judge
 from streams.inbox import Delivery, RolloutInbox
-from workers.quarantine import Quarantined
+from workers.trainer.quarantine import Quarantined
 
 log = structlog.get_logger()
 
@@ -55,7 +55,7 @@ class Timeline:
     """Which versions' groups this trainer may train on."""
 
     max_staleness: int
-    epoch: int = 0  # this trainer's slot epoch (streams/slot.py)
+    epoch: int = 0  # this trainer incarnation's epoch (streams/lease.py)
     # The version it resumed from: an earlier incarnation's versions up to that one are this
     # timeline's too; later ones came from a checkpoint since discarded.
     resumed_from: int = 0

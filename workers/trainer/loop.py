@@ -8,13 +8,7 @@ Exactly once: a step's groups are acked only after the checkpoint holding that s
 After a crash the trainer resumes from the checkpoint; groups it had not acked come back from
 the stream, and any it already trained on (their ids are in the checkpoint) are skipped.
 
-This file is the process and its step loop; each of its jobs is a room of its own:
-- workers/intake.py: what becomes of every rollout message (judging, proof of sampling);
-- workers/dispatch.py: asking the samplers for groups and granting them the work;
-- workers/quarantine.py: strikes against samplers, and who is quarantined;
-- workers/accounting.py: the step's metrics, the run's totals, the learner's pace;
-- workers/trainer_model.py: the model, its optimizer and checkpoint, on one rank or several;
-- streams/inbox.py: the JetStream delivery of rollouts (fetch, hold, keep alive, ack).
+This file is the process and its step loop; the other rooms of the wing: workers/trainer/__init__.py.
 """
 
 from __future__ import annotations
@@ -38,14 +32,14 @@ from streams.lease import Lease, take_lease
 from streams.registry import put_learner, read_learner
 from streams.run_config import publish_run_config
 from streams.weights import publish_weights
-from workers.accounting import (RecentSteps, StepClock, account, count_abandoned, count_consumed, count_evicted,
+from workers.trainer.accounting import (RecentSteps, StepClock, account, count_abandoned, count_consumed, count_evicted,
                                 finished_record, metrics_line, restore_metrics, step_record, summarize)
 from workers.background import Background
-from workers.coordinator import Coordinator
-from workers.dispatch import dispatch_for
-from workers.intake import Collector, Judge, Timeline
-from workers.quarantine import Quarantined
-from workers.trainer_model import Ranks, TrainerModel
+from workers.trainer.coordinator import Coordinator
+from workers.trainer.dispatch import dispatch_for
+from workers.trainer.intake import Collector, Judge, Timeline
+from workers.trainer.quarantine import Quarantined
+from workers.trainer.model import Ranks, TrainerModel
 
 log = structlog.get_logger()
 
