@@ -54,9 +54,7 @@ from echo.models import base_model_digest, encode_chat, load_model
 from echo.proof import SamplingProof
 from echo.tasks import load_task
 from streams.client import cancel_until_done, open_run
-from streams.lease import take_lease
 from streams.server import NatsServer, free_port
-from workers.background import Background
 from workers.relay import loopback_relay_args
 from workers.sampler.loop import Sampler
 from workers.swarm import stop_processes
@@ -161,18 +159,11 @@ class SyntheticLearner:
 
 
 async def trainer_role(cfg: EchoConfig, seconds_per_token: float, peak_file: Path) -> None:
-    from workers.trainer.loop import train  # the real loop, given the stand-in model
+    from workers.trainer.loop import serve  # the real trainer, given the stand-in model
 
-    model = SyntheticLearner(cfg, seconds_per_token)
-    run = await open_run(cfg.nats.url, cfg.run.id, "trainer")
-    lease = await take_lease(run)
     try:
-        async with Background() as background:
-            background.start(lease.renew_forever())
-            await train(cfg, run, lease, background, model)
+        await serve(cfg, SyntheticLearner(cfg, seconds_per_token))
     finally:
-        await lease.release()
-        await run.close()
         peak_file.write_text(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
 
 

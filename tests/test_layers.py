@@ -44,3 +44,23 @@ def test_no_module_imports_from_a_layer_above_its_own(layer):
     wrong = {str(Path(f).relative_to(ROOT)): sorted(set(names) & FORBIDDEN[layer])
              for f, names in imported_by_each(files).items()}
     assert {f: names for f, names in wrong.items() if names} == {}
+
+
+def layout_paths(design: str) -> set[str]:
+    """The paths docs/design.md's layout names: one entry a line, nested by two spaces."""
+    block = design.split("## Layout\n\n```\n", 1)[1].split("```", 1)[0]
+    paths, parents = set(), []
+    for line in block.splitlines():
+        depth, name = (len(line) - len(line.lstrip())) // 2, line.split()[0]
+        parents = parents[:depth] + [name]
+        paths.add("".join(parents))
+    return paths
+
+
+def test_the_design_docs_layout_names_every_module_and_nothing_else():
+    named = layout_paths((ROOT / "docs" / "design.md").read_text())
+    modules = {str(f.relative_to(ROOT)) for layer in FORBIDDEN for f in (ROOT / layer).rglob("*.py")
+               if f.name != "__init__.py"}
+    assert modules - named == set(), "modules missing from docs/design.md's layout"
+    assert {p for p in named if p.endswith(".py")} - modules == set(), "docs/design.md's layout names modules that are gone"
+    assert all((ROOT / p).exists() for p in named)

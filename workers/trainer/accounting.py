@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
@@ -22,34 +21,26 @@ from echo.consumed import ConsumedSeqs
 from echo.protocol import LearnerStatus
 from streams.inbox import RolloutInbox
 from workers.trainer.intake import Collected
+from workers.trainer.step import Step
 
 log = structlog.get_logger()
 
 PACE_STEPS = 10  # the learner status averages this many steps
 
 
-@dataclass
-class StepClock:
-    """perf_counter readings of one step: the process's start, and the step's milestones."""
-
-    process_started: float
-    started: float = 0.0
-    collected: float = 0.0  # its groups are in
-    trained: float = 0.0
-
-
-def step_record(step: int, version: int, stats: dict, collected: Collected, clock: StepClock,
-                proof_counts: dict, quarantined: list[str]) -> dict:
+def step_record(step: Step, version: int, proof_counts: dict, quarantined: list[str]) -> dict:
     """The step's metrics as checkpointed with it (`version`: the one it published)."""
+    collected, stats = step.collected, step.stats
     groups = [a.group for a in collected.used]
+    wait, train = step.seconds["collect"], step.seconds["train"]
     return {
-        "step": step,
+        "step": step.number,
         "version": version,
         **stats,
         "tokens_per_second": stats["tokens"] / stats["train_seconds"],
-        "step_seconds": clock.trained - clock.started,  # waiting for groups + training
-        "wait_seconds": clock.collected - clock.started,  # for groups (and refereeing them)
-        "wall_seconds": clock.trained - clock.process_started,  # since this trainer process started
+        "step_seconds": wait + train,  # waiting for groups + training
+        "wait_seconds": wait,  # for groups (and refereeing them)
+        "wall_seconds": step.ended["train"] - step.process_started,  # since this trainer process started
         "used": len(groups),
         "dropped_stale": len(collected.dropped_ids),
         "dropped_tokens": collected.dropped_tokens,
@@ -67,13 +58,13 @@ def step_record(step: int, version: int, stats: dict, collected: Collected, cloc
     }
 
 
-def finished_record(record: dict, publish_seconds: float, accounting: dict, clock: StepClock) -> dict:
+def finished_record(step: Step, accounting: dict) -> dict:
     """The checkpointed record with what came after the checkpoint: publishing, accounting, and
     the step's busy time (everything but the wait: T of the capacity model, echo/capacity.py,
     and the share of the step it is, what `echo-rl status` shows over the last steps)."""
-    busy = time.perf_counter() - clock.collected
-    return {**record, "publish_seconds": publish_seconds, "accounting": accounting,
-            "busy_seconds": busy, "learner_busy": busy / (busy + record["wait_seconds"])}
+    busy = step.busy_seconds()
+    return {**step.record, "publish_seconds": step.seconds["publish"], "accounting": accounting,
+            "busy_seconds": busy, "learner_busy": busy / (busy + step.record["wait_seconds"])}
 
 
 class RecentSteps:

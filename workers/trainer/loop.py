@@ -32,14 +32,15 @@ from streams.lease import Lease, take_lease
 from streams.registry import put_learner, read_learner
 from streams.run_config import publish_run_config
 from streams.weights import publish_weights
-from workers.trainer.accounting import (RecentSteps, StepClock, account, count_abandoned, count_consumed, count_evicted,
-                                finished_record, metrics_line, restore_metrics, step_record, summarize)
+from workers.trainer.accounting import (RecentSteps, account, count_abandoned, count_consumed, count_evicted,
+                                        finished_record, metrics_line, restore_metrics, step_record, summarize)
 from workers.background import Background
 from workers.trainer.coordinator import Coordinator
-from workers.trainer.dispatch import dispatch_for
+from workers.trainer.dispatch import Dispatch, dispatch_for
 from workers.trainer.intake import Collector, Judge, Timeline
 from workers.trainer.quarantine import Quarantined
 from workers.trainer.model import Ranks, TrainerModel
+from workers.trainer.step import Step
 
 log = structlog.get_logger()
 
@@ -47,21 +48,7 @@ log = structlog.get_logger()
 async def run_trainer(cfg: EchoConfig, ranks: Ranks) -> None:
     model = TrainerModel(cfg, ranks)  # the other ranks build theirs meanwhile (follow_rank_0)
     try:
-        run = await open_run(cfg.nats.url, cfg.run.id, "trainer", cfg.nats.hub_domain or None,
-                             credentials=credentials_of(cfg.nats.creds, cfg.nats.tls_ca), storage=cfg.nats.storage())
-        try:
-            lease = await take_lease(run)  # before touching the run: a second trainer stops here
-        except BaseException:
-            await run.close()
-            raise
-        try:
-            async with Background() as background:
-                background.start(lease.renew_forever())
-                await asyncio.to_thread(model.resume)  # holding the lease: no other trainer prunes it now
-                await train(cfg, run, lease, background, model)
-        finally:
-            await lease.release()
-            await run.close()
+        await serve(cfg, model)
     finally:
         model.close()
     # Only now, every connection closed: nothing this process logs comes after the summary (a
@@ -69,76 +56,122 @@ async def run_trainer(cfg: EchoConfig, ranks: Ranks) -> None:
     log.info("trainer.finished", run_dir=str(cfg.run_dir), **summarize(cfg.run_dir))
 
 
-async def train(cfg: EchoConfig, run: Run, lease: Lease, background: Background, model: TrainerModel) -> None:
-    run_dir, state = cfg.run_dir, model.state
-    (run_dir / "weights").mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(cfg.to_toml())
-    await publish_run_config(run, cfg)
-    restore_metrics(run_dir, state)
+async def serve(cfg: EchoConfig, model: TrainerModel) -> None:
+    """The run's lease taken and renewed, the model resumed from the run's checkpoint, the steps taken."""
+    run = await open_run(cfg.nats.url, cfg.run.id, "trainer", cfg.nats.hub_domain or None,
+                         credentials=credentials_of(cfg.nats.creds, cfg.nats.tls_ca), storage=cfg.nats.storage())
+    try:
+        lease = await take_lease(run)  # before touching the run: a second trainer stops here
+    except BaseException:
+        await run.close()
+        raise
+    try:
+        async with Background() as background:
+            background.start(lease.renew_forever())
+            await asyncio.to_thread(model.resume)  # holding the lease: no other trainer prunes it now
+            trainer = await Trainer.open(cfg, run, lease, background, model)
+            await trainer.fit()
+    finally:
+        await lease.release()
+        await run.close()
 
-    # The rooms: intake (and its inbox), quarantine, dispatch, and the pace the scheduler reads.
-    inbox = await RolloutInbox.open(run, cfg.trainer.ack_wait_s)
-    consumed = ConsumedSeqs(**state.consumed)
-    state.totals = await count_abandoned(inbox, consumed, state.totals)
-    ledger = GrantLedger(rate_window_s=cfg.sampler.rate_window_s)
-    quarantine = Quarantined(run, cfg.trainer.quarantine_after)
-    await quarantine.start(background)
-    referee = Referee(load_task(cfg.task), model.tokenizer, model.vocab_size, cfg.sampling)
-    judge = Judge(referee, Timeline(cfg.staleness_bound, run.epoch, state.version, cfg.begun_within),
-                  load_trained_content(run_dir, state.trained_content),
-                  load_trained_completions(run_dir, state.trained_completions), model.proof, model.check, quarantine)
-    collector = Collector(inbox, judge, ledger, consumed)
-    background.start(inbox.keep_alive(cfg.trainer.ack_wait_s / 3))
-    dispatch = dispatch_for(run, cfg, state, ledger, quarantine)
-    recent = RecentSteps(cfg.trainer.groups_per_step, cfg.staleness_bound)
-    if cfg.scheduler.enabled:  # what it chooses, the grants obey
-        background.start(Coordinator(run, cfg, dispatch.standby, recent, ledger).run_forever())
 
-    # (Re)publish the current version: a fresh run's version 0, or the checkpoint's.
-    await publish_policy(run, cfg, model, state.version)
-    await dispatch.start()
-    log.info("trainer.ready", run_id=cfg.run.id, mode=cfg.run.mode, model=cfg.model.name, step=state.step,
-             version=state.version, steps=cfg.run.steps, ranks=model.ranks.world)
-    clock = StepClock(process_started=time.perf_counter())
-    with open(run_dir / "metrics.jsonl", "ab") as metrics_file:
-        for step in range(state.step + 1, cfg.run.steps + 1):
-            clock.started = time.perf_counter()
-            await retry_forever("ask for groups", lambda: dispatch.ask(state.version))
-            collected = await collector.collect(cfg.trainer.groups_per_step, state.version, dispatch.on_wait)
-            clock.collected = time.perf_counter()
-            stats = await train_in_thread(model, [(a.group, a.rewards) for a in collected.used],
-                                          state.version - cfg.staleness_bound)
-            await asyncio.sleep(cfg.trainer.throttle_s)  # a slower learner, when asked
-            clock.trained = time.perf_counter()
+class Trainer:
+    """The rooms a step passes through, opened once; `fit` takes the steps, phase by phase."""
 
-            # The checkpoint: the step, what it consumed and trained, and its metrics.
-            state.step, state.version = step, state.version + 1
-            collector.trained(collected)
-            state.consumed = collector.consumed.as_dict()
-            state.totals = count_consumed(state.totals, collected)
-            remember_trained(run_dir, state, [a.content for a in collected.used], [a.group for a in collected.used])
-            state.record = step_record(step, state.version, stats, collected, clock, dict(model.proof.counts),
-                                       sorted(quarantine.samplers))
-            lease.check()  # a trainer fenced out by another must not checkpoint or publish over it
-            await asyncio.to_thread(model.save, state)
-            lease.check()
-            publish_seconds = await publish_policy(run, cfg, model, state.version)
-            unconfirmed = await inbox.ack_held()  # only now: the step that consumed them is checkpointed
+    def __init__(self, cfg: EchoConfig, run: Run, lease: Lease, model: TrainerModel, inbox: RolloutInbox,
+                 collector: Collector, dispatch: Dispatch, quarantine: Quarantined, recent: RecentSteps):
+        self.cfg, self.run, self.lease, self.model, self.inbox = cfg, run, lease, model, inbox
+        self.collector, self.dispatch, self.quarantine, self.recent = collector, dispatch, quarantine, recent
 
-            state.totals = await retry_forever(
-                "count evicted", lambda: count_evicted(inbox, collector.consumed, state.totals))
-            accounting = await retry_forever(
-                "account", lambda: account(inbox, state.totals, collector.consumed, unconfirmed))
-            record = finished_record(state.record, publish_seconds, accounting, clock)
-            status = recent.add(record, state.version)
-            await retry_forever("learner status", lambda: put_learner(run, status))
-            await retry_forever("run config", lambda: publish_run_config(run, cfg))  # whatever overwrote it
-            metrics_file.write(metrics_line(record))
-            metrics_file.flush()
-            log.info("step", step=step, version=state.version, reward=round(stats["reward_mean"], 3),
-                     used=record["used"], stale=record["dropped_stale"], busy=f"{record['learner_busy']:.0%}",
-                     seconds=round(record["step_seconds"], 2))
-    await mark_finished(run)
+    @classmethod
+    async def open(cls, cfg: EchoConfig, run: Run, lease: Lease, background: Background,
+                   model: TrainerModel) -> Trainer:
+        run_dir, state = cfg.run_dir, model.state
+        (run_dir / "weights").mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(cfg.to_toml())
+        await publish_run_config(run, cfg)
+        restore_metrics(run_dir, state)
+        inbox = await RolloutInbox.open(run, cfg.trainer.ack_wait_s)
+        consumed = ConsumedSeqs(**state.consumed)
+        state.totals = await count_abandoned(inbox, consumed, state.totals)
+        ledger = GrantLedger(rate_window_s=cfg.sampler.rate_window_s)
+        quarantine = Quarantined(run, cfg.trainer.quarantine_after)
+        await quarantine.start(background)
+        referee = Referee(load_task(cfg.task), model.tokenizer, model.vocab_size, cfg.sampling)
+        judge = Judge(referee, Timeline(cfg.staleness_bound, run.epoch, state.version, cfg.begun_within),
+                      load_trained_content(run_dir, state.trained_content),
+                      load_trained_completions(run_dir, state.trained_completions), model.proof, model.check,
+                      quarantine)
+        background.start(inbox.keep_alive(cfg.trainer.ack_wait_s / 3))
+        dispatch = dispatch_for(run, cfg, state, ledger, quarantine)
+        recent = RecentSteps(cfg.trainer.groups_per_step, cfg.staleness_bound)
+        if cfg.scheduler.enabled:  # what it chooses, the grants obey
+            background.start(Coordinator(run, cfg, dispatch.standby, recent, ledger).run_forever())
+        return cls(cfg, run, lease, model, inbox, Collector(inbox, judge, ledger, consumed), dispatch, quarantine,
+                   recent)
+
+    async def fit(self) -> None:
+        cfg, state = self.cfg, self.model.state
+        await publish_policy(self.run, cfg, self.model, state.version)  # a fresh run's version 0, or the checkpoint's
+        await self.dispatch.start()
+        log.info("trainer.ready", run_id=cfg.run.id, mode=cfg.run.mode, model=cfg.model.name, step=state.step,
+                 version=state.version, steps=cfg.run.steps, ranks=self.model.ranks.world)
+        process_started = time.perf_counter()
+        with open(cfg.run_dir / "metrics.jsonl", "ab") as metrics_file:
+            for number in range(state.step + 1, cfg.run.steps + 1):
+                step = Step(number, process_started)
+                with step.phase("collect"):
+                    await retry_forever("ask for groups", lambda: self.dispatch.ask(state.version))
+                    step.collected = await self.collector.collect(cfg.trainer.groups_per_step, state.version,
+                                                                  self.dispatch.on_wait)
+                with step.phase("train"):
+                    step.stats = await train_in_thread(self.model, step.batch, state.version - cfg.staleness_bound)
+                    await asyncio.sleep(cfg.trainer.throttle_s)  # a slower learner, when asked
+                with step.phase("checkpoint"):
+                    await self.checkpoint(step)
+                with step.phase("publish"):
+                    await publish_policy(self.run, cfg, self.model, state.version)
+                with step.phase("account"):
+                    record = await self.account(step)
+                write_metrics(metrics_file, record, step)
+        await mark_finished(self.run)
+
+    async def checkpoint(self, step: Step) -> None:
+        """The step, what it consumed and trained, and its metrics, on disk before anything of it is acked."""
+        state, used = self.model.state, step.collected.used
+        state.step, state.version = step.number, state.version + 1
+        self.collector.trained(step.collected)
+        state.consumed = self.collector.consumed.as_dict()
+        state.totals = count_consumed(state.totals, step.collected)
+        remember_trained(self.cfg.run_dir, state, [a.content for a in used], [a.group for a in used])
+        step.record = state.record = step_record(step, state.version, dict(self.model.proof.counts),
+                                                 sorted(self.quarantine.samplers))
+        self.lease.check()  # a trainer fenced out by another must not checkpoint or publish over it
+        await asyncio.to_thread(self.model.save, state)
+        self.lease.check()
+
+    async def account(self, step: Step) -> dict:
+        """The step's groups acked (only now: the step that consumed them is checkpointed), every
+        message counted, the learner's pace published; the step's finished record."""
+        state, inbox, consumed = self.model.state, self.inbox, self.collector.consumed
+        unconfirmed = await inbox.ack_held()
+        state.totals = await retry_forever("count evicted", lambda: count_evicted(inbox, consumed, state.totals))
+        accounting = await retry_forever("account", lambda: account(inbox, state.totals, consumed, unconfirmed))
+        record = finished_record(step, accounting)
+        status = self.recent.add(record, state.version)
+        await retry_forever("learner status", lambda: put_learner(self.run, status))
+        await retry_forever("run config", lambda: publish_run_config(self.run, self.cfg))  # whatever overwrote it
+        return record
+
+
+def write_metrics(metrics_file, record: dict, step: Step) -> None:
+    record = {**record, "phase_seconds": {name: round(s, 4) for name, s in step.seconds.items()}}
+    metrics_file.write(metrics_line(record))
+    metrics_file.flush()
+    log.info("step", step=step.number, version=record["version"], reward=round(record["reward_mean"], 3),
+             used=record["used"], stale=record["dropped_stale"], busy=f"{record['learner_busy']:.0%}",
+             seconds=round(record["step_seconds"], 2))
 
 
 async def mark_finished(run: Run) -> None:
@@ -162,15 +195,13 @@ async def train_in_thread(model: TrainerModel, batch, oldest_version: int) -> di
         raise
 
 
-async def publish_policy(run: Run, cfg: EchoConfig, model: TrainerModel, version: int) -> float:
+async def publish_policy(run: Run, cfg: EchoConfig, model: TrainerModel, version: int) -> None:
     """Write the version's shards to the run directory (for `echo-rl eval`), then publish them
     from there (a retry reads them again). Both keep the newest `trainer.keep_versions` versions
     (the bucket, for `trainer.keep_versions_s` more: what a slow sampler's fetch may take)."""
-    started = time.perf_counter()
     files = await asyncio.to_thread(model.write_weights, version)
     await retry_forever("publish weights", lambda: publish_weights(
         run, version, (f.read_bytes() for f in files), model.base_model, model.kind, cfg.trainer.keep_versions,
         cfg.trainer.keep_versions_s))
     await asyncio.to_thread(model.remember, version)
     bind_process(version=version)  # this trainer's log lines name the version it last published
-    return time.perf_counter() - started

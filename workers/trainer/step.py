@@ -1,0 +1,50 @@
+"""One trainer step as it goes through its phases: the one object every phase reads and writes
+(as verl's `fit` hands one batch along), timed phase by phase by the step itself.
+
+The phases, in order: collect (ask for groups, judge what arrives), train, checkpoint (the step,
+what it consumed and trained, and its record), publish (the new version), account (ack the
+step's groups, count every message, write the step's metrics). The order is the exactly-once
+guarantee: groups are acked only after the checkpoint that holds their step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from workers.trainer.intake import Collected
+
+PHASES = ("collect", "train", "checkpoint", "publish", "account")
+
+
+@dataclass
+class Step:
+    number: int
+    process_started: float  # perf_counter at the trainer process's start
+    started: float = field(default_factory=time.perf_counter)
+    seconds: dict[str, float] = field(default_factory=dict)  # each phase's, once it has ended
+    ended: dict[str, float] = field(default_factory=dict)  # perf_counter at each phase's end
+    collected: Collected = field(default_factory=Collected)
+    stats: dict = field(default_factory=dict)  # the learner's: loss, reward, KL, tokens, ...
+    record: dict = field(default_factory=dict)  # the metrics line, checkpointed with the step
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        assert name in PHASES and name not in self.seconds, name
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.ended[name] = time.perf_counter()
+            self.seconds[name] = self.ended[name] - began
+
+    @property
+    def batch(self) -> list:
+        """What the learner trains on: each used group with the trainer's own rewards."""
+        return [(a.group, a.rewards) for a in self.collected.used]
+
+    def busy_seconds(self) -> float:
+        """Since its groups were in, to now: everything but the wait (T of the capacity model,
+        echo/capacity.py)."""
+        return time.perf_counter() - self.ended["collect"]
