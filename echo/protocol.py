@@ -608,16 +608,6 @@ def encode_rollout(group: RolloutGroup) -> bytes:
                  [c.logprobs for c in group.completions])
 
 
-def pack_rollout(raw: dict) -> bytes:
-    """A rollout message from a group's fields as plain data (RolloutGroup.model_dump(), or any
-    dict shaped like it: the tests build malformed ones)."""
-    fields = {k: v for k, v in raw.items() if k != "prompt_token_ids"}
-    fields["completions"] = [{k: v for k, v in c.items() if k not in ("token_ids", "logprobs")}
-                             for c in raw["completions"]]
-    return _pack(fields, raw["prompt_token_ids"], [c["token_ids"] for c in raw["completions"]],
-                 [c["logprobs"] for c in raw["completions"]])
-
-
 def _pack(fields: dict, prompt_ids, completion_ids: list, logprobs: list) -> bytes:
     """Arrays or sequences: the prompt's ids, each completion's ids and each one's log-probs."""
     for token_ids, values in zip(completion_ids, logprobs, strict=True):
@@ -667,15 +657,6 @@ def _spans(counts: list[int]):
     for n in counts:
         yield start, start + n
         start += n
-
-
-def unpack_rollout(data: bytes) -> dict:
-    """A rollout message back into plain data, as RolloutGroup.model_dump() gives it (unchecked)."""
-    raw, prompt_tokens, counts, ids, logprobs = _read_rollout(data)
-    raw["prompt_token_ids"] = ids[:prompt_tokens].tolist()
-    for c, (a, b) in zip(raw["completions"], _spans(counts)):
-        c["token_ids"], c["logprobs"] = ids[prompt_tokens + a : prompt_tokens + b].tolist(), logprobs[a:b].tolist()
-    return raw
 
 
 def _decode_group(data: bytes, limits: RolloutLimits | None) -> RolloutGroup:

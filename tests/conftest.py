@@ -6,23 +6,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import inspect
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from echo.checkpoint import read_metrics
 from echo.config import EchoConfig, validate_config
+from echo.engines.hf import HFEngine
 from echo.models import base_model_digest
+from echo.policy import weights_shards
+from echo.protocol import WeightsAnnouncement, WeightsShard, encode, weights_object_name
 from streams.grants import slots_granted
 from streams.client import Run, open_run
 from streams.registry import read_statuses
 from streams.secure import SecureDir
-from streams.server import NatsServer
+from streams.server import NatsServer, free_port
+from workers.relay import loopback_relay_args
 from workers.swarm import worker_command
+from workers.trainer.accounting import account, count_consumed, count_evicted
+from workers.trainer.intake import Collector
 
 TINY_BASE = base_model_digest("tiny")  # what weights for the tiny model are announced for
 
@@ -234,3 +243,84 @@ def a_sampler_holding_slots(tmp_path, url: str, steps: int, dead_after_s: float)
                 p.send_signal(signal.SIGCONT)
                 p.send_signal(signal.SIGTERM)
                 p.wait(timeout=60)
+
+
+def adapter_for_version(engine: HFEngine, version: int) -> list[bytes]:
+    """A distinct adapter per version: LoRA B matrices filled with the version number."""
+    with torch.no_grad():
+        for name, p in engine.model.named_parameters():
+            if "lora_B" in name:
+                p.fill_(version / 100)
+    return list(weights_shards(engine.model, 2**30))
+
+
+async def store_tampered(run, version: int, data: bytes, tamper) -> None:
+    """Store an adapter, rewrite its chunks in the bucket with `tamper`, then announce the
+    original's size and digest, as a trainer would have."""
+    name = weights_object_name(run.epoch, version, 0)
+    await run.weights.put(name, data)
+    info = await run.weights.get_info(name)
+    subject = f"$O.{run.names.weights_bucket}.C.{info.nuid}"
+    sub = await run.js.subscribe(subject, ordered_consumer=True)
+    chunks = [(await sub.next_msg(timeout=5)).data for _ in range(info.chunks)]
+    await sub.unsubscribe()
+    await run.js.purge_stream(f"OBJ_{run.names.weights_bucket}", subject=subject)
+    for chunk in tamper(chunks):
+        await run.js.publish(subject, chunk)
+    shard = WeightsShard(object_name=name, size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    announcement = WeightsAnnouncement(
+        version=version, epoch=run.epoch, kind="lora", shards=[shard], base_model=TINY_BASE, created_at=0.0
+    )
+    # The object is announced as it would be by a trainer that computed the digest before damage.
+    await run.js.publish(run.names.weights_subject, encode(announcement))
+
+
+class Relay:
+    """`echo-rl relay` as its own process, restartable on the same port and store."""
+
+    def __init__(self, tmp_path, upstream_leaf_url: str, run_id: str, domain: str, upstream_domain: str = "hub",
+                 creds: list[str] = ()):
+        # A secured relay (`creds`: --creds, --tls-ca) accepts no sub-site relays.
+        self.port, self.leaf_port = free_port(), None if creds else free_port()
+        self.args = [sys.executable, "-m", "workers.cli", *loopback_relay_args(
+            upstream_leaf_url, run_id, self.port, tmp_path / domain, domain, upstream_domain, self.leaf_port), *creds]
+        self.log = tmp_path / f"{domain}.stderr"
+        self.process: subprocess.Popen | None = None
+
+    url = property(lambda self: f"nats://127.0.0.1:{self.port}")
+    leaf_url = property(lambda self: f"nats-leaf://127.0.0.1:{self.leaf_port}")
+
+    def start(self) -> "Relay":
+        self.process = subprocess.Popen(self.args, stderr=open(self.log, "ab"))
+        return self
+
+    def stop(self) -> None:
+        self.process.terminate()
+        assert self.process.wait(timeout=20) == 0, self.log.read_text()[-2000:]
+
+
+@contextlib.contextmanager
+def relay(*args, **kwargs):
+    r = Relay(*args, **kwargs).start()
+    try:
+        yield r
+    finally:
+        if r.process.poll() is None:
+            r.stop()
+
+
+async def collect_and_account(collector: Collector, totals: dict[str, int], need: int):
+    """One step's intake as the trainer runs it: collect, checkpoint, ack, count the evicted, then
+    account. Returns the new totals and the accounting."""
+    async with asyncio.timeout(30):
+        collected = await collector.collect(need, version=5)
+    collector.trained(collected)  # checkpointed
+    totals = count_consumed(totals, collected)
+    unconfirmed = await collector.inbox.ack_held()
+    totals = await count_evicted(collector.inbox, collector.consumed, totals)
+    return totals, await account(collector.inbox, totals, collector.consumed, unconfirmed)
+
+
+def assert_accounting_holds(a: dict[str, int]) -> None:
+    assert a["trained"] + a["dropped_stale"] + a["rejected"] + a.get("evicted", 0) == a["counted"], a
+    assert a["published"] == a["counted"] + a["pending"], a

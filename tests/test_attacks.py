@@ -22,7 +22,7 @@ from echo.protocol import (BODY_PART_MAX, BUDGET_KEY, CONFIG_KEY, HDR_BODY_PARTS
                            LEARNER_KEY,
                            QUARANTINE_KEY, ROLLOUT_MESSAGE_MAX, SCHEDULE_KEY, SLOTS_KEY, TRAINER_KEY, GrantRequest,
                            LearnerStatus, SamplerStatus, Storage, WeightsAnnouncement, encode,
-                           pack_rollout, rollout_headers)
+                           rollout_headers)
 from streams.client import BAD_VALUES, LatestValue, open_run
 from streams.grants import slots_granted
 from streams.lease import RENEW_S, AnotherTrainer, current_epoch, take_lease
@@ -33,9 +33,8 @@ from streams.inbox import RolloutInbox
 from streams.registry import put_status, read_heartbeat, read_learner, read_statuses
 from streams.rollouts import publish_rollout
 from streams.weights import fetch_weights, publish_weights
-from tests.conftest import TINY_BASE, tiny_config
-from tests.test_faults import assert_accounting_holds, collect_and_account
-from tests.test_referee import REFEREE, TASK, _unlikely, honest_group
+from tests.conftest import TINY_BASE, assert_accounting_holds, collect_and_account, tiny_config
+from tests.groups import REFEREE, TASK, honest_group, pack_rollout, unlikely
 from workers.cli import main
 from workers.trainer.coordinator import Coordinator
 from workers.trainer.dispatch import AsyncDispatch
@@ -290,7 +289,7 @@ async def test_a_group_resending_trained_completions_is_refused(secured, tmp_pat
     attacker = await open_run(server.url, "sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
     try:
         long_answer = f"so it is \\boxed{{{TASK.prompt(12).answer}}}"
-        first = _unlikely(_unlikely(honest_group(texts=[long_answer, "no idea \\boxed{999}"], policy_version=5,
+        first = unlikely(unlikely(honest_group(texts=[long_answer, "no idea \\boxed{999}"], policy_version=5,
                                                  group_id="first"), 0), 1)
         collector = Collector(await RolloutInbox.open(trainer), Judge(REFEREE, Timeline(max_staleness=1)))
         await publish_rollout(attacker, first)

@@ -26,7 +26,7 @@ from tests.conftest import (
     assert_balanced, read_metrics, run_trainer_and_sampler, sampler_statuses, tiny_config, wait_for_steps,
     worker_process,
 )
-from tests.test_e2e import up_command
+from tests.swarms import up_command
 from workers.relay import loopback_relay_args
 
 pytestmark = pytest.mark.slow

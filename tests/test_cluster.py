@@ -10,7 +10,7 @@ from echo.protocol import Storage
 from streams.client import BROKER_ERRORS
 from streams.rollouts import publish_rollout
 from streams.server import NatsCluster
-from tests.test_referee import honest_group
+from tests.groups import honest_group
 
 
 @pytest.fixture

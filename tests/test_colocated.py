@@ -5,7 +5,7 @@ import orjson
 
 from bench.colocated import run_colocated
 from tests.conftest import tiny_config
-from tests.test_e2e import USER_TASK
+from tests.swarms import USER_TASK
 from workers.report import write_report
 from workers.trainer.accounting import summarize
 

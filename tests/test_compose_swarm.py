@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_faults import assert_accounting_holds
+from tests.conftest import assert_accounting_holds
 
 pytestmark = pytest.mark.compose
 

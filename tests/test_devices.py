@@ -15,7 +15,7 @@ from echo.models import load_model
 from echo.policy import group_logprobs, load_weights, make_policy, policy_tensors, weights_shards
 from echo.proof import SamplingProof
 from tests.conftest import tiny_config
-from tests.test_referee import honest_group
+from tests.groups import honest_group
 
 
 def test_auto_picks_the_best_device_here_and_its_dtype():

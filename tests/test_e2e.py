@@ -1,7 +1,6 @@
 """End to end: `echo-rl up` on the tiny model, a trainer and two samplers as OS processes
 joined by a real nats-server. The checks read the run's metrics and its rollout stream."""
 
-import asyncio
 import signal
 import subprocess
 import sys
@@ -14,50 +13,9 @@ import pytest
 from echo.config import TaskConfig
 from echo.protocol import HDR_MSG_ID, HDR_POLICY_VERSION
 from echo.tasks import load_task
-from streams.client import open_run
-from streams.registry import read_statuses
-from streams.replay import read_rollouts, run_broker
-from tests.conftest import assert_balanced
+from tests.swarms import USER_TASK, run_swarm, up_command
 
 pytestmark = pytest.mark.slow
-
-SMALL = ["lora.r=4", "sampling.group_size=4", "sampling.max_new_tokens=8", "trainer.groups_per_step=4", "run.eval_prompts=0"]
-
-
-def up_command(tmp_path, run_id: str, steps: int, *overrides: str, flags=()) -> list[str]:
-    cmd = [sys.executable, "-m", "workers.cli", "up", "--model", "tiny", "--steps", str(steps), "--run-id", run_id, *flags]
-    for assignment in [f'run.dir="{tmp_path}"', *SMALL, *overrides]:
-        cmd += ["--set", assignment]
-    return cmd
-
-
-def run_swarm(tmp_path, run_id: str, steps: int, *overrides: str, flags=()):
-    cmd = up_command(tmp_path, run_id, steps, *overrides, flags=flags)
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    run_dir = tmp_path / run_id
-    metrics = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
-
-    async def read(url: str, credentials):
-        run = await open_run(url, run_id, "check", credentials=credentials, create=False)
-        statuses = await read_statuses(run)
-        await run.close()
-        return [r async for r in read_rollouts(url, run_id, credentials)], statuses
-
-    with run_broker(run_dir, None) as (url, _, credentials):  # the run's own store, after the run
-        stream, statuses = asyncio.run(read(url, credentials))
-    assert {s.sampler_id for s in statuses} == {"s1", "s2"}  # both ran and heartbeat
-    assert all(s.weight_failures == {} for s in statuses), statuses  # no weights refused
-    # Every group trained came from them. How many each made is up to its speed: in a run of a few
-    # tenths of a second, a sampler a version behind the other may be granted nothing (its slot
-    # cap is a step lower), so only the 5-step async test checks that both contribute.
-    assert sum(s.groups_published for s in statuses) >= sum(m["used"] for m in metrics), statuses
-    assert_balanced(metrics, stream)
-    # Busy: everything but waiting for groups, the share `echo-rl status` and the capacity model use.
-    assert all(m["learner_busy"] == pytest.approx(m["busy_seconds"] / (m["busy_seconds"] + m["wait_seconds"]))
-               for m in metrics)
-    return metrics, stream, done.stderr
-
 
 @pytest.mark.parametrize("max_staleness", [0, 1])
 def test_async_run_stays_within_the_staleness_bound(tmp_path, max_staleness):
@@ -234,27 +192,6 @@ def test_a_sequential_run_is_reproducible_from_its_config(tmp_path, monkeypatch)
         return sorted((tmp_path / name / "same" / "weights").glob("v*.safetensors"))[-1].read_bytes()
 
     assert last_weights("a", 0) == last_weights("b", 0)
-
-USER_TASK = '''
-from echo.tasks import GeneratedTask, Score
-
-
-class Shout(GeneratedTask):
-    """A user's task, outside the package: reward completions that contain a capital letter."""
-
-    name = "shout"
-
-    def __init__(self, params):
-        self.word = params["word"]
-
-    def generate(self, rng):
-        return [{"role": "user", "content": f"Shout {self.word} {rng.randint(0, 999)}"}], self.word
-
-    def score(self, completion, prompt):
-        ok = any(c.isupper() for c in completion)
-        return Score(float(ok), ok, ok)
-'''
-
 
 def test_a_user_task_given_as_module_and_class_trains_end_to_end(tmp_path, monkeypatch):
     (tmp_path / "user_tasks").mkdir()

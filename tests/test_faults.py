@@ -31,12 +31,12 @@ from streams.weights import publish_weights
 from streams.registry import put_status, read_statuses
 from streams.server import NatsServer, free_port
 from streams.inbox import RolloutInbox
-from tests.conftest import TINY_BASE, alive, tiny_config, wait_for_steps, worker_process
+from tests.conftest import (TINY_BASE, adapter_for_version, alive, assert_accounting_holds, collect_and_account,
+                            store_tampered, tiny_config, wait_for_steps, worker_process)
 from streams.rollouts import publish_rollout
-from tests.test_referee import REFEREE, honest_group
-from tests.test_streams import _adapter_for_version, _store_tampered
+from tests.groups import REFEREE, honest_group
 from workers.sampler.loop import Sampler
-from workers.trainer.accounting import account, count_consumed, count_evicted
+from workers.trainer.accounting import account, count_consumed
 from workers.trainer.dispatch import SequentialDispatch
 from workers.trainer.intake import Collector, Judge, Timeline
 
@@ -161,11 +161,11 @@ async def test_a_sequential_sampler_whose_fetch_of_the_requested_version_fails_r
     newest, applies it and generates the request's groups: no deadlock. Before, it waited for a
     newer version that the trainer, waiting for these groups, would never publish."""
     cfg = tiny_config(tmp_path, run={"mode": "sequential"})
-    adapter = _adapter_for_version(HFEngine("tiny", cfg.lora, cfg.sampling), 0)[0]
+    adapter = adapter_for_version(HFEngine("tiny", cfg.lora, cfg.sampling), 0)[0]
 
     run = await runs.open(cfg.run.id, "trainer")
     await take_lease(run)
-    await _store_tampered(run, 0, adapter, lambda chunks: [chunks[0][:-1] + b"!", *chunks[1:]])
+    await store_tampered(run, 0, adapter, lambda chunks: [chunks[0][:-1] + b"!", *chunks[1:]])
     orders = await _ask_for_version(run, cfg, 0)
     _, sampler, serving = await _serving_sampler(runs, cfg)
     async with asyncio.timeout(10):
@@ -193,7 +193,7 @@ async def test_a_sequential_sampler_asked_for_an_older_version_of_a_new_epoch_wa
     the request and waited for the next one, which never came: the run stalled."""
     cfg = tiny_config(tmp_path, run={"mode": "sequential"})
     trainer_side = HFEngine("tiny", cfg.lora, cfg.sampling)
-    adapters = [_adapter_for_version(trainer_side, v) for v in (0, 1)]
+    adapters = [adapter_for_version(trainer_side, v) for v in (0, 1)]
 
     run = await runs.open(cfg.run.id, "trainer")
     lease = await take_lease(run)
@@ -222,7 +222,7 @@ async def test_a_sequential_sampler_whose_request_for_work_goes_unanswered_asks_
     is not "all given out". Before, a sequential sampler took it so and waited for the next pull
     request, which a trainer waiting for this one's groups never publishes: the run stalled."""
     cfg = tiny_config(tmp_path, run={"mode": "sequential"})
-    adapter = _adapter_for_version(HFEngine("tiny", cfg.lora, cfg.sampling), 0)
+    adapter = adapter_for_version(HFEngine("tiny", cfg.lora, cfg.sampling), 0)
 
     run = await runs.open(cfg.run.id, "trainer")
     await take_lease(run)
@@ -348,23 +348,6 @@ def test_servers_listen_outside_the_ports_outgoing_connections_take():
     ports = [free_port() for _ in range(50)]
     assert len(set(ports)) == len(ports)  # a server and its leaf port never share one
     assert not any(low <= port <= high for port in ports)
-
-
-async def collect_and_account(collector: Collector, totals: dict[str, int], need: int):
-    """One step's intake as the trainer runs it: collect, checkpoint, ack, count the evicted, then
-    account. Returns the new totals and the accounting."""
-    async with asyncio.timeout(30):
-        collected = await collector.collect(need, version=5)
-    collector.trained(collected)  # checkpointed
-    totals = count_consumed(totals, collected)
-    unconfirmed = await collector.inbox.ack_held()
-    totals = await count_evicted(collector.inbox, collector.consumed, totals)
-    return totals, await account(collector.inbox, totals, collector.consumed, unconfirmed)
-
-
-def assert_accounting_holds(a: dict[str, int]) -> None:
-    assert a["trained"] + a["dropped_stale"] + a["rejected"] + a.get("evicted", 0) == a["counted"], a
-    assert a["published"] == a["counted"] + a["pending"], a
 
 
 async def test_messages_the_stream_evicted_before_the_trainer_read_them_are_named_in_the_accounting(runs):

@@ -15,11 +15,10 @@ import pytest
 from bench.gym_base import best_constant
 from bench.parity import TASK
 from echo.config import ConfigError, SamplingConfig, TaskConfig
-from echo.models import byte_tokenizer, encode_chat
-from echo.protocol import Completion, RolloutGroup
 from echo.referee import Referee
 from echo.tasks import Score, gym, load_task
 from streams.server import free_port
+from tests.groups import TOKENIZER, honest_group
 
 # An arithmetic task, a logic puzzle, a graph task, and a composite of two with our own keys.
 HANDFUL = {
@@ -80,18 +79,7 @@ def test_an_index_is_the_same_problem_in_every_process_and_the_unstable_generato
             load_task(TaskConfig(name=f"reasoning_gym:{name}"))
 
 
-TOKENIZER = byte_tokenizer()
 COMPOSITE = load_task(TaskConfig(name="reasoning_gym:composite", params=HANDFUL["reasoning_gym:composite"]))
-
-
-def group(index: int, texts: list[str], claimed: list[float]) -> RolloutGroup:
-    prompt = COMPOSITE.prompt(index)
-    completions = [Completion(token_ids=TOKENIZER(t, add_special_tokens=False)["input_ids"] + [TOKENIZER.eos_token_id],
-                              logprobs=[-0.5] * (len(t) + 1), text=t, reward=r, finish_reason="stop")
-                   for t, r in zip(texts, claimed)]
-    return RolloutGroup(group_id="g", sampler_id="s1", policy_version=1, task=COMPOSITE.name, prompt_index=index, slot=1,
-                        epoch=0, prompt_token_ids=encode_chat(TOKENIZER, prompt.messages), completions=completions,
-                        temperature=1.0, engine="hf", dtype="float32", gen_seconds=0.1, created_at=0.0)
 
 
 def test_the_trainer_recomputes_the_rewards_with_the_datasets_verifier():
@@ -102,13 +90,14 @@ def test_the_trainer_recomputes_the_rewards_with_the_datasets_verifier():
         prompt = COMPOSITE.prompt(index)
         sources.add(prompt.answer.split("/")[0])
         right = right_answer(COMPOSITE, prompt)
-        liar = group(index, [right, "<answer>no</answer>", right.removeprefix("<answer>")], [0.0, 1.0, 1.0])
+        liar = honest_group(index, [right, "<answer>no</answer>", right.removeprefix("<answer>")], of_task=COMPOSITE,
+                            rewards=[0.0, 1.0, 1.0])
         assert referee.malformed(liar) is None
         judgement = referee.score(liar)
         assert judgement.reason is None and judgement.reward_mismatch
         assert judgement.rewards == [1.0, 0.0, 0.0]  # format_reward 0: a wrong or untagged answer earns nothing
     assert sources == {"chain_sum", "largest_island"}  # both of the composite's generators
-    other = group(1, ["a", "b", "c"], [0.0] * 3)
+    other = honest_group(1, ["a", "b", "c"], of_task=COMPOSITE, rewards=[0.0] * 3)
     assert referee.score(other.model_copy(update={"prompt_index": 2})).reason == "prompt_mismatch"
 
 

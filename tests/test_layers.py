@@ -4,6 +4,7 @@ lazily inside a function; and only streams/ and workers/ speak to NATS."""
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -64,3 +65,12 @@ def test_the_design_docs_layout_names_every_module_and_nothing_else():
     assert modules - named == set(), "modules missing from docs/design.md's layout"
     assert {p for p in named if p.endswith(".py")} - modules == set(), "docs/design.md's layout names modules that are gone"
     assert all((ROOT / p).exists() for p in named)
+
+
+def test_no_test_module_imports_another():
+    """Shared helpers live in tests/conftest.py (fixtures, processes), tests/groups.py (rollout
+    groups) and tests/swarms.py (`echo-rl up` runs), never in a test module another imports. (Read
+    as text, not parsed: see imported_by_each.)"""
+    wrong = {f.name: found for f in sorted((ROOT / "tests").glob("test_*.py"))
+             if (found := re.findall(r"^\s*(?:from|import) (tests\.test_\w+)", f.read_text(), re.M))}
+    assert wrong == {}

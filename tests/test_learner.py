@@ -9,7 +9,7 @@ from echo.learner import make_optimizer, micro_batches, shares_passes, step_pass
 from echo.models import load_model
 from echo.policy import make_policy
 from tests.conftest import tiny_config
-from tests.test_referee import honest_group
+from tests.groups import honest_group
 
 
 @pytest.mark.parametrize("budget, expected", [

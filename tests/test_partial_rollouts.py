@@ -9,7 +9,7 @@ import pytest
 
 from streams.replay import read_rollouts
 from tests.conftest import assert_balanced, read_metrics, tiny_config, worker_process
-from tests.test_referee import REFEREE, honest_group
+from tests.groups import REFEREE, honest_group
 from workers.trainer.intake import Collected, Judge, Timeline
 
 

@@ -19,7 +19,7 @@ from streams.registry import read_statuses
 from streams.inbox import RolloutInbox
 from streams.rollouts import publish_rollout
 from tests.conftest import tiny_config
-from tests.test_referee import REFEREE, SAMPLING, honest_group
+from tests.groups import REFEREE, SAMPLING, honest_group
 from workers.background import Background
 from workers.cli import build_parser
 from workers.commands.quarantine import quarantine_command

@@ -21,32 +21,17 @@ from echo.protocol import (
     decode_rollout,
     encode,
     encode_rollout,
-    pack_rollout,
     rollout_headers,
-    unpack_rollout,
 )
+from tests.groups import honest_group, pack_rollout, unpack_rollout
 
 
 def make_group(version: int = 3, sampler: str = "s1", size: int = 2, group_id: str = "g1") -> RolloutGroup:
-    return RolloutGroup(
-        group_id=group_id,
-        sampler_id=sampler,
-        policy_version=version,
-        task="math",
-        prompt_index=12,
-        slot=1,
-        epoch=0,
-        prompt_token_ids=[1, 2, 3],
-        completions=[
-            Completion(token_ids=[4, 5], logprobs=[-0.5, -1.0], text="<answer>3</answer>", reward=1.0, finish_reason="stop")
-            for _ in range(size)
-        ],
-        temperature=1.0,
-        engine="hf",
-        dtype="float32",
-        gen_seconds=0.1,
-        created_at=time.time(),
-    )
+    """An honest group with token ids small enough to read back on the wire."""
+    completion = Completion(token_ids=[4, 5], logprobs=[-0.5, -1.0], text="<answer>3</answer>", reward=1.0,
+                            finish_reason="stop")
+    return honest_group(policy_version=version, sampler_id=sampler, group_id=group_id, prompt_token_ids=[1, 2, 3],
+                        completions=[completion] * size, created_at=time.time())
 
 
 def test_rollout_round_trip_with_headers():

@@ -17,7 +17,7 @@ from echo.models import load_model
 from echo.policy import make_policy, policy_tensors
 from streams.server import free_port
 from tests.conftest import tiny_config
-from tests.test_referee import honest_group
+from tests.groups import honest_group
 from workers.trainer.model import leave, shard
 
 pytestmark = pytest.mark.slow

@@ -2,40 +2,12 @@
 
 import pytest
 
-from echo.config import SamplingConfig
-from echo.models import byte_tokenizer, encode_chat
-from echo.protocol import Completion, RolloutGroup
 from echo.referee import REPEAT_LOGPROB, Referee, completion_keys, content_hash, repeats
 from echo.tasks import Score
 from echo.tasks.math import Math
+from tests.groups import REFEREE, SAMPLING, TASK, TOKENIZER, honest_group, unlikely, with_completion
 
-TOKENIZER = byte_tokenizer()
-TASK = Math({})
 EOS = TOKENIZER.eos_token_id
-SAMPLING = SamplingConfig(group_size=2, max_new_tokens=32, temperature=1.0)
-REFEREE = Referee(TASK, TOKENIZER, vocab_size=len(TOKENIZER), sampling=SAMPLING)
-
-
-def honest_group(index: int = 12, texts=None, **changes) -> RolloutGroup:
-    """A group as an honest sampler would send it: the task's prompt, the verifier's rewards."""
-    prompt = TASK.prompt(index)
-    texts = texts or [f"\\boxed{{{prompt.answer}}}", "\\boxed{999}"]
-    completions = [
-        Completion(
-            token_ids=TOKENIZER(t, add_special_tokens=False)["input_ids"] + [TOKENIZER.eos_token_id],
-            logprobs=[-0.5] * (len(TOKENIZER(t, add_special_tokens=False)["input_ids"]) + 1),
-            text=t,
-            reward=TASK.score(t, prompt).reward,
-            finish_reason="stop",
-        )
-        for t in texts
-    ]
-    fields = dict(
-        group_id="g", sampler_id="s1", policy_version=1, task="math", prompt_index=index, slot=1, epoch=0,
-        prompt_token_ids=encode_chat(TOKENIZER, prompt.messages), completions=completions,
-        temperature=1.0, engine="hf", dtype="float32", gen_seconds=0.1, created_at=0.0,
-    )
-    return RolloutGroup(**{**fields, **changes})
 
 
 def test_an_honest_group_passes_with_the_verifiers_rewards():
@@ -44,13 +16,6 @@ def test_an_honest_group_passes_with_the_verifiers_rewards():
     judgement = REFEREE.score(group)
     assert judgement.reason is None and not judgement.reward_mismatch
     assert judgement.rewards == [1.0, 0.1]
-
-
-def with_completion(group=None, i: int = 0, **changes):
-    group = group or honest_group()
-    completions = list(group.completions)
-    completions[i] = completions[i].replaced(**changes)
-    return group.model_copy(update={"completions": completions})
 
 
 @pytest.mark.parametrize(
@@ -114,22 +79,15 @@ def test_the_same_completions_under_a_new_id_have_the_same_content_hash():
     assert content_hash(honest_group(index=13)) != content_hash(group)
 
 
-def _unlikely(group, i: int):
-    """Completion i of `group` with log-probs of -1.5 a token: a completion of 13 tokens or more
-    is below REPEAT_LOGPROB, as any sampled reasoning-length completion is."""
-    n = len(group.completions[i].token_ids)
-    return with_completion(group, i, logprobs=[-1.5] * n)
-
-
 def test_an_unlikely_completion_may_not_repeat_a_likely_one_may():
     prompt = TASK.prompt(12)
     long_answer = f"so it is \\boxed{{{prompt.answer}}}"  # 15 tokens or so
-    twice = _unlikely(_unlikely(honest_group(texts=[long_answer, long_answer]), 0), 1)
+    twice = unlikely(unlikely(honest_group(texts=[long_answer, long_answer]), 0), 1)
     assert sum(c.logprobs.sum() for c in twice.completions[:1]) < REPEAT_LOGPROB
     assert repeats(twice)  # drawn twice though it had a chance below 1e-8: resent
     short = honest_group(texts=["\\boxed{4}", "\\boxed{4}"])  # -0.5 a token: a likely answer
     assert not repeats(short)
-    once = _unlikely(honest_group(texts=[long_answer, "\\boxed{999}"]), 0)
+    once = unlikely(honest_group(texts=[long_answer, "\\boxed{999}"]), 0)
     assert not repeats(once) and repeats(once, set(completion_keys(twice)))  # trained before: resent
-    other_prompt = _unlikely(honest_group(13, texts=[long_answer, "\\boxed{999}"]), 0)
+    other_prompt = unlikely(honest_group(13, texts=[long_answer, "\\boxed{999}"]), 0)
     assert not repeats(other_prompt, set(completion_keys(twice)))  # the same words for another prompt

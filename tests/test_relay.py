@@ -2,9 +2,6 @@
 with real samplers behind them reading weights from the relay's mirror."""
 
 import asyncio
-import contextlib
-import subprocess
-import sys
 
 import pytest
 
@@ -19,11 +16,9 @@ from streams.relay import open_mirrors
 from streams.replay import read_rollouts
 from streams.server import NatsServer, free_port
 from streams.weights import publish_weights
-from tests.conftest import TINY_BASE, tiny_config
-from tests.test_streams import _adapter_for_version
+from tests.conftest import adapter_for_version, relay, TINY_BASE, tiny_config
 from workers.cli import build_parser
 from workers.commands.sampler import sampler_config_from_run
-from workers.relay import loopback_relay_args
 from workers.sampler.loop import Sampler
 
 
@@ -41,40 +36,6 @@ def site(hub, tmp_path):
         yield server
 
 
-class Relay:
-    """`echo-rl relay` as its own process, restartable on the same port and store."""
-
-    def __init__(self, tmp_path, upstream_leaf_url: str, run_id: str, domain: str, upstream_domain: str = "hub",
-                 creds: list[str] = ()):
-        # A secured relay (`creds`: --creds, --tls-ca) accepts no sub-site relays.
-        self.port, self.leaf_port = free_port(), None if creds else free_port()
-        self.args = [sys.executable, "-m", "workers.cli", *loopback_relay_args(
-            upstream_leaf_url, run_id, self.port, tmp_path / domain, domain, upstream_domain, self.leaf_port), *creds]
-        self.log = tmp_path / f"{domain}.stderr"
-        self.process: subprocess.Popen | None = None
-
-    url = property(lambda self: f"nats://127.0.0.1:{self.port}")
-    leaf_url = property(lambda self: f"nats-leaf://127.0.0.1:{self.leaf_port}")
-
-    def start(self) -> "Relay":
-        self.process = subprocess.Popen(self.args, stderr=open(self.log, "ab"))
-        return self
-
-    def stop(self) -> None:
-        self.process.terminate()
-        assert self.process.wait(timeout=20) == 0, self.log.read_text()[-2000:]
-
-
-@contextlib.contextmanager
-def relay(*args, **kwargs):
-    r = Relay(*args, **kwargs).start()
-    try:
-        yield r
-    finally:
-        if r.process.poll() is None:
-            r.stop()
-
-
 async def _mirrored_chunk_sets(hub_run, relay_run) -> tuple[set, set]:
     """The chunk subjects the hub's bucket and the relay's mirror hold."""
     chunks = f"$O.{hub_run.names.weights_bucket}.C.>"
@@ -88,7 +49,7 @@ async def _mirrored_chunk_sets(hub_run, relay_run) -> tuple[set, set]:
 async def test_two_samplers_behind_a_relay_follow_weights_across_a_relay_restart(hub, runs, tmp_path):
     cfg = tiny_config(tmp_path)
     trainer_side = HFEngine("tiny", cfg.lora, cfg.sampling)
-    adapters = [_adapter_for_version(trainer_side, v) for v in range(7)]
+    adapters = [adapter_for_version(trainer_side, v) for v in range(7)]
 
     with relay(tmp_path, hub.leaf_url, cfg.run.id, "site") as site:
         run = await runs.open(cfg.run.id, "trainer", url=hub.url)
@@ -145,12 +106,12 @@ async def test_relays_chain_hub_to_site_to_subsite(hub, runs, tmp_path):
           relay(tmp_path, site.leaf_url, cfg.run.id, "subsite", upstream_domain="site") as subsite):
         run = await runs.open(cfg.run.id, "trainer", url=hub.url)
         await take_lease(run)
-        await publish_weights(run, 0, _adapter_for_version(trainer_side, 0), TINY_BASE)
+        await publish_weights(run, 0, adapter_for_version(trainer_side, 0), TINY_BASE)
         sampler_run = await runs.open(cfg.run.id, "sampler-deep", url=subsite.url)
         sampler = Sampler(cfg, "deep", sampler_run, HFEngine("tiny", cfg.lora, cfg.sampling), load_task(cfg.task))
         await sampler.weights.start()
         await asyncio.wait_for(sampler.weights.apply_newest(0), timeout=30)
-        await publish_weights(run, 1, _adapter_for_version(trainer_side, 1), TINY_BASE)
+        await publish_weights(run, 1, adapter_for_version(trainer_side, 1), TINY_BASE)
         await asyncio.wait_for(sampler.weights.apply_newest(1), timeout=30)
         await sampler.generation.generate_and_publish([1])  # two leaf hops up to the hub's stream
         await sampler.weights.stop()

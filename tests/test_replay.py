@@ -11,7 +11,7 @@ import pytest
 from echo.checkpoint import read_metrics
 from streams.server import NatsServer
 from tests.conftest import a_sampler_holding_slots, assert_balanced, wait_for_steps, worker_process
-from tests.test_e2e import run_swarm
+from tests.swarms import run_swarm
 
 pytestmark = pytest.mark.slow
 

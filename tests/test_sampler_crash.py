@@ -15,8 +15,7 @@ from echo.engines.hf import HFEngine
 from streams.lease import take_lease
 from streams.registry import read_statuses
 from streams.weights import publish_weights
-from tests.conftest import TINY_BASE, a_sampler_holding_slots, tiny_config, worker_process
-from tests.test_streams import _adapter_for_version
+from tests.conftest import a_sampler_holding_slots, adapter_for_version, TINY_BASE, tiny_config, worker_process
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +86,7 @@ async def test_a_sampler_killed_mid_fetch_restarts_and_loads_the_latest_version(
     config_path = tmp_path / "config.toml"
     config_path.write_text(cfg.to_toml())
     trainer_side = HFEngine("tiny", cfg.lora, cfg.sampling)
-    adapters = [_adapter_for_version(trainer_side, v) for v in range(3)]
+    adapters = [adapter_for_version(trainer_side, v) for v in range(3)]
 
     run = await runs.open(cfg.run.id, "trainer")
     await take_lease(run)

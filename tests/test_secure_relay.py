@@ -20,9 +20,8 @@ from streams.lease import take_lease
 from streams.secure import SERVER_CONF, SecureDir
 from streams.server import NatsServer, free_port
 from streams.weights import WeightsFollower, publish_weights
-from tests.conftest import TINY_BASE
-from tests.test_referee import honest_group
-from tests.test_relay import relay
+from tests.conftest import relay, TINY_BASE
+from tests.groups import honest_group
 from workers.cli import main
 
 REFUSED = (NoRespondersError, NoStreamResponseError, nats.errors.TimeoutError, asyncio.TimeoutError, APIError,

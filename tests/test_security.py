@@ -33,7 +33,7 @@ from echo.protocol import (
 from streams.rollouts import trainer_subscription
 from streams.secure import PID_FILE, SecureDir
 from streams.server import write_secret
-from tests.test_referee import honest_group
+from tests.groups import honest_group
 from streams.client import NoBroker, open_run
 from streams.lease import RENEW_S, AnotherTrainer, take_lease
 from streams.weights import WeightsFollower, publish_weights

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from tests.conftest import tiny_config, worker_process
-from tests.test_e2e import up_command
+from tests.swarms import up_command
 
 pytestmark = pytest.mark.slow
 

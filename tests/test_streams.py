@@ -16,24 +16,7 @@ from echo.engines.hf import HFEngine
 from echo.policy import weights_shards
 from echo.referee import Referee, content_hash
 from echo.config import SamplingConfig
-from echo.protocol import (
-    HDR_BODY_PARTS,
-    HDR_BODY_SHA256,
-    HDR_BODY_SIZE,
-    HDR_MSG_ID,
-    HDR_POLICY_VERSION,
-    HDR_SAMPLER_ID,
-    SCHEDULE_KEY,
-    TRAINER_CONSUMER,
-    SamplerStatus,
-    Schedule,
-    WeightsAnnouncement,
-    WeightsShard,
-    encode,
-    encode_rollout,
-    rollout_headers,
-    weights_object_name,
-)
+from echo.protocol import HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE, HDR_MSG_ID, HDR_POLICY_VERSION, HDR_SAMPLER_ID, SCHEDULE_KEY, TRAINER_CONSUMER, SamplerStatus, Schedule, encode, encode_rollout, rollout_headers, weights_object_name
 from echo.tasks import load_task
 from streams.lease import take_lease
 from streams.objects import TransferError, get_object, put_object
@@ -44,8 +27,8 @@ from streams.rollouts import publish_rollout, rollout_body, trainer_subscription
 from streams.schedule import publish_schedule, watch_schedule
 from streams.server import NatsServer
 from streams.weights import WeightsFollower, fetch_weights, publish_weights
-from tests.conftest import TINY_BASE, tiny_config
-from tests.test_referee import REFEREE, TASK, TOKENIZER, with_completion, honest_group
+from tests.conftest import adapter_for_version, store_tampered, TINY_BASE, tiny_config
+from tests.groups import REFEREE, TASK, TOKENIZER, honest_group, with_completion
 from workers.sampler.loop import Sampler
 from workers.trainer.intake import Collector, Judge, Timeline
 
@@ -187,19 +170,10 @@ async def _until_failure(follower: WeightsFollower, timeout: float = 4.0) -> Non
         await asyncio.sleep(0.02)
 
 
-def _adapter_for_version(engine: HFEngine, version: int) -> list[bytes]:
-    """A distinct adapter per version: LoRA B matrices filled with the version number."""
-    with torch.no_grad():
-        for name, p in engine.model.named_parameters():
-            if "lora_B" in name:
-                p.fill_(version / 100)
-    return list(weights_shards(engine.model, 2**30))
-
-
 async def test_a_sampler_joining_after_version_3_generates_with_version_3(runs, tmp_path):
     cfg = tiny_config(tmp_path)
     trainer_side = HFEngine("tiny", cfg.lora, cfg.sampling)
-    adapters = [_adapter_for_version(trainer_side, v) for v in range(4)]
+    adapters = [adapter_for_version(trainer_side, v) for v in range(4)]
 
     run = await runs.open(cfg.run.id, "trainer")
     await take_lease(run)
@@ -214,7 +188,7 @@ async def test_a_sampler_joining_after_version_3_generates_with_version_3(runs, 
     await sampler.weights.apply_newest()
     await sampler.generation.generate_and_publish([1])
     # A damaged version 4 is refused, the sampler stays on 3, and its heartbeat says why.
-    await _store_tampered(run, 4, adapters[0][0], lambda chunks: [bytes([c[0] ^ 0xFF]) + c[1:] for c in chunks])
+    await store_tampered(run, 4, adapters[0][0], lambda chunks: [bytes([c[0] ^ 0xFF]) + c[1:] for c in chunks])
     await _until_failure(sampler.weights.follower)
     await sampler.weights.apply_newest()
     await put_status(sampler_run, sampler.heartbeat.status())
@@ -275,27 +249,6 @@ async def test_a_version_a_slow_sampler_is_fetching_stays_for_keep_seconds(runs)
         await fetch_weights(run, started)
 
 
-async def _store_tampered(run, version: int, data: bytes, tamper) -> None:
-    """Store an adapter, rewrite its chunks in the bucket with `tamper`, then announce the
-    original's size and digest, as a trainer would have."""
-    name = weights_object_name(run.epoch, version, 0)
-    await run.weights.put(name, data)
-    info = await run.weights.get_info(name)
-    subject = f"$O.{run.names.weights_bucket}.C.{info.nuid}"
-    sub = await run.js.subscribe(subject, ordered_consumer=True)
-    chunks = [(await sub.next_msg(timeout=5)).data for _ in range(info.chunks)]
-    await sub.unsubscribe()
-    await run.js.purge_stream(f"OBJ_{run.names.weights_bucket}", subject=subject)
-    for chunk in tamper(chunks):
-        await run.js.publish(subject, chunk)
-    shard = WeightsShard(object_name=name, size=len(data), sha256=hashlib.sha256(data).hexdigest())
-    announcement = WeightsAnnouncement(
-        version=version, epoch=run.epoch, kind="lora", shards=[shard], base_model=TINY_BASE, created_at=0.0
-    )
-    # The object is announced as it would be by a trainer that computed the digest before damage.
-    await run.js.publish(run.names.weights_subject, encode(announcement))
-
-
 @pytest.mark.parametrize(
     "tamper",
     [
@@ -315,7 +268,7 @@ async def test_a_damaged_adapter_is_refused_the_old_version_kept_and_the_fetch_r
     follower = await WeightsFollower(run, TINY_BASE).start()
     assert (await follower.wait_for(0))[0].version == 0
     adapter = bytes(range(256)) * 2000
-    await _store_tampered(run, 1, adapter, tamper)
+    await store_tampered(run, 1, adapter, tamper)
     async with asyncio.timeout(5):
         while sum(follower.failures.values()) < 2:  # refused, and tried again
             await asyncio.sleep(0.02)
@@ -382,12 +335,12 @@ async def test_weights_the_engine_refuses_are_tried_once_and_not_waited_on(runs,
     sampler neither reloads it on every loop nor wakes up for it again, and takes the next one."""
     cfg = tiny_config(tmp_path)
     trainer_side = HFEngine("tiny", cfg.lora, cfg.sampling)
-    good = _adapter_for_version(trainer_side, 2)
+    good = adapter_for_version(trainer_side, 2)
     misfit = safetensors.torch.save({"not_a_lora_tensor": torch.zeros(3)})
 
     run = await runs.open(cfg.run.id, "trainer")
     await take_lease(run)
-    await publish_weights(run, 0, _adapter_for_version(trainer_side, 0), TINY_BASE)
+    await publish_weights(run, 0, adapter_for_version(trainer_side, 0), TINY_BASE)
     sampler_run = await runs.open(cfg.run.id, "sampler", create=False)
     sampler = Sampler(cfg, "s1", sampler_run, HFEngine("tiny", cfg.lora, cfg.sampling), load_task(cfg.task))
     await sampler.weights.start()

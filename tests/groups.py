@@ -1,0 +1,71 @@
+"""Rollout groups for tests, built one way: as an honest sampler would send them (the task's
+prompt at its index, the byte tokenizer's tokens, the verifier's rewards), then changed field by
+field for what a test needs. Not a test module: test modules import it, never each other."""
+
+from echo.config import SamplingConfig
+from echo.models import byte_tokenizer, encode_chat
+from echo.protocol import Completion, RolloutGroup, _pack, _read_rollout, _spans
+from echo.referee import Referee
+from echo.tasks import Task
+from echo.tasks.math import Math
+
+TOKENIZER = byte_tokenizer()
+TASK = Math({})
+SAMPLING = SamplingConfig(group_size=2, max_new_tokens=32, temperature=1.0)
+REFEREE = Referee(TASK, TOKENIZER, vocab_size=len(TOKENIZER), sampling=SAMPLING)
+
+
+def honest_group(index: int = 12, texts=None, of_task: Task = TASK, rewards: list[float] | None = None,
+                 **changes) -> RolloutGroup:
+    """The group `of_task`'s prompt `index` gets from an honest sampler: `texts` as completions
+    (default: the right answer and a wrong one), each with log-probs of -0.5 a token and the
+    verifier's reward (or `rewards`, claimed); `changes` replace any of the group's fields."""
+    prompt = of_task.prompt(index)
+    texts = texts or [f"\\boxed{{{prompt.answer}}}", "\\boxed{999}"]
+    rewards = rewards or [of_task.score(t, prompt).reward for t in texts]
+    completions = []
+    for text, reward in zip(texts, rewards):
+        ids = TOKENIZER(text, add_special_tokens=False)["input_ids"] + [TOKENIZER.eos_token_id]
+        completions.append(Completion(token_ids=ids, logprobs=[-0.5] * len(ids), text=text, reward=reward,
+                                      finish_reason="stop"))
+    fields = dict(
+        group_id="g", sampler_id="s1", policy_version=1, task=of_task.name, prompt_index=index, slot=1, epoch=0,
+        prompt_token_ids=encode_chat(TOKENIZER, prompt.messages), completions=completions,
+        temperature=1.0, engine="hf", dtype="float32", gen_seconds=0.1, created_at=0.0,
+    )
+    return RolloutGroup(**{**fields, **changes})
+
+
+def with_completion(group: RolloutGroup | None = None, i: int = 0, **changes) -> RolloutGroup:
+    """`group` (default: honest_group()) with completion i's fields changed."""
+    group = group or honest_group()
+    completions = list(group.completions)
+    completions[i] = completions[i].replaced(**changes)
+    return group.model_copy(update={"completions": completions})
+
+
+def unlikely(group: RolloutGroup, i: int) -> RolloutGroup:
+    """Completion i of `group` with log-probs of -1.5 a token: a completion of 13 tokens or more
+    is below REPEAT_LOGPROB, as any sampled reasoning-length completion is."""
+    n = len(group.completions[i].token_ids)
+    return with_completion(group, i, logprobs=[-1.5] * n)
+
+
+# A rollout message from and to plain data: the tests build malformed ones, which no RolloutGroup holds.
+def pack_rollout(raw: dict) -> bytes:
+    """A rollout message from a group's fields as plain data (RolloutGroup.model_dump(), or any
+    dict shaped like it: the tests build malformed ones)."""
+    fields = {k: v for k, v in raw.items() if k != "prompt_token_ids"}
+    fields["completions"] = [{k: v for k, v in c.items() if k not in ("token_ids", "logprobs")}
+                             for c in raw["completions"]]
+    return _pack(fields, raw["prompt_token_ids"], [c["token_ids"] for c in raw["completions"]],
+                 [c["logprobs"] for c in raw["completions"]])
+
+
+def unpack_rollout(data: bytes) -> dict:
+    """A rollout message back into plain data, as RolloutGroup.model_dump() gives it (unchecked)."""
+    raw, prompt_tokens, counts, ids, logprobs = _read_rollout(data)
+    raw["prompt_token_ids"] = ids[:prompt_tokens].tolist()
+    for c, (a, b) in zip(raw["completions"], _spans(counts)):
+        c["token_ids"], c["logprobs"] = ids[prompt_tokens + a : prompt_tokens + b].tolist(), logprobs[a:b].tolist()
+    return raw
