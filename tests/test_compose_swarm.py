@@ -1,6 +1,6 @@
 """`docker compose up`, run for real: `make test-compose` (Docker, as root; skipped by `make test`).
 
-The README's "Docker compose" section, followed to the letter in a copy of this checkout whose
+The "Docker compose" section (README, in full in docs/operations.md), followed to the letter in a copy of this checkout whose
 `compose/swarm.toml` names the tiny model (the README: edit it, the trainer reads it at start):
 the secured swarm trains and its accounting holds, seen from outside with `echo-rl status` and
 the observer's credentials; a sampler added with `secure add-sampler` and a hub reload joins from
