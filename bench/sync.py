@@ -5,7 +5,7 @@ directly or to one site relay (`echo-rl relay`, a leaf node mirroring the weight
 `--wan RTT_MS MBIT` across a shaped link between the hub and the site (bench/wan_proxy.py: the
 samplers' connections, or the relay's leaf connection, cross it; the link is shared), measure
 
-- latency: from the start of publish_weights (store + announce) until the slowest sampler
+- latency: from the start of WeightsPublisher.publish (store + announce) until the slowest sampler
   runs the new version;
 - hub bytes: what the hub sent (its /varz out_bytes) per version, as a multiple of the
   adapter's size. Directly, each sampler pulls its own copy; through a relay, one copy.
@@ -86,13 +86,13 @@ async def measure(hub: NatsServer, model: str, n: int, versions: int, relay: boo
     from echo.policy import make_policy, weights_shards
     from streams.client import open_run
     from streams.lease import take_lease
-    from streams.weights import publish_weights
+    from streams.weights import WeightsPublisher
     from workers.relay import loopback_relay_args
 
     run_id = f"sync{n}{'relay' if relay else ''}"
     policy = make_policy(load_model(model)[0], LoraConfig())
     run = await open_run(hub.url, run_id, "bench-trainer")
-    await take_lease(run)
+    weights = WeightsPublisher(await take_lease(run))
     applied: dict[int, dict[int, float]] = {}
 
     async def on_applied(msg):
@@ -127,7 +127,7 @@ async def measure(hub: NatsServer, model: str, n: int, versions: int, relay: boo
             shards = list(weights_shards(policy, 2**30))
             size = sum(map(len, shards))
             sent_before, published_at = hub_out_bytes(hub.http_port), time.time()
-            await publish_weights(run, version, shards, model)
+            await weights.publish(version, shards, model)
             deadline = time.monotonic() + (600 if version == 0 else 60)
             while len(applied.get(version, {})) < n:
                 if time.monotonic() > deadline:

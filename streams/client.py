@@ -171,10 +171,6 @@ class Run:
     weights: ObjectStore
     state: KeyValue  # the trainer's: only it writes here
     registry: KeyValue  # the samplers' heartbeats, each its own key (streams/registry.py)
-    epoch: int | None = None  # the trainer's lease epoch, once it holds one (streams/lease.py)
-    # The versions this process keeps in the weights bucket -> when a newer one was announced
-    # (inf: not yet); None until its first publish has deleted earlier trainers' old versions.
-    weights_superseded_at: dict[int, float] | None = None
     weights_nc: NATS | None = None
 
     async def close(self) -> None:

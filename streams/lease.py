@@ -111,7 +111,6 @@ async def take_lease(run: Run, lapse_s: float = LAPSE_S) -> Lease:
                 revision = await run.state.update(TRAINER_KEY, encode(lease), last=revision)
         except KeyWrongLastSequenceError:
             raise AnotherTrainer(f"run {run.names.run_id}: another trainer started at the same moment") from None
-        run.epoch = lease.epoch
         return Lease(run, lease, revision)
 
 

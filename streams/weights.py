@@ -20,7 +20,7 @@ from echo.logs import Progress
 from echo.protocol import OBJ_HDR_EPOCH, OBJ_HDR_VERSION, PolicyVersion, WeightsAnnouncement, WeightsShard, encode, weights_object_name
 from echo.retention import expired_versions
 from streams.client import BROKER_ERRORS, LatestValue, Run, cancel_until_done, publish_once
-from streams.lease import current_epoch
+from streams.lease import Lease, current_epoch
 from streams.objects import TransferError, get_object, put_object, sha256_hex
 
 log = structlog.get_logger()
@@ -31,63 +31,69 @@ LARGE_MB = 64  # a fetch this large shows its progress on a terminal (full weigh
 RETRY_FIRST_S, RETRY_MAX_S = 0.25, 15.0  # backoff between fetches of the newest version that failed
 
 
-async def publish_weights(
-    run: Run, version: int, shards: Iterable[bytes], base_model: str, kind: Literal["lora", "full"] = "lora",
-    keep: int = 3, keep_seconds: float = 0.0,
-) -> WeightsAnnouncement:
-    """Store every shard, then announce them: a sampler never hears of an object not yet
-    complete. A version leaves the bucket once `keep` newer ones exist and a newer one was
-    announced `keep_seconds` ago (echo/retention.py), so disk use is bounded and a fetch that
-    takes less than that finishes. Only the holder of the run's lease (streams/lease.py)
-    publishes: the announcement names its epoch."""
-    if run.epoch is None:
-        raise RuntimeError("publish_weights needs the run's trainer lease (streams.lease.take_lease)")
-    stored = []
-    for index, data in enumerate(shards):
-        name = weights_object_name(run.epoch, version, index)
-        info = await put_object(run.js, run.names.weights_bucket, name, data, headers={OBJ_HDR_VERSION: [str(version)], OBJ_HDR_EPOCH: [str(run.epoch)]})
-        stored.append(WeightsShard(object_name=name, size=len(data), sha256=sha256_hex(info)))  # hashed while sent
-    announcement = WeightsAnnouncement(
-        version=version, epoch=run.epoch, kind=kind, shards=stored, base_model=base_model, created_at=time.time()
-    )
-    await publish_once(run, run.names.weights_subject, encode(announcement))
-    now = time.time()
-    kept = run.weights_superseded_at
-    if kept is None:  # once per process: whatever earlier trainers left; what stays counts from now
-        await delete_versions_before(run, version - keep + 1)
-        kept = run.weights_superseded_at = {v: now for v in range(max(version - keep + 1, 0), version)}
-    for older, at in kept.items():
-        if older < version and at == math.inf:
-            kept[older] = now
-    kept.setdefault(version, math.inf)  # a retried publish of this version is still the newest
-    for old in expired_versions(kept, version, keep, keep_seconds, now):
-        await delete_version(run, old)
-        del kept[old]
-    return announcement
+class WeightsPublisher:
+    """The trainer's side of the weights, made from its lease (streams/lease.py), so only the
+    run's current trainer can hold one: every announcement names the lease's epoch, and the
+    publisher keeps the register of when each version it published was superseded, which
+    retention decides on (echo/retention.py). A version leaves the bucket once `keep` newer ones
+    exist and a newer one was announced `keep_seconds` ago, so disk use is bounded and a fetch
+    that takes less than that finishes."""
 
+    def __init__(self, lease: Lease, keep: int = 3, keep_seconds: float = 0.0):
+        self.run, self.epoch, self.keep, self.keep_seconds = lease.run, lease.epoch, keep, keep_seconds
+        self.superseded_at: dict[int, float] | None = None  # version -> when a newer one came (inf: newest)
 
-async def delete_version(run: Run, version: int) -> None:
-    """Delete this incarnation's shards of `version` by name (0, 1, ... until one is missing):
-    no scan of the bucket, whose delete markers grow with the run."""
-    for index in itertools.count():
+    async def publish(self, version: int, shards: Iterable[bytes], base_model: str,
+                      kind: Literal["lora", "full"] = "lora") -> WeightsAnnouncement:
+        """Store every shard, then announce them: a sampler never hears of an object not yet
+        complete. Then delete what retention lets go."""
+        run, stored = self.run, []
+        for index, data in enumerate(shards):
+            name = weights_object_name(self.epoch, version, index)
+            info = await put_object(run.js, run.names.weights_bucket, name, data,
+                                    headers={OBJ_HDR_VERSION: [str(version)], OBJ_HDR_EPOCH: [str(self.epoch)]})
+            stored.append(WeightsShard(object_name=name, size=len(data), sha256=sha256_hex(info)))  # hashed while sent
+        announcement = WeightsAnnouncement(
+            version=version, epoch=self.epoch, kind=kind, shards=stored, base_model=base_model, created_at=time.time()
+        )
+        await publish_once(run, run.names.weights_subject, encode(announcement))
+        await self._retire(version, time.time())
+        return announcement
+
+    async def _retire(self, version: int, now: float) -> None:
+        kept = self.superseded_at
+        if kept is None:  # the first publish: whatever earlier trainers left goes; what stays counts from now
+            await self._delete_versions_before(version - self.keep + 1)
+            kept = self.superseded_at = {v: now for v in range(max(version - self.keep + 1, 0), version)}
+        for older, at in kept.items():
+            if older < version and at == math.inf:
+                kept[older] = now
+        kept.setdefault(version, math.inf)  # a retried publish of this version is still the newest
+        for old in expired_versions(kept, version, self.keep, self.keep_seconds, now):
+            await self._delete_version(old)
+            del kept[old]
+
+    async def _delete_version(self, version: int) -> None:
+        """Delete this incarnation's shards of `version` by name (0, 1, ... until one is missing):
+        no scan of the bucket, whose delete markers grow with the run."""
+        for index in itertools.count():
+            try:
+                await self.run.weights.delete(weights_object_name(self.epoch, version, index))
+            except NotFoundError:  # missing, or deleted already
+                return
+
+    async def _delete_versions_before(self, oldest_kept: int) -> None:
+        """Delete every stored version older than `oldest_kept`, and every earlier incarnation's."""
         try:
-            await run.weights.delete(weights_object_name(run.epoch, version, index))
-        except NotFoundError:  # missing, or deleted already
+            infos = await self.run.weights.list(ignore_deletes=True)
+        except NotFoundError:  # nats-py's name for an empty bucket
             return
-
-
-async def delete_versions_before(run: Run, oldest_kept: int) -> None:
-    """Delete every stored version older than `oldest_kept`, and every earlier incarnation's."""
-    try:
-        infos = await run.weights.list(ignore_deletes=True)
-    except NotFoundError:  # nats-py's name for an empty bucket
-        return
-    for info in infos:
-        headers = info.headers or {}
-        version = int((headers.get(OBJ_HDR_VERSION) or ["-1"])[0])
-        epoch = int((headers.get(OBJ_HDR_EPOCH) or ["-1"])[0])
-        if 0 <= version < oldest_kept or epoch != run.epoch:
-            await run.weights.delete(info.name)
+        for info in infos:
+            headers = info.headers or {}
+            version = int((headers.get(OBJ_HDR_VERSION) or ["-1"])[0])
+            epoch = int((headers.get(OBJ_HDR_EPOCH) or ["-1"])[0])
+            if 0 <= version < oldest_kept or epoch != self.epoch:
+                await self.run.weights.delete(info.name)
 
 
 async def fetch_weights(run: Run, announcement: WeightsAnnouncement) -> list[bytearray]:

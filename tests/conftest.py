@@ -28,6 +28,7 @@ from streams.client import Run, open_run
 from streams.registry import read_statuses
 from streams.secure import SecureDir
 from streams.server import NatsServer, free_port
+from streams.weights import WeightsPublisher
 from workers.relay import loopback_relay_args
 from workers.swarm import worker_command
 from workers.trainer.accounting import account, count_consumed, count_evicted
@@ -254,10 +255,11 @@ def adapter_for_version(engine: HFEngine, version: int) -> list[bytes]:
     return list(weights_shards(engine.model, 2**30))
 
 
-async def store_tampered(run, version: int, data: bytes, tamper) -> None:
+async def store_tampered(weights: WeightsPublisher, version: int, data: bytes, tamper) -> None:
     """Store an adapter, rewrite its chunks in the bucket with `tamper`, then announce the
-    original's size and digest, as a trainer would have."""
-    name = weights_object_name(run.epoch, version, 0)
+    original's size and digest, as `weights`' trainer would have."""
+    run = weights.run
+    name = weights_object_name(weights.epoch, version, 0)
     await run.weights.put(name, data)
     info = await run.weights.get_info(name)
     subject = f"$O.{run.names.weights_bucket}.C.{info.nuid}"
@@ -269,7 +271,7 @@ async def store_tampered(run, version: int, data: bytes, tamper) -> None:
         await run.js.publish(subject, chunk)
     shard = WeightsShard(object_name=name, size=len(data), sha256=hashlib.sha256(data).hexdigest())
     announcement = WeightsAnnouncement(
-        version=version, epoch=run.epoch, kind="lora", shards=[shard], base_model=TINY_BASE, created_at=0.0
+        version=version, epoch=weights.epoch, kind="lora", shards=[shard], base_model=TINY_BASE, created_at=0.0
     )
     # The object is announced as it would be by a trainer that computed the digest before damage.
     await run.js.publish(run.names.weights_subject, encode(announcement))

@@ -35,7 +35,7 @@ class _Budget:
     def __init__(self, tmp_path, groups_per_step: int = 4, max_staleness: int = 1):
         cfg = tiny_config(tmp_path, trainer={"groups_per_step": groups_per_step, "max_staleness": max_staleness})
         # active_s 0: the sampler asking is the only one sharing the window
-        self.dispatch = AsyncDispatch(None, cfg, TrainerState(), GrantLedger(active_s=0.0))
+        self.dispatch = AsyncDispatch(None, 0, cfg, TrainerState(), GrantLedger(active_s=0.0))
         self.window = (max_staleness + 1) * groups_per_step
         self.accepted = 0
 
@@ -152,7 +152,7 @@ async def _admission_at_version_0(runs, run_id: str, cfg):
     and a request for 2 groups made with its weights: (run, orders, request)."""
     run = await runs.open(run_id, "trainer")
     lease = await take_lease(run)
-    orders = AsyncDispatch(run, cfg, TrainerState(), GrantLedger())
+    orders = AsyncDispatch(run, lease.epoch, cfg, TrainerState(), GrantLedger())
     await orders.ask(0)
     return run, orders, GrantRequest(want=2, epoch=lease.epoch, version=0)
 
@@ -170,7 +170,7 @@ async def test_grants_never_pass_the_cap_however_many_samplers_race(runs, tmp_pa
     assert await _ask(sampler, "a", 1, 0) is None  # no trainer yet: no answer
     lease = await take_lease(run)
     await record_slots_granted(run, 8)  # the 8 groups of the 2 steps trained so far held slots 1-8
-    orders = AsyncDispatch(run, cfg, TrainerState(version=2), GrantLedger())
+    orders = AsyncDispatch(run, lease.epoch, cfg, TrainerState(version=2), GrantLedger())
     await orders.start()
     await orders.ask(2)  # slots up to (2 + 1 + 1) * 4 = 16
     assert (await _ask(sampler, "a", lease.epoch, 1, want=8)).groups == 4  # a version behind: cap 16 - 4
@@ -190,7 +190,7 @@ async def test_grants_never_pass_the_cap_however_many_samplers_race(runs, tmp_pa
     assert (await _ask(sampler, "late", lease.epoch, 3, want=8)).groups == 1  # 15 asking: a share of 1 of 8
 
     # A restarted trainer numbers its grants on from the count in KV.
-    again = AsyncDispatch(run, cfg, TrainerState(version=3), GrantLedger())
+    again = AsyncDispatch(run, lease.epoch, cfg, TrainerState(version=3), GrantLedger())
     await again.start()
     assert again.ledger.issued == 17 and again.state.lost == 17 - 3 * 4  # what was out is counted lost
     await orders.subscription.unsubscribe()
@@ -203,7 +203,7 @@ async def test_sequential_groups_are_granted_once_and_only_for_the_current_reque
     run = await runs.open("seq", "trainer")
     sampler = await runs.open("seq", "sampler", create=False)
     lease = await take_lease(run)
-    orders = SequentialDispatch(run, cfg, TrainerState(), GrantLedger())
+    orders = SequentialDispatch(run, lease.epoch, cfg, TrainerState(), GrantLedger())
     await orders.start()
     await orders.ask(0)
     request = orders.request

@@ -32,7 +32,7 @@ from streams.server import NatsServer
 from streams.inbox import RolloutInbox
 from streams.registry import put_status, read_heartbeat, read_learner, read_statuses
 from streams.rollouts import publish_rollout
-from streams.weights import fetch_weights, publish_weights
+from streams.weights import WeightsPublisher, fetch_weights
 from tests.conftest import TINY_BASE, assert_accounting_holds, collect_and_account, tiny_config
 from tests.groups import REFEREE, TASK, honest_group, pack_rollout, unlikely
 from workers.cli import main
@@ -53,8 +53,9 @@ async def _serving_trainer(server, secure, tmp_path):
     """The trainer of run "sec": its lease, version 0 published, granting work at version 0."""
     trainer = await open_run(server.url, "sec", "trainer", credentials=secure.credentials("trainer"))
     lease = await take_lease(trainer)
-    announcement = await publish_weights(trainer, 0, [b"v0" * 100], TINY_BASE)
-    dispatch = AsyncDispatch(trainer, tiny_config(tmp_path, run={"id": "sec"}), TrainerState(), GrantLedger())
+    trainer_weights = WeightsPublisher(lease)
+    announcement = await trainer_weights.publish(0, [b"v0" * 100], TINY_BASE)
+    dispatch = AsyncDispatch(trainer, lease.epoch, tiny_config(tmp_path, run={"id": "sec"}), TrainerState(), GrantLedger())
     await dispatch.start()
     await dispatch.ask(0)
     return trainer, lease, announcement, dispatch

@@ -27,7 +27,7 @@ from echo.tasks import load_task
 from streams.client import LatestValue, retry_forever
 from streams.lease import RENEW_S, AnotherTrainer, take_lease
 from streams.objects import put_object
-from streams.weights import publish_weights
+from streams.weights import WeightsPublisher
 from streams.registry import put_status, read_statuses
 from streams.server import NatsServer, free_port
 from streams.inbox import RolloutInbox
@@ -130,9 +130,9 @@ def test_a_step_told_to_stop_is_abandoned_between_passes_and_leaves_the_policy_a
     assert not unchanged()
 
 
-async def _ask_for_version(run, cfg, version: int) -> SequentialDispatch:
+async def _ask_for_version(lease, cfg, version: int) -> SequentialDispatch:
     """A sequential trainer's orders, asking for `version`'s groups."""
-    orders = SequentialDispatch(run, cfg, TrainerState(version=version), GrantLedger())
+    orders = SequentialDispatch(lease.run, lease.epoch, cfg, TrainerState(version=version), GrantLedger())
     await orders.start()
     await orders.ask(version)
     return orders
@@ -146,11 +146,12 @@ async def _serving_sampler(runs, cfg) -> tuple:
     return sampler_run, sampler, asyncio.create_task(sampler.serve())
 
 
-async def _collect_step(run, cfg, version: int):
+async def _collect_step(lease, cfg, version: int):
     """A trainer's collector for `version`, and the step's groups it collected."""
+    run = lease.run
     base, tokenizer = load_model("tiny")
     referee = Referee(load_task(cfg.task), tokenizer, base.get_input_embeddings().num_embeddings, cfg.sampling)
-    collector = Collector(await RolloutInbox.open(run), Judge(referee, Timeline(max_staleness=0, epoch=run.epoch)))
+    collector = Collector(await RolloutInbox.open(run), Judge(referee, Timeline(max_staleness=0, epoch=lease.epoch)))
     async with asyncio.timeout(30):
         return collector, await collector.collect(cfg.trainer.groups_per_step, version=version)
 
@@ -164,16 +165,16 @@ async def test_a_sequential_sampler_whose_fetch_of_the_requested_version_fails_r
     adapter = adapter_for_version(HFEngine("tiny", cfg.lora, cfg.sampling), 0)[0]
 
     run = await runs.open(cfg.run.id, "trainer")
-    await take_lease(run)
-    await store_tampered(run, 0, adapter, lambda chunks: [chunks[0][:-1] + b"!", *chunks[1:]])
-    orders = await _ask_for_version(run, cfg, 0)
+    weights = WeightsPublisher(lease := await take_lease(run))
+    await store_tampered(weights, 0, adapter, lambda chunks: [chunks[0][:-1] + b"!", *chunks[1:]])
+    orders = await _ask_for_version(lease, cfg, 0)
     _, sampler, serving = await _serving_sampler(runs, cfg)
     async with asyncio.timeout(10):
         while not sampler.weights.follower.failures:
             await asyncio.sleep(0.02)
     assert set(sampler.weights.follower.failures) == {"digest_mismatch"} and sampler.weights.version == -1
-    await put_object(run.js, run.names.weights_bucket, weights_object_name(run.epoch, 0, 0), adapter)  # whole again
-    collector, collected = await _collect_step(run, cfg, 0)
+    await put_object(run.js, run.names.weights_bucket, weights_object_name(lease.epoch, 0, 0), adapter)  # whole again
+    collector, collected = await _collect_step(lease, cfg, 0)
     assert len(collected.used) == cfg.trainer.groups_per_step and sampler.weights.version == 0
     collector.consumed.add(collected.seqs)  # the step checkpointed: every message is accounted for
     assert await collector.inbox.ack_held() == 0
@@ -197,9 +198,10 @@ async def test_a_sequential_sampler_asked_for_an_older_version_of_a_new_epoch_wa
 
     run = await runs.open(cfg.run.id, "trainer")
     lease = await take_lease(run)
+    weights = WeightsPublisher(lease)
     for version, adapter in enumerate(adapters):
-        await publish_weights(run, version, adapter, TINY_BASE)
-    orders = await _ask_for_version(run, cfg, 1)
+        await weights.publish(version, adapter, TINY_BASE)
+    orders = await _ask_for_version(lease, cfg, 1)
     _, sampler, serving = await _serving_sampler(runs, cfg)
     async with asyncio.timeout(30):
         while sampler.generation.published < cfg.trainer.groups_per_step:
@@ -208,10 +210,11 @@ async def test_a_sequential_sampler_asked_for_an_older_version_of_a_new_epoch_wa
     await orders.subscription.unsubscribe()
     await lease.release()
     lease = await take_lease(run)  # epoch 2, resumed at version 0
-    orders = await _ask_for_version(run, cfg, 0)
+    weights = WeightsPublisher(lease)  # a publisher is its lease's: epoch 2's versions
+    orders = await _ask_for_version(lease, cfg, 0)
     await asyncio.sleep(1.0)  # the sampler has the request, and no weights of epoch 2 yet
-    await publish_weights(run, 0, adapters[0], TINY_BASE)
-    _, collected = await _collect_step(run, cfg, 0)
+    await weights.publish(0, adapters[0], TINY_BASE)
+    _, collected = await _collect_step(lease, cfg, 0)
     assert {(a.group.epoch, a.group.policy_version) for a in collected.used} == {(2, 0)}
     serving.cancel()
     await orders.subscription.unsubscribe()
@@ -225,9 +228,9 @@ async def test_a_sequential_sampler_whose_request_for_work_goes_unanswered_asks_
     adapter = adapter_for_version(HFEngine("tiny", cfg.lora, cfg.sampling), 0)
 
     run = await runs.open(cfg.run.id, "trainer")
-    await take_lease(run)
-    await publish_weights(run, 0, adapter, TINY_BASE)
-    orders = SequentialDispatch(run, cfg, TrainerState(), GrantLedger())
+    lease = await take_lease(run)
+    await WeightsPublisher(lease).publish(0, adapter, TINY_BASE)
+    orders = SequentialDispatch(run, lease.epoch, cfg, TrainerState(), GrantLedger())
     await orders.ask(0)  # the request is out; no one answers requests for work yet
     _, sampler, serving = await _serving_sampler(runs, cfg)
     async with asyncio.timeout(30):
@@ -235,7 +238,7 @@ async def test_a_sequential_sampler_whose_request_for_work_goes_unanswered_asks_
             await asyncio.sleep(0.02)
     await asyncio.sleep(0.5)  # asked, and not answered
     await orders.start()  # now the trainer answers
-    _, collected = await _collect_step(run, cfg, 0)
+    _, collected = await _collect_step(lease, cfg, 0)
     assert len(collected.used) == cfg.trainer.groups_per_step
     serving.cancel()
     await orders.subscription.unsubscribe()
@@ -247,7 +250,7 @@ async def test_a_sampler_that_starts_following_weights_while_the_broker_is_down_
     and a read the broker fails is tried again: it hears of the version once the broker is back."""
 
     run = await runs.open("late", "trainer")
-    await take_lease(run)
+    weights = WeightsPublisher(await take_lease(run))
     announcements = LatestValue(run.js, run.names.control_stream, run.names.weights_subject, WeightsAnnouncement,
                                 lambda error: None)
     nats_server.process.send_signal(signal.SIGKILL)
@@ -257,7 +260,7 @@ async def test_a_sampler_that_starts_following_weights_while_the_broker_is_down_
     assert announcements.seq == 0
     await asyncio.to_thread(nats_server.start)
     async with asyncio.timeout(30):
-        published = await retry_forever("publish", lambda: publish_weights(run, 0, [b"v0"], TINY_BASE))
+        published = await retry_forever("publish", lambda: weights.publish(0, [b"v0"], TINY_BASE))
         assert (await announcements.wait_newer(0))[1] == published
     await announcements.stop()
 

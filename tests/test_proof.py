@@ -125,7 +125,7 @@ async def test_a_forging_sampler_is_rejected_then_quarantined_until_an_operator_
         assert [a.group.group_id for a in collected.used] == ["h1"]
         assert collected.rejected == {"logprob_forgery": 2, "quarantined": 1}  # f3 came after the quarantine
         assert await read_quarantine(run) == {"s1": "2 strikes, the last logprob_forgery"}
-        orders = AsyncDispatch(run, cfg, TrainerState(version=1), GrantLedger(), quarantine)
+        orders = AsyncDispatch(run, lease.epoch, cfg, TrainerState(version=1), GrantLedger(), quarantine)
         asked = GrantRequest(want=2, epoch=lease.epoch, version=1)
         assert (await orders.grant("s1", asked)).groups == 0 and (await orders.grant("s2", asked)).groups == 2
 

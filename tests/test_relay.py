@@ -15,7 +15,7 @@ from streams.registry import put_status, read_statuses, weights_relay
 from streams.relay import open_mirrors
 from streams.replay import read_rollouts
 from streams.server import NatsServer, free_port
-from streams.weights import publish_weights
+from streams.weights import WeightsPublisher
 from tests.conftest import adapter_for_version, relay, TINY_BASE, tiny_config
 from workers.cli import build_parser
 from workers.commands.sampler import sampler_config_from_run
@@ -53,8 +53,8 @@ async def test_two_samplers_behind_a_relay_follow_weights_across_a_relay_restart
 
     with relay(tmp_path, hub.leaf_url, cfg.run.id, "site") as site:
         run = await runs.open(cfg.run.id, "trainer", url=hub.url)
-        await take_lease(run)
-        await publish_weights(run, 0, adapters[0], TINY_BASE)
+        weights = WeightsPublisher(await take_lease(run))
+        await weights.publish(0, adapters[0], TINY_BASE)
         samplers = []
         for sampler_id in ("a", "b"):
             sampler_run = await runs.open(cfg.run.id, f"sampler-{sampler_id}", url=site.url)
@@ -68,20 +68,20 @@ async def test_two_samplers_behind_a_relay_follow_weights_across_a_relay_restart
                 assert s.weights.version == version
 
         await all_apply(0)
-        await publish_weights(run, 1, adapters[1], TINY_BASE)
+        await weights.publish(1, adapters[1], TINY_BASE)
         await all_apply(1)
         for s in samplers:  # rollouts go on to the hub's stream through the relay's leaf connection
             await s.generation.generate_and_publish([1])
 
         site.stop()  # the relay goes down; the trainer publishes without it; it comes back
-        await publish_weights(run, 2, adapters[2], TINY_BASE)
+        await weights.publish(2, adapters[2], TINY_BASE)
         site.start()
         await all_apply(2)
 
         # Retention reaches the relay: after K+3 more versions, the mirror holds the chunks
         # of the same K versions as the hub, not all of them.
         for version in range(3, 7):
-            await publish_weights(run, version, adapters[version], TINY_BASE, keep=3)
+            await weights.publish(version, adapters[version], TINY_BASE)
         await all_apply(6)
         for _ in range(100):
             hub_chunks, relay_chunks = await _mirrored_chunk_sets(run, samplers[0].run)
@@ -105,13 +105,13 @@ async def test_relays_chain_hub_to_site_to_subsite(hub, runs, tmp_path):
     with (relay(tmp_path, hub.leaf_url, cfg.run.id, "site") as site,
           relay(tmp_path, site.leaf_url, cfg.run.id, "subsite", upstream_domain="site") as subsite):
         run = await runs.open(cfg.run.id, "trainer", url=hub.url)
-        await take_lease(run)
-        await publish_weights(run, 0, adapter_for_version(trainer_side, 0), TINY_BASE)
+        weights = WeightsPublisher(await take_lease(run))
+        await weights.publish(0, adapter_for_version(trainer_side, 0), TINY_BASE)
         sampler_run = await runs.open(cfg.run.id, "sampler-deep", url=subsite.url)
         sampler = Sampler(cfg, "deep", sampler_run, HFEngine("tiny", cfg.lora, cfg.sampling), load_task(cfg.task))
         await sampler.weights.start()
         await asyncio.wait_for(sampler.weights.apply_newest(0), timeout=30)
-        await publish_weights(run, 1, adapter_for_version(trainer_side, 1), TINY_BASE)
+        await weights.publish(1, adapter_for_version(trainer_side, 1), TINY_BASE)
         await asyncio.wait_for(sampler.weights.apply_newest(1), timeout=30)
         await sampler.generation.generate_and_publish([1])  # two leaf hops up to the hub's stream
         await sampler.weights.stop()

@@ -14,7 +14,7 @@ import pytest
 from echo.engines.hf import HFEngine
 from streams.lease import take_lease
 from streams.registry import read_statuses
-from streams.weights import publish_weights
+from streams.weights import WeightsPublisher
 from tests.conftest import a_sampler_holding_slots, adapter_for_version, TINY_BASE, tiny_config, worker_process
 
 pytestmark = pytest.mark.slow
@@ -89,14 +89,14 @@ async def test_a_sampler_killed_mid_fetch_restarts_and_loads_the_latest_version(
     adapters = [adapter_for_version(trainer_side, v) for v in range(3)]
 
     run = await runs.open(cfg.run.id, "trainer")
-    await take_lease(run)
-    await publish_weights(run, 0, adapters[0], TINY_BASE)
+    weights = WeightsPublisher(await take_lease(run))
+    await weights.publish(0, adapters[0], TINY_BASE)
     proxy = await StallingProxy(nats_server.port).start()
     sampler = _sampler(config_path, proxy.url)
     try:
         await _until_status(run, lambda s: s.version == 0)
         proxy.stall_after(len(adapters[1][0]) // 2)
-        await publish_weights(run, 1, adapters[1], TINY_BASE)
+        await weights.publish(1, adapters[1], TINY_BASE)
         await asyncio.wait_for(proxy.stalled.wait(), timeout=30)
         sampler.kill()  # kill -9, half of version 1 received
         sampler.wait()
@@ -104,7 +104,7 @@ async def test_a_sampler_killed_mid_fetch_restarts_and_loads_the_latest_version(
         assert status.version == 0  # it never got to run version 1
         await proxy.close()
 
-        await publish_weights(run, 2, adapters[2], TINY_BASE)
+        await weights.publish(2, adapters[2], TINY_BASE)
         sampler = _sampler(config_path, nats_server.url)
         status = await _until_status(run, lambda s: s.version == 2)
         assert status.weight_failures == {}

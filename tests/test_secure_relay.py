@@ -19,7 +19,7 @@ from streams.client import connect, open_run, wait_for_jetstream
 from streams.lease import take_lease
 from streams.secure import SERVER_CONF, SecureDir
 from streams.server import NatsServer, free_port
-from streams.weights import WeightsFollower, publish_weights
+from streams.weights import WeightsFollower, WeightsPublisher
 from tests.conftest import relay, TINY_BASE
 from tests.groups import honest_group
 from workers.cli import main
@@ -55,18 +55,18 @@ def test_a_secured_relay_serves_its_samplers_the_trainers_weights(secured_hub, t
 
     async def follow(site):
         trainer = await open_run(hub.url, "sec", "trainer", credentials=secure.credentials("trainer"))
-        await take_lease(trainer)
-        await publish_weights(trainer, 0, [b"v0" * 100], TINY_BASE)
+        trainer_weights = WeightsPublisher(await take_lease(trainer))
+        await trainer_weights.publish(0, [b"v0" * 100], TINY_BASE)
         sampler = await asyncio.wait_for(open_run(
             hub.url, "sec", "sampler-s1", credentials=secure.credentials("sampler-s1"), create=False,
             weights_url=site.url), 60)
         follower = await WeightsFollower(sampler, TINY_BASE).start()
         assert (await asyncio.wait_for(follower.wait_for(0), 30))[1] == [b"v0" * 100]
         big = bytes(range(256)) * (12 * 4096)  # 12 MiB: mirror flow control crosses the leaf too
-        await publish_weights(trainer, 1, [big], TINY_BASE)
+        await trainer_weights.publish(1, [big], TINY_BASE)
         assert (await asyncio.wait_for(follower.wait_for(1), 60))[1] == [big]
         site.stop()  # a restarted relay resumes its mirrors with the same permissions
-        await publish_weights(trainer, 2, [b"v2" * 100], TINY_BASE)
+        await trainer_weights.publish(2, [b"v2" * 100], TINY_BASE)
         site.start()
         assert (await asyncio.wait_for(follower.wait_for(2), 60))[1] == [b"v2" * 100]
         assert follower.failures == {}

@@ -36,7 +36,7 @@ from streams.server import write_secret
 from tests.groups import honest_group
 from streams.client import NoBroker, open_run
 from streams.lease import RENEW_S, AnotherTrainer, take_lease
-from streams.weights import WeightsFollower, publish_weights
+from streams.weights import WeightsFollower, WeightsPublisher
 from tests.conftest import TINY_BASE, tiny_config
 from workers.cli import main
 
@@ -112,7 +112,8 @@ async def test_a_second_trainer_refuses_to_start_and_a_dead_ones_lease_lapses(ru
 async def test_forged_and_pre_deduplicated_announcements_do_not_wedge_samplers(runs):
     trainer = await runs.open("forge", "trainer")
     lease = await take_lease(trainer)
-    real = await publish_weights(trainer, 0, [b"v0" * 100], TINY_BASE)
+    trainer_weights = WeightsPublisher(lease)
+    real = await trainer_weights.publish(0, [b"v0" * 100], TINY_BASE)
     sampler_run = await runs.open("forge", "sampler")
     follower = await WeightsFollower(sampler_run, TINY_BASE).start()
     await follower.wait_for(0)
@@ -126,7 +127,7 @@ async def test_forged_and_pre_deduplicated_announcements_do_not_wedge_samplers(r
     # The next version's id taken first: with the old predictable ids the real one was dropped.
     await attacker.publish(trainer.names.weights_subject, encode(foreign), headers={HDR_MSG_ID: "weights-1"})
     await _until(lambda: follower.failures["wrong_epoch"] == 2)
-    await publish_weights(trainer, 1, [b"v1" * 100], TINY_BASE)
+    await trainer_weights.publish(1, [b"v1" * 100], TINY_BASE)
     assert (await follower.wait_for(1))[0].version == 1
 
     # A forgery in the current epoch wins until the trainer restarts: its next epoch orders
@@ -136,7 +137,8 @@ async def test_forged_and_pre_deduplicated_announcements_do_not_wedge_samplers(r
     await follower.wait_for(10**9)
     await lease.release()
     restarted = await take_lease(trainer)
-    await publish_weights(trainer, 2, [b"v2" * 100], TINY_BASE)
+    trainer_weights = WeightsPublisher(restarted)
+    await trainer_weights.publish(2, [b"v2" * 100], TINY_BASE)
     await _until(lambda: follower.ready[0].policy == (restarted.epoch, 2))
     await follower.stop()
 
@@ -193,10 +195,10 @@ async def test_a_sampler_cannot_touch_what_the_trainer_owns(secured, runs):
     server, secure = secured
 
     trainer = await runs.open("sec", "trainer", url=server.url, credentials=secure.credentials("trainer"))
-    await take_lease(trainer)
+    trainer_weights = WeightsPublisher(await take_lease(trainer))
     await trainer_subscription(trainer)
     await trainer.state.put(CONFIG_KEY, b'{"task": {"name": "math"}}')
-    announcement = await publish_weights(trainer, 0, [b"v0" * 100], TINY_BASE)
+    announcement = await trainer_weights.publish(0, [b"v0" * 100], TINY_BASE)
     names = trainer.names
 
     errors: list[str] = []

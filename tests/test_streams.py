@@ -26,7 +26,7 @@ from streams.inbox import RolloutInbox
 from streams.rollouts import publish_rollout, rollout_body, trainer_subscription
 from streams.schedule import publish_schedule, watch_schedule
 from streams.server import NatsServer
-from streams.weights import WeightsFollower, fetch_weights, publish_weights
+from streams.weights import WeightsFollower, WeightsPublisher, fetch_weights
 from tests.conftest import adapter_for_version, store_tampered, TINY_BASE, tiny_config
 from tests.groups import REFEREE, TASK, TOKENIZER, honest_group, with_completion
 from workers.sampler.loop import Sampler
@@ -153,9 +153,9 @@ async def test_the_trainer_keeps_the_rollout_history_its_config_allows_and_can_c
 
 async def test_weights_round_trip_and_a_wrong_digest_is_refused(runs, tmp_path):
     run = await runs.open("w", "test")
-    await take_lease(run)
+    weights = WeightsPublisher(await take_lease(run))
     data = bytes(range(256)) * 4000  # 1 MB: several object-store chunks
-    announcement = await publish_weights(run, 7, [data, data[:1000]], TINY_BASE, "full")
+    announcement = await weights.publish(7, [data, data[:1000]], TINY_BASE, "full")
     assert await fetch_weights(run, announcement) == [data, data[:1000]]
     lie = announcement.shards[1].model_copy(update={"sha256": "0" * 64})
     lying = announcement.model_copy(update={"shards": [announcement.shards[0], lie]})
@@ -176,10 +176,10 @@ async def test_a_sampler_joining_after_version_3_generates_with_version_3(runs, 
     adapters = [adapter_for_version(trainer_side, v) for v in range(4)]
 
     run = await runs.open(cfg.run.id, "trainer")
-    await take_lease(run)
+    weights = WeightsPublisher(await take_lease(run))
     await trainer_subscription(run)
     for version, data in enumerate(adapters):
-        await publish_weights(run, version, data, TINY_BASE)
+        await weights.publish(version, data, TINY_BASE)
 
     sampler_run = await runs.open(cfg.run.id, "late-sampler")
     engine = HFEngine("tiny", cfg.lora, cfg.sampling)
@@ -188,7 +188,7 @@ async def test_a_sampler_joining_after_version_3_generates_with_version_3(runs, 
     await sampler.weights.apply_newest()
     await sampler.generation.generate_and_publish([1])
     # A damaged version 4 is refused, the sampler stays on 3, and its heartbeat says why.
-    await store_tampered(run, 4, adapters[0][0], lambda chunks: [bytes([c[0] ^ 0xFF]) + c[1:] for c in chunks])
+    await store_tampered(weights, 4, adapters[0][0], lambda chunks: [bytes([c[0] ^ 0xFF]) + c[1:] for c in chunks])
     await _until_failure(sampler.weights.follower)
     await sampler.weights.apply_newest()
     await put_status(sampler_run, sampler.heartbeat.status())
@@ -204,11 +204,11 @@ async def test_a_sampler_joining_after_version_3_generates_with_version_3(runs, 
 
 async def test_follower_refuses_an_adapter_for_another_base_model(runs, tmp_path):
     run = await runs.open("b", "test")
-    await take_lease(run)
-    await publish_weights(run, 0, [b"good"], TINY_BASE)
+    weights = WeightsPublisher(await take_lease(run))
+    await weights.publish(0, [b"good"], TINY_BASE)
     follower = await WeightsFollower(run, TINY_BASE).start()
     assert (await follower.wait_for(0))[1] == [b"good"]
-    await publish_weights(run, 1, [b"other"], "some-other-model")
+    await weights.publish(1, [b"other"], "some-other-model")
     await _until_failure(follower)
     assert follower.failures == {"wrong_base_model": 1}
     assert follower.ready[0].version == 0  # the old version stays
@@ -217,20 +217,20 @@ async def test_follower_refuses_an_adapter_for_another_base_model(runs, tmp_path
 
 async def test_the_bucket_keeps_only_the_newest_versions(runs):
     run = await runs.open("keep", "test")
-    await take_lease(run)
+    weights = WeightsPublisher(await take_lease(run), keep=2)
     async def stored() -> list[str]:
         return sorted(info.name for info in await run.weights.list(ignore_deletes=True))
 
     shards = [b"a" * 1000, b"b" * 1000]
-    announcements = [await publish_weights(run, v, shards, TINY_BASE, keep=2) for v in range(5)]
+    announcements = [await weights.publish(v, shards, TINY_BASE) for v in range(5)]
     assert await stored() == sorted(s.object_name for a in announcements[-2:] for s in a.shards)
     assert await fetch_weights(run, announcements[-1]) == shards
     with pytest.raises(TransferError, match="not_found"):
         await fetch_weights(run, announcements[0])
     await run.close()
     run = await runs.open("keep", "test")  # a restarted trainer sweeps what is left once
-    await take_lease(run)
-    latest = await publish_weights(run, 5, shards[:1], TINY_BASE, keep=1)
+    weights = WeightsPublisher(await take_lease(run), keep=1)
+    latest = await weights.publish(5, shards[:1], TINY_BASE)
     assert await stored() == [latest.shards[0].object_name]
 
 
@@ -239,12 +239,13 @@ async def test_a_version_a_slow_sampler_is_fetching_stays_for_keep_seconds(runs)
     so a fetch longer than that many steps never finished. Kept `keep_seconds` past its
     successor's announcement, it can."""
     run = await runs.open("slow-link", "test")
-    await take_lease(run)
-    started = await publish_weights(run, 0, [b"v0" * 500], TINY_BASE, keep=1, keep_seconds=60)
+    weights = WeightsPublisher(await take_lease(run), keep=1, keep_seconds=60)
+    started = await weights.publish(0, [b"v0" * 500], TINY_BASE)
     for version in (1, 2, 3):  # the trainer goes on while a sampler is still reading version 0
-        await publish_weights(run, version, [b"vN" * 500], TINY_BASE, keep=1, keep_seconds=60)
+        await weights.publish(version, [b"vN" * 500], TINY_BASE)
     assert await fetch_weights(run, started) == [b"v0" * 500]
-    await publish_weights(run, 4, [b"vN" * 500], TINY_BASE, keep=1, keep_seconds=0)
+    weights.keep_seconds = 0
+    await weights.publish(4, [b"vN" * 500], TINY_BASE)
     with pytest.raises(TransferError, match="not_found"):
         await fetch_weights(run, started)
 
@@ -263,21 +264,21 @@ async def test_a_damaged_adapter_is_refused_the_old_version_kept_and_the_fetch_r
     trainer's retry or a relay's re-mirror would), the follower takes it without a new
     announcement. Before, it waited for a newer version: forever, in sequential mode."""
     run = await runs.open("damage", "test")
-    await take_lease(run)
-    await publish_weights(run, 0, [b"good" * 100_000], TINY_BASE)
+    weights = WeightsPublisher(await take_lease(run))
+    await weights.publish(0, [b"good" * 100_000], TINY_BASE)
     follower = await WeightsFollower(run, TINY_BASE).start()
     assert (await follower.wait_for(0))[0].version == 0
     adapter = bytes(range(256)) * 2000
-    await store_tampered(run, 1, adapter, tamper)
+    await store_tampered(weights, 1, adapter, tamper)
     async with asyncio.timeout(5):
         while sum(follower.failures.values()) < 2:  # refused, and tried again
             await asyncio.sleep(0.02)
     assert set(follower.failures) <= {"digest_mismatch", "truncated", "size_mismatch"}
     assert follower.ready[0].version == 0 and follower.ready[1] == [b"good" * 100_000]
-    await put_object(run.js, run.names.weights_bucket, weights_object_name(run.epoch, 1, 0), adapter)  # repaired
+    await put_object(run.js, run.names.weights_bucket, weights_object_name(weights.epoch, 1, 0), adapter)  # repaired
     async with asyncio.timeout(5):
         assert (await follower.wait_for(1))[1] == [adapter]
-    await publish_weights(run, 2, [b"next" * 1000], TINY_BASE)  # and it still takes the next good one
+    await weights.publish(2, [b"next" * 1000], TINY_BASE)  # and it still takes the next good one
     assert (await follower.wait_for(2))[1] == [b"next" * 1000]
     await follower.stop()
     assert follower._task.done()  # ended, not just told to: the connection closes next
@@ -303,10 +304,10 @@ async def test_a_follower_that_fails_tells_whoever_waits_for_weights(runs, monke
         raise KeyError("a bug in our own code")
 
     run = await runs.open("broken", "test")
-    await take_lease(run)
+    weights = WeightsPublisher(await take_lease(run))
     follower = await WeightsFollower(run, TINY_BASE).start()
     monkeypatch.setattr("streams.weights.fetch_weights", broken_fetch)
-    await publish_weights(run, 0, [b"w"], TINY_BASE)
+    await weights.publish(0, [b"w"], TINY_BASE)
     async with asyncio.timeout(5):
         with pytest.raises(RuntimeError, match="weights follower stopped") as raised:
             await follower.wait_for(0)
@@ -339,20 +340,20 @@ async def test_weights_the_engine_refuses_are_tried_once_and_not_waited_on(runs,
     misfit = safetensors.torch.save({"not_a_lora_tensor": torch.zeros(3)})
 
     run = await runs.open(cfg.run.id, "trainer")
-    await take_lease(run)
-    await publish_weights(run, 0, adapter_for_version(trainer_side, 0), TINY_BASE)
+    weights = WeightsPublisher(await take_lease(run))
+    await weights.publish(0, adapter_for_version(trainer_side, 0), TINY_BASE)
     sampler_run = await runs.open(cfg.run.id, "sampler", create=False)
     sampler = Sampler(cfg, "s1", sampler_run, HFEngine("tiny", cfg.lora, cfg.sampling), load_task(cfg.task))
     await sampler.weights.start()
     await sampler.weights.apply_newest()
-    await publish_weights(run, 1, [misfit], TINY_BASE)
+    await weights.publish(1, [misfit], TINY_BASE)
     await sampler.weights.follower.wait_for(1)
     for _ in range(3):
         await sampler.weights.apply_newest()
     assert sampler.weights.follower.failures == {"weights_mismatch": 1} and sampler.weights.version == 0
     with pytest.raises(TimeoutError):  # before: version 1 was "newer" at once, a busy loop
         await asyncio.wait_for(sampler.weights.wait_newer(), 0.3)
-    await publish_weights(run, 2, good, TINY_BASE)
+    await weights.publish(2, good, TINY_BASE)
     await sampler.weights.follower.wait_newer(sampler.weights.refused)
     await sampler.weights.apply_newest()
     assert sampler.weights.version == 2

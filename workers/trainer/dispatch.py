@@ -36,9 +36,10 @@ class Dispatch:
     stopped (`trainer.sampler_dead_after_s`) or that delivered nothing for
     `trainer.reissue_after_s` (alive but stuck)."""
 
-    def __init__(self, run: Run, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
+    def __init__(self, run: Run, epoch: int, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
                  quarantine: Quarantined | None = None):
-        self.run, self.cfg, self.state, self.ledger, self.quarantine = run, cfg, state, ledger, quarantine
+        self.run, self.epoch, self.cfg, self.state, self.ledger = run, epoch, cfg, state, ledger  # epoch: the lease's
+        self.quarantine = quarantine
         self.version = state.version
         self.fleet: set[str] = set()  # samplers that asked for work since this trainer started
         self.heartbeats = Heartbeats()
@@ -83,7 +84,7 @@ class Dispatch:
         """The answer to a sampler asking for work: none for a quarantined sampler or one running
         a previous trainer's weights (it must apply ours first), none yet while fewer than
         `trainer.min_samplers` have asked (ask again soon), else what the mode grants."""
-        if (self.quarantine and sampler_id in self.quarantine) or request.epoch != self.run.epoch:
+        if (self.quarantine and sampler_id in self.quarantine) or request.epoch != self.epoch:
             return Grant()
         if sampler_id in self.standby:
             return Grant()
@@ -112,7 +113,7 @@ class SequentialDispatch(Dispatch):
 
     async def publish(self, groups: int) -> None:
         # Current before it is published: a sampler may ask for its groups at once.
-        self.request, self.granted = PullRequest(request_id=uuid.uuid4().hex, epoch=self.run.epoch,
+        self.request, self.granted = PullRequest(request_id=uuid.uuid4().hex, epoch=self.epoch,
                                                   version=self.version, groups=groups), 0
         self.first_slot = self.ledger.issued + 1
         await publish_pull_request(self.run, self.request)
@@ -173,7 +174,7 @@ class AsyncDispatch(Dispatch):
                                  request.version)
 
 
-def dispatch_for(run: Run, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
+def dispatch_for(run: Run, epoch: int, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
                  quarantine: Quarantined) -> "Dispatch":
     mode = SequentialDispatch if cfg.run.mode == "sequential" else AsyncDispatch
-    return mode(run, cfg, state, ledger, quarantine)
+    return mode(run, epoch, cfg, state, ledger, quarantine)

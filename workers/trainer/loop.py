@@ -31,7 +31,7 @@ from streams.inbox import RolloutInbox
 from streams.lease import Lease, take_lease
 from streams.registry import put_learner, read_learner
 from streams.run_config import publish_run_config
-from streams.weights import publish_weights
+from streams.weights import WeightsPublisher
 from workers.trainer.accounting import (RecentSteps, account, count_abandoned, count_consumed, count_evicted,
                                         finished_record, metrics_line, restore_metrics, step_record, summarize)
 from workers.background import Background
@@ -83,6 +83,7 @@ class Trainer:
                  collector: Collector, dispatch: Dispatch, quarantine: Quarantined, recent: RecentSteps):
         self.cfg, self.run, self.lease, self.model, self.inbox = cfg, run, lease, model, inbox
         self.collector, self.dispatch, self.quarantine, self.recent = collector, dispatch, quarantine, recent
+        self.weights = WeightsPublisher(lease, cfg.trainer.keep_versions, cfg.trainer.keep_versions_s)
 
     @classmethod
     async def open(cls, cfg: EchoConfig, run: Run, lease: Lease, background: Background,
@@ -99,12 +100,12 @@ class Trainer:
         quarantine = Quarantined(run, cfg.trainer.quarantine_after)
         await quarantine.start(background)
         referee = Referee(load_task(cfg.task), model.tokenizer, model.vocab_size, cfg.sampling)
-        judge = Judge(referee, Timeline(cfg.staleness_bound, run.epoch, state.version, cfg.begun_within),
+        judge = Judge(referee, Timeline(cfg.staleness_bound, lease.epoch, state.version, cfg.begun_within),
                       load_trained_content(run_dir, state.trained_content),
                       load_trained_completions(run_dir, state.trained_completions), model.proof, model.check,
                       quarantine)
         background.start(inbox.keep_alive(cfg.trainer.ack_wait_s / 3))
-        dispatch = dispatch_for(run, cfg, state, ledger, quarantine)
+        dispatch = dispatch_for(run, lease.epoch, cfg, state, ledger, quarantine)
         recent = RecentSteps(cfg.trainer.groups_per_step, cfg.staleness_bound)
         if cfg.scheduler.enabled:  # what it chooses, the grants obey
             background.start(Coordinator(run, cfg, dispatch.standby, recent, ledger).run_forever())
@@ -113,7 +114,7 @@ class Trainer:
 
     async def fit(self) -> None:
         cfg, state = self.cfg, self.model.state
-        await publish_policy(self.run, cfg, self.model, state.version)  # a fresh run's version 0, or the checkpoint's
+        await publish_policy(self.weights, self.model, state.version)  # a fresh run's version 0, or the checkpoint's
         await self.dispatch.start()
         log.info("trainer.ready", run_id=cfg.run.id, mode=cfg.run.mode, model=cfg.model.name, step=state.step,
                  version=state.version, steps=cfg.run.steps, ranks=self.model.ranks.world)
@@ -131,7 +132,7 @@ class Trainer:
                 with step.phase("checkpoint"):
                     await self.checkpoint(step)
                 with step.phase("publish"):
-                    await publish_policy(self.run, cfg, self.model, state.version)
+                    await publish_policy(self.weights, self.model, state.version)
                 with step.phase("account"):
                     record = await self.account(step)
                 write_metrics(metrics_file, record, step)
@@ -195,13 +196,12 @@ async def train_in_thread(model: TrainerModel, batch, oldest_version: int) -> di
         raise
 
 
-async def publish_policy(run: Run, cfg: EchoConfig, model: TrainerModel, version: int) -> None:
+async def publish_policy(weights: WeightsPublisher, model: TrainerModel, version: int) -> None:
     """Write the version's shards to the run directory (for `echo-rl eval`), then publish them
     from there (a retry reads them again). Both keep the newest `trainer.keep_versions` versions
     (the bucket, for `trainer.keep_versions_s` more: what a slow sampler's fetch may take)."""
     files = await asyncio.to_thread(model.write_weights, version)
-    await retry_forever("publish weights", lambda: publish_weights(
-        run, version, (f.read_bytes() for f in files), model.base_model, model.kind, cfg.trainer.keep_versions,
-        cfg.trainer.keep_versions_s))
+    await retry_forever("publish weights", lambda: weights.publish(
+        version, (f.read_bytes() for f in files), model.base_model, model.kind))
     await asyncio.to_thread(model.remember, version)
     bind_process(version=version)  # this trainer's log lines name the version it last published
