@@ -14,7 +14,8 @@ import structlog
 
 from echo.protocol import (BUDGET_KEY, GRANT_TIMEOUT_S, SLOTS_KEY, AdmissionBudget, Grant, GrantRequest, ProtocolError,
                            decode, encode, subject_sampler)
-from streams.client import BROKER_ERRORS, Run, read_value, watch_forever
+from streams.client import BROKER_ERRORS, Run
+from streams.watch import read_value, watch_forever
 
 log = structlog.get_logger()
 

@@ -17,7 +17,8 @@ import structlog
 from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 
 from echo.protocol import TRAINER_KEY, ProtocolError, TrainerLease, WeightsAnnouncement, decode, encode
-from streams.client import BROKER_ERRORS, Run, read_value
+from streams.client import BROKER_ERRORS, Run
+from streams.watch import read_value
 
 log = structlog.get_logger()
 

@@ -9,7 +9,8 @@ from typing import Callable
 from nats.js.errors import KeyWrongLastSequenceError
 
 from echo.protocol import QUARANTINE_KEY, Quarantine, decode, encode
-from streams.client import Run, read_value, watch_forever
+from streams.client import Run
+from streams.watch import read_value, watch_forever
 
 
 async def _read(run: Run) -> tuple[Quarantine, int]:

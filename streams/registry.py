@@ -10,7 +10,8 @@ import functools
 import structlog
 
 from echo.protocol import LEARNER_KEY, LearnerStatus, SamplerStatus, decode, encode
-from streams.client import Run, put_expiring, read_value
+from streams.client import Run, put_expiring
+from streams.watch import read_value
 
 log = structlog.get_logger()
 

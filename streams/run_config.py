@@ -10,7 +10,8 @@ import asyncio
 import orjson
 from echo.config import EchoConfig
 from echo.protocol import CONFIG_KEY
-from streams.client import Run, read_value
+from streams.client import Run
+from streams.watch import read_value
 
 
 async def publish_run_config(run: Run, cfg: EchoConfig) -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Callable
 
 from echo.protocol import SCHEDULE_KEY, Schedule, decode, encode
-from streams.client import Run, watch_forever
+from streams.client import Run
+from streams.watch import watch_forever
 
 
 async def publish_schedule(run: Run, schedule: Schedule) -> None:

@@ -19,7 +19,8 @@ from nats.js.errors import NotFoundError
 from echo.logs import Progress
 from echo.protocol import OBJ_HDR_EPOCH, OBJ_HDR_VERSION, PolicyVersion, WeightsAnnouncement, WeightsShard, encode, weights_object_name
 from echo.retention import expired_versions
-from streams.client import BROKER_ERRORS, LatestValue, Run, cancel_until_done, publish_once
+from streams.client import BROKER_ERRORS, Run, cancel_until_done, publish_once
+from streams.watch import LatestValue
 from streams.lease import Lease, current_epoch
 from streams.objects import TransferError, get_object, put_object, sha256_hex
 

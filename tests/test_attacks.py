@@ -23,7 +23,8 @@ from echo.protocol import (BODY_PART_MAX, BUDGET_KEY, CONFIG_KEY, HDR_BODY_PARTS
                            QUARANTINE_KEY, ROLLOUT_MESSAGE_MAX, SCHEDULE_KEY, SLOTS_KEY, TRAINER_KEY, GrantRequest,
                            LearnerStatus, SamplerStatus, Storage, WeightsAnnouncement, encode,
                            rollout_headers)
-from streams.client import BAD_VALUES, LatestValue, open_run
+from streams.client import open_run
+from streams.watch import BAD_VALUES, LatestValue
 from streams.grants import slots_granted
 from streams.lease import RENEW_S, AnotherTrainer, current_epoch, take_lease
 from streams.quarantine import change_quarantine, read_quarantine

@@ -24,7 +24,8 @@ from echo.policy import make_policy
 from echo.protocol import TRAINER_KEY, Storage, WeightsAnnouncement, encode, weights_object_name
 from echo.referee import Referee
 from echo.tasks import load_task
-from streams.client import LatestValue, retry_forever
+from streams.client import retry_forever
+from streams.watch import LatestValue
 from streams.lease import RENEW_S, AnotherTrainer, take_lease
 from streams.objects import put_object
 from streams.weights import WeightsPublisher

@@ -21,7 +21,8 @@ from echo.engines.base import Engine
 from echo.learner import set_threads
 from echo.protocol import PullRequest
 from echo.tasks import Task, load_task
-from streams.client import LatestValue, Run, open_run
+from streams.client import Run, open_run
+from streams.watch import LatestValue
 from streams.credentials import credentials_of
 from streams.grants import watch_budget
 from streams.registry import weights_relay

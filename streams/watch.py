@@ -1,0 +1,137 @@
+"""Reading what the run keeps on the broker, once or followed: a KV key's value (read_value),
+each new value of a state key (watch_forever), the newest message of a last-value subject
+(LatestValue). Followers poll with direct gets rather than make consumers: samplers may make
+none (streams/secure.py), and a restarted broker or relay leaves nothing to rebuild. A value that
+does not decode is said, counted (BAD_VALUES) and taken for absent, never fatal."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Awaitable, Callable, Generic, TypeVar
+
+import structlog
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+
+from echo.protocol import ProtocolError, decode
+from streams.client import BROKER_ERRORS, Run, cancel_until_done
+
+log = structlog.get_logger()
+
+M = TypeVar("M")
+
+POLL_S = 0.1  # how often a follower reads the newest value of what it follows
+BAD_VALUES: Counter[str] = Counter()  # values this process found malformed in the run's state, by key
+
+
+def bad_value(key: str, reason: str) -> None:
+    """A value that does not decode: said and counted, never fatal. Whoever reaches the broker
+    may have written it (a JetStream answer reflected into a key, a sampler's own key): a
+    reader takes it for absent and goes on."""
+    BAD_VALUES[key] += 1
+    log.warning("kv.bad_value", key=key, reason=reason[:200], seen=BAD_VALUES[key])
+
+
+async def read_value(kv: KeyValue, key: str, decode_value: Callable[[bytes], M]) -> tuple[M | None, int]:
+    """The key's value, decoded, and its revision: (None, 0) when there is none; (None, its
+    revision) when it does not decode (bad_value)."""
+    try:
+        entry = await kv.get(key)
+    except KeyNotFoundError:  # KeyDeletedError too
+        return None, 0
+    try:
+        return decode_value(entry.value or b""), entry.revision
+    except ValueError as e:  # ProtocolError, a JSON or number that does not parse
+        bad_value(key, str(e))
+        return None, entry.revision
+
+
+async def poll_newest(read: Callable[[], Awaitable[tuple[int, bytes] | None]],
+                      on_new: Callable[[int, bytes], Awaitable[None]], what: str) -> None:
+    """Forever, every POLL_S: `read()` the newest (revision or stream sequence, value) of what is
+    followed (None: none yet) and hand each newer one to `on_new`. No consumer: samplers may make
+    none (streams/secure.py). A broker restarting is said once and waited out."""
+    seen, failing = 0, False
+    while True:
+        try:
+            newest = await read()
+            failing = False
+        except BROKER_ERRORS as e:
+            if not failing:
+                log.warning("follow.read_failed", what=what, reason=repr(e))
+            failing, newest = True, None
+        if newest is not None and newest[0] > seen:
+            seen = newest[0]
+            await on_new(*newest)
+        await asyncio.sleep(POLL_S)
+
+
+async def watch_forever(run: Run, key: str, on_value: Callable[[bytes], None]) -> None:
+    """Call `on_value` with each new value of the state bucket's `key` (the current one first),
+    forever (poll_newest). A value `on_value` refuses (ProtocolError) is said, counted and
+    skipped: the next good one counts."""
+    async def read() -> tuple[int, bytes] | None:
+        try:
+            entry = await run.state.get(key)
+        except KeyNotFoundError:  # none yet, or deleted
+            return None
+        return entry.revision, entry.value or b""
+
+    async def take(_: int, value: bytes) -> None:
+        try:
+            on_value(value)
+        except ValueError as e:
+            bad_value(key, str(e))
+
+    await poll_newest(read, take, key)
+
+
+class LatestValue(Generic[M]):
+    """Follows one subject of the last-value control stream and holds its newest message.
+
+    It reads the subject's last message by direct get every POLL_S: a late joiner reads the
+    current value at once, a restarted broker or relay costs no consumer to rebuild, and it needs
+    no consumer at all (samplers may make none, streams/secure.py)."""
+
+    def __init__(
+        self, js: JetStreamContext, stream: str, subject: str, cls: type[M], on_error: Callable[[ProtocolError], None]
+    ):
+        self.js, self.stream, self.subject, self.cls, self.on_error = js, stream, subject, cls, on_error
+        self.value: M | None = None
+        self.seq = 0  # stream sequence of `value`: orders messages of any kind
+        self._changed = asyncio.Condition()
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> "LatestValue[M]":
+        self._task = asyncio.create_task(poll_newest(self._read, self._take, self.subject))
+        return self
+
+    async def _read(self) -> tuple[int, bytes] | None:
+        try:
+            # The stream is named: a relay's mirror has no subjects to look it up by.
+            msg = await self.js.get_msg(self.stream, subject=self.subject, direct=True)
+        except NotFoundError:  # nothing published yet
+            return None
+        return msg.seq, msg.data
+
+    async def _take(self, seq: int, data: bytes) -> None:
+        try:
+            value = decode(self.cls, data)
+        except ProtocolError as e:
+            self.on_error(e)
+            return
+        async with self._changed:
+            self.value, self.seq = value, seq
+            self._changed.notify_all()
+
+    async def wait_newer(self, seq: int) -> tuple[int, M]:
+        """Wait for a message later than stream sequence `seq`; return (its sequence, it)."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.seq > seq)
+            return self.seq, self.value
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            await cancel_until_done([self._task])
