@@ -18,52 +18,25 @@ produced. `replay` is the trainer's check of an episode a sampler sent.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import numpy as np
 
 from echo.protocol import Completion, Observation
 from echo.config import TaskConfig
-from echo.tasks import Prompt, Task, load_task, safe_reward
-
-
-@dataclass(frozen=True)
-class Step:
-    observation: list[dict]  # chat messages to append (empty when done)
-    reward: float  # in [0, 1]
-    done: bool
-
-
-class Episode(Protocol):
-    def step(self, action: str) -> Step: ...
-
-
-class Environment(Protocol):
-    name: str
-    max_turns: int
-
-    def prompt(self, index: int) -> Prompt: ...
-
-    def held_out(self, n: int) -> list[Prompt]: ...
-
-    def episode(self, prompt: Prompt) -> Episode: ...
-
-
-def plays_episodes(task) -> bool:
-    """Whether the config's task is an environment of its own (multi-turn), not a plain task."""
-    return hasattr(task, "episode")
+from echo.tasks import Environment, Episode, Prompt, Step, Task, load_task, safe_reward
 
 
 def load_environment(cfg: TaskConfig) -> Environment:
     """The config's task as an environment: one that plays episodes itself, or a task's one turn."""
     task = load_task(cfg)
-    return task if plays_episodes(task) else SingleTurn(task)
+    return task if task.environment else SingleTurn(task)
 
 
 class SingleTurn:
     """A task as a one-turn environment: its step scores the completion with the task's verifier."""
 
-    max_turns = 1
+    environment, max_turns = True, 1  # one turn
 
     def __init__(self, task: Task):
         self.task, self.name = task, task.name

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from echo.config import SamplingConfig
-from echo.environments import plays_episodes, replay
+from echo.environments import replay
 from echo.models import encode_chat
 from echo.protocol import RolloutGroup, RolloutLimits
 from echo.tasks import Task, safe_reward
@@ -80,7 +80,7 @@ class Referee:
             return Judgement("prompt_mismatch", [])
         rewards, errors = [], 0
         for completion in group.completions:
-            if plays_episodes(self.task):  # the episode played again with the sampler's actions
+            if self.task.environment:  # the episode played again with the sampler's actions
                 replayed = replay(self.task, self.tokenizer, prompt, completion, self.sampling.max_new_tokens)
                 if replayed.reason:
                     return Judgement(replayed.reason, [], lie=replayed.reason != "environment_error")

@@ -42,9 +42,11 @@ class Project:
 
     def __init__(self, folder: Path):
         self.dir, self.tool = folder, compose_tool()
-        self.env = {**os.environ, "COMPOSE_PROJECT_NAME": "echo-rl-test"}
+        # Docker's vfs storage (the only driver here) copies the whole image per container: on a
+        # busy machine one `create` outlasted compose's 60 s default for an answer from dockerd.
+        self.env = {**os.environ, "COMPOSE_PROJECT_NAME": "echo-rl-test", "COMPOSE_HTTP_TIMEOUT": "900"}
 
-    def __call__(self, *args: str, timeout: float = 300, check: bool = True) -> str:
+    def __call__(self, *args: str, timeout: float = 1200, check: bool = True) -> str:
         done = subprocess.run([*self.tool, *args], cwd=self.dir, env=self.env, capture_output=True, text=True,
                               timeout=timeout)
         if check and done.returncode:

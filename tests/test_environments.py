@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from echo.config import TaskConfig
+from echo.config import ConfigError, TaskConfig
 from echo.environments import EpisodeBuilder, SingleTurn, load_environment, observation_tokens, replay
 from echo.models import byte_tokenizer, encode_chat
 from echo.protocol import Observation
@@ -131,6 +131,23 @@ def test_the_documented_plug_in_environment_plays_and_replays(tmp_path):
     completion = episode.completion()
     assert episode.done and completion.reward == 1.0 and len(completion.observations) == 2
     assert replay(env, TOKENIZER, prompt, completion, 4096) == (1.0, None)
+
+
+def test_a_task_declares_whether_it_is_an_environment_and_a_mismatch_is_refused_at_start(tmp_path):
+    """Whether a task plays episodes is what it declares (`environment = True`), never guessed
+    from its methods: the documented environment without its declaration, or a plain task that
+    declares itself one, stops at start with the field named."""
+    text = (Path(__file__).parent.parent / "docs" / "operations.md").read_text()
+    guess = text[text.index("### Multi-turn environments"):].split("```python\n")[1].split("```")[0]
+    assert "environment = True" in guess
+    (tmp_path / "undeclared.py").write_text(guess.replace("    environment = True  # it plays episodes\n", ""))
+    with pytest.raises(ConfigError, match="environment = None but it plays episode"):
+        load_environment(TaskConfig(name=f"{tmp_path / 'undeclared.py'}:Guess"))
+    (tmp_path / "claims.py").write_text("from echo.tasks.math import Math\n\n\nclass Claims(Math):\n"
+                                        "    environment = True\n")
+    with pytest.raises(ConfigError, match="environment = True but it has no episode"):
+        load_environment(TaskConfig(name=f"{tmp_path / 'claims.py'}:Claims"))
+    assert not load_environment(TaskConfig(name="math")).task.environment  # a plain task, one turn
 
 
 def test_a_calculator_call_is_answered_and_a_lie_about_its_result_is_refused():

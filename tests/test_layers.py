@@ -74,3 +74,10 @@ def test_no_test_module_imports_another():
     wrong = {f.name: found for f in sorted((ROOT / "tests").glob("test_*.py"))
              if (found := re.findall(r"^\s*(?:from|import) (tests\.test_\w+)", f.read_text(), re.M))}
     assert wrong == {}
+
+
+def test_tasks_sit_below_the_environments_that_play_them():
+    """echo/environments.py plays what echo/tasks/ defines (Step, Environment live in echo.tasks):
+    no task module imports it back."""
+    back = [f.name for f in (ROOT / "echo" / "tasks").glob("*.py") if "echo.environments" in f.read_text()]
+    assert back == []

@@ -51,6 +51,7 @@ class Score:
 
 class Task(Protocol):
     name: str
+    environment: bool  # False: a plain task (one completion, scored); True: an Environment
 
     def prompt(self, index: int) -> Prompt:
         """The training prompt at `index` (any non-negative integer)."""
@@ -59,6 +60,33 @@ class Task(Protocol):
         """Up to n evaluation prompts, disjoint from every training prompt."""
 
     def score(self, completion: str, prompt: Prompt) -> Score: ...
+
+
+@dataclass(frozen=True)
+class Step:
+    """What an environment answers a model's turn (echo/environments.py)."""
+
+    observation: list[dict]  # chat messages to append (empty when done)
+    reward: float  # in [0, 1]
+    done: bool
+
+
+class Episode(Protocol):
+    def step(self, action: str) -> Step: ...
+
+
+class Environment(Protocol):
+    """A multi-turn task: it declares `environment = True` and plays episodes (echo/environments.py)."""
+
+    name: str
+    environment: bool
+    max_turns: int
+
+    def prompt(self, index: int) -> Prompt: ...
+
+    def held_out(self, n: int) -> list[Prompt]: ...
+
+    def episode(self, prompt: Prompt) -> Episode: ...
 
 
 def safe_reward(task: Task, completion: str, prompt: Prompt) -> float | None:
@@ -80,6 +108,7 @@ class GeneratedTask:
     """Base for tasks whose problems come from a seeded generator."""
 
     name: str
+    environment = False
 
     def generate(self, rng: random.Random) -> tuple[list[dict], str]:
         """(messages, answer) of one problem drawn with rng."""
@@ -148,4 +177,12 @@ def task_class(name: str) -> type:
 
 
 def load_task(cfg: TaskConfig) -> Task:
-    return task_class(cfg.name)(cfg.params)
+    cls = task_class(cfg.name)
+    declared, plays = getattr(cls, "environment", None), callable(getattr(cls, "episode", None))
+    if declared is None and not plays:
+        declared = cls.environment = False  # a plain task need not say so
+    if declared != plays:
+        raise ConfigError(f"task.name {cfg.name!r}: environment = {declared} but it "
+                          f"{'plays' if plays else 'has no'} episode(): an environment declares environment = True "
+                          "and plays episodes; a plain task does neither")
+    return cls(cfg.params)

@@ -18,8 +18,7 @@ import orjson
 from math_verify import parse, verify
 from pydantic import BaseModel, ConfigDict, Field
 
-from echo.environments import Step
-from echo.tasks import GeneratedTask, Prompt, Score, is_held_out, parse_params
+from echo.tasks import GeneratedTask, Prompt, Score, Step, is_held_out, parse_params
 
 # Its timeouts are off on purpose (Math.score): its warning that they are, once per process, is noise.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -172,6 +171,7 @@ class MathTools(Math):
     scored as the `math` task scores it; a turn with neither is told what it may do."""
 
     name = "math_tools"
+    environment = True
     params_model = ToolParams
     instruction = TOOL_INSTRUCTION
 

@@ -13,8 +13,7 @@ from collections import deque
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from echo.config import ConfigError
-from echo.environments import Step
-from echo.tasks import GeneratedTask, Prompt, Score, parse_params
+from echo.tasks import GeneratedTask, Prompt, Score, Step, parse_params
 
 MOVES = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
 
@@ -182,6 +181,7 @@ class SokobanGame(Sokoban):
     the board again."""
 
     name = "sokoban_game"
+    environment = True
 
     def __init__(self, params: dict):
         self.p = parse_params(GameParams, params)
