@@ -26,7 +26,7 @@ REPEAT_LOGPROB = -18.42  # ln(1e-8)
 
 
 @dataclass(frozen=True)
-class Judgement:
+class Ruling:
     reason: str | None  # why the group is rejected, or None
     rewards: list[float]  # the trainer's rewards, one per completion
     reward_mismatch: bool = False  # the sampler claimed other rewards
@@ -73,17 +73,17 @@ class Referee:
                     return "bad_finish_reason"
         return None
 
-    def score(self, group: RolloutGroup) -> Judgement:
+    def score(self, group: RolloutGroup) -> Ruling:
         """Check the prompt is the task's and recompute the rewards. Run on groups to be used."""
         prompt = self.task.prompt(group.prompt_index)
         if not np.array_equal(encode_chat(self.tokenizer, prompt.messages), group.prompt_token_ids):
-            return Judgement("prompt_mismatch", [])
+            return Ruling("prompt_mismatch", [])
         rewards, errors = [], 0
         for completion in group.completions:
             if self.task.environment:  # the episode played again with the sampler's actions
                 replayed = replay(self.task, self.tokenizer, prompt, completion, self.sampling.max_new_tokens)
                 if replayed.reason:
-                    return Judgement(replayed.reason, [], lie=replayed.reason != "environment_error")
+                    return Ruling(replayed.reason, [], lie=replayed.reason != "environment_error")
                 reward = replayed.reward
             else:
                 text = self.tokenizer.decode(completion.token_ids.tolist(), skip_special_tokens=True)
@@ -91,7 +91,7 @@ class Referee:
                 errors += reward is None
             rewards.append(reward or 0.0)
         mismatch = any(abs(r - c.reward) > 1e-6 for r, c in zip(rewards, group.completions))
-        return Judgement(None, rewards, mismatch, errors)
+        return Ruling(None, rewards, mismatch, errors)
 
 
 def completion_keys(group: RolloutGroup) -> list[int]:

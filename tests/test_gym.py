@@ -93,9 +93,9 @@ def test_the_trainer_recomputes_the_rewards_with_the_datasets_verifier():
         liar = honest_group(index, [right, "<answer>no</answer>", right.removeprefix("<answer>")], of_task=COMPOSITE,
                             rewards=[0.0, 1.0, 1.0])
         assert referee.malformed(liar) is None
-        judgement = referee.score(liar)
-        assert judgement.reason is None and judgement.reward_mismatch
-        assert judgement.rewards == [1.0, 0.0, 0.0]  # format_reward 0: a wrong or untagged answer earns nothing
+        ruling = referee.score(liar)
+        assert ruling.reason is None and ruling.reward_mismatch
+        assert ruling.rewards == [1.0, 0.0, 0.0]  # format_reward 0: a wrong or untagged answer earns nothing
     assert sources == {"chain_sum", "largest_island"}  # both of the composite's generators
     other = honest_group(1, ["a", "b", "c"], of_task=COMPOSITE, rewards=[0.0] * 3)
     assert referee.score(other.model_copy(update={"prompt_index": 2})).reason == "prompt_mismatch"

@@ -13,9 +13,9 @@ EOS = TOKENIZER.eos_token_id
 def test_an_honest_group_passes_with_the_verifiers_rewards():
     group = honest_group()
     assert REFEREE.malformed(group) is None
-    judgement = REFEREE.score(group)
-    assert judgement.reason is None and not judgement.reward_mismatch
-    assert judgement.rewards == [1.0, 0.1]
+    ruling = REFEREE.score(group)
+    assert ruling.reason is None and not ruling.reward_mismatch
+    assert ruling.rewards == [1.0, 0.1]
 
 
 @pytest.mark.parametrize(
@@ -43,8 +43,8 @@ def test_a_prompt_that_is_not_the_tasks_is_refused():
 
 def test_claimed_rewards_are_replaced_and_the_lie_counted():
     liar = with_completion(with_completion(reward=0.0), i=1, reward=1.0)  # right called wrong, and back
-    judgement = REFEREE.score(liar)
-    assert judgement.reward_mismatch and judgement.rewards == [1.0, 0.1]
+    ruling = REFEREE.score(liar)
+    assert ruling.reward_mismatch and ruling.rewards == [1.0, 0.1]
 
 
 def test_rewards_come_from_the_tokens_not_the_claimed_text():
@@ -58,8 +58,8 @@ def test_a_verifier_that_raises_costs_the_completion_not_the_run():
             raise RuntimeError("bug in a user's task")
 
     referee = Referee(Broken({}), TOKENIZER, len(TOKENIZER), SAMPLING)
-    judgement = referee.score(honest_group())
-    assert judgement.rewards == [0.0, 0.0] and judgement.verifier_errors == 2
+    ruling = referee.score(honest_group())
+    assert ruling.rewards == [0.0, 0.0] and ruling.verifier_errors == 2
 
 
 def test_a_reward_outside_0_1_counts_as_a_verifier_error():
@@ -67,8 +67,8 @@ def test_a_reward_outside_0_1_counts_as_a_verifier_error():
         def score(self, completion, prompt):
             return Score(2.0, True, True)
 
-    judgement = Referee(Generous({}), TOKENIZER, len(TOKENIZER), SAMPLING).score(honest_group())
-    assert judgement.rewards == [0.0, 0.0] and judgement.verifier_errors == 2
+    ruling = Referee(Generous({}), TOKENIZER, len(TOKENIZER), SAMPLING).score(honest_group())
+    assert ruling.rewards == [0.0, 0.0] and ruling.verifier_errors == 2
 
 
 def test_the_same_completions_under_a_new_id_have_the_same_content_hash():

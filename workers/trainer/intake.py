@@ -21,7 +21,7 @@ from echo.consumed import ConsumedSeqs
 from echo.protocol import ProtocolError, RolloutGroup, decode_rollout
 from echo.proof import SamplingProof
 from echo.referee import Referee, completion_keys, content_hash, repeats
-from echo.staleness import Verdict, judge
+from echo.staleness import Freshness, freshness
 from streams.inbox import Delivery, RolloutInbox
 from workers.trainer.quarantine import Quarantined
 
@@ -101,13 +101,13 @@ class Judge:
         newest = group.newest_version  # a partial rollout's last tokens: the rest may be older
         if group.epoch < timeline.epoch and newest > timeline.resumed_from:
             return reject(out, "discarded_timeline", f"version {newest} of epoch {group.epoch}")
-        verdict = judge(newest, version, timeline.max_staleness)
+        fresh = freshness(newest, version, timeline.max_staleness)
         begun_within = timeline.max_staleness if timeline.begun_within is None else timeline.begun_within
-        if verdict is Verdict.USE and group.policy_version < version - begun_within:
-            verdict = Verdict.STALE  # begun too long ago: the proof of sampling could not read it
-        if verdict is Verdict.FUTURE:
+        if fresh is Freshness.USE and group.policy_version < version - begun_within:
+            fresh = Freshness.STALE  # begun too long ago: the proof of sampling could not read it
+        if fresh is Freshness.FUTURE:
             return reject(out, "future_version", f"{newest} > {version}")
-        if verdict is Verdict.STALE:
+        if fresh is Freshness.STALE:
             out.dropped[version - newest] += 1
             out.dropped_ids.append(group.group_id)
             out.dropped_tokens += sum(len(c.token_ids) for c in group.completions)
