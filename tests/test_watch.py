@@ -1,0 +1,34 @@
+"""The run's keys read and followed against a real nats-server (streams/watch.py): a bad or
+misnamed value is skipped, never fatal, and the next good one followed."""
+
+import asyncio
+
+from echo.protocol import SCHEDULE_KEY, SamplerStatus, Schedule, encode
+from streams.registry import put_status, read_statuses
+from streams.schedule import publish_schedule, watch_schedule
+
+
+async def test_a_bad_or_misnamed_heartbeat_is_skipped_not_fatal(runs):
+    """A sampler's credentials let it write its own heartbeat key, with any value: garbage, or a
+    status naming another sampler. Readers (the scheduler, `echo-rl status`) skip both."""
+
+    run = await runs.open("beats", "trainer")
+    honest = SamplerStatus(sampler_id="s1", version=0, groups_published=0, weight_failures={}, updated_at=0.0)
+    await put_status(run, honest)
+    await run.registry.put("s2", b"junk")
+    await run.registry.put("s0", encode(honest))  # s0 speaking for s1
+    assert await read_statuses(run) == [honest]
+
+
+async def test_a_bad_schedule_value_is_skipped_and_the_next_good_one_followed(runs):
+    run = await runs.open("schedule", "trainer")
+    seen = asyncio.Queue()
+    watching = asyncio.create_task(watch_schedule(run, seen.put_nowait))
+    await run.state.put(SCHEDULE_KEY, b"junk")
+    schedule = Schedule(active=["s1"], standby=["s2"], predicted_utilisation=0.5, cost_per_step=1.0, why="test",
+                        updated_at=0.0)
+    await publish_schedule(run, schedule)
+    async with asyncio.timeout(10):
+        assert await seen.get() == schedule
+    assert not watching.done()
+    watching.cancel()
