@@ -2,9 +2,10 @@
 activation saves. Each fleet is a real trainer and real samplers on the tiny model, joined by a
 nats-server, the samplers slowed to different speeds (`sampler.throttle_s`, a pause per group)
 and given costs (`sampler.cost_per_hour`). After the run the model predicts the learner's
-utilisation from what the registry measured (each sampler's rates and sync times, the trainer's
-step time) and is compared with the utilisation the trainer measured over the second half of
-the run (busy / (busy + waiting for groups)). Cost per step: the active samplers' cost per hour
+utilisation from what was measured over the second half of the run (each sampler's rates and
+sync times as its heartbeats said them then, read every second; the trainer's step time) and is
+compared with the utilisation the trainer measured over the same steps (busy / (busy + waiting
+for groups)). Cost per step: the active samplers' cost per hour
 times the measured seconds per step.
 
     .venv/bin/python -m bench.scheduling [--steps 24]
@@ -19,16 +20,19 @@ import asyncio
 import os
 import subprocess
 import tempfile
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from statistics import mean
 
 import orjson
 
 from bench.common import write_results
-from echo.capacity import LearnerPace, utilisation
+from echo.capacity import LearnerPace, SamplerPace, utilisation
 from echo.checkpoint import read_metrics
 from echo.config import validate_config
+from echo.protocol import SamplerStatus
 from streams.client import open_run
 from streams.registry import read_learner, read_statuses
 from streams.server import NatsServer
@@ -73,6 +77,34 @@ async def _registry(url: str, run_id: str):
         await run.close()
 
 
+async def _follow(trainer: subprocess.Popen, url: str, run_id: str, run_dir: Path,
+                  timeout: float) -> list[tuple[int, list[SamplerStatus]]]:
+    """Until the trainer exits (TimeoutError after `timeout`): every second, the steps it has
+    finished and the registry's statuses then."""
+    samples = []
+    async with asyncio.timeout(timeout):
+        run = await open_run(url, run_id, "bench", create=False)
+        try:
+            while trainer.poll() is None:
+                samples.append((len(read_metrics(run_dir)), await read_statuses(run)))
+                await asyncio.sleep(1.0)
+        finally:
+            await run.close()
+    return samples
+
+
+def window_paces(window: list[list[SamplerStatus]], ids: list[str]) -> list[SamplerPace]:
+    """Each of `ids` as the capacity model's sampler, its rates the mean of what its heartbeats
+    said over `window` (registry readings), leaving out readings before its first call."""
+    paces = []
+    for sampler_id in ids:
+        seen = [sampler_pace(s) for beats in window for s in beats if s.sampler_id == sampler_id and s.groups_per_s > 0]
+        if seen:
+            paces.append(replace(seen[-1], groups_per_s=mean(p.groups_per_s for p in seen),
+                                 sync_s=mean(p.sync_s for p in seen), call_s=mean(p.call_s for p in seen)))
+    return paces
+
+
 def run_fleet(work_dir: Path, samplers: list[FleetSampler], steps: int, scheduler: bool = False,
               target: float = 0.9, step_throttle_s: float = 0.0, timeout: float = 240) -> dict:
     """One run of a fleet: measured utilisation and cost per step, and the model's prediction.
@@ -88,19 +120,29 @@ def run_fleet(work_dir: Path, samplers: list[FleetSampler], steps: int, schedule
         workers = [subprocess.Popen(worker_command(
             ["sampler", *common, "--id", s.id, "--set", f"sampler.throttle_s={s.throttle_s}",
              "--set", f"sampler.cost_per_hour={s.cost_per_hour}"]), stderr=subprocess.DEVNULL) for s in samplers]
+        log_parts: list[str] = []
+        reader = threading.Thread(target=lambda: log_parts.append(trainer.stderr.read()), daemon=True)
+        reader.start()
         try:
             try:
-                logs = trainer.communicate(timeout=timeout)[1]
-            except subprocess.TimeoutExpired:
+                samples = asyncio.run(_follow(trainer, server.url, run_id, cfg.run_dir, timeout))
+            except TimeoutError:
                 trainer.kill()
-                raise RuntimeError(f"the run did not finish in {timeout} s: {trainer.communicate()[1][-3000:]}") from None
-            if trainer.returncode != 0:
+                reader.join()
+                raise RuntimeError(f"the run did not finish in {timeout} s: {''.join(log_parts)[-3000:]}") from None
+            reader.join()
+            logs = "".join(log_parts)
+            if trainer.wait() != 0:
                 raise RuntimeError(f"the trainer failed: {logs[-2000:]}")
             pace, statuses = asyncio.run(_registry(server.url, run_id))
         finally:
             stop_processes([trainer, *workers])
     metrics = read_metrics(cfg.run_dir)
     later = metrics[len(metrics) // 2:]
+    # The samplers' rates over the same steps as the learner's measured utilisation: a machine
+    # whose load changes during the run changes the rates, and the last heartbeat's window alone
+    # would describe another stretch of the run than the one measured.
+    window = [beats for steps, beats in samples if steps >= len(metrics) // 2] or [statuses]
     busy, wait = sum(m["busy_seconds"] for m in later), sum(m["wait_seconds"] for m in later)
     choices = [event for event in map(_json_line, logs.splitlines()) if event.get("event") == "scheduler.chose"]
     # The scheduler's last choice, not the samplers' own states: once the trainer says the run
@@ -121,7 +163,7 @@ def run_fleet(work_dir: Path, samplers: list[FleetSampler], steps: int, schedule
                                     "sync_s": round(sum(s.sync_s.values()) / max(len(s.sync_s), 1), 4)}
                      for s in statuses},
         "step_s": round(learner.step_s, 3),
-        "predicted_utilisation": round(utilisation(learner, [sampler_pace(s) for s in active if s.groups_per_s > 0]), 3),
+        "predicted_utilisation": round(utilisation(learner, window_paces(window, [s.sampler_id for s in active])), 3),
         "measured_utilisation": round(busy / (busy + wait), 3),
         "seconds_per_step": round(seconds_per_step, 3),
         "cost_per_hour": hourly,
