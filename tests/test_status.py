@@ -30,8 +30,13 @@ def test_status_shows_the_trainer_and_every_sampler_of_a_live_swarm(tmp_path):
             steps += "step=" in line
             if steps == 3:
                 break
-        time.sleep(1.0)  # two heartbeats since: each sampler's entry names the weights it runs
-        snap = orjson.loads(_status(tmp_path / "live", "--json"))
+        deadline = time.monotonic() + 60
+        # Until each sampler's heartbeat names the weights it runs and what it published.
+        while not all(s["lag"] is not None and s["groups_published"] > 0 and s["state"] == "active"
+                      for s in (snap := orjson.loads(_status(tmp_path / "live", "--json")))["samplers"]) \
+                or len(snap["samplers"]) < 2:
+            assert time.monotonic() < deadline, snap
+            time.sleep(0.2)
         trainer = snap["trainer"]
         assert trainer["epoch"] >= 1 and trainer["step"] >= 1 and trainer["version"] == trainer["step"]
         assert len(trainer["rewards"]) >= 1 and 0 < trainer["learner_busy"] <= 1
