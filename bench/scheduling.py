@@ -93,15 +93,18 @@ async def _follow(trainer: subprocess.Popen, url: str, run_id: str, run_dir: Pat
     return samples
 
 
-def window_paces(window: list[list[SamplerStatus]], ids: list[str]) -> list[SamplerPace]:
-    """Each of `ids` as the capacity model's sampler, its rates the mean of what its heartbeats
-    said over `window` (registry readings), leaving out readings before its first call."""
+def window_paces(window: list[list[SamplerStatus]]) -> list[SamplerPace]:
+    """The samplers as the capacity model's, over `window` (registry readings): each one's rates
+    the mean of what its heartbeats said while it was active, its delivery scaled by the share of
+    the readings in which it was (the scheduler may switch sets as the measured rates drift)."""
     paces = []
-    for sampler_id in ids:
-        seen = [sampler_pace(s) for beats in window for s in beats if s.sampler_id == sampler_id and s.groups_per_s > 0]
-        if seen:
-            paces.append(replace(seen[-1], groups_per_s=mean(p.groups_per_s for p in seen),
-                                 sync_s=mean(p.sync_s for p in seen), call_s=mean(p.call_s for p in seen)))
+    for sampler_id in sorted({s.sampler_id for beats in window for s in beats}):
+        active = [sampler_pace(s) for beats in window for s in beats
+                  if s.sampler_id == sampler_id and s.state == "active" and s.groups_per_s > 0]
+        if active:
+            share = len(active) / len(window)
+            paces.append(replace(active[-1], groups_per_s=share * mean(p.groups_per_s for p in active),
+                                 sync_s=mean(p.sync_s for p in active), call_s=mean(p.call_s for p in active)))
     return paces
 
 
@@ -142,7 +145,9 @@ def run_fleet(work_dir: Path, samplers: list[FleetSampler], steps: int, schedule
     # The samplers' rates over the same steps as the learner's measured utilisation: a machine
     # whose load changes during the run changes the rates, and the last heartbeat's window alone
     # would describe another stretch of the run than the one measured.
-    window = [beats for steps, beats in samples if steps >= len(metrics) // 2] or [statuses]
+    # (Readings once the last step is done are left out: the samplers then say the run finished.)
+    window = ([beats for steps, beats in samples if len(metrics) // 2 <= steps < len(metrics)]
+              or [beats for steps, beats in samples if steps < len(metrics)][-1:])  # a run shorter than a reading
     busy, wait = sum(m["busy_seconds"] for m in later), sum(m["wait_seconds"] for m in later)
     choices = [event for event in map(_json_line, logs.splitlines()) if event.get("event") == "scheduler.chose"]
     # The scheduler's last choice, not the samplers' own states: once the trainer says the run
@@ -163,7 +168,7 @@ def run_fleet(work_dir: Path, samplers: list[FleetSampler], steps: int, schedule
                                     "sync_s": round(sum(s.sync_s.values()) / max(len(s.sync_s), 1), 4)}
                      for s in statuses},
         "step_s": round(learner.step_s, 3),
-        "predicted_utilisation": round(utilisation(learner, window_paces(window, [s.sampler_id for s in active])), 3),
+        "predicted_utilisation": round(utilisation(learner, window_paces(window)), 3),
         "measured_utilisation": round(busy / (busy + wait), 3),
         "seconds_per_step": round(seconds_per_step, 3),
         "cost_per_hour": hourly,
