@@ -115,10 +115,10 @@ def trainer_ready_steps(p: Project) -> list[int]:
     return [int(line.split(" step=")[1].split()[0]) for line in lines if "trainer.ready" in line]
 
 
-@pytest.mark.timeout(1800)  # the first build installs the project's dependencies into the image
+@pytest.mark.timeout(3600)  # the first build installs the project's dependencies into the image (vfs: 20 min on a busy 2-core box)
 def test_the_readme_compose_swarm_trains_grows_resumes_and_runs_open(project, tmp_path):
     p = project
-    p("build", timeout=1200)
+    p("build", timeout=2400)
 
     # `docker compose up`: secured; watched from outside with the observer's credentials.
     p("up", "--detach")
