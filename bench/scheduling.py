@@ -64,7 +64,10 @@ def fleet_config(run_dir: Path, run_id: str, steps: int, scheduler: bool, target
         "lora": {"r": 4, "alpha": 8.0},
         "sampling": {"group_size": 4, "max_new_tokens": 8, "prompts_per_call": 2},
         "trainer": {"groups_per_step": 4, "max_staleness": 1, "threads": 1, "throttle_s": step_throttle_s},
-        "sampler": {"threads": 1, "heartbeat_s": 0.5, "entry_ttl_s": 3},
+        # Rates over the last few seconds (the default minute is longer than these runs): what
+        # the heartbeats say then follows a load that changes, and their readings over the
+        # measured steps describe those steps.
+        "sampler": {"threads": 1, "heartbeat_s": 0.5, "entry_ttl_s": 3, "rate_window_s": 3.0},
         "scheduler": {"enabled": scheduler, "target_utilisation": target, "every_s": 1.0},
     })
 
