@@ -12,8 +12,8 @@ from typing import Awaitable, Callable
 
 import structlog
 
-from echo.protocol import (BUDGET_KEY, GRANT_TIMEOUT_S, SLOTS_KEY, AdmissionBudget, Grant, GrantRequest, ProtocolError,
-                           decode, encode, subject_sampler)
+from echo.protocol import (BUDGET_KEY, GRANT_TIMEOUT_S, SLOTS_KEY, SLOTS_KEY_BEFORE_14, AdmissionBudget, Grant,
+                           GrantRequest, ProtocolError, decode, encode, subject_sampler)
 from streams.client import BROKER_ERRORS, Run
 from streams.watch import read_value, watch_forever
 
@@ -82,7 +82,11 @@ async def watch_budget(run: Run, changed: asyncio.Event) -> None:
 
 async def slots_granted(run: Run) -> int:
     """Slots granted so far: a restarted trainer numbers its grants on from there."""
-    return (await read_value(run.state, SLOTS_KEY, int))[0] or 0
+    for key in (SLOTS_KEY, SLOTS_KEY_BEFORE_14):
+        granted = (await read_value(run.state, key, int))[0]
+        if granted is not None:
+            return granted
+    return 0
 
 
 async def record_slots_granted(run: Run, granted: int) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from echo.admission import GrantLedger, Heartbeats, allowance, lost_slots, sampler_cap
 from echo.checkpoint import TrainerState
-from echo.protocol import GRANT_TIMEOUT_S, SCHEMA_VERSION, Grant, GrantRequest, SamplerStatus, decode, encode
+from echo.protocol import GRANT_TIMEOUT_S, SCHEMA_VERSION, SLOTS_KEY_BEFORE_14, Grant, GrantRequest, SamplerStatus, decode, encode
 from streams.grants import record_slots_granted, slots_granted
 from streams.grants import request_grant, serve_grants
 from streams.lease import take_lease
@@ -144,7 +144,7 @@ def test_a_heartbeat_that_stops_changing_is_silent_by_this_clock():
     assert beats.silent_for("a", now=112.0) == 1.0
 
 
-ASK_AGAIN = {"schema_version": SCHEMA_VERSION, "leases": [], "more": True}  # nothing now, ask again soon ("leases": the slots, as schema 9 names them)
+ASK_AGAIN = {"schema_version": SCHEMA_VERSION, "slots": [], "more": True}  # nothing now, ask again soon
 
 
 async def _admission_at_version_0(runs, run_id: str, cfg):
@@ -160,6 +160,15 @@ async def _admission_at_version_0(runs, run_id: str, cfg):
 def _ask(run, sampler_id, epoch, version, want=2, pull_request_id=None):
     request = GrantRequest(want=want, epoch=epoch, version=version, pull_request_id=pull_request_id)
     return request_grant(run, sampler_id, request)
+
+
+async def test_a_run_begun_before_schema_14_numbers_its_slots_on_from_the_old_key(runs):
+    run = await runs.open("renamed", "trainer")
+    assert await slots_granted(run) == 0
+    await run.state.put(SLOTS_KEY_BEFORE_14, b"8")  # what a schema-13 trainer recorded
+    assert await slots_granted(run) == 8
+    await record_slots_granted(run, 12)
+    assert await slots_granted(run) == 12
 
 
 async def test_grants_never_pass_the_cap_however_many_samplers_race(runs, tmp_path):
@@ -210,7 +219,7 @@ async def test_sequential_groups_are_granted_once_and_only_for_the_current_reque
     grants = await asyncio.gather(*(_ask(sampler, f"s{i}", lease.epoch, 0, 4, request.request_id) for i in range(3)))
     assert sum(g.groups for g in grants) == 6  # in arrival order: the first alone may get its whole want
     assert (await _ask(sampler, "s0", lease.epoch, 0, 4, request.request_id)).model_dump() == {
-        "schema_version": SCHEMA_VERSION, "leases": [], "more": False}
+        "schema_version": SCHEMA_VERSION, "slots": [], "more": False}
     assert sorted(slot for g in grants for slot in g.slots) == list(range(1, 7))
     await asyncio.sleep(0.1)
     keeper = next(f"s{i}" for i, g in enumerate(grants) if g.slots)

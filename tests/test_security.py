@@ -21,6 +21,7 @@ from echo.protocol import (
     HDR_MSG_ID,
     HUB_DOMAIN,
     SLOTS_KEY,
+    SLOTS_KEY_BEFORE_14,
     TRAINER_CONSUMER,
     TRAINER_KEY,
     RunNames,
@@ -217,6 +218,7 @@ async def test_a_sampler_cannot_touch_what_the_trainer_owns(secured, runs):
         js.publish(f"$KV.{names.state_bucket}.samplers.s2", b"{}"),
         js.publish(f"$KV.{names.registry_bucket}.s2", b"{}"),  # another's heartbeat
         js.publish(f"$KV.{names.state_bucket}.{SLOTS_KEY}", b"1000000"),  # starve the others of slots
+        js.publish(f"$KV.{names.state_bucket}.{SLOTS_KEY_BEFORE_14}", b"1000000"),  # as a resumed run reads it
         nc.request(names.grants_subject("s2"), b"{}", timeout=1.0),  # ask for work as another sampler
         js.publish(names.weights_subject, forged),
         js.publish(names.weights_subject, forged, headers={HDR_MSG_ID: "weights-1"}),
