@@ -24,13 +24,13 @@ import numpy as np
 
 from echo.protocol import Completion, Observation
 from echo.config import TaskConfig
-from echo.tasks import Environment, Episode, Prompt, Step, Task, load_task, safe_reward
+from echo.tasks import Environment, Episode, Prompt, Step, Task, is_environment, load_task, safe_reward
 
 
 def load_environment(cfg: TaskConfig) -> Environment:
     """The config's task as an environment: one that plays episodes itself, or a task's one turn."""
     task = load_task(cfg)
-    return task if task.environment else SingleTurn(task)
+    return task if is_environment(task) else SingleTurn(task)
 
 
 class SingleTurn:

@@ -15,7 +15,7 @@ from echo.config import SamplingConfig
 from echo.environments import replay
 from echo.models import encode_chat
 from echo.protocol import RolloutGroup, RolloutLimits
-from echo.tasks import Task, safe_reward
+from echo.tasks import Task, is_environment, safe_reward
 
 
 # A completion drawn twice is plausible only if it was likely: the chance that two samples agree
@@ -80,7 +80,7 @@ class Referee:
             return Ruling("prompt_mismatch", [])
         rewards, errors = [], 0
         for completion in group.completions:
-            if self.task.environment:  # the episode played again with the sampler's actions
+            if is_environment(self.task):  # the episode played again with the sampler's actions
                 replayed = replay(self.task, self.tokenizer, prompt, completion, self.sampling.max_new_tokens)
                 if replayed.reason:
                     return Ruling(replayed.reason, [], lie=replayed.reason != "environment_error")

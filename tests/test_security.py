@@ -19,7 +19,6 @@ from echo.protocol import (
     BUDGET_KEY,
     CONFIG_KEY,
     HDR_MSG_ID,
-    HUB_DOMAIN,
     SLOTS_KEY,
     SLOTS_KEY_BEFORE_14,
     TRAINER_CONSUMER,

@@ -32,15 +32,15 @@ from streams.lease import Lease, take_lease
 from streams.registry import put_learner, read_learner
 from streams.run_config import publish_run_config
 from streams.weights import WeightsPublisher
-from workers.trainer.accounting import (RecentSteps, account, count_abandoned, count_consumed, count_evicted,
-                                        finished_record, metrics_line, restore_metrics, step_record, summarize)
+from workers.trainer.accounting import (RecentSteps, count_abandoned, count_consumed, finished_record, metrics_line,
+                                        restore_metrics, settle, step_record, summarize)
 from workers.background import Background
 from workers.trainer.coordinator import Coordinator
 from workers.trainer.dispatch import Dispatch, dispatch_for
 from workers.trainer.intake import Collector, Judge, Timeline
 from workers.trainer.quarantine import Quarantined
 from workers.trainer.model import Ranks, TrainerModel
-from workers.trainer.step import Step
+from workers.trainer.step import TrainerStep
 
 log = structlog.get_logger()
 
@@ -121,7 +121,7 @@ class Trainer:
         process_started = time.perf_counter()
         with open(cfg.run_dir / "metrics.jsonl", "ab") as metrics_file:
             for number in range(state.step + 1, cfg.run.steps + 1):
-                step = Step(number, process_started)
+                step = TrainerStep(number, process_started)
                 with step.phase("collect"):
                     await retry_forever("ask for groups", lambda: self.dispatch.ask(state.version))
                     step.collected = await self.collector.collect(cfg.trainer.groups_per_step, state.version,
@@ -138,7 +138,7 @@ class Trainer:
                 write_metrics(metrics_file, record, step)
         await mark_finished(self.run)
 
-    async def checkpoint(self, step: Step) -> None:
+    async def checkpoint(self, step: TrainerStep) -> None:
         """The step, what it consumed and trained, and its metrics, on disk before anything of it is acked."""
         state, used = self.model.state, step.collected.used
         state.step, state.version = step.number, state.version + 1
@@ -152,13 +152,11 @@ class Trainer:
         await asyncio.to_thread(self.model.save, state)
         self.lease.check()
 
-    async def account(self, step: Step) -> dict:
+    async def account(self, step: TrainerStep) -> dict:
         """The step's groups acked (only now: the step that consumed them is checkpointed), every
         message counted, the learner's pace published; the step's finished record."""
-        state, inbox, consumed = self.model.state, self.inbox, self.collector.consumed
-        unconfirmed = await inbox.ack_held()
-        state.totals = await retry_forever("count evicted", lambda: count_evicted(inbox, consumed, state.totals))
-        accounting = await retry_forever("account", lambda: account(inbox, state.totals, consumed, unconfirmed))
+        state = self.model.state
+        state.totals, accounting = await settle(self.inbox, self.collector.consumed, state.totals)
         record = finished_record(step, accounting)
         status = self.recent.add(record, state.version)
         await retry_forever("learner status", lambda: put_learner(self.run, status))
@@ -166,7 +164,7 @@ class Trainer:
         return record
 
 
-def write_metrics(metrics_file, record: dict, step: Step) -> None:
+def write_metrics(metrics_file, record: dict, step: TrainerStep) -> None:
     record = {**record, "phase_seconds": {name: round(s, 4) for name, s in step.seconds.items()}}
     metrics_file.write(metrics_line(record))
     metrics_file.flush()
