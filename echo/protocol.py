@@ -70,7 +70,7 @@ OBJ_HDR_EPOCH = "trainer-epoch"
 TRAINER_CONSUMER = "trainer"
 # Keys of the run's state bucket.
 CONFIG_KEY = "config"  # the run's config, JSON: an edge sampler needs only the URL and the run id
-BUDGET_KEY = "budget"  # async mode's AdmissionBudget, written by the trainer
+BUDGET_KEY = "budget"  # async mode's GrantBudget, written by the trainer
 TRAINER_KEY = "trainer"  # the TrainerLease: which trainer incarnation (epoch) owns the run
 SLOTS_KEY = "slots"  # the number of slots granted so far (the trainer's, kept across restarts)
 SLOTS_KEY_BEFORE_14 = "leases"  # its name before schema 14, read when a run that began earlier resumes
@@ -413,7 +413,7 @@ class TrainerLease(_Message):
     released: bool = False  # a trainer that stopped cleanly: the next may start at once
 
 
-class AdmissionBudget(_Message):
+class GrantBudget(_Message):
     """Async mode: samplers running `version` may take slots numbered up to `allowance`."""
 
     version: int = Field(ge=0)

@@ -16,7 +16,7 @@ from nats.js.api import ConsumerConfig
 from nats.js.errors import KeyNotFoundError
 from rich.console import Console
 
-from echo.admission import GrantLedger
+from echo.grants import GrantLedger
 from echo.checkpoint import TrainerState, load_trained_completions, remember_trained
 from echo.protocol import (BODY_PART_MAX, BUDGET_KEY, CONFIG_KEY, HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE, HDR_MSG_ID,
                            LEARNER_KEY,
@@ -38,7 +38,7 @@ from tests.conftest import TINY_BASE, assert_accounting_holds, collect_and_accou
 from tests.groups import REFEREE, TASK, honest_group, pack_rollout, unlikely
 from workers.cli import main
 from workers.trainer.coordinator import Coordinator
-from workers.trainer.dispatch import AsyncDispatch
+from workers.trainer.granter import AsyncGranter
 from workers.trainer.intake import Collected, Collector, Judge, Timeline
 from workers.status import render, snapshot
 
@@ -56,10 +56,10 @@ async def _serving_trainer(server, secure, tmp_path):
     lease = await take_lease(trainer)
     trainer_weights = WeightsPublisher(lease)
     announcement = await trainer_weights.publish(0, [b"v0" * 100], TINY_BASE)
-    dispatch = AsyncDispatch(trainer, lease.epoch, tiny_config(tmp_path, run={"id": "sec"}), TrainerState(), GrantLedger())
-    await dispatch.start()
-    await dispatch.ask(0)
-    return trainer, lease, announcement, dispatch
+    granter = AsyncGranter(trainer, lease.epoch, tiny_config(tmp_path, run={"id": "sec"}), TrainerState(), GrantLedger())
+    await granter.start()
+    await granter.ask(0)
+    return trainer, lease, announcement, granter
 
 
 async def test_the_trainer_answers_a_grant_request_only_in_an_inbox_and_copies_no_header(secured, tmp_path):
@@ -68,7 +68,7 @@ async def test_the_trainer_answers_a_grant_request_only_in_an_inbox_and_copies_n
     copies the request's headers) purge every version; one naming another sampler's rollout
     subject put the trainer's answer there under the attacker's headers."""
     server, secure = secured
-    trainer, lease, announcement, dispatch = await _serving_trainer(server, secure, tmp_path)
+    trainer, lease, announcement, granter = await _serving_trainer(server, secure, tmp_path)
     names = trainer.names
     attacker = await nats.connect(server.url, **secure.credentials("sampler-s1").connect_options())
     try:
@@ -85,7 +85,7 @@ async def test_the_trainer_answers_a_grant_request_only_in_an_inbox_and_copies_n
         assert await _revision(trainer.state, "x") == 0
     finally:
         await attacker.close()
-        await dispatch.subscription.unsubscribe()
+        await granter.subscription.unsubscribe()
         await trainer.close()
 
 
@@ -97,7 +97,7 @@ async def test_no_answer_a_sampler_asks_for_lands_in_the_runs_state(secured, tmp
     lease key fenced it out. The samplers' account imports what they may ask for from the run's
     account: an answer goes back into theirs, where no stream of the run listens."""
     server, secure = secured
-    trainer, lease, announcement, dispatch = await _serving_trainer(server, secure, tmp_path)
+    trainer, lease, announcement, granter = await _serving_trainer(server, secure, tmp_path)
     names = trainer.names
     attacker = await nats.connect(server.url, **secure.credentials("sampler-s1").connect_options())
     keys = [(trainer.state, names.state_bucket, key) for key in (
@@ -120,7 +120,7 @@ async def test_no_answer_a_sampler_asks_for_lands_in_the_runs_state(secured, tmp
         lease.check()  # still the run's trainer
     finally:
         await attacker.close()
-        await dispatch.subscription.unsubscribe()
+        await granter.subscription.unsubscribe()
         await trainer.close()
 
 
@@ -131,7 +131,7 @@ async def test_a_malformed_value_in_the_runs_state_is_read_as_absent_and_fences_
     it; the trainer whose lease it overwrote stops at once, and the next one takes the run in an
     epoch after every one announced."""
     server, secure = secured
-    trainer, lease, announcement, dispatch = await _serving_trainer(server, secure, tmp_path)
+    trainer, lease, announcement, granter = await _serving_trainer(server, secure, tmp_path)
     await change_quarantine(trainer, lambda samplers: samplers.update({"s9": "caught"}))
     renewing = asyncio.create_task(lease.renew_forever())
     junk = b'{"type":"io.nats.jetstream.api.v1.account_info_response"}'
@@ -153,7 +153,7 @@ async def test_a_malformed_value_in_the_runs_state_is_read_as_absent_and_fences_
         assert successor.epoch == announcement.epoch + 1
     finally:
         renewing.cancel()
-        await dispatch.subscription.unsubscribe()
+        await granter.subscription.unsubscribe()
         await trainer.close()
 
 
@@ -163,7 +163,7 @@ async def test_a_rollup_on_the_samplers_own_heartbeat_key_wipes_nothing(secured,
     successor started again at epoch 1. Heartbeats now live in a bucket of their own that
     refuses rollups, purges and deletes, and the state bucket holds nothing a sampler writes."""
     server, secure = secured
-    trainer, lease, announcement, dispatch = await _serving_trainer(server, secure, tmp_path)
+    trainer, lease, announcement, granter = await _serving_trainer(server, secure, tmp_path)
     names = trainer.names
     await trainer.state.put(CONFIG_KEY, b'{"task": {"name": "math"}}')
     await trainer.registry.put("s0", b"another sampler's heartbeat")
@@ -187,7 +187,7 @@ async def test_a_rollup_on_the_samplers_own_heartbeat_key_wipes_nothing(secured,
         assert (await trainer.registry.get("s0")).value == b"another sampler's heartbeat"
     finally:
         await attacker.close()
-        await dispatch.subscription.unsubscribe()
+        await granter.subscription.unsubscribe()
         await trainer.close()
 
 
@@ -195,7 +195,7 @@ async def test_status_shows_a_samplers_own_words_as_written(secured, tmp_path):
     """A heartbeat is the sampler's word: markup in it ([link=...], styles) reached the operator's
     terminal as markup. `echo-rl status` prints it literally."""
     server, secure = secured
-    trainer, lease, announcement, dispatch = await _serving_trainer(server, secure, tmp_path)
+    trainer, lease, announcement, granter = await _serving_trainer(server, secure, tmp_path)
     sampler = await open_run(server.url, "sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
     observer = await open_run(server.url, "sec", "observer", credentials=secure.credentials("observer"), create=False)
     words = "[link=https://evil.example]update your drivers[/link][blink]"
@@ -206,7 +206,7 @@ async def test_status_shows_a_samplers_own_words_as_written(secured, tmp_path):
         Console(file=out, width=400).print(render(await snapshot(observer)))
         assert out.getvalue().count(words) == 3, out.getvalue()
     finally:
-        await dispatch.subscription.unsubscribe()
+        await granter.subscription.unsubscribe()
         for run in (observer, sampler, trainer):
             await run.close()
 
@@ -254,7 +254,7 @@ async def test_a_sampler_cannot_make_consumers(secured, tmp_path):
     year would do the same. A sampler now reads weights, announcements and state by direct gets
     and may make no consumer at all."""
     server, secure = secured
-    trainer, lease, announcement, dispatch = await _serving_trainer(server, secure, tmp_path)
+    trainer, lease, announcement, granter = await _serving_trainer(server, secure, tmp_path)
     names = trainer.names
     attacker = await nats.connect(server.url, **secure.credentials("sampler-s1").connect_options())
     js = attacker.jetstream(domain="hub", timeout=1.0)
@@ -276,7 +276,7 @@ async def test_a_sampler_cannot_make_consumers(secured, tmp_path):
         await sampler.close()
     finally:
         await attacker.close()
-        await dispatch.subscription.unsubscribe()
+        await granter.subscription.unsubscribe()
         await trainer.close()
 
 

@@ -15,7 +15,7 @@ import orjson
 import pytest
 import torch
 
-from echo.admission import GrantLedger
+from echo.grants import GrantLedger
 from echo.checkpoint import TrainerState
 from echo.engines.hf import HFEngine
 from echo.learner import StepAbandoned, make_optimizer, train_step
@@ -38,7 +38,7 @@ from streams.rollouts import publish_rollout
 from tests.groups import REFEREE, honest_group
 from workers.sampler.loop import Sampler
 from workers.trainer.accounting import account, count_consumed
-from workers.trainer.dispatch import SequentialDispatch
+from workers.trainer.granter import SequentialGranter
 from workers.trainer.intake import Collector, Judge, Timeline
 
 
@@ -131,9 +131,9 @@ def test_a_step_told_to_stop_is_abandoned_between_passes_and_leaves_the_policy_a
     assert not unchanged()
 
 
-async def _ask_for_version(lease, cfg, version: int) -> SequentialDispatch:
+async def _ask_for_version(lease, cfg, version: int) -> SequentialGranter:
     """A sequential trainer's orders, asking for `version`'s groups."""
-    orders = SequentialDispatch(lease.run, lease.epoch, cfg, TrainerState(version=version), GrantLedger())
+    orders = SequentialGranter(lease.run, lease.epoch, cfg, TrainerState(version=version), GrantLedger())
     await orders.start()
     await orders.ask(version)
     return orders
@@ -231,7 +231,7 @@ async def test_a_sequential_sampler_whose_request_for_work_goes_unanswered_asks_
     run = await runs.open(cfg.run.id, "trainer")
     lease = await take_lease(run)
     await WeightsPublisher(lease).publish(0, adapter, TINY_BASE)
-    orders = SequentialDispatch(run, lease.epoch, cfg, TrainerState(), GrantLedger())
+    orders = SequentialGranter(run, lease.epoch, cfg, TrainerState(), GrantLedger())
     await orders.ask(0)  # the request is out; no one answers requests for work yet
     _, sampler, serving = await _serving_sampler(runs, cfg)
     async with asyncio.timeout(30):

@@ -48,7 +48,7 @@ class Sampler:
         self.heartbeat = Heartbeat(cfg, sampler_id, run, engine, self.weights, self.generation, self.work)
 
     async def run_async(self) -> None:
-        """Generate only what the trainer grants under its admission budget, so no work arrives
+        """Generate only what the trainer grants under its grant budget, so no work arrives
         stale. With nothing granted, wait until the budget or this sampler's weights change (or
         5 s pass)."""
         while True:

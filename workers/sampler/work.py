@@ -1,4 +1,4 @@
-"""Asking the trainer for work. The trainer grants slots (streams/grants.py) under its admission
+"""Asking the trainer for work. The trainer grants slots (streams/grants.py) under its grant
 budget (async mode) or a pull request (sequential mode); the scheduler may put the sampler on
 standby (streams/schedule.py), when it keeps its weights current and asks for nothing."""
 

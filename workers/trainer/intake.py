@@ -3,7 +3,7 @@
 Owns the judging of groups (decoded, well formed, this timeline's, fresh, not a replay, the
 trainer's own rewards, the proof of sampling) and what a step collected. It reads deliveries
 from the rollout inbox (streams/inbox.py), which holds them unacked until the process says the
-step is checkpointed; it ends the grants a delivery fulfils in the ledger (echo/admission.py)
+step is checkpointed; it ends the grants a delivery fulfils in the ledger (echo/grants.py)
 and strikes samplers through the quarantine (workers/trainer/quarantine.py). It publishes nothing.
 """
 
@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import structlog
 
-from echo.admission import GrantLedger
+from echo.grants import GrantLedger
 from echo.consumed import ConsumedSeqs
 from echo.protocol import ProtocolError, RolloutGroup, decode_rollout
 from echo.proof import SamplingProof

@@ -18,7 +18,7 @@ import time
 
 import structlog
 
-from echo.admission import GrantLedger
+from echo.grants import GrantLedger
 from echo.checkpoint import load_trained_completions, load_trained_content, remember_trained
 from echo.config import EchoConfig
 from echo.consumed import ConsumedSeqs
@@ -36,7 +36,7 @@ from workers.trainer.accounting import (RecentSteps, count_abandoned, count_cons
                                         restore_metrics, settle, step_record, summarize)
 from workers.background import Background
 from workers.trainer.coordinator import Coordinator
-from workers.trainer.dispatch import Dispatch, dispatch_for
+from workers.trainer.granter import Granter, granter_for
 from workers.trainer.intake import Collector, Judge, Timeline
 from workers.trainer.quarantine import Quarantined
 from workers.trainer.model import Ranks, TrainerModel
@@ -80,9 +80,9 @@ class Trainer:
     """The rooms a step passes through, opened once; `fit` takes the steps, phase by phase."""
 
     def __init__(self, cfg: EchoConfig, run: Run, lease: Lease, model: TrainerModel, inbox: RolloutInbox,
-                 collector: Collector, dispatch: Dispatch, quarantine: Quarantined, recent: RecentSteps):
+                 collector: Collector, granter: Granter, quarantine: Quarantined, recent: RecentSteps):
         self.cfg, self.run, self.lease, self.model, self.inbox = cfg, run, lease, model, inbox
-        self.collector, self.dispatch, self.quarantine, self.recent = collector, dispatch, quarantine, recent
+        self.collector, self.granter, self.quarantine, self.recent = collector, granter, quarantine, recent
         self.weights = WeightsPublisher(lease, cfg.trainer.keep_versions, cfg.trainer.keep_versions_s)
 
     @classmethod
@@ -105,17 +105,17 @@ class Trainer:
                       load_trained_completions(run_dir, state.trained_completions), model.proof, model.check,
                       quarantine)
         background.start(inbox.keep_alive(cfg.trainer.ack_wait_s / 3))
-        dispatch = dispatch_for(run, lease.epoch, cfg, state, ledger, quarantine)
+        granter = granter_for(run, lease.epoch, cfg, state, ledger, quarantine)
         recent = RecentSteps(cfg.trainer.groups_per_step, cfg.staleness_bound)
         if cfg.scheduler.enabled:  # what it chooses, the grants obey
-            background.start(Coordinator(run, cfg, dispatch.standby, recent, ledger).run_forever())
-        return cls(cfg, run, lease, model, inbox, Collector(inbox, judge, ledger, consumed), dispatch, quarantine,
+            background.start(Coordinator(run, cfg, granter.standby, recent, ledger).run_forever())
+        return cls(cfg, run, lease, model, inbox, Collector(inbox, judge, ledger, consumed), granter, quarantine,
                    recent)
 
     async def fit(self) -> None:
         cfg, state = self.cfg, self.model.state
         await publish_policy(self.weights, self.model, state.version)  # a fresh run's version 0, or the checkpoint's
-        await self.dispatch.start()
+        await self.granter.start()
         log.info("trainer.ready", run_id=cfg.run.id, mode=cfg.run.mode, model=cfg.model.name, step=state.step,
                  version=state.version, steps=cfg.run.steps, ranks=self.model.ranks.world)
         process_started = time.perf_counter()
@@ -123,9 +123,9 @@ class Trainer:
             for number in range(state.step + 1, cfg.run.steps + 1):
                 step = TrainerStep(number, process_started)
                 with step.phase("collect"):
-                    await retry_forever("ask for groups", lambda: self.dispatch.ask(state.version))
+                    await retry_forever("ask for groups", lambda: self.granter.ask(state.version))
                     step.collected = await self.collector.collect(cfg.trainer.groups_per_step, state.version,
-                                                                  self.dispatch.on_wait)
+                                                                  self.granter.on_wait)
                 with step.phase("train"):
                     step.stats = await train_in_thread(self.model, step.batch, state.version - cfg.staleness_bound)
                     await asyncio.sleep(cfg.trainer.throttle_s)  # a slower learner, when asked

@@ -1,4 +1,4 @@
-"""Async mode's admission budget: how many groups samplers may generate so that none arrives
+"""Async mode's grant budget: how many groups samplers may generate so that none arrives
 stale. Pure arithmetic; streams/grants.py keeps the numbers in KV.
 
 A slot is one group the trainer granted a sampler to generate (the wire calls it a lease: schema

@@ -1,9 +1,9 @@
-"""The trainer's dispatch: how it asks the samplers for groups and grants them the work.
+"""The trainer's granter: how it asks the samplers for groups and grants them the work.
 
 Owns the grants (numbered, answered on each sampler's grants subject while the trainer runs,
 streams/grants.py), the count of grants lost and handed out again, and the choice between the
 two modes: sequential mode's pull requests (each step asks for exactly its groups) and async
-mode's admission budget (echo/admission.py). It reads heartbeats (streams/registry.py) to
+mode's grant budget (echo/grants.py). It reads heartbeats (streams/registry.py) to
 release the grants of dead or stalled samplers, asks the quarantine (workers/trainer/quarantine.py)
 and honours the scheduler's standby set (workers/trainer/coordinator.py). It reads no rollouts: the
 intake tells it, through the shared GrantLedger, which grants were fulfilled or wasted.
@@ -16,10 +16,10 @@ import uuid
 
 import structlog
 
-from echo.admission import GrantLedger, Heartbeats, allowance, lost_slots, sampler_cap
+from echo.grants import GrantLedger, Heartbeats, allowance, lost_slots, sampler_cap
 from echo.checkpoint import TrainerState
 from echo.config import EchoConfig
-from echo.protocol import AdmissionBudget, Grant, GrantRequest, PullRequest
+from echo.protocol import GrantBudget, Grant, GrantRequest, PullRequest
 from streams.client import BROKER_ERRORS, Run, retry_forever
 from streams.grants import publish_budget, record_slots_granted, serve_grants, slots_granted
 from streams.pull import publish_pull_request
@@ -29,7 +29,7 @@ from workers.trainer.quarantine import Quarantined
 log = structlog.get_logger()
 
 
-class Dispatch:
+class Granter:
     """How the trainer asks the samplers for groups and grants them the work (numbered slots,
     streams/grants.py, answered while it runs), and hands out again the work of slots lost:
     groups that arrived and were not trained, and the slots of a sampler whose heartbeat
@@ -63,7 +63,7 @@ class Dispatch:
             try:
                 revision, status = await read_heartbeat(self.run, sampler_id)
             except BROKER_ERRORS as e:  # the broker restarting: the next wait reads them again
-                log.warning("dispatch.heartbeat_unread", sampler=sampler_id, reason=repr(e))
+                log.warning("grants.heartbeat_unread", sampler=sampler_id, reason=repr(e))
                 return
             self.heartbeats.observe(sampler_id, revision, now)
             stopped = status is not None and status.state == "draining"  # its last heartbeat: it abandoned them
@@ -72,11 +72,11 @@ class Dispatch:
             dead = silent_s > self.cfg.trainer.sampler_dead_after_s or stalled_s > self.cfg.trainer.reissue_after_s
             if stopped or dead:
                 slots = self.ledger.release(sampler_id)
-                log.warning("dispatch.slots_released", sampler=sampler_id, slots=len(slots), stopped=stopped,
+                log.warning("grants.slots_released", sampler=sampler_id, slots=len(slots), stopped=stopped,
                             silent_s=round(silent_s, 1), stalled_s=round(stalled_s, 1))
         lost = self.ledger.take_lost()
         if lost:
-            log.warning("dispatch.reissue", version=self.version, lost=len(lost), missing=missing)
+            log.warning("grants.reissue", version=self.version, lost=len(lost), missing=missing)
             self.reissue_lost(lost, accepted=self.cfg.trainer.groups_per_step - missing)
             await retry_forever("hand out lost work", lambda: self.republish(missing))
 
@@ -98,13 +98,13 @@ class Dispatch:
             try:
                 await record_slots_granted(self.run, self.ledger.issued)
             except BROKER_ERRORS as e:  # a restarted trainer could number them again: not handed over
-                log.warning("dispatch.grant_unrecorded", sampler=sampler_id, slots=len(slots), reason=repr(e))
+                log.warning("grants.grant_unrecorded", sampler=sampler_id, slots=len(slots), reason=repr(e))
                 self.ledger.revoke(slots)
                 return Grant(more=True)
         return Grant(slots=slots, more=more)
 
 
-class SequentialDispatch(Dispatch):
+class SequentialGranter(Granter):
     """Sequential mode: each step asks for exactly its groups, generated with its version."""
 
     request: PullRequest | None = None
@@ -136,9 +136,9 @@ class SequentialDispatch(Dispatch):
         return slots, more
 
 
-class AsyncDispatch(Dispatch):
-    """Async mode: the admission budget, so that samplers generate no group that would arrive
-    stale (echo/admission.py). Lost slots are handed out again by raising the allowance."""
+class AsyncGranter(Granter):
+    """Async mode: the grant budget, so that samplers generate no group that would arrive
+    stale (echo/grants.py). Lost slots are handed out again by raising the allowance."""
 
     async def start(self) -> None:
         await super().start()
@@ -152,11 +152,11 @@ class AsyncDispatch(Dispatch):
 
     async def publish(self, groups: int) -> None:
         # Samplers watch the budget to ask for work again as soon as there is some.
-        budget = AdmissionBudget(version=self.version, allowance=self.highest_slot(), groups_per_step=groups)
+        budget = GrantBudget(version=self.version, allowance=self.highest_slot(), groups_per_step=groups)
         await publish_budget(self.run, budget)
 
     def reissue_lost(self, lost: list[int], accepted: int) -> None:
-        """Count what is lost from what is out (echo/admission.py): `accepted`, the groups the
+        """Count what is lost from what is out (echo/grants.py): `accepted`, the groups the
         step being collected took so far, are not."""
         self.state.lost = lost_slots(self.ledger.issued, len(self.ledger.outstanding), self.version,
                                      self.cfg.trainer.groups_per_step, accepted)
@@ -174,7 +174,7 @@ class AsyncDispatch(Dispatch):
                                  request.version)
 
 
-def dispatch_for(run: Run, epoch: int, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
-                 quarantine: Quarantined) -> "Dispatch":
-    mode = SequentialDispatch if cfg.run.mode == "sequential" else AsyncDispatch
+def granter_for(run: Run, epoch: int, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
+                 quarantine: Quarantined) -> "Granter":
+    mode = SequentialGranter if cfg.run.mode == "sequential" else AsyncGranter
     return mode(run, epoch, cfg, state, ledger, quarantine)
