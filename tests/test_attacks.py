@@ -16,8 +16,8 @@ from nats.js.api import ConsumerConfig
 from nats.js.errors import KeyNotFoundError
 from rich.console import Console
 
-from echo.grants import GrantLedger
 from echo.checkpoint import TrainerState, load_trained_completions, remember_trained
+from echo.grants import GrantLedger
 from echo.protocol import (BODY_PART_MAX, BUDGET_KEY, CONFIG_KEY, HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE, HDR_MSG_ID,
                            LEARNER_KEY,
                            QUARANTINE_KEY, ROLLOUT_MESSAGE_MAX, SCHEDULE_KEY, SLOTS_KEY, TRAINER_KEY, GrantRequest,

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from echo.grants import GrantLedger, Heartbeats, allowance, lost_slots, sampler_cap
 from echo.checkpoint import TrainerState
+from echo.grants import GrantLedger, Heartbeats, allowance, lost_slots, sampler_cap
 from echo.protocol import GRANT_TIMEOUT_S, SCHEMA_VERSION, SLOTS_KEY_BEFORE_14, Grant, GrantRequest, SamplerStatus, decode, encode
 from streams.grants import record_slots_granted, slots_granted
 from streams.grants import request_grant, serve_grants

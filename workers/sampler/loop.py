@@ -76,6 +76,7 @@ class Sampler:
             seq = 0
             while True:
                 seq, request = await requests.wait_newer(seq)
+                self.work.pull_request = request
                 await self.weights.apply_newest(request.version, request.epoch)
                 if self.weights.running != (request.epoch, request.version):
                     continue  # the trainer has moved past this request already

@@ -18,9 +18,9 @@ import structlog
 
 from dataclasses import replace
 
-from echo.grants import GrantLedger
 from echo.capacity import LearnerPace, SamplerPace, cheapest, replan_reason
 from echo.config import EchoConfig
+from echo.grants import GrantLedger
 from echo.protocol import LearnerStatus, SamplerStatus, Schedule
 from streams.client import BROKER_ERRORS, Run
 from streams.registry import read_statuses

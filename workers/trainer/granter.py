@@ -16,9 +16,9 @@ import uuid
 
 import structlog
 
-from echo.grants import GrantLedger, Heartbeats, allowance, lost_slots, sampler_cap
 from echo.checkpoint import TrainerState
 from echo.config import EchoConfig
+from echo.grants import GrantLedger, Heartbeats, allowance, lost_slots, sampler_cap
 from echo.protocol import GrantBudget, Grant, GrantRequest, PullRequest
 from streams.client import BROKER_ERRORS, Run, retry_forever
 from streams.grants import publish_budget, record_slots_granted, serve_grants, slots_granted

@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 import structlog
 
-from echo.grants import GrantLedger
 from echo.consumed import ConsumedSeqs
+from echo.grants import GrantLedger
 from echo.protocol import ProtocolError, RolloutGroup, decode_rollout
 from echo.proof import SamplingProof
 from echo.referee import Referee, completion_keys, content_hash, repeats

@@ -18,10 +18,10 @@ import time
 
 import structlog
 
-from echo.grants import GrantLedger
 from echo.checkpoint import load_trained_completions, load_trained_content, remember_trained
 from echo.config import EchoConfig
 from echo.consumed import ConsumedSeqs
+from echo.grants import GrantLedger
 from echo.logs import bind_process
 from echo.referee import Referee
 from echo.tasks import load_task
