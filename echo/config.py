@@ -105,6 +105,10 @@ class TrainerConfig(_Section):
     # Where either side computes in bf16/fp16: honest SmolLM2 groups measured up to 0.33 (docs/operations.md).
     verify_tolerance_16bit: float = Field(0.5, gt=0)
     quarantine_after: int = Field(3, ge=0)  # offences tolerated before quarantine (0: none)
+    # The verifiers run in a child process with this budget per completion (a sampler chooses
+    # what they read): past it, the group is rejected as verifier_budget, a strike.
+    score_budget_s: float = Field(5.0, gt=0)  # wall-clock seconds
+    score_memory_mb: float = Field(1024.0, gt=0)  # memory above the scoring process's own at start
     keep_versions: int = Field(3, ge=1)  # Versions kept in the weights bucket and run dir; older ones are deleted.
     # Seconds an older version stays in the bucket after a newer one came out, past keep_versions:
     # a sampler has at least that long to fetch a version. Raise it for slow links or full weights

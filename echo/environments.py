@@ -101,6 +101,8 @@ def replay(env: Environment, tokenizer, prompt: Prompt, completion: Completion, 
     for turn, observation in enumerate([*completion.observations, None]):
         try:
             step = episode.step(action_text(tokenizer, completion, turn))
+        except MemoryError:  # the trainer's budget (workers/trainer/scoring.py), not a bug
+            raise
         except Exception:  # a bug in an environment costs that group, not the run
             return Replayed(reward, "environment_error")
         reward += step.reward

@@ -7,6 +7,7 @@ Pure logic, no I/O."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,8 +74,10 @@ class Referee:
                     return "bad_finish_reason"
         return None
 
-    def score(self, group: RolloutGroup) -> Ruling:
-        """Check the prompt is the task's and recompute the rewards. Run on groups to be used."""
+    def score(self, group: RolloutGroup, completion_done: Callable[[], None] = lambda: None) -> Ruling:
+        """Check the prompt is the task's and recompute the rewards, calling `completion_done`
+        after each completion. Run on groups to be used (the trainer runs it with a budget:
+        workers/trainer/scoring.py)."""
         prompt = self.task.prompt(group.prompt_index)
         if not np.array_equal(encode_chat(self.tokenizer, prompt.messages), group.prompt_token_ids):
             return Ruling("prompt_mismatch", [])
@@ -90,6 +93,7 @@ class Referee:
                 reward = safe_reward(self.task, text, prompt)
                 errors += reward is None
             rewards.append(reward or 0.0)
+            completion_done()
         mismatch = any(abs(r - c.reward) > 1e-6 for r, c in zip(rewards, group.completions))
         return Ruling(None, rewards, mismatch, errors)
 

@@ -17,6 +17,7 @@ from nats.js.errors import KeyNotFoundError
 from rich.console import Console
 
 from echo.checkpoint import TrainerState, load_trained_completions, remember_trained
+from echo.config import TaskConfig
 from echo.grants import GrantLedger
 from echo.protocol import (BODY_PART_MAX, BUDGET_KEY, CONFIG_KEY, HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE, HDR_MSG_ID,
                            LEARNER_KEY,
@@ -35,11 +36,13 @@ from streams.registry import put_status, read_heartbeat, read_learner, read_stat
 from streams.rollouts import publish_rollout
 from streams.weights import WeightsPublisher, fetch_weights
 from tests.conftest import TINY_BASE, assert_accounting_holds, collect_and_account, tiny_config
-from tests.groups import REFEREE, TASK, honest_group, pack_rollout, unlikely
+from tests.groups import REFEREE, SAMPLING, TASK, TOKENIZER, honest_group, pack_rollout, unlikely
 from workers.cli import main
 from workers.trainer.coordinator import Coordinator
 from workers.trainer.granter import AsyncGranter
 from workers.trainer.intake import Collected, Collector, Judge, Timeline
+from workers.trainer.quarantine import Quarantined
+from workers.trainer.scoring import ScoringProcess
 from workers.status import render, snapshot
 
 
@@ -314,8 +317,35 @@ async def test_a_group_resending_trained_completions_is_refused(secured, tmp_pat
         resumed = Judge(REFEREE, Timeline(max_staleness=1),
                         trained_completions=load_trained_completions(tmp_path, state.trained_completions))
         again = Collected()
-        assert resumed._judge(swapped.replaced(group_id="again"), "s1", 5, again) is None
+        assert resumed._screen(swapped.replaced(group_id="again"), "s1", 5, again) is None
         assert again.rejected == {"repeated_completion": 1}
+    finally:
+        await attacker.close()
+        await trainer.close()
+
+
+async def test_a_verifier_bomb_costs_the_bomber_its_group_and_a_strike_and_the_step_goes_on(secured, tmp_path):
+    """Issue 43: one group whose completions are each `\\boxed{K^{9^{8}}}` for a different K, with
+    true log-probs: math-verify evaluated every power tower in full on the trainer's event loop
+    (no step for over 515 s, SIGTERM unheard). The verifiers now run in a child process with a
+    budget per completion: the group is rejected and struck, the honest group behind it trained."""
+    server, secure = secured
+    trainer = await open_run(server.url, "sec", "trainer", credentials=secure.credentials("trainer"))
+    attacker = await open_run(server.url, "sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
+    try:
+        bomb = honest_group(texts=[f"\\boxed{{{k}^{{9^{{8}}}}}}" for k in (3, 5)], rewards=[0.1, 0.1],
+                            group_id="bomb", policy_version=5)
+        await publish_rollout(attacker, bomb)
+        await publish_rollout(attacker, honest_group(group_id="honest", policy_version=5))
+        quarantine = Quarantined(trainer, after=3)
+        async with ScoringProcess(TaskConfig(name="math"), TOKENIZER, len(TOKENIZER), SAMPLING, budget_s=3.0,
+                                  memory_mb=1024.0) as scoring:
+            judge = Judge(REFEREE, Timeline(max_staleness=1), quarantine=quarantine, scoring=scoring)
+            collector = Collector(await RolloutInbox.open(trainer), judge)
+            async with asyncio.timeout(120):  # a hang guard: the budget is 3 s a completion
+                step = await collector.collect(1, version=5)
+        assert [a.group.group_id for a in step.used] == ["honest"]
+        assert step.rejected == {"verifier_budget": 1} and quarantine.strikes == {"s1": 1}
     finally:
         await attacker.close()
         await trainer.close()

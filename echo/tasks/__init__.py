@@ -91,9 +91,12 @@ class Environment(Protocol):
 
 def safe_reward(task: Task, completion: str, prompt: Prompt) -> float | None:
     """The verifier's reward, or None if it raised or returned something outside [0, 1]:
-    a bug in a task costs that completion (reward 0, counted by the caller), not the run."""
+    a bug in a task costs that completion (reward 0, counted by the caller), not the run. Out
+    of memory is not a bug of the task's: it is raised (the trainer's budget, workers/trainer/scoring.py)."""
     try:
         reward = float(task.score(completion, prompt).reward)
+    except MemoryError:
+        raise
     except Exception:
         return None
     return reward if 0.0 <= reward <= 1.0 else None

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import structlog
 
@@ -24,6 +23,7 @@ from echo.referee import Referee, completion_keys, content_hash, repeats
 from echo.staleness import Freshness, freshness
 from streams.inbox import Delivery, RolloutInbox
 from workers.trainer.quarantine import Quarantined
+from workers.trainer.scoring import ScoringProcess
 
 log = structlog.get_logger()
 
@@ -66,23 +66,35 @@ class Judge:
     """Whether a group may be trained on, counting in a step's Collected what happened to it."""
 
     def __init__(self, referee: Referee, timeline: Timeline, trained_content=frozenset(), trained_completions=frozenset(),
-                 proof: SamplingProof | None = None, check=None, quarantine: Quarantined | None = None):
+                 proof: SamplingProof | None = None, check=None, quarantine: Quarantined | None = None,
+                 scoring: ScoringProcess | None = None):
         self.referee, self.timeline = referee, timeline
         self.trained_content = set(trained_content)  # content hashes: the same groups under new ids are replays
         self.trained_completions = set(trained_completions)  # completion_keys of the groups trained
         self.proof, self.quarantine = proof, quarantine
         self.check = check or (proof.check if proof else None)  # the proof's forward (on every rank)
         self.limits = referee.limits  # what a message may hold, checked before it is read
+        self.scoring = scoring  # the verifiers with a budget, in a child process; None: here (tests)
 
     async def admit(self, group: RolloutGroup, sender: str, version: int, out: Collected) -> Admitted | None:
-        admitted = self._judge(group, sender, version, out)
-        if isinstance(admitted, Lie):  # an episode claiming what the environment never said
-            if self.quarantine:
-                await self.quarantine.strike(group.sampler_id, admitted.reason)
+        content = self._screen(group, sender, version, out)
+        if content is None:
             return None
-        return None if admitted is None else await self._check_sampling(admitted, out)
+        ruling = await self.scoring.score(group) if self.scoring else self.referee.score(group)
+        if ruling.reason:
+            reject(out, ruling.reason, f"group {group.group_id} from {group.sampler_id}")
+            if ruling.lie and self.quarantine:  # a claim the environment never made, a verifier bomb
+                await self.quarantine.strike(group.sampler_id, ruling.reason)
+            return None
+        if ruling.reward_mismatch:
+            out.reward_mismatch[group.sampler_id] += 1
+        out.verifier_errors += ruling.verifier_errors
+        out.generated_seconds += group.gen_seconds
+        return await self._check_sampling(Admitted(group, ruling.rewards, content, ruling.reward_mismatch), out)
 
-    def _judge(self, group: RolloutGroup, sender: str, version: int, out: Collected) -> Admitted | Lie | None:
+    def _screen(self, group: RolloutGroup, sender: str, version: int, out: Collected) -> str | None:
+        """The checks that run no verifier: the group's content hash if it passes them, else None
+        (rejected, or dropped as stale: counted in `out`)."""
         if self.quarantine and sender in self.quarantine:
             return reject(out, "quarantined", f"a group from {sender}")
         if any(a.group.group_id == group.group_id for a in out.used):
@@ -113,15 +125,7 @@ class Judge:
             out.dropped_tokens += sum(len(c.token_ids) for c in group.completions)
             out.generated_seconds += group.gen_seconds
             return None
-        judgement = self.referee.score(group)
-        if judgement.reason:
-            reject(out, judgement.reason, f"group {group.group_id} from {group.sampler_id}")
-            return Lie(judgement.reason) if judgement.lie else None
-        if judgement.reward_mismatch:
-            out.reward_mismatch[group.sampler_id] += 1
-        out.verifier_errors += judgement.verifier_errors
-        out.generated_seconds += group.gen_seconds
-        return Admitted(group, judgement.rewards, content, judgement.reward_mismatch)
+        return content
 
     async def _check_sampling(self, admitted: Admitted, out: Collected) -> Admitted | None:
         """Proof of sampling on the groups chosen for it; strikes for forgeries and claimed rewards."""
@@ -189,12 +193,6 @@ class Collector:
         self.judge.trained_content.update(a.content for a in collected.used)
         for admitted in collected.used:
             self.judge.trained_completions.update(completion_keys(admitted.group))
-
-
-class Lie(NamedTuple):
-    """A group rejected for a lie that counts toward quarantine, as a forgery does."""
-
-    reason: str
 
 
 def reject(out: Collected, reason: str, detail: str) -> None:

@@ -39,6 +39,7 @@ from workers.trainer.coordinator import Coordinator
 from workers.trainer.granter import Granter, granter_for
 from workers.trainer.intake import Collector, Judge, Timeline
 from workers.trainer.quarantine import Quarantined
+from workers.trainer.scoring import ScoringProcess
 from workers.trainer.model import Ranks, TrainerModel
 from workers.trainer.step import TrainerStep
 
@@ -66,10 +67,10 @@ async def serve(cfg: EchoConfig, model: TrainerModel) -> None:
         await run.close()
         raise
     try:
-        async with Background() as background:
+        async with Background() as background, ScoringProcess.of(cfg, model.tokenizer, model.vocab_size) as scoring:
             background.start(lease.renew_forever())
             await asyncio.to_thread(model.resume)  # holding the lease: no other trainer prunes it now
-            trainer = await Trainer.open(cfg, run, lease, background, model)
+            trainer = await Trainer.open(cfg, run, lease, background, model, scoring)
             await trainer.fit()
     finally:
         await lease.release()
@@ -86,8 +87,8 @@ class Trainer:
         self.weights = WeightsPublisher(lease, cfg.trainer.keep_versions, cfg.trainer.keep_versions_s)
 
     @classmethod
-    async def open(cls, cfg: EchoConfig, run: Run, lease: Lease, background: Background,
-                   model: TrainerModel) -> Trainer:
+    async def open(cls, cfg: EchoConfig, run: Run, lease: Lease, background: Background, model: TrainerModel,
+                   scoring: ScoringProcess) -> Trainer:
         run_dir, state = cfg.run_dir, model.state
         (run_dir / "weights").mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(cfg.to_toml())
@@ -103,7 +104,7 @@ class Trainer:
         judge = Judge(referee, Timeline(cfg.staleness_bound, lease.epoch, state.version, cfg.begun_within),
                       load_trained_content(run_dir, state.trained_content),
                       load_trained_completions(run_dir, state.trained_completions), model.proof, model.check,
-                      quarantine)
+                      quarantine, scoring)
         background.start(inbox.keep_alive(cfg.trainer.ack_wait_s / 3))
         granter = granter_for(run, lease.epoch, cfg, state, ledger, quarantine)
         recent = RecentSteps(cfg.trainer.groups_per_step, cfg.staleness_bound)
