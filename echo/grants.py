@@ -83,7 +83,7 @@ class GrantLedger:
         self.active_s, self.rate_window_s = active_s, rate_window_s
         self.outstanding: dict[int, str] = {}  # slot number -> the sampler holding it
         self.asked_at: dict[str, float] = {}
-        self.progress_at: dict[str, float] = {}  # a holder's last delivery, or the grant that made it one
+        self.progress_at: dict[str, float] = {}  # a holder's last accepted group, or the grant that made it one
         self._lost: list[int] = []
         self._calls: dict[int, _Call] = {}  # slot -> its grant's call, until the slot settles
         self._rates: dict[str, CallWindow] = {}  # by sampler: the calls measured here
@@ -152,11 +152,13 @@ class GrantLedger:
         del self.outstanding[slot]
         call = self._calls[slot]
         call.last_at = max(call.last_at, arrived, call.granted_at)  # clocks apart by a little
-        self.progress_at[sampler_id] = max(self.progress_at.get(sampler_id, 0.0), call.last_at)
         return True
 
     def accepted(self, slot: int) -> None:
-        """A delivered slot's group is to be trained."""
+        """A delivered slot's group is to be trained: its holder made progress (a group the
+        trainer refuses is none, or junk naming a held slot would keep the stall clock still)."""
+        call = self._calls[slot]
+        self.progress_at[call.sampler_id] = max(self.progress_at.get(call.sampler_id, 0.0), call.last_at)
         self._settle(slot, accepted=True)
 
     def wasted(self, slot: int) -> None:

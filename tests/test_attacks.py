@@ -31,9 +31,9 @@ from streams.lease import RENEW_S, AnotherTrainer, current_epoch, take_lease
 from streams.quarantine import change_quarantine, read_quarantine
 from streams.secure import SAMPLER_LIMITS, SecureDir
 from streams.server import NatsServer
-from streams.inbox import RolloutInbox
+from streams.inbox import FETCH_MAX, RolloutInbox
 from streams.registry import put_status, read_heartbeat, read_learner, read_statuses
-from streams.rollouts import publish_rollout
+from streams.rollouts import fetch_rollouts, publish_rollout
 from streams.weights import WeightsPublisher, fetch_weights
 from tests.conftest import TINY_BASE, assert_accounting_holds, collect_and_account, tiny_config
 from tests.groups import REFEREE, SAMPLING, TASK, TOKENIZER, honest_group, pack_rollout, unlikely
@@ -393,9 +393,45 @@ async def test_one_sampler_keeps_no_more_than_its_quota_and_evicts_only_its_own(
         assert rollouts.state.bytes <= quota + (1 << 20) and rollouts.state.messages <= quota // ROLLOUT_MESSAGE_MAX + 2
         assert bodies.state.bytes <= quota and bodies.state.messages <= quota // BODY_PART_MAX
         totals, accounting = await collect_and_account(collector, {}, 2)
-        # Both honest groups trained; the attacker's oldest 272 went unread, the 201 before the
-        # second honest group counted as evicted once the ack floor passed them.
-        assert accounting["trained"] == 2 and accounting["rejected"] == 0 and accounting["evicted"] == 201, accounting
+        # Both honest groups trained; the attacker's oldest 272 went unread, counted as evicted
+        # once the ack floor passed them (the inbox's fetch took the messages after them too).
+        assert accounting["trained"] == 2 and accounting["rejected"] == 0 and accounting["evicted"] == 272, accounting
+        assert_accounting_holds(accounting)
+    finally:
+        for run in (attacker, honest, trainer):
+            await run.close()
+
+
+async def test_a_flood_of_junk_costs_its_sender_a_quarantine_and_the_honest_group_behind_it_is_read(
+        two_samplers, monkeypatch):
+    """Issue 43: a sampler keeping its quota full of 64-byte junk held the run at ~14 steps a
+    minute: one consumer reads every sampler's subject in stream order, each fetch asked for only
+    what the step still needed, and junk earned no strike (16,400 messages took 50 s to read past).
+    Junk is now a strike, a quarantined sender's messages are counted unread, and the inbox reads
+    a backlog a full fetch at a time."""
+    server, secure = two_samplers
+    trainer = await open_run(server.url, "sec", "trainer", credentials=secure.credentials("trainer"))
+    honest = await open_run(server.url, "sec", "s2", credentials=secure.credentials("sampler-s2"), create=False)
+    attacker = await open_run(server.url, "sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
+    fetches = []
+
+    async def counted(subscription, batch: int, timeout: float):
+        fetches.append(batch)
+        return await fetch_rollouts(subscription, batch, timeout)
+
+    monkeypatch.setattr("streams.inbox.fetch_rollouts", counted)
+    junk = 2000
+    try:
+        await asyncio.gather(*(attacker.js.publish(trainer.names.rollouts_subject("s1"), bytes(64),
+                                                   headers={HDR_MSG_ID: f"junk{i}"}) for i in range(junk)))
+        await publish_rollout(honest, honest_group(30, policy_version=5, group_id="behind", sampler_id="s2"))
+        quarantine = Quarantined(trainer, after=3)
+        collector = Collector(await RolloutInbox.open(trainer), Judge(REFEREE, Timeline(max_staleness=1),
+                                                                     quarantine=quarantine))
+        totals, accounting = await collect_and_account(collector, {}, 1)
+        assert accounting["trained"] == 1 and accounting["rejected"] == junk, accounting
+        assert "s1" in quarantine and quarantine.strikes == {"s1": 4}  # quarantine_after 3: the fourth
+        assert len(fetches) <= junk // FETCH_MAX + 3, len(fetches)  # before: one fetch a message
         assert_accounting_holds(accounting)
     finally:
         for run in (attacker, honest, trainer):

@@ -132,7 +132,12 @@ def test_slots_end_by_number_and_only_lost_ones_are_reported():
     assert ledger.take_lost() == [1] and ledger.take_lost() == []
     assert ledger.release("b") == [4, 5] and ledger.holders() == {"a"}  # b died holding two
     assert ledger.take_lost() == [4, 5]
-    assert ledger.progress_at == {"a": 1, "b": 0}
+    # Only a group the trainer accepts is progress: junk naming a held slot must not keep the
+    # stall clock still (issue 43: a junk group a minute, and the clock never fired).
+    assert ledger.progress_at == {"a": 0, "b": 0}
+    assert ledger.delivered("a", slots[1], arrived=3)
+    ledger.accepted(slots[1])
+    assert ledger.progress_at == {"a": 3, "b": 0}
 
 
 def test_a_heartbeat_that_stops_changing_is_silent_by_this_clock():
@@ -223,7 +228,9 @@ async def test_sequential_groups_are_granted_once_and_only_for_the_current_reque
     assert sorted(slot for g in grants for slot in g.slots) == list(range(1, 7))
     await asyncio.sleep(0.1)
     keeper = next(f"s{i}" for i, g in enumerate(grants) if g.slots)
-    granter.ledger.delivered(keeper, grants[int(keeper[1:])].slots[0], time.monotonic())  # it makes progress
+    kept = grants[int(keeper[1:])].slots[0]
+    granter.ledger.delivered(keeper, kept, time.monotonic())
+    granter.ledger.accepted(kept)  # it makes progress
     released = 6 - granter.ledger.held(keeper) - 1
     await granter.on_wait(5)  # the others delivered nothing for reissue_after_s: only their slots are lost
     assert granter.ledger.holders() <= {keeper} and granter.granted == 6 - released

@@ -77,15 +77,17 @@ class Judge:
         self.scoring = scoring  # the verifiers with a budget, in a child process; None: here (tests)
 
     async def admit(self, group: RolloutGroup, sender: str, version: int, out: Collected) -> Admitted | None:
+        reason = self.referee.malformed(group)
+        if reason:  # the run's config says otherwise: no honest sampler of the run sends it
+            return await self.refuse(out, sender, reason, f"group {group.group_id} from {group.sampler_id}")
         content = self._screen(group, sender, version, out)
         if content is None:
             return None
         ruling = await self.scoring.score(group) if self.scoring else self.referee.score(group)
+        if ruling.reason and ruling.lie:  # a claim the environment never made, a verifier bomb
+            return await self.refuse(out, sender, ruling.reason, f"group {group.group_id} from {group.sampler_id}")
         if ruling.reason:
-            reject(out, ruling.reason, f"group {group.group_id} from {group.sampler_id}")
-            if ruling.lie and self.quarantine:  # a claim the environment never made, a verifier bomb
-                await self.quarantine.strike(group.sampler_id, ruling.reason)
-            return None
+            return reject(out, ruling.reason, f"group {group.group_id} from {group.sampler_id}")
         if ruling.reward_mismatch:
             out.reward_mismatch[group.sampler_id] += 1
         out.verifier_errors += ruling.verifier_errors
@@ -95,13 +97,8 @@ class Judge:
     def _screen(self, group: RolloutGroup, sender: str, version: int, out: Collected) -> str | None:
         """The checks that run no verifier: the group's content hash if it passes them, else None
         (rejected, or dropped as stale: counted in `out`)."""
-        if self.quarantine and sender in self.quarantine:
-            return reject(out, "quarantined", f"a group from {sender}")
         if any(a.group.group_id == group.group_id for a in out.used):
             return reject(out, "duplicate_group_id", f"group {group.group_id} from {group.sampler_id}")
-        reason = self.referee.malformed(group)
-        if reason:
-            return reject(out, reason, f"group {group.group_id} from {group.sampler_id}")
         content = content_hash(group)
         if content in self.trained_content or any(a.content == content for a in out.used):
             return reject(out, "replayed_content", f"group {group.group_id} from {group.sampler_id}")
@@ -126,6 +123,19 @@ class Judge:
             out.generated_seconds += group.gen_seconds
             return None
         return content
+
+    def ignores(self, sender: str, out: Collected) -> bool:
+        """Whether `sender` is quarantined: its messages are counted and acked unread."""
+        if self.quarantine is None or sender not in self.quarantine:
+            return False
+        out.rejected["quarantined"] += 1  # not logged one by one: a quarantined flood would fill the log
+        return True
+
+    async def refuse(self, out: Collected, sender: str, reason: str, detail: str) -> None:
+        """Reject a message no honest sampler sends, and strike its sender."""
+        reject(out, reason, detail)
+        if self.quarantine:
+            await self.quarantine.strike(sender, reason)
 
     async def _check_sampling(self, admitted: Admitted, out: Collected) -> Admitted | None:
         """Proof of sampling on the groups chosen for it; strikes for forgeries and claimed rewards."""
@@ -176,11 +186,13 @@ class Collector:
     async def _admit(self, delivery: Delivery, version: int, out: Collected) -> Admitted | None:
         """The group to train on, or None (counted in `out` by what happened to it). A group
         that ended one of its sender's slots and is not trained wastes that slot."""
+        if self.judge.ignores(delivery.sender, out):
+            return None
         try:
             limits = self.judge.limits
             group = decode_rollout(await self.inbox.body(delivery, limits), delivery.headers, delivery.subject, limits)
-        except ProtocolError as e:
-            return reject(out, e.reason, str(e))
+        except ProtocolError as e:  # junk, or a sampler of another release: either way nothing to train
+            return await self.judge.refuse(out, delivery.sender, e.reason, str(e))
         granted = self.ledger.delivered(delivery.sender, group.slot, delivery.arrived)
         admitted = await self.judge.admit(group, delivery.sender, version, out)
         if granted:
