@@ -93,7 +93,9 @@ class TrainerConfig(_Section):
     # and stuck when it has delivered none of them for reissue_after_s: its slots, and only
     # those, are then handed out again.
     sampler_dead_after_s: float = Field(15.0, gt=0)
-    reissue_after_s: float = Field(300.0, gt=0)  # stuck: slots held this long without a group delivered
+    # Stuck: slots held without a group accepted for 4 of the sampler's measured calls (the
+    # fleet's median for one never measured), at least sampler_dead_after_s, at most this.
+    reissue_after_s: float = Field(300.0, gt=0)
     # Grant no work until this many samplers have asked (0: start with the first). `up` sets it to
     # the samplers it starts, so that one ready first does not take a short run's every group.
     min_samplers: int = Field(0, ge=0)

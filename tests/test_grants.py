@@ -2,6 +2,7 @@
 granting work to samplers that race for it on a real server."""
 
 import asyncio
+import itertools
 import signal
 import time
 
@@ -13,9 +14,11 @@ from echo.protocol import GRANT_TIMEOUT_S, SCHEMA_VERSION, SLOTS_KEY_BEFORE_14, 
 from streams.grants import record_slots_granted, slots_granted
 from streams.grants import request_grant, serve_grants
 from streams.lease import take_lease
+from streams.registry import put_status
 from tests.conftest import tiny_config
 from workers.trainer.coordinator import delivered_paces
 from workers.trainer.granter import AsyncGranter, SequentialGranter
+from workers.trainer.quarantine import Quarantined
 
 
 def test_allowance_covers_the_staleness_window_plus_lost_groups():
@@ -138,6 +141,75 @@ def test_slots_end_by_number_and_only_lost_ones_are_reported():
     assert ledger.delivered("a", slots[1], arrived=3)
     ledger.accepted(slots[1])
     assert ledger.progress_at == {"a": 3, "b": 0}
+
+
+def test_a_holder_that_fills_no_slot_for_a_few_calls_is_released_then_held_to_one_slot_until_it_delivers():
+    ledger = GrantLedger()
+    assert ledger.stall_limit_s("x", now=0, at_least=15, at_most=300) == 300  # no call measured yet
+    for slot in ledger.grant("h", want=2, headroom=8, window=8, now=0)[0]:
+        ledger.delivered("h", slot, arrived=5)
+        ledger.accepted(slot)  # h's call: 5 s
+    assert ledger.stall_limit_s("h", now=6, at_least=15, at_most=300) == 20  # four of its calls
+    assert ledger.stall_limit_s("x", now=6, at_least=15, at_most=300) == 20  # never measured: the fleet's
+    assert ledger.stall_limit_s("x", now=6, at_least=30, at_most=300) == 30
+    assert ledger.stall_limit_s("x", now=6, at_least=1, at_most=10) == 10
+    held, _ = ledger.grant("x", want=4, headroom=6, window=8, now=6)
+    assert len(held) == 3 and ledger.release_unfilled("x") == (held, False) and ledger.take_lost() == held
+    assert len(ledger.grant("x", want=4, headroom=8, window=8, now=30)[0]) == 1  # one slot at a time
+    assert ledger.grant("x", want=4, headroom=8, window=8, now=31)[0] == []
+    assert ledger.release_unfilled("x")[1] is True  # again: a strike
+    (slot,), _ = ledger.grant("x", want=4, headroom=8, window=8, now=60)
+    assert ledger.delivered("x", slot, arrived=61)
+    ledger.accepted(slot)
+    assert "x" not in ledger.probation  # it delivers: a whole share again
+    assert len(ledger.grant("x", want=4, headroom=8, window=8, now=62)[0]) == 4
+
+
+async def _beat(run, sampler_id: str) -> None:
+    """A live heartbeat, forever."""
+    for beat in itertools.count():
+        await put_status(run, SamplerStatus(sampler_id=sampler_id, version=0, groups_published=beat,
+                                            weight_failures={}, updated_at=time.time()))
+        await asyncio.sleep(0.1)
+
+
+async def test_a_hoarder_is_released_within_a_few_calls_held_to_a_slot_and_struck_when_it_hoards_again(runs, tmp_path):
+    """Issue 43: in sequential mode a sampler with a live heartbeat that asks for work 50 times a
+    second and never delivers took 2 of 4 slots: no step for over 367 s, the slots released after
+    `trainer.reissue_after_s` (300 s) and taken again by the same sampler 0.8 s later. Its slots
+    are now released once it has filled none for four of the fleet's measured calls (at least
+    `sampler_dead_after_s`), it then holds one slot at a time, and hoarding again is a strike."""
+    cfg = tiny_config(tmp_path, run={"mode": "sequential"}, trainer={"groups_per_step": 4, "sampler_dead_after_s": 1.0},
+                      sampler={"heartbeat_s": 0.1})
+    run = await runs.open("hoard", "trainer")
+    sampler = await runs.open("hoard", "sampler", create=False)
+    lease = await take_lease(run)
+    quarantine = Quarantined(run, after=0)
+    granter = SequentialGranter(run, lease.epoch, cfg, TrainerState(), GrantLedger(), quarantine)
+    await granter.start()
+    await granter.ask(0)
+    request = granter.request.request_id
+    beating = asyncio.create_task(_beat(sampler, "x"))
+    try:
+        assert (await _ask(sampler, "x", lease.epoch, 0, 2, request)).groups == 2  # the hoarder asks first
+        for slot in (await _ask(sampler, "h", lease.epoch, 0, 2, request)).slots:
+            assert granter.ledger.delivered("h", slot, arrived=time.monotonic())
+            granter.ledger.accepted(slot)  # h's call, measured: far shorter than the 1 s floor
+        async with asyncio.timeout(60):  # a hang guard: before, 300 s
+            while not granter.ledger.probation:  # time passing: its heartbeat lives, its slots stay unfilled
+                await asyncio.sleep(0.5)
+                await granter.on_wait(2)
+        assert granter.ledger.held("x") == 0 and quarantine.strikes == {}  # once may be a slow machine
+        assert (await _ask(sampler, "x", lease.epoch, 0, 2, request)).groups == 1  # a slot at a time
+        assert (await _ask(sampler, "h", lease.epoch, 0, 2, request)).groups == 1  # the other goes to h
+        async with asyncio.timeout(60):
+            while "x" not in quarantine:
+                await asyncio.sleep(0.5)
+                await granter.on_wait(1)
+        assert quarantine.strikes == {"x": 1} and (await _ask(sampler, "x", lease.epoch, 0, 2, request)).groups == 0
+    finally:
+        beating.cancel()
+        await granter.subscription.unsubscribe()
 
 
 def test_a_heartbeat_that_stops_changing_is_silent_by_this_clock():

@@ -33,8 +33,10 @@ class Granter:
     """How the trainer asks the samplers for groups and grants them the work (numbered slots,
     streams/grants.py, answered while it runs), and hands out again the work of slots lost:
     groups that arrived and were not trained, and the slots of a sampler whose heartbeat
-    stopped (`trainer.sampler_dead_after_s`) or that delivered nothing for
-    `trainer.reissue_after_s` (alive but stuck)."""
+    stopped (`trainer.sampler_dead_after_s`) or that had no group accepted for a few of its
+    calls' measured time (alive but stuck, or hoarding: GrantLedger.stall_limit_s, at most
+    `trainer.reissue_after_s`); such a one holds a slot at a time until it delivers, and doing it
+    again is a strike."""
 
     def __init__(self, run: Run, epoch: int, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
                  quarantine: Quarantined | None = None):
@@ -69,11 +71,18 @@ class Granter:
             stopped = status is not None and status.state == "draining"  # its last heartbeat: it abandoned them
             silent_s = self.heartbeats.silent_for(sampler_id, now)
             stalled_s = now - self.ledger.progress_at[sampler_id]
-            dead = silent_s > self.cfg.trainer.sampler_dead_after_s or stalled_s > self.cfg.trainer.reissue_after_s
-            if stopped or dead:
+            trainer = self.cfg.trainer
+            limit_s = self.ledger.stall_limit_s(sampler_id, now, trainer.sampler_dead_after_s, trainer.reissue_after_s)
+            if stopped or silent_s > trainer.sampler_dead_after_s:
                 slots = self.ledger.release(sampler_id)
                 log.warning("grants.slots_released", sampler=sampler_id, slots=len(slots), stopped=stopped,
-                            silent_s=round(silent_s, 1), stalled_s=round(stalled_s, 1))
+                            silent_s=round(silent_s, 1))
+            elif stalled_s > limit_s:  # alive, and none of its slots filled: stuck, or hoarding
+                slots, repeat = self.ledger.release_unfilled(sampler_id)
+                log.warning("grants.slots_released", sampler=sampler_id, slots=len(slots), repeat=repeat,
+                            stalled_s=round(stalled_s, 1), limit_s=round(limit_s, 1))
+                if repeat and self.quarantine:
+                    await self.quarantine.strike(sampler_id, "slots_unfilled")
         lost = self.ledger.take_lost()
         if lost:
             log.warning("grants.reissue", version=self.version, lost=len(lost), missing=missing)
