@@ -56,6 +56,9 @@ HDR_BODY_SHA256 = "Echo-Body-Sha256"
 # The largest message each stream stores (headers included), so a sampler's quota in messages
 # (NatsConfig.sampler_quota_gb) is one in bytes too.
 ROLLOUT_MESSAGE_MAX = 256 << 10  # a group of 16 completions of ~1k tokens
+# A sampler's heartbeat (SamplerStatus) as its registry bucket stores it: an honest one is a few
+# KB; an 8 MB one cost the scheduler 1.5 s to decode every 5 s and `echo-rl status` 9 s.
+STATUS_MAX_BYTES = 64 << 10
 BODY_PART_MAX = 8 << 20  # the max_payload of the servers we configure
 MAX_BODY_PARTS = 64  # 64 x (8 MB - headers): past the largest group worth training on
 
