@@ -25,7 +25,7 @@ import structlog
 from echo.config import EchoConfig, SamplingConfig, TaskConfig
 from echo.protocol import RolloutGroup
 from echo.referee import Referee, Ruling
-from echo.tasks import load_task
+from echo.tasks import is_environment, load_task
 
 log = structlog.get_logger()
 
@@ -45,12 +45,25 @@ def _limit_memory(extra_mb: float) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
 
 
+def _warm_up(task) -> None:
+    """One verdict before any budget runs: a verifier's first call loads what it needs
+    (math-verify's parsers: ~1 s here, several on a loaded machine), which must not count
+    against the first completion a sampler sends."""
+    with contextlib.suppress(Exception):
+        prompt = task.prompt(0)
+        if is_environment(task):
+            task.episode(prompt).step("\\boxed{0}")
+        else:
+            task.score("\\boxed{0}", prompt)
+
+
 def _serve(conn: Connection, task: TaskConfig, tokenizer, vocab_size: int, sampling: SamplingConfig,
            memory_mb: float) -> None:
     """The child: score each group sent, saying when each completion is done (None), then its
     Ruling; until the trainer closes its end (it exited, or was killed)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the trainer ends this
     referee = Referee(load_task(task), tokenizer, vocab_size, sampling)
+    _warm_up(referee.task)
     _limit_memory(memory_mb)
     conn.send("ready")
     while True:
@@ -74,6 +87,7 @@ class ScoringProcess:
         self.budget_s = budget_s
         self.child: multiprocessing.Process | None = None
         self.conn: Connection | None = None
+        self.ready = False  # the child said so: its task and verifier are loaded
         self.restarts = 0
 
     @classmethod
@@ -82,7 +96,7 @@ class ScoringProcess:
                    cfg.trainer.score_memory_mb)
 
     async def __aenter__(self) -> ScoringProcess:
-        await self._start()
+        await self._start()  # it loads while the trainer resumes and waits for its first groups
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -91,6 +105,8 @@ class ScoringProcess:
     async def score(self, group: RolloutGroup) -> Ruling:
         if self.child is None:
             await self._start()
+        if not self.ready:
+            await self._wait_ready()
         self.conn.send(group)
         try:
             while (answer := await self._receive(self.budget_s)) is None:
@@ -118,18 +134,21 @@ class ScoringProcess:
             target=_serve, args=(child_end, *self.child_args), name="echo-scoring", daemon=True)
         await asyncio.to_thread(self.child.start)
         child_end.close()
+
+    async def _wait_ready(self) -> None:
         try:
             if await self._receive(START_TIMEOUT_S) != "ready":
                 raise EOFError
         except (TimeoutError, EOFError):
             self._kill()
             raise RuntimeError("the scoring process did not start (its task or tokenizer failed to load)") from None
+        self.ready = True
 
     def _kill(self) -> None:
         if self.child is not None:
             self.child.kill()
             self.child.join()
-            self.child = None
+            self.child, self.ready = None, False
         if self.conn is not None:
             with contextlib.suppress(OSError):
                 self.conn.close()
