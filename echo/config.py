@@ -94,7 +94,7 @@ class TrainerConfig(_Section):
     # those, are then handed out again.
     sampler_dead_after_s: float = Field(15.0, gt=0)
     # Stuck: slots held without a group accepted for 4 of the sampler's measured calls (the
-    # fleet's median for one never measured), at least sampler_dead_after_s, at most this.
+    # fleet's median for one never measured), at least twice sampler_dead_after_s, at most this.
     reissue_after_s: float = Field(300.0, gt=0)
     # Grant no work until this many samplers have asked (0: start with the first). `up` sets it to
     # the samplers it starts, so that one ready first does not take a short run's every group.

@@ -229,12 +229,20 @@ class Heartbeats:
 
     def __init__(self):
         self.seen: dict[str, tuple[int, float]] = {}  # sampler -> (heartbeat revision, when it changed)
+        self.changes: dict[str, int] = {}  # sampler -> changes seen after the first reading
 
     def observe(self, sampler_id: str, revision: int, now: float) -> None:
         """`revision` 0: no heartbeat key (none yet, or it expired): not a sign of life."""
         last = self.seen.get(sampler_id)
         if last is None or (revision and last[0] != revision):
+            if last is not None:
+                self.changes[sampler_id] = self.changes.get(sampler_id, 0) + 1
             self.seen[sampler_id] = (revision, now)
+
+    def beating(self, sampler_id: str) -> bool:
+        """Whether its heartbeat changed while this process watched: alive, not merely not yet
+        found silent (one that died before a second reading is found silent, never stuck)."""
+        return self.changes.get(sampler_id, 0) > 0
 
     def silent_for(self, sampler_id: str, now: float) -> float:
         return now - self.seen[sampler_id][1]

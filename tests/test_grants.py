@@ -178,7 +178,7 @@ async def test_a_hoarder_is_released_within_a_few_calls_held_to_a_slot_and_struc
     second and never delivers took 2 of 4 slots: no step for over 367 s, the slots released after
     `trainer.reissue_after_s` (300 s) and taken again by the same sampler 0.8 s later. Its slots
     are now released once it has filled none for four of the fleet's measured calls (at least
-    `sampler_dead_after_s`), it then holds one slot at a time, and hoarding again is a strike."""
+    twice `sampler_dead_after_s`), it then holds one slot at a time, and hoarding again is a strike."""
     cfg = tiny_config(tmp_path, run={"mode": "sequential"}, trainer={"groups_per_step": 4, "sampler_dead_after_s": 1.0},
                       sampler={"heartbeat_s": 0.1})
     run = await runs.open("hoard", "trainer")
@@ -194,7 +194,7 @@ async def test_a_hoarder_is_released_within_a_few_calls_held_to_a_slot_and_struc
         assert (await _ask(sampler, "x", lease.epoch, 0, 2, request)).groups == 2  # the hoarder asks first
         for slot in (await _ask(sampler, "h", lease.epoch, 0, 2, request)).slots:
             assert granter.ledger.delivered("h", slot, arrived=time.monotonic())
-            granter.ledger.accepted(slot)  # h's call, measured: far shorter than the 1 s floor
+            granter.ledger.accepted(slot)  # h's call, measured: far shorter than the 2 s floor
         async with asyncio.timeout(60):  # a hang guard: before, 300 s
             while not granter.ledger.probation:  # time passing: its heartbeat lives, its slots stay unfilled
                 await asyncio.sleep(0.5)
@@ -217,8 +217,9 @@ def test_a_heartbeat_that_stops_changing_is_silent_by_this_clock():
     beats.observe("a", revision=7, now=100.0)
     beats.observe("a", revision=7, now=104.0)
     assert beats.silent_for("a", now=110.0) == 10.0
+    assert not beats.beating("a")  # one reading: it may have died right after it
     beats.observe("a", revision=9, now=111.0)  # a new beat, whatever its own clock says
-    assert beats.silent_for("a", now=112.0) == 1.0
+    assert beats.silent_for("a", now=112.0) == 1.0 and beats.beating("a")
 
 
 ASK_AGAIN = {"schema_version": SCHEMA_VERSION, "slots": [], "more": True}  # nothing now, ask again soon

@@ -72,12 +72,16 @@ class Granter:
             silent_s = self.heartbeats.silent_for(sampler_id, now)
             stalled_s = now - self.ledger.progress_at[sampler_id]
             trainer = self.cfg.trainer
-            limit_s = self.ledger.stall_limit_s(sampler_id, now, trainer.sampler_dead_after_s, trainer.reissue_after_s)
+            # At least twice the silence that declares death: a sampler that died holding slots
+            # is found silent first (its slots then go at once, and no strike).
+            limit_s = self.ledger.stall_limit_s(sampler_id, now, 2 * trainer.sampler_dead_after_s,
+                                                trainer.reissue_after_s)
             if stopped or silent_s > trainer.sampler_dead_after_s:
                 slots = self.ledger.release(sampler_id)
                 log.warning("grants.slots_released", sampler=sampler_id, slots=len(slots), stopped=stopped,
                             silent_s=round(silent_s, 1))
-            elif stalled_s > limit_s:  # alive, and none of its slots filled: stuck, or hoarding
+            elif stalled_s > trainer.reissue_after_s or (stalled_s > limit_s and self.heartbeats.beating(sampler_id)):
+                # Alive (its heartbeat changed since it took them) and none filled: stuck, or hoarding.
                 slots, repeat = self.ledger.release_unfilled(sampler_id)
                 log.warning("grants.slots_released", sampler=sampler_id, slots=len(slots), repeat=repeat,
                             stalled_s=round(stalled_s, 1), limit_s=round(limit_s, 1))
