@@ -1,5 +1,5 @@
 """Benchmark: the real protocol at reasoning shapes. The real trainer loop (intake, referee,
-admission, accounting, weights publishing), a real nats-server and real samplers (grants,
+grants, accounting, weights publishing), a real nats-server and real samplers (grants,
 weights following, heartbeats, publishing), with the two computations this machine cannot do at
 that shape replaced by bench-only stand-ins that live here and nowhere else (no config selects
 them):

@@ -2,10 +2,10 @@
 activation saves. Each fleet is a real trainer and real samplers on the tiny model, joined by a
 nats-server, the samplers slowed to different speeds (`sampler.throttle_s`, a pause per group)
 and given costs (`sampler.cost_per_hour`). After the run the model predicts the learner's
-utilisation from what was measured over the second half of the run (each sampler's rates and
-sync times as its heartbeats said them then, read every second; the trainer's step time) and is
-compared with the utilisation the trainer measured over the same steps (busy / (busy + waiting
-for groups)). Cost per step: the active samplers' cost per hour
+utilisation from what was measured over the second half of the run, reading by reading (each
+second: the active samplers' rates and sync times as their heartbeats said them then, the
+learner's pace in the step it was taking) and is compared with the utilisation the trainer
+measured over the same steps (busy / (busy + waiting for groups)). Cost per step: the active samplers' cost per hour
 times the measured seconds per step.
 
     .venv/bin/python -m bench.scheduling [--steps 24]
@@ -22,14 +22,14 @@ import subprocess
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 
 import orjson
 
 from bench.common import write_results
-from echo.capacity import LearnerPace, SamplerPace, utilisation
+from echo.capacity import LearnerPace, utilisation
 from echo.checkpoint import read_metrics
 from echo.config import validate_config
 from echo.protocol import SamplerStatus
@@ -96,19 +96,20 @@ async def _follow(trainer: subprocess.Popen, url: str, run_id: str, run_dir: Pat
     return samples
 
 
-def window_paces(window: list[list[SamplerStatus]]) -> list[SamplerPace]:
-    """The samplers as the capacity model's, over `window` (registry readings): each one's rates
-    the mean of what its heartbeats said while it was active, its delivery scaled by the share of
-    the readings in which it was (the scheduler may switch sets as the measured rates drift)."""
-    paces = []
-    for sampler_id in sorted({s.sampler_id for beats in window for s in beats}):
-        active = [sampler_pace(s) for beats in window for s in beats
-                  if s.sampler_id == sampler_id and s.state == "active" and s.groups_per_s > 0]
-        if active:
-            share = len(active) / len(window)
-            paces.append(replace(active[-1], groups_per_s=share * mean(p.groups_per_s for p in active),
-                                 sync_s=mean(p.sync_s for p in active), call_s=mean(p.call_s for p in active)))
-    return paces
+def predicted_utilisation(window: list[tuple[int, list[SamplerStatus]]], metrics: list[dict],
+                          groups_per_step: int, max_staleness: int) -> float:
+    """The capacity model's utilisation over `window` (registry readings a second apart, each
+    with the steps finished then): at each reading, the model's for the learner's pace in the
+    step it was taking and the rates the active samplers' heartbeats said; then averaged over the
+    readings, as the measured utilisation is busy time over all time. Under a load that changes
+    mid-run the rates and the learner's pace change together, and the model is nonlinear in
+    them: its value at their means (what this once computed) is not the mean of its values."""
+    predictions = []
+    for finished, beats in window:
+        learner = LearnerPace(metrics[finished]["busy_seconds"], groups_per_step, max_staleness)
+        paces = [sampler_pace(s) for s in beats if s.state == "active" and s.groups_per_s > 0]
+        predictions.append(utilisation(learner, paces) if paces else 0.0)
+    return mean(predictions)
 
 
 def run_fleet(work_dir: Path, samplers: list[FleetSampler], steps: int, scheduler: bool = False,
@@ -149,8 +150,8 @@ def run_fleet(work_dir: Path, samplers: list[FleetSampler], steps: int, schedule
     # whose load changes during the run changes the rates, and the last heartbeat's window alone
     # would describe another stretch of the run than the one measured.
     # (Readings once the last step is done are left out: the samplers then say the run finished.)
-    window = ([beats for steps, beats in samples if len(metrics) // 2 <= steps < len(metrics)]
-              or [beats for steps, beats in samples if steps < len(metrics)][-1:])  # a run shorter than a reading
+    window = ([(steps, beats) for steps, beats in samples if len(metrics) // 2 <= steps < len(metrics)]
+              or [(steps, beats) for steps, beats in samples if steps < len(metrics)][-1:])  # a run shorter than a reading
     busy, wait = sum(m["busy_seconds"] for m in later), sum(m["wait_seconds"] for m in later)
     choices = [event for event in map(_json_line, logs.splitlines()) if event.get("event") == "scheduler.chose"]
     # The scheduler's last choice, not the samplers' own states: once the trainer says the run
@@ -171,7 +172,8 @@ def run_fleet(work_dir: Path, samplers: list[FleetSampler], steps: int, schedule
                                     "sync_s": round(sum(s.sync_s.values()) / max(len(s.sync_s), 1), 4)}
                      for s in statuses},
         "step_s": round(learner.step_s, 3),
-        "predicted_utilisation": round(utilisation(learner, window_paces(window)), 3),
+        "predicted_utilisation": round(predicted_utilisation(window, metrics, pace.groups_per_step,
+                                                             pace.max_staleness), 3),
         "measured_utilisation": round(busy / (busy + wait), 3),
         "seconds_per_step": round(seconds_per_step, 3),
         "cost_per_hour": hourly,

@@ -40,7 +40,7 @@ class TrainerState:
     totals: dict[str, int] = field(default_factory=dict)  # messages consumed so far, by what became of them
     trained_content: int = 0  # how many lines of trained_content.txt are this checkpoint's
     trained_completions: int = 0  # how many keys of trained_completions.bin are
-    lost: int = 0  # slots that will never be trained (the admission budget hands them out again)
+    lost: int = 0  # slots that will never be trained (the grant budget hands them out again)
     record: dict | None = None  # the last step's metrics line, restored if the crash lost it
 
 

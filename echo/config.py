@@ -93,7 +93,9 @@ class TrainerConfig(_Section):
     # and stuck when it has delivered none of them for reissue_after_s: its slots, and only
     # those, are then handed out again.
     sampler_dead_after_s: float = Field(15.0, gt=0)
-    reissue_after_s: float = Field(300.0, gt=0)  # stuck: slots held this long without a group delivered
+    # Stuck: slots held without a group accepted for 4 of the sampler's measured calls (the
+    # fleet's median for one never measured), at least twice sampler_dead_after_s, at most this.
+    reissue_after_s: float = Field(300.0, gt=0)
     # Grant no work until this many samplers have asked (0: start with the first). `up` sets it to
     # the samplers it starts, so that one ready first does not take a short run's every group.
     min_samplers: int = Field(0, ge=0)
@@ -105,6 +107,10 @@ class TrainerConfig(_Section):
     # Where either side computes in bf16/fp16: honest SmolLM2 groups measured up to 0.33 (docs/operations.md).
     verify_tolerance_16bit: float = Field(0.5, gt=0)
     quarantine_after: int = Field(3, ge=0)  # offences tolerated before quarantine (0: none)
+    # The verifiers run in a child process with this budget per completion (a sampler chooses
+    # what they read): past it, the group is rejected as verifier_budget, a strike.
+    score_budget_s: float = Field(5.0, gt=0)  # wall-clock seconds
+    score_memory_mb: float = Field(1024.0, gt=0)  # memory above the scoring process's own at start
     keep_versions: int = Field(3, ge=1)  # Versions kept in the weights bucket and run dir; older ones are deleted.
     # Seconds an older version stays in the bucket after a newer one came out, past keep_versions:
     # a sampler has at least that long to fetch a version. Raise it for slow links or full weights

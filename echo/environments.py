@@ -24,13 +24,13 @@ import numpy as np
 
 from echo.protocol import Completion, Observation
 from echo.config import TaskConfig
-from echo.tasks import Environment, Episode, Prompt, Step, Task, load_task, safe_reward
+from echo.tasks import Environment, Episode, Prompt, Step, Task, is_environment, load_task, safe_reward
 
 
 def load_environment(cfg: TaskConfig) -> Environment:
     """The config's task as an environment: one that plays episodes itself, or a task's one turn."""
     task = load_task(cfg)
-    return task if task.environment else SingleTurn(task)
+    return task if is_environment(task) else SingleTurn(task)
 
 
 class SingleTurn:
@@ -101,6 +101,8 @@ def replay(env: Environment, tokenizer, prompt: Prompt, completion: Completion, 
     for turn, observation in enumerate([*completion.observations, None]):
         try:
             step = episode.step(action_text(tokenizer, completion, turn))
+        except MemoryError:  # the trainer's budget (workers/trainer/scoring.py), not a bug
+            raise
         except Exception:  # a bug in an environment costs that group, not the run
             return Replayed(reward, "environment_error")
         reward += step.reward

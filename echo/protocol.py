@@ -20,10 +20,9 @@ import orjson
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, ValidationInfo,
                       model_validator)
 
-SCHEMA_VERSION = 13  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
+SCHEMA_VERSION = 14  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
 # 4: the trainer grants work (GrantRequest/Grant), samplers no longer take it from KV;
-# 5: grants are numbered slots ("leases" on the wire): a grant names them, a group carries the
-# one it fills and its epoch;
+# 5: grants are numbered slots: a grant names them, a group carries the one it fills and its epoch;
 # 6: a group names the engine and precision that sampled it; 7: a sampler's heartbeat is its
 # registry entry (hardware, state, measured rates, sync times, cost, relay); 8: a rollout group's
 # token ids and log-probs travel as fixed-width binary arrays after its fields (encode_rollout);
@@ -31,7 +30,10 @@ SCHEMA_VERSION = 13  # 2: a weights announcement lists shards; 3: and names the 
 # 10: a completion sampled across weight updates names where each newer version took over;
 # 11: a group's body parts share their sampler's one bodies subject, its message names their sequences;
 # 12: a completion may be a multi-turn episode: it names where the environment's tokens lie;
-# 13: the trainer's LearnerStatus says when the run has finished, a sampler's heartbeat that it saw it
+# 13: the trainer's LearnerStatus says when the run has finished, a sampler's heartbeat that it saw it;
+# 14: slots are "slot"/"slots" on the wire, as in the code (schema 5 to 13 said "lease"/"leases",
+# the word the trainer's TrainerLease also used). Schema 13 is still read (_UPGRADES): replay of a
+# recorded run, and a restarted trainer's unread groups, keep working.
 
 # Run and sampler ids become subject tokens and stream names: keep them to safe characters.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -54,6 +56,9 @@ HDR_BODY_SHA256 = "Echo-Body-Sha256"
 # The largest message each stream stores (headers included), so a sampler's quota in messages
 # (NatsConfig.sampler_quota_gb) is one in bytes too.
 ROLLOUT_MESSAGE_MAX = 256 << 10  # a group of 16 completions of ~1k tokens
+# A sampler's heartbeat (SamplerStatus) as its registry bucket stores it: an honest one is a few
+# KB; an 8 MB one cost the scheduler 1.5 s to decode every 5 s and `echo-rl status` 9 s.
+STATUS_MAX_BYTES = 64 << 10
 BODY_PART_MAX = 8 << 20  # the max_payload of the servers we configure
 MAX_BODY_PARTS = 64  # 64 x (8 MB - headers): past the largest group worth training on
 
@@ -68,9 +73,10 @@ OBJ_HDR_EPOCH = "trainer-epoch"
 TRAINER_CONSUMER = "trainer"
 # Keys of the run's state bucket.
 CONFIG_KEY = "config"  # the run's config, JSON: an edge sampler needs only the URL and the run id
-BUDGET_KEY = "budget"  # async mode's AdmissionBudget, written by the trainer
+BUDGET_KEY = "budget"  # async mode's GrantBudget, written by the trainer
 TRAINER_KEY = "trainer"  # the TrainerLease: which trainer incarnation (epoch) owns the run
-SLOTS_KEY = "leases"  # the number of slots granted so far (the trainer's, kept across restarts; schema 9's name)
+SLOTS_KEY = "slots"  # the number of slots granted so far (the trainer's, kept across restarts)
+SLOTS_KEY_BEFORE_14 = "leases"  # its name before schema 14, read when a run that began earlier resumes
 QUARANTINE_KEY = "quarantine"  # samplers whose groups are ignored (Quarantine), by the trainer or an operator
 SCHEDULE_KEY = "schedule"  # the scheduler's choice of samplers (Schedule), written by the trainer
 LEARNER_KEY = "learner"  # the trainer's pace (LearnerStatus), for the scheduler and `echo-rl plan`
@@ -201,10 +207,8 @@ class PolicyVersion(NamedTuple):
 
 
 class _Message(BaseModel):
-    # A field's alias is its name on the wire, where that differs from its name here: code
-    # builds messages by name, decoding accepts the wire's names only (_validate).
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_by_name=True, serialize_by_alias=True)
-    schema_version: Literal[13] = SCHEMA_VERSION
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    schema_version: Literal[14] = SCHEMA_VERSION
 
 
 # The validation context of a decoded message, whose arrays _decode_group checked whole (per
@@ -260,7 +264,7 @@ class _HoldsArrays:
 
     def replaced(self, **changes):
         """A copy with `changes`, validated (model_copy is not: a list would stay a list)."""
-        return type(self).model_validate({**self.model_dump(by_alias=False), **changes})
+        return type(self).model_validate({**self.model_dump(), **changes})
 
 
 class VersionChange(BaseModel):
@@ -336,7 +340,7 @@ class RolloutGroup(_HoldsArrays, _Message):
     epoch: int = Field(ge=0)  # the trainer incarnation whose weights generated it (versions restart with one)
     task: str
     prompt_index: int = Field(ge=0)  # the task's prompt at this index (echo.tasks.Task.prompt)
-    slot: int = Field(ge=1, alias="lease")  # the granted slot this group fills (Grant.slots)
+    slot: int = Field(ge=1)  # the granted slot this group fills (Grant.slots)
     prompt_token_ids: TokenIds
     completions: list[Completion] = Field(min_length=1)
     temperature: float = Field(gt=0)
@@ -412,7 +416,7 @@ class TrainerLease(_Message):
     released: bool = False  # a trainer that stopped cleanly: the next may start at once
 
 
-class AdmissionBudget(_Message):
+class GrantBudget(_Message):
     """Async mode: samplers running `version` may take slots numbered up to `allowance`."""
 
     version: int = Field(ge=0)
@@ -520,7 +524,7 @@ class Grant(_Message):
     received the groups it holds, or once enough samplers have joined): ask again shortly;
     otherwise nothing is left until the trainer asks for more (a new budget or pull request)."""
 
-    slots: list[int] = Field(default_factory=list, max_length=1024, alias="leases")
+    slots: list[int] = Field(default_factory=list, max_length=1024)
     more: bool = False
 
     @property
@@ -549,11 +553,24 @@ def _json_object(data: bytes) -> dict:
     return raw
 
 
+# Earlier schemas still read, each as the wire names it renamed: recorded messages outlive a release.
+_UPGRADES: dict[int, dict[str, str]] = {13: {"lease": "slot", "leases": "slots"}}
+
+
+def _upgraded(raw: dict) -> dict:
+    """`raw` in this schema's names, if it is in one this module still reads."""
+    renames = _UPGRADES.get(raw.get("schema_version"))  # type: ignore[arg-type]
+    if renames is None:
+        return raw
+    return {"schema_version": SCHEMA_VERSION} | {renames.get(k, k): v for k, v in raw.items() if k != "schema_version"}
+
+
 def _validate(cls: type[M], raw: dict, context: dict | None = None) -> M:
+    raw = _upgraded(raw)
     if raw.get("schema_version") != SCHEMA_VERSION:
         raise ProtocolError("bad_schema_version", f"got {raw.get('schema_version')!r}, speak {SCHEMA_VERSION}")
     try:
-        return cls.model_validate(raw, context=context, by_alias=True, by_name=False)
+        return cls.model_validate(raw, context=context)
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or cls.__name__
@@ -659,11 +676,13 @@ def _spans(counts: list[int]):
         start += n
 
 
-def _decode_group(data: bytes, limits: RolloutLimits | None) -> RolloutGroup:
-    """Every check the schema makes. The arrays go in as read-only views of the message, checked
-    whole here: the encoding makes them integers and floats, one log-prob per token; each
-    completion has a token, and every log-prob is finite and <= 0."""
+def _decode_group(data: bytes, limits: RolloutLimits | None) -> tuple[RolloutGroup, object]:
+    """Every check the schema makes, and the schema version it was sent in. The arrays go in as
+    read-only views of the message, checked whole here: the encoding makes them integers and
+    floats, one log-prob per token; each completion has a token, and every log-prob is finite
+    and <= 0."""
     raw, prompt_tokens, counts, ids, logprobs = _read_rollout(data, limits)
+    sent_in = raw.get("schema_version")
     if 0 in counts:
         raise ProtocolError("bad_schema", f"completions.{counts.index(0)}.token_ids: an empty completion")
     if not (np.isfinite(logprobs).all() and (logprobs <= 0.0).all()):
@@ -671,7 +690,7 @@ def _decode_group(data: bytes, limits: RolloutLimits | None) -> RolloutGroup:
     raw["prompt_token_ids"] = ids[:prompt_tokens]
     for c, (a, b) in zip(raw["completions"], _spans(counts)):
         c["token_ids"], c["logprobs"] = ids[prompt_tokens + a : prompt_tokens + b], logprobs[a:b]
-    return _validate(RolloutGroup, raw, _CHECKED)
+    return _validate(RolloutGroup, raw, _CHECKED), sent_in
 
 
 def rollout_headers(group: RolloutGroup) -> dict[str, str]:
@@ -696,11 +715,11 @@ def decode_rollout(data: bytes, headers: dict[str, str] | None, subject: str,
     body naming another sampler is a sampler impersonating another. Every header is what its
     body makes: readers that go by headers alone (replay's filters, JetStream's de-duplication)
     see what is trained."""
-    group = _decode_group(data, limits)
+    group, sent_in = _decode_group(data, limits)
     if subject.split(".")[-2:] != ["rollouts", group.sampler_id]:
         raise ProtocolError("subject_mismatch", f"{group.sampler_id!r} published on {subject}")
     headers = headers or {}
-    for name, value in rollout_headers(group).items():
+    for name, value in (rollout_headers(group) | {HDR_SCHEMA: str(sent_in)}).items():
         if headers.get(name) != value:
             raise ProtocolError("header_mismatch", f"{name}={headers.get(name)!r}, its body makes {value!r}")
     return group

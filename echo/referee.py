@@ -7,6 +7,7 @@ Pure logic, no I/O."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +16,7 @@ from echo.config import SamplingConfig
 from echo.environments import replay
 from echo.models import encode_chat
 from echo.protocol import RolloutGroup, RolloutLimits
-from echo.tasks import Task, safe_reward
+from echo.tasks import Task, is_environment, safe_reward
 
 
 # A completion drawn twice is plausible only if it was likely: the chance that two samples agree
@@ -73,14 +74,16 @@ class Referee:
                     return "bad_finish_reason"
         return None
 
-    def score(self, group: RolloutGroup) -> Ruling:
-        """Check the prompt is the task's and recompute the rewards. Run on groups to be used."""
+    def score(self, group: RolloutGroup, completion_done: Callable[[], None] = lambda: None) -> Ruling:
+        """Check the prompt is the task's and recompute the rewards, calling `completion_done`
+        after each completion. Run on groups to be used (the trainer runs it with a budget:
+        workers/trainer/scoring.py)."""
         prompt = self.task.prompt(group.prompt_index)
         if not np.array_equal(encode_chat(self.tokenizer, prompt.messages), group.prompt_token_ids):
             return Ruling("prompt_mismatch", [])
         rewards, errors = [], 0
         for completion in group.completions:
-            if self.task.environment:  # the episode played again with the sampler's actions
+            if is_environment(self.task):  # the episode played again with the sampler's actions
                 replayed = replay(self.task, self.tokenizer, prompt, completion, self.sampling.max_new_tokens)
                 if replayed.reason:
                     return Ruling(replayed.reason, [], lie=replayed.reason != "environment_error")
@@ -90,6 +93,7 @@ class Referee:
                 reward = safe_reward(self.task, text, prompt)
                 errors += reward is None
             rewards.append(reward or 0.0)
+            completion_done()
         mismatch = any(abs(r - c.reward) > 1e-6 for r, c in zip(rewards, group.completions))
         return Ruling(None, rewards, mismatch, errors)
 

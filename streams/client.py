@@ -206,11 +206,32 @@ async def put_expiring(kv: KeyValue, key: str, value: bytes, ttl_s: int) -> None
     await kv._js.publish(f"{kv._pre}{key}", value, msg_ttl=ttl_s)
 
 
-async def _open_kv(js: JetStreamContext, config: KeyValueConfig, domain: str | None, create: bool) -> KeyValue:
-    kv = await (js.create_key_value(config=config) if create else js.key_value(config.bucket))
-    if domain is None:
-        return kv
-    return KeyValue(name=kv._name, stream=kv._stream, pre=kv._pre, js=_WritesThroughDomain(js, domain), direct=kv._direct)
+async def _create_kv(js: JetStreamContext, config: KeyValueConfig, domain: str | None) -> KeyValue:
+    await js.create_key_value(config=config)
+    return bind_kv(js, config.bucket, domain)
+
+
+# Binding to a bucket asks the broker nothing. nats-py's key_value() and object_store() send a
+# STREAM.INFO each, which samplers may not (streams/secure.py): its answers wait in the server's
+# one JetStream API info queue, which the trainer's own calls need too (a flood of such requests
+# with subject listings, ~150 KB each, stalled a run 44-80 s). Both buckets are read by direct
+# gets (streams/layout.py).
+def bind_kv(js: JetStreamContext, bucket: str, domain: str | None) -> KeyValue:
+    return KeyValue(name=bucket, stream=f"KV_{bucket}", pre=f"$KV.{bucket}.",
+                    js=js if domain is None else _WritesThroughDomain(js, domain), direct=True)
+
+
+def bind_object_store(js: JetStreamContext, bucket: str) -> ObjectStore:
+    return ObjectStore(name=bucket, stream=f"OBJ_{bucket}", js=js)
+
+
+async def require_stream(js: JetStreamContext, stream: str) -> None:
+    """NotFoundError unless `stream` exists: a message get (its first, absent or not), not INFO."""
+    try:
+        await js.get_msg(stream, seq=1)
+    except NotFoundError as e:
+        if e.err_code != NO_MESSAGE:
+            raise
 
 
 class NoWeightsMirror(ConfigError):
@@ -264,6 +285,7 @@ async def connect_answered(url: str, name: str, credentials: Credentials | None,
 
 
 NO_PEERS_YET = 10005  # "no suitable peers for placement": a cluster whose nodes have not all joined yet
+NO_MESSAGE = 10037  # "no message found": the stream exists
 PLACEMENT_WAIT_S = 60.0
 
 
@@ -284,10 +306,9 @@ async def _create_run(js: JetStreamContext, names: RunNames, hub_domain: str | N
     await _add_or_update_stream(js, layout.control_stream(names, storage))
     # nats-py overwrites config.bucket with the positional name: pass both.
     weights = await js.create_object_store(names.weights_bucket, config=layout.weights_bucket(names, storage))
-    state = await _open_kv(js, layout.state_bucket(names, storage), hub_domain, create=True)
+    state = await _create_kv(js, layout.state_bucket(names, storage), hub_domain)
     await _add_or_update_stream(js, layout.registry_stream(names, storage))
-    registry = await _open_kv(js, KeyValueConfig(bucket=names.registry_bucket), hub_domain, create=False)
-    return weights, state, registry
+    return weights, state, bind_kv(js, names.registry_bucket, hub_domain)
 
 
 async def _create_run_once_placed(js: JetStreamContext, names: RunNames, hub_domain: str | None, storage: Storage):
@@ -311,10 +332,9 @@ async def _join_run(js: JetStreamContext, names: RunNames, hub_domain: str | Non
     deadline, waited = asyncio.get_running_loop().time() + wait_s, False
     while True:
         try:
-            weights = await js.object_store(names.weights_bucket)
-            state = await _open_kv(js, layout.state_bucket(names), hub_domain, create=False)
-            registry = await _open_kv(js, KeyValueConfig(bucket=names.registry_bucket), hub_domain, create=False)
-            return weights, state, registry
+            await require_stream(js, f"KV_{names.state_bucket}")  # the trainer creates the registry next
+            return (bind_object_store(js, names.weights_bucket), bind_kv(js, names.state_bucket, hub_domain),
+                    bind_kv(js, names.registry_bucket, hub_domain))
         except (NotFoundError, *BROKER_ERRORS) as e:  # BucketNotFoundError too; or the broker restarting
             if asyncio.get_running_loop().time() > deadline:
                 raise no_run(names.run_id, e) from None
@@ -375,7 +395,7 @@ async def _wait_for_weights_mirror(local_js: JetStreamContext, names: RunNames, 
     not_there = 0
     while True:
         try:
-            await local_js.stream_info(names.weights_stream)
+            await require_stream(local_js, names.weights_stream)
             return
         except NotFoundError:  # a relay started alongside may not mirror it yet
             not_there += 1

@@ -1,7 +1,7 @@
 """Work grants on the wire: a sampler asks the trainer for groups to generate (request/reply
 on its own grants subject) and the trainer alone decides, so no sampler can take work meant
-for the others. Used by both modes: async mode's admission budget and sequential mode's pull
-requests. Async mode's AdmissionBudget and the count of slots granted so far live in the run's
+for the others. Used by both modes: async mode's grant budget and sequential mode's pull
+requests. Async mode's GrantBudget and the count of slots granted so far live in the run's
 state bucket, written by the trainer only."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Awaitable, Callable
 
 import structlog
 
-from echo.protocol import (BUDGET_KEY, GRANT_TIMEOUT_S, SLOTS_KEY, AdmissionBudget, Grant, GrantRequest, ProtocolError,
-                           decode, encode, subject_sampler)
+from echo.protocol import (BUDGET_KEY, GRANT_TIMEOUT_S, SLOTS_KEY, SLOTS_KEY_BEFORE_14, GrantBudget, Grant,
+                           GrantRequest, ProtocolError, decode, encode, subject_sampler)
 from streams.client import BROKER_ERRORS, Run
 from streams.watch import read_value, watch_forever
 
@@ -70,7 +70,7 @@ async def request_grant(run: Run, sampler_id: str, request: GrantRequest,
         return None
 
 
-async def publish_budget(run: Run, budget: AdmissionBudget) -> None:
+async def publish_budget(run: Run, budget: GrantBudget) -> None:
     await run.state.put(BUDGET_KEY, encode(budget))
 
 
@@ -82,7 +82,11 @@ async def watch_budget(run: Run, changed: asyncio.Event) -> None:
 
 async def slots_granted(run: Run) -> int:
     """Slots granted so far: a restarted trainer numbers its grants on from there."""
-    return (await read_value(run.state, SLOTS_KEY, int))[0] or 0
+    for key in (SLOTS_KEY, SLOTS_KEY_BEFORE_14):
+        granted = (await read_value(run.state, key, int))[0]
+        if granted is not None:
+            return granted
+    return 0
 
 
 async def record_slots_granted(run: Run, granted: int) -> None:

@@ -30,6 +30,7 @@ ACK_ATTEMPTS = 3  # a held message's ack is confirmed, or left for the broker to
 # a fetch of the largest messages never makes it close the trainer's connection (the batch lost
 # with it came back only after ack_wait).
 FETCH_BYTES = 32 << 20
+FETCH_MAX = FETCH_BYTES // ROLLOUT_MESSAGE_MAX  # messages one fetch asks the server for
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class RolloutInbox:
     def __init__(self, run: Run, subscription):
         self.run, self.subscription = run, subscription
         self.held: list[Delivery] = []  # fetched and not yet acked
+        self.untrained: set[int] = set()  # the sequences of held messages let go (not trained)
         # Delivered beyond a fetch's batch (nats-py returns whatever its subscription queued, a
         # pull request it gave up on included): handed out by the next fetches, first.
         self.waiting: list[Msg] = []
@@ -88,12 +90,13 @@ class RolloutInbox:
             log.warning("inbox.reset_failed", reason=repr(e))
 
     async def fetch(self, batch: int, timeout: float) -> list[Delivery]:
-        """Up to `batch` deliveries ([] when none came within `timeout`), each held until ack_held;
-        no more at once than FETCH_BYTES of messages of the stream's largest size."""
+        """Up to `batch` deliveries ([] when none came within `timeout`), each held until ack_held.
+        The server is asked for a full fetch (FETCH_MAX, FETCH_BYTES of the largest messages)
+        whatever `batch` is, the rest kept for the next calls: a backlog, one sampler's flood of
+        junk included, is read a full fetch at a time, not a step's few groups at a time."""
         await self._reset_if_reconnected()
-        batch = max(1, min(batch, FETCH_BYTES // ROLLOUT_MESSAGE_MAX))
         if not self.waiting:
-            self.waiting = await fetch_rollouts(self.subscription, batch, timeout)
+            self.waiting = await fetch_rollouts(self.subscription, FETCH_MAX, timeout)
         msgs, self.waiting = self.waiting[:batch], self.waiting[batch:]
         now, wall, connection = time.monotonic(), time.time(), self._reconnects()
         deliveries = [Delivery(msg.metadata.sequence.stream, msg.subject, msg.headers or {}, msg,
@@ -103,11 +106,11 @@ class RolloutInbox:
         self.held += deliveries  # acked after the checkpoint, used or not; they stay in the stream for replay
         return deliveries
 
-    @staticmethod
-    def let_go(delivery: Delivery) -> None:
+    def let_go(self, delivery: Delivery) -> None:
         """Its body is no longer needed (the group is not trained): only its ack is kept until the
         checkpoint, so a step's memory holds the groups it trains, however many it refuses."""
         delivery.msg.data = b""
+        self.untrained.add(delivery.seq)
 
     async def body(self, delivery: Delivery, limits: RolloutLimits | None = None) -> bytes:
         """Its encoded group: its own data, or a large group's parts (ProtocolError "bad_body";
@@ -115,25 +118,35 @@ class RolloutInbox:
         return await rollout_body(self.run.js, self.run.names, delivery.msg, limits)
 
     async def keep_alive(self, every: float) -> None:
-        """Tell the server the held messages are still being worked on, so a long step does not
-        get them redelivered, while a crashed trainer's are redelivered after one ack_wait (or at
-        once, when its successor opens the inbox)."""
+        """Tell the server the held and waiting messages are still being worked on, so a long
+        step does not get them redelivered, while a crashed trainer's are redelivered after one
+        ack_wait (or at once, when its successor opens the inbox)."""
         while True:
             await asyncio.sleep(every)
             try:
-                for delivery in self._on_this_connection():
-                    await delivery.msg.in_progress()
+                for msg in [*(delivery.msg for delivery in self._on_this_connection()), *self.waiting]:
+                    await msg.in_progress()
             except BROKER_ERRORS as e:  # a broker restart: the next round tells it again
                 log.warning("inbox.keep_alive_failed", reason=repr(e))
 
     async def ack_held(self) -> int:
-        """Ack every held message, all at once, waiting for the broker to confirm each; returns how
-        many it did not. Those are offered again and the trainer skips them then, by their
-        sequences: deliveries made on a connection since dropped are not acked at all (their acks
-        would go unanswered after a broker restart, a second each), the reset offers them again."""
-        acked = await asyncio.gather(*(self._ack(delivery) for delivery in self._on_this_connection()))
-        unconfirmed = len(self.held) - sum(acked)
+        """Ack every held message, all at once; returns how many acks the broker did not confirm.
+        Those are offered again and the trainer skips them then, by their sequences: deliveries
+        made on a connection since dropped are not acked at all (their acks would go unanswered
+        after a broker restart, a second each), the reset offers them again. The trained groups'
+        acks are confirmed one by one; the others' are sent unconfirmed: a sampler chooses how
+        many of those there are (16,400 junk messages took 32 s to ack with a confirmation each,
+        0.3 s without), and a lost one costs only a skip when it is offered again."""
+        trained, untrained = [], 0
+        for delivery in self._on_this_connection():
+            if delivery.seq not in self.untrained:
+                trained.append(delivery)
+            else:
+                untrained += await self._ack_unconfirmed(delivery)
+        acked = await asyncio.gather(*(self._ack(delivery) for delivery in trained))
+        unconfirmed = len(self.held) - untrained - sum(acked)
         self.held.clear()
+        self.untrained.clear()
         return unconfirmed
 
     def _on_this_connection(self) -> list[Delivery]:
@@ -148,6 +161,15 @@ class RolloutInbox:
             except BROKER_ERRORS as e:
                 log.warning("inbox.ack_failed", seq=delivery.seq, reason=repr(e), attempt=attempt)
         return False
+
+    @staticmethod
+    async def _ack_unconfirmed(delivery: Delivery) -> bool:
+        try:
+            await delivery.msg.ack()
+            return True
+        except BROKER_ERRORS as e:
+            log.warning("inbox.ack_failed", seq=delivery.seq, reason=repr(e))
+            return False
 
     async def counts(self) -> ConsumerCounts:
         info = await self.subscription.consumer_info()

@@ -14,7 +14,7 @@ from nats.js.api import (
     StreamSource,
 )
 
-from echo.protocol import BODY_PART_MAX, ROLLOUT_DEDUP_WINDOW_S, ROLLOUT_MESSAGE_MAX, RunNames, Storage
+from echo.protocol import BODY_PART_MAX, ROLLOUT_DEDUP_WINDOW_S, ROLLOUT_MESSAGE_MAX, STATUS_MAX_BYTES, RunNames, Storage
 
 
 def rollouts_stream(names: RunNames, storage: Storage = Storage()) -> StreamConfig:
@@ -68,6 +68,7 @@ def registry_stream(names: RunNames, storage: Storage = Storage()) -> StreamConf
         deny_purge=True,
         allow_direct=True,
         allow_msg_ttl=True,
+        max_msg_size=STATUS_MAX_BYTES,  # refused by the broker: no reader decodes a larger one
         num_replicas=storage.replicas,
     )
 

@@ -23,7 +23,7 @@ from nats.js.api import ObjectInfo, ObjectMetaOptions
 from nats.js.errors import NotFoundError
 from nats.nuid import NUID
 
-from streams.client import BROKER_ERRORS
+from streams.client import BROKER_ERRORS, bind_object_store
 
 CHUNK_SIZE = 1 << 20  # publish throughput peaks at 1 MiB chunks on loopback
 WINDOW = 16  # chunk publishes awaiting their ack
@@ -52,7 +52,7 @@ async def put_object(
     chunk_size = min(CHUNK_SIZE, js._nc.max_payload - 1024)  # room for the protocol line
     store = f"OBJ_{bucket}"
     try:
-        previous = await (await js.object_store(bucket)).get_info(name)
+        previous = await bind_object_store(js, bucket).get_info(name)
     except NotFoundError:
         previous = None
     nuid = NUID().next().decode()
@@ -100,7 +100,7 @@ async def get_object(
     TransferError. The size is checked before the buffer is allocated: a forged info cannot
     make a reader allocate more than it was told to expect."""
     try:
-        info = await (await js.object_store(bucket)).get_info(name)
+        info = await bind_object_store(js, bucket).get_info(name)
     except NotFoundError:
         raise TransferError("not_found", f"{bucket}/{name}") from None
     if expected_size is not None and info.size != expected_size:

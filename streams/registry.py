@@ -9,13 +9,18 @@ import functools
 
 import structlog
 
-from echo.protocol import LEARNER_KEY, LearnerStatus, SamplerStatus, decode, encode
+from echo.protocol import LEARNER_KEY, STATUS_MAX_BYTES, LearnerStatus, ProtocolError, SamplerStatus, decode, encode
 from streams.client import Run, put_expiring
 from streams.watch import read_value
 
 log = structlog.get_logger()
 
-_DECODE_STATUS = functools.partial(decode, SamplerStatus)
+def _decode_status(data: bytes) -> SamplerStatus:
+    """A heartbeat, its size checked before it is decoded (the broker refuses larger ones in a run
+    whose trainer created or updated the bucket; a reader does not count on it)."""
+    if len(data) > STATUS_MAX_BYTES:
+        raise ProtocolError("too_large", f"a heartbeat of {len(data)} bytes (at most {STATUS_MAX_BYTES})")
+    return decode(SamplerStatus, data)
 
 
 async def put_status(run: Run, status: SamplerStatus) -> None:
@@ -44,7 +49,7 @@ async def read_statuses(run: Run) -> list[SamplerStatus]:
     statuses = []
     for subject in sorted(info.state.subjects or {}):
         key = subject.removeprefix(prefix)
-        status, _ = await read_value(run.registry, key, _DECODE_STATUS)
+        status, _ = await read_value(run.registry, key, _decode_status)
         if status is None:  # deleted, or one sampler's bad word: it must not stop the readers
             continue
         # A sampler writes its own key only (its credentials), but any value: not another's status.
@@ -58,6 +63,6 @@ async def read_statuses(run: Run) -> list[SamplerStatus]:
 async def read_heartbeat(run: Run, sampler_id: str) -> tuple[int, SamplerStatus | None]:
     """The revision of the sampler's heartbeat key (it changes with every beat) and what it says;
     (0, None) when there is none or it is unreadable: not a sign of life."""
-    status, revision = await read_value(run.registry, sampler_id, _DECODE_STATUS)
+    status, revision = await read_value(run.registry, sampler_id, _decode_status)
     return (revision, status) if status is not None else (0, None)
 

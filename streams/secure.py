@@ -79,12 +79,13 @@ def _tls_block(cert_file: Path, key_file: Path, ca_file: Path) -> str:
 
 
 def _stream_reads(api: str, stream: str) -> list[str]:
-    """The JetStream API subjects that read one stream's messages without a consumer: info and
+    """The JetStream API subjects that read one stream's messages without a consumer or INFO:
     (direct) gets. No consumer: a sampler made 1000 durable consumers on the weights stream, the
     server's limit, and every fetch failed until someone deleted them; it could make as many
-    ephemeral ones, each told to stay for a year."""
-    return [f"{api}.STREAM.INFO.{stream}", f"{api}.STREAM.MSG.GET.{stream}",
-            f"{api}.DIRECT.GET.{stream}", f"{api}.DIRECT.GET.{stream}.>"]
+    ephemeral ones, each told to stay for a year. No INFO: its answers (~150 KB with a subject
+    listing) wait in the server's one JetStream info queue, which the trainer's calls need too:
+    a flood of them stalled the run 44-80 s (streams/client.py binds buckets without it)."""
+    return [f"{api}.STREAM.MSG.GET.{stream}", f"{api}.DIRECT.GET.{stream}", f"{api}.DIRECT.GET.{stream}.>"]
 
 
 def _stream_consumers(api: str, stream: str) -> list[str]:
@@ -122,7 +123,9 @@ def permissions(role: str, names: RunNames, public_key: str, sampler_id: str | N
     for api in _api_prefixes(hub_domain):
         allow.append(f"{api}.INFO")
         for stream in readable:
-            allow += _stream_reads(api, stream) + (_stream_consumers(api, stream) if role == "observer" else [])
+            allow += _stream_reads(api, stream)
+            if role == "observer":  # replay and status read through consumers and stream info
+                allow += _stream_consumers(api, stream) + [f"{api}.STREAM.INFO.{stream}"]
     if role == "observer":
         allow += [f"$JS.FC.{stream}.>" for stream in readable]  # flow control of ordered consumers
     deny = [f"{api}.CONSUMER.CREATE.{names.rollouts_stream}.{TRAINER_CONSUMER}{tail}"
@@ -131,7 +134,6 @@ def permissions(role: str, names: RunNames, public_key: str, sampler_id: str | N
         check_id("sampler id", sampler_id)
         allow += [names.rollouts_subject(sampler_id), names.bodies_subject(sampler_id), names.grants_subject(sampler_id)]
         allow += _kv_write(names.registry_bucket, sampler_id, hub_domain)
-        allow += [f"{api}.STREAM.INFO.KV_{names.registry_bucket}" for api in _api_prefixes(hub_domain)]  # to open it
     elif role != "observer":
         raise ValueError(f"unknown role {role!r}")
     return {"publish": {"allow": allow, "deny": deny}, "subscribe": {"allow": [inbox]}}

@@ -31,7 +31,7 @@ from streams.server import NatsServer, free_port
 from streams.weights import WeightsPublisher
 from workers.relay import loopback_relay_args
 from workers.swarm import worker_command
-from workers.trainer.accounting import account, count_consumed, count_evicted
+from workers.trainer.accounting import count_consumed, settle
 from workers.trainer.intake import Collector
 
 TINY_BASE = base_model_digest("tiny")  # what weights for the tiny model are announced for
@@ -317,10 +317,7 @@ async def collect_and_account(collector: Collector, totals: dict[str, int], need
     async with asyncio.timeout(30):
         collected = await collector.collect(need, version=5)
     collector.trained(collected)  # checkpointed
-    totals = count_consumed(totals, collected)
-    unconfirmed = await collector.inbox.ack_held()
-    totals = await count_evicted(collector.inbox, collector.consumed, totals)
-    return totals, await account(collector.inbox, totals, collector.consumed, unconfirmed)
+    return await settle(collector.inbox, collector.consumed, count_consumed(totals, collected))
 
 
 def assert_accounting_holds(a: dict[str, int]) -> None:

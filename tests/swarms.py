@@ -25,7 +25,7 @@ def up_command(tmp_path, run_id: str, steps: int, *overrides: str, flags=()) -> 
 
 def run_swarm(tmp_path, run_id: str, steps: int, *overrides: str, flags=()):
     cmd = up_command(tmp_path, run_id, steps, *overrides, flags=flags)
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)  # a hang guard: a run here takes 1-4 min
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / run_id
     metrics = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import io
 import time
 from types import SimpleNamespace
@@ -16,8 +17,9 @@ from nats.js.api import ConsumerConfig
 from nats.js.errors import KeyNotFoundError
 from rich.console import Console
 
-from echo.admission import GrantLedger
 from echo.checkpoint import TrainerState, load_trained_completions, remember_trained
+from echo.config import TaskConfig
+from echo.grants import GrantLedger
 from echo.protocol import (BODY_PART_MAX, BUDGET_KEY, CONFIG_KEY, HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE, HDR_MSG_ID,
                            LEARNER_KEY,
                            QUARANTINE_KEY, ROLLOUT_MESSAGE_MAX, SCHEDULE_KEY, SLOTS_KEY, TRAINER_KEY, GrantRequest,
@@ -30,16 +32,19 @@ from streams.lease import RENEW_S, AnotherTrainer, current_epoch, take_lease
 from streams.quarantine import change_quarantine, read_quarantine
 from streams.secure import SAMPLER_LIMITS, SecureDir
 from streams.server import NatsServer
-from streams.inbox import RolloutInbox
+from streams.inbox import FETCH_MAX, RolloutInbox
+from streams.layout import registry_stream
 from streams.registry import put_status, read_heartbeat, read_learner, read_statuses
-from streams.rollouts import publish_rollout
+from streams.rollouts import fetch_rollouts, publish_rollout
 from streams.weights import WeightsPublisher, fetch_weights
 from tests.conftest import TINY_BASE, assert_accounting_holds, collect_and_account, tiny_config
-from tests.groups import REFEREE, TASK, honest_group, pack_rollout, unlikely
+from tests.groups import REFEREE, SAMPLING, TASK, TOKENIZER, honest_group, pack_rollout, unlikely
 from workers.cli import main
 from workers.trainer.coordinator import Coordinator
-from workers.trainer.dispatch import AsyncDispatch
+from workers.trainer.granter import AsyncGranter
 from workers.trainer.intake import Collected, Collector, Judge, Timeline
+from workers.trainer.quarantine import Quarantined
+from workers.trainer.scoring import ScoringProcess
 from workers.status import render, snapshot
 
 
@@ -56,10 +61,10 @@ async def _serving_trainer(server, secure, tmp_path):
     lease = await take_lease(trainer)
     trainer_weights = WeightsPublisher(lease)
     announcement = await trainer_weights.publish(0, [b"v0" * 100], TINY_BASE)
-    dispatch = AsyncDispatch(trainer, lease.epoch, tiny_config(tmp_path, run={"id": "sec"}), TrainerState(), GrantLedger())
-    await dispatch.start()
-    await dispatch.ask(0)
-    return trainer, lease, announcement, dispatch
+    granter = AsyncGranter(trainer, lease.epoch, tiny_config(tmp_path, run={"id": "sec"}), TrainerState(), GrantLedger())
+    await granter.start()
+    await granter.ask(0)
+    return trainer, lease, announcement, granter
 
 
 async def test_the_trainer_answers_a_grant_request_only_in_an_inbox_and_copies_no_header(secured, tmp_path):
@@ -68,7 +73,7 @@ async def test_the_trainer_answers_a_grant_request_only_in_an_inbox_and_copies_n
     copies the request's headers) purge every version; one naming another sampler's rollout
     subject put the trainer's answer there under the attacker's headers."""
     server, secure = secured
-    trainer, lease, announcement, dispatch = await _serving_trainer(server, secure, tmp_path)
+    trainer, lease, announcement, granter = await _serving_trainer(server, secure, tmp_path)
     names = trainer.names
     attacker = await nats.connect(server.url, **secure.credentials("sampler-s1").connect_options())
     try:
@@ -85,7 +90,7 @@ async def test_the_trainer_answers_a_grant_request_only_in_an_inbox_and_copies_n
         assert await _revision(trainer.state, "x") == 0
     finally:
         await attacker.close()
-        await dispatch.subscription.unsubscribe()
+        await granter.subscription.unsubscribe()
         await trainer.close()
 
 
@@ -97,7 +102,7 @@ async def test_no_answer_a_sampler_asks_for_lands_in_the_runs_state(secured, tmp
     lease key fenced it out. The samplers' account imports what they may ask for from the run's
     account: an answer goes back into theirs, where no stream of the run listens."""
     server, secure = secured
-    trainer, lease, announcement, dispatch = await _serving_trainer(server, secure, tmp_path)
+    trainer, lease, announcement, granter = await _serving_trainer(server, secure, tmp_path)
     names = trainer.names
     attacker = await nats.connect(server.url, **secure.credentials("sampler-s1").connect_options())
     keys = [(trainer.state, names.state_bucket, key) for key in (
@@ -120,7 +125,7 @@ async def test_no_answer_a_sampler_asks_for_lands_in_the_runs_state(secured, tmp
         lease.check()  # still the run's trainer
     finally:
         await attacker.close()
-        await dispatch.subscription.unsubscribe()
+        await granter.subscription.unsubscribe()
         await trainer.close()
 
 
@@ -131,7 +136,7 @@ async def test_a_malformed_value_in_the_runs_state_is_read_as_absent_and_fences_
     it; the trainer whose lease it overwrote stops at once, and the next one takes the run in an
     epoch after every one announced."""
     server, secure = secured
-    trainer, lease, announcement, dispatch = await _serving_trainer(server, secure, tmp_path)
+    trainer, lease, announcement, granter = await _serving_trainer(server, secure, tmp_path)
     await change_quarantine(trainer, lambda samplers: samplers.update({"s9": "caught"}))
     renewing = asyncio.create_task(lease.renew_forever())
     junk = b'{"type":"io.nats.jetstream.api.v1.account_info_response"}'
@@ -153,7 +158,7 @@ async def test_a_malformed_value_in_the_runs_state_is_read_as_absent_and_fences_
         assert successor.epoch == announcement.epoch + 1
     finally:
         renewing.cancel()
-        await dispatch.subscription.unsubscribe()
+        await granter.subscription.unsubscribe()
         await trainer.close()
 
 
@@ -163,7 +168,7 @@ async def test_a_rollup_on_the_samplers_own_heartbeat_key_wipes_nothing(secured,
     successor started again at epoch 1. Heartbeats now live in a bucket of their own that
     refuses rollups, purges and deletes, and the state bucket holds nothing a sampler writes."""
     server, secure = secured
-    trainer, lease, announcement, dispatch = await _serving_trainer(server, secure, tmp_path)
+    trainer, lease, announcement, granter = await _serving_trainer(server, secure, tmp_path)
     names = trainer.names
     await trainer.state.put(CONFIG_KEY, b'{"task": {"name": "math"}}')
     await trainer.registry.put("s0", b"another sampler's heartbeat")
@@ -187,7 +192,31 @@ async def test_a_rollup_on_the_samplers_own_heartbeat_key_wipes_nothing(secured,
         assert (await trainer.registry.get("s0")).value == b"another sampler's heartbeat"
     finally:
         await attacker.close()
-        await dispatch.subscription.unsubscribe()
+        await granter.subscription.unsubscribe()
+        await trainer.close()
+
+
+async def test_a_heartbeat_past_its_size_is_refused_by_the_broker_and_by_every_reader(secured, tmp_path):
+    """Issue 43: an 8 MB heartbeat on the sampler's own registry key cost the scheduler ~1.5 s to
+    decode every 5 s (79 -> 56 steps a minute) and `echo-rl status` 9 s. The registry bucket
+    refuses a message past STATUS_MAX_BYTES, and a reader checks the size before it decodes."""
+    server, secure = secured
+    trainer, lease, announcement, granter = await _serving_trainer(server, secure, tmp_path)
+    attacker = await open_run(server.url, "sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
+    try:
+        huge = SamplerStatus(sampler_id="s1", version=0, groups_published=0, weight_failures={}, updated_at=time.time(),
+                             sync_s={str(v): 1.0 for v in range(400_000)})
+        assert len(encode(huge)) > 4 << 20  # MBs (8 MB is the payload any message may have)
+        with pytest.raises(nats.js.errors.APIError, match="message size exceeds maximum"):
+            await put_status(attacker, huge)
+        # A bucket from before the limit: every reader still checks the size before decoding.
+        await trainer.js.update_stream(dataclasses.replace(registry_stream(trainer.names), max_msg_size=-1))
+        await trainer.registry.put("s1", encode(huge))
+        assert await read_heartbeat(trainer, "s1") == (0, None) and await read_statuses(trainer) == []
+        assert BAD_VALUES["s1"] >= 1
+    finally:
+        await attacker.close()
+        await granter.subscription.unsubscribe()
         await trainer.close()
 
 
@@ -195,7 +224,7 @@ async def test_status_shows_a_samplers_own_words_as_written(secured, tmp_path):
     """A heartbeat is the sampler's word: markup in it ([link=...], styles) reached the operator's
     terminal as markup. `echo-rl status` prints it literally."""
     server, secure = secured
-    trainer, lease, announcement, dispatch = await _serving_trainer(server, secure, tmp_path)
+    trainer, lease, announcement, granter = await _serving_trainer(server, secure, tmp_path)
     sampler = await open_run(server.url, "sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
     observer = await open_run(server.url, "sec", "observer", credentials=secure.credentials("observer"), create=False)
     words = "[link=https://evil.example]update your drivers[/link][blink]"
@@ -206,7 +235,7 @@ async def test_status_shows_a_samplers_own_words_as_written(secured, tmp_path):
         Console(file=out, width=400).print(render(await snapshot(observer)))
         assert out.getvalue().count(words) == 3, out.getvalue()
     finally:
-        await dispatch.subscription.unsubscribe()
+        await granter.subscription.unsubscribe()
         for run in (observer, sampler, trainer):
             await run.close()
 
@@ -254,7 +283,7 @@ async def test_a_sampler_cannot_make_consumers(secured, tmp_path):
     year would do the same. A sampler now reads weights, announcements and state by direct gets
     and may make no consumer at all."""
     server, secure = secured
-    trainer, lease, announcement, dispatch = await _serving_trainer(server, secure, tmp_path)
+    trainer, lease, announcement, granter = await _serving_trainer(server, secure, tmp_path)
     names = trainer.names
     attacker = await nats.connect(server.url, **secure.credentials("sampler-s1").connect_options())
     js = attacker.jetstream(domain="hub", timeout=1.0)
@@ -276,7 +305,7 @@ async def test_a_sampler_cannot_make_consumers(secured, tmp_path):
         await sampler.close()
     finally:
         await attacker.close()
-        await dispatch.subscription.unsubscribe()
+        await granter.subscription.unsubscribe()
         await trainer.close()
 
 
@@ -314,8 +343,35 @@ async def test_a_group_resending_trained_completions_is_refused(secured, tmp_pat
         resumed = Judge(REFEREE, Timeline(max_staleness=1),
                         trained_completions=load_trained_completions(tmp_path, state.trained_completions))
         again = Collected()
-        assert resumed._judge(swapped.replaced(group_id="again"), "s1", 5, again) is None
+        assert resumed._screen(swapped.replaced(group_id="again"), "s1", 5, again) is None
         assert again.rejected == {"repeated_completion": 1}
+    finally:
+        await attacker.close()
+        await trainer.close()
+
+
+async def test_a_verifier_bomb_costs_the_bomber_its_group_and_a_strike_and_the_step_goes_on(secured, tmp_path):
+    """Issue 43: one group whose completions are each `\\boxed{K^{9^{8}}}` for a different K, with
+    true log-probs: math-verify evaluated every power tower in full on the trainer's event loop
+    (no step for over 515 s, SIGTERM unheard). The verifiers now run in a child process with a
+    budget per completion: the group is rejected and struck, the honest group behind it trained."""
+    server, secure = secured
+    trainer = await open_run(server.url, "sec", "trainer", credentials=secure.credentials("trainer"))
+    attacker = await open_run(server.url, "sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
+    try:
+        bomb = honest_group(texts=[f"\\boxed{{{k}^{{9^{{8}}}}}}" for k in (3, 5)], rewards=[0.1, 0.1],
+                            group_id="bomb", policy_version=5)
+        await publish_rollout(attacker, bomb)
+        await publish_rollout(attacker, honest_group(group_id="honest", policy_version=5))
+        quarantine = Quarantined(trainer, after=3)
+        async with ScoringProcess(TaskConfig(name="math"), TOKENIZER, len(TOKENIZER), SAMPLING, budget_s=3.0,
+                                  memory_mb=1024.0) as scoring:
+            judge = Judge(REFEREE, Timeline(max_staleness=1), quarantine=quarantine, scoring=scoring)
+            collector = Collector(await RolloutInbox.open(trainer), judge)
+            async with asyncio.timeout(120):  # a hang guard: the budget is 3 s a completion
+                step = await collector.collect(1, version=5)
+        assert [a.group.group_id for a in step.used] == ["honest"]
+        assert step.rejected == {"verifier_budget": 1} and quarantine.strikes == {"s1": 1}
     finally:
         await attacker.close()
         await trainer.close()
@@ -363,9 +419,45 @@ async def test_one_sampler_keeps_no_more_than_its_quota_and_evicts_only_its_own(
         assert rollouts.state.bytes <= quota + (1 << 20) and rollouts.state.messages <= quota // ROLLOUT_MESSAGE_MAX + 2
         assert bodies.state.bytes <= quota and bodies.state.messages <= quota // BODY_PART_MAX
         totals, accounting = await collect_and_account(collector, {}, 2)
-        # Both honest groups trained; the attacker's oldest 272 went unread, the 201 before the
-        # second honest group counted as evicted once the ack floor passed them.
-        assert accounting["trained"] == 2 and accounting["rejected"] == 0 and accounting["evicted"] == 201, accounting
+        # Both honest groups trained; the attacker's oldest 272 went unread, counted as evicted
+        # once the ack floor passed them (the inbox's fetch took the messages after them too).
+        assert accounting["trained"] == 2 and accounting["rejected"] == 0 and accounting["evicted"] == 272, accounting
+        assert_accounting_holds(accounting)
+    finally:
+        for run in (attacker, honest, trainer):
+            await run.close()
+
+
+async def test_a_flood_of_junk_costs_its_sender_a_quarantine_and_the_honest_group_behind_it_is_read(
+        two_samplers, monkeypatch):
+    """Issue 43: a sampler keeping its quota full of 64-byte junk held the run at ~14 steps a
+    minute: one consumer reads every sampler's subject in stream order, each fetch asked for only
+    what the step still needed, and junk earned no strike (16,400 messages took 50 s to read past).
+    Junk is now a strike, a quarantined sender's messages are counted unread, and the inbox reads
+    a backlog a full fetch at a time."""
+    server, secure = two_samplers
+    trainer = await open_run(server.url, "sec", "trainer", credentials=secure.credentials("trainer"))
+    honest = await open_run(server.url, "sec", "s2", credentials=secure.credentials("sampler-s2"), create=False)
+    attacker = await open_run(server.url, "sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
+    fetches = []
+
+    async def counted(subscription, batch: int, timeout: float):
+        fetches.append(batch)
+        return await fetch_rollouts(subscription, batch, timeout)
+
+    monkeypatch.setattr("streams.inbox.fetch_rollouts", counted)
+    junk = 2000
+    try:
+        await asyncio.gather(*(attacker.js.publish(trainer.names.rollouts_subject("s1"), bytes(64),
+                                                   headers={HDR_MSG_ID: f"junk{i}"}) for i in range(junk)))
+        await publish_rollout(honest, honest_group(30, policy_version=5, group_id="behind", sampler_id="s2"))
+        quarantine = Quarantined(trainer, after=3)
+        collector = Collector(await RolloutInbox.open(trainer), Judge(REFEREE, Timeline(max_staleness=1),
+                                                                     quarantine=quarantine))
+        totals, accounting = await collect_and_account(collector, {}, 1)
+        assert accounting["trained"] == 1 and accounting["rejected"] == junk, accounting
+        assert "s1" in quarantine and quarantine.strikes == {"s1": 4}  # quarantine_after 3: the fourth
+        assert len(fetches) <= junk // FETCH_MAX + 3, len(fetches)  # before: one fetch a message
         assert_accounting_holds(accounting)
     finally:
         for run in (attacker, honest, trainer):

@@ -76,7 +76,7 @@ def test_a_sampler_that_dies_holding_slots_costs_its_slots_only_until_its_heartb
     logs, slots = run_trainer_and_sampler(tmp_path, cfg, "s1", timeout=120, meanwhile=lambda: asyncio.run(
         _take_leases_and_die(nats_server.url, "ghost", "ghost")))
     events = [orjson.loads(line) for line in logs.splitlines() if line.startswith("{")]
-    released = [e for e in events if e["event"] == "dispatch.slots_released"]
+    released = [e for e in events if e["event"] == "grants.slots_released"]
     assert [(e["sampler"], e["slots"]) for e in released] == [("ghost", len(slots))]
     assert 3.0 <= released[0]["silent_s"] < 7  # released once silent for sampler_dead_after_s, not 300 s
     metrics = read_metrics(cfg.run_dir)

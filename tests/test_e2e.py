@@ -148,7 +148,8 @@ def test_ctrl_c_or_sigterm_stops_every_process(tmp_path, stop, code):
         children = psutil.Process(proc.pid).children(recursive=True) or children
         if "step=" in line:
             break
-    assert len(children) == 4  # nats-server, trainer, two samplers
+    # nats-server, trainer, two samplers; the trainer's scoring process and multiprocessing's resource tracker
+    assert len(children) == 6
     proc.send_signal(stop)
     assert proc.wait(timeout=60) == code
     time.sleep(0.5)

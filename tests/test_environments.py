@@ -10,6 +10,7 @@ from echo.config import ConfigError, TaskConfig
 from echo.environments import EpisodeBuilder, SingleTurn, load_environment, observation_tokens, replay
 from echo.models import byte_tokenizer, encode_chat
 from echo.protocol import Observation
+from echo.tasks import is_environment
 from echo.tasks.math import Math, calculate
 from echo.tasks.sokoban import Room, SokobanGame
 
@@ -141,13 +142,13 @@ def test_a_task_declares_whether_it_is_an_environment_and_a_mismatch_is_refused_
     guess = text[text.index("### Multi-turn environments"):].split("```python\n")[1].split("```")[0]
     assert "environment = True" in guess
     (tmp_path / "undeclared.py").write_text(guess.replace("    environment = True  # it plays episodes\n", ""))
-    with pytest.raises(ConfigError, match="environment = None but it plays episode"):
+    with pytest.raises(ConfigError, match="environment = False but it plays episode"):
         load_environment(TaskConfig(name=f"{tmp_path / 'undeclared.py'}:Guess"))
     (tmp_path / "claims.py").write_text("from echo.tasks.math import Math\n\n\nclass Claims(Math):\n"
                                         "    environment = True\n")
     with pytest.raises(ConfigError, match="environment = True but it has no episode"):
         load_environment(TaskConfig(name=f"{tmp_path / 'claims.py'}:Claims"))
-    assert not load_environment(TaskConfig(name="math")).task.environment  # a plain task, one turn
+    assert not is_environment(load_environment(TaskConfig(name="math")).task)  # a plain task, one turn
 
 
 def test_a_calculator_call_is_answered_and_a_lie_about_its_result_is_refused():

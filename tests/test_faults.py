@@ -13,11 +13,12 @@ from pathlib import Path
 import nats.errors
 import orjson
 import pytest
+import structlog.testing
 import torch
 
-from echo.admission import GrantLedger
-from echo.checkpoint import TrainerState
+from echo.checkpoint import TrainerState, read_metrics
 from echo.engines.hf import HFEngine
+from echo.grants import GrantLedger
 from echo.learner import StepAbandoned, make_optimizer, train_step
 from echo.models import load_model
 from echo.policy import make_policy
@@ -38,7 +39,7 @@ from streams.rollouts import publish_rollout
 from tests.groups import REFEREE, honest_group
 from workers.sampler.loop import Sampler
 from workers.trainer.accounting import account, count_consumed
-from workers.trainer.dispatch import SequentialDispatch
+from workers.trainer.granter import SequentialGranter
 from workers.trainer.intake import Collector, Judge, Timeline
 
 
@@ -67,16 +68,14 @@ async def test_a_sampler_retries_a_heartbeat_the_broker_missed_and_stops_on_any_
     assert [s.sampler_id for s in await read_statuses(run)] == ["s1"]
 
 
-def _stop(process: subprocess.Popen) -> tuple[float, str]:
-    """SIGTERM, then the seconds it took to exit and what it logged."""
-    started = time.monotonic()
+def _stop(process: subprocess.Popen) -> str:
+    """SIGTERM, then what it logged before it exited (a minute at most: the run had hours left)."""
     process.send_signal(signal.SIGTERM)
-    _, logs = process.communicate(timeout=60)
-    return time.monotonic() - started, logs
+    return process.communicate(timeout=60)[1]
 
 
 @pytest.mark.slow
-def test_trainer_and_sampler_stop_on_sigterm_within_seconds_mid_run(nats_server, tmp_path):
+def test_trainer_and_sampler_stop_on_sigterm_mid_run_the_trainer_within_its_step(nats_server, tmp_path):
     cfg = tiny_config(tmp_path, run={"id": "term", "steps": 1000}, nats={"url": nats_server.url})
     config_path = tmp_path / "config.toml"
     config_path.write_text(cfg.to_toml())
@@ -84,14 +83,16 @@ def test_trainer_and_sampler_stop_on_sigterm_within_seconds_mid_run(nats_server,
     trainer = worker_process(config_path, "trainer")
     try:
         wait_for_steps(cfg.run_dir, 2, [trainer, sampler])
-        trainer_seconds, trainer_logs = _stop(trainer)
-        sampler_seconds, sampler_logs = _stop(sampler)
+        steps_at_sigterm = len(read_metrics(cfg.run_dir))
+        trainer_logs = _stop(trainer)
+        sampler_logs = _stop(sampler)
     finally:
         for p in (trainer, sampler):
             if p.poll() is None:
                 p.kill()
-    assert trainer.returncode == 0 and trainer_seconds < 10, (trainer_seconds, trainer_logs[-2000:])
-    assert sampler.returncode == 0 and sampler_seconds < 10, (sampler_seconds, sampler_logs[-2000:])
+    assert trainer.returncode == 0, trainer_logs[-2000:]
+    assert len(read_metrics(cfg.run_dir)) <= steps_at_sigterm + 1  # it stops in the step it is in, however slow
+    assert sampler.returncode == 0, sampler_logs[-2000:]
     events = [orjson.loads(line)["event"] for line in sampler_logs.splitlines() if line.startswith("{")]
     assert "sampler.stopped" in events
 
@@ -131,9 +132,9 @@ def test_a_step_told_to_stop_is_abandoned_between_passes_and_leaves_the_policy_a
     assert not unchanged()
 
 
-async def _ask_for_version(lease, cfg, version: int) -> SequentialDispatch:
+async def _ask_for_version(lease, cfg, version: int) -> SequentialGranter:
     """A sequential trainer's orders, asking for `version`'s groups."""
-    orders = SequentialDispatch(lease.run, lease.epoch, cfg, TrainerState(version=version), GrantLedger())
+    orders = SequentialGranter(lease.run, lease.epoch, cfg, TrainerState(version=version), GrantLedger())
     await orders.start()
     await orders.ask(version)
     return orders
@@ -213,7 +214,9 @@ async def test_a_sequential_sampler_asked_for_an_older_version_of_a_new_epoch_wa
     lease = await take_lease(run)  # epoch 2, resumed at version 0
     weights = WeightsPublisher(lease)  # a publisher is its lease's: epoch 2's versions
     orders = await _ask_for_version(lease, cfg, 0)
-    await asyncio.sleep(1.0)  # the sampler has the request, and no weights of epoch 2 yet
+    async with asyncio.timeout(30):  # the sampler has the request, and no weights of epoch 2 yet
+        while (sampler.work.pull_request.epoch, sampler.work.pull_request.version) != (2, 0):
+            await asyncio.sleep(0.02)
     await weights.publish(0, adapters[0], TINY_BASE)
     _, collected = await _collect_step(lease, cfg, 0)
     assert {(a.group.epoch, a.group.policy_version) for a in collected.used} == {(2, 0)}
@@ -231,13 +234,14 @@ async def test_a_sequential_sampler_whose_request_for_work_goes_unanswered_asks_
     run = await runs.open(cfg.run.id, "trainer")
     lease = await take_lease(run)
     await WeightsPublisher(lease).publish(0, adapter, TINY_BASE)
-    orders = SequentialDispatch(run, lease.epoch, cfg, TrainerState(), GrantLedger())
+    orders = SequentialGranter(run, lease.epoch, cfg, TrainerState(), GrantLedger())
     await orders.ask(0)  # the request is out; no one answers requests for work yet
     _, sampler, serving = await _serving_sampler(runs, cfg)
     async with asyncio.timeout(30):
         while sampler.weights.running != (1, 0):  # it has the request's weights, and is asking
             await asyncio.sleep(0.02)
-    await asyncio.sleep(0.5)  # asked, and not answered
+        while not sampler.work.unanswered:  # asked, and not answered
+            await asyncio.sleep(0.02)
     await orders.start()  # now the trainer answers
     _, collected = await _collect_step(lease, cfg, 0)
     assert len(collected.used) == cfg.trainer.groups_per_step
@@ -256,8 +260,11 @@ async def test_a_sampler_that_starts_following_weights_while_the_broker_is_down_
                                 lambda error: None)
     nats_server.process.send_signal(signal.SIGKILL)
     nats_server.process.wait()
-    await announcements.start()
-    await asyncio.sleep(7.0)  # longer than one JetStream request's timeout (5 s): reads failed
+    with structlog.testing.capture_logs() as logs:
+        await announcements.start()
+        async with asyncio.timeout(60):
+            while not any(e["event"] == "follow.read_failed" for e in logs):  # a read the broker failed
+                await asyncio.sleep(0.05)
     assert announcements.seq == 0
     await asyncio.to_thread(nats_server.start)
     async with asyncio.timeout(30):

@@ -22,7 +22,7 @@ def test_a_partial_rollout_is_judged_by_its_newest_tokens_and_may_have_begun_a_w
         group = honest_group(policy_version=policy_version,
                              version_changes=[{"at": at, "version": v} for at, v in changes])
         out = Collected()
-        return "used" if judge._judge(group, "s1", 10, out) else "stale" if out.dropped else ",".join(out.rejected)
+        return "used" if judge._screen(group, "s1", 10, out) else "stale" if out.dropped else ",".join(out.rejected)
 
     assert verdict(8, []) == verdict(5, [(1, 8)]) == verdict(5, [(1, 6), (2, 9)]) == "used"
     assert verdict(7, []) == verdict(5, [(1, 7)]) == verdict(4, [(1, 9)]) == "stale"

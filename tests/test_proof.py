@@ -9,7 +9,7 @@ import torch
 from echo.checkpoint import TrainerState
 from echo.config import LoraConfig
 from echo.engines.hf import HFEngine
-from echo.admission import GrantLedger
+from echo.grants import GrantLedger
 from echo.policy import group_logprobs, load_weights, policy_tensors, weights_shards
 from echo.proof import SamplingProof, logprob_gap
 from echo.protocol import Completion, GrantRequest, Observation
@@ -24,7 +24,7 @@ from workers.background import Background
 from workers.cli import build_parser
 from workers.commands.quarantine import quarantine_command
 from workers.sampler.loop import Sampler
-from workers.trainer.dispatch import AsyncDispatch
+from workers.trainer.granter import AsyncGranter
 from workers.trainer.intake import Collector, Judge, Timeline
 from workers.trainer.quarantine import Quarantined
 
@@ -125,7 +125,7 @@ async def test_a_forging_sampler_is_rejected_then_quarantined_until_an_operator_
         assert [a.group.group_id for a in collected.used] == ["h1"]
         assert collected.rejected == {"logprob_forgery": 2, "quarantined": 1}  # f3 came after the quarantine
         assert await read_quarantine(run) == {"s1": "2 strikes, the last logprob_forgery"}
-        orders = AsyncDispatch(run, lease.epoch, cfg, TrainerState(version=1), GrantLedger(), quarantine)
+        orders = AsyncGranter(run, lease.epoch, cfg, TrainerState(version=1), GrantLedger(), quarantine)
         asked = GrantRequest(want=2, epoch=lease.epoch, version=1)
         assert (await orders.grant("s1", asked)).groups == 0 and (await orders.grant("s2", asked)).groups == 2
 

@@ -9,8 +9,10 @@ from pydantic import ValidationError
 from echo.protocol import (
     HDR_MSG_ID,
     HDR_POLICY_VERSION,
+    HDR_SCHEMA,
     ROLLOUT_MAGIC,
     Completion,
+    Grant,
     ProtocolError,
     PullRequest,
     RolloutGroup,
@@ -154,6 +156,23 @@ def test_the_subject_must_be_the_bodys_samplers():
     with pytest.raises(ProtocolError) as e:
         decode_rollout(GOOD, rollout_headers(make_group()), RunNames("r").rollouts_subject("s2"))
     assert e.value.reason == "subject_mismatch"
+
+
+def test_a_group_recorded_in_schema_13_still_decodes_and_one_mixing_the_names_does_not():
+    """Schema 14 renamed the wire's "lease" to "slot": replay of a recorded run, and a restarted
+    trainer's unread groups, are in schema 13."""
+    group = make_group()
+    subject = RunNames("r").rollouts_subject("s1")
+    raw = unpack_rollout(encode_rollout(group))
+    recorded = pack_rollout(raw | {"schema_version": 13, "lease": raw.pop("slot")})
+    headers = rollout_headers(group) | {HDR_SCHEMA: "13"}
+    assert decode_rollout(recorded, headers, subject) == group
+    with pytest.raises(ProtocolError, match="header_mismatch"):
+        decode_rollout(recorded, rollout_headers(group), subject)  # its header must say what its body does
+    for mixed in (_mutate(lease=group.slot, slot=None), _mutate(schema_version=12, slot=None, lease=group.slot)):
+        with pytest.raises(ProtocolError):
+            decode_rollout(mixed, rollout_headers(group), subject)
+    assert decode(Grant, orjson.dumps({"schema_version": 13, "leases": [4, 5], "more": True})).slots == [4, 5]
 
 
 def _spanning(changes: list[dict], version: int = 3, lengths=(6, 3)) -> RolloutGroup:

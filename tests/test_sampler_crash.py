@@ -123,5 +123,5 @@ def test_a_sampler_stopped_while_holding_slots_hands_them_back_at_once(nats_serv
         processes.append(worker_process(config_path, "sampler", "--id", "s1"))
         logs = trainer.communicate(timeout=180)[1]  # s2 is never declared dead (an hour): released as stopped
         assert trainer.returncode == 0, logs[-3000:]
-    released = [orjson.loads(line) for line in logs.splitlines() if '"dispatch.slots_released"' in line]
+    released = [orjson.loads(line) for line in logs.splitlines() if '"grants.slots_released"' in line]
     assert [(r["sampler"], r["stopped"], r["slots"]) for r in released] == [("s2", True, 2)], released

@@ -14,7 +14,7 @@ from echo.config import EchoConfig
 from echo.engines import make_engine
 from echo.environments import play_episodes
 from echo.logs import Progress
-from echo.tasks import load_task
+from echo.tasks import is_environment, load_task
 
 log = structlog.get_logger()
 
@@ -28,7 +28,7 @@ def held_out_score(engine, task, prompts, max_tokens: int, batch: int = 8) -> tu
         for start in range(0, len(prompts), batch):
             chunk = prompts[start : start + batch]
             ids = [engine.encode_chat(p.messages) for p in chunk]
-            if task.environment:
+            if is_environment(task):
                 episodes = play_episodes(engine, task, chunk, ids, 1, max_tokens, greedy=True)
                 scores += [(e.reward, e.reward >= 1.0 - 1e-9) for (e,) in episodes]
             else:

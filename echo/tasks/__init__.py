@@ -51,7 +51,7 @@ class Score:
 
 class Task(Protocol):
     name: str
-    environment: bool  # False: a plain task (one completion, scored); True: an Environment
+    environment: bool  # False (or absent): a plain task (one completion, scored); True: an Environment
 
     def prompt(self, index: int) -> Prompt:
         """The training prompt at `index` (any non-negative integer)."""
@@ -91,9 +91,12 @@ class Environment(Protocol):
 
 def safe_reward(task: Task, completion: str, prompt: Prompt) -> float | None:
     """The verifier's reward, or None if it raised or returned something outside [0, 1]:
-    a bug in a task costs that completion (reward 0, counted by the caller), not the run."""
+    a bug in a task costs that completion (reward 0, counted by the caller), not the run. Out
+    of memory is not a bug of the task's: it is raised (the trainer's budget, workers/trainer/scoring.py)."""
     try:
         reward = float(task.score(completion, prompt).reward)
+    except MemoryError:
+        raise
     except Exception:
         return None
     return reward if 0.0 <= reward <= 1.0 else None
@@ -176,11 +179,15 @@ def task_class(name: str) -> type:
         raise ConfigError(f"task.name {name!r}: {e}") from None
 
 
+def is_environment(task: Task | Environment | type) -> bool:
+    """Whether a task plays episodes: what it declares (`environment = True`); a plain task need
+    not declare anything."""
+    return getattr(task, "environment", False) is True
+
+
 def load_task(cfg: TaskConfig) -> Task:
     cls = task_class(cfg.name)
-    declared, plays = getattr(cls, "environment", None), callable(getattr(cls, "episode", None))
-    if declared is None and not plays:
-        declared = cls.environment = False  # a plain task need not say so
+    declared, plays = is_environment(cls), callable(getattr(cls, "episode", None))
     if declared != plays:
         raise ConfigError(f"task.name {cfg.name!r}: environment = {declared} but it "
                           f"{'plays' if plays else 'has no'} episode(): an environment declares environment = True "

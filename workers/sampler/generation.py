@@ -15,7 +15,7 @@ from echo.devices import dtype_name
 from echo.engines.base import Engine, NewerWeights, call_seed
 from echo.environments import play_episodes
 from echo.protocol import Completion, PolicyVersion, RolloutGroup, VersionChange
-from echo.tasks import Task, safe_reward
+from echo.tasks import Task, is_environment, safe_reward
 from echo.throughput import CallWindow
 from streams.client import Run
 from streams.rollouts import publish_rollout
@@ -56,7 +56,7 @@ def generate_groups(engine: Engine, task: Task, prompts: list, sampling: Samplin
     played turn by turn with the policy that began them (echo/environments.py)."""
     prompt_ids = [engine.encode_chat(p.messages) for p in prompts]
     started = time.perf_counter()
-    if task.environment:
+    if is_environment(task):
         completions = play_episodes(engine, task, prompts, prompt_ids, sampling.group_size, sampling.max_new_tokens,
                                     seed=seed)
         changes = [[] for _ in prompts]

@@ -48,7 +48,7 @@ class Sampler:
         self.heartbeat = Heartbeat(cfg, sampler_id, run, engine, self.weights, self.generation, self.work)
 
     async def run_async(self) -> None:
-        """Generate only what the trainer grants under its admission budget, so no work arrives
+        """Generate only what the trainer grants under its grant budget, so no work arrives
         stale. With nothing granted, wait until the budget or this sampler's weights change (or
         5 s pass)."""
         while True:
@@ -76,6 +76,7 @@ class Sampler:
             seq = 0
             while True:
                 seq, request = await requests.wait_newer(seq)
+                self.work.pull_request = request
                 await self.weights.apply_newest(request.version, request.epoch)
                 if self.weights.running != (request.epoch, request.version):
                     continue  # the trainer has moved past this request already

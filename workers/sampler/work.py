@@ -1,4 +1,4 @@
-"""Asking the trainer for work. The trainer grants slots (streams/grants.py) under its admission
+"""Asking the trainer for work. The trainer grants slots (streams/grants.py) under its grant
 budget (async mode) or a pull request (sequential mode); the scheduler may put the sampler on
 standby (streams/schedule.py), when it keeps its weights current and asks for nothing."""
 
@@ -8,7 +8,7 @@ import asyncio
 
 import structlog
 
-from echo.protocol import Grant, GrantRequest, PolicyVersion, Schedule
+from echo.protocol import Grant, GrantRequest, PolicyVersion, PullRequest, Schedule
 from streams.client import Run
 from streams.grants import request_grant
 
@@ -20,13 +20,17 @@ class Work:
         self.run, self.sampler_id, self.prompts_per_call = run, sampler_id, prompts_per_call
         self.standby = False  # the scheduler's choice: keep the weights current, take no work
         self.changed = asyncio.Event()  # async mode: the budget or the standby changed, so an idle sampler asks again
+        self.pull_request: PullRequest | None = None  # sequential mode: the newest request it has read
+        self.unanswered = 0  # requests for work no trainer answered (none serving yet, a broker restarting)
 
     async def ask(self, running: PolicyVersion, pull_request_id: str | None = None) -> Grant | None:
         """What the trainer grants this sampler to generate with the weights it runs (None: no
         answer came)."""
         request = GrantRequest(want=self.prompts_per_call, epoch=running.epoch, version=running.version,
                                pull_request_id=pull_request_id)
-        return await request_grant(self.run, self.sampler_id, request)
+        grant = await request_grant(self.run, self.sampler_id, request)
+        self.unanswered += grant is None
+        return grant
 
     def follow_schedule(self, schedule: Schedule) -> None:
         standby = self.sampler_id in schedule.standby

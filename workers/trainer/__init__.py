@@ -6,7 +6,9 @@ what it names:
   checkpoint, publish, account); it owns the order of the phases and nothing else;
 - intake.py: what becomes of every rollout message (judging, proof of sampling), through the
   rollout inbox (streams/inbox.py); it publishes nothing;
-- dispatch.py: asking the samplers for groups and granting them the work (streams/grants.py,
+- scoring.py: the task's verifiers in a child process the trainer can kill, with a budget per
+  completion; it sees groups, not the broker;
+- granter.py: asking the samplers for groups and granting them the work (streams/grants.py,
   streams/pull.py); it reads no rollouts;
 - quarantine.py: strikes against samplers, and who is quarantined (streams/quarantine.py);
 - accounting.py: the step's metrics, the run's totals, the learner's pace; bookkeeping only;

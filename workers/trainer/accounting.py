@@ -19,16 +19,17 @@ import structlog
 from echo.checkpoint import TrainerState, read_metrics
 from echo.consumed import ConsumedSeqs
 from echo.protocol import LearnerStatus
+from streams.client import retry_forever
 from streams.inbox import RolloutInbox
 from workers.trainer.intake import Collected
-from workers.trainer.step import Step
+from workers.trainer.step import TrainerStep
 
 log = structlog.get_logger()
 
 PACE_STEPS = 10  # the learner status averages this many steps
 
 
-def step_record(step: Step, version: int, proof_counts: dict, quarantined: list[str]) -> dict:
+def step_record(step: TrainerStep, version: int, proof_counts: dict, quarantined: list[str]) -> dict:
     """The step's metrics as checkpointed with it (`version`: the one it published)."""
     collected, stats = step.collected, step.stats
     groups = [a.group for a in collected.used]
@@ -40,7 +41,7 @@ def step_record(step: Step, version: int, proof_counts: dict, quarantined: list[
         "tokens_per_second": stats["tokens"] / stats["train_seconds"],
         "step_seconds": wait + train,  # waiting for groups + training
         "wait_seconds": wait,  # for groups (and refereeing them)
-        "wall_seconds": step.ended["train"] - step.process_started,  # since this trainer process started
+        "wall_seconds": step.ended("train") - step.process_started,  # since this trainer process started
         "used": len(groups),
         "dropped_stale": len(collected.dropped_ids),
         "dropped_tokens": collected.dropped_tokens,
@@ -58,7 +59,7 @@ def step_record(step: Step, version: int, proof_counts: dict, quarantined: list[
     }
 
 
-def finished_record(step: Step, accounting: dict) -> dict:
+def finished_record(step: TrainerStep, accounting: dict) -> dict:
     """The checkpointed record with what came after the checkpoint: publishing, accounting, and
     the step's busy time (everything but the wait: T of the capacity model, echo/capacity.py,
     and the share of the step it is, what `echo-rl status` shows over the last steps)."""
@@ -138,6 +139,14 @@ async def account(inbox: RolloutInbox, totals: dict[str, int], consumed: Consume
     consumed.raise_floor(counts.ack_floor)
     return {"published": counts.published, **totals, "pending": counts.pending, "counted": len(consumed),
             "unconfirmed_acks": unconfirmed}
+
+
+async def settle(inbox: RolloutInbox, consumed: ConsumedSeqs, totals: dict[str, int]) -> tuple[dict[str, int], dict]:
+    """After a step's checkpoint: its groups acked, the evicted counted, every message accounted
+    for. Returns the new totals and the accounting."""
+    unconfirmed = await inbox.ack_held()
+    totals = await retry_forever("count evicted", lambda: count_evicted(inbox, consumed, totals))
+    return totals, await retry_forever("account", lambda: account(inbox, totals, consumed, unconfirmed))
 
 
 def metrics_line(record: dict) -> bytes:

@@ -1,7 +1,7 @@
 """ECHO-2's cost-aware activation, run inside the trainer process (scheduler.enabled).
 
 Every `scheduler.every_s` the coordinator reads the run's registry and the rates and sync times
-the trainer measured of each sampler (echo/admission.py). When a sampler joined, left (its entry
+the trainer measured of each sampler (echo/grants.py). When a sampler joined, left (its entry
 expired) or its measured rates drifted, it chooses again the cheapest set of samplers
 that reaches `scheduler.target_utilisation` at the trainer's measured pace (echo/capacity.py) and
 publishes the choice (streams/schedule.py): the others go on standby, keeping their weights
@@ -18,9 +18,9 @@ import structlog
 
 from dataclasses import replace
 
-from echo.admission import GrantLedger
 from echo.capacity import LearnerPace, SamplerPace, cheapest, replan_reason
 from echo.config import EchoConfig
+from echo.grants import GrantLedger
 from echo.protocol import LearnerStatus, SamplerStatus, Schedule
 from streams.client import BROKER_ERRORS, Run
 from streams.registry import read_statuses

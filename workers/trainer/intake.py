@@ -3,7 +3,7 @@
 Owns the judging of groups (decoded, well formed, this timeline's, fresh, not a replay, the
 trainer's own rewards, the proof of sampling) and what a step collected. It reads deliveries
 from the rollout inbox (streams/inbox.py), which holds them unacked until the process says the
-step is checkpointed; it ends the grants a delivery fulfils in the ledger (echo/admission.py)
+step is checkpointed; it ends the grants a delivery fulfils in the ledger (echo/grants.py)
 and strikes samplers through the quarantine (workers/trainer/quarantine.py). It publishes nothing.
 """
 
@@ -12,18 +12,18 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import structlog
 
-from echo.admission import GrantLedger
 from echo.consumed import ConsumedSeqs
+from echo.grants import GrantLedger
 from echo.protocol import ProtocolError, RolloutGroup, decode_rollout
 from echo.proof import SamplingProof
 from echo.referee import Referee, completion_keys, content_hash, repeats
 from echo.staleness import Freshness, freshness
 from streams.inbox import Delivery, RolloutInbox
 from workers.trainer.quarantine import Quarantined
+from workers.trainer.scoring import ScoringProcess
 
 log = structlog.get_logger()
 
@@ -66,30 +66,39 @@ class Judge:
     """Whether a group may be trained on, counting in a step's Collected what happened to it."""
 
     def __init__(self, referee: Referee, timeline: Timeline, trained_content=frozenset(), trained_completions=frozenset(),
-                 proof: SamplingProof | None = None, check=None, quarantine: Quarantined | None = None):
+                 proof: SamplingProof | None = None, check=None, quarantine: Quarantined | None = None,
+                 scoring: ScoringProcess | None = None):
         self.referee, self.timeline = referee, timeline
         self.trained_content = set(trained_content)  # content hashes: the same groups under new ids are replays
         self.trained_completions = set(trained_completions)  # completion_keys of the groups trained
         self.proof, self.quarantine = proof, quarantine
         self.check = check or (proof.check if proof else None)  # the proof's forward (on every rank)
         self.limits = referee.limits  # what a message may hold, checked before it is read
+        self.scoring = scoring  # the verifiers with a budget, in a child process; None: here (tests)
 
     async def admit(self, group: RolloutGroup, sender: str, version: int, out: Collected) -> Admitted | None:
-        admitted = self._judge(group, sender, version, out)
-        if isinstance(admitted, Lie):  # an episode claiming what the environment never said
-            if self.quarantine:
-                await self.quarantine.strike(group.sampler_id, admitted.reason)
+        reason = self.referee.malformed(group)
+        if reason:  # the run's config says otherwise: no honest sampler of the run sends it
+            return await self.refuse(out, sender, reason, f"group {group.group_id} from {group.sampler_id}")
+        content = self._screen(group, sender, version, out)
+        if content is None:
             return None
-        return None if admitted is None else await self._check_sampling(admitted, out)
+        ruling = await self.scoring.score(group) if self.scoring else self.referee.score(group)
+        if ruling.reason and ruling.lie:  # a claim the environment never made, a verifier bomb
+            return await self.refuse(out, sender, ruling.reason, f"group {group.group_id} from {group.sampler_id}")
+        if ruling.reason:
+            return reject(out, ruling.reason, f"group {group.group_id} from {group.sampler_id}")
+        if ruling.reward_mismatch:
+            out.reward_mismatch[group.sampler_id] += 1
+        out.verifier_errors += ruling.verifier_errors
+        out.generated_seconds += group.gen_seconds
+        return await self._check_sampling(Admitted(group, ruling.rewards, content, ruling.reward_mismatch), out)
 
-    def _judge(self, group: RolloutGroup, sender: str, version: int, out: Collected) -> Admitted | Lie | None:
-        if self.quarantine and sender in self.quarantine:
-            return reject(out, "quarantined", f"a group from {sender}")
+    def _screen(self, group: RolloutGroup, sender: str, version: int, out: Collected) -> str | None:
+        """The checks that run no verifier: the group's content hash if it passes them, else None
+        (rejected, or dropped as stale: counted in `out`)."""
         if any(a.group.group_id == group.group_id for a in out.used):
             return reject(out, "duplicate_group_id", f"group {group.group_id} from {group.sampler_id}")
-        reason = self.referee.malformed(group)
-        if reason:
-            return reject(out, reason, f"group {group.group_id} from {group.sampler_id}")
         content = content_hash(group)
         if content in self.trained_content or any(a.content == content for a in out.used):
             return reject(out, "replayed_content", f"group {group.group_id} from {group.sampler_id}")
@@ -113,15 +122,20 @@ class Judge:
             out.dropped_tokens += sum(len(c.token_ids) for c in group.completions)
             out.generated_seconds += group.gen_seconds
             return None
-        judgement = self.referee.score(group)
-        if judgement.reason:
-            reject(out, judgement.reason, f"group {group.group_id} from {group.sampler_id}")
-            return Lie(judgement.reason) if judgement.lie else None
-        if judgement.reward_mismatch:
-            out.reward_mismatch[group.sampler_id] += 1
-        out.verifier_errors += judgement.verifier_errors
-        out.generated_seconds += group.gen_seconds
-        return Admitted(group, judgement.rewards, content, judgement.reward_mismatch)
+        return content
+
+    def ignores(self, sender: str, out: Collected) -> bool:
+        """Whether `sender` is quarantined: its messages are counted and acked unread."""
+        if self.quarantine is None or sender not in self.quarantine:
+            return False
+        out.rejected["quarantined"] += 1  # not logged one by one: a quarantined flood would fill the log
+        return True
+
+    async def refuse(self, out: Collected, sender: str, reason: str, detail: str) -> None:
+        """Reject a message no honest sampler sends, and strike its sender."""
+        reject(out, reason, detail)
+        if self.quarantine:
+            await self.quarantine.strike(sender, reason)
 
     async def _check_sampling(self, admitted: Admitted, out: Collected) -> Admitted | None:
         """Proof of sampling on the groups chosen for it; strikes for forgeries and claimed rewards."""
@@ -172,11 +186,13 @@ class Collector:
     async def _admit(self, delivery: Delivery, version: int, out: Collected) -> Admitted | None:
         """The group to train on, or None (counted in `out` by what happened to it). A group
         that ended one of its sender's slots and is not trained wastes that slot."""
+        if self.judge.ignores(delivery.sender, out):
+            return None
         try:
             limits = self.judge.limits
             group = decode_rollout(await self.inbox.body(delivery, limits), delivery.headers, delivery.subject, limits)
-        except ProtocolError as e:
-            return reject(out, e.reason, str(e))
+        except ProtocolError as e:  # junk, or a sampler of another release: either way nothing to train
+            return await self.judge.refuse(out, delivery.sender, e.reason, str(e))
         granted = self.ledger.delivered(delivery.sender, group.slot, delivery.arrived)
         admitted = await self.judge.admit(group, delivery.sender, version, out)
         if granted:
@@ -189,12 +205,6 @@ class Collector:
         self.judge.trained_content.update(a.content for a in collected.used)
         for admitted in collected.used:
             self.judge.trained_completions.update(completion_keys(admitted.group))
-
-
-class Lie(NamedTuple):
-    """A group rejected for a lie that counts toward quarantine, as a forgery does."""
-
-    reason: str
 
 
 def reject(out: Collected, reason: str, detail: str) -> None:

@@ -18,10 +18,10 @@ import time
 
 import structlog
 
-from echo.admission import GrantLedger
 from echo.checkpoint import load_trained_completions, load_trained_content, remember_trained
 from echo.config import EchoConfig
 from echo.consumed import ConsumedSeqs
+from echo.grants import GrantLedger
 from echo.logs import bind_process
 from echo.referee import Referee
 from echo.tasks import load_task
@@ -32,15 +32,16 @@ from streams.lease import Lease, take_lease
 from streams.registry import put_learner, read_learner
 from streams.run_config import publish_run_config
 from streams.weights import WeightsPublisher
-from workers.trainer.accounting import (RecentSteps, account, count_abandoned, count_consumed, count_evicted,
-                                        finished_record, metrics_line, restore_metrics, step_record, summarize)
+from workers.trainer.accounting import (RecentSteps, count_abandoned, count_consumed, finished_record, metrics_line,
+                                        restore_metrics, settle, step_record, summarize)
 from workers.background import Background
 from workers.trainer.coordinator import Coordinator
-from workers.trainer.dispatch import Dispatch, dispatch_for
+from workers.trainer.granter import Granter, granter_for
 from workers.trainer.intake import Collector, Judge, Timeline
 from workers.trainer.quarantine import Quarantined
+from workers.trainer.scoring import ScoringProcess
 from workers.trainer.model import Ranks, TrainerModel
-from workers.trainer.step import Step
+from workers.trainer.step import TrainerStep
 
 log = structlog.get_logger()
 
@@ -66,10 +67,10 @@ async def serve(cfg: EchoConfig, model: TrainerModel) -> None:
         await run.close()
         raise
     try:
-        async with Background() as background:
+        async with Background() as background, ScoringProcess.of(cfg, model.tokenizer, model.vocab_size) as scoring:
             background.start(lease.renew_forever())
             await asyncio.to_thread(model.resume)  # holding the lease: no other trainer prunes it now
-            trainer = await Trainer.open(cfg, run, lease, background, model)
+            trainer = await Trainer.open(cfg, run, lease, background, model, scoring)
             await trainer.fit()
     finally:
         await lease.release()
@@ -80,14 +81,14 @@ class Trainer:
     """The rooms a step passes through, opened once; `fit` takes the steps, phase by phase."""
 
     def __init__(self, cfg: EchoConfig, run: Run, lease: Lease, model: TrainerModel, inbox: RolloutInbox,
-                 collector: Collector, dispatch: Dispatch, quarantine: Quarantined, recent: RecentSteps):
+                 collector: Collector, granter: Granter, quarantine: Quarantined, recent: RecentSteps):
         self.cfg, self.run, self.lease, self.model, self.inbox = cfg, run, lease, model, inbox
-        self.collector, self.dispatch, self.quarantine, self.recent = collector, dispatch, quarantine, recent
+        self.collector, self.granter, self.quarantine, self.recent = collector, granter, quarantine, recent
         self.weights = WeightsPublisher(lease, cfg.trainer.keep_versions, cfg.trainer.keep_versions_s)
 
     @classmethod
-    async def open(cls, cfg: EchoConfig, run: Run, lease: Lease, background: Background,
-                   model: TrainerModel) -> Trainer:
+    async def open(cls, cfg: EchoConfig, run: Run, lease: Lease, background: Background, model: TrainerModel,
+                   scoring: ScoringProcess) -> Trainer:
         run_dir, state = cfg.run_dir, model.state
         (run_dir / "weights").mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(cfg.to_toml())
@@ -103,29 +104,29 @@ class Trainer:
         judge = Judge(referee, Timeline(cfg.staleness_bound, lease.epoch, state.version, cfg.begun_within),
                       load_trained_content(run_dir, state.trained_content),
                       load_trained_completions(run_dir, state.trained_completions), model.proof, model.check,
-                      quarantine)
+                      quarantine, scoring)
         background.start(inbox.keep_alive(cfg.trainer.ack_wait_s / 3))
-        dispatch = dispatch_for(run, lease.epoch, cfg, state, ledger, quarantine)
+        granter = granter_for(run, lease.epoch, cfg, state, ledger, quarantine)
         recent = RecentSteps(cfg.trainer.groups_per_step, cfg.staleness_bound)
         if cfg.scheduler.enabled:  # what it chooses, the grants obey
-            background.start(Coordinator(run, cfg, dispatch.standby, recent, ledger).run_forever())
-        return cls(cfg, run, lease, model, inbox, Collector(inbox, judge, ledger, consumed), dispatch, quarantine,
+            background.start(Coordinator(run, cfg, granter.standby, recent, ledger).run_forever())
+        return cls(cfg, run, lease, model, inbox, Collector(inbox, judge, ledger, consumed), granter, quarantine,
                    recent)
 
     async def fit(self) -> None:
         cfg, state = self.cfg, self.model.state
         await publish_policy(self.weights, self.model, state.version)  # a fresh run's version 0, or the checkpoint's
-        await self.dispatch.start()
+        await self.granter.start()
         log.info("trainer.ready", run_id=cfg.run.id, mode=cfg.run.mode, model=cfg.model.name, step=state.step,
                  version=state.version, steps=cfg.run.steps, ranks=self.model.ranks.world)
         process_started = time.perf_counter()
         with open(cfg.run_dir / "metrics.jsonl", "ab") as metrics_file:
             for number in range(state.step + 1, cfg.run.steps + 1):
-                step = Step(number, process_started)
+                step = TrainerStep(number, process_started)
                 with step.phase("collect"):
-                    await retry_forever("ask for groups", lambda: self.dispatch.ask(state.version))
+                    await retry_forever("ask for groups", lambda: self.granter.ask(state.version))
                     step.collected = await self.collector.collect(cfg.trainer.groups_per_step, state.version,
-                                                                  self.dispatch.on_wait)
+                                                                  self.granter.on_wait)
                 with step.phase("train"):
                     step.stats = await train_in_thread(self.model, step.batch, state.version - cfg.staleness_bound)
                     await asyncio.sleep(cfg.trainer.throttle_s)  # a slower learner, when asked
@@ -138,7 +139,7 @@ class Trainer:
                 write_metrics(metrics_file, record, step)
         await mark_finished(self.run)
 
-    async def checkpoint(self, step: Step) -> None:
+    async def checkpoint(self, step: TrainerStep) -> None:
         """The step, what it consumed and trained, and its metrics, on disk before anything of it is acked."""
         state, used = self.model.state, step.collected.used
         state.step, state.version = step.number, state.version + 1
@@ -152,13 +153,11 @@ class Trainer:
         await asyncio.to_thread(self.model.save, state)
         self.lease.check()
 
-    async def account(self, step: Step) -> dict:
+    async def account(self, step: TrainerStep) -> dict:
         """The step's groups acked (only now: the step that consumed them is checkpointed), every
         message counted, the learner's pace published; the step's finished record."""
-        state, inbox, consumed = self.model.state, self.inbox, self.collector.consumed
-        unconfirmed = await inbox.ack_held()
-        state.totals = await retry_forever("count evicted", lambda: count_evicted(inbox, consumed, state.totals))
-        accounting = await retry_forever("account", lambda: account(inbox, state.totals, consumed, unconfirmed))
+        state = self.model.state
+        state.totals, accounting = await settle(self.inbox, self.collector.consumed, state.totals)
         record = finished_record(step, accounting)
         status = self.recent.add(record, state.version)
         await retry_forever("learner status", lambda: put_learner(self.run, status))
@@ -166,7 +165,7 @@ class Trainer:
         return record
 
 
-def write_metrics(metrics_file, record: dict, step: Step) -> None:
+def write_metrics(metrics_file, record: dict, step: TrainerStep) -> None:
     record = {**record, "phase_seconds": {name: round(s, 4) for name, s in step.seconds.items()}}
     metrics_file.write(metrics_line(record))
     metrics_file.flush()

@@ -2,7 +2,7 @@
 
 Owns the strike count (forged log-probs, claimed rewards) and this process's copy of the
 quarantined samplers, kept in KV (streams/quarantine.py) where an operator lifts it (`echo-rl
-quarantine lift`). The intake strikes; the intake and the dispatch ask who is quarantined.
+quarantine lift`). The intake strikes; the intake and the granter ask who is quarantined.
 """
 
 from __future__ import annotations

@@ -19,25 +19,32 @@ PHASES = ("collect", "train", "checkpoint", "publish", "account")
 
 
 @dataclass
-class Step:
+class TrainerStep:
     number: int
     process_started: float  # perf_counter at the trainer process's start
     started: float = field(default_factory=time.perf_counter)
-    seconds: dict[str, float] = field(default_factory=dict)  # each phase's, once it has ended
-    ended: dict[str, float] = field(default_factory=dict)  # perf_counter at each phase's end
+    spans: dict[str, tuple[float, float]] = field(default_factory=dict)  # each ended phase's (began, ended)
     collected: Collected = field(default_factory=Collected)
     stats: dict = field(default_factory=dict)  # the learner's: loss, reward, KL, tokens, ...
     record: dict = field(default_factory=dict)  # the metrics line, checkpointed with the step
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        assert name in PHASES and name not in self.seconds, name
+        assert name in PHASES and name not in self.spans, name
         began = time.perf_counter()
         try:
             yield
         finally:
-            self.ended[name] = time.perf_counter()
-            self.seconds[name] = self.ended[name] - began
+            self.spans[name] = (began, time.perf_counter())
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Each ended phase's duration."""
+        return {name: ended - began for name, (began, ended) in self.spans.items()}
+
+    def ended(self, name: str) -> float:
+        """perf_counter at the end of phase `name`."""
+        return self.spans[name][1]
 
     @property
     def batch(self) -> list:
@@ -47,4 +54,4 @@ class Step:
     def busy_seconds(self) -> float:
         """Since its groups were in, to now: everything but the wait (T of the capacity model,
         echo/capacity.py)."""
-        return time.perf_counter() - self.ended["collect"]
+        return time.perf_counter() - self.ended("collect")

@@ -1,21 +1,24 @@
-"""The admission budget: its arithmetic, the fair share of the grant ledger, and the trainer
+"""The grant budget: its arithmetic, the fair share of the grant ledger, and the trainer
 granting work to samplers that race for it on a real server."""
 
 import asyncio
+import itertools
 import signal
 import time
 
 import pytest
 
-from echo.admission import GrantLedger, Heartbeats, allowance, lost_slots, sampler_cap
 from echo.checkpoint import TrainerState
-from echo.protocol import GRANT_TIMEOUT_S, SCHEMA_VERSION, Grant, GrantRequest, SamplerStatus, decode, encode
+from echo.grants import GrantLedger, Heartbeats, allowance, lost_slots, sampler_cap
+from echo.protocol import GRANT_TIMEOUT_S, SCHEMA_VERSION, SLOTS_KEY_BEFORE_14, Grant, GrantRequest, SamplerStatus, decode, encode
 from streams.grants import record_slots_granted, slots_granted
 from streams.grants import request_grant, serve_grants
 from streams.lease import take_lease
+from streams.registry import put_status
 from tests.conftest import tiny_config
 from workers.trainer.coordinator import delivered_paces
-from workers.trainer.dispatch import AsyncDispatch, SequentialDispatch
+from workers.trainer.granter import AsyncGranter, SequentialGranter
+from workers.trainer.quarantine import Quarantined
 
 
 def test_allowance_covers_the_staleness_window_plus_lost_groups():
@@ -29,41 +32,41 @@ def test_a_sampler_behind_the_trainer_gets_a_smaller_cap():
 
 
 class _Budget:
-    """Async mode's dispatch without its broker: samplers take all the headroom they are given,
+    """Async mode's granter without its broker: samplers take all the headroom they are given,
     groups arrive, steps end, and what is in flight is counted after each."""
 
     def __init__(self, tmp_path, groups_per_step: int = 4, max_staleness: int = 1):
         cfg = tiny_config(tmp_path, trainer={"groups_per_step": groups_per_step, "max_staleness": max_staleness})
         # active_s 0: the sampler asking is the only one sharing the window
-        self.dispatch = AsyncDispatch(None, 0, cfg, TrainerState(), GrantLedger(active_s=0.0))
+        self.granter = AsyncGranter(None, 0, cfg, TrainerState(), GrantLedger(active_s=0.0))
         self.window = (max_staleness + 1) * groups_per_step
         self.accepted = 0
 
     def take(self, sampler: str) -> list[int]:
-        request = GrantRequest(want=1000, epoch=1, version=self.dispatch.version)
-        return self.dispatch.grant_work(sampler, request)[0]
+        request = GrantRequest(want=1000, epoch=1, version=self.granter.version)
+        return self.granter.grant_work(sampler, request)[0]
 
     def arrive(self, sampler: str, slot: int, trained: bool = True) -> None:
         """A group naming `slot` from `sampler`, as the intake settles it (workers/trainer/intake.py)."""
-        ledger = self.dispatch.ledger
+        ledger = self.granter.ledger
         if ledger.delivered(sampler, slot, arrived=0.0):
             (ledger.accepted if trained else ledger.wasted)(slot)
         self.accepted += trained
 
     def release(self, sampler: str) -> None:
         """Its heartbeat stopped while the trainer waited: its slots are handed out again."""
-        self.dispatch.ledger.release(sampler)
-        self.dispatch.reissue_lost(self.dispatch.ledger.take_lost(), accepted=self.accepted)
+        self.granter.ledger.release(sampler)
+        self.granter.reissue_lost(self.granter.ledger.take_lost(), accepted=self.accepted)
 
     def step(self) -> None:
-        """The step trained its groups; the next one asks (Dispatch.ask without its publish)."""
-        assert self.accepted == self.dispatch.cfg.trainer.groups_per_step
-        self.dispatch.version, self.accepted = self.dispatch.version + 1, 0
-        self.dispatch.reissue_lost(self.dispatch.ledger.take_lost(), accepted=0)
+        """The step trained its groups; the next one asks (Granter.ask without its publish)."""
+        assert self.accepted == self.granter.cfg.trainer.groups_per_step
+        self.granter.version, self.accepted = self.granter.version + 1, 0
+        self.granter.reissue_lost(self.granter.ledger.take_lost(), accepted=0)
 
     def in_flight(self) -> int:
-        ledger = self.dispatch.ledger
-        return len(ledger.outstanding) + self.dispatch.highest_slot() - ledger.issued
+        ledger = self.granter.ledger
+        return len(ledger.outstanding) + self.granter.highest_slot() - ledger.issued
 
 
 def test_the_groups_in_flight_come_back_to_the_window_whatever_arrives(tmp_path):
@@ -85,7 +88,7 @@ def test_the_groups_in_flight_come_back_to_the_window_whatever_arrives(tmp_path)
     budget.step()
     assert budget.in_flight() == 8
 
-    held = sorted(budget.dispatch.ledger.outstanding)
+    held = sorted(budget.granter.ledger.outstanding)
     budget.arrive("direct", held[0])
     budget.arrive("direct", held[0])  # delivered twice: the second copy held no slot, and is trained
     budget.arrive("forger", 10**6)  # a group that held no slot, trained
@@ -94,7 +97,7 @@ def test_the_groups_in_flight_come_back_to_the_window_whatever_arrives(tmp_path)
     budget.step()
     assert budget.in_flight() == 8
     budget.take("direct")
-    assert budget.in_flight() == 8 and budget.dispatch.highest_slot() == budget.dispatch.ledger.issued
+    assert budget.in_flight() == 8 and budget.granter.highest_slot() == budget.granter.ledger.issued
 
     budget.arrive("direct", held[3])
     budget.arrive("direct", held[4])  # the step being collected has 2 of its 4
@@ -132,7 +135,81 @@ def test_slots_end_by_number_and_only_lost_ones_are_reported():
     assert ledger.take_lost() == [1] and ledger.take_lost() == []
     assert ledger.release("b") == [4, 5] and ledger.holders() == {"a"}  # b died holding two
     assert ledger.take_lost() == [4, 5]
-    assert ledger.progress_at == {"a": 1, "b": 0}
+    # Only a group the trainer accepts is progress: junk naming a held slot must not keep the
+    # stall clock still (issue 43: a junk group a minute, and the clock never fired).
+    assert ledger.progress_at == {"a": 0, "b": 0}
+    assert ledger.delivered("a", slots[1], arrived=3)
+    ledger.accepted(slots[1])
+    assert ledger.progress_at == {"a": 3, "b": 0}
+
+
+def test_a_holder_that_fills_no_slot_for_a_few_calls_is_released_then_held_to_one_slot_until_it_delivers():
+    ledger = GrantLedger()
+    assert ledger.stall_limit_s("x", now=0, at_least=15, at_most=300) == 300  # no call measured yet
+    for slot in ledger.grant("h", want=2, headroom=8, window=8, now=0)[0]:
+        ledger.delivered("h", slot, arrived=5)
+        ledger.accepted(slot)  # h's call: 5 s
+    assert ledger.stall_limit_s("h", now=6, at_least=15, at_most=300) == 20  # four of its calls
+    assert ledger.stall_limit_s("x", now=6, at_least=15, at_most=300) == 20  # never measured: the fleet's
+    assert ledger.stall_limit_s("x", now=6, at_least=30, at_most=300) == 30
+    assert ledger.stall_limit_s("x", now=6, at_least=1, at_most=10) == 10
+    held, _ = ledger.grant("x", want=4, headroom=6, window=8, now=6)
+    assert len(held) == 3 and ledger.release_unfilled("x") == (held, False) and ledger.take_lost() == held
+    assert len(ledger.grant("x", want=4, headroom=8, window=8, now=30)[0]) == 1  # one slot at a time
+    assert ledger.grant("x", want=4, headroom=8, window=8, now=31)[0] == []
+    assert ledger.release_unfilled("x")[1] is True  # again: a strike
+    (slot,), _ = ledger.grant("x", want=4, headroom=8, window=8, now=60)
+    assert ledger.delivered("x", slot, arrived=61)
+    ledger.accepted(slot)
+    assert "x" not in ledger.probation  # it delivers: a whole share again
+    assert len(ledger.grant("x", want=4, headroom=8, window=8, now=62)[0]) == 4
+
+
+async def _beat(run, sampler_id: str) -> None:
+    """A live heartbeat, forever."""
+    for beat in itertools.count():
+        await put_status(run, SamplerStatus(sampler_id=sampler_id, version=0, groups_published=beat,
+                                            weight_failures={}, updated_at=time.time()))
+        await asyncio.sleep(0.1)
+
+
+async def test_a_hoarder_is_released_within_a_few_calls_held_to_a_slot_and_struck_when_it_hoards_again(runs, tmp_path):
+    """Issue 43: in sequential mode a sampler with a live heartbeat that asks for work 50 times a
+    second and never delivers took 2 of 4 slots: no step for over 367 s, the slots released after
+    `trainer.reissue_after_s` (300 s) and taken again by the same sampler 0.8 s later. Its slots
+    are now released once it has filled none for four of the fleet's measured calls (at least
+    twice `sampler_dead_after_s`), it then holds one slot at a time, and hoarding again is a strike."""
+    cfg = tiny_config(tmp_path, run={"mode": "sequential"}, trainer={"groups_per_step": 4, "sampler_dead_after_s": 1.0},
+                      sampler={"heartbeat_s": 0.1})
+    run = await runs.open("hoard", "trainer")
+    sampler = await runs.open("hoard", "sampler", create=False)
+    lease = await take_lease(run)
+    quarantine = Quarantined(run, after=0)
+    granter = SequentialGranter(run, lease.epoch, cfg, TrainerState(), GrantLedger(), quarantine)
+    await granter.start()
+    await granter.ask(0)
+    request = granter.request.request_id
+    beating = asyncio.create_task(_beat(sampler, "x"))
+    try:
+        assert (await _ask(sampler, "x", lease.epoch, 0, 2, request)).groups == 2  # the hoarder asks first
+        for slot in (await _ask(sampler, "h", lease.epoch, 0, 2, request)).slots:
+            assert granter.ledger.delivered("h", slot, arrived=time.monotonic())
+            granter.ledger.accepted(slot)  # h's call, measured: far shorter than the 2 s floor
+        async with asyncio.timeout(60):  # a hang guard: before, 300 s
+            while not granter.ledger.probation:  # time passing: its heartbeat lives, its slots stay unfilled
+                await asyncio.sleep(0.5)
+                await granter.on_wait(2)
+        assert granter.ledger.held("x") == 0 and quarantine.strikes == {}  # once may be a slow machine
+        assert (await _ask(sampler, "x", lease.epoch, 0, 2, request)).groups == 1  # a slot at a time
+        assert (await _ask(sampler, "h", lease.epoch, 0, 2, request)).groups == 1  # the other goes to h
+        async with asyncio.timeout(60):
+            while "x" not in quarantine:
+                await asyncio.sleep(0.5)
+                await granter.on_wait(1)
+        assert quarantine.strikes == {"x": 1} and (await _ask(sampler, "x", lease.epoch, 0, 2, request)).groups == 0
+    finally:
+        beating.cancel()
+        await granter.subscription.unsubscribe()
 
 
 def test_a_heartbeat_that_stops_changing_is_silent_by_this_clock():
@@ -140,26 +217,36 @@ def test_a_heartbeat_that_stops_changing_is_silent_by_this_clock():
     beats.observe("a", revision=7, now=100.0)
     beats.observe("a", revision=7, now=104.0)
     assert beats.silent_for("a", now=110.0) == 10.0
+    assert not beats.beating("a")  # one reading: it may have died right after it
     beats.observe("a", revision=9, now=111.0)  # a new beat, whatever its own clock says
-    assert beats.silent_for("a", now=112.0) == 1.0
+    assert beats.silent_for("a", now=112.0) == 1.0 and beats.beating("a")
 
 
-ASK_AGAIN = {"schema_version": SCHEMA_VERSION, "leases": [], "more": True}  # nothing now, ask again soon ("leases": the slots, as schema 9 names them)
+ASK_AGAIN = {"schema_version": SCHEMA_VERSION, "slots": [], "more": True}  # nothing now, ask again soon
 
 
 async def _admission_at_version_0(runs, run_id: str, cfg):
-    """A trainer holding the run (opened through the `runs` fixture), its admission at version 0,
-    and a request for 2 groups made with its weights: (run, orders, request)."""
+    """A trainer holding the run (opened through the `runs` fixture), its granter at version 0,
+    and a request for 2 groups made with its weights: (run, granter, request)."""
     run = await runs.open(run_id, "trainer")
     lease = await take_lease(run)
-    orders = AsyncDispatch(run, lease.epoch, cfg, TrainerState(), GrantLedger())
-    await orders.ask(0)
-    return run, orders, GrantRequest(want=2, epoch=lease.epoch, version=0)
+    granter = AsyncGranter(run, lease.epoch, cfg, TrainerState(), GrantLedger())
+    await granter.ask(0)
+    return run, granter, GrantRequest(want=2, epoch=lease.epoch, version=0)
 
 
 def _ask(run, sampler_id, epoch, version, want=2, pull_request_id=None):
     request = GrantRequest(want=want, epoch=epoch, version=version, pull_request_id=pull_request_id)
     return request_grant(run, sampler_id, request)
+
+
+async def test_a_run_begun_before_schema_14_numbers_its_slots_on_from_the_old_key(runs):
+    run = await runs.open("renamed", "trainer")
+    assert await slots_granted(run) == 0
+    await run.state.put(SLOTS_KEY_BEFORE_14, b"8")  # what a schema-13 trainer recorded
+    assert await slots_granted(run) == 8
+    await record_slots_granted(run, 12)
+    assert await slots_granted(run) == 12
 
 
 async def test_grants_never_pass_the_cap_however_many_samplers_race(runs, tmp_path):
@@ -170,9 +257,9 @@ async def test_grants_never_pass_the_cap_however_many_samplers_race(runs, tmp_pa
     assert await _ask(sampler, "a", 1, 0) is None  # no trainer yet: no answer
     lease = await take_lease(run)
     await record_slots_granted(run, 8)  # the 8 groups of the 2 steps trained so far held slots 1-8
-    orders = AsyncDispatch(run, lease.epoch, cfg, TrainerState(version=2), GrantLedger())
-    await orders.start()
-    await orders.ask(2)  # slots up to (2 + 1 + 1) * 4 = 16
+    granter = AsyncGranter(run, lease.epoch, cfg, TrainerState(version=2), GrantLedger())
+    await granter.start()
+    await granter.ask(2)  # slots up to (2 + 1 + 1) * 4 = 16
     assert (await _ask(sampler, "a", lease.epoch, 1, want=8)).groups == 4  # a version behind: cap 16 - 4
     assert (await _ask(sampler, "b", lease.epoch, 0, want=8)).groups == 0  # two behind: its groups would be stale
     grants = await asyncio.gather(*(_ask(sampler, f"s{i}", lease.epoch, 2) for i in range(12)))
@@ -181,19 +268,19 @@ async def test_grants_never_pass_the_cap_however_many_samplers_race(runs, tmp_pa
     assert (await _ask(sampler, holder, lease.epoch, 2)).groups == 0
     assert (await _ask(sampler, holder, lease.epoch, 3)).groups == 0  # a version the trainer has not published
     assert (await _ask(sampler, holder, lease.epoch - 1, 2)).groups == 0  # a previous trainer's weights
-    for slot in sorted(orders.ledger.outstanding)[:4]:  # step 3 trains a's 4 groups
-        assert orders.ledger.delivered("a", slot, arrived=time.monotonic())
-        orders.ledger.accepted(slot)
-    await orders.ask(3)
+    for slot in sorted(granter.ledger.outstanding)[:4]:  # step 3 trains a's 4 groups
+        assert granter.ledger.delivered("a", slot, arrived=time.monotonic())
+        granter.ledger.accepted(slot)
+    await granter.ask(3)
     # the holder has its share of the window (1 of 8 among 14 asking): ask again later
     assert (await _ask(sampler, holder, lease.epoch, 3, want=8)).model_dump() == ASK_AGAIN
     assert (await _ask(sampler, "late", lease.epoch, 3, want=8)).groups == 1  # 15 asking: a share of 1 of 8
 
     # A restarted trainer numbers its grants on from the count in KV.
-    again = AsyncDispatch(run, lease.epoch, cfg, TrainerState(version=3), GrantLedger())
+    again = AsyncGranter(run, lease.epoch, cfg, TrainerState(version=3), GrantLedger())
     await again.start()
     assert again.ledger.issued == 17 and again.state.lost == 17 - 3 * 4  # what was out is counted lost
-    await orders.subscription.unsubscribe()
+    await granter.subscription.unsubscribe()
     await again.subscription.unsubscribe()
 
 
@@ -203,38 +290,40 @@ async def test_sequential_groups_are_granted_once_and_only_for_the_current_reque
     run = await runs.open("seq", "trainer")
     sampler = await runs.open("seq", "sampler", create=False)
     lease = await take_lease(run)
-    orders = SequentialDispatch(run, lease.epoch, cfg, TrainerState(), GrantLedger())
-    await orders.start()
-    await orders.ask(0)
-    request = orders.request
+    granter = SequentialGranter(run, lease.epoch, cfg, TrainerState(), GrantLedger())
+    await granter.start()
+    await granter.ask(0)
+    request = granter.request
     grants = await asyncio.gather(*(_ask(sampler, f"s{i}", lease.epoch, 0, 4, request.request_id) for i in range(3)))
     assert sum(g.groups for g in grants) == 6  # in arrival order: the first alone may get its whole want
     assert (await _ask(sampler, "s0", lease.epoch, 0, 4, request.request_id)).model_dump() == {
-        "schema_version": SCHEMA_VERSION, "leases": [], "more": False}
+        "schema_version": SCHEMA_VERSION, "slots": [], "more": False}
     assert sorted(slot for g in grants for slot in g.slots) == list(range(1, 7))
     await asyncio.sleep(0.1)
     keeper = next(f"s{i}" for i, g in enumerate(grants) if g.slots)
-    orders.ledger.delivered(keeper, grants[int(keeper[1:])].slots[0], time.monotonic())  # it makes progress
-    released = 6 - orders.ledger.held(keeper) - 1
-    await orders.on_wait(5)  # the others delivered nothing for reissue_after_s: only their slots are lost
-    assert orders.ledger.holders() <= {keeper} and orders.granted == 6 - released
-    assert orders.request.request_id == request.request_id  # the same request, published again
+    kept = grants[int(keeper[1:])].slots[0]
+    granter.ledger.delivered(keeper, kept, time.monotonic())
+    granter.ledger.accepted(kept)  # it makes progress
+    released = 6 - granter.ledger.held(keeper) - 1
+    await granter.on_wait(5)  # the others delivered nothing for reissue_after_s: only their slots are lost
+    assert granter.ledger.holders() <= {keeper} and granter.granted == 6 - released
+    assert granter.request.request_id == request.request_id  # the same request, published again
     asked_again = [await _ask(sampler, f"s{i}", lease.epoch, 0, 4, request.request_id) for i in range(3)]
     assert sum(g.groups for g in asked_again) == released
     assert min(slot for g in asked_again for slot in g.slots) == 7  # new numbers
-    await orders.ask(1)  # the next step: the old request is over
+    await granter.ask(1)  # the next step: the old request is over
     assert (await _ask(sampler, "s1", lease.epoch, 0, 4, request.request_id)).groups == 0
-    await orders.subscription.unsubscribe()
+    await granter.subscription.unsubscribe()
 
 
 async def test_no_work_is_granted_until_min_samplers_have_asked(runs, tmp_path):
     cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "min_samplers": 2})
 
-    _, orders, asked = await _admission_at_version_0(runs, "fleet", cfg)
-    assert (await orders.grant("early", asked)).model_dump() == ASK_AGAIN
-    assert (await orders.grant("early", asked)).groups == 0  # asking again does not count twice
-    assert (await orders.grant("late", asked)).groups == 2
-    assert (await orders.grant("early", asked)).groups == 2
+    _, granter, asked = await _admission_at_version_0(runs, "fleet", cfg)
+    assert (await granter.grant("early", asked)).model_dump() == ASK_AGAIN
+    assert (await granter.grant("early", asked)).groups == 0  # asking again does not count twice
+    assert (await granter.grant("late", asked)).groups == 2
+    assert (await granter.grant("early", asked)).groups == 2
 
 
 async def test_a_grant_the_broker_cannot_record_hands_over_nothing_and_is_handed_out_again(nats_server, runs, tmp_path):
@@ -246,15 +335,15 @@ async def test_a_grant_the_broker_cannot_record_hands_over_nothing_and_is_handed
     meanwhile onto the lost connection, and raised)."""
     cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "max_staleness": 0})
 
-    run, orders, asked = await _admission_at_version_0(runs, "unrecorded", cfg)
-    assert (await orders.grant("a", asked)).groups == 2
+    run, granter, asked = await _admission_at_version_0(runs, "unrecorded", cfg)
+    assert (await granter.grant("a", asked)).groups == 2
     nats_server.process.send_signal(signal.SIGKILL)
     nats_server.process.wait()
-    assert (await orders.grant("b", asked)).model_dump() == ASK_AGAIN
+    assert (await granter.grant("b", asked)).model_dump() == ASK_AGAIN
     # b's grant was slot 3 (half the headroom left, two samplers asking): lost, not held
-    assert orders.ledger.holders() == {"a"} and orders.ledger.take_lost() == [3]
-    await orders.on_wait(2)  # waiting for groups meanwhile: a's heartbeat is unread, and that is no failure
-    assert orders.ledger.holders() == {"a"}
+    assert granter.ledger.holders() == {"a"} and granter.ledger.take_lost() == [3]
+    await granter.on_wait(2)  # waiting for groups meanwhile: a's heartbeat is unread, and that is no failure
+    assert granter.ledger.holders() == {"a"}
     await run.close()  # with the broker gone: it raises nothing (the fixture's close is then a no-op)
 
 

@@ -1,9 +1,9 @@
-"""The trainer's dispatch: how it asks the samplers for groups and grants them the work.
+"""The trainer's granter: how it asks the samplers for groups and grants them the work.
 
 Owns the grants (numbered, answered on each sampler's grants subject while the trainer runs,
 streams/grants.py), the count of grants lost and handed out again, and the choice between the
 two modes: sequential mode's pull requests (each step asks for exactly its groups) and async
-mode's admission budget (echo/admission.py). It reads heartbeats (streams/registry.py) to
+mode's grant budget (echo/grants.py). It reads heartbeats (streams/registry.py) to
 release the grants of dead or stalled samplers, asks the quarantine (workers/trainer/quarantine.py)
 and honours the scheduler's standby set (workers/trainer/coordinator.py). It reads no rollouts: the
 intake tells it, through the shared GrantLedger, which grants were fulfilled or wasted.
@@ -16,10 +16,10 @@ import uuid
 
 import structlog
 
-from echo.admission import GrantLedger, Heartbeats, allowance, lost_slots, sampler_cap
 from echo.checkpoint import TrainerState
 from echo.config import EchoConfig
-from echo.protocol import AdmissionBudget, Grant, GrantRequest, PullRequest
+from echo.grants import GrantLedger, Heartbeats, allowance, lost_slots, sampler_cap
+from echo.protocol import GrantBudget, Grant, GrantRequest, PullRequest
 from streams.client import BROKER_ERRORS, Run, retry_forever
 from streams.grants import publish_budget, record_slots_granted, serve_grants, slots_granted
 from streams.pull import publish_pull_request
@@ -29,12 +29,14 @@ from workers.trainer.quarantine import Quarantined
 log = structlog.get_logger()
 
 
-class Dispatch:
+class Granter:
     """How the trainer asks the samplers for groups and grants them the work (numbered slots,
     streams/grants.py, answered while it runs), and hands out again the work of slots lost:
     groups that arrived and were not trained, and the slots of a sampler whose heartbeat
-    stopped (`trainer.sampler_dead_after_s`) or that delivered nothing for
-    `trainer.reissue_after_s` (alive but stuck)."""
+    stopped (`trainer.sampler_dead_after_s`) or that had no group accepted for a few of its
+    calls' measured time (alive but stuck, or hoarding: GrantLedger.stall_limit_s, at most
+    `trainer.reissue_after_s`); such a one holds a slot at a time until it delivers, and doing it
+    again is a strike."""
 
     def __init__(self, run: Run, epoch: int, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
                  quarantine: Quarantined | None = None):
@@ -63,20 +65,31 @@ class Dispatch:
             try:
                 revision, status = await read_heartbeat(self.run, sampler_id)
             except BROKER_ERRORS as e:  # the broker restarting: the next wait reads them again
-                log.warning("dispatch.heartbeat_unread", sampler=sampler_id, reason=repr(e))
+                log.warning("grants.heartbeat_unread", sampler=sampler_id, reason=repr(e))
                 return
             self.heartbeats.observe(sampler_id, revision, now)
             stopped = status is not None and status.state == "draining"  # its last heartbeat: it abandoned them
             silent_s = self.heartbeats.silent_for(sampler_id, now)
             stalled_s = now - self.ledger.progress_at[sampler_id]
-            dead = silent_s > self.cfg.trainer.sampler_dead_after_s or stalled_s > self.cfg.trainer.reissue_after_s
-            if stopped or dead:
+            trainer = self.cfg.trainer
+            # At least twice the silence that declares death: a sampler that died holding slots
+            # is found silent first (its slots then go at once, and no strike).
+            limit_s = self.ledger.stall_limit_s(sampler_id, now, 2 * trainer.sampler_dead_after_s,
+                                                trainer.reissue_after_s)
+            if stopped or silent_s > trainer.sampler_dead_after_s:
                 slots = self.ledger.release(sampler_id)
-                log.warning("dispatch.slots_released", sampler=sampler_id, slots=len(slots), stopped=stopped,
-                            silent_s=round(silent_s, 1), stalled_s=round(stalled_s, 1))
+                log.warning("grants.slots_released", sampler=sampler_id, slots=len(slots), stopped=stopped,
+                            silent_s=round(silent_s, 1))
+            elif stalled_s > trainer.reissue_after_s or (stalled_s > limit_s and self.heartbeats.beating(sampler_id)):
+                # Alive (its heartbeat changed since it took them) and none filled: stuck, or hoarding.
+                slots, repeat = self.ledger.release_unfilled(sampler_id)
+                log.warning("grants.slots_released", sampler=sampler_id, slots=len(slots), repeat=repeat,
+                            stalled_s=round(stalled_s, 1), limit_s=round(limit_s, 1))
+                if repeat and self.quarantine:
+                    await self.quarantine.strike(sampler_id, "slots_unfilled")
         lost = self.ledger.take_lost()
         if lost:
-            log.warning("dispatch.reissue", version=self.version, lost=len(lost), missing=missing)
+            log.warning("grants.reissue", version=self.version, lost=len(lost), missing=missing)
             self.reissue_lost(lost, accepted=self.cfg.trainer.groups_per_step - missing)
             await retry_forever("hand out lost work", lambda: self.republish(missing))
 
@@ -98,13 +111,13 @@ class Dispatch:
             try:
                 await record_slots_granted(self.run, self.ledger.issued)
             except BROKER_ERRORS as e:  # a restarted trainer could number them again: not handed over
-                log.warning("dispatch.grant_unrecorded", sampler=sampler_id, slots=len(slots), reason=repr(e))
+                log.warning("grants.grant_unrecorded", sampler=sampler_id, slots=len(slots), reason=repr(e))
                 self.ledger.revoke(slots)
                 return Grant(more=True)
         return Grant(slots=slots, more=more)
 
 
-class SequentialDispatch(Dispatch):
+class SequentialGranter(Granter):
     """Sequential mode: each step asks for exactly its groups, generated with its version."""
 
     request: PullRequest | None = None
@@ -136,9 +149,9 @@ class SequentialDispatch(Dispatch):
         return slots, more
 
 
-class AsyncDispatch(Dispatch):
-    """Async mode: the admission budget, so that samplers generate no group that would arrive
-    stale (echo/admission.py). Lost slots are handed out again by raising the allowance."""
+class AsyncGranter(Granter):
+    """Async mode: the grant budget, so that samplers generate no group that would arrive
+    stale (echo/grants.py). Lost slots are handed out again by raising the allowance."""
 
     async def start(self) -> None:
         await super().start()
@@ -152,11 +165,11 @@ class AsyncDispatch(Dispatch):
 
     async def publish(self, groups: int) -> None:
         # Samplers watch the budget to ask for work again as soon as there is some.
-        budget = AdmissionBudget(version=self.version, allowance=self.highest_slot(), groups_per_step=groups)
+        budget = GrantBudget(version=self.version, allowance=self.highest_slot(), groups_per_step=groups)
         await publish_budget(self.run, budget)
 
     def reissue_lost(self, lost: list[int], accepted: int) -> None:
-        """Count what is lost from what is out (echo/admission.py): `accepted`, the groups the
+        """Count what is lost from what is out (echo/grants.py): `accepted`, the groups the
         step being collected took so far, are not."""
         self.state.lost = lost_slots(self.ledger.issued, len(self.ledger.outstanding), self.version,
                                      self.cfg.trainer.groups_per_step, accepted)
@@ -174,7 +187,7 @@ class AsyncDispatch(Dispatch):
                                  request.version)
 
 
-def dispatch_for(run: Run, epoch: int, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
-                 quarantine: Quarantined) -> "Dispatch":
-    mode = SequentialDispatch if cfg.run.mode == "sequential" else AsyncDispatch
+def granter_for(run: Run, epoch: int, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
+                 quarantine: Quarantined) -> "Granter":
+    mode = SequentialGranter if cfg.run.mode == "sequential" else AsyncGranter
     return mode(run, epoch, cfg, state, ledger, quarantine)

@@ -1,9 +1,9 @@
-"""Async mode's admission budget: how many groups samplers may generate so that none arrives
+"""Async mode's grant budget: how many groups samplers may generate so that none arrives
 stale. Pure arithmetic; streams/grants.py keeps the numbers in KV.
 
-A slot is one group the trainer granted a sampler to generate (the wire calls it a lease: schema
-9's field names). Slots are numbered 1, 2, 3, ... in the order samplers take them, and the trainer consumes groups
-roughly in that order, B = groups_per_step per step. A group whose slot is number n is consumed by
+A slot is one group the trainer granted a sampler to generate. Slots are numbered 1, 2, 3, ...
+in the order samplers take them, and the trainer consumes groups roughly in that order, B =
+groups_per_step per step. A group whose slot is number n is consumed by
 step ceil(n / B) (plus the groups lost on the way). Generated with version w, it is fresh at that
 step if ceil(n / B) - 1 <= w + S. So a sampler running version w may take slot n only while
 n <= (w + S + 1) * B + lost, where lost counts slots that will never be trained: their group
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from echo.throughput import CallWindow, Rates
 
 ACTIVE_S = 30.0  # a sampler that asked for work this recently shares the window
+STALL_CALLS = 4  # a holder that has filled none of its slots for this many of its calls' time is stalled
 SYNC_SAMPLES = 8  # a sampler's observed sync time: the least of its last this many
 
 
@@ -83,13 +84,16 @@ class GrantLedger:
         self.active_s, self.rate_window_s = active_s, rate_window_s
         self.outstanding: dict[int, str] = {}  # slot number -> the sampler holding it
         self.asked_at: dict[str, float] = {}
-        self.progress_at: dict[str, float] = {}  # a holder's last delivery, or the grant that made it one
+        self.progress_at: dict[str, float] = {}  # a holder's last accepted group, or the grant that made it one
         self._lost: list[int] = []
         self._calls: dict[int, _Call] = {}  # slot -> its grant's call, until the slot settles
         self._rates: dict[str, CallWindow] = {}  # by sampler: the calls measured here
         self._announced: dict[int, float] = {}  # version -> when the trainer announced it
         self._syncs: dict[str, list[float]] = {}  # by sampler: its last SYNC_SAMPLES sync times
         self._running: dict[str, int] = {}  # by sampler: the newest version it asked with
+        # Released for holding slots unfilled, and no group accepted since: one slot at a time,
+        # so a hoarder asking 50 times a second cannot take the released work again at once.
+        self.probation: set[str] = set()
 
     def held(self, sampler_id: str) -> int:
         return sum(1 for holder in self.outstanding.values() if holder == sampler_id)
@@ -123,7 +127,8 @@ class GrantLedger:
         held = self.held(sampler_id)
         # Scarce headroom is split too: a sampler that always asks first must not take it all.
         headroom_share = self.share(headroom, now) if headroom > 0 else 0
-        groups = max(0, min(want, headroom_share, self.share(window, now) - held))
+        share = 1 if sampler_id in self.probation else self.share(window, now)
+        groups = max(0, min(want, headroom_share, share - held))
         slots = list(range(self.issued + 1, self.issued + 1 + groups))
         self.issued += groups
         self.outstanding.update((slot, sampler_id) for slot in slots)
@@ -152,11 +157,14 @@ class GrantLedger:
         del self.outstanding[slot]
         call = self._calls[slot]
         call.last_at = max(call.last_at, arrived, call.granted_at)  # clocks apart by a little
-        self.progress_at[sampler_id] = max(self.progress_at.get(sampler_id, 0.0), call.last_at)
         return True
 
     def accepted(self, slot: int) -> None:
-        """A delivered slot's group is to be trained."""
+        """A delivered slot's group is to be trained: its holder made progress (a group the
+        trainer refuses is none, or junk naming a held slot would keep the stall clock still)."""
+        call = self._calls[slot]
+        self.progress_at[call.sampler_id] = max(self.progress_at.get(call.sampler_id, 0.0), call.last_at)
+        self.probation.discard(call.sampler_id)
         self._settle(slot, accepted=True)
 
     def wasted(self, slot: int) -> None:
@@ -169,6 +177,25 @@ class GrantLedger:
         slots = sorted(slot for slot, holder in self.outstanding.items() if holder == sampler_id)
         self.revoke(slots)
         return slots
+
+    def release_unfilled(self, sampler_id: str) -> tuple[list[int], bool]:
+        """End the slots of a holder alive but stalled (stall_limit_s): they are lost, and it is
+        on probation. Returns them, and whether it was on probation already (a repeat: a strike;
+        an honest sampler slowed once delivers, and its probation ends)."""
+        repeat = sampler_id in self.probation
+        self.probation.add(sampler_id)
+        return self.release(sampler_id), repeat
+
+    def stall_limit_s(self, sampler_id: str, now: float, at_least: float, at_most: float) -> float:
+        """How long `sampler_id` may hold slots without a group accepted: STALL_CALLS times its
+        calls' measured time (the fleet's median for one never measured: a hoarder never is),
+        within [at_least, at_most]; `at_most` alone while no sampler's call was measured."""
+        calls = [window.rates(now).call_s for holder, window in self._rates.items()
+                 if holder == sampler_id or sampler_id not in self._rates]
+        calls = sorted(c for c in calls if c > 0)
+        if not calls:
+            return at_most
+        return min(at_most, max(at_least, STALL_CALLS * calls[len(calls) // 2]))
 
     def revoke(self, slots: list[int]) -> None:
         """Granted slots never handed over (the grant could not be recorded): they are lost."""
@@ -202,12 +229,20 @@ class Heartbeats:
 
     def __init__(self):
         self.seen: dict[str, tuple[int, float]] = {}  # sampler -> (heartbeat revision, when it changed)
+        self.changes: dict[str, int] = {}  # sampler -> changes seen after the first reading
 
     def observe(self, sampler_id: str, revision: int, now: float) -> None:
         """`revision` 0: no heartbeat key (none yet, or it expired): not a sign of life."""
         last = self.seen.get(sampler_id)
         if last is None or (revision and last[0] != revision):
+            if last is not None:
+                self.changes[sampler_id] = self.changes.get(sampler_id, 0) + 1
             self.seen[sampler_id] = (revision, now)
+
+    def beating(self, sampler_id: str) -> bool:
+        """Whether its heartbeat changed while this process watched: alive, not merely not yet
+        found silent (one that died before a second reading is found silent, never stuck)."""
+        return self.changes.get(sampler_id, 0) > 0
 
     def silent_for(self, sampler_id: str, now: float) -> float:
         return now - self.seen[sampler_id][1]

@@ -1,0 +1,48 @@
+"""The trainer's verifiers in a child process with a budget per completion
+(workers/trainer/scoring.py): a verifier bomb costs its group and a strike, never the run."""
+
+from __future__ import annotations
+
+from echo.config import TaskConfig
+from tests.groups import REFEREE, SAMPLING, TOKENIZER, honest_group
+from workers.trainer.scoring import BUDGET_EXCEEDED, ScoringProcess
+
+# math-verify hands sympy each power tower to evaluate in full: 45.9 s for the first of these in
+# the trainer's process, on its event loop, before this module (the issue measured > 515 s for 8).
+BOMB = [f"\\boxed{{{k}^{{9^{{8}}}}}}" for k in (3, 5)]
+
+
+def scoring(task: str = "math", budget_s: float = 3.0, memory_mb: float = 1024.0) -> ScoringProcess:
+    return ScoringProcess(TaskConfig(name=task), TOKENIZER, len(TOKENIZER), SAMPLING, budget_s, memory_mb)
+
+
+async def test_a_verifier_bomb_costs_its_group_and_a_strike_and_the_next_group_is_scored_as_before():
+    honest = honest_group()
+    async with scoring() as verifiers:
+        assert await verifiers.score(honest) == REFEREE.score(honest)  # the same ruling as in process
+        bomb = honest_group(texts=BOMB, rewards=[0.1, 0.1], group_id="bomb")
+        ruling = await verifiers.score(bomb)
+        assert (ruling.reason, ruling.lie, verifiers.restarts) == (BUDGET_EXCEEDED, True, 1)
+        assert await verifiers.score(honest) == REFEREE.score(honest)  # a new child, the same rulings
+
+
+MEMORY_MB = 256.0
+HUNGRY = '''
+from echo.tasks.math import Math
+
+
+class Hungry(Math):
+    def score(self, completion, prompt):
+        if "hungry" in completion:
+            bytearray(2 * 2**30)  # 2 GB: zeroed pages cost nothing until touched: only a limit refuses it
+        return super().score(completion, prompt)
+'''
+
+
+async def test_a_verifier_past_its_memory_budget_costs_its_group(tmp_path):
+    (tmp_path / "hungry.py").write_text(HUNGRY)
+    honest = honest_group()
+    async with scoring(f"{tmp_path / 'hungry.py'}:Hungry", budget_s=60.0, memory_mb=MEMORY_MB) as verifiers:  # 2 GB > 256 MB
+        ruling = await verifiers.score(honest_group(texts=["hungry \\boxed{1}", "\\boxed{2}"], rewards=[0.0, 0.0]))
+        assert (ruling.reason, ruling.lie) == (BUDGET_EXCEEDED, True)
+        assert await verifiers.score(honest) == REFEREE.score(honest)
