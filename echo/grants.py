@@ -225,19 +225,23 @@ class GrantLedger:
 
 class Heartbeats:
     """When each sampler's heartbeat last changed, by this process's own clock (a remote clock
-    may be skewed): a sampler whose heartbeat stops changing is dead."""
+    may be skewed): a sampler whose heartbeat stops changing is dead. And which said they were
+    stopping: their entry expires soon after, so it is remembered here."""
 
     def __init__(self):
         self.seen: dict[str, tuple[int, float]] = {}  # sampler -> (heartbeat revision, when it changed)
         self.changes: dict[str, int] = {}  # sampler -> changes seen after the first reading
+        self.stopped: set[str] = set()  # seen `draining`, until its slots are released
 
-    def observe(self, sampler_id: str, revision: int, now: float) -> None:
+    def observe(self, sampler_id: str, revision: int, now: float, stopped: bool = False) -> None:
         """`revision` 0: no heartbeat key (none yet, or it expired): not a sign of life."""
         last = self.seen.get(sampler_id)
         if last is None or (revision and last[0] != revision):
             if last is not None:
                 self.changes[sampler_id] = self.changes.get(sampler_id, 0) + 1
             self.seen[sampler_id] = (revision, now)
+        if stopped:
+            self.stopped.add(sampler_id)
 
     def beating(self, sampler_id: str) -> bool:
         """Whether its heartbeat changed while this process watched: alive, not merely not yet

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 
 from echo.checkpoint import read_metrics
@@ -47,6 +48,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "compose" in item.keywords:
             item.add_marker(pytest.mark.skip(reason="needs Docker and root: make test-compose runs it"))
+
+
+@pytest.fixture(autouse=True)
+def logging_as_it_was():
+    """Logging configured by a test (the CLI's commands set level "error") is put back after it:
+    else a later test's capture_logs sees no warning (test_faults failed so in the suite only)."""
+    config = structlog.get_config()
+    yield
+    structlog.configure(**config)
 
 
 @pytest.fixture

@@ -222,6 +222,31 @@ def test_a_heartbeat_that_stops_changing_is_silent_by_this_clock():
     assert beats.silent_for("a", now=112.0) == 1.0 and beats.beating("a")
 
 
+async def test_a_holder_that_said_it_was_stopping_is_released_after_its_entry_expired(runs, tmp_path):
+    """A stopping sampler's last heartbeat (`draining`) expires `sampler.entry_ttl_s` after it is
+    written. Before, the trainer read heartbeats only while waiting for groups: busy meanwhile
+    (its scoring process starting, a long step), it found no entry, and with
+    `sampler_dead_after_s` above the entry's life the slots stayed held (test_sampler_crash: no
+    step in 180 s). The trainer now reads the holders' heartbeats while it runs, and remembers."""
+    cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "max_staleness": 0, "sampler_dead_after_s": 3600.0},
+                      sampler={"heartbeat_s": 0.2, "entry_ttl_s": 1})
+    run, granter, asked = await _admission_at_version_0(runs, "stopping", cfg)
+    sampler = await runs.open("stopping", "sampler", create=False)
+    assert (await granter.grant("x", asked)).groups == 2
+    watching = asyncio.create_task(granter.watch_heartbeats())
+    try:
+        await put_status(sampler, SamplerStatus(sampler_id="x", version=0, groups_published=0, weight_failures={},
+                                                updated_at=time.time(), state="draining"))
+        async with asyncio.timeout(60):  # a hang guard
+            while "x" not in granter.heartbeats.stopped:
+                await asyncio.sleep(0.05)
+        await sampler.registry.delete("x")  # expired, as the trainer's step went on
+        await granter.on_wait(4)
+        assert granter.ledger.holders() == set() and granter.heartbeats.stopped == set()
+    finally:
+        watching.cancel()
+
+
 ASK_AGAIN = {"schema_version": SCHEMA_VERSION, "slots": [], "more": True}  # nothing now, ask again soon
 
 

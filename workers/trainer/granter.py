@@ -11,6 +11,7 @@ intake tells it, through the shared GrantLedger, which grants were fulfilled or 
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -57,18 +58,36 @@ class Granter:
         self.reissue_lost(self.ledger.take_lost(), accepted=0)
         await self.publish(self.cfg.trainer.groups_per_step)
 
-    async def on_wait(self, missing: int) -> None:
-        """Waiting for groups: release the slots of stopped, dead or stalled holders, then hand
-        out again whatever was lost."""
-        now = time.monotonic()
+    async def watch_heartbeats(self) -> None:
+        """Read the holders' heartbeats while the trainer runs, whatever its step is doing: a
+        stopping sampler's last one (`draining`) lives only `sampler.entry_ttl_s`, which a step
+        busy training or scoring may outlast; read here, it is remembered until its slots go."""
+        every = min(self.cfg.sampler.heartbeat_s, self.cfg.sampler.entry_ttl_s / 2)
+        while True:
+            await self.read_heartbeats()
+            await asyncio.sleep(every)
+
+    async def read_heartbeats(self) -> bool:
+        """Observe each holder's heartbeat; False when the broker could not be read (the next
+        reading tries again)."""
         for sampler_id in sorted(self.ledger.holders()):
             try:
                 revision, status = await read_heartbeat(self.run, sampler_id)
-            except BROKER_ERRORS as e:  # the broker restarting: the next wait reads them again
+            except BROKER_ERRORS as e:  # the broker restarting
                 log.warning("grants.heartbeat_unread", sampler=sampler_id, reason=repr(e))
-                return
-            self.heartbeats.observe(sampler_id, revision, now)
-            stopped = status is not None and status.state == "draining"  # its last heartbeat: it abandoned them
+                return False
+            self.heartbeats.observe(sampler_id, revision, time.monotonic(),
+                                    stopped=status is not None and status.state == "draining")
+        return True
+
+    async def on_wait(self, missing: int) -> None:
+        """Waiting for groups: release the slots of stopped, dead or stalled holders, then hand
+        out again whatever was lost."""
+        if not await self.read_heartbeats():
+            return
+        now = time.monotonic()
+        for sampler_id in sorted(self.ledger.holders()):
+            stopped = sampler_id in self.heartbeats.stopped  # its last heartbeat: it abandoned them
             silent_s = self.heartbeats.silent_for(sampler_id, now)
             stalled_s = now - self.ledger.progress_at[sampler_id]
             trainer = self.cfg.trainer
@@ -78,6 +97,7 @@ class Granter:
                                                 trainer.reissue_after_s)
             if stopped or silent_s > trainer.sampler_dead_after_s:
                 slots = self.ledger.release(sampler_id)
+                self.heartbeats.stopped.discard(sampler_id)
                 log.warning("grants.slots_released", sampler=sampler_id, slots=len(slots), stopped=stopped,
                             silent_s=round(silent_s, 1))
             elif stalled_s > trainer.reissue_after_s or (stalled_s > limit_s and self.heartbeats.beating(sampler_id)):

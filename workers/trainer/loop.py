@@ -107,6 +107,7 @@ class Trainer:
                       quarantine, scoring)
         background.start(inbox.keep_alive(cfg.trainer.ack_wait_s / 3))
         granter = granter_for(run, lease.epoch, cfg, state, ledger, quarantine)
+        background.start(granter.watch_heartbeats())
         recent = RecentSteps(cfg.trainer.groups_per_step, cfg.staleness_bound)
         if cfg.scheduler.enabled:  # what it chooses, the grants obey
             background.start(Coordinator(run, cfg, granter.standby, recent, ledger).run_forever())
