@@ -225,23 +225,42 @@ class GrantLedger:
 
 class Heartbeats:
     """When each sampler's heartbeat last changed, by this process's own clock (a remote clock
-    may be skewed): a sampler whose heartbeat stops changing is dead. And which said they were
-    stopping: their entry expires soon after, so it is remembered here."""
+    may be skewed): a sampler whose heartbeat stops changing is dead. Which said they were
+    stopping (their entry expires soon after, so it is remembered here), and which process runs
+    under each id: one restarted under its id (systemd, compose, Kubernetes) knows nothing of
+    the slots its predecessor held."""
 
     def __init__(self):
         self.seen: dict[str, tuple[int, float]] = {}  # sampler -> (heartbeat revision, when it changed)
         self.changes: dict[str, int] = {}  # sampler -> changes seen after the first reading
-        self.stopped: set[str] = set()  # seen `draining`, until its slots are released
+        self.stopped: set[str] = set()  # its process said `draining`, until its slots are released
+        self.processes: dict[str, tuple[str, str]] = {}  # sampler -> (its incarnation now, the one before)
 
-    def observe(self, sampler_id: str, revision: int, now: float, stopped: bool = False) -> None:
-        """`revision` 0: no heartbeat key (none yet, or it expired): not a sign of life."""
+    def observe(self, sampler_id: str, revision: int, now: float, incarnation: str = "",
+                stopping: bool = False) -> bool:
+        """A reading of its heartbeat (`revision` 0: no key, none yet or expired: not a sign of
+        life). Returns whether it is a new process under a known id (restarted)."""
         last = self.seen.get(sampler_id)
         if last is None or (revision and last[0] != revision):
             if last is not None:
                 self.changes[sampler_id] = self.changes.get(sampler_id, 0) + 1
             self.seen[sampler_id] = (revision, now)
-        if stopped:
+        restarted = self.restarted(sampler_id, incarnation)
+        if stopping and incarnation == self.processes.get(sampler_id, ("", ""))[0]:
             self.stopped.add(sampler_id)
+        return restarted
+
+    def restarted(self, sampler_id: str, incarnation: str) -> bool:
+        """Whether `incarnation` (from a heartbeat or a request for work) is a new process under
+        a known id. The predecessor's last heartbeat, read after its successor asked for work,
+        is not taken for a third; "" (a sampler before schema 15) is never a restart."""
+        now, before = self.processes.get(sampler_id, ("", ""))
+        if not incarnation or incarnation in (now, before):
+            return False
+        self.processes[sampler_id] = (incarnation, now)
+        if now:
+            self.stopped.discard(sampler_id)  # its predecessor stopped, not it
+        return bool(now)
 
     def beating(self, sampler_id: str) -> bool:
         """Whether its heartbeat changed while this process watched: alive, not merely not yet

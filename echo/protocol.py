@@ -20,7 +20,7 @@ import orjson
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, ValidationInfo,
                       model_validator)
 
-SCHEMA_VERSION = 14  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
+SCHEMA_VERSION = 15  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
 # 4: the trainer grants work (GrantRequest/Grant), samplers no longer take it from KV;
 # 5: grants are numbered slots: a grant names them, a group carries the one it fills and its epoch;
 # 6: a group names the engine and precision that sampled it; 7: a sampler's heartbeat is its
@@ -34,9 +34,12 @@ SCHEMA_VERSION = 14  # 2: a weights announcement lists shards; 3: and names the 
 # 14: slots are "slot"/"slots" on the wire, as in the code (schema 5 to 13 said "lease"/"leases",
 # the word the trainer's TrainerLease also used). Schema 13 is still read (_UPGRADES): replay of a
 # recorded run, and a restarted trainer's unread groups, keep working.
+# 15: a sampler names its process (`incarnation`) in its heartbeat and its requests for work, so
+# that a process restarted under its id is told from its predecessor (whose slots it never saw).
 
 # Run and sampler ids become subject tokens and stream names: keep them to safe characters.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+INCARNATION_PATTERN = r"^[0-9a-f]{0,32}$"  # a process's random name; "" from a sampler before schema 15
 _ID_RE = re.compile(ID_PATTERN)
 
 # Headers on every rollout message, so routing, filtering and replay need not decode bodies.
@@ -208,7 +211,7 @@ class PolicyVersion(NamedTuple):
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    schema_version: Literal[14] = SCHEMA_VERSION
+    schema_version: Literal[15] = SCHEMA_VERSION
 
 
 # The validation context of a decoded message, whose arrays _decode_group checked whole (per
@@ -486,6 +489,7 @@ class SamplerStatus(_Message):
     tokens_per_s: float = Field(0.0, ge=0)
     call_s: float = Field(0.0, ge=0)  # one generation call, from its start to its groups published
     sync_s: dict[str, float] = {}  # its last versions: from hearing of one to running it (fetch and load)
+    incarnation: str = Field("", pattern=INCARNATION_PATTERN)  # this process, new at each start
 
 
 class Quarantine(_Message):
@@ -515,6 +519,7 @@ class GrantRequest(_Message):
     epoch: int = Field(ge=0)
     version: int = Field(ge=-1)
     pull_request_id: str | None = Field(None, pattern=ID_PATTERN)
+    incarnation: str = Field("", pattern=INCARNATION_PATTERN)  # the process asking (SamplerStatus.incarnation)
 
 
 class Grant(_Message):
@@ -554,7 +559,7 @@ def _json_object(data: bytes) -> dict:
 
 
 # Earlier schemas still read, each as the wire names it renamed: recorded messages outlive a release.
-_UPGRADES: dict[int, dict[str, str]] = {13: {"lease": "slot", "leases": "slots"}}
+_UPGRADES: dict[int, dict[str, str]] = {13: {"lease": "slot", "leases": "slots"}, 14: {}}
 
 
 def _upgraded(raw: dict) -> dict:

@@ -247,6 +247,34 @@ async def test_a_holder_that_said_it_was_stopping_is_released_after_its_entry_ex
         watching.cancel()
 
 
+def test_a_process_restarted_under_its_id_is_told_from_its_predecessor():
+    beats = Heartbeats()
+    assert not beats.observe("a", revision=1, now=0.0, incarnation="aa")  # the first process seen
+    assert not beats.restarted("a", "aa")
+    assert beats.restarted("a", "bb")  # a new process asks for work
+    assert not beats.observe("a", revision=2, now=1.0, incarnation="aa", stopping=True)  # aa's last word, read late
+    assert beats.stopped == set() and not beats.restarted("a", "")  # "": before schema 15, never a restart
+    beats.observe("a", revision=3, now=2.0, incarnation="bb", stopping=True)
+    assert beats.stopped == {"a"}
+    assert beats.observe("a", revision=4, now=3.0, incarnation="cc")  # restarted again: cc has not stopped
+    assert beats.stopped == set()
+
+
+async def test_a_restarted_process_asking_for_work_hands_its_predecessors_slots_back_to_the_window(runs, tmp_path):
+    """At S >= 1 a predecessor's slots, kept, shrank the window until `reissue_after_s`; the
+    new process's first request for work now releases them, and it is granted afresh."""
+    cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "max_staleness": 1})
+    run, granter, asked = await _admission_at_version_0(runs, "restarted", cfg)
+    before = asked.model_copy(update={"want": 8, "incarnation": "aa"})
+    assert (await granter.grant("x", before)).groups == 8  # the whole window
+    assert (await granter.grant("y", asked)).groups == 0
+    after = before.model_copy(update={"incarnation": "bb"})  # kill -9, and the restart policy's
+    assert (await granter.grant("x", after)).groups == 0  # released, not yet handed out again
+    assert granter.ledger.holders() == set()
+    await granter.on_wait(4)  # the step waiting for groups: what was lost is handed out again
+    assert (await granter.grant("x", after)).groups == 4 and (await granter.grant("y", asked)).groups == 2
+
+
 ASK_AGAIN = {"schema_version": SCHEMA_VERSION, "slots": [], "more": True}  # nothing now, ask again soon
 
 

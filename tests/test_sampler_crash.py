@@ -125,3 +125,22 @@ def test_a_sampler_stopped_while_holding_slots_hands_them_back_at_once(nats_serv
         assert trainer.returncode == 0, logs[-3000:]
     released = [orjson.loads(line) for line in logs.splitlines() if '"grants.slots_released"' in line]
     assert [(r["sampler"], r["stopped"], r["slots"]) for r in released] == [("s2", True, 2)], released
+
+
+def test_a_sampler_killed_and_restarted_under_its_id_at_once_gets_its_predecessors_slots_handed_out(
+        nats_server, tmp_path):
+    """Issue 48: slots are held by sampler id, and a replacement that heartbeats within
+    `sampler_dead_after_s` (as systemd, compose or Kubernetes restart a process) hid the death:
+    the slots came back only after `trainer.reissue_after_s` (300 s; at S = 0 no step till then).
+    Each process now names itself (its incarnation) in its heartbeats and requests: the new one
+    is told from the old at its first, and the old one's slots are handed out at once (at
+    S >= 1 they shrank the window instead: test_grants)."""
+    with a_sampler_holding_slots(tmp_path, nats_server.url, 3, dead_after_s=3600.0) as (cfg, config_path, processes):
+        trainer, killed = processes
+        killed.kill()  # kill -9, holding slots 3 and 4 of step 1
+        killed.wait()
+        processes.append(worker_process(config_path, "sampler", "--id", "s2"))  # the restart policy's
+        logs = trainer.communicate(timeout=180)[1]  # the dead one is never declared dead (an hour)
+        assert trainer.returncode == 0, logs[-3000:]
+    released = [orjson.loads(line) for line in logs.splitlines() if '"grants.slots_released"' in line]
+    assert released and released[0]["sampler"] == "s2" and released[0]["restarted"], released

@@ -54,6 +54,7 @@ class Heartbeat:
             tokens_per_s=round(rates.tokens_per_s, 2),
             call_s=round(rates.call_s, 4),
             sync_s=self.weights.syncs,
+            incarnation=self.work.incarnation,
         )
 
     async def beat(self) -> None:

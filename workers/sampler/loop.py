@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
 import structlog
 
@@ -43,7 +44,10 @@ class Sampler:
     def __init__(self, cfg: EchoConfig, sampler_id: str, run: Run, engine: Engine, task: Task):
         self.cfg, self.sampler_id, self.run = cfg, sampler_id, run
         self.weights = EngineWeights(run, engine, cfg.model.name, cfg.sampler.throttle_s)
-        self.work = Work(run, sampler_id, cfg.sampling.prompts_per_call)
+        # This process, named in its requests and heartbeats: a restart under the same id is told
+        # from it, and the slots this one held are released at once.
+        incarnation = uuid.uuid4().hex
+        self.work = Work(run, sampler_id, cfg.sampling.prompts_per_call, incarnation)
         self.generation = Generation(cfg, sampler_id, run, task, self.weights)
         self.heartbeat = Heartbeat(cfg, sampler_id, run, engine, self.weights, self.generation, self.work)
 

@@ -16,8 +16,9 @@ log = structlog.get_logger()
 
 
 class Work:
-    def __init__(self, run: Run, sampler_id: str, prompts_per_call: int):
+    def __init__(self, run: Run, sampler_id: str, prompts_per_call: int, incarnation: str):
         self.run, self.sampler_id, self.prompts_per_call = run, sampler_id, prompts_per_call
+        self.incarnation = incarnation  # this process (Sampler), in every request
         self.standby = False  # the scheduler's choice: keep the weights current, take no work
         self.changed = asyncio.Event()  # async mode: the budget or the standby changed, so an idle sampler asks again
         self.pull_request: PullRequest | None = None  # sequential mode: the newest request it has read
@@ -27,7 +28,7 @@ class Work:
         """What the trainer grants this sampler to generate with the weights it runs (None: no
         answer came)."""
         request = GrantRequest(want=self.prompts_per_call, epoch=running.epoch, version=running.version,
-                               pull_request_id=pull_request_id)
+                               pull_request_id=pull_request_id, incarnation=self.incarnation)
         grant = await request_grant(self.run, self.sampler_id, request)
         self.unanswered += grant is None
         return grant

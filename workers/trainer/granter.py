@@ -76,9 +76,18 @@ class Granter:
             except BROKER_ERRORS as e:  # the broker restarting
                 log.warning("grants.heartbeat_unread", sampler=sampler_id, reason=repr(e))
                 return False
-            self.heartbeats.observe(sampler_id, revision, time.monotonic(),
-                                    stopped=status is not None and status.state == "draining")
+            incarnation, stopping = (status.incarnation, status.state == "draining") if status else ("", False)
+            if self.heartbeats.observe(sampler_id, revision, time.monotonic(), incarnation, stopping):
+                self.release_predecessor(sampler_id)
         return True
+
+    def release_predecessor(self, sampler_id: str) -> None:
+        """A process restarted under `sampler_id` never saw the slots its predecessor held: they
+        go at once, with no strike (before, not until `trainer.reissue_after_s`: its heartbeat
+        hid the death)."""
+        slots = self.ledger.release(sampler_id)
+        if slots:
+            log.warning("grants.slots_released", sampler=sampler_id, slots=len(slots), restarted=True)
 
     async def on_wait(self, missing: int) -> None:
         """Waiting for groups: release the slots of stopped, dead or stalled holders, then hand
@@ -117,6 +126,8 @@ class Granter:
         """The answer to a sampler asking for work: none for a quarantined sampler or one running
         a previous trainer's weights (it must apply ours first), none yet while fewer than
         `trainer.min_samplers` have asked (ask again soon), else what the mode grants."""
+        if self.heartbeats.restarted(sampler_id, request.incarnation):
+            self.release_predecessor(sampler_id)
         if (self.quarantine and sampler_id in self.quarantine) or request.epoch != self.epoch:
             return Grant()
         if sampler_id in self.standby:
