@@ -2,17 +2,33 @@
 prompt at its index, the byte tokenizer's tokens, the verifier's rewards), then changed field by
 field for what a test needs. Not a test module: test modules import it, never each other."""
 
-from echo.config import SamplingConfig
+import orjson
+
+from echo.config import SamplingConfig, TaskConfig
 from echo.models import byte_tokenizer, encode_chat
 from echo.protocol import Completion, RolloutGroup, _pack, _read_rollout, _spans
 from echo.referee import Referee
-from echo.tasks import Task
+from echo.tasks import Task, load_task
 from echo.tasks.math import Math
 
 TOKENIZER = byte_tokenizer()
 TASK = Math({})
 SAMPLING = SamplingConfig(group_size=2, max_new_tokens=32, temperature=1.0)
 REFEREE = Referee(TASK, TOKENIZER, vocab_size=len(TOKENIZER), sampling=SAMPLING)
+# \\boxed{K^{9^{8}}}: math-verify hands sympy each power tower to evaluate in full (45.9 s for
+# the first in the trainer's process; the issue measured > 515 s for 8). It reaches sympy only
+# where the truth is not a number (a number is compared: echo/tasks/math.py).
+BOMB = [f"\\boxed{{{k}^{{9^{{8}}}}}}" for k in (3, 5)]
+
+
+def symbolic_math(tmp_path) -> tuple[TaskConfig, Task, Referee]:
+    """The math task on a dataset whose truths are not numbers (math-verify checks them), as
+    its config, the task and its referee."""
+    rows = [{"question": f"What is the square root of 2 (case {i})?", "answer": "\\sqrt{2}"} for i in range(32)]
+    (tmp_path / "symbolic.jsonl").write_bytes(b"\n".join(orjson.dumps(r) for r in rows))
+    config = TaskConfig(name="math", params={"dataset": str(tmp_path / "symbolic.jsonl")})
+    task = load_task(config)
+    return config, task, Referee(task, TOKENIZER, vocab_size=len(TOKENIZER), sampling=SAMPLING)
 
 
 def honest_group(index: int = 12, texts=None, of_task: Task = TASK, rewards: list[float] | None = None,

@@ -18,7 +18,6 @@ from nats.js.errors import KeyNotFoundError
 from rich.console import Console
 
 from echo.checkpoint import TrainerState, load_trained_completions, remember_trained
-from echo.config import TaskConfig
 from echo.grants import GrantLedger
 from echo.protocol import (BODY_PART_MAX, BUDGET_KEY, CONFIG_KEY, HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE, HDR_MSG_ID,
                            LEARNER_KEY,
@@ -38,7 +37,7 @@ from streams.registry import put_status, read_heartbeat, read_learner, read_stat
 from streams.rollouts import fetch_rollouts, publish_rollout
 from streams.weights import WeightsPublisher, fetch_weights
 from tests.conftest import TINY_BASE, assert_accounting_holds, collect_and_account, tiny_config
-from tests.groups import REFEREE, SAMPLING, TASK, TOKENIZER, honest_group, pack_rollout, unlikely
+from tests.groups import BOMB, REFEREE, SAMPLING, TASK, TOKENIZER, honest_group, pack_rollout, symbolic_math, unlikely
 from workers.cli import main
 from workers.trainer.coordinator import Coordinator
 from workers.trainer.granter import AsyncGranter
@@ -353,20 +352,21 @@ async def test_a_group_resending_trained_completions_is_refused(secured, tmp_pat
 async def test_a_verifier_bomb_costs_the_bomber_its_group_and_a_strike_and_the_step_goes_on(secured, tmp_path):
     """Issue 43: one group whose completions are each `\\boxed{K^{9^{8}}}` for a different K, with
     true log-probs: math-verify evaluated every power tower in full on the trainer's event loop
-    (no step for over 515 s, SIGTERM unheard). The verifiers now run in a child process with a
-    budget per completion: the group is rejected and struck, the honest group behind it trained."""
+    (no step for over 515 s, SIGTERM unheard). A number is now compared, not evaluated; where the
+    truth is not one (here), the verifiers run in a child process with a budget per completion:
+    the group is rejected and struck, the honest group behind it trained."""
     server, secure = secured
     trainer = await open_run(server.url, "sec", "trainer", credentials=secure.credentials("trainer"))
     attacker = await open_run(server.url, "sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
+    config, task, referee = symbolic_math(tmp_path)
     try:
-        bomb = honest_group(texts=[f"\\boxed{{{k}^{{9^{{8}}}}}}" for k in (3, 5)], rewards=[0.1, 0.1],
-                            group_id="bomb", policy_version=5)
+        bomb = honest_group(of_task=task, texts=BOMB, rewards=[0.1, 0.1], group_id="bomb", policy_version=5)
         await publish_rollout(attacker, bomb)
-        await publish_rollout(attacker, honest_group(group_id="honest", policy_version=5))
+        await publish_rollout(attacker, honest_group(of_task=task, group_id="honest", policy_version=5))
         quarantine = Quarantined(trainer, after=3)
-        async with ScoringProcess(TaskConfig(name="math"), TOKENIZER, len(TOKENIZER), SAMPLING, budget_s=3.0,
+        async with ScoringProcess(config, TOKENIZER, len(TOKENIZER), SAMPLING, budget_s=3.0,
                                   memory_mb=1024.0) as scoring:
-            judge = Judge(REFEREE, Timeline(max_staleness=1), quarantine=quarantine, scoring=scoring)
+            judge = Judge(referee, Timeline(max_staleness=1), quarantine=quarantine, scoring=scoring)
             collector = Collector(await RolloutInbox.open(trainer), judge)
             async with asyncio.timeout(120):  # a hang guard: the budget is 3 s a completion
                 step = await collector.collect(1, version=5)

@@ -4,26 +4,32 @@
 from __future__ import annotations
 
 from echo.config import TaskConfig
-from tests.groups import REFEREE, SAMPLING, TOKENIZER, honest_group
+from tests.groups import BOMB, REFEREE, SAMPLING, TOKENIZER, honest_group, symbolic_math
 from workers.trainer.scoring import BUDGET_EXCEEDED, ScoringProcess
 
-# math-verify hands sympy each power tower to evaluate in full: 45.9 s for the first of these in
-# the trainer's process, on its event loop, before this module (the issue measured > 515 s for 8).
-BOMB = [f"\\boxed{{{k}^{{9^{{8}}}}}}" for k in (3, 5)]
+
+def scoring(task: str | TaskConfig = "math", budget_s: float = 3.0, memory_mb: float = 1024.0) -> ScoringProcess:
+    config = task if isinstance(task, TaskConfig) else TaskConfig(name=task)
+    return ScoringProcess(config, TOKENIZER, len(TOKENIZER), SAMPLING, budget_s, memory_mb)
 
 
-def scoring(task: str = "math", budget_s: float = 3.0, memory_mb: float = 1024.0) -> ScoringProcess:
-    return ScoringProcess(TaskConfig(name=task), TOKENIZER, len(TOKENIZER), SAMPLING, budget_s, memory_mb)
-
-
-async def test_a_verifier_bomb_costs_its_group_and_a_strike_and_the_next_group_is_scored_as_before():
-    honest = honest_group()
-    async with scoring() as verifiers:
-        assert await verifiers.score(honest) == REFEREE.score(honest)  # the same ruling as in process
-        bomb = honest_group(texts=BOMB, rewards=[0.1, 0.1], group_id="bomb")
+async def test_a_verifier_bomb_costs_its_group_and_a_strike_and_the_next_group_is_scored_as_before(tmp_path):
+    config, task, referee = symbolic_math(tmp_path)
+    honest = honest_group(of_task=task)
+    async with scoring(config) as verifiers:
+        assert await verifiers.score(honest) == referee.score(honest)  # the same ruling as in process
+        bomb = honest_group(of_task=task, texts=BOMB, rewards=[0.1, 0.1], group_id="bomb")
         ruling = await verifiers.score(bomb)
         assert (ruling.reason, ruling.lie, verifiers.restarts) == (BUDGET_EXCEEDED, True, 1)
-        assert await verifiers.score(honest) == REFEREE.score(honest)  # a new child, the same rulings
+        assert await verifiers.score(honest) == referee.score(honest)  # a new child, the same rulings
+
+
+def test_where_the_truth_is_a_number_a_bomb_is_compared_not_evaluated():
+    """The built-in math task's own problems: the bomb is a wrong answer, found in the trainer's
+    process at once (the child's budget is for what must be evaluated)."""
+    bomb = honest_group(texts=BOMB, rewards=[0.1, 0.1])
+    ruling = REFEREE.score(bomb)
+    assert ruling.reason is None and ruling.rewards == [0.1, 0.1]
 
 
 MEMORY_MB = 256.0

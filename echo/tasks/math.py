@@ -1,6 +1,10 @@
 """Math: procedural problems at graded difficulty, or a local dataset file (GSM8K/MATH-style
-JSONL or parquet with question and answer fields). The final answer goes in \\boxed{}; answers
-are checked with math-verify, so equivalent forms count (0.5 = 1/2 = \\frac{1}{2})."""
+JSONL or parquet with question and answer fields). The final answer goes in \\boxed{}. Where
+the ground truth is a number, the answer is compared as one, evaluating nothing: a decimal or
+a fraction (0.5 = 1/2 = \\frac{1}{2}); anything else there is wrong. A sampler chooses every
+answer, and sympy given `7^{9^{8}}` computes it in full. Other truths are checked with
+math-verify, so equivalent forms count (the trainer runs it under a budget,
+workers/trainer/scoring.py)."""
 
 from __future__ import annotations
 
@@ -70,6 +74,36 @@ def _level3(rng: random.Random, n: int) -> tuple[str, str]:
 
 
 GENERATORS = {1: _level1, 2: _level2, 3: _level3}
+
+
+_NUMBER = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"  # 1,000.5 and 1000.5 alike
+_AS_NUMBER = [re.compile(rf"(-?)({_NUMBER})"), re.compile(rf"(-?)({_NUMBER})/({_NUMBER})"),
+              re.compile(rf"(-?)\\[dt]?frac\{{(-?{_NUMBER})\}}\{{({_NUMBER})\}}")]
+
+
+def as_number(text: str) -> Fraction | None:
+    """`text` as a number, evaluating nothing: a decimal, or a fraction of two (p/q,
+    \\frac{p}{q}); None for anything else."""
+    text = re.sub(r"\s|\$", "", text)
+    for pattern in _AS_NUMBER:
+        if m := pattern.fullmatch(text):
+            sign, *numbers = m.groups()
+            values = [Fraction(n.replace(",", "")) for n in numbers]
+            if len(values) == 2 and values[1] == 0:
+                return None
+            value = values[0] if len(values) == 1 else values[0] / values[1]
+            return -value if sign else value
+    return None
+
+
+def boxed(text: str) -> str | None:
+    """What the \\boxed{...} that `text` starts with holds; None when it does not close."""
+    depth = 0
+    for i, char in enumerate(text):
+        depth += (char == "{") - (char == "}")
+        if char == "}" and depth == 0:
+            return text[len("\\boxed{") : i]
+    return None
 
 
 def _final_answer(text: str) -> str:
@@ -144,6 +178,13 @@ class Math(GeneratedTask):
         last = completion.rfind("\\boxed{")  # the last answer counts (math-verify would read a set)
         if last < 0:
             return Score(0.0, format_ok=False, correct=False)
+        truth = as_number(prompt.answer)
+        if truth is not None:  # compared, not evaluated
+            answer = boxed(completion[last : last + MAX_ANSWER_CHARS])
+            if not answer:
+                return Score(0.0, format_ok=False, correct=False)
+            correct = as_number(answer) == truth
+            return Score(1.0 if correct else self.p.format_reward, format_ok=True, correct=correct)
         # No math-verify timeouts: they use signal.alarm, which raises off the main thread (a
         # sampler scores in a worker thread) and would make a verdict depend on load. The
         # answer's length is capped instead, which bounds what sympy is given.
