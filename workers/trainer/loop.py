@@ -70,6 +70,10 @@ async def serve(cfg: EchoConfig, model: TrainerModel) -> None:
         async with Background() as background, ScoringProcess.of(cfg, model.tokenizer, model.vocab_size) as scoring:
             background.start(lease.renew_forever())
             await asyncio.to_thread(model.resume)  # holding the lease: no other trainer prunes it now
+            # Able to judge before it grants: a first group must not wait for the child to load
+            # (seconds on a busy machine, with no wait for groups meanwhile to release a dead
+            # sampler's slots: test_chaos).
+            await scoring.wait_ready()
             trainer = await Trainer.open(cfg, run, lease, background, model, scoring)
             await trainer.fit()
     finally:

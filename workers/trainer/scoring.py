@@ -96,7 +96,7 @@ class ScoringProcess:
                    cfg.trainer.score_memory_mb)
 
     async def __aenter__(self) -> ScoringProcess:
-        await self._start()  # it loads while the trainer resumes and waits for its first groups
+        await self._start()  # it loads while the trainer resumes
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -105,8 +105,7 @@ class ScoringProcess:
     async def score(self, group: RolloutGroup) -> Ruling:
         if self.child is None:
             await self._start()
-        if not self.ready:
-            await self._wait_ready()
+        await self.wait_ready()
         self.conn.send(group)
         try:
             while (answer := await self._receive(self.budget_s)) is None:
@@ -135,7 +134,10 @@ class ScoringProcess:
         await asyncio.to_thread(self.child.start)
         child_end.close()
 
-    async def _wait_ready(self) -> None:
+    async def wait_ready(self) -> None:
+        """Until the child has loaded its task and verifier (raises if it cannot)."""
+        if self.ready:
+            return
         try:
             if await self._receive(START_TIMEOUT_S) != "ready":
                 raise EOFError
