@@ -148,8 +148,9 @@ def test_ctrl_c_or_sigterm_stops_every_process(tmp_path, stop, code):
         children = psutil.Process(proc.pid).children(recursive=True) or children
         if "step=" in line:
             break
-    # nats-server, trainer, two samplers; the trainer's scoring process and multiprocessing's resource tracker
-    assert len(children) == 6
+    # nats-server, trainer, two samplers; the trainer's scoring process, the fork server it
+    # comes from and multiprocessing's resource tracker
+    assert len(children) == 7
     proc.send_signal(stop)
     assert proc.wait(timeout=60) == code
     time.sleep(0.5)

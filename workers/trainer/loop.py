@@ -39,7 +39,7 @@ from workers.trainer.coordinator import Coordinator
 from workers.trainer.granter import Granter, granter_for
 from workers.trainer.intake import Collector, Judge, Timeline
 from workers.trainer.quarantine import Quarantined
-from workers.trainer.scoring import ScoringProcess
+from workers.trainer.scoring import ScoringProcess, start_forkserver
 from workers.trainer.model import Ranks, TrainerModel
 from workers.trainer.step import TrainerStep
 
@@ -47,6 +47,7 @@ log = structlog.get_logger()
 
 
 async def run_trainer(cfg: EchoConfig, ranks: Ranks) -> None:
+    start_forkserver()  # what the scoring process imports loads while the model is built
     model = TrainerModel(cfg, ranks)  # the other ranks build theirs meanwhile (follow_rank_0)
     try:
         await serve(cfg, model)
@@ -70,10 +71,6 @@ async def serve(cfg: EchoConfig, model: TrainerModel) -> None:
         async with Background() as background, ScoringProcess.of(cfg, model.tokenizer, model.vocab_size) as scoring:
             background.start(lease.renew_forever())
             await asyncio.to_thread(model.resume)  # holding the lease: no other trainer prunes it now
-            # Able to judge before it grants: a first group must not wait for the child to load
-            # (seconds on a busy machine, with no wait for groups meanwhile to release a dead
-            # sampler's slots: test_chaos).
-            await scoring.wait_ready()
             trainer = await Trainer.open(cfg, run, lease, background, model, scoring)
             await trainer.fit()
     finally:
