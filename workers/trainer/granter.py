@@ -78,16 +78,18 @@ class Granter:
                 return False
             incarnation, stopping = (status.incarnation, status.state == "draining") if status else ("", False)
             if self.heartbeats.observe(sampler_id, revision, time.monotonic(), incarnation, stopping):
-                self.release_predecessor(sampler_id)
+                self.release_gone(sampler_id, restarted=True)
         return True
 
-    def release_predecessor(self, sampler_id: str) -> None:
-        """A process restarted under `sampler_id` never saw the slots its predecessor held: they
-        go at once, with no strike (before, not until `trainer.reissue_after_s`: its heartbeat
-        hid the death)."""
+    def release_gone(self, sampler_id: str, **why) -> None:
+        """The holder's process is gone (restarted under its id, stopped, or silent past
+        `trainer.sampler_dead_after_s`): its slots go at once, with no strike; a process restarted
+        under `sampler_id` never saw its predecessor's (before, they waited for
+        `trainer.reissue_after_s`: its heartbeat hid the death)."""
         slots = self.ledger.release(sampler_id)
+        self.heartbeats.stopped.discard(sampler_id)
         if slots:
-            log.warning("grants.slots_released", sampler=sampler_id, slots=len(slots), restarted=True)
+            log.warning("grants.slots_released", sampler=sampler_id, slots=len(slots), **why)
 
     async def on_wait(self, missing: int) -> None:
         """Waiting for groups: release the slots of stopped, dead or stalled holders, then hand
@@ -105,10 +107,7 @@ class Granter:
             limit_s = self.ledger.stall_limit_s(sampler_id, now, 2 * trainer.sampler_dead_after_s,
                                                 trainer.reissue_after_s)
             if stopped or silent_s > trainer.sampler_dead_after_s:
-                slots = self.ledger.release(sampler_id)
-                self.heartbeats.stopped.discard(sampler_id)
-                log.warning("grants.slots_released", sampler=sampler_id, slots=len(slots), stopped=stopped,
-                            silent_s=round(silent_s, 1))
+                self.release_gone(sampler_id, stopped=stopped, silent_s=round(silent_s, 1))
             elif stalled_s > trainer.reissue_after_s or (stalled_s > limit_s and self.heartbeats.beating(sampler_id)):
                 # Alive (its heartbeat changed since it took them) and none filled: stuck, or hoarding.
                 slots, repeat = self.ledger.release_unfilled(sampler_id)
@@ -127,7 +126,7 @@ class Granter:
         a previous trainer's weights (it must apply ours first), none yet while fewer than
         `trainer.min_samplers` have asked (ask again soon), else what the mode grants."""
         if self.heartbeats.restarted(sampler_id, request.incarnation):
-            self.release_predecessor(sampler_id)
+            self.release_gone(sampler_id, restarted=True)
         if (self.quarantine and sampler_id in self.quarantine) or request.epoch != self.epoch:
             return Grant()
         if sampler_id in self.standby:
