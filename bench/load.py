@@ -45,7 +45,7 @@ import orjson
 import psutil
 import torch
 
-from bench.common import results_dir, write_results
+from bench.common import MACHINE, results_dir, write_results
 from bench.sync import start_link
 from echo.checkpoint import TrainerState, read_metrics
 from echo.config import EchoConfig, load_config, validate_config
@@ -158,13 +158,22 @@ class SyntheticLearner:
         pass
 
 
-async def trainer_role(cfg: EchoConfig, seconds_per_token: float, peak_file: Path) -> None:
+async def trainer_role(cfg: EchoConfig, seconds_per_token: float, usage_file: Path) -> None:
+    """The trainer's process; its peak memory and CPU seconds written to `usage_file` at the end.
+    Its learner sleeps, so its CPU is the trainer's own broker work (fetching, refereeing,
+    granting, publishing, acks, accounting), which a trainer host pays on any machine."""
     from workers.trainer.loop import serve  # the real trainer, given the stand-in model
 
+    def cpu_s() -> float:  # its scoring processes' included, once they ended
+        return sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, (resource.RUSAGE_SELF,
+                                                                               resource.RUSAGE_CHILDREN)))
+
+    began = cpu_s()  # after the imports
     try:
         await serve(cfg, SyntheticLearner(cfg, seconds_per_token))
     finally:
-        peak_file.write_text(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+        usage_file.write_bytes(orjson.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                                             "cpu_s": cpu_s() - began}))
 
 
 async def samplers_role(cfg: EchoConfig, speeds: list[float], median_tokens: int, trainer, urls: list[str]) -> list:
@@ -224,9 +233,9 @@ def run_shape(args, chunk_tokens: int, max_staleness: int) -> dict:
         })
         config_path = Path(tmp) / "load.toml"
         config_path.write_text(cfg.to_toml())
-        peak_file = Path(tmp) / "trainer-peak"
+        usage_file = Path(tmp) / "trainer-usage"
         trainer = subprocess.Popen([sys.executable, "-m", "bench.load", "--role", "trainer", "--config", str(config_path),
-                                    "--learner-us-per-token", str(args.learner_us_per_token), "--peak-file", str(peak_file)],
+                                    "--learner-us-per-token", str(args.learner_us_per_token), "--usage-file", str(usage_file)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         urls, sites = start_sites(server, args.relays, args.wan, Path(tmp) / "sites")
         broker = psutil.Process(server.process.pid)
@@ -244,7 +253,7 @@ def run_shape(args, chunk_tokens: int, max_staleness: int) -> dict:
             finally:
                 watching.cancel()
 
-        started = time.perf_counter()
+        started, began = time.perf_counter(), time.monotonic()
         try:
             syncs = asyncio.run(main())
         finally:
@@ -253,8 +262,8 @@ def run_shape(args, chunk_tokens: int, max_staleness: int) -> dict:
         if trainer.returncode != 0:
             raise RuntimeError(f"the trainer failed: {logs[-3000:]}")
         metrics = read_metrics(cfg.run_dir)
-        return report(metrics, syncs, args, chunk_tokens, max_staleness, int(peak_file.read_text()), broker_peak[0],
-                      time.perf_counter() - started)
+        return {**report(metrics, syncs, args, chunk_tokens, max_staleness, orjson.loads(usage_file.read_bytes()),
+                         broker_peak[0], time.perf_counter() - started), "machine": MACHINE.report(since=began)}
 
 
 def speeds(args) -> list[float]:
@@ -264,7 +273,7 @@ def speeds(args) -> list[float]:
     return [args.tokens_per_s / (args.slow_factor if i < slow else 1.0) for i in range(args.samplers)]
 
 
-def report(metrics: list[dict], syncs: list[float], args, chunk_tokens: int, max_staleness: int, trainer_peak: int,
+def report(metrics: list[dict], syncs: list[float], args, chunk_tokens: int, max_staleness: int, trainer: dict,
            broker_peak: int, seconds: float) -> dict:
     later = metrics[1:] or metrics  # the first step waits for every sampler's first call
     learner = sum(m["train_seconds"] for m in later)
@@ -285,7 +294,11 @@ def report(metrics: list[dict], syncs: list[float], args, chunk_tokens: int, max
         "wait_share_of_step": round(sum(m["wait_seconds"] for m in later) / sum(m["step_seconds"] for m in later), 3),
         "wasted_token_share": round((dropped + untrained) / max(1, dropped + untrained + trained), 4),
         "dropped_stale_groups": sum(m["dropped_stale"] for m in metrics),
-        "trainer_peak_gb": round(trainer_peak / 2**30, 3), "broker_peak_gb": round(broker_peak / 2**30, 3),
+        # The trainer process's own CPU (its learner here sleeps): its broker work, comparable
+        # across machines where the shares above depend on what else the cores run.
+        "trainer_cpu_s_per_step": round(trainer["cpu_s"] / len(metrics), 2),
+        "trainer_cpu_share_of_learner": round(trainer["cpu_s"] / sum(m["train_seconds"] for m in metrics), 4),
+        "trainer_peak_gb": round(trainer["peak"] / 2**30, 3), "broker_peak_gb": round(broker_peak / 2**30, 3),
         "sync_s_median": round(float(np.median(syncs)), 3) if syncs else None,
         "sync_s_max": round(max(syncs), 3) if syncs else None,
     }
@@ -295,7 +308,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--role", choices=["bench", "trainer"], default="bench")
     p.add_argument("--config", type=Path)
-    p.add_argument("--peak-file", type=Path)
+    p.add_argument("--usage-file", type=Path)
     p.add_argument("--samplers", type=int, nargs="+", default=[8])
     p.add_argument("--groups", type=int, default=64, help="groups a step")
     p.add_argument("--group-size", type=int, default=16)
@@ -314,7 +327,7 @@ def main() -> None:
     p.add_argument("--out", default="load.json")
     args = p.parse_args()
     if args.role == "trainer":
-        asyncio.run(trainer_role(load_config(args.config), args.learner_us_per_token * 1e-6, args.peak_file))
+        asyncio.run(trainer_role(load_config(args.config), args.learner_us_per_token * 1e-6, args.usage_file))
         return
     results = []
     for samplers in args.samplers:

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import orjson
 
-from bench.common import results_dir
+from bench.common import MACHINE, results_dir
 from echo.checkpoint import read_metrics, read_shards, weights_at
 from echo.config import EchoConfig, apply_override, validate_config
 from echo.devices import resolve_device
@@ -342,10 +342,10 @@ def main() -> None:
         writing = threading.Lock()
 
         def measure(mode: str, seed: int) -> None:
-            cfg, started = configs[mode, seed], time.time()
+            cfg, started, began = configs[mode, seed], time.time(), time.monotonic()
             run_one(cfg, mode, work / "logs")
             run = {"mode": mode, **run_summary(cfg, mode), "started_at": round(started), "code": code_version(),
-                   "machine": machine(), "overrides": args.set,
+                   "machine": machine(), "load": MACHINE.report(since=began), "overrides": args.set,
                    "curve": held_out.curve(cfg.run_dir, preset["steps"], preset["eval_every"])}
             shutil.rmtree(cfg.run_dir / "weights")  # a study's versions would fill the disk
             with writing:  # after each run: a study cut short keeps what it measured

@@ -12,6 +12,7 @@ import asyncio
 import functools
 import os
 import socket
+import time
 
 import structlog
 from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
@@ -26,6 +27,11 @@ _DECODE_LEASE = functools.partial(decode, TrainerLease)
 
 RENEW_S = 1.0
 LAPSE_S = 4.0  # a lease not renewed for this long (by a clock on this side) belongs to a dead trainer
+# A trainer acts on the run (checkpoints, announces weights) only within this long of sending
+# its last renewal the broker confirmed: a standby takes over no sooner than LAPSE_S after that
+# renewal landed, so the two never work at once. (A cluster node's death failed renewals for
+# ~4 s while the trainer went on.)
+HELD_S = LAPSE_S / 2
 
 
 class AnotherTrainer(RuntimeError):
@@ -36,6 +42,9 @@ class Lease:
     def __init__(self, run: Run, lease: TrainerLease, revision: int):
         self.run, self.lease, self.revision = run, lease, revision
         self.lost: BaseException | None = None
+        # When the last renewal the broker confirmed was sent; None until renew_forever runs (a
+        # lease no process renews is held as long as its taker likes: tests, tools).
+        self.renewed_at: float | None = None
 
     @property
     def epoch(self) -> int:
@@ -45,10 +54,13 @@ class Lease:
         """Renew until another trainer takes the run. A renewal that fails on the way (a broker
         restart) is tried again: the lease lapses only if this trainer stays away past LAPSE_S,
         and then the next compare-and-set tells it it was fenced out."""
+        self.renewed_at = time.monotonic()  # taken or confirmed just before
         while True:
             await asyncio.sleep(RENEW_S)
+            sent = time.monotonic()
             try:
                 self.revision = await self.run.state.update(TRAINER_KEY, encode(self.lease), last=self.revision)
+                self.renewed_at = sent
             except KeyWrongLastSequenceError:
                 if await self._still_ours():
                     continue
@@ -72,6 +84,19 @@ class Lease:
         log.warning("trainer.lease_revision_moved", epoch=self.epoch, expected=self.revision, found=revision)
         self.revision = revision
         return True
+
+    async def held(self) -> None:
+        """Return once this trainer may act on the run (its lease renewed within HELD_S); wait
+        meanwhile, and raise if another trainer took the run."""
+        unconfirmed = False
+        while self.renewed_at is not None and time.monotonic() - self.renewed_at >= HELD_S:
+            self.check()
+            if not unconfirmed:
+                unconfirmed = True
+                log.warning("trainer.lease_unconfirmed", epoch=self.epoch, waiting=True,
+                            renewed_s_ago=round(time.monotonic() - self.renewed_at, 1))
+            await asyncio.sleep(RENEW_S / 4)
+        self.check()
 
     def check(self) -> None:
         """Raise if another trainer took the run: this one must not publish any more."""

@@ -12,23 +12,36 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import hashlib
 import json
 from collections import deque
 from datetime import datetime, timezone
 
+import nats.errors
+import structlog
 from nats.js import JetStreamContext
 from nats.js.api import ObjectInfo, ObjectMetaOptions
 from nats.js.errors import NotFoundError
 from nats.nuid import NUID
 
-from streams.client import BROKER_ERRORS, bind_object_store
+from streams.client import BROKER_ERRORS
+
+log = structlog.get_logger()
 
 CHUNK_SIZE = 1 << 20  # publish throughput peaks at 1 MiB chunks on loopback
 WINDOW = 16  # chunk publishes awaiting their ack
 BATCH_BYTES = 8 << 20  # per batched get: well under the server's 64 MiB max_pending for one client
-ACK_TIMEOUT_S = 30.0
+# How long a chunk's ack may take before the put is given up and tried again: it comes in
+# milliseconds to a second (a window's bytes on a slow uplink); none in 5 s means the stream's
+# leader is gone with it (a cluster node killed: a new leader is elected meanwhile). Was 30 s: a
+# publish caught by a leader's death took 34 s where 3 was the norm.
+ACK_TIMEOUT_S = 5.0
+PURGE_TIMEOUT_S = 1.0  # for a failed put's chunks: its retry waits for this clean-up
+ACK_POLL_S = 0.1  # how often a wait for an ack looks whether the connection it was sent on dropped
+
+
+class AckLost(nats.errors.Error):
+    """A chunk's ack that will not come: a broker error (BROKER_ERRORS), so the put is tried again."""
 
 
 class TransferError(Exception):
@@ -51,27 +64,26 @@ async def put_object(
 ) -> ObjectInfo:
     chunk_size = min(CHUNK_SIZE, js._nc.max_payload - 1024)  # room for the protocol line
     store = f"OBJ_{bucket}"
-    try:
-        previous = await bind_object_store(js, bucket).get_info(name)
-    except NotFoundError:
-        previous = None
     nuid = NUID().next().decode()
     chunks_subject = f"$O.{bucket}.C.{nuid}"
     digest, in_flight, view = hashlib.sha256(), deque(), memoryview(data)
+    connection = js._nc.stats["reconnects"]
     try:
         for start in range(0, len(view), chunk_size):
             chunk = view[start : start + chunk_size]
             digest.update(chunk)
             in_flight.append(await js.publish_async(chunks_subject, bytes(chunk)))
             if len(in_flight) >= WINDOW:
-                await asyncio.wait_for(in_flight.popleft(), ACK_TIMEOUT_S)
-        for ack in in_flight:  # publish_async futures have no timeout of their own
-            await asyncio.wait_for(ack, ACK_TIMEOUT_S)
+                await _acked(js, in_flight.popleft(), connection)
+        for ack in in_flight:
+            await _acked(js, ack, connection)
     except BaseException:
         for ack in in_flight:  # acks that may never come: no publish slot held for them
             ack.cancel()
-        with contextlib.suppress(*BROKER_ERRORS):  # the reason is the error above, not this clean-up's
-            await js.purge_stream(store, subject=chunks_subject)
+        try:  # briefly: a stream whose leader is gone answers no purge until it has a new one
+            await asyncio.wait_for(js.purge_stream(store, subject=chunks_subject), PURGE_TIMEOUT_S)
+        except BROKER_ERRORS as e:  # the reason is the error above, not this clean-up's
+            log.warning("objects.chunks_left", subject=chunks_subject, reason=repr(e))
         raise
     info = ObjectInfo(
         name=name,
@@ -84,11 +96,38 @@ async def put_object(
         headers=headers,
         options=ObjectMetaOptions(max_chunk_size=chunk_size),
     )
+    previous = await object_info(js, bucket, name)
     meta_subject = f"$O.{bucket}.M.{_b64(name.encode())}"
     await js.publish(meta_subject, json.dumps(info.as_dict()).encode(), headers={"Nats-Rollup": "sub"})
-    if previous is not None and not previous.deleted:  # the name now points at the new chunks
+    if previous is not None:  # the name now points at the new chunks
         await js.purge_stream(store, subject=f"$O.{bucket}.C.{previous.nuid}")
     return info
+
+
+async def object_info(js: JetStreamContext, bucket: str, name: str) -> ObjectInfo | None:
+    """The object's info (None: absent or deleted), by a direct get of its meta message: any
+    replica or mirror answers one, so it needs no stream leader (a cluster elects a new one 4-9 s
+    after a node's death, and a leader's get waits that out, then its timeout)."""
+    try:
+        msg = await js.get_last_msg(f"OBJ_{bucket}", f"$O.{bucket}.M.{_b64(name.encode())}", direct=True)
+    except NotFoundError:
+        return None
+    info = ObjectInfo.from_response(json.loads(msg.data))
+    return None if info.deleted else info
+
+
+async def _acked(js: JetStreamContext, ack: asyncio.Future, connection: int) -> None:
+    """Wait for a chunk's ack (publish_async futures have no timeout of their own); AckLost
+    when none came within ACK_TIMEOUT_S, or at once when the connection it was sent on dropped
+    (the server that would have answered is gone: nats-py never resolves it)."""
+    deadline = asyncio.get_running_loop().time() + ACK_TIMEOUT_S
+    while not ack.done():
+        await asyncio.wait([ack], timeout=ACK_POLL_S)
+        if not ack.done() and js._nc.stats["reconnects"] != connection:
+            raise AckLost("the connection a chunk was sent on dropped before its ack")
+        if not ack.done() and asyncio.get_running_loop().time() > deadline:
+            raise AckLost(f"no ack for a chunk within {ACK_TIMEOUT_S:.0f} s")
+    ack.result()
 
 
 async def get_object(
@@ -99,10 +138,9 @@ async def get_object(
     hex, and `expected_size` when given: the object must be the one its announcer meant), or
     TransferError. The size is checked before the buffer is allocated: a forged info cannot
     make a reader allocate more than it was told to expect."""
-    try:
-        info = await bind_object_store(js, bucket).get_info(name)
-    except NotFoundError:
-        raise TransferError("not_found", f"{bucket}/{name}") from None
+    info = await object_info(js, bucket, name)
+    if info is None:
+        raise TransferError("not_found", f"{bucket}/{name}")
     if expected_size is not None and info.size != expected_size:
         raise TransferError("size_mismatch", f"{bucket}/{name} holds {info.size} bytes, expected {expected_size}")
     data = bytearray(info.size)

@@ -41,7 +41,7 @@ class WeightsPublisher:
     that takes less than that finishes."""
 
     def __init__(self, lease: Lease, keep: int = 3, keep_seconds: float = 0.0):
-        self.run, self.epoch, self.keep, self.keep_seconds = lease.run, lease.epoch, keep, keep_seconds
+        self.lease, self.run, self.epoch, self.keep, self.keep_seconds = lease, lease.run, lease.epoch, keep, keep_seconds
         self.superseded_at: dict[int, float] | None = None  # version -> when a newer one came (inf: newest)
 
     async def publish(self, version: int, shards: Iterable[bytes], base_model: str,
@@ -57,6 +57,7 @@ class WeightsPublisher:
         announcement = WeightsAnnouncement(
             version=version, epoch=self.epoch, kind=kind, shards=stored, base_model=base_model, created_at=time.time()
         )
+        await self.lease.held()  # never announced by a trainer that may have been taken over
         await publish_once(run, run.names.weights_subject, encode(announcement))
         await self._retire(version, time.time())
         return announcement

@@ -2,15 +2,24 @@
 given every node's URL, one node down without losing anything acknowledged."""
 
 import asyncio
+import os
 import signal
+import statistics
+import time
 
 import pytest
 
 from echo.protocol import Storage
-from streams.client import BROKER_ERRORS
+from streams.client import BROKER_ERRORS, retry_forever
+from streams.objects import ACK_TIMEOUT_S, get_object, put_object, sha256_hex
 from streams.rollouts import publish_rollout
 from streams.server import NatsCluster
 from tests.groups import honest_group
+from workers.trainer.loop import PUBLISH_RETRY_MAX_S
+
+# nats-server's raft: a follower campaigns 4-9 s after the last heartbeat (raft.go,
+# maxElectionTimeoutDefault), its campaign up to 0.8 s, heartbeats every second.
+ELECTION_MAX_S = 9.0 + 0.8 + 1.0
 
 
 @pytest.fixture
@@ -40,3 +49,30 @@ async def test_a_run_on_a_cluster_keeps_three_copies_and_survives_a_node_killed(
     info = await run.js.stream_info(names.rollouts_stream)
     assert info.state.messages == 4  # every acknowledged publish is there
 
+
+
+async def test_a_weights_publish_whose_stream_leader_is_killed_goes_on_once_a_new_one_is_elected(cluster, runs):
+    """Issue 48: with a node killed mid-publish, a chunk's ack never came and the publish waited
+    out a 30 s timeout (34 s where 3 s was the norm). It now gives up on an ack within
+    ACK_TIMEOUT_S (at once when its connection dropped) and tries again every PUBLISH_RETRY_MAX_S
+    at most, so it ends within the broker's own failover (a raft election, 4-9 s after the
+    leader's last heartbeat) and one more publish."""
+    run = await runs.open("r3", "trainer", url=cluster.url, storage=Storage(replicas=3), mirror_wait_s=60)
+    bucket, data = run.names.weights_bucket, os.urandom(32 << 20)
+    seconds = []
+    for name in ("v0", "v1", "v2"):
+        began = time.monotonic()
+        await put_object(run.js, bucket, name, data)
+        seconds.append(time.monotonic() - began)
+    median = statistics.median(seconds)
+    leader = (await run.js.stream_info(f"OBJ_{bucket}")).cluster.leader
+    began = time.monotonic()
+    publishing = asyncio.create_task(retry_forever("publish", lambda: put_object(run.js, bucket, "v3", data),
+                                                   max_delay_s=PUBLISH_RETRY_MAX_S))
+    await asyncio.sleep(median / 3)  # mid-publish
+    node = next(node for node in cluster.nodes if node.server_name == leader)
+    node.process.send_signal(signal.SIGKILL)
+    info = await publishing
+    took = time.monotonic() - began
+    assert took < ACK_TIMEOUT_S + ELECTION_MAX_S + PUBLISH_RETRY_MAX_S + 3 * median, (took, seconds)
+    assert bytes(await get_object(run.js, bucket, "v3", sha256_hex(info), len(data))) == data

@@ -27,7 +27,7 @@ from echo.referee import Referee
 from echo.tasks import load_task
 from streams.client import retry_forever
 from streams.watch import LatestValue
-from streams.lease import RENEW_S, AnotherTrainer, take_lease
+from streams.lease import HELD_S, RENEW_S, AnotherTrainer, take_lease
 from streams.objects import put_object
 from streams.weights import WeightsPublisher
 from streams.registry import put_status, read_statuses
@@ -292,6 +292,31 @@ async def test_a_trainer_keeps_its_lease_when_a_renewal_it_gave_up_on_was_applie
         with pytest.raises(AnotherTrainer):  # fenced out: it stops at once
             await renewing
     assert isinstance(lease.lost, AnotherTrainer)
+
+
+async def test_a_trainer_whose_renewals_fail_acts_on_the_run_only_once_it_renewed(nats_server, runs):
+    """Issue 48: killing the trainer's cluster node failed its lease renewals for ~4 s while it
+    went on checkpointing and announcing, the time after which a standby may take over. A trainer
+    now acts only within HELD_S of its last confirmed renewal, and waits meanwhile."""
+    run = await runs.open("held", "trainer")
+    lease = await take_lease(run)
+    renewing = asyncio.create_task(lease.renew_forever())
+    try:
+        await asyncio.wait_for(lease.held(), 1.0)  # renewing: held at once
+        nats_server.process.send_signal(signal.SIGSTOP)  # no renewal is confirmed
+        try:
+            stopped = time.monotonic()
+            await asyncio.sleep(HELD_S)  # what it renewed before the stop was sent before it
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(lease.held(), 2 * RENEW_S)
+            assert lease.renewed_at < stopped
+        finally:
+            nats_server.process.send_signal(signal.SIGCONT)
+        async with asyncio.timeout(30):
+            await lease.held()  # renewed again: it goes on
+        assert lease.renewed_at > stopped and lease.lost is None
+    finally:
+        renewing.cancel()
 
 
 BUSY_WORKER = """

@@ -45,6 +45,8 @@ from workers.trainer.step import TrainerStep
 
 log = structlog.get_logger()
 
+PUBLISH_RETRY_MAX_S = 1.0  # the learner waits on a weights publish: try again soon after a failover
+
 
 async def run_trainer(cfg: EchoConfig, ranks: Ranks) -> None:
     start_forkserver()  # what the scoring process imports loads while the model is built
@@ -151,7 +153,7 @@ class Trainer:
         remember_trained(self.cfg.run_dir, state, [a.content for a in used], [a.group for a in used])
         step.record = state.record = step_record(step, state.version, dict(self.model.proof.counts),
                                                  sorted(self.quarantine.samplers))
-        self.lease.check()  # a trainer fenced out by another must not checkpoint or publish over it
+        await self.lease.held()  # a trainer fenced out by another, or maybe, must not checkpoint or publish over it
         await asyncio.to_thread(self.model.save, state)
         self.lease.check()
 
@@ -203,6 +205,6 @@ async def publish_policy(weights: WeightsPublisher, model: TrainerModel, version
     (the bucket, for `trainer.keep_versions_s` more: what a slow sampler's fetch may take)."""
     files = await asyncio.to_thread(model.write_weights, version)
     await retry_forever("publish weights", lambda: weights.publish(
-        version, (f.read_bytes() for f in files), model.base_model, model.kind))
+        version, (f.read_bytes() for f in files), model.base_model, model.kind), max_delay_s=PUBLISH_RETRY_MAX_S)
     await asyncio.to_thread(model.remember, version)
     bind_process(version=version)  # this trainer's log lines name the version it last published
