@@ -170,7 +170,7 @@ async def trainer_role(cfg: EchoConfig, seconds_per_token: float, usage_file: Pa
 
     began = cpu_s()  # after the imports
     try:
-        await serve(cfg, SyntheticLearner(cfg, seconds_per_token))
+        await serve(cfg, lambda: SyntheticLearner(cfg, seconds_per_token))
     finally:
         usage_file.write_bytes(orjson.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                                              "cpu_s": cpu_s() - began}))

@@ -226,12 +226,14 @@ def bind_object_store(js: JetStreamContext, bucket: str) -> ObjectStore:
 
 
 async def require_stream(js: JetStreamContext, stream: str) -> None:
-    """NotFoundError unless `stream` exists: a message get (its first, absent or not), not INFO."""
+    """NotFoundError unless `stream` exists: a direct get of its first message (absent or not:
+    the stream answers), not INFO. No stream, no responders."""
     try:
-        await js.get_msg(stream, seq=1)
-    except NotFoundError as e:
-        if e.err_code != NO_MESSAGE:
-            raise
+        await js.get_msg(stream, seq=1, direct=True)
+    except NotFoundError:
+        pass
+    except NoRespondersError:
+        raise NotFoundError(description=f"no stream {stream}") from None
 
 
 class NoWeightsMirror(ConfigError):
@@ -260,22 +262,41 @@ async def wait_for_jetstream(js: JetStreamContext, where: str, timeout: float = 
             await asyncio.sleep(0.2)
 
 
+async def answers_direct_gets(js: JetStreamContext, stream: str, where: str) -> None:
+    """Unanswered unless a direct get of `stream` is answered: with its first message, none
+    there, or no such stream (yet), each an answer. All a sampler may ask JetStream: it has no
+    INFO (streams/secure.py)."""
+    try:
+        await js.get_msg(stream, seq=1, direct=True)
+    except (NotFoundError, NoRespondersError):
+        pass
+    except (TimeoutError, asyncio.TimeoutError) as e:
+        raise Unanswered(f"{where}: {e!r}") from None
+
+
 async def connect_answered(url: str, name: str, credentials: Credentials | None, give_up_s: float | None,
-                           hub_domain: str | None, wait_s: float) -> NATS:
-    """A connection whose JetStream answers. nats-server loses the subscriptions of a client that
-    connects while it reloads its accounts (`secure add-sampler`): its requests go out and no
-    answer ever comes back while it stays connected. A connection whose request times out is
-    replaced by a new one (a reload takes milliseconds)."""
+                           hub_domain: str | None, wait_s: float, joined: RunNames | None = None) -> NATS:
+    """A connection whose JetStream answers: its INFO (the trainer, which creates the run), or a
+    direct get of the state bucket of the run it `joined` (any other client). nats-server loses the subscriptions
+    of a client that connects while it reloads its accounts (`secure add-sampler`): its requests
+    go out and no answer ever comes back while it stays connected. A connection whose request
+    times out is replaced by a new one (a reload takes milliseconds)."""
     where = f"{url} (domain {hub_domain})"
     deadline = asyncio.get_running_loop().time() + wait_s
     while True:
         nc = await connect(url, name, credentials, give_up_s)
         try:
             left = max(deadline - asyncio.get_running_loop().time(), 0.0)
-            await wait_for_jetstream(nc.jetstream(domain=hub_domain), where, left, raise_unanswered=True)
+            js = nc.jetstream(domain=hub_domain)
+            if joined is None:
+                await wait_for_jetstream(js, where, left, raise_unanswered=True)
+            else:
+                await answers_direct_gets(js, f"KV_{joined.state_bucket}", where)
             return nc
         except Unanswered as e:
             await nc.close()
+            if asyncio.get_running_loop().time() > deadline and joined is not None:
+                raise no_run(joined.run_id, e) from None  # its permissions drop a read of another run
             if asyncio.get_running_loop().time() > deadline:
                 raise RuntimeError(f"no JetStream answers at {where} after {wait_s:.0f} s ({e})") from None
             log.warning("nats.unanswered", url=url, reason=str(e), reconnecting=True)
@@ -285,7 +306,6 @@ async def connect_answered(url: str, name: str, credentials: Credentials | None,
 
 
 NO_PEERS_YET = 10005  # "no suitable peers for placement": a cluster whose nodes have not all joined yet
-NO_MESSAGE = 10037  # "no message found": the stream exists
 PLACEMENT_WAIT_S = 60.0
 
 
@@ -369,7 +389,9 @@ async def open_run(
     the hub). `weights_url`: read weights from this relay over a second connection (a secured
     relay forwards nothing else), everything else goes to `url`. `give_up_s`: connect()'s."""
     names = RunNames(run_id)
-    nc = await connect_answered(url, client_name, credentials, give_up_s, hub_domain, mirror_wait_s)
+    nc = await (connect_answered(url, client_name, credentials, give_up_s, hub_domain, mirror_wait_s) if create else
+                connect_answered(url, client_name, credentials, give_up_s, hub_domain,
+                                 min(mirror_wait_s, join_wait_s), names))
     js = nc.jetstream(domain=hub_domain)
     try:
         if create:

@@ -35,9 +35,10 @@ async def read_learner(run: Run) -> LearnerStatus | None:
     return (await read_value(run.state, LEARNER_KEY, functools.partial(decode, LearnerStatus)))[0]  # None: no step yet
 
 
-async def weights_relay(run: Run, hub_domain: str) -> str:
-    """The JetStream domain of the relay this client reads weights from; "" on the hub itself."""
-    domain = (await run.local_js.account_info()).domain or ""
+def weights_relay(run: Run, hub_domain: str) -> str:
+    """The JetStream domain of the relay this client reads weights from; "" on the hub itself.
+    The server says it when the client connects (a sampler may not ask for account INFO)."""
+    domain = (run.weights_nc or run.nc)._server_info.get("domain", "")
     return "" if domain == hub_domain else domain
 
 

@@ -78,14 +78,21 @@ def _tls_block(cert_file: Path, key_file: Path, ca_file: Path) -> str:
             f"verify: true, timeout: 5 }}")
 
 
+def _direct_gets(api: str, stream: str) -> list[str]:
+    """The JetStream API subjects that read one stream's messages by direct gets, all a sampler
+    may ask JetStream: a stream answers them itself (any replica or mirror), outside the server's
+    JetStream API queues, which every other request waits in, the trainer's too. No consumer: a
+    sampler made 1000 durable consumers on the weights stream, the server's limit, and every fetch
+    failed until someone deleted them. No INFO (account or stream): a flood of STREAM.INFO (~150 KB
+    answers) stalled the run 44-80 s, and one of account INFO or message gets (4 connections, 20 s)
+    had the server drop the trainer's consumer and stream INFO requests (streams/client.py joins
+    a run and binds buckets by direct gets)."""
+    return [f"{api}.DIRECT.GET.{stream}", f"{api}.DIRECT.GET.{stream}.>"]
+
+
 def _stream_reads(api: str, stream: str) -> list[str]:
-    """The JetStream API subjects that read one stream's messages without a consumer or INFO:
-    (direct) gets. No consumer: a sampler made 1000 durable consumers on the weights stream, the
-    server's limit, and every fetch failed until someone deleted them; it could make as many
-    ephemeral ones, each told to stay for a year. No INFO: its answers (~150 KB with a subject
-    listing) wait in the server's one JetStream info queue, which the trainer's calls need too:
-    a flood of them stalled the run 44-80 s (streams/client.py binds buckets without it)."""
-    return [f"{api}.STREAM.MSG.GET.{stream}", f"{api}.DIRECT.GET.{stream}", f"{api}.DIRECT.GET.{stream}.>"]
+    """An observer's reads of one stream: direct gets and (non-direct) message gets."""
+    return [f"{api}.STREAM.MSG.GET.{stream}", *_direct_gets(api, stream)]
 
 
 def _stream_consumers(api: str, stream: str) -> list[str]:
@@ -109,9 +116,9 @@ def _kv_write(bucket: str, key: str, hub_domain: str) -> list[str]:
 def permissions(role: str, names: RunNames, public_key: str, sampler_id: str | None = None,
                 hub_domain: str = HUB_DOMAIN) -> dict:
     """The NATS permissions of one client of the run. The trainer owns everything; a sampler reads
-    weights, announcements, config and budget, publishes on its own rollout, bodies and grants subjects
-    only and writes only its own heartbeat, all without a consumer; an observer reads, through
-    ephemeral consumers too. No one but the trainer may create, change, purge or delete a stream
+    weights, announcements, config and budget by direct gets alone, publishes on its own rollout,
+    bodies and grants subjects only and writes only its own heartbeat; an observer reads, through
+    ephemeral consumers and INFO too. No one but the trainer may create, change, purge or delete a stream
     or make a named consumer, and no one may read another client's replies."""
     inbox = inbox_prefix(public_key) + ".>"
     if role == "trainer":
@@ -121,11 +128,13 @@ def permissions(role: str, names: RunNames, public_key: str, sampler_id: str | N
         readable += [names.rollouts_stream, names.bodies_stream, f"KV_{names.registry_bucket}"]  # replay, status
     allow = []
     for api in _api_prefixes(hub_domain):
-        allow.append(f"{api}.INFO")
+        if role == "observer":  # replay and status read through consumers and stream info
+            allow.append(f"{api}.INFO")
         for stream in readable:
-            allow += _stream_reads(api, stream)
-            if role == "observer":  # replay and status read through consumers and stream info
-                allow += _stream_consumers(api, stream) + [f"{api}.STREAM.INFO.{stream}"]
+            if role == "observer":
+                allow += _stream_reads(api, stream) + _stream_consumers(api, stream) + [f"{api}.STREAM.INFO.{stream}"]
+            else:
+                allow += _direct_gets(api, stream)
     if role == "observer":
         allow += [f"$JS.FC.{stream}.>" for stream in readable]  # flow control of ordered consumers
     deny = [f"{api}.CONSUMER.CREATE.{names.rollouts_stream}.{TRAINER_CONSUMER}{tail}"
@@ -158,8 +167,8 @@ def relay_leaf_permissions(names: RunNames, public_key: str, hub_domain: str = H
 
 def mirror_reader_permissions(names: RunNames, public_key: str) -> dict:
     """A sampler on a relay's client port: it reads the relay's mirrors (its own JetStream, no
-    domain) and nothing else; everything else it does on the hub."""
-    allow = ["$JS.API.INFO"] + [s for stream in _mirrored(names) for s in _stream_reads("$JS.API", stream)]
+    domain) by direct gets and nothing else; everything else it does on the hub."""
+    allow = [s for stream in _mirrored(names) for s in _direct_gets("$JS.API", stream)]
     return {"publish": {"allow": allow}, "subscribe": {"allow": [inbox_prefix(public_key) + ".>"]}}
 
 

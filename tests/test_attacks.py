@@ -94,8 +94,8 @@ async def test_the_trainer_answers_a_grant_request_only_in_an_inbox_and_copies_n
 
 
 async def test_no_answer_a_sampler_asks_for_lands_in_the_runs_state(secured, tmp_path):
-    """Reply reflection through the JetStream API: a request the sampler may make ($JS.hub.API.INFO,
-    a publish on its own rollout subject, a grant request) whose reply names a key of the run's
+    """Reply reflection through the JetStream API: a request the sampler may make (a direct get;
+    $JS.hub.API.INFO before it lost that), a publish on its own rollout subject, a grant request) whose reply names a key of the run's
     state had the server, the stream or the trainer write its answer there: every sampler and the
     trainer exited on the next read, restarts failed the same way, and an answer on the trainer's
     lease key fenced it out. The samplers' account imports what they may ask for from the run's
@@ -114,10 +114,12 @@ async def test_no_answer_a_sampler_asks_for_lands_in_the_runs_state(secured, tmp
             for api in ("$JS.hub.API", "$JS.API"):
                 await attacker.publish(f"{api}.INFO", b"", reply=f"$KV.{bucket}.{key}")
                 await attacker.publish(f"{api}.STREAM.INFO.{names.weights_stream}", b"", reply=f"$KV.{bucket}.{key}")
+                await attacker.publish(f"{api}.DIRECT.GET.{names.control_stream}", b'{"seq": 1}',
+                                       reply=f"$KV.{bucket}.{key}")
             await attacker.publish(names.rollouts_subject("s1"), b"junk", reply=f"$KV.{bucket}.{key}")  # its ack
             await attacker.publish(names.grants_subject("s1"), grant, reply=f"$KV.{bucket}.{key}")
         # Each is answered in its turn: once these answers are in, the ones above were given.
-        await attacker.request("$JS.hub.API.INFO", b"", timeout=5)
+        await attacker.request(f"$JS.hub.API.DIRECT.GET.{names.control_stream}", b'{"seq": 1}', timeout=5)
         await attacker.request(names.grants_subject("s1"), grant, timeout=5)
         assert {(kv, key): await _revision(kv, key) for kv, _, key in keys} == revisions
         assert await slots_granted(trainer) > 0  # the grants it asked for were made: the count is the trainer's
@@ -489,6 +491,50 @@ async def _connections_and_subscriptions_are_bounded(server: NatsServer, secure:
         for nc in opened:
             with contextlib.suppress(Exception):
                 await nc.close()
+
+
+async def test_a_samplers_flood_of_jetstream_api_requests_is_refused_and_the_trainers_own_are_answered(
+        secured, tmp_path):
+    """Issue 43: a sampler could ask for account INFO, stream INFO and message gets, which wait in
+    the server's JetStream API queues with every request of the trainer's: 4 connections flooding
+    account INFO or message gets for 20 s had the server drop the trainer's consumer and stream
+    INFO requests (3 of ~80 failed), STREAM.INFO with subject listings stalled a run 44-80 s. A
+    sampler now reads by direct gets alone (the stream answers them itself): the others are
+    refused at its connection, never queued."""
+    server, secure = secured
+    trainer = await open_run(server.url, "sec", "trainer", credentials=secure.credentials("trainer"))
+    names = trainer.names
+    inbox = await RolloutInbox.open(trainer)
+    options = secure.credentials("sampler-s1").connect_options()
+    attacker = await nats.connect(server.url, **options)
+    floods = [request for api in ("$JS.hub.API", "$JS.API") for request in (
+        (f"{api}.INFO", b""), (f"{api}.STREAM.MSG.GET.KV_{names.state_bucket}", b'{"seq": 1}'),
+        (f"{api}.STREAM.INFO.{names.weights_stream}", b'{"subjects_filter": ">"}'))]
+    try:
+        for subject, body in floods:
+            with pytest.raises(nats.errors.TimeoutError):  # refused: no answer comes
+                await attacker.request(subject, body, timeout=1)
+        answered = 0
+
+        async def flood(seconds: float) -> None:
+            ends = time.monotonic() + seconds
+            while time.monotonic() < ends:
+                for subject, body in floods:
+                    for _ in range(100):
+                        await attacker.publish(subject, body, reply=options["inbox_prefix"] + ".flood")
+                await asyncio.sleep(0)
+
+        flooding = asyncio.create_task(flood(3.0))
+        while not flooding.done():  # the trainer's own INFO calls, each answered within its timeout
+            await inbox.counts()
+            await trainer.js.stream_info(names.rollouts_stream)
+            answered += 1
+        await flooding
+        assert answered > 0
+        assert (await attacker.request(f"$JS.hub.API.DIRECT.GET.KV_{names.state_bucket}", b'{"seq": 1}', timeout=5))
+    finally:
+        await attacker.close()
+        await trainer.close()
 
 
 async def test_a_heartbeat_claiming_a_huge_rate_at_no_cost_puts_no_honest_sampler_on_standby(secured, tmp_path):

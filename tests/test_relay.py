@@ -131,7 +131,7 @@ async def test_an_edge_sampler_behind_a_relay_reads_the_config_and_heartbeats_to
     got = await sampler_config_from_run(args)  # a KV read through the leaf connection
     assert got.nats.url == site.url and got.sampling == cfg.sampling
     sampler_run = await runs.open("edge", "sampler-far", url=site.url)
-    assert await weights_relay(sampler_run, "hub") == "site" and await weights_relay(run, "hub") == ""
+    assert weights_relay(sampler_run, "hub") == "site" and weights_relay(run, "hub") == ""
     status = SamplerStatus(sampler_id="far", version=3, groups_published=1, weight_failures={}, updated_at=0.0)
     await put_status(sampler_run, status)  # a KV write through it
 

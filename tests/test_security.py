@@ -33,7 +33,7 @@ from streams.rollouts import trainer_subscription
 from streams.secure import PID_FILE, SecureDir
 from streams.server import write_secret
 from tests.groups import honest_group
-from streams.client import NoBroker, open_run
+from streams.client import NoBroker, open_run, require_stream
 from streams.lease import AnotherTrainer, take_lease
 from streams.weights import WeightsFollower, WeightsPublisher
 from tests.conftest import TINY_BASE, tiny_config
@@ -272,7 +272,7 @@ def test_add_sampler_issues_credentials_a_running_hub_accepts_without_a_restart(
                 await asyncio.sleep(0.1)
         else:
             pytest.fail("the new sampler's credentials were not accepted")
-        assert (await run.js.account_info()).streams > 0
+        await require_stream(run.js, RunNames("sec").weights_stream)  # reads by direct gets, its only reads
         assert (await run.js.publish(RunNames("sec").rollouts_subject(sampler_id), b"{}")).seq
         await run.close()
 

@@ -111,7 +111,7 @@ class Sampler:
         """Generate and heartbeat until stopped; if either fails, both stop and the error is raised."""
         await self.weights.start()
         engine = self.weights.engine
-        self.heartbeat.relay = await weights_relay(self.run, self.cfg.nats.hub_domain)
+        self.heartbeat.relay = weights_relay(self.run, self.cfg.nats.hub_domain)
         log.info("sampler.ready", sampler=self.sampler_id, mode=self.cfg.run.mode, engine=engine.name,
                  device=str(engine.device), dtype=dtype_name(engine.dtype), relay=self.heartbeat.relay or None)
         # Registered before it asks for work: the trainer releases at once the slots of a sampler
