@@ -267,8 +267,8 @@ async def answers_direct_gets(js: JetStreamContext, stream: str, where: str) -> 
     there, or no such stream (yet), each an answer. All a sampler may ask JetStream: it has no
     INFO (streams/secure.py)."""
     try:
-        await js.get_msg(stream, seq=1, direct=True)
-    except (NotFoundError, NoRespondersError):
+        await require_stream(js, stream)
+    except NotFoundError:  # not there (yet): an answer too
         pass
     except (TimeoutError, asyncio.TimeoutError) as e:
         raise Unanswered(f"{where}: {e!r}") from None
@@ -277,10 +277,10 @@ async def answers_direct_gets(js: JetStreamContext, stream: str, where: str) -> 
 async def connect_answered(url: str, name: str, credentials: Credentials | None, give_up_s: float | None,
                            hub_domain: str | None, wait_s: float, joined: RunNames | None = None) -> NATS:
     """A connection whose JetStream answers: its INFO (the trainer, which creates the run), or a
-    direct get of the state bucket of the run it `joined` (any other client). nats-server loses the subscriptions
-    of a client that connects while it reloads its accounts (`secure add-sampler`): its requests
-    go out and no answer ever comes back while it stays connected. A connection whose request
-    times out is replaced by a new one (a reload takes milliseconds)."""
+    direct get of the state bucket of the run it `joined` (any other client). nats-server loses
+    the subscriptions of a client that connects while it reloads its accounts (`secure
+    add-sampler`): its requests go out and no answer ever comes back while it stays connected. A
+    connection whose request times out is replaced by a new one (a reload takes milliseconds)."""
     where = f"{url} (domain {hub_domain})"
     deadline = asyncio.get_running_loop().time() + wait_s
     while True:

@@ -37,7 +37,8 @@ async def read_learner(run: Run) -> LearnerStatus | None:
 
 def weights_relay(run: Run, hub_domain: str) -> str:
     """The JetStream domain of the relay this client reads weights from; "" on the hub itself.
-    The server says it when the client connects (a sampler may not ask for account INFO)."""
+    The server's INFO says it when the client connects (nats-py keeps it private; a sampler may
+    not ask JetStream for its account INFO)."""
     domain = (run.weights_nc or run.nc)._server_info.get("domain", "")
     return "" if domain == hub_domain else domain
 
