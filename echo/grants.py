@@ -268,4 +268,6 @@ class Heartbeats:
         return self.changes.get(sampler_id, 0) > 0
 
     def silent_for(self, sampler_id: str, now: float) -> float:
-        return now - self.seen[sampler_id][1]
+        """How long its heartbeat has not changed while this process watched: 0 before its first
+        reading (granted slots while the holders' heartbeats were being read)."""
+        return now - self.seen[sampler_id][1] if sampler_id in self.seen else 0.0
