@@ -276,7 +276,7 @@ def speeds(args) -> list[float]:
 def report(metrics: list[dict], syncs: list[float], args, chunk_tokens: int, max_staleness: int, trainer: dict,
            broker_peak: int, seconds: float) -> dict:
     later = metrics[1:] or metrics  # the first step waits for every sampler's first call
-    learner = sum(m["train_seconds"] for m in later)
+    learner, learner_all = sum(m["train_seconds"] for m in later), sum(m["train_seconds"] for m in metrics)
     overhead = sum(m["busy_seconds"] - m["train_seconds"] for m in later)  # checkpoint, publish, acks, accounting
     trained = sum(m["tokens"] for m in metrics)
     untrained = sum(m["untrained_tokens"] for m in metrics)
@@ -297,7 +297,7 @@ def report(metrics: list[dict], syncs: list[float], args, chunk_tokens: int, max
         # The trainer process's own CPU (its learner here sleeps): its broker work, comparable
         # across machines where the shares above depend on what else the cores run.
         "trainer_cpu_s_per_step": round(trainer["cpu_s"] / len(metrics), 2),
-        "trainer_cpu_share_of_learner": round(trainer["cpu_s"] / sum(m["train_seconds"] for m in metrics), 4),
+        "trainer_cpu_share_of_learner": round(trainer["cpu_s"] / learner_all, 4) if learner_all else None,
         "trainer_peak_gb": round(trainer["peak"] / 2**30, 3), "broker_peak_gb": round(broker_peak / 2**30, 3),
         "sync_s_median": round(float(np.median(syncs)), 3) if syncs else None,
         "sync_s_max": round(max(syncs), 3) if syncs else None,
