@@ -295,9 +295,9 @@ async def connect_answered(url: str, name: str, credentials: Credentials | None,
             return nc
         except Unanswered as e:
             await nc.close()
-            if asyncio.get_running_loop().time() > deadline and joined is not None:
-                raise no_run(joined.run_id, e) from None  # its permissions drop a read of another run
             if asyncio.get_running_loop().time() > deadline:
+                if joined is not None:  # its permissions drop a read of another run
+                    raise no_run(joined.run_id, e) from None
                 raise RuntimeError(f"no JetStream answers at {where} after {wait_s:.0f} s ({e})") from None
             log.warning("nats.unanswered", url=url, reason=str(e), reconnecting=True)
         except BaseException:
@@ -389,9 +389,8 @@ async def open_run(
     the hub). `weights_url`: read weights from this relay over a second connection (a secured
     relay forwards nothing else), everything else goes to `url`. `give_up_s`: connect()'s."""
     names = RunNames(run_id)
-    nc = await (connect_answered(url, client_name, credentials, give_up_s, hub_domain, mirror_wait_s) if create else
-                connect_answered(url, client_name, credentials, give_up_s, hub_domain,
-                                 min(mirror_wait_s, join_wait_s), names))
+    nc = await connect_answered(url, client_name, credentials, give_up_s, hub_domain,
+                                mirror_wait_s if create else min(mirror_wait_s, join_wait_s), None if create else names)
     js = nc.jetstream(domain=hub_domain)
     try:
         if create:

@@ -14,8 +14,8 @@ This file is the process and its step loop; the other rooms of the wing: workers
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 import time
+from collections.abc import Callable
 
 import structlog
 
@@ -155,7 +155,7 @@ class Trainer:
         remember_trained(self.cfg.run_dir, state, [a.content for a in used], [a.group for a in used])
         step.record = state.record = step_record(step, state.version, dict(self.model.proof.counts),
                                                  sorted(self.quarantine.samplers))
-        await self.lease.held()  # a trainer fenced out by another, or maybe, must not checkpoint or publish over it
+        await self.lease.held()  # fenced out by another trainer, or not sure it still holds the run: no checkpoint
         await asyncio.to_thread(self.model.save, state)
         self.lease.check()
 
