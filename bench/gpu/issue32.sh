@@ -15,8 +15,9 @@
 #   engines: bench/engines.py, hf against hf-paged at the sampler's call and at the reasoning
 #   shape (the short call ~1 min; the long one did not end in 4.5 min on 2026-11-26).
 #   pilot: before the study, a second seed of async S = 1 for each of three settings at once
-#   (the preset, a KL penalty, a lower lr: on the CPU the preset's one seed rose steadily on lcm, T 1.0 swung, docs/performance.md), into $OUT/pilot-<setting>/; keep one
-#   whose held-out curve rises steadily (~10 min). parity: SEEDS seeds of every mode from FIRST
+#   (the preset, a KL penalty, a lower lr: on the CPU the preset's one seed rose steadily on
+#   lcm, T 1.0 swung, docs/performance.md), into $OUT/pilot-<setting>/; keep one whose held-out
+#   curve rises steadily (~10 min). parity: SEEDS seeds of every mode from FIRST
 #   (default 1 from 0), added to bench/results/parity-study.json, 5 runs at once (~8 min a seed
 #   on an H100, estimated from the last study's 5 s steps: one seed a call).
 # Each writes its JSON under $OUT; copy it into bench/results/ here and commit.
