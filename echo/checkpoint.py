@@ -42,6 +42,7 @@ class TrainerState:
     trained_completions: int = 0  # how many keys of trained_completions.bin are
     lost: int = 0  # slots that will never be trained (the grant budget hands them out again)
     record: dict | None = None  # the last step's metrics line, restored if the crash lost it
+    base_model: str = ""  # the base's digest (echo/models.py::base_model_digest): a resume on another is refused
 
 
 def save_checkpoint(path: Path, policy, optimizer, state: TrainerState, rng_states: list[torch.Tensor] | None = None,

@@ -35,7 +35,9 @@ class RunConfig(_Section):
 
 
 class ModelConfig(_Section):
-    name: str = "tiny"  # "tiny", "smollm2", or a local Hugging Face model folder
+    # "tiny", "smollm2", a local Hugging Face model folder, or a hub id "owner/name[@revision]"
+    # (the trainer pins the revision to its commit: echo/hub.py).
+    name: str = "tiny"
     # This process's hardware (echo/devices.py): each process resolves "auto" on its own machine,
     # and an edge sampler ignores the trainer's choice (its command line's --set wins).
     device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$")

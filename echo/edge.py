@@ -5,6 +5,7 @@ from the box's own command line, unless they name something built in. Pure, no I
 from __future__ import annotations
 
 from echo.config import ConfigError
+from echo.hub import is_pinned
 from echo.tasks import BUILTIN as BUILTIN_TASKS
 from echo.tasks import GYM
 
@@ -12,9 +13,11 @@ BUILTIN_MODELS = ("tiny", "smollm2")
 
 # (path in the config, whether the broker may name this value, the sampler's flag that sets it).
 # reasoning-gym's datasets are installed code, and echo/tasks/gym.py takes no file path from a config.
+# A hub model at a commit is data (safetensors and configs, never code: echo/models.py::HUB_FILES)
+# whose digest the weights then check.
 _LOCAL_ONLY = [
     (("task", "name"), lambda name: name in BUILTIN_TASKS or str(name).startswith(GYM), "--task"),
-    (("model", "name"), lambda name: name in BUILTIN_MODELS, "--model"),
+    (("model", "name"), lambda name: name in BUILTIN_MODELS or is_pinned(str(name)), "--model"),
     (("task", "params", "dataset"), lambda path: path is None, "--set task.params.dataset="),  # a file on this box
 ]
 
@@ -43,7 +46,8 @@ def _get(data: dict, path: tuple[str, ...]):
 
 def check_config_from_broker(broker: dict, local: dict) -> None:
     """Refuse a config from the broker that names code or a file this box's command line (its
-    overrides, `local`) did not: a task module, a model folder, a dataset path."""
+    overrides, `local`) did not: a task module, a model folder, a hub model at a moving revision, a
+    dataset path."""
     for path, allowed, flag in _LOCAL_ONLY:
         if _get(local, path) is not None:
             continue  # this box chose it itself

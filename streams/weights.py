@@ -171,9 +171,10 @@ class WeightsFollower:
             self.failures["wrong_epoch"] += 1  # not from the trainer that holds the run
             log.warning("weights.refused", version=announcement.version, epoch=announcement.epoch)
             return
-        if announcement.base_model != self.base_model:
+        if announcement.base_model != self.base_model:  # trained on another base: never generated on here
             self.failures["wrong_base_model"] += 1
-            log.warning("weights.refused", version=announcement.version, base=announcement.base_model)
+            log.error("weights.wrong_base_model", version=announcement.version, announced=announcement.base_model,
+                      ours=self.base_model)
             return
         data = await self._fetch_while_newest(announcement, seq)
         if data is None:

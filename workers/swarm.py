@@ -14,7 +14,7 @@ import orjson
 import structlog
 
 from echo.config import ConfigError, EchoConfig
-from echo.models import resolve_model
+from echo.models import pin_model
 from streams.secure import SERVER_CONF, SecureDir
 from streams.server import NatsCluster, NatsServer, free_port
 from workers.trainer.accounting import summarize
@@ -94,7 +94,7 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
         raise ConfigError("--cluster with --secure: a secured cluster is not built yet (docs/security.md)")
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    resolve_model(cfg.model.name)  # convert a model once here, not in every worker at once
+    cfg.model.name = pin_model(cfg.model.name)  # converted or fetched once here, not by every worker at once
     secure_dir = secure_swarm(cfg, relay) if secure else None
     secured = {"include": secure_dir.dir / SERVER_CONF, "leaf_include": secure_dir.leaf_conf} if secure_dir else {}
     leaf_port = free_port() if relay else None

@@ -20,7 +20,8 @@ from streams.client import cancel_until_done
 def config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML config file")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config field")
-    p.add_argument("--model", help="tiny, smollm2, or a local model folder (model.name)")
+    p.add_argument("--model", help="tiny, smollm2, a local model folder, or a Hugging Face id owner/name[@revision] "
+                   "(model.name)")
     p.add_argument("--mode", choices=["async", "sequential"], help="run.mode")
     p.add_argument("--steps", type=int, help="run.steps")
     p.add_argument("--run-id", help="run.id")

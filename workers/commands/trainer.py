@@ -16,7 +16,10 @@ def register(sub) -> None:
 def run(args) -> int:
     cfg = config_and_task_from_args(args)
     check_hardware(cfg, sampler=False)
+    from echo.models import pin_model
     from workers.trainer.model import Ranks, follow_rank_0
+
+    cfg.model.name = pin_model(cfg.model.name)  # before the run's config is written: samplers load this revision
 
     ranks = Ranks(cfg.model.device)  # rank 0 of 1, unless started by torchrun
     configure_logging(args.log_json, run=cfg.run.id, role="trainer",

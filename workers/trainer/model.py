@@ -26,7 +26,7 @@ from peft import PeftModel
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from echo.checkpoint import TrainerState, load_checkpoint, prune_weights, save_checkpoint, weights_file
-from echo.config import EchoConfig
+from echo.config import ConfigError, EchoConfig
 from echo.devices import DTYPES, resolve_device, resolve_dtype
 from echo.lifeline import die_with_parent
 from echo.learner import make_optimizer, merge_stats, set_threads, train_step
@@ -153,7 +153,13 @@ class TrainerModel:
     def resume(self) -> None:
         """Read the run's checkpoint, if it has one. Only once this trainer holds the run's lease:
         another trainer (an orphan, one fenced out) prunes checkpoint folders as it saves."""
-        self.state = load_checkpoint(self.checkpoint_path, self.policy, self.optimizer, self.ranks.rank) or TrainerState()
+        state = load_checkpoint(self.checkpoint_path, self.policy, self.optimizer, self.ranks.rank) or TrainerState()
+        if state.base_model and state.base_model != self.base_model:  # e.g. a hub branch that moved between starts
+            raise ConfigError(f"model.name {self.cfg.model.name!r} is base {self.base_model}, and this run's "
+                              f"checkpoint was trained on base {state.base_model}: start the run on the model it "
+                              f"began with (model.name in {self.cfg.run_dir / 'config.toml'})")
+        state.base_model = self.base_model
+        self.state = state
 
     @everywhere
     def train(self, batch: list[tuple[RolloutGroup, list[float]]], oldest_version: int = 0) -> dict:
