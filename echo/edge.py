@@ -28,14 +28,16 @@ _THIS_BOX = [
     ("nats", "creds"), ("nats", "tls_ca"), ("nats", "weights_url"),  # its own files and relay
     ("model", "device"), ("model", "dtype"), ("sampler", "engine"), ("sampler", "threads"),  # its hardware
     ("sampler", "cost_per_hour"), ("sampler", "throttle_s"),
+    ("task", "params", "path"),  # a dataset file on the trainer's box: samplers read its prompts from the broker
 ]
 
 
 def drop_this_box_fields(broker: dict) -> None:
     """Remove from the broker's config what only the sampler's own machine can say."""
-    for section, key in _THIS_BOX:
-        if isinstance(broker.get(section), dict):
-            broker[section].pop(key, None)
+    for *above, key in _THIS_BOX:
+        section = _get(broker, tuple(above))
+        if isinstance(section, dict):
+            section.pop(key, None)
 
 
 def _get(data: dict, path: tuple[str, ...]):

@@ -191,6 +191,12 @@ class RunNames:
         return f"echo_{self.run_id}_registry"
 
 
+def prompts_object_name(sha256_hex: str) -> str:
+    # A dataset's prompt shard or its manifest (echo/tasks/dataset.py), in the weights bucket so
+    # that relays mirror it; by content, so a restarted trainer's identical one is already there.
+    return f"prompts-{sha256_hex}"
+
+
 def weights_object_name(epoch: int, version: int, shard: int) -> str:
     # Keyed by epoch too: a trainer resumed from an older checkpoint republishes versions an
     # earlier incarnation published, and must not overwrite what a sampler may be reading.

@@ -92,6 +92,8 @@ class WeightsPublisher:
             return
         for info in infos:
             headers = info.headers or {}
+            if OBJ_HDR_VERSION not in headers:
+                continue  # not weights: a dataset's prompts (streams/prompts.py)
             version = int((headers.get(OBJ_HDR_VERSION) or ["-1"])[0])
             epoch = int((headers.get(OBJ_HDR_EPOCH) or ["-1"])[0])
             if 0 <= version < oldest_kept or epoch != self.epoch:

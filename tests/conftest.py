@@ -333,3 +333,10 @@ async def collect_and_account(collector: Collector, totals: dict[str, int], need
 def assert_accounting_holds(a: dict[str, int]) -> None:
     assert a["trained"] + a["dropped_stale"] + a["rejected"] + a.get("evicted", 0) == a["counted"], a
     assert a["published"] == a["counted"] + a["pending"], a
+
+
+def verl_rows(n: int, answer=lambda i: str(2 * i)) -> list[dict]:
+    """verl's parquet schema: chat messages, reward_model.ground_truth, data_source."""
+    return [{"data_source": "openai/gsm8k", "ability": "math", "extra_info": {"index": i},
+             "prompt": [{"role": "user", "content": f"What is {i} + {i}? Put the answer in \\boxed{{}}."}],
+             "reward_model": {"style": "rule", "ground_truth": answer(i)}} for i in range(n)]

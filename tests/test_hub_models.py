@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from huggingface_hub import constants
@@ -21,7 +23,7 @@ from echo.edge import check_config_from_broker
 from echo.models import base_model_digest, hub_snapshot, load_model, pin_model
 from streams.client import open_run
 from streams.registry import read_statuses
-from tests.conftest import tiny_config
+from tests.conftest import tiny_config, verl_rows
 from workers.trainer.model import Ranks, TrainerModel
 
 REPO = "echo-test/tiny-chat"
@@ -114,16 +116,19 @@ def test_an_edge_sampler_takes_from_the_broker_a_hub_model_at_a_commit_only():
 
 
 @pytest.mark.slow
-def test_a_run_on_a_hub_model_trains_with_samplers_given_only_the_id_and_refuses_one_whose_copy_differs(
+def test_a_run_on_a_hub_model_and_a_verl_dataset_trains_samplers_given_only_the_run_and_refuses_a_differing_copy(
         tmp_path, nats_server):
-    """The trainer is given the hub id; two samplers are given the server and the run id only, and
-    load the revision the trainer pinned from their own cache; a third's cache holds other bytes
+    """The trainer is given the hub id and a verl-format parquet file; two samplers are given the
+    server and the run id only: they load the revision the trainer pinned from their own cache and
+    read their prompts from the broker (no file, no answer). A third's cache holds other bytes
     under the same commit: it refuses every version, naming both bases, and generates nothing."""
     same, other = hub_cache(tmp_path / "hub"), hub_cache(tmp_path / "other-hub", nudge=1e-3)
+    data = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(verl_rows(300)), data)
     processes = []
 
     def start(cache: Path, *args: str) -> subprocess.Popen:
-        env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "ECHO_CACHE": str(tmp_path / "echo")}
         processes.append(subprocess.Popen([*ECHO_RL, *args, "--log-json"], cwd=tmp_path, env=env,
                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
         return processes[-1]
@@ -133,7 +138,8 @@ def test_a_run_on_a_hub_model_trains_with_samplers_given_only_the_id_and_refuses
                         "--nats", nats_server.url, "--set", f'run.dir="{tmp_path / "runs"}"', "--set", "lora.r=4",
                         "--set", "sampling.group_size=4", "--set", "sampling.max_new_tokens=8",
                         "--set", "trainer.groups_per_step=2", "--set", "trainer.threads=1",
-                        "--set", "run.eval_prompts=0")
+                        "--set", "run.eval_prompts=0", "--set", 'task.name="dataset"',
+                        "--set", f'task.params.path="{data}"')
         for sampler_id, cache in (("s1", same), ("s2", same), ("odd", other)):
             start(cache, "sampler", "--nats", nats_server.url, "--run-id", "hub", "--id", sampler_id,
                   "--set", "sampler.heartbeat_s=0.5")
@@ -141,6 +147,9 @@ def test_a_run_on_a_hub_model_trains_with_samplers_given_only_the_id_and_refuses
         assert trainer.returncode == 0, trainer_log[-3000:]
         ready = next(orjson.loads(line) for line in trainer_log.splitlines() if '"trainer.ready"' in line)
         assert ready["model"] == f"{REPO}@{COMMIT}"  # pinned before the run's config was written
+        assert '"prompts.published"' in trainer_log  # the samplers hold no file: they read these
+        metrics = [orjson.loads(line) for line in (tmp_path / "runs" / "hub" / "metrics.jsonl").read_bytes().splitlines()]
+        assert [m["used"] for m in metrics] == [2, 2] and sum(sum(m["rejected"].values()) for m in metrics) == 0
 
         async def statuses():
             """Once the odd sampler has said it refused weights: it may start after the run ends

@@ -31,6 +31,7 @@ BUILTIN = {
     "knights_knaves": "echo.tasks.knights_knaves:KnightsKnaves",
     "sokoban": "echo.tasks.sokoban:Sokoban",
     "sokoban_game": "echo.tasks.sokoban:SokobanGame",  # multi-turn (echo/environments.py)
+    "dataset": "echo.tasks.dataset:Dataset",  # a user's file of prompts and answers, named on the trainer
 }
 GYM = "reasoning_gym:"  # reasoning-gym's datasets: echo/tasks/gym.py
 
@@ -40,6 +41,7 @@ class Prompt:
     index: int
     messages: list[dict]  # chat messages, ending with the user's turn
     answer: str  # what the verifier needs (the ground truth), never shown to the model
+    source: str = ""  # where a dataset's row came from (its data_source): some verifiers choose by it
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,13 @@ import operator
 import random
 import re
 from fractions import Fraction
-from pathlib import Path
 from typing import Literal
 
-import orjson
 from math_verify import parse, verify
 from pydantic import BaseModel, ConfigDict, Field
 
 from echo.tasks import GeneratedTask, Prompt, Score, Step, is_held_out, parse_params
+from echo.tasks.dataset import read_rows
 
 # Its timeouts are off on purpose (Math.score): its warning that they are, once per process, is noise.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -106,24 +105,32 @@ def boxed(text: str) -> str | None:
     return None
 
 
-def _final_answer(text: str) -> str:
+def final_answer(text: str) -> str:
     """GSM8K answers end with '#### <answer>'; MATH answers are the answer itself."""
     return text.rsplit("####", 1)[-1].strip()
 
 
-def _read_rows(path: str) -> list[dict]:
-    """A dataset file's rows: parquet, a JSON array, or JSON Lines (GSM8K's and MATH's formats)."""
-    if path.endswith(".parquet"):
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise ValueError(f"task.params.dataset {path}: reading parquet needs pyarrow "
-                             "(pip install 'echo-rl[full]'), or give the rows as JSON Lines") from None
-        return pq.read_table(path).to_pylist()
-    text = Path(path).read_bytes()
-    if text.lstrip().startswith(b"["):
-        return orjson.loads(text)
-    return [orjson.loads(line) for line in text.splitlines() if line.strip()]
+def math_score(completion: str, truth: str, format_reward: float) -> Score:
+    """The last \\boxed{} answer of `completion` against `truth`: compared as numbers where the
+    truth is one, else by math-verify."""
+    last = completion.rfind("\\boxed{")  # the last answer counts (math-verify would read a set)
+    if last < 0:
+        return Score(0.0, format_ok=False, correct=False)
+    number = as_number(truth)
+    if number is not None:  # compared, not evaluated
+        answer = boxed(completion[last : last + MAX_ANSWER_CHARS])
+        if not answer:
+            return Score(0.0, format_ok=False, correct=False)
+        correct = as_number(answer) == number
+        return Score(1.0 if correct else format_reward, format_ok=True, correct=correct)
+    # No math-verify timeouts: they use signal.alarm, which raises off the main thread (a
+    # sampler scores in a worker thread) and would make a verdict depend on load. The
+    # answer's length is capped instead, which bounds what sympy is given.
+    predicted = parse(completion[last : last + MAX_ANSWER_CHARS], parsing_timeout=None)
+    if not predicted:
+        return Score(0.0, format_ok=False, correct=False)
+    correct = verify(parse(f"${truth}$", parsing_timeout=None), predicted, timeout_seconds=None)
+    return Score(1.0 if correct else format_reward, format_ok=True, correct=bool(correct))
 
 
 class Math(GeneratedTask):
@@ -140,11 +147,11 @@ class Math(GeneratedTask):
             self.splits = {side: [r for r in rows if is_held_out(self._messages(r[0])) == side] for side in (False, True)}
 
     def _load(self, path: str) -> list[tuple[str, str]]:
-        rows = _read_rows(path)
+        rows = [row for batch in read_rows(path, field="task.params.dataset") for row in batch]
         for field in (self.p.question_field, self.p.answer_field):
             if rows and field not in rows[0]:
                 raise ValueError(f"task.params.dataset {path}: no field {field!r} (has {sorted(rows[0])})")
-        return [(str(r[self.p.question_field]), _final_answer(str(r[self.p.answer_field]))) for r in rows]
+        return [(str(r[self.p.question_field]), final_answer(str(r[self.p.answer_field]))) for r in rows]
 
     instruction = INSTRUCTION
 
@@ -175,24 +182,7 @@ class Math(GeneratedTask):
         return rows
 
     def score(self, completion: str, prompt: Prompt) -> Score:
-        last = completion.rfind("\\boxed{")  # the last answer counts (math-verify would read a set)
-        if last < 0:
-            return Score(0.0, format_ok=False, correct=False)
-        truth = as_number(prompt.answer)
-        if truth is not None:  # compared, not evaluated
-            answer = boxed(completion[last : last + MAX_ANSWER_CHARS])
-            if not answer:
-                return Score(0.0, format_ok=False, correct=False)
-            correct = as_number(answer) == truth
-            return Score(1.0 if correct else self.p.format_reward, format_ok=True, correct=correct)
-        # No math-verify timeouts: they use signal.alarm, which raises off the main thread (a
-        # sampler scores in a worker thread) and would make a verdict depend on load. The
-        # answer's length is capped instead, which bounds what sympy is given.
-        predicted = parse(completion[last : last + MAX_ANSWER_CHARS], parsing_timeout=None)
-        if not predicted:
-            return Score(0.0, format_ok=False, correct=False)
-        correct = verify(parse(f"${prompt.answer}$", parsing_timeout=None), predicted, timeout_seconds=None)
-        return Score(1.0 if correct else self.p.format_reward, format_ok=True, correct=bool(correct))
+        return math_score(completion, prompt.answer, self.p.format_reward)
 
 
 class ToolParams(MathParams):

@@ -18,6 +18,7 @@ from echo.protocol import Completion, PolicyVersion, RolloutGroup, VersionChange
 from echo.tasks import Task, is_environment, safe_reward
 from echo.throughput import CallWindow
 from streams.client import Run
+from streams.prompts import prompt_source
 from streams.rollouts import publish_rollout
 from workers.sampler.weights import EngineWeights
 
@@ -25,6 +26,7 @@ from workers.sampler.weights import EngineWeights
 class Generation:
     def __init__(self, cfg: EchoConfig, sampler_id: str, run: Run, task: Task, weights: EngineWeights):
         self.cfg, self.sampler_id, self.run, self.task, self.weights = cfg, sampler_id, run, task, weights
+        self.prompts = prompt_source(run, task)  # the task's own, or a dataset's from the broker
         self.rng = random.Random(f"{cfg.run.seed}/{sampler_id}")  # prompts; the noise: call_seed
         self.calls = CallWindow(cfg.sampler.rate_window_s)
         self.published = 0
@@ -33,7 +35,7 @@ class Generation:
         """One group per slot the trainer granted (asked for at `asked_at`, perf_counter), each
         naming its slot. The call's time, from asking to published, is measured."""
         running = self.weights.running
-        prompts = [self.task.prompt(self.rng.randrange(2**31)) for _ in slots]
+        prompts = [await self.prompts.prompt(self.rng.randrange(2**31)) for _ in slots]
         seed = call_seed(self.cfg.run.seed, self.sampler_id, running.epoch, slots[0])
         started = time.perf_counter()
         groups = await asyncio.to_thread(generate_groups, self.weights.engine, self.task, prompts, self.cfg.sampling,
@@ -62,8 +64,10 @@ def generate_groups(engine: Engine, task: Task, prompts: list, sampling: Samplin
         changes = [[] for _ in prompts]
     else:
         generations = engine.generate(prompt_ids, sampling.group_size, newer_weights=newer_weights, seed=seed)
+        scores = getattr(task, "answers_on_samplers", True)  # else the trainer's alone: this box has no answers
         completions = [[Completion(token_ids=g.token_ids, logprobs=g.logprobs, text=g.text,
-                                   reward=safe_reward(task, g.text, prompt) or 0.0, finish_reason=g.finish_reason)
+                                   reward=(safe_reward(task, g.text, prompt) or 0.0) if scores else 0.0,
+                                   finish_reason=g.finish_reason)
                         for g in gens] for prompt, gens in zip(prompts, generations)]
         # its completions were sampled together: the longest saw every change
         changes = [max((g.version_changes for g in gens), key=len) for gens in generations]

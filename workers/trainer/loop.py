@@ -31,6 +31,7 @@ from streams.credentials import credentials_of
 from streams.inbox import RolloutInbox
 from streams.lease import Lease, take_lease
 from streams.registry import put_learner, read_learner
+from streams.prompts import publish_prompts
 from streams.run_config import publish_run_config
 from streams.weights import WeightsPublisher
 from workers.trainer.accounting import (RecentSteps, count_abandoned, count_consumed, finished_record, metrics_line,
@@ -96,6 +97,9 @@ class Trainer:
                    scoring: ScoringProcess) -> Trainer:
         run_dir, state = cfg.run_dir, model.state
         (run_dir / "weights").mkdir(parents=True, exist_ok=True)
+        task = load_task(cfg.task)
+        if hasattr(task, "published_prompts"):  # a dataset on this box: samplers read its prompts from the broker
+            cfg.task.params["prompts"] = await publish_prompts(run, *task.published_prompts())
         (run_dir / "config.toml").write_text(cfg.to_toml())
         await publish_run_config(run, cfg)
         restore_metrics(run_dir, state)
@@ -105,7 +109,7 @@ class Trainer:
         ledger = GrantLedger(rate_window_s=cfg.sampler.rate_window_s)
         quarantine = Quarantined(run, cfg.trainer.quarantine_after)
         await quarantine.start(background)
-        referee = Referee(load_task(cfg.task), model.tokenizer, model.vocab_size, cfg.sampling)
+        referee = Referee(task, model.tokenizer, model.vocab_size, cfg.sampling)
         judge = Judge(referee, Timeline(cfg.staleness_bound, lease.epoch, state.version, cfg.begun_within),
                       load_trained_content(run_dir, state.trained_content),
                       load_trained_completions(run_dir, state.trained_completions), model.proof, model.check,
