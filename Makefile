@@ -50,6 +50,7 @@ bench-quick: install
 	$(QUICK) bench.sync --model tiny --samplers 2 --versions 3 --wan 50 100
 	$(QUICK) bench.scheduling --steps 12
 	$(QUICK) bench.load --samplers 4 --groups 8 --group-size 4 --max-tokens 1024 --median-tokens 256 --steps 3
+	$(QUICK) bench.dataset --rows 20000 --draws 200
 
 bench: install
 	$(PY) -m bench.transport
@@ -68,6 +69,7 @@ bench: install
 	$(PY) -m bench.ranks
 	$(PY) -m bench.proof_of_sampling
 	$(PY) -m bench.gym_base
+	$(PY) -m bench.dataset
 	$(PY) -m bench.parity --preset study
 
 # The vLLM engine's tests, in a venv of their own: vLLM's CPU build pins torch and transformers.

@@ -5,6 +5,7 @@ Validated at start: an unknown key or a bad value fails with a ConfigError namin
 
 from __future__ import annotations
 
+import os
 import time
 import tomllib
 from pathlib import Path
@@ -18,6 +19,11 @@ from echo.protocol import HUB_DOMAIN, ID_PATTERN, Storage
 
 class ConfigError(ValueError):
     pass
+
+
+def cache_dir() -> Path:
+    """What echo-rl builds once and keeps: converted models, weight digests, dataset shards."""
+    return Path(os.environ.get("ECHO_CACHE", Path.home() / ".cache" / "echo-rl"))
 
 
 class _Section(BaseModel):

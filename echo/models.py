@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
-from echo.config import ConfigError
+from echo.config import ConfigError, cache_dir
 from echo.hub import hub_id, pinned
 
 CHATML_TEMPLATE = (
@@ -31,10 +31,6 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of a chat prompt, ending with the assistant's turn opener."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("ECHO_CACHE", Path.home() / ".cache" / "echo-rl"))
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:

@@ -163,6 +163,22 @@ def test_a_sampler_reads_the_prompts_through_the_broker_and_never_an_answer(tmp_
     asyncio.run(main())
 
 
+def test_a_prompt_longer_than_the_models_context_is_one_line_naming_its_row(tmp_path, monkeypatch):
+    from functools import partial
+
+    from echo.models import encode_chat, load_tokenizer
+    from echo.tasks.dataset import check_prompt_lengths
+
+    rows = verl_rows(40)
+    rows[6]["prompt"][0]["content"] = "long " * 300  # the byte-level tiny tokenizer: ~1,500 tokens
+    task = dataset(tmp_path, monkeypatch, path=write_parquet(tmp_path / "long.parquet", rows))
+    encode = partial(encode_chat, load_tokenizer("tiny"))
+    check_prompt_lengths(task.manifest, encode, 4096, 8, task.p.path)  # room left
+    with pytest.raises(ConfigError, match=r"long.parquet: row 7's prompt is \d+ tokens, with sampling.max_new_tokens 8 "
+                                          r"more than the model's context of 1024"):
+        check_prompt_lengths(task.manifest, encode, 1024, 8, task.p.path)
+
+
 def test_a_published_manifest_that_lies_is_refused():
     from echo.tasks.dataset import manifest_of
 

@@ -18,6 +18,7 @@ alone: a sampler claims none.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import importlib
 import os
 import re
@@ -30,11 +31,12 @@ from pathlib import Path
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from echo.config import ConfigError
+from echo.config import ConfigError, cache_dir
 from echo.tasks import Prompt, Score, is_held_out, parse_params
 
 SHARD_ROWS = 1024  # prompts a shard holds: what a sampler fetches to read one
 SHARDS_KEPT = 8  # shards a process keeps in memory, most recently read
+LONGEST_KEPT = 16  # the longest prompts, by bytes, that the trainer encodes to check against the context
 BATCH_ROWS = 4096  # rows read from a file at a time
 PROMPT_COLUMNS = ("prompt", "messages", "question", "problem")  # looked for in this order
 ANSWER_COLUMNS = ("reward_model.ground_truth", "answer", "solution", "ground_truth")
@@ -185,8 +187,6 @@ def row_prompt(row: dict, prompt_column: str, answer_column: str, p: DatasetPara
 
 def built_dataset(p: DatasetParams) -> Path:
     """The cache folder of `p.path`'s shards, built on first use (atomically: a rename)."""
-    from echo.models import cache_dir
-
     source = existing(p.path).resolve()
     stat = source.stat()
     mapping = p.model_dump(include={"prompt", "answer", "data_source", "split", "instruction"})
@@ -211,6 +211,7 @@ def built_dataset(p: DatasetParams) -> Path:
 
 def _build(p: DatasetParams, folder: Path) -> None:
     rows, skipped, columns = {s: 0 for s in SPLITS}, Counter(), None
+    longest: list[tuple[int, int, list[dict]]] = []  # (bytes, row number in the file, messages): a heap
     pending: dict[str, list[tuple[bytes, bytes]]] = {s: [] for s in SPLITS}
     shards: dict[str, list[str]] = {s: [] for s in SPLITS}
 
@@ -222,8 +223,10 @@ def _build(p: DatasetParams, folder: Path) -> None:
         shards[split].append(hashlib.sha256(prompts).hexdigest())
         pending[split].clear()
 
+    number = 0
     for batch in read_rows(p.path, p.split):
         for row in batch:
+            number += 1
             columns = columns or pick_columns(row, p)
             made = row_prompt(row, *columns, p)
             if isinstance(made, str):
@@ -231,8 +234,9 @@ def _build(p: DatasetParams, folder: Path) -> None:
                 continue
             messages, answer, source = made
             split = SPLITS[is_held_out(messages)]
-            pending[split].append((orjson.dumps({"messages": messages, "data_source": source}) + b"\n",
-                                   orjson.dumps(answer) + b"\n"))
+            line = orjson.dumps({"messages": messages, "data_source": source}) + b"\n"
+            (heapq.heappush if len(longest) < LONGEST_KEPT else heapq.heappushpop)(longest, (len(line), number, messages))
+            pending[split].append((line, orjson.dumps(answer) + b"\n"))
             rows[split] += 1
             if len(pending[split]) == SHARD_ROWS:
                 flush(split)
@@ -243,8 +247,22 @@ def _build(p: DatasetParams, folder: Path) -> None:
         why = f" ({sum(skipped.values())} rows skipped: {dict(skipped)})" if skipped else ""
         raise ConfigError(f"task.params.path {p.path}: no training rows{why}")
     manifest = {"rows": rows, "shard_rows": SHARD_ROWS, "shards": shards, "skipped": dict(skipped),
-                "columns": {"prompt": columns[0], "answer": columns[1]}}
+                "columns": {"prompt": columns[0], "answer": columns[1]},
+                "longest": [{"row": n, "messages": m} for _, n, m in sorted(longest, reverse=True)]}
     (folder / "manifest.json").write_bytes(orjson.dumps(manifest))
+
+
+def check_prompt_lengths(manifest: dict, encode: Callable[[list[dict]], list[int]], context: int | None,
+                         max_new_tokens: int, path: str) -> None:
+    """The longest prompts (by bytes) encoded: one that leaves no room for a completion in the
+    model's context stops the run at start, naming its row (rows are counted from 1)."""
+    if not context:
+        return
+    for longest in manifest["longest"]:
+        tokens = len(encode(longest["messages"]))
+        if tokens + max_new_tokens > context:
+            raise ConfigError(f"task.params.path {path}: row {longest['row']}'s prompt is {tokens} tokens, with "
+                              f"sampling.max_new_tokens {max_new_tokens} more than the model's context of {context}")
 
 
 def manifest_of(data: bytes) -> dict:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from functools import partial
 
 import structlog
 
@@ -24,8 +25,10 @@ from echo.config import EchoConfig
 from echo.consumed import ConsumedSeqs
 from echo.grants import GrantLedger
 from echo.logs import bind_process
+from echo.models import encode_chat
 from echo.referee import Referee
 from echo.tasks import load_task
+from echo.tasks.dataset import Dataset, check_prompt_lengths
 from streams.client import Run, open_run, retry_forever
 from streams.credentials import credentials_of
 from streams.inbox import RolloutInbox
@@ -83,6 +86,16 @@ async def serve(cfg: EchoConfig, build_model: Callable[[], TrainerModel]) -> Non
             model.close()
 
 
+async def share_dataset(run: Run, cfg: EchoConfig, task: Dataset, model: TrainerModel) -> None:
+    """A dataset's prompts checked against the model's context, then published for samplers: the
+    run's config names their manifest's digest."""
+    manifest, path = task.manifest, cfg.task.params["path"]
+    check_prompt_lengths(manifest, partial(encode_chat, model.tokenizer), model.context, cfg.sampling.max_new_tokens,
+                         path)
+    log.info("dataset.read", path=path, rows=manifest["rows"], skipped=manifest["skipped"], columns=manifest["columns"])
+    cfg.task.params["prompts"] = await publish_prompts(run, *task.published_prompts())
+
+
 class Trainer:
     """The rooms a step passes through, opened once; `fit` takes the steps, phase by phase."""
 
@@ -99,7 +112,7 @@ class Trainer:
         (run_dir / "weights").mkdir(parents=True, exist_ok=True)
         task = load_task(cfg.task)
         if hasattr(task, "published_prompts"):  # a dataset on this box: samplers read its prompts from the broker
-            cfg.task.params["prompts"] = await publish_prompts(run, *task.published_prompts())
+            await share_dataset(run, cfg, task, model)
         (run_dir / "config.toml").write_text(cfg.to_toml())
         await publish_run_config(run, cfg)
         restore_metrics(run_dir, state)

@@ -131,6 +131,7 @@ class TrainerModel:
         load_on = ranks.device if ranks.world == 1 else torch.device("cpu")
         base, self.tokenizer = load_model(cfg.model.name, load_on, self.compute_dtype if cfg.lora.enabled else torch.float32)
         self.vocab_size = base.get_input_embeddings().num_embeddings
+        self.context = getattr(base.config, "max_position_embeddings", None)  # tokens, prompt and completion
         # The adapter's initial values come from the run's seed: the same on every rank, and a
         # retrain (`echo-rl replay --retrain`) starts where the run started.
         with torch.random.fork_rng(devices=[ranks.device] if ranks.device.type == "cuda" else []):
