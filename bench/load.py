@@ -136,7 +136,8 @@ class SyntheticLearner:
         time.sleep(seconds)
         rewards = [r for _, rs in batch for r in rs]
         return {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "is_ratio_mean": 1.0,
-                "is_ratio_max": 1.0, "is_truncated_fraction": 0.0, "is_masked_fraction": 0.0, "grad_norm": 0.0,
+                "is_ratio_max": 1.0, "is_truncated_fraction": 0.0, "is_masked_fraction": 0.0, "mismatch_kl": 0.0,
+                "grad_norm": 0.0,
                 "reward_mean": float(np.mean(rewards)), "reward_std": float(np.std(rewards)), "tokens": tokens,
                 "untrained_tokens": every - tokens, "sequences": sum(len(g.completions) for g, _ in batch),
                 "passes": 1, "train_seconds": seconds}

@@ -84,8 +84,8 @@ PRESETS = {
 # trainer, a consumer GPU for a sampler. Change them with --trainer-price / --sampler-price.
 PRICES = {"trainer": 2.50, "sampler": 0.40}
 # What each run keeps of every step's metrics line (workers/trainer/accounting.py).
-STEP_KEYS = ("reward_mean", "is_ratio_mean", "is_ratio_max", "is_truncated_fraction", "clip_fraction", "kl",
-             "grad_norm", "entropy", "wall_seconds", "busy_seconds", "generated_seconds", "used", "dropped_stale",
+STEP_KEYS = ("reward_mean", "is_ratio_mean", "is_ratio_max", "is_truncated_fraction", "mismatch_kl", "clip_fraction",
+             "kl", "grad_norm", "entropy", "wall_seconds", "busy_seconds", "generated_seconds", "used", "dropped_stale",
              "staleness_used", "rejected", "reward_mismatch", "verifier_errors")
 
 

@@ -38,6 +38,12 @@ class RunConfig(_Section):
     steps: int = Field(20, ge=1)  # training steps (policy versions published) in the run
     seed: int = 0  # the adapter's initialisation and the trainer's randomness: `replay --retrain` relies on it
     eval_prompts: int = Field(50, ge=0)  # `echo-rl up` scores base vs trained on this many held-out prompts
+    # Experiment trackers the trainer writes each step to (workers/trainer/trackers.py), each an
+    # extra (`pip install 'echo-rl[trackers]'`): TensorBoard event files in <run dir>/tensorboard,
+    # W&B (offline unless WANDB_MODE or WANDB_API_KEY is set; the tracker run's id is this run's),
+    # MLflow (a SQLite store, <run dir>/mlflow.db, unless MLFLOW_TRACKING_URI is set).
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = []
+    project: str = "echo-rl"  # the W&B project and the MLflow experiment
 
 
 class ModelConfig(_Section):

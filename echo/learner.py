@@ -145,6 +145,7 @@ def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]],
         "is_ratio_max": max((g.importance.ratio_max for g in per_pass), default=0.0),
         "is_truncated_fraction": token_mean(lambda g: g.importance.truncated_fraction),
         "is_masked_fraction": sum(g.importance.masked_fraction * g.sequences for g in per_pass) / max(sequences, 1),
+        "mismatch_kl": token_mean(lambda g: g.importance.mismatch_kl),
         "grad_norm": float(grad_norm),
         "reward_mean": float(rewards.mean()),  # the whole batch's, on every rank
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
@@ -155,7 +156,7 @@ def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]],
     }
 
 
-TOKEN_MEANS = ("kl", "clip_fraction", "entropy", "is_ratio_mean", "is_truncated_fraction")
+TOKEN_MEANS = ("kl", "clip_fraction", "entropy", "is_ratio_mean", "is_truncated_fraction", "mismatch_kl")
 
 
 def merge_stats(parts: list[dict]) -> dict:

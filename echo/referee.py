@@ -33,6 +33,7 @@ class Ruling:
     reward_mismatch: bool = False  # the sampler claimed other rewards
     verifier_errors: int = 0  # completions whose verifier raised (reward 0)
     lie: bool = False  # rejected for claiming what the environment never said: a strike, as a forgery
+    source: str = ""  # the prompt's data source (a dataset's), for rewards by source
 
 
 class Referee:
@@ -96,7 +97,7 @@ class Referee:
             completion_done()
         claimed = getattr(self.task, "answers_on_samplers", True)  # else a sampler claims none
         mismatch = claimed and any(abs(r - c.reward) > 1e-6 for r, c in zip(rewards, group.completions))
-        return Ruling(None, rewards, mismatch, errors)
+        return Ruling(None, rewards, mismatch, errors, source=prompt.source)
 
 
 def completion_keys(group: RolloutGroup) -> list[int]:

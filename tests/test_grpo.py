@@ -87,6 +87,7 @@ def test_importance_weights_are_one_on_policy():
     weights, stats = importance_weights(logprobs, logprobs, mask, cap=2.0, level="token")
     assert torch.equal(weights, mask.float())
     assert stats.ratio_mean == 1.0 and stats.ratio_max == 1.0 and stats.truncated_fraction == 0.0
+    assert stats.mismatch_kl == 0.0  # the trainer's log-probs are the sampler's
 
 
 def test_token_level_truncates_at_the_cap():
@@ -96,6 +97,8 @@ def test_token_level_truncates_at_the_cap():
     assert torch.allclose(weights, torch.tensor([[2.0, 1.0, 0.5]]))
     assert stats.ratio_max == pytest.approx(3.0) and stats.truncated_fraction == pytest.approx(1 / 3)
     assert stats.ratio_mean == pytest.approx(1.5)
+    # KL(mu || pi_old) by k3, r - 1 - log r per token: (3 - 1 - ln 3) + 0 + (0.5 - 1 - ln 0.5), over 3
+    assert stats.mismatch_kl == pytest.approx((2 - math.log(3) + math.log(2) - 0.5) / 3)
 
 
 def test_sequence_level_masks_sequences_too_far_off_policy():

@@ -171,3 +171,5 @@ def finish(run_dir: Path, eval_prompts: int) -> None:
     summary["report"] = str(write_report(run_dir))  # after the evaluation: the report shows it
     (run_dir / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     log.info("swarm.report", report=summary["report"], summary=str(run_dir / "summary.json"))
+    if (run_dir / "tensorboard").is_dir():  # run.trackers: how to look at it
+        log.info("swarm.tensorboard", command=f"tensorboard --logdir {run_dir / 'tensorboard'}")

@@ -69,6 +69,9 @@ class ImportanceStats:
     ratio_max: float
     truncated_fraction: float  # tokens whose ratio was cut to the cap
     masked_fraction: float  # sequences left out by the sequence-level mask
+    # The train/inference mismatch: KL(mu || pi_old) over the sampled tokens (the k3 estimator,
+    # r - 1 - log r): 0 when the trainer computes the log-probs the sampler reported.
+    mismatch_kl: float = 0.0
 
 
 def importance_weights(
@@ -95,6 +98,7 @@ def importance_weights(
         ratio_max=float(ratio[mask].max()) if mask.any() else 1.0,
         truncated_fraction=float(((ratio > cap) & mask).sum() / n),
         masked_fraction=float((~keep).float().mean()),
+        mismatch_kl=float(((ratio - 1 - log_ratio) * maskf).sum() / n),
     )
     return weights, stats
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from echo.logs import configure_logging
+from workers.trainer.trackers import check_trackers
 from workers.commands.common import check_hardware, config_and_task_from_args, config_args, run_until_signal
 
 NAME = "trainer"
@@ -16,6 +17,7 @@ def register(sub) -> None:
 def run(args) -> int:
     cfg = config_and_task_from_args(args)
     check_hardware(cfg, sampler=False)
+    check_trackers(cfg.run.trackers)
     from echo.models import pin_model
     from workers.trainer.model import Ranks, follow_rank_0
 

@@ -21,7 +21,7 @@ from echo.consumed import ConsumedSeqs
 from echo.protocol import LearnerStatus
 from streams.client import retry_forever
 from streams.inbox import RolloutInbox
-from workers.trainer.intake import Collected
+from workers.trainer.intake import Admitted, Collected
 from workers.trainer.step import TrainerStep
 
 log = structlog.get_logger()
@@ -53,10 +53,19 @@ def step_record(step: TrainerStep, version: int, proof_counts: dict, quarantined
         "proof_of_sampling": proof_counts,  # groups checked so far by this process, by outcome
         "quarantined": quarantined,
         "staleness_used": dict(Counter(version - 1 - g.policy_version for g in groups)),
+        "reward_by_source": rewards_by_source(collected.used),
         "staleness_dropped": dict(collected.dropped),
         "groups": [[g.group_id, g.policy_version, g.sampler_id] for g in groups],
         "dropped_groups": collected.dropped_ids,
     }
+
+
+def rewards_by_source(used: list[Admitted]) -> dict[str, float]:
+    """The step's mean reward by its prompts' data source (a dataset's), or by task."""
+    rewards: dict[str, list[float]] = {}
+    for a in used:
+        rewards.setdefault(a.source or a.group.task, []).extend(a.rewards)
+    return {source: sum(r) / len(r) for source, r in rewards.items() if r}
 
 
 def finished_record(step: TrainerStep, accounting: dict) -> dict:

@@ -34,6 +34,7 @@ class Admitted:
     rewards: list[float]  # the trainer's own, from the task's verifier
     content: str  # content_hash of the group
     reward_mismatch: bool = False  # the sampler claimed other rewards than the verifier's
+    source: str = ""  # its prompt's data source (a dataset's; else "")
 
 
 @dataclass
@@ -92,7 +93,7 @@ class Judge:
             out.reward_mismatch[group.sampler_id] += 1
         out.verifier_errors += ruling.verifier_errors
         out.generated_seconds += group.gen_seconds
-        return await self._check_sampling(Admitted(group, ruling.rewards, content, ruling.reward_mismatch), out)
+        return await self._check_sampling(Admitted(group, ruling.rewards, content, ruling.reward_mismatch, ruling.source), out)
 
     def _screen(self, group: RolloutGroup, sender: str, version: int, out: Collected) -> str | None:
         """The checks that run no verifier: the group's content hash if it passes them, else None

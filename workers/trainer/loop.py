@@ -25,6 +25,7 @@ from echo.config import EchoConfig
 from echo.consumed import ConsumedSeqs
 from echo.grants import GrantLedger
 from echo.logs import bind_process
+from echo.metrics import step_scalars
 from echo.models import encode_chat
 from echo.referee import Referee
 from echo.tasks import load_task
@@ -33,7 +34,7 @@ from streams.client import Run, open_run, retry_forever
 from streams.credentials import credentials_of
 from streams.inbox import RolloutInbox
 from streams.lease import Lease, take_lease
-from streams.registry import put_learner, read_learner
+from streams.registry import put_learner, read_learner, read_statuses
 from streams.prompts import publish_prompts
 from streams.run_config import publish_run_config
 from streams.weights import WeightsPublisher
@@ -47,6 +48,7 @@ from workers.trainer.quarantine import Quarantined
 from workers.trainer.scoring import ScoringProcess, start_forkserver
 from workers.trainer.model import Ranks, TrainerModel
 from workers.trainer.step import TrainerStep
+from workers.trainer.trackers import Trackers
 
 log = structlog.get_logger()
 
@@ -143,6 +145,16 @@ class Trainer:
         log.info("trainer.ready", run_id=cfg.run.id, mode=cfg.run.mode, model=cfg.model.name, step=state.step,
                  version=state.version, steps=cfg.run.steps, ranks=self.model.ranks.world)
         process_started = time.perf_counter()
+        trackers = await asyncio.to_thread(Trackers, cfg)  # W&B starts a process: seconds
+        try:
+            await self.take_steps(process_started, trackers)
+            await asyncio.to_thread(trackers.finish, summarize(cfg.run_dir))
+        finally:
+            await asyncio.to_thread(trackers.close)
+        await mark_finished(self.run)
+
+    async def take_steps(self, process_started: float, trackers: Trackers) -> None:
+        cfg, state = self.cfg, self.model.state
         with open(cfg.run_dir / "metrics.jsonl", "ab") as metrics_file:
             for number in range(state.step + 1, cfg.run.steps + 1):
                 step = TrainerStep(number, process_started)
@@ -159,8 +171,11 @@ class Trainer:
                     await publish_policy(self.weights, self.model, state.version)
                 with step.phase("account"):
                     record = await self.account(step)
-                write_metrics(metrics_file, record, step)
-        await mark_finished(self.run)
+                record = write_metrics(metrics_file, record, step)
+                if trackers.live:
+                    samplers = await retry_forever("read heartbeats", lambda: read_statuses(self.run))
+                    scalars = step_scalars(record, samplers, sum(self.quarantine.strikes.values()))
+                    await asyncio.to_thread(trackers.log, step.number, scalars)
 
     async def checkpoint(self, step: TrainerStep) -> None:
         """The step, what it consumed and trained, and its metrics, on disk before anything of it is acked."""
@@ -188,13 +203,15 @@ class Trainer:
         return record
 
 
-def write_metrics(metrics_file, record: dict, step: TrainerStep) -> None:
+def write_metrics(metrics_file, record: dict, step: TrainerStep) -> dict:
+    """The step's line in metrics.jsonl, with its phases' times; returns what it wrote."""
     record = {**record, "phase_seconds": {name: round(s, 4) for name, s in step.seconds.items()}}
     metrics_file.write(metrics_line(record))
     metrics_file.flush()
     log.info("step", step=step.number, version=record["version"], reward=round(record["reward_mean"], 3),
              used=record["used"], stale=record["dropped_stale"], busy=f"{record['learner_busy']:.0%}",
              seconds=round(record["step_seconds"], 2))
+    return record
 
 
 async def mark_finished(run: Run) -> None:

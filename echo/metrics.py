@@ -1,0 +1,54 @@
+"""A step's metrics as the scalars experiment trackers log, under the names docs/operations.md
+lists (Watching a run): the step's record (workers/trainer/accounting.py) and the samplers'
+heartbeats, flattened. Pure."""
+
+from __future__ import annotations
+
+from echo.protocol import SamplerStatus
+
+# record key -> tracker name
+STEP_SCALARS = {
+    "reward_mean": "reward/mean", "reward_std": "reward/std",
+    "loss": "loss/policy", "kl": "loss/kl", "entropy": "loss/entropy", "clip_fraction": "loss/clip_fraction",
+    "grad_norm": "loss/grad_norm",
+    "is_ratio_mean": "importance/ratio_mean", "is_ratio_max": "importance/ratio_max",
+    "is_truncated_fraction": "importance/truncated_fraction", "is_masked_fraction": "importance/masked_fraction",
+    "mismatch_kl": "mismatch/kl",
+    "used": "groups/used", "dropped_stale": "groups/dropped_stale", "dropped_tokens": "groups/dropped_tokens",
+    "verifier_errors": "groups/verifier_errors",
+    "learner_busy": "learner/busy", "tokens_per_second": "learner/tokens_per_s", "tokens": "learner/tokens",
+    "step_seconds": "time/step_s", "wait_seconds": "time/wait_s", "train_seconds": "time/train_s",
+}
+# Dicts of counts in the record: each key becomes `<prefix>/<key>`.
+STEP_COUNTS = {
+    "rejected": "groups/rejected", "reward_mismatch": "groups/reward_mismatch", "proof_of_sampling": "proof",
+    "staleness_used": "staleness/used", "staleness_dropped": "staleness/dropped", "reward_by_source": "reward/source",
+    "phase_seconds": "time/phase",
+}
+BROKER_PHASES = ("publish", "account")  # the step's time spent on the broker, beyond the learner's own
+
+
+def step_scalars(record: dict, samplers: list[SamplerStatus] = (), strikes: int = 0) -> dict[str, float]:
+    """The step's scalars: its record's, the broker's overhead, and each sampler's rate, weight
+    sync time and version lag behind the version this step published."""
+    out = {name: float(record[key]) for key, name in STEP_SCALARS.items() if key in record}
+    for key, prefix in STEP_COUNTS.items():
+        out |= {f"{prefix}/{k}": float(v) for k, v in (record.get(key) or {}).items()}
+    out["groups/rejected_total"] = float(sum((record.get("rejected") or {}).values()))
+    used = record.get("staleness_used") or {}
+    if used:
+        out["staleness/mean"] = sum(int(age) * n for age, n in used.items()) / sum(used.values())
+    phases = record.get("phase_seconds") or {}
+    if record.get("train_seconds"):
+        out["broker/overhead_share"] = sum(phases.get(p, 0.0) for p in BROKER_PHASES) / record["train_seconds"]
+    out["quarantine/samplers"] = float(len(record.get("quarantined") or []))
+    out["quarantine/strikes"] = float(strikes)
+    version = record.get("version", 0)
+    for s in samplers:
+        out[f"sampler/{s.sampler_id}/groups_per_s"] = s.groups_per_s
+        out[f"sampler/{s.sampler_id}/tokens_per_s"] = s.tokens_per_s
+        if s.version >= 0:  # it runs a version
+            out[f"sampler/{s.sampler_id}/version_lag"] = float(version - s.version)
+        if s.sync_s:
+            out[f"sampler/{s.sampler_id}/sync_s"] = s.sync_s[max(s.sync_s, key=int)]
+    return out
