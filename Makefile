@@ -8,7 +8,7 @@ ARGS ?=
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: up test install clean test-vllm test-compose bench bench-quick worker
+.PHONY: up test install clean test-vllm test-compose test-browser bench bench-quick worker
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,13 @@ test: install
 # pyproject.toml's extras (tests/test_image.py, in `make test`, catches only a dependency with no wheel).
 test-compose: install
 	images=$$(PY=$(PY) bash compose/local-images.sh) && env $$images $(PY) -m pytest -q --compose tests/test_compose_swarm.py $(ARGS)
+
+# The live status page in headless Chromium (not part of `make test`): Debian's chromium and
+# chromium-driver where missing (apt, as root), selenium into .venv; writes docs/status-page.png.
+test-browser: install
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || apt-get install -y -q chromium chromium-driver
+	$(PIP) install -q 'selenium>=4.20'
+	$(PY) -m pytest -q --browser tests/test_browser.py $(ARGS)
 
 # dist/echo-sampler: a sampler in one file for an edge box with this Python version and torch.
 worker: install

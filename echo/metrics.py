@@ -28,6 +28,12 @@ STEP_COUNTS = {
 BROKER_PHASES = ("publish", "account")  # the step's time spent on the broker, beyond the learner's own
 
 
+def mean_staleness(record: dict) -> float:
+    """The step's trained groups' mean age in versions (0 with none)."""
+    ages = record.get("staleness_used") or {}
+    return sum(int(age) * n for age, n in ages.items()) / max(sum(ages.values()), 1)
+
+
 def step_scalars(record: dict, samplers: list[SamplerStatus] = (), strikes: int = 0) -> dict[str, float]:
     """The step's scalars: its record's, the broker's overhead, and each sampler's rate, weight
     sync time and version lag behind the version this step published."""
@@ -35,9 +41,8 @@ def step_scalars(record: dict, samplers: list[SamplerStatus] = (), strikes: int 
     for key, prefix in STEP_COUNTS.items():
         out |= {f"{prefix}/{k}": float(v) for k, v in (record.get(key) or {}).items()}
     out["groups/rejected_total"] = float(sum((record.get("rejected") or {}).values()))
-    used = record.get("staleness_used") or {}
-    if used:
-        out["staleness/mean"] = sum(int(age) * n for age, n in used.items()) / sum(used.values())
+    if record.get("staleness_used"):
+        out["staleness/mean"] = mean_staleness(record)
     phases = record.get("phase_seconds") or {}
     if record.get("train_seconds"):
         out["broker/overhead_share"] = sum(phases.get(p, 0.0) for p in BROKER_PHASES) / record["train_seconds"]

@@ -452,6 +452,7 @@ class LearnerStatus(_Message):
     accounting: dict[str, int] = {}
     rejected: dict[str, int] = {}
     finished: bool = False  # its last step is trained: status and samplers' heartbeats say so
+    staleness: float = Field(0.0, ge=0)  # the last step's groups: their mean age in versions
 
 
 class Schedule(_Message):

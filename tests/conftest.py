@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import orjson
 import pytest
 import structlog
 import torch
@@ -40,14 +41,21 @@ TINY_BASE = base_model_digest("tiny")  # what weights for the tiny model are ann
 
 def pytest_addoption(parser):
     parser.addoption("--compose", action="store_true", help="run the Docker compose swarm's test (make test-compose)")
+    parser.addoption("--browser", action="store_true", help="run the status page in Chromium (make test-browser)")
+
+
+# Tests that need what `make test` does not install, each run by its own make target.
+OPT_IN = {"compose": "needs Docker and root: make test-compose runs it",
+          "browser": "needs Chromium: make test-browser runs it"}
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--compose"):
-        return
-    for item in items:
-        if "compose" in item.keywords:
-            item.add_marker(pytest.mark.skip(reason="needs Docker and root: make test-compose runs it"))
+    for marker, reason in OPT_IN.items():
+        if config.getoption(f"--{marker}"):
+            continue
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(autouse=True)
@@ -340,3 +348,22 @@ def verl_rows(n: int, answer=lambda i: str(2 * i)) -> list[dict]:
     return [{"data_source": "openai/gsm8k", "ability": "math", "extra_info": {"index": i},
              "prompt": [{"role": "user", "content": f"What is {i} + {i}? Put the answer in \\boxed{{}}."}],
              "reward_model": {"style": "rule", "ground_truth": answer(i)}} for i in range(n)]
+
+
+@contextlib.contextmanager
+def serving(run_dir):
+    """`echo-rl status --serve` on a free port; its URL."""
+    page = subprocess.Popen([sys.executable, "-m", "workers.cli", "status", "--run", str(run_dir), "--serve", "0"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        yield page.stdout.readline().split("serving ")[1].split()[0]
+    finally:
+        page.terminate()
+        page.wait(timeout=30)
+
+
+def next_event(events) -> dict:
+    for line in events:
+        if line.startswith(b"data: "):
+            return orjson.loads(line[len(b"data: "):])
+    raise AssertionError("the event stream ended")

@@ -4,11 +4,13 @@ import signal
 import subprocess
 import sys
 import time
+from urllib.error import HTTPError
+from urllib.request import urlopen
 
 import orjson
 import pytest
 
-from tests.conftest import tiny_config, worker_process
+from tests.conftest import next_event, serving, tiny_config, worker_process
 from tests.swarms import up_command
 
 pytestmark = pytest.mark.slow
@@ -49,6 +51,17 @@ def test_status_shows_the_trainer_and_every_sampler_of_a_live_swarm(tmp_path):
         assert snap["stream"]["messages"] > 0 and snap["relays"] == {"hub": ["s1", "s2"]}
         view = _status(tmp_path / "live")  # the terminal view, printed once
         assert "s1" in view and "s2" in view and "learner busy" in view
+        with serving(tmp_path / "live") as url:  # the live page: its events, each a snapshot
+            assert b"echo-rl status" in urlopen(url).read()
+            with pytest.raises(HTTPError, match="404"):
+                urlopen(url + "../config.toml")  # the page and its two files, nothing else
+            events = urlopen(url + "events", timeout=60)
+            first, later = next_event(events), next_event(events)
+            while later["trainer"]["step"] == first["trainer"]["step"]:
+                later = next_event(events)
+            assert set(later) == {"run_id", "at", "trainer", "samplers", "stream", "relays", "steps"}
+            assert {s["id"] for s in later["samplers"]} == {"s1", "s2"}
+            assert [p["step"] for p in later["steps"]][-1] == later["trainer"]["step"] > first["trainer"]["step"]
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)

@@ -39,6 +39,7 @@ async def snapshot(run: Run) -> dict:
             "rewards": learner.rewards, "learner_busy": learner.utilisation, "step_s": learner.step_s,
             "publish_s": learner.publish_s, "accounting": learner.accounting, "rejected": learner.rejected,
             "seen_s_ago": round(now - learner.updated_at, 1), "finished": learner.finished,
+            "staleness": learner.staleness,
         },
         "samplers": [{
             "id": s.sampler_id, "state": "quarantined" if s.sampler_id in quarantined else s.state,

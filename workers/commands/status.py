@@ -23,6 +23,8 @@ def register(sub) -> None:
     status.add_argument("--tls-ca")
     status.add_argument("--once", action="store_true", help="one snapshot, then exit")
     status.add_argument("--json", action="store_true", help="snapshots as JSON lines (one with --once)")
+    status.add_argument("--serve", metavar="[HOST:]PORT", help="serve a live page of the run instead (HOST "
+                        "defaults to 127.0.0.1: this machine only)")
 
 
 async def status_command(args, url: str, run_id: str, credentials) -> int:
@@ -32,7 +34,12 @@ async def status_command(args, url: str, run_id: str, credentials) -> int:
     run = await open_run(url, run_id, "status", credentials=credentials, create=False, join_wait_s=0,
                          give_up_s=PATIENCE_S)
     try:
-        await watch(run, args.once, args.json, sys.stdout)
+        if args.serve:
+            from workers.status_page import serve_page
+
+            await serve_page(run, args.serve)
+        else:
+            await watch(run, args.once, args.json, sys.stdout)
     finally:
         await run.close()
     return 0

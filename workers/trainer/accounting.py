@@ -18,6 +18,7 @@ import structlog
 
 from echo.checkpoint import TrainerState, read_metrics
 from echo.consumed import ConsumedSeqs
+from echo.metrics import mean_staleness
 from echo.protocol import LearnerStatus
 from streams.client import retry_forever
 from streams.inbox import RolloutInbox
@@ -96,7 +97,7 @@ class RecentSteps:
             step_s=busy / len(self.steps), groups_per_step=self.groups_per_step, max_staleness=self.max_staleness,
             version=version, utilisation=busy / (busy + wait) if busy + wait > 0 else 1.0, updated_at=time.time(),
             step=record["step"], rewards=list(self.rewards), publish_s=record["publish_seconds"],
-            accounting=record["accounting"], rejected=dict(self.rejected))
+            accounting=record["accounting"], rejected=dict(self.rejected), staleness=mean_staleness(record))
         return self.status
 
 

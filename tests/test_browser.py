@@ -1,0 +1,73 @@
+"""The live status page in a real browser (make test-browser: Debian's Chromium and ChromeDriver,
+selenium): during a tiny swarm, the page lists both samplers and its step advances with no reload;
+its screenshot is docs/status-page.png."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.swarms import up_command
+from tests.conftest import serving
+
+pytestmark = pytest.mark.browser
+
+SCREENSHOT = Path(__file__).parent.parent / "docs" / "status-page.png"
+
+
+def chromium(tmp_path):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = "/usr/bin/chromium"
+    # The flags a closed network needs (no background connections), and root's --no-sandbox.
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 f"--user-data-dir={tmp_path / 'chromium'}", "--window-size=1280,900"):
+        options.add_argument(flag)
+    return webdriver.Chrome(options=options, service=Service("/usr/bin/chromedriver"))
+
+
+def wait_for(what, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while not (found := what()):
+        assert time.monotonic() < deadline, "not seen in time"
+        time.sleep(0.2)
+    return found
+
+
+def test_the_live_page_shows_the_samplers_and_its_step_advances_without_a_reload(tmp_path):
+    from selenium.webdriver.common.by import By
+
+    swarm = subprocess.Popen(up_command(tmp_path, "page", 10_000, "sampler.heartbeat_s=0.5"), stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        for line in swarm.stderr:  # a step trained: the trainer's status exists
+            if "step=" in line:
+                break
+        with serving(tmp_path / "page") as url:
+            browser = chromium(tmp_path)
+            try:
+                browser.get(url)
+                rows = wait_for(lambda: len(browser.find_elements(By.CSS_SELECTOR, "#samplers tr")) == 2
+                                and browser.find_elements(By.CSS_SELECTOR, "#samplers tr"))
+                assert {row.get_attribute("data-sampler") for row in rows} == {"s1", "s2"}
+                first = wait_for(lambda: browser.find_element(By.ID, "trainer").text.startswith("step")
+                                 and browser.find_element(By.ID, "trainer").text)
+                later = wait_for(lambda: browser.find_element(By.ID, "trainer").text.split(",")[0]
+                                 != first.split(",")[0] and browser.find_element(By.ID, "trainer").text)
+                assert int(later.split()[1].rstrip(",")) > int(first.split()[1].rstrip(","))
+                assert browser.find_element(By.ID, "connection").text == "live"
+                wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#reward canvas"))  # uPlot drew the chart
+                browser.save_screenshot(str(SCREENSHOT))
+            finally:
+                browser.quit()
+    finally:
+        swarm.send_signal(signal.SIGINT)
+        swarm.wait(timeout=60)
+    assert SCREENSHOT.stat().st_size > 10_000
