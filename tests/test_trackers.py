@@ -98,9 +98,11 @@ def test_a_tracker_that_fails_is_dropped_once_and_the_others_go_on(tmp_path, cap
 
 @pytest.mark.slow
 def test_every_tracker_reads_back_every_step_across_a_trainer_restart(tmp_path):
-    """Two steps, the swarm stopped, then the same run taken to four: one tracker run each."""
-    for steps in (2, 4):
-        done = subprocess.run(up_command(tmp_path, "tracked", steps, ALL), capture_output=True, text=True, timeout=600)
+    """Two steps, the swarm stopped, then the same run taken to four and evaluated: one tracker
+    run each, the held-out scores beside the last step."""
+    for steps, evaluated in ((2, 0), (4, 3)):
+        done = subprocess.run(up_command(tmp_path, "tracked", steps, ALL, f"run.eval_prompts={evaluated}"),
+                              capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         assert "tracker.failed" not in done.stderr and "swarm.tensorboard" in done.stderr  # how to look
     run_dir = tmp_path / "tracked"
@@ -113,3 +115,6 @@ def test_every_tracker_reads_back_every_step_across_a_trainer_restart(tmp_path):
         metrics, runs = mlflow_history(run_dir, name)
         assert sorted(metrics) == steps and runs == 1, name
     assert tensorboard_scalars(run_dir, "groups/used") == {s: 4.0 for s in steps}
+    assert list(tensorboard_scalars(run_dir, "eval/trained_reward")) == [4]
+    assert list(wandb_history(run_dir, "eval/prompts")[0].items()) == [(4, 3.0)]
+    assert list(mlflow_history(run_dir, "eval/base_correct")[0]) == [4]

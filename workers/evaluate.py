@@ -72,4 +72,11 @@ def evaluate_run(run_dir: Path, n: int, overrides: list[str] = (), keep_earlier:
         out = next(p for k in itertools.count(1) if not (p := run_dir / (f"eval-{k}.json" if k > 1 else "eval.json")).exists())
     out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     log.info("eval.done", file=str(out), **result)
+    if cfg.run.trackers:  # beside the steps, in the run's own tracker runs (continued, as by a restarted trainer)
+        from workers.trainer.trackers import Trackers
+
+        trackers = Trackers(cfg)
+        trackers.log(result["version"], {f"eval/{k}": float(v) for k, v in result.items()
+                                         if k not in ("task", "version")})
+        trackers.close()
     return result
