@@ -20,7 +20,7 @@ import orjson
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, ValidationInfo,
                       model_validator)
 
-SCHEMA_VERSION = 15  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
+SCHEMA_VERSION = 16  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
 # 4: the trainer grants work (GrantRequest/Grant), samplers no longer take it from KV;
 # 5: grants are numbered slots: a grant names them, a group carries the one it fills and its epoch;
 # 6: a group names the engine and precision that sampled it; 7: a sampler's heartbeat is its
@@ -36,6 +36,8 @@ SCHEMA_VERSION = 15  # 2: a weights announcement lists shards; 3: and names the 
 # recorded run, and a restarted trainer's unread groups, keep working.
 # 15: a sampler names its process (`incarnation`) in its heartbeat and its requests for work, so
 # that a process restarted under its id is told from its predecessor (whose slots it never saw).
+# 16: the trainer's LearnerStatus names its last step's mean staleness (the live page charts it);
+# schema 15 is read, its staleness 0.
 
 # Run and sampler ids become subject tokens and stream names: keep them to safe characters.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -217,7 +219,7 @@ class PolicyVersion(NamedTuple):
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    schema_version: Literal[15] = SCHEMA_VERSION
+    schema_version: Literal[16] = SCHEMA_VERSION
 
 
 # The validation context of a decoded message, whose arrays _decode_group checked whole (per
@@ -566,7 +568,7 @@ def _json_object(data: bytes) -> dict:
 
 
 # Earlier schemas still read, each as the wire names it renamed: recorded messages outlive a release.
-_UPGRADES: dict[int, dict[str, str]] = {13: {"lease": "slot", "leases": "slots"}, 14: {}}
+_UPGRADES: dict[int, dict[str, str]] = {13: {"lease": "slot", "leases": "slots"}, 14: {}, 15: {}}
 
 
 def _upgraded(raw: dict) -> dict:
