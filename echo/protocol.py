@@ -36,8 +36,8 @@ SCHEMA_VERSION = 16  # 2: a weights announcement lists shards; 3: and names the 
 # recorded run, and a restarted trainer's unread groups, keep working.
 # 15: a sampler names its process (`incarnation`) in its heartbeat and its requests for work, so
 # that a process restarted under its id is told from its predecessor (whose slots it never saw).
-# 16: the trainer's LearnerStatus names its last step's mean staleness (the live page charts it);
-# schema 15 is read, its staleness 0.
+# 16: the trainer's LearnerStatus names its last step's mean staleness and the strikes it counted
+# (the live page shows them); schema 15 is read, with neither.
 
 # Run and sampler ids become subject tokens and stream names: keep them to safe characters.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -455,6 +455,7 @@ class LearnerStatus(_Message):
     rejected: dict[str, int] = {}
     finished: bool = False  # its last step is trained: status and samplers' heartbeats say so
     staleness: float = Field(0.0, ge=0)  # the last step's groups: their mean age in versions
+    strikes: dict[str, int] = {}  # by sampler, counted by this trainer process (quarantine.py)
 
 
 class Schedule(_Message):

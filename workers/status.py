@@ -49,6 +49,7 @@ async def snapshot(run: Run) -> dict:
             "sync_s": round(statistics.fmean(s.sync_s.values()), 3) if s.sync_s else None,
             "cost_per_hour": s.cost_per_hour, "groups_published": s.groups_published,
             "weight_failures": s.weight_failures, "quarantine_reason": quarantined.get(s.sampler_id),
+            "strikes": learner.strikes.get(s.sampler_id, 0) if learner else 0,
             "seen_s_ago": round(now - s.updated_at, 1),
         } for s in samplers],
         "stream": stream,

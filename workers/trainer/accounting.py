@@ -88,7 +88,7 @@ class RecentSteps:
         self.rejected: Counter = Counter()  # by reason, since this trainer started
         self.status: LearnerStatus | None = None  # after the last step
 
-    def add(self, record: dict, version: int) -> LearnerStatus:
+    def add(self, record: dict, version: int, strikes: dict[str, int]) -> LearnerStatus:
         self.steps.append((record["busy_seconds"], record["wait_seconds"]))
         self.rewards.append(record["reward_mean"])
         self.rejected.update(record["rejected"])
@@ -97,7 +97,8 @@ class RecentSteps:
             step_s=busy / len(self.steps), groups_per_step=self.groups_per_step, max_staleness=self.max_staleness,
             version=version, utilisation=busy / (busy + wait) if busy + wait > 0 else 1.0, updated_at=time.time(),
             step=record["step"], rewards=list(self.rewards), publish_s=record["publish_seconds"],
-            accounting=record["accounting"], rejected=dict(self.rejected), staleness=mean_staleness(record))
+            accounting=record["accounting"], rejected=dict(self.rejected), staleness=mean_staleness(record),
+            strikes=strikes)
         return self.status
 
 

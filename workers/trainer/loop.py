@@ -197,7 +197,7 @@ class Trainer:
         state = self.model.state
         state.totals, accounting = await settle(self.inbox, self.collector.consumed, state.totals)
         record = finished_record(step, accounting)
-        status = self.recent.add(record, state.version)
+        status = self.recent.add(record, state.version, dict(self.quarantine.strikes))
         await retry_forever("learner status", lambda: put_learner(self.run, status))
         await retry_forever("run config", lambda: publish_run_config(self.run, self.cfg))  # whatever overwrote it
         return record
