@@ -83,11 +83,11 @@ def read_rows(path: str, split: str = "train", field: str = "task.params.path") 
         else:
             raise ConfigError(f"{field} {path}: not .jsonl, .json, .parquet, .arrow or a saved dataset's "
                               "folder")
+    except ConfigError:
+        raise
     except ImportError:
         raise ConfigError(f"{field} {path}: reading it needs pyarrow (pip install 'echo-rl[full]')") from None
     except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
-        if isinstance(e, ConfigError):
-            raise
         raise ConfigError(f"{field} {path}: not a {where.suffix or 'dataset'} file it can read "
                           f"({str(e).splitlines()[0][:200]})") from None
 
