@@ -54,9 +54,10 @@ def test_the_live_page_shows_the_samplers_and_its_step_advances_without_a_reload
             browser = chromium(tmp_path)
             try:
                 browser.get(url)
-                rows = wait_for(lambda: len(browser.find_elements(By.CSS_SELECTOR, "#samplers tr")) == 2
-                                and browser.find_elements(By.CSS_SELECTOR, "#samplers tr"))
-                assert {row.get_attribute("data-sampler") for row in rows} == {"s1", "s2"}
+                # Read in one script: the page replaces its rows at every event, so a row found by one
+                # call may be gone (stale) by the next.
+                shown = "return [...document.querySelectorAll('#samplers tr')].map(row => row.dataset.sampler)"
+                assert sorted(wait_for(lambda: len(ids := browser.execute_script(shown)) == 2 and ids)) == ["s1", "s2"]
                 first = wait_for(lambda: browser.find_element(By.ID, "trainer").text.startswith("step")
                                  and browser.find_element(By.ID, "trainer").text)
                 later = wait_for(lambda: browser.find_element(By.ID, "trainer").text.split(",")[0]
