@@ -27,11 +27,11 @@ FETCH_RETRY_S = 0.5
 async def publish_prompts(run: Run, manifest: bytes, shards: list[Path]) -> str:
     """Put the shards, then the manifest, unless already stored; the manifest's SHA-256 (hex)."""
     for data in [*(f.read_bytes() for f in shards), manifest]:
-        name = prompts_object_name(hashlib.sha256(data).hexdigest())
+        digest = hashlib.sha256(data).hexdigest()  # the manifest's, last
+        name = prompts_object_name(digest)
         stored = await object_info(run.js, run.names.weights_bucket, name)
-        if stored is None or sha256_hex(stored) != hashlib.sha256(data).hexdigest():
+        if stored is None or sha256_hex(stored) != digest:
             await put_object(run.js, run.names.weights_bucket, name, data)
-    digest = hashlib.sha256(manifest).hexdigest()
     log.info("prompts.published", shards=len(shards), manifest=digest)
     return digest
 
