@@ -66,19 +66,35 @@ MODES = {
     "async S=1": {"trainer": {"max_staleness": 1}},
     "async S=2": {"trainer": {"max_staleness": 2}},
     "async S=4": {"trainer": {"max_staleness": 4}},
+    "async S=8": {"trainer": {"max_staleness": 8}},
+    # The known answer a study with power finds (AReaL's): uncorrected, staleness costs learning.
+    "async S=8 no IS": {"trainer": {"max_staleness": 8, "is_level": "off"}},
 }
+FIVE = ["colocated", "sequential", "async S=1", "async S=2", "async S=4"]
+# Where a run's held-out curve points keep each measure: [step, correct, reward].
+MEASURES = {"correct": 1, "reward": 2}
 # lcm of two numbers up to 20: SmolLM2 starts at 0.19 held out, where the best constant answer
 # gets 0.06 (bench/gym_base.py). Not gcd: "1" is the answer to 0.56 of its held-out problems, and
 # a run learned to give one answer to all (docs/performance.md).
 TASK = {"name": "reasoning_gym:lcm", "params": {"max_value": 20}}
 PRESETS = {
-    "quick": {"model": "tiny", "note": "the tiny random model scores ~0: this run checks the pipeline and the "
-              "modes' pace, not their rewards", "steps": 6, "seeds": 2, "eval_every": 3, "eval_prompts": 40,
+    "quick": {"model": "tiny", "task": TASK, "modes": FIVE, "measure": "correct",
+              "note": "the tiny random model scores ~0: this run checks the pipeline and the modes' pace, not their "
+              "rewards", "steps": 6, "seeds": 2, "eval_every": 3, "eval_prompts": 40,
               "threshold": 0.5, "parallel": 1, "sampling": {"group_size": 4, "max_new_tokens": 12},
               "trainer": {"groups_per_step": 4, "lr": 1e-3}, "lora": {"r": 4, "alpha": 8.0}},
-    "study": {"model": "smollm2", "note": "", "steps": 60, "seeds": 10, "eval_every": 10, "eval_prompts": 160,
+    "study": {"model": "smollm2", "task": TASK, "modes": FIVE, "measure": "correct", "note": "", "steps": 60,
+              "seeds": 10, "eval_every": 10, "eval_prompts": 160,
               "threshold": 0.4, "parallel": 5, "sampling": {"group_size": 8, "max_new_tokens": 32},
               "trainer": {"groups_per_step": 8, "lr": 2e-4}, "lora": {}},
+    # The controlled study (about an hour here): the tiny model, full weights, on a task it learns
+    # from step 0 with partial credit (bench/letters.py: ~0.1 to ~0.9 held-out reward in 40
+    # co-located steps), judged on held-out reward. A learning rate high enough that 8 versions
+    # apart are far apart: at S = 8 nearly every group trained is 8 versions old.
+    "controlled": {"model": "tiny", "task": {"name": "bench.letters:Letters", "params": {}}, "modes": list(MODES),
+                   "measure": "reward", "note": "", "steps": 50, "seeds": 10, "eval_every": 5, "eval_prompts": 64,
+                   "threshold": 0.7, "parallel": 1, "sampling": {"group_size": 8, "max_new_tokens": 8},
+                   "trainer": {"groups_per_step": 8, "lr": 3e-3}, "lora": {"enabled": False}},
 }
 # Stated prices (USD an hour), to turn busy time into cost: an H100 rented on demand for the
 # trainer, a consumer GPU for a sampler. Change them with --trainer-price / --sampler-price.
@@ -95,7 +111,7 @@ def run_config(preset: dict, mode: str, seed: int, runs_dir: Path, overrides: li
         "run": {"id": f"{slug}-seed{seed}", "dir": str(runs_dir), "steps": preset["steps"], "seed": seed,
                 "eval_prompts": 0},
         "model": {"name": preset["model"]},
-        "task": TASK,
+        "task": preset["task"],
         "lora": preset["lora"],
         "sampling": preset["sampling"],
         # Every version kept until the run's curve is scored (then its weights are deleted); the
@@ -182,17 +198,17 @@ class HeldOut:
         return points
 
 
-def area_under(curve: list[list[float]]) -> float:
-    """The held-out curve's mean height over the run (trapezoids over steps): learning early
-    counts as well as learning at all."""
-    area = sum((b[0] - a[0]) * (a[1] + b[1]) / 2 for a, b in itertools.pairwise(curve))
+def area_under(curve: list[list[float]], at: int = MEASURES["correct"]) -> float:
+    """The held-out curve's mean height over the run (trapezoids over steps), of the measure
+    its points keep `at`: learning early counts as well as learning at all."""
+    area = sum((b[0] - a[0]) * (a[at] + b[at]) / 2 for a, b in itertools.pairwise(curve))
     return area / (curve[-1][0] - curve[0][0])
 
 
-def reached(curve: list[list[float]], threshold: float) -> tuple[int, bool]:
-    """(the first step whose held-out accuracy is at least `threshold`, True), or (the last step,
+def reached(curve: list[list[float]], threshold: float, at: int = MEASURES["correct"]) -> tuple[int, bool]:
+    """(the first step whose held-out measure is at least `threshold`, True), or (the last step,
     False): a time to an event, censored where it did not happen."""
-    return next(((step, True) for step, correct, _ in curve[1:] if correct >= threshold), (curve[-1][0], False))
+    return next(((point[0], True) for point in curve[1:] if point[at] >= threshold), (curve[-1][0], False))
 
 
 def logrank_p(a: list[tuple[float, bool]], b: list[tuple[float, bool]]) -> float:
@@ -244,29 +260,49 @@ def _spread(values: list[float]) -> dict:
             "min": min(values), "max": max(values), "values": values}
 
 
-def mode_summary(mode: str, runs: list[dict], base: dict, threshold: float, prices: dict) -> dict:
-    costs = [run_cost(r, mode, prices) for r in runs]
-    gain = statistics.fmean(r["curve"][-1][1] for r in runs) - base["correct"]
+def mode_summary(mode: str, runs: list[dict], base: dict, threshold: float, prices: dict,
+                 measure: str = "correct") -> dict:
+    at, costs = MEASURES[measure], [run_cost(r, mode, prices) for r in runs]
+    gain = statistics.fmean(r["curve"][-1][at] for r in runs) - base[measure]
     return {
         "runs": runs,
-        "reached": sum(reached(r["curve"], threshold)[1] for r in runs),
+        "reached": sum(reached(r["curve"], threshold, at)[1] for r in runs),
         "cost_usd": _spread(costs),
-        # Per percentage point of held-out accuracy over the base model's; none where it gained nothing.
+        # Per percentage point of the held-out measure over the base model's; none where it gained nothing.
         "usd_per_point": statistics.fmean(costs) / (100 * gain) if gain > 0 else None,
-        "final_correct": _spread([r["curve"][-1][1] for r in runs]),
-        "auc": _spread([area_under(r["curve"]) for r in runs]),
+        "final": _spread([r["curve"][-1][at] for r in runs]),
+        "auc": _spread([area_under(r["curve"], at) for r in runs]),
         **{key: _spread([r[key] for r in runs]) for key in (
             "seconds_per_step", "learner_busy", "sampler_busy", "wasted_token_fraction")},
+        "off_policy": off_policy(runs),
     }
 
 
-def verdict(modes: dict, reference: str, other: str, threshold: float) -> dict:
-    """Does `other` differ from `reference` in final held-out accuracy, in the area under the
+def off_policy(runs: list[dict]) -> dict:
+    """How far off-policy a mode trained: the versions between a group's sampling and its step,
+    and the importance ratios and train/inference mismatch the learner measured (each run's
+    mean over its steps, spread over runs; the ratio's max is each run's largest)."""
+    def mean_staleness(run: dict) -> float:
+        used = Counter()
+        for step in run["steps"]:
+            used.update({int(age): n for age, n in step.get("staleness_used", {}).items()})
+        return sum(age * n for age, n in used.items()) / max(sum(used.values()), 1)
+
+    def over_steps(key: str, pick=statistics.fmean) -> list[float]:
+        return [pick(s[key] for s in r["steps"] if key in s) for r in runs if any(key in s for s in r["steps"])]
+
+    measured = {"staleness": [mean_staleness(r) for r in runs], "is_ratio_max": over_steps("is_ratio_max", max),
+                **{key: over_steps(key) for key in ("is_ratio_mean", "is_truncated_fraction", "mismatch_kl")}}
+    return {key: _spread(values) for key, values in measured.items() if values}
+
+
+def verdict(modes: dict, reference: str, other: str, threshold: float, measure: str = "correct") -> dict:
+    """Does `other` differ from `reference` in the final held-out measure, in the area under the
     held-out curve, or in steps to `threshold`? And how much faster per wall-clock second is it?"""
-    a, b = modes[reference]["runs"], modes[other]["runs"]
-    finals = [[r["curve"][-1][1] for r in runs] for runs in (a, b)]
-    areas = [[area_under(r["curve"]) for r in runs] for runs in (a, b)]
-    times = [[reached(r["curve"], threshold) for r in runs] for runs in (a, b)]
+    at, a, b = MEASURES[measure], modes[reference]["runs"], modes[other]["runs"]
+    finals = [[r["curve"][-1][at] for r in runs] for runs in (a, b)]
+    areas = [[area_under(r["curve"], at) for r in runs] for runs in (a, b)]
+    times = [[reached(r["curve"], threshold, at) for r in runs] for runs in (a, b)]
     p = {"final": permutation_p(*finals), "auc": permutation_p(*areas), "threshold": logrank_p(*times)}
     # Every score the same (e.g. the tiny model scoring 0 everywhere): nothing to judge.
     signal = len(set(finals[0] + finals[1])) > 1 or len(set(areas[0] + areas[1])) > 1
@@ -281,13 +317,16 @@ def verdict(modes: dict, reference: str, other: str, threshold: float) -> dict:
 
 def summarize(results: dict) -> dict:
     """Each mode's spreads, costs and the verdicts, computed from the runs (again, after --add)."""
-    runs = results["runs"]
+    runs, measure = results["runs"], results.get("measure", "correct")  # studies before measures: correct
     by_mode = {mode: [r for r in runs if r["mode"] == mode] for mode in MODES}
-    results["modes"] = {mode: mode_summary(mode, rs, results["base"], results["threshold"], results["prices"])
+    results["modes"] = {mode: mode_summary(mode, rs, results["base"], results["threshold"], results["prices"], measure)
                         for mode, rs in by_mode.items() if rs}
-    results["verdict"] = {f"{other} vs {reference}": verdict(results["modes"], reference, other, results["threshold"])
-                          for reference in ("sequential", "colocated") if reference in results["modes"]
-                          for other in results["modes"] if other.startswith("async")}
+    pairs = [(reference, other) for reference in ("sequential", "colocated") if reference in results["modes"]
+             for other in results["modes"] if other.startswith("async")]
+    if {"async S=8", "async S=8 no IS"} <= results["modes"].keys():
+        pairs.append(("async S=8", "async S=8 no IS"))  # what the correction is worth, where it matters most
+    results["verdict"] = {f"{other} vs {reference}": verdict(results["modes"], reference, other, results["threshold"],
+                                                             measure) for reference, other in pairs}
     return results
 
 
@@ -302,7 +341,7 @@ def code_version() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", choices=sorted(PRESETS), default="quick")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of: " + ", ".join(MODES))
+    parser.add_argument("--modes", help="comma-separated, of: " + ", ".join(MODES) + " (the preset's by default)")
     parser.add_argument("--seeds", type=int, help="seeds a mode (the preset's by default)")
     parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
     parser.add_argument("--parallel", type=int, help="runs at once")
@@ -311,6 +350,10 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="every run's config")
     parser.add_argument("--work-dir", help="keep the runs' logs and metrics here (default: a temporary folder)")
     parser.add_argument("--add", action="store_true", help="add to the runs already in the results file")
+    parser.add_argument("--resume", action="store_true", help="add to the results file, running only the planned "
+                        "runs it does not hold yet (a study stopped part way goes on where it stopped)")
+    parser.add_argument("--commit", action="store_true", help="git-commit the results file after every run, so a "
+                        "study that runs in the background of several sessions keeps each run it finished")
     parser.add_argument("--report", action="store_true", help="run nothing: the verdict, table and PNG again "
                         "from the results file")
     parser.add_argument("--out", default=str(results_dir()))
@@ -321,17 +364,20 @@ def main() -> None:
         results = summarize({**orjson.loads(path.read_bytes()), "prices": prices})
         return show(results, path)
     preset = dict(PRESETS[args.preset], **{k: v for k, v in (("seeds", args.seeds), ("parallel", args.parallel)) if v})
-    modes = args.modes.split(",")
+    modes = args.modes.split(",") if args.modes else preset["modes"]
     if unknown := set(modes) - set(MODES):
         parser.error(f"--modes: unknown {sorted(unknown)}; known: {list(MODES)}")
-    results = {"preset": args.preset, "model": preset["model"], "steps": preset["steps"], "task": TASK,
-               "eval_every": preset["eval_every"], "threshold": preset["threshold"], "prices": prices,
-               "note": preset["note"], "runs": []}
-    if args.add:
+    results = {"preset": args.preset, "model": preset["model"], "steps": preset["steps"], "task": preset["task"],
+               "eval_every": preset["eval_every"], "threshold": preset["threshold"], "measure": preset["measure"],
+               "prices": prices, "note": preset["note"], "runs": []}
+    if args.add or (args.resume and path.exists()):
         results = added_to(path, results)
     planned = schedule(modes, range(args.first_seed, args.first_seed + preset["seeds"]))
-    if repeated := {(m, s) for m, s in planned} & {(r["mode"], r["seed"]) for r in results["runs"]}:
-        parser.error(f"already in the results: {sorted(repeated)} (--first-seed)")
+    done = {(r["mode"], r["seed"]) for r in results["runs"]}
+    if args.resume:
+        planned = [run for run in planned if run not in done]
+    elif repeated := set(planned) & done:
+        parser.error(f"already in the results: {sorted(repeated)} (--first-seed, or --resume)")
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work_dir or tmp)
@@ -351,7 +397,10 @@ def main() -> None:
             with writing:  # after each run: a study cut short keeps what it measured
                 results["runs"].append(run)
                 write(summarize(results), path)
-            print(f"{mode} seed {seed}: held-out {run['curve'][-1][1]:.3f}", flush=True)
+                if args.commit:
+                    commit_results(path, f"{args.preset}: {mode} seed {seed}")
+            print(f"{mode} seed {seed}: held-out {results['measure']} "
+                  f"{run['curve'][-1][MEASURES[results['measure']]]:.3f}", flush=True)
 
         with ThreadPoolExecutor(preset["parallel"]) as pool:
             list(pool.map(lambda planned_run: measure(*planned_run), planned))
@@ -361,10 +410,16 @@ def main() -> None:
 def added_to(path: Path, results: dict) -> dict:
     """The runs already in `path`, measured the same way (a device lends 10 minutes a call)."""
     earlier = orjson.loads(path.read_bytes())
-    for key in ("preset", "model", "steps", "task", "eval_every"):
-        if earlier[key] != results[key]:
+    for key in ("preset", "model", "steps", "task", "eval_every", "measure"):
+        if earlier.get(key, "correct" if key == "measure" else None) != results[key]:
             raise SystemExit(f"--add: {path} has {key} {earlier[key]!r}, this run {results[key]!r}")
     return {**earlier, "prices": results["prices"]}
+
+
+def commit_results(path: Path, what: str) -> None:
+    """Commit the results file alone (whatever else the work tree holds), with the run it adds."""
+    subprocess.run(["git", "commit", "--quiet", "-m", f"bench.parity {what}", "--", str(path.resolve())],
+                   cwd=Path(__file__).parent.parent, check=True)
 
 
 def write(results: dict, path: Path) -> None:
@@ -390,20 +445,21 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    measure = results.get("measure", "correct")
     fig, (held, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
     for mode, m in results["modes"].items():
         runs = m["runs"]
-        steps = [step for step, _, _ in runs[0]["curve"]]
-        correct = [[r["curve"][i][1] for r in runs] for i in range(len(steps))]
-        line, = held.plot(steps, [statistics.fmean(c) for c in correct], marker="o", label=f"{mode} ({len(runs)})")
-        held.fill_between(steps, [min(c) for c in correct], [max(c) for c in correct], alpha=0.12,
+        steps = [point[0] for point in runs[0]["curve"]]
+        scores = [[r["curve"][i][MEASURES[measure]] for r in runs] for i in range(len(steps))]
+        line, = held.plot(steps, [statistics.fmean(c) for c in scores], marker="o", label=f"{mode} ({len(runs)})")
+        held.fill_between(steps, [min(c) for c in scores], [max(c) for c in scores], alpha=0.12,
                           color=line.get_color())
         last = min(len(r["steps"]) for r in runs)
         seconds = [statistics.fmean(r["steps"][i]["wall_seconds"] for r in runs) for i in range(last)]
         rewards = [statistics.fmean(r["steps"][i]["reward_mean"] for r in runs) for i in range(last)]
         by_time.plot(seconds, rewards, label=mode, color=line.get_color())
     held.axhline(results["threshold"], color="grey", linestyle=":", linewidth=1)
-    held.set(xlabel="step", ylabel="held-out accuracy (mean over seeds, band: min-max)")
+    held.set(xlabel="step", ylabel=f"held-out {measure} (mean over seeds, band: min-max)")
     by_time.set(xlabel="wall-clock seconds (mean over seeds)", ylabel="training reward (mean over seeds)")
     held.legend()
     fig.suptitle(f"{results['model']} on {results['task']['name']}: {results['steps']} steps, "
@@ -413,15 +469,19 @@ def plot(results: dict, path: Path) -> None:
 
 
 def table(results: dict) -> str:
-    rows = ["| mode | seeds | held-out final | area under curve | reached threshold | s/step | learner busy "
-            "| sampler busy | tokens wasted | USD a run | USD a point |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [f"| mode | seeds | held-out {results.get('measure', 'correct')} final | area under curve "
+            "| reached threshold | s/step | learner busy | sampler busy | tokens wasted | staleness trained "
+            "| IS ratio mean (max) | mismatch KL | USD a run | USD a point |",
+            "| --- " * 14 + "|"]
     for mode, m in results["modes"].items():
         per_point = f"{m['usd_per_point']:.4f}" if m["usd_per_point"] is not None else "no gain"
-        rows.append(f"| {mode} | {len(m['runs'])} | {m['final_correct']['mean']:.3f} ± {m['final_correct']['std']:.3f} "
+        off = m["off_policy"]
+        rows.append(f"| {mode} | {len(m['runs'])} | {m['final']['mean']:.3f} ± {m['final']['std']:.3f} "
                     f"| {m['auc']['mean']:.3f} ± {m['auc']['std']:.3f} | {m['reached']} of {len(m['runs'])} "
                     f"| {m['seconds_per_step']['mean']:.2f} | {m['learner_busy']['mean']:.2f} "
                     f"| {m['sampler_busy']['mean']:.2f} | {m['wasted_token_fraction']['mean']:.3f} "
+                    f"| {off['staleness']['mean']:.2f} | {_of(off, 'is_ratio_mean', 'mean')} "
+                    f"({_of(off, 'is_ratio_max', 'max')}) | {_of(off, 'mismatch_kl', 'mean', '.2g')} "
                     f"| {m['cost_usd']['mean']:.4f} | {per_point} |")
     base = results["base"]
     rows.append(f"\nbase model: correct {base['correct']:.3f}, reward {base['reward']:.3f} on {base['prompts']} "
@@ -433,6 +493,10 @@ def table(results: dict) -> str:
              f"{v['speed_vs_reference']:.2f}x the steps per second"
              for name, v in results["verdict"].items()]
     return "\n".join(rows)
+
+
+def _of(measured: dict, key: str, stat: str, form: str = ".3f") -> str:
+    return format(measured[key][stat], form) if key in measured else "-"
 
 
 if __name__ == "__main__":

@@ -99,8 +99,9 @@ class TrainerConfig(_Section):
     kl_coef: float = Field(0.0, ge=0)  # KL penalty to the base model (the adapter switched off); 0: none
     max_grad_norm: float = Field(1.0, gt=0)  # gradients clipped to this norm
     # Off-policy correction: truncated importance weights pi_old / mu, capped at is_cap;
-    # "sequence" also leaves out whole sequences whose mean ratio is beyond the cap.
-    is_level: Literal["token", "sequence"] = "token"
+    # "sequence" also leaves out whole sequences whose mean ratio is beyond the cap; "off" trains
+    # on stale rollouts as if they were fresh (the ratios still measured): a baseline for studies.
+    is_level: Literal["token", "sequence", "off"] = "token"
     is_cap: float = Field(2.0, ge=1.0)  # the importance weights' cap
     max_staleness: int = Field(1, ge=0)  # async: drop rollouts older than version - max_staleness; sequential uses 0
     # A sampler holding slots is dead when its heartbeat has not changed for sampler_dead_after_s,

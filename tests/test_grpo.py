@@ -101,6 +101,15 @@ def test_token_level_truncates_at_the_cap():
     assert stats.mismatch_kl == pytest.approx((2 - math.log(3) + math.log(2) - 0.5) / 3)
 
 
+def test_off_weighs_every_sampled_token_one_and_still_measures_the_ratios():
+    old = torch.log(torch.tensor([[0.9, 0.5, 0.1]]))
+    behaviour = torch.log(torch.tensor([[0.3, 0.5, 0.2]]))  # ratios 3, 1, 0.5
+    mask = torch.tensor([[True, True, False]])
+    weights, stats = importance_weights(old, behaviour, mask, cap=2.0, level="off")
+    assert torch.equal(weights, mask.float())
+    assert stats.ratio_max == pytest.approx(3.0) and stats.truncated_fraction == 0.0  # nothing was cut
+
+
 def test_sequence_level_masks_sequences_too_far_off_policy():
     old = torch.log(torch.tensor([[0.9, 0.9], [0.5, 0.5]]))
     behaviour = torch.log(torch.tensor([[0.1, 0.1], [0.4, 0.6]]))  # sequence 0: ratio 9 throughout

@@ -11,8 +11,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from bench.parity import (MODES, area_under, logrank_p, mode_summary, permutation_p, reached, run_cost, run_summary,
-                          schedule, verdict)
+from bench.letters import Letters
+from bench.parity import (MEASURES, MODES, area_under, logrank_p, mode_summary, off_policy, permutation_p, reached,
+                          run_cost, run_summary, schedule, verdict)
 from tests.conftest import tiny_config
 from workers.trainer.accounting import metrics_line
 
@@ -70,19 +71,21 @@ def test_a_held_out_curve_gives_its_area_and_its_time_to_a_threshold():
 
 
 def test_the_schedule_interleaves_modes_so_none_owns_a_stretch_of_time():
-    modes = list(MODES)
+    modes, n = list(MODES), len(MODES)
     planned = schedule(modes, range(10))
     assert sorted(planned) == sorted((m, s) for m in modes for s in range(10))  # each run once
     for seed in range(10):  # a seed's runs together, then the next seed's
-        assert {m for m, s in planned[5 * seed: 5 * seed + 5]} == set(modes)
+        assert {m for m, s in planned[n * seed: n * seed + n]} == set(modes)
     for mode in modes:  # over as many seeds as modes, a mode is in every position once
-        assert sorted(planned[5 * s: 5 * s + 5].index((mode, s)) for s in range(5)) == [0, 1, 2, 3, 4]
+        assert sorted(planned[n * s: n * s + n].index((mode, s)) for s in range(n)) == list(range(n))
 
 
-def run(final: float, seconds_per_step: float = 1.0, mode: str = "async S=1") -> dict:
-    return {"mode": mode, "curve": [[0, 0.3, 0.3], [10, final, final]], "seconds_per_step": seconds_per_step,
-            "learner_busy": 0.9, "sampler_busy": 0.5, "wasted_token_fraction": 0.0, "wall_seconds": 3600.0,
-            "learner_seconds": 1800.0, "sampler_seconds": 3600.0}
+def run(final: float, seconds_per_step: float = 1.0, mode: str = "async S=1", reward: float | None = None,
+        steps: list[dict] = ()) -> dict:
+    return {"mode": mode, "curve": [[0, 0.3, 0.3], [10, final, final if reward is None else reward]],
+            "seconds_per_step": seconds_per_step, "learner_busy": 0.9, "sampler_busy": 0.5,
+            "wasted_token_fraction": 0.0, "wall_seconds": 3600.0, "learner_seconds": 1800.0, "sampler_seconds": 3600.0,
+            "steps": list(steps)}
 
 
 def modes(finals: dict[str, list[float]]) -> dict:
@@ -108,6 +111,43 @@ def test_ten_seeds_that_all_learn_more_are_not_within_noise():
     v = verdict(modes({"sequential": [0.4] * 5 + [0.5] * 5, "async S=1": [0.8] * 5 + [0.9] * 5}), "sequential",
                 "async S=1", 0.6)
     assert v["within_noise"] is False and v["p_values"]["final"] < 0.001 and v["reached"] == [0, 10]
+
+
+def test_a_study_judged_on_reward_reads_the_reward_of_each_point():
+    # Nobody is ever fully correct; the rewards tell the modes apart.
+    runs = {"colocated": [run(0.0, reward=r) for r in [0.8] * 5 + [0.85] * 5],
+            "async S=8": [run(0.0, reward=r) for r in [0.5] * 5 + [0.55] * 5]}
+    summaries = {name: mode_summary(name, rs, {"correct": 0.0, "reward": 0.1}, 0.7, {"trainer": 2.0, "sampler": 0.5},
+                                    "reward") for name, rs in runs.items()}
+    v = verdict(summaries, "colocated", "async S=8", 0.7, "reward")
+    assert v["within_noise"] is False and v["final_gap"] == pytest.approx(-0.3) and v["reached"] == [10, 0]
+    assert summaries["colocated"]["final"]["mean"] == pytest.approx(0.825)
+    assert area_under(runs["colocated"][0]["curve"], MEASURES["reward"]) == pytest.approx((0.3 + 0.8) / 2)
+    assert verdict(summaries, "colocated", "async S=8", 0.7)["within_noise"] is None  # correct: 0 everywhere
+
+
+def test_how_far_off_policy_a_mode_trained_is_read_from_its_steps():
+    steps = [{"staleness_used": {"8": 3, "7": 1}, "is_ratio_mean": 1.1, "is_ratio_max": 3.0, "mismatch_kl": 0.02},
+             {"staleness_used": {"8": 4}, "is_ratio_mean": 0.9, "is_ratio_max": 5.0, "mismatch_kl": 0.04}]
+    measured = off_policy([run(0.5, steps=steps), run(0.5, steps=steps[:1])])
+    assert measured["staleness"]["values"] == [pytest.approx(63 / 8), pytest.approx(31 / 4)]
+    assert measured["is_ratio_mean"]["values"] == [pytest.approx(1.0), pytest.approx(1.1)]
+    assert measured["is_ratio_max"]["max"] == 5.0 and measured["mismatch_kl"]["mean"] == pytest.approx(0.025)
+    assert "is_truncated_fraction" not in measured  # not measured: left out, not made 0
+
+
+def test_the_controlled_task_gives_partial_credit_near_the_letter_and_full_marks_only_for_it():
+    task = Letters({})
+    prompt = task.prompt(0)
+    letter = prompt.answer
+    assert task.score(letter * 8, prompt).reward == 1.0 and task.score(letter * 8, prompt).correct
+    near = chr(ord(letter) + 1) if letter != "z" else "y"
+    assert 0.95 < task.score(near * 8, prompt).reward < 1.0 and not task.score(near * 8, prompt).correct
+    assert task.score(letter * 4, prompt).reward == 0.5  # half the bytes written
+    assert task.score("\x00" * 8, prompt).reward == 0.0  # far from every letter
+    held_out = {p.messages[-1]["content"] for p in task.held_out(64)}
+    assert len(held_out) == 64 and not held_out & {task.prompt(i).messages[-1]["content"] for i in range(2000)}
+    assert len({p.answer for p in task.held_out(64)}) > 15  # held out by prompt, not by letter: trained letters
 
 
 def test_cost_is_busy_time_at_the_stated_prices_and_a_point_is_a_percent_gained():
@@ -142,14 +182,19 @@ def test_a_runs_summary_keeps_its_pace_and_every_steps_metrics(tmp_path, mode, s
 
 @pytest.mark.slow
 def test_the_study_runs_interleaved_scores_curves_and_keeps_every_run(tmp_path):
-    """The harness end to end on the tiny model (the quick preset, one seed of two modes): each
-    run's held-out curve, metrics, commit and cost in the results, its weights deleted after."""
-    done = subprocess.run([sys.executable, "-m", "bench.parity", "--preset", "quick", "--seeds", "1",
-                           "--modes", "async S=1,colocated", "--out", str(tmp_path), "--work-dir", str(tmp_path / "work")],
-                          cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = orjson.loads((tmp_path / "parity-quick.json").read_bytes())
-    assert [r["mode"] for r in results["runs"]] == ["async S=1", "colocated"]  # in the schedule's order
+    """The harness end to end on the tiny model (the quick preset, one seed of two modes, the
+    second resumed): each run's held-out curve, metrics, commit and cost in the results, its
+    weights deleted after."""
+    def study(modes: str, *more: str) -> dict:
+        done = subprocess.run([sys.executable, "-m", "bench.parity", "--preset", "quick", "--seeds", "1", "--modes",
+                               modes, "--out", str(tmp_path), "--work-dir", str(tmp_path / "work"), *more],
+                              cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return orjson.loads((tmp_path / "parity-quick.json").read_bytes())
+
+    study("colocated")  # a study stopped after its first run...
+    results = study("colocated,async S=1", "--resume")  # ...goes on with the runs it has not made
+    assert [r["mode"] for r in results["runs"]] == ["colocated", "async S=1"]
     for r in results["runs"]:
         assert [point[0] for point in r["curve"]] == [0, 3, 6]
         assert len(r["steps"]) == 6 and all("is_ratio_mean" in s and "grad_norm" in s for s in r["steps"])

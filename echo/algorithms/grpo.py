@@ -82,11 +82,12 @@ def importance_weights(
     token: w_t = min(pi_old(t) / mu(t), cap).
     sequence: the same, and a sequence whose geometric-mean ratio lies outside [1/cap, cap] is
     masked out entirely (its tokens get weight 0): too far off-policy to learn from.
+    off: every token weight 1 (no correction), the ratios' statistics measured all the same.
     """
     maskf = mask.to(old_logprobs.dtype)
     log_ratio = (old_logprobs - behaviour_logprobs) * maskf
     ratio = torch.exp(log_ratio)
-    weights = torch.clamp(ratio, max=cap) * maskf
+    weights = (torch.clamp(ratio, max=cap) if level != "off" else torch.ones_like(ratio)) * maskf
     keep = torch.ones(ratio.shape[0], dtype=torch.bool, device=ratio.device)
     if level == "sequence":
         mean_log_ratio = log_ratio.sum(-1) / maskf.sum(-1).clamp(min=1.0)
@@ -96,7 +97,7 @@ def importance_weights(
     stats = ImportanceStats(
         ratio_mean=float((ratio * maskf).sum() / n),
         ratio_max=float(ratio[mask].max()) if mask.any() else 1.0,
-        truncated_fraction=float(((ratio > cap) & mask).sum() / n),
+        truncated_fraction=float(((ratio > cap) & mask).sum() / n) if level != "off" else 0.0,
         masked_fraction=float((~keep).float().mean()),
         mismatch_kl=float(((ratio - 1 - log_ratio) * maskf).sum() / n),
     )
