@@ -27,6 +27,8 @@ dropped and rejected, reward mismatches, proof-of-sampling results.
     .venv/bin/python -m bench.parity --preset study   # SmolLM2, 10 seeds a mode (a GPU: bench/gpu/parity.sh)
     .venv/bin/python -m bench.parity --preset study --add --first-seed 10 --seeds 2   # more seeds
     .venv/bin/python -m bench.parity --preset study --report   # verdict, table and PNG again
+    .venv/bin/python -m bench.parity --preset controlled       # the staleness study: tiny model, ~1 hour
+    .venv/bin/python -m bench.parity --preset study-cpu --resume --commit   # SmolLM2 across sessions
 
 Writes bench/results/parity-<preset>.json and parity-<preset>.png. (parity-full.json is the
 earlier study: 21 runs on the math task, which SmolLM2 starts at 0.013.)
@@ -87,6 +89,16 @@ PRESETS = {
               "seeds": 10, "eval_every": 10, "eval_prompts": 160,
               "threshold": 0.4, "parallel": 5, "sampling": {"group_size": 8, "max_new_tokens": 32},
               "trainer": {"groups_per_step": 8, "lr": 2e-4}, "lora": {}},
+    # The study shortened to ~10 minutes a run on a 2-core CPU box, to run across sessions (--resume
+    # --commit): half the steps and half the groups a step at twice the learning rate, three modes.
+    # A quarter of the study's samples: on the CPU the study's own run rose from 0.19 only after
+    # step 30 (bench/results/pilot-lcm), so this one can tell a run that collapses or stalls from
+    # one that learns, not the few points the full study could.
+    "study-cpu": {"model": "smollm2", "task": TASK, "modes": ["colocated", "async S=1", "sequential"],
+                  "measure": "correct", "note": "the study shortened for a 2-core CPU box", "steps": 30, "seeds": 10,
+                  "eval_every": 10, "eval_prompts": 160, "threshold": 0.3, "parallel": 1,
+                  "sampling": {"group_size": 8, "max_new_tokens": 32},
+                  "trainer": {"groups_per_step": 4, "lr": 4e-4}, "lora": {}},
     # The controlled study (about an hour here): the tiny model, full weights, on a task it learns
     # from step 0 with partial credit (bench/letters.py: ~0.1 to ~0.9 held-out reward in 40
     # co-located steps), judged on held-out reward. A learning rate high enough that 8 versions
@@ -417,9 +429,10 @@ def added_to(path: Path, results: dict) -> dict:
 
 
 def commit_results(path: Path, what: str) -> None:
-    """Commit the results file alone (whatever else the work tree holds), with the run it adds."""
-    subprocess.run(["git", "commit", "--quiet", "-m", f"bench.parity {what}", "--", str(path.resolve())],
-                   cwd=Path(__file__).parent.parent, check=True)
+    """Commit the results file alone (whatever else the work tree holds) in the repository that
+    holds it, with the run it adds."""
+    for command in (["add", "--"], ["commit", "--quiet", "-m", f"bench.parity {what}", "--"]):  # new the first time
+        subprocess.run(["git", *command, path.name], cwd=path.parent, check=True)
 
 
 def write(results: dict, path: Path) -> None:

