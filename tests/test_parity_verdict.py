@@ -180,10 +180,13 @@ def test_a_runs_summary_keeps_its_pace_and_every_steps_metrics(tmp_path, mode, s
     assert summary["steps"][0]["staleness_used"] == {"0": 3, "1": 1} and summary["steps"][1]["kl"] == 0.002
 
 
-def test_each_run_is_committed_alone_whatever_else_the_work_tree_holds(tmp_path):
+def test_each_run_is_committed_alone_whatever_else_the_work_tree_holds(tmp_path, monkeypatch):
+    for who in ("AUTHOR", "COMMITTER"):  # a box with no git identity of its own
+        monkeypatch.setenv(f"GIT_{who}_NAME", "bench")
+        monkeypatch.setenv(f"GIT_{who}_EMAIL", "bench@localhost")
+
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
-                              capture_output=True, text=True).stdout
+        return subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True, text=True).stdout
 
     git("init", "-q")
     git("commit", "-q", "--allow-empty", "-m", "start")
