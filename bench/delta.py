@@ -1,0 +1,84 @@
+"""Benchmark (issue 47): how small full-weight versions get as sparse deltas between versions.
+
+Trains a full-weight swarm (`echo-rl up`, `lora.enabled = false`, weights published in bf16,
+every version kept) on `make up`'s task, then takes each consecutive pair of its versions as a
+trainer would publish them: the whole version's bytes against the delta's (echo/delta.py; as
+safetensors, and zlib-compressed at level 1), the share of elements changed, the seconds to
+make the delta (the trainer's) and to apply it and check the result's digest (a sampler's), and
+that the rebuilt weights are the version, bit for bit.
+
+    .venv/bin/python -m bench.delta --model smollm2 --steps 20 [--lr 1e-5]
+
+Writes bench/results/delta-<model>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+import safetensors.torch
+
+from bench.common import write_results
+from echo.checkpoint import read_shards, weights_at
+from echo.config import validate_config
+from echo.delta import apply, changed_fraction, digest, encode
+from echo.policy import shards_tensors
+
+
+def train(model: str, steps: int, lr: float, work: Path) -> Path:
+    """A full-weight run's directory, every version kept."""
+    cfg = validate_config({
+        "run": {"id": "delta", "dir": str(work), "steps": steps, "eval_prompts": 0},
+        "model": {"name": model}, "lora": {"enabled": False}, "sampler": {"count": 2},
+        "trainer": {"lr": lr, "publish_dtype": "bfloat16", "keep_versions": steps + 1},
+    })
+    config = work / "delta.toml"
+    config.write_text(cfg.to_toml())
+    with open(work / "up.log", "wb") as log:
+        subprocess.run([sys.executable, "-m", "workers.cli", "up", "--config", str(config), "--log-json"],
+                       stdout=log, stderr=subprocess.STDOUT, check=True, cwd=Path(__file__).parent.parent)
+    return cfg.run_dir
+
+
+def measure_pair(before: dict, after: dict) -> dict:
+    started = time.perf_counter()
+    delta = encode(before, after)
+    data = safetensors.torch.save(delta) if delta else b""
+    encoded = time.perf_counter()
+    rebuilt = apply(before, safetensors.torch.load(data) if data else {})
+    same = digest(rebuilt) == digest(after)
+    applied = time.perf_counter()
+    whole = sum(t.numel() * t.element_size() for t in after.values())
+    return {"whole_bytes": whole, "delta_bytes": len(data), "delta_zlib_bytes": len(zlib.compress(data, 1)),
+            "delta_share": len(data) / whole, "changed_share": changed_fraction(delta, sum(t.numel() for t in after.values())),
+            "encode_seconds": encoded - started, "apply_and_digest_seconds": applied - encoded, "bit_exact": same}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--lr", type=float, default=1e-5, help="full-weight RL's size (LoRA's default is 10x more)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = train(args.model, args.steps, args.lr, Path(tmp))
+        versions = [shards_tensors(read_shards(weights_at(run_dir, v))) for v in range(args.steps + 1)]
+        pairs = [{"version": v, **measure_pair(versions[v - 1], versions[v])} for v in range(1, args.steps + 1)]
+    report = {"model": args.model, "steps": args.steps, "lr": args.lr, "publish_dtype": "bfloat16", "pairs": pairs}
+    path = write_results(f"delta-{args.model}.json", report)
+    print(f"{path}:")
+    for p in pairs:
+        print(f"v{p['version']:>3}: delta {p['delta_share']:.2%} of {p['whole_bytes'] / 2**20:.0f} MiB "
+              f"(zlib {p['delta_zlib_bytes'] / p['whole_bytes']:.2%}), changed {p['changed_share']:.2%}, "
+              f"encode {p['encode_seconds']:.2f} s, apply {p['apply_and_digest_seconds']:.2f} s, "
+              f"bit-exact {p['bit_exact']}")
+
+
+if __name__ == "__main__":
+    main()

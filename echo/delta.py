@@ -1,0 +1,101 @@
+"""Sparse deltas between two versions of full weights, bit for bit: pure, no I/O (issue 47).
+
+Between consecutive RL steps most elements of weights published in bf16 keep their bits (an
+Adam step smaller than half a bf16 unit in the last place leaves the rounding where it was). A
+delta names, per tensor, which elements changed (a bitmask, one bit an element) and their new
+values (the new bits, in the tensor's dtype); anything else is the old version's. Comparison is
+of the bits, not the values: -0.0 against 0.0, or one NaN against another, is a change, so that
+applying a delta reproduces the new version exactly and the digest of the whole (`digest`)
+proves it. A delta is safetensors tensors like a version's shard (`<name>.changed`, uint8,
+`<name>.values`), so it travels, shards and is digest-checked as weights do.
+
+An untrusted delta is checked before it touches anything (`apply` raises DeltaError): every
+tensor it names exists, its mask covers exactly the tensor's elements with no bit past the end,
+and it carries exactly as many values, of the tensor's dtype, as bits set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+
+CHANGED, VALUES = ".changed", ".values"
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a dtype's bits, by its item size
+
+
+class DeltaError(ValueError):
+    """A delta that does not apply to the weights held: the caller fetches a whole version."""
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().view(-1).view(_BITS[tensor.element_size()])
+
+
+def encode(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The delta that turns `old` into `new` (the same names, shapes and dtypes: else DeltaError,
+    and the version goes whole)."""
+    if old.keys() != new.keys():
+        raise DeltaError(f"tensors differ: {sorted(old.keys() ^ new.keys())[:3]}")
+    delta = {}
+    for name, tensor in new.items():
+        before = old[name]
+        if before.shape != tensor.shape or before.dtype != tensor.dtype:
+            raise DeltaError(f"{name}: {tuple(before.shape)} {before.dtype} became {tuple(tensor.shape)} {tensor.dtype}")
+        changed = (_bits(before) != _bits(tensor)).numpy()
+        if not changed.any():
+            continue
+        delta[name + CHANGED] = torch.from_numpy(np.packbits(changed))
+        delta[name + VALUES] = tensor.detach().contiguous().view(-1)[torch.from_numpy(changed)].clone()
+    return delta
+
+
+def apply(old: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`old` with `delta`'s changes, as new tensors (`old` is left as it was: a delta that fails
+    half way leaves the weights held whole). DeltaError for a delta that is not `old`'s."""
+    names = {key.removesuffix(CHANGED) for key in delta if key.endswith(CHANGED)}
+    if unknown := {key for key in delta if key.removesuffix(CHANGED).removesuffix(VALUES) not in names} | (names - old.keys()):
+        raise DeltaError(f"entries for no tensor held: {sorted(unknown)[:3]}")
+    new = dict(old)
+    for name in names:
+        tensor, mask, values = old[name], delta[name + CHANGED], delta.get(name + VALUES)
+        n = tensor.numel()
+        if mask.dtype != torch.uint8 or mask.dim() != 1 or mask.numel() != (n + 7) // 8:
+            raise DeltaError(f"{name}: a mask of {mask.numel()} {mask.dtype} for {n} elements")
+        changed = np.unpackbits(mask.numpy(), count=None)
+        if changed[n:].any():
+            raise DeltaError(f"{name}: changes past its {n} elements")
+        changed = torch.from_numpy(changed[:n].astype(bool))
+        count = int(changed.sum())
+        if values is None or values.dtype != tensor.dtype or values.dim() != 1 or values.numel() != count:
+            got = "none" if values is None else f"{values.numel()} {values.dtype}"
+            raise DeltaError(f"{name}: {count} changes and {got} values (of {tensor.dtype})")
+        flat = tensor.detach().contiguous().view(-1).clone()
+        flat[changed] = values
+        new[name] = flat.view(tensor.shape)
+    return new
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 of the weights as a whole: every tensor's name, dtype, shape and bits, in name
+    order. Two holders of the same digest hold the same weights, however they got them."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().contiguous()
+        h.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
+        h.update(_bits(tensor).numpy().tobytes())
+    return h.hexdigest()
+
+
+def changed_fraction(delta: dict[str, torch.Tensor], total_elements: int) -> float:
+    """The share of all `total_elements` a delta changes."""
+    return sum(t.numel() for key, t in delta.items() if key.endswith(VALUES)) / max(total_elements, 1)
+
+
+def send_whole(version: int, last_whole: int | None, delta_bytes: int, whole_bytes: int, every: int,
+               max_share: float) -> bool:
+    """Whether `version` goes out whole (an anchor) rather than as a delta: the first, every
+    `every` versions after the last anchor (so a late joiner's chain is short), or when the
+    delta would be more than `max_share` of the whole."""
+    return last_whole is None or version - last_whole >= every or delta_bytes > max_share * whole_bytes

@@ -1,0 +1,87 @@
+"""Sparse deltas between full-weight versions (echo/delta.py): bit for bit, and refused whole
+where they do not fit what a sampler holds."""
+
+import pytest
+import torch
+
+from echo.delta import CHANGED, VALUES, DeltaError, apply, changed_fraction, digest, encode, send_whole
+
+
+def versions(seed: int = 0, dtype=torch.bfloat16, lr: float = 1e-5):
+    """Two consecutive versions as a trainer publishes them: fp32 master weights moved by an
+    Adam-sized step (about lr an element), cast to `dtype`."""
+    g = torch.Generator().manual_seed(seed)
+    master = {"embed.weight": torch.randn(512, 64, generator=g) * 0.02, "norm.weight": torch.ones(64),
+              "head.bias": torch.zeros(7)}
+    stepped = {k: v + lr * torch.sign(torch.randn(v.shape, generator=g)) for k, v in master.items()}
+    stepped["norm.weight"][3] = -0.0  # a sign flip of zero is a change of bits, not of value
+    return ({k: v.to(dtype) for k, v in master.items()}, {k: v.to(dtype) for k, v in stepped.items()})
+
+
+def test_a_delta_rebuilds_the_new_version_bit_for_bit_and_is_small_where_little_changed():
+    old, new = versions()
+    delta = encode(old, new)
+    rebuilt = apply(old, delta)
+    assert digest(rebuilt) == digest(new) != digest(old)
+    assert all(torch.equal(rebuilt[k].view(torch.int16), new[k].view(torch.int16)) for k in new)
+    assert "head.bias.changed" in delta  # 0 + 1e-5 is representable: every element moved
+    total = sum(t.numel() for t in new.values())
+    # bf16 keeps 8 bits of mantissa: a 1e-5 step (full-weight RL's size) moves few 0.02-sized weights' bits
+    assert 0 < changed_fraction(delta, total) < 0.3
+    assert sum(t.numel() * t.element_size() for t in delta.values()) < 0.5 * sum(
+        t.numel() * t.element_size() for t in new.values())
+
+
+def test_bits_not_values_decide_what_changed():
+    old = {"w": torch.tensor([0.0, 1.0, float("nan")])}
+    new = {"w": torch.tensor([-0.0, 1.0, float("nan")])}
+    delta = encode(old, new)
+    assert delta["w.values"].numel() == 1  # -0.0 == 0.0 as values, not as bits; NaN's bits kept
+    assert digest(apply(old, delta)) == digest(new)
+    assert encode(new, new) == {}  # nothing changed, nothing sent
+
+
+def test_the_old_weights_are_left_as_they_were():
+    old, new = versions(1)
+    kept = {k: v.clone() for k, v in old.items()}
+    apply(old, encode(old, new))
+    assert digest(old) == digest(kept)
+
+
+@pytest.mark.parametrize("spoil, reason", [
+    (lambda d: d.update({"embed.weight.changed": d["embed.weight.changed"][:-1]}), "a mask of"),
+    (lambda d: d.update({"ghost.changed": torch.zeros(1, dtype=torch.uint8),
+                         "ghost.values": torch.zeros(0, dtype=torch.bfloat16)}), "no tensor held"),
+    (lambda d: d.update({"embed.weight.values": d["embed.weight.values"][1:]}), "values"),
+    (lambda d: d.update({"embed.weight.values": d["embed.weight.values"].float()}), "values"),
+    (lambda d: d.pop("embed.weight.values"), "none values"),
+    (lambda d: d.update({"embed.weight.extra": torch.zeros(1)}), "no tensor held"),
+])
+def test_a_delta_that_does_not_fit_the_weights_held_is_refused_with_a_reason(spoil, reason):
+    old, new = versions(2)
+    delta = encode(old, new)
+    spoil(delta)
+    with pytest.raises(DeltaError, match=reason):
+        apply(old, delta)
+
+
+def test_a_change_past_the_tensors_end_is_refused():
+    old = {"w": torch.zeros(5)}  # 5 elements: one byte of mask, its last 3 bits padding
+    delta = {"w" + CHANGED: torch.tensor([0b00000100], dtype=torch.uint8), "w" + VALUES: torch.ones(1)}
+    with pytest.raises(DeltaError, match="past its 5 elements"):
+        apply(old, delta)
+
+
+def test_tensors_that_changed_shape_or_name_go_whole():
+    old, new = versions(3)
+    with pytest.raises(DeltaError, match="became"):
+        encode(old, {**new, "head.bias": torch.zeros(8, dtype=torch.bfloat16)})
+    with pytest.raises(DeltaError, match="differ"):
+        encode(old, {k: v for k, v in new.items() if k != "head.bias"})
+
+
+def test_a_version_goes_whole_first_every_k_versions_and_when_its_delta_is_large():
+    assert send_whole(1, None, 10, 1000, every=8, max_share=0.5)  # nothing to be a delta of
+    assert not send_whole(2, 1, 10, 1000, every=8, max_share=0.5)
+    assert send_whole(9, 1, 10, 1000, every=8, max_share=0.5)  # a late joiner's chain stays short
+    assert send_whole(3, 1, 600, 1000, every=8, max_share=0.5)  # a delta larger than the share: whole
