@@ -3,10 +3,13 @@ letter the prompt names, eight times, with partial credit for every byte near it
 
 The prompt is a letter and a number that only makes problems many (the held-out tenth, chosen by
 a hash of the prompt, then shares every letter with training). A completion's reward is the
-mean over its first LENGTH bytes of max(0, 1 - |byte - letter| / SCALE): a random byte-level
-model scores ~0.1, a model that writes lowercase letters whatever it is asked ~0.6, and only one
-that reads its prompt reaches 1. So a curve rises from step 0 with no cliff: what the controlled
-staleness study (bench/parity.py --preset controlled) needs to tell modes apart in ~100 steps.
+mean over its first LENGTH bytes of max(0, 1 - |byte - letter| / SCALE). A random byte-level
+model's samples score ~0.1, and the policy's expected reward rises from there as its samples
+close in on the lowercase letters, smoothly, over tens of steps: what the controlled staleness
+study (bench/parity.py --preset controlled) needs to tell modes apart. What it measures is how
+fast the policy's distribution moves, not reading: one middle letter written whatever the prompt
+asks scores ~0.9, so a greedy answer gets there within a few steps, and a run's held-out
+curve is its samples' mean reward (`eval_samples`), not its greedy answers'.
 
     task.name = "bench.letters:Letters"
 """

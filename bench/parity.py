@@ -100,11 +100,13 @@ PRESETS = {
                   "sampling": {"group_size": 8, "max_new_tokens": 32},
                   "trainer": {"groups_per_step": 4, "lr": 4e-4}, "lora": {}},
     # The controlled study (about an hour here): the tiny model, full weights, on a task it learns
-    # from step 0 with partial credit (bench/letters.py: ~0.1 to ~0.9 held-out reward in 40
-    # co-located steps), judged on held-out reward. A learning rate high enough that 8 versions
-    # apart are far apart: at S = 8 nearly every group trained is 8 versions old.
+    # from step 0 with partial credit (bench/letters.py: its samples' reward from ~0.1 to ~0.9 in
+    # 40 co-located steps), judged on the held-out reward of 8 samples a prompt (a greedy answer
+    # saturates within a few steps). A learning rate high enough that 8 versions apart are far
+    # apart: at S = 8 nearly every group trained is 8 versions old.
     "controlled": {"model": "tiny", "task": {"name": "bench.letters:Letters", "params": {}}, "modes": list(MODES),
-                   "measure": "reward", "note": "", "steps": 50, "seeds": 10, "eval_every": 5, "eval_prompts": 64,
+                   "measure": "reward", "note": "held-out reward: the mean of 8 completions sampled a prompt",
+                   "steps": 50, "seeds": 10, "eval_every": 5, "eval_prompts": 64, "eval_samples": 8,
                    "threshold": 0.7, "parallel": 1, "sampling": {"group_size": 8, "max_new_tokens": 8},
                    "trainer": {"groups_per_step": 8, "lr": 3e-3}, "lora": {"enabled": False}},
 }
@@ -184,10 +186,11 @@ def run_summary(cfg: EchoConfig, mode: str) -> dict:
 
 
 class HeldOut:
-    """One engine that scores the base model once, then runs' kept versions, greedy."""
+    """One engine that scores the base model once, then runs' kept versions: greedy, or by
+    `samples` completions a prompt drawn alike for every version."""
 
-    def __init__(self, cfg: EchoConfig, n: int):
-        self.engine, self.task = make_engine(cfg), load_task(cfg.task)
+    def __init__(self, cfg: EchoConfig, n: int, samples: int = 0):
+        self.engine, self.task, self.samples = make_engine(cfg), load_task(cfg.task), samples
         self.prompts = self.task.held_out(n)
         self.batch = 64 if resolve_device(cfg.model.device).type == "cuda" else 16
         self.max_tokens = cfg.sampling.max_new_tokens
@@ -196,7 +199,7 @@ class HeldOut:
         self.base = {"prompts": len(self.prompts), "reward": reward, "correct": correct}
 
     def score(self) -> tuple[float, float]:
-        return held_out_score(self.engine, self.task, self.prompts, self.max_tokens, self.batch)
+        return held_out_score(self.engine, self.task, self.prompts, self.max_tokens, self.batch, self.samples)
 
     def curve(self, run_dir: Path, steps: int, every: int) -> list[list[float]]:
         """[step, held-out correct, held-out reward] at step 0 (the base model) and every `every`
@@ -380,7 +383,8 @@ def main() -> None:
     if unknown := set(modes) - set(MODES):
         parser.error(f"--modes: unknown {sorted(unknown)}; known: {list(MODES)}")
     results = {"preset": args.preset, "model": preset["model"], "steps": preset["steps"], "task": preset["task"],
-               "eval_every": preset["eval_every"], "threshold": preset["threshold"], "measure": preset["measure"],
+               "eval_every": preset["eval_every"], "eval_samples": preset.get("eval_samples", 0),
+               "threshold": preset["threshold"], "measure": preset["measure"],
                "prices": prices, "note": preset["note"], "runs": []}
     if args.add or (args.resume and path.exists()):
         results = added_to(path, results)
@@ -395,7 +399,7 @@ def main() -> None:
         work = Path(args.work_dir or tmp)
         (work / "logs").mkdir(parents=True, exist_ok=True)
         configs = {(m, s): run_config(preset, m, s, work / "runs", args.set) for m, s in planned}
-        held_out = HeldOut(next(iter(configs.values())), preset["eval_prompts"])
+        held_out = HeldOut(next(iter(configs.values())), preset["eval_prompts"], preset.get("eval_samples", 0))
         results["base"] = held_out.base
         writing = threading.Lock()
 
@@ -422,8 +426,9 @@ def main() -> None:
 def added_to(path: Path, results: dict) -> dict:
     """The runs already in `path`, measured the same way (a device lends 10 minutes a call)."""
     earlier = orjson.loads(path.read_bytes())
-    for key in ("preset", "model", "steps", "task", "eval_every", "measure"):
-        if earlier.get(key, "correct" if key == "measure" else None) != results[key]:
+    before_the_key = {"measure": "correct", "eval_samples": 0}  # what a study that did not record it did
+    for key in ("preset", "model", "steps", "task", "eval_every", "eval_samples", "measure"):
+        if earlier.get(key, before_the_key.get(key)) != results[key]:
             raise SystemExit(f"--add: {path} has {key} {earlier[key]!r}, this run {results[key]!r}")
     return {**earlier, "prices": results["prices"]}
 

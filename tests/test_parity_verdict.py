@@ -14,7 +14,9 @@ import pytest
 from bench.letters import Letters
 from bench.parity import (MEASURES, MODES, area_under, commit_results, logrank_p, mode_summary, off_policy,
                           permutation_p, reached, run_cost, run_summary, schedule, verdict)
+from echo.engines import make_engine
 from tests.conftest import tiny_config
+from workers.evaluate import held_out_score
 from workers.trainer.accounting import metrics_line
 
 
@@ -148,6 +150,18 @@ def test_the_controlled_task_gives_partial_credit_near_the_letter_and_full_marks
     held_out = {p.messages[-1]["content"] for p in task.held_out(64)}
     assert len(held_out) == 64 and not held_out & {task.prompt(i).messages[-1]["content"] for i in range(2000)}
     assert len({p.answer for p in task.held_out(64)}) > 15  # held out by prompt, not by letter: trained letters
+
+
+def test_a_held_out_score_by_sampling_draws_alike_for_every_version_scored(tmp_path):
+    cfg = tiny_config(tmp_path, task={"name": "bench.letters:Letters"})
+    engine, task = make_engine(cfg), Letters({})
+    prompts = task.held_out(6)
+
+    def score(samples: int, seed: int = 0) -> float:
+        return held_out_score(engine, task, prompts, 8, batch=4, samples=samples, seed=seed)[0]
+
+    assert score(4) == score(4) != score(4, seed=1)  # the same draws, whoever asks; other draws differ
+    assert score(0) == score(0)  # greedy
 
 
 def test_cost_is_busy_time_at_the_stated_prices_and_a_point_is_a_percent_gained():
