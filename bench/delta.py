@@ -31,11 +31,11 @@ from echo.delta import apply, changed_fraction, digest, encode
 from echo.policy import shards_tensors
 
 
-def train(model: str, steps: int, lr: float, work: Path) -> Path:
+def train(model: str, task: str, steps: int, lr: float, work: Path) -> Path:
     """A full-weight run's directory, every version kept."""
     cfg = validate_config({
         "run": {"id": "delta", "dir": str(work), "steps": steps, "eval_prompts": 0},
-        "model": {"name": model}, "lora": {"enabled": False}, "sampler": {"count": 2},
+        "model": {"name": model}, "task": {"name": task}, "lora": {"enabled": False}, "sampler": {"count": 2},
         "trainer": {"lr": lr, "publish_dtype": "bfloat16", "keep_versions": steps + 1},
     })
     config = work / "delta.toml"
@@ -63,14 +63,15 @@ def measure_pair(before: dict, after: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--task", default="math", help="make up's; the tiny model learns bench.letters:Letters")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=1e-5, help="full-weight RL's size (LoRA's default is 10x more)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        run_dir = train(args.model, args.steps, args.lr, Path(tmp))
+        run_dir = train(args.model, args.task, args.steps, args.lr, Path(tmp))
         versions = [shards_tensors(read_shards(weights_at(run_dir, v))) for v in range(args.steps + 1)]
         pairs = [{"version": v, **measure_pair(versions[v - 1], versions[v])} for v in range(1, args.steps + 1)]
-    report = {"model": args.model, "steps": args.steps, "lr": args.lr, "publish_dtype": "bfloat16", "pairs": pairs}
+    report = {"model": args.model, "task": args.task, "steps": args.steps, "lr": args.lr, "publish_dtype": "bfloat16", "pairs": pairs}
     path = write_results(f"delta-{args.model}.json", report)
     print(f"{path}:")
     for p in pairs:
