@@ -346,10 +346,13 @@ def summarize(results: dict) -> dict:
 
 
 def code_version() -> str:
-    root = Path(__file__).parent.parent
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
-                           text=True).stdout
+    """The commit of the code a run ran (results are not code: a study that commits each run's
+    results with --commit moves HEAD, not the code), and "+changes" if the code has some."""
+    root, code = Path(__file__).parent.parent, [".", ":(exclude)bench/results"]
+    commit = subprocess.run(["git", "log", "-1", "--format=%h", "--", *code], cwd=root, capture_output=True,
+                            text=True).stdout
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *code], cwd=root,
+                           capture_output=True, text=True).stdout
     return commit.strip() + ("+changes" if dirty.strip() else "")
 
 
