@@ -444,7 +444,10 @@ def commit_results(path: Path, what: str) -> None:
 
 
 def write(results: dict, path: Path) -> None:
-    path.write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
+    """The results, each run once: a mode's summary names its runs by seed (summarize makes them
+    again from `runs` when the file is read)."""
+    modes = {mode: {**m, "runs": [r["seed"] for r in m["runs"]]} for mode, m in results.get("modes", {}).items()}
+    path.write_bytes(orjson.dumps({**results, "modes": modes}, option=orjson.OPT_INDENT_2))
 
 
 def show(results: dict, path: Path) -> None:
