@@ -56,7 +56,8 @@ def measure_pair(before: dict, after: dict) -> dict:
     applied = time.perf_counter()
     whole = sum(t.numel() * t.element_size() for t in after.values())
     return {"whole_bytes": whole, "delta_bytes": len(data), "delta_zlib_bytes": len(zlib.compress(data, 1)),
-            "delta_share": len(data) / whole, "changed_share": changed_fraction(delta, sum(t.numel() for t in after.values())),
+            "delta_share": len(data) / whole,
+            "changed_share": changed_fraction(delta, sum(t.numel() for t in after.values())),
             "encode_seconds": encoded - started, "apply_and_digest_seconds": applied - encoded, "bit_exact": same}
 
 
@@ -71,7 +72,8 @@ def main() -> None:
         run_dir = train(args.model, args.task, args.steps, args.lr, Path(tmp))
         versions = [shards_tensors(read_shards(weights_at(run_dir, v))) for v in range(args.steps + 1)]
         pairs = [{"version": v, **measure_pair(versions[v - 1], versions[v])} for v in range(1, args.steps + 1)]
-    report = {"model": args.model, "task": args.task, "steps": args.steps, "lr": args.lr, "publish_dtype": "bfloat16", "pairs": pairs}
+    report = {"model": args.model, "task": args.task, "steps": args.steps, "lr": args.lr, "publish_dtype": "bfloat16",
+              "pairs": pairs}
     path = write_results(f"delta-{args.model}.json", report)
     print(f"{path}:")
     for p in pairs:

@@ -42,7 +42,8 @@ def encode(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[s
     for name, tensor in new.items():
         before = old[name]
         if before.shape != tensor.shape or before.dtype != tensor.dtype:
-            raise DeltaError(f"{name}: {tuple(before.shape)} {before.dtype} became {tuple(tensor.shape)} {tensor.dtype}")
+            raise DeltaError(f"{name}: {tuple(before.shape)} {before.dtype} became "
+                             f"{tuple(tensor.shape)} {tensor.dtype}")
         changed = (_bits(before) != _bits(tensor)).numpy()
         if not changed.any():
             continue
@@ -55,7 +56,8 @@ def apply(old: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) -> dict[
     """`old` with `delta`'s changes, as new tensors (`old` is left as it was: a delta that fails
     half way leaves the weights held whole). DeltaError for a delta that is not `old`'s."""
     names = {key.removesuffix(CHANGED) for key in delta if key.endswith(CHANGED)}
-    if unknown := {key for key in delta if key.removesuffix(CHANGED).removesuffix(VALUES) not in names} | (names - old.keys()):
+    strays = {key for key in delta if key.removesuffix(CHANGED).removesuffix(VALUES) not in names}
+    if unknown := strays | (names - old.keys()):
         raise DeltaError(f"entries for no tensor held: {sorted(unknown)[:3]}")
     new = dict(old)
     for name in names:

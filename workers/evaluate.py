@@ -37,7 +37,8 @@ def held_out_score(engine, task, prompts, max_tokens: int, batch: int = 8, sampl
                 scores += [(e.reward, e.reward >= 1.0 - 1e-9) for played in episodes for e in played]
             else:
                 outputs = engine.generate(ids, n, greedy=greedy, seed=draw)
-                scores += [(s.reward, s.correct) for out, p in zip(outputs, chunk) for s in (task.score(o.text, p) for o in out)]
+                scores += [(s.reward, s.correct) for out, p in zip(outputs, chunk)
+                           for s in (task.score(o.text, p) for o in out)]
             progress.advance(len(chunk))
     return sum(r for r, _ in scores) / len(scores), sum(c for _, c in scores) / len(scores)
 

@@ -87,7 +87,8 @@ def importance_weights(
     maskf = mask.to(old_logprobs.dtype)
     log_ratio = (old_logprobs - behaviour_logprobs) * maskf
     ratio = torch.exp(log_ratio)
-    weights = (torch.clamp(ratio, max=cap) if level != "off" else torch.ones_like(ratio)) * maskf
+    corrected = level != "off"
+    weights = (torch.clamp(ratio, max=cap) if corrected else torch.ones_like(ratio)) * maskf
     keep = torch.ones(ratio.shape[0], dtype=torch.bool, device=ratio.device)
     if level == "sequence":
         mean_log_ratio = log_ratio.sum(-1) / maskf.sum(-1).clamp(min=1.0)
@@ -97,7 +98,7 @@ def importance_weights(
     stats = ImportanceStats(
         ratio_mean=float((ratio * maskf).sum() / n),
         ratio_max=float(ratio[mask].max()) if mask.any() else 1.0,
-        truncated_fraction=float(((ratio > cap) & mask).sum() / n) if level != "off" else 0.0,
+        truncated_fraction=float(((ratio > cap) & mask).sum() / n) if corrected else 0.0,
         masked_fraction=float((~keep).float().mean()),
         mismatch_kl=float(((ratio - 1 - log_ratio) * maskf).sum() / n),
     )
