@@ -18,16 +18,20 @@ import contextlib
 import os
 import shutil
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import orjson
+import safetensors
+import safetensors.torch
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from echo import delta
 from echo.protocol import RolloutGroup
 from echo.referee import completion_keys
 
@@ -136,6 +140,43 @@ def weights_at(run_dir: Path, version: int) -> list[Path]:
 def read_shards(files: list[Path]) -> list[bytearray]:
     """A version's shard files as an engine loads them (writable: tensors are views of them)."""
     return [bytearray(f.read_bytes()) for f in files]
+
+
+def version_files(run_dir: Path, version: int) -> list[Path]:
+    """A version's shard files in the run directory, in shard order ([] once pruned)."""
+    return sorted((run_dir / "weights").glob(f"v{version:06d}-*.safetensors"))
+
+
+class _OnDisk(Mapping):
+    """The tensors of safetensors files, each read when asked for: a version's digest is taken
+    without holding it whole a second time."""
+
+    def __init__(self, files: list[Path]):
+        self.handles = {name: handle for handle in (safetensors.safe_open(f, "pt") for f in files)
+                        for name in handle.keys()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.handles[name].get_tensor(name)
+
+    def __iter__(self):
+        return iter(self.handles)
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+
+def weights_digest(files: list[Path]) -> str:
+    """echo/delta.py's digest of the version in `files` (what a sampler holding it computes)."""
+    return delta.digest(_OnDisk(files))
+
+
+def delta_shards(old_files: list[Path], new_files: list[Path]) -> list[bytes]:
+    """Each shard of the new version as a packed delta against the old version's shard of the
+    same index (DeltaError when the two are not sharded alike)."""
+    if len(old_files) != len(new_files):
+        raise delta.DeltaError(f"{len(old_files)} shards became {len(new_files)}")
+    return [delta.pack(delta.encode(safetensors.torch.load_file(old), safetensors.torch.load_file(new)))
+            for old, new in zip(old_files, new_files)]
 
 
 def prune_weights(run_dir: Path, oldest_kept: int) -> None:

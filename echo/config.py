@@ -14,7 +14,7 @@ from typing import Any, Literal
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from echo.protocol import HUB_DOMAIN, ID_PATTERN, Storage
+from echo.protocol import HUB_DOMAIN, ID_PATTERN, MAX_CHAIN, Storage
 
 
 class ConfigError(ValueError):
@@ -135,6 +135,12 @@ class TrainerConfig(_Section):
     # What published weights are stored as (samplers cast on load): bf16 halves the bytes on the
     # wire, at a rounding of the trained fp32 weights that the importance weights correct for.
     publish_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Full weights go as a sparse delta against the version before (echo/delta.py; in bf16 most
+    # elements keep their bits from one step to the next), with the whole weights (an anchor)
+    # every delta_every versions, and whenever a delta would be more than delta_max_share of the
+    # whole. 0: always whole. A LoRA adapter always goes whole.
+    delta_every: int = Field(10, ge=0, le=MAX_CHAIN)
+    delta_max_share: float = Field(0.5, gt=0, le=1)  # a larger delta goes whole: it would save too little
     ack_wait_s: float = Field(60.0, gt=0)  # a stalled trainer's unacked groups come back after this
     threads: int = Field(0, ge=0)  # torch threads; 0 leaves torch's default
     # A pause per step on top of training it: a slower learner, for tests and benchmarks of the

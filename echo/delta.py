@@ -9,17 +9,27 @@ applying a delta reproduces the new version exactly and the digest of the whole 
 proves it. A delta is safetensors tensors like a version's shard (`<name>.changed`, uint8,
 `<name>.values`), so it travels, shards and is digest-checked as weights do.
 
-An untrusted delta is checked before it touches anything (`apply` raises DeltaError): every
-tensor it names exists, its mask covers exactly the tensor's elements with no bit past the end,
-and it carries exactly as many values, of the tensor's dtype, as bits set.
+On the wire (`pack`) a delta is that safetensors file compressed with zlib: a sparse mask is
+mostly zero bytes. An untrusted delta is checked before it touches anything (`unpack` and
+`apply` raise DeltaError): it inflates to no more than its caller allows, every tensor it names
+exists, its mask covers exactly the tensor's elements with no bit past the end, and it carries
+exactly as many values, of the tensor's dtype, as bits set.
+
+`route` is the sampler's choice of what to fetch: the deltas after the version it holds, when it
+holds one of the announced chain, else the anchor and every delta after it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import zlib
+from collections.abc import Mapping
 
 import numpy as np
+import safetensors.torch
 import torch
+
+from echo.protocol import WeightsAnnouncement, WeightsLink
 
 CHANGED, VALUES = ".changed", ".values"
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a dtype's bits, by its item size
@@ -79,7 +89,36 @@ def apply(old: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) -> dict[
     return new
 
 
-def digest(tensors: dict[str, torch.Tensor]) -> str:
+def pack(delta: dict[str, torch.Tensor]) -> bytes:
+    """A delta as one object's bytes: its safetensors file, zlib-compressed."""
+    return zlib.compress(safetensors.torch.save(delta), level=1)
+
+
+def unpack(data: bytes, max_bytes: int) -> dict[str, torch.Tensor]:
+    """A packed delta's tensors; DeltaError if it is not one or would inflate past `max_bytes`
+    (a delta is never much larger than the weights it changes)."""
+    inflater = zlib.decompressobj()
+    try:
+        raw = inflater.decompress(data, max_bytes + 1)
+        if len(raw) > max_bytes or inflater.unconsumed_tail or not inflater.eof:
+            raise DeltaError(f"not a delta of at most {max_bytes} bytes")
+        return safetensors.torch.load(raw)
+    except (zlib.error, safetensors.SafetensorError) as e:
+        raise DeltaError(f"not a packed delta: {e}") from None
+
+
+def route(announcement: WeightsAnnouncement, held: WeightsAnnouncement | None) -> list[WeightsLink]:
+    """The announced version's links to fetch and apply in turn: after the one held (the same
+    trainer's version, with the same digest) when it is in the chain, else from the anchor."""
+    links = announcement.links
+    if held is not None and held.epoch == announcement.epoch and held.digest:
+        for i, link in enumerate(links):
+            if link.version == held.version and link.digest == held.digest:
+                return links[i + 1:]
+    return links
+
+
+def digest(tensors: Mapping[str, torch.Tensor]) -> str:
     """sha256 of the weights as a whole: every tensor's name, dtype, shape and bits, in name
     order. Two holders of the same digest hold the same weights, however they got them."""
     h = hashlib.sha256()

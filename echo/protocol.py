@@ -20,7 +20,7 @@ import orjson
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, ValidationInfo,
                       model_validator)
 
-SCHEMA_VERSION = 16  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
+SCHEMA_VERSION = 17  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
 # 4: the trainer grants work (GrantRequest/Grant), samplers no longer take it from KV;
 # 5: grants are numbered slots: a grant names them, a group carries the one it fills and its epoch;
 # 6: a group names the engine and precision that sampled it; 7: a sampler's heartbeat is its
@@ -38,6 +38,8 @@ SCHEMA_VERSION = 16  # 2: a weights announcement lists shards; 3: and names the 
 # that a process restarted under its id is told from its predecessor (whose slots it never saw).
 # 16: the trainer's LearnerStatus names its last step's mean staleness and the strikes it counted
 # (the live page shows them); schema 15 is read, with neither.
+# 17: a full-weight version may go as a delta against the one before (`delta_of`, with the chain
+# back to its anchor) and names the digest of the whole weights it makes; schema 16 is read.
 
 # Run and sampler ids become subject tokens and stream names: keep them to safe characters.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -219,7 +221,7 @@ class PolicyVersion(NamedTuple):
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    schema_version: Literal[16] = SCHEMA_VERSION
+    schema_version: Literal[17] = SCHEMA_VERSION
 
 
 # The validation context of a decoded message, whose arrays _decode_group checked whole (per
@@ -397,9 +399,27 @@ class WeightsShard(BaseModel):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
+DIGEST = r"^([0-9a-f]{64})?$"  # echo/delta.py::digest, or "" where none is given
+MAX_CHAIN = 64  # links of a delta chain an announcement may name (the trainer sends whole long before)
+
+
+class WeightsLink(BaseModel):
+    """One version of a delta chain: its objects, whole weights (the anchor) or a delta
+    (echo/delta.py) against the version `delta_of`, and the digest of the whole weights it makes."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    version: int = Field(ge=0)
+    shards: list[WeightsShard] = Field(min_length=1)
+    delta_of: int | None = None
+    digest: str = Field("", pattern=DIGEST)
+
+
 class WeightsAnnouncement(_Message):
     """A new policy version: safetensors files, one object each. `lora`: the adapter's tensors
-    (usually one shard); `full`: every parameter of the model, sharded by size."""
+    (usually one shard); `full`: every parameter of the model, sharded by size, or (`delta_of`
+    set) a delta per shard against version `delta_of`, with `chain` the versions from the last
+    whole one (the anchor) up to `delta_of`: a sampler holding none of them rebuilds this one
+    from the anchor. `digest` is that of the whole weights this version makes."""
 
     version: int = Field(ge=0)
     epoch: int = Field(ge=1)  # the announcing trainer's TrainerLease.epoch: versions are ordered within one
@@ -407,6 +427,28 @@ class WeightsAnnouncement(_Message):
     shards: list[WeightsShard] = Field(min_length=1)
     base_model: str  # its content digest (echo/models.py::base_model_digest): any copy matches
     created_at: float
+    digest: str = Field("", pattern=DIGEST)
+    delta_of: int | None = None
+    chain: list[WeightsLink] = Field(default_factory=list, max_length=MAX_CHAIN)
+
+    @model_validator(mode="after")
+    def _a_chain_from_an_anchor(self):
+        if self.delta_of is None:
+            if self.chain:
+                raise ValueError("chain: only a delta names one")
+            return self
+        links = self.links
+        if not self.digest or links[0].delta_of is not None:
+            raise ValueError("delta_of: a delta names its digest, and a chain that begins whole")
+        if any(b.delta_of != a.version or not b.digest for a, b in zip(links, links[1:])):
+            raise ValueError("chain: each link a delta against the one before it, with its digest")
+        return self
+
+    @property
+    def links(self) -> list[WeightsLink]:
+        """The chain and this version, the anchor first."""
+        return [*self.chain, WeightsLink(version=self.version, shards=self.shards, delta_of=self.delta_of,
+                                         digest=self.digest)]
 
     @property
     def size(self) -> int:
@@ -569,7 +611,7 @@ def _json_object(data: bytes) -> dict:
 
 
 # Earlier schemas still read, each as the wire names it renamed: recorded messages outlive a release.
-_UPGRADES: dict[int, dict[str, str]] = {13: {"lease": "slot", "leases": "slots"}, 14: {}, 15: {}}
+_UPGRADES: dict[int, dict[str, str]] = {13: {"lease": "slot", "leases": "slots"}, 14: {}, 15: {}, 16: {}}
 
 
 def _upgraded(raw: dict) -> dict:

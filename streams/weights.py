@@ -13,11 +13,16 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Literal
 
+import safetensors.torch
 import structlog
+import torch
 from nats.js.errors import NotFoundError
 
+from echo import delta
 from echo.logs import Progress
-from echo.protocol import OBJ_HDR_EPOCH, OBJ_HDR_VERSION, PolicyVersion, WeightsAnnouncement, WeightsShard, encode, weights_object_name
+from echo.protocol import (OBJ_HDR_EPOCH, OBJ_HDR_VERSION, PolicyVersion, WeightsAnnouncement, WeightsLink, WeightsShard,
+                           encode, weights_object_name)
+from echo.policy import shards_tensors
 from echo.retention import expired_versions
 from streams.client import BROKER_ERRORS, Run, cancel_until_done, publish_once
 from streams.watch import LatestValue
@@ -43,22 +48,35 @@ class WeightsPublisher:
     def __init__(self, lease: Lease, keep: int = 3, keep_seconds: float = 0.0):
         self.lease, self.run, self.epoch, self.keep, self.keep_seconds = lease, lease.run, lease.epoch, keep, keep_seconds
         self.superseded_at: dict[int, float] | None = None  # version -> when a newer one came (inf: newest)
+        self.chain: list[WeightsLink] = []  # this incarnation's last whole version and the deltas after it
+
+    @property
+    def newest(self) -> WeightsLink | None:
+        """The last version announced (a delta's base), None before the first."""
+        return self.chain[-1] if self.chain else None
 
     async def publish(self, version: int, shards: Iterable[bytes], base_model: str,
-                      kind: Literal["lora", "full"] = "lora") -> WeightsAnnouncement:
+                      kind: Literal["lora", "full"] = "lora", digest: str = "",
+                      delta_of: int | None = None) -> WeightsAnnouncement:
         """Store every shard, then announce them: a sampler never hears of an object not yet
-        complete. Then delete what retention lets go."""
+        complete. Then delete what retention lets go. With `delta_of` (the newest version), the
+        shards are deltas against it, announced with the chain back to the last whole version."""
         run, stored = self.run, []
+        before = [link for link in self.chain if link.version < version]  # a retried publish replaces its own
+        if delta_of is not None and (not before or before[-1].version != delta_of):
+            raise ValueError(f"a delta against version {delta_of}, not the last announced before {version}")
         for index, data in enumerate(shards):
             name = weights_object_name(self.epoch, version, index)
             info = await put_object(run.js, run.names.weights_bucket, name, data,
                                     headers={OBJ_HDR_VERSION: [str(version)], OBJ_HDR_EPOCH: [str(self.epoch)]})
             stored.append(WeightsShard(object_name=name, size=len(data), sha256=sha256_hex(info)))  # hashed while sent
         announcement = WeightsAnnouncement(
-            version=version, epoch=self.epoch, kind=kind, shards=stored, base_model=base_model, created_at=time.time()
+            version=version, epoch=self.epoch, kind=kind, shards=stored, base_model=base_model, created_at=time.time(),
+            digest=digest, delta_of=delta_of, chain=before if delta_of is not None else [],
         )
         await self.lease.held()  # never announced by a trainer that may have been taken over
         await publish_once(run, run.names.weights_subject, encode(announcement))
+        self.chain = announcement.links
         await self._retire(version, time.time())
         return announcement
 
@@ -71,7 +89,8 @@ class WeightsPublisher:
             if older < version and at == math.inf:
                 kept[older] = now
         kept.setdefault(version, math.inf)  # a retried publish of this version is still the newest
-        for old in expired_versions(kept, version, self.keep, self.keep_seconds, now):
+        needed = frozenset(link.version for link in self.chain)
+        for old in expired_versions(kept, version, self.keep, self.keep_seconds, now, needed):
             await self._delete_version(old)
             del kept[old]
 
@@ -100,7 +119,7 @@ class WeightsPublisher:
                 await self.run.weights.delete(info.name)
 
 
-async def fetch_weights(run: Run, announcement: WeightsAnnouncement) -> list[bytearray]:
+async def fetch_weights(run: Run, announcement: WeightsAnnouncement | WeightsLink) -> list[bytearray]:
     """The announced shards' bytes, each checked against the announcement's size and digest as
     well as the object's own info; TransferError (not found, truncated, mismatch) otherwise."""
     shards = []
@@ -111,6 +130,29 @@ async def fetch_weights(run: Run, announcement: WeightsAnnouncement) -> list[byt
                                            shard.size))
             progress.advance(round(shard.size / 2**20))
     return shards
+
+
+async def rebuild(run: Run, announcement: WeightsAnnouncement, tensors: dict[str, torch.Tensor],
+                  links: list[WeightsLink]) -> list[bytearray]:
+    """The announced version's whole weights (one safetensors shard): `tensors` with each of
+    `links`' deltas applied in turn, checked against the announcement's digest. DeltaError for
+    a delta that does not apply or weights that do not make the digest: nothing is kept of them."""
+    inflated_max = 2 * sum(s.size for s in announcement.links[0].shards) + (1 << 20)  # a delta's bound
+    for link in links:
+        for data in await fetch_weights(run, link):
+            tensors = await asyncio.to_thread(_applied, tensors, bytes(data), inflated_max)
+    return [await asyncio.to_thread(_whole_if, tensors, announcement)]
+
+
+def _applied(tensors: dict[str, torch.Tensor], packed: bytes, inflated_max: int) -> dict[str, torch.Tensor]:
+    return delta.apply(tensors, delta.unpack(packed, inflated_max))
+
+
+def _whole_if(tensors: dict[str, torch.Tensor], announcement: WeightsAnnouncement) -> bytearray:
+    """`tensors` as one safetensors shard, if they are the weights `announcement`'s digest names."""
+    if delta.digest(tensors) != announcement.digest:
+        raise delta.DeltaError(f"version {announcement.version}'s rebuilt weights are not its digest")
+    return bytearray(safetensors.torch.save(tensors))
 
 
 class WeightsFollower:
@@ -196,7 +238,7 @@ class WeightsFollower:
         delay, mirror_deadline = RETRY_FIRST_S, time.monotonic() + OBJECT_WAIT_S
         while self._announcements.seq == seq:
             try:
-                return await fetch_weights(self.run, announcement)
+                return await self._fetch_version(announcement)
             except TransferError as e:
                 if e.reason == "not_found" and time.monotonic() < mirror_deadline:
                     await self._sleep_unless_superseded(NOT_YET_MIRRORED_S, seq)
@@ -209,6 +251,25 @@ class WeightsFollower:
             await self._sleep_unless_superseded(delay, seq)
             delay = min(2 * delay, RETRY_MAX_S)
         return None
+
+    async def _fetch_version(self, announcement: WeightsAnnouncement) -> list[bytearray]:
+        """Its whole shards: as published, or (a delta) rebuilt from the weights held when they
+        are in its chain, else from the chain's anchor. TransferError ("bad_delta") when neither
+        makes the digest announced."""
+        if announcement.delta_of is None:
+            return await fetch_weights(self.run, announcement)
+        links = delta.route(announcement, self.ready and self.ready[0])
+        if links[0].delta_of is not None:  # from the weights held
+            try:
+                return await rebuild(self.run, announcement, shards_tensors(self.ready[1]), links)
+            except (delta.DeltaError, TransferError) as e:  # a chain with a gap, a delta not ours: the anchor
+                self.failures["delta_refused"] += 1
+                log.warning("weights.delta_refused", version=announcement.version, reason=str(e))
+        anchor, *chain = announcement.links
+        try:
+            return await rebuild(self.run, announcement, shards_tensors(await fetch_weights(self.run, anchor)), chain)
+        except delta.DeltaError as e:
+            raise TransferError("bad_delta", str(e)) from None
 
     async def _sleep_unless_superseded(self, seconds: float, seq: int) -> None:
         with contextlib.suppress(TimeoutError):

@@ -18,6 +18,7 @@ from echo.protocol import (
     RolloutGroup,
     RunNames,
     WeightsAnnouncement,
+    WeightsLink,
     WeightsShard,
     decode,
     decode_rollout,
@@ -78,6 +79,27 @@ def test_other_messages_round_trip():
     req = PullRequest(request_id="r1", epoch=1, version=2, groups=8)
     assert decode(WeightsAnnouncement, encode(ann)) == ann
     assert decode(PullRequest, encode(req)) == req
+
+
+def test_a_delta_is_announced_with_its_digest_and_a_chain_without_gaps_from_a_whole_version():
+    shard = WeightsShard(object_name="a", size=10, sha256="0" * 64)
+
+    def link(version: int, delta_of: int | None) -> dict:
+        return WeightsLink(version=version, shards=[shard], delta_of=delta_of, digest="a" * 64).model_dump()
+
+    def announced(chain: list[dict], **fields) -> dict:
+        return {"schema_version": 17, "version": 3, "epoch": 1, "kind": "full", "shards": [shard.model_dump()],
+                "base_model": "tiny", "created_at": 1.0, "digest": "b" * 64, "delta_of": 2, "chain": chain} | fields
+
+    ann = decode(WeightsAnnouncement, orjson.dumps(announced([link(0, None), link(1, 0), link(2, 1)])))
+    assert [(k.version, k.delta_of) for k in ann.links] == [(0, None), (1, 0), (2, 1), (3, 2)]
+    assert decode(WeightsAnnouncement, encode(ann)) == ann
+    for chain, fields in [([link(0, None), link(2, 1)], {}),  # a gap: version 1 missing
+                          ([link(1, 0), link(2, 1)], {}),  # no whole version to begin from
+                          ([link(0, None), link(1, 0), link(2, 1)], {"digest": ""}),  # nothing to check it by
+                          ([link(0, None)], {"delta_of": None})]:  # a whole version names no chain
+        with pytest.raises(ProtocolError, match="bad_schema"):
+            decode(WeightsAnnouncement, orjson.dumps(announced(chain, **fields)))
 
 
 def test_names_are_per_run_and_per_sampler():

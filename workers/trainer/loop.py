@@ -27,6 +27,7 @@ from echo.grants import GrantLedger
 from echo.logs import bind_process
 from echo.metrics import step_scalars
 from echo.models import encode_chat
+from echo.protocol import WeightsAnnouncement
 from echo.referee import Referee
 from echo.tasks import load_task
 from echo.tasks.dataset import Dataset, check_prompt_lengths
@@ -168,7 +169,7 @@ class Trainer:
                 with step.phase("checkpoint"):
                     await self.checkpoint(step)
                 with step.phase("publish"):
-                    await publish_policy(self.weights, self.model, state.version)
+                    step.published = await publish_policy(self.weights, self.model, state.version)
                 with step.phase("account"):
                     record = await self.account(step)
                 record = write_metrics(metrics_file, record, step)
@@ -205,7 +206,8 @@ class Trainer:
 
 def write_metrics(metrics_file, record: dict, step: TrainerStep) -> dict:
     """The step's line in metrics.jsonl, with its phases' times; returns what it wrote."""
-    record = {**record, "phase_seconds": {name: round(s, 4) for name, s in step.seconds.items()}}
+    record = {**record, "phase_seconds": {name: round(s, 4) for name, s in step.seconds.items()},
+              "weights": {"bytes": step.published.size, "delta_of": step.published.delta_of}}
     metrics_file.write(metrics_line(record))
     metrics_file.flush()
     log.info("step", step=step.number, version=record["version"], reward=round(record["reward_mean"], 3),
@@ -235,12 +237,17 @@ async def train_in_thread(model: TrainerModel, batch, oldest_version: int) -> di
         raise
 
 
-async def publish_policy(weights: WeightsPublisher, model: TrainerModel, version: int) -> None:
+async def publish_policy(weights: WeightsPublisher, model: TrainerModel, version: int) -> WeightsAnnouncement:
     """Write the version's shards to the run directory (for `echo-rl eval`), then publish them
-    from there (a retry reads them again). Both keep the newest `trainer.keep_versions` versions
-    (the bucket, for `trainer.keep_versions_s` more: what a slow sampler's fetch may take)."""
+    from there (a retry reads them again), or full weights as deltas against the version before.
+    Both keep the newest `trainer.keep_versions` versions (the bucket, for `trainer.keep_versions_s`
+    more: what a slow sampler's fetch may take; and whatever the newest delta is built from)."""
     files = await asyncio.to_thread(model.write_weights, version)
-    await retry_forever("publish weights", lambda: weights.publish(
-        version, (f.read_bytes() for f in files), model.base_model, model.kind), max_delay_s=PUBLISH_RETRY_MAX_S)
+    digest, deltas = await asyncio.to_thread(model.delta_of, version, files, weights.chain)
+    delta_of = weights.newest.version if deltas is not None else None
+    announcement = await retry_forever("publish weights", lambda: weights.publish(
+        version, deltas if deltas is not None else (f.read_bytes() for f in files), model.base_model, model.kind,
+        digest=digest, delta_of=delta_of), max_delay_s=PUBLISH_RETRY_MAX_S)
     await asyncio.to_thread(model.remember, version)
     bind_process(version=version)  # this trainer's log lines name the version it last published
+    return announcement

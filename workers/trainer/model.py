@@ -25,15 +25,17 @@ import torch.distributed as dist
 from peft import PeftModel
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from echo.checkpoint import TrainerState, load_checkpoint, prune_weights, save_checkpoint, weights_file
+from echo.checkpoint import (TrainerState, delta_shards, load_checkpoint, prune_weights, save_checkpoint, version_files,
+                             weights_digest, weights_file)
 from echo.config import ConfigError, EchoConfig
+from echo.delta import DeltaError, send_whole
 from echo.devices import DTYPES, resolve_device, resolve_dtype
 from echo.lifeline import die_with_parent
 from echo.learner import make_optimizer, merge_stats, set_threads, train_step
 from echo.models import base_model_digest, load_model
 from echo.policy import make_policy, weights_kind, weights_shards
 from echo.proof import SamplingProof
-from echo.protocol import RolloutGroup
+from echo.protocol import RolloutGroup, WeightsLink
 
 log = structlog.get_logger()
 
@@ -199,9 +201,28 @@ class TrainerModel:
             if self.ranks.rank == 0:
                 files.append(weights_file(run_dir, version, index))
                 files[-1].write_bytes(data)
-        if self.ranks.rank == 0:
-            prune_weights(run_dir, version - tcfg.keep_versions + 1)
+        if self.ranks.rank == 0:  # and the one before: the next version's delta is against this one
+            prune_weights(run_dir, version - max(tcfg.keep_versions, 2) + 1)
         return files
+
+    def delta_of(self, version: int, files: list[Path], chain: list[WeightsLink]) -> tuple[str, list[bytes] | None]:
+        """The digest of the version in `files`, and (full weights) its shards as deltas against the
+        last version of `chain` (the versions announced since the last whole one), or None when it
+        goes whole: the first this trainer publishes, every `trainer.delta_every`, or a delta
+        larger than `trainer.delta_max_share` of the whole."""
+        tcfg = self.cfg.trainer
+        digest = weights_digest(files)
+        if self.kind != "full" or not chain or tcfg.delta_every == 0:
+            return digest, None
+        try:
+            deltas = delta_shards(version_files(self.cfg.run_dir, chain[-1].version), files)
+        except DeltaError as e:  # sharded otherwise since (a restart with another shard_mb)
+            log.info("weights.whole", version=version, reason=str(e))
+            return digest, None
+        whole = sum(f.stat().st_size for f in files)
+        if send_whole(version, chain[0].version, sum(map(len, deltas)), whole, tcfg.delta_every, tcfg.delta_max_share):
+            return digest, None
+        return digest, deltas
 
     def follow(self) -> None:
         """Ranks other than 0: run rank 0's calls until it says it is done."""

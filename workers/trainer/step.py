@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from echo.protocol import WeightsAnnouncement
 from workers.trainer.intake import Collected
 
 PHASES = ("collect", "train", "checkpoint", "publish", "account")
@@ -27,6 +28,7 @@ class TrainerStep:
     collected: Collected = field(default_factory=Collected)
     stats: dict = field(default_factory=dict)  # the learner's: loss, reward, KL, tokens, ...
     record: dict = field(default_factory=dict)  # the metrics line, checkpointed with the step
+    published: WeightsAnnouncement | None = None  # the version it made, as announced
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -1,0 +1,143 @@
+"""Full weights sent as deltas against a real nats-server (issue 47): the trainer's side
+(echo/checkpoint.py's files, streams/weights.py's publisher) and a sampler's follower, which
+rebuilds each version bit for bit from the weights it holds or from the chain's anchor, and
+refuses whatever does not make the digest announced."""
+
+import asyncio
+
+import pytest
+import safetensors.torch
+import torch
+
+from echo import delta
+from echo.checkpoint import delta_shards, version_files, weights_digest, weights_file
+from echo.policy import shards_tensors
+from streams.lease import take_lease
+from streams.weights import WeightsFollower, WeightsPublisher
+from tests.conftest import TINY_BASE
+
+SHARDS = [("embed", (64, 32)), ("head", (31, 15))]  # one tensor a shard; head's mask has 7 spare bits
+
+
+def versions(n: int, changed: float = 0.05) -> list[dict[str, torch.Tensor]]:
+    """`n` versions of bf16 weights, each changing about `changed` of the elements of the last."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [{name: torch.randn(shape, generator=gen).to(torch.bfloat16) for name, shape in SHARDS}]
+    for _ in range(n - 1):
+        step = {}
+        for name, tensor in weights[-1].items():
+            moved = torch.rand(tensor.shape, generator=gen) < changed
+            step[name] = torch.where(moved, (tensor.float() * 1.5 + 0.1).to(torch.bfloat16), tensor)
+        weights.append(step)
+    return weights
+
+
+def write(run_dir, version: int, tensors: dict[str, torch.Tensor]) -> list:
+    """The version's shard files as the trainer writes them (workers/trainer/model.py)."""
+    (run_dir / "weights").mkdir(parents=True, exist_ok=True)
+    for index, (name, _) in enumerate(SHARDS):
+        weights_file(run_dir, version, index).write_bytes(safetensors.torch.save({name: tensors[name]}))
+    return version_files(run_dir, version)
+
+
+async def publish(publisher: WeightsPublisher, run_dir, version: int, tensors, whole: bool = False, **lie):
+    """What the trainer's publish_policy does, a delta unless `whole` (or the first); `lie`
+    replaces the digest or the deltas."""
+    files = write(run_dir, version, tensors)
+    base = publisher.newest
+    if whole or base is None:
+        return await publisher.publish(version, [f.read_bytes() for f in files], TINY_BASE, "full",
+                                       digest=lie.get("digest", weights_digest(files)))
+    deltas = lie.get("deltas") or delta_shards(version_files(run_dir, base.version), files)
+    return await publisher.publish(version, deltas, TINY_BASE, "full", digest=lie.get("digest", weights_digest(files)),
+                                   delta_of=base.version)
+
+
+def held(follower: WeightsFollower) -> dict[str, torch.Tensor]:
+    return shards_tensors(follower.ready[1])
+
+
+def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return delta.digest(a) == delta.digest(b)
+
+
+async def until_failure(follower: WeightsFollower, reason: str, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while reason not in follower.failures and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.02)
+
+
+async def test_a_follower_rebuilds_each_delta_bit_for_bit_and_a_late_one_from_the_anchor(runs, tmp_path):
+    run = await runs.open("d", "trainer")
+    publisher = WeightsPublisher(await take_lease(run), keep=1)
+    weights = versions(6)
+    follower = await WeightsFollower(await runs.open("d", "early"), TINY_BASE).start()
+    announcements = []
+    for version, tensors in enumerate(weights[:5]):
+        announcements.append(await publish(publisher, tmp_path, version, tensors))
+        await follower.wait_for(version)
+        assert same_bits(held(follower), tensors)
+    assert [a.delta_of for a in announcements] == [None, 0, 1, 2, 3]
+    assert all(a.size < announcements[0].size / 3 for a in announcements[1:])  # 5% changed: a fraction of the whole
+    late = await WeightsFollower(await runs.open("d", "late"), TINY_BASE).start()
+    await late.wait_for(4)  # from the anchor, version 0, and the four deltas after it
+    assert same_bits(held(late), weights[4])
+    assert follower.failures == late.failures == {}
+
+    # The bucket keeps the chain the newest version is built from, whatever `keep` says; a new
+    # anchor lets it go.
+    stored = {info.name for info in await run.weights.list(ignore_deletes=True)}
+    assert stored == {s.object_name for a in announcements for s in a.shards}
+    anchor = await publish(publisher, tmp_path, 5, weights[5], whole=True)
+    await follower.wait_for(5)
+    assert same_bits(held(follower), weights[5])
+    assert {info.name for info in await run.weights.list(ignore_deletes=True)} == {s.object_name for s in anchor.shards}
+    await follower.stop()
+    await late.stop()
+
+
+def past_the_end(deltas: list[bytes]) -> list[bytes]:
+    """The head's delta with a bit set past its tensor's 465 elements (one of its mask's spare
+    bits), and a value for it."""
+    tensors = delta.unpack(deltas[1], 1 << 20)
+    tensors["head.changed"][-1] |= 0x01
+    tensors["head.values"] = torch.cat([tensors["head.values"], tensors["head.values"][:1]])
+    return [deltas[0], delta.pack(tensors)]
+
+
+@pytest.mark.parametrize("lie", ["wrong digest", "bits past the end", "not a delta"])
+async def test_a_delta_that_does_not_make_its_digest_is_refused_and_the_weights_held_kept(runs, tmp_path, lie):
+    run = await runs.open("bad", "trainer")
+    publisher = WeightsPublisher(await take_lease(run))
+    weights = versions(3)
+    follower = await WeightsFollower(await runs.open("bad", "sampler"), TINY_BASE).start()
+    await publish(publisher, tmp_path, 0, weights[0])
+    await follower.wait_for(0)
+    honest = delta_shards(write(tmp_path, 0, weights[0]), write(tmp_path, 1, weights[1]))
+    lies = {"wrong digest": {"digest": "f" * 64}, "bits past the end": {"deltas": past_the_end(honest)},
+            "not a delta": {"deltas": [b"\x78\x9c junk", honest[1]]}}[lie]
+    await publish(publisher, tmp_path, 1, weights[1], **lies)
+    await until_failure(follower, "bad_delta")
+    # Tried from the weights held, then from the anchor: neither makes version 1, so nothing changed.
+    assert follower.failures["delta_refused"] >= 1 and follower.failures["bad_delta"] >= 1
+    assert follower.ready[0].version == 0 and same_bits(held(follower), weights[0])
+    await publish(publisher, tmp_path, 2, weights[2], whole=True)  # the trainer's next anchor is taken
+    await follower.wait_for(2)
+    assert same_bits(held(follower), weights[2])
+    await follower.stop()
+
+
+async def test_weights_held_that_are_not_the_chains_are_rebuilt_from_the_anchor(runs, tmp_path):
+    run = await runs.open("drift", "trainer")
+    publisher = WeightsPublisher(await take_lease(run))
+    weights = versions(3)
+    follower = await WeightsFollower(await runs.open("drift", "sampler"), TINY_BASE).start()
+    for version in (0, 1):
+        await publish(publisher, tmp_path, version, weights[version])
+    await follower.wait_for(1)
+    follower.ready[1][0][-1] ^= 0x01  # the held weights damaged since they were checked (a bit flip)
+    await publish(publisher, tmp_path, 2, weights[2])
+    await follower.wait_for(2)
+    assert same_bits(held(follower), weights[2])
+    assert follower.failures == {"delta_refused": 1}
+    await follower.stop()
