@@ -3,9 +3,10 @@
 Trains a full-weight swarm (`echo-rl up`, `lora.enabled = false`, weights published in bf16,
 every version kept) on `make up`'s task, then takes each consecutive pair of its versions as a
 trainer would publish them: the whole version's bytes against the delta's (echo/delta.py; as
-safetensors, and zlib-compressed at level 1), the share of elements changed, the seconds to
-make the delta (the trainer's) and to apply it and check the result's digest (a sampler's), and
-that the rebuilt weights are the version, bit for bit.
+safetensors, and packed as published: zlib at level 1), the share of elements changed, the
+seconds to make and pack the delta (the trainer's) and to unpack and apply it and check the
+result's digest (a sampler's), and that the rebuilt weights are the version, bit for bit; and what the run's trainer published
+for each version (its metrics: bytes, delta or whole, the publish phase's seconds).
 
     .venv/bin/python -m bench.delta --model smollm2 --steps 20 [--lr 1e-5]
 
@@ -19,15 +20,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 import safetensors.torch
 
 from bench.common import write_results
-from echo.checkpoint import read_shards, weights_at
+from echo.checkpoint import read_metrics, read_shards, weights_at
 from echo.config import validate_config
-from echo.delta import apply, changed_fraction, digest, encode
+from echo.delta import apply, changed_fraction, digest, encode, pack, unpack
 from echo.policy import shards_tensors
 
 
@@ -49,14 +49,14 @@ def train(model: str, task: str, steps: int, lr: float, work: Path) -> Path:
 def measure_pair(before: dict, after: dict) -> dict:
     started = time.perf_counter()
     delta = encode(before, after)
-    data = safetensors.torch.save(delta) if delta else b""
+    packed = pack(delta)
     encoded = time.perf_counter()
-    rebuilt = apply(before, safetensors.torch.load(data) if data else {})
+    whole = sum(t.numel() * t.element_size() for t in after.values())
+    rebuilt = apply(before, unpack(packed, 2 * whole))
     same = digest(rebuilt) == digest(after)
     applied = time.perf_counter()
-    whole = sum(t.numel() * t.element_size() for t in after.values())
-    return {"whole_bytes": whole, "delta_bytes": len(data), "delta_zlib_bytes": len(zlib.compress(data, 1)),
-            "delta_share": len(data) / whole,
+    return {"whole_bytes": whole, "delta_bytes": len(safetensors.torch.save(delta)), "delta_zlib_bytes": len(packed),
+            "delta_share": len(packed) / whole,
             "changed_share": changed_fraction(delta, sum(t.numel() for t in after.values())),
             "encode_seconds": encoded - started, "apply_and_digest_seconds": applied - encoded, "bit_exact": same}
 
@@ -71,14 +71,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = train(args.model, args.task, args.steps, args.lr, Path(tmp))
         versions = [shards_tensors(read_shards(weights_at(run_dir, v))) for v in range(args.steps + 1)]
-        pairs = [{"version": v, **measure_pair(versions[v - 1], versions[v])} for v in range(1, args.steps + 1)]
+        published = {m["version"]: {"published_bytes": m["weights"]["bytes"], "published_delta_of": m["weights"]["delta_of"],
+                                    "publish_seconds": m["phase_seconds"]["publish"]} for m in read_metrics(run_dir)}
+        pairs = [{"version": v, **measure_pair(versions[v - 1], versions[v]), **published[v]}
+                 for v in range(1, args.steps + 1)]
     report = {"model": args.model, "task": args.task, "steps": args.steps, "lr": args.lr, "publish_dtype": "bfloat16",
               "pairs": pairs}
     path = write_results(f"delta-{args.model}.json", report)
     print(f"{path}:")
     for p in pairs:
         print(f"v{p['version']:>3}: delta {p['delta_share']:.2%} of {p['whole_bytes'] / 2**20:.0f} MiB "
-              f"(zlib {p['delta_zlib_bytes'] / p['whole_bytes']:.2%}), changed {p['changed_share']:.2%}, "
+              f"(unpacked {p['delta_bytes'] / p['whole_bytes']:.2%}), changed {p['changed_share']:.2%}, "
               f"encode {p['encode_seconds']:.2f} s, apply {p['apply_and_digest_seconds']:.2f} s, "
               f"bit-exact {p['bit_exact']}")
 

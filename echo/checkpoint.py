@@ -142,11 +142,6 @@ def read_shards(files: list[Path]) -> list[bytearray]:
     return [bytearray(f.read_bytes()) for f in files]
 
 
-def version_files(run_dir: Path, version: int) -> list[Path]:
-    """A version's shard files in the run directory, in shard order ([] once pruned)."""
-    return sorted((run_dir / "weights").glob(f"v{version:06d}-*.safetensors"))
-
-
 class _OnDisk(Mapping):
     """The tensors of safetensors files, each read when asked for: a version's digest is taken
     without holding it whole a second time."""

@@ -257,3 +257,18 @@ def test_full_weight_mode_trains_and_publishes_every_parameter_in_shards(tmp_pat
                    for v in ("v000001", "v000003"))
     assert len(last) > 3 and first != last  # several shards, and training moved them
     assert orjson.loads((tmp_path / "full" / "summary.json").read_bytes())["eval"]["version"] == 3
+
+
+def test_full_weights_go_as_deltas_through_a_relay_and_samplers_run_each_version_bit_for_bit(tmp_path):
+    """Sequential mode, so every version reaches the samplers (through a relay's mirror): each
+    delta's rebuilt weights made the trainer's digest (no weights refused), and every group passed
+    the proof of sampling under the version it names."""
+    metrics, stream, _ = run_swarm(tmp_path, "delta", 5, "run.mode=sequential", "lora.enabled=false",
+                                   "trainer.publish_dtype=bfloat16", "trainer.lr=1e-6", "trainer.delta_every=3",
+                                   "trainer.verify_fraction=1.0", flags=["--relay"])
+    # Version 0 whole (the first), then deltas, whole again at 3 (delta_every), a delta after it.
+    assert [m["weights"]["delta_of"] for m in metrics] == [0, 1, None, 3, 4]
+    whole = metrics[2]["weights"]["bytes"]
+    assert all(m["weights"]["bytes"] < whole / 10 for m in metrics if m["weights"]["delta_of"] is not None)
+    assert sorted(int(r["headers"][HDR_POLICY_VERSION]) for r in stream) == [v for v in range(5) for _ in range(4)]
+    assert metrics[-1]["proof_of_sampling"] == {"passed": sum(m["used"] for m in metrics)}

@@ -10,7 +10,7 @@ import safetensors.torch
 import torch
 
 from echo import delta
-from echo.checkpoint import delta_shards, version_files, weights_digest, weights_file
+from echo.checkpoint import delta_shards, weights_at, weights_digest, weights_file
 from echo.policy import shards_tensors
 from streams.lease import take_lease
 from streams.weights import WeightsFollower, WeightsPublisher
@@ -37,7 +37,7 @@ def write(run_dir, version: int, tensors: dict[str, torch.Tensor]) -> list:
     (run_dir / "weights").mkdir(parents=True, exist_ok=True)
     for index, (name, _) in enumerate(SHARDS):
         weights_file(run_dir, version, index).write_bytes(safetensors.torch.save({name: tensors[name]}))
-    return version_files(run_dir, version)
+    return weights_at(run_dir, version)
 
 
 async def publish(publisher: WeightsPublisher, run_dir, version: int, tensors, whole: bool = False, **lie):
@@ -48,7 +48,7 @@ async def publish(publisher: WeightsPublisher, run_dir, version: int, tensors, w
     if whole or base is None:
         return await publisher.publish(version, [f.read_bytes() for f in files], TINY_BASE, "full",
                                        digest=lie.get("digest", weights_digest(files)))
-    deltas = lie.get("deltas") or delta_shards(version_files(run_dir, base.version), files)
+    deltas = lie.get("deltas") or delta_shards(weights_at(run_dir, base.version), files)
     return await publisher.publish(version, deltas, TINY_BASE, "full", digest=lie.get("digest", weights_digest(files)),
                                    delta_of=base.version)
 

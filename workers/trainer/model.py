@@ -25,7 +25,7 @@ import torch.distributed as dist
 from peft import PeftModel
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from echo.checkpoint import (TrainerState, delta_shards, load_checkpoint, prune_weights, save_checkpoint, version_files,
+from echo.checkpoint import (TrainerState, delta_shards, load_checkpoint, prune_weights, save_checkpoint, weights_at,
                              weights_digest, weights_file)
 from echo.config import ConfigError, EchoConfig
 from echo.delta import DeltaError, send_whole
@@ -215,8 +215,8 @@ class TrainerModel:
         if self.kind != "full" or not chain or tcfg.delta_every == 0:
             return digest, None
         try:
-            deltas = delta_shards(version_files(self.cfg.run_dir, chain[-1].version), files)
-        except DeltaError as e:  # sharded otherwise since (a restart with another shard_mb)
+            deltas = delta_shards(weights_at(self.cfg.run_dir, chain[-1].version), files)
+        except (DeltaError, FileNotFoundError) as e:  # sharded otherwise since, or deleted by hand
             log.info("weights.whole", version=version, reason=str(e))
             return digest, None
         whole = sum(f.stat().st_size for f in files)
