@@ -165,13 +165,20 @@ def weights_digest(files: list[Path]) -> str:
     return delta.digest(_OnDisk(files))
 
 
-def delta_shards(old_files: list[Path], new_files: list[Path]) -> list[bytes]:
+def delta_shards(old_files: list[Path], new_files: list[Path], max_bytes: float) -> list[bytes] | None:
     """Each shard of the new version as a packed delta against the old version's shard of the
-    same index (DeltaError when the two are not sharded alike)."""
+    same index; None as soon as the changed values alone pass `max_bytes` (weights published in
+    fp32 change nearly every element: nothing is packed for them). DeltaError when the two are
+    not sharded alike."""
     if len(old_files) != len(new_files):
         raise delta.DeltaError(f"{len(old_files)} shards became {len(new_files)}")
-    return [delta.pack(delta.encode(safetensors.torch.load_file(old), safetensors.torch.load_file(new)))
-            for old, new in zip(old_files, new_files)]
+    deltas, values = [], 0
+    for old, new in zip(old_files, new_files):
+        deltas.append(delta.encode(safetensors.torch.load_file(old), safetensors.torch.load_file(new)))
+        values += sum(t.numel() * t.element_size() for key, t in deltas[-1].items() if key.endswith(delta.VALUES))
+        if values > max_bytes:
+            return None
+    return [delta.pack(d) for d in deltas]
 
 
 def prune_weights(run_dir: Path, oldest_kept: int) -> None:

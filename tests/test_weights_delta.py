@@ -48,7 +48,7 @@ async def publish(publisher: WeightsPublisher, run_dir, version: int, tensors, w
     if whole or base is None:
         return await publisher.publish(version, [f.read_bytes() for f in files], TINY_BASE, "full",
                                        digest=lie.get("digest", weights_digest(files)))
-    deltas = lie.get("deltas") or delta_shards(weights_at(run_dir, base.version), files)
+    deltas = lie.get("deltas") or delta_shards(weights_at(run_dir, base.version), files, max_bytes=1 << 30)
     return await publisher.publish(version, deltas, TINY_BASE, "full", digest=lie.get("digest", weights_digest(files)),
                                    delta_of=base.version)
 
@@ -113,7 +113,7 @@ async def test_a_delta_that_does_not_make_its_digest_is_refused_and_the_weights_
     follower = await WeightsFollower(await runs.open("bad", "sampler"), TINY_BASE).start()
     await publish(publisher, tmp_path, 0, weights[0])
     await follower.wait_for(0)
-    honest = delta_shards(write(tmp_path, 0, weights[0]), write(tmp_path, 1, weights[1]))
+    honest = delta_shards(write(tmp_path, 0, weights[0]), write(tmp_path, 1, weights[1]), max_bytes=1 << 30)
     lies = {"wrong digest": {"digest": "f" * 64}, "bits past the end": {"deltas": past_the_end(honest)},
             "not a delta": {"deltas": [b"\x78\x9c junk", honest[1]]}}[lie]
     await publish(publisher, tmp_path, 1, weights[1], **lies)
@@ -141,3 +141,15 @@ async def test_weights_held_that_are_not_the_chains_are_rebuilt_from_the_anchor(
     assert same_bits(held(follower), weights[2])
     assert follower.failures == {"delta_refused": 1}
     await follower.stop()
+
+
+def test_a_delta_is_given_up_once_its_changed_values_pass_the_share_allowed(tmp_path):
+    """Weights published in fp32 change in nearly every element each step: the trainer stops
+    encoding as soon as the values alone would pass delta_max_share, and packs nothing."""
+    old, new = versions(2, changed=0.05)
+    files = [write(tmp_path / "a", 0, old), write(tmp_path / "a", 1, new)]
+    whole = sum(f.stat().st_size for f in files[1])
+    assert delta_shards(*files, max_bytes=0.5 * whole) is not None  # 5% changed: ~10% of the whole once packed
+    moved = {name: (t.float() + 1).to(torch.bfloat16) for name, t in old.items()}
+    files = [write(tmp_path / "b", 0, old), write(tmp_path / "b", 1, moved)]
+    assert delta_shards(*files, max_bytes=0.5 * whole) is None

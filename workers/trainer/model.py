@@ -211,16 +211,20 @@ class TrainerModel:
         goes whole: the first this trainer publishes, every `trainer.delta_every`, or a delta
         larger than `trainer.delta_max_share` of the whole."""
         tcfg = self.cfg.trainer
-        digest = weights_digest(files)
-        if self.kind != "full" or not chain or tcfg.delta_every == 0:
+        digest, whole = weights_digest(files), sum(f.stat().st_size for f in files)
+        anchor = chain[0].version if chain else None
+
+        def goes_whole(delta_bytes: int) -> bool:
+            return send_whole(version, anchor, delta_bytes, whole, tcfg.delta_every, tcfg.delta_max_share)
+
+        if self.kind != "full" or tcfg.delta_every == 0 or goes_whole(0):  # whatever its size: an anchor is due
             return digest, None
         try:
-            deltas = delta_shards(weights_at(self.cfg.run_dir, chain[-1].version), files)
+            deltas = delta_shards(weights_at(self.cfg.run_dir, chain[-1].version), files, tcfg.delta_max_share * whole)
         except (DeltaError, FileNotFoundError) as e:  # sharded otherwise since, or deleted by hand
             log.info("weights.whole", version=version, reason=str(e))
             return digest, None
-        whole = sum(f.stat().st_size for f in files)
-        if send_whole(version, chain[0].version, sum(map(len, deltas)), whole, tcfg.delta_every, tcfg.delta_max_share):
+        if deltas is None or goes_whole(sum(map(len, deltas))):
             return digest, None
         return digest, deltas
 
