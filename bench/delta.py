@@ -8,7 +8,7 @@ seconds to make and pack the delta (the trainer's) and to unpack and apply it an
 result's digest (a sampler's), and that the rebuilt weights are the version, bit for bit; and what the run's trainer published
 for each version (its metrics: bytes, delta or whole, the publish phase's seconds).
 
-    .venv/bin/python -m bench.delta --model smollm2 --steps 20 [--lr 1e-5]
+    .venv/bin/python -m bench.delta --model smollm2 --steps 20 [--lr 1e-5] [--from-run DIR]
 
 Writes bench/results/delta-<model>.json.
 """
@@ -67,16 +67,20 @@ def main() -> None:
     parser.add_argument("--task", default="math", help="make up's; the tiny model learns bench.letters:Letters")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=1e-5, help="full-weight RL's size (LoRA's default is 10x more)")
+    parser.add_argument("--from-run", type=Path, help="measure this finished run's kept versions (trained as this "
+                        "bench trains: every version kept), not a new one")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        run_dir = train(args.model, args.task, args.steps, args.lr, Path(tmp))
-        versions = [shards_tensors(read_shards(weights_at(run_dir, v))) for v in range(args.steps + 1)]
+        run_dir = args.from_run or train(args.model, args.task, args.steps, args.lr, Path(tmp))
         published = {m["version"]: {"published_bytes": m["weights"]["bytes"], "published_delta_of": m["weights"]["delta_of"],
                                     "publish_seconds": m["phase_seconds"]["publish"]} for m in read_metrics(run_dir)}
-        pairs = [{"version": v, **measure_pair(versions[v - 1], versions[v]), **published[v]}
-                 for v in range(1, args.steps + 1)]
+        pairs, before = [], shards_tensors(read_shards(weights_at(run_dir, 0)))
+        for v in range(1, args.steps + 1):  # two versions in memory at a time
+            after = shards_tensors(read_shards(weights_at(run_dir, v)))
+            pairs.append({"version": v, **measure_pair(before, after), **published[v]})
+            before = after
     report = {"model": args.model, "task": args.task, "steps": args.steps, "lr": args.lr, "publish_dtype": "bfloat16",
-              "pairs": pairs}
+              "from_run": str(args.from_run) if args.from_run else None, "pairs": pairs}
     path = write_results(f"delta-{args.model}.json", report)
     print(f"{path}:")
     for p in pairs:

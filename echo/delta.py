@@ -2,8 +2,10 @@
 
 Between consecutive RL steps most elements of weights published in bf16 keep their bits (an
 Adam step smaller than half a bf16 unit in the last place leaves the rounding where it was). A
-delta names, per tensor, which elements changed (a bitmask, one bit an element) and their new
-values (the new bits, in the tensor's dtype); anything else is the old version's. Comparison is
+delta names, per tensor, which elements changed (a bitmask, one bit an element) and how: the old
+bits XOR the new, as integers of the element's width (a step of an ulp or two flips only low
+bits, so these compress to a few bits each, where the new values would not); anything else is
+the old version's. Comparison is
 of the bits, not the values: -0.0 against 0.0, or one NaN against another, is a change, so that
 applying a delta reproduces the new version exactly and the digest of the whole (`digest`)
 proves it. A delta is safetensors tensors like a version's shard (`<name>.changed`, uint8,
@@ -13,7 +15,7 @@ On the wire (`pack`) a delta is that safetensors file compressed with zlib: a sp
 mostly zero bytes. An untrusted delta is checked before it touches anything (`unpack` and
 `apply` raise DeltaError): it inflates to no more than its caller allows, every tensor it names
 exists, its mask covers exactly the tensor's elements with no bit past the end, and it carries
-exactly as many values, of the tensor's dtype, as bits set.
+exactly as many values, integers of the tensor's element width, as bits set.
 
 `route` is the sampler's choice of what to fetch: the deltas after the version it holds, when it
 holds one of the announced chain, else the anchor and every delta after it.
@@ -58,7 +60,8 @@ def encode(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[s
         if not changed.any():
             continue
         delta[name + CHANGED] = torch.from_numpy(np.packbits(changed))
-        delta[name + VALUES] = tensor.detach().contiguous().view(-1)[torch.from_numpy(changed)].clone()
+        moved = torch.from_numpy(changed)
+        delta[name + VALUES] = _bits(before)[moved] ^ _bits(tensor)[moved]
     return delta
 
 
@@ -80,12 +83,13 @@ def apply(old: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) -> dict[
             raise DeltaError(f"{name}: changes past its {n} elements")
         changed = torch.from_numpy(changed[:n].astype(bool))
         count = int(changed.sum())
-        if values is None or values.dtype != tensor.dtype or values.dim() != 1 or values.numel() != count:
+        bits = _BITS[tensor.element_size()]
+        if values is None or values.dtype != bits or values.dim() != 1 or values.numel() != count:
             got = "none" if values is None else f"{values.numel()} {values.dtype}"
-            raise DeltaError(f"{name}: {count} changes and {got} values (of {tensor.dtype})")
-        flat = tensor.detach().contiguous().view(-1).clone()
-        flat[changed] = values
-        new[name] = flat.view(tensor.shape)
+            raise DeltaError(f"{name}: {count} changes and {got} values (of {bits}, for {tensor.dtype})")
+        flat = _bits(tensor).clone()
+        flat[changed] ^= values
+        new[name] = flat.view(tensor.dtype).view(tensor.shape)
     return new
 
 
