@@ -262,9 +262,11 @@ class WeightsFollower:
         if links[0].delta_of is not None:  # from the weights held
             try:
                 return await rebuild(self.run, announcement, shards_tensors(self.ready[1]), links)
-            except (delta.DeltaError, TransferError) as e:  # a chain with a gap, a delta not ours: the anchor
+            except delta.DeltaError as e:  # the weights held are not the chain's, or a delta not theirs: the anchor
                 self.failures["delta_refused"] += 1
                 log.warning("weights.delta_refused", version=announcement.version, reason=str(e))
+            # A TransferError (a delta not yet at this relay's mirror, a broker restart) is the
+            # caller's to retry: the anchor would wait on the same delta.
         anchor, *chain = announcement.links
         try:
             return await rebuild(self.run, announcement, shards_tensors(await fetch_weights(self.run, anchor)), chain)

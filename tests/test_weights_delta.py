@@ -4,6 +4,7 @@ rebuilds each version bit for bit from the weights it holds or from the chain's 
 refuses whatever does not make the digest announced."""
 
 import asyncio
+import hashlib
 
 import pytest
 import safetensors.torch
@@ -12,7 +13,9 @@ import torch
 from echo import delta
 from echo.checkpoint import delta_shards, weights_at, weights_digest, weights_file
 from echo.policy import shards_tensors
+from echo.protocol import WeightsAnnouncement, WeightsShard, encode, weights_object_name
 from streams.lease import take_lease
+from streams.objects import put_object
 from streams.weights import WeightsFollower, WeightsPublisher
 from tests.conftest import TINY_BASE
 
@@ -153,3 +156,30 @@ def test_a_delta_is_given_up_once_its_changed_values_pass_the_share_allowed(tmp_
     moved = {name: (t.float() + 1).to(torch.bfloat16) for name, t in old.items()}
     files = [write(tmp_path / "b", 0, old), write(tmp_path / "b", 1, moved)]
     assert delta_shards(*files, max_bytes=0.5 * whole) is None
+
+
+async def test_a_delta_announced_before_its_objects_arrive_is_waited_for_not_refused(runs, tmp_path):
+    """Through a relay the announcement can arrive before the mirror has the delta's objects:
+    the follower waits for them (as for a whole version), and neither refuses the delta nor
+    fetches the anchor meanwhile."""
+    run = await runs.open("early", "trainer")
+    publisher = WeightsPublisher(await take_lease(run))
+    weights = versions(2)
+    follower = await WeightsFollower(await runs.open("early", "sampler"), TINY_BASE).start()
+    base = await publish(publisher, tmp_path, 0, weights[0])
+    await follower.wait_for(0)
+    files = write(tmp_path, 1, weights[1])
+    deltas = delta_shards(weights_at(tmp_path, 0), files, max_bytes=1 << 30)
+    names = [weights_object_name(publisher.epoch, 1, i) for i in range(len(deltas))]
+    announcement = WeightsAnnouncement(
+        version=1, epoch=publisher.epoch, kind="full", base_model=TINY_BASE, created_at=0.0, digest=weights_digest(files),
+        delta_of=0, chain=base.links, shards=[WeightsShard(object_name=name, size=len(data),
+                                                           sha256=hashlib.sha256(data).hexdigest())
+                                              for name, data in zip(names, deltas)])
+    await run.js.publish(run.names.weights_subject, encode(announcement))
+    await asyncio.sleep(0.5)
+    for name, data in zip(names, deltas):
+        await put_object(run.js, run.names.weights_bucket, name, data)
+    await follower.wait_for(1)
+    assert same_bits(held(follower), weights[1]) and follower.failures == {}
+    await follower.stop()
