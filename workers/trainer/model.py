@@ -205,7 +205,7 @@ class TrainerModel:
             prune_weights(run_dir, version - max(tcfg.keep_versions, 2) + 1)
         return files
 
-    def delta_of(self, version: int, files: list[Path], chain: list[WeightsLink]) -> tuple[str, list[bytes] | None]:
+    def as_delta(self, version: int, files: list[Path], chain: list[WeightsLink]) -> tuple[str, list[bytes] | None]:
         """The digest of the version in `files`, and (full weights) its shards as deltas against the
         last version of `chain` (the versions announced since the last whole one), or None when it
         goes whole: the first this trainer publishes, every `trainer.delta_every`, or a delta
