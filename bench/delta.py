@@ -5,8 +5,8 @@ every version kept) on `make up`'s task, then takes each consecutive pair of its
 trainer would publish them: the whole version's bytes against the delta's (echo/delta.py; as
 safetensors, and packed as published: zlib at level 1), the share of elements changed, the
 seconds to make and pack the delta (the trainer's) and to unpack and apply it and check the
-result's digest (a sampler's), and that the rebuilt weights are the version, bit for bit; and what the run's trainer published
-for each version (its metrics: bytes, delta or whole, the publish phase's seconds).
+result's digest (a sampler's), and that the rebuilt weights are the version, bit for bit; and
+what the run's trainer published for each version (its metrics: bytes, delta or whole, the publish phase's seconds).
 
     .venv/bin/python -m bench.delta --model smollm2 --steps 20 [--lr 1e-5] [--from-run DIR]
 
@@ -72,7 +72,8 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = args.from_run or train(args.model, args.task, args.steps, args.lr, Path(tmp))
-        published = {m["version"]: {"published_bytes": m["weights"]["bytes"], "published_delta_of": m["weights"]["delta_of"],
+        published = {m["version"]: {"published_bytes": m["weights"]["bytes"],
+                                    "published_delta_of": m["weights"]["delta_of"],
                                     "publish_seconds": m["phase_seconds"]["publish"]} for m in read_metrics(run_dir)}
         pairs, before = [], shards_tensors(read_shards(weights_at(run_dir, 0)))
         for v in range(1, args.steps + 1):  # two versions in memory at a time

@@ -75,7 +75,8 @@ class FullWeights:
     def __init__(self, mb: float, changed: float, deltas: bool, every: int = 10):
         self.generator = torch.Generator().manual_seed(0)
         count = max(1, round(mb / 4))
-        self.tensors = {f"w{i}": torch.randn(2 << 20, generator=self.generator).to(torch.bfloat16) for i in range(count)}
+        self.tensors = {f"w{i}": torch.randn(2 << 20, generator=self.generator).to(torch.bfloat16)
+                        for i in range(count)}
         self.changed, self.deltas, self.every = changed, deltas, every
         self.size = sum(t.numel() * t.element_size() for t in self.tensors.values())
 
@@ -153,12 +154,14 @@ async def measure(hub: NatsServer, model: str, n: int, versions: int, relays: in
         if relays:
             port, store = free_port(), hub.store_dir / "relays" / f"{run_id}-{site}"
             procs.append(subprocess.Popen([sys.executable, "-m", "workers.cli", *loopback_relay_args(
-                leaf_url, run_id, port, store, domain=f"site{site}")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                leaf_url, run_id, port, store, domain=f"site{site}")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             worker_url = f"nats://127.0.0.1:{port}"
         worker_urls.append(worker_url)
     procs += [
-        subprocess.Popen([sys.executable, "-m", "bench.sync", "--worker", worker_urls[i % len(worker_urls)], run_id, model,
-                          str(i), "full" if full else "adapter"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.Popen([sys.executable, "-m", "bench.sync", "--worker", worker_urls[i % len(worker_urls)], run_id,
+                          model, str(i), "full" if full else "adapter"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for i in range(n)
     ]
     try:
@@ -219,13 +222,15 @@ def main() -> None:
     parser.add_argument("--relays", type=int, nargs="+", default=[0, 1], help="0: samplers on the hub")
     parser.add_argument("--full", type=float, metavar="MB", help="synthetic full weights of this size, whole and "
                         "as deltas, instead of the model's adapter")
-    parser.add_argument("--changed", type=float, default=0.01, help="with --full: the share of elements a version changes")
+    parser.add_argument("--changed", type=float, default=0.01,
+                        help="with --full: the share of elements a version changes")
     args = parser.parse_args()
 
     from echo.models import resolve_model
 
     resolve_model(args.model)  # convert once, before the workers start
-    weights = [None] if args.full is None else [FullWeights(args.full, args.changed, deltas) for deltas in (False, True)]
+    weights = [None] if args.full is None else [FullWeights(args.full, args.changed, deltas)
+                                                 for deltas in (False, True)]
     with tempfile.TemporaryDirectory() as store, NatsServer(store, leaf_port=free_port(), http_port=free_port()) as hub:
         results = [asyncio.run(measure(hub, args.model, n, args.versions, relays, args.wan, full))
                    for full in weights for relays in args.relays for n in args.samplers]

@@ -20,8 +20,8 @@ from nats.js.errors import NotFoundError
 
 from echo import delta
 from echo.logs import Progress
-from echo.protocol import (OBJ_HDR_EPOCH, OBJ_HDR_VERSION, PolicyVersion, WeightsAnnouncement, WeightsLink, WeightsShard,
-                           encode, weights_object_name)
+from echo.protocol import (OBJ_HDR_EPOCH, OBJ_HDR_VERSION, PolicyVersion, WeightsAnnouncement, WeightsLink,
+                           WeightsShard, encode, weights_object_name)
 from echo.policy import shards_tensors
 from echo.retention import expired_versions
 from streams.client import BROKER_ERRORS, Run, cancel_until_done, publish_once

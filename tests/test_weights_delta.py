@@ -171,11 +171,11 @@ async def test_a_delta_announced_before_its_objects_arrive_is_waited_for_not_ref
     files = write(tmp_path, 1, weights[1])
     deltas = delta_shards(weights_at(tmp_path, 0), files, max_bytes=1 << 30)
     names = [weights_object_name(publisher.epoch, 1, i) for i in range(len(deltas))]
-    announcement = WeightsAnnouncement(
-        version=1, epoch=publisher.epoch, kind="full", base_model=TINY_BASE, created_at=0.0, digest=weights_digest(files),
-        delta_of=0, chain=base.links, shards=[WeightsShard(object_name=name, size=len(data),
-                                                           sha256=hashlib.sha256(data).hexdigest())
-                                              for name, data in zip(names, deltas)])
+    shards = [WeightsShard(object_name=name, size=len(data), sha256=hashlib.sha256(data).hexdigest())
+              for name, data in zip(names, deltas)]
+    announcement = WeightsAnnouncement(version=1, epoch=publisher.epoch, kind="full", shards=shards,
+                                       base_model=TINY_BASE, created_at=0.0, digest=weights_digest(files), delta_of=0,
+                                       chain=base.links)
     await run.js.publish(run.names.weights_subject, encode(announcement))
     await asyncio.sleep(0.5)
     for name, data in zip(names, deltas):
