@@ -48,15 +48,18 @@ APPLIED = "bench.applied"  # core NATS subject on which each worker reports (wor
 
 
 async def worker(url: str, run_id: str, model: str, worker_id: int, full: bool) -> None:
-    from echo.config import LoraConfig, SamplingConfig
-    from echo.engines.hf import HFEngine
     from echo.logs import configure_logging
     from streams.client import open_run
     from streams.weights import WeightsFollower
 
     configure_logging(level="warning")
     torch.set_num_threads(1)
-    engine = None if full else HFEngine(model, LoraConfig(), SamplingConfig())  # full: the follower holds them
+    engine = None  # full weights: the follower holds them, no model is loaded
+    if not full:
+        from echo.config import LoraConfig, SamplingConfig
+        from echo.engines.hf import HFEngine
+
+        engine = HFEngine(model, LoraConfig(), SamplingConfig())
     run = await open_run(url, run_id, f"bench-{worker_id}")
     follower = await WeightsFollower(run, model).start()
     version = -1
