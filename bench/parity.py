@@ -89,11 +89,11 @@ PRESETS = {
               "seeds": 10, "eval_every": 10, "eval_prompts": 160,
               "threshold": 0.4, "parallel": 5, "sampling": {"group_size": 8, "max_new_tokens": 32},
               "trainer": {"groups_per_step": 8, "lr": 2e-4}, "lora": {}},
-    # The study shortened to ~10 minutes a run on a 2-core CPU box, to run across sessions (--resume
-    # --commit): half the steps and half the groups a step at twice the learning rate, three modes.
-    # A quarter of the study's samples: on the CPU the study's own run rose from 0.19 only after
-    # step 30 (bench/results/pilot-lcm), so this one can tell a run that collapses or stalls from
-    # one that learns, not the few points the full study could.
+    # The study shortened to 12-16 minutes a run on an idle 2-core CPU box (more with work beside
+    # it), to run across sessions (--resume --commit): half the steps and half the groups a step
+    # at twice the learning rate, three modes. A quarter of the study's samples: on the CPU the
+    # study's own run rose from 0.19 only after step 30 (bench/results/pilot-lcm), so this one can
+    # tell a run that collapses or stalls from one that learns, not the few points the full study could.
     "study-cpu": {"model": "smollm2", "task": TASK, "modes": ["colocated", "async S=1", "sequential"],
                   "measure": "correct", "note": "the study shortened for a 2-core CPU box", "steps": 30, "seeds": 10,
                   "eval_every": 10, "eval_prompts": 160, "threshold": 0.3, "parallel": 1,
