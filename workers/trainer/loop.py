@@ -243,7 +243,9 @@ async def publish_policy(weights: WeightsPublisher, model: TrainerModel, version
     Both keep the newest `trainer.keep_versions` versions (the bucket, for `trainer.keep_versions_s`
     more: what a slow sampler's fetch may take; and whatever the newest delta is built from)."""
     files = await asyncio.to_thread(model.write_weights, version)
-    digest, deltas = await asyncio.to_thread(model.as_delta, version, files, weights.chain)
+    digest, deltas = "", None  # a LoRA adapter goes whole, as published
+    if model.kind == "full":
+        digest, deltas = await asyncio.to_thread(model.as_delta, version, files, weights.chain)
     delta_of = weights.newest.version if deltas is not None else None
     announcement = await retry_forever("publish weights", lambda: weights.publish(
         version, deltas if deltas is not None else (f.read_bytes() for f in files), model.base_model, model.kind,

@@ -206,7 +206,7 @@ class TrainerModel:
         return files
 
     def as_delta(self, version: int, files: list[Path], chain: list[WeightsLink]) -> tuple[str, list[bytes] | None]:
-        """The digest of the version in `files`, and (full weights) its shards as deltas against the
+        """The digest of the full weights in `files`, and their shards as deltas against the
         last version of `chain` (the versions announced since the last whole one), or None when it
         goes whole: the first this trainer publishes, every `trainer.delta_every`, or a delta
         larger than `trainer.delta_max_share` of the whole."""
@@ -217,7 +217,7 @@ class TrainerModel:
         def goes_whole(delta_bytes: int) -> bool:
             return send_whole(version, anchor, delta_bytes, whole, tcfg.delta_every, tcfg.delta_max_share)
 
-        if self.kind != "full" or tcfg.delta_every == 0 or goes_whole(0):  # whatever its size: an anchor is due
+        if tcfg.delta_every == 0 or goes_whole(0):  # whatever its size: an anchor is due
             return digest, None
         try:
             deltas = delta_shards(weights_at(self.cfg.run_dir, chain[-1].version), files, tcfg.delta_max_share * whole)
