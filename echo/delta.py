@@ -5,10 +5,9 @@ Adam step smaller than half a bf16 unit in the last place leaves the rounding wh
 delta names, per tensor, which elements changed (a bitmask, one bit an element) and how: the old
 bits XOR the new, as integers of the element's width (a step of an ulp or two flips only low
 bits, so these compress to a few bits each, where the new values would not); anything else is
-the old version's. Comparison is
-of the bits, not the values: -0.0 against 0.0, or one NaN against another, is a change, so that
-applying a delta reproduces the new version exactly and the digest of the whole (`digest`)
-proves it. A delta is safetensors tensors like a version's shard (`<name>.changed`, uint8,
+the old version's. Comparison is of the bits, not the values: -0.0 against 0.0, or one NaN
+against another, is a change, so that applying a delta reproduces the new version exactly and
+the digest of the whole (`digest`) proves it. A delta is safetensors tensors like a version's shard (`<name>.changed`, uint8,
 `<name>.values`), so it travels, shards and is digest-checked as weights do.
 
 On the wire (`pack`) a delta is that safetensors file compressed with zlib: a sparse mask is
@@ -56,12 +55,13 @@ def encode(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[s
         if before.shape != tensor.shape or before.dtype != tensor.dtype:
             raise DeltaError(f"{name}: {tuple(before.shape)} {before.dtype} became "
                              f"{tuple(tensor.shape)} {tensor.dtype}")
-        changed = (_bits(before) != _bits(tensor)).numpy()
+        old_bits, new_bits = _bits(before), _bits(tensor)
+        changed = (old_bits != new_bits).numpy()
         if not changed.any():
             continue
         delta[name + CHANGED] = torch.from_numpy(np.packbits(changed))
         moved = torch.from_numpy(changed)
-        delta[name + VALUES] = _bits(before)[moved] ^ _bits(tensor)[moved]
+        delta[name + VALUES] = old_bits[moved] ^ new_bits[moved]
     return delta
 
 
