@@ -5,6 +5,9 @@ the relay's next start.
 
 On Linux the kernel signals the process when its parent dies (PR_SET_PDEATHSIG); elsewhere a
 thread watches the parent's pid (`die_with_parent`), which a server started by exec cannot carry.
+
+And whether a process named by another has exited (`process_name`, `exited`): a trainer
+restarted on its predecessor's machine takes the run at once when that one is gone.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 WATCH_S = 1.0
@@ -42,3 +46,31 @@ def _watch(parent: int, sig: int) -> None:
     while os.getppid() == parent:
         time.sleep(WATCH_S)
     os.kill(os.getpid(), sig)
+
+
+def process_name(pid: int | None = None) -> str:
+    """A name for process `pid` (this one by default) that no other process has, now or later:
+    the kernel's boot id, its pid namespace, the pid and when the process started ("" where there
+    is no /proc to read it from, or the process is gone)."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino  # pids are this namespace's
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    # Past the command's name (which may hold spaces and parentheses): state is field 3, starttime 22.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    if fields[0] in ("Z", "X"):  # exited, not yet reaped: it will never act again
+        return ""
+    return f"{boot}/{namespace}/{pid}/{fields[19]}"
+
+
+def exited(name: str) -> bool:
+    """Whether the process `name` (process_name) has certainly exited: True only where this
+    process can see it would still be there (the same boot and pid namespace) and it is not.
+    False where that cannot be told (another machine, a container of its own, no /proc)."""
+    parts, here = name.split("/"), process_name().split("/")
+    if len(parts) != 4 or not parts[2].isdigit() or parts[:2] != here[:2]:
+        return False
+    return process_name(int(parts[2])) != name  # gone, a zombie, or its pid now another process's

@@ -20,7 +20,7 @@ import orjson
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, ValidationInfo,
                       model_validator)
 
-SCHEMA_VERSION = 17  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
+SCHEMA_VERSION = 18  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
 # 4: the trainer grants work (GrantRequest/Grant), samplers no longer take it from KV;
 # 5: grants are numbered slots: a grant names them, a group carries the one it fills and its epoch;
 # 6: a group names the engine and precision that sampled it; 7: a sampler's heartbeat is its
@@ -40,6 +40,8 @@ SCHEMA_VERSION = 17  # 2: a weights announcement lists shards; 3: and names the 
 # (the live page shows them); schema 15 is read, with neither.
 # 17: a full-weight version may go as a delta against the one before (`delta_of`, with the chain
 # back to its anchor) and names the digest of the whole weights it makes; schema 16 is read.
+# 18: the trainer's lease names its holder's process (a restarted trainer on the same machine takes
+# over at once from one that exited); schema 17 is read.
 
 # Run and sampler ids become subject tokens and stream names: keep them to safe characters.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -221,7 +223,7 @@ class PolicyVersion(NamedTuple):
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    schema_version: Literal[17] = SCHEMA_VERSION
+    schema_version: Literal[18] = SCHEMA_VERSION
 
 
 # The validation context of a decoded message, whose arrays _decode_group checked whole (per
@@ -467,6 +469,9 @@ class TrainerLease(_Message):
     epoch: int = Field(ge=1)
     holder: str  # host and process, for the operator
     released: bool = False  # a trainer that stopped cleanly: the next may start at once
+    # The holder's process as its machine names it (echo/lifeline.py; "" where it cannot): a trainer
+    # started where it can see that process has exited takes over at once.
+    process: str = Field("", max_length=128)
 
 
 class GrantBudget(_Message):
@@ -611,7 +616,7 @@ def _json_object(data: bytes) -> dict:
 
 
 # Earlier schemas still read, each as the wire names it renamed: recorded messages outlive a release.
-_UPGRADES: dict[int, dict[str, str]] = {13: {"lease": "slot", "leases": "slots"}, 14: {}, 15: {}, 16: {}}
+_UPGRADES: dict[int, dict[str, str]] = {13: {"lease": "slot", "leases": "slots"}, 14: {}, 15: {}, 16: {}, 17: {}}
 
 
 def _upgraded(raw: dict) -> dict:

@@ -2,7 +2,8 @@
 
 One trainer owns a run at a time. A trainer starting takes the next epoch with a compare-and-set;
 if the lease is held and being renewed, another trainer is alive and this one refuses to start;
-if it stops being renewed (the holder died) it lapses and the new trainer takes over. Versions
+if it stops being renewed (the holder died) it lapses and the new trainer takes over, at once
+when it can see that the holder's process has exited (restarted on the same machine). Versions
 are ordered by (epoch, version), so a restarted trainer's announcements supersede everything of
 its predecessor's, even a version number forged far ahead."""
 
@@ -17,6 +18,7 @@ import time
 import structlog
 from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 
+from echo.lifeline import exited, process_name
 from echo.protocol import TRAINER_KEY, ProtocolError, TrainerLease, WeightsAnnouncement, decode, encode
 from streams.client import BROKER_ERRORS, Run
 from streams.watch import read_value
@@ -113,12 +115,15 @@ class Lease:
 
 async def take_lease(run: Run, lapse_s: float = LAPSE_S) -> Lease:
     """Take the run's next epoch. A held lease is watched for `lapse_s`: renewed, it belongs to a
-    live trainer (AnotherTrainer); not renewed, its holder died and the run is taken over."""
+    live trainer (AnotherTrainer); not renewed, its holder died and the run is taken over. A
+    holder this process sees has exited (a trainer restarted on its machine) is not waited for."""
     loop = asyncio.get_running_loop()
     watched: tuple[int, float] | None = None  # (revision seen, when)
     while True:
         held, revision = await read_value(run.state, TRAINER_KEY, _DECODE_LEASE)
-        if revision and (held is None or not held.released):  # an unreadable lease is watched as a held one
+        if held is not None and not held.released and exited(held.process):
+            log.info("trainer.lease_holder_exited", holder=held.holder, epoch=held.epoch)
+        elif revision and (held is None or not held.released):  # an unreadable lease is watched as a held one
             holder = f"{held.holder}, epoch {held.epoch}" if held else "its lease unreadable"
             if watched is None:
                 watched = (revision, loop.time())
@@ -129,7 +134,7 @@ async def take_lease(run: Run, lapse_s: float = LAPSE_S) -> Lease:
                 await asyncio.sleep(RENEW_S / 4)
                 continue
         epoch = held.epoch if held else await _last_announced_epoch(run) if revision else 0
-        lease = TrainerLease(epoch=epoch + 1, holder=f"{socket.gethostname()}:{os.getpid()}")
+        lease = TrainerLease(epoch=epoch + 1, holder=f"{socket.gethostname()}:{os.getpid()}", process=process_name())
         try:
             if revision == 0:
                 revision = await run.state.create(TRAINER_KEY, encode(lease))

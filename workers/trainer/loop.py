@@ -67,8 +67,8 @@ async def run_trainer(cfg: EchoConfig, ranks: Ranks) -> None:
 async def serve(cfg: EchoConfig, build_model: Callable[[], TrainerModel]) -> None:
     """The run's lease taken while the model is built, and renewed; the model resumed from the
     run's checkpoint, the steps taken. A restarted trainer waits LAPSE_S (4 s) for its dead
-    predecessor's lease to lapse, a large model loads for longer: one wait, not both (a restart
-    stepped 10.4 s after its start, 4.2 s of it the lease; see docs/performance.md)."""
+    predecessor's lease to lapse (not at all where it sees that process has exited), a large
+    model loads for longer: one wait, not both (see docs/performance.md, Recovery)."""
     run = await open_run(cfg.nats.url, cfg.run.id, "trainer", cfg.nats.hub_domain or None,
                          credentials=credentials_of(cfg.nats.creds, cfg.nats.tls_ca), storage=cfg.nats.storage())
     building = asyncio.ensure_future(asyncio.to_thread(build_model))  # refused, the process exits once it is built
