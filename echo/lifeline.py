@@ -48,29 +48,44 @@ def _watch(parent: int, sig: int) -> None:
     os.kill(os.getpid(), sig)
 
 
-def process_name(pid: int | None = None) -> str:
-    """A name for process `pid` (this one by default) that no other process has, now or later:
-    the kernel's boot id, its pid namespace, the pid and when the process started ("" where there
-    is no /proc to read it from, or the process is gone)."""
-    pid = os.getpid() if pid is None else pid
+def process_name() -> str:
+    """A name for this process that no other process has, now or later: the kernel's boot id, the
+    pid namespace, the pid and when the process started ("" where there is no /proc to read)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         namespace = os.stat("/proc/self/ns/pid").st_ino  # pids are this namespace's
-        stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return ""
-    # Past the command's name (which may hold spaces and parentheses): state is field 3, starttime 22.
-    fields = stat[stat.rindex(")") + 2 :].split()
-    if fields[0] in ("Z", "X"):  # exited, not yet reaped: it will never act again
-        return ""
-    return f"{boot}/{namespace}/{pid}/{fields[19]}"
+    started = _start_time(os.getpid())
+    return f"{boot}/{namespace}/{os.getpid()}/{started}" if started else ""
 
 
 def exited(name: str) -> bool:
-    """Whether the process `name` (process_name) has certainly exited: True only where this
-    process can see it would still be there (the same boot and pid namespace) and it is not.
-    False where that cannot be told (another machine, a container of its own, no /proc)."""
+    """Whether the process `name` (its process_name) has certainly exited: True only where this
+    process sees the same boot and pid namespace and that pid is gone, a zombie, or another
+    process's. False where that cannot be told (another machine, a container of its own, no
+    /proc, another user's process hidden from this one)."""
     parts, here = name.split("/"), process_name().split("/")
     if len(parts) != 4 or not parts[2].isdigit() or parts[:2] != here[:2]:
         return False
-    return process_name(int(parts[2])) != name  # gone, a zombie, or its pid now another process's
+    pid = int(parts[2])
+    try:
+        os.kill(pid, 0)  # told apart from a process hidden from /proc (hidepid): that one exists
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    started = _start_time(pid)
+    return started is not None and started != parts[3]
+
+
+def _start_time(pid: int) -> str | None:
+    """When process `pid` started (clock ticks after boot), "" once it has exited (a zombie not yet
+    reaped), None where /proc does not say."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Past the command's name (which may hold spaces and parentheses): state is field 3, starttime 22.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return "" if fields[0] in ("Z", "X") else fields[19]

@@ -20,6 +20,7 @@ from echo.checkpoint import TrainerState, read_metrics
 from echo.engines.hf import HFEngine
 from echo.grants import GrantLedger
 from echo.learner import StepAbandoned, make_optimizer, train_step
+from echo.lifeline import exited, process_name
 from echo.models import load_model
 from echo.policy import make_policy
 from echo.protocol import TRAINER_KEY, Storage, WeightsAnnouncement, encode, weights_object_name
@@ -308,6 +309,17 @@ async def test_a_trainer_restarted_on_its_machine_takes_the_run_at_once_and_a_li
         holder.kill()
         holder.wait()
     assert taken.epoch == 2 and taken.lease.process
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="processes are named from Linux's /proc")
+def test_a_process_is_told_exited_only_where_its_machine_and_pid_namespace_are_this_ones():
+    me = process_name()
+    assert me and not exited(me)
+    boot, namespace, pid, started = me.split("/")
+    assert exited(f"{boot}/{namespace}/{pid}/{int(started) - 1}")  # this pid, an earlier process's
+    assert not exited(f"another-boot/{namespace}/{pid}/{int(started) - 1}")  # another machine: cannot tell
+    assert not exited(f"{boot}/1/{pid}/{int(started) - 1}")  # another pid namespace (a container)
+    assert not exited("") and not exited("x")
 
 
 async def test_a_trainer_keeps_its_lease_when_a_renewal_it_gave_up_on_was_applied(runs):
