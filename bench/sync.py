@@ -42,6 +42,7 @@ import safetensors.torch
 import torch
 
 from bench.common import write_results
+from echo.config import TrainerConfig
 from streams.server import NatsServer, free_port
 
 APPLIED = "bench.applied"  # core NATS subject on which each worker reports (worker, version, time)
@@ -75,12 +76,12 @@ class FullWeights:
     """Synthetic full weights in bf16, `mb` of them in tensors of 4 MB, each version changing
     `changed` of the elements of the one before; published whole or as the trainer's deltas."""
 
-    def __init__(self, mb: float, changed: float, deltas: bool, every: int = 10):
+    def __init__(self, mb: float, changed: float, deltas: bool, trainer: TrainerConfig = TrainerConfig()):
         self.generator = torch.Generator().manual_seed(0)
         count = max(1, round(mb / 4))
         self.tensors = {f"w{i}": torch.randn(2 << 20, generator=self.generator).to(torch.bfloat16)
                         for i in range(count)}
-        self.changed, self.deltas, self.every = changed, deltas, every
+        self.changed, self.deltas, self.trainer = changed, deltas, trainer  # when a version goes whole
         self.size = sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def step(self) -> None:
@@ -97,7 +98,8 @@ class FullWeights:
         digest, base = delta.digest(self.tensors), weights.newest
         if self.deltas and base is not None:
             packed = delta.pack(delta.encode(before, self.tensors))
-            if not delta.send_whole(version, weights.chain[0].version, len(packed), self.size, self.every, 0.5):
+            if not delta.send_whole(version, weights.chain[0].version, len(packed), self.size,
+                                    self.trainer.delta_every, self.trainer.delta_max_share):
                 return await weights.publish(version, [packed], model, "full", digest=digest, delta_of=base.version)
         shards = [safetensors.torch.save({name: tensor}) for name, tensor in self.tensors.items()]
         return await weights.publish(version, shards, model, "full", digest=digest)
