@@ -4,6 +4,7 @@ lazily inside a function; and only streams/ and workers/ speak to NATS."""
 
 import ast
 import json
+import os
 import re
 import subprocess
 import sys
@@ -81,3 +82,30 @@ def test_tasks_sit_below_the_environments_that_play_them():
     no task module imports it back."""
     back = [f.name for f in (ROOT / "echo" / "tasks").glob("*.py") if "echo.environments" in f.read_text()]
     assert back == []
+
+
+# Prints OMP_WAIT_POLICY as it is when torch is first imported: OpenMP reads it then, once.
+TORCH_LOADED_WITH = """
+import importlib, os, sys
+
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            print(os.environ.get("OMP_WAIT_POLICY"), flush=True)
+            sys.meta_path.remove(self)
+
+sys.meta_path.insert(0, Watch())
+importlib.import_module(sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("module, given, expected", [
+    ("workers.trainer.model", None, "PASSIVE"), ("streams.weights", None, "PASSIVE"), ("bench.load", None, "PASSIVE"),
+    ("tests.conftest", None, "PASSIVE"), ("echo.learner", "ACTIVE", "ACTIVE")])  # a package each; a user's own kept
+def test_torch_is_loaded_with_passive_openmp_threads_unless_the_user_says_otherwise(module, given, expected):
+    """Spinning OpenMP threads (libgomp's default) beside another busy process made generation
+    150x slower on this 2-core box; echo/__init__.py asks for passive ones before torch loads."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": given} if given else {})
+    out = subprocess.run([sys.executable, "-c", TORCH_LOADED_WITH, module], cwd=ROOT, env=env, capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.split() == [expected], (out.stdout, out.stderr[-2000:])
