@@ -29,6 +29,7 @@ dropped and rejected, reward mismatches, proof-of-sampling results.
     .venv/bin/python -m bench.parity --preset study --report   # verdict, table and PNG again
     .venv/bin/python -m bench.parity --preset controlled       # the staleness study: tiny model, ~1 hour
     .venv/bin/python -m bench.parity --preset study-cpu --resume --commit   # SmolLM2 across sessions
+    .venv/bin/python -m bench.parity --preset study-cpu --resume --commit --modes "colocated,async S=1"  # those first
 
 Writes bench/results/parity-<preset>.json and parity-<preset>.png. (parity-full.json is the
 earlier study: 21 runs on the math task, which SmolLM2 starts at 0.013.)

@@ -8,8 +8,8 @@ def passive_openmp() -> None:
     anything else busy on the box (a sampler beside the trainer, another job) they spin against it.
     32 tokens from the tiny model in a batch of 2 took 16 s instead of 0.09 s beside one busy
     process, an end-to-end test 300 s instead of 77 s. OpenMP reads OMP_WAIT_POLICY once, when
-    torch loads it, so every package of ours asks before anything imports torch (tests/test_layers.py
-    checks); child processes inherit it. A user's own setting stands."""
+    torch loads it: every process of ours imports echo first (workers/cli.py, and the bench and tests
+    packages ask; tests/test_layers.py checks), and child processes inherit it. A user's own stands."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 

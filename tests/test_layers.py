@@ -95,17 +95,19 @@ class Watch:
             sys.meta_path.remove(self)
 
 sys.meta_path.insert(0, Watch())
-importlib.import_module(sys.argv[1])
+for module in sys.argv[1:]:  # as a process of ours imports them: workers.cli, then a command's modules
+    importlib.import_module(module)
 """
 
 
-@pytest.mark.parametrize("module, given, expected", [
-    ("workers.trainer.model", None, "PASSIVE"), ("streams.weights", None, "PASSIVE"), ("bench.load", None, "PASSIVE"),
-    ("tests.conftest", None, "PASSIVE"), ("echo.learner", "ACTIVE", "ACTIVE")])  # a package each; a user's own kept
-def test_torch_is_loaded_with_passive_openmp_threads_unless_the_user_says_otherwise(module, given, expected):
+@pytest.mark.parametrize("modules, given, expected", [
+    ("workers.cli workers.trainer.model", None, "PASSIVE"), ("workers.cli workers.sampler.loop", None, "PASSIVE"),
+    ("bench.load", None, "PASSIVE"), ("tests.conftest", None, "PASSIVE"), ("echo.learner", "ACTIVE", "ACTIVE")])
+def test_torch_is_loaded_with_passive_openmp_threads_unless_the_user_says_otherwise(modules, given, expected):
     """Spinning OpenMP threads (libgomp's default) beside another busy process made generation
     150x slower on this 2-core box; echo/__init__.py asks for passive ones before torch loads."""
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": given} if given else {})
-    out = subprocess.run([sys.executable, "-c", TORCH_LOADED_WITH, module], cwd=ROOT, env=env, capture_output=True,
-                         text=True, check=True)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env |= {"OMP_WAIT_POLICY": given} if given else {}
+    out = subprocess.run([sys.executable, "-c", TORCH_LOADED_WITH, *modules.split()], cwd=ROOT, env=env,
+                         capture_output=True, text=True, check=True)
     assert out.stdout.split() == [expected], (out.stdout, out.stderr[-2000:])
