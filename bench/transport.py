@@ -31,7 +31,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 from bench.common import write_results
 from echo.protocol import Completion, RolloutGroup, decode_rollout, encode_rollout
 from streams.client import connect, open_run
-from streams.rollouts import fetch_rollouts, publish_rollout, trainer_subscription
+from streams.rollouts import fetch_rollouts, publish_rollout, reader_subscription
 from streams.server import NatsServer
 
 SHAPES = [(8, 24), (16, 1024), (16, 16384)]  # completions x tokens per group
@@ -51,7 +51,7 @@ def make_group(completions: int, tokens: int, index: int) -> RolloutGroup:
 
 async def ours(url: str, run_id: str, groups: list[RolloutGroup], batch: int) -> float:
     run = await open_run(url, run_id, "bench")
-    subscription = await trainer_subscription(run)
+    subscription = await reader_subscription(run, run.names.rollouts_subject("s1"))
     started = time.perf_counter()
     for group in groups:
         await publish_rollout(run, group)
@@ -87,7 +87,7 @@ async def bare(url: str, stream: str, bodies: list[bytes], batch: int) -> float:
 
 async def latency(url: str, run_id: str, groups: list[RolloutGroup]) -> list[float]:
     run = await open_run(url, run_id, "bench-latency")
-    subscription = await trainer_subscription(run)
+    subscription = await reader_subscription(run, run.names.rollouts_subject("s1"))
     seconds = []
     for group in groups:
         started = time.perf_counter()

@@ -1,12 +1,18 @@
-"""The trainer's rollout inbox: every JetStream delivery mechanic of its durable pull consumer
-on the rollouts stream. The trainer sees deliveries (a stream sequence, a subject, headers, an
-encoded group) and says when its step is checkpointed; this module fetches, holds each message
-unacked until then, keeps held messages alive through a long step, acks them with the broker's
-confirmation, and reads the consumer's counts for the run's accounting.
+"""The trainer's rollout inbox: every JetStream delivery mechanic of its readers (one durable
+pull consumer per sampler subject) on the rollouts stream. The trainer sees deliveries (a stream
+sequence, a subject, headers, an encoded group) and says when its step is checkpointed; this
+module fetches, takes the samplers in turn, holds each message unacked until then, keeps held
+messages alive through a long step, acks them with the broker's confirmation, and reads the
+readers' counts for the run's accounting.
+
+Samplers are read in turn, one message of each with messages waiting, so no sampler's backlog
+(a flood of junk included) stands in front of another's: one consumer over every subject
+delivered in stream order, and a sampler that kept its quota full held every honest group behind
+its own.
 
 Nothing waits out ack_wait: when the inbox opens (a previous trainer's deliveries are in flight)
 and after its connection dropped (a broker restart, a cut link: a fetch's messages lost with it,
-acks for deliveries made before it unanswered), it resets the consumer to its ack floor, and
+acks for deliveries made before it unanswered), it resets its readers to their ack floors, and
 every unacked message is offered again at once; the trainer skips those it already counted by
 their sequences."""
 
@@ -21,16 +27,20 @@ from nats.aio.msg import Msg
 
 from echo.protocol import ROLLOUT_MESSAGE_MAX, RolloutLimits, subject_sampler
 from streams.client import BROKER_ERRORS, Run
-from streams.rollouts import fetch_rollouts, reset_trainer_consumer, rollout_body, trainer_subscription
+from streams.rollouts import (fetch_rollouts, reader_name, reader_subscription, readers, reset_reader, rollout_body,
+                              rollout_subjects)
 
 log = structlog.get_logger()
 
 ACK_ATTEMPTS = 3  # a held message's ack is confirmed, or left for the broker to offer again
-# What one fetch may have the server send: half its max_pending for one client (64 MB), so that
-# a fetch of the largest messages never makes it close the trainer's connection (the batch lost
-# with it came back only after ack_wait).
+# What one round of fetches may have the server send: half its max_pending for one client
+# (64 MB), so that a round of the largest messages never makes it close the trainer's connection
+# (the batch lost with it came back only after ack_wait).
 FETCH_BYTES = 32 << 20
-FETCH_MAX = FETCH_BYTES // ROLLOUT_MESSAGE_MAX  # messages one fetch asks the server for
+FETCH_MAX = FETCH_BYTES // ROLLOUT_MESSAGE_MAX  # messages one round asks the server for, all readers together
+POLL_S = 0.1  # how often an idle inbox asks whether any sampler has published
+PULL_TIMEOUT_S = 0.5  # a reader found with messages answers at once; this bounds one whose messages went meanwhile
+SNAPSHOT_TRIES = 50  # counts read again while samplers publish between the reads
 
 
 @dataclass(frozen=True)
@@ -52,59 +62,111 @@ class Delivery:
 
 @dataclass(frozen=True)
 class ConsumerCounts:
-    """The consumer's counts at one instant."""
+    """The readers' counts at one instant."""
 
-    ack_floor: int  # every stream sequence up to this one is acked
-    published: int  # messages on the stream for this consumer: delivered and not yet delivered
+    ack_floor: int  # every stream sequence up to this one is acked (or gone)
+    published: int  # the stream's last sequence: every message ever stored on it
     pending: int  # not yet delivered, or delivered and not acked
+    exact: bool = True  # False: samplers published between the reads every time
+
+
+@dataclass
+class Reader:
+    """One sampler subject's consumer, and what it delivered that the inbox has not handed out."""
+
+    subscription: object
+    waiting: list[Msg] = field(default_factory=list)
 
 
 class RolloutInbox:
-    def __init__(self, run: Run, subscription):
-        self.run, self.subscription = run, subscription
+    def __init__(self, run: Run, ack_wait_s: float):
+        self.run, self.ack_wait_s = run, ack_wait_s
         self.held: list[Delivery] = []  # fetched and not yet acked
         self.untrained: set[int] = set()  # the sequences of held messages let go (not trained)
-        # Delivered beyond a fetch's batch (nats-py returns whatever its subscription queued, a
-        # pull request it gave up on included): handed out by the next fetches, first.
-        self.waiting: list[Msg] = []
-        self.connection = -1  # the connection the consumer was last reset on: none yet
+        # By subject, in turn order: the one served last goes to the back.
+        self.readers: dict[str, Reader] = {}
+        self.connection = -1  # the connection the readers were last reset on: none yet
 
     @classmethod
     async def open(cls, run: Run, ack_wait_s: float = 600.0) -> "RolloutInbox":
-        inbox = cls(run, await trainer_subscription(run, ack_wait_s))
+        inbox = cls(run, ack_wait_s)
+        await inbox._bind_readers()
         await inbox._reset_if_reconnected()
         return inbox
 
     def _reconnects(self) -> int:
         return self.run.nc.stats["reconnects"]
 
+    async def _bind_readers(self) -> int:
+        """A reader on every subject the stream holds messages on; returns its last sequence then."""
+        last_seq, subjects = await rollout_subjects(self.run)
+        for subject in subjects:
+            if subject not in self.readers:
+                self.readers[subject] = Reader(await reader_subscription(self.run, subject, self.ack_wait_s))
+        return last_seq
+
     async def _reset_if_reconnected(self) -> None:
-        """On a connection the consumer was not reset on yet, offer every unacked message again."""
+        """On a connection the readers were not reset on yet, offer every unacked message again."""
         if self.connection == self._reconnects():
             return
         try:
-            await reset_trainer_consumer(self.run)
+            for subject, reader in self.readers.items():
+                await reset_reader(self.run, subject)
+                reader.waiting.clear()
             self.connection = self._reconnects()
-            self.waiting.clear()  # offered again
         except BROKER_ERRORS as e:  # still reconnecting: the next fetch tries again
             log.warning("inbox.reset_failed", reason=repr(e))
 
     async def fetch(self, batch: int, timeout: float) -> list[Delivery]:
-        """Up to `batch` deliveries ([] when none came within `timeout`), each held until ack_held.
-        The server is asked for a full fetch (FETCH_MAX, FETCH_BYTES of the largest messages)
-        whatever `batch` is, the rest kept for the next calls: a backlog, one sampler's flood of
-        junk included, is read a full fetch at a time, not a step's few groups at a time."""
+        """Up to `batch` deliveries ([] when none came within `timeout`), each held until ack_held,
+        taken from the samplers in turn. A round of fetches asks the server for every sampler's
+        share of a full fetch (FETCH_MAX, FETCH_BYTES of the largest messages) whatever `batch`
+        is, the rest kept for the next calls: a backlog is read a full fetch at a time."""
+        deadline = time.monotonic() + timeout
         await self._reset_if_reconnected()
-        if not self.waiting:
-            self.waiting = await fetch_rollouts(self.subscription, FETCH_MAX, timeout)
-        msgs, self.waiting = self.waiting[:batch], self.waiting[batch:]
+        while not any(reader.waiting for reader in self.readers.values()):
+            if not await self._pull():
+                if time.monotonic() >= deadline:
+                    return []
+                await asyncio.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
         now, wall, connection = time.monotonic(), time.time(), self._reconnects()
         deliveries = [Delivery(msg.metadata.sequence.stream, msg.subject, msg.headers or {}, msg,
                                arrived=now - max(0.0, wall - msg.metadata.timestamp.timestamp()),
                                connection=connection)
-                      for msg in msgs]
+                      for msg in self._in_turn(batch)]
         self.held += deliveries  # acked after the checkpoint, used or not; they stay in the stream for replay
         return deliveries
+
+    async def _pull(self) -> bool:
+        """One round: every reader with messages undelivered fetches its share of a full fetch,
+        all at once; True when any came. A reader with none is not asked (a fetch on one waits
+        out its expiry)."""
+        try:
+            await self._bind_readers()
+            undelivered = {info.name: info.num_pending for info in await readers(self.run) if info.num_pending}
+        except BROKER_ERRORS as e:  # a broker restarting: the next round asks again
+            log.warning("inbox.pull_failed", reason=repr(e))
+            return False
+        # A reader's subscription may also hold late messages of a fetch that gave up waiting.
+        ready = [(reader, count) for subject, reader in self.readers.items()
+                 if (count := undelivered.get(reader_name(self.run.names, subject), 0)
+                     + reader.subscription.pending_msgs)][:FETCH_MAX]
+        share = FETCH_MAX // max(1, len(ready))
+        fetched = await asyncio.gather(*(fetch_rollouts(reader.subscription, min(share, count), PULL_TIMEOUT_S)
+                                         for reader, count in ready))
+        for (reader, _), msgs in zip(ready, fetched):
+            reader.waiting += msgs
+        return any(fetched)
+
+    def _in_turn(self, batch: int) -> list[Msg]:
+        """Up to `batch` waiting messages, one from each sampler in turn."""
+        taken: list[Msg] = []
+        while len(taken) < batch and (turn := [subject for subject, r in self.readers.items() if r.waiting]):
+            for subject in turn[: batch - len(taken)]:
+                reader = self.readers.pop(subject)  # to the back of the turn
+                taken.append(reader.waiting.pop(0))
+                self.readers[subject] = reader
+        return taken
 
     def let_go(self, delivery: Delivery) -> None:
         """Its body is no longer needed (the group is not trained): only its ack is kept until the
@@ -124,7 +186,8 @@ class RolloutInbox:
         while True:
             await asyncio.sleep(every)
             try:
-                for msg in [*(delivery.msg for delivery in self._on_this_connection()), *self.waiting]:
+                waiting = [msg for reader in self.readers.values() for msg in reader.waiting]
+                for msg in [*(delivery.msg for delivery in self._on_this_connection()), *waiting]:
                     await msg.in_progress()
             except BROKER_ERRORS as e:  # a broker restart: the next round tells it again
                 log.warning("inbox.keep_alive_failed", reason=repr(e))
@@ -172,6 +235,17 @@ class RolloutInbox:
             return False
 
     async def counts(self) -> ConsumerCounts:
-        info = await self.subscription.consumer_info()
-        return ConsumerCounts(ack_floor=info.ack_floor.stream_seq, published=info.delivered.stream_seq + info.num_pending,
-                              pending=info.num_pending + info.num_ack_pending)
+        """The readers' counts and the stream's last sequence at one instant: read again while
+        samplers publish between the reads (a message stored meanwhile would be published and in
+        no reader's counts). The ack floor is the lowest of the readers that still hold messages;
+        past every reader's messages, the stream's last sequence."""
+        for _ in range(SNAPSHOT_TRIES):
+            last_seq = await self._bind_readers()
+            infos = await readers(self.run)
+            exact = (await rollout_subjects(self.run))[0] == last_seq
+            if exact:
+                break
+        holding = [info for info in infos if info.num_pending + info.num_ack_pending]
+        return ConsumerCounts(ack_floor=min((info.ack_floor.stream_seq for info in holding), default=last_seq),
+                              published=last_seq, pending=sum(info.num_pending + info.num_ack_pending for info in infos),
+                              exact=exact)

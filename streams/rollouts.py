@@ -1,5 +1,6 @@
 """Rollouts on the wire: samplers publish groups on their own subject of the durable rollout
-stream; the trainer reads them through a durable pull consumer and acks each explicitly."""
+stream; the trainer reads each sampler's subject through a durable pull consumer of its own (a
+reader) and acks each message explicitly."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import orjson
 import structlog
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, ConsumerInfo, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from echo.protocol import (
@@ -37,6 +38,7 @@ log = structlog.get_logger()
 
 PUBLISH_RETRY_MAX_S = 10.0
 HEADER_ROOM = 4096  # of a message's largest size, left for its headers
+CONSUMER_PAGE = 256  # consumers in one CONSUMER.LIST answer
 
 
 async def publish_rollout(run: Run, group: RolloutGroup) -> None:
@@ -117,31 +119,67 @@ async def _body_part(js: JetStreamContext, names: RunNames, sequence: int):
             await asyncio.sleep(0.5)
 
 
-async def trainer_subscription(run: Run, ack_wait_s: float = 600.0):
-    """The trainer's durable pull consumer over all samplers' rollout subjects. Messages are
-    acked after the step that used (or dropped) them; unacked ones come back after ack_wait."""
+def reader_name(names: RunNames, subject: str) -> str:
+    """The trainer's durable consumer on one sampler's rollout subject. A subject that names no
+    valid sampler id (possible only without credentials) gets a consumer all the same, named by
+    its digest, so every message on the stream has a reader and is accounted for."""
+    try:
+        if names.rollouts_subject(subject_sampler(subject)) == subject:
+            return f"{TRAINER_CONSUMER}-{subject_sampler(subject)}"
+    except ValueError:  # not a sampler id
+        pass
+    return f"{TRAINER_CONSUMER}~{hashlib.sha256(subject.encode()).hexdigest()[:24]}"
+
+
+def is_reader(consumer_name: str) -> bool:
+    return consumer_name.startswith((f"{TRAINER_CONSUMER}-", f"{TRAINER_CONSUMER}~"))
+
+
+async def reader_subscription(run: Run, subject: str, ack_wait_s: float = 600.0):
+    """The trainer's durable pull consumer on one sampler's subject: reading each sampler through
+    its own, the trainer takes them in turn, and no sampler's backlog stands in front of another's
+    (one consumer over every subject delivers in stream order). Messages are acked after the step
+    that used (or dropped) them; unacked ones come back after ack_wait."""
+    name = reader_name(run.names, subject)
     config = ConsumerConfig(
-        durable_name=TRAINER_CONSUMER,
+        durable_name=name,
         ack_policy=AckPolicy.EXPLICIT,
         deliver_policy=DeliverPolicy.ALL,
         ack_wait=ack_wait_s,
         max_ack_pending=-1,
-        filter_subject=run.names.all_rollouts,
+        filter_subject=subject,
     )
     # Created, or brought to this config (a restarted trainer given another ack_wait_s):
     # pull_subscribe alone would bind to an existing consumer as it is.
     await run.js.add_consumer(run.names.rollouts_stream, config)
-    return await run.js.pull_subscribe_bind(TRAINER_CONSUMER, run.names.rollouts_stream)
+    return await run.js.pull_subscribe_bind(name, run.names.rollouts_stream)
 
 
-async def reset_trainer_consumer(run: Run) -> None:
-    """Offer again at once every message the trainer's consumer has not had acked (nats-server
-    2.14's consumer reset, to its ack floor): deliveries lost with a dropped connection, or made
-    to a trainer that died, would otherwise come back only after ack_wait."""
-    subject = f"{run.js._prefix}.CONSUMER.RESET.{run.names.rollouts_stream}.{TRAINER_CONSUMER}"
-    answer = orjson.loads((await run.nc.request(subject, b"{}", timeout=5.0)).data)
+async def reset_reader(run: Run, subject: str) -> None:
+    """Offer again at once every message a reader has not had acked (nats-server 2.14's consumer
+    reset, to its ack floor): deliveries lost with a dropped connection, or made to a trainer
+    that died, would otherwise come back only after ack_wait."""
+    api = f"{run.js._prefix}.CONSUMER.RESET.{run.names.rollouts_stream}.{reader_name(run.names, subject)}"
+    answer = orjson.loads((await run.nc.request(api, b"{}", timeout=5.0)).data)
     if "error" in answer:
         raise nats.errors.Error(f"consumer reset refused: {answer['error']}")
+
+
+async def rollout_subjects(run: Run) -> tuple[int, list[str]]:
+    """The rollouts stream's last sequence and the subjects it holds messages on, read at one
+    instant (the trainer's own call: samplers may not ask for stream INFO)."""
+    info = await run.js.stream_info(run.names.rollouts_stream, subjects_filter=run.names.all_rollouts)
+    return info.state.last_seq, list(info.state.subjects or {})
+
+
+async def readers(run: Run) -> list[ConsumerInfo]:
+    """Every reader's state, in one request per 256 (the server's page)."""
+    found: list[ConsumerInfo] = []
+    while page := await run.js.consumers_info(run.names.rollouts_stream, offset=len(found) or None):
+        found += page
+        if len(page) < CONSUMER_PAGE:
+            break
+    return [info for info in found if is_reader(info.name)]
 
 
 async def fetch_rollouts(subscription, batch: int, timeout: float) -> list:
@@ -158,12 +196,12 @@ async def fetch_rollouts(subscription, batch: int, timeout: float) -> list:
 
 
 async def rollouts_backlog(run: Run) -> dict[str, int] | None:
-    """The rollout stream's messages and bytes, and the trainer's consumer's pending (not yet
-    delivered) and unacked messages; None before the trainer has created them."""
+    """The rollout stream's messages and bytes, and its readers' pending (not yet delivered) and
+    unacked messages; None before the trainer has created the stream."""
     try:
         info = await run.js.stream_info(run.names.rollouts_stream)
-        consumer = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
+        consumers = await readers(run)
     except NotFoundError:
         return None
     return {"messages": info.state.messages, "bytes": info.state.bytes,
-            "pending": consumer.num_pending, "unacked": consumer.num_ack_pending}
+            "pending": sum(c.num_pending for c in consumers), "unacked": sum(c.num_ack_pending for c in consumers)}

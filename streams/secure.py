@@ -36,7 +36,7 @@ from pathlib import Path
 
 import nkeys
 
-from echo.protocol import HUB_DOMAIN, TRAINER_CONSUMER, RunNames, check_id
+from echo.protocol import HUB_DOMAIN, RunNames, check_id
 from streams.credentials import Credentials, inbox_prefix, sibling_file
 from streams.server import write_secret
 
@@ -97,8 +97,9 @@ def _stream_reads(api: str, stream: str) -> list[str]:
 
 def _stream_consumers(api: str, stream: str) -> list[str]:
     """What reading one stream through ephemeral consumers takes (an observer's replay, status):
-    `CONSUMER.CREATE.<stream>` without a name, and their fetches."""
-    return [f"{api}.CONSUMER.CREATE.{stream}", f"{api}.CONSUMER.INFO.{stream}.>",
+    `CONSUMER.CREATE.<stream>` without a name, and their fetches; the list of consumers (status
+    sums the trainer's readers)."""
+    return [f"{api}.CONSUMER.CREATE.{stream}", f"{api}.CONSUMER.INFO.{stream}.>", f"{api}.CONSUMER.LIST.{stream}",
             f"{api}.CONSUMER.MSG.NEXT.{stream}.>"]
 
 
@@ -137,8 +138,8 @@ def permissions(role: str, names: RunNames, public_key: str, sampler_id: str | N
                 allow += _direct_gets(api, stream)
     if role == "observer":
         allow += [f"$JS.FC.{stream}.>" for stream in readable]  # flow control of ordered consumers
-    deny = [f"{api}.CONSUMER.CREATE.{names.rollouts_stream}.{TRAINER_CONSUMER}{tail}"
-            for api in _api_prefixes(hub_domain) for tail in ("", ".>")]  # the trainer's own consumer
+    # Named consumers on the rollouts stream: the trainer's readers.
+    deny = [f"{api}.CONSUMER.CREATE.{names.rollouts_stream}.>" for api in _api_prefixes(hub_domain)]
     if role == "sampler":
         check_id("sampler id", sampler_id)
         allow += [names.rollouts_subject(sampler_id), names.bodies_subject(sampler_id), names.grants_subject(sampler_id)]

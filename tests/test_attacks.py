@@ -421,22 +421,23 @@ async def test_one_sampler_keeps_no_more_than_its_quota_and_evicts_only_its_own(
         assert rollouts.state.bytes <= quota + (1 << 20) and rollouts.state.messages <= quota // ROLLOUT_MESSAGE_MAX + 2
         assert bodies.state.bytes <= quota and bodies.state.messages <= quota // BODY_PART_MAX
         totals, accounting = await collect_and_account(collector, {}, 2)
-        # Both honest groups trained; the attacker's oldest 272 went unread, counted as evicted
-        # once the ack floor passed them (the inbox's fetch took the messages after them too).
-        assert accounting["trained"] == 2 and accounting["rejected"] == 0 and accounting["evicted"] == 272, accounting
+        # Both honest groups trained, the attacker's read in turn with them (each refused); its
+        # oldest 272 went unread, counted as evicted.
+        assert accounting["trained"] == 2 and accounting["rejected"] <= 3 and accounting["evicted"] == 272, accounting
         assert_accounting_holds(accounting)
     finally:
         for run in (attacker, honest, trainer):
             await run.close()
 
 
-async def test_a_flood_of_junk_costs_its_sender_a_quarantine_and_the_honest_group_behind_it_is_read(
+async def test_a_flood_of_junk_stands_in_front_of_no_honest_group_and_costs_its_sender_a_quarantine(
         two_samplers, monkeypatch):
     """Issue 43: a sampler keeping its quota full of 64-byte junk held the run at ~14 steps a
     minute: one consumer reads every sampler's subject in stream order, each fetch asked for only
     what the step still needed, and junk earned no strike (16,400 messages took 50 s to read past).
-    Junk is now a strike, a quarantined sender's messages are counted unread, and the inbox reads
-    a backlog a full fetch at a time."""
+    The samplers are now read in turn (the honest group comes with one junk message at most
+    before it), junk is a strike, a quarantined sender's messages are counted unread, and the
+    inbox reads a backlog a full fetch at a time."""
     server, secure = two_samplers
     trainer = await open_run(server.url, "sec", "trainer", credentials=secure.credentials("trainer"))
     honest = await open_run(server.url, "sec", "s2", credentials=secure.credentials("sampler-s2"), create=False)
@@ -457,9 +458,19 @@ async def test_a_flood_of_junk_costs_its_sender_a_quarantine_and_the_honest_grou
         collector = Collector(await RolloutInbox.open(trainer), Judge(REFEREE, Timeline(max_staleness=1),
                                                                      quarantine=quarantine))
         totals, accounting = await collect_and_account(collector, {}, 1)
-        assert accounting["trained"] == 1 and accounting["rejected"] == junk, accounting
-        assert "s1" in quarantine and quarantine.strikes == {"s1": 4}  # quarantine_after 3: the fourth
-        assert len(fetches) <= junk // FETCH_MAX + 3, len(fetches)  # before: one fetch a message
+        assert accounting["trained"] == 1 and accounting["rejected"] <= 1, accounting  # before: all 2000 first
+        assert_accounting_holds(accounting)
+
+        async def honest_once_quarantined():  # meanwhile the inbox has only the junk to read
+            while "s1" not in quarantine:
+                await asyncio.sleep(0.01)
+            await publish_rollout(honest, honest_group(31, policy_version=5, group_id="later", sampler_id="s2"))
+
+        later = asyncio.create_task(honest_once_quarantined())
+        totals, accounting = await collect_and_account(collector, totals, 1)
+        await later
+        assert accounting["trained"] == 2 and quarantine.strikes == {"s1": 4}  # quarantine_after 3: the fourth
+        assert len(fetches) <= junk // FETCH_MAX + 6, len(fetches)  # before: one fetch a message
         assert_accounting_holds(accounting)
     finally:
         for run in (attacker, honest, trainer):

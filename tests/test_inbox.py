@@ -13,10 +13,10 @@ from echo.consumed import ConsumedSeqs
 from echo.referee import Referee, content_hash
 from echo.config import SamplingConfig
 from echo.protocol import (HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE, HDR_MSG_ID, HDR_POLICY_VERSION,
-                           HDR_SAMPLER_ID, TRAINER_CONSUMER, encode_rollout, rollout_headers)
+                           HDR_SAMPLER_ID, encode_rollout, rollout_headers)
 from streams.replay import read_rollouts
-from streams.inbox import RolloutInbox
-from streams.rollouts import publish_rollout, rollout_body, trainer_subscription
+from streams.inbox import FETCH_MAX, RolloutInbox
+from streams.rollouts import publish_rollout, reader_name, reader_subscription, readers, rollout_body
 from streams.server import NatsServer
 from tests.conftest import tiny_config
 from tests.groups import REFEREE, TASK, TOKENIZER, honest_group, with_completion
@@ -53,13 +53,12 @@ async def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(run
     assert collected.dropped == {4: 1} and collected.dropped_ids == ["stale"]
     assert collected.rejected == {"bad_encoding": 1, "future_version": 1, "wrong_group_size": 1, "header_mismatch": 1,
                                   "subject_mismatch": 1, "replayed_content": 2}
-    info = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
-    assert info.num_pending == 0 and info.num_ack_pending == 10  # all wait for the step's checkpoint
+    infos = await readers(run)
+    assert [sum(i.num_pending for i in infos), sum(i.num_ack_pending for i in infos)] == [0, 10]  # all wait for the checkpoint
     # What waits holds a body only if its group is trained: junk costs the step no memory.
     assert sorted(len(d.msg.data) > 0 for d in inbox.held) == [False] * 8 + [True] * 2
     assert await inbox.ack_held() == 0  # every ack confirmed
-    info = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
-    assert info.num_ack_pending == 0  # confirmed
+    assert sum(i.num_ack_pending for i in await readers(run)) == 0  # confirmed
     # Nothing is lost: rejected messages stay in the stream for replay.
     records = [r async for r in read_rollouts(runs.url, "c")]
     assert len(records) == 10 and sum("error" in r for r in records) == 3
@@ -146,9 +145,10 @@ async def test_a_restarted_trainer_given_another_ack_wait_has_it(runs):
     it, not the consumer's first (its keep-alive runs at a third of the new one)."""
 
     run = await runs.open("ackwait", "trainer")
-    await trainer_subscription(run, ack_wait_s=60.0)
-    await trainer_subscription(run, ack_wait_s=600.0)
-    info = await run.js.consumer_info(run.names.rollouts_stream, TRAINER_CONSUMER)
+    subject = run.names.rollouts_subject("s1")
+    await reader_subscription(run, subject, ack_wait_s=60.0)
+    await reader_subscription(run, subject, ack_wait_s=600.0)
+    info = await run.js.consumer_info(run.names.rollouts_stream, reader_name(run.names, subject))
     assert info.config.ack_wait == 600.0
 
 
@@ -216,15 +216,41 @@ async def test_a_fetch_returns_no_more_than_its_batch_whatever_the_subscription_
     it gave up on included: a step was handed 6 groups for its 4 (seen in CI). The inbox hands
     out at most a fetch's batch and keeps the rest for the next fetch."""
     run = await runs.open("queued")
-    inbox = await RolloutInbox.open(run, ack_wait_s=600.0)
     for i in range(6):
         await run.js.publish(run.names.rollouts_subject("s1"), b"x", headers={HDR_MSG_ID: f"g{i}"})
-    pull = inbox.subscription._sub  # a pull request for 6 whose client stopped waiting: they queue up
-    await run.nc.publish(inbox.subscription._nms, json.dumps({"batch": 6, "no_wait": True}).encode(),
-                         inbox.subscription._deliver)
+    inbox = await RolloutInbox.open(run, ack_wait_s=600.0)
+    subscription = inbox.readers[run.names.rollouts_subject("s1")].subscription
+    # A pull request for 6 whose client stopped waiting: they queue up in its subscription.
+    await run.nc.publish(subscription._nms, json.dumps({"batch": 6, "no_wait": True}).encode(), subscription._deliver)
     async with asyncio.timeout(10):
-        while pull._pending_queue.qsize() < 6:
+        while subscription.pending_msgs < 6:
             await asyncio.sleep(0.01)
     assert [d.seq for d in await inbox.fetch(4, timeout=1.0)] == [1, 2, 3, 4]
     assert [d.seq for d in await inbox.fetch(4, timeout=1.0)] == [5, 6]
     assert await inbox.ack_held() == 0 and (await inbox.counts()).pending == 0
+
+
+async def test_samplers_are_read_in_turn_so_no_backlog_stands_in_front_of_another(runs):
+    """Issue 43: one consumer read every sampler's subject in stream order, so a sampler that
+    kept its quota full (of junk, or of groups too stale to train, which earn no strike) stood in
+    front of every honest group published after it. Each sampler is now read through its own
+    consumer, in turn: the honest samplers' groups come within the first round, whatever the
+    backlog before them."""
+    run = await runs.open("turns")
+    flood = 3000
+    await asyncio.gather(*(run.js.publish(run.names.rollouts_subject("flooder"), bytes(64), headers={HDR_MSG_ID: f"j{i}"})
+                           for i in range(flood)))
+    for sampler in ("s1", "s2"):
+        await publish_rollout(run, honest_group(20, policy_version=5, group_id=f"from-{sampler}", sampler_id=sampler))
+    inbox = await RolloutInbox.open(run, ack_wait_s=600.0)
+    first = await inbox.fetch(3, timeout=5.0)
+    assert sorted(d.sender for d in first) == ["flooder", "s1", "s2"]
+    # Taken in turn while they last: the flooder then has the inbox to itself, a full fetch at a time.
+    rest = []
+    async with asyncio.timeout(60):
+        while len(rest) < flood - 1:
+            rest += await inbox.fetch(FETCH_MAX, timeout=5.0)
+    assert {d.sender for d in rest} == {"flooder"} and len(inbox.held) == flood + 2
+    assert await inbox.ack_held() == 0
+    counts = await inbox.counts()
+    assert (counts.published, counts.pending, counts.ack_floor) == (flood + 2, 0, flood + 2)

@@ -15,9 +15,10 @@ from echo.checkpoint import (TrainerState, append_trained_completions, append_tr
 from echo.config import LoraConfig
 from echo.models import load_model
 from echo.policy import make_policy
-from echo.protocol import HDR_MSG_ID, TRAINER_CONSUMER, RunNames
+from echo.protocol import HDR_MSG_ID, RunNames
 from streams.client import connect
 from streams.replay import read_rollouts
+from streams.rollouts import is_reader
 from tests.conftest import alive, assert_balanced, read_metrics, tiny_config, wait_for_steps, worker_process
 from workers.trainer.accounting import restore_metrics
 
@@ -149,10 +150,11 @@ def test_kill_9_the_trainer_and_resume_trains_every_group_once(nats_server, tmp_
 
     async def consumed():
         nc = await connect(nats_server.url, "check")
-        info = await nc.jetstream().consumer_info(RunNames("crash").rollouts_stream, TRAINER_CONSUMER)
+        readers = await nc.jetstream().consumers_info(RunNames("crash").rollouts_stream)
+        floors = {info.config.filter_subject: info.ack_floor.stream_seq for info in readers if is_reader(info.name)}
         await nc.close()
         stream = [r async for r in read_rollouts(nats_server.url, "crash")]
-        return [r["headers"][HDR_MSG_ID] for r in stream if r["seq"] <= info.ack_floor.stream_seq]
+        return [r["headers"][HDR_MSG_ID] for r in stream if r["seq"] <= floors[r["subject"]]]
 
     acked = asyncio.run(consumed())
     dropped = [gid for m in metrics for gid in m["dropped_groups"]]

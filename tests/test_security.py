@@ -20,7 +20,6 @@ from echo.protocol import (
     HDR_MSG_ID,
     SLOTS_KEY,
     SLOTS_KEY_BEFORE_14,
-    TRAINER_CONSUMER,
     TRAINER_KEY,
     RunNames,
     WeightsAnnouncement,
@@ -29,7 +28,7 @@ from echo.protocol import (
     encode_rollout,
     rollout_headers,
 )
-from streams.rollouts import trainer_subscription
+from streams.rollouts import reader_name, reader_subscription
 from streams.secure import PID_FILE, SecureDir
 from streams.server import write_secret
 from tests.groups import honest_group
@@ -194,7 +193,7 @@ async def test_a_sampler_cannot_touch_what_the_trainer_owns(secured, runs):
 
     trainer = await runs.open("sec", "trainer", url=server.url, credentials=secure.credentials("trainer"))
     trainer_weights = WeightsPublisher(await take_lease(trainer))
-    await trainer_subscription(trainer)
+    await reader_subscription(trainer, trainer.names.rollouts_subject("s1"))
     await trainer.state.put(CONFIG_KEY, b'{"task": {"name": "math"}}')
     announcement = await trainer_weights.publish(0, [b"v0" * 100], TINY_BASE)
     names = trainer.names
@@ -207,7 +206,7 @@ async def test_a_sampler_cannot_touch_what_the_trainer_owns(secured, runs):
     attacks = [
         js.delete_stream(names.rollouts_stream),
         js.purge_stream(names.rollouts_stream),
-        js.delete_consumer(names.rollouts_stream, TRAINER_CONSUMER),
+        js.delete_consumer(names.rollouts_stream, reader_name(names, names.rollouts_subject("s1"))),
         js.add_stream(name="ECHO_sec_JUNK", subjects=["junk.>"]),
         js.publish(f"$JS.hub.API.$KV.{names.state_bucket}.{CONFIG_KEY}", b'{"task": {"name": "os:system"}}'),
         js.publish(f"$KV.{names.state_bucket}.{TRAINER_KEY}", b"{}"),
@@ -248,7 +247,7 @@ async def test_a_sampler_cannot_touch_what_the_trainer_owns(secured, runs):
     info = await trainer.js.stream_info(names.rollouts_stream)
     assert info.state.messages == 1  # only s1's own group
     assert (await trainer.js.stream_info(names.bodies_stream)).state.messages == 1
-    await trainer.js.consumer_info(names.rollouts_stream, TRAINER_CONSUMER)
+    await trainer.js.consumer_info(names.rollouts_stream, reader_name(names, names.rollouts_subject("s1")))
     assert (await trainer.state.get(CONFIG_KEY)).value == b'{"task": {"name": "math"}}'
     last = await trainer.js.get_last_msg(names.control_stream, names.weights_subject)
     assert decode(WeightsAnnouncement, last.data).version == 0

@@ -18,7 +18,6 @@ from streams.lease import take_lease
 from streams.objects import TransferError, get_object, put_object
 from streams.registry import put_status, read_statuses
 from streams.replay import read_rollouts
-from streams.rollouts import trainer_subscription
 from streams.weights import WeightsFollower, WeightsPublisher, fetch_weights
 from tests.conftest import adapter_for_version, store_tampered, TINY_BASE, tiny_config
 from workers.sampler.loop import Sampler
@@ -43,7 +42,6 @@ async def test_a_sampler_joining_after_version_3_generates_with_version_3(runs, 
 
     run = await runs.open(cfg.run.id, "trainer")
     weights = WeightsPublisher(await take_lease(run))
-    await trainer_subscription(run)
     for version, data in enumerate(adapters):
         await weights.publish(version, data, TINY_BASE)
 

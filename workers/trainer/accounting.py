@@ -140,16 +140,20 @@ async def _count_uncounted(inbox: RolloutInbox, consumed: ConsumedSeqs, totals: 
 
 async def account(inbox: RolloutInbox, totals: dict[str, int], consumed: ConsumedSeqs, unconfirmed: int) -> dict[str, int]:
     """Every message published on the run's rollouts stream is trained, dropped as stale,
-    rejected, abandoned or evicted (count_abandoned, count_evicted), or still pending (not
-    acked): `published = counted + pending`, and `counted` (distinct messages counted) is the
-    sum of the others (each once).
-    One reading of the consumer's counts gives published and pending at the same instant. After a broker crash
-    the broker may offer counted messages again (`unconfirmed` acks, or state it lost): until
-    they are skipped, they are in `pending` too."""
+    rejected, abandoned or evicted, or still pending (not acked): `published = counted + pending`,
+    and `counted` (distinct messages counted) is the sum of the others (each once).
+    One reading of the readers' counts gives published and pending at the same instant. Evicted
+    messages below the ack floor were counted by count_evicted; those above it, gone before any
+    reader reached them (a reader skips them unseen), are what no one else accounts for. After a
+    broker crash the broker may offer counted messages again (`unconfirmed` acks, or state it
+    lost): until they are skipped, they are in `pending` too."""
     counts = await inbox.counts()
     consumed.raise_floor(counts.ack_floor)
-    return {"published": counts.published, **totals, "pending": counts.pending, "counted": len(consumed),
-            "unconfirmed_acks": unconfirmed}
+    if not counts.exact:
+        log.warning("rollouts.accounting_inexact", reason="samplers published between every reading")
+    unread = max(0, counts.published - len(consumed) - counts.pending)  # evicted above the floor
+    return {"published": counts.published, **totals, "evicted": totals.get("evicted", 0) + unread,
+            "pending": counts.pending, "counted": len(consumed) + unread, "unconfirmed_acks": unconfirmed}
 
 
 async def settle(inbox: RolloutInbox, consumed: ConsumedSeqs, totals: dict[str, int]) -> tuple[dict[str, int], dict]:
