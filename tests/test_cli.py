@@ -193,3 +193,16 @@ def test_a_server_that_does_not_speak_nats_is_named_as_such(capsys, monkeypatch)
         listener.close()
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no NATS greeting" in err, err
+
+
+@pytest.mark.parametrize("folder", ["echo", "workers", "streams"])
+def test_a_folder_named_like_a_package_in_the_working_directory_does_not_stand_in_for_it(tmp_path, folder):
+    """A trainer started from a folder holding an `echo` folder (its `ECHO_CACHE`, in
+    test_hub_models) had its scoring child import that folder as the package `echo` ("cannot
+    import name ... (unknown location)"): setuptools' editable finder is asked only after every
+    sys.path entry, the working directory's included, so a folder without an __init__.py there
+    became a namespace package. `make install` installs the packages by path instead."""
+    (tmp_path / folder).mkdir()
+    probe = f"import {folder}, importlib.util; print(importlib.util.find_spec('{folder}').origin)"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith(f"{folder}/__init__.py"), done.stdout + done.stderr
