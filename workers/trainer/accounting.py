@@ -21,7 +21,7 @@ from echo.consumed import ConsumedSeqs
 from echo.metrics import mean_staleness
 from echo.protocol import LearnerStatus
 from streams.client import retry_forever
-from streams.inbox import RolloutInbox
+from streams.inbox import ConsumerCounts, RolloutInbox
 from workers.trainer.intake import Admitted, Collected
 from workers.trainer.step import TrainerStep
 
@@ -117,19 +117,12 @@ async def count_abandoned(inbox: RolloutInbox, consumed: ConsumedSeqs, totals: d
     previous incarnation consumed them in a timeline whose checkpoint is gone (the run restarted
     from an older checkpoint, or a wiped run directory on a broker that kept its streams). They
     are counted as `abandoned`, once."""
-    return await _count_uncounted(inbox, consumed, totals, "abandoned", "trainer.rewound")
+    counts = await inbox.counts()
+    return _count_uncounted(counts.ack_floor, consumed, totals, "abandoned", "trainer.rewound")
 
 
-async def count_evicted(inbox: RolloutInbox, consumed: ConsumedSeqs, totals: dict[str, int]) -> dict[str, int]:
-    """After a step's acks: messages the stream's retention limits (nats.rollouts_max_gb, _hours)
-    removed before the trainer read them, which the broker's ack floor passes over. They are
-    counted as `evicted`, once."""
-    return await _count_uncounted(inbox, consumed, totals, "evicted", "rollouts.evicted")
-
-
-async def _count_uncounted(inbox: RolloutInbox, consumed: ConsumedSeqs, totals: dict[str, int],
-                           name: str, event: str) -> dict[str, int]:
-    acked = (await inbox.counts()).ack_floor
+def _count_uncounted(acked: int, consumed: ConsumedSeqs, totals: dict[str, int], name: str, event: str) -> dict[str, int]:
+    """Sequences up to the readers' ack floor `acked` that `consumed` never counted, as `name`."""
     uncounted = consumed.missing_through(acked)
     if not uncounted:
         return totals
@@ -138,30 +131,30 @@ async def _count_uncounted(inbox: RolloutInbox, consumed: ConsumedSeqs, totals: 
     return {**totals, name: totals.get(name, 0) + uncounted}
 
 
-async def account(inbox: RolloutInbox, totals: dict[str, int], consumed: ConsumedSeqs, unconfirmed: int) -> dict[str, int]:
+def account(counts: ConsumerCounts, totals: dict[str, int], consumed: ConsumedSeqs,
+            unconfirmed: int) -> tuple[dict[str, int], dict[str, int]]:
     """Every message published on the run's rollouts stream is trained, dropped as stale,
     rejected, abandoned or evicted, or still pending (not acked): `published = counted + pending`,
-    and `counted` (distinct messages counted) is the sum of the others (each once).
-    One reading of the readers' counts gives published and pending at the same instant. Evicted
-    messages below the ack floor were counted by count_evicted; those above it, gone before any
-    reader reached them (a reader skips them unseen), are what no one else accounts for. After a
-    broker crash the broker may offer counted messages again (`unconfirmed` acks, or state it
-    lost): until they are skipped, they are in `pending` too."""
-    counts = await inbox.counts()
-    consumed.raise_floor(counts.ack_floor)
+    and `counted` (distinct messages counted) is the sum of the others (each once), from one
+    reading of the readers' counts (published and pending at the same instant). Evicted messages
+    are those the stream's retention limits (a sampler's quota, nats.rollouts_max_gb, _hours)
+    removed before the trainer read them: up to the ack floor, the sequences it never counted
+    (added to the totals, once); above it, what is neither counted nor pending (a reader skips an
+    evicted message unseen). After a broker crash the broker may offer counted messages again
+    (`unconfirmed` acks, or state it lost): until they are skipped, they are in `pending` too.
+    Returns the new totals and the accounting."""
+    totals = _count_uncounted(counts.ack_floor, consumed, totals, "evicted", "rollouts.evicted")
     if not counts.exact:
         log.warning("rollouts.accounting_inexact", reason="samplers published between every reading")
     unread = max(0, counts.published - len(consumed) - counts.pending)  # evicted above the floor
-    return {"published": counts.published, **totals, "evicted": totals.get("evicted", 0) + unread,
-            "pending": counts.pending, "counted": len(consumed) + unread, "unconfirmed_acks": unconfirmed}
+    return totals, {"published": counts.published, **totals, "evicted": totals.get("evicted", 0) + unread,
+                    "pending": counts.pending, "counted": len(consumed) + unread, "unconfirmed_acks": unconfirmed}
 
 
 async def settle(inbox: RolloutInbox, consumed: ConsumedSeqs, totals: dict[str, int]) -> tuple[dict[str, int], dict]:
-    """After a step's checkpoint: its groups acked, the evicted counted, every message accounted
-    for. Returns the new totals and the accounting."""
+    """After a step's checkpoint: its groups acked, every message accounted for (account)."""
     unconfirmed = await inbox.ack_held()
-    totals = await retry_forever("count evicted", lambda: count_evicted(inbox, consumed, totals))
-    return totals, await retry_forever("account", lambda: account(inbox, totals, consumed, unconfirmed))
+    return account(await retry_forever("count rollouts", inbox.counts), totals, consumed, unconfirmed)
 
 
 def metrics_line(record: dict) -> bytes:
