@@ -120,8 +120,15 @@ async def test_a_forging_sampler_is_rejected_then_quarantined_until_an_operator_
         # honest_group's log-probs are a constant -0.5: not what the model gives its tokens.
         for index, group_id in [(12, "f1"), (13, "f2"), (16, "f3")]:
             await publish_rollout(run, honest_group(index, group_id=group_id, sampler_id="s1"))
-        await publish_rollout(run, true_logprobs(honest_group(14, group_id="h1", sampler_id="s2")))
+
+        async def honest_once_quarantined():  # else read in turn with the forger's first
+            while "s1" not in quarantine:
+                await asyncio.sleep(0.01)
+            await publish_rollout(run, true_logprobs(honest_group(14, group_id="h1", sampler_id="s2")))
+
+        honest = asyncio.create_task(honest_once_quarantined())
         collected = await collector.collect(1, version=1)
+        await honest
         assert [a.group.group_id for a in collected.used] == ["h1"]
         assert collected.rejected == {"logprob_forgery": 2, "quarantined": 1}  # f3 came after the quarantine
         assert await read_quarantine(run) == {"s1": "2 strikes, the last logprob_forgery"}
