@@ -39,7 +39,9 @@ ACK_ATTEMPTS = 3  # a held message's ack is confirmed, or left for the broker to
 FETCH_BYTES = 32 << 20
 FETCH_MAX = FETCH_BYTES // ROLLOUT_MESSAGE_MAX  # messages one round asks the server for, all readers together
 POLL_S = 0.1  # how often an idle inbox asks whether any sampler has published
-PULL_TIMEOUT_S = 0.5  # a reader found with messages answers at once; this bounds one whose messages went meanwhile
+# A reader found with messages answers at once, however busy the box; this bounds only one whose
+# messages were evicted between the listing and its fetch (a fetch on an empty consumer waits it out).
+PULL_TIMEOUT_S = 5.0
 SNAPSHOT_TRIES = 50  # counts read again while samplers publish between the reads
 
 

@@ -39,6 +39,7 @@ log = structlog.get_logger()
 PUBLISH_RETRY_MAX_S = 10.0
 HEADER_ROOM = 4096  # of a message's largest size, left for its headers
 CONSUMER_PAGE = 256  # consumers in one CONSUMER.LIST answer
+FETCH_RETRY_S = 1.0  # after a failed fetch: the broker is restarting or moving the consumer
 
 
 async def publish_rollout(run: Run, group: RolloutGroup) -> None:
@@ -190,7 +191,7 @@ async def fetch_rollouts(subscription, batch: int, timeout: float) -> list:
         return []
     except BROKER_ERRORS as e:  # a broker restarting, a cluster moving the consumer's leader
         log.warning("rollouts.fetch_failed", reason=repr(e))
-        await asyncio.sleep(timeout)
+        await asyncio.sleep(min(timeout, FETCH_RETRY_S))
         return []
 
 
