@@ -206,6 +206,16 @@ class NatsConfig(_Section):
                        sampler_max_bytes=int(self.sampler_quota_gb * 2**30) or -1)
 
     @model_validator(mode="after")
+    def _a_quota_is_at_most_half_the_history(self):
+        # The stream keeps its newest bytes: one sampler's flood of its whole quota then leaves
+        # the other half to the others' newest (unread) groups.
+        if self.rollouts_max_gb and self.sampler_quota_gb * 2 > self.rollouts_max_gb:
+            raise ValueError(f"nats.sampler_quota_gb {self.sampler_quota_gb} is more than half of "
+                             f"nats.rollouts_max_gb {self.rollouts_max_gb}: one sampler's flood could evict "
+                             f"the others' unread groups")
+        return self
+
+    @model_validator(mode="after")
     def _creds_come_with_a_ca(self):
         if bool(self.creds) != bool(self.tls_ca):
             raise ValueError("nats.creds and nats.tls_ca go together (a secured broker speaks TLS only)")

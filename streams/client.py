@@ -17,7 +17,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError, NoServersError
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
+from nats.js.errors import APIError, BadRequestError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
@@ -306,6 +306,7 @@ async def connect_answered(url: str, name: str, credentials: Credentials | None,
 
 
 NO_PEERS_YET = 10005  # "no suitable peers for placement": a cluster whose nodes have not all joined yet
+STORAGE_EXCEEDED = 10047  # "insufficient storage resources available": the account's or the server's
 PLACEMENT_WAIT_S = 60.0
 
 
@@ -320,9 +321,28 @@ async def _add_or_update_stream(js: JetStreamContext, config: StreamConfig) -> N
         await js.update_stream(config)
 
 
+async def _reserve_rollouts(js: JetStreamContext, names: RunNames, storage: Storage) -> None:
+    """The two rollout streams. Where the run's account has a storage limit (`secure init
+    --run-storage-gb`), each reserves its size limit within it (nats-server counts a stream's
+    max_bytes against the account when the stream is made): what samplers write can then never
+    fill the room the run's weights and state need, so no flood of theirs stops the trainer's
+    own writes. A stream without a size limit reserves nothing: refused here."""
+    limit = (await js.account_info()).limits.max_storage
+    if limit >= 0 and storage.rollouts_max_bytes <= 0:
+        raise ConfigError(f"nats.rollouts_max_gb: the run's account keeps at most {limit / 2**30:.3g} GB on the hub; "
+                          f"give the two rollout streams a size limit within it, leaving room for the weights")
+    try:
+        await _add_or_update_stream(js, layout.rollouts_stream(names, storage))
+        await _add_or_update_stream(js, layout.bodies_stream(names, storage))
+    except APIError as e:
+        if e.err_code != STORAGE_EXCEEDED:
+            raise
+        raise ConfigError(f"nats.rollouts_max_gb: two rollout streams of {storage.rollouts_max_bytes / 2**30:.3g} GB "
+                          f"do not fit the storage the run's account (or the hub) has left: {e.description}") from None
+
+
 async def _create_run(js: JetStreamContext, names: RunNames, hub_domain: str | None, storage: Storage):
-    await _add_or_update_stream(js, layout.rollouts_stream(names, storage))
-    await _add_or_update_stream(js, layout.bodies_stream(names, storage))
+    await _reserve_rollouts(js, names, storage)
     await _add_or_update_stream(js, layout.control_stream(names, storage))
     # nats-py overwrites config.bucket with the positional name: pass both.
     weights = await js.create_object_store(names.weights_bucket, config=layout.weights_bucket(names, storage))

@@ -201,11 +201,13 @@ def account_of(user: dict) -> str:
     return {"trainer": RUN, "observer": OBSERVERS, "relay": RELAYS}[user["role"]]
 
 
-def hub_accounts(users: list[tuple[str, dict]], hub_domain: str, spare: str) -> dict:
+def hub_accounts(users: list[tuple[str, dict]], hub_domain: str, spare: str, run_storage: int = -1) -> dict:
     """The hub's `accounts` block for (account, user entry) pairs: each user in its account, and
     RUN's exports and the other accounts' imports derived from the users' permissions; RELAYS and
-    the `spare` sampler account empty until a user is issued into them."""
-    accounts = {RUN: {"jetstream": "enabled", "users": [], "exports": []},
+    the `spare` sampler account empty until a user is issued into them. `run_storage`: the bytes
+    RUN's streams may keep on disk (-1: no limit)."""
+    jetstream = {"max_file": run_storage} if run_storage > 0 else "enabled"
+    accounts = {RUN: {"jetstream": jetstream, "users": [], "exports": []},
                 RELAYS: {"users": [], "imports": []}, spare: {"users": [], "imports": [], "limits": SAMPLER_LIMITS}}
     exported: dict[tuple[str, str], dict] = {}
 
@@ -345,14 +347,18 @@ class SecureDir:
             raise FileExistsError(f"{self.dir} holds run {held}'s credentials, not {run_id}'s")
         return True
 
-    def init(self, run_id: str, hosts: list[str], samplers: list[str], hub_domain: str = HUB_DOMAIN) -> None:
+    def init(self, run_id: str, hosts: list[str], samplers: list[str], hub_domain: str = HUB_DOMAIN,
+             run_storage: int = -1) -> None:
+        """`run_storage`: the bytes the run's streams may keep on the hub's disk, all together (-1:
+        no limit). The trainer reserves its rollout streams' share within it (streams/client.py)."""
         RunNames(run_id)  # a valid run id
         self.dir.mkdir(parents=True, exist_ok=True)
         if (self.dir / ROLES_FILE).exists():
             raise FileExistsError(f"{self.dir} holds a secured swarm already: use add-sampler or add-relay")
         _write_ca(self.dir)
         _issue_certificate(self.dir, hosts[0], hosts, self.dir / "server-cert.pem", self.dir / "server-key.pem")
-        (self.dir / ROLES_FILE).write_text(json.dumps({"run_id": run_id, "hub_domain": hub_domain, "users": {}}))
+        roles = {"run_id": run_id, "hub_domain": hub_domain, "run_storage": run_storage, "users": {}}
+        (self.dir / ROLES_FILE).write_text(json.dumps(roles))
         for user in ("trainer", "observer"):
             self._add_user(user, user)
         for sampler_id in samplers:
@@ -419,8 +425,10 @@ class SecureDir:
         users = [self._user_entry(u, names, roles["hub_domain"]) for u in roles["users"].values()]
         q = json.dumps
         tls = _tls_block(self.dir / "server-cert.pem", self.dir / "server-key.pem", self.ca_file)
+        accounts = hub_accounts(users, roles["hub_domain"], sampler_account(_sampler_slots(roles) + 1),
+                                roles.get("run_storage", -1))
         _replace_text(self.dir / SERVER_CONF, "\n".join(
-            [tls, f"accounts: {q(hub_accounts(users, roles['hub_domain'], sampler_account(_sampler_slots(roles) + 1)))}",
+            [tls, f"accounts: {q(accounts)}",
              f"pid_file: {q(str(self.dir / PID_FILE))}"]))
         _replace_text(self.leaf_conf, tls)  # the leaf port speaks TLS too; leaf users are in the list above
         for name, u in roles["users"].items():

@@ -18,6 +18,7 @@ from nats.js.errors import KeyNotFoundError
 from rich.console import Console
 
 from echo.checkpoint import TrainerState, load_trained_completions, remember_trained
+from echo.config import ConfigError
 from echo.grants import GrantLedger
 from echo.protocol import (BODY_PART_MAX, BUDGET_KEY, CONFIG_KEY, HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE, HDR_MSG_ID,
                            LEARNER_KEY,
@@ -428,6 +429,44 @@ async def test_one_sampler_keeps_no_more_than_its_quota_and_evicts_only_its_own(
     finally:
         for run in (attacker, honest, trainer):
             await run.close()
+
+
+async def test_a_flood_fills_only_the_room_the_rollout_streams_reserved_in_the_runs_account(tmp_path):
+    """Issue 43: an 8 MB part flood stored 2.4 GB in 75 s within the per-sampler quota, and the
+    run's account had no storage limit. `secure init --run-storage-gb` gives it one, and the
+    rollout streams reserve their size limit within it: three samplers flooding both streams fill
+    only those, and the trainer's own writes (weights, state) find the rest. A trainer whose
+    rollout streams have no size limit, or one that does not fit, fails at start naming it."""
+    secure = SecureDir(tmp_path / "secure")
+    limit, history = 96 << 20, 32 << 20
+    assert main(["secure", "init", str(secure.dir), "--run-id", "sec", "--samplers", "s1,s2,s3",
+                 "--run-storage-gb", str(limit / 2**30)]) == 0
+    with NatsServer(tmp_path / "jetstream", include=secure.dir / "server.conf") as server:
+        creds = secure.credentials("trainer")
+        for too_much in (-1, limit // 2 + 1):
+            with pytest.raises(ConfigError, match="nats.rollouts_max_gb"):
+                await open_run(server.url, "sec", "trainer", credentials=creds,
+                               storage=Storage(rollouts_max_bytes=too_much, sampler_max_bytes=history // 2))
+        trainer = await open_run(server.url, "sec", "trainer", credentials=creds,
+                                 storage=Storage(rollouts_max_bytes=history, sampler_max_bytes=history // 2))
+        samplers = [await open_run(server.url, "sec", s, credentials=secure.credentials(f"sampler-{s}"), create=False)
+                    for s in ("s1", "s2", "s3")]
+        names = trainer.names
+        try:
+            for sampler, s in zip(samplers, ("s1", "s2", "s3")):  # each to its quota, together past the history's limit
+                for i in range(160):  # 32 MB
+                    await sampler.js.publish(names.rollouts_subject(s), bytes(200_000), headers={HDR_MSG_ID: f"{s}r{i}"})
+                for i in range(4):  # 32 MB
+                    await sampler.js.publish(names.bodies_subject(s), bytes(BODY_PART_MAX - 4096),
+                                             headers={HDR_MSG_ID: f"{s}b{i}"})
+            for stream in (names.rollouts_stream, names.bodies_stream):
+                assert (await trainer.js.stream_info(stream)).state.bytes <= history
+            await trainer.weights.put("the-trainers-own", bytes(limit - 2 * history - (2 << 20)))
+            await trainer.state.put("after-the-flood", b"written")
+            assert (await trainer.js.account_info()).storage <= limit
+        finally:
+            for run in (*samplers, trainer):
+                await run.close()
 
 
 async def test_a_flood_of_junk_stands_in_front_of_no_honest_group_and_costs_its_sender_a_quarantine(

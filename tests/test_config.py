@@ -28,6 +28,7 @@ def test_overrides_are_typed():
         (["sampling.group_size=1"], "sampling.group_size"),
         (["run.id=has space"], "run.id"),
         (["run.steps=many"], "run.steps"),
+        (["nats.rollouts_max_gb=4"], "nats.sampler_quota_gb"),  # the default quota, 4 GB: more than half
     ],
 )
 def test_bad_config_names_the_field(overrides, field):

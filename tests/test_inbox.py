@@ -129,7 +129,8 @@ async def test_a_step_that_crashed_between_its_checkpoint_and_its_acks_is_not_co
 
 
 async def test_the_trainer_keeps_the_rollout_history_its_config_allows_and_can_change_it(runs, tmp_path):
-    cfg = tiny_config(tmp_path, nats={"rollouts_max_gb": 0.5, "rollouts_max_age_h": 2})
+    cfg = tiny_config(tmp_path, nats={"rollouts_max_gb": 0.5, "rollouts_max_age_h": 2,
+                                                 "sampler_quota_gb": 0.25})
 
     run = await runs.open("limits", "trainer", storage=cfg.nats.storage())
     limits = (await run.js.stream_info(run.names.rollouts_stream)).config

@@ -21,6 +21,8 @@ def register(sub) -> None:
     init.add_argument("--samplers", default="", help="comma-separated sampler ids to issue now")
     init.add_argument("--relay", action="append", default=[], metavar="NAME=HOST",
                       help="a relay to issue now, and the name its samplers reach it by (repeat)")
+    init.add_argument("--run-storage-gb", type=float, default=0.0, help="what the run's streams may keep on the "
+                      "hub's disk, all together (0: no limit); the trainer's nats.rollouts_max_gb must fit in it")
     init.add_argument("--exist-ok", action="store_true", help="DIR holds this run's credentials already: keep them "
                       "(compose runs init on every up)")
     add = secure.add_parser("add-sampler", help="a new sampler's credentials; reloads a running hub")
@@ -47,7 +49,8 @@ def run(args) -> int:
             if any(not host for _, _, host in relays):
                 raise ValueError(f"--relay {args.relay}: give each as NAME=HOST")
             samplers = [s for s in args.samplers.split(",") if s]
-            secure.init(args.run_id, ["localhost", "127.0.0.1", *args.host], samplers)
+            secure.init(args.run_id, ["localhost", "127.0.0.1", *args.host], samplers,
+                        run_storage=int(args.run_storage_gb * 2**30) or -1)
             for name, _, host in relays:
                 secure.add_relay(name, [host])
             print(f"wrote {secure.dir}: include {secure.dir / 'server.conf'} in the hub's config "
