@@ -27,8 +27,8 @@ from nats.aio.msg import Msg
 
 from echo.protocol import ROLLOUT_MESSAGE_MAX, RolloutLimits, subject_sampler
 from streams.client import BROKER_ERRORS, Run
-from streams.rollouts import (fetch_rollouts, reader_name, reader_subscription, readers, reset_reader, rollout_body,
-                              rollout_subjects)
+from streams.rollouts import (fetch_rollouts, last_rollout_seq, reader_name, reader_subscription, readers, reset_reader,
+                              rollout_body, rollout_subjects)
 
 log = structlog.get_logger()
 
@@ -77,6 +77,7 @@ class Reader:
     """One sampler subject's consumer, and what it delivered that the inbox has not handed out."""
 
     subscription: object
+    name: str  # its consumer's
     waiting: list[Msg] = field(default_factory=list)
 
 
@@ -104,7 +105,8 @@ class RolloutInbox:
         last_seq, subjects = await rollout_subjects(self.run)
         for subject in subjects:
             if subject not in self.readers:
-                self.readers[subject] = Reader(await reader_subscription(self.run, subject, self.ack_wait_s))
+                self.readers[subject] = Reader(await reader_subscription(self.run, subject, self.ack_wait_s),
+                                               reader_name(self.run.names, subject))
         return last_seq
 
     async def _reset_if_reconnected(self) -> None:
@@ -112,8 +114,8 @@ class RolloutInbox:
         if self.connection == self._reconnects():
             return
         try:
-            for subject, reader in self.readers.items():
-                await reset_reader(self.run, subject)
+            for reader in self.readers.values():
+                await reset_reader(self.run, reader.name)
                 reader.waiting.clear()
             self.connection = self._reconnects()
         except BROKER_ERRORS as e:  # still reconnecting: the next fetch tries again
@@ -150,9 +152,8 @@ class RolloutInbox:
             log.warning("inbox.pull_failed", reason=repr(e))
             return False
         # A reader's subscription may also hold late messages of a fetch that gave up waiting.
-        ready = [(reader, count) for subject, reader in self.readers.items()
-                 if (count := undelivered.get(reader_name(self.run.names, subject), 0)
-                     + reader.subscription.pending_msgs)][:FETCH_MAX]
+        ready = [(reader, count) for reader in self.readers.values()
+                 if (count := undelivered.get(reader.name, 0) + reader.subscription.pending_msgs)][:FETCH_MAX]
         share = FETCH_MAX // max(1, len(ready))
         fetched = await asyncio.gather(*(fetch_rollouts(reader.subscription, min(share, count), PULL_TIMEOUT_S)
                                          for reader, count in ready))
@@ -244,7 +245,7 @@ class RolloutInbox:
         for _ in range(SNAPSHOT_TRIES):
             last_seq = await self._bind_readers()
             infos = await readers(self.run)
-            exact = (await rollout_subjects(self.run))[0] == last_seq
+            exact = await last_rollout_seq(self.run) == last_seq
             if exact:
                 break
         holding = [info for info in infos if info.num_pending + info.num_ack_pending]

@@ -156,11 +156,11 @@ async def reader_subscription(run: Run, subject: str, ack_wait_s: float = 600.0)
     return await run.js.pull_subscribe_bind(name, run.names.rollouts_stream)
 
 
-async def reset_reader(run: Run, subject: str) -> None:
+async def reset_reader(run: Run, name: str) -> None:
     """Offer again at once every message a reader has not had acked (nats-server 2.14's consumer
     reset, to its ack floor): deliveries lost with a dropped connection, or made to a trainer
     that died, would otherwise come back only after ack_wait."""
-    api = f"{run.js._prefix}.CONSUMER.RESET.{run.names.rollouts_stream}.{reader_name(run.names, subject)}"
+    api = f"{run.js._prefix}.CONSUMER.RESET.{run.names.rollouts_stream}.{name}"
     answer = orjson.loads((await run.nc.request(api, b"{}", timeout=5.0)).data)
     if "error" in answer:
         raise nats.errors.Error(f"consumer reset refused: {answer['error']}")
@@ -171,6 +171,11 @@ async def rollout_subjects(run: Run) -> tuple[int, list[str]]:
     instant (the trainer's own call: samplers may not ask for stream INFO)."""
     info = await run.js.stream_info(run.names.rollouts_stream, subjects_filter=run.names.all_rollouts)
     return info.state.last_seq, list(info.state.subjects or {})
+
+
+async def last_rollout_seq(run: Run) -> int:
+    """The rollouts stream's last sequence (its INFO without the subjects listing)."""
+    return (await run.js.stream_info(run.names.rollouts_stream)).state.last_seq
 
 
 async def readers(run: Run) -> list[ConsumerInfo]:
