@@ -12,8 +12,8 @@ import orjson
 import pytest
 
 from bench.letters import Letters
-from bench.parity import (MEASURES, MODES, area_under, commit_results, logrank_p, mode_summary, off_policy,
-                          permutation_p, reached, run_cost, run_summary, schedule, verdict)
+from bench.parity import (MEASURES, MODES, area_under, commit_results, detectable_gap, logrank_p, mode_summary,
+                          off_policy, permutation_p, reached, run_cost, run_summary, schedule, verdict)
 from echo.engines import make_engine
 from tests.conftest import tiny_config
 from workers.evaluate import held_out_score
@@ -113,6 +113,15 @@ def test_ten_seeds_that_all_learn_more_are_not_within_noise():
     v = verdict(modes({"sequential": [0.4] * 5 + [0.5] * 5, "async S=1": [0.8] * 5 + [0.9] * 5}), "sequential",
                 "async S=1", 0.6)
     assert v["within_noise"] is False and v["p_values"]["final"] < 0.001 and v["reached"] == [0, 10]
+
+
+def test_what_a_verdict_could_detect_shrinks_with_the_square_root_of_the_seeds():
+    ten = [0.1, 0.3] * 5  # standard deviation 0.105
+    # 2.80 standard errors of the gap: 1.96 for the test at 0.05, 0.84 for 4 times in 5.
+    assert detectable_gap(ten, ten) == pytest.approx(2.8016 * 0.10541 * math.sqrt(2 / 10), rel=1e-3)
+    assert detectable_gap(ten * 4, ten * 4) == pytest.approx(detectable_gap(ten, ten) / 2, rel=0.05)
+    v = verdict(modes({"colocated": ten, "async S=1": [x + 0.01 for x in ten]}), "colocated", "async S=1", 0.6)
+    assert v["within_noise"] is True and v["detectable"]["final"] == pytest.approx(0.132, abs=1e-3)
 
 
 def test_a_study_judged_on_reward_reads_the_reward_of_each_point():
