@@ -201,6 +201,13 @@ async def fetch_rollouts(subscription, batch: int, timeout: float) -> list:
 
 
 
+async def account_storage(run: Run) -> dict[str, int | None]:
+    """What the run's account keeps on the broker's disk (on an open broker: every run's), and its
+    limit (`secure init --run-storage-gb`; None: no limit)."""
+    info = await run.js.account_info()
+    return {"bytes": info.storage, "limit": info.limits.max_storage if info.limits.max_storage >= 0 else None}
+
+
 async def rollouts_backlog(run: Run) -> dict[str, int] | None:
     """The rollout stream's messages and bytes, and its readers' pending (not yet delivered) and
     unacked messages; None before the trainer has created the stream."""

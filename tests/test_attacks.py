@@ -463,7 +463,14 @@ async def test_a_flood_fills_only_the_room_the_rollout_streams_reserved_in_the_r
                 assert (await trainer.js.stream_info(stream)).state.bytes <= history
             await trainer.weights.put("the-trainers-own", bytes(limit - 2 * history - (2 << 20)))
             await trainer.state.put("after-the-flood", b"written")
-            assert (await trainer.js.account_info()).storage <= limit
+            observer = await open_run(server.url, "sec", "observer", credentials=secure.credentials("observer"),
+                                      create=False)
+            samplers.append(observer)
+            snap = await snapshot(observer)  # what `echo-rl status` shows of it
+            assert snap["storage"]["limit"] == limit and 2 * history <= snap["storage"]["bytes"] <= limit
+            out = io.StringIO()
+            Console(file=out, width=400).print(render(snap))
+            assert "MB of 100.7 MB" in out.getvalue(), out.getvalue()
         finally:
             for run in (*samplers, trainer):
                 await run.close()

@@ -49,6 +49,7 @@ def test_status_shows_the_trainer_and_every_sampler_of_a_live_swarm(tmp_path):
             assert s["state"] == "active" and s["engine"] == "hf" and s["relay"] == "hub"
             assert s["lag"] is not None and s["lag"] >= 0 and s["groups_published"] > 0
         assert snap["stream"]["messages"] > 0 and snap["relays"] == {"hub": ["s1", "s2"]}
+        assert snap["storage"]["bytes"] >= snap["stream"]["bytes"] and snap["storage"]["limit"] is None
         view = _status(tmp_path / "live")  # the terminal view, printed once
         assert "s1" in view and "s2" in view and "learner busy" in view
         with serving(tmp_path / "live") as url:  # the live page: its events, each a snapshot
@@ -59,7 +60,8 @@ def test_status_shows_the_trainer_and_every_sampler_of_a_live_swarm(tmp_path):
             first, later = next_event(events), next_event(events)
             while later["trainer"]["step"] == first["trainer"]["step"]:
                 later = next_event(events)
-            assert set(later) == {"run_id", "at", "trainer", "samplers", "stream", "relays", "steps"}
+            assert set(later) == {"run_id", "at", "trainer", "samplers", "stream", "storage", "relays",
+                                 "steps"}
             assert {s["id"] for s in later["samplers"]} == {"s1", "s2"}
             assert [p["step"] for p in later["steps"]][-1] == later["trainer"]["step"] > first["trainer"]["step"]
     finally:

@@ -18,7 +18,7 @@ from streams.client import Run
 from streams.lease import current_epoch
 from streams.quarantine import read_quarantine
 from streams.registry import read_learner, read_statuses
-from streams.rollouts import rollouts_backlog
+from streams.rollouts import account_storage, rollouts_backlog
 
 REFRESH_S = 2.0
 
@@ -53,6 +53,7 @@ async def snapshot(run: Run) -> dict:
             "seen_s_ago": round(now - s.updated_at, 1),
         } for s in samplers],
         "stream": stream,
+        "storage": await account_storage(run),
         "relays": relays,
     }
 
@@ -83,6 +84,9 @@ def render(snap: dict):
         s = snap["stream"]
         head.add_row("rollout stream", f"{s['messages']} messages, {s['bytes'] / 1e6:.1f} MB, "
                      f"{s['pending']} pending, {s['unacked']} unacked")
+    storage = snap["storage"]
+    head.add_row("account storage", f"{storage['bytes'] / 1e6:.1f} MB " + (
+        f"of {storage['limit'] / 1e6:.1f} MB" if storage["limit"] is not None else "(no limit)"))
     parts.append(head)
     table = Table("sampler", "state", "version", "lag", "engine", "device", "relay", "groups/s", "tokens/s",
                   "sync s", "cost/h", "published", "seen", title="samplers", title_justify="left")
