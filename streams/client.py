@@ -307,6 +307,8 @@ async def connect_answered(url: str, name: str, credentials: Credentials | None,
 
 NO_PEERS_YET = 10005  # "no suitable peers for placement": a cluster whose nodes have not all joined yet
 STORAGE_EXCEEDED = 10047  # "insufficient storage resources available": the account's or the server's
+# A write refused for room: "resource limits exceeded for account", and the server's "insufficient resources".
+STORAGE_FULL = (10002, 10023)
 PLACEMENT_WAIT_S = 60.0
 
 

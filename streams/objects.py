@@ -21,7 +21,7 @@ import nats.errors
 import structlog
 from nats.js import JetStreamContext
 from nats.js.api import ObjectInfo, ObjectMetaOptions
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 from nats.nuid import NUID
 
 from streams.client import BROKER_ERRORS
@@ -59,6 +59,27 @@ def sha256_hex(info: ObjectInfo) -> str:
     return base64.urlsafe_b64decode(info.digest.removeprefix("SHA-256=")).hex()
 
 
+def _refusals_reach_their_acks(js: JetStreamContext) -> None:
+    """nats-py 2.16 leaves a publish_async future pending when the server refuses the message
+    (its APIError.from_error raises where the ack handler expects a return: nats-io/nats.py#985,
+    fix pending in #994): the refusal reached only the error callback, and a put refused for room
+    waited out ACK_TIMEOUT_S and was tried again, for ever. The handler is wrapped, before the
+    context's first publish_async subscribes it, to hand the refusal to its future."""
+    if js._async_reply_prefix:  # subscribed already: wrapped then, by the first put
+        return
+    handle = js._handle_async_reply
+
+    async def refusal_to_future(msg) -> None:
+        try:
+            await handle(msg)
+        except APIError as e:
+            future = js._publish_async_futures.get(msg.subject[len(js._nc._inbox_prefix) + 22 + 2 :])
+            if future is not None and not future.done():
+                future.set_exception(e)
+
+    js._handle_async_reply = refusal_to_future
+
+
 async def put_object(
     js: JetStreamContext, bucket: str, name: str, data: bytes, headers: dict[str, list[str]] | None = None
 ) -> ObjectInfo:
@@ -68,6 +89,7 @@ async def put_object(
     chunks_subject = f"$O.{bucket}.C.{nuid}"
     digest, in_flight, view = hashlib.sha256(), deque(), memoryview(data)
     connection = js._nc.stats["reconnects"]
+    _refusals_reach_their_acks(js)
     try:
         for start in range(0, len(view), chunk_size):
             chunk = view[start : start + chunk_size]

@@ -16,15 +16,16 @@ from typing import Literal
 import safetensors.torch
 import structlog
 import torch
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from echo import delta
+from echo.config import ConfigError
 from echo.logs import Progress
 from echo.protocol import (OBJ_HDR_EPOCH, OBJ_HDR_VERSION, PolicyVersion, WeightsAnnouncement, WeightsLink,
                            WeightsShard, encode, weights_object_name)
 from echo.policy import shards_tensors
 from echo.retention import expired_versions
-from streams.client import BROKER_ERRORS, Run, cancel_until_done, publish_once
+from streams.client import BROKER_ERRORS, STORAGE_FULL, Run, cancel_until_done, publish_once
 from streams.watch import LatestValue
 from streams.lease import Lease, current_epoch
 from streams.objects import TransferError, get_object, put_object, sha256_hex
@@ -67,8 +68,17 @@ class WeightsPublisher:
             raise ValueError(f"a delta against version {delta_of}, not the last announced before {version}")
         for index, data in enumerate(shards):
             name = weights_object_name(self.epoch, version, index)
-            info = await put_object(run.js, run.names.weights_bucket, name, data,
-                                    headers={OBJ_HDR_VERSION: [str(version)], OBJ_HDR_EPOCH: [str(self.epoch)]})
+            try:
+                info = await put_object(run.js, run.names.weights_bucket, name, data,
+                                        headers={OBJ_HDR_VERSION: [str(version)], OBJ_HDR_EPOCH: [str(self.epoch)]})
+            except APIError as e:  # no room: trying again would wait forever, for nothing frees any
+                if e.err_code not in STORAGE_FULL:
+                    raise
+                raise ConfigError(
+                    f"the broker refused version {version}'s weights ({e.description}): the weights kept "
+                    f"(trainer.keep_versions, and every version newer than trainer.keep_versions_s) need room beside "
+                    f"the two rollout streams' nats.rollouts_max_gb; raise `secure init --run-storage-gb` (or the "
+                    f"broker's max_file_store), or lower those") from None
             stored.append(WeightsShard(object_name=name, size=len(data), sha256=sha256_hex(info)))  # hashed while sent
         announcement = WeightsAnnouncement(
             version=version, epoch=self.epoch, kind=kind, shards=stored, base_model=base_model, created_at=time.time(),

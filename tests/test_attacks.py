@@ -436,7 +436,8 @@ async def test_a_flood_fills_only_the_room_the_rollout_streams_reserved_in_the_r
     run's account had no storage limit. `secure init --run-storage-gb` gives it one, and the
     rollout streams reserve their size limit within it: three samplers flooding both streams fill
     only those, and the trainer's own writes (weights, state) find the rest. A trainer whose
-    rollout streams have no size limit, or one that does not fit, fails at start naming it."""
+    rollout streams have no size limit, or one that does not fit, fails at start naming it; one
+    whose weights outgrow the rest stops naming what to change (it would have retried forever)."""
     secure = SecureDir(tmp_path / "secure")
     limit, history = 96 << 20, 32 << 20
     assert main(["secure", "init", str(secure.dir), "--run-id", "sec", "--samplers", "s1,s2,s3",
@@ -461,7 +462,8 @@ async def test_a_flood_fills_only_the_room_the_rollout_streams_reserved_in_the_r
                                              headers={HDR_MSG_ID: f"{s}b{i}"})
             for stream in (names.rollouts_stream, names.bodies_stream):
                 assert (await trainer.js.stream_info(stream)).state.bytes <= history
-            await trainer.weights.put("the-trainers-own", bytes(limit - 2 * history - (2 << 20)))
+            weights = WeightsPublisher(await take_lease(trainer))
+            await weights.publish(0, [bytes(limit - 2 * history - (3 << 20))], TINY_BASE)
             await trainer.state.put("after-the-flood", b"written")
             observer = await open_run(server.url, "sec", "observer", credentials=secure.credentials("observer"),
                                       create=False)
@@ -471,6 +473,9 @@ async def test_a_flood_fills_only_the_room_the_rollout_streams_reserved_in_the_r
             out = io.StringIO()
             Console(file=out, width=400).print(render(snap))
             assert "MB of 100.7 MB" in out.getvalue(), out.getvalue()
+            # Weights past the room left: the trainer stops, saying what to change (no retry frees any).
+            with pytest.raises(ConfigError, match="run-storage-gb"):
+                await weights.publish(1, [bytes(4 << 20)], TINY_BASE)
         finally:
             for run in (*samplers, trainer):
                 await run.close()
