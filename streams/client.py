@@ -328,11 +328,12 @@ async def _reserve_rollouts(js: JetStreamContext, names: RunNames, storage: Stor
     --run-storage-gb`), each reserves its size limit within it (nats-server counts a stream's
     max_bytes against the account when the stream is made): what samplers write can then never
     fill the room the run's weights and state need, so no flood of theirs stops the trainer's
-    own writes. A stream without a size limit reserves nothing: refused here."""
+    own writes. A stream without a size limit reserves nothing, and two that fill the account
+    leave the weights no room: both refused here."""
     limit = (await js.account_info()).limits.max_storage
-    if limit >= 0 and storage.rollouts_max_bytes <= 0:
+    if limit >= 0 and not 0 < 2 * storage.rollouts_max_bytes < limit:
         raise ConfigError(f"nats.rollouts_max_gb: the run's account keeps at most {limit / 2**30:.3g} GB on the hub; "
-                          f"give the two rollout streams a size limit within it, leaving room for the weights")
+                          f"give the two rollout streams a size limit under half of it, leaving room for the weights")
     try:
         await _add_or_update_stream(js, layout.rollouts_stream(names, storage))
         await _add_or_update_stream(js, layout.bodies_stream(names, storage))

@@ -444,10 +444,18 @@ async def test_a_flood_fills_only_the_room_the_rollout_streams_reserved_in_the_r
                  "--run-storage-gb", str(limit / 2**30)]) == 0
     with NatsServer(tmp_path / "jetstream", include=secure.dir / "server.conf") as server:
         creds = secure.credentials("trainer")
-        for too_much in (-1, limit // 2 + 1):
+        for too_much in (-1, limit // 2, limit // 2 + 1):  # no limit; no room left; more than the account
             with pytest.raises(ConfigError, match="nats.rollouts_max_gb"):
                 await open_run(server.url, "sec", "trainer", credentials=creds,
                                storage=Storage(rollouts_max_bytes=too_much, sampler_max_bytes=history // 2))
+        # Another stream of the account's reserving a quarter: the broker refuses two of 40 MB.
+        nc = await nats.connect(server.url, **creds.connect_options())
+        await nc.jetstream().add_stream(name="other", subjects=["other"], max_bytes=limit // 4)
+        with pytest.raises(ConfigError, match="nats.rollouts_max_gb: two rollout streams of .* do not fit"):
+            await open_run(server.url, "sec", "trainer", credentials=creds,
+                           storage=Storage(rollouts_max_bytes=40 << 20, sampler_max_bytes=history // 2))
+        await nc.jetstream().delete_stream("other")
+        await nc.close()
         trainer = await open_run(server.url, "sec", "trainer", credentials=creds,
                                  storage=Storage(rollouts_max_bytes=history, sampler_max_bytes=history // 2))
         samplers = [await open_run(server.url, "sec", s, credentials=secure.credentials(f"sampler-{s}"), create=False)
