@@ -483,7 +483,7 @@ async def test_a_flood_fills_only_the_room_the_rollout_streams_reserved_in_the_r
             assert "MB of 100.7 MB" in out.getvalue(), out.getvalue()
             # Weights past the room left: the trainer stops, saying what to change (no retry frees any).
             with pytest.raises(ConfigError, match="run-storage-gb"):
-                await weights.publish(1, [bytes(4 << 20)], TINY_BASE)
+                await weights.publish(1, [bytes(8 << 20)], TINY_BASE)
         finally:
             for run in (*samplers, trainer):
                 await run.close()
