@@ -122,6 +122,8 @@ def test_what_a_verdict_could_detect_shrinks_with_the_square_root_of_the_seeds()
     assert detectable_gap(ten * 4, ten * 4) == pytest.approx(detectable_gap(ten, ten) / 2, rel=0.05)
     v = verdict(modes({"colocated": ten, "async S=1": [x + 0.01 for x in ten]}), "colocated", "async S=1", 0.6)
     assert v["within_noise"] is True and v["detectable"]["final"] == pytest.approx(0.132, abs=1e-3)
+    one_seed = verdict(modes({"colocated": [0.1], "async S=1": [0.2]}), "colocated", "async S=1", 0.6)
+    assert one_seed["detectable"] is None  # no spread to judge by
 
 
 def test_a_study_judged_on_reward_reads_the_reward_of_each_point():
