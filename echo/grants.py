@@ -25,7 +25,9 @@ Junk that never held a slot changes nothing.
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections import deque
 from dataclasses import dataclass
 
 from echo.throughput import CallWindow, Rates
@@ -33,6 +35,12 @@ from echo.throughput import CallWindow, Rates
 ACTIVE_S = 30.0  # a sampler that asked for work this recently shares the window
 STALL_CALLS = 4  # a holder that has filled none of its slots for this many of its calls' time is stalled
 SYNC_SAMPLES = 8  # a sampler's observed sync time: the least of its last this many
+
+
+def slot_prompt(seed: int, slot: int) -> int:
+    """The prompt index the trainer draws for a new slot: the run's seed and the slot's number,
+    hashed (a restarted trainer draws as its predecessor did), below 2**31 like any task's index."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{slot}".encode()).digest()[:4], "little") >> 1
 
 
 def allowance(version: int, max_staleness: int, groups_per_step: int, lost: int) -> int:
@@ -72,6 +80,10 @@ class GrantLedger:
     again. A group naming no slot of its sender's (junk, a previous trainer's grant) changes
     nothing here.
 
+    Each slot is granted with its prompt (the trainer's draw, `slot_prompt`), and a lost slot's
+    prompt is owed: the next slot granted takes it. So a sampler cannot choose what the policy
+    learns from, neither by naming prompts nor by letting the ones it dislikes go.
+
     Each grant is a call the trainer measures itself, from the grant to its last group's
     arrival in the stream, counting only the groups it accepted (`measured`): the scheduler
     plans from what a sampler delivered, not from what its heartbeat claims. So is each
@@ -79,8 +91,11 @@ class GrantLedger:
     for work naming it (a sampler asks once it runs the version; one busy with a call asks after
     it, so the least of its last SYNC_SAMPLES is taken)."""
 
-    def __init__(self, issued: int = 0, active_s: float = ACTIVE_S, rate_window_s: float = 60.0):
+    def __init__(self, issued: int = 0, active_s: float = ACTIVE_S, rate_window_s: float = 60.0, seed: int = 0):
         self.issued = issued  # slots numbered so far in the run, by every incarnation of the trainer
+        self.seed = seed  # the run's: slot_prompt's
+        self.prompts: dict[int, int] = {}  # slot number -> the prompt index it was granted with, until it settles
+        self.owed: deque[int] = deque()  # prompts of lost slots, granted again first
         self.active_s, self.rate_window_s = active_s, rate_window_s
         self.outstanding: dict[int, str] = {}  # slot number -> the sampler holding it
         self.asked_at: dict[str, float] = {}
@@ -131,6 +146,7 @@ class GrantLedger:
         groups = max(0, min(want, headroom_share, share - held))
         slots = list(range(self.issued + 1, self.issued + 1 + groups))
         self.issued += groups
+        self.prompts.update((slot, self.owed.popleft() if self.owed else slot_prompt(self.seed, slot)) for slot in slots)
         self.outstanding.update((slot, sampler_id) for slot in slots)
         call = _Call(sampler_id, now, len(slots))
         self._calls.update((slot, call) for slot in slots)
@@ -149,15 +165,16 @@ class GrantLedger:
         if running is None or version > running:
             self._running[sampler_id] = version
 
-    def delivered(self, sampler_id: str, slot: int, arrived: float) -> bool:
+    def delivered(self, sampler_id: str, slot: int, arrived: float) -> int | None:
         """A group naming `slot` arrived from `sampler_id` (stored by the broker at `arrived`, not
-        when the trainer, busy with a step, got to it): whether it ended one of its slots."""
+        when the trainer, busy with a step, got to it): the prompt index the slot was granted
+        with, if it was one of its slots (which it ends), else None."""
         if self.outstanding.get(slot) != sampler_id:
-            return False
+            return None
         del self.outstanding[slot]
         call = self._calls[slot]
         call.last_at = max(call.last_at, arrived, call.granted_at)  # clocks apart by a little
-        return True
+        return self.prompts[slot]
 
     def accepted(self, slot: int) -> None:
         """A delivered slot's group is to be trained: its holder made progress (a group the
@@ -205,6 +222,9 @@ class GrantLedger:
         self._lost += slots
 
     def _settle(self, slot: int, accepted: bool) -> None:
+        prompt = self.prompts.pop(slot)
+        if not accepted:
+            self.owed.append(prompt)
         call = self._calls.pop(slot)
         call.open -= 1
         call.accepted += accepted

@@ -4,6 +4,8 @@ heartbeats, flattened. Pure."""
 
 from __future__ import annotations
 
+import math
+
 from echo.protocol import SamplerStatus
 
 # record key -> tracker name
@@ -34,9 +36,8 @@ def mean_staleness(record: dict) -> float:
     return sum(int(age) * n for age, n in ages.items()) / max(sum(ages.values()), 1)
 
 
-def step_scalars(record: dict, samplers: list[SamplerStatus] = (), strikes: int = 0) -> dict[str, float]:
-    """The step's scalars: its record's, the broker's overhead, and each sampler's rate, weight
-    sync time and version lag behind the version this step published."""
+def step_scalars(record: dict, strikes: int = 0) -> dict[str, float]:
+    """The step's scalars: its record's and the broker's overhead."""
     out = {name: float(record[key]) for key, name in STEP_SCALARS.items() if key in record}
     for key, prefix in STEP_COUNTS.items():
         out |= {f"{prefix}/{k}": float(v) for k, v in (record.get(key) or {}).items()}
@@ -48,12 +49,26 @@ def step_scalars(record: dict, samplers: list[SamplerStatus] = (), strikes: int 
         out["broker/overhead_share"] = sum(phases.get(p, 0.0) for p in BROKER_PHASES) / record["train_seconds"]
     out["quarantine/samplers"] = float(len(record.get("quarantined") or []))
     out["quarantine/strikes"] = float(strikes)
-    version = record.get("version", 0)
-    for s in samplers:
-        out[f"sampler/{s.sampler_id}/groups_per_s"] = s.groups_per_s
-        out[f"sampler/{s.sampler_id}/tokens_per_s"] = s.tokens_per_s
-        if s.version >= 0:  # it runs a version
-            out[f"sampler/{s.sampler_id}/version_lag"] = float(version - s.version)
-        if s.sync_s:
-            out[f"sampler/{s.sampler_id}/sync_s"] = s.sync_s[max(s.sync_s, key=int)]
     return out
+
+
+def sampler_scalars(samplers: list[SamplerStatus], version: int) -> tuple[dict[str, float], list[str]]:
+    """Each sampler's rate, weight sync time and version lag behind `version` (the step's), and
+    the samplers left out: a heartbeat is a sampler's own word, bounded at decode, and whatever
+    slips past costs that sampler its scalars, never the trainer its run."""
+    out, left_out = {}, []
+    for s in samplers:
+        try:
+            mine = {f"sampler/{s.sampler_id}/groups_per_s": float(s.groups_per_s),
+                    f"sampler/{s.sampler_id}/tokens_per_s": float(s.tokens_per_s)}
+            if s.version >= 0:  # it runs a version
+                mine[f"sampler/{s.sampler_id}/version_lag"] = float(version - s.version)
+            if s.sync_s:
+                mine[f"sampler/{s.sampler_id}/sync_s"] = float(s.sync_s[max(s.sync_s, key=int)])
+            if not all(math.isfinite(v) for v in mine.values()):
+                raise ValueError("not finite")
+        except (ArithmeticError, TypeError, ValueError):
+            left_out.append(s.sampler_id)
+            continue
+        out |= mine
+    return out, left_out

@@ -20,7 +20,7 @@ import orjson
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, ValidationInfo,
                       model_validator)
 
-SCHEMA_VERSION = 18  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
+SCHEMA_VERSION = 19  # 2: a weights announcement lists shards; 3: and names the trainer's epoch;
 # 4: the trainer grants work (GrantRequest/Grant), samplers no longer take it from KV;
 # 5: grants are numbered slots: a grant names them, a group carries the one it fills and its epoch;
 # 6: a group names the engine and precision that sampled it; 7: a sampler's heartbeat is its
@@ -42,6 +42,8 @@ SCHEMA_VERSION = 18  # 2: a weights announcement lists shards; 3: and names the 
 # back to its anchor) and names the digest of the whole weights it makes; schema 16 is read.
 # 18: the trainer's lease names its holder's process (a restarted trainer on the same machine takes
 # over at once from one that exited); schema 17 is read.
+# 19: a grant names each slot's prompt (the trainer's draw: a sampler no longer picks its own), and a
+# heartbeat's numbers, strings and dicts are bounded; schema 18 is read.
 
 # Run and sampler ids become subject tokens and stream names: keep them to safe characters.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -218,12 +220,29 @@ class PolicyVersion(NamedTuple):
     version: int
 
 
+# What a sampler says about itself reaches the trainer's trackers, the live page and operators'
+# terminals: every number finite and in range (JSON gives no inf or NaN; 1e308 overflowed a mean),
+# every string short and free of control characters (a terminal obeys escape sequences), every
+# dict small with keys of the declared kind (a key "x" for a version stopped the trainer).
+COUNT_MAX = 2**53 - 1  # versions, epochs, slots, prompt indices, counts: exact as a double, safe in int64 sums
+SECONDS_MAX = 1e9  # about 31 years
+RATE_MAX = 1e12
+TIMESTAMP_MAX = 1e11  # Unix seconds, the year 5138
+LABEL_PATTERN = r"^[^\x00-\x1f\x7f-\x9f]*$"  # no C0 or C1 control character: no ESC, no CSI
+Count = Annotated[int, Field(ge=0, le=COUNT_MAX)]
+Seconds = Annotated[float, Field(ge=0, le=SECONDS_MAX)]
+Rate = Annotated[float, Field(ge=0, le=RATE_MAX)]
+Label = Annotated[str, Field(max_length=256, pattern=LABEL_PATTERN)]
+VersionKey = Annotated[str, Field(pattern=r"^[0-9]{1,15}$")]
+ReasonKey = Annotated[str, Field(pattern=r"^[a-z0-9_]{1,64}$")]
+
+
 # ---- messages ----------------------------------------------------------------------------
 
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    schema_version: Literal[18] = SCHEMA_VERSION
+    schema_version: Literal[19] = SCHEMA_VERSION
 
 
 # The validation context of a decoded message, whose arrays _decode_group checked whole (per
@@ -288,7 +307,7 @@ class VersionChange(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
     at: int = Field(ge=1)
-    version: int = Field(ge=0)
+    version: Count
 
 
 class Observation(BaseModel):
@@ -351,20 +370,20 @@ class RolloutGroup(_HoldsArrays, _Message):
 
     group_id: str = Field(pattern=ID_PATTERN)
     sampler_id: str = Field(pattern=ID_PATTERN)
-    policy_version: int = Field(ge=0)
-    epoch: int = Field(ge=0)  # the trainer incarnation whose weights generated it (versions restart with one)
-    task: str
-    prompt_index: int = Field(ge=0)  # the task's prompt at this index (echo.tasks.Task.prompt)
-    slot: int = Field(ge=1)  # the granted slot this group fills (Grant.slots)
+    policy_version: Count
+    epoch: Count  # the trainer incarnation whose weights generated it (versions restart with one)
+    task: Label
+    prompt_index: Count  # the task's prompt at this index (echo.tasks.Task.prompt), as its slot's grant named
+    slot: int = Field(ge=1, le=COUNT_MAX)  # the granted slot this group fills (Grant.slots)
     prompt_token_ids: TokenIds
     completions: list[Completion] = Field(min_length=1)
-    temperature: float = Field(gt=0)
+    temperature: float = Field(gt=0, le=1000)
     # What sampled it: 16-bit log-probs differ from the trainer's by rounding, which the proof
     # of sampling allows for (trainer.verify_tolerance_16bit).
     engine: Literal["hf", "vllm"]
     dtype: Literal["float32", "bfloat16", "float16"]
-    gen_seconds: float = Field(ge=0)
-    created_at: float
+    gen_seconds: Seconds
+    created_at: float = Field(ge=0, le=TIMESTAMP_MAX)
     # Partial rollouts: its completions were sampled together, and newer weights took over
     # between chunks. None: policy_version sampled it all; else it sampled the tokens before the
     # first change, and each change's version those from its `at` (in every completion that long).
@@ -528,24 +547,26 @@ class SamplerStatus(_Message):
     after the last beat (a dead sampler's goes)."""
 
     sampler_id: str = Field(pattern=ID_PATTERN)
-    version: int  # the adapter version its engine runs; -1 before the first
-    groups_published: int = Field(ge=0)
-    weight_failures: dict[str, int]  # refused adapters by reason (digest, truncated, shape, base model)
-    updated_at: float
+    version: int = Field(ge=-1, le=COUNT_MAX)  # the adapter version its engine runs; -1 before the first
+    groups_published: Count
+    # refused adapters by reason (digest, truncated, shape, base model)
+    weight_failures: dict[ReasonKey, Count] = Field(max_length=32)
+    updated_at: float = Field(ge=0, le=TIMESTAMP_MAX)
     # active: takes slots; standby: keeps its weights current, takes none (the scheduler's
     # choice); draining: stopping, finishing what it holds; quarantined: the trainer ignores it.
     state: SamplerState = "active"
-    ttl_s: int = Field(30, ge=1)
-    engine: str = ""
-    device: str = ""
-    model: str = ""
-    relay: str = ""  # the JetStream domain of the relay it reads weights from; "" on the hub itself
-    cost_per_hour: float = Field(0.0, ge=0)
+    ttl_s: int = Field(30, ge=1, le=86_400)
+    engine: Label = ""
+    device: Label = ""
+    model: Label = ""
+    relay: Label = ""  # the JetStream domain of the relay it reads weights from; "" on the hub itself
+    cost_per_hour: Rate = 0.0
     # Measured over its last calls (sampler.rate_window_s): rates while generating, not per wall second.
-    groups_per_s: float = Field(0.0, ge=0)
-    tokens_per_s: float = Field(0.0, ge=0)
-    call_s: float = Field(0.0, ge=0)  # one generation call, from its start to its groups published
-    sync_s: dict[str, float] = {}  # its last versions: from hearing of one to running it (fetch and load)
+    groups_per_s: Rate = 0.0
+    tokens_per_s: Rate = 0.0
+    call_s: Seconds = 0.0  # one generation call, from its start to its groups published
+    # its last versions: from hearing of one to running it (fetch and load)
+    sync_s: dict[VersionKey, Seconds] = Field(default_factory=dict, max_length=16)
     incarnation: str = Field("", pattern=INCARNATION_PATTERN)  # this process, new at each start
 
 
@@ -573,21 +594,29 @@ class GrantRequest(_Message):
     (`epoch`, `version`); in sequential mode, for the pull request `pull_request_id`."""
 
     want: int = Field(ge=1, le=1024)
-    epoch: int = Field(ge=0)
-    version: int = Field(ge=-1)
+    epoch: Count
+    version: int = Field(ge=-1, le=COUNT_MAX)
     pull_request_id: str | None = Field(None, pattern=ID_PATTERN)
     incarnation: str = Field("", pattern=INCARNATION_PATTERN)  # the process asking (SamplerStatus.incarnation)
 
 
 class Grant(_Message):
     """The trainer's answer: generate one group for each of `slots` (numbered across the run),
-    each group naming its slot, so the trainer knows which grants were fulfilled and which are
+    on the prompt at the same place in `prompts` (the trainer's choice, echo/grants.py), each
+    group naming its slot, so the trainer knows which grants were fulfilled and which are
     still out. `more`: work is left that this sampler may get soon (once the trainer has
     received the groups it holds, or once enough samplers have joined): ask again shortly;
     otherwise nothing is left until the trainer asks for more (a new budget or pull request)."""
 
     slots: list[int] = Field(default_factory=list, max_length=1024)
+    prompts: list[Count] = Field(default_factory=list, max_length=1024)
     more: bool = False
+
+    @model_validator(mode="after")
+    def _a_prompt_a_slot(self):
+        if len(self.prompts) != len(self.slots):
+            raise ValueError("prompts: one for each slot")
+        return self
 
     @property
     def groups(self) -> int:
@@ -616,7 +645,7 @@ def _json_object(data: bytes) -> dict:
 
 
 # Earlier schemas still read, each as the wire names it renamed: recorded messages outlive a release.
-_UPGRADES: dict[int, dict[str, str]] = {13: {"lease": "slot", "leases": "slots"}, 14: {}, 15: {}, 16: {}, 17: {}}
+_UPGRADES: dict[int, dict[str, str]] = {13: {"lease": "slot", "leases": "slots"}, 14: {}, 15: {}, 16: {}, 17: {}, 18: {}}
 
 
 def _upgraded(raw: dict) -> dict:

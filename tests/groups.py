@@ -2,9 +2,12 @@
 prompt at its index, the byte tokenizer's tokens, the verifier's rewards), then changed field by
 field for what a test needs. Not a test module: test modules import it, never each other."""
 
+import time
+
 import orjson
 
 from echo.config import SamplingConfig, TaskConfig
+from echo.grants import GrantLedger
 from echo.models import byte_tokenizer, encode_chat
 from echo.protocol import Completion, RolloutGroup, _pack, _read_rollout, _spans
 from echo.referee import Referee
@@ -85,3 +88,11 @@ def unpack_rollout(data: bytes) -> dict:
     for c, (a, b) in zip(raw["completions"], _spans(counts)):
         c["token_ids"], c["logprobs"] = ids[prompt_tokens + a : prompt_tokens + b].tolist(), logprobs[a:b].tolist()
     return raw
+
+
+def granted(ledger: GrantLedger, group: RolloutGroup) -> RolloutGroup:
+    """`group` on a slot `ledger` granted its sampler, with the group's prompt as the slot's (the
+    test's choice of prompt, as if the trainer had drawn it): what an honest sampler sends."""
+    (slot,), _ = ledger.grant(group.sampler_id, 1, 1, 1 << 20, time.monotonic())
+    ledger.prompts[slot] = group.prompt_index
+    return group.model_copy(update={"slot": slot})

@@ -38,7 +38,8 @@ from streams.registry import put_status, read_heartbeat, read_learner, read_stat
 from streams.rollouts import fetch_rollouts, publish_rollout
 from streams.weights import WeightsPublisher, fetch_weights
 from tests.conftest import TINY_BASE, assert_accounting_holds, collect_and_account, tiny_config
-from tests.groups import BOMB, REFEREE, SAMPLING, TASK, TOKENIZER, honest_group, pack_rollout, symbolic_math, unlikely
+from tests.groups import (BOMB, REFEREE, SAMPLING, TASK, TOKENIZER, granted, honest_group, pack_rollout, symbolic_math,
+                          unlikely)
 from workers.cli import main
 from workers.trainer.coordinator import Coordinator
 from workers.trainer.granter import AsyncGranter
@@ -206,8 +207,8 @@ async def test_a_heartbeat_past_its_size_is_refused_by_the_broker_and_by_every_r
     trainer, lease, announcement, granter = await _serving_trainer(server, secure, tmp_path)
     attacker = await open_run(server.url, "sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
     try:
-        huge = SamplerStatus(sampler_id="s1", version=0, groups_published=0, weight_failures={}, updated_at=time.time(),
-                             sync_s={str(v): 1.0 for v in range(400_000)})
+        huge = SamplerStatus.model_construct(sampler_id="s1", version=0, groups_published=0, weight_failures={},
+                                             updated_at=time.time(), sync_s={str(v): 1.0 for v in range(400_000)})
         assert len(encode(huge)) > 4 << 20  # MBs (8 MB is the payload any message may have)
         with pytest.raises(nats.js.errors.APIError, match="message size exceeds maximum"):
             await put_status(attacker, huge)
@@ -268,8 +269,9 @@ async def test_a_message_past_the_runs_limits_is_refused_before_it_is_validated_
                    HDR_BODY_PARTS: ",".join(map(str, range(1, 65))), HDR_BODY_SIZE: str(64 * 8 * 2**20),
                    HDR_BODY_SHA256: "0" * 64}
         await attacker.js.publish(trainer.names.rollouts_subject("s1"), b"", headers=pointer)  # no part exists
-        await publish_rollout(attacker, honest_group(policy_version=5, group_id="fine"))
-        collector = Collector(await RolloutInbox.open(trainer), Judge(REFEREE, Timeline(max_staleness=1)))
+        ledger = GrantLedger()
+        await publish_rollout(attacker, granted(ledger, honest_group(policy_version=5, group_id="fine")))
+        collector = Collector(await RolloutInbox.open(trainer), Judge(REFEREE, Timeline(max_staleness=1)), ledger)
         collected = await collector.collect(1, version=5)
         assert [a.group.group_id for a in collected.used] == ["fine"]
         # 100 completions (within the message's size): refused by their count; 512 MB claimed: by its size.
@@ -322,9 +324,10 @@ async def test_a_group_resending_trained_completions_is_refused(secured, tmp_pat
     attacker = await open_run(server.url, "sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
     try:
         long_answer = f"so it is \\boxed{{{TASK.prompt(12).answer}}}"
-        first = unlikely(unlikely(honest_group(texts=[long_answer, "no idea \\boxed{999}"], policy_version=5,
-                                                 group_id="first"), 0), 1)
-        collector = Collector(await RolloutInbox.open(trainer), Judge(REFEREE, Timeline(max_staleness=1)))
+        ledger = GrantLedger()
+        first = granted(ledger, unlikely(unlikely(honest_group(texts=[long_answer, "no idea \\boxed{999}"],
+                                                               policy_version=5, group_id="first"), 0), 1))
+        collector = Collector(await RolloutInbox.open(trainer), Judge(REFEREE, Timeline(max_staleness=1)), ledger)
         await publish_rollout(attacker, first)
         async with asyncio.timeout(30):
             step = await collector.collect(1, version=5)
@@ -336,7 +339,7 @@ async def test_a_group_resending_trained_completions_is_refused(secured, tmp_pat
         swapped = first.replaced(group_id="swapped", completions=[first.completions[0], honest_group().completions[1]])
         likely = honest_group(texts=["\\boxed{4}", "\\boxed{4}"], policy_version=5, group_id="likely")
         for group in (doubled, swapped, likely):
-            await publish_rollout(attacker, group)
+            await publish_rollout(attacker, granted(ledger, group))
         async with asyncio.timeout(30):
             collected = await collector.collect(1, version=5)
         assert [a.group.group_id for a in collected.used] == ["likely"]
@@ -363,14 +366,15 @@ async def test_a_verifier_bomb_costs_the_bomber_its_group_and_a_strike_and_the_s
     attacker = await open_run(server.url, "sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
     config, task, referee = symbolic_math(tmp_path)
     try:
+        ledger = GrantLedger()
         bomb = honest_group(of_task=task, texts=BOMB, rewards=[0.1, 0.1], group_id="bomb", policy_version=5)
-        await publish_rollout(attacker, bomb)
-        await publish_rollout(attacker, honest_group(of_task=task, group_id="honest", policy_version=5))
+        await publish_rollout(attacker, granted(ledger, bomb))
+        await publish_rollout(attacker, granted(ledger, honest_group(of_task=task, group_id="honest", policy_version=5)))
         quarantine = Quarantined(trainer, after=3)
         async with ScoringProcess(config, TOKENIZER, len(TOKENIZER), SAMPLING, budget_s=3.0,
                                   memory_mb=1024.0) as scoring:
             judge = Judge(referee, Timeline(max_staleness=1), quarantine=quarantine, scoring=scoring)
-            collector = Collector(await RolloutInbox.open(trainer), judge)
+            collector = Collector(await RolloutInbox.open(trainer), judge, ledger)
             async with asyncio.timeout(120):  # a hang guard: the budget is 3 s a completion
                 step = await collector.collect(1, version=5)
         assert [a.group.group_id for a in step.used] == ["honest"]
@@ -410,14 +414,16 @@ async def test_one_sampler_keeps_no_more_than_its_quota_and_evicts_only_its_own(
     attacker = await open_run(server.url, "sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
     names = trainer.names
     try:
-        collector = Collector(await RolloutInbox.open(trainer), Judge(REFEREE, Timeline(max_staleness=1)))
-        await publish_rollout(honest, honest_group(30, policy_version=5, group_id="before", sampler_id="s2"))
+        ledger = GrantLedger()
+        collector = Collector(await RolloutInbox.open(trainer), Judge(REFEREE, Timeline(max_staleness=1)), ledger)
+        await publish_rollout(honest, granted(ledger, honest_group(30, policy_version=5, group_id="before", sampler_id="s2")))
         for i in range(400):  # 80 MB
             await attacker.js.publish(names.rollouts_subject("s1"), bytes(200_000), headers={HDR_MSG_ID: f"r{i}"})
             if i % 10 == 0:
                 await attacker.js.publish(names.bodies_subject("s1"), bytes(2 << 20), headers={HDR_MSG_ID: f"b{i}"})
             if i == 200:
-                await publish_rollout(honest, honest_group(31, policy_version=5, group_id="amid", sampler_id="s2"))
+                await publish_rollout(honest, granted(ledger, honest_group(31, policy_version=5, group_id="amid",
+                                                                           sampler_id="s2")))
         rollouts, bodies = (await trainer.js.stream_info(names.rollouts_stream)), await trainer.js.stream_info(names.bodies_stream)
         assert rollouts.state.bytes <= quota + (1 << 20) and rollouts.state.messages <= quota // ROLLOUT_MESSAGE_MAX + 2
         assert bodies.state.bytes <= quota and bodies.state.messages <= quota // BODY_PART_MAX
@@ -512,10 +518,11 @@ async def test_a_flood_of_junk_stands_in_front_of_no_honest_group_and_costs_its_
     try:
         await asyncio.gather(*(attacker.js.publish(trainer.names.rollouts_subject("s1"), bytes(64),
                                                    headers={HDR_MSG_ID: f"junk{i}"}) for i in range(junk)))
-        await publish_rollout(honest, honest_group(30, policy_version=5, group_id="behind", sampler_id="s2"))
+        ledger = GrantLedger()
+        await publish_rollout(honest, granted(ledger, honest_group(30, policy_version=5, group_id="behind", sampler_id="s2")))
         quarantine = Quarantined(trainer, after=3)
         collector = Collector(await RolloutInbox.open(trainer), Judge(REFEREE, Timeline(max_staleness=1),
-                                                                     quarantine=quarantine))
+                                                                     quarantine=quarantine), ledger)
         totals, accounting = await collect_and_account(collector, {}, 1)
         assert accounting["trained"] == 1 and accounting["rejected"] <= 1, accounting  # before: all 2000 first
         assert_accounting_holds(accounting)
@@ -523,7 +530,8 @@ async def test_a_flood_of_junk_stands_in_front_of_no_honest_group_and_costs_its_
         async def honest_once_quarantined():  # meanwhile the inbox has only the junk to read
             while "s1" not in quarantine:
                 await asyncio.sleep(0.01)
-            await publish_rollout(honest, honest_group(31, policy_version=5, group_id="later", sampler_id="s2"))
+            await publish_rollout(honest, granted(ledger, honest_group(31, policy_version=5, group_id="later",
+                                                                       sampler_id="s2")))
 
         later = asyncio.create_task(honest_once_quarantined())
         totals, accounting = await collect_and_account(collector, totals, 1)

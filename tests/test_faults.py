@@ -37,7 +37,7 @@ from streams.inbox import RolloutInbox
 from tests.conftest import (TINY_BASE, adapter_for_version, alive, assert_accounting_holds, collect_and_account,
                             store_tampered, tiny_config, wait_for_steps, worker_process)
 from streams.rollouts import publish_rollout
-from tests.groups import REFEREE, honest_group
+from tests.groups import REFEREE, granted, honest_group
 from workers.sampler.loop import Sampler
 from workers.trainer.accounting import count_consumed, settle
 from workers.trainer.granter import SequentialGranter
@@ -149,12 +149,12 @@ async def _serving_sampler(runs, cfg) -> tuple:
     return sampler_run, sampler, asyncio.create_task(sampler.serve())
 
 
-async def _collect_step(lease, cfg, version: int):
-    """A trainer's collector for `version`, and the step's groups it collected."""
+async def _collect_step(lease, cfg, version: int, ledger: GrantLedger):
+    """A trainer's collector for `version` (its granter's `ledger`), and the step's groups it collected."""
     run = lease.run
     base, tokenizer = load_model("tiny")
     referee = Referee(load_task(cfg.task), tokenizer, base.get_input_embeddings().num_embeddings, cfg.sampling)
-    collector = Collector(await RolloutInbox.open(run), Judge(referee, Timeline(max_staleness=0, epoch=lease.epoch)))
+    collector = Collector(await RolloutInbox.open(run), Judge(referee, Timeline(max_staleness=0, epoch=lease.epoch)), ledger)
     async with asyncio.timeout(30):
         return collector, await collector.collect(cfg.trainer.groups_per_step, version=version)
 
@@ -177,7 +177,7 @@ async def test_a_sequential_sampler_whose_fetch_of_the_requested_version_fails_r
             await asyncio.sleep(0.02)
     assert set(sampler.weights.follower.failures) == {"digest_mismatch"} and sampler.weights.version == -1
     await put_object(run.js, run.names.weights_bucket, weights_object_name(lease.epoch, 0, 0), adapter)  # whole again
-    collector, collected = await _collect_step(lease, cfg, 0)
+    collector, collected = await _collect_step(lease, cfg, 0, orders.ledger)
     assert len(collected.used) == cfg.trainer.groups_per_step and sampler.weights.version == 0
     collector.consumed.add(collected.seqs)  # the step checkpointed: every message is accounted for
     _, a = await settle(collector.inbox, collector.consumed, count_consumed({}, collected))
@@ -218,7 +218,7 @@ async def test_a_sequential_sampler_asked_for_an_older_version_of_a_new_epoch_wa
         while (sampler.work.pull_request.epoch, sampler.work.pull_request.version) != (2, 0):
             await asyncio.sleep(0.02)
     await weights.publish(0, adapters[0], TINY_BASE)
-    _, collected = await _collect_step(lease, cfg, 0)
+    _, collected = await _collect_step(lease, cfg, 0, orders.ledger)
     assert {(a.group.epoch, a.group.policy_version) for a in collected.used} == {(2, 0)}
     serving.cancel()
     await orders.subscription.unsubscribe()
@@ -243,7 +243,7 @@ async def test_a_sequential_sampler_whose_request_for_work_goes_unanswered_asks_
         while not sampler.work.unanswered:  # asked, and not answered
             await asyncio.sleep(0.02)
     await orders.start()  # now the trainer answers
-    _, collected = await _collect_step(lease, cfg, 0)
+    _, collected = await _collect_step(lease, cfg, 0, orders.ledger)
     assert len(collected.used) == cfg.trainer.groups_per_step
     serving.cancel()
     await orders.subscription.unsubscribe()
@@ -439,12 +439,13 @@ async def test_messages_the_stream_evicted_before_the_trainer_read_them_are_name
     published against 1145 counted, and the accounting identity no longer held. Those the trainer
     never read are now counted as `evicted`."""
     run = await runs.open("evict", "trainer", storage=Storage(rollouts_max_bytes=12_000))
-    collector = Collector(await RolloutInbox.open(run), Judge(REFEREE, Timeline(max_staleness=1)))
+    ledger = GrantLedger()
+    collector = Collector(await RolloutInbox.open(run), Judge(REFEREE, Timeline(max_staleness=1)), ledger)
     for i in range(2):
-        await publish_rollout(run, honest_group(30 + i, policy_version=5, group_id=f"early{i}"))
+        await publish_rollout(run, granted(ledger, honest_group(30 + i, policy_version=5, group_id=f"early{i}")))
     totals, first = await collect_and_account(collector, {}, 2)
     for i in range(40):  # more than the stream keeps: the oldest unread ones go
-        await publish_rollout(run, honest_group(40 + i, policy_version=5, group_id=f"late{i}"))
+        await publish_rollout(run, granted(ledger, honest_group(40 + i, policy_version=5, group_id=f"late{i}")))
     totals, later = await collect_and_account(collector, totals, 2)
     for a in (first, later):
         assert_accounting_holds(a)

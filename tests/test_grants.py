@@ -278,7 +278,7 @@ async def test_a_restarted_process_asking_for_work_hands_its_predecessors_slots_
     assert (await granter.grant("x", after)).groups == 4 and (await granter.grant("y", asked)).groups == 2
 
 
-ASK_AGAIN = {"schema_version": SCHEMA_VERSION, "slots": [], "more": True}  # nothing now, ask again soon
+ASK_AGAIN = {"schema_version": SCHEMA_VERSION, "slots": [], "prompts": [], "more": True}  # nothing now, ask again soon
 
 
 async def _admission_at_version_0(runs, run_id: str, cfg):
@@ -353,7 +353,7 @@ async def test_sequential_groups_are_granted_once_and_only_for_the_current_reque
     grants = await asyncio.gather(*(_ask(sampler, f"s{i}", lease.epoch, 0, 4, request.request_id) for i in range(3)))
     assert sum(g.groups for g in grants) == 6  # in arrival order: the first alone may get its whole want
     assert (await _ask(sampler, "s0", lease.epoch, 0, 4, request.request_id)).model_dump() == {
-        "schema_version": SCHEMA_VERSION, "slots": [], "more": False}
+        "schema_version": SCHEMA_VERSION, "slots": [], "prompts": [], "more": False}
     assert sorted(slot for g in grants for slot in g.slots) == list(range(1, 7))
     await asyncio.sleep(0.1)
     keeper = next(f"s{i}" for i, g in enumerate(grants) if g.slots)

@@ -10,6 +10,7 @@ import nats.js.errors
 import pytest
 
 from echo.consumed import ConsumedSeqs
+from echo.grants import GrantLedger
 from echo.referee import Referee, content_hash
 from echo.config import SamplingConfig
 from echo.protocol import (HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE, HDR_MSG_ID, HDR_POLICY_VERSION,
@@ -19,33 +20,34 @@ from streams.inbox import FETCH_MAX, RolloutInbox
 from streams.rollouts import publish_rollout, reader_name, reader_subscription, readers, rollout_body
 from streams.server import NatsServer
 from tests.conftest import tiny_config
-from tests.groups import REFEREE, TASK, TOKENIZER, honest_group, with_completion
+from tests.groups import REFEREE, TASK, TOKENIZER, granted, honest_group, with_completion
 from workers.trainer.intake import Collector, Judge, Timeline
 
 
 async def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(runs):
     run = await runs.open("c")
-    inbox = await RolloutInbox.open(run)
+    inbox, ledger = await RolloutInbox.open(run), GrantLedger()
     subject = run.names.rollouts_subject("s1")
     await run.js.publish(subject, b"{broken", headers={HDR_MSG_ID: "bad1", HDR_SAMPLER_ID: "s1"})
-    await publish_rollout(run, honest_group(policy_version=1, group_id="stale"))  # 5 - 1 > bound
-    await publish_rollout(run, honest_group(policy_version=9, group_id="future"))
-    await publish_rollout(run, honest_group(policy_version=5, group_id="wrongsize", texts=["a", "b", "c"]))
+    await publish_rollout(run, granted(ledger, honest_group(policy_version=1, group_id="stale")))  # 5 - 1 > bound
+    await publish_rollout(run, granted(ledger, honest_group(policy_version=9, group_id="future")))
+    await publish_rollout(run, granted(ledger, honest_group(policy_version=5, group_id="wrongsize", texts=["a", "b", "c"])))
     spoofed = honest_group(policy_version=5, group_id="spoofed")
     await run.js.publish(subject, encode_rollout(spoofed), headers={**rollout_headers(spoofed), HDR_POLICY_VERSION: "4"})
-    liar = with_completion(honest_group(policy_version=4, group_id="liar"), reward=0.0)
+    liar = granted(ledger, with_completion(honest_group(policy_version=4, group_id="liar"), reward=0.0))
     await publish_rollout(run, liar)
     # Attacks by a sampler with publish rights: s1's group on s2's subject; the liar's completions
     # re-sent under a new id; a group trained on in an earlier step re-sent under a new id.
     impostor = honest_group(15, policy_version=5, group_id="imp")
     await run.js.publish(run.names.rollouts_subject("s2"), encode_rollout(impostor), headers=rollout_headers(impostor))
-    await publish_rollout(run, honest_group(policy_version=5, group_id="replay"))
-    await publish_rollout(run, honest_group(13, policy_version=5, group_id="old"))
-    await publish_rollout(run, honest_group(14, policy_version=5, group_id="ok"))
-    await publish_rollout(run, honest_group(14, policy_version=5, group_id="ok"))  # a retry: de-duplicated
+    await publish_rollout(run, granted(ledger, honest_group(policy_version=5, group_id="replay")))
+    await publish_rollout(run, granted(ledger, honest_group(13, policy_version=5, group_id="old")))
+    ok = granted(ledger, honest_group(14, policy_version=5, group_id="ok"))
+    await publish_rollout(run, ok)
+    await publish_rollout(run, ok)  # a retry: de-duplicated
 
     trained_earlier = content_hash(honest_group(13))
-    collector = Collector(inbox, Judge(REFEREE, Timeline(max_staleness=1), trained_content={trained_earlier}))
+    collector = Collector(inbox, Judge(REFEREE, Timeline(max_staleness=1), trained_content={trained_earlier}), ledger)
     collected = await collector.collect(2, version=5)
     assert [a.group.group_id for a in collected.used] == ["liar", "ok"]
     assert collected.used[0].rewards == [1.0, 0.1]  # the trainer's rewards, not the liar's
@@ -79,8 +81,9 @@ async def test_a_group_larger_than_a_message_travels_in_parts_and_bad_parts_are_
     run = await runs.open("big", url=small_messages_server.url)
     inbox = await RolloutInbox.open(run)
     answer = TASK.prompt(12).answer
-    big = honest_group(texts=["x" * 30_000 + f"\\boxed{{{answer}}}", "y" * 30_000 + "\\boxed{999}"],
-                       policy_version=5, group_id="big")
+    ledger = GrantLedger()
+    big = granted(ledger, honest_group(texts=["x" * 30_000 + f"\\boxed{{{answer}}}", "y" * 30_000 + "\\boxed{999}"],
+                                       policy_version=5, group_id="big"))
     assert len(encode_rollout(big)) > 4 * run.nc.max_payload
     # Pointers that do not add up: a part that does not match the digest; a part missing; a
     # thousand parts; and s2 naming a part that s1 published (the trainer reads the parts on the
@@ -101,7 +104,7 @@ async def test_a_group_larger_than_a_message_travels_in_parts_and_bad_parts_are_
         HDR_BODY_SHA256: hashlib.sha256(stolen).hexdigest()})
     await publish_rollout(run, big)
     referee = Referee(TASK, TOKENIZER, len(TOKENIZER), SamplingConfig(group_size=2, max_new_tokens=40_000, temperature=1.0))
-    collector = Collector(inbox, Judge(referee, Timeline(max_staleness=1)))
+    collector = Collector(inbox, Judge(referee, Timeline(max_staleness=1)), ledger)
     collected = await collector.collect(1, version=5)
     assert [a.group for a in collected.used] == [big] and collected.used[0].rewards == [1.0, 0.1]
     assert collected.rejected == {"bad_body": 4}
@@ -113,16 +116,16 @@ async def test_a_group_larger_than_a_message_travels_in_parts_and_bad_parts_are_
 async def test_a_step_that_crashed_between_its_checkpoint_and_its_acks_is_not_counted_twice(runs):
     """The checkpoint names the stream sequences its step consumed; when they come back (the
     trainer died before acking them), the next trainer skips them, and counts the rest."""
-    run = await runs.open("redeliver", "test")
+    run, ledger = await runs.open("redeliver", "test"), GrantLedger()
     for i in range(3):
-        await publish_rollout(run, honest_group(20 + i, policy_version=5, group_id=f"g{i}"))
-    first = Collector(await RolloutInbox.open(run, ack_wait_s=600.0), Judge(REFEREE, Timeline(max_staleness=1)))
+        await publish_rollout(run, granted(ledger, honest_group(20 + i, policy_version=5, group_id=f"g{i}")))
+    first = Collector(await RolloutInbox.open(run, ack_wait_s=600.0), Judge(REFEREE, Timeline(max_staleness=1)), ledger)
     step = await first.collect(2, version=5)  # checkpointed, then the crash: never acked
     assert [a.group.group_id for a in step.used] == ["g0", "g1"]
-    await publish_rollout(run, honest_group(23, policy_version=5, group_id="g3"))
+    await publish_rollout(run, granted(ledger, honest_group(23, policy_version=5, group_id="g3")))
     # Opening the inbox offers g0 and g1 again at once (not after ack_wait), before newer messages.
     restarted = Collector(await RolloutInbox.open(run, ack_wait_s=600.0), Judge(REFEREE, Timeline(max_staleness=1)),
-                          consumed=ConsumedSeqs(above=step.seqs))
+                          ledger, consumed=ConsumedSeqs(above=step.seqs))
     again = await restarted.collect(2, version=5)
     assert [a.group.group_id for a in again.used] == ["g2", "g3"] and again.already_counted == 2
     assert set(again.seqs).isdisjoint(step.seqs)

@@ -19,7 +19,7 @@ from streams.registry import read_statuses
 from streams.inbox import RolloutInbox
 from streams.rollouts import publish_rollout
 from tests.conftest import tiny_config
-from tests.groups import REFEREE, SAMPLING, honest_group
+from tests.groups import REFEREE, SAMPLING, granted, honest_group
 from workers.background import Background
 from workers.cli import build_parser
 from workers.commands.quarantine import quarantine_command
@@ -115,16 +115,17 @@ async def test_a_forging_sampler_is_rejected_then_quarantined_until_an_operator_
         proof = _proof(policy, fraction=0.0)  # no random checks: the first catch is by suspicion
         proof.remember(1)
         proof.suspects.add("s1")
+        ledger = GrantLedger()
         collector = Collector(await RolloutInbox.open(run), Judge(REFEREE, Timeline(max_staleness=1), proof=proof,
-                                                                    quarantine=quarantine))
+                                                                    quarantine=quarantine), ledger)
         # honest_group's log-probs are a constant -0.5: not what the model gives its tokens.
         for index, group_id in [(12, "f1"), (13, "f2"), (16, "f3")]:
-            await publish_rollout(run, honest_group(index, group_id=group_id, sampler_id="s1"))
+            await publish_rollout(run, granted(ledger, honest_group(index, group_id=group_id, sampler_id="s1")))
 
         async def honest_once_quarantined():  # else read in turn with the forger's first
             while "s1" not in quarantine:
                 await asyncio.sleep(0.01)
-            await publish_rollout(run, true_logprobs(honest_group(14, group_id="h1", sampler_id="s2")))
+            await publish_rollout(run, granted(ledger, true_logprobs(honest_group(14, group_id="h1", sampler_id="s2"))))
 
         honest = asyncio.create_task(honest_once_quarantined())
         collected = await collector.collect(1, version=1)

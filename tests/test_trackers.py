@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from echo.metrics import step_scalars
+from echo.metrics import sampler_scalars, step_scalars
 from echo.protocol import SamplerStatus
 from tests.conftest import tiny_config
 from tests.swarms import up_command
@@ -71,7 +71,7 @@ def test_a_steps_record_and_heartbeats_become_named_scalars():
               "quarantined": ["x"]}
     beat = SamplerStatus(sampler_id="s1", version=2, groups_published=9, weight_failures={}, updated_at=0.0,
                          groups_per_s=1.5, tokens_per_s=300.0, sync_s={"1": 0.4, "2": 0.3})
-    got = step_scalars(record, [beat], strikes=2)
+    got = step_scalars(record, strikes=2) | sampler_scalars([beat], record["version"])[0]
     assert got["reward/mean"] == 0.5 and got["mismatch/kl"] == 1e-5 and got["reward/source/gsm8k"] == 0.25
     assert got["staleness/used/2"] == 1 and got["staleness/mean"] == 0.5
     assert got["groups/rejected/bad_shape"] == 2 == got["groups/rejected_total"] and got["proof/ok"] == 4

@@ -11,9 +11,11 @@ behind the trainer, engine and device, rates, sync time, cost, quarantine), the 
 from __future__ import annotations
 
 import asyncio
+import re
 import statistics
 import time
 
+from echo.protocol import SamplerStatus
 from streams.client import Run
 from streams.lease import current_epoch
 from streams.quarantine import read_quarantine
@@ -41,21 +43,41 @@ async def snapshot(run: Run) -> dict:
             "seen_s_ago": round(now - learner.updated_at, 1), "finished": learner.finished,
             "staleness": learner.staleness,
         },
-        "samplers": [{
-            "id": s.sampler_id, "state": "quarantined" if s.sampler_id in quarantined else s.state,
-            "version": s.version, "lag": None if version is None or s.version < 0 else version - s.version,
-            "engine": s.engine, "device": s.device, "relay": s.relay or "hub",
-            "groups_per_s": s.groups_per_s, "tokens_per_s": s.tokens_per_s,
-            "sync_s": round(statistics.fmean(s.sync_s.values()), 3) if s.sync_s else None,
-            "cost_per_hour": s.cost_per_hour, "groups_published": s.groups_published,
-            "weight_failures": s.weight_failures, "quarantine_reason": quarantined.get(s.sampler_id),
-            "strikes": learner.strikes.get(s.sampler_id, 0) if learner else 0,
-            "seen_s_ago": round(now - s.updated_at, 1),
-        } for s in samplers],
+        "samplers": [sampler_row(s, version, quarantined, learner.strikes if learner else {}, now) for s in samplers],
         "stream": stream,
         "storage": await account_storage(run),
         "relays": relays,
     }
+
+
+def sampler_row(s: SamplerStatus, version: int | None, quarantined: dict[str, str], strikes: dict[str, int],
+                now: float) -> dict:
+    """A sampler's line of the snapshot, from its heartbeat (bounded at decode: echo/protocol.py)."""
+    return {
+        "id": s.sampler_id, "state": "quarantined" if s.sampler_id in quarantined else s.state,
+        "version": s.version, "lag": None if version is None or s.version < 0 else version - s.version,
+        "engine": s.engine, "device": s.device, "relay": s.relay or "hub",
+        "groups_per_s": s.groups_per_s, "tokens_per_s": s.tokens_per_s,
+        "sync_s": round(statistics.fmean(s.sync_s.values()), 3) if s.sync_s else None,
+        "cost_per_hour": s.cost_per_hour, "groups_published": s.groups_published,
+        "weight_failures": s.weight_failures, "quarantine_reason": quarantined.get(s.sampler_id),
+        "strikes": strikes.get(s.sampler_id, 0), "seen_s_ago": round(now - s.updated_at, 1),
+    }
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(value):
+    """`value` with every control character taken out of its strings (keys too): a terminal obeys
+    ESC and CSI sequences, and rich passes them through."""
+    if isinstance(value, str):
+        return _CONTROL.sub("", value)
+    if isinstance(value, dict):
+        return {printable(k): printable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [printable(v) for v in value]
+    return value
 
 
 def render(snap: dict):
@@ -64,6 +86,7 @@ def render(snap: dict):
     from rich.table import Table
     from rich.text import Text  # a sampler's own words, shown as written: no markup of theirs is interpreted
 
+    snap = printable(snap)  # bounded at decode already; a terminal is where a slip would cost most
     parts = []
     trainer = snap["trainer"]
     head = Table.grid(padding=(0, 2))

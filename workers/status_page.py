@@ -3,19 +3,24 @@
 trainer's steps seen since the page server started (reward and staleness a step); the page
 (workers/static/status.html) draws them with uPlot, vendored. Read-only: it serves the page, its
 two static files and the events, nothing else; bound to 127.0.0.1 unless a host is given. A
-snapshot holds what `status` shows and no credential (the server's own stay in this process)."""
+snapshot holds what `status` shows and no credential (the server's own stay in this process).
+
+One asyncio server in the process's loop: an idle connection costs a few KB, not a thread, and
+waits READ_TIMEOUT_S at most for its request; past MAX_CONNECTIONS a new one is closed at once;
+a request whose Host header is not the address the page is served at is refused (a page on
+another site that rebinds its DNS name to this address reads nothing)."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import ipaddress
+import socket
 from pathlib import Path
 
 import orjson
 import structlog
 
-from streams.client import BROKER_ERRORS, Run
+from streams.client import Run
 from workers.status import REFRESH_S, snapshot
 
 log = structlog.get_logger()
@@ -24,63 +29,130 @@ STATIC = Path(__file__).parent / "static"
 FILES = {"/": ("status.html", "text/html; charset=utf-8"), "/uPlot.iife.min.js": ("uPlot.iife.min.js", "text/javascript"),
          "/uPlot.min.css": ("uPlot.min.css", "text/css")}
 STEPS_KEPT = 10_000  # points a page's charts hold
+MAX_CONNECTIONS = 4096
+READ_TIMEOUT_S = 10.0  # for a request's line and headers
+WRITE_TIMEOUT_S = 30.0  # for a page to take an event: one that stops reading is closed
+HEAD_MAX = 16 << 10  # a request's line and headers
+KEEPALIVE_S = 30.0  # an event stream with no new snapshot gets a comment this often
 
 
 class Latest:
-    """The newest snapshot and the steps seen, shared between the broker's loop and the HTTP threads."""
+    """The newest snapshot as one server-sent event, and the trainer's steps seen."""
 
     def __init__(self):
-        self.changed = threading.Condition()
-        self.event = b""  # the newest snapshot as one server-sent event
+        self.changed = asyncio.Condition()
+        self.event = b""
         self.steps: dict[int, dict] = {}  # step -> {"reward", "staleness"}
 
-    def update(self, snap: dict) -> None:
+    async def update(self, snap: dict) -> None:
         trainer = snap["trainer"]
         if trainer and trainer["rewards"] and trainer["step"] not in self.steps:
             self.steps[trainer["step"]] = {"reward": trainer["rewards"][-1], "staleness": trainer["staleness"]}
             for old in sorted(self.steps)[:-STEPS_KEPT]:
                 del self.steps[old]
         body = orjson.dumps({**snap, "steps": [{"step": s, **p} for s, p in sorted(self.steps.items())]})
-        with self.changed:
+        async with self.changed:
             self.event = b"data: " + body + b"\n\n"
             self.changed.notify_all()
 
 
-def handler_for(latest: Latest) -> type[BaseHTTPRequestHandler]:
-    class Page(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            if self.path == "/events":
-                return self.events()
-            if self.path not in FILES:
-                return self.send_error(404)
-            name, kind = FILES[self.path]
-            body = (STATIC / name).read_bytes()
-            self.send_response(200)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+def allowed_hosts(host: str, port: int) -> set[str] | None:
+    """The Host headers a browser sends for the page at host:port; None: any IP literal or this
+    machine's names (bound to every interface)."""
+    names = {host}
+    if host in ("", "0.0.0.0", "::"):
+        return None
+    if _is_loopback(host):
+        names |= {"localhost", "127.0.0.1", "[::1]"}
+    if ":" in host and not host.startswith("["):
+        names.add(f"[{host}]")
+    return {f"{n}:{port}" for n in names} | ({n for n in names} if port == 80 else set())
 
-        def events(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-store")
-            self.end_headers()
-            sent = None
-            try:
-                while True:
-                    with latest.changed:
-                        latest.changed.wait_for(lambda: latest.event is not sent, timeout=30)
-                        sent = latest.event
-                    self.wfile.write(sent or b": waiting for the first snapshot\n\n")
-                    self.wfile.flush()
-            except (BrokenPipeError, ConnectionResetError):  # the page was closed
-                return
 
-        def log_message(self, *args) -> None:  # requests are not news
-            pass
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
-    return Page
+
+def _host_ok(header: str, allowed: set[str] | None) -> bool:
+    if allowed is not None:
+        return header.lower() in allowed
+    name = header.rsplit(":", 1)[0] if not header.endswith("]") else header
+    try:
+        ipaddress.ip_address(name.strip("[]"))
+        return True
+    except ValueError:
+        return name.lower() in {socket.gethostname().lower(), socket.getfqdn().lower(), "localhost"}
+
+
+class PageServer:
+    """Serves the page, its files and the events from `latest`; see the module's docstring."""
+
+    def __init__(self, latest: Latest, read_timeout_s: float = READ_TIMEOUT_S):
+        self.latest, self.read_timeout_s = latest, read_timeout_s
+        self.open = 0  # connections being served
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen at host:port (0: any free port); the port."""
+        self.server = await asyncio.start_server(self.serve, host, port, limit=HEAD_MAX, backlog=1024)
+        port = self.server.sockets[0].getsockname()[1]
+        self.allowed = allowed_hosts(host, port)
+        return port
+
+    async def close(self) -> None:
+        self.server.close()
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.open >= MAX_CONNECTIONS:
+            writer.close()
+            return
+        self.open += 1
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.read_timeout_s)
+            await self.answer(head, writer)
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass  # slow, cut short or too long: closed
+        finally:
+            self.open -= 1
+            writer.close()
+
+    async def answer(self, head: bytes, writer: asyncio.StreamWriter) -> None:
+        lines = head.decode("latin-1").split("\r\n")
+        method, path, *_ = lines[0].split(" ") + ["", ""]
+        headers = dict(line.split(":", 1) for line in lines[1:] if ":" in line)
+        headers = {k.strip().lower(): v.strip() for k, v in headers.items()}
+        if not _host_ok(headers.get("host", ""), self.allowed):
+            return await self.respond(writer, 421, b"not this page's address\n", "text/plain")
+        if method != "GET":
+            return await self.respond(writer, 405, b"GET only\n", "text/plain")
+        if path == "/events":
+            return await self.events(writer)
+        if path not in FILES:
+            return await self.respond(writer, 404, b"not found\n", "text/plain")
+        name, kind = FILES[path]
+        await self.respond(writer, 200, (STATIC / name).read_bytes(), kind)
+
+    async def respond(self, writer: asyncio.StreamWriter, code: int, body: bytes, kind: str) -> None:
+        reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 421: "Misdirected Request"}[code]
+        writer.write(f"HTTP/1.1 {code} {reason}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
+                     f"Connection: close\r\n\r\n".encode() + body)
+        await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT_S)
+
+    async def events(self, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-store\r\n"
+                     b"Connection: close\r\n\r\n")
+        latest, sent = self.latest, None
+        while True:
+            async with latest.changed:
+                try:
+                    await asyncio.wait_for(latest.changed.wait_for(lambda: latest.event not in (sent, b"")), KEEPALIVE_S)
+                    sent = latest.event
+                    writer.write(sent)
+                except TimeoutError:
+                    writer.write(b": waiting for the next snapshot\n\n")
+            await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT_S)
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -92,16 +164,15 @@ def parse_address(text: str) -> tuple[str, int]:
 async def serve_page(run: Run, address: str) -> None:
     latest = Latest()
     host, port = parse_address(address)
-    server = ThreadingHTTPServer((host, port), handler_for(latest))
-    server.daemon_threads = True  # an open page does not keep the process alive
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    print(f"echo-rl status: serving http://{host}:{server.server_port}/ (Ctrl-C stops it)", flush=True)
+    server = PageServer(latest)
+    port = await server.start(host, port)
+    print(f"echo-rl status: serving http://{host}:{port}/ (Ctrl-C stops it)", flush=True)
     try:
         while True:
             try:
-                latest.update(await snapshot(run))
-            except BROKER_ERRORS as e:  # the page keeps its last snapshot; the next read may work
-                log.warning("status.read_failed", reason=repr(e))
+                await latest.update(await snapshot(run))
+            except Exception as e:  # noqa: BLE001 - the page keeps its last snapshot; the next read may work
+                log.warning("status.read_failed", reason=repr(e)[:300])
             await asyncio.sleep(REFRESH_S)
     finally:
-        server.shutdown()
+        await server.close()

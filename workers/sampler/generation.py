@@ -6,7 +6,6 @@ completions are episodes played turn by turn (echo/environments.py)."""
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 import uuid
 
@@ -14,7 +13,7 @@ from echo.config import EchoConfig, SamplingConfig
 from echo.devices import dtype_name
 from echo.engines.base import Engine, NewerWeights, call_seed
 from echo.environments import play_episodes
-from echo.protocol import Completion, PolicyVersion, RolloutGroup, VersionChange
+from echo.protocol import Completion, Grant, PolicyVersion, RolloutGroup, VersionChange
 from echo.tasks import Task, is_environment, safe_reward
 from echo.throughput import CallWindow
 from streams.client import Run
@@ -27,15 +26,15 @@ class Generation:
     def __init__(self, cfg: EchoConfig, sampler_id: str, run: Run, task: Task, weights: EngineWeights):
         self.cfg, self.sampler_id, self.run, self.task, self.weights = cfg, sampler_id, run, task, weights
         self.prompts = prompt_source(run, task)  # the task's own, or a dataset's from the broker
-        self.rng = random.Random(f"{cfg.run.seed}/{sampler_id}")  # prompts; the noise: call_seed
         self.calls = CallWindow(cfg.sampler.rate_window_s)
         self.published = 0
 
-    async def generate_and_publish(self, slots: list[int], asked_at: float | None = None) -> None:
-        """One group per slot the trainer granted (asked for at `asked_at`, perf_counter), each
-        naming its slot. The call's time, from asking to published, is measured."""
-        running = self.weights.running
-        prompts = [await self.prompts.prompt(self.rng.randrange(2**31)) for _ in slots]
+    async def generate_and_publish(self, grant: Grant, asked_at: float | None = None) -> None:
+        """One group per slot the trainer granted (asked for at `asked_at`, perf_counter), on the
+        prompt the grant names for it, each naming its slot. The call's time, from asking to
+        published, is measured."""
+        running, slots = self.weights.running, grant.slots
+        prompts = [await self.prompts.prompt(index) for index in grant.prompts]
         seed = call_seed(self.cfg.run.seed, self.sampler_id, running.epoch, slots[0])
         started = time.perf_counter()
         groups = await asyncio.to_thread(generate_groups, self.weights.engine, self.task, prompts, self.cfg.sampling,

@@ -62,7 +62,7 @@ class Sampler:
                 asked_at = time.perf_counter()
                 grant = await self.work.ask(self.weights.running)
                 if grant and grant.slots:
-                    await self.generation.generate_and_publish(grant.slots, asked_at)
+                    await self.generation.generate_and_publish(grant, asked_at)
                     continue
                 if grant and grant.more:
                     await asyncio.sleep(ASK_AGAIN_S)  # work is left, just not for this sampler yet
@@ -100,7 +100,7 @@ class Sampler:
         if grant is None:  # no answer: the request may still want its groups
             await asyncio.sleep(NO_ANSWER_WAIT_S)
         elif grant.slots:
-            await self.generation.generate_and_publish(grant.slots, asked_at)
+            await self.generation.generate_and_publish(grant, asked_at)
         elif grant.more:
             await asyncio.sleep(ASK_AGAIN_S)  # work is left, just not for this sampler yet
         else:

@@ -144,7 +144,7 @@ class Granter:
                 log.warning("grants.grant_unrecorded", sampler=sampler_id, slots=len(slots), reason=repr(e))
                 self.ledger.revoke(slots)
                 return Grant(more=True)
-        return Grant(slots=slots, more=more)
+        return Grant(slots=slots, prompts=[self.ledger.prompts[slot] for slot in slots], more=more)
 
 
 class SequentialGranter(Granter):
@@ -187,7 +187,7 @@ class AsyncGranter(Granter):
         await super().start()
         # A restarted trainer cannot know which of its predecessor's slots are still out: it
         # counts every one not trained as lost, opening a fresh window. Their groups, should
-        # they still come, are trained if fresh, and the window closes by as many then.
+        # they still come, are refused (slot_not_held): it cannot know which prompts they were granted.
         self.reissue_lost([], accepted=0)
 
     def highest_slot(self) -> int:

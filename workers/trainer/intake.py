@@ -185,8 +185,9 @@ class Collector:
         return out
 
     async def _admit(self, delivery: Delivery, version: int, out: Collected) -> Admitted | None:
-        """The group to train on, or None (counted in `out` by what happened to it). A group
-        that ended one of its sender's slots and is not trained wastes that slot."""
+        """The group to train on, or None (counted in `out` by what happened to it). Only a group
+        on one of its sender's slots, on the prompt granted with it, is judged; one that is not
+        trained wastes that slot."""
         if self.judge.ignores(delivery.sender, out):
             return None
         try:
@@ -195,9 +196,14 @@ class Collector:
         except ProtocolError as e:  # junk, or a sampler of another release: either way nothing to train
             return await self.judge.refuse(out, delivery.sender, e.reason, str(e))
         granted = self.ledger.delivered(delivery.sender, group.slot, delivery.arrived)
-        admitted = await self.judge.admit(group, delivery.sender, version, out)
-        if granted:
-            (self.ledger.wasted if admitted is None else self.ledger.accepted)(group.slot)
+        if granted is None:  # not a slot this trainer granted it: the prompt would be its own choice
+            return reject(out, "slot_not_held", f"slot {group.slot} from {delivery.sender}")
+        if group.prompt_index != granted:  # no honest sampler of this release does it
+            admitted = await self.judge.refuse(out, delivery.sender, "wrong_prompt",
+                                               f"prompt {group.prompt_index} on slot {group.slot}, granted {granted}")
+        else:
+            admitted = await self.judge.admit(group, delivery.sender, version, out)
+        (self.ledger.wasted if admitted is None else self.ledger.accepted)(group.slot)  # a wasted slot's prompt is owed
         return admitted
 
     def trained(self, collected: Collected) -> None:

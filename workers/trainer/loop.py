@@ -25,7 +25,7 @@ from echo.config import EchoConfig
 from echo.consumed import ConsumedSeqs
 from echo.grants import GrantLedger
 from echo.logs import bind_process
-from echo.metrics import step_scalars
+from echo.metrics import sampler_scalars, step_scalars
 from echo.models import encode_chat
 from echo.protocol import WeightsAnnouncement
 from echo.referee import Referee
@@ -107,6 +107,7 @@ class Trainer:
         self.cfg, self.run, self.lease, self.model, self.inbox = cfg, run, lease, model, inbox
         self.collector, self.granter, self.quarantine, self.recent = collector, granter, quarantine, recent
         self.weights = WeightsPublisher(lease, cfg.trainer.keep_versions, cfg.trainer.keep_versions_s)
+        self.left_out: set[str] = set()  # samplers whose heartbeats gave no scalars (logged once)
 
     @classmethod
     async def open(cls, cfg: EchoConfig, run: Run, lease: Lease, background: Background, model: TrainerModel,
@@ -122,7 +123,7 @@ class Trainer:
         inbox = await RolloutInbox.open(run, cfg.trainer.ack_wait_s)
         consumed = ConsumedSeqs(**state.consumed)
         state.totals = await count_abandoned(inbox, consumed, state.totals)
-        ledger = GrantLedger(rate_window_s=cfg.sampler.rate_window_s)
+        ledger = GrantLedger(rate_window_s=cfg.sampler.rate_window_s, seed=cfg.run.seed)
         quarantine = Quarantined(run, cfg.trainer.quarantine_after)
         await quarantine.start(background)
         referee = Referee(task, model.tokenizer, model.vocab_size, cfg.sampling)
@@ -175,8 +176,16 @@ class Trainer:
                 record = write_metrics(metrics_file, record, step)
                 if trackers.live:
                     samplers = await retry_forever("read heartbeats", lambda: read_statuses(self.run))
-                    scalars = step_scalars(record, samplers, sum(self.quarantine.strikes.values()))
+                    scalars = step_scalars(record, sum(self.quarantine.strikes.values()))
+                    scalars |= self.samplers_scalars(samplers, record["version"])
                     await asyncio.to_thread(trackers.log, step.number, scalars)
+
+    def samplers_scalars(self, samplers: list, version: int) -> dict[str, float]:
+        scalars, left_out = sampler_scalars(samplers, version)
+        for sampler_id in set(left_out) - self.left_out:  # once each: a sampler could send it every beat
+            log.warning("trackers.sampler_left_out", sampler=sampler_id, reason="its heartbeat's values")
+        self.left_out.update(left_out)
+        return scalars
 
     async def checkpoint(self, step: TrainerStep) -> None:
         """The step, what it consumed and trained, and its metrics, on disk before anything of it is acked."""
