@@ -79,6 +79,12 @@ class SamplingConfig(_Section):
     # between chunks, so a long completion is not dropped whole as stale. 0: whole completions.
     chunk_tokens: int = Field(0, ge=0)
     prompts_per_call: int = Field(2, ge=1)  # groups generated in one engine call
+    # The precisions a sampler may sample in. The proof of sampling allows a 16-bit sampler's
+    # rounding (trainer.verify_tolerance_16bit, 50 times fp32's), so a sampler that may claim 16
+    # bits may shade every log-prob by that much: the run, not the sampler, says whether it may.
+    # A sampler whose model.dtype is auto samples in float32 where its machine's choice is not
+    # here; add "bfloat16" for GPU samplers' speed.
+    dtypes: list[Literal["float32", "bfloat16", "float16"]] = Field(["float32"], min_length=1)
 
 
 class TrainerConfig(_Section):

@@ -48,6 +48,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def sampler_dtype(name: str, device: torch.device, allowed: list[str]) -> torch.dtype:
+    """A sampler's precision: `model.dtype` resolved on this machine, within the run's
+    `sampling.dtypes`: auto falls back to float32 where this machine's choice is not allowed; an
+    explicit one not allowed fails at start, before a group the trainer would strike."""
+    dtype = resolve_dtype(name, device)
+    if dtype_name(dtype) in allowed:
+        return dtype
+    if name == "auto" and "float32" in allowed:
+        return torch.float32
+    raise ConfigError(f"model.dtype = {name!r} ({dtype_name(dtype)} on this machine): the run's sampling.dtypes "
+                      f"{allowed} do not allow it; set model.dtype to one of them, or add it to sampling.dtypes")
+
+
 def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 

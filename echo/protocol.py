@@ -379,7 +379,7 @@ class RolloutGroup(_HoldsArrays, _Message):
     completions: list[Completion] = Field(min_length=1)
     temperature: float = Field(gt=0, le=1000)
     # What sampled it: 16-bit log-probs differ from the trainer's by rounding, which the proof
-    # of sampling allows for (trainer.verify_tolerance_16bit).
+    # of sampling allows for (trainer.verify_tolerance_16bit) where the run allows 16 bits (sampling.dtypes).
     engine: Literal["hf", "vllm"]
     dtype: Literal["float32", "bfloat16", "float16"]
     gen_seconds: Seconds

@@ -79,7 +79,7 @@ def test_a_bf16_trainer_trains_fp32_parameters_with_fp32_optimizer_state_and_log
 
 
 def test_weights_published_in_bf16_halve_the_bytes_and_load_into_an_engine_of_any_dtype(tmp_path):
-    cfg = tiny_config(tmp_path)
+    cfg = tiny_config(tmp_path, sampling={"dtypes": ["float32", "bfloat16"]})
     trainer = make_policy(load_model("tiny")[0], cfg.lora)
     with torch.no_grad():
         for p in trainer.parameters():

@@ -50,7 +50,8 @@ def test_a_bf16_swarm_trains_with_on_policy_importance_ratios_near_one(tmp_path,
     (tmp_path / "user_tasks" / "shout.py").write_text(USER_TASK)  # rewards that vary within a group: gradients
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "user_tasks"))
     metrics, stream, _ = run_swarm(tmp_path, "bf16", 5, 'task.name="shout:Shout"', 'task.params={word="hey"}',
-                                   "trainer.max_staleness=0", "model.dtype=bfloat16", "trainer.publish_dtype=bfloat16",
+                                   "trainer.max_staleness=0", "model.dtype=bfloat16", 'sampling.dtypes=["bfloat16"]',
+                                   "trainer.publish_dtype=bfloat16",
                                    "trainer.verify_fraction=1.0")
     assert [m["version"] for m in metrics] == [1, 2, 3, 4, 5] and all(m["used"] == 4 for m in metrics)
     assert all(abs(m["is_ratio_mean"] - 1) < 0.01 and m["is_ratio_max"] < 1.05 for m in metrics), metrics

@@ -76,7 +76,7 @@ receive)
   pilot)
     declare -A SETTINGS=([preset]="" [kl]="trainer.kl_coef=0.05" [lr1e-4]="trainer.lr=1e-4")
     for name in "${!SETTINGS[@]}"; do
-      sets=(--set model.dtype=bfloat16); for s in ${SETTINGS[$name]}; do sets+=(--set "$s"); done
+      sets=(--set model.dtype=bfloat16 --set 'sampling.dtypes=["float32","bfloat16"]'); for s in ${SETTINGS[$name]}; do sets+=(--set "$s"); done
       python3 -m bench.parity --preset study --modes "async S=1" --seeds 1 --first-seed 1 "${sets[@]}" \
         --out "$BENCH_RESULTS/pilot-$name" > "$BENCH_RESULTS/pilot-$name.log" 2>&1 &
     done
@@ -85,7 +85,7 @@ receive)
     ;;
   parity)
     [ -f bench/results/parity-study.json ] && cp bench/results/parity-study.json "$BENCH_RESULTS/"
-    timeout "${2:-540}" python3 -m bench.parity --preset study --resume --set model.dtype=bfloat16 || true
+    timeout "${2:-540}" python3 -m bench.parity --preset study --resume --set model.dtype=bfloat16 --set 'sampling.dtypes=["float32","bfloat16"]' || true
     ;;
   esac
   ;;

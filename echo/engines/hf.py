@@ -10,7 +10,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from echo.config import LoraConfig, SamplingConfig
-from echo.devices import resolve_device, resolve_dtype
+from echo.devices import resolve_device, sampler_dtype
 from echo.engines.base import Generation, NewerWeights
 from echo.models import encode_chat, load_model
 from echo.policy import CACHE, kv_cache, load_weights, make_policy
@@ -48,7 +48,7 @@ class HFEngine:
     def __init__(self, model_name: str, lora: LoraConfig, sampling: SamplingConfig, device: str = "auto",
                  dtype: str = "auto"):
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype = sampler_dtype(dtype, self.device, sampling.dtypes)
         base, self.tokenizer = load_model(model_name, self.device, self.dtype)
         # peft keeps the adapter in fp32 over a 16-bit base; published weights are cast on load.
         self.model = make_policy(base, lora).eval()

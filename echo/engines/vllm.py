@@ -17,7 +17,7 @@ import torch
 from transformers import AutoTokenizer
 
 from echo.config import ConfigError, LoraConfig, ModelConfig, SamplingConfig
-from echo.devices import dtype_name, resolve_device, resolve_dtype
+from echo.devices import dtype_name, resolve_device, sampler_dtype
 from echo.engines.base import Generation, NewerWeights
 from echo.models import encode_chat, model_folder, model_on_meta
 from echo.policy import check_tensors, make_policy, policy_shapes, shards_tensors
@@ -43,7 +43,7 @@ class VLLMEngine:
         self.device = resolve_device(model.device)
         if self.device.type not in ("cuda", "cpu"):
             raise ConfigError(f"model.device = {model.device!r}: vLLM runs on CUDA or the CPU; use sampler.engine = 'hf'")
-        self.dtype = resolve_dtype(model.dtype, self.device)
+        self.dtype = sampler_dtype(model.dtype, self.device, sampling.dtypes)
         folder = model_folder(model.name)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         # What a published version must look like, from the model's shapes alone (no weights).
