@@ -45,6 +45,8 @@ def write_secret(path: Path, data: bytes) -> None:
 # any outgoing connection between the pick and the server's bind, or while a broker restarts on it.
 LISTEN_PORTS = range(10_000, 32_768)
 MAX_PENDING = "64MB"  # the server's default, written out: FETCH_BYTES (streams/inbox.py) is half of it
+LOG_FILE_LIMIT = 16 << 20  # bytes a broker's log file reaches before the server rotates it
+LOG_FILES_KEPT = 4  # files the server keeps, the current one included: its log stays under 4 x LOG_FILE_LIMIT
 _handed_out: set[int] = set()  # two picks in a row (a server and its leaf port) never match
 
 
@@ -131,6 +133,7 @@ class NatsServer:
         routes: list[int] = (),
         advertise_leaf: bool = True,
         max_payload: str = "8MB",  # 1 MiB weight chunks with room to spare
+        log_file_limit: int = LOG_FILE_LIMIT,
     ):
         self.store_dir = Path(store_dir)
         self.max_payload = max_payload
@@ -139,6 +142,7 @@ class NatsServer:
         self.advertise_leaf = advertise_leaf
         self.port = port or free_port()
         self.log_file = Path(log_file) if log_file else None
+        self.log_file_limit = log_file_limit
         self.domain, self.leaf_port, self.hub_leaf_url, self.http_port = domain, leaf_port, hub_leaf_url, http_port
         self.host, self.include, self.leaf_include = host, include, leaf_include
         self.hub_leaf_options = hub_leaf_options or {}
@@ -166,6 +170,11 @@ class NatsServer:
             "write_deadline: \"10s\"",
             f"jetstream {{ store_dir: {q(str(self.store_dir))}, domain: {q(self.domain)} }}",
         ]
+        if self.log_file:
+            # Every refused publish is a line (~240 bytes): a sampler's flood wrote 581 MB in 40 s.
+            # The server rotates its own log and keeps LOG_FILES_KEPT of them.
+            lines += [f"log_file: {q(str(self.log_file.resolve()))}", f"logfile_size_limit: {self.log_file_limit}",
+                      f"logfile_max_num: {LOG_FILES_KEPT}"]
         if self.cluster_port:
             routes = [f"nats-route://127.0.0.1:{port}" for port in self.routes]
             lines.append(f"server_name: {q(self.server_name)}")
@@ -201,6 +210,7 @@ class NatsServer:
             holder = port and port_holder(self.host, port)
             if holder:
                 raise RuntimeError(f"port {port} on {self.host} is held by {holder}: stop it, or choose another port")
+        # Until it has read its config (a config error), the server writes to stderr: the same file.
         log = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         # Its own session: a Ctrl-C meant for the workers must not kill the broker under them.
         # But it dies with the process that started it (on Linux): a relay's or `up`'s server

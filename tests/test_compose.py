@@ -134,6 +134,14 @@ def test_the_compose_hub_starts_with_the_secrets_its_init_service_writes(tmp_pat
         server.wait(timeout=10)
 
 
+def test_every_container_log_is_bounded():
+    """Issue 61: the hub logs a line per refused publish (581 MB in 40 s of a sampler's flood),
+    with no rotation in the compose swarm. Docker rotates every service's output."""
+    for name, service in _services("docker-compose.yml", "docker-compose.insecure.yml").items():
+        logging = service.get("logging", {})
+        assert logging.get("driver") == "json-file" and logging["options"] == {"max-size": "16m", "max-file": "4"}, name
+
+
 def test_nats_config_enables_jetstream():
     text = (ROOT / "compose" / "nats.conf").read_text()
     assert "jetstream" in text and "store_dir: /data" in text

@@ -11,6 +11,7 @@ import time
 from collections import Counter
 from urllib.request import Request, urlopen
 
+import nats
 import orjson
 import pytest
 from rich.console import Console
@@ -20,6 +21,8 @@ from echo.metrics import sampler_scalars, step_scalars
 from echo.protocol import ProtocolError, SamplerStatus, decode
 from streams.inbox import RolloutInbox
 from streams.rollouts import publish_rollout
+from streams.secure import SecureDir
+from streams.server import LOG_FILES_KEPT, NatsServer
 from tests.conftest import tiny_config
 from tests.groups import REFEREE, honest_group
 from workers.status import render, sampler_row
@@ -194,3 +197,35 @@ def test_nothing_on_a_loopback_page_answers_another_port():
     assert allowed_hosts("127.0.0.1", 8080) == {"127.0.0.1:8080", "localhost:8080", "[::1]:8080"}
     assert allowed_hosts("0.0.0.0", 8080) is None  # any interface: IP literals and this machine's names
     assert socket.gethostname()
+
+
+async def test_a_flood_of_refused_publishes_leaves_the_hubs_log_within_its_limit(tmp_path):
+    """Each refused publish is a ~240-byte line of the hub's log: 581 MB in 40 s of flood, with
+    no limit, on the disk that holds the run's store. The server now rotates its log at
+    `log_file_limit` and keeps LOG_FILES_KEPT files (the limit is small here; 16 MB in a run)."""
+    secure = SecureDir(tmp_path / "secure")
+    secure.init("sec", ["localhost", "127.0.0.1"], ["s1"])
+    limit = 256 << 10
+    log_file = tmp_path / "logs" / "hub.log"
+    log_file.parent.mkdir()
+    with NatsServer(tmp_path / "js", include=secure.dir / "server.conf", log_file=log_file, log_file_limit=limit) as hub:
+        async def quiet(error):  # one error a refused publish
+            pass
+
+        attacker = await nats.connect(hub.url, error_cb=quiet, **secure.credentials("sampler-s1").connect_options())
+        try:
+            for i in range(30_000):  # about 7 MB of violations: 28 times the limit
+                await attacker.publish(f"echo.sec.state.x{i % 100}", b"")
+                if i % 1000 == 999:
+                    await attacker.flush()
+        finally:
+            await attacker.close()
+        deadline = time.monotonic() + 30
+        while len(list(log_file.parent.iterdir())) < LOG_FILES_KEPT:  # rotated, and the oldest pruned
+            assert time.monotonic() < deadline, [f.stat().st_size for f in log_file.parent.iterdir()]
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)  # the rest of the flood written
+        files = list(log_file.parent.iterdir())
+        assert "Publish Violation" in "".join(f.read_text() for f in files)
+        assert len(files) == LOG_FILES_KEPT and all(f.stat().st_size <= limit + 4096 for f in files), [
+            (f.name, f.stat().st_size) for f in files]  # 7 MB written, at most 4 x 256 KB kept
