@@ -154,17 +154,20 @@ async def _acked(js: JetStreamContext, ack: asyncio.Future, connection: int) -> 
 
 async def get_object(
     js: JetStreamContext, bucket: str, name: str, expected_sha256: str | None = None,
-    expected_size: int | None = None, timeout: float = 10.0,
+    expected_size: int | None = None, timeout: float = 10.0, max_size: int | None = None,
 ) -> bytearray:
     """The object's bytes, checked against its info's size and SHA-256 (and `expected_sha256`,
     hex, and `expected_size` when given: the object must be the one its announcer meant), or
-    TransferError. The size is checked before the buffer is allocated: a forged info cannot
-    make a reader allocate more than it was told to expect."""
+    TransferError. The size is checked before the buffer is allocated (against `expected_size`,
+    or at most `max_size`): a forged info cannot make a reader allocate more than it was told
+    to expect."""
     info = await object_info(js, bucket, name)
     if info is None:
         raise TransferError("not_found", f"{bucket}/{name}")
     if expected_size is not None and info.size != expected_size:
         raise TransferError("size_mismatch", f"{bucket}/{name} holds {info.size} bytes, expected {expected_size}")
+    if max_size is not None and info.size > max_size:
+        raise TransferError("too_large", f"{bucket}/{name} holds {info.size} bytes, at most {max_size} expected")
     data = bytearray(info.size)
     digest, offset, received = hashlib.sha256(), 0, 0
     if info.chunks:

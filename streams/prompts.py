@@ -14,7 +14,7 @@ import structlog
 
 from echo.protocol import prompts_object_name
 from echo.tasks import Prompt, Task
-from echo.tasks.dataset import SHARDS_KEPT, manifest_of, prompt_of
+from echo.tasks.dataset import PROMPTS_MANIFEST_MAX_BYTES, SHARDS_KEPT, manifest_of, prompt_of
 from streams.client import BROKER_ERRORS, Run
 from streams.objects import TransferError, get_object, object_info, put_object, sha256_hex
 
@@ -56,22 +56,24 @@ class PromptShards:
 
     async def prompt(self, index: int) -> Prompt:
         if self.manifest is None:
-            self.manifest = manifest_of(await self._fetch(self.manifest_sha256))
+            self.manifest = manifest_of(await self._fetch(self.manifest_sha256, max_size=PROMPTS_MANIFEST_MAX_BYTES))
         shard, line = divmod(index % self.manifest["rows"], self.manifest["shard_rows"])
         if shard not in self.shards:
-            self.shards[shard] = bytes(await self._fetch(self.manifest["shards"][shard])).splitlines()
+            data = await self._fetch(self.manifest["shards"][shard], size=self.manifest["sizes"][shard])
+            self.shards[shard] = bytes(data).splitlines()
             if len(self.shards) > SHARDS_KEPT:
                 self.shards.popitem(last=False)
         self.shards.move_to_end(shard)
         return prompt_of(self.shards[shard][line], index)
 
-    async def _fetch(self, sha256: str) -> bytearray:
-        """The object, checked against `sha256`; missing or failing, tried again for a while."""
+    async def _fetch(self, sha256: str, size: int | None = None, max_size: int | None = None) -> bytearray:
+        """The object, checked against `sha256` and `size` (or at most `max_size` bytes) before
+        anything is allocated; missing or failing, tried again for a while."""
         deadline = asyncio.get_running_loop().time() + FETCH_WAIT_S
         while True:
             try:
                 return await get_object(self.run.local_js, self.run.names.weights_bucket, prompts_object_name(sha256),
-                                        sha256)
+                                        sha256, size, max_size=max_size)
             except (TransferError, *BROKER_ERRORS) as e:
                 if asyncio.get_running_loop().time() > deadline:
                     raise

@@ -147,7 +147,9 @@ async def rebuild(run: Run, announcement: WeightsAnnouncement, tensors: dict[str
     """The announced version's whole weights (one safetensors shard): `tensors` with each of
     `links`' deltas applied in turn, checked against the announcement's digest. DeltaError for
     a delta that does not apply or weights that do not make the digest: nothing is kept of them."""
-    inflated_max = 2 * sum(s.size for s in announcement.links[0].shards) + (1 << 20)  # a delta's bound
+    # A delta (a bit mask and the changed values) is at most the whole weights and an eighth: bound
+    # by those held, never by a size an announcement names (a relay could name any).
+    inflated_max = 2 * sum(t.numel() * t.element_size() for t in tensors.values()) + (1 << 20)
     for link in links:
         for data in await fetch_weights(run, link):
             tensors = await asyncio.to_thread(_applied, tensors, bytes(data), inflated_max)

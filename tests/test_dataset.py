@@ -182,9 +182,10 @@ def test_a_prompt_longer_than_the_models_context_is_one_line_naming_its_row(tmp_
 def test_a_published_manifest_that_lies_is_refused():
     from echo.tasks.dataset import manifest_of
 
-    good = {"rows": 3000, "shard_rows": 1024, "shards": ["a" * 64] * 3}
+    good = {"rows": 3000, "shard_rows": 1024, "shards": ["a" * 64] * 3, "sizes": [900_000] * 3}
     assert manifest_of(orjson.dumps(good)) == good
-    for bad in ({**good, "rows": 5000}, {**good, "shards": ["x" * 64] * 3}, {**good, "shard_rows": 0}):
+    for bad in ({**good, "rows": 5000}, {**good, "shards": ["x" * 64] * 3}, {**good, "shard_rows": 0},
+                {**good, "sizes": [900_000] * 2}, {**good, "sizes": [4 << 30] * 3}):  # 4 GiB a shard: a relay's claim
         with pytest.raises(ValueError):
             manifest_of(orjson.dumps(bad))
 

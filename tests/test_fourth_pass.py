@@ -4,10 +4,12 @@ still do. Each test failed on the code before the defence it checks (docs/securi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import random
 import socket
 import time
+import tracemalloc
 from collections import Counter
 from urllib.request import Request, urlopen
 
@@ -16,10 +18,14 @@ import orjson
 import pytest
 from rich.console import Console
 
+from echo.config import TaskConfig
 from echo.grants import GrantLedger, slot_prompt
 from echo.metrics import sampler_scalars, step_scalars
-from echo.protocol import ProtocolError, SamplerStatus, decode
+from echo.protocol import ProtocolError, SamplerStatus, decode, prompts_object_name
+from echo.tasks import load_task
 from streams.inbox import RolloutInbox
+from streams.objects import TransferError, _b64, object_info
+from streams.prompts import PromptShards, publish_prompts
 from streams.rollouts import publish_rollout
 from streams.secure import SecureDir
 from streams.server import LOG_FILES_KEPT, NatsServer
@@ -229,3 +235,36 @@ async def test_a_flood_of_refused_publishes_leaves_the_hubs_log_within_its_limit
         assert "Publish Violation" in "".join(f.read_text() for f in files)
         assert len(files) == LOG_FILES_KEPT and all(f.stat().st_size <= limit + 4096 for f in files), [
             (f.name, f.stat().st_size) for f in files]  # 7 MB written, at most 4 x 256 KB kept
+
+
+async def _claim_size(run, name: str, size: int) -> None:
+    """What a relay serving the weights bucket could say of an object: its info, claiming `size`."""
+    info = await object_info(run.js, run.names.weights_bucket, name)
+    forged = dataclasses.replace(info, size=size, chunks=size // (128 << 10))
+    await run.js.publish(f"$O.{run.names.weights_bucket}.M.{_b64(name.encode())}", orjson.dumps(forged.as_dict()),
+                         headers={"Nats-Rollup": "sub"})
+
+
+async def test_a_prompt_object_claiming_gigabytes_allocates_nothing(tmp_path, monkeypatch, runs):
+    """A relay serving prompts can state any object size: the sampler allocated 4 GiB (RSS 56 ->
+    4,152 MB), again at each retry, before `size_mismatch`. A shard is now expected at the size
+    its manifest gives (the manifest is the digest the run's config names), the manifest itself
+    at most PROMPTS_MANIFEST_MAX_BYTES: refused before a byte is allocated."""
+    monkeypatch.setenv("ECHO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("streams.prompts.FETCH_WAIT_S", 0.5)
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "answer": str(2 * i)} for i in range(50)]
+    (tmp_path / "rows.jsonl").write_bytes(b"\n".join(orjson.dumps(r) for r in rows))
+    task = load_task(TaskConfig(name="dataset", params={"path": str(tmp_path / "rows.jsonl")}))
+    run = await runs.open("relayed")
+    digest = await publish_prompts(run, *task.published_prompts())
+    manifest = orjson.loads(task.published_prompts()[0])
+    for name, kind in ((prompts_object_name(manifest["shards"][0]), "size_mismatch"),
+                       (prompts_object_name(digest), "too_large")):
+        await _claim_size(run, name, 4 << 30)
+        tracemalloc.start()
+        try:
+            with pytest.raises(TransferError, match=kind):
+                await PromptShards(run, digest).prompt(3)
+            assert tracemalloc.get_traced_memory()[1] < 64 << 20  # peak: nothing near the 4 GiB claimed
+        finally:
+            tracemalloc.stop()

@@ -5,6 +5,9 @@ refuses whatever does not make the digest announced."""
 
 import asyncio
 import hashlib
+import time
+import tracemalloc
+import zlib
 
 import pytest
 import safetensors.torch
@@ -13,7 +16,8 @@ import torch
 from echo import delta
 from echo.checkpoint import delta_shards, weights_at, weights_digest, weights_file
 from echo.policy import shards_tensors
-from echo.protocol import WeightsAnnouncement, WeightsShard, encode, weights_object_name
+from echo.protocol import WeightsAnnouncement, WeightsLink, WeightsShard, encode, weights_object_name
+from streams.client import publish_once
 from streams.lease import take_lease
 from streams.objects import put_object
 from streams.weights import WeightsFollower, WeightsPublisher
@@ -182,4 +186,35 @@ async def test_a_delta_announced_before_its_objects_arrive_is_waited_for_not_ref
         await put_object(run.js, run.names.weights_bucket, name, data)
     await follower.wait_for(1)
     assert same_bits(held(follower), weights[1]) and follower.failures == {}
+    await follower.stop()
+
+
+async def test_a_delta_bomb_inflates_no_further_than_the_weights_held(runs, tmp_path):
+    """Issue 61: on the route from weights held, the inflate bound came from the anchor's size
+    as the announcement names it, never checked there: 2 MB packed inflated to 2 GiB before the
+    refusal. The bound is now twice the weights held, whatever an announcement (a relay's) says."""
+    run = await runs.open("bomb", "trainer")
+    publisher = WeightsPublisher(await take_lease(run))
+    follower = await WeightsFollower(await runs.open("bomb", "sampler"), TINY_BASE).start()
+    anchor = await publish(publisher, tmp_path, 0, versions(1)[0])
+    await follower.wait_for(0)
+    bomb = zlib.compress(bytes(96 << 20), 9)  # ~100 KB that inflate to 96 MB
+    shards = []
+    for index in range(len(SHARDS)):
+        name = weights_object_name(anchor.epoch, 1, index)
+        await put_object(run.js, run.names.weights_bucket, name, bomb)
+        shards.append(WeightsShard(object_name=name, size=len(bomb), sha256=hashlib.sha256(bomb).hexdigest()))
+    claimed = [s.model_copy(update={"size": 1 << 30}) for s in anchor.shards]  # the anchor "is" 2 GiB
+    forged = WeightsAnnouncement(version=1, epoch=anchor.epoch, kind="full", shards=shards, base_model=TINY_BASE,
+                                 created_at=time.time(), digest="f" * 64, delta_of=0,
+                                 chain=[WeightsLink(version=0, shards=claimed, digest=anchor.digest)])
+    tracemalloc.start()
+    try:
+        await publish_once(run, run.names.weights_subject, encode(forged))
+        await until_failure(follower, "delta_refused")
+        assert follower.failures["delta_refused"] >= 1
+        assert tracemalloc.get_traced_memory()[1] < 32 << 20  # peak: not the 96 MB, let alone 2 GiB
+    finally:
+        tracemalloc.stop()
+    assert follower.ready[0].version == 0  # the weights held are kept
     await follower.stop()

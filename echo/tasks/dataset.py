@@ -36,6 +36,10 @@ from echo.tasks import Prompt, Score, is_held_out, parse_params
 
 SHARD_ROWS = 1024  # prompts a shard holds: what a sampler fetches to read one
 SHARDS_KEPT = 8  # shards a process keeps in memory, most recently read
+# What a sampler fetches at most for a published manifest, and for a shard (1024 prompts of up to
+# 32k tokens): checked before a byte is allocated.
+PROMPTS_MANIFEST_MAX_BYTES = 16 << 20
+PROMPT_SHARD_MAX_BYTES = 256 << 20
 LONGEST_KEPT = 16  # the longest prompts, by bytes, that the trainer encodes to check against the context
 BATCH_ROWS = 4096  # rows read from a file at a time
 PROMPT_COLUMNS = ("prompt", "messages", "question", "problem")  # looked for in this order
@@ -267,12 +271,16 @@ def check_prompt_lengths(manifest: dict, encode: Callable[[list[dict]], list[int
 
 def manifest_of(data: bytes) -> dict:
     """A published manifest, checked: it comes from the broker. {"rows": training rows,
-    "shard_rows": rows a shard, "shards": each shard's SHA-256 in hex}."""
+    "shard_rows": rows a shard, "shards": each shard's SHA-256 in hex, "sizes": each one's bytes}:
+    a sampler fetches a shard expecting the size its manifest (of the digest the run's config
+    names) gives, never one a relay's object info claims."""
     manifest = orjson.loads(data)
-    rows, shard_rows, shards = manifest["rows"], manifest["shard_rows"], manifest["shards"]
+    rows, shard_rows, shards, sizes = (manifest.get(k) for k in ("rows", "shard_rows", "shards", "sizes"))
     if not (isinstance(rows, int) and isinstance(shard_rows, int) and rows > 0 and shard_rows > 0
             and isinstance(shards, list) and len(shards) == -(-rows // shard_rows)
-            and all(isinstance(s, str) and re.fullmatch(r"[0-9a-f]{64}", s) for s in shards)):
+            and all(isinstance(s, str) and re.fullmatch(r"[0-9a-f]{64}", s) for s in shards)
+            and isinstance(sizes, list) and len(sizes) == len(shards)
+            and all(type(n) is int and 0 < n <= PROMPT_SHARD_MAX_BYTES for n in sizes)):
         raise ValueError("not a prompts manifest")
     return manifest
 
@@ -405,5 +413,7 @@ class Dataset:
     def published_prompts(self) -> tuple[bytes, list[Path]]:
         """What the trainer publishes: the manifest (manifest_of) and the training prompts' shard files."""
         digests = self.manifest["shards"]["train"]
-        manifest = {"rows": self.manifest["rows"]["train"], "shard_rows": SHARD_ROWS, "shards": digests}
-        return orjson.dumps(manifest), [self.folder / f"train-{i:06d}.prompts" for i in range(len(digests))]
+        files = [self.folder / f"train-{i:06d}.prompts" for i in range(len(digests))]
+        manifest = {"rows": self.manifest["rows"]["train"], "shard_rows": SHARD_ROWS, "shards": digests,
+                    "sizes": [f.stat().st_size for f in files]}
+        return orjson.dumps(manifest), files
