@@ -109,6 +109,8 @@ class GrantLedger:
         # Released for holding slots unfilled, and no group accepted since: one slot at a time,
         # so a hoarder asking 50 times a second cannot take the released work again at once.
         self.probation: set[str] = set()
+        # ... and until when it gets none while another sampler asks (release_unfilled's bench).
+        self.benched: dict[str, float] = {}
 
     def held(self, sampler_id: str) -> int:
         return sum(1 for holder in self.outstanding.values() if holder == sampler_id)
@@ -117,9 +119,19 @@ class GrantLedger:
         return set(self.outstanding.values())
 
     def share(self, window: int, now: float) -> int:
-        """The most one sampler may hold: an equal part of `window` among those asking."""
-        active = sum(1 for asked in self.asked_at.values() if now - asked <= self.active_s)
+        """The most one sampler may hold: an equal part of `window` among those asking (a benched
+        one takes no part)."""
+        active = sum(1 for s, asked in self.asked_at.items() if now - asked <= self.active_s and not self._on_bench(s, now))
         return math.ceil(window / max(1, active))
+
+    def _on_bench(self, sampler_id: str, now: float) -> bool:
+        return now < self.benched.get(sampler_id, 0.0)
+
+    def _benched_out(self, sampler_id: str, now: float) -> bool:
+        """On the bench while another sampler, not on it, asks: the work is theirs."""
+        return self._on_bench(sampler_id, now) and any(
+            other != sampler_id and now - asked <= self.active_s and not self._on_bench(other, now)
+            for other, asked in self.asked_at.items())
 
     def announced(self, version: int, now: float) -> None:
         """The trainer announced `version` (samplers begin to fetch it now)."""
@@ -139,6 +151,8 @@ class GrantLedger:
         self.asked_at[sampler_id] = now
         if version is not None:
             self._observe_sync(sampler_id, version, now)
+        if self._benched_out(sampler_id, now):
+            return [], False
         held = self.held(sampler_id)
         # Scarce headroom is split too: a sampler that always asks first must not take it all.
         headroom_share = self.share(headroom, now) if headroom > 0 else 0
@@ -182,6 +196,7 @@ class GrantLedger:
         call = self._calls[slot]
         self.progress_at[call.sampler_id] = max(self.progress_at.get(call.sampler_id, 0.0), call.last_at)
         self.probation.discard(call.sampler_id)
+        self.benched.pop(call.sampler_id, None)
         self._settle(slot, accepted=True)
 
     def wasted(self, slot: int) -> None:
@@ -195,12 +210,15 @@ class GrantLedger:
         self.revoke(slots)
         return slots
 
-    def release_unfilled(self, sampler_id: str) -> tuple[list[int], bool]:
-        """End the slots of a holder alive but stalled (stall_limit_s): they are lost, and it is
-        on probation. Returns them, and whether it was on probation already (a repeat: a strike;
-        an honest sampler slowed once delivers, and its probation ends)."""
+    def release_unfilled(self, sampler_id: str, now: float, bench_s: float) -> tuple[list[int], bool]:
+        """End the slots of a holder alive but stalled (stall_limit_s): they are lost, it is on
+        the bench for `bench_s` (no slot while another sampler asks: a hoarder cost a sequential
+        step a release interval each time it took the work again), then on probation. Returns
+        them, and whether it was on probation already (a repeat: a strike; an honest sampler
+        slowed once delivers, and its probation ends)."""
         repeat = sampler_id in self.probation
         self.probation.add(sampler_id)
+        self.benched[sampler_id] = now + bench_s
         return self.release(sampler_id), repeat
 
     def stall_limit_s(self, sampler_id: str, now: float, at_least: float, at_most: float) -> float:

@@ -154,10 +154,13 @@ def test_a_holder_that_fills_no_slot_for_a_few_calls_is_released_then_held_to_on
     assert ledger.stall_limit_s("x", now=6, at_least=30, at_most=300) == 30
     assert ledger.stall_limit_s("x", now=6, at_least=1, at_most=10) == 10
     held, _ = ledger.grant("x", want=4, headroom=6, window=8, now=6)
-    assert len(held) == 3 and ledger.release_unfilled("x") == (held, False) and ledger.take_lost() == held
-    assert len(ledger.grant("x", want=4, headroom=8, window=8, now=30)[0]) == 1  # one slot at a time
+    assert len(held) == 3 and ledger.release_unfilled("x", now=6, bench_s=20) == (held, False)
+    assert ledger.take_lost() == held
+    assert ledger.grant("x", want=4, headroom=8, window=8, now=10) == ([], False)  # benched while h asks
+    assert len(ledger.grant("h", want=8, headroom=8, window=8, now=10)[0]) == 8  # x takes no share meanwhile
+    assert len(ledger.grant("x", want=4, headroom=8, window=8, now=30)[0]) == 1  # off the bench: one slot at a time
     assert ledger.grant("x", want=4, headroom=8, window=8, now=31)[0] == []
-    assert ledger.release_unfilled("x")[1] is True  # again: a strike
+    assert ledger.release_unfilled("x", now=31, bench_s=20)[1] is True  # again: a strike
     (slot,), _ = ledger.grant("x", want=4, headroom=8, window=8, now=60)
     assert ledger.delivered("x", slot, arrived=61)
     ledger.accepted(slot)
@@ -179,8 +182,8 @@ async def test_a_hoarder_is_released_within_a_few_calls_held_to_a_slot_and_struc
     `trainer.reissue_after_s` (300 s) and taken again by the same sampler 0.8 s later. Its slots
     are now released once it has filled none for four of the fleet's measured calls (at least
     twice `sampler_dead_after_s`), it then holds one slot at a time, and hoarding again is a strike."""
-    cfg = tiny_config(tmp_path, run={"mode": "sequential"}, trainer={"groups_per_step": 4, "sampler_dead_after_s": 1.0},
-                      sampler={"heartbeat_s": 0.1})
+    cfg = tiny_config(tmp_path, run={"mode": "sequential"}, trainer={"groups_per_step": 4, "sampler_dead_after_s": 1.0,
+                                                                     "reissue_after_s": 6.0}, sampler={"heartbeat_s": 0.1})
     run = await runs.open("hoard", "trainer")
     sampler = await runs.open("hoard", "sampler", create=False)
     lease = await take_lease(run)
@@ -200,8 +203,13 @@ async def test_a_hoarder_is_released_within_a_few_calls_held_to_a_slot_and_struc
                 await asyncio.sleep(0.5)
                 await granter.on_wait(2)
         assert granter.ledger.held("x") == 0 and quarantine.strikes == {}  # once may be a slow machine
-        assert (await _ask(sampler, "x", lease.epoch, 0, 2, request)).groups == 1  # a slot at a time
-        assert (await _ask(sampler, "h", lease.epoch, 0, 2, request)).groups == 1  # the other goes to h
+        # Issue 61: it took the released work again at once, a release interval lost each time.
+        # Benched (trainer.reissue_after_s) while h asks: the work is h's, one interval lost in all.
+        assert (await _ask(sampler, "x", lease.epoch, 0, 2, request)).groups == 0
+        assert (await _ask(sampler, "h", lease.epoch, 0, 2, request)).groups == 2
+        async with asyncio.timeout(30):  # off the bench: a slot at a time
+            while (await _ask(sampler, "x", lease.epoch, 0, 2, request)).groups != 1:
+                await asyncio.sleep(0.5)
         async with asyncio.timeout(60):
             while "x" not in quarantine:
                 await asyncio.sleep(0.5)

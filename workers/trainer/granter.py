@@ -110,7 +110,7 @@ class Granter:
                 self.release_gone(sampler_id, stopped=stopped, silent_s=round(silent_s, 1))
             elif stalled_s > trainer.reissue_after_s or (stalled_s > limit_s and self.heartbeats.beating(sampler_id)):
                 # Alive (its heartbeat changed since it took them) and none filled: stuck, or hoarding.
-                slots, repeat = self.ledger.release_unfilled(sampler_id)
+                slots, repeat = self.ledger.release_unfilled(sampler_id, now, trainer.reissue_after_s)
                 log.warning("grants.slots_released", sampler=sampler_id, slots=len(slots), repeat=repeat,
                             stalled_s=round(stalled_s, 1), limit_s=round(limit_s, 1))
                 if repeat and self.quarantine:
