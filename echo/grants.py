@@ -96,6 +96,8 @@ class GrantLedger:
         self.seed = seed  # the run's: slot_prompt's
         self.prompts: dict[int, int] = {}  # slot number -> the prompt index it was granted with, until it settles
         self.owed: deque[int] = deque()  # prompts of lost slots, granted again first
+        self.earlier: range = range(0)  # a predecessor's last slots, whose groups may still come (resume)
+        self._earlier_taken: set[int] = set()
         self.active_s, self.rate_window_s = active_s, rate_window_s
         self.outstanding: dict[int, str] = {}  # slot number -> the sampler holding it
         self.asked_at: dict[str, float] = {}
@@ -111,6 +113,21 @@ class GrantLedger:
         self.probation: set[str] = set()
         # ... and until when it gets none while another sampler asks (release_unfilled's bench).
         self.benched: dict[str, float] = {}
+
+    def resume(self, issued: int, window: int) -> None:
+        """A restarted trainer: it numbers on from `issued`, and groups on its predecessors' last
+        `window` slots may still come (generated before the restart, unread)."""
+        self.issued = issued
+        self.earlier = range(max(0, issued - window) + 1, issued + 1)
+
+    def earlier_prompt(self, slot: int, prompt: int) -> int | None:
+        """`prompt`, if it is the one a predecessor's grant of `slot` named and this is the first
+        group for it; else None. Only its fresh draws can be known (`slot_prompt`: a lost slot's
+        owed prompt it granted cannot): a group on one of those is refused, with no strike."""
+        if slot not in self.earlier or slot in self._earlier_taken or prompt != slot_prompt(self.seed, slot):
+            return None
+        self._earlier_taken.add(slot)
+        return prompt
 
     def held(self, sampler_id: str) -> int:
         return sum(1 for holder in self.outstanding.values() if holder == sampler_id)

@@ -71,7 +71,7 @@ async def test_two_samplers_behind_a_relay_follow_weights_across_a_relay_restart
         await weights.publish(1, adapters[1], TINY_BASE)
         await all_apply(1)
         for s in samplers:  # rollouts go on to the hub's stream through the relay's leaf connection
-            await s.generation.generate_and_publish([1])
+            await s.generation.generate_and_publish(Grant(slots=[1], prompts=[12]))
 
         site.stop()  # the relay goes down; the trainer publishes without it; it comes back
         await weights.publish(2, adapters[2], TINY_BASE)
@@ -113,7 +113,7 @@ async def test_relays_chain_hub_to_site_to_subsite(hub, runs, tmp_path):
         await asyncio.wait_for(sampler.weights.apply_newest(0), timeout=30)
         await weights.publish(1, adapter_for_version(trainer_side, 1), TINY_BASE)
         await asyncio.wait_for(sampler.weights.apply_newest(1), timeout=30)
-        await sampler.generation.generate_and_publish([1])  # two leaf hops up to the hub's stream
+        await sampler.generation.generate_and_publish(Grant(slots=[1], prompts=[12]))  # two leaf hops up to the hub's stream
         await sampler.weights.stop()
         await sampler_run.close()
         records = [r async for r in read_rollouts(hub.url, cfg.run.id)]
@@ -136,7 +136,8 @@ async def test_an_edge_sampler_behind_a_relay_reads_the_config_and_heartbeats_to
     await put_status(sampler_run, status)  # a KV write through it
 
     async def grant_all(sampler_id, request):
-        return Grant(slots=list(range(1, request.want + 1)) if sampler_id == "far" else [])
+        slots = list(range(1, request.want + 1)) if sampler_id == "far" else []
+        return Grant(slots=slots, prompts=slots)
 
     await serve_grants(run, grant_all)
     async with asyncio.timeout(5):  # the hub tells the leaf of the trainer's interest a moment later

@@ -12,7 +12,7 @@ import torch
 
 from echo.engines.hf import HFEngine
 from echo.policy import weights_shards
-from echo.protocol import HDR_POLICY_VERSION, weights_object_name
+from echo.protocol import HDR_POLICY_VERSION, Grant, weights_object_name
 from echo.tasks import load_task
 from streams.lease import take_lease
 from streams.objects import TransferError, get_object, put_object
@@ -50,7 +50,7 @@ async def test_a_sampler_joining_after_version_3_generates_with_version_3(runs, 
     sampler = Sampler(cfg, "late", sampler_run, engine, load_task(cfg.task))
     await sampler.weights.start()
     await sampler.weights.apply_newest()
-    await sampler.generation.generate_and_publish([1])
+    await sampler.generation.generate_and_publish(Grant(slots=[1], prompts=[12]))
     # A damaged version 4 is refused, the sampler stays on 3, and its heartbeat says why.
     await store_tampered(weights, 4, adapters[0][0], lambda chunks: [bytes([c[0] ^ 0xFF]) + c[1:] for c in chunks])
     await _until_failure(sampler.weights.follower)

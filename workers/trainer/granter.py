@@ -49,7 +49,10 @@ class Granter:
         self.standby: set[str] = set()  # the scheduler's (workers/trainer/coordinator.py): granted no work
 
     async def start(self) -> None:
-        self.ledger.issued = await slots_granted(self.run)  # a restarted trainer numbers on
+        # A restarted trainer numbers on; its predecessor's last slots (a few windows of groups in
+        # flight) may still be delivered.
+        trainer = self.cfg.trainer
+        self.ledger.resume(await slots_granted(self.run), 4 * (self.cfg.staleness_bound + 1) * trainer.groups_per_step)
         self.subscription = await serve_grants(self.run, self.grant)
 
     async def ask(self, version: int) -> None:
@@ -187,7 +190,8 @@ class AsyncGranter(Granter):
         await super().start()
         # A restarted trainer cannot know which of its predecessor's slots are still out: it
         # counts every one not trained as lost, opening a fresh window. Their groups, should
-        # they still come, are refused (slot_not_held): it cannot know which prompts they were granted.
+        # they still come, are trained if fresh and on the prompt the slot's draw names
+        # (GrantLedger.earlier_prompt), and the window closes by as many then.
         self.reissue_lost([], accepted=0)
 
     def highest_slot(self) -> int:

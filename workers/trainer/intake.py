@@ -77,13 +77,20 @@ class Judge:
         self.limits = referee.limits  # what a message may hold, checked before it is read
         self.scoring = scoring  # the verifiers with a budget, in a child process; None: here (tests)
 
-    async def admit(self, group: RolloutGroup, sender: str, version: int, out: Collected) -> Admitted | None:
+    async def admit(self, group: RolloutGroup, sender: str, version: int, out: Collected,
+                    prompt: int | None) -> Admitted | None:
+        """`prompt`: the one its slot was granted with; None: not a slot granted its sender."""
         reason = self.referee.malformed(group)
         if reason:  # the run's config says otherwise: no honest sampler of the run sends it
             return await self.refuse(out, sender, reason, f"group {group.group_id} from {group.sampler_id}")
         content = self._screen(group, sender, version, out)
-        if content is None:
+        if content is None:  # rejected, or stale: trained on nothing, whatever its prompt
             return None
+        if prompt is None:  # no slot of its sender's: its prompt would be its own choice
+            return reject(out, "slot_not_held", f"slot {group.slot} from {sender}")
+        if group.prompt_index != prompt:  # no honest sampler of this release does it
+            return await self.refuse(out, sender, "wrong_prompt",
+                                     f"prompt {group.prompt_index} on slot {group.slot}, granted {prompt}")
         ruling = await self.scoring.score(group) if self.scoring else self.referee.score(group)
         if ruling.reason and ruling.lie:  # a claim the environment never made, a verifier bomb
             return await self.refuse(out, sender, ruling.reason, f"group {group.group_id} from {group.sampler_id}")
@@ -196,14 +203,10 @@ class Collector:
         except ProtocolError as e:  # junk, or a sampler of another release: either way nothing to train
             return await self.judge.refuse(out, delivery.sender, e.reason, str(e))
         granted = self.ledger.delivered(delivery.sender, group.slot, delivery.arrived)
-        if granted is None:  # not a slot this trainer granted it: the prompt would be its own choice
-            return reject(out, "slot_not_held", f"slot {group.slot} from {delivery.sender}")
-        if group.prompt_index != granted:  # no honest sampler of this release does it
-            admitted = await self.judge.refuse(out, delivery.sender, "wrong_prompt",
-                                               f"prompt {group.prompt_index} on slot {group.slot}, granted {granted}")
-        else:
-            admitted = await self.judge.admit(group, delivery.sender, version, out)
-        (self.ledger.wasted if admitted is None else self.ledger.accepted)(group.slot)  # a wasted slot's prompt is owed
+        prompt = granted if granted is not None else self.ledger.earlier_prompt(group.slot, group.prompt_index)
+        admitted = await self.judge.admit(group, delivery.sender, version, out, prompt)
+        if granted is not None:  # a wasted slot's prompt is owed
+            (self.ledger.wasted if admitted is None else self.ledger.accepted)(group.slot)
         return admitted
 
     def trained(self, collected: Collected) -> None:
