@@ -58,17 +58,20 @@ def draws(path: str) -> None:
     Path(path).write_bytes(orjson.dumps(out))
 
 
-def draws_in_a_process(tmp_path, hash_seed: int) -> dict:
-    path = tmp_path / f"draws-{hash_seed}.json"
-    env = {**os.environ, "PYTHONHASHSEED": str(hash_seed)}
-    subprocess.run([sys.executable, "-c", f"from tests.test_gym import draws; draws({str(path)!r})"],
-                   cwd=ROOT, env=env, check=True, timeout=240, stdout=subprocess.DEVNULL)
-    return orjson.loads(path.read_bytes())
+def draws_in_processes(tmp_path, *hash_seeds: int) -> list[dict]:
+    """`draws` in a process for each hash seed, side by side (a process each: the 2 cores)."""
+    paths = [tmp_path / f"draws-{seed}.json" for seed in hash_seeds]
+    processes = [subprocess.Popen([sys.executable, "-c", f"from tests.test_gym import draws; draws({str(path)!r})"],
+                                  cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": str(seed)}, stdout=subprocess.DEVNULL)
+                 for seed, path in zip(hash_seeds, paths)]
+    for process in processes:
+        assert process.wait(timeout=240) == 0
+    return [orjson.loads(path.read_bytes()) for path in paths]
 
 
 def test_an_index_is_the_same_problem_in_every_process_and_the_unstable_generators_are_refused(tmp_path):
     """A sampler and the trainer are separate processes, each with its own string hashing."""
-    a, b = draws_in_a_process(tmp_path, 1), draws_in_a_process(tmp_path, 2)
+    a, b = draws_in_processes(tmp_path, 1, 2)
     for name in HANDFUL:
         assert a[name] == b[name], name
         assert all(reward == 1.0 for _, _, reward in a[name]), name  # the ground truth scores full marks
