@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
+import math
 import random
 import socket
 import time
@@ -21,7 +22,9 @@ from rich.console import Console
 from echo.config import TaskConfig
 from echo.grants import GrantLedger, slot_prompt
 from echo.metrics import sampler_scalars, step_scalars
-from echo.protocol import ProtocolError, SamplerStatus, decode, prompts_object_name
+from echo.protocol import (HDR_MSG_ID, HDR_POLICY_VERSION, HDR_SAMPLER_ID, HDR_SCHEMA, HDR_TASK, ProtocolError, RunNames,
+                           SamplerStatus, decode, decode_rollout, encode_rollout, prompts_object_name)
+from echo.referee import completion_keys, content_hash, repeats
 from echo.tasks import load_task
 from streams.inbox import RolloutInbox
 from streams.objects import TransferError, _b64, object_info
@@ -30,7 +33,7 @@ from streams.rollouts import publish_rollout
 from streams.secure import SecureDir
 from streams.server import LOG_FILES_KEPT, NatsServer
 from tests.conftest import tiny_config
-from tests.groups import REFEREE, honest_group
+from tests.groups import REFEREE, honest_group, pack_rollout, unpack_rollout
 from workers.status import render, sampler_row
 from workers.status_page import Latest, PageServer
 from workers.trainer.intake import Collector, Judge, Timeline
@@ -97,7 +100,7 @@ async def test_the_trainer_names_every_prompt_and_what_is_trained_is_its_draw(ru
 
 def _hostile_value(rng: random.Random):
     return rng.choice([
-        2**64 - 1, -(2**63), 2**53, -2, 10**400 if rng.random() < 0.1 else 0, 1e308, -1e308, 5e-324, 0.0, True, None,
+        2**64 - 1, 2**70, -(2**63), 2**53, -2, 10**400 if rng.random() < 0.1 else 0, 1e308, -1e308, 5e-324, 0.0, True, None,
         "x", "", "\x1b[2J\x1b[H", "\x1b]52;c;ZXZpbA==\x07", "\x1b]8;;https://evil.example\x07click\x1b]8;;\x07",
         "\x9b31m", "é" * 300, "a" * 10_000, [1, 2], {"x": 1.0}, {"1": 1e308}, {str(v): 1.0 for v in range(40)},
         {"\x1b[2J": 3}, {"digest_mismatch": 2**63}, "hf", "cuda:0", 1.5, 7,
@@ -268,3 +271,38 @@ async def test_a_prompt_object_claiming_gigabytes_allocates_nothing(tmp_path, mo
             assert tracemalloc.get_traced_memory()[1] < 64 << 20  # peak: nothing near the 4 GiB claimed
         finally:
             tracemalloc.stop()
+
+
+GROUP_FIELDS = ["policy_version", "epoch", "task", "prompt_index", "slot", "temperature", "gen_seconds", "created_at",
+                "engine", "dtype"]
+
+
+def test_thousands_of_hostile_groups_are_refused_at_decode_or_judged_without_raising():
+    """A group's numbers reach the trainer's arithmetic: a prompt index of 2**70 passed decode,
+    then `completion_keys` (8 bytes of it) raised OverflowError in the collector, which nothing
+    caught. Random groups, each field honest or hostile: those decode lets through are judged
+    (malformed, hashed, keyed, their seconds summed) without an exception."""
+    rng = random.Random(62)
+    honest = unpack_rollout(encode_rollout(honest_group(policy_version=5)))
+    subject = RunNames("r").rollouts_subject("s1")
+    judged, refused = 0, Counter()
+    for i in range(3000):
+        raw = dict(honest, group_id=f"g{i}")
+        for name in rng.sample(GROUP_FIELDS, rng.randint(1, 2)):
+            raw[name] = _hostile_value(rng)
+        try:
+            data = pack_rollout(raw)
+        except (TypeError, ValueError, OverflowError):  # not JSON, or no rollout message at all
+            continue
+        headers = {HDR_SCHEMA: "19", HDR_POLICY_VERSION: str(raw["policy_version"]), HDR_SAMPLER_ID: "s1",
+                   HDR_TASK: str(raw["task"]), HDR_MSG_ID: raw["group_id"]}  # what its body says, as a sampler sends
+        try:
+            group = decode_rollout(data, headers, subject)
+        except ProtocolError as e:
+            refused[e.reason] += 1
+            continue
+        REFEREE.malformed(group)
+        completion_keys(group), content_hash(group), repeats(group, set())
+        assert math.isfinite(group.gen_seconds + group.created_at)
+        judged += 1
+    assert judged > 100 and refused["bad_schema"] > 500, (judged, refused)
