@@ -30,7 +30,8 @@ from streams.client import open_run
 from streams.inbox import RolloutInbox
 from streams.rollouts import publish_rollout
 from streams.server import NatsServer
-from workers.trainer.intake import Collector, Judge, Timeline
+from workers.trainer.intake import Collector
+from workers.trainer.judge import Judge, Timeline
 from bench.common import write_results
 
 

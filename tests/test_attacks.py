@@ -43,7 +43,8 @@ from tests.groups import (BOMB, REFEREE, SAMPLING, TASK, TOKENIZER, granted, hon
 from workers.cli import main
 from workers.trainer.coordinator import Coordinator
 from workers.trainer.granter import AsyncGranter
-from workers.trainer.intake import Collected, Collector, Judge, Timeline
+from workers.trainer.intake import Collector
+from workers.trainer.judge import Case, Judge, Timeline
 from workers.trainer.quarantine import Quarantined
 from workers.trainer.scoring import ScoringProcess
 from workers.status import render, snapshot
@@ -347,9 +348,8 @@ async def test_a_group_resending_trained_completions_is_refused(secured, tmp_pat
         # A trainer resumed from the checkpoint remembers them too.
         resumed = Judge(REFEREE, Timeline(max_staleness=1),
                         trained_completions=load_trained_completions(tmp_path, state.trained_completions))
-        again = Collected()
-        assert resumed._screen(swapped.replaced(group_id="again"), "s1", 5, again) is None
-        assert again.rejected == {"repeated_completion": 1}
+        again = swapped.replaced(group_id="again")
+        assert (await resumed.new(Case(again, "s1", 5, again.prompt_index))).reason == "repeated_completion"
     finally:
         await attacker.close()
         await trainer.close()
@@ -373,8 +373,8 @@ async def test_a_verifier_bomb_costs_the_bomber_its_group_and_a_strike_and_the_s
         quarantine = Quarantined(trainer, after=3)
         async with ScoringProcess(config, TOKENIZER, len(TOKENIZER), SAMPLING, budget_s=3.0,
                                   memory_mb=1024.0) as scoring:
-            judge = Judge(referee, Timeline(max_staleness=1), quarantine=quarantine, scoring=scoring)
-            collector = Collector(await RolloutInbox.open(trainer), judge, ledger)
+            judge = Judge(referee, Timeline(max_staleness=1), scoring=scoring)
+            collector = Collector(await RolloutInbox.open(trainer), judge, ledger, quarantine=quarantine)
             async with asyncio.timeout(120):  # a hang guard: the budget is 3 s a completion
                 step = await collector.collect(1, version=5)
         assert [a.group.group_id for a in step.used] == ["honest"]
@@ -521,8 +521,8 @@ async def test_a_flood_of_junk_stands_in_front_of_no_honest_group_and_costs_its_
         ledger = GrantLedger()
         await publish_rollout(honest, granted(ledger, honest_group(30, policy_version=5, group_id="behind", sampler_id="s2")))
         quarantine = Quarantined(trainer, after=3)
-        collector = Collector(await RolloutInbox.open(trainer), Judge(REFEREE, Timeline(max_staleness=1),
-                                                                     quarantine=quarantine), ledger)
+        collector = Collector(await RolloutInbox.open(trainer), Judge(REFEREE, Timeline(max_staleness=1)), ledger,
+                              quarantine=quarantine)
         totals, accounting = await collect_and_account(collector, {}, 1)
         assert accounting["trained"] == 1 and accounting["rejected"] <= 1, accounting  # before: all 2000 first
         assert_accounting_holds(accounting)

@@ -41,7 +41,8 @@ from tests.groups import REFEREE, granted, honest_group
 from workers.sampler.loop import Sampler
 from workers.trainer.accounting import count_consumed, settle
 from workers.trainer.granter import SequentialGranter
-from workers.trainer.intake import Collector, Judge, Timeline
+from workers.trainer.intake import Collector
+from workers.trainer.judge import Judge, Timeline
 
 
 async def test_a_sampler_retries_a_heartbeat_the_broker_missed_and_stops_on_any_other_error(

@@ -36,7 +36,8 @@ from tests.conftest import tiny_config
 from tests.groups import REFEREE, honest_group, pack_rollout, unpack_rollout
 from workers.status import render, sampler_row
 from workers.status_page import Latest, PageServer
-from workers.trainer.intake import Collector, Judge, Timeline
+from workers.trainer.intake import Collector
+from workers.trainer.judge import Judge, Timeline
 from workers.trainer.quarantine import Quarantined
 from workers.trainer.trackers import Trackers
 
@@ -51,8 +52,8 @@ async def test_the_trainer_names_every_prompt_and_what_is_trained_is_its_draw(ru
     run = await runs.open("steer", "trainer")
     ledger = GrantLedger(seed=3)
     quarantine = Quarantined(run, after=1_000)  # counts strikes; never quarantines here
-    collector = Collector(await RolloutInbox.open(run), Judge(REFEREE, Timeline(max_staleness=1), quarantine=quarantine),
-                          ledger)
+    collector = Collector(await RolloutInbox.open(run), Judge(REFEREE, Timeline(max_staleness=1)), ledger,
+                          quarantine=quarantine)
     drawn, trained, expected_rejections = Counter(), Counter(), Counter()
 
     async def deliver(sampler_id: str, attacking: bool) -> int:
@@ -94,7 +95,7 @@ async def test_the_trainer_names_every_prompt_and_what_is_trained_is_its_draw(ru
         trained.update(a.group.prompt_index for a in step.used)
     assert not ledger.owed and not ledger.outstanding  # every lost prompt granted again and trained
     assert trained == drawn and trained[7] == drawn[7] <= 1  # the trainer's draw, whatever s9 did
-    assert {k: v for k, v in collector.judge.quarantine.strikes.items()} == {
+    assert quarantine.strikes == {
         "s9": expected_rejections["wrong_prompt"] + expected_rejections["dtype_not_allowed"]}
 
 

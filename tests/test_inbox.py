@@ -21,7 +21,8 @@ from streams.rollouts import publish_rollout, reader_name, reader_subscription, 
 from streams.server import NatsServer
 from tests.conftest import tiny_config
 from tests.groups import REFEREE, TASK, TOKENIZER, granted, honest_group, with_completion
-from workers.trainer.intake import Collector, Judge, Timeline
+from workers.trainer.intake import Collector
+from workers.trainer.judge import Judge, Timeline
 
 
 async def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(runs):

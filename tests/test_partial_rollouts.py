@@ -10,7 +10,7 @@ import pytest
 from streams.replay import read_rollouts
 from tests.conftest import assert_balanced, read_metrics, tiny_config, worker_process
 from tests.groups import REFEREE, honest_group
-from workers.trainer.intake import Collected, Judge, Timeline
+from workers.trainer.judge import Case, Judge, Timeline
 
 
 def test_a_partial_rollout_is_judged_by_its_newest_tokens_and_may_have_begun_a_window_further_back():
@@ -21,8 +21,8 @@ def test_a_partial_rollout_is_judged_by_its_newest_tokens_and_may_have_begun_a_w
     def verdict(policy_version: int, changes: list[tuple[int, int]]) -> str:
         group = honest_group(policy_version=policy_version,
                              version_changes=[{"at": at, "version": v} for at, v in changes])
-        out = Collected()
-        return "used" if judge._screen(group, "s1", 10, out) else "stale" if out.dropped else ",".join(out.rejected)
+        found = asyncio.run(judge.fresh(Case(group, "s1", 10, group.prompt_index)))
+        return "used" if found is None else found.reason
 
     assert verdict(8, []) == verdict(5, [(1, 8)]) == verdict(5, [(1, 6), (2, 9)]) == "used"
     assert verdict(7, []) == verdict(5, [(1, 7)]) == verdict(4, [(1, 9)]) == "stale"

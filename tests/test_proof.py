@@ -25,7 +25,8 @@ from workers.cli import build_parser
 from workers.commands.quarantine import quarantine_command
 from workers.sampler.loop import Sampler
 from workers.trainer.granter import AsyncGranter
-from workers.trainer.intake import Collector, Judge, Timeline
+from workers.trainer.intake import Collector
+from workers.trainer.judge import Judge, Timeline
 from workers.trainer.quarantine import Quarantined
 
 LORA = LoraConfig(r=4, alpha=8.0)
@@ -116,8 +117,8 @@ async def test_a_forging_sampler_is_rejected_then_quarantined_until_an_operator_
         proof.remember(1)
         proof.suspects.add("s1")
         ledger = GrantLedger()
-        collector = Collector(await RolloutInbox.open(run), Judge(REFEREE, Timeline(max_staleness=1), proof=proof,
-                                                                    quarantine=quarantine), ledger)
+        collector = Collector(await RolloutInbox.open(run), Judge(REFEREE, Timeline(max_staleness=1), proof=proof), ledger,
+                              quarantine=quarantine)
         # honest_group's log-probs are a constant -0.5: not what the model gives its tokens.
         for index, group_id in [(12, "f1"), (13, "f2"), (16, "f3")]:
             await publish_rollout(run, granted(ledger, honest_group(index, group_id=group_id, sampler_id="s1")))

@@ -4,8 +4,12 @@ what it names:
 
 - loop.py: the process and its step loop, each step's phases named and timed (collect, train,
   checkpoint, publish, account); it owns the order of the phases and nothing else;
-- intake.py: what becomes of every rollout message (judging, proof of sampling), through the
-  rollout inbox (streams/inbox.py); it publishes nothing;
+- intake.py: what becomes of every rollout message, through the rollout inbox
+  (streams/inbox.py): decoded, handed to the judge, its verdict tallied, its grant ended, its
+  sender struck; it publishes nothing;
+- judge.py: the judging room: whether a group is trained, by one ordered list of checks (well
+  formed, new, fresh, on its slot, scored, proven), each answering with a Verdict or none; it
+  decides and counts nothing;
 - scoring.py: the task's verifiers in a child process the trainer can kill, with a budget per
   completion; it sees groups, not the broker;
 - granter.py: asking the samplers for groups and granting them the work (streams/grants.py,

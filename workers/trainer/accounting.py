@@ -22,7 +22,8 @@ from echo.metrics import mean_staleness
 from echo.protocol import LearnerStatus
 from streams.client import retry_forever
 from streams.inbox import ConsumerCounts, RolloutInbox
-from workers.trainer.intake import Admitted, Collected
+from workers.trainer.intake import Collected
+from workers.trainer.judge import Accepted
 from workers.trainer.step import TrainerStep
 
 log = structlog.get_logger()
@@ -61,7 +62,7 @@ def step_record(step: TrainerStep, version: int, proof_counts: dict, quarantined
     }
 
 
-def rewards_by_source(used: list[Admitted]) -> dict[str, float]:
+def rewards_by_source(used: list[Accepted]) -> dict[str, float]:
     """The step's mean reward by its prompts' data source (a dataset's), or by task."""
     rewards: dict[str, list[float]] = {}
     for a in used:

@@ -44,7 +44,8 @@ from workers.trainer.accounting import (RecentSteps, count_abandoned, count_cons
 from workers.background import Background
 from workers.trainer.coordinator import Coordinator
 from workers.trainer.granter import Granter, granter_for
-from workers.trainer.intake import Collector, Judge, Timeline
+from workers.trainer.intake import Collector
+from workers.trainer.judge import Judge, Timeline
 from workers.trainer.quarantine import Quarantined
 from workers.trainer.scoring import ScoringProcess, start_forkserver
 from workers.trainer.model import Ranks, TrainerModel
@@ -129,15 +130,15 @@ class Trainer:
         referee = Referee(task, model.tokenizer, model.vocab_size, cfg.sampling)
         judge = Judge(referee, Timeline(cfg.staleness_bound, lease.epoch, state.version, cfg.begun_within),
                       load_trained_content(run_dir, state.trained_content),
-                      load_trained_completions(run_dir, state.trained_completions), model.proof, model.check,
-                      quarantine, scoring)
+                      load_trained_completions(run_dir, state.trained_completions), model.proof, model.check, scoring)
         background.start(inbox.keep_alive(cfg.trainer.ack_wait_s / 3))
         granter = granter_for(run, lease.epoch, cfg, state, ledger, quarantine)
         background.start(granter.watch_heartbeats())
         recent = RecentSteps(cfg.trainer.groups_per_step, cfg.staleness_bound)
         if cfg.scheduler.enabled:  # what it chooses, the grants obey
             background.start(Coordinator(run, cfg, granter.standby, recent, ledger).run_forever())
-        return cls(cfg, run, lease, model, inbox, Collector(inbox, judge, ledger, consumed), granter, quarantine,
+        return cls(cfg, run, lease, model, inbox, Collector(inbox, judge, ledger, consumed, quarantine), granter,
+                   quarantine,
                    recent)
 
     async def fit(self) -> None:

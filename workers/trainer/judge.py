@@ -1,0 +1,159 @@
+"""The trainer's judging room: whether a decoded rollout group is trained on.
+
+One ordered list of checks (`Judge.checks`), each looking at the group as a `Case` and answering
+with a `Verdict` (why it is not trained, whether that is a strike, whether it is merely stale),
+or None to let it through to the next. The cheap checks come first; the verifiers (in their
+budgeted child process) and the proof of sampling last, on groups that would otherwise be
+trained. A group through them all is `Accepted`, with the trainer's own rewards. A new check
+is one method and one entry in the list.
+
+The judge decides and counts nothing: the intake (workers/trainer/intake.py) tallies its
+verdicts, ends the grants and strikes the samplers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from echo.proof import SamplingProof
+from echo.protocol import RolloutGroup
+from echo.referee import Referee, Ruling, completion_keys, content_hash, repeats
+from echo.staleness import Freshness, freshness
+from workers.trainer.scoring import ScoringProcess
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Why a group is not trained."""
+
+    reason: str
+    detail: str = ""
+    strike: bool = False  # no honest sampler of the run earns it: its sender is struck
+    stale_by: int | None = None  # not refused but dropped as stale: this many versions behind the trainer's
+
+
+@dataclass
+class Accepted:
+    group: RolloutGroup
+    rewards: list[float]  # the trainer's own, from the task's verifier
+    content: str  # content_hash of the group
+    reward_mismatch: bool = False  # the sampler claimed other rewards than the verifier's (a strike)
+    source: str = ""  # its prompt's data source (a dataset's; else "")
+    verifier_errors: int = 0  # completions whose verifier raised (reward 0)
+
+
+@dataclass
+class Case:
+    """One group before the judge, and what the checks learn of it on the way."""
+
+    group: RolloutGroup
+    sender: str  # the sampler whose subject it came on
+    version: int  # the trainer's, now
+    prompt: int | None  # the prompt its slot was granted with; None: no slot granted its sender
+    step: list[Accepted] = field(default_factory=list)  # accepted so far this step
+    content: str = ""
+    ruling: Ruling | None = None
+
+    @property
+    def about(self) -> str:
+        return f"group {self.group.group_id} from {self.group.sampler_id}"
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Which versions' groups this trainer may train on."""
+
+    max_staleness: int
+    epoch: int = 0  # this trainer incarnation's epoch (streams/lease.py)
+    # The version it resumed from: an earlier incarnation's versions up to that one are this
+    # timeline's too; later ones came from a checkpoint since discarded.
+    resumed_from: int = 0
+    begun_within: int | None = None  # a partial rollout's first tokens (EchoConfig.begun_within); None: max_staleness
+
+
+class Judge:
+    def __init__(self, referee: Referee, timeline: Timeline, trained_content=frozenset(), trained_completions=frozenset(),
+                 proof: SamplingProof | None = None, check=None, scoring: ScoringProcess | None = None):
+        self.referee, self.timeline = referee, timeline
+        self.trained_content = set(trained_content)  # content hashes: the same groups under new ids are replays
+        self.trained_completions = set(trained_completions)  # completion_keys of the groups trained
+        self.proof = proof
+        self.check = check or (proof.check if proof else None)  # the proof's forward (on every rank)
+        self.limits = referee.limits  # what a message may hold, checked before it is read
+        self.scoring = scoring  # the verifiers with a budget, in a child process; None: here (tests)
+        self.checks = [self.well_formed, self.new, self.fresh, self.on_its_slot, self.scored, self.proven]
+
+    async def judge(self, case: Case) -> Accepted | Verdict:
+        for check in self.checks:
+            verdict = await check(case)
+            if verdict is not None:
+                return verdict
+        ruling = case.ruling
+        return Accepted(case.group, ruling.rewards, case.content, ruling.reward_mismatch, ruling.source,
+                        ruling.verifier_errors)
+
+    async def well_formed(self, case: Case) -> Verdict | None:
+        """What the run's config rules out (group size, temperature, tokens, task, precision): no
+        honest sampler of the run sends it."""
+        reason = self.referee.malformed(case.group)
+        return Verdict(reason, case.about, strike=True) if reason else None
+
+    async def new(self, case: Case) -> Verdict | None:
+        """Not a group, or completions, trained before or taken this step (resent under a new id)."""
+        group = case.group
+        if any(a.group.group_id == group.group_id for a in case.step):
+            return Verdict("duplicate_group_id", case.about)
+        case.content = content_hash(group)
+        if case.content in self.trained_content or any(a.content == case.content for a in case.step):
+            return Verdict("replayed_content", case.about)
+        if repeats(group, self.trained_completions, {k for a in case.step for k in completion_keys(a.group)}):
+            return Verdict("repeated_completion", case.about)
+        return None
+
+    async def fresh(self, case: Case) -> Verdict | None:
+        """Of this timeline, and within the staleness bound of the trainer's version."""
+        group, timeline, version = case.group, self.timeline, case.version
+        if group.epoch > timeline.epoch:
+            return Verdict("future_epoch", f"{group.epoch} > {timeline.epoch}")
+        newest = group.newest_version  # a partial rollout's last tokens: the rest may be older
+        if group.epoch < timeline.epoch and newest > timeline.resumed_from:
+            return Verdict("discarded_timeline", f"version {newest} of epoch {group.epoch}")
+        fresh = freshness(newest, version, timeline.max_staleness)
+        begun_within = timeline.max_staleness if timeline.begun_within is None else timeline.begun_within
+        if fresh is Freshness.USE and group.policy_version < version - begun_within:
+            fresh = Freshness.STALE  # begun too long ago: the proof of sampling could not read it
+        if fresh is Freshness.FUTURE:
+            return Verdict("future_version", f"{newest} > {version}")
+        if fresh is Freshness.STALE:
+            return Verdict("stale", case.about, stale_by=version - newest)
+        return None
+
+    async def on_its_slot(self, case: Case) -> Verdict | None:
+        """On a slot granted its sender, and on the prompt the grant named: the trainer, not the
+        sampler, chooses what the policy learns from."""
+        group = case.group
+        if case.prompt is None:
+            return Verdict("slot_not_held", f"slot {group.slot} from {case.sender}")
+        if group.prompt_index != case.prompt:  # no honest sampler of this release does it
+            return Verdict("wrong_prompt", f"prompt {group.prompt_index} on slot {group.slot}, granted {case.prompt}",
+                           strike=True)
+        return None
+
+    async def scored(self, case: Case) -> Verdict | None:
+        """The prompt is the task's, and the trainer's own verifiers score every completion (a
+        multi-turn episode played again with the sampler's actions)."""
+        ruling = await self.scoring.score(case.group) if self.scoring else self.referee.score(case.group)
+        case.ruling = ruling
+        if ruling.reason:  # a claim the environment never made, a verifier bomb: a lie
+            return Verdict(ruling.reason, case.about, strike=ruling.lie)
+        return None
+
+    async def proven(self, case: Case) -> Verdict | None:
+        """The proof of sampling, on the groups chosen for it: the claimed log-probs are the policy's."""
+        if not (self.proof and self.proof.wants(case.group)):
+            return None
+        gap = await asyncio.to_thread(self.check, case.group)
+        if self.proof.forged(case.group, gap):
+            return Verdict("logprob_forgery", f"{case.about}: gap {gap:.3g}", strike=True)
+        return None
