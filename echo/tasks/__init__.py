@@ -153,8 +153,8 @@ def task_class(name: str) -> type:
     """The class a task.name names (a built-in, module:Class or file.py:Class), imported, not yet
     made: a wrong name is said before anything else is done."""
     if name.startswith(GYM):
-        try:
-            from echo.tasks import gym
+        try:  # by name, as the built-ins are: the task modules import this one, never the reverse
+            gym = importlib.import_module("echo.tasks.gym")
         except ModuleNotFoundError as e:
             if (e.name or "").partition(".")[0] != "reasoning_gym":
                 raise

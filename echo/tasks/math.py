@@ -21,7 +21,7 @@ from math_verify import parse, verify
 from pydantic import BaseModel, ConfigDict, Field
 
 from echo.tasks import GeneratedTask, Prompt, Score, Step, is_held_out, parse_params
-from echo.tasks.dataset import read_rows
+from echo.tasks.files import read_rows
 
 # Its timeouts are off on purpose (Math.score): its warning that they are, once per process, is noise.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
