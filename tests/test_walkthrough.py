@@ -1,5 +1,5 @@
-"""The README's "Several machines" walkthrough on a trusted network, followed to the letter on
-one machine: the hub from compose/nats.conf (its store_dir edited, as the README says, and free
+"""docs/operations.md's "Several machines" walkthrough on a trusted network, followed to the letter
+on one machine: the hub from compose/nats.conf (its store_dir edited, as the walkthrough says, and free
 ports for this test), the trainer on the shipped docs/run.toml, a site relay with its own client
 port, a sampler behind it that knows only the relay's URL and the run id, then status, report,
 eval and replay. The one departure: the tiny model and 3 steps, not SmolLM2 and 40."""
@@ -36,7 +36,7 @@ def _hub_config(tmp_path: Path) -> tuple[Path, int, int]:
     return path, client, leaf
 
 
-def test_the_readme_walkthrough_on_a_trusted_network(tmp_path):
+def test_the_walkthrough_on_a_trusted_network(tmp_path):
     conf, client, leaf = _hub_config(tmp_path)
     hub_url, relay_port = f"nats://127.0.0.1:{client}", free_port()
     processes = []
