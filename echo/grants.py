@@ -138,17 +138,14 @@ class GrantLedger:
     def share(self, window: int, now: float) -> int:
         """The most one sampler may hold: an equal part of `window` among those asking (a benched
         one takes no part)."""
-        active = sum(1 for s, asked in self.asked_at.items() if now - asked <= self.active_s and not self._on_bench(s, now))
-        return math.ceil(window / max(1, active))
+        return math.ceil(window / max(1, len(self._sharing(now))))
+
+    def _sharing(self, now: float) -> set[str]:
+        """The samplers the work is shared among: those that asked lately, but the benched."""
+        return {s for s, asked in self.asked_at.items() if now - asked <= self.active_s and not self._on_bench(s, now)}
 
     def _on_bench(self, sampler_id: str, now: float) -> bool:
         return now < self.benched.get(sampler_id, 0.0)
-
-    def _benched_out(self, sampler_id: str, now: float) -> bool:
-        """On the bench while another sampler, not on it, asks: the work is theirs."""
-        return self._on_bench(sampler_id, now) and any(
-            other != sampler_id and now - asked <= self.active_s and not self._on_bench(other, now)
-            for other, asked in self.asked_at.items())
 
     def announced(self, version: int, now: float) -> None:
         """The trainer announced `version` (samplers begin to fetch it now)."""
@@ -168,7 +165,7 @@ class GrantLedger:
         self.asked_at[sampler_id] = now
         if version is not None:
             self._observe_sync(sampler_id, version, now)
-        if self._benched_out(sampler_id, now):
+        if self._on_bench(sampler_id, now) and self._sharing(now) - {sampler_id}:  # the work is theirs
             return [], False
         held = self.held(sampler_id)
         # Scarce headroom is split too: a sampler that always asks first must not take it all.

@@ -228,10 +228,12 @@ COUNT_MAX = 2**53 - 1  # versions, epochs, slots, prompt indices, counts: exact 
 SECONDS_MAX = 1e9  # about 31 years
 RATE_MAX = 1e12
 TIMESTAMP_MAX = 1e11  # Unix seconds, the year 5138
-LABEL_PATTERN = r"^[^\x00-\x1f\x7f-\x9f]*$"  # no C0 or C1 control character: no ESC, no CSI
+CONTROL_CHARACTERS = r"\x00-\x1f\x7f-\x9f"  # C0 and C1, as a regex character range: ESC and CSI among them
+LABEL_PATTERN = rf"^[^{CONTROL_CHARACTERS}]*$"
 Count = Annotated[int, Field(ge=0, le=COUNT_MAX)]
 Seconds = Annotated[float, Field(ge=0, le=SECONDS_MAX)]
 Rate = Annotated[float, Field(ge=0, le=RATE_MAX)]
+Timestamp = Annotated[float, Field(ge=0, le=TIMESTAMP_MAX)]
 Label = Annotated[str, Field(max_length=256, pattern=LABEL_PATTERN)]
 VersionKey = Annotated[str, Field(pattern=r"^[0-9]{1,15}$")]
 ReasonKey = Annotated[str, Field(pattern=r"^[a-z0-9_]{1,64}$")]
@@ -383,7 +385,7 @@ class RolloutGroup(_HoldsArrays, _Message):
     engine: Literal["hf", "vllm"]
     dtype: Literal["float32", "bfloat16", "float16"]
     gen_seconds: Seconds
-    created_at: float = Field(ge=0, le=TIMESTAMP_MAX)
+    created_at: Timestamp
     # Partial rollouts: its completions were sampled together, and newer weights took over
     # between chunks. None: policy_version sampled it all; else it sampled the tokens before the
     # first change, and each change's version those from its `at` (in every completion that long).
@@ -551,7 +553,7 @@ class SamplerStatus(_Message):
     groups_published: Count
     # refused adapters by reason (digest, truncated, shape, base model)
     weight_failures: dict[ReasonKey, Count] = Field(max_length=32)
-    updated_at: float = Field(ge=0, le=TIMESTAMP_MAX)
+    updated_at: Timestamp
     # active: takes slots; standby: keeps its weights current, takes none (the scheduler's
     # choice); draining: stopping, finishing what it holds; quarantined: the trainer ignores it.
     state: SamplerState = "active"

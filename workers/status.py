@@ -15,7 +15,7 @@ import re
 import statistics
 import time
 
-from echo.protocol import SamplerStatus
+from echo.protocol import CONTROL_CHARACTERS, SamplerStatus
 from streams.client import Run
 from streams.lease import current_epoch
 from streams.quarantine import read_quarantine
@@ -65,7 +65,7 @@ def sampler_row(s: SamplerStatus, version: int | None, quarantined: dict[str, st
     }
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_CONTROL = re.compile(f"[{CONTROL_CHARACTERS}]")
 
 
 def printable(value):

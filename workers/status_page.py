@@ -59,14 +59,14 @@ class Latest:
 def allowed_hosts(host: str, port: int) -> set[str] | None:
     """The Host headers a browser sends for the page at host:port; None: any IP literal or this
     machine's names (bound to every interface)."""
-    names = {host}
     if host in ("", "0.0.0.0", "::"):
         return None
+    names = {host}
     if _is_loopback(host):
         names |= {"localhost", "127.0.0.1", "[::1]"}
     if ":" in host and not host.startswith("["):
         names.add(f"[{host}]")
-    return {f"{n}:{port}" for n in names} | ({n for n in names} if port == 80 else set())
+    return {f"{n}:{port}" for n in names} | (names if port == 80 else set())
 
 
 def _is_loopback(host: str) -> bool:

@@ -51,8 +51,8 @@ class Granter:
     async def start(self) -> None:
         # A restarted trainer numbers on; its predecessor's last slots (a few windows of groups in
         # flight) may still be delivered.
-        trainer = self.cfg.trainer
-        self.ledger.resume(await slots_granted(self.run), 4 * (self.cfg.staleness_bound + 1) * trainer.groups_per_step)
+        window = (self.cfg.staleness_bound + 1) * self.cfg.trainer.groups_per_step
+        self.ledger.resume(await slots_granted(self.run), 4 * window)
         self.subscription = await serve_grants(self.run, self.grant)
 
     async def ask(self, version: int) -> None:

@@ -85,27 +85,28 @@ class Collector:
             return None
         granted = self.ledger.delivered(delivery.sender, group.slot, delivery.arrived)
         prompt = granted if granted is not None else self.ledger.earlier_prompt(group.slot, group.prompt_index)
-        verdict = await self.judge.judge(Case(group, delivery.sender, version, prompt, out.used))
+        judged = await self.judge.judge(Case(group, delivery.sender, version, prompt, out.used))
         if granted is not None:
-            (self.ledger.accepted if isinstance(verdict, Accepted) else self.ledger.wasted)(group.slot)
-        if isinstance(verdict, Verdict):
-            if verdict.stale_by is not None:
-                out.dropped[verdict.stale_by] += 1
+            (self.ledger.accepted if isinstance(judged, Accepted) else self.ledger.wasted)(group.slot)
+        if isinstance(judged, Verdict):
+            if judged.stale_by is not None:
+                out.dropped[judged.stale_by] += 1
                 out.dropped_ids.append(group.group_id)
                 out.dropped_tokens += sum(len(c.token_ids) for c in group.completions)
                 out.generated_seconds += group.gen_seconds
             else:
-                await self._refused(out, delivery.sender, verdict)
+                await self._refused(out, delivery.sender, judged)
             return None
         out.generated_seconds += group.gen_seconds
-        out.verifier_errors += verdict.verifier_errors
-        if verdict.reward_mismatch:
+        out.verifier_errors += judged.verifier_errors
+        if judged.reward_mismatch:
             out.reward_mismatch[group.sampler_id] += 1
             await self._strike(delivery.sender, "reward_mismatch")
-        return verdict
+        return judged
 
     async def _refused(self, out: Collected, sender: str, verdict: Verdict) -> None:
-        reject(out, verdict.reason, verdict.detail)
+        out.rejected[verdict.reason] += 1
+        log.warning("rollout.rejected", reason=verdict.reason, detail=verdict.detail)
         if verdict.strike:
             await self._strike(sender, verdict.reason)
 
@@ -120,7 +121,3 @@ class Collector:
         for accepted in collected.used:
             self.judge.trained_completions.update(completion_keys(accepted.group))
 
-
-def reject(out: Collected, reason: str, detail: str) -> None:
-    out.rejected[reason] += 1
-    log.warning("rollout.rejected", reason=reason, detail=detail)

@@ -138,8 +138,7 @@ class Trainer:
         if cfg.scheduler.enabled:  # what it chooses, the grants obey
             background.start(Coordinator(run, cfg, granter.standby, recent, ledger).run_forever())
         return cls(cfg, run, lease, model, inbox, Collector(inbox, judge, ledger, consumed, quarantine), granter,
-                   quarantine,
-                   recent)
+                   quarantine, recent)
 
     async def fit(self) -> None:
         cfg, state = self.cfg, self.model.state
