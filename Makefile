@@ -47,7 +47,7 @@ test-browser: install
 
 # dist/echo-sampler: a sampler in one file for an edge box with this Python version and torch.
 worker: install
-	$(PY) -m workers.edge_bundle --out dist/echo-sampler
+	$(PY) -m workers.operator.edge_bundle --out dist/echo-sampler
 
 # Benchmarks (bench/, docs/performance.md). bench-quick: the tiny model and short runs, under
 # 15 minutes on 2 cores, into bench/results/quick/. bench: every figure docs/performance.md quotes, into

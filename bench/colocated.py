@@ -24,9 +24,9 @@ from echo.checkpoint import read_shards
 from echo.config import EchoConfig, load_config
 from echo.engines import make_engine
 from echo.engines.base import call_seed
-from echo.protocol import PolicyVersion
 from echo.referee import Referee
 from echo.tasks import load_task
+from echo.wire.names import Version
 from workers.sampler.generation import generate_groups
 from workers.trainer.accounting import metrics_line
 from workers.trainer.model import Ranks, TrainerModel
@@ -46,7 +46,7 @@ def run_colocated(cfg: EchoConfig) -> None:
             step_started = time.perf_counter()
             engine.load_weights(read_shards(model.write_weights(step - 1)))  # the current policy, as a sampler gets it
             prompts = [task.prompt(rng.randrange(2**31)) for _ in range(cfg.trainer.groups_per_step)]
-            groups = generate_groups(engine, task, prompts, cfg.sampling, "colocated", PolicyVersion(0, step - 1),
+            groups = generate_groups(engine, task, prompts, cfg.sampling, "colocated", Version(0, step - 1),
                                      list(range(1, len(prompts) + 1)), seed=call_seed(cfg.run.seed, "colocated", 0, step))
             batch = [(g, referee.score(g).rewards) for g in groups]
             generated = time.perf_counter()
@@ -60,7 +60,7 @@ def run_colocated(cfg: EchoConfig) -> None:
                 "busy_seconds": trained - generated, "wall_seconds": trained - started,
                 "used": len(groups), "dropped_stale": 0, "dropped_tokens": 0, "generated_seconds": generated - step_started,
                 "staleness_used": {0: len(groups)}, "rejected": {},
-                "groups": [[g.group_id, g.policy_version, g.sampler_id] for g in groups],
+                "groups": [[g.group_id, g.version, g.sampler_id] for g in groups],
             }))
             metrics.flush()
     model.write_weights(cfg.run.steps)  # the trained policy, for `echo-rl eval`

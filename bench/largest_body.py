@@ -22,10 +22,11 @@ import tempfile
 
 from echo.config import SamplingConfig
 from echo.models import byte_tokenizer, encode_chat
-from echo.protocol import (HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE, Completion, RolloutGroup, RolloutLimits,
-                           encode_rollout, rollout_headers)
 from echo.referee import Referee
 from echo.tasks.math import Math
+from echo.wire.codec import RolloutLimits, encode_rollout, rollout_headers
+from echo.wire.messages import Completion, RolloutGroup
+from echo.wire.names import HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE
 from streams.client import open_run
 from streams.inbox import RolloutInbox
 from streams.rollouts import publish_rollout
@@ -44,7 +45,7 @@ def group(task: Math, tokenizer, group_id: str, tokens: int, count: int, text_by
     completions = [Completion(token_ids=[ord("a") + i] + [ord("x")] * (tokens - 1), logprobs=[-0.5] * tokens,
                               text="x" * text_bytes, reward=0.0, finish_reason="length")
                    for i in range(count)]  # distinct: a repeat would be refused before it is scored
-    return RolloutGroup(group_id=group_id, sampler_id="s1", policy_version=1, task="math", prompt_index=12, slot=1,
+    return RolloutGroup(group_id=group_id, sampler_id="s1", version=1, task="math", prompt_index=12, slot=1,
                         epoch=0, prompt_token_ids=encode_chat(tokenizer, prompt.messages),
                         completions=completions, temperature=1.0, engine="hf", dtype="float32",
                         gen_seconds=0.1, created_at=0.0)

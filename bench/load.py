@@ -51,13 +51,13 @@ from echo.checkpoint import TrainerState, read_metrics
 from echo.config import EchoConfig, load_config, validate_config
 from echo.engines.base import Generation, NewerWeights
 from echo.models import base_model_digest, encode_chat, load_model
-from echo.proof import SamplingProof
+from echo.proof import ProofSettings, SamplingProof
 from echo.tasks import load_task
 from streams.client import cancel_until_done, open_run
-from streams.server import NatsServer, free_port
-from workers.relay import loopback_relay_args
-from workers.sampler.loop import Sampler
-from workers.swarm import stop_processes
+from streams.server import NatsServer, ServerConfig, free_port
+from workers.operator.relay import loopback_relay_args
+from workers.sampler.modes import Sampler
+from workers.operator.swarm import stop_processes
 
 ADAPTER_BYTES = 4 << 20  # a LoRA adapter of rank 16 on a 1-2B model is a few MB
 
@@ -123,7 +123,7 @@ class SyntheticLearner:
         self.cfg, self.seconds_per_token = cfg, seconds_per_token
         self.state, self.ranks, self.stop = TrainerState(), SimpleNamespace(world=1), threading.Event()
         self.base_model, self.kind = base_model_digest(cfg.model.name), "lora"
-        self.proof = SamplingProof(torch.nn.Linear(1, 1), 0, cfg.sampling.temperature, 0.0, 1.0, keep=1)
+        self.proof = SamplingProof(torch.nn.Linear(1, 1), 0, ProofSettings(cfg.sampling.temperature, 0.0, 1.0, keep=1))
         self.check = None
 
     def resume(self) -> None:
@@ -208,7 +208,7 @@ def start_sites(hub: NatsServer, relays: int, wan: list[float] | None, store: Pa
     for site in range(relays):
         leaf_url = hub.leaf_url
         if wan:
-            link, link_port = start_link(hub.leaf_port, tuple(wan))
+            link, link_port = start_link(hub.config.leaf_port, tuple(wan))
             procs.append(link)
             leaf_url = f"nats-leaf://127.0.0.1:{link_port}"
         port = free_port()
@@ -222,7 +222,7 @@ def start_sites(hub: NatsServer, relays: int, wan: list[float] | None, store: Pa
 
 def run_shape(args, chunk_tokens: int, max_staleness: int) -> dict:
     with (tempfile.TemporaryDirectory() as tmp,
-          NatsServer(Path(tmp) / "nats", leaf_port=free_port(), advertise_leaf=False) as server):
+          NatsServer(Path(tmp) / "nats", ServerConfig(leaf_port=free_port(), advertise_leaf=False)) as server):
         cfg = validate_config({
             "run": {"id": "load", "dir": tmp, "steps": args.steps},
             "model": {"name": "tiny"},

@@ -61,7 +61,7 @@ from echo.config import EchoConfig, apply_override, validate_config
 from echo.devices import resolve_device
 from echo.engines import make_engine
 from echo.tasks import load_task
-from workers.evaluate import held_out_score
+from workers.operator.heldout import held_out_score
 
 MODES = {
     "colocated": {},

@@ -26,9 +26,9 @@ from bench.common import write_results
 from echo.config import LoraConfig, SamplingConfig, TaskConfig, TrainerConfig
 from echo.engines.hf import HFEngine
 from echo.policy import load_weights, weights_shards
-from echo.proof import SamplingProof
-from echo.protocol import Completion, RolloutGroup
+from echo.proof import ProofSettings, SamplingProof
 from echo.tasks import load_task
+from echo.wire.messages import Completion, RolloutGroup
 
 FORGERY_SHIFTS = [0.5, 0.1, 0.02]  # nats subtracted from every claimed log-prob
 
@@ -50,7 +50,7 @@ def honest_groups(engine: HFEngine, task, count: int, group_size: int, prompts_p
         for prompt, prompt_ids, gens in zip(prompts, ids, engine.generate(ids, group_size)):
             completions = [Completion(token_ids=g.token_ids, logprobs=g.logprobs, text=g.text, reward=0.0,
                                       finish_reason=g.finish_reason) for g in gens]
-            groups.append(RolloutGroup(group_id=f"g{prompt.index}", sampler_id="honest", policy_version=0,
+            groups.append(RolloutGroup(group_id=f"g{prompt.index}", sampler_id="honest", version=0,
                                        task=task.name, prompt_index=prompt.index, slot=1, epoch=0, prompt_token_ids=prompt_ids,
                                        completions=completions, temperature=engine.temperature, engine="hf",
                                        dtype="float32", gen_seconds=0.0, created_at=0.0))
@@ -74,8 +74,8 @@ def measure(model_name: str, count: int, tolerance: float) -> dict:
     groups = honest_groups(engine, task, count, sampling.group_size, sampling.prompts_per_call)
     generate_seconds = time.perf_counter() - started
 
-    proof = SamplingProof(trainer, engine.tokenizer.pad_token_id, sampling.temperature, fraction=1.0,
-                          tolerance=tolerance, keep=2)
+    proof = SamplingProof(trainer, engine.tokenizer.pad_token_id,
+                          ProofSettings(sampling.temperature, fraction=1.0, tolerance=tolerance, keep=2))
     proof.remember(0)
     started = time.perf_counter()
     current = [proof.check(g) for g in groups]

@@ -32,12 +32,12 @@ from bench.common import write_results
 from echo.capacity import LearnerPace, utilisation
 from echo.checkpoint import read_metrics
 from echo.config import validate_config
-from echo.protocol import SamplerStatus
+from echo.wire.messages import SamplerStatus
 from streams.client import open_run
-from streams.registry import read_learner, read_statuses
+from streams.registry import read_statuses, read_trainer_status
 from streams.server import NatsServer
-from workers.plan import sampler_pace
-from workers.swarm import stop_processes, worker_command
+from workers.operator.plan import sampler_pace
+from workers.operator.swarm import stop_processes, worker_command
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def fleet_config(run_dir: Path, run_id: str, steps: int, scheduler: bool, target
 async def _registry(url: str, run_id: str):
     run = await open_run(url, run_id, "bench", create=False)
     try:
-        return await read_learner(run), await read_statuses(run)
+        return await read_trainer_status(run), await read_statuses(run)
     finally:
         await run.close()
 

@@ -43,7 +43,7 @@ import torch
 
 from bench.common import write_results
 from echo.config import TrainerConfig
-from streams.server import NatsServer, free_port
+from streams.server import NatsServer, ServerConfig, free_port
 
 APPLIED = "bench.applied"  # core NATS subject on which each worker reports (worker, version, time)
 
@@ -134,7 +134,7 @@ async def measure(hub: NatsServer, model: str, n: int, versions: int, relays: in
     from streams.client import open_run
     from streams.lease import take_lease
     from streams.weights import WeightsPublisher
-    from workers.relay import loopback_relay_args
+    from workers.operator.relay import loopback_relay_args
 
     kind = "adapter" if full is None else "delta" if full.deltas else "whole"
     run_id = f"sync{n}r{relays}{kind}"
@@ -153,7 +153,7 @@ async def measure(hub: NatsServer, model: str, n: int, versions: int, relays: in
     for site in range(max(relays, 1)):
         worker_url, leaf_url = hub.url, hub.leaf_url
         if wan:
-            link, link_port = start_link(hub.leaf_port if relays else hub.port, wan)
+            link, link_port = start_link(hub.config.leaf_port if relays else hub.port, wan)
             procs.append(link)
             worker_url, leaf_url = f"nats://127.0.0.1:{link_port}", f"nats-leaf://127.0.0.1:{link_port}"
         if relays:
@@ -172,7 +172,7 @@ async def measure(hub: NatsServer, model: str, n: int, versions: int, relays: in
     try:
         latencies, hub_copies, sizes = [], [], []
         for version in range(versions + 1):  # version 0 warms up: every worker loaded and following
-            sent_before, published_at = hub_out_bytes(hub.http_port), time.time()
+            sent_before, published_at = hub_out_bytes(hub.config.http_port), time.time()
             if full is not None:
                 size = (await full.publish(weights, version, model)).size
             else:
@@ -191,7 +191,7 @@ async def measure(hub: NatsServer, model: str, n: int, versions: int, relays: in
                 await asyncio.sleep(0.005)
             if version > 0:
                 latencies.append(max(applied[version].values()) - published_at)
-                hub_copies.append((hub_out_bytes(hub.http_port) - sent_before) / size)
+                hub_copies.append((hub_out_bytes(hub.config.http_port) - sent_before) / size)
                 sizes.append(size)
     finally:
         for p in procs:
@@ -236,7 +236,7 @@ def main() -> None:
     resolve_model(args.model)  # convert once, before the workers start
     weights = [None] if args.full is None else [FullWeights(args.full, args.changed, deltas)
                                                  for deltas in (False, True)]
-    with tempfile.TemporaryDirectory() as store, NatsServer(store, leaf_port=free_port(), http_port=free_port()) as hub:
+    with tempfile.TemporaryDirectory() as store, NatsServer(store, ServerConfig(leaf_port=free_port(), http_port=free_port())) as hub:
         results = [asyncio.run(measure(hub, args.model, n, args.versions, relays, args.wan, full))
                    for full in weights for relays in args.relays for n in args.samplers]
     report = {"model": args.model, "cpus": os.cpu_count(), "versions": args.versions, "full_mb": args.full,

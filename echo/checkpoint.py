@@ -32,8 +32,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from echo import delta
-from echo.protocol import RolloutGroup
 from echo.referee import completion_keys
+from echo.wire.messages import RolloutGroup
 
 
 @dataclass

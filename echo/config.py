@@ -14,7 +14,7 @@ from typing import Any, Literal
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from echo.protocol import HUB_DOMAIN, ID_PATTERN, MAX_CHAIN, Storage
+from echo.wire.names import HUB_DOMAIN, ID_PATTERN, MAX_CHAIN, Storage
 
 
 class ConfigError(ValueError):

@@ -30,7 +30,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from echo.protocol import WeightsAnnouncement, WeightsLink
+from echo.wire.messages import WeightsAnnouncement, WeightsLink
 
 CHANGED, VALUES = ".changed", ".values"
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a dtype's bits, by its item size

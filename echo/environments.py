@@ -22,9 +22,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from echo.protocol import Completion, Observation
 from echo.config import TaskConfig
 from echo.tasks import Environment, Episode, Prompt, Step, Task, is_environment, load_task, safe_reward
+from echo.wire.messages import Completion, Observation
 
 
 def load_environment(cfg: TaskConfig) -> Environment:

@@ -92,7 +92,7 @@ class GrantLedger:
     it, so the least of its last SYNC_SAMPLES is taken)."""
 
     def __init__(self, issued: int = 0, active_s: float = ACTIVE_S, rate_window_s: float = 60.0, seed: int = 0):
-        self.issued = issued  # slots numbered so far in the run, by every incarnation of the trainer
+        self.issued = issued  # slots numbered so far in the run, in every epoch of the trainer
         self.seed = seed  # the run's: slot_prompt's
         self.prompts: dict[int, int] = {}  # slot number -> the prompt index it was granted with, until it settles
         self.owed: deque[int] = deque()  # prompts of lost slots, granted again first
@@ -286,9 +286,9 @@ class Heartbeats:
         self.seen: dict[str, tuple[int, float]] = {}  # sampler -> (heartbeat revision, when it changed)
         self.changes: dict[str, int] = {}  # sampler -> changes seen after the first reading
         self.stopped: set[str] = set()  # its process said `draining`, until its slots are released
-        self.processes: dict[str, tuple[str, str]] = {}  # sampler -> (its incarnation now, the one before)
+        self.processes: dict[str, tuple[str, str]] = {}  # sampler -> (its process now, the one before)
 
-    def observe(self, sampler_id: str, revision: int, now: float, incarnation: str = "",
+    def observe(self, sampler_id: str, revision: int, now: float, process: str = "",
                 stopping: bool = False) -> bool:
         """A reading of its heartbeat (`revision` 0: no key, none yet or expired: not a sign of
         life). Returns whether it is a new process under a known id (restarted)."""
@@ -297,19 +297,19 @@ class Heartbeats:
             if last is not None:
                 self.changes[sampler_id] = self.changes.get(sampler_id, 0) + 1
             self.seen[sampler_id] = (revision, now)
-        restarted = self.restarted(sampler_id, incarnation)
-        if stopping and incarnation == self.processes.get(sampler_id, ("", ""))[0]:
+        restarted = self.restarted(sampler_id, process)
+        if stopping and process == self.processes.get(sampler_id, ("", ""))[0]:
             self.stopped.add(sampler_id)
         return restarted
 
-    def restarted(self, sampler_id: str, incarnation: str) -> bool:
-        """Whether `incarnation` (from a heartbeat or a request for work) is a new process under
+    def restarted(self, sampler_id: str, process: str) -> bool:
+        """Whether `process` (from a heartbeat or a request for work) is a new process under
         a known id. The predecessor's last heartbeat, read after its successor asked for work,
         is not taken for a third; "" (a sampler before schema 15) is never a restart."""
         now, before = self.processes.get(sampler_id, ("", ""))
-        if not incarnation or incarnation in (now, before):
+        if not process or process in (now, before):
             return False
-        self.processes[sampler_id] = (incarnation, now)
+        self.processes[sampler_id] = (process, now)
         if now:
             self.stopped.discard(sampler_id)  # its predecessor stopped, not it
         return bool(now)

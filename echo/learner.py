@@ -13,7 +13,7 @@ from echo.algorithms.grpo import ImportanceStats, LossStats, grpo_loss, group_ad
 from echo.config import EchoConfig
 from echo.devices import autocast, model_device
 from echo.policy import packed_logprobs
-from echo.protocol import RolloutGroup
+from echo.wire.messages import RolloutGroup
 
 
 class StepAbandoned(Exception):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from echo.protocol import SamplerStatus
+from echo.wire.messages import SamplerStatus
 
 # record key -> tracker name
 STEP_SCALARS = {

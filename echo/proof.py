@@ -1,5 +1,5 @@
 """Proof of sampling: the trainer recomputes the behaviour log-probs a sampler claims for a
-group under the policy version the group names (each token under the version that sampled it,
+group under the version the group names (each token under the version that sampled it,
 for a partial rollout), and compares. Compute only; no I/O.
 
 A sampler's log-probs drive the importance weights pi_old / mu: a sampler that invents them
@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from echo.devices import autocast, model_device
+from echo.config import EchoConfig
+from echo.devices import DTYPES, autocast, model_device
 from echo.policy import group_logprobs, spanning_logprobs
-from echo.protocol import Completion, RolloutGroup
+from echo.wire.messages import Completion, RolloutGroup
 
 
 def logprob_gap(claimed: list[Completion], recomputed: torch.Tensor) -> float:
@@ -40,30 +42,47 @@ def logprob_gap(claimed: list[Completion], recomputed: torch.Tensor) -> float:
     return gap
 
 
-def _trainable(policy) -> dict[str, torch.Tensor]:
-    return {k: p for k, p in policy.named_parameters() if p.requires_grad}
+def _trainable(model) -> dict[str, torch.Tensor]:
+    return {k: p for k, p in model.named_parameters() if p.requires_grad}
 
 
-def _copy_into(policy, tensors: dict[str, torch.Tensor]) -> None:
-    for module in policy.modules():  # FSDP2 leaves the root's parameters whole after a forward
+def _copy_into(model, tensors: dict[str, torch.Tensor]) -> None:
+    for module in model.modules():  # FSDP2 leaves the root's parameters whole after a forward
         if isinstance(module, FSDPModule):  # with no backward: shard them again, as the copies are
             module.reshard()
     with torch.no_grad():
-        for k, p in _trainable(policy).items():
+        for k, p in _trainable(model).items():
             p.copy_(tensors[k])  # casts a rounded version back to the parameter's dtype
+
+
+@dataclass(frozen=True)
+class ProofSettings:
+    """What the check compares against, from the run's config (ProofSettings.of)."""
+
+    temperature: float  # the run's sampling temperature: the log-probs are of the tempered distribution
+    fraction: float  # of the groups checked at random
+    tolerance: float  # the largest gap in nats between fp32 samplers and an fp32 trainer
+    keep: int  # versions kept to check against: a partial rollout's first tokens may be this old
+    tolerance_16bit: float | None = None  # where either side computes in 16 bits; None: `tolerance`
+    publish_dtype: torch.dtype = torch.float32  # what the samplers run: the versions as published
+    compute_dtype: torch.dtype = torch.float32  # the trainer's forward
+
+    @classmethod
+    def of(cls, cfg: EchoConfig, compute_dtype: torch.dtype) -> ProofSettings:
+        tcfg = cfg.trainer
+        return cls(cfg.sampling.temperature, tcfg.verify_fraction, tcfg.verify_tolerance, cfg.begun_within + 1,
+                   tcfg.verify_tolerance_16bit, DTYPES[tcfg.publish_dtype], compute_dtype)
 
 
 class SamplingProof:
     """Which groups to check (a random `fraction`, and every group of a suspect sampler), the
     versions to check them against, and the check itself."""
 
-    def __init__(self, policy, pad_id: int, temperature: float, fraction: float, tolerance: float,
-                 keep: int, tolerance_16bit: float | None = None, publish_dtype: torch.dtype = torch.float32,
-                 compute_dtype: torch.dtype = torch.float32):
-        self.policy, self.pad_id, self.temperature = policy, pad_id, temperature
-        self.fraction, self.keep = fraction, keep
-        self.tolerance, self.tolerance_16bit = tolerance, tolerance_16bit or tolerance
-        self.publish_dtype, self.compute_dtype = publish_dtype, compute_dtype
+    def __init__(self, model, pad_id: int, settings: ProofSettings):
+        self.model, self.pad_id, self.temperature = model, pad_id, settings.temperature
+        self.fraction, self.keep = settings.fraction, settings.keep
+        self.tolerance, self.tolerance_16bit = settings.tolerance, settings.tolerance_16bit or settings.tolerance
+        self.publish_dtype, self.compute_dtype = settings.publish_dtype, settings.compute_dtype
         # From the OS, not the run's seed: every sampler reads the config, and one that could tell
         # which groups will be checked would forge only the others.
         self.rng = random.SystemRandom()
@@ -73,8 +92,8 @@ class SamplingProof:
         self.counts: Counter[str] = Counter()  # groups by outcome: passed, forged, unverifiable
 
     def remember(self, version: int) -> None:
-        """Keep the policy's tensors as `version` (call right after publishing it)."""
-        self.live = {k: v.detach().clone() for k, v in _trainable(self.policy).items()}
+        """Keep the model's tensors as `version` (call right after publishing it)."""
+        self.live = {k: v.detach().clone() for k, v in _trainable(self.model).items()}
         rounded = self.publish_dtype != torch.float32
         self.versions[version] = {k: v.to(self.publish_dtype) for k, v in self.live.items()} if rounded else self.live
         for old in [v for v in self.versions if v <= version - self.keep]:
@@ -87,7 +106,7 @@ class SamplingProof:
         """The group's log-prob gap, or None if a version that sampled it is no longer kept (not
         checked). A gap beyond the tolerance makes its sampler a suspect: all its groups are
         checked. A partial rollout's tokens are each checked under the version that sampled them."""
-        versions = [group.policy_version, *(change.version for change in group.version_changes)]
+        versions = [group.version, *(change.version for change in group.version_changes)]
         if any(version not in self.versions for version in versions):
             self.counts["unverifiable"] += 1
             return None
@@ -98,22 +117,22 @@ class SamplingProof:
             nonlocal swapped
             tensors = self.versions[versions[k]]
             if tensors is not self.live or swapped:
-                _copy_into(self.policy, tensors)
+                _copy_into(self.model, tensors)
                 swapped = True
 
         try:
-            with torch.no_grad(), autocast(model_device(self.policy), self.compute_dtype):
+            with torch.no_grad(), autocast(model_device(self.model), self.compute_dtype):
                 if len(versions) == 1:
                     use_version(0)
-                    recomputed, _, _ = group_logprobs(self.policy, group.prompt_token_ids, completions,
+                    recomputed, _, _ = group_logprobs(self.model, group.prompt_token_ids, completions,
                                                       self.temperature, self.pad_id)
                 else:
                     starts = [0, *(change.at for change in group.version_changes)]
-                    recomputed = spanning_logprobs(self.policy, group.prompt_token_ids, completions, starts,
+                    recomputed = spanning_logprobs(self.model, group.prompt_token_ids, completions, starts,
                                                    use_version, self.temperature, self.pad_id)
         finally:
             if swapped:
-                _copy_into(self.policy, self.live)
+                _copy_into(self.model, self.live)
         gap = logprob_gap(group.completions, recomputed.float().cpu())
         if self.forged(group, gap):
             self.counts["forged"] += 1

@@ -15,8 +15,9 @@ import numpy as np
 from echo.config import SamplingConfig
 from echo.environments import replay
 from echo.models import encode_chat
-from echo.protocol import RolloutGroup, RolloutLimits
 from echo.tasks import Task, is_environment, safe_reward
+from echo.wire.codec import RolloutLimits
+from echo.wire.messages import RolloutGroup
 
 
 # A completion drawn twice is plausible only if it was likely: the chance that two samples agree

@@ -22,7 +22,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from echo.config import ConfigError
-from echo.protocol import HDR_MSG_ID, HUB_DOMAIN, RunNames, Storage
+from echo.wire.names import HDR_MSG_ID, HUB_DOMAIN, RunNames, Storage
 from streams import layout
 from streams.credentials import Credentials
 

@@ -12,8 +12,9 @@ from typing import Awaitable, Callable
 
 import structlog
 
-from echo.protocol import (BUDGET_KEY, GRANT_TIMEOUT_S, SLOTS_KEY, SLOTS_KEY_BEFORE_14, GrantBudget, Grant,
-                           GrantRequest, ProtocolError, decode, encode, subject_sampler)
+from echo.wire.codec import ProtocolError, decode, encode
+from echo.wire.messages import Grant, GrantBudget, GrantRequest
+from echo.wire.names import BUDGET_KEY, GRANT_TIMEOUT_S, SLOTS_KEY, SLOTS_KEY_BEFORE_14, subject_sampler
 from streams.client import BROKER_ERRORS, Run
 from streams.watch import read_value, watch_forever
 

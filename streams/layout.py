@@ -1,5 +1,5 @@
 """The run's streams and buckets on the broker, as nats-py configs: what the trainer creates and
-a relay mirrors, under the names echo/protocol.py's RunNames gives them."""
+a relay mirrors, under the names echo/wire/names.py's RunNames gives them."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from nats.js.api import (
     StreamSource,
 )
 
-from echo.protocol import BODY_PART_MAX, ROLLOUT_DEDUP_WINDOW_S, ROLLOUT_MESSAGE_MAX, STATUS_MAX_BYTES, RunNames, Storage
+from echo.wire.names import (BODY_PART_MAX, ROLLOUT_DEDUP_WINDOW_S, ROLLOUT_MESSAGE_MAX, STATUS_MAX_BYTES, RunNames,
+                             Storage)
 
 
 def rollouts_stream(names: RunNames, storage: Storage = Storage()) -> StreamConfig:

@@ -19,7 +19,9 @@ import structlog
 from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 
 from echo.lifeline import exited, process_name
-from echo.protocol import TRAINER_KEY, ProtocolError, TrainerLease, WeightsAnnouncement, decode, encode
+from echo.wire.codec import ProtocolError, decode, encode
+from echo.wire.messages import TrainerLease, WeightsAnnouncement
+from echo.wire.names import TRAINER_KEY
 from streams.client import BROKER_ERRORS, Run
 from streams.watch import read_value
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import structlog
 
-from echo.protocol import prompts_object_name
 from echo.tasks import Prompt, Task
 from echo.tasks.dataset import PROMPTS_MANIFEST_MAX_BYTES, SHARDS_KEPT, manifest_of, prompt_of
+from echo.wire.names import prompts_object_name
 from streams.client import BROKER_ERRORS, Run
 from streams.objects import TransferError, get_object, object_info, put_object, sha256_hex
 

@@ -4,7 +4,8 @@ so a fast sampler generates more of them than a slow one and none is generated t
 
 from __future__ import annotations
 
-from echo.protocol import PullRequest, encode
+from echo.wire.codec import encode
+from echo.wire.messages import PullRequest
 from streams.client import Run, publish_once
 
 

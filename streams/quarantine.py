@@ -8,7 +8,9 @@ from typing import Callable
 
 from nats.js.errors import KeyWrongLastSequenceError
 
-from echo.protocol import QUARANTINE_KEY, Quarantine, decode, encode
+from echo.wire.codec import decode, encode
+from echo.wire.messages import Quarantine
+from echo.wire.names import QUARANTINE_KEY
 from streams.client import Run
 from streams.watch import read_value, watch_forever
 

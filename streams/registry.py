@@ -9,7 +9,9 @@ import functools
 
 import structlog
 
-from echo.protocol import LEARNER_KEY, STATUS_MAX_BYTES, LearnerStatus, ProtocolError, SamplerStatus, decode, encode
+from echo.wire.codec import ProtocolError, decode, encode
+from echo.wire.messages import SamplerStatus, TrainerStatus
+from echo.wire.names import STATUS_MAX_BYTES, TRAINER_STATUS_KEY
 from streams.client import Run, put_expiring
 from streams.watch import read_value
 
@@ -27,12 +29,13 @@ async def put_status(run: Run, status: SamplerStatus) -> None:
     await put_expiring(run.registry, status.sampler_id, encode(status), status.ttl_s)
 
 
-async def put_learner(run: Run, status: LearnerStatus) -> None:
-    await run.state.put(LEARNER_KEY, encode(status))
+async def put_trainer_status(run: Run, status: TrainerStatus) -> None:
+    await run.state.put(TRAINER_STATUS_KEY, encode(status))
 
 
-async def read_learner(run: Run) -> LearnerStatus | None:
-    return (await read_value(run.state, LEARNER_KEY, functools.partial(decode, LearnerStatus)))[0]  # None: no step yet
+async def read_trainer_status(run: Run) -> TrainerStatus | None:
+    """None before the trainer's first step."""
+    return (await read_value(run.state, TRAINER_STATUS_KEY, functools.partial(decode, TrainerStatus)))[0]
 
 
 def weights_relay(run: Run, hub_domain: str) -> str:

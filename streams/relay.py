@@ -21,7 +21,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy, ObjectInfo
 
-from echo.protocol import RunNames
+from echo.wire.names import RunNames
 from streams.client import wait_for_jetstream
 from streams.layout import weights_mirrors
 

@@ -19,12 +19,14 @@ import orjson
 from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from echo.protocol import HDR_SAMPLER_ID, Completion, ProtocolError, RolloutGroup, RunNames, decode_rollout
+from echo.wire.codec import ProtocolError, decode_rollout
+from echo.wire.messages import Completion, RolloutGroup
+from echo.wire.names import HDR_SAMPLER_ID, RunNames
 from streams.client import BROKER_ERRORS, PATIENCE_S, connect, no_run
 from streams.credentials import Credentials, credentials_of
 from streams.rollouts import rollout_body
 from streams.secure import SERVER_CONF, SecureDir
-from streams.server import NatsServer, listening
+from streams.server import NatsServer, ServerConfig, listening
 
 
 async def stored_groups(url: str, run_id: str, credentials: Credentials | None = None,
@@ -97,7 +99,7 @@ class Keep:
         mean = sum(c["reward"] for c in group["completions"]) / len(group["completions"])
         return ((self.since is None or group["created_at"] >= self.since)
                 and (self.until is None or group["created_at"] <= self.until)
-                and (self.version is None or group["policy_version"] == self.version)
+                and (self.version is None or group["version"] == self.version)
                 and (self.task is None or group["task"] == self.task)
                 and (self.rewards is None or self.rewards[0] <= mean <= self.rewards[1]))
 
@@ -110,7 +112,7 @@ def table_line(record: dict, decode: Callable[[list[int]], str] | None = None) -
         return f"{record['seq']:>7}  {record['subject']}  REJECTED  {record['error']}"
     rewards = [c["reward"] for c in group["completions"]]
     tokens = sum(len(c["token_ids"]) for c in group["completions"])
-    line = (f"{record['seq']:>7}  {group['sampler_id']:<10} v{group['policy_version']:<5} {group['task']:<10} "
+    line = (f"{record['seq']:>7}  {group['sampler_id']:<10} v{group['version']:<5} {group['task']:<10} "
             f"{group['group_id']}  {len(rewards)} completions  {tokens} tokens  "
             f"reward {sum(rewards) / len(rewards):.3f}")
     if decode is None or not any(c["observations"] for c in group["completions"]):
@@ -159,7 +161,7 @@ def run_broker(run: str | Path, nats_url: str | None,
     url = nats.get("url", "")
     address = urlparse(url.split(",")[0])  # its first server
     if (run_dir / "nats").is_dir() and not listening(address.hostname or "127.0.0.1", address.port or 4222):
-        with NatsServer(run_dir / "nats", include=secure.dir / SERVER_CONF if secured else None) as server:
+        with NatsServer(run_dir / "nats", ServerConfig(include=secure.dir / SERVER_CONF if secured else None)) as server:
             yield server.url, run_id, credentials
         return
     yield url, run_id, credentials

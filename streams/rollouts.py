@@ -15,7 +15,9 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, ConsumerInfo, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from echo.protocol import (
+from echo.wire.codec import ProtocolError, RolloutLimits, encode_rollout, rollout_headers
+from echo.wire.messages import RolloutGroup
+from echo.wire.names import (
     BODY_PART_MAX,
     HDR_BODY_PARTS,
     HDR_BODY_SHA256,
@@ -24,12 +26,7 @@ from echo.protocol import (
     MAX_BODY_PARTS,
     ROLLOUT_MESSAGE_MAX,
     TRAINER_CONSUMER,
-    ProtocolError,
-    RolloutGroup,
-    RolloutLimits,
     RunNames,
-    encode_rollout,
-    rollout_headers,
     subject_sampler,
 )
 from streams.client import BROKER_ERRORS, Run, retry_forever
@@ -46,7 +43,7 @@ async def publish_rollout(run: Run, group: RolloutGroup) -> None:
     """Publish until the stream has it: through a broker restart or a relay's cut uplink (no
     responders), a sampler keeps its group and tries again with backoff, never dies of it. A
     group larger than one rollout message goes in parts on the sampler's bodies subject first;
-    its rollout message then names them (echo/protocol.py, HDR_BODY_PARTS)."""
+    its rollout message then names them (echo/wire/names.py, HDR_BODY_PARTS)."""
     data, headers = encode_rollout(group), rollout_headers(group)
     if len(data) > min(run.nc.max_payload, ROLLOUT_MESSAGE_MAX) - HEADER_ROOM:
         part_size = min(run.nc.max_payload, BODY_PART_MAX) - HEADER_ROOM

@@ -9,7 +9,7 @@ import asyncio
 
 import orjson
 from echo.config import EchoConfig
-from echo.protocol import CONFIG_KEY
+from echo.wire.names import CONFIG_KEY
 from streams.client import Run
 from streams.watch import read_value
 

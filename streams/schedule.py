@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from echo.protocol import SCHEDULE_KEY, Schedule, decode, encode
+from echo.wire.codec import decode, encode
+from echo.wire.messages import Schedule
+from echo.wire.names import SCHEDULE_KEY
 from streams.client import Run
 from streams.watch import watch_forever
 

@@ -6,7 +6,7 @@ seed and a client certificate per client (trainer.nk, trainer-cert.pem, trainer-
 same for observer and sampler-<id>) and DIR/server.conf, which the hub includes. Mutual TLS: the
 hub and relays accept only clients whose certificate the run's CA signed, then check the nkey;
 an attacker needs both a stolen seed and its key, and one without gets no further than the TLS
-handshake. Permissions are written from the run's names (echo/protocol.py), so they follow the
+handshake. Permissions are written from the run's names (echo/wire/names.py), so they follow the
 wire contract. Why nkeys and not JWTs: one config file and no operator/account signing chain to
 run; a client proves it holds its seed by signing the server's nonce, the seed never leaves its
 box. Adding a sampler rewrites the user list and reloads the server (SIGHUP): no restart.
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import nkeys
 
-from echo.protocol import HUB_DOMAIN, RunNames, check_id
+from echo.wire.names import HUB_DOMAIN, RunNames, check_id
 from streams.credentials import Credentials, inbox_prefix, sibling_file
 from streams.server import write_secret
 

@@ -17,10 +17,11 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from echo.lifeline import arm_parent_death_signal
-from echo.protocol import HUB_DOMAIN
+from echo.wire.names import HUB_DOMAIN
 
 
 def nats_server_binary() -> str:
@@ -109,44 +110,41 @@ def _listening_process(port: int) -> str | None:
     return None
 
 
-class NatsServer:
-    """`leaf_port`: accept leaf nodes there (a hub, or a relay others chain behind).
-    `hub_leaf_url`: be a leaf node of that server (a relay), with `hub_leaf_options` in its
-    `remotes` entry (nkey, tls). `include`, `leaf_include`: files to include at the top and in
-    the `leafnodes` block (TLS and users, streams/secure.py). `http_port`: serve /varz."""
+@dataclass(frozen=True)
+class ServerConfig:
+    """What a nats-server is told beside its store. `leaf_port`: accept leaf nodes there (a hub,
+    or a relay others chain behind). `hub_leaf_url`: be a leaf node of that server (a relay), with
+    `hub_leaf_options` in its `remotes` entry (nkey, tls). `include`, `leaf_include`: files to
+    include at the top and in the `leafnodes` block (TLS and users, streams/secure.py).
+    `http_port`: serve /varz. `port`: a free one when none is given."""
 
-    def __init__(
-        self,
-        store_dir: str | Path,
-        port: int | None = None,
-        log_file: str | Path | None = None,
-        domain: str = HUB_DOMAIN,
-        leaf_port: int | None = None,
-        hub_leaf_url: str | None = None,
-        http_port: int | None = None,
-        host: str = "127.0.0.1",
-        include: Path | None = None,
-        leaf_include: Path | None = None,
-        hub_leaf_options: dict | None = None,
-        server_name: str | None = None,
-        cluster_port: int | None = None,
-        routes: list[int] = (),
-        advertise_leaf: bool = True,
-        max_payload: str = "8MB",  # 1 MiB weight chunks with room to spare
-        log_file_limit: int = LOG_FILE_LIMIT,
-    ):
+    port: int | None = None
+    host: str = "127.0.0.1"
+    domain: str = HUB_DOMAIN
+    log_file: str | Path | None = None
+    log_file_limit: int = LOG_FILE_LIMIT
+    max_payload: str = "8MB"  # 1 MiB weight chunks with room to spare
+    leaf_port: int | None = None
+    # False: relays reach this hub only at the URL they were given, never at the leaf address
+    # it would tell them (which lets a relay behind a proxy or NAT go around it).
+    advertise_leaf: bool = True
+    hub_leaf_url: str | None = None
+    hub_leaf_options: dict = field(default_factory=dict)
+    include: Path | None = None
+    leaf_include: Path | None = None
+    http_port: int | None = None
+    server_name: str | None = None
+    cluster_port: int | None = None
+    routes: tuple[int, ...] = ()
+
+
+class NatsServer:
+    """A nats-server on this machine, with JetStream on `store_dir`, configured by `config`."""
+
+    def __init__(self, store_dir: str | Path, config: ServerConfig = ServerConfig()):
         self.store_dir = Path(store_dir)
-        self.max_payload = max_payload
-        # False: relays reach this hub only at the URL they were given, never at the leaf address
-        # it would tell them (which lets a relay behind a proxy or NAT go around it).
-        self.advertise_leaf = advertise_leaf
-        self.port = port or free_port()
-        self.log_file = Path(log_file) if log_file else None
-        self.log_file_limit = log_file_limit
-        self.domain, self.leaf_port, self.hub_leaf_url, self.http_port = domain, leaf_port, hub_leaf_url, http_port
-        self.host, self.include, self.leaf_include = host, include, leaf_include
-        self.hub_leaf_options = hub_leaf_options or {}
-        self.server_name, self.cluster_port, self.routes = server_name, cluster_port, list(routes)
+        self.config = config
+        self.port = config.port or free_port()
         self.process: subprocess.Popen | None = None
 
     @property
@@ -155,45 +153,45 @@ class NatsServer:
 
     @property
     def leaf_url(self) -> str:
-        return f"nats-leaf://127.0.0.1:{self.leaf_port}"
+        return f"nats-leaf://127.0.0.1:{self.config.leaf_port}"
 
     def config_text(self) -> str:
         q = json.dumps  # a JSON string is a valid NATS config string
         lines = [
-            f"listen: {q(f'{self.host}:{self.port}')}",
-            f"max_payload: {self.max_payload}",
+            f"listen: {q(f'{self.config.host}:{self.port}')}",
+            f"max_payload: {self.config.max_payload}",
             # What the server holds for one slow client before it closes the connection: the
             # trainer's fetches stay under half of it (streams/inbox.py FETCH_BYTES). A write
             # that blocks longer than write_deadline closes it too (a WAN link of 10 MB/s writes
             # one 8 MB message in under a second).
             f"max_pending: {MAX_PENDING}",
             "write_deadline: \"10s\"",
-            f"jetstream {{ store_dir: {q(str(self.store_dir))}, domain: {q(self.domain)} }}",
+            f"jetstream {{ store_dir: {q(str(self.store_dir))}, domain: {q(self.config.domain)} }}",
         ]
-        if self.log_file:
+        if self.config.log_file:
             # Every refused publish is a line (~240 bytes): a sampler's flood wrote 581 MB in 40 s.
             # The server rotates its own log and keeps LOG_FILES_KEPT of them.
-            lines += [f"log_file: {q(str(self.log_file.resolve()))}", f"logfile_size_limit: {self.log_file_limit}",
+            lines += [f"log_file: {q(str(Path(self.config.log_file).resolve()))}", f"logfile_size_limit: {self.config.log_file_limit}",
                       f"logfile_max_num: {LOG_FILES_KEPT}"]
-        if self.cluster_port:
-            routes = [f"nats-route://127.0.0.1:{port}" for port in self.routes]
-            lines.append(f"server_name: {q(self.server_name)}")
-            lines.append(f"cluster {{ name: \"echo\", listen: {q(f'127.0.0.1:{self.cluster_port}')}, routes: {q(routes)} }}")
-        if self.include:
-            lines.append(f"include {q(self._relative(self.include))}")
-        if self.http_port:
-            lines.append(f"http: {q(f'127.0.0.1:{self.http_port}')}")
-        if self.leaf_port or self.hub_leaf_url:
+        if self.config.cluster_port:
+            routes = [f"nats-route://127.0.0.1:{port}" for port in self.config.routes]
+            lines.append(f"server_name: {q(self.config.server_name)}")
+            lines.append(f"cluster {{ name: \"echo\", listen: {q(f'127.0.0.1:{self.config.cluster_port}')}, routes: {q(routes)} }}")
+        if self.config.include:
+            lines.append(f"include {q(self._relative(self.config.include))}")
+        if self.config.http_port:
+            lines.append(f"http: {q(f'127.0.0.1:{self.config.http_port}')}")
+        if self.config.leaf_port or self.config.hub_leaf_url:
             leaf = []
-            if self.leaf_port:
-                leaf.append(f"listen: {q(f'{self.host}:{self.leaf_port}')}")
-                if not self.advertise_leaf:
+            if self.config.leaf_port:
+                leaf.append(f"listen: {q(f'{self.config.host}:{self.config.leaf_port}')}")
+                if not self.config.advertise_leaf:
                     leaf.append("no_advertise: true")
-            if self.hub_leaf_url:
-                leaf.append(f"remotes: [ {q({'url': self.hub_leaf_url, **self.hub_leaf_options})} ]")
+            if self.config.hub_leaf_url:
+                leaf.append(f"remotes: [ {q({'url': self.config.hub_leaf_url, **self.config.hub_leaf_options})} ]")
                 leaf.append("reconnect: \"1s\"")  # between attempts to reach the hub again
-            if self.leaf_include:
-                leaf.append(f"include {q(self._relative(self.leaf_include))}")
+            if self.config.leaf_include:
+                leaf.append(f"include {q(self._relative(self.config.leaf_include))}")
             lines.append("leafnodes {\n" + "\n".join(leaf) + "\n}")
         return "\n".join(lines) + "\n"
 
@@ -206,18 +204,18 @@ class NatsServer:
         conf = self.store_dir / "nats-server.conf"
         write_secret(conf, self.config_text().encode())  # a relay's holds its leaf nkey seed
         args = [nats_server_binary(), "-c", str(conf)]
-        for port in (self.port, self.leaf_port, self.http_port, self.cluster_port):
-            holder = port and port_holder(self.host, port)
+        for port in (self.port, self.config.leaf_port, self.config.http_port, self.config.cluster_port):
+            holder = port and port_holder(self.config.host, port)
             if holder:
-                raise RuntimeError(f"port {port} on {self.host} is held by {holder}: stop it, or choose another port")
+                raise RuntimeError(f"port {port} on {self.config.host} is held by {holder}: stop it, or choose another port")
         # Until it has read its config (a config error), the server writes to stderr: the same file.
-        log = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
+        log = open(self.config.log_file, "ab") if self.config.log_file else subprocess.DEVNULL
         # Its own session: a Ctrl-C meant for the workers must not kill the broker under them.
         # But it dies with the process that started it (on Linux): a relay's or `up`'s server
         # outlived a kill -9 of them and held its port against their next start.
         self.process = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True,
                                         preexec_fn=functools.partial(arm_parent_death_signal, signal.SIGTERM))
-        if self.log_file:
+        if self.config.log_file:
             log.close()  # the server holds its own copy
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -255,9 +253,9 @@ class NatsCluster:
                  leaf_port: int | None = None):
         cluster_ports = [free_port() for _ in range(size)]
         self.nodes = [
-            NatsServer(Path(store_dir) / f"n{i}", log_file=Path(log_dir) / f"nats-n{i}.log" if log_dir else None,
-                       server_name=f"n{i}", cluster_port=port, routes=[p for p in cluster_ports if p != port],
-                       leaf_port=leaf_port if i == 0 else None)
+            NatsServer(Path(store_dir) / f"n{i}", ServerConfig(log_file=Path(log_dir) / f"nats-n{i}.log" if log_dir else None,
+                       server_name=f"n{i}", cluster_port=port, routes=tuple(p for p in cluster_ports if p != port),
+                       leaf_port=leaf_port if i == 0 else None))
             for i, port in enumerate(cluster_ports)
         ]
 

@@ -15,7 +15,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
-from echo.protocol import ProtocolError, decode
+from echo.wire.codec import ProtocolError, decode
 from streams.client import BROKER_ERRORS, Run, cancel_until_done
 
 log = structlog.get_logger()

@@ -21,10 +21,11 @@ from nats.js.errors import APIError, NotFoundError
 from echo import delta
 from echo.config import ConfigError
 from echo.logs import Progress
-from echo.protocol import (OBJ_HDR_EPOCH, OBJ_HDR_VERSION, PolicyVersion, WeightsAnnouncement, WeightsLink,
-                           WeightsShard, encode, weights_object_name)
 from echo.policy import shards_tensors
 from echo.retention import expired_versions
+from echo.wire.codec import encode
+from echo.wire.messages import WeightsAnnouncement, WeightsLink, WeightsShard
+from echo.wire.names import OBJ_HDR_EPOCH, OBJ_HDR_VERSION, Version, weights_object_name
 from streams.client import BROKER_ERRORS, STORAGE_FULL, Run, cancel_until_done, publish_once
 from streams.watch import LatestValue
 from streams.lease import Lease, current_epoch
@@ -49,7 +50,7 @@ class WeightsPublisher:
     def __init__(self, lease: Lease, keep: int = 3, keep_seconds: float = 0.0):
         self.lease, self.run, self.epoch, self.keep, self.keep_seconds = lease, lease.run, lease.epoch, keep, keep_seconds
         self.superseded_at: dict[int, float] | None = None  # version -> when a newer one came (inf: newest)
-        self.chain: list[WeightsLink] = []  # this incarnation's last whole version and the deltas after it
+        self.chain: list[WeightsLink] = []  # this epoch's last whole version and the deltas after it
 
     @property
     def newest(self) -> WeightsLink | None:
@@ -105,7 +106,7 @@ class WeightsPublisher:
             del kept[old]
 
     async def _delete_version(self, version: int) -> None:
-        """Delete this incarnation's shards of `version` by name (0, 1, ... until one is missing):
+        """Delete this epoch's shards of `version` by name (0, 1, ... until one is missing):
         no scan of the bucket, whose delete markers grow with the run."""
         for index in itertools.count():
             try:
@@ -114,7 +115,7 @@ class WeightsPublisher:
                 return
 
     async def _delete_versions_before(self, oldest_kept: int) -> None:
-        """Delete every stored version older than `oldest_kept`, and every earlier incarnation's."""
+        """Delete every stored version older than `oldest_kept`, and every earlier epoch's."""
         try:
             infos = await self.run.weights.list(ignore_deletes=True)
         except NotFoundError:  # nats-py's name for an empty bucket
@@ -221,7 +222,7 @@ class WeightsFollower:
 
     async def _take(self, announcement: WeightsAnnouncement, seq: int) -> None:
         started = time.perf_counter()
-        if self.ready and self.ready[0].policy >= announcement.policy:
+        if self.ready and self.ready[0].epoch_version >= announcement.epoch_version:
             return
         if announcement.epoch != await current_epoch(self.run):
             self.failures["wrong_epoch"] += 1  # not from the trainer that holds the run
@@ -235,8 +236,8 @@ class WeightsFollower:
         data = await self._fetch_while_newest(announcement, seq)
         if data is None:
             return
-        self.fetch_s = {announcement.policy: time.perf_counter() - started}  # the ready version's
-        log.debug("weights.fetched", version=announcement.version, seconds=round(self.fetch_s[announcement.policy], 3))
+        self.fetch_s = {announcement.epoch_version: time.perf_counter() - started}  # the ready version's
+        log.debug("weights.fetched", version=announcement.version, seconds=round(self.fetch_s[announcement.epoch_version], 3))
         async with self._ready_changed:
             self.ready = (announcement, data)
             self._ready_changed.notify_all()
@@ -301,11 +302,11 @@ class WeightsFollower:
         when given: an earlier epoch's higher versions are older); return the newest."""
         if epoch is None:
             return await self._wait(lambda announcement: announcement.version >= version)
-        return await self._wait(lambda announcement: announcement.policy >= PolicyVersion(epoch, version))
+        return await self._wait(lambda announcement: announcement.epoch_version >= Version(epoch, version))
 
-    async def wait_newer(self, policy: PolicyVersion) -> None:
-        """Wait until weights of a version after `policy` are downloaded."""
-        await self._wait(lambda announcement: announcement.policy > policy)
+    async def wait_newer(self, than: Version) -> None:
+        """Wait until weights of a version after `than` are downloaded."""
+        await self._wait(lambda announcement: announcement.epoch_version > than)
 
     async def stop(self) -> None:
         """Stop fetching, and wait until the fetch has ended (its connection may close next)."""

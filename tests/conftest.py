@@ -24,15 +24,17 @@ from echo.config import EchoConfig, validate_config
 from echo.engines.hf import HFEngine
 from echo.models import base_model_digest
 from echo.policy import weights_shards
-from echo.protocol import WeightsAnnouncement, WeightsShard, encode, weights_object_name
+from echo.wire.codec import encode
+from echo.wire.messages import WeightsAnnouncement, WeightsShard
+from echo.wire.names import weights_object_name
 from streams.grants import slots_granted
 from streams.client import Run, open_run
 from streams.registry import read_statuses
 from streams.secure import SecureDir
-from streams.server import NatsServer, free_port
+from streams.server import NatsServer, ServerConfig, free_port
 from streams.weights import WeightsPublisher
-from workers.relay import loopback_relay_args
-from workers.swarm import worker_command
+from workers.operator.relay import loopback_relay_args
+from workers.operator.swarm import worker_command
 from workers.trainer.accounting import count_consumed, settle
 from workers.trainer.intake import Collector
 
@@ -87,7 +89,7 @@ def secured(tmp_path):
     secure = SecureDir(tmp_path / "secure")
     secure.init("sec", ["localhost", "127.0.0.1"], ["s1"])
     # Not tmp_path/jetstream: the `runs` fixture's (unused) nats-server keeps its store there.
-    with NatsServer(tmp_path / "secured-jetstream", include=secure.dir / "server.conf") as server:
+    with NatsServer(tmp_path / "secured-jetstream", ServerConfig(include=secure.dir / "server.conf")) as server:
         yield server, secure
 
 

@@ -9,10 +9,11 @@ import orjson
 from echo.config import SamplingConfig, TaskConfig
 from echo.grants import GrantLedger
 from echo.models import byte_tokenizer, encode_chat
-from echo.protocol import Completion, RolloutGroup, _pack, _read_rollout, _spans
 from echo.referee import Referee
 from echo.tasks import Task, load_task
 from echo.tasks.math import Math
+from echo.wire.codec import _pack, _read_rollout, _spans
+from echo.wire.messages import Completion, RolloutGroup
 
 TOKENIZER = byte_tokenizer()
 TASK = Math({})
@@ -48,7 +49,7 @@ def honest_group(index: int = 12, texts=None, of_task: Task = TASK, rewards: lis
         completions.append(Completion(token_ids=ids, logprobs=[-0.5] * len(ids), text=text, reward=reward,
                                       finish_reason="stop"))
     fields = dict(
-        group_id="g", sampler_id="s1", policy_version=1, task=of_task.name, prompt_index=index, slot=1, epoch=0,
+        group_id="g", sampler_id="s1", version=1, task=of_task.name, prompt_index=index, slot=1, epoch=0,
         prompt_token_ids=encode_chat(TOKENIZER, prompt.messages), completions=completions,
         temperature=1.0, engine="hf", dtype="float32", gen_seconds=0.1, created_at=0.0,
     )

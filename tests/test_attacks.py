@@ -20,21 +20,21 @@ from rich.console import Console
 from echo.checkpoint import TrainerState, load_trained_completions, remember_trained
 from echo.config import ConfigError
 from echo.grants import GrantLedger
-from echo.protocol import (BODY_PART_MAX, BUDGET_KEY, CONFIG_KEY, HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE, HDR_MSG_ID,
-                           LEARNER_KEY,
-                           QUARANTINE_KEY, ROLLOUT_MESSAGE_MAX, SCHEDULE_KEY, SLOTS_KEY, TRAINER_KEY, GrantRequest,
-                           LearnerStatus, SamplerStatus, Storage, WeightsAnnouncement, encode,
-                           rollout_headers)
+from echo.wire.codec import encode, rollout_headers
+from echo.wire.messages import GrantRequest, SamplerStatus, TrainerStatus, WeightsAnnouncement
+from echo.wire.names import (BODY_PART_MAX, BUDGET_KEY, CONFIG_KEY, HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE,
+                             HDR_MSG_ID, QUARANTINE_KEY, ROLLOUT_MESSAGE_MAX, SCHEDULE_KEY, SLOTS_KEY, TRAINER_KEY,
+                             TRAINER_STATUS_KEY, Storage)
 from streams.client import open_run
 from streams.watch import BAD_VALUES, LatestValue
 from streams.grants import slots_granted
 from streams.lease import RENEW_S, AnotherTrainer, current_epoch, take_lease
 from streams.quarantine import change_quarantine, read_quarantine
 from streams.secure import SAMPLER_LIMITS, SecureDir
-from streams.server import NatsServer
+from streams.server import NatsServer, ServerConfig
 from streams.inbox import FETCH_MAX, RolloutInbox
 from streams.layout import registry_stream
-from streams.registry import put_status, read_heartbeat, read_learner, read_statuses
+from streams.registry import put_status, read_heartbeat, read_trainer_status, read_statuses
 from streams.rollouts import fetch_rollouts, publish_rollout
 from streams.weights import WeightsPublisher, fetch_weights
 from tests.conftest import TINY_BASE, assert_accounting_holds, collect_and_account, tiny_config
@@ -44,10 +44,10 @@ from workers.cli import main
 from workers.trainer.coordinator import Coordinator
 from workers.trainer.granter import AsyncGranter
 from workers.trainer.intake import Collector
-from workers.trainer.judge import Case, Judge, Timeline
-from workers.trainer.quarantine import Quarantined
+from workers.trainer.judge import Case, Judge, Timeline, Trained
+from workers.trainer.strikes import Quarantined
 from workers.trainer.scoring import ScoringProcess
-from workers.status import render, snapshot
+from workers.operator.status import render, snapshot
 
 
 async def _revision(kv, key: str) -> int:
@@ -108,7 +108,7 @@ async def test_no_answer_a_sampler_asks_for_lands_in_the_runs_state(secured, tmp
     names = trainer.names
     attacker = await nats.connect(server.url, **secure.credentials("sampler-s1").connect_options())
     keys = [(trainer.state, names.state_bucket, key) for key in (
-        QUARANTINE_KEY, TRAINER_KEY, SCHEDULE_KEY, BUDGET_KEY, LEARNER_KEY, CONFIG_KEY, "x")]
+        QUARANTINE_KEY, TRAINER_KEY, SCHEDULE_KEY, BUDGET_KEY, TRAINER_STATUS_KEY, CONFIG_KEY, "x")]
     keys.append((trainer.registry, names.registry_bucket, "s0"))  # another sampler's heartbeat (its own it writes)
     grant = encode(GrantRequest(want=1, epoch=lease.epoch, version=0))
     try:
@@ -145,13 +145,13 @@ async def test_a_malformed_value_in_the_runs_state_is_read_as_absent_and_fences_
     renewing = asyncio.create_task(lease.renew_forever())
     junk = b'{"type":"io.nats.jetstream.api.v1.account_info_response"}'
     try:
-        for key in (QUARANTINE_KEY, TRAINER_KEY, SCHEDULE_KEY, BUDGET_KEY, LEARNER_KEY, SLOTS_KEY, CONFIG_KEY):
+        for key in (QUARANTINE_KEY, TRAINER_KEY, SCHEDULE_KEY, BUDGET_KEY, TRAINER_STATUS_KEY, SLOTS_KEY, CONFIG_KEY):
             await trainer.state.put(key, junk)
         await trainer.registry.put("s1", junk)
         counted = BAD_VALUES[QUARANTINE_KEY]
         assert await read_quarantine(trainer) == {} and BAD_VALUES[QUARANTINE_KEY] == counted + 1
         assert await current_epoch(trainer) is None
-        assert await read_learner(trainer) is None and await slots_granted(trainer) == 0
+        assert await read_trainer_status(trainer) is None and await slots_granted(trainer) == 0
         assert await read_statuses(trainer) == [] and await read_heartbeat(trainer, "s1") == (0, None)
         args = ["quarantine", "list", "--nats", server.url, "--run-id", "sec",
                 "--creds", str(secure.seed_file("observer")), "--tls-ca", str(secure.ca_file)]
@@ -256,9 +256,9 @@ async def test_a_message_past_the_runs_limits_is_refused_before_it_is_validated_
     trainer = await open_run(server.url, "sec", "trainer", credentials=secure.credentials("trainer"))
     attacker = await open_run(server.url, "sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
     try:
-        raw = honest_group(policy_version=5, group_id="many").model_dump()
+        raw = honest_group(version=5, group_id="many").model_dump()
         junk = {"token_ids": [1], "logprobs": [0.5], "text": "", "reward": 0.0, "finish_reason": "length"}
-        headers = rollout_headers(honest_group(policy_version=5, group_id="many"))
+        headers = rollout_headers(honest_group(version=5, group_id="many"))
         raw["completions"] = [junk] * 50_000  # with log-probs above 0: bad_schema, had it been validated first
         with pytest.raises(nats.js.errors.BadRequestError, match="message size exceeds maximum"):  # the stream's limit
             await attacker.js.publish(trainer.names.rollouts_subject("s1"), pack_rollout(raw),
@@ -266,12 +266,12 @@ async def test_a_message_past_the_runs_limits_is_refused_before_it_is_validated_
         raw["completions"] = [junk] * 100
         await attacker.js.publish(trainer.names.rollouts_subject("s1"), pack_rollout(raw),
                                   headers={**headers, HDR_MSG_ID: "many100"})
-        pointer = {**rollout_headers(honest_group(policy_version=5, group_id="huge")),
+        pointer = {**rollout_headers(honest_group(version=5, group_id="huge")),
                    HDR_BODY_PARTS: ",".join(map(str, range(1, 65))), HDR_BODY_SIZE: str(64 * 8 * 2**20),
                    HDR_BODY_SHA256: "0" * 64}
         await attacker.js.publish(trainer.names.rollouts_subject("s1"), b"", headers=pointer)  # no part exists
         ledger = GrantLedger()
-        await publish_rollout(attacker, granted(ledger, honest_group(policy_version=5, group_id="fine")))
+        await publish_rollout(attacker, granted(ledger, honest_group(version=5, group_id="fine")))
         collector = Collector(await RolloutInbox.open(trainer), Judge(REFEREE, Timeline(max_staleness=1)), ledger)
         collected = await collector.collect(1, version=5)
         assert [a.group.group_id for a in collected.used] == ["fine"]
@@ -327,7 +327,7 @@ async def test_a_group_resending_trained_completions_is_refused(secured, tmp_pat
         long_answer = f"so it is \\boxed{{{TASK.prompt(12).answer}}}"
         ledger = GrantLedger()
         first = granted(ledger, unlikely(unlikely(honest_group(texts=[long_answer, "no idea \\boxed{999}"],
-                                                               policy_version=5, group_id="first"), 0), 1))
+                                                               version=5, group_id="first"), 0), 1))
         collector = Collector(await RolloutInbox.open(trainer), Judge(REFEREE, Timeline(max_staleness=1)), ledger)
         await publish_rollout(attacker, first)
         async with asyncio.timeout(30):
@@ -338,7 +338,7 @@ async def test_a_group_resending_trained_completions_is_refused(secured, tmp_pat
 
         doubled = first.replaced(group_id="doubled", completions=[first.completions[0]] * 2)
         swapped = first.replaced(group_id="swapped", completions=[first.completions[0], honest_group().completions[1]])
-        likely = honest_group(texts=["\\boxed{4}", "\\boxed{4}"], policy_version=5, group_id="likely")
+        likely = honest_group(texts=["\\boxed{4}", "\\boxed{4}"], version=5, group_id="likely")
         for group in (doubled, swapped, likely):
             await publish_rollout(attacker, granted(ledger, group))
         async with asyncio.timeout(30):
@@ -347,7 +347,7 @@ async def test_a_group_resending_trained_completions_is_refused(secured, tmp_pat
         assert collected.rejected == {"repeated_completion": 2}, collected.rejected
         # A trainer resumed from the checkpoint remembers them too.
         resumed = Judge(REFEREE, Timeline(max_staleness=1),
-                        trained_completions=load_trained_completions(tmp_path, state.trained_completions))
+                        Trained(completions=load_trained_completions(tmp_path, state.trained_completions)))
         again = swapped.replaced(group_id="again")
         assert (await resumed.new(Case(again, "s1", 5, again.prompt_index))).reason == "repeated_completion"
     finally:
@@ -367,9 +367,9 @@ async def test_a_verifier_bomb_costs_the_bomber_its_group_and_a_strike_and_the_s
     config, task, referee = symbolic_math(tmp_path)
     try:
         ledger = GrantLedger()
-        bomb = honest_group(of_task=task, texts=BOMB, rewards=[0.1, 0.1], group_id="bomb", policy_version=5)
+        bomb = honest_group(of_task=task, texts=BOMB, rewards=[0.1, 0.1], group_id="bomb", version=5)
         await publish_rollout(attacker, granted(ledger, bomb))
-        await publish_rollout(attacker, granted(ledger, honest_group(of_task=task, group_id="honest", policy_version=5)))
+        await publish_rollout(attacker, granted(ledger, honest_group(of_task=task, group_id="honest", version=5)))
         quarantine = Quarantined(trainer, after=3)
         async with ScoringProcess(config, TOKENIZER, len(TOKENIZER), SAMPLING, budget_s=3.0,
                                   memory_mb=1024.0) as scoring:
@@ -390,7 +390,7 @@ def two_samplers(tmp_path):
     accepts while it reloads its accounts (add_sampler) may be closed by that reload."""
     secure = SecureDir(tmp_path / "secure")
     secure.init("sec", ["localhost", "127.0.0.1"], ["s1", "s2"])
-    with NatsServer(tmp_path / "jetstream", include=secure.dir / "server.conf") as server:
+    with NatsServer(tmp_path / "jetstream", ServerConfig(include=secure.dir / "server.conf")) as server:
         yield server, secure
 
 
@@ -416,13 +416,13 @@ async def test_one_sampler_keeps_no_more_than_its_quota_and_evicts_only_its_own(
     try:
         ledger = GrantLedger()
         collector = Collector(await RolloutInbox.open(trainer), Judge(REFEREE, Timeline(max_staleness=1)), ledger)
-        await publish_rollout(honest, granted(ledger, honest_group(30, policy_version=5, group_id="before", sampler_id="s2")))
+        await publish_rollout(honest, granted(ledger, honest_group(30, version=5, group_id="before", sampler_id="s2")))
         for i in range(400):  # 80 MB
             await attacker.js.publish(names.rollouts_subject("s1"), bytes(200_000), headers={HDR_MSG_ID: f"r{i}"})
             if i % 10 == 0:
                 await attacker.js.publish(names.bodies_subject("s1"), bytes(2 << 20), headers={HDR_MSG_ID: f"b{i}"})
             if i == 200:
-                await publish_rollout(honest, granted(ledger, honest_group(31, policy_version=5, group_id="amid",
+                await publish_rollout(honest, granted(ledger, honest_group(31, version=5, group_id="amid",
                                                                            sampler_id="s2")))
         rollouts, bodies = (await trainer.js.stream_info(names.rollouts_stream)), await trainer.js.stream_info(names.bodies_stream)
         assert rollouts.state.bytes <= quota + (1 << 20) and rollouts.state.messages <= quota // ROLLOUT_MESSAGE_MAX + 2
@@ -448,7 +448,7 @@ async def test_a_flood_fills_only_the_room_the_rollout_streams_reserved_in_the_r
     limit, history = 96 << 20, 32 << 20
     assert main(["secure", "init", str(secure.dir), "--run-id", "sec", "--samplers", "s1,s2,s3",
                  "--run-storage-gb", str(limit / 2**30)]) == 0
-    with NatsServer(tmp_path / "jetstream", include=secure.dir / "server.conf") as server:
+    with NatsServer(tmp_path / "jetstream", ServerConfig(include=secure.dir / "server.conf")) as server:
         creds = secure.credentials("trainer")
         for too_much in (-1, limit // 2, limit // 2 + 1):  # no limit; no room left; more than the account
             with pytest.raises(ConfigError, match="nats.rollouts_max_gb"):
@@ -519,7 +519,7 @@ async def test_a_flood_of_junk_stands_in_front_of_no_honest_group_and_costs_its_
         await asyncio.gather(*(attacker.js.publish(trainer.names.rollouts_subject("s1"), bytes(64),
                                                    headers={HDR_MSG_ID: f"junk{i}"}) for i in range(junk)))
         ledger = GrantLedger()
-        await publish_rollout(honest, granted(ledger, honest_group(30, policy_version=5, group_id="behind", sampler_id="s2")))
+        await publish_rollout(honest, granted(ledger, honest_group(30, version=5, group_id="behind", sampler_id="s2")))
         quarantine = Quarantined(trainer, after=3)
         collector = Collector(await RolloutInbox.open(trainer), Judge(REFEREE, Timeline(max_staleness=1)), ledger,
                               quarantine=quarantine)
@@ -530,7 +530,7 @@ async def test_a_flood_of_junk_stands_in_front_of_no_honest_group_and_costs_its_
         async def honest_once_quarantined():  # meanwhile the inbox has only the junk to read
             while "s1" not in quarantine:
                 await asyncio.sleep(0.01)
-            await publish_rollout(honest, granted(ledger, honest_group(31, policy_version=5, group_id="later",
+            await publish_rollout(honest, granted(ledger, honest_group(31, version=5, group_id="later",
                                                                        sampler_id="s2")))
 
         later = asyncio.create_task(honest_once_quarantined())
@@ -636,7 +636,7 @@ async def test_a_heartbeat_claiming_a_huge_rate_at_no_cost_puts_no_honest_sample
         await put_status(liar, SamplerStatus(
             sampler_id="s1", version=1, groups_published=10**6, weight_failures={}, updated_at=now, cost_per_hour=0.0,
             groups_per_s=1000.0, call_s=0.001, sync_s={"1": 0.0}))
-        pace = SimpleNamespace(status=LearnerStatus(step_s=2.0, groups_per_step=4, max_staleness=2, version=1,
+        pace = SimpleNamespace(status=TrainerStatus(step_s=2.0, groups_per_step=4, max_staleness=2, version=1,
                                                     utilisation=1.0, updated_at=now))
         await Coordinator(trainer, cfg, standby, pace, ledger).choose()
         assert standby == set()  # the honest sampler works; the liar takes work until it is measured

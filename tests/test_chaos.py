@@ -16,18 +16,19 @@ import psutil
 import pytest
 from nats.js.errors import NotFoundError
 
-from echo.protocol import GrantRequest, SamplerStatus, WeightsAnnouncement, decode
+from echo.wire.codec import decode
+from echo.wire.messages import GrantRequest, SamplerStatus, WeightsAnnouncement
 from streams.client import open_run
 from streams.grants import request_grant
 from streams.lease import current_epoch
 from streams.registry import put_status
-from streams.server import NatsServer, free_port
+from streams.server import NatsServer, ServerConfig, free_port
 from tests.conftest import (
     assert_balanced, read_metrics, run_trainer_and_sampler, sampler_statuses, tiny_config, wait_for_steps,
     worker_process,
 )
 from tests.swarms import up_command
-from workers.relay import loopback_relay_args
+from workers.operator.relay import loopback_relay_args
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +82,7 @@ def test_a_sampler_that_dies_holding_slots_costs_its_slots_only_until_its_heartb
     assert 3.0 <= released[0]["silent_s"] < 7  # released once silent for sampler_dead_after_s, not 300 s
     metrics = read_metrics(cfg.run_dir)
     assert [m["step"] for m in metrics] == list(range(1, 11))
-    assert sum(m["dropped_stale"] for m in metrics) == 0  # lost slots did not over-admit
+    assert sum(m["dropped_stale"] for m in metrics) == 0  # lost slots put no group too many in flight
     assert_balanced(metrics)
     assert {sampler for m in metrics for _, _, sampler in m["groups"]} == {"s1"}
 
@@ -118,7 +119,7 @@ def test_a_broker_killed_mid_run_and_restarted_on_its_store_lets_the_run_finish(
 
 
 def test_a_trainer_restarted_from_an_older_checkpoint_is_followed_by_running_samplers(nats_server, tmp_path):
-    """Samplers running version 6 of one trainer incarnation follow the next incarnation's
+    """Samplers running version 6 of one trainer epoch follow the next epoch's
     version 3 (its checkpoint is older): it holds the run's lease in a later epoch. What the
     discarded timeline consumed is counted as abandoned, once."""
     cfg = tiny_config(tmp_path, run={"id": "rewind", "steps": 3}, trainer={"max_staleness": 1},
@@ -180,7 +181,7 @@ def test_a_cluster_node_killed_mid_run_and_left_down_lets_the_run_finish(tmp_pat
 
 
 def _leaf_connections(server: NatsServer) -> int:
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/leafz", timeout=5) as reply:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.config.http_port}/leafz", timeout=5) as reply:
         return len(orjson.loads(reply.read())["leafs"] or [])
 
 
@@ -239,8 +240,8 @@ def test_samplers_behind_a_relay_whose_uplink_is_cut_and_restored_carry_on(tmp_p
     """The relay's leaf connection to the hub goes through a link cut for 4 s mid-run: the
     samplers behind it keep their groups and retry, the relay reconnects, the run finishes."""
     # The hub does not advertise its leaf address: else the relay reconnects around the cut link.
-    with NatsServer(tmp_path / "hub", leaf_port=free_port(), advertise_leaf=False, http_port=free_port()) as hub:
-        link = CuttableLink(hub.leaf_port)
+    with NatsServer(tmp_path / "hub", ServerConfig(leaf_port=free_port(), advertise_leaf=False, http_port=free_port())) as hub:
+        link = CuttableLink(hub.config.leaf_port)
         cfg = tiny_config(tmp_path, run={"id": "uplink", "steps": 10}, trainer={"max_staleness": 1},
                           nats={"url": hub.url})
         config_path = tmp_path / "config.toml"

@@ -8,14 +8,14 @@ import sys
 import pytest
 
 from echo.models import load_model
-from echo.protocol import CONFIG_KEY
+from echo.wire.names import CONFIG_KEY
 from streams.client import open_run
 from streams.secure import SecureDir
 from streams.server import free_port
 from tests.conftest import tiny_config
 from workers.cli import build_parser, main
-from workers.commands.common import config_from_args
-from workers.commands.sampler import sampler_config_from_run
+from workers.arguments import config_from_args
+from workers.sampler.sampler import sampler_config_from_run
 
 
 def test_bad_config_fails_at_start_naming_the_field(capsys):

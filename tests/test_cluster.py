@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from echo.protocol import Storage
+from echo.wire.names import Storage
 from streams.client import BROKER_ERRORS, retry_forever
 from streams.lease import HELD_S, RENEW_S, AnotherTrainer, take_lease
 from streams.objects import ACK_TIMEOUT_S, get_object, put_object, sha256_hex

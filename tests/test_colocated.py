@@ -6,7 +6,7 @@ import orjson
 from bench.colocated import run_colocated
 from tests.conftest import tiny_config
 from tests.swarms import USER_TASK
-from workers.report import write_report
+from workers.operator.charts import write_report
 from workers.trainer.accounting import summarize
 
 

@@ -13,9 +13,9 @@ import yaml
 from echo.config import load_config
 from streams.client import connect, wait_for_jetstream
 from streams.secure import SecureDir
-from streams.server import NatsServer, free_port, nats_server_binary
+from streams.server import NatsServer, ServerConfig, free_port, nats_server_binary
 from workers.cli import build_parser, main
-from workers.commands.relay import relay_config_from_args
+from workers.operator.relay import relay_config_from_args
 
 ROOT = Path(__file__).parent.parent
 
@@ -125,8 +125,8 @@ def test_the_compose_hub_starts_with_the_secrets_its_init_service_writes(tmp_pat
                 break
             assert server.poll() is None, log.read_text()
             time.sleep(0.05)
-        relay = NatsServer(tmp_path / "relay", domain="site-a", hub_leaf_url=f"nats-leaf://127.0.0.1:{leaf_port}",
-                           hub_leaf_options=secure.relay_files("site-a").leaf_remote())
+        relay = NatsServer(tmp_path / "relay", ServerConfig(domain="site-a", hub_leaf_url=f"nats-leaf://127.0.0.1:{leaf_port}",
+                           hub_leaf_options=secure.relay_files("site-a").leaf_remote()))
         with relay:
             asyncio.run(trainer_connects_and_the_relay_joins(relay.url))
     finally:

@@ -5,7 +5,7 @@ import time
 from types import SimpleNamespace
 
 from echo.grants import GrantLedger
-from echo.protocol import LearnerStatus, SamplerStatus
+from echo.wire.messages import SamplerStatus, TrainerStatus
 from streams.registry import put_status
 from tests.conftest import tiny_config
 from workers.trainer.coordinator import Coordinator
@@ -28,7 +28,7 @@ def _deliver_in(ledger: GrantLedger, sampler_id: str, groups: int, seconds: floa
 async def test_a_fleet_no_longer_measured_leaves_no_sampler_on_standby(runs, tmp_path):
     # S = 2, T = 2 s, B = 4: a sampler at 2 groups/s delivers 2 x min(2, 2.5) = 4 a step, enough alone.
     cfg = tiny_config(tmp_path, scheduler={"enabled": True}, trainer={"groups_per_step": 4, "max_staleness": 2})
-    pace = SimpleNamespace(status=LearnerStatus(step_s=2.0, groups_per_step=4, max_staleness=2, version=1,
+    pace = SimpleNamespace(status=TrainerStatus(step_s=2.0, groups_per_step=4, max_staleness=2, version=1,
                                                 utilisation=1.0, updated_at=time.time()))
 
     run = await runs.open("coordinated", "trainer")

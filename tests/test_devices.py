@@ -13,7 +13,7 @@ from echo.engines.hf import HFEngine
 from echo.learner import make_optimizer, train_step
 from echo.models import load_model
 from echo.policy import group_logprobs, load_weights, make_policy, policy_tensors, weights_shards
-from echo.proof import SamplingProof
+from echo.proof import ProofSettings, SamplingProof
 from tests.conftest import tiny_config
 from tests.groups import honest_group
 
@@ -110,12 +110,12 @@ def test_the_proof_checks_against_the_rounded_weights_samplers_run_and_keeps_the
             if p.requires_grad:
                 p.normal_(0, 0.05)
     live = {k: v.clone() for k, v in policy_tensors(trainer).items()}
-    proof = SamplingProof(trainer, engine.tokenizer.pad_token_id, cfg.sampling.temperature, 1.0, 1e-4, keep=2,
-                          publish_dtype=torch.bfloat16)
+    proof = SamplingProof(trainer, engine.tokenizer.pad_token_id,
+                          ProofSettings(cfg.sampling.temperature, 1.0, 1e-4, keep=2, publish_dtype=torch.bfloat16))
     proof.remember(0)
     load_weights(engine.model, [bytearray(s) for s in weights_shards(trainer, 2**30, torch.bfloat16)])
     prompt = engine.encode_chat([{"role": "user", "content": "2+2?"}])
-    group = honest_group(12, policy_version=0, prompt_token_ids=prompt)
+    group = honest_group(12, version=0, prompt_token_ids=prompt)
     completions = engine.generate([prompt], 4)[0]
     group = group.model_copy(update={"completions": [
         c.replaced(token_ids=g.token_ids, logprobs=g.logprobs)

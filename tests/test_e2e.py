@@ -11,8 +11,8 @@ import psutil
 import pytest
 
 from echo.config import TaskConfig
-from echo.protocol import HDR_MSG_ID, HDR_POLICY_VERSION
 from echo.tasks import load_task
+from echo.wire.names import HDR_MSG_ID, HDR_VERSION
 from tests.swarms import USER_TASK, run_swarm, up_command
 
 pytestmark = pytest.mark.slow
@@ -27,7 +27,7 @@ def test_async_run_stays_within_the_staleness_bound(tmp_path, max_staleness):
     assert metrics[-1]["proof_of_sampling"]["passed"] >= 20 and "forged" not in metrics[-1]["proof_of_sampling"]
     assert all(m["rejected"] == {} and m["quarantined"] == [] for m in metrics)
     assert "swarm.done" in stderr and "step=5" in stderr
-    version_in_stream = {r["headers"][HDR_MSG_ID]: int(r["headers"][HDR_POLICY_VERSION]) for r in stream}
+    version_in_stream = {r["headers"][HDR_MSG_ID]: int(r["headers"][HDR_VERSION]) for r in stream}
     trained = [gid for m in metrics for gid, _, _ in m["groups"]]
     assert len(trained) == len(set(trained)) == 20  # no group trained twice
     for m in metrics:
@@ -72,7 +72,7 @@ def test_a_trainer_on_two_ranks_trains_publishes_and_its_samplers_follow(tmp_pat
     ready = [orjson.loads(line) for line in stderr.splitlines() if '"trainer.ready"' in line]
     assert [r["ranks"] for r in ready] == [2]
     assert metrics[-1]["proof_of_sampling"]["passed"] >= 16 and "forged" not in metrics[-1]["proof_of_sampling"]
-    assert max(int(r["headers"][HDR_POLICY_VERSION]) for r in stream) >= 3  # samplers followed the versions
+    assert max(int(r["headers"][HDR_VERSION]) for r in stream) >= 3  # samplers followed the versions
     assert sorted(p.name for p in (tmp_path / "ranks" / "checkpoint" / "step-000004").glob("*.distcp")) == [
         "__0_0.distcp", "__1_0.distcp"]
 
@@ -86,7 +86,7 @@ def test_sequential_run_trains_only_on_its_current_version(tmp_path, relay):
         assert m["used"] == 4 and m["dropped_stale"] == 0
         assert {version for _, version, _ in m["groups"]} == {m["step"] - 1}
         assert abs(m["is_ratio_max"] - 1) < 1e-3
-    assert sorted(int(r["headers"][HDR_POLICY_VERSION]) for r in stream) == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    assert sorted(int(r["headers"][HDR_VERSION]) for r in stream) == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
     logs = [orjson.loads(line) for line in stderr.splitlines() if line.startswith("{")]
     assert [e["step"] for e in logs if e["event"] == "step" and e["worker"] == "trainer"] == [1, 2, 3, 4]
     assert len(logs) == len(stderr.splitlines())  # every line is JSON
@@ -261,7 +261,7 @@ def test_full_weight_mode_trains_and_publishes_every_parameter_in_shards(tmp_pat
     # Every group's proof of sampling, on sharded full weights too (it copied a version's tensors into
     # the root's parameters, which FSDP2 leaves whole after a forward: it crashed the ranks).
     assert metrics[-1]["proof_of_sampling"] == {"passed": sum(m["used"] for m in metrics)}
-    assert max(int(r["headers"][HDR_POLICY_VERSION]) for r in stream) >= 1  # samplers loaded new full weights
+    assert max(int(r["headers"][HDR_VERSION]) for r in stream) >= 1  # samplers loaded new full weights
     files = sorted(p.name for p in (tmp_path / "full" / "weights").iterdir())
     assert {f[:7] for f in files} == {"v000001", "v000002", "v000003"}  # the newest keep_versions = 3
     first, last = ([(tmp_path / "full" / "weights" / f).read_bytes() for f in files if f.startswith(v)]

@@ -1,4 +1,4 @@
-"""The single-file edge sampler (`make worker`, workers/edge_bundle.py) joins a swarm from a box
+"""The single-file edge sampler (`make worker`, workers/operator/edge_bundle.py) joins a swarm from a box
 that has Python and torch and nothing else of this environment."""
 
 import asyncio
@@ -15,7 +15,7 @@ from echo.checkpoint import read_metrics
 from streams.client import open_run
 from streams.registry import read_statuses
 from tests.conftest import tiny_config, worker_process
-from workers.edge_bundle import BOX_PROVIDES, build, closure
+from workers.operator.edge_bundle import BOX_PROVIDES, build, closure
 
 pytestmark = pytest.mark.slow
 

@@ -9,10 +9,10 @@ import pytest
 from echo.config import ConfigError, TaskConfig
 from echo.environments import EpisodeBuilder, SingleTurn, load_environment, observation_tokens, replay
 from echo.models import byte_tokenizer, encode_chat
-from echo.protocol import Observation
 from echo.tasks import is_environment
 from echo.tasks.math import Math, calculate
 from echo.tasks.sokoban import Room, SokobanGame
+from echo.wire.messages import Observation
 
 TOKENIZER = byte_tokenizer()
 EOS = TOKENIZER.eos_token_id

@@ -23,22 +23,24 @@ from echo.learner import StepAbandoned, make_optimizer, train_step
 from echo.lifeline import exited, process_name
 from echo.models import load_model
 from echo.policy import make_policy
-from echo.protocol import TRAINER_KEY, Storage, WeightsAnnouncement, encode, weights_object_name
 from echo.referee import Referee
 from echo.tasks import load_task
+from echo.wire.codec import encode
+from echo.wire.messages import WeightsAnnouncement
+from echo.wire.names import TRAINER_KEY, Storage, weights_object_name
 from streams.client import retry_forever
 from streams.watch import LatestValue
 from streams.lease import HELD_S, RENEW_S, AnotherTrainer, take_lease
 from streams.objects import put_object
 from streams.weights import WeightsPublisher
 from streams.registry import put_status, read_statuses
-from streams.server import NatsServer, free_port
+from streams.server import NatsServer, ServerConfig, free_port
 from streams.inbox import RolloutInbox
 from tests.conftest import (TINY_BASE, adapter_for_version, alive, assert_accounting_holds, collect_and_account,
                             store_tampered, tiny_config, wait_for_steps, worker_process)
 from streams.rollouts import publish_rollout
 from tests.groups import REFEREE, granted, honest_group
-from workers.sampler.loop import Sampler
+from workers.sampler.modes import Sampler
 from workers.trainer.accounting import count_consumed, settle
 from workers.trainer.granter import SequentialGranter
 from workers.trainer.intake import Collector
@@ -220,7 +222,7 @@ async def test_a_sequential_sampler_asked_for_an_older_version_of_a_new_epoch_wa
             await asyncio.sleep(0.02)
     await weights.publish(0, adapters[0], TINY_BASE)
     _, collected = await _collect_step(lease, cfg, 0, orders.ledger)
-    assert {(a.group.epoch, a.group.policy_version) for a in collected.used} == {(2, 0)}
+    assert {(a.group.epoch, a.group.version) for a in collected.used} == {(2, 0)}
     serving.cancel()
     await orders.subscription.unsubscribe()
 
@@ -371,13 +373,14 @@ async def test_a_trainer_whose_renewals_fail_acts_on_the_run_only_once_it_renewe
 BUSY_WORKER = """
 import asyncio, sys
 import nats
-from workers.commands.common import run_until_signal
+from workers.arguments import run_until_signal
 
 async def worker(url):
     nc = await nats.connect(url)
-    print("publishing", flush=True)
-    for _ in range(200_000):  # fills nats-py's flush queue: its publish then waits inside its flush
+    for i in range(200_000):  # fills nats-py's flush queue: its publish then waits inside its flush
         await nc.publish("busy", b"x" * 100)
+        if i == 1000:  # well into the loop, with most of it to go: the signal lands inside it
+            print("publishing", flush=True)
     await asyncio.Event().wait()
 
 sys.exit(run_until_signal(worker(sys.argv[1])))
@@ -391,7 +394,6 @@ def test_sigterm_stops_a_worker_even_when_nats_py_swallows_the_cancellation(nats
     worker = subprocess.Popen([sys.executable, "-c", BUSY_WORKER, nats_server.url], stdout=subprocess.PIPE, text=True)
     try:
         assert worker.stdout.readline().strip() == "publishing"
-        time.sleep(0.2)
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(timeout=15) == 0
     finally:
@@ -412,14 +414,14 @@ def test_an_embedded_server_dies_with_the_process_that_started_it_and_a_held_por
                                cwd=Path(__file__).parent.parent)
     port, pid = map(int, starter.stdout.readline().split())
     with pytest.raises(RuntimeError, match=f"port {port} on 127.0.0.1 is held by pid {pid} "):
-        NatsServer(tmp_path / "second", port=port).start()
+        NatsServer(tmp_path / "second", ServerConfig(port=port)).start()
     starter.kill()
     starter.wait()
     deadline = time.monotonic() + 30
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(pid)
-    NatsServer(tmp_path / "second", port=port).start().stop()  # the port is free again
+    NatsServer(tmp_path / "second", ServerConfig(port=port)).start().stop()  # the port is free again
 
 
 def test_servers_listen_outside_the_ports_outgoing_connections_take():
@@ -443,10 +445,10 @@ async def test_messages_the_stream_evicted_before_the_trainer_read_them_are_name
     ledger = GrantLedger()
     collector = Collector(await RolloutInbox.open(run), Judge(REFEREE, Timeline(max_staleness=1)), ledger)
     for i in range(2):
-        await publish_rollout(run, granted(ledger, honest_group(30 + i, policy_version=5, group_id=f"early{i}")))
+        await publish_rollout(run, granted(ledger, honest_group(30 + i, version=5, group_id=f"early{i}")))
     totals, first = await collect_and_account(collector, {}, 2)
     for i in range(40):  # more than the stream keeps: the oldest unread ones go
-        await publish_rollout(run, granted(ledger, honest_group(40 + i, policy_version=5, group_id=f"late{i}")))
+        await publish_rollout(run, granted(ledger, honest_group(40 + i, version=5, group_id=f"late{i}")))
     totals, later = await collect_and_account(collector, totals, 2)
     for a in (first, later):
         assert_accounting_holds(a)

@@ -22,23 +22,25 @@ from rich.console import Console
 from echo.config import TaskConfig
 from echo.grants import GrantLedger, slot_prompt
 from echo.metrics import sampler_scalars, step_scalars
-from echo.protocol import (HDR_MSG_ID, HDR_POLICY_VERSION, HDR_SAMPLER_ID, HDR_SCHEMA, HDR_TASK, ProtocolError, RunNames,
-                           SamplerStatus, decode, decode_rollout, encode_rollout, prompts_object_name)
 from echo.referee import completion_keys, content_hash, repeats
 from echo.tasks import load_task
+from echo.wire.codec import ProtocolError, decode, decode_rollout, encode_rollout
+from echo.wire.messages import SamplerStatus
+from echo.wire.names import (HDR_MSG_ID, HDR_SAMPLER_ID, HDR_SCHEMA, HDR_TASK, HDR_VERSION, SCHEMA_VERSION, RunNames,
+                             prompts_object_name)
 from streams.inbox import RolloutInbox
 from streams.objects import TransferError, _b64, object_info
 from streams.prompts import PromptShards, publish_prompts
 from streams.rollouts import publish_rollout
 from streams.secure import SecureDir
-from streams.server import LOG_FILES_KEPT, NatsServer
+from streams.server import LOG_FILES_KEPT, NatsServer, ServerConfig
 from tests.conftest import tiny_config
 from tests.groups import REFEREE, honest_group, pack_rollout, unpack_rollout
-from workers.status import render, sampler_row
-from workers.status_page import Latest, PageServer
+from workers.operator.status import render, sampler_row
+from workers.operator.page import Latest, PageServer
 from workers.trainer.intake import Collector
 from workers.trainer.judge import Judge, Timeline
-from workers.trainer.quarantine import Quarantined
+from workers.trainer.strikes import Quarantined
 from workers.trainer.trackers import Trackers
 
 
@@ -64,19 +66,19 @@ async def test_the_trainer_names_every_prompt_and_what_is_trained_is_its_draw(ru
             prompt = ledger.prompts[slot]
             drawn[prompt] += prompt == slot_prompt(3, slot)  # a fresh draw (else a lost slot's, owed)
             group = honest_group(prompt, group_id=f"{sampler_id}-{slot}", sampler_id=sampler_id, slot=slot,
-                                 policy_version=5)
+                                 version=5)
             if attacking and prompt % 3:  # a prompt it dislikes: three ways of not doing it
                 choice = slot % 3
                 if choice == 0:
                     group = honest_group(7, group_id=f"{sampler_id}-{slot}", sampler_id=sampler_id, slot=slot,
-                                         policy_version=5)
+                                         version=5)
                     expected_rejections["wrong_prompt"] += 1
                 elif choice == 1:
                     group = group.replaced(dtype="bfloat16", completions=[
                         c.replaced(logprobs=(c.logprobs - 0.4).tolist()) for c in group.completions])
                     expected_rejections["dtype_not_allowed"] += 1
                 else:
-                    group = group.replaced(policy_version=1)  # stale: dropped, no strike
+                    group = group.replaced(version=1)  # stale: dropped, no strike
             else:
                 usable += 1
             await publish_rollout(run, group)
@@ -87,7 +89,7 @@ async def test_the_trainer_names_every_prompt_and_what_is_trained_is_its_draw(ru
         if round_ < 8:  # and groups on slots it does not hold: prompt 7 on a slot of its choice, s1's slot
             for slot in (10**6 + round_, max(s for s, holder in ledger.outstanding.items() if holder == "s1")):
                 await publish_rollout(run, honest_group(7, group_id=f"forged-{slot}", sampler_id="s9", slot=slot,
-                                                        policy_version=5))
+                                                        version=5))
                 expected_rejections["slot_not_held"] += 1
         async with asyncio.timeout(30):
             step = await collector.collect(usable, version=5)
@@ -111,7 +113,7 @@ def _hostile_value(rng: random.Random):
 
 
 FIELDS = ["version", "groups_published", "weight_failures", "updated_at", "state", "ttl_s", "engine", "device",
-          "model", "relay", "cost_per_hour", "groups_per_s", "tokens_per_s", "call_s", "sync_s", "incarnation"]
+          "model", "relay", "cost_per_hour", "groups_per_s", "tokens_per_s", "call_s", "sync_s", "process"]
 
 
 def test_thousands_of_hostile_heartbeats_stop_no_reader(tmp_path, monkeypatch):
@@ -121,7 +123,7 @@ def test_thousands_of_hostile_heartbeats_stop_no_reader(tmp_path, monkeypatch):
     the trackers' scalars (and every tracker), `status`'s rows and view, and the live page: those
     decode lets through are bounded, and nothing raises or prints a control character."""
     rng = random.Random(61)
-    honest = {"schema_version": 19, "sampler_id": "s9", "version": 3, "groups_published": 5, "weight_failures": {},
+    honest = {"schema_version": SCHEMA_VERSION, "sampler_id": "s9", "version": 3, "groups_published": 5, "weight_failures": {},
               "updated_at": time.time(), "sync_s": {"2": 0.5, "3": 0.4}}
     passed, refused = [], Counter()
     for i in range(3000):
@@ -202,7 +204,7 @@ async def test_the_page_serves_past_a_thousand_idle_connections_and_only_at_its_
 
 def test_nothing_on_a_loopback_page_answers_another_port():
     """The Host check compares the port too (another local service's page may share the name)."""
-    from workers.status_page import allowed_hosts
+    from workers.operator.page import allowed_hosts
 
     assert allowed_hosts("127.0.0.1", 8080) == {"127.0.0.1:8080", "localhost:8080", "[::1]:8080"}
     assert allowed_hosts("0.0.0.0", 8080) is None  # any interface: IP literals and this machine's names
@@ -218,7 +220,7 @@ async def test_a_flood_of_refused_publishes_leaves_the_hubs_log_within_its_limit
     limit = 256 << 10
     log_file = tmp_path / "logs" / "hub.log"
     log_file.parent.mkdir()
-    with NatsServer(tmp_path / "js", include=secure.dir / "server.conf", log_file=log_file, log_file_limit=limit) as hub:
+    with NatsServer(tmp_path / "js", ServerConfig(include=secure.dir / "server.conf", log_file=log_file, log_file_limit=limit)) as hub:
         async def quiet(error):  # one error a refused publish
             pass
 
@@ -274,7 +276,7 @@ async def test_a_prompt_object_claiming_gigabytes_allocates_nothing(tmp_path, mo
             tracemalloc.stop()
 
 
-GROUP_FIELDS = ["policy_version", "epoch", "task", "prompt_index", "slot", "temperature", "gen_seconds", "created_at",
+GROUP_FIELDS = ["version", "epoch", "task", "prompt_index", "slot", "temperature", "gen_seconds", "created_at",
                 "engine", "dtype"]
 
 
@@ -284,7 +286,7 @@ def test_thousands_of_hostile_groups_are_refused_at_decode_or_judged_without_rai
     caught. Random groups, each field honest or hostile: those decode lets through are judged
     (malformed, hashed, keyed, their seconds summed) without an exception."""
     rng = random.Random(62)
-    honest = unpack_rollout(encode_rollout(honest_group(policy_version=5)))
+    honest = unpack_rollout(encode_rollout(honest_group(version=5)))
     subject = RunNames("r").rollouts_subject("s1")
     judged, refused = 0, Counter()
     for i in range(3000):
@@ -295,7 +297,7 @@ def test_thousands_of_hostile_groups_are_refused_at_decode_or_judged_without_rai
             data = pack_rollout(raw)
         except (TypeError, ValueError, OverflowError):  # not JSON, or no rollout message at all
             continue
-        headers = {HDR_SCHEMA: "19", HDR_POLICY_VERSION: str(raw["policy_version"]), HDR_SAMPLER_ID: "s1",
+        headers = {HDR_SCHEMA: str(SCHEMA_VERSION), HDR_VERSION: str(raw["version"]), HDR_SAMPLER_ID: "s1",
                    HDR_TASK: str(raw["task"]), HDR_MSG_ID: raw["group_id"]}  # what its body says, as a sampler sends
         try:
             group = decode_rollout(data, headers, subject)

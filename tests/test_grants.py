@@ -10,7 +10,9 @@ import pytest
 
 from echo.checkpoint import TrainerState
 from echo.grants import GrantLedger, Heartbeats, allowance, lost_slots, sampler_cap
-from echo.protocol import GRANT_TIMEOUT_S, SCHEMA_VERSION, SLOTS_KEY_BEFORE_14, Grant, GrantRequest, SamplerStatus, decode, encode
+from echo.wire.codec import decode, encode
+from echo.wire.messages import Grant, GrantRequest, SamplerStatus
+from echo.wire.names import GRANT_TIMEOUT_S, SCHEMA_VERSION, SLOTS_KEY_BEFORE_14
 from streams.grants import record_slots_granted, slots_granted
 from streams.grants import request_grant, serve_grants
 from streams.lease import take_lease
@@ -18,7 +20,7 @@ from streams.registry import put_status
 from tests.conftest import tiny_config
 from workers.trainer.coordinator import delivered_paces
 from workers.trainer.granter import AsyncGranter, SequentialGranter
-from workers.trainer.quarantine import Quarantined
+from workers.trainer.strikes import Quarantined
 
 
 def test_allowance_covers_the_staleness_window_plus_lost_groups():
@@ -241,7 +243,7 @@ async def test_a_holder_that_said_it_was_stopping_is_released_after_its_entry_ex
     step in 180 s). The trainer now reads the holders' heartbeats while it runs, and remembers."""
     cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "max_staleness": 0, "sampler_dead_after_s": 3600.0},
                       sampler={"heartbeat_s": 0.2, "entry_ttl_s": 1})
-    run, granter, asked = await _admission_at_version_0(runs, "stopping", cfg)
+    run, granter, asked = await _granter_at_version_0(runs, "stopping", cfg)
     sampler = await runs.open("stopping", "sampler", create=False)
     assert (await granter.grant("x", asked)).groups == 2
     watching = asyncio.create_task(granter.watch_heartbeats())
@@ -260,14 +262,14 @@ async def test_a_holder_that_said_it_was_stopping_is_released_after_its_entry_ex
 
 def test_a_process_restarted_under_its_id_is_told_from_its_predecessor():
     beats = Heartbeats()
-    assert not beats.observe("a", revision=1, now=0.0, incarnation="aa")  # the first process seen
+    assert not beats.observe("a", revision=1, now=0.0, process="aa")  # the first process seen
     assert not beats.restarted("a", "aa")
     assert beats.restarted("a", "bb")  # a new process asks for work
-    assert not beats.observe("a", revision=2, now=1.0, incarnation="aa", stopping=True)  # aa's last word, read late
+    assert not beats.observe("a", revision=2, now=1.0, process="aa", stopping=True)  # aa's last word, read late
     assert beats.stopped == set() and not beats.restarted("a", "")  # "": before schema 15, never a restart
-    beats.observe("a", revision=3, now=2.0, incarnation="bb", stopping=True)
+    beats.observe("a", revision=3, now=2.0, process="bb", stopping=True)
     assert beats.stopped == {"a"}
-    assert beats.observe("a", revision=4, now=3.0, incarnation="cc")  # restarted again: cc has not stopped
+    assert beats.observe("a", revision=4, now=3.0, process="cc")  # restarted again: cc has not stopped
     assert beats.stopped == set()
 
 
@@ -275,11 +277,11 @@ async def test_a_restarted_process_asking_for_work_hands_its_predecessors_slots_
     """At S >= 1 a predecessor's slots, kept, shrank the window until `reissue_after_s`; the
     new process's first request for work now releases them, and it is granted afresh."""
     cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "max_staleness": 1})
-    run, granter, asked = await _admission_at_version_0(runs, "restarted", cfg)
-    before = asked.model_copy(update={"want": 8, "incarnation": "aa"})
+    run, granter, asked = await _granter_at_version_0(runs, "restarted", cfg)
+    before = asked.model_copy(update={"want": 8, "process": "aa"})
     assert (await granter.grant("x", before)).groups == 8  # the whole window
     assert (await granter.grant("y", asked)).groups == 0
-    after = before.model_copy(update={"incarnation": "bb"})  # kill -9, and the restart policy's
+    after = before.model_copy(update={"process": "bb"})  # kill -9, and the restart policy's
     assert (await granter.grant("x", after)).groups == 0  # released, not yet handed out again
     assert granter.ledger.holders() == set()
     await granter.on_wait(4)  # the step waiting for groups: what was lost is handed out again
@@ -289,7 +291,7 @@ async def test_a_restarted_process_asking_for_work_hands_its_predecessors_slots_
 ASK_AGAIN = {"schema_version": SCHEMA_VERSION, "slots": [], "prompts": [], "more": True}  # nothing now, ask again soon
 
 
-async def _admission_at_version_0(runs, run_id: str, cfg):
+async def _granter_at_version_0(runs, run_id: str, cfg):
     """A trainer holding the run (opened through the `runs` fixture), its granter at version 0,
     and a request for 2 groups made with its weights: (run, granter, request)."""
     run = await runs.open(run_id, "trainer")
@@ -385,7 +387,7 @@ async def test_sequential_groups_are_granted_once_and_only_for_the_current_reque
 async def test_no_work_is_granted_until_min_samplers_have_asked(runs, tmp_path):
     cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "min_samplers": 2})
 
-    _, granter, asked = await _admission_at_version_0(runs, "fleet", cfg)
+    _, granter, asked = await _granter_at_version_0(runs, "fleet", cfg)
     assert (await granter.grant("early", asked)).model_dump() == ASK_AGAIN
     assert (await granter.grant("early", asked)).groups == 0  # asking again does not count twice
     assert (await granter.grant("late", asked)).groups == 2
@@ -401,7 +403,7 @@ async def test_a_grant_the_broker_cannot_record_hands_over_nothing_and_is_handed
     meanwhile onto the lost connection, and raised)."""
     cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "max_staleness": 0})
 
-    run, granter, asked = await _admission_at_version_0(runs, "unrecorded", cfg)
+    run, granter, asked = await _granter_at_version_0(runs, "unrecorded", cfg)
     assert (await granter.grant("a", asked)).groups == 2
     nats_server.process.send_signal(signal.SIGKILL)
     nats_server.process.wait()

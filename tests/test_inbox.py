@@ -13,16 +13,16 @@ from echo.consumed import ConsumedSeqs
 from echo.grants import GrantLedger
 from echo.referee import Referee, content_hash
 from echo.config import SamplingConfig
-from echo.protocol import (HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE, HDR_MSG_ID, HDR_POLICY_VERSION,
-                           HDR_SAMPLER_ID, encode_rollout, rollout_headers)
+from echo.wire.codec import encode_rollout, rollout_headers
+from echo.wire.names import HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE, HDR_MSG_ID, HDR_SAMPLER_ID, HDR_VERSION
 from streams.replay import read_rollouts
 from streams.inbox import FETCH_MAX, RolloutInbox
 from streams.rollouts import publish_rollout, reader_name, reader_subscription, readers, rollout_body
-from streams.server import NatsServer
+from streams.server import NatsServer, ServerConfig
 from tests.conftest import tiny_config
 from tests.groups import REFEREE, TASK, TOKENIZER, granted, honest_group, with_completion
 from workers.trainer.intake import Collector
-from workers.trainer.judge import Judge, Timeline
+from workers.trainer.judge import Judge, Timeline, Trained
 
 
 async def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(runs):
@@ -30,25 +30,25 @@ async def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(run
     inbox, ledger = await RolloutInbox.open(run), GrantLedger()
     subject = run.names.rollouts_subject("s1")
     await run.js.publish(subject, b"{broken", headers={HDR_MSG_ID: "bad1", HDR_SAMPLER_ID: "s1"})
-    await publish_rollout(run, granted(ledger, honest_group(policy_version=1, group_id="stale")))  # 5 - 1 > bound
-    await publish_rollout(run, granted(ledger, honest_group(policy_version=9, group_id="future")))
-    await publish_rollout(run, granted(ledger, honest_group(policy_version=5, group_id="wrongsize", texts=["a", "b", "c"])))
-    spoofed = honest_group(policy_version=5, group_id="spoofed")
-    await run.js.publish(subject, encode_rollout(spoofed), headers={**rollout_headers(spoofed), HDR_POLICY_VERSION: "4"})
-    liar = granted(ledger, with_completion(honest_group(policy_version=4, group_id="liar"), reward=0.0))
+    await publish_rollout(run, granted(ledger, honest_group(version=1, group_id="stale")))  # 5 - 1 > bound
+    await publish_rollout(run, granted(ledger, honest_group(version=9, group_id="future")))
+    await publish_rollout(run, granted(ledger, honest_group(version=5, group_id="wrongsize", texts=["a", "b", "c"])))
+    spoofed = honest_group(version=5, group_id="spoofed")
+    await run.js.publish(subject, encode_rollout(spoofed), headers={**rollout_headers(spoofed), HDR_VERSION: "4"})
+    liar = granted(ledger, with_completion(honest_group(version=4, group_id="liar"), reward=0.0))
     await publish_rollout(run, liar)
     # Attacks by a sampler with publish rights: s1's group on s2's subject; the liar's completions
     # re-sent under a new id; a group trained on in an earlier step re-sent under a new id.
-    impostor = honest_group(15, policy_version=5, group_id="imp")
+    impostor = honest_group(15, version=5, group_id="imp")
     await run.js.publish(run.names.rollouts_subject("s2"), encode_rollout(impostor), headers=rollout_headers(impostor))
-    await publish_rollout(run, granted(ledger, honest_group(policy_version=5, group_id="replay")))
-    await publish_rollout(run, granted(ledger, honest_group(13, policy_version=5, group_id="old")))
-    ok = granted(ledger, honest_group(14, policy_version=5, group_id="ok"))
+    await publish_rollout(run, granted(ledger, honest_group(version=5, group_id="replay")))
+    await publish_rollout(run, granted(ledger, honest_group(13, version=5, group_id="old")))
+    ok = granted(ledger, honest_group(14, version=5, group_id="ok"))
     await publish_rollout(run, ok)
     await publish_rollout(run, ok)  # a retry: de-duplicated
 
     trained_earlier = content_hash(honest_group(13))
-    collector = Collector(inbox, Judge(REFEREE, Timeline(max_staleness=1), trained_content={trained_earlier}), ledger)
+    collector = Collector(inbox, Judge(REFEREE, Timeline(max_staleness=1), Trained(content={trained_earlier})), ledger)
     collected = await collector.collect(2, version=5)
     assert [a.group.group_id for a in collected.used] == ["liar", "ok"]
     assert collected.used[0].rewards == [1.0, 0.1]  # the trainer's rewards, not the liar's
@@ -72,7 +72,7 @@ async def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(run
 @pytest.fixture
 def small_messages_server(tmp_path):
     """A nats-server whose messages are at most 64 KB."""
-    with NatsServer(tmp_path / "js", max_payload="64KB") as server:
+    with NatsServer(tmp_path / "js", ServerConfig(max_payload="64KB")) as server:
         yield server
 
 
@@ -84,12 +84,12 @@ async def test_a_group_larger_than_a_message_travels_in_parts_and_bad_parts_are_
     answer = TASK.prompt(12).answer
     ledger = GrantLedger()
     big = granted(ledger, honest_group(texts=["x" * 30_000 + f"\\boxed{{{answer}}}", "y" * 30_000 + "\\boxed{999}"],
-                                       policy_version=5, group_id="big"))
+                                       version=5, group_id="big"))
     assert len(encode_rollout(big)) > 4 * run.nc.max_payload
     # Pointers that do not add up: a part that does not match the digest; a part missing; a
     # thousand parts; and s2 naming a part that s1 published (the trainer reads the parts on the
     # subject's sampler's bodies subject only).
-    forged = honest_group(policy_version=5, group_id="forged")
+    forged = honest_group(version=5, group_id="forged")
     junk = await run.js.publish(run.names.bodies_subject("s1"), b"junk", headers={HDR_MSG_ID: "forged-0"})
     pointer = {**rollout_headers(forged), HDR_BODY_PARTS: str(junk.seq), HDR_BODY_SIZE: "4", HDR_BODY_SHA256: "0" * 64}
     await run.js.publish(run.names.rollouts_subject("s1"), b"", headers=pointer)
@@ -97,10 +97,10 @@ async def test_a_group_larger_than_a_message_travels_in_parts_and_bad_parts_are_
         **pointer, HDR_MSG_ID: "forged2", HDR_BODY_PARTS: "999999"})
     await run.js.publish(run.names.rollouts_subject("s1"), b"", headers={  # refused before reading a thousand parts
         **pointer, HDR_MSG_ID: "forged3", HDR_BODY_PARTS: ",".join(["1"] * 1000)})
-    stolen = encode_rollout(honest_group(policy_version=5, group_id="stolen", sampler_id="s2"))
+    stolen = encode_rollout(honest_group(version=5, group_id="stolen", sampler_id="s2"))
     part = await run.js.publish(run.names.bodies_subject("s1"), stolen, headers={HDR_MSG_ID: "stolen-0"})
     await run.js.publish(run.names.rollouts_subject("s2"), b"", headers={
-        **rollout_headers(honest_group(policy_version=5, group_id="stolen", sampler_id="s2")),
+        **rollout_headers(honest_group(version=5, group_id="stolen", sampler_id="s2")),
         HDR_BODY_PARTS: str(part.seq), HDR_BODY_SIZE: str(len(stolen)),
         HDR_BODY_SHA256: hashlib.sha256(stolen).hexdigest()})
     await publish_rollout(run, big)
@@ -119,11 +119,11 @@ async def test_a_step_that_crashed_between_its_checkpoint_and_its_acks_is_not_co
     trainer died before acking them), the next trainer skips them, and counts the rest."""
     run, ledger = await runs.open("redeliver", "test"), GrantLedger()
     for i in range(3):
-        await publish_rollout(run, granted(ledger, honest_group(20 + i, policy_version=5, group_id=f"g{i}")))
+        await publish_rollout(run, granted(ledger, honest_group(20 + i, version=5, group_id=f"g{i}")))
     first = Collector(await RolloutInbox.open(run, ack_wait_s=600.0), Judge(REFEREE, Timeline(max_staleness=1)), ledger)
     step = await first.collect(2, version=5)  # checkpointed, then the crash: never acked
     assert [a.group.group_id for a in step.used] == ["g0", "g1"]
-    await publish_rollout(run, granted(ledger, honest_group(23, policy_version=5, group_id="g3")))
+    await publish_rollout(run, granted(ledger, honest_group(23, version=5, group_id="g3")))
     # Opening the inbox offers g0 and g1 again at once (not after ack_wait), before newer messages.
     restarted = Collector(await RolloutInbox.open(run, ack_wait_s=600.0), Judge(REFEREE, Timeline(max_staleness=1)),
                           ledger, consumed=ConsumedSeqs(above=step.seqs))
@@ -246,7 +246,7 @@ async def test_samplers_are_read_in_turn_so_no_backlog_stands_in_front_of_anothe
     await asyncio.gather(*(run.js.publish(run.names.rollouts_subject("flooder"), bytes(64), headers={HDR_MSG_ID: f"j{i}"})
                            for i in range(flood)))
     for sampler in ("s1", "s2"):
-        await publish_rollout(run, honest_group(20, policy_version=5, group_id=f"from-{sampler}", sampler_id=sampler))
+        await publish_rollout(run, honest_group(20, version=5, group_id=f"from-{sampler}", sampler_id=sampler))
     inbox = await RolloutInbox.open(run, ack_wait_s=600.0)
     first = await inbox.fetch(3, timeout=5.0)
     assert sorted(d.sender for d in first) == ["flooder", "s1", "s2"]

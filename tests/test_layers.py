@@ -83,6 +83,37 @@ def test_no_import_cycle_among_echos_modules():
     assert cycles == []
 
 
+def test_no_file_name_twice_in_workers():
+    """A wing's rooms and the operator's commands each have one name in workers/ (status.py once,
+    not a view, a page and a command of the same name): a reader finds a room by its name."""
+    names = [f.name for f in (ROOT / "workers").rglob("*.py") if f.name != "__init__.py"]
+    assert sorted({name for name in names if names.count(name) > 1}) == []
+
+
+def constructor_parameters(path: Path) -> dict[str, int]:
+    """Each class in `path` with an `__init__` of its own: how many parameters it takes (self not
+    counted). A dataclass is a record of values, not a wiring of collaborators: not counted."""
+    counts = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef):
+            for init in (n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"):
+                a = init.args
+                counts[f"{path.relative_to(ROOT)}::{node.name}"] = (
+                    len(a.posonlyargs) + len(a.args) - 1 + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg))
+    return counts
+
+
+def test_no_constructor_takes_more_than_six_parameters():
+    """Collaborators are built in one place (a wing's open(), or a config object) and handed over
+    together: a class wired by hand from many parts was hard to read and to test."""
+    counts = {}
+    for layer in FORBIDDEN:
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            counts |= constructor_parameters(path)
+    assert counts, "no constructor found: the walk is broken"
+    assert {name: n for name, n in counts.items() if n > 6} == {}
+
+
 def layout_paths(design: str) -> set[str]:
     """The paths docs/design.md's layout names: one entry a line, nested by two spaces."""
     block = design.split("## Layout\n\n```\n", 1)[1].split("```", 1)[0]
@@ -136,7 +167,7 @@ for module in sys.argv[1:]:  # as a process of ours imports them: workers.cli, t
 
 
 @pytest.mark.parametrize("modules, given, expected", [
-    ("workers.cli workers.trainer.model", None, "PASSIVE"), ("workers.cli workers.sampler.loop", None, "PASSIVE"),
+    ("workers.cli workers.trainer.model", None, "PASSIVE"), ("workers.cli workers.sampler.modes", None, "PASSIVE"),
     ("bench.load", None, "PASSIVE"), ("tests.conftest", None, "PASSIVE"), ("echo.learner", "ACTIVE", "ACTIVE")])
 def test_torch_is_loaded_with_passive_openmp_threads_unless_the_user_says_otherwise(modules, given, expected):
     """Spinning OpenMP threads (libgomp's default) beside another busy process made generation

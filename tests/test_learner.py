@@ -73,11 +73,11 @@ def test_a_micro_batched_step_is_the_whole_batch_step(tmp_path):
 
 
 def test_a_partial_rollouts_tokens_older_than_the_bound_are_not_trained(tmp_path):
-    """A group versions 2, 3 and 4 sampled in turn, trained at a bound that admits 3 and newer:
+    """A group versions 2, 3 and 4 sampled in turn, trained at a bound that accepts 3 and newer:
     its first 2 tokens of each completion are left out of the loss (whatever their log-probs
     say), the rest are trained, and the step counts only those."""
     texts = ["\\boxed{5} and so on", "no idea at all, sorry"]
-    spanning = honest_group(11, texts=texts, policy_version=2,
+    spanning = honest_group(11, texts=texts, version=2,
                             version_changes=[{"at": 2, "version": 3}, {"at": 4, "version": 4}])
     base, tokenizer = load_model("tiny")
     start = make_policy(base, tiny_config(tmp_path).lora)

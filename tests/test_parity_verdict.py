@@ -16,7 +16,7 @@ from bench.parity import (MEASURES, MODES, area_under, commit_results, detectabl
                           off_policy, permutation_p, reached, run_cost, run_summary, schedule, verdict)
 from echo.engines import make_engine
 from tests.conftest import tiny_config
-from workers.evaluate import held_out_score
+from workers.operator.heldout import held_out_score
 from workers.trainer.accounting import metrics_line
 
 

@@ -18,8 +18,8 @@ def test_a_partial_rollout_is_judged_by_its_newest_tokens_and_may_have_begun_a_w
     (begun_within 5): finished by version 8, a group is trained whatever began it down to 5."""
     judge = Judge(REFEREE, Timeline(max_staleness=2, begun_within=5))
 
-    def verdict(policy_version: int, changes: list[tuple[int, int]]) -> str:
-        group = honest_group(policy_version=policy_version,
+    def verdict(version: int, changes: list[tuple[int, int]]) -> str:
+        group = honest_group(version=version,
                              version_changes=[{"at": at, "version": v} for at, v in changes])
         found = asyncio.run(judge.fresh(Case(group, "s1", 10, group.prompt_index)))
         return "used" if found is None else found.reason
@@ -61,7 +61,7 @@ def test_a_group_spanning_three_versions_is_trained_and_proved_token_by_token(na
     assert_balanced(metrics, records)
     trained = {gid for m in metrics for gid, _, _ in m["groups"]}
     spanning = [r["group"] for r in records if r["group"]["group_id"] in trained and len(r["group"]["version_changes"]) >= 2]
-    assert spanning, [(r["group"]["sampler_id"], r["group"]["policy_version"], r["group"]["version_changes"], [len(c["token_ids"]) for c in r["group"]["completions"]]) for r in records if r["group"]["sampler_id"] == "slow"]  # begun by one version, finished by two newer
+    assert spanning, [(r["group"]["sampler_id"], r["group"]["version"], r["group"]["version_changes"], [len(c["token_ids"]) for c in r["group"]["completions"]]) for r in records if r["group"]["sampler_id"] == "slow"]  # begun by one version, finished by two newer
     assert all(g["sampler_id"] == "slow" for g in spanning)
     proof = metrics[-1]["proof_of_sampling"]  # every trained group was checked, each token under its version
     assert proof == {"passed": len(trained)}, proof

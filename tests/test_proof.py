@@ -11,8 +11,8 @@ from echo.config import LoraConfig
 from echo.engines.hf import HFEngine
 from echo.grants import GrantLedger
 from echo.policy import group_logprobs, load_weights, policy_tensors, weights_shards
-from echo.proof import SamplingProof, logprob_gap
-from echo.protocol import Completion, GrantRequest, Observation
+from echo.proof import ProofSettings, SamplingProof, logprob_gap
+from echo.wire.messages import Completion, GrantRequest, Observation
 from streams.lease import take_lease
 from streams.quarantine import read_quarantine
 from streams.registry import read_statuses
@@ -22,12 +22,12 @@ from tests.conftest import tiny_config
 from tests.groups import REFEREE, SAMPLING, granted, honest_group
 from workers.background import Background
 from workers.cli import build_parser
-from workers.commands.quarantine import quarantine_command
-from workers.sampler.loop import Sampler
+from workers.operator.quarantine import quarantine_command
+from workers.sampler.modes import Sampler
 from workers.trainer.granter import AsyncGranter
 from workers.trainer.intake import Collector
 from workers.trainer.judge import Judge, Timeline
-from workers.trainer.quarantine import Quarantined
+from workers.trainer.strikes import Quarantined
 
 LORA = LoraConfig(r=4, alpha=8.0)
 
@@ -41,14 +41,14 @@ def _perturb(model, seed: int) -> None:
 
 
 def _proof(policy, tolerance: float = 0.01, fraction: float = 1.0) -> SamplingProof:
-    return SamplingProof(policy, 0, SAMPLING.temperature, fraction, tolerance, keep=2)
+    return SamplingProof(policy, 0, ProofSettings(SAMPLING.temperature, fraction, tolerance, keep=2))
 
 
 def test_which_groups_are_checked_cannot_be_told_from_the_run_config():
     """The choice was drawn from a generator seeded by run.seed, which every sampler reads in the
     config: a forger could tell which groups would be checked. Two trainers of the same config
     now choose differently (the chance that 128 draws agree is 2**-128)."""
-    group = honest_group(policy_version=0)
+    group = honest_group(version=0)
     first, second = (_proof(torch.nn.Linear(1, 1), fraction=0.5) for _ in range(2))
     assert [first.wants(group) for _ in range(128)] != [second.wants(group) for _ in range(128)]
 
@@ -76,7 +76,7 @@ def test_honest_log_probs_pass_under_the_claimed_version_and_forged_ones_fail():
     prompt = REFEREE.task.prompt(3)
     prompt_ids = sampler.encode_chat(prompt.messages)
     generations = sampler.generate([prompt_ids], SAMPLING.group_size)[0]
-    group = honest_group(3, policy_version=0, prompt_token_ids=prompt_ids, completions=[
+    group = honest_group(3, version=0, prompt_token_ids=prompt_ids, completions=[
         honest_group().completions[0].replaced(token_ids=g.token_ids, logprobs=g.logprobs)
         for g in generations])
     assert proof.check(group) < 1e-4  # fp32: float error only
@@ -157,7 +157,7 @@ def test_a_partial_rollout_is_checked_token_by_token_under_the_version_that_samp
     sampling = SAMPLING.model_copy(update={"max_new_tokens": 24, "chunk_tokens": 8, "group_size": 16})
     sampler = HFEngine("tiny", LORA, sampling)
     trainer = HFEngine("tiny", LORA, sampling).model
-    proof = SamplingProof(trainer, 0, sampling.temperature, 1.0, 0.01, keep=3)
+    proof = SamplingProof(trainer, 0, ProofSettings(sampling.temperature, 1.0, 0.01, keep=3))
     versions = []
     for version in range(3):  # as the trainer publishes them
         _perturb(trainer, seed=version)
@@ -179,7 +179,7 @@ def test_a_partial_rollout_is_checked_token_by_token_under_the_version_that_samp
     for g in generations:  # a completion that ended before a swap does not name it
         assert g.version_changes == tuple(c for c in ((8, 1), (16, 2)) if c[0] < len(g.token_ids))
     assert max(len(g.version_changes) for g in generations) == 2
-    group = honest_group(3, policy_version=0, prompt_token_ids=prompt_ids, completions=[
+    group = honest_group(3, version=0, prompt_token_ids=prompt_ids, completions=[
         honest_group().completions[0].replaced(token_ids=g.token_ids, logprobs=g.logprobs) for g in generations],
         version_changes=[{"at": 8, "version": 1}, {"at": 16, "version": 2}])
     assert group.newest_version == 2

@@ -6,26 +6,28 @@ import orjson
 import pytest
 from pydantic import ValidationError
 
-from echo.protocol import (
-    HDR_MSG_ID,
-    HDR_POLICY_VERSION,
-    HDR_SCHEMA,
+from echo.wire.codec import (
     ROLLOUT_MAGIC,
-    Completion,
-    Grant,
     ProtocolError,
-    PullRequest,
-    RolloutGroup,
-    RunNames,
-    WeightsAnnouncement,
-    WeightsLink,
-    WeightsShard,
     decode,
     decode_rollout,
     encode,
     encode_rollout,
     rollout_headers,
 )
+from echo.wire.messages import (
+    Completion,
+    Grant,
+    GrantRequest,
+    PullRequest,
+    RolloutGroup,
+    SamplerStatus,
+    TrainerStatus,
+    WeightsAnnouncement,
+    WeightsLink,
+    WeightsShard,
+)
+from echo.wire.names import HDR_MSG_ID, HDR_SCHEMA, HDR_VERSION, SCHEMA_VERSION, RunNames
 from tests.groups import honest_group, pack_rollout, unpack_rollout
 
 
@@ -33,14 +35,14 @@ def make_group(version: int = 3, sampler: str = "s1", size: int = 2, group_id: s
     """An honest group with token ids small enough to read back on the wire."""
     completion = Completion(token_ids=[4, 5], logprobs=[-0.5, -1.0], text="<answer>3</answer>", reward=1.0,
                             finish_reason="stop")
-    return honest_group(policy_version=version, sampler_id=sampler, group_id=group_id, prompt_token_ids=[1, 2, 3],
+    return honest_group(version=version, sampler_id=sampler, group_id=group_id, prompt_token_ids=[1, 2, 3],
                         completions=[completion] * size, created_at=time.time())
 
 
 def test_rollout_round_trip_with_headers():
     group = make_group()
     headers = rollout_headers(group)
-    assert headers[HDR_POLICY_VERSION] == "3" and headers[HDR_MSG_ID] == "g1"
+    assert headers[HDR_VERSION] == "3" and headers[HDR_MSG_ID] == "g1"
     data = encode_rollout(group)
     assert decode_rollout(data, headers, RunNames("r").rollouts_subject(group.sampler_id)) == group
     assert data[:4] == b"ECRG" and b'"text":"<answer>3</answer>"' in data  # the fields stay readable
@@ -145,9 +147,9 @@ GOOD = encode_rollout(make_group())
         (_fields_as(b'{"schema_version": 9, "prompt_tokens": 1}'), "bad_schema"),  # no completion counts
         (_fields_as(b'{"prompt_tokens": -1, "completion_tokens": [], "completions": []}'), "bad_schema"),
         (_mutate(schema_version=1), "bad_schema_version"),
-        (_mutate(policy_version=None), "bad_schema"),
-        (_mutate(policy_version="3"), "bad_schema"),
-        (_mutate(policy_version=-1), "bad_schema"),
+        (_mutate(version=None), "bad_schema"),
+        (_mutate(version="3"), "bad_schema"),
+        (_mutate(version=-1), "bad_schema"),
         (_mutate(extra_field=1), "bad_schema"),
         (_mutate(completions=[]), "bad_schema"),
         (_mutate(c0_token_ids=[], c0_logprobs=[]), "bad_schema"),  # an empty completion
@@ -186,7 +188,7 @@ def test_a_group_recorded_in_schema_13_still_decodes_and_one_mixing_the_names_do
     group = make_group()
     subject = RunNames("r").rollouts_subject("s1")
     raw = unpack_rollout(encode_rollout(group))
-    recorded = pack_rollout(raw | {"schema_version": 13, "lease": raw.pop("slot")})
+    recorded = pack_rollout(raw | {"schema_version": 13, "lease": raw.pop("slot"), "policy_version": raw.pop("version")})
     headers = rollout_headers(group) | {HDR_SCHEMA: "13"}
     assert decode_rollout(recorded, headers, subject) == group
     with pytest.raises(ProtocolError, match="header_mismatch"):
@@ -198,6 +200,34 @@ def test_a_group_recorded_in_schema_13_still_decodes_and_one_mixing_the_names_do
     with pytest.raises(ProtocolError, match="one for each slot"):  # since 19 a grant names each slot's prompt
         decode(Grant, orjson.dumps({"schema_version": 13, "leases": [4, 5], "more": True}))
 
+
+
+def test_messages_recorded_in_schema_19_decode_under_the_names_of_20():
+    """Schema 20 gave each word one meaning: a group's `policy_version` is its `version`, a
+    sampler's `incarnation` its `process`, LearnerStatus a TrainerStatus (same fields, same key).
+    A recorded run's groups, and a sampler or trainer of 19, still read; a message naming a field
+    both ways, or one of 20 using an old name, does not."""
+    group = make_group()
+    subject = RunNames("r").rollouts_subject("s1")
+    raw = unpack_rollout(encode_rollout(group))
+    version = raw.pop("version")
+    recorded = pack_rollout(raw | {"schema_version": 19, "policy_version": version})
+    assert decode_rollout(recorded, rollout_headers(group) | {HDR_SCHEMA: "19"}, subject) == group
+    beat = {"schema_version": 19, "sampler_id": "s1", "version": 3, "groups_published": 0, "weight_failures": {},
+            "updated_at": 1.0, "incarnation": "ab12"}
+    assert decode(SamplerStatus, orjson.dumps(beat)).process == "ab12"
+    asked = {"schema_version": 19, "want": 2, "epoch": 1, "version": 3, "incarnation": "ab12"}
+    assert decode(GrantRequest, orjson.dumps(asked)) == GrantRequest(want=2, epoch=1, version=3, process="ab12")
+    pace = {"schema_version": 19, "step_s": 1.0, "groups_per_step": 4, "max_staleness": 1, "version": 3,
+            "utilisation": 0.5, "updated_at": 1.0}
+    assert decode(TrainerStatus, orjson.dumps(pace)).version == 3
+    both = pack_rollout(raw | {"schema_version": 19, "policy_version": version, "version": version})
+    with pytest.raises(ProtocolError, match="bad_schema"):
+        decode_rollout(both, rollout_headers(group) | {HDR_SCHEMA: "19"}, subject)
+    with pytest.raises(ProtocolError, match="bad_schema"):
+        decode_rollout(_mutate(policy_version=3, version=None), rollout_headers(group), subject)
+    with pytest.raises(ProtocolError, match="bad_schema"):
+        decode(SamplerStatus, orjson.dumps(beat | {"schema_version": SCHEMA_VERSION}))
 
 def _spanning(changes: list[dict], version: int = 3, lengths=(6, 3)) -> RolloutGroup:
     """A group newer weights took over at `changes` (partial rollouts)."""

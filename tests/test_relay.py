@@ -6,25 +6,26 @@ import asyncio
 import pytest
 
 from echo.engines.hf import HFEngine
-from echo.protocol import CONFIG_KEY, HDR_SAMPLER_ID, Grant, GrantRequest, RunNames, SamplerStatus
 from echo.tasks import load_task
+from echo.wire.messages import Grant, GrantRequest, SamplerStatus
+from echo.wire.names import CONFIG_KEY, HDR_SAMPLER_ID, RunNames
 from streams.grants import request_grant, serve_grants
 from streams.client import connect
 from streams.lease import take_lease
 from streams.registry import put_status, read_statuses, weights_relay
 from streams.relay import open_mirrors
 from streams.replay import read_rollouts
-from streams.server import NatsServer, free_port
+from streams.server import NatsServer, ServerConfig, free_port
 from streams.weights import WeightsPublisher
 from tests.conftest import adapter_for_version, relay, TINY_BASE, tiny_config
 from workers.cli import build_parser
-from workers.commands.sampler import sampler_config_from_run
-from workers.sampler.loop import Sampler
+from workers.sampler.sampler import sampler_config_from_run
+from workers.sampler.modes import Sampler
 
 
 @pytest.fixture
 def hub(tmp_path):
-    with NatsServer(tmp_path / "hub", leaf_port=free_port()) as server:
+    with NatsServer(tmp_path / "hub", ServerConfig(leaf_port=free_port())) as server:
         yield server
 
 
@@ -32,7 +33,7 @@ def hub(tmp_path):
 def site(hub, tmp_path):
     """A site's nats-server with its own JetStream domain, a leaf node of the hub: what a relay
     runs, without the relay's process."""
-    with NatsServer(tmp_path / "site", domain="site", hub_leaf_url=hub.leaf_url) as server:
+    with NatsServer(tmp_path / "site", ServerConfig(domain="site", hub_leaf_url=hub.leaf_url)) as server:
         yield server
 
 

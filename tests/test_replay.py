@@ -30,9 +30,9 @@ def test_replay_filters_a_finished_runs_stream(tmp_path):
     metrics, stream, _ = run_swarm(tmp_path, "again", 6, "trainer.max_staleness=0")
     run_dir = tmp_path / "again"
 
-    sampler, version = stream[-1]["group"]["sampler_id"], stream[-1]["group"]["policy_version"]
+    sampler, version = stream[-1]["group"]["sampler_id"], stream[-1]["group"]["version"]
     records = _records(_replay(run_dir, "--sampler", sampler, "--version", str(version)).stdout)
-    expected = [r for r in stream if r["group"]["sampler_id"] == sampler and r["group"]["policy_version"] == version]
+    expected = [r for r in stream if r["group"]["sampler_id"] == sampler and r["group"]["version"] == version]
     assert [r["seq"] for r in records] == [r["seq"] for r in expected] and expected
     assert [r["seq"] for r in _records(_replay(run_dir, "--seq", "2:4").stdout)] == [2, 3, 4]
     assert _replay(run_dir, "--rejected").stdout == ""  # an honest run: nothing malformed

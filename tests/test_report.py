@@ -1,8 +1,8 @@
-"""The run's picture (workers/report.py): its headline and a resumed run's time axis."""
+"""The run's picture (workers/operator/charts.py): its headline and a resumed run's time axis."""
 
 import orjson
 
-from workers.report import held_out_line, trainer_minutes, write_report
+from workers.operator.charts import held_out_line, trainer_minutes, write_report
 
 
 def _steps(walls: list[float]) -> list[dict]:

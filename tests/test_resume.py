@@ -15,7 +15,7 @@ from echo.checkpoint import (TrainerState, append_trained_completions, append_tr
 from echo.config import LoraConfig
 from echo.models import load_model
 from echo.policy import make_policy
-from echo.protocol import HDR_MSG_ID, RunNames
+from echo.wire.names import HDR_MSG_ID, RunNames
 from streams.client import connect
 from streams.replay import read_rollouts
 from streams.rollouts import is_reader

@@ -132,7 +132,7 @@ def test_a_sampler_killed_and_restarted_under_its_id_at_once_gets_its_predecesso
     """Issue 48: slots are held by sampler id, and a replacement that heartbeats within
     `sampler_dead_after_s` (as systemd, compose or Kubernetes restart a process) hid the death:
     the slots came back only after `trainer.reissue_after_s` (300 s; at S = 0 no step till then).
-    Each process now names itself (its incarnation) in its heartbeats and requests: the new one
+    Each process now names itself (a random `process` name) in its heartbeats and requests: the new one
     is told from the old at its first, and the old one's slots are handed out at once (at
     S >= 1 they shrank the window instead: test_grants)."""
     with a_sampler_holding_slots(tmp_path, nats_server.url, 3, dead_after_s=3600.0) as (cfg, config_path, processes):

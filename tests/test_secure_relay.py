@@ -14,11 +14,12 @@ import pytest
 from nats.errors import NoRespondersError
 from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
-from echo.protocol import CONFIG_KEY, RunNames, encode_rollout, rollout_headers
+from echo.wire.codec import encode_rollout, rollout_headers
+from echo.wire.names import CONFIG_KEY, RunNames
 from streams.client import connect, open_run, wait_for_jetstream
 from streams.lease import take_lease
 from streams.secure import SERVER_CONF, SecureDir
-from streams.server import NatsServer, free_port
+from streams.server import NatsServer, ServerConfig, free_port
 from streams.weights import WeightsFollower, WeightsPublisher
 from tests.conftest import relay, TINY_BASE
 from tests.groups import honest_group
@@ -35,8 +36,8 @@ def secured_hub(tmp_path):
     secure = SecureDir(tmp_path / "secure")
     secure.init("sec", ["localhost", "127.0.0.1"], ["s1"])
     secure.add_relay("site", [])
-    with NatsServer(tmp_path / "hub", leaf_port=free_port(), include=secure.dir / SERVER_CONF,
-                    leaf_include=secure.leaf_conf, log_file=tmp_path / "hub.log") as hub:
+    with NatsServer(tmp_path / "hub", ServerConfig(leaf_port=free_port(), include=secure.dir / SERVER_CONF,
+                    leaf_include=secure.leaf_conf, log_file=tmp_path / "hub.log")) as hub:
         yield hub, secure
 
 
@@ -121,7 +122,7 @@ def test_relay_credentials_mirror_and_nothing_else(secured_hub, tmp_path):
         await trainer.js.stream_info(names.weights_stream)
         await trainer.close()
 
-    evil = NatsServer(tmp_path / "evil", domain="evil", hub_leaf_url=hub.leaf_url, hub_leaf_options=files.leaf_remote())
+    evil = NatsServer(tmp_path / "evil", ServerConfig(domain="evil", hub_leaf_url=hub.leaf_url, hub_leaf_options=files.leaf_remote()))
     with evil:
         asyncio.run(attack(evil.url))
 
@@ -146,7 +147,7 @@ def test_the_secured_hubs_leaf_port_refuses_other_leaf_connections(secured_hub, 
         finally:
             await nc.close()
 
-    with NatsServer(tmp_path / "leaf", domain="leaf", hub_leaf_url=hub.leaf_url, hub_leaf_options=options) as leaf:
+    with NatsServer(tmp_path / "leaf", ServerConfig(domain="leaf", hub_leaf_url=hub.leaf_url, hub_leaf_options=options)) as leaf:
         asyncio.run(reach_hub(leaf.url))
     assert refusal in (tmp_path / "hub.log").read_text().lower()
 
@@ -160,8 +161,8 @@ def test_add_relay_issues_leaf_credentials_a_running_hub_accepts_without_a_resta
         await wait_for_jetstream(nc.jetstream(domain="hub"), "hub through the new relay's leaf", timeout=20)
         await nc.close()
 
-    with NatsServer(tmp_path / "late", domain="late", hub_leaf_url=hub.leaf_url,
-                    hub_leaf_options=files.leaf_remote()) as leaf:
+    with NatsServer(tmp_path / "late", ServerConfig(domain="late", hub_leaf_url=hub.leaf_url,
+                    hub_leaf_options=files.leaf_remote())) as leaf:
         asyncio.run(reach_hub(leaf.url))
     assert main(["secure", "add-relay", str(secure.dir), "late"]) == 2  # issued already: refused
 
@@ -176,7 +177,7 @@ def test_a_relay_open_to_other_machines_needs_credentials_or_insecure(tmp_path, 
     err = capsys.readouterr().err
     assert "--host 0.0.0.0" in err and "--creds" in err and "--tls-ca" in err and "--insecure" in err
 
-    with NatsServer(tmp_path / "hub", leaf_port=free_port()) as hub:
+    with NatsServer(tmp_path / "hub", ServerConfig(leaf_port=free_port())) as hub:
         args = _relay_cli(tmp_path, hub.leaf_url, "--host", "0.0.0.0", "--insecure")
         proc = subprocess.Popen([sys.executable, "-m", "workers.cli", *args], stderr=subprocess.PIPE, text=True)
         lines = []

@@ -14,20 +14,9 @@ import pytest
 
 from echo.config import ConfigError
 from echo.edge import check_config_from_broker
-from echo.protocol import (
-    BUDGET_KEY,
-    CONFIG_KEY,
-    HDR_MSG_ID,
-    SLOTS_KEY,
-    SLOTS_KEY_BEFORE_14,
-    TRAINER_KEY,
-    RunNames,
-    WeightsAnnouncement,
-    decode,
-    encode,
-    encode_rollout,
-    rollout_headers,
-)
+from echo.wire.codec import decode, encode, encode_rollout, rollout_headers
+from echo.wire.messages import WeightsAnnouncement
+from echo.wire.names import BUDGET_KEY, CONFIG_KEY, HDR_MSG_ID, SLOTS_KEY, SLOTS_KEY_BEFORE_14, TRAINER_KEY, RunNames
 from streams.rollouts import reader_name, reader_subscription
 from streams.secure import PID_FILE, SecureDir
 from streams.server import write_secret
@@ -136,7 +125,7 @@ async def test_forged_and_pre_deduplicated_announcements_do_not_wedge_samplers(r
     restarted = await take_lease(trainer)
     trainer_weights = WeightsPublisher(restarted)
     await trainer_weights.publish(2, [b"v2" * 100], TINY_BASE)
-    await _until(lambda: follower.ready[0].policy == (restarted.epoch, 2))
+    await _until(lambda: follower.ready[0].epoch_version == (restarted.epoch, 2))
     await follower.stop()
 
 

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from echo.metrics import sampler_scalars, step_scalars
-from echo.protocol import SamplerStatus
+from echo.wire.messages import SamplerStatus
 from tests.conftest import tiny_config
 from tests.swarms import up_command
 from workers.trainer.trackers import Trackers, mlflow_store

@@ -3,7 +3,9 @@ misnamed value is skipped, never fatal, and the next good one followed."""
 
 import asyncio
 
-from echo.protocol import SCHEDULE_KEY, SamplerStatus, Schedule, encode
+from echo.wire.codec import encode
+from echo.wire.messages import SamplerStatus, Schedule
+from echo.wire.names import SCHEDULE_KEY
 from streams.registry import put_status, read_statuses
 from streams.schedule import publish_schedule, watch_schedule
 

@@ -12,15 +12,16 @@ import torch
 
 from echo.engines.hf import HFEngine
 from echo.policy import weights_shards
-from echo.protocol import HDR_POLICY_VERSION, Grant, weights_object_name
 from echo.tasks import load_task
+from echo.wire.messages import Grant
+from echo.wire.names import HDR_VERSION, weights_object_name
 from streams.lease import take_lease
 from streams.objects import TransferError, get_object, put_object
 from streams.registry import put_status, read_statuses
 from streams.replay import read_rollouts
 from streams.weights import WeightsFollower, WeightsPublisher, fetch_weights
 from tests.conftest import adapter_for_version, store_tampered, TINY_BASE, tiny_config
-from workers.sampler.loop import Sampler
+from workers.sampler.modes import Sampler
 
 
 async def test_weights_round_trip_and_a_wrong_digest_is_refused(runs, tmp_path):
@@ -63,7 +64,7 @@ async def test_a_sampler_joining_after_version_3_generates_with_version_3(runs, 
     assert sampler.weights.version == 3
     assert list(weights_shards(engine.model, 2**30)) == adapters[3]
     records = [r async for r in read_rollouts(runs.url, cfg.run.id)]
-    assert [r["headers"][HDR_POLICY_VERSION] for r in records] == ["3"]
+    assert [r["headers"][HDR_VERSION] for r in records] == ["3"]
 
 
 async def _until_failure(follower: WeightsFollower, timeout: float = 4.0) -> None:

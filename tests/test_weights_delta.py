@@ -16,7 +16,9 @@ import torch
 from echo import delta
 from echo.checkpoint import delta_shards, weights_at, weights_digest, weights_file
 from echo.policy import shards_tensors
-from echo.protocol import WeightsAnnouncement, WeightsLink, WeightsShard, encode, weights_object_name
+from echo.wire.codec import encode
+from echo.wire.messages import WeightsAnnouncement, WeightsLink, WeightsShard
+from echo.wire.names import weights_object_name
 from streams.client import publish_once
 from streams.lease import take_lease
 from streams.objects import put_object
@@ -48,7 +50,7 @@ def write(run_dir, version: int, tensors: dict[str, torch.Tensor]) -> list:
 
 
 async def publish(publisher: WeightsPublisher, run_dir, version: int, tensors, whole: bool = False, **lie):
-    """What the trainer's publish_policy does, a delta unless `whole` (or the first); `lie`
+    """What the trainer's publish_version does, a delta unless `whole` (or the first); `lie`
     replaces the digest or the deltas."""
     files = write(run_dir, version, tensors)
     base = publisher.newest

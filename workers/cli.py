@@ -1,4 +1,19 @@
-"""`echo-rl`: run a local swarm, a single trainer, sampler or relay, or replay a run's rollout stream."""
+"""`echo-rl`: run a local swarm, a single trainer, sampler or relay, or replay a run's rollout stream.
+
+Each command is one module in its wing, its arguments beside the code it calls: workers/trainer/
+trainer.py, workers/sampler/sampler.py, and the operator's in workers/operator/. Each has:
+
+    NAME                  the command's name on the command line
+    register(sub)         adds the command's parser, with its flags and help, to `sub` (argparse subparsers)
+    run(args) -> int      does the command; the exit code (a ConfigError is said in one line, exit 2)
+
+and may have:
+
+    NEEDS                 packages of the full install it imports, which an edge sampler's leaves out
+    starts_server(args)   whether it starts a nats-server of its own (its binary is checked at start)
+
+Heavy imports (torch, transformers) stay inside `run`: the parser, and a command that does not
+need them, load without them. What several commands share: workers/arguments.py."""
 
 from __future__ import annotations
 
@@ -8,10 +23,11 @@ import sys
 
 from echo.config import ConfigError
 from streams.server import nats_server_binary
-from workers.commands import evaluate, plan, quarantine, relay, replay, report, sampler, secure, status, trainer, up
+from workers.operator import evaluate, plan, quarantine, relay, replay, report, secure, status, up
+from workers.sampler import sampler
+from workers.trainer import trainer
 
-# Each command's module (workers/commands/): its parser and flags, and what it does. In this order
-# in `echo-rl --help`.
+# In this order in `echo-rl --help`.
 COMMANDS = {command.NAME: command
             for command in (up, trainer, sampler, relay, secure, evaluate, report, replay, quarantine, status, plan)}
 

@@ -22,8 +22,8 @@ class Generation:
 
 
 def call_seed(run_seed: int, sampler_id: str, epoch: int, slot: int) -> int:
-    """The sampling noise of the generation call that fills `slot` (its first) of trainer
-    incarnation `epoch`, from the run's seed: a run is reproducible from its config, and no two
+    """The sampling noise of the generation call that fills `slot` (its first) in the trainer's
+    `epoch`, from the run's seed: a run is reproducible from its config, and no two
     calls draw the same, a restarted sampler's included (slots are numbered once per run: an
     honest sampler must never repeat a completion, which the trainer refuses)."""
     digest = hashlib.sha256(f"{run_seed}/{sampler_id}/{epoch}/{slot}".encode()).digest()

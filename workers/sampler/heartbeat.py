@@ -11,11 +11,10 @@ import time
 import structlog
 
 from echo.config import EchoConfig
-from echo.engines.base import Engine
-from echo.protocol import SamplerStatus
+from echo.wire.messages import SamplerStatus
 from streams.client import BROKER_ERRORS, Run
 from streams.quarantine import read_quarantine
-from streams.registry import put_status, read_learner
+from streams.registry import put_status, read_trainer_status
 from workers.sampler.generation import Generation
 from workers.sampler.weights import EngineWeights
 from workers.sampler.work import Work
@@ -24,9 +23,9 @@ log = structlog.get_logger()
 
 
 class Heartbeat:
-    def __init__(self, cfg: EchoConfig, sampler_id: str, run: Run, engine: Engine, weights: EngineWeights,
-                 generation: Generation, work: Work):
-        self.cfg, self.sampler_id, self.run, self.engine = cfg, sampler_id, run, engine
+    def __init__(self, cfg: EchoConfig, sampler_id: str, run: Run, weights: EngineWeights, generation: Generation,
+                 work: Work):
+        self.cfg, self.sampler_id, self.run, self.engine = cfg, sampler_id, run, weights.engine
         self.weights, self.generation, self.work = weights, generation, work
         self.relay = ""  # the relay's JetStream domain, if it reads weights from one
         self.quarantined = False  # the trainer ignores this sampler's groups
@@ -54,17 +53,17 @@ class Heartbeat:
             tokens_per_s=round(rates.tokens_per_s, 2),
             call_s=round(rates.call_s, 4),
             sync_s=self.weights.syncs,
-            incarnation=self.work.incarnation,
+            process=self.work.process,
         )
 
     async def beat(self) -> None:
         self.quarantined = self.sampler_id in await read_quarantine(self.run)
         if self.quarantined:
             log.warning("sampler.quarantined", sampler=self.sampler_id, lift="echo-rl quarantine lift")
-        learner = await read_learner(self.run)
-        finished = learner is not None and learner.finished  # until a trainer takes the run further
+        trainer = await read_trainer_status(self.run)
+        finished = trainer is not None and trainer.finished  # until a trainer takes the run further
         if finished and not self.finished:
-            log.info("sampler.run_finished", step=learner.step, waiting="in case the run goes on: stop this "
+            log.info("sampler.run_finished", step=trainer.step, waiting="in case the run goes on: stop this "
                      "sampler when it is done with")
         self.finished = finished
         await put_status(self.run, self.status())

@@ -14,7 +14,8 @@ from echo.engines.base import Engine
 from echo.logs import bind_process
 from echo.models import base_model_digest
 from echo.policy import WeightsMismatch
-from echo.protocol import PolicyVersion, WeightsAnnouncement
+from echo.wire.messages import WeightsAnnouncement
+from echo.wire.names import Version
 from streams.client import Run
 from streams.weights import WeightsFollower
 
@@ -27,13 +28,13 @@ class EngineWeights:
     def __init__(self, run: Run, engine: Engine, model_name: str, throttle_s: float = 0.0):
         self.engine, self.throttle_s = engine, throttle_s
         self.follower = WeightsFollower(run, base_model_digest(model_name))
-        self.running = PolicyVersion(0, -1)  # what the engine runs
-        self.refused = PolicyVersion(0, -1)  # the newest weights the engine refused: not tried again, nor waited for
+        self.running = Version(0, -1)  # what the engine runs
+        self.refused = Version(0, -1)  # the newest weights the engine refused: not tried again, nor waited for
         self.syncs: dict[str, float] = {}  # its last SYNCS_KEPT versions: heard of to running
 
     @property
     def version(self) -> int:
-        """The policy version the engine runs now; -1 before the first."""
+        """The version the engine runs now; -1 before the first."""
         return self.running.version
 
     async def start(self) -> None:
@@ -47,7 +48,7 @@ class EngineWeights:
         if needed. A generation in flight is not touched here: it swaps between its chunks
         (between_chunks), or not at all."""
         announcement, shards = await self.follower.wait_for(at_least, epoch)
-        if announcement.policy > max(self.running, self.refused):
+        if announcement.epoch_version > max(self.running, self.refused):
             await asyncio.to_thread(self.load, announcement, shards)
 
     async def wait_newer(self) -> None:
@@ -59,7 +60,7 @@ class EngineWeights:
         newest downloaded weights of the epoch it began with, if newer: their version."""
         time.sleep(self.throttle_s)  # a slower machine, when asked: slower chunks too
         ready = self.follower.ready
-        if ready is None or ready[0].epoch != self.running.epoch or ready[0].policy <= max(self.running, self.refused):
+        if ready is None or ready[0].epoch != self.running.epoch or ready[0].epoch_version <= max(self.running, self.refused):
             return None
         return self.version if self.load(*ready) else None
 
@@ -69,13 +70,13 @@ class EngineWeights:
         try:
             self.engine.load_weights(shards)
         except WeightsMismatch as e:
-            self.refused = announcement.policy
+            self.refused = announcement.epoch_version
             self.follower.failures["weights_mismatch"] += 1
             log.warning("weights.refused", version=announcement.version, reason=str(e))
             return False
-        self.running = announcement.policy
+        self.running = announcement.epoch_version
         bind_process(version=self.version)
-        fetched = self.follower.fetch_s.get(announcement.policy, 0.0)
+        fetched = self.follower.fetch_s.get(announcement.epoch_version, 0.0)
         self.syncs = dict(list(self.syncs.items())[-SYNCS_KEPT + 1:])
         self.syncs[str(announcement.version)] = round(fetched + time.perf_counter() - started, 4)
         log.debug("weights.applied", version=self.version)

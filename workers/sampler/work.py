@@ -8,7 +8,8 @@ import asyncio
 
 import structlog
 
-from echo.protocol import Grant, GrantRequest, PolicyVersion, PullRequest, Schedule
+from echo.wire.messages import Grant, GrantRequest, PullRequest, Schedule
+from echo.wire.names import Version
 from streams.client import Run
 from streams.grants import request_grant
 
@@ -16,19 +17,19 @@ log = structlog.get_logger()
 
 
 class Work:
-    def __init__(self, run: Run, sampler_id: str, prompts_per_call: int, incarnation: str):
+    def __init__(self, run: Run, sampler_id: str, prompts_per_call: int, process: str):
         self.run, self.sampler_id, self.prompts_per_call = run, sampler_id, prompts_per_call
-        self.incarnation = incarnation  # this process (Sampler), in every request
+        self.process = process  # this process's random name (Sampler), in every request
         self.standby = False  # the scheduler's choice: keep the weights current, take no work
         self.changed = asyncio.Event()  # async mode: the budget or the standby changed, so an idle sampler asks again
         self.pull_request: PullRequest | None = None  # sequential mode: the newest request it has read
         self.unanswered = 0  # requests for work no trainer answered (none serving yet, a broker restarting)
 
-    async def ask(self, running: PolicyVersion, pull_request_id: str | None = None) -> Grant | None:
+    async def ask(self, running: Version, pull_request_id: str | None = None) -> Grant | None:
         """What the trainer grants this sampler to generate with the weights it runs (None: no
         answer came)."""
         request = GrantRequest(want=self.prompts_per_call, epoch=running.epoch, version=running.version,
-                               pull_request_id=pull_request_id, incarnation=self.incarnation)
+                               pull_request_id=pull_request_id, process=self.process)
         grant = await request_grant(self.run, self.sampler_id, request)
         self.unanswered += grant is None
         return grant

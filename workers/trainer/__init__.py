@@ -2,6 +2,7 @@
 groups, takes GRPO steps and publishes each new version. Each room owns one job and touches only
 what it names:
 
+- trainer.py: `echo-rl trainer`, its arguments (under torchrun: each rank's);
 - loop.py: the process and its step loop, each step's phases named and timed (collect, train,
   checkpoint, publish, account); it owns the order of the phases and nothing else;
 - intake.py: what becomes of every rollout message, through the rollout inbox
@@ -14,7 +15,7 @@ what it names:
   completion; it sees groups, not the broker;
 - granter.py: asking the samplers for groups and granting them the work (streams/grants.py,
   streams/pull.py); it reads no rollouts;
-- quarantine.py: strikes against samplers, and who is quarantined (streams/quarantine.py);
+- strikes.py: strikes against samplers, and who is quarantined (streams/quarantine.py);
 - accounting.py: the step's metrics, the run's totals, the learner's pace; bookkeeping only;
 - coordinator.py: ECHO-2's cost-aware activation of samplers (scheduler.enabled);
 - model.py: the model, its optimizer and checkpoint, on one rank or several; no NATS.

@@ -3,7 +3,7 @@
 Owns the step's metrics record (metrics.jsonl, one line per checkpointed step, restored after a
 crash), the run's totals by outcome (checkpointed with the step), the accounting identity
 checked against the rollout inbox's consumer counts (streams/inbox.py), the learner's pace
-published for the scheduler and `echo-rl status` (LearnerStatus), and the run's summary. Pure bookkeeping but for the
+published for the scheduler and `echo-rl status` (TrainerStatus), and the run's summary. Pure bookkeeping but for the
 inbox's counts and the metrics file: it decides nothing about groups or grants.
 """
 
@@ -19,7 +19,7 @@ import structlog
 from echo.checkpoint import TrainerState, read_metrics
 from echo.consumed import ConsumedSeqs
 from echo.metrics import mean_staleness
-from echo.protocol import LearnerStatus
+from echo.wire.messages import TrainerStatus
 from streams.client import retry_forever
 from streams.inbox import ConsumerCounts, RolloutInbox
 from workers.trainer.intake import Collected
@@ -54,10 +54,10 @@ def step_record(step: TrainerStep, version: int, proof_counts: dict, quarantined
         "already_counted": collected.already_counted,
         "proof_of_sampling": proof_counts,  # groups checked so far by this process, by outcome
         "quarantined": quarantined,
-        "staleness_used": dict(Counter(version - 1 - g.policy_version for g in groups)),
+        "staleness_used": dict(Counter(version - 1 - g.version for g in groups)),
         "reward_by_source": rewards_by_source(collected.used),
         "staleness_dropped": dict(collected.dropped),
-        "groups": [[g.group_id, g.policy_version, g.sampler_id] for g in groups],
+        "groups": [[g.group_id, g.version, g.sampler_id] for g in groups],
         "dropped_groups": collected.dropped_ids,
     }
 
@@ -80,21 +80,21 @@ def finished_record(step: TrainerStep, accounting: dict) -> dict:
 
 
 class RecentSteps:
-    """The trainer's pace (LearnerStatus) over its last PACE_STEPS steps."""
+    """The trainer's pace (TrainerStatus) over its last PACE_STEPS steps."""
 
     def __init__(self, groups_per_step: int, max_staleness: int):
         self.groups_per_step, self.max_staleness = groups_per_step, max_staleness
         self.steps: deque[tuple[float, float]] = deque(maxlen=PACE_STEPS)  # (busy, wait) seconds
         self.rewards: deque[float] = deque(maxlen=PACE_STEPS)
         self.rejected: Counter = Counter()  # by reason, since this trainer started
-        self.status: LearnerStatus | None = None  # after the last step
+        self.status: TrainerStatus | None = None  # after the last step
 
-    def add(self, record: dict, version: int, strikes: dict[str, int]) -> LearnerStatus:
+    def add(self, record: dict, version: int, strikes: dict[str, int]) -> TrainerStatus:
         self.steps.append((record["busy_seconds"], record["wait_seconds"]))
         self.rewards.append(record["reward_mean"])
         self.rejected.update(record["rejected"])
         busy, wait = (sum(column) for column in zip(*self.steps))
-        self.status = LearnerStatus(
+        self.status = TrainerStatus(
             step_s=busy / len(self.steps), groups_per_step=self.groups_per_step, max_staleness=self.max_staleness,
             version=version, utilisation=busy / (busy + wait) if busy + wait > 0 else 1.0, updated_at=time.time(),
             step=record["step"], rewards=list(self.rewards), publish_s=record["publish_seconds"],
@@ -115,7 +115,7 @@ def count_consumed(totals: dict[str, int], collected: Collected) -> dict[str, in
 
 async def count_abandoned(inbox: RolloutInbox, consumed: ConsumedSeqs, totals: dict[str, int]) -> dict[str, int]:
     """At start: messages the broker has acked that this trainer's checkpoint never counted. A
-    previous incarnation consumed them in a timeline whose checkpoint is gone (the run restarted
+    trainer of an earlier epoch consumed them in a timeline whose checkpoint is gone (the run restarted
     from an older checkpoint, or a wiped run directory on a broker that kept its streams). They
     are counted as `abandoned`, once."""
     counts = await inbox.counts()

@@ -21,11 +21,11 @@ from dataclasses import replace
 from echo.capacity import LearnerPace, SamplerPace, cheapest, replan_reason
 from echo.config import EchoConfig
 from echo.grants import GrantLedger
-from echo.protocol import LearnerStatus, SamplerStatus, Schedule
+from echo.wire.messages import SamplerStatus, Schedule, TrainerStatus
 from streams.client import BROKER_ERRORS, Run
 from streams.registry import read_statuses
 from streams.schedule import publish_schedule
-from workers.plan import SCHEDULED, sampler_pace
+from workers.operator.plan import SCHEDULED, sampler_pace
 
 log = structlog.get_logger()
 
@@ -61,7 +61,7 @@ class Coordinator:
                 log.warning("scheduler.read_failed", reason=repr(e))
 
     async def choose(self) -> None:
-        pace: LearnerStatus | None = self.pace.status
+        pace: TrainerStatus | None = self.pace.status
         if pace is None:  # no step yet: no pace to plan for
             return
         samplers = {w.id: w for w in delivered_paces(await read_statuses(self.run), self.ledger, time.monotonic())}

@@ -4,7 +4,7 @@ Owns the grants (numbered, answered on each sampler's grants subject while the t
 streams/grants.py), the count of grants lost and handed out again, and the choice between the
 two modes: sequential mode's pull requests (each step asks for exactly its groups) and async
 mode's grant budget (echo/grants.py). It reads heartbeats (streams/registry.py) to
-release the grants of dead or stalled samplers, asks the quarantine (workers/trainer/quarantine.py)
+release the grants of dead or stalled samplers, asks the quarantine (workers/trainer/strikes.py)
 and honours the scheduler's standby set (workers/trainer/coordinator.py). It reads no rollouts: the
 intake tells it, through the shared GrantLedger, which grants were fulfilled or wasted.
 """
@@ -20,12 +20,12 @@ import structlog
 from echo.checkpoint import TrainerState
 from echo.config import EchoConfig
 from echo.grants import GrantLedger, Heartbeats, allowance, lost_slots, sampler_cap
-from echo.protocol import GrantBudget, Grant, GrantRequest, PullRequest
+from echo.wire.messages import Grant, GrantBudget, GrantRequest, PullRequest
 from streams.client import BROKER_ERRORS, Run, retry_forever
 from streams.grants import publish_budget, record_slots_granted, serve_grants, slots_granted
 from streams.pull import publish_pull_request
 from streams.registry import read_heartbeat
-from workers.trainer.quarantine import Quarantined
+from workers.trainer.strikes import Quarantined
 
 log = structlog.get_logger()
 
@@ -79,8 +79,8 @@ class Granter:
             except BROKER_ERRORS as e:  # the broker restarting
                 log.warning("grants.heartbeat_unread", sampler=sampler_id, reason=repr(e))
                 return False
-            incarnation, stopping = (status.incarnation, status.state == "draining") if status else ("", False)
-            if self.heartbeats.observe(sampler_id, revision, time.monotonic(), incarnation, stopping):
+            process, stopping = (status.process, status.state == "draining") if status else ("", False)
+            if self.heartbeats.observe(sampler_id, revision, time.monotonic(), process, stopping):
                 self.release_gone(sampler_id, restarted=True)
         return True
 
@@ -128,7 +128,7 @@ class Granter:
         """The answer to a sampler asking for work: none for a quarantined sampler or one running
         a previous trainer's weights (it must apply ours first), none yet while fewer than
         `trainer.min_samplers` have asked (ask again soon), else what the mode grants."""
-        if self.heartbeats.restarted(sampler_id, request.incarnation):
+        if self.heartbeats.restarted(sampler_id, request.process):
             self.release_gone(sampler_id, restarted=True)
         if (self.quarantine and sampler_id in self.quarantine) or request.epoch != self.epoch:
             return Grant()

@@ -4,7 +4,7 @@ It reads deliveries from the rollout inbox (streams/inbox.py), which holds them 
 process says the step is checkpointed; decodes each within the run's limits; hands the group to
 the judge (workers/trainer/judge.py) with the prompt its slot was granted with; and tallies
 the verdict in what the step collected, ends the grant in the ledger (echo/grants.py) and
-strikes the sender through the quarantine (workers/trainer/quarantine.py). It publishes nothing.
+strikes the sender through the quarantine (workers/trainer/strikes.py). It publishes nothing.
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ import structlog
 
 from echo.consumed import ConsumedSeqs
 from echo.grants import GrantLedger
-from echo.protocol import ProtocolError, decode_rollout
-from echo.referee import completion_keys
+from echo.wire.codec import ProtocolError, decode_rollout
 from streams.inbox import Delivery, RolloutInbox
 from workers.trainer.judge import Accepted, Case, Judge, Verdict
-from workers.trainer.quarantine import Quarantined
+from workers.trainer.strikes import Quarantined
 
 log = structlog.get_logger()
 
@@ -117,7 +116,5 @@ class Collector:
     def trained(self, collected: Collected) -> None:
         """The step that collected these is checkpointed: their sequences and contents are counted."""
         self.consumed.add(collected.seqs)
-        self.judge.trained_content.update(a.content for a in collected.used)
-        for accepted in collected.used:
-            self.judge.trained_completions.update(completion_keys(accepted.group))
+        self.judge.trained.add(collected.used)
 

@@ -17,9 +17,9 @@ import asyncio
 from dataclasses import dataclass, field
 
 from echo.proof import SamplingProof
-from echo.protocol import RolloutGroup
 from echo.referee import Referee, Ruling, completion_keys, content_hash, repeats
 from echo.staleness import Freshness, freshness
+from echo.wire.messages import RolloutGroup
 from workers.trainer.scoring import ScoringProcess
 
 
@@ -65,19 +65,31 @@ class Timeline:
     """Which versions' groups this trainer may train on."""
 
     max_staleness: int
-    epoch: int = 0  # this trainer incarnation's epoch (streams/lease.py)
-    # The version it resumed from: an earlier incarnation's versions up to that one are this
+    epoch: int = 0  # this trainer's epoch (streams/lease.py)
+    # The version it resumed from: an earlier epoch's versions up to that one are this
     # timeline's too; later ones came from a checkpoint since discarded.
     resumed_from: int = 0
     begun_within: int | None = None  # a partial rollout's first tokens (EchoConfig.begun_within); None: max_staleness
 
 
+@dataclass
+class Trained:
+    """What the run has trained on, as far as a new group could repeat it."""
+
+    content: set[str] = field(default_factory=set)  # content hashes: the same groups under new ids are replays
+    completions: set[int] = field(default_factory=set)  # completion_keys of the groups trained
+
+    def add(self, accepted: list[Accepted]) -> None:
+        for a in accepted:
+            self.content.add(a.content)
+            self.completions.update(completion_keys(a.group))
+
+
 class Judge:
-    def __init__(self, referee: Referee, timeline: Timeline, trained_content=frozenset(), trained_completions=frozenset(),
+    def __init__(self, referee: Referee, timeline: Timeline, trained: Trained | None = None,
                  proof: SamplingProof | None = None, check=None, scoring: ScoringProcess | None = None):
         self.referee, self.timeline = referee, timeline
-        self.trained_content = set(trained_content)  # content hashes: the same groups under new ids are replays
-        self.trained_completions = set(trained_completions)  # completion_keys of the groups trained
+        self.trained = trained or Trained()
         self.proof = proof
         self.check = check or (proof.check if proof else None)  # the proof's forward (on every rank)
         self.limits = referee.limits  # what a message may hold, checked before it is read
@@ -105,9 +117,9 @@ class Judge:
         if any(a.group.group_id == group.group_id for a in case.step):
             return Verdict("duplicate_group_id", case.about)
         case.content = content_hash(group)
-        if case.content in self.trained_content or any(a.content == case.content for a in case.step):
+        if case.content in self.trained.content or any(a.content == case.content for a in case.step):
             return Verdict("replayed_content", case.about)
-        if repeats(group, self.trained_completions, {k for a in case.step for k in completion_keys(a.group)}):
+        if repeats(group, self.trained.completions, {k for a in case.step for k in completion_keys(a.group)}):
             return Verdict("repeated_completion", case.about)
         return None
 
@@ -121,7 +133,7 @@ class Judge:
             return Verdict("discarded_timeline", f"version {newest} of epoch {group.epoch}")
         fresh = freshness(newest, version, timeline.max_staleness)
         begun_within = timeline.max_staleness if timeline.begun_within is None else timeline.begun_within
-        if fresh is Freshness.USE and group.policy_version < version - begun_within:
+        if fresh is Freshness.USE and group.version < version - begun_within:
             fresh = Freshness.STALE  # begun too long ago: the proof of sampling could not read it
         if fresh is Freshness.FUTURE:
             return Verdict("future_version", f"{newest} > {version}")

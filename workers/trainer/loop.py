@@ -27,15 +27,15 @@ from echo.grants import GrantLedger
 from echo.logs import bind_process
 from echo.metrics import sampler_scalars, step_scalars
 from echo.models import encode_chat
-from echo.protocol import WeightsAnnouncement
 from echo.referee import Referee
 from echo.tasks import load_task
 from echo.tasks.dataset import Dataset, check_prompt_lengths
+from echo.wire.messages import WeightsAnnouncement
 from streams.client import Run, open_run, retry_forever
 from streams.credentials import credentials_of
 from streams.inbox import RolloutInbox
 from streams.lease import Lease, take_lease
-from streams.registry import put_learner, read_learner, read_statuses
+from streams.registry import put_trainer_status, read_trainer_status, read_statuses
 from streams.prompts import publish_prompts
 from streams.run_config import publish_run_config
 from streams.weights import WeightsPublisher
@@ -45,8 +45,8 @@ from workers.background import Background
 from workers.trainer.coordinator import Coordinator
 from workers.trainer.granter import Granter, granter_for
 from workers.trainer.intake import Collector
-from workers.trainer.judge import Judge, Timeline
-from workers.trainer.quarantine import Quarantined
+from workers.trainer.judge import Judge, Timeline, Trained
+from workers.trainer.strikes import Quarantined
 from workers.trainer.scoring import ScoringProcess, start_forkserver
 from workers.trainer.model import Ranks, TrainerModel
 from workers.trainer.step import TrainerStep
@@ -103,10 +103,11 @@ async def share_dataset(run: Run, cfg: EchoConfig, task: Dataset, model: Trainer
 class Trainer:
     """The rooms a step passes through, opened once; `fit` takes the steps, phase by phase."""
 
-    def __init__(self, cfg: EchoConfig, run: Run, lease: Lease, model: TrainerModel, inbox: RolloutInbox,
-                 collector: Collector, granter: Granter, quarantine: Quarantined, recent: RecentSteps):
-        self.cfg, self.run, self.lease, self.model, self.inbox = cfg, run, lease, model, inbox
-        self.collector, self.granter, self.quarantine, self.recent = collector, granter, quarantine, recent
+    def __init__(self, cfg: EchoConfig, lease: Lease, model: TrainerModel, collector: Collector, granter: Granter,
+                 recent: RecentSteps):
+        self.cfg, self.run, self.lease, self.model = cfg, lease.run, lease, model
+        self.collector, self.granter, self.recent = collector, granter, recent
+        self.inbox, self.quarantine = collector.inbox, collector.quarantine
         self.weights = WeightsPublisher(lease, cfg.trainer.keep_versions, cfg.trainer.keep_versions_s)
         self.left_out: set[str] = set()  # samplers whose heartbeats gave no scalars (logged once)
 
@@ -129,20 +130,20 @@ class Trainer:
         await quarantine.start(background)
         referee = Referee(task, model.tokenizer, model.vocab_size, cfg.sampling)
         judge = Judge(referee, Timeline(cfg.staleness_bound, lease.epoch, state.version, cfg.begun_within),
-                      load_trained_content(run_dir, state.trained_content),
-                      load_trained_completions(run_dir, state.trained_completions), model.proof, model.check, scoring)
+                      Trained(load_trained_content(run_dir, state.trained_content),
+                              load_trained_completions(run_dir, state.trained_completions)),
+                      model.proof, model.check, scoring)
         background.start(inbox.keep_alive(cfg.trainer.ack_wait_s / 3))
         granter = granter_for(run, lease.epoch, cfg, state, ledger, quarantine)
         background.start(granter.watch_heartbeats())
         recent = RecentSteps(cfg.trainer.groups_per_step, cfg.staleness_bound)
         if cfg.scheduler.enabled:  # what it chooses, the grants obey
             background.start(Coordinator(run, cfg, granter.standby, recent, ledger).run_forever())
-        return cls(cfg, run, lease, model, inbox, Collector(inbox, judge, ledger, consumed, quarantine), granter,
-                   quarantine, recent)
+        return cls(cfg, lease, model, Collector(inbox, judge, ledger, consumed, quarantine), granter, recent)
 
     async def fit(self) -> None:
         cfg, state = self.cfg, self.model.state
-        await publish_policy(self.weights, self.model, state.version)  # a fresh run's version 0, or the checkpoint's
+        await publish_version(self.weights, self.model, state.version)  # a fresh run's version 0, or the checkpoint's
         await self.granter.start()
         log.info("trainer.ready", run_id=cfg.run.id, mode=cfg.run.mode, model=cfg.model.name, step=state.step,
                  version=state.version, steps=cfg.run.steps, ranks=self.model.ranks.world)
@@ -170,7 +171,7 @@ class Trainer:
                 with step.phase("checkpoint"):
                     await self.checkpoint(step)
                 with step.phase("publish"):
-                    step.published = await publish_policy(self.weights, self.model, state.version)
+                    step.published = await publish_version(self.weights, self.model, state.version)
                 with step.phase("account"):
                     record = await self.account(step)
                 record = write_metrics(metrics_file, record, step)
@@ -203,12 +204,12 @@ class Trainer:
 
     async def account(self, step: TrainerStep) -> dict:
         """The step's groups acked (only now: the step that consumed them is checkpointed), every
-        message counted, the learner's pace published; the step's finished record."""
+        message counted, the trainer's pace published; the step's finished record."""
         state = self.model.state
         state.totals, accounting = await settle(self.inbox, self.collector.consumed, state.totals)
         record = finished_record(step, accounting)
         status = self.recent.add(record, state.version, dict(self.quarantine.strikes))
-        await retry_forever("learner status", lambda: put_learner(self.run, status))
+        await retry_forever("trainer status", lambda: put_trainer_status(self.run, status))
         await retry_forever("run config", lambda: publish_run_config(self.run, self.cfg))  # whatever overwrote it
         return record
 
@@ -226,12 +227,12 @@ def write_metrics(metrics_file, record: dict, step: TrainerStep) -> dict:
 
 
 async def mark_finished(run: Run) -> None:
-    """The run's end, visible outside this process: its learner status marked finished (status
+    """The run's end, visible outside this process: the trainer's status marked finished (status
     shows it, samplers' heartbeats say it)."""
-    learner = await retry_forever("read the learner status", lambda: read_learner(run))
-    if learner is not None:
-        finished = learner.model_copy(update={"finished": True})
-        await retry_forever("mark the run finished", lambda: put_learner(run, finished))
+    status = await retry_forever("read the trainer status", lambda: read_trainer_status(run))
+    if status is not None:
+        finished = status.model_copy(update={"finished": True})
+        await retry_forever("mark the run finished", lambda: put_trainer_status(run, finished))
 
 
 async def train_in_thread(model: TrainerModel, batch, oldest_version: int) -> dict:
@@ -246,7 +247,7 @@ async def train_in_thread(model: TrainerModel, batch, oldest_version: int) -> di
         raise
 
 
-async def publish_policy(weights: WeightsPublisher, model: TrainerModel, version: int) -> WeightsAnnouncement:
+async def publish_version(weights: WeightsPublisher, model: TrainerModel, version: int) -> WeightsAnnouncement:
     """Write the version's shards to the run directory (for `echo-rl eval`), then publish them
     from there (a retry reads them again), or full weights as deltas against the version before.
     Both keep the newest `trainer.keep_versions` versions (the bucket, for `trainer.keep_versions_s`

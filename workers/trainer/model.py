@@ -34,8 +34,8 @@ from echo.lifeline import die_with_parent
 from echo.learner import make_optimizer, merge_stats, set_threads, train_step
 from echo.models import base_model_digest, load_model
 from echo.policy import make_policy, weights_kind, weights_shards
-from echo.proof import SamplingProof
-from echo.protocol import RolloutGroup, WeightsLink
+from echo.proof import ProofSettings, SamplingProof
+from echo.wire.messages import RolloutGroup, WeightsLink
 
 log = structlog.get_logger()
 
@@ -121,7 +121,8 @@ def everywhere(method):
 
 
 class TrainerModel:
-    """The policy, its optimizer and its proof of sampling, on every rank; rank 0 calls."""
+    """The policy (`module`: the nn.Module trained), its optimizer and its proof of sampling, on every
+    rank; rank 0 calls."""
 
     def __init__(self, cfg: EchoConfig, ranks: Ranks):
         set_threads(cfg.trainer.threads)
@@ -138,25 +139,22 @@ class TrainerModel:
         # retrain (`echo-rl replay --retrain`) starts where the run started.
         with torch.random.fork_rng(devices=[ranks.device] if ranks.device.type == "cuda" else []):
             torch.manual_seed(cfg.run.seed)
-            self.policy = make_policy(base, cfg.lora)
+            self.module = make_policy(base, cfg.lora)
         if ranks.world > 1:
-            shard(self.policy)
-        self.kind = weights_kind(self.policy)
+            shard(self.module)
+        self.kind = weights_kind(self.module)
         self.base_model = base_model_digest(cfg.model.name)  # what samplers check the weights are for
-        self.optimizer = make_optimizer(self.policy, cfg)
+        self.optimizer = make_optimizer(self.module, cfg)
         self.checkpoint_path = cfg.run_dir / "checkpoint.pt"
         self.state = TrainerState()  # a fresh run's, until `resume` reads the checkpoint
-        self.proof = SamplingProof(self.policy, self.tokenizer.pad_token_id, cfg.sampling.temperature,
-                                   cfg.trainer.verify_fraction, cfg.trainer.verify_tolerance, keep=cfg.begun_within + 1,
-                                   tolerance_16bit=cfg.trainer.verify_tolerance_16bit,
-                                   publish_dtype=DTYPES[cfg.trainer.publish_dtype], compute_dtype=self.compute_dtype)
+        self.proof = SamplingProof(self.module, self.tokenizer.pad_token_id, ProofSettings.of(cfg, self.compute_dtype))
         self.stop = threading.Event()  # set from rank 0's event loop: abandon the step (one process only)
 
     @everywhere
     def resume(self) -> None:
         """Read the run's checkpoint, if it has one. Only once this trainer holds the run's lease:
         another trainer (an orphan, one fenced out) prunes checkpoint folders as it saves."""
-        state = load_checkpoint(self.checkpoint_path, self.policy, self.optimizer, self.ranks.rank) or TrainerState()
+        state = load_checkpoint(self.checkpoint_path, self.module, self.optimizer, self.ranks.rank) or TrainerState()
         if state.base_model and state.base_model != self.base_model:  # e.g. a hub branch that moved between starts
             raise ConfigError(f"model.name {self.cfg.model.name!r} is base {self.base_model}, and this run's "
                               f"checkpoint was trained on base {state.base_model}: start the run on the model it "
@@ -170,7 +168,7 @@ class TrainerModel:
         # On several ranks a step is never abandoned half way: the other ranks would wait in its
         # collectives. A stopping trainer's ranks are all stopped by torchrun instead.
         stop = self.stop if self.ranks.world == 1 else None
-        stats = train_step(self.policy, self.optimizer, batch, self.cfg, self.tokenizer.pad_token_id, stop,
+        stats = train_step(self.module, self.optimizer, batch, self.cfg, self.tokenizer.pad_token_id, stop,
                            self.compute_dtype, self.ranks.rank, self.ranks.world, oldest_version)
         return merge_stats(self.ranks.gather(stats))
 
@@ -186,7 +184,7 @@ class TrainerModel:
     @everywhere
     def save(self, state: TrainerState) -> None:
         rng_states = self.ranks.gather(torch.get_rng_state())
-        save_checkpoint(self.checkpoint_path, self.policy, self.optimizer, state, rng_states,
+        save_checkpoint(self.checkpoint_path, self.module, self.optimizer, state, rng_states,
                         commit=self.ranks.rank == 0)
 
     @everywhere
@@ -197,7 +195,7 @@ class TrainerModel:
         if self.ranks.rank == 0:
             (run_dir / "weights").mkdir(parents=True, exist_ok=True)
         files = []
-        for index, data in enumerate(weights_shards(self.policy, int(tcfg.shard_mb * 2**20), DTYPES[tcfg.publish_dtype])):
+        for index, data in enumerate(weights_shards(self.module, int(tcfg.shard_mb * 2**20), DTYPES[tcfg.publish_dtype])):
             if self.ranks.rank == 0:
                 files.append(weights_file(run_dir, version, index))
                 files[-1].write_bytes(data)

@@ -24,9 +24,9 @@ from multiprocessing.connection import Connection
 import structlog
 
 from echo.config import EchoConfig, SamplingConfig, TaskConfig
-from echo.protocol import RolloutGroup
 from echo.referee import Referee, Ruling
 from echo.tasks import is_environment, load_task
+from echo.wire.messages import RolloutGroup
 
 log = structlog.get_logger()
 

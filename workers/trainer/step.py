@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from echo.protocol import WeightsAnnouncement
+from echo.wire.messages import WeightsAnnouncement
 from workers.trainer.intake import Collected
 
 PHASES = ("collect", "train", "checkpoint", "publish", "account")

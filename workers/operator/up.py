@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from echo.logs import configure_logging
-from workers.commands.common import config_and_task_from_args, config_args
+from workers.arguments import config_and_task_from_args, config_args
 
 NAME = "up"
 NEEDS = ("cryptography",)
@@ -28,7 +28,7 @@ def starts_server(args) -> bool:
 def run(args) -> int:
     cfg = config_and_task_from_args(args)
     configure_logging(args.log_json, run=cfg.run.id, role="up", worker="up")
-    from workers.swarm import up
+    from workers.operator.swarm import up
 
     return up(cfg, args.log_json, relay=args.relay, secure=args.secure, cluster=args.cluster,
               trainer_ranks=args.trainer_ranks)

@@ -2,9 +2,9 @@
 this platform and torch (`make worker`). It holds echo-rl's code and every package of its base
 install (pyproject's `dependencies`, the edge sampler's set), copied from this environment, less
 torch and what torch itself requires: the box brings a torch built for its hardware.
-workers/edge_main.py is its entry point.
+workers/operator/edge_main.py is its entry point.
 
-    .venv/bin/python -m workers.edge_bundle [--out dist/echo-sampler]
+    .venv/bin/python -m workers.operator.edge_bundle [--out dist/echo-sampler]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from packaging.utils import canonicalize_name
 import echo
 import streams
 import workers
-from workers.edge_main import SITE
+from workers.operator.edge_main import SITE
 
 BOX_PROVIDES = "torch"  # with its own requirements
 

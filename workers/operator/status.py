@@ -1,7 +1,7 @@
 """`echo-rl status`: what a run is doing, read from the broker alone (any machine that reaches
 it can look; a secured broker's observer credentials suffice).
 
-One snapshot: the trainer (incarnation, step, version, recent rewards, learner busy, pace,
+One snapshot: the trainer (epoch, step, version, recent rewards, learner busy, pace,
 publish time, what became of every group), each sampler in the registry (state, version and lag
 behind the trainer, engine and device, rates, sync time, cost, quarantine), the rollout stream
 (messages, bytes, pending, unacked) and which relay each sampler reads weights from. `--once
@@ -15,20 +15,27 @@ import re
 import statistics
 import time
 
-from echo.protocol import CONTROL_CHARACTERS, SamplerStatus
 from streams.client import Run
 from streams.lease import current_epoch
 from streams.quarantine import read_quarantine
-from streams.registry import read_learner, read_statuses
+from streams.registry import read_statuses, read_trainer_status
 from streams.rollouts import account_storage, rollouts_backlog
+import sys
+from pathlib import Path
+from echo.config import ConfigError
+from echo.logs import configure_logging
+from echo.wire.messages import SamplerStatus
+from echo.wire.names import CONTROL_CHARACTERS
+from streams.credentials import credentials_of
+from workers.arguments import run_directory, run_until_signal
 
 REFRESH_S = 2.0
 
 
 async def snapshot(run: Run) -> dict:
-    learner, samplers = await read_learner(run), await read_statuses(run)
+    trainer, samplers = await read_trainer_status(run), await read_statuses(run)
     quarantined, now = await read_quarantine(run), time.time()
-    version = learner.version if learner else None
+    version = trainer.version if trainer else None
     stream = await rollouts_backlog(run)
     relays: dict[str, list[str]] = {}
     for s in samplers:
@@ -36,14 +43,14 @@ async def snapshot(run: Run) -> dict:
     return {
         "run_id": run.names.run_id,
         "at": now,
-        "trainer": None if learner is None else {
-            "epoch": await current_epoch(run), "step": learner.step, "version": learner.version,
-            "rewards": learner.rewards, "learner_busy": learner.utilisation, "step_s": learner.step_s,
-            "publish_s": learner.publish_s, "accounting": learner.accounting, "rejected": learner.rejected,
-            "seen_s_ago": round(now - learner.updated_at, 1), "finished": learner.finished,
-            "staleness": learner.staleness,
+        "trainer": None if trainer is None else {
+            "epoch": await current_epoch(run), "step": trainer.step, "version": trainer.version,
+            "rewards": trainer.rewards, "learner_busy": trainer.utilisation, "step_s": trainer.step_s,
+            "publish_s": trainer.publish_s, "accounting": trainer.accounting, "rejected": trainer.rejected,
+            "seen_s_ago": round(now - trainer.updated_at, 1), "finished": trainer.finished,
+            "staleness": trainer.staleness,
         },
-        "samplers": [sampler_row(s, version, quarantined, learner.strikes if learner else {}, now) for s in samplers],
+        "samplers": [sampler_row(s, version, quarantined, trainer.strikes if trainer else {}, now) for s in samplers],
         "stream": stream,
         "storage": await account_storage(run),
         "relays": relays,
@@ -52,7 +59,7 @@ async def snapshot(run: Run) -> dict:
 
 def sampler_row(s: SamplerStatus, version: int | None, quarantined: dict[str, str], strikes: dict[str, int],
                 now: float) -> dict:
-    """A sampler's line of the snapshot, from its heartbeat (bounded at decode: echo/protocol.py)."""
+    """A sampler's line of the snapshot, from its heartbeat (bounded at decode: echo/wire/messages.py)."""
     return {
         "id": s.sampler_id, "state": "quarantined" if s.sampler_id in quarantined else s.state,
         "version": s.version, "lag": None if version is None or s.version < 0 else version - s.version,
@@ -96,7 +103,7 @@ def render(snap: dict):
     else:
         head.add_row("trainer", (f"finished at step {trainer['step']} ({trainer['seen_s_ago']:.0f} s ago), "
                                  if trainer["finished"] else "") +
-                     f"incarnation {trainer['epoch']}, step {trainer['step']}, version {trainer['version']}, "
+                     f"epoch {trainer['epoch']}, step {trainer['step']}, version {trainer['version']}, "
                      f"learner busy {trainer['learner_busy']:.0%}, {trainer['step_s']:.2f} s a step, "
                      f"publish {trainer['publish_s']:.2f} s")
         head.add_row("reward (last steps)", " ".join(f"{r:.2f}" for r in trainer["rewards"]))
@@ -150,3 +157,49 @@ async def watch(run: Run, once: bool, as_json: bool, out) -> None:
         if once:
             return
         await asyncio.sleep(REFRESH_S)
+
+
+NAME = "status"
+NEEDS = ("rich",)
+
+
+def register(sub) -> None:
+    status = sub.add_parser("status", help="a live view of a run: trainer, samplers, stream, relays")
+    status.add_argument("--run", type=Path, help="a run directory: its config names the broker and the run id")
+    status.add_argument("--nats", help="the hub's URL (with --run-id)")
+    status.add_argument("--run-id")
+    status.add_argument("--creds", help="on a secured broker: observer (or trainer) credentials")
+    status.add_argument("--tls-ca")
+    status.add_argument("--once", action="store_true", help="one snapshot, then exit")
+    status.add_argument("--json", action="store_true", help="snapshots as JSON lines (one with --once)")
+    status.add_argument("--serve", metavar="[HOST:]PORT", help="serve a live page of the run instead (HOST "
+                        "defaults to 127.0.0.1: this machine only)")
+
+
+async def status_command(args, url: str, run_id: str, credentials) -> int:
+    from streams.client import PATIENCE_S, open_run
+
+    run = await open_run(url, run_id, "status", credentials=credentials, create=False, join_wait_s=0,
+                         give_up_s=PATIENCE_S)
+    try:
+        if args.serve:
+            from workers.operator.page import serve_page
+
+            await serve_page(run, args.serve)
+        else:
+            await watch(run, args.once, args.json, sys.stdout)
+    finally:
+        await run.close()
+    return 0
+
+
+def run(args) -> int:
+    from streams.replay import run_broker
+
+    if not (args.run or (args.nats and args.run_id)):
+        raise ConfigError("status: --run RUN_DIR, or --nats URL --run-id ID")
+    configure_logging(level="error")  # the view is the output; a failure is said in one line
+    run = run_directory(args.run, "config.toml") if args.run else args.run_id
+    # A run directory: where its config says, with its credentials; a finished `up` run from its store.
+    with run_broker(run, None if args.run else args.nats, credentials_of(args.creds, args.tls_ca)) as (url, run_id, creds):
+        return run_until_signal(status_command(args, url, run_id, creds))

@@ -1,6 +1,6 @@
 """echo-sampler: a sampler in one file, for an edge box that has Python and torch.
 
-The file is a zip (workers/edge_bundle.py builds it): echo-rl's code and the packages a sampler
+The file is a zip (workers/operator/edge_bundle.py builds it): echo-rl's code and the packages a sampler
 needs besides torch, built for one Python version and platform. Compiled modules cannot be
 imported from inside a zip, so the first run unpacks it once into ~/.cache/echo-sampler/<id>
 (ECHO_SAMPLER_CACHE to put it elsewhere); later runs start from there.

@@ -1,7 +1,7 @@
 """`echo-rl status --serve [HOST:]PORT`: the run's live page. The status snapshot
-(workers/status.py) every REFRESH_S, pushed to each open page as a server-sent event, with the
+(workers/operator/status.py) every REFRESH_S, pushed to each open page as a server-sent event, with the
 trainer's steps seen since the page server started (reward and staleness a step); the page
-(workers/static/status.html) draws them with uPlot, vendored. Read-only: it serves the page, its
+(workers/operator/static/status.html) draws them with uPlot, vendored. Read-only: it serves the page, its
 two static files and the events, nothing else; bound to 127.0.0.1 unless a host is given. A
 snapshot holds what `status` shows and no credential (the server's own stay in this process).
 
@@ -21,7 +21,7 @@ import orjson
 import structlog
 
 from streams.client import Run
-from workers.status import REFRESH_S, snapshot
+from workers.operator.status import REFRESH_S, snapshot
 
 log = structlog.get_logger()
 

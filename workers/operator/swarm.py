@@ -16,11 +16,11 @@ import structlog
 from echo.config import ConfigError, EchoConfig
 from echo.models import pin_model
 from streams.secure import SERVER_CONF, SecureDir
-from streams.server import NatsCluster, NatsServer, free_port
+from streams.server import NatsCluster, NatsServer, ServerConfig, free_port
 from workers.trainer.accounting import summarize
-from workers.evaluate import evaluate_run
-from workers.relay import loopback_relay_args
-from workers.report import write_report
+from workers.operator.heldout import evaluate_run
+from workers.operator.relay import loopback_relay_args
+from workers.operator.charts import write_report
 
 log = structlog.get_logger()
 
@@ -102,7 +102,7 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
         server = NatsCluster(run_dir / "nats", cluster, log_dir=run_dir, leaf_port=leaf_port)
         cfg.nats.replicas = cluster
     else:
-        server = NatsServer(run_dir / "nats", log_file=run_dir / "nats.log", leaf_port=leaf_port, **secured)
+        server = NatsServer(run_dir / "nats", ServerConfig(log_file=run_dir / "nats.log", leaf_port=leaf_port, **secured))
     server.start()
     cfg.nats.url = server.url
     # Torch threads that outnumber the cores make every process crawl. The samplers share the

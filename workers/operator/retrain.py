@@ -20,9 +20,10 @@ from safetensors.torch import load
 
 from echo.checkpoint import latest_weights, read_metrics
 from echo.config import load_config
-from echo.protocol import ProtocolError, RolloutGroup
 from echo.referee import Referee
 from echo.tasks import load_task
+from echo.wire.codec import ProtocolError
+from echo.wire.messages import RolloutGroup
 from streams.credentials import Credentials
 from streams.replay import run_broker, stored_groups
 from workers.trainer.model import Ranks, TrainerModel

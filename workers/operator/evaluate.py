@@ -1,5 +1,5 @@
 """`echo-rl eval`: the base model and a run's last published weights scored on held-out prompts
-(workers/evaluate.py)."""
+(workers/operator/heldout.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import orjson
 
 from echo.logs import configure_logging
-from workers.commands.common import at_least, run_directory
+from workers.arguments import at_least, run_directory
 
 NAME = "eval"
 
@@ -23,7 +23,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from workers.evaluate import evaluate_run
+    from workers.operator.heldout import evaluate_run
 
     run_dir = run_directory(args.run, "config.toml")  # checked before logging is set up
     configure_logging(args.log_json, run=run_dir.name, role="eval", worker="eval")

@@ -7,10 +7,10 @@ import asyncio
 from echo.config import ConfigError, EchoConfig, apply_override, validate_config
 from echo.edge import check_config_from_broker, drop_this_box_fields
 from echo.logs import bind_process, configure_logging
-from echo.protocol import HUB_DOMAIN, check_id
 from echo.tasks import task_class
+from echo.wire.names import HUB_DOMAIN, check_id
 from streams.credentials import credentials_of
-from workers.commands.common import check_hardware, config_args, config_from_args, local_overrides, run_until_signal
+from workers.arguments import check_hardware, config_args, config_from_args, local_overrides, run_until_signal
 
 NAME = "sampler"
 
@@ -78,6 +78,6 @@ def run(args) -> int:
         cfg = config_from_args(args)
     bind_process(run=cfg.run.id)
     check_hardware(cfg, sampler=True)
-    from workers.sampler.loop import run_sampler
+    from workers.sampler.modes import run_sampler
 
     return run_until_signal(run_sampler(cfg, args.id))

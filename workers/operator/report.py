@@ -1,11 +1,11 @@
-"""`echo-rl report`: a run's reward, staleness and learner utilisation plotted (workers/report.py)."""
+"""`echo-rl report`: a run's reward, staleness and learner utilisation plotted (workers/operator/charts.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from echo.logs import configure_logging
-from workers.commands.common import run_directory
+from workers.arguments import run_directory
 
 NAME = "report"
 NEEDS = ("matplotlib",)
@@ -18,7 +18,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from workers.report import write_report
+    from workers.operator.charts import write_report
 
     run_dir = run_directory(args.run, "metrics.jsonl")
     configure_logging(args.log_json, run=run_dir.name, role="report", worker="report")

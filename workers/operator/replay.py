@@ -1,5 +1,5 @@
 """`echo-rl replay`: a run's rollout stream as JSON lines or a table, filtered; or the run trained
-again over the groups each step consumed (workers/retrain.py)."""
+again over the groups each step consumed (workers/operator/retrain.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import orjson
 
 from echo.logs import configure_logging
 from streams.credentials import credentials_of
-from workers.commands.common import run_directory, span
+from workers.arguments import run_directory, span
 
 NAME = "replay"
 
@@ -52,7 +52,7 @@ def run(args) -> int:
     configure_logging(args.log_json, level="info" if args.retrain else "error", run=Path(args.run).name,
                       role="replay", worker="replay")
     if args.retrain:
-        from workers.retrain import retrain
+        from workers.operator.retrain import retrain
 
         report = retrain(run_directory(args.run, "metrics.jsonl"), args.nats, credentials_of(args.creds, args.tls_ca))
         print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())

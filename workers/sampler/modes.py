@@ -20,8 +20,8 @@ from echo.devices import dtype_name
 from echo.engines import make_engine
 from echo.engines.base import Engine
 from echo.learner import set_threads
-from echo.protocol import PullRequest
 from echo.tasks import Task, load_task
+from echo.wire.messages import PullRequest
 from streams.client import Run, open_run
 from streams.watch import LatestValue
 from streams.credentials import credentials_of
@@ -46,10 +46,10 @@ class Sampler:
         self.weights = EngineWeights(run, engine, cfg.model.name, cfg.sampler.throttle_s)
         # This process, named in its requests and heartbeats: a restart under the same id is told
         # from it, and the slots this one held are released at once.
-        incarnation = uuid.uuid4().hex
-        self.work = Work(run, sampler_id, cfg.sampling.prompts_per_call, incarnation)
+        process = uuid.uuid4().hex
+        self.work = Work(run, sampler_id, cfg.sampling.prompts_per_call, process)
         self.generation = Generation(cfg, sampler_id, run, task, self.weights)
-        self.heartbeat = Heartbeat(cfg, sampler_id, run, engine, self.weights, self.generation, self.work)
+        self.heartbeat = Heartbeat(cfg, sampler_id, run, self.weights, self.generation, self.work)
 
     async def run_async(self) -> None:
         """Generate only what the trainer grants under its grant budget, so no work arrives

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from echo.logs import configure_logging
 from workers.trainer.trackers import check_trackers
-from workers.commands.common import check_hardware, config_and_task_from_args, config_args, run_until_signal
+from workers.arguments import check_hardware, config_and_task_from_args, config_args, run_until_signal
 
 NAME = "trainer"
 

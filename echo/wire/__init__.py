@@ -1,0 +1,44 @@
+"""The wire: the contract between the trainer and the samplers, the only thing either side knows
+of the other. Importers name the module they use:
+
+- names.py: subjects, streams, buckets and their keys, headers, ids, object names, and the bounds
+  a message's values keep to;
+- messages.py: the messages, pydantic models checked field by field;
+- codec.py: messages as JSON, a rollout group as JSON fields and fixed-width arrays, strict
+  decoding (ProtocolError with a reason) and the earlier schemas still read (_UPGRADES).
+
+Words keep one meaning on the wire: a `version` is a number within an epoch, `Version` the pair
+(epoch, version) that orders them; an `epoch` is the trainer's count of takeovers; a `process` is
+one process's name (a sampler's, or the lease holder's); the trainer is the trainer (its status is
+TrainerStatus); a slot is granted work.
+
+Schema history (names.SCHEMA_VERSION; a change to a message bumps it, and a rename also reads the
+earlier schema, renamed, so a recorded run replays and a restarted trainer trains the groups it had
+not read; this is the one list of it):
+2: a weights announcement lists shards; 3: and names the trainer's epoch.
+4: the trainer grants work (GrantRequest/Grant), samplers no longer take it from KV.
+5: grants are numbered slots: a grant names them, a group carries the one it fills and its epoch.
+6: a group names the engine and precision that sampled it.
+7: a sampler's heartbeat is its registry entry (hardware, state, measured rates, sync times, cost, relay).
+8: a rollout group's token ids and log-probs travel as fixed-width binary arrays after its fields.
+9: a pull request names the trainer's epoch (a resumed trainer asks for an older version).
+10: a completion sampled across weight updates names where each newer version took over.
+11: a group's body parts share their sampler's one bodies subject, its message names their sequences.
+12: a completion may be a multi-turn episode: it names where the environment's tokens lie.
+13: the trainer's status says when the run has finished, a sampler's heartbeat that it saw it.
+    The oldest schema still read.
+14: slots are "slot"/"slots" on the wire (13 said "lease"/"leases", the word the TrainerLease also uses).
+15: a sampler names its process (then `incarnation`) in its heartbeat and its requests for work, so a
+    process restarted under its id is told from its predecessor; read as "" from 13 and 14.
+16: the trainer's status names its last step's mean staleness and the strikes it counted; read as
+    0 and none before.
+17: a full-weight version may go as a delta against the one before (`delta_of`, with the chain back
+    to its anchor) and names the digest of the whole weights it makes.
+18: the trainer's lease names its holder's process (a restarted trainer on the same machine takes
+    over at once from one that exited); read as "" before.
+19: a grant names each slot's prompt (the trainer's draw), and a heartbeat's numbers, strings and
+    dicts are bounded; a grant of 18 or before with slots is refused: it names no prompt.
+20: one meaning per word: a group's `policy_version` is its `version`, a sampler's `incarnation` its
+    `process` (in SamplerStatus and GrantRequest); LearnerStatus is TrainerStatus (same fields, its
+    key's value unchanged).
+"""

@@ -1,0 +1,419 @@
+"""The wire's messages: pydantic models, strict and frozen, each checked field by field when it is
+decoded (echo/wire/codec.py). What a sampler says about itself is bounded (echo/wire/names.py's
+bounds): it reaches trackers, the live page and terminals."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+import numpy as np
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationInfo, model_validator
+
+from echo.wire.names import (
+    COUNT_MAX,
+    DIGEST,
+    ID_PATTERN,
+    LABEL_PATTERN,
+    MAX_CHAIN,
+    PROCESS_PATTERN,
+    RATE_MAX,
+    SCHEMA_VERSION,
+    SECONDS_MAX,
+    TIMESTAMP_MAX,
+    Version,
+)
+
+Count = Annotated[int, Field(ge=0, le=COUNT_MAX)]
+Seconds = Annotated[float, Field(ge=0, le=SECONDS_MAX)]
+Rate = Annotated[float, Field(ge=0, le=RATE_MAX)]
+Timestamp = Annotated[float, Field(ge=0, le=TIMESTAMP_MAX)]
+Label = Annotated[str, Field(max_length=256, pattern=LABEL_PATTERN)]
+VersionKey = Annotated[str, Field(pattern=r"^[0-9]{1,15}$")]
+ReasonKey = Annotated[str, Field(pattern=r"^[a-z0-9_]{1,64}$")]
+
+
+class Message(BaseModel):
+    """A message of the wire, naming the schema it was written in."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    schema_version: Literal[20] = SCHEMA_VERSION
+
+
+# The validation context of a decoded message, whose arrays the codec (echo/wire/codec.py) checked
+# whole (per completion, those checks cost more than the rest of a short group's decoding).
+ARRAYS_CHECKED = {"arrays_checked": True}
+
+
+def _checked(info: ValidationInfo) -> bool:
+    return info.context is ARRAYS_CHECKED
+
+
+def _flat(value, kinds: str, what: str) -> np.ndarray:
+    """`value` as a 1-d array whose dtype kind is one of `kinds` (numpy's: i, u, f)."""
+    values = np.asarray(value)
+    if values.ndim != 1 or (values.size and values.dtype.kind not in kinds):
+        raise ValueError(what)
+    return values
+
+
+def _token_ids(value, info: ValidationInfo) -> np.ndarray:
+    """Token ids as a read-only uint32 array (the wire's width), from a sequence of integers."""
+    if _checked(info):
+        return value
+    ids = _flat(value, "iu", "token ids: a flat sequence of integers")
+    if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.uint32).max):
+        raise ValueError("token ids: between 0 and 2**32 - 1")
+    return read_only(ids.astype(np.uint32))
+
+
+def _logprobs(value, info: ValidationInfo) -> np.ndarray:
+    """Log-probs as a read-only float32 array (what the trainer computes with)."""
+    if _checked(info):
+        return value
+    return read_only(_flat(value, "iuf", "logprobs: a flat sequence of numbers").astype(np.float32))
+
+
+def read_only(values: np.ndarray) -> np.ndarray:
+    values.flags.writeable = False  # the models are frozen: so are their arrays
+    return values
+
+
+# In memory a group's tokens and log-probs are numpy arrays, end to end (decoding a long group
+# into Python lists took most of its ingest time); model_dump gives plain lists.
+TokenIds = Annotated[np.ndarray, BeforeValidator(_token_ids), PlainSerializer(lambda a: a.tolist())]
+LogProbs = Annotated[np.ndarray, BeforeValidator(_logprobs), PlainSerializer(lambda a: a.tolist())]
+
+
+class _HoldsArrays:
+    def __eq__(self, other) -> bool:  # pydantic's compares field by field, which arrays refuse
+        return type(self) is type(other) and self.model_dump() == other.model_dump()
+
+    __hash__ = None
+
+    def replaced(self, **changes):
+        """A copy with `changes`, validated (model_copy is not: a list would stay a list)."""
+        return type(self).model_validate({**self.model_dump(), **changes})
+
+
+class VersionChange(BaseModel):
+    """Where, in a completion sampled across weight updates (partial rollouts), a newer version
+    took over: it sampled the tokens from `at` on (until the next change)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    at: int = Field(ge=1)
+    version: Count
+
+
+class Observation(BaseModel):
+    """Where, in a multi-turn episode's tokens, the environment answered: `tokens` tokens from
+    `at` on are its observation (rendered by echo/environments.py), not sampled by the model."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    at: int = Field(ge=1)
+    tokens: int = Field(ge=1)
+
+
+class Completion(_HoldsArrays, BaseModel):
+    """One completion, or one multi-turn episode: the model's turns and, between them, the
+    environment's observations (`observations`; their log-probs are 0 and mean nothing)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, arbitrary_types_allowed=True)
+    token_ids: TokenIds
+    logprobs: LogProbs  # behaviour log-prob of each token, under the version that sampled it
+    text: str
+    reward: float
+    finish_reason: Literal["stop", "length"]
+    observations: list[Observation] = []
+
+    @model_validator(mode="after")
+    def _aligned(self, info: ValidationInfo):
+        if not _checked(info):
+            if not self.token_ids.size:
+                raise ValueError("token_ids: an empty completion")
+            if len(self.logprobs) != len(self.token_ids):
+                raise ValueError("logprobs and token_ids differ in length")
+            if not (np.isfinite(self.logprobs).all() and (self.logprobs <= 0.0).all()):
+                raise ValueError("logprobs must be finite and <= 0")
+        if not math.isfinite(self.reward):
+            raise ValueError("reward must be finite")
+        # Model turns and observations alternate, the model's first and last: each observation
+        # begins after a model token and is followed by one.
+        ends = [0, *(o.at + o.tokens for o in self.observations)]
+        if any(o.at <= end for o, end in zip(self.observations, ends)) or ends[-1] >= len(self.token_ids):
+            raise ValueError("observations: each after a model turn and before the next, in order")
+        return self
+
+    def model_turns(self) -> list[tuple[int, int]]:
+        """The (start, end) of each of the model's turns in token_ids."""
+        starts = [0, *(o.at + o.tokens for o in self.observations)]
+        ends = [*(o.at for o in self.observations), len(self.token_ids)]
+        return list(zip(starts, ends))
+
+    def model_mask(self) -> np.ndarray:
+        """True at the tokens the model sampled: the only ones trained, weighted and checked."""
+        mask = np.ones(len(self.token_ids), dtype=bool)
+        for o in self.observations:
+            mask[o.at : o.at + o.tokens] = False
+        return mask
+
+
+class RolloutGroup(_HoldsArrays, Message):
+    """One GRPO group: every completion the sampler drew for one prompt."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    group_id: str = Field(pattern=ID_PATTERN)
+    sampler_id: str = Field(pattern=ID_PATTERN)
+    version: Count
+    epoch: Count  # the epoch of the trainer whose weights generated it (versions restart with one)
+    task: Label
+    prompt_index: Count  # the task's prompt at this index (echo.tasks.Task.prompt), as its slot's grant named
+    slot: int = Field(ge=1, le=COUNT_MAX)  # the granted slot this group fills (Grant.slots)
+    prompt_token_ids: TokenIds
+    completions: list[Completion] = Field(min_length=1)
+    temperature: float = Field(gt=0, le=1000)
+    # What sampled it: 16-bit log-probs differ from the trainer's by rounding, which the proof
+    # of sampling allows for (trainer.verify_tolerance_16bit) where the run allows 16 bits (sampling.dtypes).
+    engine: Literal["hf", "vllm"]
+    dtype: Literal["float32", "bfloat16", "float16"]
+    gen_seconds: Seconds
+    created_at: Timestamp
+    # Partial rollouts: its completions were sampled together, and newer weights took over
+    # between chunks. None: `version` sampled it all; else it sampled the tokens before the
+    # first change, and each change's version those from its `at` (in every completion that long).
+    version_changes: list[VersionChange] = []
+
+    @model_validator(mode="after")
+    def _has_a_prompt(self):
+        if not self.prompt_token_ids.size:
+            raise ValueError("prompt_token_ids: an empty prompt")
+        changes, versions = self.version_changes, [self.version, *(c.version for c in self.version_changes)]
+        if any(a.at >= b.at for a, b in zip(changes, changes[1:])) or any(a >= b for a, b in zip(versions, versions[1:])):
+            raise ValueError("version_changes: each later in the completions than the one before, and newer")
+        if changes and changes[-1].at >= max(len(c.token_ids) for c in self.completions):
+            raise ValueError("version_changes: past every completion's last token")
+        return self
+
+    @property
+    def newest_version(self) -> int:
+        """The version that sampled its last tokens (`version` sampled its first)."""
+        return self.version_changes[-1].version if self.version_changes else self.version
+
+    def sampled_from(self, oldest: int) -> int:
+        """The token index from which its completions were sampled with version `oldest` or newer."""
+        if self.version >= oldest:
+            return 0
+        return next((c.at for c in self.version_changes if c.version >= oldest),
+                    max(len(c.token_ids) for c in self.completions))
+
+
+class WeightsShard(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    object_name: str
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+
+
+class WeightsLink(BaseModel):
+    """One version of a delta chain: its objects, whole weights (the anchor) or a delta
+    (echo/delta.py) against the version `delta_of`, and the digest of the whole weights it makes."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    version: int = Field(ge=0)
+    shards: list[WeightsShard] = Field(min_length=1)
+    delta_of: int | None = None
+    digest: str = Field("", pattern=DIGEST)
+
+
+class WeightsAnnouncement(Message):
+    """A new version of the weights: safetensors files, one object each. `lora`: the adapter's tensors
+    (usually one shard); `full`: every parameter of the model, sharded by size, or (`delta_of`
+    set) a delta per shard against version `delta_of`, with `chain` the versions from the last
+    whole one (the anchor) up to `delta_of`: a sampler holding none of them rebuilds this one
+    from the anchor. `digest` is that of the whole weights this version makes."""
+
+    version: int = Field(ge=0)
+    epoch: int = Field(ge=1)  # the announcing trainer's TrainerLease.epoch: versions are ordered within one
+    kind: Literal["lora", "full"]
+    shards: list[WeightsShard] = Field(min_length=1)
+    base_model: str  # its content digest (echo/models.py::base_model_digest): any copy matches
+    created_at: float
+    digest: str = Field("", pattern=DIGEST)
+    delta_of: int | None = None
+    chain: list[WeightsLink] = Field(default_factory=list, max_length=MAX_CHAIN)
+
+    @model_validator(mode="after")
+    def _a_chain_from_an_anchor(self):
+        if self.delta_of is None:
+            if self.chain:
+                raise ValueError("chain: only a delta names one")
+            return self
+        links = self.links
+        if not self.digest or links[0].delta_of is not None:
+            raise ValueError("delta_of: a delta names its digest, and a chain that begins whole")
+        if any(b.delta_of != a.version or not b.digest for a, b in zip(links, links[1:])):
+            raise ValueError("chain: each link a delta against the one before it, with its digest")
+        return self
+
+    @property
+    def links(self) -> list[WeightsLink]:
+        """The chain and this version, the anchor first."""
+        return [*self.chain, WeightsLink(version=self.version, shards=self.shards, delta_of=self.delta_of,
+                                         digest=self.digest)]
+
+    @property
+    def size(self) -> int:
+        return sum(s.size for s in self.shards)
+
+    @property
+    def epoch_version(self) -> Version:
+        """Its version as the wire orders them: by epoch, then number."""
+        return Version(self.epoch, self.version)
+
+
+class TrainerLease(Message):
+    """The run's owner. Each trainer start takes the next epoch (compare-and-set) and renews the
+    lease while it runs: a second trainer finds it renewed and refuses to start; a restarted one
+    finds it lapsed (or released) and takes over. Samplers accept announcements of this epoch only.
+    `epoch` is the trainer's count of takeovers, which orders them, not an identity: `process`
+    names the process that holds the lease."""
+
+    epoch: int = Field(ge=1)
+    holder: str  # host and process, for the operator
+    released: bool = False  # a trainer that stopped cleanly: the next may start at once
+    # The holder's process as its machine names it (echo/lifeline.py; "" where it cannot): a trainer
+    # started where it can see that process has exited takes over at once.
+    process: str = Field("", max_length=128)
+
+
+class GrantBudget(Message):
+    """Async mode: samplers running `version` may take slots numbered up to `allowance`."""
+
+    version: int = Field(ge=0)
+    allowance: int = Field(ge=0)
+    groups_per_step: int = Field(ge=1)
+
+
+class TrainerStatus(Message):
+    """The trainer's pace over its last steps: T, a step's seconds when its groups are there
+    (training, checkpoint, publishing), B and S; and the utilisation it measured, T over T plus
+    the time it waited for groups."""
+
+    step_s: float = Field(ge=0)
+    groups_per_step: int = Field(ge=1)
+    max_staleness: int = Field(ge=0)
+    version: int = Field(ge=0)
+    utilisation: float = Field(ge=0, le=1)
+    updated_at: float
+    # For `echo-rl status`: the step, its recent rewards, the last publish's seconds, what became
+    # of the run's groups (trained, dropped_stale, rejected, pending, ...) and rejections by reason.
+    step: int = Field(0, ge=0)
+    rewards: list[float] = []
+    publish_s: float = Field(0.0, ge=0)
+    accounting: dict[str, int] = {}
+    rejected: dict[str, int] = {}
+    finished: bool = False  # its last step is trained: status and samplers' heartbeats say so
+    staleness: float = Field(0.0, ge=0)  # the last step's groups: their mean age in versions
+    strikes: dict[str, int] = {}  # by sampler, counted by this trainer process (workers/trainer/strikes.py)
+
+
+class Schedule(Message):
+    """The scheduler's choice (scheduler.enabled): the samplers to keep on standby, their weights
+    current and no slots taken, because cheaper ones reach the target utilisation without them.
+    Every sampler not named here takes slots (one that joined since is measured first)."""
+
+    active: list[str]
+    standby: list[str]
+    predicted_utilisation: float = Field(ge=0, le=1)
+    cost_per_step: float = Field(ge=0)
+    why: str  # what made the scheduler choose again
+    updated_at: float
+
+
+# finished: the trainer said the run has finished; the sampler waits, in case the run goes on.
+SamplerState = Literal["active", "standby", "draining", "quarantined", "finished"]
+
+
+class SamplerStatus(Message):
+    """A sampler's heartbeat, and its entry in the run's registry: what it runs and on what, how
+    fast it generates, what it costs, and what went wrong. The entry expires by itself `ttl_s`
+    after the last beat (a dead sampler's goes)."""
+
+    sampler_id: str = Field(pattern=ID_PATTERN)
+    version: int = Field(ge=-1, le=COUNT_MAX)  # the adapter version its engine runs; -1 before the first
+    groups_published: Count
+    # refused adapters by reason (digest, truncated, shape, base model)
+    weight_failures: dict[ReasonKey, Count] = Field(max_length=32)
+    updated_at: Timestamp
+    # active: takes slots; standby: keeps its weights current, takes none (the scheduler's
+    # choice); draining: stopping, finishing what it holds; quarantined: the trainer ignores it.
+    state: SamplerState = "active"
+    ttl_s: int = Field(30, ge=1, le=86_400)
+    engine: Label = ""
+    device: Label = ""
+    model: Label = ""
+    relay: Label = ""  # the JetStream domain of the relay it reads weights from; "" on the hub itself
+    cost_per_hour: Rate = 0.0
+    # Measured over its last calls (sampler.rate_window_s): rates while generating, not per wall second.
+    groups_per_s: Rate = 0.0
+    tokens_per_s: Rate = 0.0
+    call_s: Seconds = 0.0  # one generation call, from its start to its groups published
+    # its last versions: from hearing of one to running it (fetch and load)
+    sync_s: dict[VersionKey, Seconds] = Field(default_factory=dict, max_length=16)
+    process: str = Field("", pattern=PROCESS_PATTERN)  # this process's random name, new at each start
+
+
+class Quarantine(Message):
+    """Samplers the trainer ignores (their groups are acked unread, they are granted no work),
+    with why: caught forging log-probs or claiming rewards more than `trainer.quarantine_after`
+    times. Lifted by an operator (`echo-rl quarantine lift`)."""
+
+    samplers: dict[str, str] = {}
+
+
+class PullRequest(Message):
+    """Sequential mode: the trainer wants `groups` groups generated with `version` of its
+    `epoch`: a trainer resumed from an older checkpoint asks for a version lower than the one
+    samplers run, and means its own."""
+
+    request_id: str = Field(pattern=ID_PATTERN)
+    epoch: int = Field(ge=1)
+    version: int = Field(ge=0)
+    groups: int = Field(ge=1)
+
+
+class GrantRequest(Message):
+    """A sampler asks the trainer for up to `want` groups to generate with the weights it runs
+    (`epoch`, `version`); in sequential mode, for the pull request `pull_request_id`."""
+
+    want: int = Field(ge=1, le=1024)
+    epoch: Count
+    version: int = Field(ge=-1, le=COUNT_MAX)
+    pull_request_id: str | None = Field(None, pattern=ID_PATTERN)
+    process: str = Field("", pattern=PROCESS_PATTERN)  # the process asking (SamplerStatus.process)
+
+
+class Grant(Message):
+    """The trainer's answer: generate one group for each of `slots` (numbered across the run),
+    on the prompt at the same place in `prompts` (the trainer's choice, echo/grants.py), each
+    group naming its slot, so the trainer knows which grants were fulfilled and which are
+    still out. `more`: work is left that this sampler may get soon (once the trainer has
+    received the groups it holds, or once enough samplers have joined): ask again shortly;
+    otherwise nothing is left until the trainer asks for more (a new budget or pull request)."""
+
+    slots: list[int] = Field(default_factory=list, max_length=1024)
+    prompts: list[Count] = Field(default_factory=list, max_length=1024)
+    more: bool = False
+
+    @model_validator(mode="after")
+    def _a_prompt_a_slot(self):
+        if len(self.prompts) != len(self.slots):
+            raise ValueError("prompts: one for each slot")
+        return self
+
+    @property
+    def groups(self) -> int:
+        return len(self.slots)
