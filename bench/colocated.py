@@ -24,6 +24,7 @@ from echo.checkpoint import read_shards
 from echo.config import EchoConfig, load_config
 from echo.engines import make_engine
 from echo.engines.base import call_seed
+from echo.learner import Batch
 from echo.referee import Referee
 from echo.tasks import load_task
 from echo.wire.names import Version
@@ -48,7 +49,7 @@ def run_colocated(cfg: EchoConfig) -> None:
             prompts = [task.prompt(rng.randrange(2**31)) for _ in range(cfg.trainer.groups_per_step)]
             groups = generate_groups(engine, task, prompts, cfg.sampling, "colocated", Version(0, step - 1),
                                      list(range(1, len(prompts) + 1)), seed=call_seed(cfg.run.seed, "colocated", 0, step))
-            batch = [(g, referee.score(g).rewards) for g in groups]
+            batch = Batch.of([(g, referee.score(g).rewards) for g in groups])
             generated = time.perf_counter()
             stats = model.train(batch)
             trained = time.perf_counter()

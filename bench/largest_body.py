@@ -20,6 +20,7 @@ import multiprocessing
 import resource
 import tempfile
 
+from bench.common import write_results
 from echo.config import SamplingConfig
 from echo.models import byte_tokenizer, encode_chat
 from echo.referee import Referee
@@ -33,7 +34,6 @@ from streams.rollouts import publish_rollout
 from streams.server import NatsServer
 from workers.trainer.intake import Collector
 from workers.trainer.judge import Judge, Timeline
-from bench.common import write_results
 
 
 def peak_rss() -> int:

@@ -50,14 +50,15 @@ from bench.sync import start_link
 from echo.checkpoint import TrainerState, read_metrics
 from echo.config import EchoConfig, load_config, validate_config
 from echo.engines.base import Generation, NewerWeights
+from echo.learner import Batch
 from echo.models import base_model_digest, encode_chat, load_model
 from echo.proof import ProofSettings, SamplingProof
 from echo.tasks import load_task
 from streams.client import cancel_until_done, open_run
 from streams.server import NatsServer, ServerConfig, free_port
 from workers.operator.relay import loopback_relay_args
-from workers.sampler.modes import Sampler
 from workers.operator.swarm import stop_processes
+from workers.sampler.modes import Sampler
 
 ADAPTER_BYTES = 4 << 20  # a LoRA adapter of rank 16 on a 1-2B model is a few MB
 
@@ -129,17 +130,18 @@ class SyntheticLearner:
     def resume(self) -> None:
         pass
 
-    def train(self, batch, oldest_version: int = 0) -> dict:
-        tokens = sum(max(0, len(c.token_ids) - g.sampled_from(oldest_version)) for g, _ in batch for c in g.completions)
-        every = sum(len(c.token_ids) for g, _ in batch for c in g.completions)
+    def train(self, batch: Batch) -> dict:
+        tokens = sum(max(0, len(c.token_ids) - g.sampled_from(batch.oldest_version))
+                     for g in batch.groups for c in g.completions)
+        every = sum(len(c.token_ids) for g in batch.groups for c in g.completions)
         seconds = max(tokens * self.seconds_per_token, 1e-6)
         time.sleep(seconds)
-        rewards = [r for _, rs in batch for r in rs]
+        rewards = [r for rs in batch.rewards for r in rs]
         return {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "is_ratio_mean": 1.0,
                 "is_ratio_max": 1.0, "is_truncated_fraction": 0.0, "is_masked_fraction": 0.0, "mismatch_kl": 0.0,
                 "grad_norm": 0.0,
                 "reward_mean": float(np.mean(rewards)), "reward_std": float(np.std(rewards)), "tokens": tokens,
-                "untrained_tokens": every - tokens, "sequences": sum(len(g.completions) for g, _ in batch),
+                "untrained_tokens": every - tokens, "sequences": sum(len(g.completions) for g in batch.groups),
                 "passes": 1, "train_seconds": seconds}
 
     def save(self, state: TrainerState) -> None:

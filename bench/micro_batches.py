@@ -35,6 +35,7 @@ def long_groups(vocab: int, groups: int, group: int, tokens: int) -> list:
     after a 64-token prompt (seeded: every process builds the same)."""
     import torch
 
+    from echo.learner import Batch
     from echo.wire.messages import Completion, RolloutGroup
 
     generator = torch.Generator().manual_seed(0)
@@ -48,7 +49,7 @@ def long_groups(vocab: int, groups: int, group: int, tokens: int) -> list:
                                    prompt_index=g, slot=g + 1, prompt_token_ids=prompt, completions=completions,
                                    temperature=1.0, engine="hf", dtype="float32", gen_seconds=0.0, created_at=0.0),
                       [c.reward for c in completions]))
-    return batch
+    return Batch.of(batch)
 
 
 def step_setup(model: str, groups: int, group: int, tokens: int, budget: int, pack_groups: str = "auto",

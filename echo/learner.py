@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from echo.algorithms.grpo import ImportanceStats, LossStats, grpo_loss, group_advantages, importance_weights
+from echo.algorithms.grpo import ImportanceStats, LossStats, group_advantages, grpo_loss, importance_weights
 from echo.config import EchoConfig
 from echo.devices import autocast, model_device
 from echo.policy import packed_logprobs
@@ -31,6 +32,35 @@ class PassStats(NamedTuple):
 
 # A pass: the completions one forward and backward takes, as (group index, completion rows).
 Pass = list[tuple[int, list[int]]]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What one step trains on: the judged groups, each with the trainer's own rewards, and the
+    oldest version whose tokens are trained (the staleness bound: a partial rollout's tokens
+    sampled before it are left out of the loss)."""
+
+    groups: list[RolloutGroup]
+    rewards: list[list[float]]  # per group, per completion: the task's verifier on the trainer
+    oldest_version: int = 0
+
+    @classmethod
+    def of(cls, scored: list[tuple[RolloutGroup, list[float]]], oldest_version: int = 0) -> Batch:
+        return cls([group for group, _ in scored], [list(rewards) for _, rewards in scored], oldest_version)
+
+    @property
+    def versions(self) -> list[int]:
+        """The version that sampled each group (a partial rollout's first tokens)."""
+        return [group.version for group in self.groups]
+
+    def advantages(self, device=None) -> list[torch.Tensor]:
+        """Each group's completions' advantages, over its whole group (GRPO)."""
+        return [group_advantages(torch.tensor(rewards, device=device)) for rewards in self.rewards]
+
+    def trained_tokens(self) -> int:
+        """The completion tokens the loss is over: the model's own, sampled at `oldest_version` or later."""
+        return sum(int(c.model_mask()[g.sampled_from(self.oldest_version):].sum())
+                   for g in self.groups for c in g.completions)
 
 
 def micro_batches(groups: list[tuple[int, list[int]]], budget: int, share: bool = True) -> list[Pass]:
@@ -61,10 +91,10 @@ def micro_batches(groups: list[tuple[int, list[int]]], budget: int, share: bool 
     return passes + [current]
 
 
-def step_passes(batch: list[tuple[RolloutGroup, list[float]]], budget: int, share: bool = True) -> list[Pass]:
+def step_passes(batch: Batch, budget: int, share: bool = True) -> list[Pass]:
     """A step's forward/backward passes, in order."""
     return micro_batches([(len(group.prompt_token_ids), [len(c.token_ids) for c in group.completions])
-                          for group, _ in batch], budget, share)
+                          for group in batch.groups], budget, share)
 
 
 def shares_passes(pack_groups: str, device: torch.device) -> bool:
@@ -81,10 +111,9 @@ def rank_passes(passes: list, rank: int, world: int) -> list:
     return mine + [None] * (-(-len(passes) // world) - len(mine))
 
 
-def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]], cfg: EchoConfig, pad_id: int,
-               stop: threading.Event | None = None, compute_dtype: torch.dtype = torch.float32,
-               rank: int = 0, world: int = 1, oldest_version: int = 0) -> dict:
-    """One optimizer step over (group, rewards) pairs. The loss is the token mean over the whole
+def train_step(policy, optimizer, batch: Batch, cfg: EchoConfig, pad_id: int, stop: threading.Event | None = None,
+               compute_dtype: torch.dtype = torch.float32, rank: int = 0, world: int = 1) -> dict:
+    """One optimizer step over a batch of judged groups. The loss is the token mean over the whole
     batch; its completions are forwarded and backpropagated in passes of at most
     `trainer.micro_batch_tokens` tokens, several short groups in one pass or a long group over
     several (gradients accumulate: the same step, in fewer launches or less memory), or a group
@@ -102,14 +131,14 @@ def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]],
     The forward runs in `compute_dtype` (autocast) over fp32 trainable parameters; log-probs,
     importance weights and the loss are fp32.
 
-    A partial rollout's tokens sampled with a version older than `oldest_version` (the
+    A partial rollout's tokens sampled with a version older than `batch.oldest_version` (the
     staleness bound) are left out of the loss: the bound holds for every token trained, while
     the newer rest of a long completion is not thrown away with them. So are a multi-turn
     episode's observations (the environment's tokens): the loss, importance weights and KL are
     over the model's tokens only; the advantage is the episode's, over its group."""
     tcfg = cfg.trainer
     device = model_device(policy)
-    total_tokens = sum(int(c.model_mask()[g.sampled_from(oldest_version):].sum()) for g, _ in batch for c in g.completions)
+    total_tokens, advantages = batch.trained_tokens(), batch.advantages(device)
     passes = rank_passes(step_passes(batch, tcfg.micro_batch_tokens, shares_passes(tcfg.pack_groups, device)), rank, world)
     started = time.perf_counter()
     policy.train()
@@ -122,8 +151,8 @@ def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]],
         if this is None:
             _empty_pass(policy, cfg, pad_id, device, compute_dtype)
             continue
-        stats = _pass(policy, cfg, pad_id, device, compute_dtype, [(*batch[g], rows) for g, rows in this], total_tokens,
-                      oldest_version)
+        segments = [(batch.groups[g], advantages[g][rows], rows) for g, rows in this]
+        stats = _pass(policy, cfg, pad_id, device, compute_dtype, segments, total_tokens, batch.oldest_version)
         loss_sum += stats.loss_value
         per_pass.append(stats)
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], tcfg.max_grad_norm)
@@ -135,7 +164,7 @@ def train_step(policy, optimizer, batch: list[tuple[RolloutGroup, list[float]]],
     def token_mean(value) -> float:
         return sum(g.tokens * value(g) for g in per_pass) / max(tokens, 1)
 
-    rewards = torch.tensor([r for _, rs in batch for r in rs])
+    rewards = torch.tensor([r for rs in batch.rewards for r in rs])
     return {
         "loss": loss_sum,
         "kl": token_mean(lambda g: g.loss.kl),
@@ -176,14 +205,14 @@ def merge_stats(parts: list[dict]) -> dict:
 
 
 def _pass(policy, cfg: EchoConfig, pad_id: int, device, compute_dtype,
-          segments: list[tuple[RolloutGroup, list[float], list[int]]], normalizer: int, oldest_version: int) -> PassStats:
-    """Forward and backward over some completions of some groups: (group, rewards, rows) each."""
+          segments: list[tuple[RolloutGroup, torch.Tensor, list[int]]], normalizer: int, oldest_version: int) -> PassStats:
+    """Forward and backward over some completions of some groups: (group, the rows' advantages,
+    rows) each; the advantages are over each whole group, whichever of its completions this pass takes."""
     tcfg = cfg.trainer
     prompts = [group.prompt_token_ids for group, _, _ in segments]
     claimed = [group.completions[i] for group, _, rows in segments for i in rows]
     owners = [j for j, (_, _, rows) in enumerate(segments) for _ in rows]
-    # Advantages over each whole group, whichever of its completions this pass takes.
-    advantages = torch.cat([group_advantages(torch.tensor(rewards, device=device))[rows] for _, rewards, rows in segments])
+    advantages = torch.cat([rows_advantages for _, rows_advantages, _ in segments])
     logprobs, mask, entropy, ref_logprobs = _forward(policy, cfg, pad_id, device, compute_dtype, prompts,
                                                      [c.token_ids for c in claimed], owners)
     behaviour, sampled = torch.zeros(logprobs.shape), torch.zeros(mask.shape, dtype=torch.bool)

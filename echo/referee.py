@@ -19,7 +19,6 @@ from echo.tasks import Task, is_environment, safe_reward
 from echo.wire.codec import RolloutLimits
 from echo.wire.messages import RolloutGroup
 
-
 # A completion drawn twice is plausible only if it was likely: the chance that two samples agree
 # on any completion less likely than this is below it, per pair. An honest group of 16 has 120
 # pairs, so a repeat this unlikely is refused in about one honest group in ten million; a

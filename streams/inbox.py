@@ -28,8 +28,16 @@ from nats.aio.msg import Msg
 from echo.wire.codec import RolloutLimits
 from echo.wire.names import ROLLOUT_MESSAGE_MAX, subject_sampler
 from streams.client import BROKER_ERRORS, Run
-from streams.rollouts import (fetch_rollouts, last_rollout_seq, reader_name, reader_subscription, readers, reset_reader,
-                              rollout_body, rollout_subjects)
+from streams.rollouts import (
+    fetch_rollouts,
+    last_rollout_seq,
+    reader_name,
+    reader_subscription,
+    readers,
+    reset_reader,
+    rollout_body,
+    rollout_subjects,
+)
 
 log = structlog.get_logger()
 

@@ -14,8 +14,14 @@ from nats.js.api import (
     StreamSource,
 )
 
-from echo.wire.names import (BODY_PART_MAX, ROLLOUT_DEDUP_WINDOW_S, ROLLOUT_MESSAGE_MAX, STATUS_MAX_BYTES, RunNames,
-                             Storage)
+from echo.wire.names import (
+    BODY_PART_MAX,
+    ROLLOUT_DEDUP_WINDOW_S,
+    ROLLOUT_MESSAGE_MAX,
+    STATUS_MAX_BYTES,
+    RunNames,
+    Storage,
+)
 
 
 def rollouts_stream(names: RunNames, storage: Storage = Storage()) -> StreamConfig:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import orjson
+
 from echo.config import EchoConfig
 from echo.wire.names import CONFIG_KEY
 from streams.client import Run

@@ -6,10 +6,10 @@ node of a hub with a JetStream domain of its own): see streams/relay.py."""
 
 from __future__ import annotations
 
-import json
-import os
 import errno
 import functools
+import json
+import os
 import random
 import shutil
 import signal
@@ -141,10 +141,10 @@ class ServerConfig:
 class NatsServer:
     """A nats-server on this machine, with JetStream on `store_dir`, configured by `config`."""
 
-    def __init__(self, store_dir: str | Path, config: ServerConfig = ServerConfig()):
+    def __init__(self, store_dir: str | Path, config: ServerConfig | None = None):
         self.store_dir = Path(store_dir)
-        self.config = config
-        self.port = config.port or free_port()
+        self.config = config or ServerConfig()
+        self.port = self.config.port or free_port()
         self.process: subprocess.Popen | None = None
 
     @property

@@ -27,9 +27,9 @@ from echo.wire.codec import encode
 from echo.wire.messages import WeightsAnnouncement, WeightsLink, WeightsShard
 from echo.wire.names import OBJ_HDR_EPOCH, OBJ_HDR_VERSION, Version, weights_object_name
 from streams.client import BROKER_ERRORS, STORAGE_FULL, Run, cancel_until_done, publish_once
-from streams.watch import LatestValue
 from streams.lease import Lease, current_epoch
 from streams.objects import TransferError, get_object, put_object, sha256_hex
+from streams.watch import LatestValue
 
 log = structlog.get_logger()
 
@@ -237,7 +237,8 @@ class WeightsFollower:
         if data is None:
             return
         self.fetch_s = {announcement.epoch_version: time.perf_counter() - started}  # the ready version's
-        log.debug("weights.fetched", version=announcement.version, seconds=round(self.fetch_s[announcement.epoch_version], 3))
+        seconds = self.fetch_s[announcement.epoch_version]
+        log.debug("weights.fetched", version=announcement.version, seconds=round(seconds, 3))
         async with self._ready_changed:
             self.ready = (announcement, data)
             self._ready_changed.notify_all()

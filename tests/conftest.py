@@ -27,8 +27,8 @@ from echo.policy import weights_shards
 from echo.wire.codec import encode
 from echo.wire.messages import WeightsAnnouncement, WeightsShard
 from echo.wire.names import weights_object_name
-from streams.grants import slots_granted
 from streams.client import Run, open_run
+from streams.grants import slots_granted
 from streams.registry import read_statuses
 from streams.secure import SecureDir
 from streams.server import NatsServer, ServerConfig, free_port

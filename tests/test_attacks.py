@@ -22,32 +22,55 @@ from echo.config import ConfigError
 from echo.grants import GrantLedger
 from echo.wire.codec import encode, rollout_headers
 from echo.wire.messages import GrantRequest, SamplerStatus, TrainerStatus, WeightsAnnouncement
-from echo.wire.names import (BODY_PART_MAX, BUDGET_KEY, CONFIG_KEY, HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE,
-                             HDR_MSG_ID, QUARANTINE_KEY, ROLLOUT_MESSAGE_MAX, SCHEDULE_KEY, SLOTS_KEY, TRAINER_KEY,
-                             TRAINER_STATUS_KEY, Storage)
+from echo.wire.names import (
+    BODY_PART_MAX,
+    BUDGET_KEY,
+    CONFIG_KEY,
+    HDR_BODY_PARTS,
+    HDR_BODY_SHA256,
+    HDR_BODY_SIZE,
+    HDR_MSG_ID,
+    QUARANTINE_KEY,
+    ROLLOUT_MESSAGE_MAX,
+    SCHEDULE_KEY,
+    SLOTS_KEY,
+    TRAINER_KEY,
+    TRAINER_STATUS_KEY,
+    Storage,
+)
 from streams.client import open_run
-from streams.watch import BAD_VALUES, LatestValue
 from streams.grants import slots_granted
-from streams.lease import RENEW_S, AnotherTrainer, current_epoch, take_lease
-from streams.quarantine import change_quarantine, read_quarantine
-from streams.secure import SAMPLER_LIMITS, SecureDir
-from streams.server import NatsServer, ServerConfig
 from streams.inbox import FETCH_MAX, RolloutInbox
 from streams.layout import registry_stream
-from streams.registry import put_status, read_heartbeat, read_trainer_status, read_statuses
+from streams.lease import RENEW_S, AnotherTrainer, current_epoch, take_lease
+from streams.quarantine import change_quarantine, read_quarantine
+from streams.registry import put_status, read_heartbeat, read_statuses, read_trainer_status
 from streams.rollouts import fetch_rollouts, publish_rollout
+from streams.secure import SAMPLER_LIMITS, SecureDir
+from streams.server import NatsServer, ServerConfig
+from streams.watch import BAD_VALUES, LatestValue
 from streams.weights import WeightsPublisher, fetch_weights
 from tests.conftest import TINY_BASE, assert_accounting_holds, collect_and_account, tiny_config
-from tests.groups import (BOMB, REFEREE, SAMPLING, TASK, TOKENIZER, granted, honest_group, pack_rollout, symbolic_math,
-                          unlikely)
+from tests.groups import (
+    BOMB,
+    REFEREE,
+    SAMPLING,
+    TASK,
+    TOKENIZER,
+    granted,
+    honest_group,
+    pack_rollout,
+    symbolic_math,
+    unlikely,
+)
 from workers.cli import main
+from workers.operator.status import render, snapshot
 from workers.trainer.coordinator import Coordinator
 from workers.trainer.granter import AsyncGranter
 from workers.trainer.intake import Collector
 from workers.trainer.judge import Case, Judge, Timeline, Trained
-from workers.trainer.strikes import Quarantined
 from workers.trainer.scoring import ScoringProcess
-from workers.operator.status import render, snapshot
+from workers.trainer.strikes import Quarantined
 
 
 async def _revision(kv, key: str) -> int:

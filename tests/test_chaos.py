@@ -24,7 +24,12 @@ from streams.lease import current_epoch
 from streams.registry import put_status
 from streams.server import NatsServer, ServerConfig, free_port
 from tests.conftest import (
-    assert_balanced, read_metrics, run_trainer_and_sampler, sampler_statuses, tiny_config, wait_for_steps,
+    assert_balanced,
+    read_metrics,
+    run_trainer_and_sampler,
+    sampler_statuses,
+    tiny_config,
+    wait_for_steps,
     worker_process,
 )
 from tests.swarms import up_command

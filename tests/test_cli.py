@@ -13,8 +13,8 @@ from streams.client import open_run
 from streams.secure import SecureDir
 from streams.server import free_port
 from tests.conftest import tiny_config
-from workers.cli import build_parser, main
 from workers.arguments import config_from_args
+from workers.cli import build_parser, main
 from workers.sampler.sampler import sampler_config_from_run
 
 

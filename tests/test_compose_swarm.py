@@ -110,7 +110,7 @@ def training(samplers: set[str], steps: int):
 
 
 def trainer_ready_steps(p: Project) -> list[int]:
-    """The step each trainer incarnation started from, in its `trainer.ready` log lines."""
+    """The step each trainer process started from, in its `trainer.ready` log lines."""
     lines = p("logs", "--no-color", "trainer").splitlines()
     return [int(line.split(" step=")[1].split()[0]) for line in lines if "trainer.ready" in line]
 

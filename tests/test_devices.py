@@ -10,7 +10,7 @@ from echo.config import ConfigError
 from echo.devices import autocast, resolve_device, resolve_dtype
 from echo.engines import engine_choice
 from echo.engines.hf import HFEngine
-from echo.learner import make_optimizer, train_step
+from echo.learner import Batch, make_optimizer, train_step
 from echo.models import load_model
 from echo.policy import group_logprobs, load_weights, make_policy, policy_tensors, weights_shards
 from echo.proof import ProofSettings, SamplingProof
@@ -47,7 +47,7 @@ def test_a_device_this_machine_does_not_have_is_refused_with_what_it_has():
 
 def _batch():
     groups = [honest_group(12 + i) for i in range(2)]
-    return [(g, [float(i % 2) for i in range(len(g.completions))]) for g in groups]
+    return Batch.of([(g, [float(i % 2) for i in range(len(g.completions))]) for g in groups])
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full-weight"])

@@ -19,7 +19,7 @@ import torch
 from echo.checkpoint import TrainerState, read_metrics
 from echo.engines.hf import HFEngine
 from echo.grants import GrantLedger
-from echo.learner import StepAbandoned, make_optimizer, train_step
+from echo.learner import Batch, StepAbandoned, make_optimizer, train_step
 from echo.lifeline import exited, process_name
 from echo.models import load_model
 from echo.policy import make_policy
@@ -29,16 +29,25 @@ from echo.wire.codec import encode
 from echo.wire.messages import WeightsAnnouncement
 from echo.wire.names import TRAINER_KEY, Storage, weights_object_name
 from streams.client import retry_forever
-from streams.watch import LatestValue
+from streams.inbox import RolloutInbox
 from streams.lease import HELD_S, RENEW_S, AnotherTrainer, take_lease
 from streams.objects import put_object
-from streams.weights import WeightsPublisher
 from streams.registry import put_status, read_statuses
-from streams.server import NatsServer, ServerConfig, free_port
-from streams.inbox import RolloutInbox
-from tests.conftest import (TINY_BASE, adapter_for_version, alive, assert_accounting_holds, collect_and_account,
-                            store_tampered, tiny_config, wait_for_steps, worker_process)
 from streams.rollouts import publish_rollout
+from streams.server import NatsServer, ServerConfig, free_port
+from streams.watch import LatestValue
+from streams.weights import WeightsPublisher
+from tests.conftest import (
+    TINY_BASE,
+    adapter_for_version,
+    alive,
+    assert_accounting_holds,
+    collect_and_account,
+    store_tampered,
+    tiny_config,
+    wait_for_steps,
+    worker_process,
+)
 from tests.groups import REFEREE, granted, honest_group
 from workers.sampler.modes import Sampler
 from workers.trainer.accounting import count_consumed, settle
@@ -123,7 +132,7 @@ def test_a_step_told_to_stop_is_abandoned_between_passes_and_leaves_the_policy_a
                 p.normal_(0, 0.05)
     optimizer = make_optimizer(policy, cfg)
     groups = [honest_group(12 + i) for i in range(3)]
-    batch = [(g, [float(i % 2) for i in range(len(g.completions))]) for g in groups]
+    batch = Batch.of([(g, [float(i % 2) for i in range(len(g.completions))]) for g in groups])
     before = [p.detach().clone() for p in policy.parameters() if p.requires_grad]
 
     def unchanged() -> bool:

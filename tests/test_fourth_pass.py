@@ -26,8 +26,16 @@ from echo.referee import completion_keys, content_hash, repeats
 from echo.tasks import load_task
 from echo.wire.codec import ProtocolError, decode, decode_rollout, encode_rollout
 from echo.wire.messages import SamplerStatus
-from echo.wire.names import (HDR_MSG_ID, HDR_SAMPLER_ID, HDR_SCHEMA, HDR_TASK, HDR_VERSION, SCHEMA_VERSION, RunNames,
-                             prompts_object_name)
+from echo.wire.names import (
+    HDR_MSG_ID,
+    HDR_SAMPLER_ID,
+    HDR_SCHEMA,
+    HDR_TASK,
+    HDR_VERSION,
+    SCHEMA_VERSION,
+    RunNames,
+    prompts_object_name,
+)
 from streams.inbox import RolloutInbox
 from streams.objects import TransferError, _b64, object_info
 from streams.prompts import PromptShards, publish_prompts
@@ -36,8 +44,8 @@ from streams.secure import SecureDir
 from streams.server import LOG_FILES_KEPT, NatsServer, ServerConfig
 from tests.conftest import tiny_config
 from tests.groups import REFEREE, honest_group, pack_rollout, unpack_rollout
-from workers.operator.status import render, sampler_row
 from workers.operator.page import Latest, PageServer
+from workers.operator.status import render, sampler_row
 from workers.trainer.intake import Collector
 from workers.trainer.judge import Judge, Timeline
 from workers.trainer.strikes import Quarantined
@@ -123,8 +131,8 @@ def test_thousands_of_hostile_heartbeats_stop_no_reader(tmp_path, monkeypatch):
     the trackers' scalars (and every tracker), `status`'s rows and view, and the live page: those
     decode lets through are bounded, and nothing raises or prints a control character."""
     rng = random.Random(61)
-    honest = {"schema_version": SCHEMA_VERSION, "sampler_id": "s9", "version": 3, "groups_published": 5, "weight_failures": {},
-              "updated_at": time.time(), "sync_s": {"2": 0.5, "3": 0.4}}
+    honest = {"schema_version": SCHEMA_VERSION, "sampler_id": "s9", "version": 3, "groups_published": 5,
+              "weight_failures": {}, "updated_at": time.time(), "sync_s": {"2": 0.5, "3": 0.4}}
     passed, refused = [], Counter()
     for i in range(3000):
         raw = dict(honest, sampler_id=f"s{i}")

@@ -13,8 +13,7 @@ from echo.grants import GrantLedger, Heartbeats, allowance, lost_slots, sampler_
 from echo.wire.codec import decode, encode
 from echo.wire.messages import Grant, GrantRequest, SamplerStatus
 from echo.wire.names import GRANT_TIMEOUT_S, SCHEMA_VERSION, SLOTS_KEY_BEFORE_14
-from streams.grants import record_slots_granted, slots_granted
-from streams.grants import request_grant, serve_grants
+from streams.grants import record_slots_granted, request_grant, serve_grants, slots_granted
 from streams.lease import take_lease
 from streams.registry import put_status
 from tests.conftest import tiny_config

@@ -9,14 +9,14 @@ import json
 import nats.js.errors
 import pytest
 
+from echo.config import SamplingConfig
 from echo.consumed import ConsumedSeqs
 from echo.grants import GrantLedger
 from echo.referee import Referee, content_hash
-from echo.config import SamplingConfig
 from echo.wire.codec import encode_rollout, rollout_headers
 from echo.wire.names import HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE, HDR_MSG_ID, HDR_SAMPLER_ID, HDR_VERSION
-from streams.replay import read_rollouts
 from streams.inbox import FETCH_MAX, RolloutInbox
+from streams.replay import read_rollouts
 from streams.rollouts import publish_rollout, reader_name, reader_subscription, readers, rollout_body
 from streams.server import NatsServer, ServerConfig
 from tests.conftest import tiny_config

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from echo.learner import make_optimizer, micro_batches, shares_passes, step_passes, train_step
+from echo.learner import Batch, make_optimizer, micro_batches, shares_passes, step_passes, train_step
 from echo.models import load_model
 from echo.policy import make_policy
 from tests.conftest import tiny_config
@@ -48,8 +48,8 @@ def test_a_micro_batched_step_is_the_whole_batch_step(tmp_path):
     micro-batches of a few tokens, or with both groups in one pass, leaves the same adapter as a
     group a pass and reports the same statistics, to fp32 summation-order error (1e-6)."""
     texts = ["\\boxed{5}", "no idea at all, sorry", "\\boxed{999} because", "hm"]
-    batch = [(honest_group(11 + i, texts=texts), [1.0, 0.0, 0.0, 1.0]) for i in range(2)]
-    assert len({len(group.prompt_token_ids) for group, _ in batch}) == 2  # packed, one prompt is padded
+    batch = Batch.of([(honest_group(11 + i, texts=texts), [1.0, 0.0, 0.0, 1.0]) for i in range(2)])
+    assert len({len(group.prompt_token_ids) for group in batch.groups}) == 2  # packed, one prompt is padded
     policies, stats = [], []
     base, tokenizer = load_model("tiny")
     start = make_policy(base, tiny_config(tmp_path).lora)
@@ -57,13 +57,13 @@ def test_a_micro_batched_step_is_the_whole_batch_step(tmp_path):
         for p in start.parameters():
             if p.requires_grad:
                 p.normal_(0, 0.05)
-    for budget in (0, len(batch[0][0].prompt_token_ids) + 30, 10_000):
+    for budget in (0, len(batch.groups[0].prompt_token_ids) + 30, 10_000):
         cfg = tiny_config(tmp_path, trainer={"micro_batch_tokens": budget, "kl_coef": 0.1, "is_level": "sequence",
                                              "pack_groups": "on"})
         policy = copy.deepcopy(start)
         stats.append(train_step(policy, make_optimizer(policy, cfg), batch, cfg, tokenizer.pad_token_id))
         policies.append(policy)
-    assert [s["passes"] for s in stats] == [2, len(step_passes(batch, len(batch[0][0].prompt_token_ids) + 30)), 1]
+    assert [s["passes"] for s in stats] == [2, len(step_passes(batch, len(batch.groups[0].prompt_token_ids) + 30)), 1]
     assert stats[1]["passes"] > 2  # it did split the groups, and packed them in one pass
     whole, *others = ([p.detach() for p in policy.parameters() if p.requires_grad] for policy in policies)
     for other, other_stats in zip(others, stats[1:]):
@@ -86,15 +86,15 @@ def test_a_partial_rollouts_tokens_older_than_the_bound_are_not_trained(tmp_path
     for group in (spanning, spanning.replaced(completions=[  # other log-probs for the stale tokens only
             c.replaced(logprobs=[-3.0, -3.0, *c.logprobs[2:]]) for c in spanning.completions])):
         policy = copy.deepcopy(start)
-        stats = train_step(policy, make_optimizer(policy, cfg), [(group, [1.0, 0.0])], cfg, tokenizer.pad_token_id,
-                           oldest_version=3)
+        stats = train_step(policy, make_optimizer(policy, cfg), Batch.of([(group, [1.0, 0.0])], oldest_version=3), cfg,
+                           tokenizer.pad_token_id)
         steps.append(([p.detach() for p in policy.parameters() if p.requires_grad], stats))
     (first, stats), (second, _) = steps
     assert stats["tokens"] == sum(len(c.token_ids) - 2 for c in spanning.completions)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     policy = copy.deepcopy(start)
-    whole = train_step(policy, make_optimizer(policy, cfg), [(spanning, [1.0, 0.0])], cfg, tokenizer.pad_token_id,
-                       oldest_version=2)
+    whole = train_step(policy, make_optimizer(policy, cfg), Batch.of([(spanning, [1.0, 0.0])], oldest_version=2), cfg,
+                       tokenizer.pad_token_id)
     assert whole["tokens"] == sum(len(c.token_ids) for c in spanning.completions)
 
 
@@ -119,7 +119,7 @@ def test_an_episodes_observations_are_not_trained(tmp_path):
     results = []
     for group in (episode, other_claims, plain):
         policy = copy.deepcopy(start)
-        stats = train_step(policy, make_optimizer(policy, cfg), [(group, [1.0, 0.0])], cfg, tokenizer.pad_token_id)
+        stats = train_step(policy, make_optimizer(policy, cfg), Batch.of([(group, [1.0, 0.0])]), cfg, tokenizer.pad_token_id)
         results.append(([p.detach() for p in policy.parameters() if p.requires_grad], stats))
     (trained, stats), (claimed_otherwise, _), (unmasked, plain_stats) = results
     assert stats["tokens"] == sum(len(c.token_ids) for c in plain.completions) - 6 == plain_stats["tokens"] - 6

@@ -12,8 +12,22 @@ import orjson
 import pytest
 
 from bench.letters import Letters
-from bench.parity import (MEASURES, MODES, area_under, commit_results, detectable_gap, logrank_p, mode_summary,
-                          off_policy, permutation_p, reached, run_cost, run_summary, schedule, verdict)
+from bench.parity import (
+    MEASURES,
+    MODES,
+    area_under,
+    commit_results,
+    detectable_gap,
+    logrank_p,
+    mode_summary,
+    off_policy,
+    permutation_p,
+    reached,
+    run_cost,
+    run_summary,
+    schedule,
+    verdict,
+)
 from echo.engines import make_engine
 from tests.conftest import tiny_config
 from workers.operator.heldout import held_out_score

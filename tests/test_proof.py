@@ -13,10 +13,10 @@ from echo.grants import GrantLedger
 from echo.policy import group_logprobs, load_weights, policy_tensors, weights_shards
 from echo.proof import ProofSettings, SamplingProof, logprob_gap
 from echo.wire.messages import Completion, GrantRequest, Observation
+from streams.inbox import RolloutInbox
 from streams.lease import take_lease
 from streams.quarantine import read_quarantine
 from streams.registry import read_statuses
-from streams.inbox import RolloutInbox
 from streams.rollouts import publish_rollout
 from tests.conftest import tiny_config
 from tests.groups import REFEREE, SAMPLING, granted, honest_group

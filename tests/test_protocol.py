@@ -188,7 +188,8 @@ def test_a_group_recorded_in_schema_13_still_decodes_and_one_mixing_the_names_do
     group = make_group()
     subject = RunNames("r").rollouts_subject("s1")
     raw = unpack_rollout(encode_rollout(group))
-    recorded = pack_rollout(raw | {"schema_version": 13, "lease": raw.pop("slot"), "policy_version": raw.pop("version")})
+    recorded = pack_rollout(raw | {"schema_version": 13, "lease": raw.pop("slot"),
+                                   "policy_version": raw.pop("version")})
     headers = rollout_headers(group) | {HDR_SCHEMA: "13"}
     assert decode_rollout(recorded, headers, subject) == group
     with pytest.raises(ProtocolError, match="header_mismatch"):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from echo.checkpoint import TrainerState, load_checkpoint, save_checkpoint
-from echo.learner import make_optimizer, merge_stats, rank_passes, step_passes, train_step
+from echo.learner import Batch, make_optimizer, merge_stats, rank_passes, step_passes, train_step
 from echo.models import load_model
 from echo.policy import make_policy, policy_tensors
 from streams.server import free_port
@@ -32,7 +32,7 @@ def _start(tmp_path, lora: bool):
     budget = len(honest_group(12).prompt_token_ids) + 40
     cfg = tiny_config(tmp_path, trainer={"kl_coef": 0.1 if lora else 0.0, "micro_batch_tokens": budget},
                       lora={"enabled": lora})
-    batch = [(honest_group(12 + i, texts=TEXTS), [float((i + j) % 2) for j in range(4)]) for i in range(3)]
+    batch = Batch.of([(honest_group(12 + i, texts=TEXTS), [float((i + j) % 2) for j in range(4)]) for i in range(3)])
     base, tokenizer = load_model("tiny")
     torch.manual_seed(0)  # peft draws the adapter's initial values
     policy = make_policy(base, cfg.lora)

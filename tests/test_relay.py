@@ -9,18 +9,18 @@ from echo.engines.hf import HFEngine
 from echo.tasks import load_task
 from echo.wire.messages import Grant, GrantRequest, SamplerStatus
 from echo.wire.names import CONFIG_KEY, HDR_SAMPLER_ID, RunNames
-from streams.grants import request_grant, serve_grants
 from streams.client import connect
+from streams.grants import request_grant, serve_grants
 from streams.lease import take_lease
 from streams.registry import put_status, read_statuses, weights_relay
 from streams.relay import open_mirrors
 from streams.replay import read_rollouts
 from streams.server import NatsServer, ServerConfig, free_port
 from streams.weights import WeightsPublisher
-from tests.conftest import adapter_for_version, relay, TINY_BASE, tiny_config
+from tests.conftest import TINY_BASE, adapter_for_version, relay, tiny_config
 from workers.cli import build_parser
-from workers.sampler.sampler import sampler_config_from_run
 from workers.sampler.modes import Sampler
+from workers.sampler.sampler import sampler_config_from_run
 
 
 @pytest.fixture

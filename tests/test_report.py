@@ -10,8 +10,8 @@ def _steps(walls: list[float]) -> list[dict]:
              "dropped_stale": 0, "learner_busy": 0.5} for i, w in enumerate(walls)]
 
 
-def test_a_resumed_runs_incarnations_are_laid_end_to_end():
-    """Each incarnation's clock starts again at 0: both were drawn on one axis, with a line back
+def test_a_resumed_runs_processes_are_laid_end_to_end():
+    """Each process's clock starts again at 0: both were drawn on one axis, with a line back
     to the start."""
     minutes, pieces = trainer_minutes(_steps([60, 120, 180, 30, 90]))
     assert minutes == [1, 2, 3, 3.5, 4.5]
@@ -27,4 +27,4 @@ def test_the_report_is_titled_with_the_held_out_result(tmp_path):
                                                        "trained_correct": 0.43, "base_reward": 0.2,
                                                        "trained_reward": 0.45}))
     assert "correct 14% -> 43%" in held_out_line(tmp_path) and "21 prompts" in held_out_line(tmp_path)
-    assert write_report(tmp_path).stat().st_size > 10_000  # 1,200 steps over 400 incarnations
+    assert write_report(tmp_path).stat().st_size > 10_000  # 1,200 steps over 400 processes

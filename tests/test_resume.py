@@ -10,8 +10,15 @@ import orjson
 import pytest
 import torch
 
-from echo.checkpoint import (TrainerState, append_trained_completions, append_trained_content, load_checkpoint,
-                             load_trained_completions, load_trained_content, save_checkpoint)
+from echo.checkpoint import (
+    TrainerState,
+    append_trained_completions,
+    append_trained_content,
+    load_checkpoint,
+    load_trained_completions,
+    load_trained_content,
+    save_checkpoint,
+)
 from echo.config import LoraConfig
 from echo.models import load_model
 from echo.policy import make_policy

@@ -15,7 +15,7 @@ from echo.engines.hf import HFEngine
 from streams.lease import take_lease
 from streams.registry import read_statuses
 from streams.weights import WeightsPublisher
-from tests.conftest import a_sampler_holding_slots, adapter_for_version, TINY_BASE, tiny_config, worker_process
+from tests.conftest import TINY_BASE, a_sampler_holding_slots, adapter_for_version, tiny_config, worker_process
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ from streams.lease import take_lease
 from streams.secure import SERVER_CONF, SecureDir
 from streams.server import NatsServer, ServerConfig, free_port
 from streams.weights import WeightsFollower, WeightsPublisher
-from tests.conftest import relay, TINY_BASE
+from tests.conftest import TINY_BASE, relay
 from tests.groups import honest_group
 from workers.cli import main
 

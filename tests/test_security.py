@@ -17,14 +17,14 @@ from echo.edge import check_config_from_broker
 from echo.wire.codec import decode, encode, encode_rollout, rollout_headers
 from echo.wire.messages import WeightsAnnouncement
 from echo.wire.names import BUDGET_KEY, CONFIG_KEY, HDR_MSG_ID, SLOTS_KEY, SLOTS_KEY_BEFORE_14, TRAINER_KEY, RunNames
+from streams.client import NoBroker, open_run, require_stream
+from streams.lease import AnotherTrainer, take_lease
 from streams.rollouts import reader_name, reader_subscription
 from streams.secure import PID_FILE, SecureDir
 from streams.server import write_secret
-from tests.groups import honest_group
-from streams.client import NoBroker, open_run, require_stream
-from streams.lease import AnotherTrainer, take_lease
 from streams.weights import WeightsFollower, WeightsPublisher
 from tests.conftest import TINY_BASE, tiny_config
+from tests.groups import honest_group
 from workers.cli import main
 
 

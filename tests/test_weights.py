@@ -20,7 +20,7 @@ from streams.objects import TransferError, get_object, put_object
 from streams.registry import put_status, read_statuses
 from streams.replay import read_rollouts
 from streams.weights import WeightsFollower, WeightsPublisher, fetch_weights
-from tests.conftest import adapter_for_version, store_tampered, TINY_BASE, tiny_config
+from tests.conftest import TINY_BASE, adapter_for_version, store_tampered, tiny_config
 from workers.sampler.modes import Sampler
 
 

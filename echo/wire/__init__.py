@@ -7,10 +7,12 @@ of the other. Importers name the module they use:
 - codec.py: messages as JSON, a rollout group as JSON fields and fixed-width arrays, strict
   decoding (ProtocolError with a reason) and the earlier schemas still read (_UPGRADES).
 
-Words keep one meaning on the wire: a `version` is a number within an epoch, `Version` the pair
-(epoch, version) that orders them; an `epoch` is the trainer's count of takeovers; a `process` is
-one process's name (a sampler's, or the lease holder's); the trainer is the trainer (its status is
-TrainerStatus); a slot is granted work.
+Each word keeps one meaning on the wire: a `version` is a number within an epoch, `Version` the
+pair (epoch, version) that orders them; an `epoch` is the trainer's count of takeovers, not an
+identity; a `process` is one process's name (a sampler's, or the lease holder's); a slot is one
+group of granted work; the trainer's status is a TrainerStatus. Header and key values that stored
+streams and buckets already carry keep their old spelling (`Echo-Policy-Version`, `policy-version`,
+the status key `learner`).
 
 Schema history (names.SCHEMA_VERSION; a change to a message bumps it, and a rename also reads the
 earlier schema, renamed, so a recorded run replays and a restarted trainer trains the groups it had

@@ -39,7 +39,7 @@ def write_report(run_dir: Path) -> Path:
     for row, (label, values, dropped) in enumerate(series):
         for col, x in enumerate((steps, minutes)):
             ax = axes[row][col]
-            # One line per trainer incarnation on the wall-clock side: no line back across a restart.
+            # One line per trainer process on the wall-clock side: no line back across a restart.
             for k, (a, b) in enumerate(pieces if col == 1 else [(0, len(lines))]):
                 ax.plot(x[a:b], values[a:b], marker=marker, color="tab:blue", label=label if k == 0 else None)
                 if row == 0:
@@ -56,7 +56,7 @@ def write_report(run_dir: Path) -> Path:
             ax.set_ylabel(label if col == 0 else "")
             ax.grid(alpha=0.3)
     axes[-1][0].set_xlabel("step")
-    axes[-1][1].set_xlabel("trainer wall-clock (minutes, its incarnations end to end; dotted: a resume)")
+    axes[-1][1].set_xlabel("trainer wall-clock (minutes, its processes end to end; dotted: a resume)")
     for ax in axes[-1]:
         ax.set_ylim(0, 1.05)
     fig.suptitle(f"echo-rl run {run_dir.name}" + held_out_line(run_dir))
@@ -68,11 +68,11 @@ def write_report(run_dir: Path) -> Path:
 
 
 def trainer_minutes(lines: list[dict]) -> tuple[list[float], list[tuple[int, int]]]:
-    """Each step's trainer time in minutes, incarnations laid end to end (a resumed trainer's
-    clock starts again at 0), and the [start, end) rows of each incarnation."""
+    """Each step's trainer time in minutes, processes laid end to end (a resumed trainer's
+    clock starts again at 0), and the [start, end) rows of each process."""
     minutes, pieces, offset, start = [], [], 0.0, 0
     for i, r in enumerate(lines):
-        if i and r["wall_seconds"] < lines[i - 1]["wall_seconds"]:  # a new incarnation
+        if i and r["wall_seconds"] < lines[i - 1]["wall_seconds"]:  # a new process
             offset += lines[i - 1]["wall_seconds"]
             pieces.append((start, i))
             start = i

@@ -4,6 +4,7 @@ TOML description; the answer from the capacity model (echo/capacity.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import tomllib
 from pathlib import Path
@@ -14,8 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from echo.capacity import LearnerPace, Plan, SamplerPace, best_staleness, cheapest
 from echo.config import ConfigError, format_errors
-import asyncio
-from echo.config import ConfigError
 from echo.logs import configure_logging
 from echo.wire.messages import SamplerStatus
 from streams.credentials import credentials_of

@@ -12,21 +12,20 @@ and read only weights here (`--nats HUB --weights-from RELAY`)."""
 
 from __future__ import annotations
 
+import re
+import socket
 from pathlib import Path
 
 import structlog
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from echo.config import ConfigError, format_errors
+from echo.logs import configure_logging
+from echo.wire.names import HUB_DOMAIN, ID_PATTERN, RunNames
 from streams.client import connect
 from streams.relay import open_mirrors, prune_replaced
 from streams.secure import RelayFiles
 from streams.server import NatsServer, ServerConfig
-import re
-import socket
-from pydantic import ValidationError
-from echo.config import ConfigError, format_errors
-from echo.logs import configure_logging
-from echo.wire.names import HUB_DOMAIN, ID_PATTERN, RunNames
 from workers.arguments import run_until_signal
 
 log = structlog.get_logger()

@@ -20,6 +20,7 @@ from safetensors.torch import load
 
 from echo.checkpoint import latest_weights, read_metrics
 from echo.config import load_config
+from echo.learner import Batch
 from echo.referee import Referee
 from echo.tasks import load_task
 from echo.wire.codec import ProtocolError
@@ -53,8 +54,8 @@ def retrain(run_dir: Path, nats_url: str | None = None, credentials: Credentials
             missing = [g for g, _, _ in step["groups"] if g not in groups]
             if missing:
                 raise ValueError(f"step {step['step']}: groups {missing[:3]} are not in the stream (its retention?)")
-            model.train([(groups[g], referee.score(groups[g]).rewards) for g, _, _ in step["groups"]],
-                        step["version"] - 1 - cfg.staleness_bound)  # what the run's step trained of them
+            model.train(Batch.of([(groups[g], referee.score(groups[g]).rewards) for g, _, _ in step["groups"]],
+                                 step["version"] - 1 - cfg.staleness_bound))  # what the run's step trained of them
             log.info("retrain.step", step=step["step"], of=steps[-1]["step"], groups=len(step["groups"]))
         retrained = model.write_weights(steps[-1]["version"])
         ours = [f.read_bytes() for f in retrained]

@@ -13,20 +13,20 @@ from __future__ import annotations
 import asyncio
 import re
 import statistics
-import time
-
-from streams.client import Run
-from streams.lease import current_epoch
-from streams.quarantine import read_quarantine
-from streams.registry import read_statuses, read_trainer_status
-from streams.rollouts import account_storage, rollouts_backlog
 import sys
+import time
 from pathlib import Path
+
 from echo.config import ConfigError
 from echo.logs import configure_logging
 from echo.wire.messages import SamplerStatus
 from echo.wire.names import CONTROL_CHARACTERS
+from streams.client import Run
 from streams.credentials import credentials_of
+from streams.lease import current_epoch
+from streams.quarantine import read_quarantine
+from streams.registry import read_statuses, read_trainer_status
+from streams.rollouts import account_storage, rollouts_backlog
 from workers.arguments import run_directory, run_until_signal
 
 REFRESH_S = 2.0

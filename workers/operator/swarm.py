@@ -17,10 +17,10 @@ from echo.config import ConfigError, EchoConfig
 from echo.models import pin_model
 from streams.secure import SERVER_CONF, SecureDir
 from streams.server import NatsCluster, NatsServer, ServerConfig, free_port
-from workers.trainer.accounting import summarize
+from workers.operator.charts import write_report
 from workers.operator.heldout import evaluate_run
 from workers.operator.relay import loopback_relay_args
-from workers.operator.charts import write_report
+from workers.trainer.accounting import summarize
 
 log = structlog.get_logger()
 

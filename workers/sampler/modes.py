@@ -23,11 +23,11 @@ from echo.learner import set_threads
 from echo.tasks import Task, load_task
 from echo.wire.messages import PullRequest
 from streams.client import Run, open_run
-from streams.watch import LatestValue
 from streams.credentials import credentials_of
 from streams.grants import watch_budget
 from streams.registry import weights_relay
 from streams.schedule import watch_schedule
+from streams.watch import LatestValue
 from workers.background import Background
 from workers.sampler.generation import Generation
 from workers.sampler.heartbeat import Heartbeat

@@ -60,7 +60,8 @@ class EngineWeights:
         newest downloaded weights of the epoch it began with, if newer: their version."""
         time.sleep(self.throttle_s)  # a slower machine, when asked: slower chunks too
         ready = self.follower.ready
-        if ready is None or ready[0].epoch != self.running.epoch or ready[0].epoch_version <= max(self.running, self.refused):
+        newest = max(self.running, self.refused)
+        if ready is None or ready[0].epoch != self.running.epoch or ready[0].epoch_version <= newest:
             return None
         return self.version if self.load(*ready) else None
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import structlog
-
-from dataclasses import replace
 
 from echo.capacity import LearnerPace, SamplerPace, cheapest, replan_reason
 from echo.config import EchoConfig

@@ -16,6 +16,7 @@ import structlog
 
 from echo.consumed import ConsumedSeqs
 from echo.grants import GrantLedger
+from echo.learner import Batch
 from echo.wire.codec import ProtocolError, decode_rollout
 from streams.inbox import Delivery, RolloutInbox
 from workers.trainer.judge import Accepted, Case, Judge, Verdict
@@ -36,6 +37,10 @@ class Collected:
     verifier_errors: int = 0
     already_counted: int = 0  # offered again after a crash, counted when first consumed
     seqs: list[int] = field(default_factory=list)  # stream sequences of every message consumed and counted
+
+    def batch(self, oldest_version: int) -> Batch:
+        """What the learner trains on: each accepted group with the trainer's own rewards."""
+        return Batch([a.group for a in self.used], [a.rewards for a in self.used], oldest_version)
 
 
 class Collector:

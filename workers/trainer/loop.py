@@ -24,6 +24,7 @@ from echo.checkpoint import load_trained_completions, load_trained_content, reme
 from echo.config import EchoConfig
 from echo.consumed import ConsumedSeqs
 from echo.grants import GrantLedger
+from echo.learner import Batch
 from echo.logs import bind_process
 from echo.metrics import sampler_scalars, step_scalars
 from echo.models import encode_chat
@@ -35,21 +36,30 @@ from streams.client import Run, open_run, retry_forever
 from streams.credentials import credentials_of
 from streams.inbox import RolloutInbox
 from streams.lease import Lease, take_lease
-from streams.registry import put_trainer_status, read_trainer_status, read_statuses
 from streams.prompts import publish_prompts
+from streams.registry import put_trainer_status, read_statuses, read_trainer_status
 from streams.run_config import publish_run_config
 from streams.weights import WeightsPublisher
-from workers.trainer.accounting import (RecentSteps, count_abandoned, count_consumed, finished_record, metrics_line,
-                                        restore_metrics, settle, step_record, summarize)
 from workers.background import Background
+from workers.trainer.accounting import (
+    RecentSteps,
+    count_abandoned,
+    count_consumed,
+    finished_record,
+    metrics_line,
+    restore_metrics,
+    settle,
+    step_record,
+    summarize,
+)
 from workers.trainer.coordinator import Coordinator
 from workers.trainer.granter import Granter, granter_for
 from workers.trainer.intake import Collector
 from workers.trainer.judge import Judge, Timeline, Trained
-from workers.trainer.strikes import Quarantined
-from workers.trainer.scoring import ScoringProcess, start_forkserver
 from workers.trainer.model import Ranks, TrainerModel
+from workers.trainer.scoring import ScoringProcess, start_forkserver
 from workers.trainer.step import TrainerStep
+from workers.trainer.strikes import Quarantined
 from workers.trainer.trackers import Trackers
 
 log = structlog.get_logger()
@@ -165,8 +175,9 @@ class Trainer:
                     await retry_forever("ask for groups", lambda: self.granter.ask(state.version))
                     step.collected = await self.collector.collect(cfg.trainer.groups_per_step, state.version,
                                                                   self.granter.on_wait)
+                    step.batch = step.collected.batch(state.version - cfg.staleness_bound)
                 with step.phase("train"):
-                    step.stats = await train_in_thread(self.model, step.batch, state.version - cfg.staleness_bound)
+                    step.stats = await train_in_thread(self.model, step.batch)
                     await asyncio.sleep(cfg.trainer.throttle_s)  # a slower learner, when asked
                 with step.phase("checkpoint"):
                     await self.checkpoint(step)
@@ -235,13 +246,13 @@ async def mark_finished(run: Run) -> None:
         await retry_forever("mark the run finished", lambda: put_trainer_status(run, finished))
 
 
-async def train_in_thread(model: TrainerModel, batch, oldest_version: int) -> dict:
+async def train_in_thread(model: TrainerModel, batch: Batch) -> dict:
     """A step off the event loop. Cancelled (SIGTERM), it tells the step to stop at the next
     pass: the process then exits in seconds instead of finishing a long step; nothing of the
     step was acked, so its groups are redelivered to the next trainer."""
     model.stop.clear()
     try:
-        return await asyncio.to_thread(model.train, batch, oldest_version)
+        return await asyncio.to_thread(model.train, batch)
     except asyncio.CancelledError:
         model.stop.set()
         raise

@@ -25,13 +25,21 @@ import torch.distributed as dist
 from peft import PeftModel
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from echo.checkpoint import (TrainerState, delta_shards, load_checkpoint, prune_weights, save_checkpoint, weights_at,
-                             weights_digest, weights_file)
+from echo.checkpoint import (
+    TrainerState,
+    delta_shards,
+    load_checkpoint,
+    prune_weights,
+    save_checkpoint,
+    weights_at,
+    weights_digest,
+    weights_file,
+)
 from echo.config import ConfigError, EchoConfig
 from echo.delta import DeltaError, send_whole
 from echo.devices import DTYPES, resolve_device, resolve_dtype
+from echo.learner import Batch, make_optimizer, merge_stats, set_threads, train_step
 from echo.lifeline import die_with_parent
-from echo.learner import make_optimizer, merge_stats, set_threads, train_step
 from echo.models import base_model_digest, load_model
 from echo.policy import make_policy, weights_kind, weights_shards
 from echo.proof import ProofSettings, SamplingProof
@@ -163,13 +171,13 @@ class TrainerModel:
         self.state = state
 
     @everywhere
-    def train(self, batch: list[tuple[RolloutGroup, list[float]]], oldest_version: int = 0) -> dict:
-        """A step; tokens sampled with a version older than `oldest_version` are not trained."""
+    def train(self, batch: Batch) -> dict:
+        """A step on the batch (echo/learner.py's train_step), on every rank."""
         # On several ranks a step is never abandoned half way: the other ranks would wait in its
         # collectives. A stopping trainer's ranks are all stopped by torchrun instead.
         stop = self.stop if self.ranks.world == 1 else None
         stats = train_step(self.module, self.optimizer, batch, self.cfg, self.tokenizer.pad_token_id, stop,
-                           self.compute_dtype, self.ranks.rank, self.ranks.world, oldest_version)
+                           self.compute_dtype, self.ranks.rank, self.ranks.world)
         return merge_stats(self.ranks.gather(stats))
 
     @everywhere

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from echo.learner import Batch
 from echo.wire.messages import WeightsAnnouncement
 from workers.trainer.intake import Collected
 
@@ -25,7 +26,8 @@ class TrainerStep:
     process_started: float  # perf_counter at the trainer process's start
     started: float = field(default_factory=time.perf_counter)
     spans: dict[str, tuple[float, float]] = field(default_factory=dict)  # each ended phase's (began, ended)
-    collected: Collected = field(default_factory=Collected)
+    collected: Collected = field(default_factory=Collected)  # every message the step consumed, judged
+    batch: Batch | None = None  # what it trains on: the accepted groups and the trainer's rewards
     stats: dict = field(default_factory=dict)  # the learner's: loss, reward, KL, tokens, ...
     record: dict = field(default_factory=dict)  # the metrics line, checkpointed with the step
     published: WeightsAnnouncement | None = None  # the version it made, as announced
@@ -47,11 +49,6 @@ class TrainerStep:
     def ended(self, name: str) -> float:
         """perf_counter at the end of phase `name`."""
         return self.spans[name][1]
-
-    @property
-    def batch(self) -> list:
-        """What the learner trains on: each used group with the trainer's own rewards."""
-        return [(a.group, a.rewards) for a in self.collected.used]
 
     def busy_seconds(self) -> float:
         """Since its groups were in, to now: everything but the wait (T of the capacity model,

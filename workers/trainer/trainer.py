@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from echo.logs import configure_logging
-from workers.trainer.trackers import check_trackers
 from workers.arguments import check_hardware, config_and_task_from_args, config_args, run_until_signal
+from workers.trainer.trackers import check_trackers
 
 NAME = "trainer"
 
