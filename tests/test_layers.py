@@ -134,6 +134,18 @@ def test_the_design_docs_layout_names_every_module_and_nothing_else():
     assert all((ROOT / p).exists() for p in named)
 
 
+def test_the_design_docs_rollout_path_is_at_most_eight_rooms_each_dealing_in_its_form():
+    """docs/design.md draws a rollout's path room by room with the form it leaves in: the walk
+    stays short (at most 8 rooms, each once), and each room's code names the form it hands on."""
+    design = (ROOT / "docs" / "design.md").read_text()
+    table = design.split("## A rollout's path\n", 1)[1].split("\n\n| # |", 1)[1].split("\n\n", 1)[0]
+    rows = [[cell.strip().strip("`") for cell in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    rooms = [room for _, room, _, _ in rows]
+    assert 0 < len(rooms) <= 8 and len(set(rooms)) == len(rooms), rooms
+    for _, room, _, form in rows:
+        assert re.search(rf"\b{form}\b", (ROOT / room).read_text()), (room, form)
+
+
 def test_no_test_module_imports_another():
     """Shared helpers live in tests/conftest.py (fixtures, processes), tests/groups.py (rollout
     groups) and tests/swarms.py (`echo-rl up` runs), never in a test module another imports. (Read
