@@ -1,6 +1,6 @@
 """A step's metrics as the scalars experiment trackers log, under the names docs/operations.md
 lists (Watching a run): the step's record (workers/trainer/accounting.py) and the samplers'
-heartbeats, flattened. Pure."""
+heartbeats, flattened; and a run's steps summed up in one record. Pure."""
 
 from __future__ import annotations
 
@@ -72,3 +72,27 @@ def sampler_scalars(samplers: list[SamplerStatus], version: int) -> tuple[dict[s
             continue
         out |= mine
     return out, left_out
+
+
+def summarize(lines: list[dict]) -> dict:
+    """The run's steps (its metrics.jsonl, echo/checkpoint.py's read_metrics) in one record: what
+    `up`, the trainer's last line and summary.json say."""
+    if not lines:
+        return {"steps": 0}
+    first, last = lines[0], lines[-1]
+    later = lines[1:] or lines
+    wasted = sum(r["dropped_tokens"] for r in lines)
+    return {
+        "steps": len(lines),
+        "final_version": last["version"],
+        "time_to_first_step_s": round(first["wall_seconds"], 1),
+        "seconds_per_step": round(sum(r["step_seconds"] for r in later) / len(later), 2),
+        "reward_first": round(first["reward_mean"], 3),
+        "reward_last": round(last["reward_mean"], 3),
+        "reward_last5": round(sum(r["reward_mean"] for r in lines[-5:]) / len(lines[-5:]), 3),
+        "rollouts_used": sum(r["used"] for r in lines),
+        "rollouts_dropped_stale": sum(r["dropped_stale"] for r in lines),
+        "wasted_token_fraction": round(wasted / max(wasted + sum(r["tokens"] for r in lines), 1), 4),
+        "learner_busy": round(sum(r["learner_busy"] for r in lines) / len(lines), 2),
+        "accounting": last.get("accounting"),  # published = trained + dropped_stale + rejected + pending
+    }

@@ -4,10 +4,11 @@ library's own parts, writing the trainer's metrics."""
 import orjson
 
 from bench.colocated import run_colocated
+from echo.checkpoint import read_metrics
+from echo.metrics import summarize
 from tests.conftest import tiny_config
 from tests.swarms import USER_TASK
 from workers.operator.charts import write_report
-from workers.trainer.accounting import summarize
 
 
 def test_the_colocated_baseline_trains_on_policy_and_writes_the_trainers_metrics(tmp_path, monkeypatch):
@@ -25,5 +26,5 @@ def test_the_colocated_baseline_trains_on_policy_and_writes_the_trainers_metrics
         assert {version for _, version, _ in m["groups"]} == {m["step"] - 1}
         # On-policy: each step generates with the weights it trains, so pi_old / mu is 1.
         assert abs(m["is_ratio_mean"] - 1) < 1e-4 and abs(m["is_ratio_max"] - 1) < 1e-3, m
-    assert summarize(cfg.run_dir)["steps"] == 3
+    assert summarize(read_metrics(cfg.run_dir))["steps"] == 3
     assert write_report(cfg.run_dir).exists()  # `echo-rl report` reads it as a swarm run's

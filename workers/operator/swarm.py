@@ -14,13 +14,9 @@ import orjson
 import structlog
 
 from echo.config import ConfigError, EchoConfig
-from echo.models import pin_model
 from streams.secure import SERVER_CONF, SecureDir
 from streams.server import NatsCluster, NatsServer, ServerConfig, free_port
-from workers.operator.charts import write_report
-from workers.operator.heldout import evaluate_run
 from workers.operator.relay import loopback_relay_args
-from workers.trainer.accounting import summarize
 
 log = structlog.get_logger()
 
@@ -94,7 +90,10 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
         raise ConfigError("--cluster with --secure: a secured cluster is not built yet (docs/security.md)")
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg.model.name = pin_model(cfg.model.name)  # converted or fetched once here, not by every worker at once
+    if cfg.model.name != "tiny":  # built by each worker in milliseconds; else converted or fetched once here
+        from echo.models import pin_model  # torch and transformers: seconds, so only when there is work
+
+        cfg.model.name = pin_model(cfg.model.name)
     secure_dir = secure_swarm(cfg, relay) if secure else None
     secured = {"include": secure_dir.dir / SERVER_CONF, "leaf_include": secure_dir.leaf_conf} if secure_dir else {}
     leaf_port = free_port() if relay else None
@@ -164,9 +163,15 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
 
 def finish(run_dir: Path, eval_prompts: int) -> None:
     """A finished run's summary, report and held-out evaluation, each said where it is written."""
-    summary = summarize(run_dir)
+    from echo.checkpoint import read_metrics  # torch: seconds, so after the run
+    from echo.metrics import summarize
+    from workers.operator.charts import write_report
+
+    summary = summarize(read_metrics(run_dir))
     log.info("swarm.done", run_dir=str(run_dir), **summary)
     if eval_prompts:
+        from workers.operator.heldout import evaluate_run  # transformers and the engines
+
         summary["eval"] = evaluate_run(run_dir, eval_prompts)
     summary["report"] = str(write_report(run_dir))  # after the evaluation: the report shows it
     (run_dir / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))

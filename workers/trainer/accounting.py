@@ -176,28 +176,3 @@ def restore_metrics(run_dir: Path, state: TrainerState) -> None:
     cut_short = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
     if len(kept) != len(lines) or cut_short:  # a line cut short would run into the next one appended
         path.write_bytes(b"".join(metrics_line(r) for r in kept))
-
-
-def summarize(run_dir: Path) -> dict:
-    """The run's steps in one record, from its metrics.jsonl: what `up`, the trainer's last line
-    and summary.json say."""
-    lines = read_metrics(run_dir)
-    if not lines:
-        return {"steps": 0}
-    first, last = lines[0], lines[-1]
-    later = lines[1:] or lines
-    wasted = sum(r["dropped_tokens"] for r in lines)
-    return {
-        "steps": len(lines),
-        "final_version": last["version"],
-        "time_to_first_step_s": round(first["wall_seconds"], 1),
-        "seconds_per_step": round(sum(r["step_seconds"] for r in later) / len(later), 2),
-        "reward_first": round(first["reward_mean"], 3),
-        "reward_last": round(last["reward_mean"], 3),
-        "reward_last5": round(sum(r["reward_mean"] for r in lines[-5:]) / len(lines[-5:]), 3),
-        "rollouts_used": sum(r["used"] for r in lines),
-        "rollouts_dropped_stale": sum(r["dropped_stale"] for r in lines),
-        "wasted_token_fraction": round(wasted / max(wasted + sum(r["tokens"] for r in lines), 1), 4),
-        "learner_busy": round(sum(r["learner_busy"] for r in lines) / len(lines), 2),
-        "accounting": last.get("accounting"),  # published = trained + dropped_stale + rejected + pending
-    }

@@ -20,13 +20,13 @@ from functools import partial
 
 import structlog
 
-from echo.checkpoint import load_trained_completions, load_trained_content, remember_trained
+from echo.checkpoint import load_trained_completions, load_trained_content, read_metrics, remember_trained
 from echo.config import EchoConfig
 from echo.consumed import ConsumedSeqs
 from echo.grants import GrantLedger
 from echo.learner import Batch
 from echo.logs import bind_process
-from echo.metrics import sampler_scalars, step_scalars
+from echo.metrics import sampler_scalars, step_scalars, summarize
 from echo.models import encode_chat
 from echo.referee import Referee
 from echo.tasks import load_task
@@ -50,7 +50,6 @@ from workers.trainer.accounting import (
     restore_metrics,
     settle,
     step_record,
-    summarize,
 )
 from workers.trainer.coordinator import Coordinator
 from workers.trainer.granter import Granter, granter_for
@@ -72,7 +71,7 @@ async def run_trainer(cfg: EchoConfig, ranks: Ranks) -> None:
     await serve(cfg, lambda: TrainerModel(cfg, ranks))  # the other ranks build theirs meanwhile (follow_rank_0)
     # Only now, every connection closed: nothing this process logs comes after the summary (a
     # connection's error callback can still fire while it closes).
-    log.info("trainer.finished", run_dir=str(cfg.run_dir), **summarize(cfg.run_dir))
+    log.info("trainer.finished", run_dir=str(cfg.run_dir), **summarize(read_metrics(cfg.run_dir)))
 
 
 async def serve(cfg: EchoConfig, build_model: Callable[[], TrainerModel]) -> None:
@@ -161,7 +160,7 @@ class Trainer:
         trackers = await asyncio.to_thread(Trackers, cfg)  # W&B starts a process: seconds
         try:
             await self.take_steps(process_started, trackers)
-            await asyncio.to_thread(trackers.finish, summarize(cfg.run_dir))
+            await asyncio.to_thread(trackers.finish, summarize(read_metrics(cfg.run_dir)))
         finally:
             await asyncio.to_thread(trackers.close)
         await mark_finished(self.run)
