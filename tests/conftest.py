@@ -60,6 +60,18 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
+@pytest.fixture(scope="session")
+def on_policy_swarm(tmp_path_factory):
+    """One finished `echo-rl up` run that several tests read (a swarm costs ~20 s): async at
+    max_staleness 0, 6 steps, every group's proof of sampling checked. Read it, never change it."""
+    from tests.swarms import run_swarm  # tests/swarms.py imports this module
+
+    tmp_path = tmp_path_factory.mktemp("on-policy")
+    metrics, stream, stderr = run_swarm(tmp_path, "on-policy", 6, "trainer.max_staleness=0",
+                                        "trainer.verify_fraction=1.0")
+    return tmp_path / "on-policy", metrics, stream, stderr
+
+
 @pytest.fixture(autouse=True)
 def logging_as_it_was():
     """Logging configured by a test (the CLI's commands set level "error") is put back after it:

@@ -19,26 +19,35 @@ from tests.swarms import USER_TASK, run_swarm, up_command
 
 pytestmark = pytest.mark.slow
 
-@pytest.mark.parametrize("max_staleness", [0, 1])
-def test_async_run_stays_within_the_staleness_bound(tmp_path, max_staleness):
-    # Proof of sampling on every group: honest samplers are never taken for forgers.
-    metrics, stream, stderr = run_swarm(tmp_path, "async", 5, f"trainer.max_staleness={max_staleness}",
-                                        "trainer.verify_fraction=1.0")
-    assert [m["version"] for m in metrics] == [1, 2, 3, 4, 5]
+def test_an_on_policy_async_run_trains_within_its_bound_with_importance_ratios_of_one(on_policy_swarm):
+    _, metrics, stream, stderr = on_policy_swarm
+    assert_within_the_staleness_bound(metrics, stream, stderr, max_staleness=0, steps=6)
+    # On-policy: the sampler's mu is the trainer's pi_old, up to float error.
+    assert all(abs(m["is_ratio_mean"] - 1) < 1e-4 and abs(m["is_ratio_max"] - 1) < 1e-3 for m in metrics)
+
+
+def test_async_run_stays_within_the_staleness_bound_of_one(tmp_path):
+    metrics, stream, stderr = run_swarm(tmp_path, "async", 5, "trainer.max_staleness=1", "trainer.verify_fraction=1.0")
+    assert_within_the_staleness_bound(metrics, stream, stderr, max_staleness=1, steps=5)
+
+
+def assert_within_the_staleness_bound(metrics: list[dict], stream: list[dict], stderr: str, max_staleness: int,
+                                      steps: int) -> None:
+    """Every group trained once, sampled within the bound of the version it trained; proof of
+    sampling on every group: honest samplers are never taken for forgers."""
+    assert [m["version"] for m in metrics] == list(range(1, steps + 1))
     assert all(m["used"] == 4 for m in metrics), metrics
-    assert metrics[-1]["proof_of_sampling"]["passed"] >= 20 and "forged" not in metrics[-1]["proof_of_sampling"]
+    assert metrics[-1]["proof_of_sampling"]["passed"] >= 4 * steps and "forged" not in metrics[-1]["proof_of_sampling"]
     assert all(m["rejected"] == {} and m["quarantined"] == [] for m in metrics)
-    assert "swarm.done" in stderr and "step=5" in stderr
+    assert "swarm.done" in stderr and f"step={steps}" in stderr
     version_in_stream = {r["headers"][HDR_MSG_ID]: int(r["headers"][HDR_VERSION]) for r in stream}
     trained = [gid for m in metrics for gid, _, _ in m["groups"]]
-    assert len(trained) == len(set(trained)) == 20  # no group trained twice
+    assert len(trained) == len(set(trained)) == 4 * steps  # no group trained twice
     for m in metrics:
         trained_from = m["step"] - 1  # step s trains version s - 1 into version s
         for group_id, version, sampler in m["groups"]:
             assert version_in_stream[group_id] == version  # the stream agrees with the metrics
             assert trained_from - max_staleness <= version <= trained_from
-    if max_staleness == 0:  # on-policy: the sampler's mu is the trainer's pi_old, up to float error
-        assert all(abs(m["is_ratio_mean"] - 1) < 1e-4 and abs(m["is_ratio_max"] - 1) < 1e-3 for m in metrics)
     samplers = {sampler for m in metrics for _, _, sampler in m["groups"]}
     assert samplers <= {"s1", "s2"} and len({r["subject"] for r in stream}) == 2  # one subject per sampler
 

@@ -11,7 +11,6 @@ import pytest
 from echo.checkpoint import read_metrics
 from streams.server import NatsServer
 from tests.conftest import a_sampler_holding_slots, assert_balanced, wait_for_steps, worker_process
-from tests.swarms import run_swarm
 
 pytestmark = pytest.mark.slow
 
@@ -26,9 +25,8 @@ def _replay(run_dir, *flags: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=180)
 
 
-def test_replay_filters_a_finished_runs_stream(tmp_path):
-    metrics, stream, _ = run_swarm(tmp_path, "again", 6, "trainer.max_staleness=0")
-    run_dir = tmp_path / "again"
+def test_replay_filters_a_finished_runs_stream(on_policy_swarm):
+    run_dir, metrics, stream, _ = on_policy_swarm
 
     sampler, version = stream[-1]["group"]["sampler_id"], stream[-1]["group"]["version"]
     records = _records(_replay(run_dir, "--sampler", sampler, "--version", str(version)).stdout)
