@@ -55,7 +55,8 @@ def main() -> None:
     for name in args.engines:
         cfg = validate_config({"model": {"name": args.model, "device": args.device, "dtype": args.dtype},
                                "sampling": {"group_size": args.group, "max_new_tokens": args.tokens, "temperature": 0.7,
-                                            "dtypes": ["float32", "bfloat16", "float16"]},  # speed, not the proof
+                                            "dtypes": ["float32", "bfloat16", "float16"],  # speed, not the proof
+                                            "noise": "engine"},  # each engine's own sampling
                                "sampler": {"engine": name}})
         started = time.perf_counter()
         engines[name] = make_engine(cfg)

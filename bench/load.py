@@ -83,7 +83,8 @@ class SyntheticEngine:
 
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
                  newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
-                 seed: int | None = None) -> list[list[Generation]]:
+                 seed: int | None = None, keys: list[int] | None = None) -> list[list[Generation]]:
+        # Synthetic tokens: no noise is drawn, keyed or not (its trainer checks no proof).
         rows, rng = len(prompts) * n, self.rng if seed is None else np.random.default_rng(seed)
         limit = max_tokens or self.max_new
         lengths = np.minimum(limit, np.ceil(rng.lognormal(math.log(self.median), 1.0, rows))).astype(int)

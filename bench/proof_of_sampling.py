@@ -78,16 +78,16 @@ def measure(model_name: str, count: int, tolerance: float) -> dict:
                           ProofSettings(sampling.temperature, fraction=1.0, tolerance=tolerance, keep=2))
     proof.remember(0)
     started = time.perf_counter()
-    current = [proof.check(g) for g in groups]
+    current = [proof.check(g).gap for g in groups]
     check_seconds = time.perf_counter() - started
     perturb_adapter(trainer, seed=1, scale=0.02)  # the trainer takes a step: version 1
     proof.remember(1)
-    stale = [proof.check(g) for g in groups]  # version 0 swapped in for each, then 1 back
+    stale = [proof.check(g).gap for g in groups]  # version 0 swapped in for each, then 1 back
     honest = current + stale
 
     def caught_at(shift: float) -> float:
         fakes = [forged(g, shift) for g in groups]
-        return sum(proof.forged(f, proof.check(f)) for f in fakes) / len(fakes)
+        return sum(proof.forged(f, proof.check(f)) is not None for f in fakes) / len(fakes)
 
     caught = {str(shift): caught_at(shift) for shift in FORGERY_SHIFTS}
     return {

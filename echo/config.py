@@ -85,6 +85,12 @@ class SamplingConfig(_Section):
     # A sampler whose model.dtype is auto samples in float32 where its machine's choice is not
     # here; add "bfloat16" for GPU samplers' speed.
     dtypes: list[Literal["float32", "bfloat16", "float16"]] = Field(["float32"], min_length=1)
+    # Where a sampler's randomness comes from. keyed: Gumbel-max with noise keyed by the slot the
+    # trainer granted (echo/noise.py), so each token is a function of the policy's logits and the
+    # trainer checks the tokens themselves, not only their log-probs; the hf engine only. engine:
+    # the engine's own generator (hf-paged, vLLM, a user's engine): the trainer can then check
+    # log-probs only, so a sampler may send text it chose (docs/security.md).
+    noise: Literal["keyed", "engine"] = "keyed"
 
 
 class TrainerConfig(_Section):
@@ -127,6 +133,13 @@ class TrainerConfig(_Section):
     verify_tolerance: float = Field(0.01, gt=0)  # between fp32 samplers and an fp32 trainer
     # Where either side computes in bf16/fp16: honest SmolLM2 groups measured up to 0.33 (docs/operations.md).
     verify_tolerance_16bit: float = Field(0.5, gt=0)
+    # sampling.noise = "keyed": how far (in logits / temperature) a sampled token may fall short of
+    # the noisy argmax the trainer recomputes, for the engines' numeric differences; a token past it
+    # is a forgery. Measured on the tiny model (tests/test_noise.py, 256 completions): 0 with fp32 on
+    # both sides, 0.001 with a bf16 sampler; the 16-bit default is the log-prob tolerance's, until
+    # SmolLM2 in bf16 is measured (issue 63).
+    verify_margin: float = Field(0.01, gt=0)  # between fp32 samplers and an fp32 trainer
+    verify_margin_16bit: float = Field(0.5, gt=0)  # where either side computes in bf16/fp16
     quarantine_after: int = Field(3, ge=0)  # offences tolerated before quarantine (0: none)
     # The verifiers run in a child process with this budget per completion (a sampler chooses
     # what they read): past it, the group is rejected as verifier_budget, a strike.

@@ -15,9 +15,10 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from echo.algorithms.grpo import head_logprobs, token_logprobs
+from echo.algorithms.grpo import HEAD_CHUNK_ELEMENTS, head_logprobs, token_logprobs
 from echo.config import ConfigError, LoraConfig
 from echo.devices import model_device
+from echo.noise import gumbel, noisy_margin
 
 
 class WeightsMismatch(ValueError):
@@ -55,7 +56,7 @@ def _forward(model, **inputs):
     return out.logits, kv_cache(out)
 
 
-def _logprobs(model, states, tokens, temperature: float, with_entropy: bool = False):
+def states_logprobs(model, states, tokens, temperature: float, with_entropy: bool = False):
     """Log-probs (and entropy) of `tokens` from what _forward gave at each position."""
     if _plain_head(model):
         return head_logprobs(model.get_output_embeddings(), states, tokens, temperature, with_entropy)
@@ -210,6 +211,14 @@ def packed_logprobs(model, prompts: list, completions: list, owners: list[int], 
     fraction of the cost: a group's prompt runs once, not once per completion, and many short
     groups share the two calls instead of making two each (on a GPU a call of a small model
     costs its kernel launches, not its arithmetic)."""
+    states, ids, mask = packed_states(model, prompts, completions, owners, pad_id, min_length)
+    logprobs, entropy = states_logprobs(model, states, ids, temperature, with_entropy=True)
+    return logprobs, mask, entropy
+
+
+def packed_states(model, prompts: list, completions: list, owners: list[int], pad_id: int, min_length: int = 1):
+    """What packed_logprobs reads the log-probs from at each completion position (see _forward),
+    the completions' ids [R, C] and their mask [R, C]: the two model calls."""
     rows, length = len(completions), max(min_length, *(len(c) for c in completions))
     device = model_device(model)
     prompt_lengths = torch.tensor([len(p) for p in prompts])
@@ -237,8 +246,27 @@ def packed_logprobs(model, prompts: list, completions: list, owners: list[int], 
         rest, _ = _forward(model, input_ids=ids[:, :-1], attention_mask=attention, position_ids=positions,
                            **{CACHE: cache})
         states = torch.cat([states, rest], dim=1)
-    logprobs, entropy = _logprobs(model, states, ids, temperature, with_entropy=True)
-    return logprobs, mask, entropy
+    return states, ids, mask
+
+
+def token_margins(model, states, ids, lengths: list[int], temperature: float, key: int) -> torch.Tensor:
+    """For each completion of a group drawn with keyed noise (echo/noise.py), how far its worst
+    token falls short of the noisy argmax under these states (packed_states'): [R], 0 where every
+    token is the one the noise picks. Logits are made a chunk of positions at a time."""
+    head = model.get_output_embeddings() if _plain_head(model) else None
+    margins = []
+    for row, length in enumerate(lengths):
+        worst = torch.zeros((), device=states.device)
+        vocab = head.weight.shape[0] if head is not None else states.shape[-1]
+        chunk = max(1, HEAD_CHUNK_ELEMENTS // vocab)
+        for start in range(0, length, chunk):
+            part = states[row, start : min(length, start + chunk)]
+            logits = head(part) if head is not None else part
+            positions = torch.arange(start, start + part.shape[0], device=states.device)
+            noise = gumbel(key, row, positions, logits.shape[-1])
+            worst = torch.maximum(worst, noisy_margin(logits.float() / temperature, ids[row, positions], noise).max())
+        margins.append(worst)
+    return torch.stack(margins)
 
 
 def spanning_logprobs(model, prompt_ids, completions: list, starts: list[int], use_version, temperature: float,
@@ -261,4 +289,4 @@ def spanning_logprobs(model, prompt_ids, completions: list, starts: list[int], u
         use_version(k)
         out, cache = _forward(model, input_ids=inputs[:, a:b], use_cache=True, **{CACHE: cache})
         states.append(out[:, max(0, prompt.shape[1] - 1 - a):])
-    return _logprobs(model, torch.cat(states, dim=1), ids.to(device), temperature)
+    return states_logprobs(model, torch.cat(states, dim=1), ids.to(device), temperature)

@@ -6,9 +6,12 @@ A sampler's log-probs drive the importance weights pi_old / mu: a sampler that i
 (to inflate its groups' weight, or to pass off completions it did not sample from the policy)
 is caught by a forward pass of the claimed version. prime-rl checks inference with TOPLOC
 proofs from the inference engine; here the log-probs the protocol already carries are the proof.
-What this cannot catch: a sampler that runs the model forward over completions it chose, and
-reports their true log-probs (they pass, and the trainer's own importance weights then treat
-them as samples of mu).
+Log-probs alone cannot catch a sampler that runs the model forward over completions it chose
+and reports their true log-probs. With keyed noise (sampling.noise = "keyed", echo/noise.py) a
+token is a function of the logits and of noise the trainer draws again, so the same forward
+checks the tokens too: each must be the noisy argmax, within `margin` (the engines' numeric
+differences). Groups of one version, single-turn; a partial rollout spanning versions, or an
+episode, is checked by its log-probs only (issue 63).
 
 The trainer keeps the last `max_staleness + 1` versions' trainable tensors (an adapter is a
 few MB) and swaps the claimed one in for the forward, then swaps its current one back. On
@@ -26,7 +29,9 @@ from torch.distributed.fsdp import FSDPModule
 
 from echo.config import EchoConfig
 from echo.devices import DTYPES, autocast, model_device
-from echo.policy import group_logprobs, spanning_logprobs
+from echo.noise import group_key
+from echo.policy import packed_states, spanning_logprobs, states_logprobs, token_margins
+from echo.tasks import is_environment, task_class
 from echo.wire.messages import Completion, RolloutGroup
 
 
@@ -66,12 +71,30 @@ class ProofSettings:
     tolerance_16bit: float | None = None  # where either side computes in 16 bits; None: `tolerance`
     publish_dtype: torch.dtype = torch.float32  # what the samplers run: the versions as published
     compute_dtype: torch.dtype = torch.float32  # the trainer's forward
+    noise_seed: int | None = None  # the run's seed where samplers draw keyed noise: tokens checked too
+    margin: float = 0.01  # how far (logits / T) a token may fall short of the noisy argmax, fp32
+    margin_16bit: float = 0.5  # the same where either side computes in 16 bits
 
     @classmethod
     def of(cls, cfg: EchoConfig, compute_dtype: torch.dtype) -> ProofSettings:
         tcfg = cfg.trainer
         return cls(cfg.sampling.temperature, tcfg.verify_fraction, tcfg.verify_tolerance, cfg.begun_within + 1,
-                   tcfg.verify_tolerance_16bit, DTYPES[tcfg.publish_dtype], compute_dtype)
+                   tcfg.verify_tolerance_16bit, DTYPES[tcfg.publish_dtype], compute_dtype,
+                   cfg.run.seed if keyed_tokens(cfg) else None, tcfg.verify_margin, tcfg.verify_margin_16bit)
+
+
+def keyed_tokens(cfg: EchoConfig) -> bool:
+    """Whether the run's samplers draw every token with keyed noise: sampling.noise says so, and
+    the task is single-turn (an episode's turns draw with the engine's own generator, for now)."""
+    return cfg.sampling.noise == "keyed" and not is_environment(task_class(cfg.task.name))
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What the check found in one group."""
+
+    gap: float  # the largest log-prob gap (logprob_gap)
+    margin: float | None = None  # the largest token margin (policy.token_margins); None: tokens not checked
 
 
 class SamplingProof:
@@ -83,6 +106,7 @@ class SamplingProof:
         self.fraction, self.keep = settings.fraction, settings.keep
         self.tolerance, self.tolerance_16bit = settings.tolerance, settings.tolerance_16bit or settings.tolerance
         self.publish_dtype, self.compute_dtype = settings.publish_dtype, settings.compute_dtype
+        self.noise_seed, self.margin, self.margin_16bit = settings.noise_seed, settings.margin, settings.margin_16bit
         # From the OS, not the run's seed: every sampler reads the config, and one that could tell
         # which groups will be checked would forge only the others.
         self.rng = random.SystemRandom()
@@ -102,9 +126,9 @@ class SamplingProof:
     def wants(self, group: RolloutGroup) -> bool:
         return group.sampler_id in self.suspects or self.rng.random() < self.fraction
 
-    def check(self, group: RolloutGroup) -> float | None:
-        """The group's log-prob gap, or None if a version that sampled it is no longer kept (not
-        checked). A gap beyond the tolerance makes its sampler a suspect: all its groups are
+    def check(self, group: RolloutGroup) -> Checked | None:
+        """The group's log-prob gap and token margin, or None if a version that sampled it is no
+        longer kept (not checked). A forgery makes its sampler a suspect: all its groups are
         checked. A partial rollout's tokens are each checked under the version that sampled them."""
         versions = [group.version, *(change.version for change in group.version_changes)]
         if any(version not in self.versions for version in versions):
@@ -122,10 +146,16 @@ class SamplingProof:
 
         try:
             with torch.no_grad(), autocast(model_device(self.model), self.compute_dtype):
+                margin = None
                 if len(versions) == 1:
                     use_version(0)
-                    recomputed, _, _ = group_logprobs(self.model, group.prompt_token_ids, completions,
-                                                      self.temperature, self.pad_id)
+                    states, ids, _ = packed_states(self.model, [group.prompt_token_ids], completions,
+                                                   [0] * len(completions), self.pad_id)
+                    recomputed = states_logprobs(self.model, states, ids, self.temperature)
+                    if self.tokens_checked(group):
+                        key = group_key(self.noise_seed, group.epoch, group.slot)
+                        margin = float(token_margins(self.model, states, ids, [len(c) for c in completions],
+                                                     self.temperature, key).max())
                 else:
                     starts = [0, *(change.at for change in group.version_changes)]
                     recomputed = spanning_logprobs(self.model, group.prompt_token_ids, completions, starts,
@@ -133,19 +163,36 @@ class SamplingProof:
         finally:
             if swapped:
                 _copy_into(self.model, self.live)
-        gap = logprob_gap(group.completions, recomputed.float().cpu())
-        if self.forged(group, gap):
+        checked = Checked(logprob_gap(group.completions, recomputed.float().cpu()), margin)
+        if self.forged(group, checked):
             self.counts["forged"] += 1
             self.suspects.add(group.sampler_id)
         else:
             self.counts["passed"] += 1
-        return gap
+        return checked
+
+    def tokens_checked(self, group: RolloutGroup) -> bool:
+        """Keyed noise drew every token of the group: one version, and no episode (whose turns
+        draw with the engine's own generator)."""
+        return (self.noise_seed is not None and not group.version_changes
+                and not any(c.observations for c in group.completions))
+
+    def exact(self, group: RolloutGroup) -> bool:
+        """fp32 on both sides agrees to float error; a 16-bit side (the group's sampler, or this
+        recomputation) rounds every logit, and the gap and margins are that rounding."""
+        return group.dtype == "float32" and self.compute_dtype == torch.float32
 
     def tolerance_for(self, group: RolloutGroup) -> float:
-        """fp32 on both sides agrees to float error; a 16-bit side (the group's sampler, or this
-        recomputation) rounds every logit, and the gap is that rounding."""
-        exact = group.dtype == "float32" and self.compute_dtype == torch.float32
-        return self.tolerance if exact else self.tolerance_16bit
+        return self.tolerance if self.exact(group) else self.tolerance_16bit
 
-    def forged(self, group: RolloutGroup, gap: float | None) -> bool:
-        return gap is not None and gap > self.tolerance_for(group)
+    def margin_for(self, group: RolloutGroup) -> float:
+        return self.margin if self.exact(group) else self.margin_16bit
+
+    def forged(self, group: RolloutGroup, checked: Checked | None) -> str | None:
+        """Why the group is a forgery (token_forgery: a token the noise did not pick;
+        logprob_forgery: log-probs not the policy's), or None."""
+        if checked is None:
+            return None
+        if checked.margin is not None and checked.margin > self.margin_for(group):
+            return "token_forgery"
+        return "logprob_forgery" if checked.gap > self.tolerance_for(group) else None

@@ -120,6 +120,6 @@ def test_the_proof_checks_against_the_rounded_weights_samplers_run_and_keeps_the
     group = group.model_copy(update={"completions": [
         c.replaced(token_ids=g.token_ids, logprobs=g.logprobs)
         for c, g in zip([group.completions[0]] * 4, completions)]})
-    gap = proof.check(group)
-    assert gap is not None and gap < 1e-4 and not proof.forged(group, gap)  # exact: same rounded weights, same dtype
+    checked = proof.check(group)
+    assert checked.gap < 1e-4 and not proof.forged(group, checked)  # exact: same rounded weights, same dtype
     assert all(torch.equal(v, live[k]) for k, v in policy_tensors(trainer).items())

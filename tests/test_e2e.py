@@ -96,8 +96,9 @@ def test_sequential_run_trains_only_on_its_current_version(tmp_path, relay, engi
     continuous batching): the trainer recomputes every group's log-probs (verify_fraction 1) and
     finds them its own, and on-policy its importance ratios are 1."""
     flags = ["--log-json"] + (["--relay"] if relay else [])
+    noise = "engine" if engine == "hf-paged" else "keyed"  # the paged engine draws its own (sampling.noise)
     metrics, stream, stderr = run_swarm(tmp_path, "seq", 4, "run.mode=sequential", f'sampler.engine="{engine}"',
-                                        "trainer.verify_fraction=1.0", flags=flags)
+                                        f'sampling.noise="{noise}"', "trainer.verify_fraction=1.0", flags=flags)
     assert [m["version"] for m in metrics] == [1, 2, 3, 4]
     for m in metrics:
         assert m["used"] == 4 and m["dropped_stale"] == 0

@@ -79,12 +79,12 @@ def test_honest_log_probs_pass_under_the_claimed_version_and_forged_ones_fail():
     group = honest_group(3, version=0, prompt_token_ids=prompt_ids, completions=[
         honest_group().completions[0].replaced(token_ids=g.token_ids, logprobs=g.logprobs)
         for g in generations])
-    assert proof.check(group) < 1e-4  # fp32: float error only
+    assert proof.check(group).gap < 1e-4  # fp32: float error only
 
     _perturb(trainer, seed=1)  # the trainer steps on: version 1
     proof.remember(1)
     version_1 = {k: v.clone() for k, v in policy_tensors(trainer).items()}
-    assert proof.check(group) < 1e-4  # version 0 swapped in for the check...
+    assert proof.check(group).gap < 1e-4  # version 0 swapped in for the check...
     assert all(torch.equal(v, version_1[k]) for k, v in policy_tensors(trainer).items())  # ...and 1 back
 
     shifted = [c.replaced(logprobs=[x - 0.05 for x in c.logprobs]) for c in group.completions]
@@ -183,6 +183,6 @@ def test_a_partial_rollout_is_checked_token_by_token_under_the_version_that_samp
         honest_group().completions[0].replaced(token_ids=g.token_ids, logprobs=g.logprobs) for g in generations],
         version_changes=[{"at": 8, "version": 1}, {"at": 16, "version": 2}])
     assert group.newest_version == 2
-    assert proof.check(group) < 1e-4  # fp32: float error only
+    assert proof.check(group).gap < 1e-4  # fp32: float error only
     as_one_version = group.replaced(version_changes=[])
     assert proof.forged(as_one_version, proof.check(as_one_version))

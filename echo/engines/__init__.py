@@ -24,11 +24,16 @@ def engine_choice(choice: str) -> str:
 
 def make_engine(cfg: EchoConfig) -> Engine:
     """The engine `sampler.engine` names, on the model's device and dtype."""
-    if engine_choice(cfg.sampler.engine) == "vllm":
+    choice = engine_choice(cfg.sampler.engine)
+    if cfg.sampling.noise == "keyed" and choice != "hf":
+        raise ConfigError(f"sampler.engine = {choice!r} cannot draw the keyed noise sampling.noise = 'keyed' asks "
+                          "for (the hf engine can): a run that trusts its samplers' text sets "
+                          "sampling.noise = 'engine'")
+    if choice == "vllm":
         from echo.engines.vllm import VLLMEngine
 
         return VLLMEngine(cfg.model, cfg.lora, cfg.sampling)
     from echo.engines.hf import HFEngine, PagedEngine
 
-    engine = PagedEngine if engine_choice(cfg.sampler.engine) == "hf-paged" else HFEngine
+    engine = PagedEngine if choice == "hf-paged" else HFEngine
     return engine(cfg.model.name, cfg.lora, cfg.sampling, cfg.model.device, cfg.model.dtype)

@@ -42,6 +42,7 @@ class NewerWeights(Protocol):
 
 class Engine(Protocol):
     name: str  # "hf" or "vllm", named in every group it samples
+    keyed_noise: bool  # whether it draws with keyed noise (sampling.noise = "keyed", echo/noise.py)
     device: torch.device
     dtype: torch.dtype  # the precision it samples in
     tokenizer: object  # a transformers tokenizer: multi-turn episodes render observations with it
@@ -51,10 +52,12 @@ class Engine(Protocol):
 
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
                  newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
-                 seed: int | None = None) -> list[list[Generation]]:
+                 seed: int | None = None, keys: list[int] | None = None) -> list[list[Generation]]:
         """n sampled completions for each prompt (greedy: the most likely one, for evaluation), of
         at most `max_tokens` (None: sampling.max_new_tokens; an episode's turn takes what is left),
-        drawn with `seed` (call_seed: the same call of the same run draws the same; None: fresh).
+        drawn with `seed` (call_seed: the same call of the same run draws the same; None: fresh),
+        or, given `keys` (one per prompt: echo/noise.py's group_key), by Gumbel-max with keyed
+        noise, which only an engine with `keyed_noise` can.
         An engine that generates in chunks asks `newer_weights` between them; one that does
         not (vLLM here) ignores it, and its completions carry no version changes."""
 

@@ -13,6 +13,7 @@ from echo.config import LoraConfig, SamplingConfig
 from echo.devices import resolve_device, sampler_dtype
 from echo.engines.base import Generation, NewerWeights
 from echo.models import encode_chat, load_model
+from echo.noise import gumbel
 from echo.policy import CACHE, kv_cache, load_weights, make_policy
 
 
@@ -42,8 +43,26 @@ class SampledLogprobs(LogitsProcessor):
         return torch.stack(self.steps, dim=1)
 
 
+class KeyedNoise(SampledLogprobs):
+    """Gumbel-max sampling with keyed noise (echo/noise.py), under greedy decoding: each step's
+    scores become logits / T + g, whose argmax is the token. Row i of the batch is completion
+    `completions[i]` of the group keyed `keys[i]`; the call's first step is position `start`."""
+
+    def __init__(self, temperature: float, keys: list[int], completions: list[int], start: int):
+        super().__init__(temperature)
+        self.keys, self.completions, self.position = keys, completions, start
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        super().__call__(input_ids, scores)
+        positions = torch.tensor([self.position], device=scores.device)
+        noise = torch.cat([gumbel(key, j, positions, scores.shape[-1]) for key, j in zip(self.keys, self.completions)])
+        self.position += 1
+        return scores.float() / self.temperature + noise
+
+
 class HFEngine:
     name = "hf"
+    keyed_noise = True  # draws with sampling.noise = "keyed"
 
     def __init__(self, model_name: str, lora: LoraConfig, sampling: SamplingConfig, device: str = "auto",
                  dtype: str = "auto"):
@@ -83,14 +102,16 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
                  newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
-                 seed: int | None = None) -> list[list[Generation]]:
+                 seed: int | None = None, keys: list[int] | None = None) -> list[list[Generation]]:
         """With `newer_weights`, generation goes `chunk_tokens` at a time and asks it between
         chunks, where the sampler may swap in newer weights: the completions go on from the key/value
-        cache as it is (the partial rollouts of PipelineRL), and each says where a version took over."""
+        cache as it is (the partial rollouts of PipelineRL), and each says where a version took over.
+        With `keys` (one per prompt), tokens are drawn by Gumbel-max with keyed noise, not `seed`."""
         batch = self.tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(self.device)
         if seed is not None:  # generate draws from torch's global generator (one sampler a process)
             torch.manual_seed(seed)
-        config = self.call_config(greedy)
+        keyed = keys is not None and not greedy
+        config = self.call_config(greedy or keyed)  # keyed: the argmax of the noisy scores
         limit = self.max_new_tokens if max_tokens is None else max_tokens
         chunk = self.chunk_tokens if newer_weights is not None and self.chunk_tokens else limit
         ids, mask = batch["input_ids"].repeat_interleave(n, 0), batch["attention_mask"].repeat_interleave(n, 0)
@@ -100,7 +121,8 @@ class HFEngine:
         produced, cache, eos = 0, None, self.tokenizer.eos_token_id
         while True:
             config.max_new_tokens = min(chunk, limit - produced)
-            sampled = SampledLogprobs(self.temperature)
+            sampled = (KeyedNoise(self.temperature, [keys[row // n] for row in rows], [row % n for row in rows],
+                                  produced) if keyed else SampledLogprobs(self.temperature))
             out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **{CACHE: cache},
                                       logits_processor=LogitsProcessorList([sampled]))
             new_tokens = out.sequences[:, ids.shape[1]:]
@@ -142,15 +164,18 @@ class PagedEngine(HFEngine):
     completions: partial rollouts (sampling.chunk_tokens) need `hf`."""
 
     name = "hf"  # on the wire: transformers sampled it, with the same model code and log-probs as `hf`
+    keyed_noise = False  # its sampling happens inside the manager's loop, with no processor of ours
     PAGE_TOKENS = 32
     MAX_BATCH_TOKENS = 8192  # tokens in one forward: prompts are prefilled in slices of this
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
                  newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
-                 seed: int | None = None) -> list[list[Generation]]:
+                 seed: int | None = None, keys: list[int] | None = None) -> list[list[Generation]]:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+        if keys is not None:
+            raise ValueError("the paged engine draws no keyed noise: sampling.noise = 'engine' (make_engine says so)")
         limit = self.max_new_tokens if max_tokens is None else max_tokens
         requests = [prompt for prompt in prompts for _ in range(n)]
         config = self.call_config(greedy)

@@ -35,6 +35,7 @@ def vllm_lora_rank(r: int) -> int:
 
 class VLLMEngine:
     name = "vllm"
+    keyed_noise = False  # not yet: through a logits processor (issue 63)
 
     def __init__(self, model: ModelConfig, lora: LoraConfig, sampling: SamplingConfig):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the sampler logs what matters itself
@@ -116,9 +117,13 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
                  newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
-                 seed: int | None = None) -> list[list[Generation]]:
-        """Whole completions: `newer_weights` is not asked (partial rollouts are the HF engine's)."""
+                 seed: int | None = None, keys: list[int] | None = None) -> list[list[Generation]]:
+        """Whole completions: `newer_weights` is not asked (partial rollouts are the HF engine's);
+        `keys` must be None (keyed_noise)."""
         from vllm import SamplingParams
+
+        if keys is not None:
+            raise ValueError("vLLM draws no keyed noise here: sampling.noise = 'engine' (make_engine says so)")
 
         # Plain sampling at `temperature` (no top-k/top-p), as the trainer assumes; greedy for eval.
         params = SamplingParams(n=n, temperature=0.0 if greedy else self.temperature, max_tokens=max_tokens or self.max_new_tokens,

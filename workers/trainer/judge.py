@@ -162,10 +162,13 @@ class Judge:
         return None
 
     async def proven(self, case: Case) -> Verdict | None:
-        """The proof of sampling, on the groups chosen for it: the claimed log-probs are the policy's."""
+        """The proof of sampling, on the groups chosen for it: the claimed log-probs are the policy's,
+        and with keyed noise each token is the one the noise picks."""
         if not (self.proof and self.proof.wants(case.group)):
             return None
-        gap = await asyncio.to_thread(self.check, case.group)
-        if self.proof.forged(case.group, gap):
-            return Verdict("logprob_forgery", f"{case.about}: gap {gap:.3g}", strike=True)
+        checked = await asyncio.to_thread(self.check, case.group)
+        reason = self.proof.forged(case.group, checked)
+        if reason:
+            margin = "" if checked.margin is None else f", token margin {checked.margin:.3g}"
+            return Verdict(reason, f"{case.about}: log-prob gap {checked.gap:.3g}{margin}", strike=True)
         return None

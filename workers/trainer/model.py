@@ -42,7 +42,7 @@ from echo.learner import Batch, make_optimizer, merge_stats, set_threads, train_
 from echo.lifeline import die_with_parent
 from echo.models import base_model_digest, load_model
 from echo.policy import make_policy, weights_kind, weights_shards
-from echo.proof import ProofSettings, SamplingProof
+from echo.proof import Checked, ProofSettings, SamplingProof
 from echo.wire.messages import RolloutGroup, WeightsLink
 
 log = structlog.get_logger()
@@ -181,8 +181,8 @@ class TrainerModel:
         return merge_stats(self.ranks.gather(stats))
 
     @everywhere
-    def check(self, group: RolloutGroup) -> float | None:
-        """Proof of sampling: the group's log-prob gap (SamplingProof.check)."""
+    def check(self, group: RolloutGroup) -> Checked | None:
+        """Proof of sampling: the group's log-prob gap and token margin (SamplingProof.check)."""
         return self.proof.check(group)
 
     @everywhere
