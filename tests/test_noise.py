@@ -3,6 +3,8 @@ choice of text, and the trainer checks the tokens themselves. Honest groups pass
 bf16; a token swapped, completions chosen from other draws, or text from elsewhere with its true
 log-probs (which the log-prob check alone lets through) are token forgeries."""
 
+import asyncio
+
 import pytest
 import torch
 
@@ -10,11 +12,20 @@ from echo.config import ConfigError, LoraConfig
 from echo.devices import dtype_name
 from echo.engines import make_engine
 from echo.engines.hf import HFEngine
+from echo.grants import GrantLedger
 from echo.noise import group_key, gumbel
 from echo.policy import group_logprobs, load_weights, weights_shards
 from echo.proof import ProofSettings, SamplingProof
+from echo.referee import Referee
+from streams.client import open_run
+from streams.inbox import RolloutInbox
+from streams.rollouts import publish_rollout
 from tests.conftest import tiny_config
-from tests.groups import REFEREE, SAMPLING, honest_group
+from tests.groups import REFEREE, SAMPLING, TASK, TOKENIZER, granted, honest_group
+from workers.background import Background
+from workers.trainer.intake import Collector
+from workers.trainer.judge import Judge, Timeline
+from workers.trainer.strikes import Quarantined
 
 LORA = LoraConfig(r=4, alpha=8.0)
 SEED, EPOCH = 7, 1
@@ -38,9 +49,11 @@ def test_the_noise_is_the_same_bits_for_the_same_key_and_a_gumbel_draw():
     assert torch.bincount(drawn, minlength=3) / 4000 == pytest.approx(torch.softmax(logits, 0).tolist(), abs=0.02)
 
 
-def _engines(dtype: str = "float32"):
+KEYED = SAMPLING.model_copy(update={"max_new_tokens": 24, "group_size": 8, "dtypes": ["float32", "bfloat16"]})
+
+
+def _engines(dtype: str = "float32", sampling=KEYED):
     """A sampler at version 0 and the trainer's proof holding version 0, the adapter moved off zero."""
-    sampling = SAMPLING.model_copy(update={"max_new_tokens": 24, "group_size": 8, "dtypes": ["float32", "bfloat16"]})
     sampler = HFEngine("tiny", LORA, sampling, "cpu", dtype)
     trainer = HFEngine("tiny", LORA, sampling).model
     generator = torch.Generator().manual_seed(0)
@@ -55,15 +68,18 @@ def _engines(dtype: str = "float32"):
     return sampler, proof
 
 
-def _keyed_groups(sampler: HFEngine, prompts: list[int], first_slot: int = 1) -> list:
+def _keyed_groups(sampler: HFEngine, prompts: list[int], first_slot: int = 1, **changes) -> list:
+    """What an honest sampler sends for `prompts` on consecutive slots from `first_slot`."""
     prompt_ids = [sampler.encode_chat(REFEREE.task.prompt(i).messages) for i in prompts]
     slots = list(range(first_slot, first_slot + len(prompts)))
     keys = [group_key(SEED, EPOCH, slot) for slot in slots]
-    generations = sampler.generate(prompt_ids, 8, keys=keys)
+    generations = sampler.generate(prompt_ids, KEYED.group_size, keys=keys)
     return [honest_group(i, version=0, epoch=EPOCH, slot=slot, prompt_token_ids=ids, temperature=sampler.temperature,
                          dtype=dtype_name(sampler.dtype), completions=[
-                             honest_group().completions[0].replaced(token_ids=g.token_ids, logprobs=g.logprobs)
-                             for g in gens])
+                             honest_group().completions[0].replaced(
+                                 token_ids=g.token_ids, logprobs=g.logprobs, text=g.text, finish_reason=g.finish_reason,
+                                 reward=TASK.score(g.text, TASK.prompt(i)).reward)
+                             for g in gens], **changes)
             for i, slot, ids, gens in zip(prompts, slots, prompt_ids, generations)]
 
 
@@ -90,15 +106,7 @@ def test_a_swapped_token_or_text_chosen_with_its_true_log_probs_is_a_token_forge
     honest = _keyed_groups(sampler, [5])[0]
     assert proof.forged(honest, proof.check(honest)) is None
 
-    def with_true_logprobs(group):
-        """What a forger who runs the model forward reports: the policy's own log-probs of its text."""
-        with torch.no_grad():
-            logprobs, _, _ = group_logprobs(proof.model, group.prompt_token_ids,
-                                            [c.token_ids for c in group.completions], sampler.temperature,
-                                            sampler.tokenizer.pad_token_id)
-        return group.replaced(completions=[c.replaced(logprobs=logprobs[i, : len(c.token_ids)].tolist())
-                                           for i, c in enumerate(group.completions)])
-
+    with_true_logprobs = _forger(proof)
     # One token of one completion replaced by the next vocabulary id (one in ~150 of the group's).
     first = honest.completions[0]
     swapped = [int(first.token_ids[0] + 1) % 256, *first.token_ids[1:].tolist()]
@@ -111,6 +119,101 @@ def test_a_swapped_token_or_text_chosen_with_its_true_log_probs_is_a_token_forge
         checked = proof.check(forged)
         assert checked.gap < 1e-4  # the log-probs are true: the log-prob check alone lets it through
         assert proof.forged(forged, checked) == "token_forgery", checked
+
+
+def _forger(proof: SamplingProof):
+    """What a forger who runs the model forward reports for its text: the policy's own log-probs."""
+
+    def with_true_logprobs(group):
+        with torch.no_grad():
+            tokens = [c.token_ids for c in group.completions]
+            logprobs, _, _ = group_logprobs(proof.model, group.prompt_token_ids, tokens, proof.temperature, proof.pad_id)
+        eos = TOKENIZER.eos_token_id
+        return group.replaced(completions=[
+            c.replaced(logprobs=logprobs[i, : len(c.token_ids)].tolist(), text=text,
+                       finish_reason="stop" if c.token_ids[-1] == eos else "length",
+                       reward=TASK.score(text, TASK.prompt(group.prompt_index)).reward)
+            for i, c in enumerate(group.completions)
+            for text in [TOKENIZER.decode(c.token_ids.tolist(), skip_special_tokens=True)]])
+
+    return with_true_logprobs
+
+
+async def test_one_samplers_text_of_its_choosing_is_refused_and_it_is_quarantined(secured):
+    """On a secured hub, a client with exactly sampler s1's credentials sends, on slots the trainer
+    granted it, text it chose with its true log-probs: completions of another model, one token in
+    64 replaced, a fixed phrase put in front, and the best of 4 draws of each completion (by the
+    verifier's reward). The log-probs are all true, so the log-prob check alone let each through;
+    now each is a token forgery, a strike, and past trainer.quarantine_after (3) s1 is quarantined
+    and its next group, honest or not, is refused. An honest group of another sampler is trained."""
+    server, secure = secured
+    sampler, proof = _engines()
+    forge = _forger(proof)
+    other_model, _ = _engines()  # another adapter: another model's text
+    with torch.no_grad():
+        for name, p in other_model.model.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(9)) * 0.2)
+    phrase = sampler.tokenizer("BUY NOW ", add_special_tokens=False)["input_ids"]
+
+    def one_in_64(group):
+        return group.replaced(completions=[c.replaced(token_ids=[(t + 1) % 256 if k % 64 == 5 else t for k, t in
+                                                                 enumerate(c.token_ids.tolist(), start=24 * j)])
+                                           for j, c in enumerate(group.completions)])
+
+    def phrase_first(group):
+        texts = [[*phrase, *c.token_ids.tolist()][:24] for c in group.completions]
+        return group.replaced(completions=[c.replaced(token_ids=t, logprobs=[-1.0] * len(t))  # the forger's next
+                                           for c, t in zip(group.completions, texts)])
+
+    def best_of_4(group):
+        draws = [_keyed_groups(sampler, [group.prompt_index], first_slot=100 + 10 * k)[0] for k in range(4)]
+        def reward(c):
+            return TASK.score(c.text, TASK.prompt(group.prompt_index)).reward, len(c.token_ids)
+
+        best = [max((d.completions[j] for d in draws), key=reward) for j in range(len(group.completions))]
+        return group.replaced(completions=best)
+
+    attacks = {
+        "another model": lambda g: _keyed_groups(other_model, [g.prompt_index], g.slot, group_id=g.group_id)[0],
+        "one token in 64": one_in_64,
+        "a phrase put in": phrase_first,
+        "best of 4": best_of_4,
+    }
+    trainer = await open_run(server.url, "sec", "trainer", credentials=secure.credentials("trainer"))
+    attacker = await open_run(server.url, "sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
+    try:
+        async with Background() as background:
+            quarantine = Quarantined(trainer, after=3)
+            await quarantine.start(background)
+            ledger, referee = GrantLedger(), Referee(TASK, TOKENIZER, len(TOKENIZER), KEYED)
+            judge = Judge(referee, Timeline(max_staleness=1, epoch=EPOCH), proof=proof)
+            collector = Collector(await RolloutInbox.open(trainer), judge, ledger, quarantine=quarantine)
+            for slot, (what, attack) in enumerate(attacks.items(), start=1):
+                honest = _keyed_groups(sampler, [slot], first_slot=slot, group_id=f"f{slot}")[0]
+                forged = forge(attack(honest))
+                assert forged.completions != honest.completions, what
+                assert granted(ledger, forged).slot == slot
+                await publish_rollout(attacker, forged)
+            await publish_rollout(attacker, granted(ledger, _keyed_groups(sampler, [7], first_slot=5,
+                                                                           group_id="late")[0]))
+            good = _keyed_groups(sampler, [8], first_slot=6, group_id="good", sampler_id="s2")[0]
+
+            async def honest_once_quarantined():  # else read in turn with the forger's first
+                while "s1" not in quarantine:
+                    await asyncio.sleep(0.01)
+                await publish_rollout(trainer, granted(ledger, good))
+
+            honest = asyncio.create_task(honest_once_quarantined())
+            async with asyncio.timeout(120):  # a hang guard: all is published
+                collected = await collector.collect(1, version=0)
+            await honest
+        assert [a.group.group_id for a in collected.used] == ["good"]
+        assert collected.rejected == {"token_forgery": 4, "quarantined": 1}, collected.rejected
+        assert "s1" in quarantine
+    finally:
+        await attacker.close()
+        await trainer.close()
 
 
 def test_an_engine_that_cannot_draw_keyed_noise_is_refused_at_start_unless_the_run_trusts_its_text(tmp_path):
