@@ -78,7 +78,7 @@ async def test_a_weights_publish_whose_stream_leader_is_killed_goes_on_once_a_ne
     publishing = asyncio.create_task(retry_forever("publish", lambda: put_object(run.js, bucket, "v3", data),
                                                    max_delay_s=PUBLISH_RETRY_MAX_S))
     await asyncio.sleep(statistics.median(seconds) / 3)  # mid-publish
-    node = next(node for node in cluster.nodes if node.server_name == leader)
+    node = next(node for node in cluster.nodes if node.config.server_name == leader)
     node.process.send_signal(signal.SIGKILL)
     election = await elected()
     info = await publishing
@@ -122,7 +122,7 @@ async def test_a_trainer_whose_state_leader_is_killed_waits_it_out_and_never_wor
     try:
         await asyncio.sleep(2 * RENEW_S)
         leader = (await holder.js.stream_info(f"KV_{holder.names.state_bucket}")).cluster.leader
-        next(node for node in cluster.nodes if node.server_name == leader).process.send_signal(signal.SIGKILL)
+        next(node for node in cluster.nodes if node.config.server_name == leader).process.send_signal(signal.SIGKILL)
         killed = time.monotonic()
         taken = await asyncio.wait_for(take_over(), 60)
         assert all(now - renewed < HELD_S + 0.5 for now, renewed in acted), acted  # 0.5: one act's own wait

@@ -127,7 +127,8 @@ def _forger(proof: SamplingProof):
     def with_true_logprobs(group):
         with torch.no_grad():
             tokens = [c.token_ids for c in group.completions]
-            logprobs, _, _ = group_logprobs(proof.model, group.prompt_token_ids, tokens, proof.temperature, proof.pad_id)
+            logprobs, _, _ = group_logprobs(proof.model, group.prompt_token_ids, tokens, proof.temperature,
+                                            proof.pad_id)
         eos = TOKENIZER.eos_token_id
         return group.replaced(completions=[
             c.replaced(logprobs=logprobs[i, : len(c.token_ids)].tolist(), text=text,
