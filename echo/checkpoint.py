@@ -49,13 +49,13 @@ class TrainerState:
     base_model: str = ""  # the base's digest (echo/models.py::base_model_digest): a resume on another is refused
 
 
-def save_checkpoint(path: Path, policy, optimizer, state: TrainerState, rng_states: list[torch.Tensor] | None = None,
+def save_checkpoint(path: Path, model, optimizer, state: TrainerState, rng_states: list[torch.Tensor] | None = None,
                     commit: bool = True) -> None:
     """On several ranks every rank calls it (each writes its shards) and one commits, with
     every rank's RNG state in `rng_states`."""
     folder = path.with_suffix("") / f"step-{state.step:06d}"
     with _one_process_is_fine():
-        dcp.save(_trained_state(policy, optimizer), storage_writer=dcp.FileSystemWriter(folder, overwrite=True),
+        dcp.save(_trained_state(model, optimizer), storage_writer=dcp.FileSystemWriter(folder, overwrite=True),
                  no_dist=not dist.is_initialized())
     if not commit:
         return
@@ -71,7 +71,7 @@ def save_checkpoint(path: Path, policy, optimizer, state: TrainerState, rng_stat
             shutil.rmtree(old)
 
 
-def load_checkpoint(path: Path, policy, optimizer, rank: int = 0) -> TrainerState | None:
+def load_checkpoint(path: Path, model, optimizer, rank: int = 0) -> TrainerState | None:
     """Resume what `save_checkpoint` wrote into this process's (or rank's) policy and
     optimizer, whatever the number of ranks that wrote it."""
     if not path.exists():
@@ -80,10 +80,10 @@ def load_checkpoint(path: Path, policy, optimizer, rank: int = 0) -> TrainerStat
     if "model" not in payload:
         raise RuntimeError(f"{path} was written by an older echo-rl (one file, no checkpoint/ folder): "
                            "resume it with that version, or start the run afresh in another directory")
-    trained = _trained_state(policy, optimizer)
+    trained = _trained_state(model, optimizer)
     with _one_process_is_fine():
         dcp.load(trained, checkpoint_id=path.with_suffix("") / payload["model"], no_dist=not dist.is_initialized())
-    set_state_dict(policy, optimizer, model_state_dict=trained["model"], optim_state_dict=trained["optimizer"],
+    set_state_dict(model, optimizer, model_state_dict=trained["model"], optim_state_dict=trained["optimizer"],
                    options=StateDictOptions(ignore_frozen_params=True, strict=False))  # frozen: not in it
     rngs = payload["torch_rng"]
     torch.set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])  # fewer ranks before: rank 0's
@@ -97,11 +97,11 @@ def _one_process_is_fine():
         yield
 
 
-def _trained_state(policy, optimizer) -> dict:
+def _trained_state(model, optimizer) -> dict:
     """What is trained and its optimizer state, as the ranks hold them; the frozen base is the
     model's own files."""
-    model, optim = get_state_dict(policy, optimizer, options=StateDictOptions(ignore_frozen_params=True))
-    return {"model": model, "optimizer": optim}
+    model_state, optim = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    return {"model": model_state, "optimizer": optim}
 
 
 def weights_file(run_dir: Path, version: int, shard: int) -> Path:

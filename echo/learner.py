@@ -111,7 +111,7 @@ def rank_passes(passes: list, rank: int, world: int) -> list:
     return mine + [None] * (-(-len(passes) // world) - len(mine))
 
 
-def train_step(policy, optimizer, batch: Batch, cfg: EchoConfig, pad_id: int, stop: threading.Event | None = None,
+def train_step(model, optimizer, batch: Batch, cfg: EchoConfig, pad_id: int, stop: threading.Event | None = None,
                compute_dtype: torch.dtype = torch.float32, rank: int = 0, world: int = 1) -> dict:
     """One optimizer step over a batch of judged groups. The loss is the token mean over the whole
     batch; its completions are forwarded and backpropagated in passes of at most
@@ -137,11 +137,11 @@ def train_step(policy, optimizer, batch: Batch, cfg: EchoConfig, pad_id: int, st
     episode's observations (the environment's tokens): the loss, importance weights and KL are
     over the model's tokens only; the advantage is the episode's, over its group."""
     tcfg = cfg.trainer
-    device = model_device(policy)
+    device = model_device(model)
     total_tokens, advantages = batch.trained_tokens(), batch.advantages(device)
     passes = rank_passes(step_passes(batch, tcfg.micro_batch_tokens, shares_passes(tcfg.pack_groups, device)), rank, world)
     started = time.perf_counter()
-    policy.train()
+    model.train()
     optimizer.zero_grad(set_to_none=True)
     per_pass, loss_sum = [], 0.0
     for done, this in enumerate(passes):
@@ -149,15 +149,15 @@ def train_step(policy, optimizer, batch: Batch, cfg: EchoConfig, pad_id: int, st
             optimizer.zero_grad(set_to_none=True)
             raise StepAbandoned(f"{done} of {len(passes)} passes done")
         if this is None:
-            _empty_pass(policy, cfg, pad_id, device, compute_dtype)
+            _empty_pass(model, cfg, pad_id, device, compute_dtype)
             continue
         segments = [(batch.groups[g], advantages[g][rows], rows) for g, rows in this]
-        stats = _pass(policy, cfg, pad_id, device, compute_dtype, segments, total_tokens, batch.oldest_version)
+        stats = _pass(model, cfg, pad_id, device, compute_dtype, segments, total_tokens, batch.oldest_version)
         loss_sum += stats.loss_value
         per_pass.append(stats)
-    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], tcfg.max_grad_norm)
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], tcfg.max_grad_norm)
     optimizer.step()
-    policy.eval()
+    model.eval()
 
     tokens, sequences = sum(g.tokens for g in per_pass), sum(g.sequences for g in per_pass)
 
@@ -204,7 +204,7 @@ def merge_stats(parts: list[dict]) -> dict:
     }
 
 
-def _pass(policy, cfg: EchoConfig, pad_id: int, device, compute_dtype,
+def _pass(model, cfg: EchoConfig, pad_id: int, device, compute_dtype,
           segments: list[tuple[RolloutGroup, torch.Tensor, list[int]]], normalizer: int, oldest_version: int) -> PassStats:
     """Forward and backward over some completions of some groups: (group, the rows' advantages,
     rows) each; the advantages are over each whole group, whichever of its completions this pass takes."""
@@ -213,7 +213,7 @@ def _pass(policy, cfg: EchoConfig, pad_id: int, device, compute_dtype,
     claimed = [group.completions[i] for group, _, rows in segments for i in rows]
     owners = [j for j, (_, _, rows) in enumerate(segments) for _ in rows]
     advantages = torch.cat([rows_advantages for _, rows_advantages, _ in segments])
-    logprobs, mask, entropy, ref_logprobs = _forward(policy, cfg, pad_id, device, compute_dtype, prompts,
+    logprobs, mask, entropy, ref_logprobs = _forward(model, cfg, pad_id, device, compute_dtype, prompts,
                                                      [c.token_ids for c in claimed], owners)
     behaviour, sampled = torch.zeros(logprobs.shape), torch.zeros(mask.shape, dtype=torch.bool)
     for i, completion in enumerate(claimed):
@@ -232,7 +232,7 @@ def _pass(policy, cfg: EchoConfig, pad_id: int, device, compute_dtype,
                      float(entropy[mask].mean()) if mask.any() else 0.0)
 
 
-def _forward(policy, cfg: EchoConfig, pad_id: int, device, compute_dtype, prompts: list, completions: list,
+def _forward(model, cfg: EchoConfig, pad_id: int, device, compute_dtype, prompts: list, completions: list,
              owners: list[int]):
     """Log-probs, mask and entropy of completions, and the reference's log-probs (KL on). Every
     pass calls the model alike (a reference forward with KL on; at least two completion
@@ -241,22 +241,22 @@ def _forward(policy, cfg: EchoConfig, pad_id: int, device, compute_dtype, prompt
     with autocast(device, compute_dtype):
         if cfg.trainer.kl_coef > 0:
             # The reference is the base model: the same weights with the adapter switched off.
-            with torch.no_grad(), policy.disable_adapter():
-                ref_logprobs, _, _ = packed_logprobs(policy, prompts, completions, owners, temperature, pad_id,
+            with torch.no_grad(), model.disable_adapter():
+                ref_logprobs, _, _ = packed_logprobs(model, prompts, completions, owners, temperature, pad_id,
                                                      min_length=2)
-        logprobs, mask, entropy = packed_logprobs(policy, prompts, completions, owners, temperature, pad_id, min_length=2)
+        logprobs, mask, entropy = packed_logprobs(model, prompts, completions, owners, temperature, pad_id, min_length=2)
     return logprobs, mask, entropy, ref_logprobs
 
 
-def _empty_pass(policy, cfg: EchoConfig, pad_id: int, device, compute_dtype) -> None:
+def _empty_pass(model, cfg: EchoConfig, pad_id: int, device, compute_dtype) -> None:
     """A pass shaped like a real one whose gradient is zero: a rank with fewer passes than
     another still joins every collective of theirs."""
-    logprobs, _, _, ref_logprobs = _forward(policy, cfg, pad_id, device, compute_dtype, [[pad_id]], [[pad_id]], [0])
+    logprobs, _, _, ref_logprobs = _forward(model, cfg, pad_id, device, compute_dtype, [[pad_id]], [[pad_id]], [0])
     (logprobs.sum() * 0.0).backward()
 
 
-def make_optimizer(policy, cfg: EchoConfig) -> torch.optim.Optimizer:
-    params = [p for p in policy.parameters() if p.requires_grad]
+def make_optimizer(model, cfg: EchoConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(params, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
 
 
