@@ -78,7 +78,7 @@ bench: install
 	for model in tiny smollm2; do $(PY) -m bench.micro_batches --model $$model --groups 8 --group 8 --tokens 32 \
 		--budgets 0 4096 --repeats 3 --pack-groups on; done
 	$(PY) -m bench.ranks
-	$(PY) -m bench.proof_of_sampling
+	$(PY) -m bench.proof
 	$(PY) -m bench.gym_base
 	$(PY) -m bench.dataset
 	$(PY) -m bench.parity --preset study

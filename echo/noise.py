@@ -48,8 +48,13 @@ def gumbel(key: int, completion: int, positions: torch.Tensor, vocab: int) -> to
     row = _mix(_mix(_mix(counter) ^ low) ^ high)
     ids = _mix((torch.arange(vocab, device=device, dtype=torch.int64) * 0x27D4EB2F) & _M32)
     bits = _mix(_mix(row[:, None] ^ ids[None, :]) ^ low)
-    uniform = ((bits >> 8).to(torch.float32) + 0.5) / float(1 << 24)  # in (0, 1), never 0 or 1
-    return -torch.log(-torch.log(uniform))
+    return -torch.log(-torch.log(uniform(bits)))
+
+
+def uniform(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes as float32 uniforms strictly inside (0, 1). 23 bits, so that k + 0.5 is exact
+    in float32: with 24 the largest rounded to 1.0, whose noise is infinite (a bench found one)."""
+    return ((bits >> 9).to(torch.float32) + 0.5) / float(1 << 23)
 
 
 def noisy_margin(scores: torch.Tensor, tokens: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

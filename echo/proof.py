@@ -193,6 +193,7 @@ class SamplingProof:
         logprob_forgery: log-probs not the policy's), or None."""
         if checked is None:
             return None
-        if checked.margin is not None and checked.margin > self.margin_for(group):
+        # "not <=": a NaN (a token or log-prob no forward gives) is a forgery, never a pass.
+        if checked.margin is not None and not checked.margin <= self.margin_for(group):
             return "token_forgery"
-        return "logprob_forgery" if checked.gap > self.tolerance_for(group) else None
+        return None if checked.gap <= self.tolerance_for(group) else "logprob_forgery"

@@ -13,9 +13,9 @@ from echo.devices import dtype_name
 from echo.engines import make_engine
 from echo.engines.hf import HFEngine
 from echo.grants import GrantLedger
-from echo.noise import group_key, gumbel
+from echo.noise import group_key, gumbel, uniform
 from echo.policy import group_logprobs, load_weights, weights_shards
-from echo.proof import ProofSettings, SamplingProof
+from echo.proof import Checked, ProofSettings, SamplingProof
 from echo.referee import Referee
 from streams.client import open_run
 from streams.inbox import RolloutInbox
@@ -50,6 +50,17 @@ def test_the_noise_is_the_same_bits_for_the_same_key_and_a_gumbel_draw():
 
 
 KEYED = SAMPLING.model_copy(update={"max_new_tokens": 24, "group_size": 8, "dtypes": ["float32", "bfloat16"]})
+
+
+def test_the_noise_is_finite_at_either_end_and_a_nan_is_a_forgery():
+    """bench/proof.py found a group passing with 20% of its tokens replaced: one position's uniform
+    had rounded to 1.0, its noise was infinite, the margin NaN, and NaN > margin is False."""
+    ends = uniform(torch.tensor([0, 0xFFFFFFFF], dtype=torch.int64))
+    assert 0 < ends[0] and ends[1] < 1 and torch.isfinite(-torch.log(-torch.log(ends))).all()
+    _, proof = _engines()
+    group = honest_group(version=0)
+    assert proof.forged(group, Checked(gap=0.0, margin=float("nan"))) == "token_forgery"
+    assert proof.forged(group, Checked(gap=float("nan"), margin=0.0)) == "logprob_forgery"
 
 
 def _engines(dtype: str = "float32", sampling=KEYED):

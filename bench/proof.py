@@ -1,0 +1,187 @@
+"""Benchmark: the proof of sampling, honest and forged, at fp32 and bf16.
+
+An honest sampler (the transformers engine, keyed noise: echo/noise.py) generates groups with a
+LoRA adapter at version 0; the trainer's SamplingProof checks them, once as its newest version
+and once after it moved on to version 1 (version 0 swapped in). Recorded per configuration
+(model, the sampler's precision):
+
+- honest: the largest log-prob gap and token margin of each group, and the false positives
+  (groups the check would reject: there must be none);
+- forged tokens: a share of each group's tokens (1 in 64, 5%, 20%) replaced, the log-probs then
+  recomputed under the policy (a forger who runs the model forward reports true ones), and the
+  share of such groups caught;
+- forged log-probs: every claimed log-prob shifted by a little (what log-probs alone catch);
+- cost: the check's seconds per group against a trainer step's seconds per group on the same
+  groups (train_step), and generation's.
+
+    .venv/bin/python -m bench.proof [--models tiny smollm2] [--dtypes float32 bfloat16] [--groups 64]
+
+Writes bench/results/proof.json (with the machine's load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from bench.common import write_results
+from echo.config import LoraConfig, SamplingConfig, TaskConfig, TrainerConfig, validate_config
+from echo.devices import dtype_name
+from echo.engines.hf import HFEngine
+from echo.learner import Batch, make_optimizer, train_step
+from echo.noise import group_key
+from echo.policy import group_logprobs, load_weights, weights_shards
+from echo.proof import ProofSettings, SamplingProof
+from echo.tasks import load_task
+from echo.wire.messages import Completion, RolloutGroup
+
+SEED = 0
+TOKEN_SHARES = [1 / 64, 0.05, 0.20]  # of a group's tokens replaced
+LOGPROB_SHIFTS = [0.5, 0.1, 0.02]  # nats subtracted from every claimed log-prob
+
+
+def perturb_adapter(model, seed: int, scale: float) -> None:
+    """A trained-looking adapter: lora_B is zero at init, which would make every version the base."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * scale)
+
+
+def honest_groups(engine: HFEngine, task, count: int, group_size: int, prompts_per_call: int) -> list[RolloutGroup]:
+    """`count` groups on slots 1..count, drawn with their slots' keyed noise."""
+    groups = []
+    for start in range(0, count, prompts_per_call):
+        prompts = [task.prompt(i) for i in range(start, min(count, start + prompts_per_call))]
+        ids = [engine.encode_chat(p.messages) for p in prompts]
+        keys = [group_key(SEED, 0, p.index + 1) for p in prompts]
+        for prompt, prompt_ids, gens in zip(prompts, ids, engine.generate(ids, group_size, keys=keys)):
+            completions = [Completion(token_ids=g.token_ids, logprobs=g.logprobs, text=g.text, reward=0.0,
+                                      finish_reason=g.finish_reason) for g in gens]
+            groups.append(RolloutGroup(group_id=f"g{prompt.index}", sampler_id="honest", version=0, task=task.name,
+                                       prompt_index=prompt.index, slot=prompt.index + 1, epoch=0,
+                                       prompt_token_ids=prompt_ids, completions=completions,
+                                       temperature=engine.temperature, engine="hf", dtype=dtype_name(engine.dtype),
+                                       gen_seconds=0.0, created_at=0.0))
+    return groups
+
+
+def with_true_logprobs(proof: SamplingProof, group: RolloutGroup, token_ids: list[list[int]]) -> RolloutGroup:
+    """The group with these tokens and the policy's own log-probs of them (version 0 in place)."""
+    with torch.no_grad():
+        logprobs, _, _ = group_logprobs(proof.model, group.prompt_token_ids, token_ids, proof.temperature, proof.pad_id)
+    return group.replaced(sampler_id="forger", completions=[
+        c.replaced(token_ids=ids, logprobs=logprobs[i, : len(ids)].tolist()) for i, (c, ids) in
+        enumerate(zip(group.completions, token_ids))])
+
+
+def tokens_replaced(group: RolloutGroup, share: float, vocab: int, rng: np.random.Generator) -> list[list[int]]:
+    """A `share` of the group's tokens (at least one) replaced by other ids, at random."""
+    ids = [c.token_ids.tolist() for c in group.completions]
+    where = [(row, k) for row, row_ids in enumerate(ids) for k in range(len(row_ids))]
+    for index in rng.choice(len(where), size=max(1, round(share * len(where))), replace=False):
+        row, k = where[index]
+        ids[row][k] = int((ids[row][k] + rng.integers(1, vocab)) % vocab)
+    return ids
+
+
+def measure(model_name: str, dtype: str, count: int) -> dict:
+    sampling = SamplingConfig(group_size=8, max_new_tokens=32, temperature=0.7, prompts_per_call=4,
+                              dtypes=["float32", "bfloat16"])
+    lora = LoraConfig(r=16, alpha=32.0)
+    engine = HFEngine(model_name, lora, sampling, "cpu", dtype)  # the sampler
+    trainer = HFEngine(model_name, lora, sampling).model  # the trainer's model: another instance, fp32
+    perturb_adapter(engine.model, seed=0, scale=0.02)
+    load_weights(trainer, [bytearray(s) for s in weights_shards(engine.model, 2**30)])  # version 0, as published
+    task = load_task(TaskConfig())
+    started = time.perf_counter()
+    groups = honest_groups(engine, task, count, sampling.group_size, sampling.prompts_per_call)
+    generate_seconds = time.perf_counter() - started
+    tcfg = TrainerConfig()
+    proof = SamplingProof(trainer, engine.tokenizer.pad_token_id, ProofSettings(
+        sampling.temperature, 1.0, tcfg.verify_tolerance, keep=2, tolerance_16bit=tcfg.verify_tolerance_16bit,
+        noise_seed=SEED, margin=tcfg.verify_margin, margin_16bit=tcfg.verify_margin_16bit))
+    proof.remember(0)
+    started = time.perf_counter()
+    current = [proof.check(g) for g in groups]
+    check_seconds = time.perf_counter() - started
+    rng = np.random.default_rng(0)
+    vocab = trainer.get_output_embeddings().weight.shape[0]
+    token_forgeries = {f"{share:.4f}": [with_true_logprobs(proof, g, tokens_replaced(g, share, vocab, rng))
+                                        for g in groups] for share in TOKEN_SHARES}
+    logprob_forgeries = {str(shift): [g.replaced(sampler_id="forger", completions=[
+        c.replaced(logprobs=np.minimum(c.logprobs - shift, 0.0)) for c in g.completions]) for g in groups]
+        for shift in LOGPROB_SHIFTS}
+
+    def caught(fakes: list[RolloutGroup]) -> float:
+        return sum(proof.forged(f, proof.check(f)) is not None for f in fakes) / len(fakes)
+
+    tokens_caught = {share: caught(fakes) for share, fakes in token_forgeries.items()}
+    logprobs_caught = {shift: caught(fakes) for shift, fakes in logprob_forgeries.items()}
+    train_seconds = train_seconds_per_group(trainer, groups[:4], model_name, proof.pad_id)
+    perturb_adapter(trainer, seed=1, scale=0.02)  # the trainer takes a step: version 1
+    proof.remember(1)
+    stale = [proof.check(g) for g in groups]  # version 0 swapped in for each, then 1 back
+    honest = current + stale
+    margins = [c.margin for c in honest]
+    return {
+        "model": model_name,
+        "sampler_dtype": dtype,
+        "groups": len(groups),
+        "completions": sum(len(g.completions) for g in groups),
+        "tokens": sum(len(c.token_ids) for g in groups for c in g.completions),
+        "honest_gap_max": max(c.gap for c in honest),
+        "honest_gap_median": statistics.median(c.gap for c in honest),
+        "honest_margin_max": max(margins),
+        "honest_margin_p99": sorted(margins)[int(0.99 * (len(margins) - 1))],
+        "false_positives": sum(proof.forged(g, c) is not None for g, c in zip(groups + groups, honest)),
+        "token_forgeries_caught": tokens_caught,  # by share of tokens replaced, true log-probs
+        "logprob_forgeries_caught": logprobs_caught,  # by shift in nats
+        "check_seconds_per_group": check_seconds / len(groups),
+        "train_seconds_per_group": train_seconds,
+        "check_share_of_step": round(check_seconds / len(groups) / train_seconds, 3),
+        "generate_seconds_per_group": generate_seconds / len(groups),
+    }
+
+
+def train_seconds_per_group(model, groups: list[RolloutGroup], model_name: str, pad_id: int) -> float:
+    """One optimizer step on these groups, per group (the adapter moves, then is put back)."""
+    cfg = validate_config({"model": {"name": model_name}, "lora": {"r": 16, "alpha": 32.0}})
+    before = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+    batch = Batch.of([(g, [float(i % 2) for i in range(len(g.completions))]) for g in groups])
+    started = time.perf_counter()
+    train_step(model, make_optimizer(model, cfg), batch, cfg, pad_id)
+    seconds = time.perf_counter() - started
+    with torch.no_grad():
+        for k, v in model.named_parameters():
+            if v.requires_grad:
+                v.copy_(before[k])
+    model.eval()
+    return seconds / len(groups)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="the sampler's precision")
+    parser.add_argument("--groups", type=int, default=64, help="honest groups per configuration, each checked twice")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    tcfg = TrainerConfig()
+    results = {
+        "torch_threads": torch.get_num_threads(),
+        "tolerance": [tcfg.verify_tolerance, tcfg.verify_tolerance_16bit],
+        "margin": [tcfg.verify_margin, tcfg.verify_margin_16bit],
+        "results": [measure(m, d, args.groups) for m in args.models for d in args.dtypes],
+    }
+    out = write_results("proof.json", results)
+    print(out.read_text())
+
+
+if __name__ == "__main__":
+    main()
