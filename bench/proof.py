@@ -16,7 +16,7 @@ and once after it moved on to version 1 (version 0 swapped in). Recorded per con
 
     .venv/bin/python -m bench.proof [--models tiny smollm2] [--dtypes float32 bfloat16] [--groups 64]
 
-Writes bench/results/proof.json (with the machine's load).
+Writes bench/results/proof-<models>.json (with the machine's load).
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def main() -> None:
         "margin": [tcfg.verify_margin, tcfg.verify_margin_16bit],
         "results": [measure(m, d, args.groups) for m in args.models for d in args.dtypes],
     }
-    out = write_results("proof.json", results)
+    out = write_results(f"proof-{'-'.join(args.models)}.json", results)
     print(out.read_text())
 
 

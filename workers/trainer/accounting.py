@@ -33,8 +33,7 @@ PACE_STEPS = 10  # the learner status averages this many steps
 
 def step_record(step: TrainerStep, version: int, proof_counts: dict, quarantined: list[str]) -> dict:
     """The step's metrics as checkpointed with it (`version`: the one it published)."""
-    collected, stats = step.collected, step.stats
-    groups = [a.group for a in collected.used]
+    collected, stats, groups = step.collected, step.stats, step.batch.groups
     wait, train = step.seconds["collect"], step.seconds["train"]
     return {
         "step": step.number,
@@ -54,7 +53,7 @@ def step_record(step: TrainerStep, version: int, proof_counts: dict, quarantined
         "already_counted": collected.already_counted,
         "proof_of_sampling": proof_counts,  # groups checked so far by this process, by outcome
         "quarantined": quarantined,
-        "staleness_used": dict(Counter(version - 1 - g.version for g in groups)),
+        "staleness_used": dict(Counter(version - 1 - v for v in step.batch.versions)),
         "reward_by_source": rewards_by_source(collected.used),
         "staleness_dropped": dict(collected.dropped),
         "groups": [[g.group_id, g.version, g.sampler_id] for g in groups],
