@@ -140,6 +140,13 @@ class TrainerConfig(_Section):
     verify_margin: float = Field(0.01, gt=0)  # between fp32 samplers and an fp32 trainer
     verify_margin_16bit: float = Field(0.5, gt=0)  # where either side computes in bf16/fp16
     quarantine_after: int = Field(3, ge=0)  # offences tolerated before quarantine (0: none)
+    # Selective delivery (echo/grants.py): a sampler that keeps back the groups it dislikes biases
+    # training without forging anything. An honest one delivers its slots in order and loses them
+    # only to faults (a crash or restart loses its call in flight, sampling.prompts_per_call
+    # slots); one with more than undelivered_share of its last undelivered_window slots undelivered
+    # is struck. Honest samplers under faults measured: docs/security.md.
+    undelivered_share: float = Field(0.125, gt=0, le=1)
+    undelivered_window: int = Field(64, ge=1)  # a sampler's last ended slots that undelivered_share reads
     # The verifiers run in a child process with this budget per completion (a sampler chooses
     # what they read): past it, the group is rejected as verifier_budget, a strike.
     score_budget_s: float = Field(5.0, gt=0)  # wall-clock seconds

@@ -21,6 +21,14 @@ the groups that may be in flight: one that takes work and never delivers (dead o
 blocks its share, never the whole window, and only until its heartbeat stops or it has
 delivered nothing for a while; then its slots, and only those, are lost and handed out again.
 Junk that never held a slot changes nothing.
+
+A sampler that keeps back the groups it dislikes (low reward) biases training without forging
+anything; the prompt is owed and granted again, but the completions trained are its survivors.
+An honest sampler delivers its slots in the order they were granted (one call at a time, each
+call's groups published in slot order), and loses slots only to faults: a crash, a restart, a
+lost answer to a request for work. So each sampler's slots that end undelivered (passed over by
+a later one of its own, or held when it stopped, restarted, died or stalled) are counted
+(`Deliveries`), and past `DeliveryBound` in its last slots it is struck.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from echo.throughput import CallWindow, Rates
 
@@ -58,6 +66,28 @@ def lost_slots(issued: int, outstanding: int, version: int, groups_per_step: int
 def sampler_cap(budget_version: int, budget_allowance: int, sampler_version: int, groups_per_step: int) -> int:
     """The allowance for a sampler whose weights are at `sampler_version`."""
     return budget_allowance - (budget_version - sampler_version) * groups_per_step
+
+
+@dataclass(frozen=True)
+class DeliveryBound:
+    """How many of a sampler's last `window` ended slots may go undelivered before it is struck
+    (trainer.undelivered_share, trainer.undelivered_window): more than share x window."""
+
+    window: int = 64
+    share: float = 0.125
+
+    @property
+    def most(self) -> int:
+        return math.floor(self.share * self.window)
+
+
+@dataclass
+class Deliveries:
+    """One sampler's ended slots, and those of them it never delivered."""
+
+    ended: int = 0
+    undelivered: int = 0
+    recent: deque = field(default_factory=deque)  # its last slots' outcomes (True: undelivered), since its last strike
 
 
 @dataclass
@@ -91,7 +121,8 @@ class GrantLedger:
     for work naming it (a sampler asks once it runs the version; one busy with a call asks after
     it, so the least of its last SYNC_SAMPLES is taken)."""
 
-    def __init__(self, issued: int = 0, active_s: float = ACTIVE_S, rate_window_s: float = 60.0, seed: int = 0):
+    def __init__(self, issued: int = 0, active_s: float = ACTIVE_S, rate_window_s: float = 60.0, seed: int = 0,
+                 bound: DeliveryBound | None = None):
         self.issued = issued  # slots numbered so far in the run, in every epoch of the trainer
         self.seed = seed  # the run's: slot_prompt's
         self.prompts: dict[int, int] = {}  # slot number -> the prompt index it was granted with, until it settles
@@ -113,6 +144,9 @@ class GrantLedger:
         self.probation: set[str] = set()
         # ... and until when it gets none while another sampler asks (release_unfilled's bench).
         self.benched: dict[str, float] = {}
+        self.bound = bound or DeliveryBound()
+        self.deliveries: dict[str, Deliveries] = {}  # by sampler
+        self._withholders: list[str] = []  # past the bound since take_withholders
 
     def resume(self, issued: int, window: int) -> None:
         """A restarted trainer: it numbers on from `issued`, and groups on its predecessors' last
@@ -196,9 +230,13 @@ class GrantLedger:
     def delivered(self, sampler_id: str, slot: int, arrived: float) -> int | None:
         """A group naming `slot` arrived from `sampler_id` (stored by the broker at `arrived`, not
         when the trainer, busy with a step, got to it): the prompt index the slot was granted
-        with, if it was one of its slots (which it ends), else None."""
+        with, if it was one of its slots (which it ends), else None. Its earlier slots still out
+        were passed over: they end undelivered (their groups, should they still come, hold no slot)."""
         if self.outstanding.get(slot) != sampler_id:
             return None
+        passed = sorted(s for s, holder in self.outstanding.items() if holder == sampler_id and s < slot)
+        self.revoke(passed)
+        self._count(sampler_id, delivered=1, undelivered=len(passed))
         del self.outstanding[slot]
         call = self._calls[slot]
         call.last_at = max(call.last_at, arrived, call.granted_at)  # clocks apart by a little
@@ -219,9 +257,11 @@ class GrantLedger:
         self._lost.append(slot)
 
     def release(self, sampler_id: str) -> list[int]:
-        """End every slot `sampler_id` holds (it died or stalled): they are lost."""
+        """End every slot `sampler_id` holds (it stopped, restarted, died or stalled): they are lost,
+        and undelivered."""
         slots = sorted(slot for slot, holder in self.outstanding.items() if holder == sampler_id)
         self.revoke(slots)
+        self._count(sampler_id, delivered=0, undelivered=len(slots))
         return slots
 
     def release_unfilled(self, sampler_id: str, now: float, bench_s: float) -> tuple[list[int], bool]:
@@ -247,11 +287,26 @@ class GrantLedger:
         return min(at_most, max(at_least, STALL_CALLS * calls[len(calls) // 2]))
 
     def revoke(self, slots: list[int]) -> None:
-        """Granted slots never handed over (the grant could not be recorded): they are lost."""
+        """End `slots`: they are lost (and, where the grant could not be recorded, never handed
+        over: no sampler's doing)."""
         for slot in slots:
             del self.outstanding[slot]
             self._settle(slot, accepted=False)
         self._lost += slots
+
+    def _count(self, sampler_id: str, delivered: int, undelivered: int) -> None:
+        record = self.deliveries.setdefault(sampler_id, Deliveries(recent=deque(maxlen=self.bound.window)))
+        record.ended += delivered + undelivered
+        record.undelivered += undelivered
+        record.recent.extend([False] * delivered + [True] * undelivered)
+        if undelivered and sum(record.recent) > self.bound.most:
+            record.recent.clear()  # struck for these: the next strike takes as many again
+            self._withholders.append(sampler_id)
+
+    def take_withholders(self) -> list[str]:
+        """The samplers that went past the bound since the last call, once per time."""
+        withholders, self._withholders = self._withholders, []
+        return withholders
 
     def _settle(self, slot: int, accepted: bool) -> None:
         prompt = self.prompts.pop(slot)

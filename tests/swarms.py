@@ -8,8 +8,9 @@ import sys
 import orjson
 import pytest
 
+from echo.grants import DeliveryBound
 from streams.client import open_run
-from streams.registry import read_statuses
+from streams.registry import read_statuses, read_trainer_status
 from streams.replay import read_rollouts, run_broker
 from tests.conftest import assert_balanced
 
@@ -32,13 +33,15 @@ def run_swarm(tmp_path, run_id: str, steps: int, *overrides: str, flags=(), samp
 
     async def read(url: str, credentials):
         run = await open_run(url, run_id, "check", credentials=credentials, create=False)
-        statuses = await read_statuses(run)
+        statuses, trainer = await read_statuses(run), await read_trainer_status(run)
         await run.close()
-        return [r async for r in read_rollouts(url, run_id, credentials)], statuses
+        return [r async for r in read_rollouts(url, run_id, credentials)], statuses, trainer
 
     with run_broker(run_dir, None) as (url, _, credentials):  # the run's own store, after the run
-        stream, statuses = asyncio.run(read(url, credentials))
+        stream, statuses, trainer = asyncio.run(read(url, credentials))
     assert {s.sampler_id for s in statuses} == samplers  # each ran and heartbeat
+    # Honest samplers deliver their slots: none undelivered past the bound (echo/grants.py).
+    assert all(s.undelivered <= DeliveryBound().most for s in trainer.slots.values()), trainer.slots
     assert all(s.weight_failures == {} for s in statuses), statuses  # no weights refused (size, digest, delta)
     # Every group trained came from them. How many each made is up to its speed: in a run of a few
     # tenths of a second, a sampler a version behind the other may be granted nothing (its slot

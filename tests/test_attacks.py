@@ -8,7 +8,9 @@ import asyncio
 import contextlib
 import dataclasses
 import io
+import random
 import time
+import uuid
 from types import SimpleNamespace
 
 import nats
@@ -19,7 +21,7 @@ from rich.console import Console
 
 from echo.checkpoint import TrainerState, load_trained_completions, remember_trained
 from echo.config import ConfigError
-from echo.grants import GrantLedger
+from echo.grants import DeliveryBound, GrantLedger
 from echo.wire.codec import encode, rollout_headers
 from echo.wire.messages import GrantRequest, SamplerStatus, TrainerStatus, WeightsAnnouncement
 from echo.wire.names import (
@@ -39,7 +41,7 @@ from echo.wire.names import (
     Storage,
 )
 from streams.client import open_run
-from streams.grants import slots_granted
+from streams.grants import request_grant, slots_granted
 from streams.inbox import FETCH_MAX, RolloutInbox
 from streams.layout import registry_stream
 from streams.lease import RENEW_S, AnotherTrainer, current_epoch, take_lease
@@ -63,6 +65,7 @@ from tests.groups import (
     symbolic_math,
     unlikely,
 )
+from workers.background import Background
 from workers.cli import main
 from workers.operator.status import render, snapshot
 from workers.trainer.coordinator import Coordinator
@@ -402,6 +405,82 @@ async def test_a_verifier_bomb_costs_the_bomber_its_group_and_a_strike_and_the_s
                 step = await collector.collect(1, version=5)
         assert [a.group.group_id for a in step.used] == ["honest"]
         assert step.rejected == {"verifier_budget": 1} and quarantine.strikes == {"s1": 1}
+    finally:
+        await attacker.close()
+        await trainer.close()
+
+
+async def test_a_sampler_keeping_back_its_low_reward_groups_is_struck_and_quarantined(secured, tmp_path):
+    """Issue 63: with s1's credentials, a sampler generates every slot it is granted but delivers
+    only the groups whose mean reward is at least 0.5: training then sees its survivors, a bias
+    no forgery check sees. Before, nothing counted it. Each slot it passes over now ends
+    undelivered, its prompt granted again; past trainer.undelivered_share of its last
+    undelivered_window slots it is struck, and past quarantine_after strikes quarantined. An
+    honest sampler beside it, delivering every slot, has none undelivered. (Kept back and never
+    passed over, its slots stall it: released after the stall limit, then one slot at a time, and
+    a strike when it does it again: test_grants.py's hoarder.)"""
+    server, secure = secured
+    cfg = tiny_config(tmp_path, run={"id": "sec"}, trainer={
+        "groups_per_step": 4, "max_staleness": 3, "quarantine_after": 1,
+        "undelivered_window": 16, "undelivered_share": 0.125})
+    trainer = await open_run(server.url, "sec", "trainer", credentials=secure.credentials("trainer"))
+    attacker = await open_run(server.url, "sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
+    try:
+        async with Background() as background:
+            lease = await take_lease(trainer)
+            quarantine = Quarantined(trainer, after=cfg.trainer.quarantine_after)
+            await quarantine.start(background)
+            bound = DeliveryBound(cfg.trainer.undelivered_window, cfg.trainer.undelivered_share)
+            ledger = GrantLedger(seed=cfg.run.seed, bound=bound)
+            granter = AsyncGranter(trainer, lease.epoch, cfg, TrainerState(), ledger, quarantine)
+            await granter.start()
+            await granter.ask(0)
+            judge = Judge(REFEREE, Timeline(max_staleness=cfg.trainer.max_staleness, epoch=lease.epoch))
+            collector = Collector(await RolloutInbox.open(trainer), judge, ledger, quarantine=quarantine)
+            withheld: list[tuple[int, int]] = []  # (slot, prompt)
+            granted_prompts: list[tuple[int, int]] = []
+
+            async def sample(run, sampler_id: str, keeps_back: bool) -> None:
+                process = uuid.uuid4().hex
+                while "s1" not in quarantine:
+                    version = granter.version
+                    grant = await request_grant(run, sampler_id, GrantRequest(
+                        want=1, epoch=lease.epoch, version=version, process=process))
+                    if not (grant and grant.slots):
+                        await asyncio.sleep(0.02)
+                        continue
+                    for slot, prompt in zip(grant.slots, grant.prompts):
+                        granted_prompts.append((slot, prompt))
+                        answer = f"\\boxed{{{TASK.prompt(prompt).answer}}}"
+                        draws = random.Random(slot)  # its sampling: each completion right half the time
+                        texts = [f"draw {slot}.{j}: " + (answer if draws.random() < 0.5 else "\\boxed{-1}")
+                                 for j in range(2)]
+                        group = honest_group(prompt, texts=texts, sampler_id=sampler_id, slot=slot, version=version,
+                                             epoch=lease.epoch, group_id=uuid.uuid4().hex)
+                        if keeps_back and sum(c.reward for c in group.completions) < 1:
+                            withheld.append((slot, prompt))
+                        else:
+                            await publish_rollout(run, group)
+
+            samplers = [asyncio.create_task(sample(attacker, "s1", keeps_back=True)),
+                        asyncio.create_task(sample(trainer, "s2", keeps_back=False))]
+            async with asyncio.timeout(120):  # a hang guard: before, nothing stopped it
+                version = 0
+                while "s1" not in quarantine:
+                    collected = await collector.collect(cfg.trainer.groups_per_step, version, on_wait=granter.on_wait)
+                    assert not collected.rejected or set(collected.rejected) == {"quarantined"}, collected.rejected
+                    collector.trained(collected)
+                    version += 1
+                    await granter.ask(version)
+            await asyncio.gather(*samplers)
+            await granter.subscription.unsubscribe()
+        assert quarantine.strikes == {"s1": 2} and "slots_undelivered" in quarantine.samplers["s1"]
+        s1, s2 = ledger.deliveries["s1"], ledger.deliveries["s2"]
+        assert s1.undelivered > 2 * bound.most and s1.undelivered <= len(withheld)
+        assert s2.ended > 0 and s2.undelivered == 0
+        # The trainer still chooses the prompts: each one let go was granted again (or is owed).
+        for slot, prompt in withheld[:-1]:
+            assert prompt in ledger.owed or any(p == prompt and s > slot for s, p in granted_prompts), (slot, prompt)
     finally:
         await attacker.close()
         await trainer.close()

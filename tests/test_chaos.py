@@ -43,6 +43,7 @@ def _finishes_with_every_sampler_alive(trainer, samplers) -> str:
     shown). The trainer's logs."""
     _, logs = trainer.communicate(timeout=180)
     assert trainer.returncode == 0, logs[-3000:]
+    assert '"grants.undelivered"' not in logs  # a fault costs an honest sampler a call's slots at most
     dead = [p for p in samplers if p.poll() is not None]
     assert not dead, "\n".join(line for p in dead for line in p.stderr.read().splitlines() if "worker.failed" in line)
     return logs

@@ -163,7 +163,7 @@ def test_thousands_of_hostile_heartbeats_stop_no_reader(tmp_path, monkeypatch):
     finally:
         trackers.close()
     now = time.time()
-    rows = [sampler_row(s, 2**53 - 1, {}, {}, now) for s in passed]
+    rows = [sampler_row(s, 2**53 - 1, {}, None, now) for s in passed]
     snap = {"run_id": "r", "at": now, "trainer": None, "samplers": rows, "stream": None,
             "storage": {"bytes": 0, "limit": None}, "relays": {}}
     out = io.StringIO()

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from echo.checkpoint import TrainerState
-from echo.grants import GrantLedger, Heartbeats, allowance, lost_slots, sampler_cap
+from echo.grants import DeliveryBound, GrantLedger, Heartbeats, allowance, lost_slots, sampler_cap
 from echo.wire.codec import decode, encode
 from echo.wire.messages import Grant, GrantRequest, SamplerStatus
 from echo.wire.names import GRANT_TIMEOUT_S, SCHEMA_VERSION, SLOTS_KEY_BEFORE_14
@@ -142,6 +142,36 @@ def test_slots_end_by_number_and_only_lost_ones_are_reported():
     assert ledger.delivered("a", slots[1], arrived=3)
     ledger.accepted(slots[1])
     assert ledger.progress_at == {"a": 3, "b": 0}
+
+
+def test_slots_passed_over_or_held_at_a_release_are_undelivered_and_past_the_bound_a_strike():
+    """Issue 63: an honest sampler delivers its slots in the order granted; one keeping back the
+    groups it dislikes passes over its own slots. Each passed over ends undelivered at once (lost,
+    its prompt owed), as do the slots held at a release; past the bound in its last `window`
+    ended slots the sampler is named once, and counted afresh. Slots the trainer could not hand
+    over (revoke) are not the sampler's doing."""
+    ledger = GrantLedger(bound=DeliveryBound(window=8, share=0.25))  # more than 2 of the last 8
+    for slot in ledger.grant("honest", want=4, headroom=64, window=64, now=0)[0]:  # 1-4
+        assert ledger.delivered("honest", slot, arrived=1) is not None
+        ledger.accepted(slot)
+    ledger.grant("w", want=4, headroom=64, window=64, now=0)  # 5-8
+    prompts = dict(ledger.prompts)
+    assert ledger.delivered("w", 6, arrived=1) is not None  # 5 passed over
+    assert 5 not in ledger.outstanding and ledger.take_lost() == [5] and list(ledger.owed) == [prompts[5]]
+    assert ledger.delivered("w", 5, arrived=2) is None  # should it come after all, it holds no slot
+    assert ledger.delivered("w", 8, arrived=2) is not None  # 7 too
+    assert (ledger.deliveries["w"].ended, ledger.deliveries["w"].undelivered) == (4, 2)
+    assert ledger.take_withholders() == []  # 2 of 8: within the bound
+    ledger.revoke(ledger.grant("w", want=2, headroom=64, window=64, now=0)[0])  # never handed over
+    assert ledger.deliveries["w"].undelivered == 2
+    ledger.grant("w", want=1, headroom=64, window=64, now=0)
+    assert ledger.release("w") and ledger.take_withholders() == ["w"]  # it stopped holding one: 3 of 5
+    assert ledger.take_withholders() == []
+    ledger.grant("w", want=1, headroom=64, window=64, now=0)
+    ledger.release("w")
+    assert ledger.take_withholders() == []  # counted afresh since its strike
+    assert (ledger.deliveries["w"].ended, ledger.deliveries["w"].undelivered) == (6, 4)
+    assert (ledger.deliveries["honest"].ended, ledger.deliveries["honest"].undelivered) == (4, 0)
 
 
 def test_a_holder_that_fills_no_slot_for_a_few_calls_is_released_then_held_to_one_slot_until_it_delivers():

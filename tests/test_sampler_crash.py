@@ -123,6 +123,7 @@ def test_a_sampler_stopped_while_holding_slots_hands_them_back_at_once(nats_serv
         processes.append(worker_process(config_path, "sampler", "--id", "s1"))
         logs = trainer.communicate(timeout=180)[1]  # s2 is never declared dead (an hour): released as stopped
         assert trainer.returncode == 0, logs[-3000:]
+        assert '"grants.undelivered"' not in logs  # a stop costs its call's slots: within the bound
     released = [orjson.loads(line) for line in logs.splitlines() if '"grants.slots_released"' in line]
     assert [(r["sampler"], r["stopped"], r["slots"]) for r in released] == [("s2", True, 2)], released
 
@@ -142,5 +143,6 @@ def test_a_sampler_killed_and_restarted_under_its_id_at_once_gets_its_predecesso
         processes.append(worker_process(config_path, "sampler", "--id", "s2"))  # the restart policy's
         logs = trainer.communicate(timeout=180)[1]  # the dead one is never declared dead (an hour)
         assert trainer.returncode == 0, logs[-3000:]
+        assert '"grants.undelivered"' not in logs
     released = [orjson.loads(line) for line in logs.splitlines() if '"grants.slots_released"' in line]
     assert released and released[0]["sampler"] == "s2" and released[0]["restarted"], released

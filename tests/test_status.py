@@ -48,10 +48,11 @@ def test_status_shows_the_trainer_and_every_sampler_of_a_live_swarm(tmp_path):
         for s in snap["samplers"]:
             assert s["state"] == "active" and s["engine"] == "hf" and s["relay"] == "hub"
             assert s["lag"] is not None and s["lag"] >= 0 and s["groups_published"] > 0
+            assert s["slots_undelivered"] == 0 <= s["slots_ended"]  # honest, no fault: every slot delivered
         assert snap["stream"]["messages"] > 0 and snap["relays"] == {"hub": ["s1", "s2"]}
         assert snap["storage"]["bytes"] >= snap["stream"]["bytes"] and snap["storage"]["limit"] is None
         view = _status(tmp_path / "live")  # the terminal view, printed once
-        assert "s1" in view and "s2" in view and "learner busy" in view
+        assert "s1" in view and "s2" in view and "learner busy" in view and "undelivered" in view
         with serving(tmp_path / "live") as url:  # the live page: its events, each a snapshot
             assert b"echo-rl status" in urlopen(url).read()
             with pytest.raises(HTTPError, match="404"):

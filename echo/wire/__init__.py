@@ -43,4 +43,6 @@ not read; this is the one list of it):
 20: one meaning per word: a group's `policy_version` is its `version`, a sampler's `incarnation` its
     `process` (in SamplerStatus and GrantRequest); LearnerStatus is TrainerStatus (same fields, its
     key's value unchanged).
+21: the trainer's status counts each sampler's slots ended and those it never delivered (`slots`);
+    read as none before.
 """

@@ -37,7 +37,7 @@ class Message(BaseModel):
     """A message of the wire, naming the schema it was written in."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    schema_version: Literal[20] = SCHEMA_VERSION
+    schema_version: Literal[21] = SCHEMA_VERSION
 
 
 # The validation context of a decoded message, whose arrays the codec (echo/wire/codec.py) checked
@@ -297,6 +297,15 @@ class GrantBudget(Message):
     groups_per_step: int = Field(ge=1)
 
 
+class SlotsEnded(BaseModel):
+    """A sampler's granted slots that have ended, and how many of them it never delivered
+    (passed over, or held when it stopped, restarted, died or stalled: echo/grants.py)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    ended: Count
+    undelivered: Count
+
+
 class TrainerStatus(Message):
     """The trainer's pace over its last steps: T, a step's seconds when its groups are there
     (training, checkpoint, publishing), B and S; and the utilisation it measured, T over T plus
@@ -318,6 +327,7 @@ class TrainerStatus(Message):
     finished: bool = False  # its last step is trained: status and samplers' heartbeats say so
     staleness: float = Field(0.0, ge=0)  # the last step's groups: their mean age in versions
     strikes: dict[str, int] = {}  # by sampler, counted by this trainer process (workers/trainer/strikes.py)
+    slots: dict[str, SlotsEnded] = {}  # by sampler, counted by this trainer process: selective delivery shows here
 
 
 class Schedule(Message):

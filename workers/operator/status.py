@@ -19,7 +19,7 @@ from pathlib import Path
 
 from echo.config import ConfigError
 from echo.logs import configure_logging
-from echo.wire.messages import SamplerStatus
+from echo.wire.messages import SamplerStatus, TrainerStatus
 from echo.wire.names import CONTROL_CHARACTERS
 from streams.client import Run
 from streams.credentials import credentials_of
@@ -50,16 +50,19 @@ async def snapshot(run: Run) -> dict:
             "seen_s_ago": round(now - trainer.updated_at, 1), "finished": trainer.finished,
             "staleness": trainer.staleness,
         },
-        "samplers": [sampler_row(s, version, quarantined, trainer.strikes if trainer else {}, now) for s in samplers],
+        "samplers": [sampler_row(s, version, quarantined, trainer, now) for s in samplers],
         "stream": stream,
         "storage": await account_storage(run),
         "relays": relays,
     }
 
 
-def sampler_row(s: SamplerStatus, version: int | None, quarantined: dict[str, str], strikes: dict[str, int],
+def sampler_row(s: SamplerStatus, version: int | None, quarantined: dict[str, str], trainer: TrainerStatus | None,
                 now: float) -> dict:
-    """A sampler's line of the snapshot, from its heartbeat (bounded at decode: echo/wire/messages.py)."""
+    """A sampler's line of the snapshot, from its heartbeat (bounded at decode: echo/wire/messages.py)
+    and what the trainer counted of it."""
+    strikes, slots = (trainer.strikes, trainer.slots) if trainer else ({}, {})
+    ended = slots.get(s.sampler_id)
     return {
         "id": s.sampler_id, "state": "quarantined" if s.sampler_id in quarantined else s.state,
         "version": s.version, "lag": None if version is None or s.version < 0 else version - s.version,
@@ -69,6 +72,7 @@ def sampler_row(s: SamplerStatus, version: int | None, quarantined: dict[str, st
         "cost_per_hour": s.cost_per_hour, "groups_published": s.groups_published,
         "weight_failures": s.weight_failures, "quarantine_reason": quarantined.get(s.sampler_id),
         "strikes": strikes.get(s.sampler_id, 0), "seen_s_ago": round(now - s.updated_at, 1),
+        "slots_ended": ended.ended if ended else 0, "slots_undelivered": ended.undelivered if ended else 0,
     }
 
 
@@ -119,15 +123,20 @@ def render(snap: dict):
         f"of {storage['limit'] / 1e6:.1f} MB" if storage["limit"] is not None else "(no limit)"))
     parts.append(head)
     table = Table("sampler", "state", "version", "lag", "engine", "device", "relay", "groups/s", "tokens/s",
-                  "sync s", "cost/h", "published", "seen", title="samplers", title_justify="left")
+                  "sync s", "cost/h", "published", "undelivered", "seen", title="samplers", title_justify="left")
     for s in snap["samplers"]:
         table.add_row(s["id"], s["state"], str(s["version"]), "-" if s["lag"] is None else str(s["lag"]),
                       Text(s["engine"]), Text(s["device"]), Text(s["relay"]), f"{s['groups_per_s']:.2f}",
                       f"{s['tokens_per_s']:.0f}",
                       "-" if s["sync_s"] is None else f"{s['sync_s']:.2f}", f"{s['cost_per_hour']:g}",
-                      str(s["groups_published"]), f"{s['seen_s_ago']:.0f} s ago")
+                      str(s["groups_published"]), undelivered(s), f"{s['seen_s_ago']:.0f} s ago")
     parts.append(table)
     return Group(*parts)
+
+
+def undelivered(row: dict) -> str:
+    """Of a sampler's granted slots ended, those it never delivered (selective delivery shows here)."""
+    return f"{row['slots_undelivered']} of {row['slots_ended']}" if row["slots_ended"] else "-"
 
 
 def _console(out):

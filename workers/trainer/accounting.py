@@ -19,7 +19,7 @@ import structlog
 from echo.checkpoint import TrainerState, read_metrics
 from echo.consumed import ConsumedSeqs
 from echo.metrics import mean_staleness
-from echo.wire.messages import TrainerStatus
+from echo.wire.messages import SlotsEnded, TrainerStatus
 from streams.client import retry_forever
 from streams.inbox import ConsumerCounts, RolloutInbox
 from workers.trainer.intake import Collected
@@ -88,7 +88,8 @@ class RecentSteps:
         self.rejected: Counter = Counter()  # by reason, since this trainer started
         self.status: TrainerStatus | None = None  # after the last step
 
-    def add(self, record: dict, version: int, strikes: dict[str, int]) -> TrainerStatus:
+    def add(self, record: dict, version: int, strikes: dict[str, int],
+            slots: dict[str, SlotsEnded] | None = None) -> TrainerStatus:
         self.steps.append((record["busy_seconds"], record["wait_seconds"]))
         self.rewards.append(record["reward_mean"])
         self.rejected.update(record["rejected"])
@@ -98,7 +99,7 @@ class RecentSteps:
             version=version, utilisation=busy / (busy + wait) if busy + wait > 0 else 1.0, updated_at=time.time(),
             step=record["step"], rewards=list(self.rewards), publish_s=record["publish_seconds"],
             accounting=record["accounting"], rejected=dict(self.rejected), staleness=mean_staleness(record),
-            strikes=strikes)
+            strikes=strikes, slots=slots or {})
         return self.status
 
 

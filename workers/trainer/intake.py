@@ -73,6 +73,10 @@ class Collector:
                     out.used.append(accepted)
                 else:
                     self.inbox.let_go(delivery)
+            for sampler_id in self.ledger.take_withholders():  # found here or by the granter's releases
+                record = self.ledger.deliveries[sampler_id]
+                log.warning("grants.undelivered", sampler=sampler_id, undelivered=record.undelivered, ended=record.ended)
+                await self._strike(sampler_id, "slots_undelivered")
         return out
 
     async def _take(self, delivery: Delivery, version: int, out: Collected) -> Accepted | None:

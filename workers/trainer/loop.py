@@ -23,7 +23,7 @@ import structlog
 from echo.checkpoint import load_trained_completions, load_trained_content, read_metrics, remember_trained
 from echo.config import EchoConfig
 from echo.consumed import ConsumedSeqs
-from echo.grants import GrantLedger
+from echo.grants import DeliveryBound, GrantLedger
 from echo.learner import Batch
 from echo.logs import bind_process
 from echo.metrics import sampler_scalars, step_scalars, summarize
@@ -31,7 +31,7 @@ from echo.models import encode_chat
 from echo.referee import Referee
 from echo.tasks import load_task
 from echo.tasks.dataset import Dataset, check_prompt_lengths
-from echo.wire.messages import WeightsAnnouncement
+from echo.wire.messages import SlotsEnded, WeightsAnnouncement
 from streams.client import Run, open_run, retry_forever
 from streams.credentials import credentials_of
 from streams.inbox import RolloutInbox
@@ -134,7 +134,8 @@ class Trainer:
         inbox = await RolloutInbox.open(run, cfg.trainer.ack_wait_s)
         consumed = ConsumedSeqs(**state.consumed)
         state.totals = await count_abandoned(inbox, consumed, state.totals)
-        ledger = GrantLedger(rate_window_s=cfg.sampler.rate_window_s, seed=cfg.run.seed)
+        ledger = GrantLedger(rate_window_s=cfg.sampler.rate_window_s, seed=cfg.run.seed,
+                             bound=DeliveryBound(cfg.trainer.undelivered_window, cfg.trainer.undelivered_share))
         quarantine = Quarantined(run, cfg.trainer.quarantine_after)
         await quarantine.start(background)
         referee = Referee(task, model.tokenizer, model.vocab_size, cfg.sampling)
@@ -218,7 +219,8 @@ class Trainer:
         state = self.model.state
         state.totals, accounting = await settle(self.inbox, self.collector.consumed, state.totals)
         record = finished_record(step, accounting)
-        status = self.recent.add(record, state.version, dict(self.quarantine.strikes))
+        slots = {s: SlotsEnded(ended=d.ended, undelivered=d.undelivered) for s, d in self.collector.ledger.deliveries.items()}
+        status = self.recent.add(record, state.version, dict(self.quarantine.strikes), slots)
         await retry_forever("trainer status", lambda: put_trainer_status(self.run, status))
         await retry_forever("run config", lambda: publish_run_config(self.run, self.cfg))  # whatever overwrote it
         return record
