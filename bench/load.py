@@ -52,6 +52,7 @@ from echo.config import EchoConfig, load_config, validate_config
 from echo.engines.base import Generation, NewerWeights
 from echo.learner import Batch
 from echo.models import base_model_digest, encode_chat, load_model
+from echo.noise import Draw
 from echo.proof import ProofSettings, SamplingProof
 from echo.tasks import load_task
 from streams.client import cancel_until_done, open_run
@@ -83,7 +84,7 @@ class SyntheticEngine:
 
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
                  newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
-                 seed: int | None = None, keys: list[int] | None = None) -> list[list[Generation]]:
+                 seed: int | None = None, draws: list[Draw] | None = None) -> list[list[Generation]]:
         # Synthetic tokens: no noise is drawn, keyed or not (its trainer checks no proof).
         rows, rng = len(prompts) * n, self.rng if seed is None else np.random.default_rng(seed)
         limit = max_tokens or self.max_new

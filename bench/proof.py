@@ -33,7 +33,7 @@ from echo.config import LoraConfig, SamplingConfig, TaskConfig, TrainerConfig, v
 from echo.devices import dtype_name
 from echo.engines.hf import HFEngine
 from echo.learner import Batch, make_optimizer, train_step
-from echo.noise import group_key
+from echo.noise import Draw, group_key
 from echo.policy import group_logprobs, load_weights, weights_shards
 from echo.proof import ProofSettings, SamplingProof
 from echo.tasks import load_task
@@ -60,7 +60,8 @@ def honest_groups(engine: HFEngine, task, count: int, group_size: int, prompts_p
         prompts = [task.prompt(i) for i in range(start, min(count, start + prompts_per_call))]
         ids = [engine.encode_chat(p.messages) for p in prompts]
         keys = [group_key(SEED, 0, p.index + 1) for p in prompts]
-        for prompt, prompt_ids, gens in zip(prompts, ids, engine.generate(ids, group_size, keys=keys)):
+        draws = [Draw(key) for key in keys]
+        for prompt, prompt_ids, gens in zip(prompts, ids, engine.generate(ids, group_size, draws=draws)):
             completions = [Completion(token_ids=g.token_ids, logprobs=g.logprobs, text=g.text, reward=0.0,
                                       finish_reason=g.finish_reason) for g in gens]
             groups.append(RolloutGroup(group_id=f"g{prompt.index}", sampler_id="honest", version=0, task=task.name,

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from echo.config import TaskConfig
+from echo.noise import Draw
 from echo.tasks import Environment, Episode, Prompt, Step, Task, is_environment, load_task, safe_reward
 from echo.wire.messages import Completion, Observation
 
@@ -176,20 +177,26 @@ class EpisodeBuilder:
 
 
 def play_episodes(engine, env: Environment, prompts: list[Prompt], prompt_ids: list[list[int]], n: int,
-                  max_tokens: int, greedy: bool = False, seed: int | None = None) -> list[list[Completion]]:
+                  max_tokens: int, greedy: bool = False, seed: int | None = None,
+                  keys: list[int] | None = None) -> list[list[Completion]]:
     """`n` episodes from each prompt, played turn by turn: each round, every episode still going
     takes its next model turn (all in one batch, each at most the tokens its budget has left;
-    greedy for evaluation; round k drawn with `seed` + k), and the environment answers. Returns
-    each prompt's episodes as completions."""
+    greedy for evaluation; round k drawn with `seed` + k, or with keyed noise where `keys`, one
+    per prompt, are given: episode j of a group draws as its completion j, each token at its
+    position in the episode), and the environment answers. Returns each prompt's episodes as
+    completions."""
     episodes = [[EpisodeBuilder(env, engine.tokenizer, prompt, ids, max_tokens) for _ in range(n)]
                 for prompt, ids in zip(prompts, prompt_ids)]
-    going, round_ = [e for group in episodes for e in group], 0
+    going = [(e, None if keys is None else keys[i], j) for i, group in enumerate(episodes) for j, e in enumerate(group)]
+    round_ = 0
     while going:
-        turns = engine.generate([e.context for e in going], 1, greedy=greedy, max_tokens=max(e.room for e in going),
-                                seed=None if seed is None else (seed + round_) % 2**32)
+        turns = engine.generate([e.context for e, _, _ in going], 1, greedy=greedy,
+                                max_tokens=max(e.room for e, _, _ in going),
+                                seed=None if seed is None else (seed + round_) % 2**32,
+                                draws=None if keys is None else [Draw(key, j, len(e.ids)) for e, key, j in going])
         round_ += 1
-        for episode, (generation,) in zip(going, turns):
+        for (episode, _, _), (generation,) in zip(going, turns):
             keep = min(len(generation.token_ids), episode.room)  # a shorter budget than the batch's
             episode.add_turn(generation.token_ids[:keep], generation.logprobs[:keep])
-        going = [e for e in going if not e.done]
+        going = [g for g in going if not g[0].done]
     return [[e.completion() for e in group] for group in episodes]

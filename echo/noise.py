@@ -16,6 +16,7 @@ that any torch device computes the same bits; no generator state is involved.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +28,18 @@ def group_key(run_seed: int, epoch: int, slot: int) -> int:
     once per epoch, so no two groups of a run share noise, a restarted sampler's included."""
     digest = hashlib.sha256(f"echo-noise/{run_seed}/{epoch}/{slot}".encode()).digest()
     return int.from_bytes(digest[:8], "little")
+
+
+@dataclass(frozen=True)
+class Draw:
+    """Whose noise a prompt's completions draw in one generate call: the group's `key`; its n
+    completions are the group's completions `first`, first + 1, ...; their first new token is at
+    `position` in its completion (an episode's later turn begins past its earlier turns and the
+    environment's observations)."""
+
+    key: int
+    first: int = 0
+    position: int = 0
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,9 @@ Log-probs alone cannot catch a sampler that runs the model forward over completi
 and reports their true log-probs. With keyed noise (sampling.noise = "keyed", echo/noise.py) a
 token is a function of the logits and of noise the trainer draws again, so the same forward
 checks the tokens too: each must be the noisy argmax, within `margin` (the engines' numeric
-differences). Groups of one version, single-turn; a partial rollout spanning versions, or an
-episode, is checked by its log-probs only (issue 63).
+differences): every token the model drew, an episode's turns included (the environment's
+observations are its own). A partial rollout spanning versions is checked by its log-probs only
+(issue 63).
 
 The trainer keeps the last `max_staleness + 1` versions' trainable tensors (an adapter is a
 few MB) and swaps the claimed one in for the forward, then swaps its current one back. On
@@ -31,7 +32,6 @@ from echo.config import EchoConfig
 from echo.devices import DTYPES, autocast, model_device
 from echo.noise import group_key
 from echo.policy import packed_states, spanning_logprobs, states_logprobs, token_margins
-from echo.tasks import is_environment, task_class
 from echo.wire.messages import Completion, RolloutGroup
 
 
@@ -80,13 +80,8 @@ class ProofSettings:
         tcfg = cfg.trainer
         return cls(cfg.sampling.temperature, tcfg.verify_fraction, tcfg.verify_tolerance, cfg.begun_within + 1,
                    tcfg.verify_tolerance_16bit, DTYPES[tcfg.publish_dtype], compute_dtype,
-                   cfg.run.seed if keyed_tokens(cfg) else None, tcfg.verify_margin, tcfg.verify_margin_16bit)
-
-
-def keyed_tokens(cfg: EchoConfig) -> bool:
-    """Whether the run's samplers draw every token with keyed noise: sampling.noise says so, and
-    the task is single-turn (an episode's turns draw with the engine's own generator, for now)."""
-    return cfg.sampling.noise == "keyed" and not is_environment(task_class(cfg.task.name))
+                   cfg.run.seed if cfg.sampling.noise == "keyed" else None, tcfg.verify_margin,
+                   tcfg.verify_margin_16bit)
 
 
 @dataclass(frozen=True)
@@ -154,8 +149,8 @@ class SamplingProof:
                     recomputed = states_logprobs(self.model, states, ids, self.temperature)
                     if self.tokens_checked(group):
                         key = group_key(self.noise_seed, group.epoch, group.slot)
-                        margin = float(token_margins(self.model, states, ids, [len(c) for c in completions],
-                                                     self.temperature, key).max())
+                        sampled = [torch.from_numpy(c.model_mask()) for c in group.completions]
+                        margin = float(token_margins(self.model, states, ids, sampled, self.temperature, key).max())
                 else:
                     starts = [0, *(change.at for change in group.version_changes)]
                     recomputed = spanning_logprobs(self.model, group.prompt_token_ids, completions, starts,
@@ -172,10 +167,8 @@ class SamplingProof:
         return checked
 
     def tokens_checked(self, group: RolloutGroup) -> bool:
-        """Keyed noise drew every token of the group: one version, and no episode (whose turns
-        draw with the engine's own generator)."""
-        return (self.noise_seed is not None and not group.version_changes
-                and not any(c.observations for c in group.completions))
+        """Keyed noise drew every token the model sampled, under one version."""
+        return self.noise_seed is not None and not group.version_changes
 
     def exact(self, group: RolloutGroup) -> bool:
         """fp32 on both sides agrees to float error; a 16-bit side (the group's sampler, or this

@@ -117,14 +117,16 @@ def test_sequential_run_trains_only_on_its_current_version(tmp_path, relay, engi
 @pytest.mark.parametrize("task, mode", [("sokoban_game", "async"), ("math_tools", "sequential")])
 def test_multi_turn_tasks_train_end_to_end(tmp_path, task, mode):
     """Episodes of Sokoban played move by move, and of arithmetic with a calculator: the samplers
-    play them turn by turn, the trainer replays each with the sampler's actions and trains on
-    the model's tokens; nothing is refused, and some episodes went past their first turn."""
+    play them turn by turn with keyed noise, the trainer replays each with the sampler's actions,
+    proves every group's tokens and trains on the model's tokens; nothing is refused, and some
+    episodes went past their first turn."""
     run_id = f"{task}-{mode}".replace("_", "-")
     metrics, stream, _ = run_swarm(tmp_path, run_id, 3, f"task.name={task}",
                                    f"run.mode={mode}", "sampling.max_new_tokens=256", "task.params.max_turns=3",
-                                   "run.eval_prompts=2")
+                                   "run.eval_prompts=2", "trainer.verify_fraction=1.0")
     assert [m["version"] for m in metrics] == [1, 2, 3] and all(m["used"] == 4 for m in metrics)
     assert not any(m["rejected"] for m in metrics)
+    assert metrics[-1]["proof_of_sampling"]["passed"] >= 12 and "forged" not in metrics[-1]["proof_of_sampling"]
     episodes = [c for r in stream for c in r["group"]["completions"]]
     assert any(c["observations"] for c in episodes)  # a model turn, the board, another turn
     assert all(len(c["observations"]) < 3 for c in episodes)  # at most max_turns turns

@@ -5,15 +5,17 @@ log-probs (which the log-prob check alone lets through) are token forgeries."""
 
 import asyncio
 
+import numpy as np
 import pytest
 import torch
 
-from echo.config import ConfigError, LoraConfig
+from echo.config import ConfigError, LoraConfig, TaskConfig
 from echo.devices import dtype_name
 from echo.engines import make_engine
 from echo.engines.hf import HFEngine
+from echo.environments import load_environment, play_episodes
 from echo.grants import GrantLedger
-from echo.noise import group_key, gumbel, uniform
+from echo.noise import Draw, group_key, gumbel, uniform
 from echo.policy import group_logprobs, load_weights, weights_shards
 from echo.proof import Checked, ProofSettings, SamplingProof
 from echo.referee import Referee
@@ -84,7 +86,7 @@ def _keyed_groups(sampler: HFEngine, prompts: list[int], first_slot: int = 1, **
     prompt_ids = [sampler.encode_chat(REFEREE.task.prompt(i).messages) for i in prompts]
     slots = list(range(first_slot, first_slot + len(prompts)))
     keys = [group_key(SEED, EPOCH, slot) for slot in slots]
-    generations = sampler.generate(prompt_ids, KEYED.group_size, keys=keys)
+    generations = sampler.generate(prompt_ids, KEYED.group_size, draws=[Draw(key) for key in keys])
     return [honest_group(i, version=0, epoch=EPOCH, slot=slot, prompt_token_ids=ids, temperature=sampler.temperature,
                          dtype=dtype_name(sampler.dtype), completions=[
                              honest_group().completions[0].replaced(
@@ -130,6 +132,54 @@ def test_a_swapped_token_or_text_chosen_with_its_true_log_probs_is_a_token_forge
         checked = proof.check(forged)
         assert checked.gap < 1e-4  # the log-probs are true: the log-prob check alone lets it through
         assert proof.forged(forged, checked) == "token_forgery", checked
+
+
+def _turns_end_often(sampler: HFEngine, proof: SamplingProof) -> None:
+    """The random tiny model almost never ends a turn: give the end-of-turn token a logit of about
+    3 (its head row along the mean final hidden state), in both models alike, so episodes play
+    several turns."""
+    prompt = torch.tensor([sampler.encode_chat(REFEREE.task.prompt(0).messages)])
+    with torch.no_grad():
+        mean = proof.model(input_ids=prompt, output_hidden_states=True).hidden_states[-1][0].mean(0)
+        for model in (sampler.model, proof.model):
+            model.get_output_embeddings().weight[TOKENIZER.eos_token_id] = 3.0 * mean / mean.norm() ** 2
+
+
+def test_episodes_draw_keyed_noise_turn_by_turn_and_a_turn_changed_is_a_token_forgery():
+    """Issue 63: an episode's turns drew with the engine's own generator and were checked by their
+    log-probs only. Each turn now draws with its group's keyed noise, episode j as completion j, a
+    token at its position in the episode; the proof checks every token the model drew (the
+    environment's observations are its own, replayed by the referee). Honest episodes pass and draw
+    the same again; one token of a later turn replaced, with true log-probs, is a token forgery."""
+    sampler, proof = _engines()
+    _turns_end_often(sampler, proof)
+    env = load_environment(TaskConfig(name="math_tools"))
+    prompts = [env.prompt(i) for i in range(2)]
+    prompt_ids = [sampler.encode_chat(p.messages) for p in prompts]
+    keys = [group_key(SEED, EPOCH, slot) for slot in (1, 2)]
+    episodes = play_episodes(sampler, env, prompts, prompt_ids, 2, 384, keys=keys)
+    assert all(len(c.observations) >= 2 for group in episodes for c in group)  # three turns or more
+    again = play_episodes(sampler, env, prompts, prompt_ids, 2, 384, keys=keys)
+    assert [[c.token_ids.tolist() for c in g] for g in again] == [[c.token_ids.tolist() for c in g] for g in episodes]
+    groups = [honest_group(p.index, task=env.name, version=0, epoch=EPOCH, slot=slot, prompt_token_ids=ids,
+                           completions=completions)
+              for p, ids, slot, completions in zip(prompts, prompt_ids, (1, 2), episodes)]
+    for group in groups:
+        checked = proof.check(group)
+        assert proof.forged(group, checked) is None and checked.margin < 1e-3, checked
+
+    group = groups[0]
+    first = group.completions[0]
+    at = first.observations[0].at + first.observations[0].tokens + 1  # the second turn's second token
+    tokens = first.token_ids.copy()
+    tokens[at] = (tokens[at] + 1) % 256
+    with torch.no_grad():
+        logprobs = group_logprobs(proof.model, group.prompt_token_ids, [tokens], proof.temperature, proof.pad_id)[0]
+    true = np.where(first.model_mask(), logprobs[0, : len(tokens)].numpy(), 0.0)
+    forged = group.replaced(completions=[first.replaced(token_ids=tokens.tolist(), logprobs=true.tolist()),
+                                         *group.completions[1:]])
+    checked = proof.check(forged)
+    assert checked.gap < 1e-4 and proof.forged(forged, checked) == "token_forgery", checked
 
 
 def _forger(proof: SamplingProof):

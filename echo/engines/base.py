@@ -9,6 +9,8 @@ from typing import Protocol
 
 import torch
 
+from echo.noise import Draw
+
 
 @dataclass(frozen=True)
 class Generation:
@@ -52,12 +54,12 @@ class Engine(Protocol):
 
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
                  newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
-                 seed: int | None = None, keys: list[int] | None = None) -> list[list[Generation]]:
+                 seed: int | None = None, draws: list[Draw] | None = None) -> list[list[Generation]]:
         """n sampled completions for each prompt (greedy: the most likely one, for evaluation), of
         at most `max_tokens` (None: sampling.max_new_tokens; an episode's turn takes what is left),
         drawn with `seed` (call_seed: the same call of the same run draws the same; None: fresh),
-        or, given `keys` (one per prompt: echo/noise.py's group_key), by Gumbel-max with keyed
-        noise, which only an engine with `keyed_noise` can.
+        or, given `draws` (one per prompt: echo/noise.py's Draw, its group's key), by Gumbel-max
+        with keyed noise, which only an engine with `keyed_noise` can.
         An engine that generates in chunks asks `newer_weights` between them; one that does
         not (vLLM here) ignores it, and its completions carry no version changes."""
 

@@ -13,7 +13,7 @@ from echo.config import LoraConfig, SamplingConfig
 from echo.devices import resolve_device, sampler_dtype
 from echo.engines.base import Generation, NewerWeights
 from echo.models import encode_chat, load_model
-from echo.noise import gumbel
+from echo.noise import Draw, gumbel
 from echo.policy import CACHE, kv_cache, load_weights, make_policy
 
 
@@ -46,17 +46,18 @@ class SampledLogprobs(LogitsProcessor):
 class KeyedNoise(SampledLogprobs):
     """Gumbel-max sampling with keyed noise (echo/noise.py), under greedy decoding: each step's
     scores become logits / T + g, whose argmax is the token. Row i of the batch is completion
-    `completions[i]` of the group keyed `keys[i]`; the call's first step is position `start`."""
+    `rows[i][1]` of the group keyed `rows[i][0]`, its first step at position `rows[i][2]`; the
+    call's first step is `start` steps past those."""
 
-    def __init__(self, temperature: float, keys: list[int], completions: list[int], start: int):
+    def __init__(self, temperature: float, rows: list[tuple[int, int, int]], start: int):
         super().__init__(temperature)
-        self.keys, self.completions, self.position = keys, completions, start
+        self.rows, self.step = rows, start
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         super().__call__(input_ids, scores)
-        positions = torch.tensor([self.position], device=scores.device)
-        noise = torch.cat([gumbel(key, j, positions, scores.shape[-1]) for key, j in zip(self.keys, self.completions)])
-        self.position += 1
+        noise = torch.cat([gumbel(key, j, torch.tensor([at + self.step], device=scores.device), scores.shape[-1])
+                           for key, j, at in self.rows])
+        self.step += 1
         return scores.float() / self.temperature + noise
 
 
@@ -102,15 +103,15 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
                  newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
-                 seed: int | None = None, keys: list[int] | None = None) -> list[list[Generation]]:
+                 seed: int | None = None, draws: list[Draw] | None = None) -> list[list[Generation]]:
         """With `newer_weights`, generation goes `chunk_tokens` at a time and asks it between
         chunks, where the sampler may swap in newer weights: the completions go on from the key/value
         cache as it is (the partial rollouts of PipelineRL), and each says where a version took over.
-        With `keys` (one per prompt), tokens are drawn by Gumbel-max with keyed noise, not `seed`."""
+        With `draws` (one per prompt), tokens are drawn by Gumbel-max with keyed noise, not `seed`."""
         batch = self.tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(self.device)
         if seed is not None:  # generate draws from torch's global generator (one sampler a process)
             torch.manual_seed(seed)
-        keyed = keys is not None and not greedy
+        keyed = draws is not None and not greedy
         config = self.call_config(greedy or keyed)  # keyed: the argmax of the noisy scores
         limit = self.max_new_tokens if max_tokens is None else max_tokens
         chunk = self.chunk_tokens if newer_weights is not None and self.chunk_tokens else limit
@@ -121,8 +122,8 @@ class HFEngine:
         produced, cache, eos = 0, None, self.tokenizer.eos_token_id
         while True:
             config.max_new_tokens = min(chunk, limit - produced)
-            sampled = (KeyedNoise(self.temperature, [keys[row // n] for row in rows], [row % n for row in rows],
-                                  produced) if keyed else SampledLogprobs(self.temperature))
+            noise_rows = [(d.key, d.first + row % n, d.position) for row in rows for d in [draws[row // n]]] if keyed else []
+            sampled = KeyedNoise(self.temperature, noise_rows, produced) if keyed else SampledLogprobs(self.temperature)
             out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **{CACHE: cache},
                                       logits_processor=LogitsProcessorList([sampled]))
             new_tokens = out.sequences[:, ids.shape[1]:]
@@ -171,10 +172,10 @@ class PagedEngine(HFEngine):
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
                  newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
-                 seed: int | None = None, keys: list[int] | None = None) -> list[list[Generation]]:
+                 seed: int | None = None, draws: list[Draw] | None = None) -> list[list[Generation]]:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-        if keys is not None:
+        if draws is not None:
             raise ValueError("the paged engine draws no keyed noise: sampling.noise = 'engine' (make_engine says so)")
         limit = self.max_new_tokens if max_tokens is None else max_tokens
         requests = [prompt for prompt in prompts for _ in range(n)]

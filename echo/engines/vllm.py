@@ -20,6 +20,7 @@ from echo.config import ConfigError, LoraConfig, ModelConfig, SamplingConfig
 from echo.devices import dtype_name, resolve_device, sampler_dtype
 from echo.engines.base import Generation, NewerWeights
 from echo.models import encode_chat, model_folder, model_on_meta
+from echo.noise import Draw
 from echo.policy import check_tensors, make_policy, policy_shapes, shards_tensors
 
 CPU_KV_CACHE_BYTES = 2**30
@@ -117,12 +118,12 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
                  newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
-                 seed: int | None = None, keys: list[int] | None = None) -> list[list[Generation]]:
+                 seed: int | None = None, draws: list[Draw] | None = None) -> list[list[Generation]]:
         """Whole completions: `newer_weights` is not asked (partial rollouts are the HF engine's);
-        `keys` must be None (keyed_noise)."""
+        `draws` must be None (keyed_noise)."""
         from vllm import SamplingParams
 
-        if keys is not None:
+        if draws is not None:
             raise ValueError("vLLM draws no keyed noise here: sampling.noise = 'engine' (make_engine says so)")
 
         # Plain sampling at `temperature` (no top-k/top-p), as the trainer assumes; greedy for eval.

@@ -13,7 +13,7 @@ from echo.config import EchoConfig, SamplingConfig
 from echo.devices import dtype_name
 from echo.engines.base import Engine, NewerWeights, call_seed
 from echo.environments import play_episodes
-from echo.noise import group_key
+from echo.noise import Draw, group_key
 from echo.tasks import Task, is_environment, safe_reward
 from echo.throughput import CallWindow
 from echo.wire.messages import Completion, Grant, RolloutGroup, VersionChange
@@ -39,7 +39,7 @@ class Generation:
         prompts = [await self.prompts.prompt(index) for index in grant.prompts]
         seed = call_seed(self.cfg.run.seed, self.sampler_id, running.epoch, slots[0])
         keys = ([group_key(self.cfg.run.seed, running.epoch, slot) for slot in slots]
-                if self.cfg.sampling.noise == "keyed" else None)
+                if self.cfg.sampling.noise == "keyed" else None)  # one per group
         started = time.perf_counter()
         groups = await asyncio.to_thread(generate_groups, self.weights.engine, self.task, prompts, self.cfg.sampling,
                                          self.sampler_id, running, slots, self.weights, seed, keys)
@@ -65,11 +65,11 @@ def generate_groups(engine: Engine, task: Task, prompts: list, sampling: Samplin
     started = time.perf_counter()
     if is_environment(task):
         completions = play_episodes(engine, task, prompts, prompt_ids, sampling.group_size, sampling.max_new_tokens,
-                                    seed=seed)
+                                    seed=seed, keys=keys)
         changes = [[] for _ in prompts]
     else:
         generations = engine.generate(prompt_ids, sampling.group_size, newer_weights=newer_weights, seed=seed,
-                                      keys=keys)
+                                      draws=None if keys is None else [Draw(key) for key in keys])
         scores = getattr(task, "answers_on_samplers", True)  # else the trainer's alone: this box has no answers
         completions = [[Completion(token_ids=g.token_ids, logprobs=g.logprobs, text=g.text,
                                    reward=(safe_reward(task, g.text, prompt) or 0.0) if scores else 0.0,
