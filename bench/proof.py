@@ -16,7 +16,9 @@ and once after it moved on to version 1 (version 0 swapped in). Recorded per con
 
     .venv/bin/python -m bench.proof [--models tiny smollm2] [--dtypes float32 bfloat16] [--groups 64]
 
-Writes bench/results/proof-<models>.json (with the machine's load).
+Writes bench/results/proof-<models>.json (with the machine's load). With --in-step, only what
+proving the held version's groups inside the step costs (train_step with and without HeldProof,
+alternated on the same groups, the least of `--repeats` each), into proof-in-step-<models>.json.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from bench.common import write_results
 from echo.config import LoraConfig, SamplingConfig, TaskConfig, TrainerConfig, validate_config
 from echo.devices import dtype_name
 from echo.engines.hf import HFEngine
-from echo.learner import Batch, make_optimizer, train_step
+from echo.learner import Batch, HeldProof, make_optimizer, train_step
 from echo.noise import Draw, group_key
 from echo.policy import group_logprobs, load_weights, weights_shards
 from echo.proof import ProofSettings, SamplingProof
@@ -150,13 +152,41 @@ def measure(model_name: str, dtype: str, count: int) -> dict:
     }
 
 
-def train_seconds_per_group(model, groups: list[RolloutGroup], model_name: str, pad_id: int) -> float:
+def in_step_cost(model_name: str, count: int, repeats: int) -> dict:
+    """A step on `count` honest fp32 groups of version 0, with and without proving them from its
+    own forward (HeldProof), alternated; the least seconds of each."""
+    sampling = SamplingConfig(group_size=8, max_new_tokens=32, temperature=0.7, prompts_per_call=4)
+    lora = LoraConfig(r=16, alpha=32.0)
+    engine = HFEngine(model_name, lora, sampling, "cpu", "float32")
+    trainer = HFEngine(model_name, lora, sampling).model
+    perturb_adapter(engine.model, seed=0, scale=0.02)
+    load_weights(trainer, [bytearray(s) for s in weights_shards(engine.model, 2**30)])
+    groups = honest_groups(engine, load_task(TaskConfig()), count, sampling.group_size, sampling.prompts_per_call)
+    proof = SamplingProof(trainer, engine.tokenizer.pad_token_id, ProofSettings(sampling.temperature, 1.0, 0.01, keep=2,
+                                                                                noise_seed=SEED))
+    by_id = {g.group_id: g for g in groups}
+    held = HeldProof(0, SEED, lambda checked: proof.judged_in_step(by_id, checked))
+    seconds: dict[str, list[float]] = {"plain": [], "in_step": []}
+    for _ in range(repeats):
+        seconds["plain"].append(train_seconds_per_group(trainer, groups, model_name, proof.pad_id))
+        seconds["in_step"].append(train_seconds_per_group(trainer, groups, model_name, proof.pad_id, held))
+    plain, in_step = min(seconds["plain"]), min(seconds["in_step"])
+    return {"model": model_name, "groups": count, "completions": count * sampling.group_size,
+            "tokens": sum(len(c.token_ids) for g in groups for c in g.completions),
+            "step_seconds_per_group": plain, "proved_step_seconds_per_group": in_step,
+            "in_step_share_of_step": round(in_step / plain - 1, 4), "seconds": seconds,
+            "passed": proof.counts["passed"], "forged": proof.counts["forged"]}
+
+
+def train_seconds_per_group(model, groups: list[RolloutGroup], model_name: str, pad_id: int,
+                            held: HeldProof | None = None) -> float:
     """One optimizer step on these groups, per group (the adapter moves, then is put back)."""
-    cfg = validate_config({"model": {"name": model_name}, "lora": {"r": 16, "alpha": 32.0}})
+    cfg = validate_config({"model": {"name": model_name}, "lora": {"r": 16, "alpha": 32.0},
+                           "sampling": {"temperature": 0.7}})
     before = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
     batch = Batch.of([(g, [float(i % 2) for i in range(len(g.completions))]) for g in groups])
     started = time.perf_counter()
-    train_step(model, make_optimizer(model, cfg), batch, cfg, pad_id)
+    train_step(model, make_optimizer(model, cfg), batch, cfg, pad_id, held=held)
     seconds = time.perf_counter() - started
     with torch.no_grad():
         for k, v in model.named_parameters():
@@ -171,8 +201,15 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="the sampler's precision")
     parser.add_argument("--groups", type=int, default=64, help="honest groups per configuration, each checked twice")
+    parser.add_argument("--in-step", action="store_true", help="only the cost of proving inside the step")
+    parser.add_argument("--repeats", type=int, default=3, help="--in-step: steps of each kind")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.in_step:
+        results = {"torch_threads": torch.get_num_threads(),
+                   "results": [in_step_cost(m, args.groups, args.repeats) for m in args.models]}
+        print(write_results(f"proof-in-step-{'-'.join(args.models)}.json", results).read_text())
+        return
     tcfg = TrainerConfig()
     results = {
         "torch_threads": torch.get_num_threads(),

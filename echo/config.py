@@ -128,7 +128,9 @@ class TrainerConfig(_Section):
     min_samplers: int = Field(0, ge=0)
     # Proof of sampling (echo/proof.py): recompute the claimed log-probs of this share of groups
     # (every group of a sampler caught once); a token off by more than the tolerance (nats) is a
-    # forgery. A sampler with more than quarantine_after forgeries or reward mismatches is quarantined.
+    # forgery. Groups of the version the trainer holds are all proved, by the step's own forward
+    # (with publish_dtype float32: the weights it trains are those the samplers run). A sampler
+    # with more than quarantine_after forgeries or reward mismatches is quarantined.
     verify_fraction: float = Field(0.1, ge=0, le=1)
     verify_tolerance: float = Field(0.01, gt=0)  # between fp32 samplers and an fp32 trainer
     # Where either side computes in bf16/fp16: honest SmolLM2 groups measured up to 0.33 (docs/operations.md).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -13,12 +14,34 @@ import torch
 from echo.algorithms.grpo import ImportanceStats, LossStats, group_advantages, grpo_loss, importance_weights
 from echo.config import EchoConfig
 from echo.devices import autocast, model_device
-from echo.policy import packed_logprobs
+from echo.policy import packed_states, states_logprobs
+from echo.proof import Checked, held_checks
 from echo.wire.messages import RolloutGroup
 
 
 class StepAbandoned(Exception):
     """The step was told to stop before its optimizer update: the policy is as it was."""
+
+
+class ForgedInStep(Exception):
+    """The step's own forward proved groups forged (HeldProof): no update was made, the policy is
+    as it was; the step is to be taken again without them."""
+
+    def __init__(self, forged: dict[str, str]):
+        super().__init__(f"{len(forged)} forged: {sorted(forged.items())[:4]}")
+        self.forged = forged  # group id -> why (token_forgery, logprob_forgery)
+
+
+@dataclass(frozen=True)
+class HeldProof:
+    """The proof of sampling a step runs from its own forward (echo/proof.py's held_checks) on
+    the groups `version`, the one it trains from, sampled: their recomputed log-probs are its
+    pi_old, so the check costs the token margins only. `judge` answers, before the optimizer's
+    update and alike on every rank, which groups are forged (group id -> why)."""
+
+    version: int
+    noise_seed: int | None  # the run's seed where samplers draw keyed noise: tokens checked too
+    judge: Callable[[dict[str, Checked]], dict[str, str]]
 
 
 class PassStats(NamedTuple):
@@ -28,6 +51,7 @@ class PassStats(NamedTuple):
     loss: LossStats
     importance: ImportanceStats
     entropy: float
+    checked: dict[str, Checked]  # HeldProof's checks of this pass's groups
 
 
 # A pass: the completions one forward and backward takes, as (group index, completion rows).
@@ -112,7 +136,8 @@ def rank_passes(passes: list, rank: int, world: int) -> list:
 
 
 def train_step(model, optimizer, batch: Batch, cfg: EchoConfig, pad_id: int, stop: threading.Event | None = None,
-               compute_dtype: torch.dtype = torch.float32, rank: int = 0, world: int = 1) -> dict:
+               compute_dtype: torch.dtype = torch.float32, rank: int = 0, world: int = 1,
+               held: HeldProof | None = None) -> dict:
     """One optimizer step over a batch of judged groups. The loss is the token mean over the whole
     batch; its completions are forwarded and backpropagated in passes of at most
     `trainer.micro_batch_tokens` tokens, several short groups in one pass or a long group over
@@ -126,7 +151,9 @@ def train_step(model, optimizer, batch: Batch, cfg: EchoConfig, pad_id: int, sto
 
     One step per batch means the policy before the step, pi_old, is the current one: the PPO
     ratio pi / pi_old starts at 1 and the off-policy gap to the sampler's mu is corrected by
-    truncated importance weights pi_old / mu.
+    truncated importance weights pi_old / mu. So the groups sampled by the current version are
+    proved from the same forward (`held`): before the update, and if any is forged none is made
+    (ForgedInStep).
 
     The forward runs in `compute_dtype` (autocast) over fp32 trainable parameters; log-probs,
     importance weights and the loss are fp32.
@@ -152,9 +179,19 @@ def train_step(model, optimizer, batch: Batch, cfg: EchoConfig, pad_id: int, sto
             _empty_pass(model, cfg, pad_id, device, compute_dtype)
             continue
         segments = [(batch.groups[g], advantages[g][rows], rows) for g, rows in this]
-        stats = _pass(model, cfg, pad_id, device, compute_dtype, segments, total_tokens, batch.oldest_version)
+        stats = _pass(model, cfg, pad_id, device, compute_dtype, segments, total_tokens, batch.oldest_version, held)
         loss_sum += stats.loss_value
         per_pass.append(stats)
+    if held is not None:
+        checked: dict[str, Checked] = {}
+        for stats in per_pass:
+            for gid, c in stats.checked.items():
+                checked[gid] = checked[gid].worst(c) if gid in checked else c
+        forged = held.judge(checked)
+        if forged:
+            optimizer.zero_grad(set_to_none=True)
+            model.eval()
+            raise ForgedInStep(forged)
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], tcfg.max_grad_norm)
     optimizer.step()
     model.eval()
@@ -205,7 +242,8 @@ def merge_stats(parts: list[dict]) -> dict:
 
 
 def _pass(model, cfg: EchoConfig, pad_id: int, device, compute_dtype,
-          segments: list[tuple[RolloutGroup, torch.Tensor, list[int]]], normalizer: int, oldest_version: int) -> PassStats:
+          segments: list[tuple[RolloutGroup, torch.Tensor, list[int]]], normalizer: int, oldest_version: int,
+          held: HeldProof | None = None) -> PassStats:
     """Forward and backward over some completions of some groups: (group, the rows' advantages,
     rows) each; the advantages are over each whole group, whichever of its completions this pass takes."""
     tcfg = cfg.trainer
@@ -213,8 +251,13 @@ def _pass(model, cfg: EchoConfig, pad_id: int, device, compute_dtype,
     claimed = [group.completions[i] for group, _, rows in segments for i in rows]
     owners = [j for j, (_, _, rows) in enumerate(segments) for _ in rows]
     advantages = torch.cat([rows_advantages for _, rows_advantages, _ in segments])
-    logprobs, mask, entropy, ref_logprobs = _forward(model, cfg, pad_id, device, compute_dtype, prompts,
-                                                     [c.token_ids for c in claimed], owners)
+    logprobs, mask, entropy, ref_logprobs, states, ids = _forward(model, cfg, pad_id, device, compute_dtype, prompts,
+                                                                  [c.token_ids for c in claimed], owners)
+    checked = {}
+    if held is not None:
+        with autocast(device, compute_dtype):
+            checked = held_checks(model, [(group, rows) for group, _, rows in segments], states, ids,
+                                  logprobs.detach(), cfg.sampling.temperature, held.version, held.noise_seed)
     behaviour, sampled = torch.zeros(logprobs.shape), torch.zeros(mask.shape, dtype=torch.bool)
     for i, completion in enumerate(claimed):
         behaviour[i, : len(completion.logprobs)] = torch.tensor(completion.logprobs)
@@ -229,29 +272,31 @@ def _pass(model, cfg: EchoConfig, pad_id: int, device, compute_dtype,
                                  ref_logprobs, tcfg.kl_coef)
     loss.backward()
     return PassStats(int(mask.sum()), len(claimed), loss.item(), loss_stats, is_stats,
-                     float(entropy[mask].mean()) if mask.any() else 0.0)
+                     float(entropy[mask].mean()) if mask.any() else 0.0, checked)
 
 
 def _forward(model, cfg: EchoConfig, pad_id: int, device, compute_dtype, prompts: list, completions: list,
              owners: list[int]):
-    """Log-probs, mask and entropy of completions, and the reference's log-probs (KL on). Every
-    pass calls the model alike (a reference forward with KL on; at least two completion
-    positions, so a prompt call and a completion call): see rank_passes."""
+    """Log-probs, mask and entropy of completions, the reference's log-probs (KL on), and what
+    the log-probs were read from (policy.packed_states: the states and ids). Every pass calls
+    the model alike (a reference forward with KL on; at least two completion positions, so a
+    prompt call and a completion call): see rank_passes."""
     temperature, ref_logprobs = cfg.sampling.temperature, None
     with autocast(device, compute_dtype):
         if cfg.trainer.kl_coef > 0:
             # The reference is the base model: the same weights with the adapter switched off.
             with torch.no_grad(), model.disable_adapter():
-                ref_logprobs, _, _ = packed_logprobs(model, prompts, completions, owners, temperature, pad_id,
-                                                     min_length=2)
-        logprobs, mask, entropy = packed_logprobs(model, prompts, completions, owners, temperature, pad_id, min_length=2)
-    return logprobs, mask, entropy, ref_logprobs
+                states, ids, _ = packed_states(model, prompts, completions, owners, pad_id, min_length=2)
+                ref_logprobs = states_logprobs(model, states, ids, temperature)
+        states, ids, mask = packed_states(model, prompts, completions, owners, pad_id, min_length=2)
+        logprobs, entropy = states_logprobs(model, states, ids, temperature, with_entropy=True)
+    return logprobs, mask, entropy, ref_logprobs, states, ids
 
 
 def _empty_pass(model, cfg: EchoConfig, pad_id: int, device, compute_dtype) -> None:
     """A pass shaped like a real one whose gradient is zero: a rank with fewer passes than
     another still joins every collective of theirs."""
-    logprobs, _, _, ref_logprobs = _forward(model, cfg, pad_id, device, compute_dtype, [[pad_id]], [[pad_id]], [0])
+    logprobs, *_ = _forward(model, cfg, pad_id, device, compute_dtype, [[pad_id]], [[pad_id]], [0])
     (logprobs.sum() * 0.0).backward()
 
 

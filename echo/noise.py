@@ -15,6 +15,7 @@ that any torch device computes the same bits; no generator state is involved.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -59,9 +60,14 @@ def gumbel(key: int, completion: int, positions: torch.Tensor, vocab: int) -> to
     low, high = key & _M32, (key >> 32) & _M32
     counter = (positions.to(torch.int64) + completion * 0x9E3779B9) & _M32  # (completion, position)
     row = _mix(_mix(_mix(counter) ^ low) ^ high)
-    ids = _mix((torch.arange(vocab, device=device, dtype=torch.int64) * 0x27D4EB2F) & _M32)
-    bits = _mix(_mix(row[:, None] ^ ids[None, :]) ^ low)
+    bits = _mix(_mix(row[:, None] ^ _vocabulary_bits(vocab, device)[None, :]) ^ low)
     return -torch.log(-torch.log(uniform(bits)))
+
+
+@functools.lru_cache(maxsize=4)
+def _vocabulary_bits(vocab: int, device: torch.device) -> torch.Tensor:
+    """Each vocabulary id hashed: the same for every row, made once per vocabulary and device."""
+    return _mix((torch.arange(vocab, device=device, dtype=torch.int64) * 0x27D4EB2F) & _M32)
 
 
 def uniform(bits: torch.Tensor) -> torch.Tensor:

@@ -249,24 +249,26 @@ def packed_states(model, prompts: list, completions: list, owners: list[int], pa
     return states, ids, mask
 
 
-def token_margins(model, states, ids, sampled: list[torch.Tensor], temperature: float, key: int) -> torch.Tensor:
-    """For each completion of a group drawn with keyed noise (echo/noise.py), how far its worst
-    token falls short of the noisy argmax under these states (packed_states'): [R], 0 where every
-    token is the one the noise picks. `sampled[row]` marks the tokens the model drew (an episode's
-    observations are the environment's); a token's noise is keyed by its position in the
-    completion. Logits are made a chunk of positions at a time."""
+def token_margins(model, states, ids, sampled: list[torch.Tensor], temperature: float,
+                  noise: list[tuple[int, int]]) -> torch.Tensor:
+    """For each completion drawn with keyed noise (echo/noise.py), how far its worst token falls
+    short of the noisy argmax under these states (packed_states'): [R], 0 where every token is the
+    one the noise picks. Row r is completion `noise[r][1]` of the group keyed `noise[r][0]`;
+    `sampled[r]` marks the tokens the model drew (an episode's observations are the
+    environment's); a token's noise is keyed by its position in the completion. Logits are made a
+    chunk of positions at a time."""
     head = model.get_output_embeddings() if _plain_head(model) else None
     vocab = head.weight.shape[0] if head is not None else states.shape[-1]
     chunk = max(1, HEAD_CHUNK_ELEMENTS // vocab)
     margins = []
-    for row, mask in enumerate(sampled):
+    for row, (mask, (key, completion)) in enumerate(zip(sampled, noise)):
         worst = torch.zeros((), device=states.device)
         for start in range(0, len(mask), chunk):
             part = states[row, start : min(len(mask), start + chunk)]
             logits = head(part) if head is not None else part
             positions = torch.arange(start, start + part.shape[0], device=states.device)
-            noise = gumbel(key, row, positions, logits.shape[-1])
-            margin = noisy_margin(logits.float() / temperature, ids[row, positions], noise)
+            margin = noisy_margin(logits.float() / temperature, ids[row, positions],
+                                  gumbel(key, completion, positions, logits.shape[-1]))
             worst = torch.maximum(worst, torch.where(mask[start : start + part.shape[0]].to(states.device), margin,
                                                      torch.zeros_like(margin)).max())
         margins.append(worst)

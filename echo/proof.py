@@ -74,6 +74,9 @@ class ProofSettings:
     noise_seed: int | None = None  # the run's seed where samplers draw keyed noise: tokens checked too
     margin: float = 0.01  # how far (logits / T) a token may fall short of the noisy argmax, fp32
     margin_16bit: float = 0.5  # the same where either side computes in 16 bits
+    # The step proves the groups sampled by the version it trains from, from its own forward
+    # (held_checks): the trainer's weights are those the samplers run (published unrounded).
+    in_step: bool = False
 
     @classmethod
     def of(cls, cfg: EchoConfig, compute_dtype: torch.dtype) -> ProofSettings:
@@ -81,7 +84,7 @@ class ProofSettings:
         return cls(cfg.sampling.temperature, tcfg.verify_fraction, tcfg.verify_tolerance, cfg.begun_within + 1,
                    tcfg.verify_tolerance_16bit, DTYPES[tcfg.publish_dtype], compute_dtype,
                    cfg.run.seed if cfg.sampling.noise == "keyed" else None, tcfg.verify_margin,
-                   tcfg.verify_margin_16bit)
+                   tcfg.verify_margin_16bit, in_step=tcfg.publish_dtype == "float32")
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,35 @@ class Checked:
 
     gap: float  # the largest log-prob gap (logprob_gap)
     margin: float | None = None  # the largest token margin (policy.token_margins); None: tokens not checked
+
+    def worst(self, other: Checked) -> Checked:
+        """Both parts of one group's check (its completions split between passes) as one."""
+        margins = [m for m in (self.margin, other.margin) if m is not None]
+        return Checked(max(self.gap, other.gap), max(margins) if margins else None)
+
+
+def held_checks(model, pass_groups: list[tuple[RolloutGroup, list[int]]], states, ids, recomputed,
+                temperature: float, version: int, noise_seed: int | None) -> dict[str, Checked]:
+    """The proof of sampling from a training pass's own forward, for its groups sampled by
+    `version`, the one the step trains from: their recomputed log-probs are the step's pi_old
+    (`recomputed`, [R, C]), and the token margins read the same states. The pass's rows are
+    `pass_groups`' completions in order; the check of a group split between passes is its parts'
+    worst (Checked.worst)."""
+    out, start = {}, 0
+    for group, rows in pass_groups:
+        span, start = slice(start, start + len(rows)), start + len(rows)
+        if group.version != version or group.version_changes:
+            continue
+        claimed = [group.completions[i] for i in rows]
+        margin = None
+        if noise_seed is not None:
+            key = group_key(noise_seed, group.epoch, group.slot)
+            sampled = [torch.from_numpy(c.model_mask()) for c in claimed]
+            with torch.no_grad():
+                margin = float(token_margins(model, states[span], ids[span], sampled, temperature,
+                                             [(key, i) for i in rows]).max())
+        out[group.group_id] = Checked(logprob_gap(claimed, recomputed[span].float().cpu()), margin)
+    return out
 
 
 class SamplingProof:
@@ -102,6 +134,7 @@ class SamplingProof:
         self.tolerance, self.tolerance_16bit = settings.tolerance, settings.tolerance_16bit or settings.tolerance
         self.publish_dtype, self.compute_dtype = settings.publish_dtype, settings.compute_dtype
         self.noise_seed, self.margin, self.margin_16bit = settings.noise_seed, settings.margin, settings.margin_16bit
+        self.in_step = settings.in_step
         # From the OS, not the run's seed: every sampler reads the config, and one that could tell
         # which groups will be checked would forge only the others.
         self.rng = random.SystemRandom()
@@ -118,8 +151,23 @@ class SamplingProof:
         for old in [v for v in self.versions if v <= version - self.keep]:
             del self.versions[old]
 
-    def wants(self, group: RolloutGroup) -> bool:
+    def wants(self, group: RolloutGroup, version: int) -> bool:
+        """Whether to check `group` now, the trainer holding `version`: not where the step proves
+        it from its own forward (in_step), else a suspect's always, another's at `fraction`."""
+        if self.in_step and group.version == version and not group.version_changes:
+            return False
         return group.sampler_id in self.suspects or self.rng.random() < self.fraction
+
+    def judged_in_step(self, groups: dict[str, RolloutGroup], checked: dict[str, Checked]) -> dict[str, str]:
+        """The groups a step's own forward found forged (group id -> why), counted; every group
+        passed is counted only by the step that trains it (one with none forged)."""
+        forged = {gid: why for gid, c in checked.items() for why in [self.forged(groups[gid], c)] if why}
+        if forged:
+            self.counts["forged"] += len(forged)
+            self.suspects.update(groups[gid].sampler_id for gid in forged)
+        else:
+            self.counts["passed"] += len(checked)
+        return forged
 
     def check(self, group: RolloutGroup) -> Checked | None:
         """The group's log-prob gap and token margin, or None if a version that sampled it is no
@@ -150,7 +198,8 @@ class SamplingProof:
                     if self.tokens_checked(group):
                         key = group_key(self.noise_seed, group.epoch, group.slot)
                         sampled = [torch.from_numpy(c.model_mask()) for c in group.completions]
-                        margin = float(token_margins(self.model, states, ids, sampled, self.temperature, key).max())
+                        margin = float(token_margins(self.model, states, ids, sampled, self.temperature,
+                                                     [(key, j) for j in range(len(sampled))]).max())
                 else:
                     starts = [0, *(change.at for change in group.version_changes)]
                     recomputed = spanning_logprobs(self.model, group.prompt_token_ids, completions, starts,

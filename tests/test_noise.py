@@ -4,6 +4,7 @@ bf16; a token swapped, completions chosen from other draws, or text from elsewhe
 log-probs (which the log-prob check alone lets through) are token forgeries."""
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -15,18 +16,25 @@ from echo.engines import make_engine
 from echo.engines.hf import HFEngine
 from echo.environments import load_environment, play_episodes
 from echo.grants import GrantLedger
+from echo.learner import Batch, ForgedInStep, HeldProof, make_optimizer, train_step
 from echo.noise import Draw, group_key, gumbel, uniform
 from echo.policy import group_logprobs, load_weights, weights_shards
 from echo.proof import Checked, ProofSettings, SamplingProof
 from echo.referee import Referee
 from streams.client import open_run
 from streams.inbox import RolloutInbox
+from streams.lease import take_lease
 from streams.rollouts import publish_rollout
 from tests.conftest import tiny_config
 from tests.groups import REFEREE, SAMPLING, TASK, TOKENIZER, granted, honest_group
 from workers.background import Background
+from workers.trainer.accounting import RecentSteps
+from workers.trainer.granter import AsyncGranter
 from workers.trainer.intake import Collector
 from workers.trainer.judge import Judge, Timeline
+from workers.trainer.loop import Trainer
+from workers.trainer.model import Ranks, TrainerModel
+from workers.trainer.step import TrainerStep
 from workers.trainer.strikes import Quarantined
 
 LORA = LoraConfig(r=4, alpha=8.0)
@@ -180,6 +188,100 @@ def test_episodes_draw_keyed_noise_turn_by_turn_and_a_turn_changed_is_a_token_fo
                                          *group.completions[1:]])
     checked = proof.check(forged)
     assert checked.gap < 1e-4 and proof.forged(forged, checked) == "token_forgery", checked
+
+
+def test_the_step_proves_its_own_versions_groups_from_its_forward_and_updates_nothing_for_a_forgery(tmp_path):
+    """Issue 63: the groups sampled by the version the trainer holds are proved every time, from
+    the forward the step runs anyway (its pi_old): the same gap and margins as the proof's own
+    forward, a group split between passes judged whole. A token swapped with true log-probs is
+    found before the optimizer's update: no update is made (ForgedInStep), the step is to be
+    taken again without it."""
+    sampler, proof = _engines()
+    cfg = tiny_config(tmp_path, lora={"r": LORA.r, "alpha": LORA.alpha},
+                      sampling=KEYED.model_dump(), trainer={"micro_batch_tokens": 64, "pack_groups": "on"})
+    model, pad = proof.model, proof.pad_id
+    optimizer = make_optimizer(model, cfg)
+    honest = _keyed_groups(sampler, [3, 4])
+    seen: list[dict] = []
+
+    def judge(groups):
+        def answer(checked):
+            seen.append(checked)
+            return proof.judged_in_step({g.group_id: g for g in groups}, checked)
+        return answer
+
+    first = honest[1].completions[0]
+    swapped = [*first.token_ids[:5].tolist(), int(first.token_ids[5] + 1) % 256, *first.token_ids[6:].tolist()]
+    forged = _forger(proof)(honest[1].replaced(group_id="forged", completions=[first.replaced(token_ids=swapped),
+                                                                                *honest[1].completions[1:]]))
+    batch = [honest[0], forged]
+    before = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
+    with pytest.raises(ForgedInStep) as caught:
+        train_step(model, optimizer, Batch(batch, [[1.0, 0.0] * 4] * 2), cfg, pad,
+                   held=HeldProof(0, SEED, judge(batch)))
+    assert caught.value.forged == {"forged": "token_forgery"}
+    assert all(torch.equal(p, before[k]) for k, p in model.named_parameters() if p.requires_grad)
+    assert all(p.grad is None for p in model.parameters())
+    step = seen[-1]
+    for group in batch:
+        alone = proof.check(group)  # the proof's own forward
+        assert step[group.group_id].gap == pytest.approx(alone.gap, abs=1e-5)
+        assert step[group.group_id].margin == pytest.approx(alone.margin, abs=1e-5)
+
+    stats = train_step(model, optimizer, Batch(honest, [[1.0, 0.0] * 4] * 2), cfg, pad,
+                       held=HeldProof(0, SEED, judge(honest)))
+    assert stats["passes"] > len(honest)  # split between passes, judged whole
+    assert set(seen[-1]) == {g.group_id for g in honest} and proof.counts["passed"] == 2
+    assert not all(torch.equal(p, before[k]) for k, p in model.named_parameters() if p.requires_grad)
+
+
+async def test_a_forgery_found_in_the_step_is_refused_and_struck_and_the_step_trains_on_another_group(runs, tmp_path):
+    """The trainer's step (Trainer.train_proven) on a real broker: of the two groups it collected
+    at version 0, one has a token swapped with true log-probs. Its own forward finds it before the
+    update; the group is refused as a token forgery and its sender struck, a group is collected in
+    its place, and the step trains on the two honest ones."""
+    cfg = tiny_config(tmp_path, run={"id": "held", "seed": SEED}, lora={"r": LORA.r, "alpha": LORA.alpha},
+                      sampling=KEYED.model_dump(), trainer={"groups_per_step": 2})
+    run = await runs.open("held", "trainer")
+    lease = await take_lease(run)
+    assert lease.epoch == EPOCH
+    model = TrainerModel(cfg, Ranks("cpu"))
+    model.resume()
+    model.remember(0)
+    sampler = HFEngine("tiny", LORA, KEYED, "cpu", "float32")
+    load_weights(sampler.model, [bytearray(s) for s in weights_shards(model.module, 2**30)])
+    quarantine, ledger = Quarantined(run, after=3), GrantLedger(seed=cfg.run.seed)
+    judge = Judge(Referee(TASK, TOKENIZER, len(TOKENIZER), KEYED), Timeline(max_staleness=1, epoch=EPOCH),
+                  proof=model.proof, check=model.check)
+    collector = Collector(await RolloutInbox.open(run), judge, ledger, quarantine=quarantine)
+    granter = AsyncGranter(run, EPOCH, cfg, model.state, ledger, quarantine)
+    await granter.start()
+    await granter.ask(0)
+    trainer = Trainer(cfg, lease, model, collector, granter, RecentSteps(2, 1))
+    try:
+        sent = []
+        for sampler_id, prompt in (("s2", 3), ("s1", 4), ("s2", 5)):
+            group = _keyed_groups(sampler, [prompt], first_slot=ledger.issued + 1, sampler_id=sampler_id,
+                                  group_id=f"{sampler_id}{prompt}")[0]
+            if sampler_id == "s1":
+                first = group.completions[0]
+                swapped = [*first.token_ids[:3].tolist(), int(first.token_ids[3] + 1) % 256, *first.token_ids[4:].tolist()]
+                group = _forger(model.proof)(group.replaced(completions=[first.replaced(token_ids=swapped),
+                                                                         *group.completions[1:]]))
+            sent.append(granted(ledger, group))
+            await publish_rollout(run, sent[-1])
+        step = TrainerStep(1, time.perf_counter())
+        step.collected = await collector.collect(2, 0)
+        assert {a.group.group_id for a in step.collected.used} == {"s23", "s14"}  # the intake leaves version 0 to the step
+        step.batch = step.collected.batch(0)
+        async with asyncio.timeout(120):  # a hang guard
+            stats = await trainer.train_proven(step)
+        assert {a.group.group_id for a in step.collected.used} == {"s23", "s25"}
+        assert stats["sequences"] == 2 * KEYED.group_size and step.collected.rejected == {"token_forgery": 1}
+        assert quarantine.strikes == {"s1": 1} and model.proof.counts == {"forged": 1, "passed": 2}
+    finally:
+        await granter.subscription.unsubscribe()
+        model.close()
 
 
 def _forger(proof: SamplingProof):

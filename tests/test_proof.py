@@ -50,7 +50,7 @@ def test_which_groups_are_checked_cannot_be_told_from_the_run_config():
     now choose differently (the chance that 128 draws agree is 2**-128)."""
     group = honest_group(version=0)
     first, second = (_proof(torch.nn.Linear(1, 1), fraction=0.5) for _ in range(2))
-    assert [first.wants(group) for _ in range(128)] != [second.wants(group) for _ in range(128)]
+    assert [first.wants(group, 0) for _ in range(128)] != [second.wants(group, 0) for _ in range(128)]
 
 
 def _claimed(logprobs: list[float], observations=()) -> Completion:
@@ -90,7 +90,7 @@ def test_honest_log_probs_pass_under_the_claimed_version_and_forged_ones_fail():
     shifted = [c.replaced(logprobs=[x - 0.05 for x in c.logprobs]) for c in group.completions]
     forged = group.model_copy(update={"completions": shifted, "sampler_id": "s9"})
     assert proof.forged(forged, proof.check(forged)) and proof.suspects == {"s9"}
-    assert proof.wants(forged.model_copy(update={"group_id": "next"}))  # every group of a suspect
+    assert proof.wants(forged.model_copy(update={"group_id": "next"}), 0)  # every group of a suspect
     proof.remember(2)  # version 0 is no longer kept
     assert proof.check(group) is None and proof.counts == {"passed": 2, "forged": 1, "unverifiable": 1}
 

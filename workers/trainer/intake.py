@@ -54,8 +54,9 @@ class Collector:
         self.ledger = ledger or GrantLedger()  # a group naming its sender's slot ends that slot
         self.consumed = consumed or ConsumedSeqs()  # stream sequences counted by checkpointed steps
 
-    async def collect(self, need: int, version: int, on_wait=None) -> Collected:
-        out = Collected()
+    async def collect(self, need: int, version: int, on_wait=None, into: Collected | None = None) -> Collected:
+        """Until `need` groups are usable (`into` holds those collected so far)."""
+        out = into or Collected()
         while len(out.used) < need:
             deliveries = await self.inbox.fetch(need - len(out.used), timeout=1.0)
             if not deliveries and on_wait is not None:
@@ -111,6 +112,17 @@ class Collector:
             out.reward_mismatch[group.sampler_id] += 1
             await self._strike(delivery.sender, "reward_mismatch")
         return judged
+
+    async def refuse_forged(self, out: Collected, forged: dict[str, str]) -> None:
+        """Groups the step's own forward proved forged (group id -> why): refused and struck as
+        any forgery, their messages still counted by the step (acked with it)."""
+        for accepted in [a for a in out.used if a.group.group_id in forged]:
+            out.used.remove(accepted)
+            out.generated_seconds -= accepted.group.gen_seconds
+            out.verifier_errors -= accepted.verifier_errors
+            await self._refused(out, accepted.group.sampler_id,
+                                Verdict(forged[accepted.group.group_id], f"group {accepted.group.group_id} from "
+                                        f"{accepted.group.sampler_id}, proved in its step", strike=True))
 
     async def _refused(self, out: Collected, sender: str, verdict: Verdict) -> None:
         out.rejected[verdict.reason] += 1

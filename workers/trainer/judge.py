@@ -163,8 +163,9 @@ class Judge:
 
     async def proven(self, case: Case) -> Verdict | None:
         """The proof of sampling, on the groups chosen for it: the claimed log-probs are the policy's,
-        and with keyed noise each token is the one the noise picks."""
-        if not (self.proof and self.proof.wants(case.group)):
+        and with keyed noise each token is the one the noise picks. Groups of the version the
+        trainer holds are proved by the step that trains them (SamplingProof.in_step)."""
+        if not (self.proof and self.proof.wants(case.group, case.version)):
             return None
         checked = await asyncio.to_thread(self.check, case.group)
         reason = self.proof.forged(case.group, checked)

@@ -177,7 +177,7 @@ class Trainer:
                                                                   self.granter.on_wait)
                     step.batch = step.collected.batch(state.version - cfg.staleness_bound)
                 with step.phase("train"):
-                    step.stats = await train_in_thread(self.model, step.batch)
+                    step.stats = await self.train_proven(step)
                     await asyncio.sleep(cfg.trainer.throttle_s)  # a slower learner, when asked
                 with step.phase("checkpoint"):
                     await self.checkpoint(step)
@@ -191,6 +191,21 @@ class Trainer:
                     scalars = step_scalars(record, sum(self.quarantine.strikes.values()))
                     scalars |= self.samplers_scalars(samplers, record["version"])
                     await asyncio.to_thread(trackers.log, step.number, scalars)
+
+    async def train_proven(self, step: TrainerStep) -> dict:
+        """The step trained on its batch, the groups of the version it trains from proved by its
+        own forward: a forged one is refused and struck, groups are collected in its place and the
+        step is taken again (no update was made)."""
+        version = self.model.state.version
+        while True:
+            stats = await train_in_thread(self.model, step.batch, version)
+            if "forged" not in stats:
+                return stats
+            log.warning("step.forged_groups", step=step.number, forged=stats["forged"])
+            await self.collector.refuse_forged(step.collected, stats["forged"])
+            await self.collector.collect(self.cfg.trainer.groups_per_step, version, self.granter.on_wait,
+                                         into=step.collected)
+            step.batch = step.collected.batch(version - self.cfg.staleness_bound)
 
     def samplers_scalars(self, samplers: list, version: int) -> dict[str, float]:
         scalars, left_out = sampler_scalars(samplers, version)
@@ -247,13 +262,13 @@ async def mark_finished(run: Run) -> None:
         await retry_forever("mark the run finished", lambda: put_trainer_status(run, finished))
 
 
-async def train_in_thread(model: TrainerModel, batch: Batch) -> dict:
+async def train_in_thread(model: TrainerModel, batch: Batch, version: int) -> dict:
     """A step off the event loop. Cancelled (SIGTERM), it tells the step to stop at the next
     pass: the process then exits in seconds instead of finishing a long step; nothing of the
     step was acked, so its groups are redelivered to the next trainer."""
     model.stop.clear()
     try:
-        return await asyncio.to_thread(model.train, batch)
+        return await asyncio.to_thread(model.train, batch, version)
     except asyncio.CancelledError:
         model.stop.set()
         raise

@@ -38,7 +38,7 @@ from echo.checkpoint import (
 from echo.config import ConfigError, EchoConfig
 from echo.delta import DeltaError, send_whole
 from echo.devices import DTYPES, resolve_device, resolve_dtype
-from echo.learner import Batch, make_optimizer, merge_stats, set_threads, train_step
+from echo.learner import Batch, ForgedInStep, HeldProof, make_optimizer, merge_stats, set_threads, train_step
 from echo.lifeline import die_with_parent
 from echo.models import base_model_digest, load_model
 from echo.policy import make_policy, weights_kind, weights_shards
@@ -171,14 +171,31 @@ class TrainerModel:
         self.state = state
 
     @everywhere
-    def train(self, batch: Batch) -> dict:
-        """A step on the batch (echo/learner.py's train_step), on every rank."""
+    def train(self, batch: Batch, version: int | None = None) -> dict:
+        """A step on the batch (echo/learner.py's train_step), on every rank; given the `version`
+        it trains from, the groups that version sampled are proved by the step's own forward where
+        the proof does (in_step; a retrain or a bench proves nothing). Returns the step's
+        statistics, or {"forged": {group id: why}} and no update."""
         # On several ranks a step is never abandoned half way: the other ranks would wait in its
         # collectives. A stopping trainer's ranks are all stopped by torchrun instead.
         stop = self.stop if self.ranks.world == 1 else None
-        stats = train_step(self.module, self.optimizer, batch, self.cfg, self.tokenizer.pad_token_id, stop,
-                           self.compute_dtype, self.ranks.rank, self.ranks.world)
+        held = None
+        if self.proof.in_step and version is not None:
+            held = HeldProof(version, self.proof.noise_seed, functools.partial(self._judge_held, batch))
+        try:
+            stats = train_step(self.module, self.optimizer, batch, self.cfg, self.tokenizer.pad_token_id, stop,
+                               self.compute_dtype, self.ranks.rank, self.ranks.world, held)
+        except ForgedInStep as e:
+            return {"forged": e.forged}
         return merge_stats(self.ranks.gather(stats))
+
+    def _judge_held(self, batch: Batch, checked: dict[str, Checked]) -> dict[str, str]:
+        """Every rank's checks of the step's groups (each ran some of its passes), judged alike."""
+        every: dict[str, Checked] = {}
+        for part in self.ranks.gather(checked):
+            for gid, c in part.items():
+                every[gid] = every[gid].worst(c) if gid in every else c
+        return self.proof.judged_in_step({g.group_id: g for g in batch.groups}, every)
 
     @everywhere
     def check(self, group: RolloutGroup) -> Checked | None:
