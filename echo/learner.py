@@ -15,7 +15,8 @@ from echo.algorithms.grpo import ImportanceStats, LossStats, group_advantages, g
 from echo.config import EchoConfig
 from echo.devices import autocast, model_device
 from echo.policy import packed_states, states_logprobs
-from echo.proof import Checked, held_checks
+from echo.noise import TokenMargins
+from echo.proof import Checked, held_checks, held_noise
 from echo.wire.messages import RolloutGroup
 
 
@@ -251,13 +252,15 @@ def _pass(model, cfg: EchoConfig, pad_id: int, device, compute_dtype,
     claimed = [group.completions[i] for group, _, rows in segments for i in rows]
     owners = [j for j, (_, _, rows) in enumerate(segments) for _ in rows]
     advantages = torch.cat([rows_advantages for _, rows_advantages, _ in segments])
-    logprobs, mask, entropy, ref_logprobs, states, ids = _forward(model, cfg, pad_id, device, compute_dtype, prompts,
-                                                                  [c.token_ids for c in claimed], owners)
-    checked = {}
-    if held is not None:
-        with autocast(device, compute_dtype):
-            checked = held_checks(model, [(group, rows) for group, _, rows in segments], states, ids,
-                                  logprobs.detach(), cfg.sampling.temperature, held.version, held.noise_seed)
+    pass_groups = [(group, rows) for group, _, rows in segments]
+    margins = None  # the held version's token margins, from the logits the log-probs are made of
+    if held is not None and held.noise_seed is not None:
+        margins = TokenMargins(held_noise(pass_groups, held.version, held.noise_seed),
+                               [torch.from_numpy(c.model_mask()) for c in claimed], cfg.sampling.temperature, device)
+    logprobs, mask, entropy, ref_logprobs = _forward(model, cfg, pad_id, device, compute_dtype, prompts,
+                                                     [c.token_ids for c in claimed], owners, margins)
+    checked = {} if held is None else held_checks(pass_groups, logprobs.detach(),
+                                                  None if margins is None else margins.worst, held.version)
     behaviour, sampled = torch.zeros(logprobs.shape), torch.zeros(mask.shape, dtype=torch.bool)
     for i, completion in enumerate(claimed):
         behaviour[i, : len(completion.logprobs)] = torch.tensor(completion.logprobs)
@@ -276,11 +279,11 @@ def _pass(model, cfg: EchoConfig, pad_id: int, device, compute_dtype,
 
 
 def _forward(model, cfg: EchoConfig, pad_id: int, device, compute_dtype, prompts: list, completions: list,
-             owners: list[int]):
-    """Log-probs, mask and entropy of completions, the reference's log-probs (KL on), and what
-    the log-probs were read from (policy.packed_states: the states and ids). Every pass calls
-    the model alike (a reference forward with KL on; at least two completion positions, so a
-    prompt call and a completion call): see rank_passes."""
+             owners: list[int], observe=None):
+    """Log-probs, mask and entropy of completions, and the reference's log-probs (KL on);
+    `observe` sees the policy's logits as they are made (policy.states_logprobs). Every pass
+    calls the model alike (a reference forward with KL on; at least two completion positions, so
+    a prompt call and a completion call): see rank_passes."""
     temperature, ref_logprobs = cfg.sampling.temperature, None
     with autocast(device, compute_dtype):
         if cfg.trainer.kl_coef > 0:
@@ -289,8 +292,8 @@ def _forward(model, cfg: EchoConfig, pad_id: int, device, compute_dtype, prompts
                 states, ids, _ = packed_states(model, prompts, completions, owners, pad_id, min_length=2)
                 ref_logprobs = states_logprobs(model, states, ids, temperature)
         states, ids, mask = packed_states(model, prompts, completions, owners, pad_id, min_length=2)
-        logprobs, entropy = states_logprobs(model, states, ids, temperature, with_entropy=True)
-    return logprobs, mask, entropy, ref_logprobs, states, ids
+        logprobs, entropy = states_logprobs(model, states, ids, temperature, with_entropy=True, observe=observe)
+    return logprobs, mask, entropy, ref_logprobs
 
 
 def _empty_pass(model, cfg: EchoConfig, pad_id: int, device, compute_dtype) -> None:

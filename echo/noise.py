@@ -56,18 +56,60 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 def gumbel(key: int, completion: int, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """Standard Gumbel noise [len(positions), vocab] in float32, on `positions`' device: the same
     bits on every device for the same (key, completion, position, vocabulary id)."""
-    device = positions.device
-    low, high = key & _M32, (key >> 32) & _M32
+    return _noise(key & _M32, key >> 32, completion, positions[:, None],
+                  _vocabulary_bits(vocab, positions.device)[None, :])
+
+
+def gumbel_at(key: int, completion: int, positions: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """gumbel's noise at the pairs (positions[i], ids[i]) only."""
+    return _noise(key & _M32, key >> 32, completion, positions, _id_bits(ids))
+
+
+def _noise(low, high, completion, positions: torch.Tensor, id_bits: torch.Tensor) -> torch.Tensor:
+    """The noise of each (key, completion, position, id), from the key's 32-bit halves; the
+    arguments broadcast (ints or int64 tensors)."""
     counter = (positions.to(torch.int64) + completion * 0x9E3779B9) & _M32  # (completion, position)
     row = _mix(_mix(_mix(counter) ^ low) ^ high)
-    bits = _mix(_mix(row[:, None] ^ _vocabulary_bits(vocab, device)[None, :]) ^ low)
-    return -torch.log(-torch.log(uniform(bits)))
+    return -torch.log(-torch.log(uniform(_mix(_mix(row ^ id_bits) ^ low))))
+
+
+def _id_bits(ids: torch.Tensor) -> torch.Tensor:
+    return _mix((ids.to(torch.int64) * 0x27D4EB2F) & _M32)
 
 
 @functools.lru_cache(maxsize=4)
 def _vocabulary_bits(vocab: int, device: torch.device) -> torch.Tensor:
     """Each vocabulary id hashed: the same for every row, made once per vocabulary and device."""
-    return _mix((torch.arange(vocab, device=device, dtype=torch.int64) * 0x27D4EB2F) & _M32)
+    return _id_bits(torch.arange(vocab, device=device))
+
+
+# The largest and smallest noise `uniform` allows: u = 1 - 2**-24 gives -log(-log(u)) = 16.64,
+# u = 2**-24 gives -2.81.
+GUMBEL_MAX, GUMBEL_MIN = 17.0, -3.0
+
+
+def noisy_scores(scores: torch.Tensor, low: torch.Tensor, high: torch.Tensor, completion: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+    """scores [N, V] (logits / T) plus each row's noise (row n: completion `completion[n]` of the
+    group keyed (`high[n]`, `low[n]`) at `positions[n]`), -inf for the ids that cannot be the
+    argmax: an id more than GUMBEL_MAX - GUMBEL_MIN below the row's best score never beats it, so
+    its noise is not drawn where such ids are most (a language model's peaked logits)."""
+    scores = scores.float()
+    near = scores > (scores.max(dim=-1).values - (GUMBEL_MAX - GUMBEL_MIN))[:, None]
+    if int(near.sum()) * 4 > near.numel():  # most of them: the whole grid hashes faster
+        return scores + _noise(low[:, None], high[:, None], completion[:, None], positions[:, None],
+                               _vocabulary_bits(scores.shape[-1], scores.device)[None, :])
+    rows, ids = near.nonzero(as_tuple=True)
+    noisy = torch.full_like(scores, float("-inf"))
+    noisy[rows, ids] = scores[rows, ids] + _noise(low[rows], high[rows], completion[rows], positions[rows],
+                                                  _id_bits(ids))
+    return noisy
+
+
+def key_halves(keys: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group keys as the (low, high) 32-bit halves the noise is drawn from, one per row."""
+    return (torch.tensor([key & _M32 for key in keys], dtype=torch.int64, device=device),
+            torch.tensor([key >> 32 for key in keys], dtype=torch.int64, device=device))
 
 
 def uniform(bits: torch.Tensor) -> torch.Tensor:
@@ -76,8 +118,51 @@ def uniform(bits: torch.Tensor) -> torch.Tensor:
     return ((bits >> 9).to(torch.float32) + 0.5) / float(1 << 23)
 
 
-def noisy_margin(scores: torch.Tensor, tokens: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+def noisy_margin(scores: torch.Tensor, tokens: torch.Tensor, low: torch.Tensor, high: torch.Tensor,
+                 completion: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """How far each token falls short of the noisy argmax: max(scores + noise) minus the token's
-    own scores + noise, per row (0 where the token is the argmax). scores are logits / T."""
-    noisy = scores.float() + noise
-    return noisy.max(dim=-1).values - noisy.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    own scores + noise, per row of scores [N, V] (logits / T), row n drawing the noise of
+    completion `completion[n]` of the group keyed (`high[n]`, `low[n]`) at `positions[n]`; 0
+    where the token is the argmax. Only ids whose score is within GUMBEL_MAX below the token's
+    noisy score can beat it, so the noise is drawn for those alone where they are few (a language
+    model's peaked logits: hashing the whole vocabulary cost more than a step's forward on a CPU)."""
+    scores = scores.float()
+    own = scores.gather(-1, tokens[:, None]).squeeze(-1) + _noise(low, high, completion, positions, _id_bits(tokens))
+    near = scores > (own - GUMBEL_MAX)[:, None]
+    if int(near.sum()) * 4 > near.numel():  # most of them: the whole grid hashes faster
+        noise = _noise(low[:, None], high[:, None], completion[:, None], positions[:, None],
+                       _vocabulary_bits(scores.shape[-1], scores.device)[None, :])
+        return (scores + noise).max(dim=-1).values - own
+    rows, ids = near.nonzero(as_tuple=True)
+    noisy = scores[rows, ids] + _noise(low[rows], high[rows], completion[rows], positions[rows], _id_bits(ids))
+    return own.new_full(own.shape, float("-inf")).scatter_reduce(0, rows, noisy, "amax") - own
+
+
+class TokenMargins:
+    """The token margins of completions drawn with keyed noise, read from logits made anyway (the
+    log-probs' chunks: echo/policy.py's states_logprobs shows it each). Row r of the tokens is
+    completion `noise[r][1]` of the group keyed `noise[r][0]`, or not checked (None); `sampled[r]`
+    marks the tokens the model drew (an episode's observations are the environment's).
+    `worst[r]`: the worst margin of its tokens seen."""
+
+    def __init__(self, noise: list[tuple[int, int] | None], sampled: list[torch.Tensor], temperature: float,
+                 device: torch.device):
+        self.temperature = temperature
+        self.sampled = torch.zeros((len(sampled), max(len(m) for m in sampled)), dtype=torch.bool)
+        for r, (mask, n) in enumerate(zip(sampled, noise)):
+            self.sampled[r, : len(mask)] = mask.to(torch.bool) & (n is not None)
+        self.sampled = self.sampled.to(device)
+        keys = [n or (0, 0) for n in noise]
+        self.low, self.high = key_halves([key for key, _ in keys], device)
+        self.completion = torch.tensor([j for _, j in keys], dtype=torch.int64, device=device)
+        self.worst = torch.zeros(len(noise), device=device)
+
+    def __call__(self, rows: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        inside = positions < self.sampled.shape[1]  # past every completion's end: padding
+        take = (inside & self.sampled[rows, positions.clamp(max=self.sampled.shape[1] - 1)]).nonzero().squeeze(1)
+        if not len(take):
+            return
+        rows, positions = rows[take], positions[take]
+        margins = noisy_margin(logits[take].float() / self.temperature, tokens[take], self.low[rows],
+                               self.high[rows], self.completion[rows], positions)
+        self.worst.scatter_reduce_(0, rows, margins, "amax")

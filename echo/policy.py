@@ -15,10 +15,9 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from echo.algorithms.grpo import HEAD_CHUNK_ELEMENTS, head_logprobs, token_logprobs
+from echo.algorithms.grpo import head_logprobs, token_logprobs
 from echo.config import ConfigError, LoraConfig
 from echo.devices import model_device
-from echo.noise import gumbel, noisy_margin
 
 
 class WeightsMismatch(ValueError):
@@ -56,10 +55,16 @@ def _forward(model, **inputs):
     return out.logits, kv_cache(out)
 
 
-def states_logprobs(model, states, tokens, temperature: float, with_entropy: bool = False):
-    """Log-probs (and entropy) of `tokens` from what _forward gave at each position."""
+def states_logprobs(model, states, tokens, temperature: float, with_entropy: bool = False, observe=None):
+    """Log-probs (and entropy) of `tokens` from what _forward gave at each position; `observe`
+    sees the logits made for them (head_logprobs; e.g. echo/noise.py's TokenMargins)."""
     if _plain_head(model):
-        return head_logprobs(model.get_output_embeddings(), states, tokens, temperature, with_entropy)
+        return head_logprobs(model.get_output_embeddings(), states, tokens, temperature, with_entropy, observe)
+    if observe is not None:
+        flat = torch.arange(tokens.numel(), device=tokens.device)
+        with torch.no_grad():
+            observe(flat // tokens.shape[-1], flat % tokens.shape[-1], tokens.reshape(-1),
+                    states.detach().reshape(-1, states.shape[-1]))
     return token_logprobs(states, tokens, temperature, with_entropy)
 
 
@@ -247,32 +252,6 @@ def packed_states(model, prompts: list, completions: list, owners: list[int], pa
                            **{CACHE: cache})
         states = torch.cat([states, rest], dim=1)
     return states, ids, mask
-
-
-def token_margins(model, states, ids, sampled: list[torch.Tensor], temperature: float,
-                  noise: list[tuple[int, int]]) -> torch.Tensor:
-    """For each completion drawn with keyed noise (echo/noise.py), how far its worst token falls
-    short of the noisy argmax under these states (packed_states'): [R], 0 where every token is the
-    one the noise picks. Row r is completion `noise[r][1]` of the group keyed `noise[r][0]`;
-    `sampled[r]` marks the tokens the model drew (an episode's observations are the
-    environment's); a token's noise is keyed by its position in the completion. Logits are made a
-    chunk of positions at a time."""
-    head = model.get_output_embeddings() if _plain_head(model) else None
-    vocab = head.weight.shape[0] if head is not None else states.shape[-1]
-    chunk = max(1, HEAD_CHUNK_ELEMENTS // vocab)
-    margins = []
-    for row, (mask, (key, completion)) in enumerate(zip(sampled, noise)):
-        worst = torch.zeros((), device=states.device)
-        for start in range(0, len(mask), chunk):
-            part = states[row, start : min(len(mask), start + chunk)]
-            logits = head(part) if head is not None else part
-            positions = torch.arange(start, start + part.shape[0], device=states.device)
-            margin = noisy_margin(logits.float() / temperature, ids[row, positions],
-                                  gumbel(key, completion, positions, logits.shape[-1]))
-            worst = torch.maximum(worst, torch.where(mask[start : start + part.shape[0]].to(states.device), margin,
-                                                     torch.zeros_like(margin)).max())
-        margins.append(worst)
-    return torch.stack(margins)
 
 
 def spanning_logprobs(model, prompt_ids, completions: list, starts: list[int], use_version, temperature: float,

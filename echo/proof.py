@@ -30,8 +30,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from echo.config import EchoConfig
 from echo.devices import DTYPES, autocast, model_device
-from echo.noise import group_key
-from echo.policy import packed_states, spanning_logprobs, states_logprobs, token_margins
+from echo.noise import TokenMargins, group_key
+from echo.policy import packed_states, spanning_logprobs, states_logprobs
 from echo.wire.messages import Completion, RolloutGroup
 
 
@@ -92,7 +92,7 @@ class Checked:
     """What the check found in one group."""
 
     gap: float  # the largest log-prob gap (logprob_gap)
-    margin: float | None = None  # the largest token margin (policy.token_margins); None: tokens not checked
+    margin: float | None = None  # the largest token margin (noise.TokenMargins); None: tokens not checked
 
     def worst(self, other: Checked) -> Checked:
         """Both parts of one group's check (its completions split between passes) as one."""
@@ -100,27 +100,34 @@ class Checked:
         return Checked(max(self.gap, other.gap), max(margins) if margins else None)
 
 
-def held_checks(model, pass_groups: list[tuple[RolloutGroup, list[int]]], states, ids, recomputed,
-                temperature: float, version: int, noise_seed: int | None) -> dict[str, Checked]:
+def held_noise(pass_groups: list[tuple[RolloutGroup, list[int]]], version: int,
+               noise_seed: int) -> list[tuple[int, int] | None]:
+    """For each row of a training pass (`pass_groups`' completions in order), the noise it was
+    drawn with (its group's key, its index) if its group is one `version` sampled, else None."""
+    return [(group_key(noise_seed, group.epoch, group.slot), i) if held(group, version) else None
+            for group, rows in pass_groups for i in rows]
+
+
+def held(group: RolloutGroup, version: int) -> bool:
+    """Every token of `group` sampled by `version`."""
+    return group.version == version and not group.version_changes
+
+
+def held_checks(pass_groups: list[tuple[RolloutGroup, list[int]]], recomputed: torch.Tensor,
+                margins: torch.Tensor | None, version: int) -> dict[str, Checked]:
     """The proof of sampling from a training pass's own forward, for its groups sampled by
     `version`, the one the step trains from: their recomputed log-probs are the step's pi_old
-    (`recomputed`, [R, C]), and the token margins read the same states. The pass's rows are
+    (`recomputed`, [R, C]), their token margins (`margins` [R], TokenMargins' worst; None: not
+    drawn with keyed noise) read from the logits it made for them. The pass's rows are
     `pass_groups`' completions in order; the check of a group split between passes is its parts'
     worst (Checked.worst)."""
     out, start = {}, 0
     for group, rows in pass_groups:
         span, start = slice(start, start + len(rows)), start + len(rows)
-        if group.version != version or group.version_changes:
-            continue
-        claimed = [group.completions[i] for i in rows]
-        margin = None
-        if noise_seed is not None:
-            key = group_key(noise_seed, group.epoch, group.slot)
-            sampled = [torch.from_numpy(c.model_mask()) for c in claimed]
-            with torch.no_grad():
-                margin = float(token_margins(model, states[span], ids[span], sampled, temperature,
-                                             [(key, i) for i in rows]).max())
-        out[group.group_id] = Checked(logprob_gap(claimed, recomputed[span].float().cpu()), margin)
+        if held(group, version):
+            claimed = [group.completions[i] for i in rows]
+            margin = None if margins is None else float(margins[span].max())
+            out[group.group_id] = Checked(logprob_gap(claimed, recomputed[span].float().cpu()), margin)
     return out
 
 
@@ -194,12 +201,14 @@ class SamplingProof:
                     use_version(0)
                     states, ids, _ = packed_states(self.model, [group.prompt_token_ids], completions,
                                                    [0] * len(completions), self.pad_id)
-                    recomputed = states_logprobs(self.model, states, ids, self.temperature)
+                    margins = None
                     if self.tokens_checked(group):
                         key = group_key(self.noise_seed, group.epoch, group.slot)
-                        sampled = [torch.from_numpy(c.model_mask()) for c in group.completions]
-                        margin = float(token_margins(self.model, states, ids, sampled, self.temperature,
-                                                     [(key, j) for j in range(len(sampled))]).max())
+                        margins = TokenMargins([(key, j) for j in range(len(completions))],
+                                               [torch.from_numpy(c.model_mask()) for c in group.completions],
+                                               self.temperature, ids.device)
+                    recomputed = states_logprobs(self.model, states, ids, self.temperature, observe=margins)
+                    margin = None if margins is None else float(margins.worst.max())
                 else:
                     starts = [0, *(change.at for change in group.version_changes)]
                     recomputed = spanning_logprobs(self.model, group.prompt_token_ids, completions, starts,

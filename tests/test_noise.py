@@ -17,7 +17,7 @@ from echo.engines.hf import HFEngine
 from echo.environments import load_environment, play_episodes
 from echo.grants import GrantLedger
 from echo.learner import Batch, ForgedInStep, HeldProof, make_optimizer, train_step
-from echo.noise import Draw, group_key, gumbel, uniform
+from echo.noise import GUMBEL_MAX, Draw, group_key, gumbel, gumbel_at, noisy_margin, uniform
 from echo.policy import group_logprobs, load_weights, weights_shards
 from echo.proof import Checked, ProofSettings, SamplingProof
 from echo.referee import Referee
@@ -57,6 +57,27 @@ def test_the_noise_is_the_same_bits_for_the_same_key_and_a_gumbel_draw():
     drawn = torch.stack([(logits + gumbel(group_key(SEED, EPOCH, slot), 0, torch.arange(1), 3)[0]).argmax()
                          for slot in range(4000)])
     assert torch.bincount(drawn, minlength=3) / 4000 == pytest.approx(torch.softmax(logits, 0).tolist(), abs=0.02)
+
+
+def test_the_margin_drawn_only_where_a_token_could_win_is_the_whole_vocabularys():
+    """noisy_margin hashes only the ids within GUMBEL_MAX of a token's noisy score where they are
+    few (a language model's peaked logits): the same margins as the whole grid's, for peaked and
+    flat scores, the sampled token and others; gumbel_at is gumbel's noise at its pairs (the same
+    bits; a log's last bit may differ where a tensor's length leaves a vectorised loop a tail)."""
+    key, positions, vocab = group_key(SEED, EPOCH, 3), torch.arange(5, 37), 4096
+    grid = gumbel(key, 1, positions, vocab)
+    rows, ids = torch.randint(0, 32, (100,)), torch.randint(0, vocab, (100,))
+    assert torch.allclose(gumbel_at(key, 1, positions[rows], ids), grid[rows, ids], rtol=0, atol=1e-5)
+    generator = torch.Generator().manual_seed(0)
+    peaked = torch.randn(32, vocab, generator=generator) * 8  # most ids far below the top ones
+    flat = torch.randn(32, vocab, generator=generator) * 0.1
+    for scores in (peaked, flat):
+        for tokens in ((scores + grid).argmax(-1), scores.argmax(-1), torch.randint(0, vocab, (32,), generator=generator)):
+            noisy = scores + grid
+            whole = noisy.max(-1).values - noisy.gather(-1, tokens[:, None]).squeeze(-1)
+            draws = [torch.full((32,), value) for value in (key & 0xFFFFFFFF, key >> 32, 1)]
+            assert torch.allclose(noisy_margin(scores, tokens, *draws, positions), whole, rtol=0, atol=1e-5)
+    assert int((peaked > (peaked.max(-1, keepdim=True).values - GUMBEL_MAX)).sum()) * 4 < peaked.numel()  # the few
 
 
 KEYED = SAMPLING.model_copy(update={"max_new_tokens": 24, "group_size": 8, "dtypes": ["float32", "bfloat16"]})

@@ -42,21 +42,31 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 HEAD_CHUNK_ELEMENTS = 2**26
 
 
-def head_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool = False):
+def head_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool = False,
+                  observe=None):
     """token_logprobs(head(hidden), tokens, ...) without ever holding a pass's full-vocabulary
     logits: a chunk of positions at a time, each chunk's logits dropped once its log-probs are
     taken and made again in the backward (activation checkpointing: one more matmul of the head
     instead of keeping [tokens x vocabulary] fp32 for the backward: 0.8 GB at 4,096 tokens of
-    a 49k vocabulary). hidden [..., H] is what the head reads at each position; tokens [...]."""
+    a 49k vocabulary). hidden [..., H] is what the head reads at each position; tokens [...].
+    `observe(rows, positions, tokens, logits)`, if given, sees each chunk's logits once (detached),
+    as made for the log-probs, with where they stand in tokens [R, C] and the tokens there."""
     flat_hidden, flat_tokens = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)
     chunk = max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])
     recompute = torch.is_grad_enabled() and flat_hidden.requires_grad
+    observed: set[int] = set()
 
-    def part(h: torch.Tensor, t: torch.Tensor):
-        return token_logprobs(head(h), t, temperature, with_entropy)
+    def part(h: torch.Tensor, t: torch.Tensor, start: int):
+        logits = head(h)
+        if observe is not None and start not in observed:  # not again when the backward makes it anew
+            observed.add(start)
+            flat = torch.arange(start, start + len(t), device=t.device)
+            with torch.no_grad():
+                observe(flat // tokens.shape[-1], flat % tokens.shape[-1], t, logits.detach())
+        return token_logprobs(logits, t, temperature, with_entropy)
 
-    parts = [checkpoint(part, flat_hidden[i : i + chunk], flat_tokens[i : i + chunk], use_reentrant=False)
-             if recompute else part(flat_hidden[i : i + chunk], flat_tokens[i : i + chunk])
+    parts = [checkpoint(part, flat_hidden[i : i + chunk], flat_tokens[i : i + chunk], i, use_reentrant=False)
+             if recompute else part(flat_hidden[i : i + chunk], flat_tokens[i : i + chunk], i)
              for i in range(0, flat_tokens.numel(), chunk)]
     if not with_entropy:
         return torch.cat(parts).view(tokens.shape)

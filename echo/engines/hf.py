@@ -13,7 +13,7 @@ from echo.config import LoraConfig, SamplingConfig
 from echo.devices import resolve_device, sampler_dtype
 from echo.engines.base import Generation, NewerWeights
 from echo.models import encode_chat, load_model
-from echo.noise import Draw, gumbel
+from echo.noise import Draw, key_halves, noisy_scores
 from echo.policy import CACHE, kv_cache, load_weights, make_policy
 
 
@@ -49,16 +49,17 @@ class KeyedNoise(SampledLogprobs):
     `rows[i][1]` of the group keyed `rows[i][0]`, its first step at position `rows[i][2]`; the
     call's first step is `start` steps past those."""
 
-    def __init__(self, temperature: float, rows: list[tuple[int, int, int]], start: int):
+    def __init__(self, temperature: float, rows: list[tuple[int, int, int]], start: int, device: torch.device):
         super().__init__(temperature)
-        self.rows, self.step = rows, start
+        self.low, self.high = key_halves([key for key, _, _ in rows], device)
+        self.completion = torch.tensor([j for _, j, _ in rows], dtype=torch.int64, device=device)
+        self.position = torch.tensor([at for _, _, at in rows], dtype=torch.int64, device=device) + start
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         super().__call__(input_ids, scores)
-        noise = torch.cat([gumbel(key, j, torch.tensor([at + self.step], device=scores.device), scores.shape[-1])
-                           for key, j, at in self.rows])
-        self.step += 1
-        return scores.float() / self.temperature + noise
+        noisy = noisy_scores(scores.float() / self.temperature, self.low, self.high, self.completion, self.position)
+        self.position = self.position + 1
+        return noisy
 
 
 class HFEngine:
@@ -123,7 +124,8 @@ class HFEngine:
         while True:
             config.max_new_tokens = min(chunk, limit - produced)
             noise_rows = [(d.key, d.first + row % n, d.position) for row in rows for d in [draws[row // n]]] if keyed else []
-            sampled = KeyedNoise(self.temperature, noise_rows, produced) if keyed else SampledLogprobs(self.temperature)
+            sampled = (KeyedNoise(self.temperature, noise_rows, produced, self.device) if keyed
+                       else SampledLogprobs(self.temperature))
             out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **{CACHE: cache},
                                       logits_processor=LogitsProcessorList([sampled]))
             new_tokens = out.sequences[:, ids.shape[1]:]
