@@ -14,8 +14,8 @@ import torch
 from echo.algorithms.grpo import ImportanceStats, LossStats, group_advantages, grpo_loss, importance_weights
 from echo.config import EchoConfig
 from echo.devices import autocast, model_device
-from echo.policy import packed_states, states_logprobs
 from echo.noise import TokenMargins
+from echo.policy import packed_states, states_logprobs
 from echo.proof import Checked, held_checks, held_noise
 from echo.wire.messages import RolloutGroup
 

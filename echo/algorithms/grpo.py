@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-
 # Rewards whose spread is below this are equal: what differs is float rounding, not signal.
 # (8 float32 rewards of 0.1 have a mean that is not 0.1 and a std of ~1e-8: divided by it, every
 # completion got -0.0074, and a batch with no signal moved the adapter by a full Adam step.)
