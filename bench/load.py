@@ -132,7 +132,8 @@ class SyntheticLearner:
     def resume(self) -> None:
         pass
 
-    def train(self, batch: Batch) -> dict:
+    def train(self, batch: Batch, version: int | None = None) -> dict:
+        """A step's time, slept; synthetic tokens prove nothing (`version` unused)."""
         tokens = sum(max(0, len(c.token_ids) - g.sampled_from(batch.oldest_version))
                      for g in batch.groups for c in g.completions)
         every = sum(len(c.token_ids) for g in batch.groups for c in g.completions)
