@@ -255,7 +255,7 @@ def packed_states(model, prompts: list, completions: list, owners: list[int], pa
 
 
 def spanning_logprobs(model, prompt_ids, completions: list, starts: list[int], use_version, temperature: float,
-                      pad_id: int) -> torch.Tensor:
+                      pad_id: int, observe=None) -> torch.Tensor:
     """Per-token log-probs [G, C] of one group's completions sampled by several versions in turn
     (partial rollouts): version k predicted the tokens from `starts[k]` on (starts[0] = 0), and
     `use_version(k)` puts its weights in the model. As in generation, a swap keeps the cache:
@@ -274,4 +274,4 @@ def spanning_logprobs(model, prompt_ids, completions: list, starts: list[int], u
         use_version(k)
         out, cache = _forward(model, input_ids=inputs[:, a:b], use_cache=True, **{CACHE: cache})
         states.append(out[:, max(0, prompt.shape[1] - 1 - a):])
-    return states_logprobs(model, torch.cat(states, dim=1), ids.to(device), temperature)
+    return states_logprobs(model, torch.cat(states, dim=1), ids.to(device), temperature, observe=observe)

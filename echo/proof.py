@@ -11,8 +11,7 @@ and reports their true log-probs. With keyed noise (sampling.noise = "keyed", ec
 token is a function of the logits and of noise the trainer draws again, so the same forward
 checks the tokens too: each must be the noisy argmax, within `margin` (the engines' numeric
 differences): every token the model drew, an episode's turns included (the environment's
-observations are its own). A partial rollout spanning versions is checked by its log-probs only
-(issue 63).
+observations are its own), a partial rollout's each under the version that drew it.
 
 The trainer keeps the last `max_staleness + 1` versions' trainable tensors (an adapter is a
 few MB) and swaps the claimed one in for the forward, then swaps its current one back. On
@@ -196,37 +195,32 @@ class SamplingProof:
 
         try:
             with torch.no_grad(), autocast(model_device(self.model), self.compute_dtype):
-                margin = None
+                margins = None  # the token check, from the logits the log-probs are made of
+                if self.noise_seed is not None:
+                    key = group_key(self.noise_seed, group.epoch, group.slot)
+                    margins = TokenMargins([(key, j) for j in range(len(completions))],
+                                           [torch.from_numpy(c.model_mask()) for c in group.completions],
+                                           self.temperature, model_device(self.model))
                 if len(versions) == 1:
                     use_version(0)
                     states, ids, _ = packed_states(self.model, [group.prompt_token_ids], completions,
                                                    [0] * len(completions), self.pad_id)
-                    margins = None
-                    if self.tokens_checked(group):
-                        key = group_key(self.noise_seed, group.epoch, group.slot)
-                        margins = TokenMargins([(key, j) for j in range(len(completions))],
-                                               [torch.from_numpy(c.model_mask()) for c in group.completions],
-                                               self.temperature, ids.device)
                     recomputed = states_logprobs(self.model, states, ids, self.temperature, observe=margins)
-                    margin = None if margins is None else float(margins.worst.max())
                 else:
                     starts = [0, *(change.at for change in group.version_changes)]
                     recomputed = spanning_logprobs(self.model, group.prompt_token_ids, completions, starts,
-                                                   use_version, self.temperature, self.pad_id)
+                                                   use_version, self.temperature, self.pad_id, observe=margins)
         finally:
             if swapped:
                 _copy_into(self.model, self.live)
-        checked = Checked(logprob_gap(group.completions, recomputed.float().cpu()), margin)
+        checked = Checked(logprob_gap(group.completions, recomputed.float().cpu()),
+                          None if margins is None else float(margins.worst.max()))
         if self.forged(group, checked):
             self.counts["forged"] += 1
             self.suspects.add(group.sampler_id)
         else:
             self.counts["passed"] += 1
         return checked
-
-    def tokens_checked(self, group: RolloutGroup) -> bool:
-        """Keyed noise drew every token the model sampled, under one version."""
-        return self.noise_seed is not None and not group.version_changes
 
     def exact(self, group: RolloutGroup) -> bool:
         """fp32 on both sides agrees to float error; a 16-bit side (the group's sampler, or this

@@ -10,6 +10,7 @@ from echo.checkpoint import TrainerState
 from echo.config import LoraConfig
 from echo.engines.hf import HFEngine
 from echo.grants import GrantLedger
+from echo.noise import Draw, group_key
 from echo.policy import group_logprobs, load_weights, policy_tensors, weights_shards
 from echo.proof import ProofSettings, SamplingProof, logprob_gap
 from echo.wire.messages import Completion, GrantRequest, Observation
@@ -153,11 +154,12 @@ async def test_a_forging_sampler_is_rejected_then_quarantined_until_an_operator_
 def test_a_partial_rollout_is_checked_token_by_token_under_the_version_that_sampled_it():
     """A sampler generating in chunks swaps in each newer version between them (keeping its
     key/value cache); the group says where each took over, and the proof recomputes every token
-    under the version that sampled it. The same tokens claimed as one version's do not pass."""
+    under the version that sampled it, its log-prob and, drawn with keyed noise, the token itself.
+    The same tokens claimed as one version's do not pass, nor a token changed after a swap."""
     sampling = SAMPLING.model_copy(update={"max_new_tokens": 24, "chunk_tokens": 8, "group_size": 16})
     sampler = HFEngine("tiny", LORA, sampling)
     trainer = HFEngine("tiny", LORA, sampling).model
-    proof = SamplingProof(trainer, 0, ProofSettings(sampling.temperature, 1.0, 0.01, keep=3))
+    proof = SamplingProof(trainer, 0, ProofSettings(sampling.temperature, 1.0, 0.01, keep=3, noise_seed=5))
     versions = []
     for version in range(3):  # as the trainer publishes them
         _perturb(trainer, seed=version)
@@ -174,8 +176,8 @@ def test_a_partial_rollout_is_checked_token_by_token_under_the_version_that_samp
             return version
 
     prompt_ids = sampler.encode_chat(REFEREE.task.prompt(3).messages)
-    torch.manual_seed(0)  # of 16 completions, one goes past 16 tokens (the tiny model may stop sooner)
-    generations = sampler.generate([prompt_ids], sampling.group_size, newer_weights=TwoSwaps())[0]
+    generations = sampler.generate([prompt_ids], sampling.group_size, newer_weights=TwoSwaps(),
+                                   draws=[Draw(group_key(5, 0, 1))])[0]  # the group's slot 1 of epoch 0
     for g in generations:  # a completion that ended before a swap does not name it
         assert g.version_changes == tuple(c for c in ((8, 1), (16, 2)) if c[0] < len(g.token_ids))
     assert max(len(g.version_changes) for g in generations) == 2
@@ -183,6 +185,13 @@ def test_a_partial_rollout_is_checked_token_by_token_under_the_version_that_samp
         honest_group().completions[0].replaced(token_ids=g.token_ids, logprobs=g.logprobs) for g in generations],
         version_changes=[{"at": 8, "version": 1}, {"at": 16, "version": 2}])
     assert group.newest_version == 2
-    assert proof.check(group).gap < 1e-4  # fp32: float error only
+    checked = proof.check(group)
+    assert checked.gap < 1e-4 and checked.margin < 1e-4  # fp32: float error only
     as_one_version = group.replaced(version_changes=[])
     assert proof.forged(as_one_version, proof.check(as_one_version))
+    longest = max(range(len(group.completions)), key=lambda j: len(group.completions[j].token_ids))
+    tokens = group.completions[longest].token_ids.copy()
+    tokens[17] = (tokens[17] + 1) % 256  # drawn by version 2
+    changed = group.replaced(completions=[c.replaced(token_ids=tokens) if j == longest else c
+                                          for j, c in enumerate(group.completions)])
+    assert proof.forged(changed, proof.check(changed)) == "token_forgery"
