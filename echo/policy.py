@@ -260,7 +260,8 @@ def spanning_logprobs(model, prompt_ids, completions: list, starts: list[int], u
     (partial rollouts): version k predicted the tokens from `starts[k]` on (starts[0] = 0), and
     `use_version(k)` puts its weights in the model. As in generation, a swap keeps the cache:
     version k also reads in the token before its first, and attends to the keys and values the
-    earlier versions left."""
+    earlier versions left; its tokens' log-probs are read through its own head (in full-weight
+    mode the head is trained too). `observe` sees the logits (states_logprobs)."""
     rows, length = len(completions), max(len(c) for c in completions)
     device = model_device(model)
     prompt = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64)).repeat(rows, 1)
@@ -269,9 +270,16 @@ def spanning_logprobs(model, prompt_ids, completions: list, starts: list[int], u
         ids[i, : len(completion)] = torch.from_numpy(np.asarray(completion, dtype=np.int64))
     inputs = torch.cat([prompt, ids[:, :-1]], dim=1).to(device)  # input j predicts completion token j + 1 - P
     cuts = [0, *(prompt.shape[1] + s - 1 for s in starts[1:]), inputs.shape[1]]
-    cache, states = None, []
+    ids, cache, logprobs = ids.to(device), None, []
     for k, (a, b) in enumerate(zip(cuts, cuts[1:])):
         use_version(k)
         out, cache = _forward(model, input_ids=inputs[:, a:b], use_cache=True, **{CACHE: cache})
-        states.append(out[:, max(0, prompt.shape[1] - 1 - a):])
-    return states_logprobs(model, torch.cat(states, dim=1), ids.to(device), temperature, observe=observe)
+        states = out[:, max(0, prompt.shape[1] - 1 - a):]  # completion positions starts[k] on
+        begin = starts[k]
+
+        def shown(rows, positions, tokens, logits, begin=begin):
+            observe(rows, positions + begin, tokens, logits)
+
+        logprobs.append(states_logprobs(model, states, ids[:, begin : begin + states.shape[1]], temperature,
+                                        observe=None if observe is None else shown))
+    return torch.cat(logprobs, dim=1)

@@ -39,6 +39,8 @@ def _perturb(model, seed: int) -> None:
         for name, p in model.named_parameters():
             if "lora_B" in name:  # zero at init: every version would be the base model
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+            elif p.requires_grad and "lora" not in name:  # full-weight mode: every parameter, the head too
+                p.add_(torch.randn(p.shape, generator=generator) * 0.02)
 
 
 def _proof(policy, tolerance: float = 0.01, fraction: float = 1.0) -> SamplingProof:
@@ -151,14 +153,15 @@ async def test_a_forging_sampler_is_rejected_then_quarantined_until_an_operator_
         assert quarantine.strikes["s1"] == 0 and (await orders.grant("s1", asked)).groups == 2
 
 
-def test_a_partial_rollout_is_checked_token_by_token_under_the_version_that_sampled_it():
+@pytest.mark.parametrize("lora", [LORA, LoraConfig(enabled=False)], ids=["lora", "full-weight"])
+def test_a_partial_rollout_is_checked_token_by_token_under_the_version_that_sampled_it(lora):
     """A sampler generating in chunks swaps in each newer version between them (keeping its
     key/value cache); the group says where each took over, and the proof recomputes every token
     under the version that sampled it, its log-prob and, drawn with keyed noise, the token itself.
     The same tokens claimed as one version's do not pass, nor a token changed after a swap."""
     sampling = SAMPLING.model_copy(update={"max_new_tokens": 24, "chunk_tokens": 8, "group_size": 16})
-    sampler = HFEngine("tiny", LORA, sampling)
-    trainer = HFEngine("tiny", LORA, sampling).model
+    sampler = HFEngine("tiny", lora, sampling)
+    trainer = HFEngine("tiny", lora, sampling).model
     proof = SamplingProof(trainer, 0, ProofSettings(sampling.temperature, 1.0, 0.01, keep=3, noise_seed=5))
     versions = []
     for version in range(3):  # as the trainer publishes them
