@@ -256,6 +256,10 @@ class GrantLedger:
         self._settle(slot, accepted=False)
         self._lost.append(slot)
 
+    def owe(self, prompt: int) -> None:
+        """A trained group found forged after its slot settled (in its step): its prompt is owed."""
+        self.owed.append(prompt)
+
     def release(self, sampler_id: str) -> list[int]:
         """End every slot `sampler_id` holds (it stopped, restarted, died or stalled): they are lost,
         and undelivered."""

@@ -115,9 +115,10 @@ class Collector:
 
     async def refuse_forged(self, out: Collected, forged: dict[str, str]) -> None:
         """Groups the step's own forward proved forged (group id -> why): refused and struck as
-        any forgery, their messages still counted by the step (acked with it)."""
+        any forgery, their prompts owed, their messages still counted by the step (acked with it)."""
         for accepted in [a for a in out.used if a.group.group_id in forged]:
             out.used.remove(accepted)
+            self.ledger.owe(accepted.group.prompt_index)
             out.generated_seconds -= accepted.group.gen_seconds
             out.verifier_errors -= accepted.verifier_errors
             await self._refused(out, accepted.group.sampler_id,
