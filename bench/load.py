@@ -68,6 +68,7 @@ class SyntheticEngine:
     """Bench only: generation at `tokens_per_s` with log-normal lengths (median `median_tokens`)."""
 
     name, device, dtype = "hf", torch.device("cpu"), torch.float32
+    keyed_noise = False  # synthetic tokens: nothing drawn
 
     def __init__(self, cfg: EchoConfig, tokens_per_s: float, median_tokens: int, seed: int):
         _, self.tokenizer = load_model(cfg.model.name)

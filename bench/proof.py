@@ -165,7 +165,7 @@ def in_step_cost(model_name: str, count: int, repeats: int) -> dict:
     proof = SamplingProof(trainer, engine.tokenizer.pad_token_id, ProofSettings(sampling.temperature, 1.0, 0.01, keep=2,
                                                                                 noise_seed=SEED))
     by_id = {g.group_id: g for g in groups}
-    held = HeldProof(0, SEED, lambda checked: proof.judged_in_step(by_id, checked))
+    held = HeldProof(0, proof.noise_key, lambda checked: proof.judged_in_step(by_id, checked))
     seconds: dict[str, list[float]] = {"plain": [], "in_step": []}
     for _ in range(repeats):
         seconds["plain"].append(train_seconds_per_group(trainer, groups, model_name, proof.pad_id))

@@ -91,6 +91,9 @@ class SamplingConfig(_Section):
     # the engine's own generator (hf-paged, vLLM, a user's engine): the trainer can then check
     # log-probs only, so a sampler may send text it chose (docs/security.md).
     noise: Literal["keyed", "engine"] = "keyed"
+    # Samplers whose text a keyed run trusts: they may run an engine that draws its own noise
+    # (hf-paged, vLLM), and the trainer checks their groups' log-probs, not their tokens.
+    trusted_samplers: list[str] = []
 
 
 class TrainerConfig(_Section):

@@ -41,7 +41,7 @@ class HeldProof:
     update and alike on every rank, which groups are forged (group id -> why)."""
 
     version: int
-    noise_seed: int | None  # the run's seed where samplers draw keyed noise: tokens checked too
+    noise_key: Callable[[RolloutGroup], int | None]  # a group's noise key where its tokens are checked
     judge: Callable[[dict[str, Checked]], dict[str, str]]
 
 
@@ -254,13 +254,13 @@ def _pass(model, cfg: EchoConfig, pad_id: int, device, compute_dtype,
     advantages = torch.cat([rows_advantages for _, rows_advantages, _ in segments])
     pass_groups = [(group, rows) for group, _, rows in segments]
     margins = None  # the held version's token margins, from the logits the log-probs are made of
-    if held is not None and held.noise_seed is not None:
-        margins = TokenMargins(held_noise(pass_groups, held.version, held.noise_seed),
-                               [torch.from_numpy(c.model_mask()) for c in claimed], cfg.sampling.temperature, device)
+    noise = [] if held is None else held_noise(pass_groups, held.version, held.noise_key)
+    if any(n is not None for n in noise):
+        margins = TokenMargins(noise, [torch.from_numpy(c.model_mask()) for c in claimed], cfg.sampling.temperature,
+                               device)
     logprobs, mask, entropy, ref_logprobs = _forward(model, cfg, pad_id, device, compute_dtype, prompts,
                                                      [c.token_ids for c in claimed], owners, margins)
-    checked = {} if held is None else held_checks(pass_groups, logprobs.detach(),
-                                                  None if margins is None else margins.worst, held.version)
+    checked = {} if held is None else held_checks(pass_groups, logprobs.detach(), margins, held.version)
     behaviour, sampled = torch.zeros(logprobs.shape), torch.zeros(mask.shape, dtype=torch.bool)
     for i, completion in enumerate(claimed):
         behaviour[i, : len(completion.logprobs)] = torch.tensor(completion.logprobs)

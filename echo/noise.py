@@ -143,7 +143,7 @@ class TokenMargins:
     log-probs' chunks: echo/policy.py's states_logprobs shows it each). Row r of the tokens is
     completion `noise[r][1]` of the group keyed `noise[r][0]`, or not checked (None); `sampled[r]`
     marks the tokens the model drew (an episode's observations are the environment's).
-    `worst[r]`: the worst margin of its tokens seen."""
+    `worst[r]`: the worst margin of its tokens seen (0 for a row not checked)."""
 
     def __init__(self, noise: list[tuple[int, int] | None], sampled: list[torch.Tensor], temperature: float,
                  device: torch.device):
@@ -152,6 +152,7 @@ class TokenMargins:
         for r, (mask, n) in enumerate(zip(sampled, noise)):
             self.sampled[r, : len(mask)] = mask.to(torch.bool) & (n is not None)
         self.sampled = self.sampled.to(device)
+        self.checked = [n is not None for n in noise]
         keys = [n or (0, 0) for n in noise]
         self.low, self.high = key_halves([key for key, _ in keys], device)
         self.completion = torch.tensor([j for _, j in keys], dtype=torch.int64, device=device)
@@ -166,3 +167,7 @@ class TokenMargins:
         margins = noisy_margin(logits[take].float() / self.temperature, tokens[take], self.low[rows],
                                self.high[rows], self.completion[rows], positions)
         self.worst.scatter_reduce_(0, rows, margins, "amax")
+
+    def of(self, rows: slice) -> float | None:
+        """The worst margin of these rows' tokens, or None where none was checked."""
+        return float(self.worst[rows].max()) if any(self.checked[rows]) else None

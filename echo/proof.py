@@ -76,6 +76,7 @@ class ProofSettings:
     # The step proves the groups sampled by the version it trains from, from its own forward
     # (held_checks): the trainer's weights are those the samplers run (published unrounded).
     in_step: bool = False
+    trusted: frozenset[str] = frozenset()  # samplers whose text the run trusts: log-probs checked, not tokens
 
     @classmethod
     def of(cls, cfg: EchoConfig, compute_dtype: torch.dtype) -> ProofSettings:
@@ -83,7 +84,8 @@ class ProofSettings:
         return cls(cfg.sampling.temperature, tcfg.verify_fraction, tcfg.verify_tolerance, cfg.begun_within + 1,
                    tcfg.verify_tolerance_16bit, DTYPES[tcfg.publish_dtype], compute_dtype,
                    cfg.run.seed if cfg.sampling.noise == "keyed" else None, tcfg.verify_margin,
-                   tcfg.verify_margin_16bit, in_step=tcfg.publish_dtype == "float32")
+                   tcfg.verify_margin_16bit, in_step=tcfg.publish_dtype == "float32",
+                   trusted=frozenset(cfg.sampling.trusted_samplers))
 
 
 @dataclass(frozen=True)
@@ -100,11 +102,12 @@ class Checked:
 
 
 def held_noise(pass_groups: list[tuple[RolloutGroup, list[int]]], version: int,
-               noise_seed: int) -> list[tuple[int, int] | None]:
+               noise_key) -> list[tuple[int, int] | None]:
     """For each row of a training pass (`pass_groups`' completions in order), the noise it was
-    drawn with (its group's key, its index) if its group is one `version` sampled, else None."""
-    return [(group_key(noise_seed, group.epoch, group.slot), i) if held(group, version) else None
-            for group, rows in pass_groups for i in rows]
+    drawn with (its group's key, its index) if its group is one `version` sampled and its tokens
+    are checked (`noise_key`: SamplingProof.noise_key), else None."""
+    return [(key, i) if held(group, version) and key is not None else None
+            for group, rows in pass_groups for key in [noise_key(group)] for i in rows]
 
 
 def held(group: RolloutGroup, version: int) -> bool:
@@ -113,11 +116,11 @@ def held(group: RolloutGroup, version: int) -> bool:
 
 
 def held_checks(pass_groups: list[tuple[RolloutGroup, list[int]]], recomputed: torch.Tensor,
-                margins: torch.Tensor | None, version: int) -> dict[str, Checked]:
+                margins: TokenMargins | None, version: int) -> dict[str, Checked]:
     """The proof of sampling from a training pass's own forward, for its groups sampled by
     `version`, the one the step trains from: their recomputed log-probs are the step's pi_old
-    (`recomputed`, [R, C]), their token margins (`margins` [R], TokenMargins' worst; None: not
-    drawn with keyed noise) read from the logits it made for them. The pass's rows are
+    (`recomputed`, [R, C]), their token margins (`margins`; None: no token checked) read from the
+    logits it made for them. The pass's rows are
     `pass_groups`' completions in order; the check of a group split between passes is its parts'
     worst (Checked.worst)."""
     out, start = {}, 0
@@ -125,7 +128,7 @@ def held_checks(pass_groups: list[tuple[RolloutGroup, list[int]]], recomputed: t
         span, start = slice(start, start + len(rows)), start + len(rows)
         if held(group, version):
             claimed = [group.completions[i] for i in rows]
-            margin = None if margins is None else float(margins[span].max())
+            margin = None if margins is None else margins.of(span)
             out[group.group_id] = Checked(logprob_gap(claimed, recomputed[span].float().cpu()), margin)
     return out
 
@@ -140,7 +143,7 @@ class SamplingProof:
         self.tolerance, self.tolerance_16bit = settings.tolerance, settings.tolerance_16bit or settings.tolerance
         self.publish_dtype, self.compute_dtype = settings.publish_dtype, settings.compute_dtype
         self.noise_seed, self.margin, self.margin_16bit = settings.noise_seed, settings.margin, settings.margin_16bit
-        self.in_step = settings.in_step
+        self.in_step, self.trusted = settings.in_step, settings.trusted
         # From the OS, not the run's seed: every sampler reads the config, and one that could tell
         # which groups will be checked would forge only the others.
         self.rng = random.SystemRandom()
@@ -196,8 +199,8 @@ class SamplingProof:
         try:
             with torch.no_grad(), autocast(model_device(self.model), self.compute_dtype):
                 margins = None  # the token check, from the logits the log-probs are made of
-                if self.noise_seed is not None:
-                    key = group_key(self.noise_seed, group.epoch, group.slot)
+                key = self.noise_key(group)
+                if key is not None:
                     margins = TokenMargins([(key, j) for j in range(len(completions))],
                                            [torch.from_numpy(c.model_mask()) for c in group.completions],
                                            self.temperature, model_device(self.model))
@@ -214,13 +217,20 @@ class SamplingProof:
             if swapped:
                 _copy_into(self.model, self.live)
         checked = Checked(logprob_gap(group.completions, recomputed.float().cpu()),
-                          None if margins is None else float(margins.worst.max()))
+                          None if margins is None else margins.of(slice(None)))
         if self.forged(group, checked):
             self.counts["forged"] += 1
             self.suspects.add(group.sampler_id)
         else:
             self.counts["passed"] += 1
         return checked
+
+    def noise_key(self, group: RolloutGroup) -> int | None:
+        """The key of the noise that drew `group`'s tokens, where they are checked: the run draws
+        keyed noise and does not trust the group's sampler's text."""
+        if self.noise_seed is None or group.sampler_id in self.trusted:
+            return None
+        return group_key(self.noise_seed, group.epoch, group.slot)
 
     def exact(self, group: RolloutGroup) -> bool:
         """fp32 on both sides agrees to float error; a 16-bit side (the group's sampler, or this

@@ -239,7 +239,7 @@ def test_the_step_proves_its_own_versions_groups_from_its_forward_and_updates_no
     before = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
     with pytest.raises(ForgedInStep) as caught:
         train_step(model, optimizer, Batch(batch, [[1.0, 0.0] * 4] * 2), cfg, pad,
-                   held=HeldProof(0, SEED, judge(batch)))
+                   held=HeldProof(0, proof.noise_key, judge(batch)))
     assert caught.value.forged == {"forged": "token_forgery"}
     assert all(torch.equal(p, before[k]) for k, p in model.named_parameters() if p.requires_grad)
     assert all(p.grad is None for p in model.parameters())
@@ -250,7 +250,7 @@ def test_the_step_proves_its_own_versions_groups_from_its_forward_and_updates_no
         assert step[group.group_id].margin == pytest.approx(alone.margin, abs=1e-5)
 
     stats = train_step(model, optimizer, Batch(honest, [[1.0, 0.0] * 4] * 2), cfg, pad,
-                       held=HeldProof(0, SEED, judge(honest)))
+                       held=HeldProof(0, proof.noise_key, judge(honest)))
     assert stats["passes"] > len(honest)  # split between passes, judged whole
     assert set(seen[-1]) == {g.group_id for g in honest} and proof.counts["passed"] == 2
     assert not all(torch.equal(p, before[k]) for k, p in model.named_parameters() if p.requires_grad)
@@ -403,7 +403,36 @@ async def test_one_samplers_text_of_its_choosing_is_refused_and_it_is_quarantine
 
 
 def test_an_engine_that_cannot_draw_keyed_noise_is_refused_at_start_unless_the_run_trusts_its_text(tmp_path):
-    cfg = tiny_config(tmp_path, sampler={"engine": "hf-paged"})
-    with pytest.raises(ConfigError, match="sampling.noise = 'engine'"):
-        make_engine(cfg)
-    assert make_engine(tiny_config(tmp_path, sampler={"engine": "hf-paged"}, sampling={"noise": "engine"})).name == "hf"
+    cfg = tiny_config(tmp_path, sampler={"engine": "hf-paged"}, sampling={"trusted_samplers": ["t1"]})
+    with pytest.raises(ConfigError, match="sampling.trusted_samplers"):
+        make_engine(cfg, "s1")
+    assert make_engine(cfg, "t1").name == "hf"  # this sampler's text is trusted
+    assert make_engine(tiny_config(tmp_path, sampler={"engine": "hf-paged"}, sampling={"noise": "engine"}),
+                       "s1").name == "hf"  # every sampler's
+
+
+def test_a_trusted_samplers_text_drawn_with_its_engines_noise_is_checked_by_its_log_probs_only():
+    """A keyed run may trust named samplers (sampling.trusted_samplers) to run an engine that draws
+    its own noise: their groups pass the referee and the proof checks their log-probs, not their
+    tokens. The same group from a sampler not trusted is refused (unkeyed_engine), and its tokens,
+    were they claimed as keyed, are a token forgery."""
+    sampler, _ = _engines()
+    trainer = sampler.model  # the sampler's own weights: version 0
+    proof = SamplingProof(trainer, sampler.tokenizer.pad_token_id, ProofSettings(
+        KEYED.temperature, 1.0, 0.01, keep=2, noise_seed=SEED, trusted=frozenset({"t1"})))
+    proof.remember(0)
+    drawn = _keyed_groups(sampler, [5])[0]  # for its shape; its tokens drawn again below with the engine's noise
+    prompt_ids = drawn.prompt_token_ids.tolist()
+    torch.manual_seed(1)
+    own = sampler.generate([prompt_ids], KEYED.group_size)[0]
+    group = drawn.replaced(engine="vllm", sampler_id="t1", completions=[
+        c.replaced(token_ids=g.token_ids, logprobs=g.logprobs, text=g.text, finish_reason=g.finish_reason,
+                   reward=TASK.score(g.text, TASK.prompt(5)).reward) for c, g in zip(drawn.completions, own)])
+    referee = Referee(TASK, TOKENIZER, len(TOKENIZER), KEYED.model_copy(update={"trusted_samplers": ["t1"]}))
+    assert referee.malformed(group) is None
+    checked = proof.check(group)
+    assert checked.margin is None and proof.forged(group, checked) is None
+    untrusted = group.replaced(sampler_id="s1")
+    assert referee.malformed(untrusted) == "unkeyed_engine"
+    as_keyed = untrusted.replaced(engine="hf")
+    assert proof.forged(as_keyed, proof.check(as_keyed)) == "token_forgery"

@@ -22,13 +22,14 @@ def engine_choice(choice: str) -> str:
     return choice
 
 
-def make_engine(cfg: EchoConfig) -> Engine:
-    """The engine `sampler.engine` names, on the model's device and dtype."""
+def make_engine(cfg: EchoConfig, sampler_id: str | None = None) -> Engine:
+    """The engine `sampler.engine` names, on the model's device and dtype, for sampler
+    `sampler_id` (None: no sampler's, e.g. an evaluation)."""
     choice = engine_choice(cfg.sampler.engine)
-    if cfg.sampling.noise == "keyed" and choice != "hf":
+    if cfg.sampling.noise == "keyed" and choice != "hf" and sampler_id not in cfg.sampling.trusted_samplers:
         raise ConfigError(f"sampler.engine = {choice!r} cannot draw the keyed noise sampling.noise = 'keyed' asks "
-                          "for (the hf engine can): a run that trusts its samplers' text sets "
-                          "sampling.noise = 'engine'")
+                          "for (the hf engine can): a run that trusts this sampler's text names it in "
+                          "sampling.trusted_samplers, one that trusts every sampler's sets sampling.noise = 'engine'")
     if choice == "vllm":
         from echo.engines.vllm import VLLMEngine
 

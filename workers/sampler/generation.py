@@ -38,8 +38,8 @@ class Generation:
         running, slots = self.weights.running, grant.slots
         prompts = [await self.prompts.prompt(index) for index in grant.prompts]
         seed = call_seed(self.cfg.run.seed, self.sampler_id, running.epoch, slots[0])
-        keys = ([group_key(self.cfg.run.seed, running.epoch, slot) for slot in slots]
-                if self.cfg.sampling.noise == "keyed" else None)  # one per group
+        keyed = self.cfg.sampling.noise == "keyed" and self.weights.engine.keyed_noise  # else a trusted sampler's
+        keys = [group_key(self.cfg.run.seed, running.epoch, slot) for slot in slots] if keyed else None
         started = time.perf_counter()
         groups = await asyncio.to_thread(generate_groups, self.weights.engine, self.task, prompts, self.cfg.sampling,
                                          self.sampler_id, running, slots, self.weights, seed, keys)

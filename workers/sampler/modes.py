@@ -139,7 +139,7 @@ async def run_sampler(cfg: EchoConfig, sampler_id: str) -> None:
                          credentials=credentials_of(cfg.nats.creds, cfg.nats.tls_ca), create=False,
                          weights_url=cfg.nats.weights_url or None)
     try:
-        engine = make_engine(cfg)
+        engine = make_engine(cfg, sampler_id)
         await Sampler(cfg, sampler_id, run, engine, load_task(cfg.task)).serve()
     finally:
         await run.close()

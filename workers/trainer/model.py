@@ -181,7 +181,7 @@ class TrainerModel:
         stop = self.stop if self.ranks.world == 1 else None
         held = None
         if self.proof.in_step and version is not None:
-            held = HeldProof(version, self.proof.noise_seed, functools.partial(self._judge_held, batch))
+            held = HeldProof(version, self.proof.noise_key, functools.partial(self._judge_held, batch))
         try:
             stats = train_step(self.module, self.optimizer, batch, self.cfg, self.tokenizer.pad_token_id, stop,
                                self.compute_dtype, self.ranks.rank, self.ranks.world, held)
