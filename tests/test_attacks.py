@@ -440,9 +440,11 @@ async def test_a_sampler_keeping_back_its_low_reward_groups_is_struck_and_quaran
             withheld: list[tuple[int, int]] = []  # (slot, prompt)
             granted_prompts: list[tuple[int, int]] = []
 
+            done = asyncio.Event()  # the samplers go on till the trainer's last step: it may still be collecting
+
             async def sample(run, sampler_id: str, keeps_back: bool) -> None:
                 process = uuid.uuid4().hex
-                while "s1" not in quarantine:
+                while not done.is_set():
                     version = granter.version
                     grant = await request_grant(run, sampler_id, GrantRequest(
                         want=1, epoch=lease.epoch, version=version, process=process))
@@ -472,15 +474,17 @@ async def test_a_sampler_keeping_back_its_low_reward_groups_is_struck_and_quaran
                     collector.trained(collected)
                     version += 1
                     await granter.ask(version)
-            await asyncio.gather(*samplers)
+                done.set()
+                await asyncio.gather(*samplers)
             await granter.subscription.unsubscribe()
-        assert quarantine.strikes == {"s1": 2} and "slots_undelivered" in quarantine.samplers["s1"]
+        assert set(quarantine.strikes) == {"s1"} and "slots_undelivered" in quarantine.samplers["s1"]
         s1, s2 = ledger.deliveries["s1"], ledger.deliveries["s2"]
         assert s1.undelivered > 2 * bound.most and s1.undelivered <= len(withheld)
         assert s2.ended > 0 and s2.undelivered == 0
         # The trainer still chooses the prompts: each one let go was granted again (or is owed).
-        for slot, prompt in withheld[:-1]:
-            assert prompt in ledger.owed or any(p == prompt and s > slot for s, p in granted_prompts), (slot, prompt)
+        for slot, prompt in withheld:
+            if slot not in ledger.outstanding:  # ended, not still held at the end
+                assert prompt in ledger.owed or any(p == prompt and s > slot for s, p in granted_prompts), (slot, prompt)
     finally:
         await attacker.close()
         await trainer.close()

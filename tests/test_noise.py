@@ -280,8 +280,7 @@ async def test_a_forgery_found_in_the_step_is_refused_and_struck_and_the_step_tr
     await granter.ask(0)
     trainer = Trainer(cfg, lease, model, collector, granter, RecentSteps(2, 1))
     try:
-        sent = []
-        for sampler_id, prompt in (("s2", 3), ("s1", 4), ("s2", 5)):
+        async def send(sampler_id: str, prompt: int) -> None:
             group = _keyed_groups(sampler, [prompt], first_slot=ledger.issued + 1, sampler_id=sampler_id,
                                   group_id=f"{sampler_id}{prompt}")[0]
             if sampler_id == "s1":
@@ -289,12 +288,15 @@ async def test_a_forgery_found_in_the_step_is_refused_and_struck_and_the_step_tr
                 swapped = [*first.token_ids[:3].tolist(), int(first.token_ids[3] + 1) % 256, *first.token_ids[4:].tolist()]
                 group = _forger(model.proof)(group.replaced(completions=[first.replaced(token_ids=swapped),
                                                                          *group.completions[1:]]))
-            sent.append(granted(ledger, group))
-            await publish_rollout(run, sent[-1])
+            await publish_rollout(run, granted(ledger, group))
+
+        await send("s2", 3)
+        await send("s1", 4)
         step = TrainerStep(1, time.perf_counter())
         step.collected = await collector.collect(2, 0)
         assert {a.group.group_id for a in step.collected.used} == {"s23", "s14"}  # the intake leaves version 0 to the step
         step.batch = step.collected.batch(0)
+        await send("s2", 5)  # what the step collects in the forged one's place
         async with asyncio.timeout(120):  # a hang guard
             stats = await trainer.train_proven(step)
         assert {a.group.group_id for a in step.collected.used} == {"s23", "s25"}
