@@ -16,7 +16,7 @@ from echo.config import EchoConfig
 from echo.devices import autocast, model_device
 from echo.noise import TokenMargins
 from echo.policy import packed_states, states_logprobs
-from echo.proof import Checked, held_checks, held_noise
+from echo.proof import Checked, held_checks, held_noise, worst_checks
 from echo.wire.messages import RolloutGroup
 
 
@@ -184,11 +184,7 @@ def train_step(model, optimizer, batch: Batch, cfg: EchoConfig, pad_id: int, sto
         loss_sum += stats.loss_value
         per_pass.append(stats)
     if held is not None:
-        checked: dict[str, Checked] = {}
-        for stats in per_pass:
-            for gid, c in stats.checked.items():
-                checked[gid] = checked[gid].worst(c) if gid in checked else c
-        forged = held.judge(checked)
+        forged = held.judge(worst_checks(stats.checked for stats in per_pass))
         if forged:
             optimizer.zero_grad(set_to_none=True)
             model.eval()

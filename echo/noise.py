@@ -92,13 +92,21 @@ def noisy_scores(scores: torch.Tensor, low: torch.Tensor, high: torch.Tensor, co
                  positions: torch.Tensor) -> torch.Tensor:
     """scores [N, V] (logits / T) plus each row's noise (row n: completion `completion[n]` of the
     group keyed (`high[n]`, `low[n]`) at `positions[n]`), -inf for the ids that cannot be the
-    argmax: an id more than GUMBEL_MAX - GUMBEL_MIN below the row's best score never beats it, so
-    its noise is not drawn where such ids are most (a language model's peaked logits)."""
+    argmax: an id more than GUMBEL_MAX - GUMBEL_MIN below the row's best score never beats it."""
     scores = scores.float()
     near = scores > (scores.max(dim=-1).values - (GUMBEL_MAX - GUMBEL_MIN))[:, None]
-    if int(near.sum()) * 4 > near.numel():  # most of them: the whole grid hashes faster
-        return scores + _noise(low[:, None], high[:, None], completion[:, None], positions[:, None],
-                               _vocabulary_bits(scores.shape[-1], scores.device)[None, :])
+    return _noisy_near(scores, near, low, high, completion, positions)
+
+
+def _noisy_near(scores: torch.Tensor, near: torch.Tensor, low: torch.Tensor, high: torch.Tensor,
+                completion: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """scores plus noise where `near`, -inf elsewhere: the noise is drawn for those ids alone
+    where they are few (a language model's peaked logits: hashing the whole vocabulary cost more
+    than a step's forward on a CPU), for the whole grid where they are most (it hashes faster)."""
+    if int(near.sum()) * 4 > near.numel():
+        noise = _noise(low[:, None], high[:, None], completion[:, None], positions[:, None],
+                       _vocabulary_bits(scores.shape[-1], scores.device)[None, :])
+        return torch.where(near, scores + noise, float("-inf"))
     rows, ids = near.nonzero(as_tuple=True)
     noisy = torch.full_like(scores, float("-inf"))
     noisy[rows, ids] = scores[rows, ids] + _noise(low[rows], high[rows], completion[rows], positions[rows],
@@ -124,18 +132,11 @@ def noisy_margin(scores: torch.Tensor, tokens: torch.Tensor, low: torch.Tensor, 
     own scores + noise, per row of scores [N, V] (logits / T), row n drawing the noise of
     completion `completion[n]` of the group keyed (`high[n]`, `low[n]`) at `positions[n]`; 0
     where the token is the argmax. Only ids whose score is within GUMBEL_MAX below the token's
-    noisy score can beat it, so the noise is drawn for those alone where they are few (a language
-    model's peaked logits: hashing the whole vocabulary cost more than a step's forward on a CPU)."""
+    noisy score can beat it, so the noise is drawn for those alone (_noisy_near)."""
     scores = scores.float()
     own = scores.gather(-1, tokens[:, None]).squeeze(-1) + _noise(low, high, completion, positions, _id_bits(tokens))
     near = scores > (own - GUMBEL_MAX)[:, None]
-    if int(near.sum()) * 4 > near.numel():  # most of them: the whole grid hashes faster
-        noise = _noise(low[:, None], high[:, None], completion[:, None], positions[:, None],
-                       _vocabulary_bits(scores.shape[-1], scores.device)[None, :])
-        return (scores + noise).max(dim=-1).values - own
-    rows, ids = near.nonzero(as_tuple=True)
-    noisy = scores[rows, ids] + _noise(low[rows], high[rows], completion[rows], positions[rows], _id_bits(ids))
-    return own.new_full(own.shape, float("-inf")).scatter_reduce(0, rows, noisy, "amax") - own
+    return _noisy_near(scores, near, low, high, completion, positions).max(dim=-1).values - own
 
 
 class TokenMargins:

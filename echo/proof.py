@@ -101,6 +101,15 @@ class Checked:
         return Checked(max(self.gap, other.gap), max(margins) if margins else None)
 
 
+def worst_checks(parts) -> dict[str, Checked]:
+    """Checks of parts of groups (passes, ranks: group id -> Checked each) as one per group."""
+    out: dict[str, Checked] = {}
+    for part in parts:
+        for gid, c in part.items():
+            out[gid] = out[gid].worst(c) if gid in out else c
+    return out
+
+
 def held_noise(pass_groups: list[tuple[RolloutGroup, list[int]]], version: int,
                noise_key) -> list[tuple[int, int] | None]:
     """For each row of a training pass (`pass_groups`' completions in order), the noise it was
@@ -163,7 +172,7 @@ class SamplingProof:
     def wants(self, group: RolloutGroup, version: int) -> bool:
         """Whether to check `group` now, the trainer holding `version`: not where the step proves
         it from its own forward (in_step), else a suspect's always, another's at `fraction`."""
-        if self.in_step and group.version == version and not group.version_changes:
+        if self.in_step and held(group, version):
             return False
         return group.sampler_id in self.suspects or self.rng.random() < self.fraction
 

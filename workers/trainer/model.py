@@ -42,7 +42,7 @@ from echo.learner import Batch, ForgedInStep, HeldProof, make_optimizer, merge_s
 from echo.lifeline import die_with_parent
 from echo.models import base_model_digest, load_model
 from echo.policy import make_policy, weights_kind, weights_shards
-from echo.proof import Checked, ProofSettings, SamplingProof
+from echo.proof import Checked, ProofSettings, SamplingProof, worst_checks
 from echo.wire.messages import RolloutGroup, WeightsLink
 
 log = structlog.get_logger()
@@ -191,11 +191,8 @@ class TrainerModel:
 
     def _judge_held(self, batch: Batch, checked: dict[str, Checked]) -> dict[str, str]:
         """Every rank's checks of the step's groups (each ran some of its passes), judged alike."""
-        every: dict[str, Checked] = {}
-        for part in self.ranks.gather(checked):
-            for gid, c in part.items():
-                every[gid] = every[gid].worst(c) if gid in every else c
-        return self.proof.judged_in_step({g.group_id: g for g in batch.groups}, every)
+        return self.proof.judged_in_step({g.group_id: g for g in batch.groups},
+                                         worst_checks(self.ranks.gather(checked)))
 
     @everywhere
     def check(self, group: RolloutGroup) -> Checked | None:
