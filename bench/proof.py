@@ -32,7 +32,7 @@ import torch
 
 from bench.common import write_results
 from echo.config import LoraConfig, SamplingConfig, TaskConfig, TrainerConfig, validate_config
-from echo.devices import dtype_name
+from echo.devices import DTYPES, dtype_name
 from echo.engines.hf import HFEngine
 from echo.learner import Batch, HeldProof, make_optimizer, train_step
 from echo.noise import Draw, group_key
@@ -93,12 +93,12 @@ def tokens_replaced(group: RolloutGroup, share: float, vocab: int, rng: np.rando
     return ids
 
 
-def measure(model_name: str, dtype: str, count: int) -> dict:
+def measure(model_name: str, dtype: str, count: int, device: str) -> dict:
     sampling = SamplingConfig(group_size=8, max_new_tokens=32, temperature=0.7, prompts_per_call=4,
                               dtypes=["float32", "bfloat16"])
     lora = LoraConfig(r=16, alpha=32.0)
-    engine = HFEngine(model_name, lora, sampling, "cpu", dtype)  # the sampler
-    trainer = HFEngine(model_name, lora, sampling).model  # the trainer's model: another instance, fp32
+    engine = HFEngine(model_name, lora, sampling, device, dtype)  # the sampler
+    trainer = HFEngine(model_name, lora, sampling, device, "float32").model  # the trainer's: another instance
     perturb_adapter(engine.model, seed=0, scale=0.02)
     load_weights(trainer, [bytearray(s) for s in weights_shards(engine.model, 2**30)])  # version 0, as published
     task = load_task(TaskConfig())
@@ -152,26 +152,31 @@ def measure(model_name: str, dtype: str, count: int) -> dict:
     }
 
 
-def in_step_cost(model_name: str, count: int, repeats: int) -> dict:
+def in_step_cost(model_name: str, count: int, repeats: int, device: str, compute: str) -> dict:
     """A step on `count` honest fp32 groups of version 0, with and without proving them from its
-    own forward (HeldProof), alternated; the least seconds of each."""
+    own forward (HeldProof), alternated; the least seconds of each. The step's forward runs in
+    `compute` (a GPU trainer's is bfloat16: the proof's 16-bit bands then apply)."""
     sampling = SamplingConfig(group_size=8, max_new_tokens=32, temperature=0.7, prompts_per_call=4)
     lora = LoraConfig(r=16, alpha=32.0)
-    engine = HFEngine(model_name, lora, sampling, "cpu", "float32")
-    trainer = HFEngine(model_name, lora, sampling).model
+    engine = HFEngine(model_name, lora, sampling, device, "float32")
+    trainer = HFEngine(model_name, lora, sampling, device, "float32").model
     perturb_adapter(engine.model, seed=0, scale=0.02)
     load_weights(trainer, [bytearray(s) for s in weights_shards(engine.model, 2**30)])
     groups = honest_groups(engine, load_task(TaskConfig()), count, sampling.group_size, sampling.prompts_per_call)
-    proof = SamplingProof(trainer, engine.tokenizer.pad_token_id, ProofSettings(sampling.temperature, 1.0, 0.01, keep=2,
-                                                                                noise_seed=SEED))
+    tcfg, compute_dtype = TrainerConfig(), DTYPES[compute]
+    proof = SamplingProof(trainer, engine.tokenizer.pad_token_id, ProofSettings(
+        sampling.temperature, 1.0, tcfg.verify_tolerance, keep=2, tolerance_16bit=tcfg.verify_tolerance_16bit,
+        compute_dtype=compute_dtype, noise_seed=SEED, margin=tcfg.verify_margin, margin_16bit=tcfg.verify_margin_16bit))
     by_id = {g.group_id: g for g in groups}
     held = HeldProof(0, proof.noise_key, lambda checked: proof.judged_in_step(by_id, checked))
     seconds: dict[str, list[float]] = {"plain": [], "in_step": []}
     for _ in range(repeats):
-        seconds["plain"].append(train_seconds_per_group(trainer, groups, model_name, proof.pad_id))
-        seconds["in_step"].append(train_seconds_per_group(trainer, groups, model_name, proof.pad_id, held))
+        seconds["plain"].append(train_seconds_per_group(trainer, groups, model_name, proof.pad_id,
+                                                        compute_dtype=compute_dtype))
+        seconds["in_step"].append(train_seconds_per_group(trainer, groups, model_name, proof.pad_id, held,
+                                                          compute_dtype))
     plain, in_step = min(seconds["plain"]), min(seconds["in_step"])
-    return {"model": model_name, "groups": count, "completions": count * sampling.group_size,
+    return {"model": model_name, "compute_dtype": compute, "groups": count, "completions": count * sampling.group_size,
             "tokens": sum(len(c.token_ids) for g in groups for c in g.completions),
             "step_seconds_per_group": plain, "proved_step_seconds_per_group": in_step,
             "in_step_share_of_step": round(in_step / plain - 1, 4), "seconds": seconds,
@@ -179,14 +184,16 @@ def in_step_cost(model_name: str, count: int, repeats: int) -> dict:
 
 
 def train_seconds_per_group(model, groups: list[RolloutGroup], model_name: str, pad_id: int,
-                            held: HeldProof | None = None) -> float:
+                            held: HeldProof | None = None, compute_dtype: torch.dtype = torch.float32) -> float:
     """One optimizer step on these groups, per group (the adapter moves, then is put back)."""
     cfg = validate_config({"model": {"name": model_name}, "lora": {"r": 16, "alpha": 32.0},
                            "sampling": {"temperature": 0.7}})
     before = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
     batch = Batch.of([(g, [float(i % 2) for i in range(len(g.completions))]) for g in groups])
     started = time.perf_counter()
-    train_step(model, make_optimizer(model, cfg), batch, cfg, pad_id, held=held)
+    train_step(model, make_optimizer(model, cfg), batch, cfg, pad_id, compute_dtype=compute_dtype, held=held)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     with torch.no_grad():
         for k, v in model.named_parameters():
@@ -203,21 +210,28 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=64, help="honest groups per configuration, each checked twice")
     parser.add_argument("--in-step", action="store_true", help="only the cost of proving inside the step")
     parser.add_argument("--repeats", type=int, default=3, help="--in-step: steps of each kind")
+    parser.add_argument("--device", default="cpu", help="where both the sampler and the trainer run")
+    parser.add_argument("--compute-dtype", default="float32", help="--in-step: the trainer's forward")
     args = parser.parse_args()
     torch.manual_seed(0)
+    suffix = "" if args.device == "cpu" else "-gpu"  # a GPU's figures beside the CPU's, not over them
     if args.in_step:
-        results = {"torch_threads": torch.get_num_threads(),
-                   "results": [in_step_cost(m, args.groups, args.repeats) for m in args.models]}
-        print(write_results(f"proof-in-step-{'-'.join(args.models)}.json", results).read_text())
+        results = {"torch_threads": torch.get_num_threads(), "device": args.device,
+                   "results": [in_step_cost(m, args.groups, args.repeats, args.device, args.compute_dtype)
+                               for m in args.models]}
+        if args.compute_dtype != "float32":
+            suffix += f"-{args.compute_dtype}"
+        print(write_results(f"proof-in-step-{'-'.join(args.models)}{suffix}.json", results).read_text())
         return
     tcfg = TrainerConfig()
     results = {
         "torch_threads": torch.get_num_threads(),
+        "device": args.device,
         "tolerance": [tcfg.verify_tolerance, tcfg.verify_tolerance_16bit],
         "margin": [tcfg.verify_margin, tcfg.verify_margin_16bit],
-        "results": [measure(m, d, args.groups) for m in args.models for d in args.dtypes],
+        "results": [measure(m, d, args.groups, args.device) for m in args.models for d in args.dtypes],
     }
-    out = write_results(f"proof-{'-'.join(args.models)}.json", results)
+    out = write_results(f"proof-{'-'.join(args.models)}{suffix}.json", results)
     print(out.read_text())
 
 

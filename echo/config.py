@@ -141,7 +141,7 @@ class TrainerConfig(_Section):
     # sampling.noise = "keyed": how far (in logits / temperature) a sampled token may fall short of
     # the noisy argmax the trainer recomputes, for the engines' numeric differences; a token past it
     # is a forgery. Honest margins measured (bench/proof.py, results/proof-*.json): 0 with fp32 on both
-    # sides; with a bf16 sampler 0.006 on the tiny model (10,000 completions), 0.23 on SmolLM2 (64).
+    # sides; with a bf16 sampler 0.006 on the tiny model (10,000 completions), 0.23 on SmolLM2 (64; 0.33 in 768 on an H100).
     verify_margin: float = Field(0.01, gt=0)  # between fp32 samplers and an fp32 trainer
     verify_margin_16bit: float = Field(0.5, gt=0)  # where either side computes in bf16/fp16
     quarantine_after: int = Field(3, ge=0)  # offences tolerated before quarantine (0: none)
