@@ -22,7 +22,7 @@ from bench.common import write_results
 from echo.config import TaskConfig
 from echo.environments import EpisodeBuilder, load_environment, replay
 from echo.models import byte_tokenizer, encode_chat, model_folder
-from echo.tasks import safe_reward
+from echo.tasks import safe_score
 
 THINKING = "Let me think about where the boxes and goals are and which way to push. "
 
@@ -70,7 +70,7 @@ def main() -> None:
     for tokenizer_name, tokenizer in tokenizers.items():
         math = load_environment(TaskConfig(name="math"))
         single = [(prompt, completion.text) for prompt, completion in episodes(math, tokenizer, "math", args)]
-        baseline = seconds_each(single, lambda item: safe_reward(math.task, item[1], item[0]))
+        baseline = seconds_each(single, lambda item: safe_score(math.task, item[1], item[0]))
         for task in ("sokoban_game", "math_tools"):
             env = load_environment(TaskConfig(name=task, params={"max_turns": args.turns}))
             built = episodes(env, tokenizer, task, args)

@@ -44,6 +44,9 @@ class RunConfig(_Section):
     # MLflow (a SQLite store, <run dir>/mlflow.db, unless MLFLOW_TRACKING_URI is set).
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = []
     project: str = "echo-rl"  # the W&B project and the MLflow experiment
+    # Completions shown each step, to read why a run learns or not: the best of one group, the
+    # worst of the next (echo/diagnosis.py), in <run dir>/samples.jsonl, the trackers and the page.
+    samples_per_step: int = Field(2, ge=0, le=64)
 
 
 class ModelConfig(_Section):
@@ -109,6 +112,9 @@ class TrainerConfig(_Section):
     # 8 groups of 8 x 32 tokens in one pass, 1.10x the time and 4.2x the memory of 8 passes).
     pack_groups: Literal["auto", "on", "off"] = "auto"
     lr: float = Field(1e-4, gt=0)  # AdamW's learning rate
+    # After this many steps in a row whose every group scored alike (no advantage: nothing
+    # learned), one warning naming the likely cause (run.no_signal, echo/diagnosis.py); 0: never.
+    no_signal_steps: int = Field(3, ge=0)
     weight_decay: float = Field(0.0, ge=0)  # AdamW's
     clip_eps: float = Field(0.2, gt=0)  # PPO-style clipping of the policy ratio
     kl_coef: float = Field(0.0, ge=0)  # KL penalty to the base model (the adapter switched off); 0: none

@@ -24,7 +24,7 @@ import numpy as np
 
 from echo.config import TaskConfig
 from echo.noise import Draw
-from echo.tasks import Environment, Episode, Prompt, Step, Task, is_environment, load_task, safe_reward
+from echo.tasks import Environment, Episode, Prompt, Step, Task, is_environment, load_task, safe_score
 from echo.wire.messages import Completion, Observation
 
 
@@ -58,7 +58,7 @@ class _Scored:
     prompt: Prompt
 
     def step(self, action: str) -> Step:
-        return Step([], safe_reward(self.task, action, self.prompt) or 0.0, done=True)
+        return Step([], getattr(safe_score(self.task, action, self.prompt), "reward", 0.0), done=True)
 
 
 # Stands for the model's turn while the chat template renders the turn after it.

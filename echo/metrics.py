@@ -12,7 +12,10 @@ from echo.wire.messages import SamplerStatus
 STEP_SCALARS = {
     "reward_mean": "reward/mean", "reward_std": "reward/std",
     "loss": "loss/policy", "kl": "loss/kl", "entropy": "loss/entropy", "clip_fraction": "loss/clip_fraction",
-    "grad_norm": "loss/grad_norm",
+    "grad_norm": "loss/grad_norm", "lr": "learner/lr",
+    "zero_spread_share": "signal/zero_spread_share", "no_answer_share": "signal/no_answer_share",
+    "length_mean": "completions/mean_length", "length_max": "completions/max_length",
+    "truncated_share": "completions/clipped_ratio",
     "is_ratio_mean": "importance/ratio_mean", "is_ratio_max": "importance/ratio_max",
     "is_truncated_fraction": "importance/truncated_fraction", "is_masked_fraction": "importance/masked_fraction",
     "mismatch_kl": "mismatch/kl",

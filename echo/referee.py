@@ -15,7 +15,7 @@ import numpy as np
 from echo.config import SamplingConfig
 from echo.environments import replay
 from echo.models import encode_chat
-from echo.tasks import Task, is_environment, safe_reward
+from echo.tasks import Task, is_environment, safe_score
 from echo.wire.codec import RolloutLimits
 from echo.wire.messages import RolloutGroup
 
@@ -34,6 +34,7 @@ class Ruling:
     verifier_errors: int = 0  # completions whose verifier raised (reward 0)
     lie: bool = False  # rejected for claiming what the environment never said: a strike, as a forgery
     source: str = ""  # the prompt's data source (a dataset's), for rewards by source
+    unanswered: int = 0  # completions in which the verifier found no answer (Score.format_ok false)
 
 
 class Referee:
@@ -87,7 +88,7 @@ class Referee:
         prompt = self.task.prompt(group.prompt_index)
         if not np.array_equal(encode_chat(self.tokenizer, prompt.messages), group.prompt_token_ids):
             return Ruling("prompt_mismatch", [])
-        rewards, errors = [], 0
+        rewards, errors, unanswered = [], 0, 0
         for completion in group.completions:
             if is_environment(self.task):  # the episode played again with the sampler's actions
                 replayed = replay(self.task, self.tokenizer, prompt, completion, self.sampling.max_new_tokens)
@@ -96,13 +97,15 @@ class Referee:
                 reward = replayed.reward
             else:
                 text = self.tokenizer.decode(completion.token_ids.tolist(), skip_special_tokens=True)
-                reward = safe_reward(self.task, text, prompt)
-                errors += reward is None
-            rewards.append(reward or 0.0)
+                score = safe_score(self.task, text, prompt)
+                errors += score is None
+                unanswered += score is not None and not score.format_ok
+                reward = score.reward if score else 0.0
+            rewards.append(reward)
             completion_done()
         claimed = getattr(self.task, "answers_on_samplers", True)  # else a sampler claims none
         mismatch = claimed and any(abs(r - c.reward) > 1e-6 for r, c in zip(rewards, group.completions))
-        return Ruling(None, rewards, mismatch, errors, source=prompt.source)
+        return Ruling(None, rewards, mismatch, errors, source=prompt.source, unanswered=unanswered)
 
 
 def completion_keys(group: RolloutGroup) -> list[int]:

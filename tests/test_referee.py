@@ -37,6 +37,11 @@ def test_malformed_groups_are_refused_with_a_reason(group, reason):
     assert REFEREE.malformed(group) == reason
 
 
+def test_completions_with_no_answer_the_verifier_reads_are_counted():
+    ruling = REFEREE.score(honest_group(texts=["I think it is 24", "\\boxed{24}"]))
+    assert ruling.unanswered == 1 and ruling.rewards[0] == 0.0
+
+
 def test_a_prompt_that_is_not_the_tasks_is_refused():
     other = honest_group(index=13)
     assert REFEREE.score(other.model_copy(update={"prompt_index": 12})).reason == "prompt_mismatch"

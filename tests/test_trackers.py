@@ -8,11 +8,14 @@ import glob
 import struct
 import subprocess
 
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from echo.metrics import sampler_scalars, step_scalars
 from echo.wire.messages import SamplerStatus
-from tests.conftest import tiny_config
+from tests.conftest import tiny_config, verl_rows
 from tests.swarms import up_command
 from workers.trainer.trackers import Trackers, mlflow_store
 
@@ -25,6 +28,14 @@ def tensorboard_scalars(run_dir, name: str) -> dict[int, float]:
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     return {e.step: e.value for e in events.Scalars(name)}
+
+
+def tensorboard_texts(run_dir, tag: str) -> dict[int, str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return {e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors(f"{tag}/text_summary")}
 
 
 def wandb_history(run_dir, name: str) -> dict[int, float]:
@@ -98,13 +109,24 @@ def test_a_tracker_that_fails_is_dropped_once_and_the_others_go_on(tmp_path, cap
 
 @pytest.mark.slow
 def test_every_tracker_reads_back_every_step_across_a_trainer_restart(tmp_path):
-    """Two steps, the swarm stopped, then the same run taken to four and evaluated: one tracker
-    run each, the held-out scores beside the last step."""
+    """A user's verl parquet whose completions never box their answer (the tiny model's): two
+    steps, the swarm stopped, then the same run taken to four and evaluated: one tracker run
+    each, the held-out scores beside the last step; the run says why it cannot learn, once, and
+    shows what the model wrote."""
+    data = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(verl_rows(200)), data)
+    said = []
     for steps, evaluated in ((2, 0), (4, 3)):
-        done = subprocess.run(up_command(tmp_path, "tracked", steps, ALL, f"run.eval_prompts={evaluated}"),
+        done = subprocess.run(up_command(tmp_path, "tracked", steps, ALL, f"run.eval_prompts={evaluated}",
+                                         'task.name="dataset"', f'task.params.path="{data}"',
+                                         "trainer.no_signal_steps=2"),
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         assert "tracker.failed" not in done.stderr and "swarm.tensorboard" in done.stderr  # how to look
+        said.append(done.stdout + done.stderr)  # the workers log to stdout
+    # After two steps with nothing to learn: the warning, naming the cause; not again after the restart.
+    assert "run.no_signal" in said[0] and "100% of completions have no \\\\boxed{} answer" in said[0], said[0][-3000:]  # logged as repr: \\ doubled
+    assert "run.no_signal" not in said[1]
     run_dir = tmp_path / "tracked"
     steps = [1, 2, 3, 4]
     for name in ("reward/mean", "mismatch/kl", "learner/busy", "groups/used", "time/phase/publish",
@@ -115,6 +137,13 @@ def test_every_tracker_reads_back_every_step_across_a_trainer_restart(tmp_path):
         metrics, runs = mlflow_history(run_dir, name)
         assert sorted(metrics) == steps and runs == 1, name
     assert tensorboard_scalars(run_dir, "groups/used") == {s: 4.0 for s in steps}
+    assert tensorboard_scalars(run_dir, "signal/zero_spread_share") == {s: 1.0 for s in steps}
+    assert tensorboard_scalars(run_dir, "signal/no_answer_share") == {s: 1.0 for s in steps}
+    assert all(0 < n <= 8 for n in tensorboard_scalars(run_dir, "completions/max_length").values())
+    samples = [orjson.loads(line) for line in (run_dir / "samples.jsonl").read_bytes().splitlines()]
+    assert [r["step"] for r in samples] == [1, 1, 2, 2, 3, 3, 4, 4]
+    assert all("boxed" in r["prompt"] and r["reward"] == 0.0 and r["sampler"] in ("s1", "s2") for r in samples)
+    assert sorted(tensorboard_texts(run_dir, "samples")) == steps
     assert list(tensorboard_scalars(run_dir, "eval/trained_reward")) == [4]
     assert list(wandb_history(run_dir, "eval/prompts")[0].items()) == [(4, 3.0)]
     assert list(mlflow_history(run_dir, "eval/base_correct")[0]) == [4]

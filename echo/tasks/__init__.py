@@ -91,17 +91,23 @@ class Environment(Protocol):
     def episode(self, prompt: Prompt) -> Episode: ...
 
 
-def safe_reward(task: Task, completion: str, prompt: Prompt) -> float | None:
-    """The verifier's reward, or None if it raised or returned something outside [0, 1]:
-    a bug in a task costs that completion (reward 0, counted by the caller), not the run. Out
-    of memory is not a bug of the task's: it is raised (the trainer's budget, workers/trainer/scoring.py)."""
+def safe_score(task: Task, completion: str, prompt: Prompt) -> Score | None:
+    """The verifier's score, or None if it raised or gave a reward outside [0, 1]: a bug in a
+    task costs that completion (reward 0, counted by the caller), not the run. Out of memory is
+    not a bug of the task's: it is raised (the trainer's budget, workers/trainer/scoring.py)."""
     try:
-        reward = float(task.score(completion, prompt).reward)
+        score = task.score(completion, prompt)
+        reward = float(score.reward)
     except MemoryError:
         raise
     except Exception:
         return None
-    return reward if 0.0 <= reward <= 1.0 else None
+    return Score(reward, bool(score.format_ok), bool(score.correct)) if 0.0 <= reward <= 1.0 else None
+
+
+def answer_format(task) -> str:
+    """What the task's verifier reads an answer from, for a run with no learning signal to name."""
+    return getattr(task, "answer_format", "answer its verifier can read")
 
 
 def is_held_out(messages: list[dict]) -> bool:

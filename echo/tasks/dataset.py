@@ -327,6 +327,15 @@ class Dataset:
     def score(self, completion: str, prompt: Prompt) -> Score:
         return self.reward(completion, prompt.answer, prompt.source)
 
+    @property
+    def answer_format(self) -> str:
+        reward = self.p.reward
+        if reward in ("math", "exact"):
+            return "\\boxed{} answer"
+        if reward.startswith("regex:"):
+            return f"match of {reward}"
+        return "<answer></answer> block" if reward == "reasoning_gym" else f"answer {reward} can read"
+
     def published_prompts(self) -> tuple[bytes, list[Path]]:
         """What the trainer publishes: the manifest (manifest_of) and the training prompts' shard files."""
         digests = self.manifest["shards"]["train"]

@@ -163,6 +163,8 @@ class ReasoningGym(GeneratedTask):
         dataset, index = prompt.answer.rsplit("/", 1)
         return self.entry(dataset, int(index))
 
+    answer_format = "<answer></answer> block"
+
     def score(self, completion: str, prompt: Prompt) -> Score:
         answer = extract_answer(completion)
         if answer is None:

@@ -90,6 +90,8 @@ class KnightsKnaves(GeneratedTask):
         )
         return [{"role": "user", "content": question}], encode_answer(names, truth)
 
+    answer_format = "<answer></answer> block"
+
     def score(self, completion: str, prompt: Prompt) -> Score:
         truth = dict(pair.split(":") for pair in prompt.answer.split(","))
         found = re.findall(r"<answer>(.*?)</answer>", completion, re.DOTALL)

@@ -154,6 +154,7 @@ class Math(GeneratedTask):
         return [(str(r[self.p.question_field]), final_answer(str(r[self.p.answer_field]))) for r in rows]
 
     instruction = INSTRUCTION
+    answer_format = "\\boxed{} answer"
 
     def _messages(self, question: str) -> list[dict]:
         return [*(EXAMPLE if self.p.example else []), {"role": "user", "content": self.instruction.format(question=question)}]

@@ -14,7 +14,7 @@ from echo.devices import dtype_name
 from echo.engines.base import Engine, NewerWeights, call_seed
 from echo.environments import play_episodes
 from echo.noise import Draw, group_key
-from echo.tasks import Task, is_environment, safe_reward
+from echo.tasks import Task, is_environment, safe_score
 from echo.throughput import CallWindow
 from echo.wire.messages import Completion, Grant, RolloutGroup, VersionChange
 from echo.wire.names import Version
@@ -72,7 +72,7 @@ def generate_groups(engine: Engine, task: Task, prompts: list, sampling: Samplin
                                       draws=None if keys is None else [Draw(key) for key in keys])
         scores = getattr(task, "answers_on_samplers", True)  # else the trainer's alone: this box has no answers
         completions = [[Completion(token_ids=g.token_ids, logprobs=g.logprobs, text=g.text,
-                                   reward=(safe_reward(task, g.text, prompt) or 0.0) if scores else 0.0,
+                                   reward=getattr(safe_score(task, g.text, prompt), "reward", 0.0) if scores else 0.0,
                                    finish_reason=g.finish_reason)
                         for g in gens] for prompt, gens in zip(prompts, generations)]
         # its completions were sampled together: the longest saw every change

@@ -10,6 +10,7 @@ inbox's counts and the metrics file: it decides nothing about groups or grants.
 from __future__ import annotations
 
 import time
+import unicodedata
 from collections import Counter, deque
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import structlog
 
 from echo.checkpoint import TrainerState, read_metrics
 from echo.consumed import ConsumedSeqs
+from echo.diagnosis import Trained, sample_picks, step_signal
 from echo.metrics import mean_staleness
 from echo.wire.messages import SlotsEnded, TrainerStatus
 from streams.client import retry_forever
@@ -29,6 +31,7 @@ from workers.trainer.step import TrainerStep
 log = structlog.get_logger()
 
 PACE_STEPS = 10  # the learner status averages this many steps
+SAMPLE_CHARS = 2000  # of a sample's prompt, and of its completion
 
 
 def step_record(step: TrainerStep, version: int, proof_counts: dict, quarantined: list[str]) -> dict:
@@ -55,10 +58,39 @@ def step_record(step: TrainerStep, version: int, proof_counts: dict, quarantined
         "quarantined": quarantined,
         "staleness_used": dict(Counter(version - 1 - v for v in step.batch.versions)),
         "reward_by_source": rewards_by_source(collected.used),
+        **step_signal([trained_group(a) for a in collected.used]),
         "staleness_dropped": dict(collected.dropped),
         "groups": [[g.group_id, g.version, g.sampler_id] for g in groups],
         "dropped_groups": collected.dropped_ids,
     }
+
+
+def trained_group(a: Accepted) -> Trained:
+    completions = a.group.completions
+    return Trained(a.rewards, a.unanswered, [len(c.token_ids) for c in completions],
+                   sum(c.finish_reason == "length" for c in completions))
+
+
+def step_samples(step: TrainerStep, tokenizer, count: int) -> list[dict]:
+    """`count` of the step's completions to read (echo/diagnosis.py's picks), decoded here from
+    their tokens (never a sampler's own text), control characters and length bounded: they go to
+    files, trackers and a web page."""
+    used = step.collected.used
+    rows = []
+    for g, c in sample_picks([a.rewards for a in used], count):
+        group, completion = used[g].group, used[g].group.completions[c]
+        rows.append({"step": step.number, "group": group.group_id, "sampler": group.sampler_id,
+                     "version": group.version, "reward": used[g].rewards[c], "finish_reason": completion.finish_reason,
+                     "prompt": readable(tokenizer.decode(group.prompt_token_ids.tolist(), skip_special_tokens=True)),
+                     "completion": readable(tokenizer.decode(completion.token_ids.tolist(), skip_special_tokens=True))})
+    return rows
+
+
+def readable(text: str) -> str:
+    """Text as shown: at most SAMPLE_CHARS (the end, where a prompt's question and a
+    completion's answer are), with no control characters but newlines and tabs."""
+    text = text[-SAMPLE_CHARS:]
+    return "".join(ch if ch in "\n\t" or unicodedata.category(ch)[0] != "C" else "\ufffd" for ch in text)
 
 
 def rewards_by_source(used: list[Accepted]) -> dict[str, float]:

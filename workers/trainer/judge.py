@@ -41,6 +41,7 @@ class Accepted:
     reward_mismatch: bool = False  # the sampler claimed other rewards than the verifier's (a strike)
     source: str = ""  # its prompt's data source (a dataset's; else "")
     verifier_errors: int = 0  # completions whose verifier raised (reward 0)
+    unanswered: int = 0  # completions in which the verifier found no answer
 
 
 @dataclass
@@ -103,7 +104,7 @@ class Judge:
                 return verdict
         ruling = case.ruling
         return Accepted(case.group, ruling.rewards, case.content, ruling.reward_mismatch, ruling.source,
-                        ruling.verifier_errors)
+                        ruling.verifier_errors, ruling.unanswered)
 
     async def well_formed(self, case: Case) -> Verdict | None:
         """What the run's config rules out (group size, temperature, tokens, task, precision): no

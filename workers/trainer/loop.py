@@ -18,18 +18,20 @@ import time
 from collections.abc import Callable
 from functools import partial
 
+import orjson
 import structlog
 
 from echo.checkpoint import load_trained_completions, load_trained_content, read_metrics, remember_trained
 from echo.config import EchoConfig
 from echo.consumed import ConsumedSeqs
+from echo.diagnosis import NoSignal, likely_cause
 from echo.grants import DeliveryBound, GrantLedger
 from echo.learner import Batch
 from echo.logs import bind_process
 from echo.metrics import sampler_scalars, step_scalars, summarize
 from echo.models import encode_chat
 from echo.referee import Referee
-from echo.tasks import load_task
+from echo.tasks import answer_format, load_task
 from echo.tasks.dataset import Dataset, check_prompt_lengths
 from echo.wire.messages import SlotsEnded, WeightsAnnouncement
 from streams.client import Run, open_run, retry_forever
@@ -50,6 +52,7 @@ from workers.trainer.accounting import (
     restore_metrics,
     settle,
     step_record,
+    step_samples,
 )
 from workers.trainer.coordinator import Coordinator
 from workers.trainer.granter import Granter, granter_for
@@ -119,6 +122,9 @@ class Trainer:
         self.inbox, self.quarantine = collector.inbox, collector.quarantine
         self.weights = WeightsPublisher(lease, cfg.trainer.keep_versions, cfg.trainer.keep_versions_s)
         self.left_out: set[str] = set()  # samplers whose heartbeats gave no scalars (logged once)
+        self.no_signal = NoSignal(cfg.trainer.no_signal_steps)
+        for record in read_metrics(cfg.run_dir):  # a resumed run's streak goes on
+            self.no_signal.observe(record)
 
     @classmethod
     async def open(cls, cfg: EchoConfig, run: Run, lease: Lease, background: Background, model: TrainerModel,
@@ -186,11 +192,12 @@ class Trainer:
                 with step.phase("account"):
                     record = await self.account(step)
                 record = write_metrics(metrics_file, record, step)
+                samples = self.diagnose(step, record)
                 if trackers.live:
                     samplers = await retry_forever("read heartbeats", lambda: read_statuses(self.run))
                     scalars = step_scalars(record, sum(self.quarantine.strikes.values()))
                     scalars |= self.samplers_scalars(samplers, record["version"])
-                    await asyncio.to_thread(trackers.log, step.number, scalars)
+                    await asyncio.to_thread(trackers.log, step.number, scalars, samples)
 
     async def train_proven(self, step: TrainerStep) -> dict:
         """The step trained on its batch, the groups of the version it trains from proved by its
@@ -206,6 +213,18 @@ class Trainer:
             await self.collector.collect(self.cfg.trainer.groups_per_step, version, self.granter.on_wait,
                                          into=step.collected)
             step.batch = step.collected.batch(version - self.cfg.staleness_bound)
+
+    def diagnose(self, step: TrainerStep, record: dict) -> list[dict]:
+        """Why the run learns or not (echo/diagnosis.py): a warning after steps with nothing to
+        learn from, and the step's sample completions, appended to samples.jsonl and returned."""
+        if self.no_signal.observe(record):
+            task = self.collector.judge.referee.task
+            log.warning("run.no_signal", steps=self.no_signal.streak, zero_spread_share=record["zero_spread_share"],
+                        cause=likely_cause(record, answer_format(task), self.cfg.sampling.max_new_tokens))
+        samples = step_samples(step, self.model.tokenizer, self.cfg.run.samples_per_step)
+        with open(self.cfg.run_dir / "samples.jsonl", "ab") as f:
+            f.write(b"".join(orjson.dumps(s) + b"\n" for s in samples))
+        return samples
 
     def samplers_scalars(self, samplers: list, version: int) -> dict[str, float]:
         scalars, left_out = sampler_scalars(samplers, version)

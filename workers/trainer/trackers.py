@@ -1,6 +1,6 @@
 """The experiment trackers the trainer (rank 0) writes to (`run.trackers`): TensorBoard, W&B
 and MLflow, each an optional extra. Every step's scalars (echo/metrics.py), the config at the
-start, the run's summary at the end. A resumed trainer continues the same tracker run: W&B's run
+start, each step's sample completions (a table or text), the run's summary at the end. A resumed trainer continues the same tracker run: W&B's run
 id is echo-rl's, MLflow's run is found by its `echo.run_id` tag, TensorBoard appends to the
 run directory's event files. A tracker that fails (not installed, no network, a full disk) is
 logged once and dropped; training goes on."""
@@ -19,7 +19,8 @@ log = structlog.get_logger()
 
 
 class Tracker:
-    """The contract: `start` once with the run's config, `log` a step's scalars, `finish` with
+    """The contract: `start` once with the run's config, `log` a step's scalars and sample
+    completions (workers/trainer/accounting.py's step_samples), `finish` with
     the run's summary (not called when the trainer stops early), `close` always. Any may raise:
     Trackers drops a tracker that does."""
 
@@ -27,7 +28,7 @@ class Tracker:
 
     def start(self, cfg: EchoConfig) -> None: ...
 
-    def log(self, step: int, scalars: dict[str, float]) -> None: ...
+    def log(self, step: int, scalars: dict[str, float], samples: list[dict]) -> None: ...
 
     def finish(self, summary: dict) -> None: ...
 
@@ -43,9 +44,11 @@ class TensorBoard(Tracker):
         self.writer = SummaryWriter(log_dir=str(cfg.run_dir / "tensorboard"))
         self.writer.add_text("config", f"```\n{cfg.to_toml()}\n```")
 
-    def log(self, step: int, scalars: dict[str, float]) -> None:
+    def log(self, step: int, scalars: dict[str, float], samples: list[dict]) -> None:
         for name, value in scalars.items():
             self.writer.add_scalar(name, value, step)
+        if samples:
+            self.writer.add_text("samples", "\n\n".join(_markdown(s) for s in samples), step)
         self.writer.flush()
 
     def finish(self, summary: dict) -> None:
@@ -66,7 +69,11 @@ class WandB(Tracker):
                               dir=str(cfg.run_dir), config=cfg.model_dump(mode="json"))
         log.info("tracker.wandb", mode=mode, dir=str(Path(self.run.dir).parent))
 
-    def log(self, step: int, scalars: dict[str, float]) -> None:
+    def log(self, step: int, scalars: dict[str, float], samples: list[dict]) -> None:
+        import wandb
+
+        if samples:
+            scalars = {**scalars, "samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])}
         self.run.log(scalars, step=step)
 
     def finish(self, summary: dict) -> None:
@@ -97,11 +104,13 @@ class MLflow(Tracker):
             params = _flat(cfg.model_dump(mode="json"))
             self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in params.items()])
 
-    def log(self, step: int, scalars: dict[str, float]) -> None:
+    def log(self, step: int, scalars: dict[str, float], samples: list[dict]) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(_mlflow_name(k), v, now, step) for k, v in scalars.items()])
+        if samples:
+            self.client.log_dict(self.run_id, samples, f"samples/step-{step:06d}.json")
 
     def finish(self, summary: dict) -> None:
         self.client.log_dict(self.run_id, summary, "summary.json")
@@ -128,6 +137,17 @@ def _flat(data: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def _markdown(sample: dict) -> str:
+    """One sample as TensorBoard's text panel shows it: its facts, then prompt and completion in
+    code blocks (the text cannot close them: its backticks are spaced out)."""
+
+    def block(text: str) -> str:
+        return "```\n" + text.replace("```", "` ` `") + "\n```"
+
+    return (f"**reward {sample['reward']:g}** · sampler {sample['sampler']} · version {sample['version']} · "
+            f"{sample['finish_reason']}\n\n{block(sample['prompt'])}\n\n{block(sample['completion'])}")
+
+
 def _mlflow_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "_-./ " else "_" for c in name)  # MLflow's allowed characters
 
@@ -152,8 +172,8 @@ class Trackers:
             if self._call(tracker, "start", cfg):
                 self.live.append(tracker)
 
-    def log(self, step: int, scalars: dict[str, float]) -> None:
-        self.live = [t for t in self.live if self._call(t, "log", step, scalars)]
+    def log(self, step: int, scalars: dict[str, float], samples: list[dict] = ()) -> None:
+        self.live = [t for t in self.live if self._call(t, "log", step, scalars, list(samples))]
 
     def finish(self, summary: dict) -> None:
         self.live = [t for t in self.live if self._call(t, "finish", summary)]

@@ -1,0 +1,88 @@
+"""Why a run learns or not, from what each step trained on. Pure: the trainer feeds it each step.
+
+GRPO learns only from groups whose completions scored differently: a group of equal rewards has
+advantage 0 everywhere, so a step of such groups moves nothing (loss 0) and says so nowhere else.
+Per step: the share of such groups (TRL's frac_reward_zero_std), the share of completions in
+which the verifier found no answer, completion lengths and the share cut at the length limit.
+After `steps` steps in a row with no group to learn from, one warning naming the likely cause.
+And a few completions per step, to read: the best and the worst of the step's groups in turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MOSTLY = 0.5  # a cause is named when at least this share of completions shows it
+
+
+@dataclass(frozen=True)
+class Trained:
+    """One trained group as the diagnosis reads it."""
+
+    rewards: list[float]  # the trainer's
+    unanswered: int  # completions with no answer the verifier could read
+    lengths: list[int]  # tokens per completion
+    truncated: int  # completions stopped by the length limit
+
+
+def step_signal(groups: list[Trained]) -> dict[str, float]:
+    """The step's signal, as its metrics record holds it."""
+    completions = [n for g in groups for n in g.lengths]
+    count = max(len(completions), 1)
+    return {
+        "zero_spread_share": sum(max(g.rewards) == min(g.rewards) for g in groups) / max(len(groups), 1),
+        "no_answer_share": sum(g.unanswered for g in groups) / count,
+        "length_mean": sum(completions) / count,
+        "length_max": max(completions, default=0),
+        "truncated_share": sum(g.truncated for g in groups) / count,
+    }
+
+
+def likely_cause(record: dict, answer_format: str, max_new_tokens: int) -> str:
+    """What most likely keeps every group's rewards equal, and what to change."""
+    if record["no_answer_share"] >= MOSTLY:
+        return (f"{record['no_answer_share']:.0%} of completions have no {answer_format}: ask for it in the prompt, "
+                "with an instruction or a worked example (a dataset's task.params.instruction)")
+    if record["truncated_share"] >= MOSTLY:
+        return (f"{record['truncated_share']:.0%} of completions stopped at sampling.max_new_tokens "
+                f"({max_new_tokens}) before an answer: raise it")
+    if record["reward_mean"] <= 0.0:
+        return "every completion scored 0: the task is beyond this model now; an easier dataset or a larger model"
+    if record["reward_mean"] >= 1.0:
+        return "every completion scored 1: the task is too easy for this model; nothing is left to learn"
+    return ("each group's completions scored alike: raise sampling.temperature or sampling.group_size, or use a "
+            "reward with partial credit")
+
+
+@dataclass
+class NoSignal:
+    """Warns once when `steps` steps in a row had no group to learn from; again only after a
+    step with signal ended the streak. 0 steps: never."""
+
+    steps: int
+    streak: int = 0
+    warned: bool = field(default=False)
+
+    def observe(self, record: dict) -> bool:
+        """True when this step's record is the one to warn at."""
+        if record.get("zero_spread_share", 0.0) < 1.0:  # a record from before it was measured: unknown
+            self.streak, self.warned = 0, False
+            return False
+        self.streak += 1
+        if self.steps and self.streak >= self.steps and not self.warned:
+            self.warned = True
+            return True
+        return False
+
+
+def sample_picks(rewards: list[list[float]], count: int) -> list[tuple[int, int]]:
+    """(group, completion) of `count` completions to show: the best of the first group, the worst
+    of the second, and so on through the groups; ties go to the first."""
+    picks = []
+    for i in range(min(count, sum(len(r) for r in rewards))):
+        group = i % len(rewards)
+        scores = np.asarray(rewards[group])
+        picks.append((group, int(scores.argmax() if i % 2 == 0 else scores.argmin())))
+    return list(dict.fromkeys(picks))

@@ -1,0 +1,65 @@
+"""Why a run learns or not (echo/diagnosis.py): the step's signal, the warning after steps with
+none and the cause it names, the completions picked to show; and what a step decodes of them
+(workers/trainer/accounting.py), bounded for files, trackers and pages."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from echo.diagnosis import NoSignal, Trained, likely_cause, sample_picks, step_signal
+from tests.groups import TOKENIZER, honest_group
+from workers.trainer.accounting import SAMPLE_CHARS, readable, step_samples
+from workers.trainer.intake import Collected
+from workers.trainer.judge import Accepted
+from workers.trainer.step import TrainerStep
+
+
+def test_a_steps_signal_counts_groups_with_equal_rewards_and_completions_with_no_answer():
+    groups = [Trained([0.0, 0.0], unanswered=2, lengths=[8, 8], truncated=2),
+              Trained([1.0, 0.1], unanswered=0, lengths=[3, 5], truncated=0)]
+    assert step_signal(groups) == {"zero_spread_share": 0.5, "no_answer_share": 0.5, "length_mean": 6.0,
+                                   "length_max": 8, "truncated_share": 0.5}
+
+
+def signal(zero=1.0, no_answer=0.0, truncated=0.0, reward=0.0) -> dict:
+    return {"zero_spread_share": zero, "no_answer_share": no_answer, "truncated_share": truncated, "reward_mean": reward}
+
+
+def test_the_warning_comes_once_after_steps_with_no_signal_and_again_only_after_a_step_with_some():
+    watch = NoSignal(steps=3)
+    seen = [watch.observe(signal(z)) for z in [1.0, 1.0, 1.0, 1.0, 0.5, 1.0, 1.0, 1.0]]
+    assert seen == [False, False, True, False, False, False, False, True]
+    assert not any(NoSignal(steps=0).observe(signal()) for _ in range(10))
+    assert not NoSignal(steps=1).observe({"step": 1})  # a record from before the signal was measured
+
+
+def test_the_cause_named_is_the_likeliest():
+    boxed = "\\boxed{} answer"
+    assert likely_cause(signal(no_answer=0.92, truncated=1.0), boxed, 8).startswith(
+        "92% of completions have no \\boxed{} answer")
+    assert "task.params.instruction" in likely_cause(signal(no_answer=0.92), boxed, 8)
+    assert "sampling.max_new_tokens (8)" in likely_cause(signal(no_answer=0.2, truncated=0.9), boxed, 8)
+    assert "scored 0" in likely_cause(signal(no_answer=0.2), boxed, 8)
+    assert "scored 1" in likely_cause(signal(reward=1.0), boxed, 8)
+    assert "sampling.temperature" in likely_cause(signal(reward=0.4), boxed, 8)
+
+
+def test_the_picks_alternate_best_and_worst_through_the_groups():
+    assert sample_picks([[0.0, 1.0, 0.5], [0.3, 0.0, 0.9], [0.2, 0.1]], 3) == [(0, 1), (1, 1), (2, 0)]
+    assert sample_picks([[0.0, 1.0]], 2) == [(0, 1), (0, 0)]
+    assert sample_picks([], 2) == [] and sample_picks([[0.0]], 0) == []
+
+
+def test_samples_are_decoded_by_the_trainer_and_bounded():
+    group = honest_group(texts=["\\boxed{24}", "no"])
+    group = group.replaced(completions=[group.completions[0].replaced(text="what the sampler says"),
+                                        group.completions[1]])
+    step = TrainerStep(7, 0.0, collected=Collected(used=[Accepted(group, [1.0, 0.0], "c")]))
+    rows = step_samples(step, TOKENIZER, 2)
+    assert [(r["step"], r["reward"], r["completion"]) for r in rows] == [(7, 1.0, "\\boxed{24}"), (7, 0.0, "no")]
+    assert rows[0]["sampler"] == group.sampler_id and rows[0]["prompt"].endswith("What is 8 - 10? Put the final answer in \\boxed{}.\nassistant\n")
+    hostile = "\x1b[2J\x00\u202e" + "x" * (3 * SAMPLE_CHARS) + "\nend\t."
+    shown = readable(hostile)
+    assert len(shown) == SAMPLE_CHARS and shown.endswith("\nend\t.")
+    assert all(ord(ch) >= 32 or ch in "\n\t" for ch in shown) and "\x1b" not in readable("\x1b[2Jhi")
+    assert readable("\u202eabc") == "\ufffdabc" and np.all([readable(t) == t for t in ["é✓ 漢字", "a\nb"]])
