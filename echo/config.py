@@ -111,7 +111,12 @@ class TrainerConfig(_Section):
     # model's forward there costs its kernel launches), not on a CPU (measured there: SmolLM2,
     # 8 groups of 8 x 32 tokens in one pass, 1.10x the time and 4.2x the memory of 8 passes).
     pack_groups: Literal["auto", "on", "off"] = "auto"
-    lr: float = Field(1e-4, gt=0)  # AdamW's learning rate
+    lr: float = Field(1e-4, gt=0)  # AdamW's learning rate (the peak, under a schedule)
+    # The learning rate over run.steps, as transformers' get_{constant,linear,cosine}_schedule_with_warmup:
+    # from 0 up to lr over warmup_steps, then held, or down to 0 linearly or along a half cosine.
+    # A function of the step alone: a resumed run goes on at the same rate (echo/learner.py).
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
     # After this many steps in a row whose every group scored alike (no advantage: nothing
     # learned), one warning naming the likely cause (run.no_signal, echo/diagnosis.py); 0: never.
     no_signal_steps: int = Field(3, ge=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -68,10 +69,11 @@ class Batch:
     groups: list[RolloutGroup]
     rewards: list[list[float]]  # per group, per completion: the task's verifier on the trainer
     oldest_version: int = 0
+    step: int = 1  # the step it is (1-based): its learning rate follows the schedule
 
     @classmethod
-    def of(cls, scored: list[tuple[RolloutGroup, list[float]]], oldest_version: int = 0) -> Batch:
-        return cls([group for group, _ in scored], [list(rewards) for _, rewards in scored], oldest_version)
+    def of(cls, scored: list[tuple[RolloutGroup, list[float]]], oldest_version: int = 0, step: int = 1) -> Batch:
+        return cls([group for group, _ in scored], [list(rewards) for _, rewards in scored], oldest_version, step)
 
     @property
     def versions(self) -> list[int]:
@@ -190,6 +192,9 @@ def train_step(model, optimizer, batch: Batch, cfg: EchoConfig, pad_id: int, sto
             model.eval()
             raise ForgedInStep(forged)
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], tcfg.max_grad_norm)
+    lr = learning_rate(cfg, batch.step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
     optimizer.step()
     model.eval()
 
@@ -210,6 +215,7 @@ def train_step(model, optimizer, batch: Batch, cfg: EchoConfig, pad_id: int, sto
         "is_masked_fraction": sum(g.importance.masked_fraction * g.sequences for g in per_pass) / max(sequences, 1),
         "mismatch_kl": token_mean(lambda g: g.importance.mismatch_kl),
         "grad_norm": float(grad_norm),
+        "lr": lr,
         "reward_mean": float(rewards.mean()),  # the whole batch's, on every rank
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
         "tokens": tokens,
@@ -297,6 +303,18 @@ def _empty_pass(model, cfg: EchoConfig, pad_id: int, device, compute_dtype) -> N
     another still joins every collective of theirs."""
     logprobs, *_ = _forward(model, cfg, pad_id, device, compute_dtype, [[pad_id]], [[pad_id]], [0])
     (logprobs.sum() * 0.0).backward()
+
+
+def learning_rate(cfg: EchoConfig, step: int) -> float:
+    """Step `step`'s learning rate (1-based, of run.steps): transformers' schedules with warmup,
+    which count the optimizer steps taken before this one."""
+    tcfg, taken = cfg.trainer, step - 1
+    if taken < tcfg.warmup_steps:
+        return tcfg.lr * taken / max(1, tcfg.warmup_steps)
+    progress = (taken - tcfg.warmup_steps) / max(1, cfg.run.steps - tcfg.warmup_steps)
+    factor = {"constant": 1.0, "linear": max(0.0, 1.0 - progress),
+              "cosine": max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))}[tcfg.lr_schedule]
+    return tcfg.lr * factor
 
 
 def make_optimizer(model, cfg: EchoConfig) -> torch.optim.Optimizer:

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from echo.learner import Batch, make_optimizer, micro_batches, shares_passes, step_passes, train_step
+from echo.learner import Batch, learning_rate, make_optimizer, micro_batches, shares_passes, step_passes, train_step
 from echo.models import load_model
 from echo.policy import make_policy
 from tests.conftest import tiny_config
@@ -125,3 +125,35 @@ def test_an_episodes_observations_are_not_trained(tmp_path):
     assert stats["tokens"] == sum(len(c.token_ids) for c in plain.completions) - 6 == plain_stats["tokens"] - 6
     assert all(torch.equal(a, b) for a, b in zip(trained, claimed_otherwise))
     assert not all(torch.allclose(a, b) for a, b in zip(trained, unmasked))
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+@pytest.mark.parametrize("warmup", [0, 3, 12])
+def test_the_learning_rate_schedules_are_transformers_own(tmp_path, schedule, warmup):
+    """Step by step the rate transformers' scheduler gives the optimizer (a TRL or verl user's
+    schedules), the warmup longer than the run too; a function of the step alone, so a resumed
+    run (test_resume's kill -9) goes on at the same rate."""
+    from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup, \
+        get_linear_schedule_with_warmup
+
+    steps = 10
+    cfg = tiny_config(tmp_path, run={"steps": steps}, trainer={"lr": 3e-4, "lr_schedule": schedule, "warmup_steps": warmup})
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=3e-4)
+    reference = {"constant": lambda: get_constant_schedule_with_warmup(optimizer, warmup),
+                 "linear": lambda: get_linear_schedule_with_warmup(optimizer, warmup, steps),
+                 "cosine": lambda: get_cosine_schedule_with_warmup(optimizer, warmup, steps)}[schedule]()
+    theirs = []
+    for _ in range(steps):
+        theirs.append(optimizer.param_groups[0]["lr"])  # what this optimizer step runs with
+        optimizer.step()
+        reference.step()
+    assert [learning_rate(cfg, step) for step in range(1, steps + 1)] == pytest.approx(theirs, abs=1e-12)
+
+
+def test_a_step_runs_at_its_scheduled_rate_and_reports_it(tmp_path):
+    cfg = tiny_config(tmp_path, trainer={"lr_schedule": "linear", "warmup_steps": 2})
+    base, tokenizer = load_model("tiny")
+    model = make_policy(base, cfg.lora)
+    optimizer = make_optimizer(model, cfg)
+    stats = train_step(model, optimizer, Batch.of([(honest_group(), [1.0, 0.0])], step=2), cfg, tokenizer.pad_token_id)
+    assert stats["lr"] == optimizer.param_groups[0]["lr"] == cfg.trainer.lr / 2

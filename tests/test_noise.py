@@ -295,7 +295,7 @@ async def test_a_forgery_found_in_the_step_is_refused_and_struck_and_the_step_tr
         step = TrainerStep(1, time.perf_counter())
         step.collected = await collector.collect(2, 0)
         assert {a.group.group_id for a in step.collected.used} == {"s23", "s14"}  # the intake leaves version 0 to the step
-        step.batch = step.collected.batch(0)
+        step.batch = step.collected.batch(0, 1)
         await send("s2", 5)  # what the step collects in the forged one's place
         async with asyncio.timeout(120):  # a hang guard
             stats = await trainer.train_proven(step)

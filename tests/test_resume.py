@@ -20,6 +20,7 @@ from echo.checkpoint import (
     save_checkpoint,
 )
 from echo.config import LoraConfig
+from echo.learner import learning_rate
 from echo.models import load_model
 from echo.policy import make_policy
 from echo.wire.names import HDR_MSG_ID, RunNames
@@ -116,8 +117,8 @@ def test_kill_9_the_trainer_and_resume_trains_every_group_once(nats_server, tmp_
     to 42 in 20 s), and a trainer started meanwhile crashed reading a checkpoint folder they
     pruned: ranks now die with their launcher, and a trainer reads the checkpoint only once it
     holds the run's lease."""
-    cfg = tiny_config(tmp_path, run={"id": "crash", "steps": 8}, trainer={"ack_wait_s": 3.0, "max_staleness": 1},
-                      nats={"url": nats_server.url})
+    cfg = tiny_config(tmp_path, run={"id": "crash", "steps": 8}, nats={"url": nats_server.url},
+                      trainer={"ack_wait_s": 3.0, "max_staleness": 1, "lr_schedule": "cosine", "warmup_steps": 2})
     config_path = tmp_path / "config.toml"
     config_path.write_text(cfg.to_toml())
     samplers = [worker_process(config_path, "sampler", "--id", f"s{i}") for i in (1, 2)]
@@ -150,6 +151,9 @@ def test_kill_9_the_trainer_and_resume_trains_every_group_once(nats_server, tmp_
 
     metrics = read_metrics(cfg.run_dir)
     assert [m["step"] for m in metrics] == list(range(1, 9))
+    # The schedule went on across the crash at the rate of an uninterrupted run (test_learner
+    # checks these against transformers' own schedules).
+    assert [m["lr"] for m in metrics] == [learning_rate(cfg, step) for step in range(1, 9)]
     assert_balanced(metrics)  # counted once across the crash: nothing twice, nothing lost
     before = [g[0] for m in metrics[:resumed_at] for g in m["groups"]]
     after = [g[0] for m in metrics[resumed_at:] for g in m["groups"]]

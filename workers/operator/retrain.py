@@ -55,7 +55,7 @@ def retrain(run_dir: Path, nats_url: str | None = None, credentials: Credentials
             if missing:
                 raise ValueError(f"step {step['step']}: groups {missing[:3]} are not in the stream (its retention?)")
             model.train(Batch.of([(groups[g], referee.score(groups[g]).rewards) for g, _, _ in step["groups"]],
-                                 step["version"] - 1 - cfg.staleness_bound))  # what the run's step trained of them
+                                 step["version"] - 1 - cfg.staleness_bound, step["step"]))  # what the run's step trained
             log.info("retrain.step", step=step["step"], of=steps[-1]["step"], groups=len(step["groups"]))
         retrained = model.write_weights(steps[-1]["version"])
         ours = [f.read_bytes() for f in retrained]

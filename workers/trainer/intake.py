@@ -38,9 +38,9 @@ class Collected:
     already_counted: int = 0  # offered again after a crash, counted when first consumed
     seqs: list[int] = field(default_factory=list)  # stream sequences of every message consumed and counted
 
-    def batch(self, oldest_version: int) -> Batch:
-        """What the learner trains on: each accepted group with the trainer's own rewards."""
-        return Batch([a.group for a in self.used], [a.rewards for a in self.used], oldest_version)
+    def batch(self, oldest_version: int, step: int) -> Batch:
+        """What the learner trains on as step `step`: each accepted group with the trainer's own rewards."""
+        return Batch([a.group for a in self.used], [a.rewards for a in self.used], oldest_version, step)
 
 
 class Collector:

@@ -181,7 +181,7 @@ class Trainer:
                     await retry_forever("ask for groups", lambda: self.granter.ask(state.version))
                     step.collected = await self.collector.collect(cfg.trainer.groups_per_step, state.version,
                                                                   self.granter.on_wait)
-                    step.batch = step.collected.batch(state.version - cfg.staleness_bound)
+                    step.batch = step.collected.batch(state.version - cfg.staleness_bound, step.number)
                 with step.phase("train"):
                     step.stats = await self.train_proven(step)
                     await asyncio.sleep(cfg.trainer.throttle_s)  # a slower learner, when asked
@@ -212,7 +212,7 @@ class Trainer:
             await self.collector.refuse_forged(step.collected, stats["forged"])
             await self.collector.collect(self.cfg.trainer.groups_per_step, version, self.granter.on_wait,
                                          into=step.collected)
-            step.batch = step.collected.batch(version - self.cfg.staleness_bound)
+            step.batch = step.collected.batch(version - self.cfg.staleness_bound, step.number)
 
     def diagnose(self, step: TrainerStep, record: dict) -> list[dict]:
         """Why the run learns or not (echo/diagnosis.py): a warning after steps with nothing to
