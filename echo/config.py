@@ -116,7 +116,7 @@ class TrainerConfig(_Section):
     # from 0 up to lr over warmup_steps, then held, or down to 0 linearly or along a half cosine.
     # A function of the step alone: a resumed run goes on at the same rate (echo/learner.py).
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0)  # steps of the linear warmup from 0 to lr
     # After this many steps in a row whose every group scored alike (no advantage: nothing
     # learned), one warning naming the likely cause (run.no_signal, echo/diagnosis.py); 0: never.
     no_signal_steps: int = Field(3, ge=0)
