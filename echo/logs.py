@@ -53,6 +53,18 @@ def _identity_prefix(logger, method, event_dict: dict) -> dict:
     return event_dict
 
 
+def duration(seconds: float) -> str:
+    """Seconds as a person reads a run's progress: 41s, 3m10s, 2h05m."""
+    seconds = round(max(seconds, 0.0))
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m{seconds:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
 class Progress:
     """`label: done/total unit (pct)`, rewritten in place on a terminal as work advances; nothing
     in JSON mode, to a pipe, or in a worker of `echo-rl up` (ECHO_PROGRESS=0: the swarm's

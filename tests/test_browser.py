@@ -58,11 +58,12 @@ def test_the_live_page_shows_the_samplers_and_its_step_advances_without_a_reload
                 # call may be gone (stale) by the next.
                 shown = "return [...document.querySelectorAll('#samplers tr')].map(row => row.dataset.sampler)"
                 assert sorted(wait_for(lambda: len(ids := browser.execute_script(shown)) == 2 and ids)) == ["s1", "s2"]
-                first = wait_for(lambda: browser.find_element(By.ID, "trainer").text.startswith("step")
-                                 and browser.find_element(By.ID, "trainer").text)
-                later = wait_for(lambda: browser.find_element(By.ID, "trainer").text.split(",")[0]
-                                 != first.split(",")[0] and browser.find_element(By.ID, "trainer").text)
-                assert int(later.split()[1].rstrip(",")) > int(first.split()[1].rstrip(","))
+                first = wait_for(lambda: browser.find_element(By.ID, "progress").text.startswith("step")
+                                 and browser.find_element(By.ID, "progress").text)
+                later = wait_for(lambda: browser.find_element(By.ID, "progress").text.split(",")[0]
+                                 != first.split(",")[0] and browser.find_element(By.ID, "progress").text)
+                step = lambda said: int(said.split()[1].split("/")[0])  # noqa: E731 - "step 7/10000, elapsed ..."
+                assert step(later) > step(first) and "/10000, elapsed" in later and "ETA" in later
                 assert browser.find_element(By.ID, "connection").text == "live"
                 wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#reward canvas"))  # uPlot drew the chart
                 browser.save_screenshot(str(SCREENSHOT))

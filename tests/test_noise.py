@@ -278,7 +278,7 @@ async def test_a_forgery_found_in_the_step_is_refused_and_struck_and_the_step_tr
     granter = AsyncGranter(run, EPOCH, cfg, model.state, ledger, quarantine)
     await granter.start()
     await granter.ask(0)
-    trainer = Trainer(cfg, lease, model, collector, granter, RecentSteps(2, 1))
+    trainer = Trainer(cfg, lease, model, collector, granter, RecentSteps(2, 1, cfg.run.steps))
     try:
         async def send(sampler_id: str, prompt: int) -> None:
             group = _keyed_groups(sampler, [prompt], first_slot=ledger.issued + 1, sampler_id=sampler_id,

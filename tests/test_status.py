@@ -1,5 +1,6 @@
 """`echo-rl status` on a live swarm: the trainer and every sampler, from the broker alone."""
 
+import re
 import signal
 import subprocess
 import sys
@@ -10,8 +11,10 @@ from urllib.request import urlopen
 import orjson
 import pytest
 
+from echo.wire.messages import TrainerStatus
 from tests.conftest import next_event, serving, tiny_config, worker_process
 from tests.swarms import up_command
+from workers.operator.status import pace_s, progress
 
 pytestmark = pytest.mark.slow
 
@@ -43,6 +46,7 @@ def test_status_shows_the_trainer_and_every_sampler_of_a_live_swarm(tmp_path):
         trainer = snap["trainer"]
         assert trainer["epoch"] >= 1 and trainer["step"] >= 1 and trainer["version"] == trainer["step"]
         assert len(trainer["rewards"]) >= 1 and 0 < trainer["learner_busy"] <= 1
+        assert trainer["steps"] == 10_000 and trainer["elapsed_s"] > 0 and trainer["eta_s"] > 0
         assert trainer["accounting"]["trained"] >= 4 and trainer["rejected"] == {}
         assert {s["id"] for s in snap["samplers"]} == {"s1", "s2"}
         for s in snap["samplers"]:
@@ -53,6 +57,7 @@ def test_status_shows_the_trainer_and_every_sampler_of_a_live_swarm(tmp_path):
         assert snap["storage"]["bytes"] >= snap["stream"]["bytes"] and snap["storage"]["limit"] is None
         view = _status(tmp_path / "live")  # the terminal view, printed once
         assert "s1" in view and "s2" in view and "learner busy" in view and "undelivered" in view
+        assert re.search(r"step \d+/10000, elapsed \S+, ETA \S+", view), view
         with serving(tmp_path / "live") as url:  # the live page: its events, each a snapshot
             assert b"echo-rl status" in urlopen(url).read()
             with pytest.raises(HTTPError, match="404"):
@@ -108,3 +113,16 @@ def test_the_end_of_a_secured_standalone_run_is_seen_from_its_run_directory(tmp_
     replayed = subprocess.run([sys.executable, "-m", "workers.cli", "replay", "--run", str(run_dir)],
                               capture_output=True, text=True, timeout=60)
     assert replayed.returncode == 0 and len(replayed.stdout.splitlines()) >= 8, replayed.stderr[-2000:]
+
+
+def test_progress_reads_as_steps_of_the_run_and_a_trainer_is_late_only_past_its_pace():
+    trainer = {"step": 7, "steps": 20, "elapsed_s": 190.0, "eta_s": 3725.0, "finished": False, "seen_s_ago": 41.0,
+               "pace_s": 41.0, "overdue": False}
+    assert progress(trainer) == "step 7/20, elapsed 3m10s, ETA 1h02m"  # in the middle of a 41 s step: not late
+    assert progress(trainer | {"seen_s_ago": 95.0, "overdue": True}).endswith(
+        "; no step for 1m35s, a step takes about 41s")
+    assert progress(trainer | {"finished": True, "step": 20}) == "finished at step 20/20 (41 s ago)"
+    assert progress(trainer | {"steps": 0}) == "step 7, elapsed 3m10s"  # a status from before schema 22
+    status = TrainerStatus(step_s=30.0, groups_per_step=4, max_staleness=1, version=7, utilisation=0.75,
+                           updated_at=0.0)
+    assert pace_s(status) == 40.0  # busy 30 s of each 40 s step

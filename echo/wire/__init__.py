@@ -45,4 +45,6 @@ not read; this is the one list of it):
     key's value unchanged).
 21: the trainer's status counts each sampler's slots ended and those it never delivered (`slots`);
     read as none before.
+22: the trainer's status names the run's steps, the trainer's seconds since it started and its
+    estimate of the seconds left (`steps`, `elapsed_s`, `eta_s`); read as 0 (unknown) before.
 """

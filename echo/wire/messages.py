@@ -37,7 +37,7 @@ class Message(BaseModel):
     """A message of the wire, naming the schema it was written in."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    schema_version: Literal[21] = SCHEMA_VERSION
+    schema_version: Literal[22] = SCHEMA_VERSION
 
 
 # The validation context of a decoded message, whose arrays the codec (echo/wire/codec.py) checked
@@ -328,6 +328,9 @@ class TrainerStatus(Message):
     staleness: float = Field(0.0, ge=0)  # the last step's groups: their mean age in versions
     strikes: dict[str, int] = {}  # by sampler, counted by this trainer process (workers/trainer/strikes.py)
     slots: dict[str, SlotsEnded] = {}  # by sampler, counted by this trainer process: selective delivery shows here
+    steps: int = Field(0, ge=0)  # the run's (run.steps); 0: unknown (a status of schema 21 or before)
+    elapsed_s: float = Field(0.0, ge=0)  # since this trainer process started
+    eta_s: float = Field(0.0, ge=0)  # the steps left at the pace of the last ones (waits included)
 
 
 class Schedule(Message):

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from echo.config import ConfigError
-from echo.logs import configure_logging
+from echo.logs import configure_logging, duration
 from echo.wire.messages import SamplerStatus, TrainerStatus
 from echo.wire.names import CONTROL_CHARACTERS
 from streams.client import Run
@@ -48,13 +48,20 @@ async def snapshot(run: Run) -> dict:
             "rewards": trainer.rewards, "learner_busy": trainer.utilisation, "step_s": trainer.step_s,
             "publish_s": trainer.publish_s, "accounting": trainer.accounting, "rejected": trainer.rejected,
             "seen_s_ago": round(now - trainer.updated_at, 1), "finished": trainer.finished,
-            "staleness": trainer.staleness,
+            "staleness": trainer.staleness, "steps": trainer.steps, "elapsed_s": trainer.elapsed_s,
+            "eta_s": trainer.eta_s, "pace_s": pace_s(trainer),
+            "overdue": not trainer.finished and now - trainer.updated_at > OVERDUE_PACES * pace_s(trainer) + OVERDUE_S,
         },
         "samplers": [sampler_row(s, version, quarantined, trainer, now) for s in samplers],
         "stream": stream,
         "storage": await account_storage(run),
         "relays": relays,
     }
+
+
+# The trainer's status is overdue (shown as such) after this many of its steps' seconds and this
+# many more: a status comes once a step, and a step's time varies.
+OVERDUE_PACES, OVERDUE_S = 2, 10.0
 
 
 def sampler_row(s: SamplerStatus, version: int | None, quarantined: dict[str, str], trainer: TrainerStatus | None,
@@ -105,9 +112,8 @@ def render(snap: dict):
     if trainer is None:
         head.add_row("trainer", "no step yet")
     else:
-        head.add_row("trainer", (f"finished at step {trainer['step']} ({trainer['seen_s_ago']:.0f} s ago), "
-                                 if trainer["finished"] else "") +
-                     f"epoch {trainer['epoch']}, step {trainer['step']}, version {trainer['version']}, "
+        head.add_row("progress", progress(trainer))
+        head.add_row("trainer", f"epoch {trainer['epoch']}, version {trainer['version']}, "
                      f"learner busy {trainer['learner_busy']:.0%}, {trainer['step_s']:.2f} s a step, "
                      f"publish {trainer['publish_s']:.2f} s")
         head.add_row("reward (last steps)", " ".join(f"{r:.2f}" for r in trainer["rewards"]))
@@ -132,6 +138,24 @@ def render(snap: dict):
                       str(s["groups_published"]), undelivered(s), f"{s['seen_s_ago']:.0f} s ago")
     parts.append(table)
     return Group(*parts)
+
+
+def pace_s(trainer: TrainerStatus) -> float:
+    """A step's seconds, waits included: the trainer's status comes once a step."""
+    return trainer.step_s / trainer.utilisation if trainer.utilisation > 0 else trainer.step_s
+
+
+def progress(trainer: dict) -> str:
+    """Step 7/20 with the time elapsed and left; the last step's age only where it is overdue
+    (a trainer in the middle of a 41 s step is not late at 41 s)."""
+    of = f"/{trainer['steps']}" if trainer["steps"] else ""
+    if trainer["finished"]:
+        return f"finished at step {trainer['step']}{of} ({trainer['seen_s_ago']:.0f} s ago)"
+    said = f"step {trainer['step']}{of}, elapsed {duration(trainer['elapsed_s'])}"
+    said += f", ETA {duration(trainer['eta_s'])}" if trainer["steps"] else ""
+    if trainer["overdue"]:
+        said += f"; no step for {duration(trainer['seen_s_ago'])}, a step takes about {duration(trainer['pace_s'])}"
+    return said
 
 
 def undelivered(row: dict) -> str:

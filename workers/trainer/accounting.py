@@ -113,8 +113,8 @@ def finished_record(step: TrainerStep, accounting: dict) -> dict:
 class RecentSteps:
     """The trainer's pace (TrainerStatus) over its last PACE_STEPS steps."""
 
-    def __init__(self, groups_per_step: int, max_staleness: int):
-        self.groups_per_step, self.max_staleness = groups_per_step, max_staleness
+    def __init__(self, groups_per_step: int, max_staleness: int, steps: int):
+        self.groups_per_step, self.max_staleness, self.run_steps = groups_per_step, max_staleness, steps
         self.steps: deque[tuple[float, float]] = deque(maxlen=PACE_STEPS)  # (busy, wait) seconds
         self.rewards: deque[float] = deque(maxlen=PACE_STEPS)
         self.rejected: Counter = Counter()  # by reason, since this trainer started
@@ -131,7 +131,8 @@ class RecentSteps:
             version=version, utilisation=busy / (busy + wait) if busy + wait > 0 else 1.0, updated_at=time.time(),
             step=record["step"], rewards=list(self.rewards), publish_s=record["publish_seconds"],
             accounting=record["accounting"], rejected=dict(self.rejected), staleness=mean_staleness(record),
-            strikes=strikes, slots=slots or {})
+            strikes=strikes, slots=slots or {}, steps=self.run_steps, elapsed_s=record["wall_seconds"],
+            eta_s=(busy + wait) / len(self.steps) * max(self.run_steps - record["step"], 0))
         return self.status
 
 

@@ -27,13 +27,13 @@ from echo.consumed import ConsumedSeqs
 from echo.diagnosis import NoSignal, likely_cause
 from echo.grants import DeliveryBound, GrantLedger
 from echo.learner import Batch
-from echo.logs import bind_process
+from echo.logs import bind_process, duration
 from echo.metrics import sampler_scalars, step_scalars, summarize
 from echo.models import encode_chat
 from echo.referee import Referee
 from echo.tasks import answer_format, load_task
 from echo.tasks.dataset import Dataset, check_prompt_lengths
-from echo.wire.messages import SlotsEnded, WeightsAnnouncement
+from echo.wire.messages import SlotsEnded, TrainerStatus, WeightsAnnouncement
 from streams.client import Run, open_run, retry_forever
 from streams.credentials import credentials_of
 from streams.inbox import RolloutInbox
@@ -152,7 +152,7 @@ class Trainer:
         background.start(inbox.keep_alive(cfg.trainer.ack_wait_s / 3))
         granter = granter_for(run, lease.epoch, cfg, state, ledger, quarantine)
         background.start(granter.watch_heartbeats())
-        recent = RecentSteps(cfg.trainer.groups_per_step, cfg.staleness_bound)
+        recent = RecentSteps(cfg.trainer.groups_per_step, cfg.staleness_bound, cfg.run.steps)
         if cfg.scheduler.enabled:  # what it chooses, the grants obey
             background.start(Coordinator(run, cfg, granter.standby, recent, ledger).run_forever())
         return cls(cfg, lease, model, Collector(inbox, judge, ledger, consumed, quarantine), granter, recent)
@@ -191,7 +191,7 @@ class Trainer:
                     step.published = await publish_version(self.weights, self.model, state.version)
                 with step.phase("account"):
                     record = await self.account(step)
-                record = write_metrics(metrics_file, record, step)
+                record = write_metrics(metrics_file, record, step, self.recent.status)
                 samples = self.diagnose(step, record)
                 if trackers.live:
                     samplers = await retry_forever("read heartbeats", lambda: read_statuses(self.run))
@@ -260,15 +260,17 @@ class Trainer:
         return record
 
 
-def write_metrics(metrics_file, record: dict, step: TrainerStep) -> dict:
-    """The step's line in metrics.jsonl, with its phases' times; returns what it wrote."""
+def write_metrics(metrics_file, record: dict, step: TrainerStep, status: TrainerStatus) -> dict:
+    """The step's line in metrics.jsonl, with its phases' times; returns what it wrote. Logged
+    with the run's progress: step 7/20, elapsed and the estimate of the time left."""
     record = {**record, "phase_seconds": {name: round(s, 4) for name, s in step.seconds.items()},
               "weights": {"bytes": step.published.size, "delta_of": step.published.delta_of}}
     metrics_file.write(metrics_line(record))
     metrics_file.flush()
-    log.info("step", step=step.number, version=record["version"], reward=round(record["reward_mean"], 3),
-             used=record["used"], stale=record["dropped_stale"], busy=f"{record['learner_busy']:.0%}",
-             seconds=round(record["step_seconds"], 2))
+    log.info("step", step=step.number, progress=f"{step.number}/{status.steps}", version=record["version"],
+             reward=round(record["reward_mean"], 3), used=record["used"], stale=record["dropped_stale"],
+             busy=f"{record['learner_busy']:.0%}", seconds=round(record["step_seconds"], 2),
+             elapsed=duration(status.elapsed_s), eta=duration(status.eta_s))
     return record
 
 
