@@ -70,7 +70,9 @@ class LoraConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: str = "math"  # math, knights_knaves, sokoban, reasoning_gym:<dataset>, or a module:Class / file.py:Class
+    # math, dataset (a user's file: task.params.path), knights_knaves, sokoban, math_tools,
+    # sokoban_game, reasoning_gym:<dataset>, or a module:Class / file.py:Class
+    name: str = "math"
     params: dict[str, Any] = {}  # the task's own options, checked by the task (echo/tasks/)
 
 
@@ -314,10 +316,13 @@ class EchoConfig(_Section):
 
 
 def _parse_value(text: str) -> Any:
-    """Parse an override's value as TOML (numbers, booleans, lists); plain words stay strings."""
+    """Parse an override's value as TOML (numbers, booleans, lists); plain words stay strings, and
+    so do the bare words of a list, as Hydra reads them: [tensorboard, wandb]."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
+        if text.startswith("[") and text.endswith("]") and "[" not in text[1:-1]:
+            return [_parse_value(item.strip()) for item in text[1:-1].split(",") if item.strip()]
         return text
 
 
@@ -334,13 +339,34 @@ def apply_override(data: dict, assignment: str) -> None:
     node[leaf] = _parse_value(value.strip())
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> EchoConfig:
-    data: dict = {}
-    if path is not None:
+def read_config_file(path: str | Path) -> dict:
+    """A config file's fields: TOML, or YAML by its extension (.yaml, .yml)."""
+    path = Path(path)
+    yaml_file = path.suffix.lower() in (".yaml", ".yml")
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e}") from None
+    if yaml_file:
+        import yaml
+
         try:
-            data = tomllib.loads(Path(path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError(f"cannot read config {path}: {e}") from None
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config {path}: not valid YAML: {e}") from None
+    else:
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config {path}: not valid TOML ({e}); a YAML config ends in .yaml or .yml") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path}: its top level must be sections (run, model, trainer, ...), not a "
+                          f"{type(data).__name__}")
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> EchoConfig:
+    data = read_config_file(path) if path is not None else {}
     for assignment in overrides:
         apply_override(data, assignment)
     return validate_config(data)

@@ -1,12 +1,15 @@
 import asyncio
 import importlib.util
 import signal
+import re
 import socket
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
+from echo.config import load_config
 from echo.models import load_model
 from echo.wire.names import CONFIG_KEY
 from streams.client import open_run
@@ -206,3 +209,39 @@ def test_a_folder_named_like_a_package_in_the_working_directory_does_not_stand_i
     probe = f"import {folder}, importlib.util; print(importlib.util.find_spec('{folder}').origin)"
     done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip().endswith(f"{folder}/__init__.py"), done.stdout + done.stderr
+
+
+def test_a_yaml_config_hydra_overrides_and_bare_word_lists_read_as_the_toml_and_set_would(tmp_path):
+    """From verl or TRL: a YAML config, `key=value` overrides after the command, a list of bare
+    words; the same config as the TOML file and --set give."""
+    (tmp_path / "c.yaml").write_text("run:\n  steps: 7\n  trackers: [tensorboard]\ntrainer:\n  lr: 2.0e-5\n"
+                                     "task:\n  name: dataset\n  params: {path: data.parquet}\n")
+    (tmp_path / "c.toml").write_text('[run]\nsteps = 7\ntrackers = ["tensorboard"]\n[trainer]\nlr = 2e-5\n'
+                                     '[task]\nname = "dataset"\nparams = {path = "data.parquet"}\n')
+    hydra = ["up", "--config", str(tmp_path / "c.yaml"), "trainer.lr_schedule=cosine", "run.trackers=[tensorboard, mlflow]",
+             "--run-id", "same"]
+    ours = ["up", "--config", str(tmp_path / "c.toml"), "--set", "trainer.lr_schedule=cosine", "--set",
+            'run.trackers=["tensorboard", "mlflow"]', "--run-id", "same"]
+    yaml_cfg, toml_cfg = (config_from_args(build_parser().parse_args(argv)) for argv in (hydra, ours))
+    assert yaml_cfg == toml_cfg
+    assert yaml_cfg.run.trackers == ["tensorboard", "mlflow"] and yaml_cfg.trainer.lr == 2e-5
+    assert yaml_cfg.trainer.lr_schedule == "cosine" and yaml_cfg.task.params == {"path": "data.parquet"}
+
+
+def test_config_show_prints_the_resolved_config_with_each_values_source(tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text("run:\n  steps: 7\ntask:\n  params: {path: data.parquet}\n")
+    assert main(["config", "show", "--config", str(tmp_path / "c.yaml"), "trainer.lr=3e-5", "--model", "smollm2",
+                 "--run-id", "shown"]) == 0
+    shown = capsys.readouterr().out
+    assert tomllib.loads(shown) == load_config(tmp_path / "c.yaml", ["trainer.lr=3e-5", 'model.name="smollm2"',
+                                                                     'run.id="shown"']).model_dump(mode="json")
+    lines = shown.splitlines()
+    assert {"steps = 7  # file", "path = \"data.parquet\"  # file", "lr = 3e-05  # override",
+            'name = "smollm2"  # override', "seed = 0  # default", "[task.params]"} <= set(lines)
+
+
+def test_a_samplers_help_offers_only_a_samplers_options(capsys):
+    with pytest.raises(SystemExit):
+        main(["sampler", "--help"])
+    said = capsys.readouterr().out
+    assert not re.search(r"--(steps|mode)\b", said) and "--id" in said and "--weights-from" in said

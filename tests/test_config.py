@@ -40,8 +40,14 @@ def test_bad_config_names_the_field(overrides, field):
 def test_bad_toml_file_is_a_config_error(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[trainer\nlr = 1")
-    with pytest.raises(ConfigError, match="cannot read config"):
+    with pytest.raises(ConfigError, match="bad.toml: not valid TOML .*; a YAML config ends in .yaml or .yml"):
         load_config(path)
+    (tmp_path / "bad.yaml").write_text("run:\n  steps: [")
+    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+        load_config(tmp_path / "bad.yaml")
+    (tmp_path / "list.yaml").write_text("- run")
+    with pytest.raises(ConfigError, match="its top level must be sections"):
+        load_config(tmp_path / "list.yaml")
 
 
 def test_override_without_equals_is_refused():

@@ -17,18 +17,22 @@ from echo.tasks import load_task
 from streams.client import cancel_until_done
 
 
-def config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="TOML config file")
+def config_args(p: argparse.ArgumentParser, run_options: bool = True) -> None:
+    """The config's file, overrides and shortcuts; `run_options` (the run's mode and steps): not
+    for a sampler, which follows the run the trainer runs."""
+    p.add_argument("--config", help="the config file: TOML, or YAML (.yaml, .yml)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config field")
+    p.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE", help="overrides, as --set (Hydra's way)")
     p.add_argument("--model", help="tiny, smollm2, a local model folder, or a Hugging Face id owner/name[@revision] "
                    "(model.name)")
-    p.add_argument("--mode", choices=["async", "sequential"], help="run.mode")
-    p.add_argument("--steps", type=int, help="run.steps")
     p.add_argument("--run-id", help="run.id")
     p.add_argument("--nats", help="NATS server URL (nats.url)")
     p.add_argument("--creds", help="this client's nkey seed file, on a secured broker (nats.creds)")
     p.add_argument("--tls-ca", help="the CA that signed the secured broker's certificate (nats.tls_ca)")
     p.add_argument("--log-json", action="store_true", help="JSON log lines instead of readable ones")
+    if run_options:
+        p.add_argument("--mode", choices=["async", "sequential"], help="run.mode")
+        p.add_argument("--steps", type=int, help="run.steps")
 
 
 def span(kind):
@@ -57,8 +61,8 @@ def at_least(low: int):
 
 def local_overrides(args) -> list[str]:
     """The command line's config fields as `section.key=value` overrides: `--set` and the shortcut flags."""
-    overrides = list(args.set)
-    set_fields = {assignment.partition("=")[0].strip(): assignment for assignment in args.set}
+    overrides = [*args.set, *getattr(args, "overrides", [])]
+    set_fields = {assignment.partition("=")[0].strip(): assignment for assignment in overrides}
     for flag, field in [("model", "model.name"), ("mode", "run.mode"), ("steps", "run.steps"),
                         ("run_id", "run.id"), ("nats", "nats.url"), ("samplers", "sampler.count"),
                         ("task", "task.name"), ("creds", "nats.creds"), ("tls_ca", "nats.tls_ca"),

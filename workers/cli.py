@@ -23,13 +23,14 @@ import sys
 
 from echo.config import ConfigError
 from streams.server import nats_server_binary
-from workers.operator import evaluate, plan, quarantine, relay, replay, report, secure, status, up
+from workers.operator import evaluate, plan, quarantine, relay, replay, report, secure, show_config, status, up
 from workers.sampler import sampler
 from workers.trainer import trainer
 
 # In this order in `echo-rl --help`.
 COMMANDS = {command.NAME: command
-            for command in (up, trainer, sampler, relay, secure, evaluate, report, replay, quarantine, status, plan)}
+            for command in (up, trainer, sampler, relay, secure, evaluate, report, replay, quarantine, status, plan,
+                            show_config)}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,7 +17,7 @@ NAME = "sampler"
 
 def register(sub) -> None:
     sampler = sub.add_parser("sampler", help="run one sampler; without --config it reads the run's config from NATS")
-    config_args(sampler)
+    config_args(sampler, run_options=False)
     sampler.add_argument("--id", required=True, help="this sampler's id (its rollout subject)")
     sampler.add_argument("--task", help="task.name: a task not built in must be named here, never by the broker")
     sampler.add_argument("--weights-from", help="read weights from this relay, everything else from --nats, the hub "
