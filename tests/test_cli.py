@@ -1,7 +1,7 @@
 import asyncio
 import importlib.util
-import signal
 import re
+import signal
 import socket
 import subprocess
 import sys

@@ -133,8 +133,11 @@ def test_the_learning_rate_schedules_are_transformers_own(tmp_path, schedule, wa
     """Step by step the rate transformers' scheduler gives the optimizer (a TRL or verl user's
     schedules), the warmup longer than the run too; a function of the step alone, so a resumed
     run (test_resume's kill -9) goes on at the same rate."""
-    from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup, \
-        get_linear_schedule_with_warmup
+    from transformers import (
+        get_constant_schedule_with_warmup,
+        get_cosine_schedule_with_warmup,
+        get_linear_schedule_with_warmup,
+    )
 
     steps = 10
     cfg = tiny_config(tmp_path, run={"steps": steps}, trainer={"lr": 3e-4, "lr_schedule": schedule, "warmup_steps": warmup})
