@@ -105,8 +105,9 @@ class Keep:
 
 
 def table_line(record: dict, decode: Callable[[list[int]], str] | None = None) -> str:
-    """One line per record; with `decode` (a tokenizer's), each multi-turn episode after it, turn
-    by turn: the model's and the environment's words."""
+    """One line per record, then each completion's reward and text: decoded from its tokens with
+    `decode` (the run's tokenizer; a multi-turn episode turn by turn, the model's words and the
+    environment's), else the text its sampler claimed. Shown as repr: escaped, one line each."""
     group = record.get("group")
     if group is None:
         return f"{record['seq']:>7}  {record['subject']}  REJECTED  {record['error']}"
@@ -115,10 +116,12 @@ def table_line(record: dict, decode: Callable[[list[int]], str] | None = None) -
     line = (f"{record['seq']:>7}  {group['sampler_id']:<10} v{group['version']:<5} {group['task']:<10} "
             f"{group['group_id']}  {len(rewards)} completions  {tokens} tokens  "
             f"reward {sum(rewards) / len(rewards):.3f}")
-    if decode is None or not any(c["observations"] for c in group["completions"]):
-        return line
     lines = [line]
     for i, completion in enumerate(group["completions"]):
+        if decode is None or not completion["observations"]:
+            text = repr(decode(completion["token_ids"])) if decode else f"claimed {completion['text']!r}"
+            lines.append(f"    [{i}] reward {completion['reward']:.3f} {completion['finish_reason']}: {text}")
+            continue
         turns = Completion.model_validate(completion)
         lines.append(f"    episode {i}: reward {completion['reward']:.3f}, {len(turns.model_turns())} turns")
         ids, observations = completion["token_ids"], [*completion["observations"], None]

@@ -130,8 +130,8 @@ def test_multi_turn_tasks_train_end_to_end(tmp_path, task, mode):
     episodes = [c for r in stream for c in r["group"]["completions"]]
     assert any(c["observations"] for c in episodes)  # a model turn, the board, another turn
     assert all(len(c["observations"]) < 3 for c in episodes)  # at most max_turns turns
-    shown = subprocess.run([sys.executable, "-m", "workers.cli", "replay", "--run", str(tmp_path / run_id), "--table",
-                            "--turns"], capture_output=True, text=True, timeout=120, check=True).stdout
+    shown = subprocess.run([sys.executable, "-m", "workers.cli", "replay", "--run", str(tmp_path / run_id), "--table"],
+                           capture_output=True, text=True, timeout=120, check=True).stdout
     assert "      model: " in shown and "      environment: " in shown  # episodes turn by turn
     scored = orjson.loads((tmp_path / run_id / "summary.json").read_bytes())["eval"]  # held-out episodes, played greedily
     assert scored["prompts"] == 2 and 0 <= scored["base_reward"] <= 1 and 0 <= scored["trained_reward"] <= 1

@@ -9,6 +9,7 @@ import orjson
 import pytest
 
 from echo.checkpoint import read_metrics
+from echo.models import load_tokenizer
 from streams.server import NatsServer
 from tests.conftest import a_sampler_holding_slots, assert_balanced, wait_for_steps, worker_process
 
@@ -34,8 +35,15 @@ def test_replay_filters_a_finished_runs_stream(on_policy_swarm):
     assert [r["seq"] for r in records] == [r["seq"] for r in expected] and expected
     assert [r["seq"] for r in _records(_replay(run_dir, "--seq", "2:4").stdout)] == [2, 3, 4]
     assert _replay(run_dir, "--rejected").stdout == ""  # an honest run: nothing malformed
-    everything = _replay(run_dir, "--reward", "0:1", "--table").stdout.splitlines()
-    assert len(everything) == len(stream) and all(" completions " in line for line in everything)
+    everything = _replay(run_dir, "--reward", "0:1", "--table").stdout.split("\n")[:-1]
+    heads = [line for line in everything if not line.startswith("    [")]
+    assert len(heads) == len(stream) and all(" completions " in line for line in heads)
+    # Each completion's text, decoded by the run's tokenizer from its tokens (not the sampler's claim).
+    tokenizer = load_tokenizer("tiny")
+    first = stream[0]["group"]["completions"]
+    assert everything[1:1 + len(first)] == [
+        f"    [{i}] reward {c['reward']:.3f} {c['finish_reason']}: {tokenizer.decode(c['token_ids'])!r}"
+        for i, c in enumerate(first)]
 
 
 def test_a_retrain_reproduces_an_async_run_that_dropped_stale_groups(tmp_path):

@@ -31,10 +31,10 @@ def register(sub) -> None:
     replay.add_argument("--reward", type=span(float), metavar="LOW:HIGH", help="groups whose mean claimed reward "
                         "lies in this range")
     replay.add_argument("--rejected", action="store_true", help="only the messages the trainer would reject, with why")
-    replay.add_argument("--table", action="store_true", help="one readable line per record instead of JSON lines")
-    replay.add_argument("--turns", action="store_true", help="with --table, each multi-turn episode turn by turn, "
-                        "decoded with the run's model's tokenizer (--model with --nats)")
-    replay.add_argument("--model", help="the model whose tokenizer decodes episodes (default: the run's)")
+    replay.add_argument("--table", action="store_true", help="a readable line per record, then each completion's "
+                        "reward and text, decoded with the run's tokenizer (--model with --nats; else the text "
+                        "the sampler claimed), an episode turn by turn")
+    replay.add_argument("--model", help="the model whose tokenizer decodes completions (default: the run's)")
     replay.add_argument("--retrain", action="store_true", help="train again over exactly the groups each recorded "
                         "step consumed, from the run's config and seed, and compare with its published weights")
     replay.add_argument("--log-json", action="store_true")
@@ -60,16 +60,16 @@ def run(args) -> int:
     keep = Keep(seqs=args.seq, since=args.since, until=args.until, version=args.version, sampler=args.sampler,
                 task=args.task, rewards=args.reward, rejected_only=args.rejected)
     return replay(source, args.nats, args.out, keep, args.table, credentials_of(args.creds, args.tls_ca),
-                  _decoder(args) if args.turns else None)
+                  _decoder(args) if args.table else None)
 
 
 def _decoder(args):
-    """The tokenizer's decode of the model the run trained (or --model's)."""
+    """The tokenizer's decode of the model the run trained (or --model's); None where neither is known."""
     from echo.models import load_tokenizer
 
     config = Path(args.run) / "config.toml"
     if not (args.model or config.exists()):
-        raise SystemExit(f"echo-rl replay --turns: {args.run} is no run directory; name the model with --model")
+        return None
     model = args.model or tomllib.loads(config.read_text())["model"]["name"]
     tokenizer = load_tokenizer(model)
     return lambda ids: tokenizer.decode(ids)
