@@ -38,6 +38,9 @@ class RunConfig(_Section):
     steps: int = Field(20, ge=1)  # training steps (policy versions published) in the run
     seed: int = 0  # the adapter's initialisation and the trainer's randomness: `replay --retrain` relies on it
     eval_prompts: int = Field(50, ge=0)  # `echo-rl up` scores base vs trained on this many held-out prompts
+    # Evaluate the version just published every this many steps, on eval_prompts held-out prompts,
+    # greedy, on the trainer's machine between steps (workers/trainer/evaluation.py); 0: never.
+    eval_every: int = Field(0, ge=0)
     # Experiment trackers the trainer writes each step to (workers/trainer/trackers.py), each an
     # extra (`pip install 'echo-rl[trackers]'`): TensorBoard event files in <run dir>/tensorboard,
     # W&B (offline unless WANDB_MODE or WANDB_API_KEY is set; the tracker run's id is this run's),
@@ -275,6 +278,12 @@ class EchoConfig(_Section):
     sampler: SamplerConfig = SamplerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     nats: NatsConfig = NatsConfig()
+
+    @model_validator(mode="after")
+    def _an_evaluation_needs_prompts(self):
+        if self.run.eval_every and not self.run.eval_prompts:
+            raise ValueError("run.eval_every needs run.eval_prompts > 0: the held-out prompts each evaluation scores")
+        return self
 
     @model_validator(mode="after")
     def _kl_needs_a_reference(self):

@@ -192,3 +192,33 @@ def test_a_published_manifest_that_lies_is_refused():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))
+
+
+def test_a_validation_file_or_a_split_column_names_the_held_out_rows(tmp_path, monkeypatch):
+    """verl's data.val_files and extra_info.split, TRL's eval_dataset: the held-out rows are the
+    ones the user named, every other row trains; a hash-chosen tenth only where nothing says."""
+    train, val = verl_rows(300), verl_rows(40, answer=lambda i: str(i + 1))
+    for row in val:
+        row["prompt"][0]["content"] = row["prompt"][0]["content"].replace("What is", "Compute")
+    task = dataset(tmp_path, monkeypatch, path=write_parquet(tmp_path / "train.parquet", train),
+                   val_path=write_parquet(tmp_path / "test.parquet", val))
+    assert task.manifest["rows"] == {"train": 300, "held_out": 40}
+    assert [p.messages for p in task.held_out(100)] == [r["prompt"] for r in val]
+    assert task.held_out_source == "40 rows of task.params.val_path"
+
+    marked = verl_rows(100)
+    for i, row in enumerate(marked):
+        row["extra_info"]["split"] = "test" if i % 4 == 0 else "train"
+    task = dataset(tmp_path, monkeypatch, path=write_parquet(tmp_path / "marked.parquet", marked))
+    assert task.manifest["rows"] == {"train": 75, "held_out": 25}
+    assert [p.messages for p in task.held_out(100)] == [r["prompt"] for r in marked[::4]]
+    assert task.held_out_source.startswith("25 rows whose extra_info.split is one of test, val")
+
+    only_train = [dict(row, extra_info={"split": "train"}) for row in verl_rows(50)]
+    task = dataset(tmp_path, monkeypatch, path=write_parquet(tmp_path / "only.parquet", only_train))
+    assert task.manifest["rows"] == {"train": 50, "held_out": 0}
+    assert "name a validation file (task.params.val_path)" in task.held_out_source
+
+    task = dataset(tmp_path, monkeypatch, path=write_parquet(tmp_path / "plain.parquet", verl_rows(200)))
+    held = task.manifest["rows"]["held_out"]
+    assert task.held_out_source.startswith(f"{held} rows held out by a hash of the prompt")

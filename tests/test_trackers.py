@@ -111,21 +111,23 @@ def test_a_tracker_that_fails_is_dropped_once_and_the_others_go_on(tmp_path, cap
 def test_every_tracker_reads_back_every_step_across_a_trainer_restart(tmp_path):
     """A user's verl parquet whose completions never box their answer (the tiny model's): two
     steps, the swarm stopped, then the same run taken to four and evaluated: one tracker run
-    each, the held-out scores beside the last step; the run says why it cannot learn, once, and
-    shows what the model wrote."""
-    data = tmp_path / "train.parquet"
+    each; evaluations every 2 steps on its validation file and `up`'s at each end, at their steps;
+    the run says why it cannot learn, once, and shows what the model wrote."""
+    data, val = tmp_path / "train.parquet", tmp_path / "test.parquet"
     pq.write_table(pa.Table.from_pylist(verl_rows(200)), data)
+    pq.write_table(pa.Table.from_pylist(verl_rows(5, answer=lambda i: str(i))), val)
     said = []
-    for steps, evaluated in ((2, 0), (4, 3)):
-        done = subprocess.run(up_command(tmp_path, "tracked", steps, ALL, f"run.eval_prompts={evaluated}",
+    for steps in (2, 4):  # evaluated every 2 steps on the validation file, and by `up` at its end
+        done = subprocess.run(up_command(tmp_path, "tracked", steps, ALL, "run.eval_prompts=3", "run.eval_every=2",
                                          'task.name="dataset"', f'task.params.path="{data}"',
-                                         "trainer.no_signal_steps=2"),
+                                         f'task.params.val_path="{val}"', "trainer.no_signal_steps=2"),
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         assert "tracker.failed" not in done.stderr and "swarm.tensorboard" in done.stderr  # how to look
         said.append(done.stdout + done.stderr)  # the workers log to stdout
     # After two steps with nothing to learn: the warning, naming the cause; not again after the restart.
-    assert "run.no_signal" in said[0] and "100% of completions have no \\\\boxed{} answer" in said[0], said[0][-3000:]  # logged as repr: \\ doubled
+    # (the cause is logged as its repr: the backslash doubled)
+    assert "run.no_signal" in said[0] and "100% of completions have no \\\\boxed{} answer" in said[0], said[0][-3000:]
     assert "run.no_signal" not in said[1]
     run_dir = tmp_path / "tracked"
     steps = [1, 2, 3, 4]
@@ -144,6 +146,11 @@ def test_every_tracker_reads_back_every_step_across_a_trainer_restart(tmp_path):
     assert [r["step"] for r in samples] == [1, 1, 2, 2, 3, 3, 4, 4]
     assert all("boxed" in r["prompt"] and r["reward"] == 0.0 and r["sampler"] in ("s1", "s2") for r in samples)
     assert sorted(tensorboard_texts(run_dir, "samples")) == steps
-    assert list(tensorboard_scalars(run_dir, "eval/trained_reward")) == [4]
-    assert list(wandb_history(run_dir, "eval/prompts")[0].items()) == [(4, 3.0)]
-    assert list(mlflow_history(run_dir, "eval/base_correct")[0]) == [4]
+    # Evaluated during training at steps 2 and 4 (evals.jsonl), beside `up`'s base-and-trained at each end.
+    evals = [orjson.loads(line) for line in (run_dir / "evals.jsonl").read_bytes().splitlines()]
+    assert [(e["step"], e["version"], e["prompts"]) for e in evals] == [(2, 2, 3), (4, 4, 3)]
+    assert sorted(tensorboard_scalars(run_dir, "eval/trained_reward")) == [2, 4]
+    assert sorted(tensorboard_scalars(run_dir, "time/phase/evaluate")) == [2, 4]
+    assert sorted(wandb_history(run_dir, "eval/prompts")[0].items()) == [(2, 3.0), (4, 3.0)]
+    assert sorted(mlflow_history(run_dir, "eval/trained_correct")[0]) == [2, 4]
+    assert sorted(mlflow_history(run_dir, "eval/base_correct")[0]) == [2, 4]

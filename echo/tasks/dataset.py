@@ -24,7 +24,7 @@ import os
 import re
 import shutil
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 from pathlib import Path
 
@@ -46,6 +46,7 @@ LONGEST_KEPT = 16  # the longest prompts, by bytes, that the trainer encodes to 
 PROMPT_COLUMNS = ("prompt", "messages", "question", "problem")  # looked for in this order
 ANSWER_COLUMNS = ("reward_model.ground_truth", "answer", "solution", "ground_truth")
 SPLITS = ("train", "held_out")
+HELD_OUT_NAMES = ("test", "val", "validation", "eval")  # a split column's values that hold a row out
 
 
 class DatasetParams(BaseModel):
@@ -56,6 +57,13 @@ class DatasetParams(BaseModel):
     answer: str | None = None  # the ground truth's column; None: looked for (verl's reward_model.ground_truth first)
     data_source: str = "data_source"  # the column naming each row's source (reasoning_gym's verifier reads it)
     split: str = "train"  # a saved DatasetDict's split
+    # Held-out rows, for evaluation (run.eval_prompts, run.eval_every): a validation file of the
+    # same form (verl's data.val_files, TRL's eval_dataset; val_split: a saved DatasetDict's); else
+    # the rows whose split_column says test, val, validation or eval (verl's extra_info.split); else
+    # a tenth of the rows, chosen by a hash of the prompt.
+    val_path: str | None = None
+    val_split: str = "test"
+    split_column: str = "extra_info.split"
     instruction: str = "{prompt}"  # a text prompt becomes one user message: this, with {prompt} filled in
     # math: the last \boxed{} against the truth (numbers compared, else math-verify); exact: the last
     # \boxed{} (or the whole text) equal to the truth; regex:<pattern>: its last match's first group
@@ -111,9 +119,11 @@ def row_prompt(row: dict, prompt_column: str, answer_column: str, p: DatasetPara
 def built_dataset(p: DatasetParams) -> Path:
     """The cache folder of `p.path`'s shards, built on first use (atomically: a rename)."""
     source = existing(p.path).resolve()
-    stat = source.stat()
-    mapping = p.model_dump(include={"prompt", "answer", "data_source", "split", "instruction"})
-    key = hashlib.sha256(orjson.dumps([str(source), stat.st_size, stat.st_mtime_ns, mapping],
+    mapping = p.model_dump(include={"prompt", "answer", "data_source", "split", "instruction", "val_split",
+                                    "split_column"})
+    validation = existing(p.val_path, "task.params.val_path").resolve() if p.val_path else None
+    files = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in (source, validation) if f is not None]
+    key = hashlib.sha256(orjson.dumps([files, mapping],
                                       option=orjson.OPT_SORT_KEYS)).hexdigest()[:20]
     target = cache_dir() / "datasets" / key
     if (target / "manifest.json").exists():
@@ -146,23 +156,23 @@ def _build(p: DatasetParams, folder: Path) -> None:
         shards[split].append(hashlib.sha256(prompts).hexdigest())
         pending[split].clear()
 
-    number = 0
-    for batch in read_rows(p.path, p.split):
-        for row in batch:
-            number += 1
-            columns = columns or pick_columns(row, p)
-            made = row_prompt(row, *columns, p)
-            if isinstance(made, str):
-                skipped[made] += 1
-                continue
-            messages, answer, source = made
-            split = SPLITS[is_held_out(messages)]
-            line = orjson.dumps({"messages": messages, "data_source": source}) + b"\n"
-            (heapq.heappush if len(longest) < LONGEST_KEPT else heapq.heappushpop)(longest, (len(line), number, messages))
-            pending[split].append((line, orjson.dumps(answer) + b"\n"))
-            rows[split] += 1
-            if len(pending[split]) == SHARD_ROWS:
-                flush(split)
+    number, held_out_by = 0, Counter()
+    for row, held_out_file in _rows(p):
+        number += 1
+        columns = columns or pick_columns(row, p)
+        made = row_prompt(row, *columns, p)
+        if isinstance(made, str):
+            skipped[made] += 1
+            continue
+        messages, answer, source = made
+        split, why = row_split(row, messages, p, held_out_file)
+        held_out_by[why] += split == "held_out"
+        line = orjson.dumps({"messages": messages, "data_source": source}) + b"\n"
+        (heapq.heappush if len(longest) < LONGEST_KEPT else heapq.heappushpop)(longest, (len(line), number, messages))
+        pending[split].append((line, orjson.dumps(answer) + b"\n"))
+        rows[split] += 1
+        if len(pending[split]) == SHARD_ROWS:
+            flush(split)
     for split in SPLITS:
         if pending[split]:
             flush(split)
@@ -170,9 +180,30 @@ def _build(p: DatasetParams, folder: Path) -> None:
         why = f" ({sum(skipped.values())} rows skipped: {dict(skipped)})" if skipped else ""
         raise ConfigError(f"task.params.path {p.path}: no training rows{why}")
     manifest = {"rows": rows, "shard_rows": SHARD_ROWS, "shards": shards, "skipped": dict(skipped),
+                "held_out_by": {why: n for why, n in held_out_by.items() if n},
                 "columns": {"prompt": columns[0], "answer": columns[1]},
                 "longest": [{"row": n, "messages": m} for _, n, m in sorted(longest, reverse=True)]}
     (folder / "manifest.json").write_bytes(orjson.dumps(manifest))
+
+
+def _rows(p: DatasetParams) -> Iterator[tuple[dict, bool]]:
+    """Every row of the training file, then of the validation file (True: held out, all of it)."""
+    for batch in read_rows(p.path, p.split):
+        yield from ((row, False) for row in batch)
+    if p.val_path:
+        for batch in read_rows(p.val_path, p.val_split, "task.params.val_path"):
+            yield from ((row, True) for row in batch)
+
+
+def row_split(row: dict, messages: list[dict], p: DatasetParams, held_out_file: bool) -> tuple[str, str]:
+    """Which split a row is in, and by what: the validation file, the row's split column, or the
+    hash of its prompt (only where neither says)."""
+    if p.val_path:
+        return ("held_out" if held_out_file else "train"), "val_path"
+    named = _field(row, p.split_column)
+    if isinstance(named, str) and named.strip():
+        return ("held_out" if named.strip().lower() in HELD_OUT_NAMES else "train"), "split_column"
+    return SPLITS[is_held_out(messages)], "hash"
 
 
 def check_prompt_lengths(manifest: dict, encode: Callable[[list[dict]], list[int]], context: int | None,
@@ -323,6 +354,22 @@ class Dataset:
 
     def held_out(self, n: int) -> list[Prompt]:
         return [self._row("held_out", i) for i in range(min(n, self.manifest["rows"]["held_out"]))]
+
+    @property
+    def held_out_source(self) -> str:
+        """What the held-out rows are, said where an evaluation gets fewer prompts than it asked."""
+        by = self.manifest.get("held_out_by", {})
+        said = []
+        if "val_path" in by:
+            said.append(f"{by['val_path']} rows of task.params.val_path")
+        if "split_column" in by:
+            said.append(f"{by['split_column']} rows whose {self.p.split_column} is one of {', '.join(HELD_OUT_NAMES)}")
+        if "hash" in by:
+            said.append(f"{by['hash']} rows held out by a hash of the prompt (a tenth of those with no "
+                        f"{self.p.split_column}; task.params.val_path names a validation file)")
+        return "; ".join(said) or (f"no held-out rows in {self.p.path}: name a validation file "
+                                   "(task.params.val_path), or mark rows test in a split column "
+                                   "(task.params.split_column)")
 
     def score(self, completion: str, prompt: Prompt) -> Score:
         return self.reward(completion, prompt.answer, prompt.source)

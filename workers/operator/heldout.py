@@ -47,9 +47,12 @@ def evaluate(cfg: EchoConfig, version: int, shards: list[Path], n: int, batch: i
     engine = make_engine(cfg)
     task = load_task(cfg.task)
     prompts = task.held_out(n)
+    held_out = getattr(task, "held_out_source", "")
     if not prompts:
-        raise ValueError(f"task {task.name!r} holds out no prompts to score")
-    log.info("eval.start", prompts=len(prompts), asked=n, decoding="greedy")  # a task may hold out fewer
+        raise ValueError(f"task {task.name!r} holds out no prompts to score{': ' + held_out if held_out else ''}")
+    # A task may hold out fewer than asked: said why.
+    log.info("eval.start", prompts=len(prompts), asked=n, decoding="greedy",
+             **({"held_out": held_out} if len(prompts) < n and held_out else {}))
     max_tokens = cfg.sampling.max_new_tokens
     base_reward, base_correct = held_out_score(engine, task, prompts, max_tokens, batch)  # the base model first
     engine.load_weights(read_shards(shards))

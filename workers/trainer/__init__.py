@@ -4,7 +4,7 @@ what it names:
 
 - trainer.py: `echo-rl trainer`, its arguments (under torchrun: each rank's);
 - loop.py: the process and its step loop, each step's phases named and timed (collect, train,
-  checkpoint, publish, account); it owns the order of the phases and nothing else;
+  checkpoint, publish, account, evaluate); it owns the order of the phases and nothing else;
 - intake.py: what becomes of every rollout message, through the rollout inbox
   (streams/inbox.py): decoded, handed to the judge, its verdict tallied, its grant ended, its
   sender struck; it publishes nothing;
@@ -16,7 +16,9 @@ what it names:
 - granter.py: asking the samplers for groups and granting them the work (streams/grants.py,
   streams/pull.py); it reads no rollouts;
 - strikes.py: strikes against samplers, and who is quarantined (streams/quarantine.py);
-- accounting.py: the step's metrics, the run's totals, the learner's pace; bookkeeping only;
+- accounting.py: the step's metrics, the run's totals, the learner's pace, its sample
+  completions; bookkeeping only;
+- evaluation.py: the version just published scored on held-out prompts (run.eval_every);
 - coordinator.py: ECHO-2's cost-aware activation of samplers (scheduler.enabled);
 - model.py: the model, its optimizer and checkpoint, on one rank or several; no NATS.
 """

@@ -55,6 +55,7 @@ from workers.trainer.accounting import (
     step_samples,
 )
 from workers.trainer.coordinator import Coordinator
+from workers.trainer.evaluation import Evaluator, eval_scalars
 from workers.trainer.granter import Granter, granter_for
 from workers.trainer.intake import Collector
 from workers.trainer.judge import Judge, Timeline, Trained
@@ -123,6 +124,7 @@ class Trainer:
         self.weights = WeightsPublisher(lease, cfg.trainer.keep_versions, cfg.trainer.keep_versions_s)
         self.left_out: set[str] = set()  # samplers whose heartbeats gave no scalars (logged once)
         self.no_signal = NoSignal(cfg.trainer.no_signal_steps)
+        self.evaluator = Evaluator(cfg, collector.judge.referee.task)
         for record in read_metrics(cfg.run_dir):  # a resumed run's streak goes on
             self.no_signal.observe(record)
 
@@ -191,12 +193,17 @@ class Trainer:
                     step.published = await publish_version(self.weights, self.model, state.version)
                 with step.phase("account"):
                     record = await self.account(step)
+                evaluated = None
+                if self.evaluator.due(step.number):
+                    with step.phase("evaluate"):
+                        evaluated = await asyncio.to_thread(self.evaluator.evaluate, step.number, state.version)
                 record = write_metrics(metrics_file, record, step, self.recent.status)
                 samples = self.diagnose(step, record)
                 if trackers.live:
                     samplers = await retry_forever("read heartbeats", lambda: read_statuses(self.run))
                     scalars = step_scalars(record, sum(self.quarantine.strikes.values()))
                     scalars |= self.samplers_scalars(samplers, record["version"])
+                    scalars |= eval_scalars(evaluated) if evaluated else {}
                     await asyncio.to_thread(trackers.log, step.number, scalars, samples)
 
     async def train_proven(self, step: TrainerStep) -> dict:

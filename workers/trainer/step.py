@@ -3,7 +3,8 @@
 
 The phases, in order: collect (ask for groups, judge what arrives), train, checkpoint (the step,
 what it consumed and trained, and its record), publish (the new version), account (ack the
-step's groups, count every message, write the step's metrics). The order is the exactly-once
+step's groups, count every message, write the step's metrics), and every run.eval_every steps
+evaluate (the version just published, on held-out prompts). The order is the exactly-once
 guarantee: groups are acked only after the checkpoint that holds their step."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from echo.learner import Batch
 from echo.wire.messages import WeightsAnnouncement
 from workers.trainer.intake import Collected
 
-PHASES = ("collect", "train", "checkpoint", "publish", "account")
+PHASES = ("collect", "train", "checkpoint", "publish", "account", "evaluate")
 
 
 @dataclass
