@@ -31,6 +31,7 @@ class Heartbeat:
         self.quarantined = False  # the trainer ignores this sampler's groups
         self.finished = False  # the trainer said the run has finished
         self.draining = False  # stopping: its last heartbeat says so
+        self.said_version = -1  # the version its last heartbeat named
 
     def status(self) -> SamplerStatus:
         rates = self.generation.calls.rates(time.monotonic())
@@ -66,7 +67,15 @@ class Heartbeat:
             log.info("sampler.run_finished", step=trainer.step, waiting="in case the run goes on: stop this "
                      "sampler when it is done with")
         self.finished = finished
-        await put_status(self.run, self.status())
+        status = self.status()
+        await put_status(self.run, status)
+        self.said_version = status.version
+
+    async def first_weights(self) -> None:
+        """A beat as soon as the engine runs its first weights: the trainer's first steps read
+        each sampler's version lag and sync time from it, not a beat heartbeat_s later."""
+        if self.said_version < 0 <= self.weights.version:
+            await self.try_beat()
 
     async def try_beat(self) -> None:
         """A beat the broker misses (restarting, unreachable) is logged and the next one tried;

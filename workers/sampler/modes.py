@@ -58,6 +58,7 @@ class Sampler:
         while True:
             self.work.changed.clear()  # before reading the budget: no update can slip past
             await self.weights.apply_newest()
+            await self.heartbeat.first_weights()
             if not self.work.standby:
                 asked_at = time.perf_counter()
                 grant = await self.work.ask(self.weights.running)
@@ -82,6 +83,7 @@ class Sampler:
                 seq, request = await requests.wait_newer(seq)
                 self.work.pull_request = request
                 await self.weights.apply_newest(request.version, request.epoch)
+                await self.heartbeat.first_weights()
                 if self.weights.running != (request.epoch, request.version):
                     continue  # the trainer has moved past this request already
                 while requests.seq == seq and await self.fill(request):
