@@ -7,12 +7,13 @@ import subprocess
 import sys
 import tomllib
 
+import orjson
 import pytest
 
 from echo.config import load_config
 from echo.models import load_model
 from echo.wire.names import CONFIG_KEY
-from streams.client import open_run
+from streams.client import NoBroker, connect, open_run
 from streams.secure import SecureDir
 from streams.server import free_port
 from tests.conftest import tiny_config
@@ -218,7 +219,8 @@ def test_a_yaml_config_hydra_overrides_and_bare_word_lists_read_as_the_toml_and_
                                      "task:\n  name: dataset\n  params: {path: data.parquet}\n")
     (tmp_path / "c.toml").write_text('[run]\nsteps = 7\ntrackers = ["tensorboard"]\n[trainer]\nlr = 2e-5\n'
                                      '[task]\nname = "dataset"\nparams = {path = "data.parquet"}\n')
-    hydra = ["up", "--config", str(tmp_path / "c.yaml"), "trainer.lr_schedule=cosine", "run.trackers=[tensorboard, mlflow]",
+    hydra = ["up", "--config", str(tmp_path / "c.yaml"), "trainer.lr_schedule=cosine",
+             "run.trackers=[tensorboard, mlflow]",
              "--run-id", "same"]
     ours = ["up", "--config", str(tmp_path / "c.toml"), "--set", "trainer.lr_schedule=cosine", "--set",
             'run.trackers=["tensorboard", "mlflow"]', "--run-id", "same"]
@@ -245,3 +247,34 @@ def test_a_samplers_help_offers_only_a_samplers_options(capsys):
         main(["sampler", "--help"])
     said = capsys.readouterr().out
     assert not re.search(r"--(steps|mode)\b", said) and "--id" in said and "--weights-from" in said
+
+
+def test_a_hub_is_refused_open_to_other_machines_unless_asked_and_serves_a_secured_run(tmp_path, capsys):
+    """`echo-rl hub`: no config to write. Open beyond this machine only with --insecure; secured
+    with `secure init`'s files, where the trainer's nkey and the CA connect and nothing else does."""
+    assert main(["hub", "--host", "0.0.0.0", "--store", str(tmp_path / "hub")]) == 2
+    assert "--insecure (a trusted network)" in capsys.readouterr().err
+    assert main(["hub", "--host", "127.0.0.1", "--secure", str(tmp_path / "none")]) == 2
+    assert "make it with `echo-rl secure init" in capsys.readouterr().err
+    secure = SecureDir(tmp_path / "secure")
+    secure.init("hubbed", ["localhost", "127.0.0.1"], ["s1"])
+    port = free_port()
+    hub = subprocess.Popen([sys.executable, "-m", "workers.cli", "hub", "--host", "127.0.0.1", "--port", str(port),
+                            "--leaf-port", "0", "--store", str(tmp_path / "hub"), "--secure", str(secure.dir),
+                            "--log-json"], stderr=subprocess.PIPE, text=True)
+    try:
+        ready = orjson.loads(next(line for line in hub.stderr if '"hub.ready"' in line))
+        assert ready["secured"] and f"--creds {secure.seed_file('sampler-NAME')}" in ready["sampler"]
+        assert "relay" not in ready  # no leaf port: no relays
+
+        async def check():
+            run = await open_run(f"nats://127.0.0.1:{port}", "hubbed", "trainer",
+                                 credentials=secure.credentials("trainer"))
+            await run.close()
+            with pytest.raises(NoBroker):  # no credentials, no TLS: refused
+                await connect(f"nats://127.0.0.1:{port}", "intruder", give_up_s=5)
+
+        asyncio.run(check())
+    finally:
+        hub.send_signal(signal.SIGTERM)
+        assert hub.wait(timeout=30) == 0

@@ -1,7 +1,6 @@
 """docs/operations.md's "Several machines" walkthrough on a trusted network, followed to the letter
-on one machine: the hub from compose/nats.conf (its store_dir edited, as the walkthrough says, and free
-ports for this test), the trainer on the shipped docs/run.toml, a site relay with its own client
-port, a sampler behind it that knows only the relay's URL and the run id, then status, report,
+on one machine: the hub from `echo-rl hub` (free ports for this test, on the loopback), the
+trainer on the shipped docs/run.toml, a site relay with its own client port, a sampler behind it that knows only the relay's URL and the run id, then status, report,
 eval and replay. The one departure: the tiny model and 3 steps, not SmolLM2 and 40."""
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from streams.server import free_port, nats_server_binary
+from streams.server import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -23,21 +22,8 @@ SMALL = ["--model", "tiny", "--steps", "3", "--set", "lora.r=4", "--set", "sampl
          "--set", "sampling.max_new_tokens=8", "--set", "trainer.threads=1"]
 
 
-def _hub_config(tmp_path: Path) -> tuple[Path, int, int]:
-    """compose/nats.conf with this test's store and ports."""
-    client, leaf, monitor = free_port(), free_port(), free_port()
-    text = (ROOT / "compose" / "nats.conf").read_text()
-    for old, new in [("port: 4222", f"port: {client}"), ("http_port: 8222", f"http_port: {monitor}"),
-                     ("store_dir: /data", f"store_dir: {tmp_path / 'hub'}"), ("port: 7422", f"port: {leaf}")]:
-        assert old in text, old
-        text = text.replace(old, new, 1)
-    path = tmp_path / "hub.conf"
-    path.write_text(text)
-    return path, client, leaf
-
-
 def test_the_walkthrough_on_a_trusted_network(tmp_path):
-    conf, client, leaf = _hub_config(tmp_path)
+    client, leaf = free_port(), free_port()
     hub_url, relay_port = f"nats://127.0.0.1:{client}", free_port()
     processes = []
 
@@ -47,7 +33,11 @@ def test_the_walkthrough_on_a_trusted_network(tmp_path):
         return processes[-1]
 
     try:
-        start(nats_server_binary(), "-c", str(conf))  # 1. the hub
+        hub = start(*ECHO_RL, "hub", "--host", "127.0.0.1", "--port", str(client), "--leaf-port", str(leaf),
+                    "--log-json")  # 1. the hub (--insecure on other interfaces)
+        ready = orjson.loads(next(line for line in hub.stderr if '"hub.ready"' in line))
+        assert ready["url"] == hub_url and ready["sampler"].startswith(f"echo-rl sampler --nats {hub_url} --run-id")
+        assert ready["relay"].startswith(f"echo-rl relay --hub nats-leaf://127.0.0.1:{leaf} ")
         trainer = start(*ECHO_RL, "trainer", "--config", str(ROOT / "docs" / "run.toml"), "--nats", hub_url, *SMALL,
                         "--log-json")  # 2.
         start(*ECHO_RL, "relay", "--hub", f"nats-leaf://127.0.0.1:{leaf}", "--run-id", "arith-1", "--domain", "site-a",
