@@ -1,7 +1,7 @@
 """docs/operations.md's "Several machines" walkthrough on a trusted network, followed to the letter
 on one machine: the hub from `echo-rl hub` (free ports for this test, on the loopback), the
-trainer on the shipped docs/run.toml, a site relay with its own client port, a sampler behind it that knows only the relay's URL and the run id, then status, report,
-eval and replay. The one departure: the tiny model and 3 steps, not SmolLM2 and 40."""
+trainer on the shipped docs/run.toml, a site relay with its own client port, a sampler behind it
+that knows only the relay's URL and the run id, then status, report, eval and replay. The one departure: the tiny model and 3 steps, not SmolLM2 and 40."""
 
 from __future__ import annotations
 
