@@ -31,6 +31,9 @@ STEP_COUNTS = {
     "phase_seconds": "time/phase",
 }
 BROKER_PHASES = ("publish", "account")  # the step's time spent on the broker, beyond the learner's own
+# A step's headline values, in the trainer's status for the page (record keys).
+PAGE_SCALARS = ("reward_mean", "loss", "kl", "entropy", "grad_norm", "lr", "length_mean", "length_max",
+                "zero_spread_share", "no_answer_share", "truncated_share")
 
 
 def mean_staleness(record: dict) -> float:

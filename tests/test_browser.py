@@ -4,6 +4,7 @@ its screenshot is docs/status-page.png."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import time
@@ -11,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.swarms import up_command
 from tests.conftest import serving
+from tests.swarms import up_command
 
 pytestmark = pytest.mark.browser
 
@@ -65,7 +66,17 @@ def test_the_live_page_shows_the_samplers_and_its_step_advances_without_a_reload
                 step = lambda said: int(said.split()[1].split("/")[0])  # noqa: E731 - "step 7/10000, elapsed ..."
                 assert step(later) > step(first) and "/10000, elapsed" in later and "ETA" in later
                 assert browser.find_element(By.ID, "connection").text == "live"
-                wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#reward canvas"))  # uPlot drew the chart
+                assert browser.find_element(By.ID, "about").text == "model tiny · task math"
+                assert re.match(r"last step: reward \d\.\d{3}, loss -?\d\.\d{4}, KL \d\.\d{4}, entropy \d",
+                                browser.find_element(By.ID, "step").text)
+                rows = "return [...document.querySelectorAll('#samples tbody tr')].map(r => r.innerText)"
+                assert len(wait_for(lambda: browser.execute_script(rows))) == 2  # the last step's completions
+                for chart in ("reward", "loss", "kl", "entropy", "grad_norm", "lr", "length", "zero_spread",
+                              "staleness"):
+                    wait_for(lambda chart=chart: browser.find_elements(By.CSS_SELECTOR, f"#{chart} canvas"))
+                # The x axis reads as steps: whole numbers at its ticks.
+                ticks = wait_for(lambda: browser.execute_script("return charts.reward.axes[0]._splits"))
+                assert ticks and all(float(t).is_integer() for t in ticks), ticks
                 browser.save_screenshot(str(SCREENSHOT))
             finally:
                 browser.quit()
@@ -73,3 +84,21 @@ def test_the_live_page_shows_the_samplers_and_its_step_advances_without_a_reload
         swarm.send_signal(signal.SIGINT)
         swarm.wait(timeout=60)
     assert SCREENSHOT.stat().st_size > 10_000
+
+
+def test_a_finished_run_shows_as_finished(tmp_path):
+    from selenium.webdriver.common.by import By
+
+    subprocess.run(up_command(tmp_path, "done", 3), capture_output=True, timeout=600, check=True)
+    with serving(tmp_path / "done") as url:  # from the finished run's own store
+        browser = chromium(tmp_path)
+        try:
+            browser.get(url)
+            said = wait_for(lambda: browser.find_element(By.ID, "progress").text.startswith("finished")
+                            and browser.find_element(By.ID, "progress").text)
+            assert said.startswith("finished at step 3/3")
+            assert browser.find_element(By.ID, "connection").text == "finished"
+            shown = "return [...document.querySelectorAll('#samples tbody tr')].length"
+            assert browser.execute_script(shown) == 2
+        finally:
+            browser.quit()

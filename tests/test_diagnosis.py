@@ -8,7 +8,8 @@ import numpy as np
 
 from echo.diagnosis import NoSignal, Trained, likely_cause, sample_picks, step_signal
 from tests.groups import TOKENIZER, honest_group
-from workers.trainer.accounting import SAMPLE_CHARS, readable, step_samples
+from echo.wire.names import SAMPLE_CHARS
+from workers.trainer.accounting import readable, step_samples
 from workers.trainer.intake import Collected
 from workers.trainer.judge import Accepted
 from workers.trainer.step import TrainerStep

@@ -1,5 +1,6 @@
 """`echo-rl status` on a live swarm: the trainer and every sampler, from the broker alone."""
 
+import asyncio
 import re
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import orjson
 import pytest
 
 from echo.wire.messages import TrainerStatus
+from streams.client import open_run
 from tests.conftest import next_event, serving, tiny_config, worker_process
 from tests.swarms import up_command
 from workers.operator.status import pace_s, progress
@@ -47,6 +49,10 @@ def test_status_shows_the_trainer_and_every_sampler_of_a_live_swarm(tmp_path):
         assert trainer["epoch"] >= 1 and trainer["step"] >= 1 and trainer["version"] == trainer["step"]
         assert len(trainer["rewards"]) >= 1 and 0 < trainer["learner_busy"] <= 1
         assert trainer["steps"] == 10_000 and trainer["elapsed_s"] > 0 and trainer["eta_s"] > 0
+        assert trainer["model"] == "tiny" and trainer["task"] == "math" and not trainer["overdue"]
+        charted = {"loss", "kl", "entropy", "grad_norm", "lr", "length_mean", "zero_spread_share"}
+        assert charted <= set(trainer["scalars"])
+        assert len(trainer["samples"]) == 2 and all(s["sampler"] in ("s1", "s2") for s in trainer["samples"])
         assert trainer["accounting"]["trained"] >= 4 and trainer["rejected"] == {}
         assert {s["id"] for s in snap["samplers"]} == {"s1", "s2"}
         for s in snap["samplers"]:
@@ -70,6 +76,10 @@ def test_status_shows_the_trainer_and_every_sampler_of_a_live_swarm(tmp_path):
                                  "steps"}
             assert {s["id"] for s in later["samplers"]} == {"s1", "s2"}
             assert [p["step"] for p in later["steps"]][-1] == later["trainer"]["step"] > first["trainer"]["step"]
+            # Served on the trainer's machine: the charts begin at the run's first step, read from its
+            # metrics (the page server started after step 3), each point with the values charted.
+            assert later["steps"][0]["step"] == 1
+            assert all({"reward", "loss", "kl", "lr", "length", "staleness"} <= set(p) for p in later["steps"])
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
@@ -126,3 +136,25 @@ def test_progress_reads_as_steps_of_the_run_and_a_trainer_is_late_only_past_its_
     status = TrainerStatus(step_s=30.0, groups_per_step=4, max_staleness=1, version=7, utilisation=0.75,
                            updated_at=0.0)
     assert pace_s(status) == 40.0  # busy 30 s of each 40 s step
+
+
+def test_a_page_served_before_its_run_begins_waits_for_the_trainer(nats_server):
+    """As a sampler does: `status --serve` on a run no trainer has created yet waits, and serves
+    the page once the run is there (it exited at once, 'not on this broker')."""
+    page = subprocess.Popen([sys.executable, "-m", "workers.cli", "status", "--nats", nats_server.url, "--run-id",
+                             "later", "--serve", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):  # waiting, not refused
+            page.wait(timeout=3)
+
+        async def begin():
+            run = await open_run(nats_server.url, "later", "trainer")  # what a trainer creates
+            await run.close()
+
+        asyncio.run(begin())
+        serving = page.stdout.readline()  # once the run is there
+        assert serving.startswith("echo-rl status: serving http://127.0.0.1:"), serving
+        assert b"echo-rl status" in urlopen(re.search(r"http://\S+/", serving)[0]).read()
+    finally:
+        page.send_signal(signal.SIGTERM)
+        page.wait(timeout=30)

@@ -46,5 +46,7 @@ not read; this is the one list of it):
 21: the trainer's status counts each sampler's slots ended and those it never delivered (`slots`);
     read as none before.
 22: the trainer's status names the run's steps, the trainer's seconds since it started and its
-    estimate of the seconds left (`steps`, `elapsed_s`, `eta_s`); read as 0 (unknown) before.
+    estimate of the seconds left (`steps`, `elapsed_s`, `eta_s`), the last step's headline values
+    and sample completions, and the model and task (`scalars`, `samples`, `model`, `task`); read
+    as 0, none and "" (unknown) before.
 """

@@ -18,6 +18,8 @@ from echo.wire.names import (
     MAX_CHAIN,
     PROCESS_PATTERN,
     RATE_MAX,
+    SAMPLE_CHARS,
+    SCALAR_NAME,
     SCHEMA_VERSION,
     SECONDS_MAX,
     TIMESTAMP_MAX,
@@ -297,6 +299,21 @@ class GrantBudget(Message):
     groups_per_step: int = Field(ge=1)
 
 
+class Sample(BaseModel):
+    """A completion the trainer shows (workers/trainer/accounting.py's step_samples): decoded by
+    the trainer from the tokens it trained on, its texts bounded and free of control characters."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    step: Count
+    group: Annotated[str, Field(pattern=ID_PATTERN)]
+    sampler: Annotated[str, Field(pattern=ID_PATTERN)]
+    version: Count
+    reward: float = Field(ge=0, le=1)
+    finish_reason: Literal["stop", "length"]
+    prompt: str = Field(max_length=SAMPLE_CHARS)
+    completion: str = Field(max_length=SAMPLE_CHARS)
+
+
 class SlotsEnded(BaseModel):
     """A sampler's granted slots that have ended, and how many of them it never delivered
     (passed over, or held when it stopped, restarted, died or stalled: echo/grants.py)."""
@@ -331,6 +348,13 @@ class TrainerStatus(Message):
     steps: int = Field(0, ge=0)  # the run's (run.steps); 0: unknown (a status of schema 21 or before)
     elapsed_s: float = Field(0.0, ge=0)  # since this trainer process started
     eta_s: float = Field(0.0, ge=0)  # the steps left at the pace of the last ones (waits included)
+    # For the page: the last step's headline values (loss, kl, entropy, grad_norm, lr, lengths,
+    # the signal: echo/metrics.py's PAGE_SCALARS, finite ones only), its sample completions, and
+    # what the run trains (model.name, the task and its dataset).
+    scalars: dict[Annotated[str, Field(pattern=SCALAR_NAME)], float] = Field({}, max_length=32)
+    samples: list[Sample] = Field([], max_length=64)
+    model: Label = ""
+    task: Label = ""
 
 
 class Schedule(Message):

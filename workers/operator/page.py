@@ -1,6 +1,7 @@
 """`echo-rl status --serve [HOST:]PORT`: the run's live page. The status snapshot
 (workers/operator/status.py) every REFRESH_S, pushed to each open page as a server-sent event, with the
-trainer's steps seen since the page server started (reward and staleness a step); the page
+trainer's steps (CHARTED a step: from the run's metrics where this machine has them, else those seen
+since the page server started); the page
 (workers/operator/static/status.html) draws them with uPlot, vendored. Read-only: it serves the page, its
 two static files and the events, nothing else; bound to 127.0.0.1 unless a host is given. A
 snapshot holds what `status` shows and no credential (the server's own stay in this process).
@@ -20,6 +21,7 @@ from pathlib import Path
 import orjson
 import structlog
 
+from echo.metrics import mean_staleness
 from streams.client import Run
 from workers.operator.status import REFRESH_S, snapshot
 
@@ -29,6 +31,9 @@ STATIC = Path(__file__).parent / "static"
 FILES = {"/": ("status.html", "text/html; charset=utf-8"), "/uPlot.iife.min.js": ("uPlot.iife.min.js", "text/javascript"),
          "/uPlot.min.css": ("uPlot.min.css", "text/css")}
 STEPS_KEPT = 10_000  # points a page's charts hold
+# A step's record keys the page charts, by the names the page reads.
+CHARTED = {"reward_mean": "reward", "loss": "loss", "kl": "kl", "entropy": "entropy", "grad_norm": "grad_norm",
+           "lr": "lr", "length_mean": "length", "zero_spread_share": "zero_spread"}
 MAX_CONNECTIONS = 4096
 READ_TIMEOUT_S = 10.0  # for a request's line and headers
 WRITE_TIMEOUT_S = 30.0  # for a page to take an event: one that stops reading is closed
@@ -39,21 +44,29 @@ KEEPALIVE_S = 30.0  # an event stream with no new snapshot gets a comment this o
 class Latest:
     """The newest snapshot as one server-sent event, and the trainer's steps seen."""
 
-    def __init__(self):
+    def __init__(self, history: list[dict] = ()):
         self.changed = asyncio.Condition()
         self.event = b""
-        self.steps: dict[int, dict] = {}  # step -> {"reward", "staleness"}
+        # step -> its charted values: the run's metrics where this machine has them (the page
+        # then shows the run since its first step), then each step the trainer's status names.
+        self.steps: dict[int, dict] = {r["step"]: point(r, mean_staleness(r)) for r in history}
 
     async def update(self, snap: dict) -> None:
         trainer = snap["trainer"]
         if trainer and trainer["rewards"] and trainer["step"] not in self.steps:
-            self.steps[trainer["step"]] = {"reward": trainer["rewards"][-1], "staleness": trainer["staleness"]}
-            for old in sorted(self.steps)[:-STEPS_KEPT]:
-                del self.steps[old]
+            self.steps[trainer["step"]] = point({"reward_mean": trainer["rewards"][-1], **trainer["scalars"]},
+                                                trainer["staleness"])
+        for old in sorted(self.steps)[:-STEPS_KEPT]:
+            del self.steps[old]
         body = orjson.dumps({**snap, "steps": [{"step": s, **p} for s, p in sorted(self.steps.items())]})
         async with self.changed:
             self.event = b"data: " + body + b"\n\n"
             self.changed.notify_all()
+
+
+def point(values: dict, staleness: float) -> dict:
+    """A step's charted values (the page draws one chart each), from its record or status."""
+    return {"staleness": staleness, **{CHARTED[k]: values[k] for k in CHARTED if k in values}}
 
 
 def allowed_hosts(host: str, port: int) -> set[str] | None:
@@ -161,8 +174,8 @@ def parse_address(text: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
-async def serve_page(run: Run, address: str) -> None:
-    latest = Latest()
+async def serve_page(run: Run, address: str, history: list[dict] = ()) -> None:
+    latest = Latest(history)
     host, port = parse_address(address)
     server = PageServer(latest)
     port = await server.start(host, port)

@@ -49,7 +49,8 @@ async def snapshot(run: Run) -> dict:
             "publish_s": trainer.publish_s, "accounting": trainer.accounting, "rejected": trainer.rejected,
             "seen_s_ago": round(now - trainer.updated_at, 1), "finished": trainer.finished,
             "staleness": trainer.staleness, "steps": trainer.steps, "elapsed_s": trainer.elapsed_s,
-            "eta_s": trainer.eta_s, "pace_s": pace_s(trainer),
+            "eta_s": trainer.eta_s, "pace_s": pace_s(trainer), "scalars": trainer.scalars,
+            "samples": [s.model_dump() for s in trainer.samples], "model": trainer.model, "task": trainer.task,
             "overdue": not trainer.finished and now - trainer.updated_at > OVERDUE_PACES * pace_s(trainer) + OVERDUE_S,
         },
         "samplers": [sampler_row(s, version, quarantined, trainer, now) for s in samplers],
@@ -62,6 +63,7 @@ async def snapshot(run: Run) -> dict:
 # The trainer's status is overdue (shown as such) after this many of its steps' seconds and this
 # many more: a status comes once a step, and a step's time varies.
 OVERDUE_PACES, OVERDUE_S = 2, 10.0
+JOIN_WAIT_S = 24 * 3600.0  # a page served before its run waits this long for the trainer to create it
 
 
 def sampler_row(s: SamplerStatus, version: int | None, quarantined: dict[str, str], trainer: TrainerStatus | None,
@@ -212,13 +214,16 @@ def register(sub) -> None:
 async def status_command(args, url: str, run_id: str, credentials) -> int:
     from streams.client import PATIENCE_S, open_run
 
-    run = await open_run(url, run_id, "status", credentials=credentials, create=False, join_wait_s=0,
-                         give_up_s=PATIENCE_S)
+    # A page may be served before the run begins: it waits for the trainer, as a sampler does.
+    run = await open_run(url, run_id, "status", credentials=credentials, create=False,
+                         join_wait_s=JOIN_WAIT_S if args.serve else 0, give_up_s=PATIENCE_S)
     try:
         if args.serve:
+            from echo.checkpoint import read_metrics
             from workers.operator.page import serve_page
 
-            await serve_page(run, args.serve)
+            # On the trainer's machine (--run), the charts begin at the run's first step.
+            await serve_page(run, args.serve, read_metrics(args.run) if args.run else [])
         else:
             await watch(run, args.once, args.json, sys.stdout)
     finally:

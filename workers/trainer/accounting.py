@@ -9,6 +9,8 @@ inbox's counts and the metrics file: it decides nothing about groups or grants.
 
 from __future__ import annotations
 
+import math
+import re
 import time
 import unicodedata
 from collections import Counter, deque
@@ -20,8 +22,9 @@ import structlog
 from echo.checkpoint import TrainerState, read_metrics
 from echo.consumed import ConsumedSeqs
 from echo.diagnosis import Trained, sample_picks, step_signal
-from echo.metrics import mean_staleness
-from echo.wire.messages import SlotsEnded, TrainerStatus
+from echo.metrics import PAGE_SCALARS, mean_staleness
+from echo.wire.messages import Sample, SlotsEnded, TrainerStatus
+from echo.wire.names import CONTROL_CHARACTERS, SAMPLE_CHARS
 from streams.client import retry_forever
 from streams.inbox import ConsumerCounts, RolloutInbox
 from workers.trainer.intake import Collected
@@ -31,7 +34,6 @@ from workers.trainer.step import TrainerStep
 log = structlog.get_logger()
 
 PACE_STEPS = 10  # the learner status averages this many steps
-SAMPLE_CHARS = 2000  # of a sample's prompt, and of its completion
 
 
 def step_record(step: TrainerStep, version: int, proof_counts: dict, quarantined: list[str]) -> dict:
@@ -113,15 +115,16 @@ def finished_record(step: TrainerStep, accounting: dict) -> dict:
 class RecentSteps:
     """The trainer's pace (TrainerStatus) over its last PACE_STEPS steps."""
 
-    def __init__(self, groups_per_step: int, max_staleness: int, steps: int):
+    def __init__(self, groups_per_step: int, max_staleness: int, steps: int, model: str = "", task: str = ""):
         self.groups_per_step, self.max_staleness, self.run_steps = groups_per_step, max_staleness, steps
+        self.model, self.task = (re.sub(f"[{CONTROL_CHARACTERS}]", "", text)[-256:] for text in (model, task))
         self.steps: deque[tuple[float, float]] = deque(maxlen=PACE_STEPS)  # (busy, wait) seconds
         self.rewards: deque[float] = deque(maxlen=PACE_STEPS)
         self.rejected: Counter = Counter()  # by reason, since this trainer started
         self.status: TrainerStatus | None = None  # after the last step
 
     def add(self, record: dict, version: int, strikes: dict[str, int],
-            slots: dict[str, SlotsEnded] | None = None) -> TrainerStatus:
+            slots: dict[str, SlotsEnded] | None = None, samples: list[dict] = ()) -> TrainerStatus:
         self.steps.append((record["busy_seconds"], record["wait_seconds"]))
         self.rewards.append(record["reward_mean"])
         self.rejected.update(record["rejected"])
@@ -132,7 +135,9 @@ class RecentSteps:
             step=record["step"], rewards=list(self.rewards), publish_s=record["publish_seconds"],
             accounting=record["accounting"], rejected=dict(self.rejected), staleness=mean_staleness(record),
             strikes=strikes, slots=slots or {}, steps=self.run_steps, elapsed_s=record["wall_seconds"],
-            eta_s=(busy + wait) / len(self.steps) * max(self.run_steps - record["step"], 0))
+            eta_s=(busy + wait) / len(self.steps) * max(self.run_steps - record["step"], 0),
+            scalars={k: float(record[k]) for k in PAGE_SCALARS if math.isfinite(record.get(k, math.nan))},
+            samples=[Sample(**s) for s in samples], model=self.model, task=self.task)
         return self.status
 
 

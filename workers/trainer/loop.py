@@ -154,7 +154,8 @@ class Trainer:
         background.start(inbox.keep_alive(cfg.trainer.ack_wait_s / 3))
         granter = granter_for(run, lease.epoch, cfg, state, ledger, quarantine)
         background.start(granter.watch_heartbeats())
-        recent = RecentSteps(cfg.trainer.groups_per_step, cfg.staleness_bound, cfg.run.steps)
+        recent = RecentSteps(cfg.trainer.groups_per_step, cfg.staleness_bound, cfg.run.steps, cfg.model.name,
+                             run_task(cfg))
         if cfg.scheduler.enabled:  # what it chooses, the grants obey
             background.start(Coordinator(run, cfg, granter.standby, recent, ledger).run_forever())
         return cls(cfg, lease, model, Collector(inbox, judge, ledger, consumed, quarantine), granter, recent)
@@ -228,10 +229,9 @@ class Trainer:
             task = self.collector.judge.referee.task
             log.warning("run.no_signal", steps=self.no_signal.streak, zero_spread_share=record["zero_spread_share"],
                         cause=likely_cause(record, answer_format(task), self.cfg.sampling.max_new_tokens))
-        samples = step_samples(step, self.model.tokenizer, self.cfg.run.samples_per_step)
         with open(self.cfg.run_dir / "samples.jsonl", "ab") as f:
-            f.write(b"".join(orjson.dumps(s) + b"\n" for s in samples))
-        return samples
+            f.write(b"".join(orjson.dumps(s) + b"\n" for s in step.samples))
+        return step.samples
 
     def samplers_scalars(self, samplers: list, version: int) -> dict[str, float]:
         scalars, left_out = sampler_scalars(samplers, version)
@@ -261,10 +261,17 @@ class Trainer:
         state.totals, accounting = await settle(self.inbox, self.collector.consumed, state.totals)
         record = finished_record(step, accounting)
         slots = {s: SlotsEnded(ended=d.ended, undelivered=d.undelivered) for s, d in self.collector.ledger.deliveries.items()}
-        status = self.recent.add(record, state.version, dict(self.quarantine.strikes), slots)
+        step.samples = step_samples(step, self.model.tokenizer, self.cfg.run.samples_per_step)
+        status = self.recent.add(record, state.version, dict(self.quarantine.strikes), slots, step.samples)
         await retry_forever("trainer status", lambda: put_trainer_status(self.run, status))
         await retry_forever("run config", lambda: publish_run_config(self.run, self.cfg))  # whatever overwrote it
         return record
+
+
+def run_task(cfg: EchoConfig) -> str:
+    """The task as the page names it: a dataset's file beside the task's name."""
+    path = cfg.task.params.get("path") if cfg.task.name == "dataset" else None
+    return f"{cfg.task.name} ({path})" if path else cfg.task.name
 
 
 def write_metrics(metrics_file, record: dict, step: TrainerStep, status: TrainerStatus) -> dict:

@@ -32,6 +32,7 @@ class TrainerStep:
     stats: dict = field(default_factory=dict)  # the learner's: loss, reward, KL, tokens, ...
     record: dict = field(default_factory=dict)  # the metrics line, checkpointed with the step
     published: WeightsAnnouncement | None = None  # the version it made, as announced
+    samples: list[dict] = field(default_factory=list)  # completions to show (accounting.py's step_samples)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
