@@ -1,7 +1,9 @@
 """docs/operations.md's "Several machines" walkthrough on a trusted network, followed to the letter
 on one machine: the hub from `echo-rl hub` (free ports for this test, on the loopback), the
 trainer on the shipped docs/run.toml, a site relay with its own client port, a sampler behind it
-that knows only the relay's URL and the run id, then status, report, eval and replay. The one departure: the tiny model and 3 steps, not SmolLM2 and 40."""
+that knows only the relay's URL and the run id, then status, report, eval and replay; the trainer
+given the README's own model, dataset and tracker options (a verl parquet and its validation file,
+evaluated during training, TensorBoard), overrides as Hydra takes them. The one departure: the tiny model and 3 steps, not SmolLM2 and 40."""
 
 from __future__ import annotations
 
@@ -10,9 +12,12 @@ import sys
 from pathlib import Path
 
 import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from streams.server import free_port
+from tests.conftest import verl_rows
 
 pytestmark = pytest.mark.slow
 
@@ -38,8 +43,14 @@ def test_the_walkthrough_on_a_trusted_network(tmp_path):
         ready = orjson.loads(next(line for line in hub.stderr if '"hub.ready"' in line))
         assert ready["url"] == hub_url and ready["sampler"].startswith(f"echo-rl sampler --nats {hub_url} --run-id")
         assert ready["relay"].startswith(f"echo-rl relay --hub nats-leaf://127.0.0.1:{leaf} ")
+        # 2. as the README's "your model, your dataset, your tracker": a verl parquet with its
+        # validation file, evaluated during training, a tracker, overrides Hydra's way.
+        pq.write_table(pa.Table.from_pylist(verl_rows(60)), tmp_path / "train.parquet")
+        pq.write_table(pa.Table.from_pylist(verl_rows(6, answer=str)), tmp_path / "test.parquet")
         trainer = start(*ECHO_RL, "trainer", "--config", str(ROOT / "docs" / "run.toml"), "--nats", hub_url, *SMALL,
-                        "--log-json")  # 2.
+                        "--log-json", "task.name=dataset", "task.params.path=train.parquet",
+                        "task.params.val_path=test.parquet", "run.eval_every=3", "run.eval_prompts=2",
+                        "run.trackers=[tensorboard]")
         start(*ECHO_RL, "relay", "--hub", f"nats-leaf://127.0.0.1:{leaf}", "--run-id", "arith-1", "--domain", "site-a",
               "--insecure", "--port", str(relay_port))  # 3. beside the hub: another client port
         sampler = start(*ECHO_RL, "sampler", "--nats", f"nats://127.0.0.1:{relay_port}", "--run-id", "arith-1",
@@ -49,6 +60,7 @@ def test_the_walkthrough_on_a_trusted_network(tmp_path):
         lines = [orjson.loads(line) for line in trainer_log.splitlines() if line.startswith("{")]
         assert [line["run_id"] for line in lines if line["event"] == "trainer.ready"] == ["arith-1"]
         assert lines[-1]["event"] == "trainer.finished" and lines[-1]["steps"] == 3
+        assert [line["step"] for line in lines if line["event"] == "eval.step"] == [3]
 
         status = subprocess.run([*ECHO_RL, "status", "--nats", hub_url, "--run-id", "arith-1", "--once", "--json"],
                                 cwd=tmp_path, capture_output=True, text=True, timeout=60)  # 5.
@@ -61,6 +73,7 @@ def test_the_walkthrough_on_a_trusted_network(tmp_path):
             done = subprocess.run([*ECHO_RL, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
             assert done.returncode == 0, (args, done.stderr[-2000:])
         assert (run_dir / "report.png").exists() and (run_dir / "eval.json").exists()
+        assert any((run_dir / "tensorboard").iterdir()) and (run_dir / "samples.jsonl").stat().st_size > 0
         assert len(done.stdout.splitlines()) >= 12  # replay: every group of the 3 steps, from the hub
         # Asked for more held-out prompts than the task has: the log counts those scored, and the
         # run's first eval.json is kept (a second eval overwrote it).
@@ -69,7 +82,8 @@ def test_the_walkthrough_on_a_trusted_network(tmp_path):
         assert again.returncode == 0, again.stderr[-2000:]
         start = next(orjson.loads(line) for line in again.stderr.splitlines() if '"eval.start"' in line)
         second = orjson.loads((run_dir / "eval-2.json").read_bytes())
-        assert start["asked"] == 500 and start["prompts"] == second["prompts"] < 500
+        assert start["asked"] == 500 and start["prompts"] == second["prompts"] == 6
+        assert start["held_out"] == "6 rows of task.params.val_path"  # why fewer than asked
         assert orjson.loads((run_dir / "eval.json").read_bytes())["prompts"] == 3
     finally:
         for p in reversed(processes):
