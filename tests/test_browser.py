@@ -102,3 +102,9 @@ def test_a_finished_run_shows_as_finished(tmp_path):
             assert browser.execute_script(shown) == 2
         finally:
             browser.quit()
+        # A headless browser waiting for the page to finish loading (a screenshot, a DOM dump):
+        # /?once draws one snapshot and opens no event stream, so the load ends.
+        dumped = subprocess.run(["/usr/bin/chromium", "--headless", "--no-sandbox", "--disable-gpu",
+                                 f"--user-data-dir={tmp_path / 'dump'}", "--virtual-time-budget=10000", "--dump-dom",
+                                 url + "?once"], capture_output=True, text=True, timeout=120)
+        assert "finished at step 3/3" in dumped.stdout, dumped.stderr[-2000:]

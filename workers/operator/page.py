@@ -1,10 +1,10 @@
 """`echo-rl status --serve [HOST:]PORT`: the run's live page. The status snapshot
-(workers/operator/status.py) every REFRESH_S, pushed to each open page as a server-sent event, with the
-trainer's steps (CHARTED a step: from the run's metrics where this machine has them, else those seen
-since the page server started); the page
-(workers/operator/static/status.html) draws them with uPlot, vendored. Read-only: it serves the page, its
-two static files and the events, nothing else; bound to 127.0.0.1 unless a host is given. A
-snapshot holds what `status` shows and no credential (the server's own stay in this process).
+(workers/operator/status.py) every REFRESH_S, pushed to each open page as a server-sent event, with
+the trainer's steps (CHARTED a step: from the run's metrics where this machine has them, else those
+seen since the page server started); the page (workers/operator/static/status.html) draws them
+with uPlot, vendored. Read-only: it serves the page, its two static files, the events and the
+newest snapshot (/snapshot), nothing else; bound to 127.0.0.1 unless a host is given. A snapshot
+holds what `status` shows and no credential (the server's own stay in this process).
 
 One asyncio server in the process's loop: an idle connection costs a few KB, not a thread, and
 waits READ_TIMEOUT_S at most for its request; past MAX_CONNECTIONS a new one is closed at once;
@@ -46,7 +46,7 @@ class Latest:
 
     def __init__(self, history: list[dict] = ()):
         self.changed = asyncio.Condition()
-        self.event = b""
+        self.body = self.event = b""  # the newest snapshot, as JSON and as a server-sent event
         # step -> its charted values: the run's metrics where this machine has them (the page
         # then shows the run since its first step), then each step the trainer's status names.
         self.steps: dict[int, dict] = {r["step"]: point(r, mean_staleness(r)) for r in history}
@@ -60,7 +60,7 @@ class Latest:
             del self.steps[old]
         body = orjson.dumps({**snap, "steps": [{"step": s, **p} for s, p in sorted(self.steps.items())]})
         async with self.changed:
-            self.event = b"data: " + body + b"\n\n"
+            self.body, self.event = body, b"data: " + body + b"\n\n"
             self.changed.notify_all()
 
 
@@ -140,8 +140,11 @@ class PageServer:
             return await self.respond(writer, 421, b"not this page's address\n", "text/plain")
         if method != "GET":
             return await self.respond(writer, 405, b"GET only\n", "text/plain")
+        path = path.partition("?")[0]  # /?once: the page drawn once, from /snapshot (static/status.html)
         if path == "/events":
             return await self.events(writer)
+        if path == "/snapshot":  # the newest snapshot, once: for a page that must finish loading (a screenshot)
+            return await self.respond(writer, 200, self.latest.body or b"{}", "application/json")
         if path not in FILES:
             return await self.respond(writer, 404, b"not found\n", "text/plain")
         name, kind = FILES[path]
