@@ -148,6 +148,11 @@ def test_every_tracker_reads_back_every_step_across_a_trainer_restart(tmp_path):
     assert [r["step"] for r in samples] == [1, 1, 2, 2, 3, 3, 4, 4]
     assert all("boxed" in r["prompt"] and r["reward"] == 0.0 and r["sampler"] in ("s1", "s2") for r in samples)
     assert sorted(tensorboard_texts(run_dir, "samples")) == steps
+    tables = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "files" / "media" / "table" / "samples_*.table.json"))
+    assert len(tables) == 4 and all(orjson.loads(open(t, "rb").read())["columns"][:2] == ["step", "group"]
+                                    for t in tables)  # a W&B table a step
+    logged = sorted(glob.glob(str(run_dir / "mlflow-artifacts" / "*" / "artifacts" / "samples" / "step-*.json")))
+    assert [orjson.loads(open(p, "rb").read())[0]["step"] for p in logged] == steps  # an MLflow artifact a step
     # Evaluated during training at steps 2 and 4 (evals.jsonl), beside `up`'s base-and-trained at each end.
     evals = [orjson.loads(line) for line in (run_dir / "evals.jsonl").read_bytes().splitlines()]
     assert [(e["step"], e["version"], e["prompts"]) for e in evals] == [(2, 2, 3), (4, 4, 3)]
