@@ -19,10 +19,15 @@ async def publish_run_config(run: Run, cfg: EchoConfig) -> None:
     await run.state.put(CONFIG_KEY, cfg.model_dump_json(exclude={"nats": {"creds", "tls_ca"}}).encode())
 
 
+async def run_config(run: Run) -> dict | None:
+    """The run's config as plain data; None before a trainer wrote it (or unreadable: said and counted)."""
+    return (await read_value(run.state, CONFIG_KEY, _json_object))[0]
+
+
 async def wait_for_run_config(run: Run, poll_s: float = 1.0) -> dict:
     """The run's config as plain data, waiting for a trainer that has not started yet."""
-    while (config := (await read_value(run.state, CONFIG_KEY, _json_object))[0]) is None:
-        await asyncio.sleep(poll_s)  # none yet, or unreadable (said and counted): the trainer writes it again
+    while (config := await run_config(run)) is None:
+        await asyncio.sleep(poll_s)  # none yet, or unreadable: the trainer writes it again
     return config
 
 

@@ -67,6 +67,8 @@ def test_the_live_page_shows_the_samplers_and_its_step_advances_without_a_reload
                 assert step(later) > step(first) and "/10000, elapsed" in later and "ETA" in later
                 assert browser.find_element(By.ID, "connection").text == "live"
                 assert browser.find_element(By.ID, "about").text == "model tiny · task math"
+                config = browser.execute_script("return JSON.parse(document.getElementById('config').textContent)")
+                assert config["run"]["id"] == "page" and config["task"]["name"] == "math"  # the run's config
                 assert re.match(r"last step: reward \d\.\d{3}, loss -?\d\.\d{4}, KL \d\.\d{4}, entropy \d",
                                 browser.find_element(By.ID, "step").text)
                 rows = "return [...document.querySelectorAll('#samples tbody tr')].map(r => r.innerText)"

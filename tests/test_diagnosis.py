@@ -4,12 +4,16 @@ none and the cause it names, the completions picked to show; and what a step dec
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from echo.diagnosis import NoSignal, Trained, likely_cause, sample_picks, step_signal
+from echo.wire.codec import decode, encode
+from echo.wire.messages import TrainerStatus
+from echo.wire.names import SAMPLE_CHARS, STATUS_SAMPLES
 from tests.groups import TOKENIZER, honest_group
-from echo.wire.names import SAMPLE_CHARS
-from workers.trainer.accounting import readable, step_samples
+from workers.trainer.accounting import RecentSteps, readable, step_samples
 from workers.trainer.intake import Collected
 from workers.trainer.judge import Accepted
 from workers.trainer.step import TrainerStep
@@ -23,7 +27,8 @@ def test_a_steps_signal_counts_groups_with_equal_rewards_and_completions_with_no
 
 
 def signal(zero=1.0, no_answer=0.0, truncated=0.0, reward=0.0) -> dict:
-    return {"zero_spread_share": zero, "no_answer_share": no_answer, "truncated_share": truncated, "reward_mean": reward}
+    return {"zero_spread_share": zero, "no_answer_share": no_answer, "truncated_share": truncated,
+            "reward_mean": reward}
 
 
 def test_the_warning_comes_once_after_steps_with_no_signal_and_again_only_after_a_step_with_some():
@@ -58,9 +63,25 @@ def test_samples_are_decoded_by_the_trainer_and_bounded():
     step = TrainerStep(7, 0.0, collected=Collected(used=[Accepted(group, [1.0, 0.0], "c")]))
     rows = step_samples(step, TOKENIZER, 2)
     assert [(r["step"], r["reward"], r["completion"]) for r in rows] == [(7, 1.0, "\\boxed{24}"), (7, 0.0, "no")]
-    assert rows[0]["sampler"] == group.sampler_id and rows[0]["prompt"].endswith("What is 8 - 10? Put the final answer in \\boxed{}.\nassistant\n")
+    assert rows[0]["sampler"] == group.sampler_id
+    assert rows[0]["prompt"].endswith("What is 8 - 10? Put the final answer in \\boxed{}.\nassistant\n")
     hostile = "\x1b[2J\x00\u202e" + "x" * (3 * SAMPLE_CHARS) + "\nend\t."
     shown = readable(hostile)
     assert len(shown) == SAMPLE_CHARS and shown.endswith("\nend\t.")
     assert all(ord(ch) >= 32 or ch in "\n\t" for ch in shown) and "\x1b" not in readable("\x1b[2Jhi")
     assert readable("\u202eabc") == "\ufffdabc" and np.all([readable(t) == t for t in ["é✓ 漢字", "a\nb"]])
+
+
+def test_the_trainers_status_carries_a_few_samples_and_only_finite_headline_values():
+    """What the page reads: at most STATUS_SAMPLES completions whatever run.samples_per_step asks,
+    and a diverged step's NaN loss left out rather than the status made unreadable."""
+    recent = RecentSteps(4, 1, 20, "owner/model\x1b[2J", "dataset (train.parquet)")
+    record = {"step": 3, "busy_seconds": 1.0, "wait_seconds": 1.0, "reward_mean": 0.5, "rejected": {},
+              "publish_seconds": 0.1, "accounting": {}, "wall_seconds": 9.0, "loss": math.nan, "kl": 0.01,
+              "lr": 1e-4, "staleness_used": {}}
+    sample = {"step": 3, "group": "g1", "sampler": "s1", "version": 2, "reward": 1.0, "finish_reason": "stop",
+              "prompt": "p", "completion": "c"}
+    status = recent.add(record, 3, {}, None, [sample] * 10)
+    assert len(status.samples) == STATUS_SAMPLES and status.scalars == {"reward_mean": 0.5, "kl": 0.01, "lr": 1e-4}
+    assert status.model == "owner/model[2J" and status.eta_s == 2.0 * 17
+    assert decode(TrainerStatus, encode(status)) == status

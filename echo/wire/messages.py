@@ -20,6 +20,7 @@ from echo.wire.names import (
     RATE_MAX,
     SAMPLE_CHARS,
     SCALAR_NAME,
+    STATUS_SAMPLES,
     SCHEMA_VERSION,
     SECONDS_MAX,
     TIMESTAMP_MAX,
@@ -352,7 +353,7 @@ class TrainerStatus(Message):
     # the signal: echo/metrics.py's PAGE_SCALARS, finite ones only), its sample completions, and
     # what the run trains (model.name, the task and its dataset).
     scalars: dict[Annotated[str, Field(pattern=SCALAR_NAME)], float] = Field({}, max_length=32)
-    samples: list[Sample] = Field([], max_length=64)
+    samples: list[Sample] = Field([], max_length=STATUS_SAMPLES)
     model: Label = ""
     task: Label = ""
 

@@ -187,6 +187,7 @@ SECONDS_MAX = 1e9  # about 31 years
 RATE_MAX = 1e12
 TIMESTAMP_MAX = 1e11  # Unix seconds, the year 5138
 SAMPLE_CHARS = 2000  # of a sample completion's prompt, and of its text, as the trainer shows them
+STATUS_SAMPLES = 4  # sample completions the trainer's status carries (run.samples_per_step may ask more)
 SCALAR_NAME = r"^[a-z_]{1,64}$"  # a step's headline value in the trainer's status
 CONTROL_CHARACTERS = r"\x00-\x1f\x7f-\x9f"  # C0 and C1, as a regex character range: ESC and CSI among them
 LABEL_PATTERN = rf"^[^{CONTROL_CHARACTERS}]*$"

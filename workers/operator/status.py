@@ -27,6 +27,7 @@ from streams.lease import current_epoch
 from streams.quarantine import read_quarantine
 from streams.registry import read_statuses, read_trainer_status
 from streams.rollouts import account_storage, rollouts_backlog
+from streams.run_config import run_config
 from workers.arguments import run_directory, run_until_signal
 
 REFRESH_S = 2.0
@@ -57,6 +58,7 @@ async def snapshot(run: Run) -> dict:
         "stream": stream,
         "storage": await account_storage(run),
         "relays": relays,
+        "config": await run_config(run),  # what the run trains with, as its trainer published it
     }
 
 

@@ -24,7 +24,7 @@ from echo.consumed import ConsumedSeqs
 from echo.diagnosis import Trained, sample_picks, step_signal
 from echo.metrics import PAGE_SCALARS, mean_staleness
 from echo.wire.messages import Sample, SlotsEnded, TrainerStatus
-from echo.wire.names import CONTROL_CHARACTERS, SAMPLE_CHARS
+from echo.wire.names import CONTROL_CHARACTERS, SAMPLE_CHARS, STATUS_SAMPLES
 from streams.client import retry_forever
 from streams.inbox import ConsumerCounts, RolloutInbox
 from workers.trainer.intake import Collected
@@ -137,7 +137,7 @@ class RecentSteps:
             strikes=strikes, slots=slots or {}, steps=self.run_steps, elapsed_s=record["wall_seconds"],
             eta_s=(busy + wait) / len(self.steps) * max(self.run_steps - record["step"], 0),
             scalars={k: float(record[k]) for k in PAGE_SCALARS if math.isfinite(record.get(k, math.nan))},
-            samples=[Sample(**s) for s in samples], model=self.model, task=self.task)
+            samples=[Sample(**s) for s in samples[:STATUS_SAMPLES]], model=self.model, task=self.task)
         return self.status
 
 
