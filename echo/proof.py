@@ -132,13 +132,16 @@ def held_checks(pass_groups: list[tuple[RolloutGroup, list[int]]], recomputed: t
     logits it made for them. The pass's rows are
     `pass_groups`' completions in order; the check of a group split between passes is its parts'
     worst (Checked.worst)."""
+    if not any(held(group, version) for group, _ in pass_groups):
+        return {}
     out, start = {}, 0
+    recomputed = recomputed.detach().float().cpu()  # once for the pass, not a wait on the device a group
     for group, rows in pass_groups:
         span, start = slice(start, start + len(rows)), start + len(rows)
         if held(group, version):
             claimed = [group.completions[i] for i in rows]
             margin = None if margins is None else margins.of(span)
-            out[group.group_id] = Checked(logprob_gap(claimed, recomputed[span].float().cpu()), margin)
+            out[group.group_id] = Checked(logprob_gap(claimed, recomputed[span]), margin)
     return out
 
 
