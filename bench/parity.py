@@ -71,7 +71,15 @@ MODES = {
     "async S=4": {"trainer": {"max_staleness": 4}},
     "async S=8": {"trainer": {"max_staleness": 8}},
     # The known answer a study with power finds (AReaL's): uncorrected, staleness costs learning.
-    "async S=8 no IS": {"trainer": {"max_staleness": 8, "is_level": "off"}},
+    "async S=8 no IS": {"trainer": {"max_staleness": 8}, "algorithm": {"rollout_is": "off"}},
+    # Several updates a batch (PPO-style, as ECHO-2 and AReaL run): pi_old moves off the
+    # samplers' mu by four updates a step, on top of the staleness. Does that cost more, and does
+    # IcePop's two-sided token mask (with the weights inside its band) hold it?
+    "async S=4 x4": {"trainer": {"max_staleness": 4}, "algorithm": {"num_iterations": 4}},
+    "async S=4 x4 IcePop": {"trainer": {"max_staleness": 4},
+                            "algorithm": {"num_iterations": 4, "rollout_is": "token", "rollout_is_threshold": 5.0,
+                                          "rollout_rs": "token", "rollout_rs_threshold": 5.0,
+                                          "rollout_rs_threshold_lower": 0.5}},
 }
 FIVE = ["colocated", "sequential", "async S=1", "async S=2", "async S=4"]
 # Where a run's held-out curve points keep each measure: [step, correct, reward].
@@ -115,7 +123,8 @@ PRESETS = {
 # trainer, a consumer GPU for a sampler. Change them with --trainer-price / --sampler-price.
 PRICES = {"trainer": 2.50, "sampler": 0.40}
 # What each run keeps of every step's metrics line (workers/trainer/accounting.py).
-STEP_KEYS = ("reward_mean", "is_ratio_mean", "is_ratio_max", "is_truncated_fraction", "mismatch_kl", "clip_fraction",
+STEP_KEYS = ("reward_mean", "is_ratio_mean", "is_ratio_max", "is_truncated_fraction", "rs_rejected_tokens", "mismatch_kl",
+             "clip_fraction", "clip_low_fraction", "clip_high_fraction",
              "kl", "grad_norm", "entropy", "wall_seconds", "busy_seconds", "generated_seconds", "used", "dropped_stale",
              "staleness_used", "rejected", "reward_mismatch", "verifier_errors")
 
@@ -354,6 +363,9 @@ def summarize(results: dict) -> dict:
              for other in results["modes"] if other.startswith("async")]
     if {"async S=8", "async S=8 no IS"} <= results["modes"].keys():
         pairs.append(("async S=8", "async S=8 no IS"))  # what the correction is worth, where it matters most
+    # What four updates a batch cost at S = 4, and what IcePop's mask is worth with them.
+    pairs += [pair for pair in (("async S=4", "async S=4 x4"), ("async S=4 x4", "async S=4 x4 IcePop"))
+              if set(pair) <= results["modes"].keys()]
     results["verdict"] = {f"{other} vs {reference}": verdict(results["modes"], reference, other, results["threshold"],
                                                              measure) for reference, other in pairs}
     return results

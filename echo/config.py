@@ -126,14 +126,7 @@ class TrainerConfig(_Section):
     # learned), one warning naming the likely cause (run.no_signal, echo/diagnosis.py); 0: never.
     no_signal_steps: int = Field(3, ge=0)
     weight_decay: float = Field(0.0, ge=0)  # AdamW's
-    clip_eps: float = Field(0.2, gt=0)  # PPO-style clipping of the policy ratio
-    kl_coef: float = Field(0.0, ge=0)  # KL penalty to the base model (the adapter switched off); 0: none
     max_grad_norm: float = Field(1.0, gt=0)  # gradients clipped to this norm
-    # Off-policy correction: truncated importance weights pi_old / mu, capped at is_cap;
-    # "sequence" also leaves out whole sequences whose mean ratio is beyond the cap; "off" trains
-    # on stale rollouts as if they were fresh (the ratios still measured): a baseline for studies.
-    is_level: Literal["token", "sequence", "off"] = "token"
-    is_cap: float = Field(2.0, ge=1.0)  # the importance weights' cap
     max_staleness: int = Field(1, ge=0)  # async: drop rollouts older than version - max_staleness; sequential uses 0
     # A sampler holding slots is dead when its heartbeat has not changed for sampler_dead_after_s,
     # and stuck when it has delivered none of them for reissue_after_s: its slots, and only
@@ -268,6 +261,95 @@ class NatsConfig(_Section):
         return self
 
 
+# What each algorithm.preset sets (echo/algorithms/; docs/algorithms.md). A field given beside
+# the preset wins over it.
+PRESETS: dict[str, dict[str, Any]] = {
+    # TRL's GRPOConfig defaults: loss_type "dapo" (a token mean over the batch), rewards scaled by
+    # the group's std, a symmetric clip of 0.2.
+    "default": {"loss_aggregation": "token_mean", "scale_rewards": "group", "clip_low": 0.2, "clip_high": 0.2,
+                "ratio_level": "token", "mask_truncated": False, "dynamic_sampling": False},
+    # GRPO as published (DeepSeekMath): each completion's token mean, averaged over completions.
+    "grpo": {"loss_aggregation": "sequence_mean", "scale_rewards": "group", "clip_low": 0.2, "clip_high": 0.2,
+             "ratio_level": "token", "mask_truncated": False, "dynamic_sampling": False},
+    # Dr. GRPO: no std scaling, no length normalisation (a constant: completions x max_new_tokens).
+    "dr_grpo": {"loss_aggregation": "constant", "scale_rewards": "none", "clip_low": 0.2, "clip_high": 0.2,
+                "ratio_level": "token", "mask_truncated": False, "dynamic_sampling": False},
+    # DAPO: clip-higher, a token mean over the batch, truncated completions masked, and dynamic
+    # sampling (groups with no reward spread replaced). Its overlong reward shaping is not here.
+    "dapo": {"loss_aggregation": "token_mean", "scale_rewards": "group", "clip_low": 0.2, "clip_high": 0.28,
+             "ratio_level": "token", "mask_truncated": True, "dynamic_sampling": True},
+    # GSPO: one length-normalised ratio per completion, clipped at the paper's 3e-4 / 4e-4.
+    "gspo": {"loss_aggregation": "sequence_mean", "scale_rewards": "group", "clip_low": 3e-4, "clip_high": 4e-4,
+             "ratio_level": "sequence", "mask_truncated": False, "dynamic_sampling": False},
+}
+
+
+class AlgorithmConfig(_Section):
+    # A recipe by name: default (TRL's GRPOConfig defaults), grpo, dr_grpo, dapo or gspo; each sets
+    # the fields PRESETS lists (docs/algorithms.md), and a field set beside it wins.
+    preset: Literal["default", "grpo", "dr_grpo", "dapo", "gspo"] = "default"
+    # How the per-token losses add up (TRL's loss_type): token_mean over the batch's tokens (dapo),
+    # sequence_mean (each completion's token mean, over completions: grpo), constant (over
+    # completions x sampling.max_new_tokens: dr_grpo).
+    loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
+    # Advantages: the reward less its group's mean, divided by the group's std, the batch's, or none.
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    clip_low: float = Field(0.2, gt=0, lt=1)  # the ratio is clipped below at 1 - clip_low (TRL's epsilon)
+    clip_high: float = Field(0.2, gt=0)  # and above at 1 + clip_high (TRL's epsilon_high: DAPO's clip-higher)
+    # The PPO ratio pi / pi_old per token, or per completion (GSPO: exp of the mean log-ratio);
+    # TRL's importance_sampling_level.
+    ratio_level: Literal["token", "sequence"] = "token"
+    # Optimizer steps on each batch (TRL's num_iterations): pi_old is frozen at the batch's first,
+    # so from the second on the ratio and the clip act. The rollout correction still reads the
+    # sampler's mu against that pi_old.
+    num_iterations: int = Field(1, ge=1, le=16)
+    # Completions stopped by sampling.max_new_tokens left out of the loss (their tokens still
+    # count in the denominators, as TRL's mask_truncated_completions).
+    mask_truncated: bool = False
+    # DAPO's dynamic sampling: a group whose rewards are all equal (no advantage) is not trained;
+    # the step asks for another in its place, at most dynamic_sampling_max a step (each a grant
+    # and its generation: counted as filtered_no_signal), then trains on what it has.
+    dynamic_sampling: bool = False
+    dynamic_sampling_max: int = Field(32, ge=0)  # groups set aside a step at most, before it trains on what it has
+    kl_coef: float = Field(0.0, ge=0)  # KL penalty to the base model (the adapter switched off); 0: none (TRL's beta)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # Schulman's estimators of KL(policy || reference); TRL's is k3
+    # Rollout correction, as verl's algorithm.rollout_correction (echo/algorithms/corrections.py):
+    # importance weights pi_old / mu truncated at rollout_is_threshold, per token (token TIS) or
+    # per completion (sequence TIS: the product of its ratios); off trains stale rollouts as if
+    # fresh (the ratios still measured): a baseline for studies.
+    rollout_is: Literal["off", "token", "sequence"] = "token"
+    rollout_is_threshold: float = Field(2.0, ge=1.0)  # the importance weights' cap (verl's name)
+    # Rejection: weight 0 for tokens (token: IcePop) or completions (sequence: MIS, on the product
+    # of ratios; geometric: on their geometric mean) whose ratio lies outside
+    # [rollout_rs_threshold_lower, rollout_rs_threshold], or (k3) completions whose mean k3
+    # estimate of KL(mu || pi_old) is above rollout_rs_k3_threshold.
+    rollout_rs: Literal["off", "token", "sequence", "geometric", "k3"] = "off"
+    rollout_rs_threshold: float = Field(2.0, gt=0)  # a ratio above it is rejected (IcePop's paper: 5)
+    rollout_rs_threshold_lower: float = Field(0.5, ge=0)  # a ratio below it is rejected (IcePop's: 0.5; MIS: 0)
+    rollout_rs_k3_threshold: float = Field(0.01, gt=0)  # k3: a completion's mean estimate above it is rejected
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset_first(cls, data: Any) -> Any:
+        """The preset's fields, under those given beside it."""
+        if isinstance(data, dict) and data.get("preset", "default") in PRESETS:
+            return {**PRESETS[data.get("preset", "default")], **data}
+        return data
+
+    @model_validator(mode="after")
+    def _a_consistent_objective(self):
+        if self.ratio_level == "sequence" and self.loss_aggregation != "sequence_mean":
+            raise ValueError(f"algorithm.ratio_level = \"sequence\" needs loss_aggregation = \"sequence_mean\" (GSPO): "
+                             f"with {self.loss_aggregation!r} a completion's one ratio weighs by its length")
+        if self.num_iterations > 1 and self.rollout_is == "off" and self.rollout_rs == "off":
+            raise ValueError("algorithm.num_iterations > 1 needs a rollout correction (rollout_is or rollout_rs): the "
+                             "ratio's anchor pi_old is the trainer's, and nothing would correct the samplers' mu to it")
+        if self.rollout_rs_threshold_lower > self.rollout_rs_threshold:
+            raise ValueError(f"algorithm.rollout_rs_threshold_lower ({self.rollout_rs_threshold_lower}) is above "
+                             f"rollout_rs_threshold ({self.rollout_rs_threshold}): every ratio would be rejected")
+        return self
+
+
 class EchoConfig(_Section):
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
@@ -275,6 +357,7 @@ class EchoConfig(_Section):
     task: TaskConfig = TaskConfig()
     sampling: SamplingConfig = SamplingConfig()
     trainer: TrainerConfig = TrainerConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
     sampler: SamplerConfig = SamplerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     nats: NatsConfig = NatsConfig()
@@ -287,8 +370,8 @@ class EchoConfig(_Section):
 
     @model_validator(mode="after")
     def _kl_needs_a_reference(self):
-        if not self.lora.enabled and self.trainer.kl_coef > 0:
-            raise ValueError("trainer.kl_coef > 0 needs lora.enabled: the KL reference is the base model with "
+        if not self.lora.enabled and self.algorithm.kl_coef > 0:
+            raise ValueError("algorithm.kl_coef > 0 needs lora.enabled: the KL reference is the base model with "
                              "the adapter switched off, and full-weight mode keeps no second copy")
         return self
 
@@ -390,8 +473,30 @@ def format_errors(error: ValidationError, prefix: str = "") -> str:
     return "; ".join(lines)
 
 
+def upgraded(data: dict) -> dict:
+    """A config of an earlier release in today's fields: the objective's keys moved from trainer
+    to algorithm (clip_eps to clip_low and clip_high; is_level "sequence", which also left out
+    completions whose geometric-mean ratio was beyond is_cap, to rollout_rs "geometric")."""
+    trainer = data.get("trainer")
+    if not isinstance(trainer, dict) or not {"clip_eps", "kl_coef", "is_level", "is_cap"} & trainer.keys():
+        return data
+    trainer, algorithm = dict(trainer), dict(data.get("algorithm") or {})
+    if "clip_eps" in trainer:
+        algorithm.setdefault("clip_low", trainer["clip_eps"])
+        algorithm.setdefault("clip_high", trainer.pop("clip_eps"))
+    if "kl_coef" in trainer:
+        algorithm.setdefault("kl_coef", trainer.pop("kl_coef"))
+    cap = trainer.pop("is_cap", 2.0)
+    algorithm.setdefault("rollout_is_threshold", cap)
+    level = trainer.pop("is_level", "token")
+    algorithm.setdefault("rollout_is", "off" if level == "off" else "token")
+    if level == "sequence":
+        algorithm |= {"rollout_rs": "geometric", "rollout_rs_threshold": cap, "rollout_rs_threshold_lower": 1 / cap}
+    return {**data, "trainer": trainer, "algorithm": algorithm}
+
+
 def validate_config(data: dict) -> EchoConfig:
     try:
-        return EchoConfig.model_validate(data)
+        return EchoConfig.model_validate(upgraded(data))
     except ValidationError as e:
         raise ConfigError("invalid config: " + format_errors(e)) from None

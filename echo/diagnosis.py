@@ -10,11 +10,22 @@ And a few completions per step, to read: the best and the worst of the step's gr
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 MOSTLY = 0.5  # a cause is named when at least this share of completions shows it
+# Rewards whose spread is below this are equal: what differs is float rounding, not signal.
+# (8 float32 rewards of 0.1 have a mean that is not 0.1 and a std of ~1e-8: divided by it, every
+# completion got -0.0074, and a batch with no signal moved the adapter by a full Adam step.)
+EQUAL_REWARDS_STD = 1e-6
+
+
+def no_signal(rewards: Sequence[float]) -> bool:
+    """A group whose rewards are equal (within EQUAL_REWARDS_STD): advantage 0 everywhere."""
+    return len(rewards) < 2 or statistics.stdev(rewards) <= EQUAL_REWARDS_STD
 
 
 @dataclass(frozen=True)
@@ -32,7 +43,7 @@ def step_signal(groups: list[Trained]) -> dict[str, float]:
     completions = [n for g in groups for n in g.lengths]
     count = max(len(completions), 1)
     return {
-        "zero_spread_share": sum(max(g.rewards) == min(g.rewards) for g in groups) / max(len(groups), 1),
+        "zero_spread_share": sum(no_signal(g.rewards) for g in groups) / max(len(groups), 1),
         "no_answer_share": sum(g.unanswered for g in groups) / count,
         "length_mean": sum(completions) / count,
         "length_max": max(completions, default=0),

@@ -256,6 +256,12 @@ class GrantLedger:
         self._settle(slot, accepted=False)
         self._lost.append(slot)
 
+    def set_aside(self, slot: int) -> None:
+        """A delivered slot's group was accepted and not trained (dynamic sampling: its rewards
+        were all equal): its holder made progress, the step needs another group in its place
+        (handed out as a lost slot's), and its prompt is not owed (it taught nothing)."""
+        self._lost.append(slot)
+
     def owe(self, prompt: int) -> None:
         """A trained group found forged after its slot settled (in its step): its prompt is owed."""
         self.owed.append(prompt)

@@ -12,7 +12,8 @@ from typing import NamedTuple
 
 import torch
 
-from echo.algorithms.grpo import ImportanceStats, LossStats, group_advantages, grpo_loss, importance_weights
+from echo.algorithms.corrections import Correction, CorrectionStats, rollout_correction
+from echo.algorithms.grpo import LossStats, Objective, advantages, policy_loss, row_scales
 from echo.config import EchoConfig
 from echo.devices import autocast, model_device
 from echo.noise import TokenMargins
@@ -51,9 +52,22 @@ class PassStats(NamedTuple):
     sequences: int
     loss_value: float  # this pass's share of the step's loss
     loss: LossStats
-    importance: ImportanceStats
+    importance: CorrectionStats
     entropy: float
     checked: dict[str, Checked]  # HeldProof's checks of this pass's groups
+
+
+@dataclass(frozen=True)
+class Frozen:
+    """What a pass's first iteration fixes for the batch's later ones (algorithm.num_iterations):
+    pi_old's log-probs, the trained mask, the rollout correction's weights (pi_old / mu) and
+    statistics, and the reference's log-probs (KL on)."""
+
+    old_logprobs: torch.Tensor
+    mask: torch.Tensor
+    weights: torch.Tensor
+    importance: CorrectionStats
+    ref_logprobs: torch.Tensor | None
 
 
 # A pass: the completions one forward and backward takes, as (group index, completion rows).
@@ -80,14 +94,20 @@ class Batch:
         """The version that sampled each group (a partial rollout's first tokens)."""
         return [group.version for group in self.groups]
 
-    def advantages(self, device=None) -> list[torch.Tensor]:
-        """Each group's completions' advantages, over its whole group (GRPO)."""
-        return [group_advantages(torch.tensor(rewards, device=device)) for rewards in self.rewards]
+    def advantages(self, scale: str = "group", device=None) -> list[torch.Tensor]:
+        """Each group's completions' advantages, over its whole group (GRPO), scaled by `scale`'s std."""
+        return advantages(self.rewards, scale, device=device)
 
-    def trained_tokens(self) -> int:
-        """The completion tokens the loss is over: the model's own, sampled at `oldest_version` or later."""
+    def trained_tokens(self, mask_truncated: bool = False) -> int:
+        """The completion tokens the loss is over: the model's own, sampled at `oldest_version` or
+        later, of completions that stopped by themselves where `mask_truncated`."""
         return sum(int(c.model_mask()[g.sampled_from(self.oldest_version):].sum())
-                   for g in self.groups for c in g.completions)
+                   for g in self.groups for c in g.completions
+                   if not (mask_truncated and c.finish_reason == "length"))
+
+    @property
+    def sequences(self) -> int:
+        return sum(len(g.completions) for g in self.groups)
 
 
 def micro_batches(groups: list[tuple[int, list[int]]], budget: int, share: bool = True) -> list[Pass]:
@@ -141,22 +161,24 @@ def rank_passes(passes: list, rank: int, world: int) -> list:
 def train_step(model, optimizer, batch: Batch, cfg: EchoConfig, pad_id: int, stop: threading.Event | None = None,
                compute_dtype: torch.dtype = torch.float32, rank: int = 0, world: int = 1,
                held: HeldProof | None = None) -> dict:
-    """One optimizer step over a batch of judged groups. The loss is the token mean over the whole
-    batch; its completions are forwarded and backpropagated in passes of at most
-    `trainer.micro_batch_tokens` tokens, several short groups in one pass or a long group over
-    several (gradients accumulate: the same step, in fewer launches or less memory), or a group
-    a pass with the budget 0. `stop`, set from another thread, abandons the step between passes
-    (StepAbandoned): a trainer told to stop does not finish a long step first.
+    """`algorithm.num_iterations` optimizer steps over a batch of judged groups. The loss
+    aggregates as `algorithm.loss_aggregation` says over the whole batch; its completions are
+    forwarded and backpropagated in passes of at most `trainer.micro_batch_tokens` tokens, several
+    short groups in one pass or a long group over several (gradients accumulate: the same step,
+    in fewer launches or less memory), or a group a pass with the budget 0. `stop`, set from
+    another thread, abandons the step between passes (StepAbandoned): a trainer told to stop does
+    not finish a long step first (after its first update the policy is part-trained: the process
+    is stopping, and its checkpoint holds the step before).
 
     On `world` ranks (a sharded model) each rank runs its share of the passes; their gradients
-    add up to the whole step's (each pass divides by the whole batch's tokens). The statistics
+    add up to the whole step's (each pass scales by the whole batch's counts). The statistics
     are this rank's: merge_stats combines the ranks'.
 
-    One step per batch means the policy before the step, pi_old, is the current one: the PPO
-    ratio pi / pi_old starts at 1 and the off-policy gap to the sampler's mu is corrected by
-    truncated importance weights pi_old / mu. So the groups sampled by the current version are
-    proved from the same forward (`held`): before the update, and if any is forged none is made
-    (ForgedInStep).
+    The policy before the step is pi_old: the first iteration's forward gives its log-probs, the
+    PPO ratio pi / pi_old starts at 1 and acts from the second iteration on (Frozen keeps what the
+    first fixed). The off-policy gap to the sampler's mu is the rollout correction's (pi_old / mu,
+    echo/algorithms/corrections.py). So the groups sampled by the current version are proved from
+    the first forward (`held`): before any update, and if any is forged none is made (ForgedInStep).
 
     The forward runs in `compute_dtype` (autocast) over fp32 trainable parameters; log-probs,
     importance weights and the loss are fp32.
@@ -166,66 +188,88 @@ def train_step(model, optimizer, batch: Batch, cfg: EchoConfig, pad_id: int, sto
     the newer rest of a long completion is not thrown away with them. So are a multi-turn
     episode's observations (the environment's tokens): the loss, importance weights and KL are
     over the model's tokens only; the advantage is the episode's, over its group."""
-    tcfg = cfg.trainer
+    tcfg, acfg = cfg.trainer, cfg.algorithm
     device = model_device(model)
-    total_tokens, advantages = batch.trained_tokens(), batch.advantages(device)
+    counts = (batch.trained_tokens(acfg.mask_truncated), batch.sequences)
+    advantages = batch.advantages(acfg.scale_rewards, device)
     passes = rank_passes(step_passes(batch, tcfg.micro_batch_tokens, shares_passes(tcfg.pack_groups, device)), rank, world)
     started = time.perf_counter()
     model.train()
-    optimizer.zero_grad(set_to_none=True)
-    per_pass, loss_sum = [], 0.0
-    for done, this in enumerate(passes):
-        if stop is not None and stop.is_set():
-            optimizer.zero_grad(set_to_none=True)
-            raise StepAbandoned(f"{done} of {len(passes)} passes done")
-        if this is None:
-            _empty_pass(model, cfg, pad_id, device, compute_dtype)
-            continue
-        segments = [(batch.groups[g], advantages[g][rows], rows) for g, rows in this]
-        stats = _pass(model, cfg, pad_id, device, compute_dtype, segments, total_tokens, batch.oldest_version, held)
-        loss_sum += stats.loss_value
-        per_pass.append(stats)
-    if held is not None:
-        forged = held.judge(worst_checks(stats.checked for stats in per_pass))
-        if forged:
-            optimizer.zero_grad(set_to_none=True)
-            model.eval()
-            raise ForgedInStep(forged)
-    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], tcfg.max_grad_norm)
+    frozen: dict[int, Frozen] = {}
+    iterations: list[list[PassStats]] = []
+    losses, grad_norms = [], []
     lr = learning_rate(cfg, batch.step)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    optimizer.step()
+    for iteration in range(acfg.num_iterations):
+        optimizer.zero_grad(set_to_none=True)
+        per_pass, loss_sum = [], 0.0
+        for done, this in enumerate(passes):
+            if stop is not None and stop.is_set():
+                optimizer.zero_grad(set_to_none=True)
+                raise StepAbandoned(f"iteration {iteration + 1}: {done} of {len(passes)} passes done")
+            if this is None:
+                _empty_pass(model, cfg, pad_id, device, compute_dtype, reference=iteration == 0)
+                continue
+            segments = [(batch.groups[g], advantages[g][rows], rows) for g, rows in this]
+            stats, frozen[done] = _pass(model, cfg, pad_id, device, compute_dtype, segments, counts,
+                                        batch.oldest_version, held if iteration == 0 else None, frozen.get(done))
+            loss_sum += stats.loss_value
+            per_pass.append(stats)
+        if held is not None and iteration == 0:
+            forged = held.judge(worst_checks(stats.checked for stats in per_pass))
+            if forged:
+                optimizer.zero_grad(set_to_none=True)
+                model.eval()
+                raise ForgedInStep(forged)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, tcfg.max_grad_norm)))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        iterations.append(per_pass)
+        losses.append(loss_sum)
     model.eval()
+    return step_stats(iterations, losses, grad_norms, lr, batch, time.perf_counter() - started)
 
-    tokens, sequences = sum(g.tokens for g in per_pass), sum(g.sequences for g in per_pass)
 
-    def token_mean(value) -> float:
-        return sum(g.tokens * value(g) for g in per_pass) / max(tokens, 1)
+def step_stats(iterations: list[list[PassStats]], losses: list[float], grad_norms: list[float], lr: float,
+               batch: Batch, seconds: float) -> dict:
+    """The step's statistics: the rollout correction's from the first iteration (the only one that
+    computes it), the loss and the clip's averaged over the iterations (as TRL logs them), the last
+    iteration's gradient norm."""
+    first, every = iterations[0], [stats for per_pass in iterations for stats in per_pass]
+    tokens, sequences = sum(g.tokens for g in first), sum(g.sequences for g in first)
+
+    def token_mean(passes: list[PassStats], value) -> float:
+        return sum(g.tokens * value(g) for g in passes) / max(sum(g.tokens for g in passes), 1)
 
     rewards = torch.tensor([r for rs in batch.rewards for r in rs])
     return {
-        "loss": loss_sum,
-        "kl": token_mean(lambda g: g.loss.kl),
-        "clip_fraction": token_mean(lambda g: g.loss.clip_fraction),
-        "entropy": token_mean(lambda g: g.entropy),
-        "is_ratio_mean": token_mean(lambda g: g.importance.ratio_mean),
-        "is_ratio_max": max((g.importance.ratio_max for g in per_pass), default=0.0),
-        "is_truncated_fraction": token_mean(lambda g: g.importance.truncated_fraction),
-        "is_masked_fraction": sum(g.importance.masked_fraction * g.sequences for g in per_pass) / max(sequences, 1),
-        "mismatch_kl": token_mean(lambda g: g.importance.mismatch_kl),
-        "grad_norm": float(grad_norm),
+        "loss": sum(losses) / len(losses),
+        "kl": token_mean(every, lambda g: g.loss.kl),
+        "clip_fraction": token_mean(every, lambda g: g.loss.clip_fraction),
+        "clip_low_fraction": token_mean(every, lambda g: g.loss.clip_low_fraction),
+        "clip_high_fraction": token_mean(every, lambda g: g.loss.clip_high_fraction),
+        "entropy": token_mean(first, lambda g: g.entropy),
+        "is_ratio_mean": token_mean(first, lambda g: g.importance.ratio_mean),
+        "is_ratio_max": max((g.importance.ratio_max for g in first), default=0.0),
+        "is_truncated_fraction": token_mean(first, lambda g: g.importance.truncated_fraction),
+        "is_masked_fraction": sum(g.importance.masked_fraction * g.sequences for g in first) / max(sequences, 1),
+        "rs_rejected_tokens": token_mean(first, lambda g: g.importance.rejected_tokens),
+        "mismatch_kl": token_mean(first, lambda g: g.importance.mismatch_kl),
+        "grad_norm": grad_norms[-1],
         "lr": lr,
         "reward_mean": float(rewards.mean()),  # the whole batch's, on every rank
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
         "tokens": tokens,
         "sequences": sequences,
-        "passes": len(per_pass),
-        "train_seconds": time.perf_counter() - started,
+        "passes": len(first),
+        "iterations": len(iterations),
+        "train_seconds": seconds,
     }
 
 
-TOKEN_MEANS = ("kl", "clip_fraction", "entropy", "is_ratio_mean", "is_truncated_fraction", "mismatch_kl")
+TOKEN_MEANS = ("kl", "clip_fraction", "clip_low_fraction", "clip_high_fraction", "entropy", "is_ratio_mean",
+               "is_truncated_fraction", "rs_rejected_tokens", "mismatch_kl")
 
 
 def merge_stats(parts: list[dict]) -> dict:
@@ -245,11 +289,13 @@ def merge_stats(parts: list[dict]) -> dict:
 
 
 def _pass(model, cfg: EchoConfig, pad_id: int, device, compute_dtype,
-          segments: list[tuple[RolloutGroup, torch.Tensor, list[int]]], normalizer: int, oldest_version: int,
-          held: HeldProof | None = None) -> PassStats:
+          segments: list[tuple[RolloutGroup, torch.Tensor, list[int]]], counts: tuple[int, int], oldest_version: int,
+          held: HeldProof | None = None, frozen: Frozen | None = None) -> tuple[PassStats, Frozen]:
     """Forward and backward over some completions of some groups: (group, the rows' advantages,
-    rows) each; the advantages are over each whole group, whichever of its completions this pass takes."""
-    tcfg = cfg.trainer
+    rows) each; the advantages are over each whole group, whichever of its completions this pass
+    takes. `counts`: the whole batch's trained tokens and completions (the loss's aggregation).
+    `frozen`: what the batch's first iteration fixed (none: this is the first)."""
+    acfg = cfg.algorithm
     prompts = [group.prompt_token_ids for group, _, _ in segments]
     claimed = [group.completions[i] for group, _, rows in segments for i in rows]
     owners = [j for j, (_, _, rows) in enumerate(segments) for _ in rows]
@@ -261,34 +307,51 @@ def _pass(model, cfg: EchoConfig, pad_id: int, device, compute_dtype,
         margins = TokenMargins(noise, [torch.from_numpy(c.model_mask()) for c in claimed], cfg.sampling.temperature,
                                device)
     logprobs, mask, entropy, ref_logprobs = _forward(model, cfg, pad_id, device, compute_dtype, prompts,
-                                                     [c.token_ids for c in claimed], owners, margins)
+                                                     [c.token_ids for c in claimed], owners, margins,
+                                                     reference=frozen is None)
     checked = {} if held is None else held_checks(pass_groups, logprobs.detach(), margins, held.version)
-    behaviour, sampled = torch.zeros(logprobs.shape), torch.zeros(mask.shape, dtype=torch.bool)
+    if frozen is None:
+        frozen = _freeze(logprobs.detach(), mask, ref_logprobs, segments, claimed, oldest_version, acfg, device)
+    mask = frozen.mask
+    scales = row_scales(mask.sum(-1), acfg.loss_aggregation, *counts, cfg.sampling.max_new_tokens)
+    objective = Objective(acfg.clip_low, acfg.clip_high, acfg.ratio_level, acfg.kl_coef, acfg.kl_estimator)
+    loss, loss_stats = policy_loss(logprobs, frozen.old_logprobs, advantages, mask, objective, scales.to(device),
+                                   frozen.weights, frozen.ref_logprobs)
+    loss.backward()
+    stats = PassStats(int(mask.sum()), len(claimed), loss.item(), loss_stats, frozen.importance,
+                      float(entropy[mask].mean()) if mask.any() else 0.0, checked)
+    return stats, frozen
+
+
+def _freeze(old_logprobs: torch.Tensor, mask: torch.Tensor, ref_logprobs, segments, claimed, oldest_version: int,
+            acfg, device) -> Frozen:
+    """From a pass's first forward: the tokens it trains (the model's own, within the staleness
+    bound, of completions not masked as truncated), and the rollout correction pi_old / mu."""
+    behaviour, sampled = torch.zeros(mask.shape), torch.zeros(mask.shape, dtype=torch.bool)
     for i, completion in enumerate(claimed):
         behaviour[i, : len(completion.logprobs)] = torch.tensor(completion.logprobs)
-        sampled[i, : len(completion.token_ids)] = torch.from_numpy(completion.model_mask())
+        if not (acfg.mask_truncated and completion.finish_reason == "length"):
+            sampled[i, : len(completion.token_ids)] = torch.from_numpy(completion.model_mask())
     mask = mask & sampled.to(mask.device)  # an episode's observations are the environment's: never trained
     stale = [group.sampled_from(oldest_version) for group, _, rows in segments for _ in rows]
     if any(stale):
         mask = mask & (torch.arange(mask.shape[1], device=mask.device) >= torch.tensor(stale, device=mask.device)[:, None])
-    old_logprobs = logprobs.detach()
-    weights, is_stats = importance_weights(old_logprobs, behaviour.to(device), mask, tcfg.is_cap, tcfg.is_level)
-    loss, loss_stats = grpo_loss(logprobs, old_logprobs, advantages, mask, tcfg.clip_eps, normalizer, weights,
-                                 ref_logprobs, tcfg.kl_coef)
-    loss.backward()
-    return PassStats(int(mask.sum()), len(claimed), loss.item(), loss_stats, is_stats,
-                     float(entropy[mask].mean()) if mask.any() else 0.0, checked)
+    correction = Correction(acfg.rollout_is, acfg.rollout_is_threshold, acfg.rollout_rs,
+                            acfg.rollout_rs_threshold_lower, acfg.rollout_rs_threshold, acfg.rollout_rs_k3_threshold)
+    weights, importance = rollout_correction(old_logprobs, behaviour.to(device), mask, correction)
+    return Frozen(old_logprobs, mask, weights, importance, ref_logprobs)
 
 
 def _forward(model, cfg: EchoConfig, pad_id: int, device, compute_dtype, prompts: list, completions: list,
-             owners: list[int], observe=None):
-    """Log-probs, mask and entropy of completions, and the reference's log-probs (KL on);
-    `observe` sees the policy's logits as they are made (policy.states_logprobs). Every pass
-    calls the model alike (a reference forward with KL on; at least two completion positions, so
+             owners: list[int], observe=None, reference: bool = True):
+    """Log-probs, mask and entropy of completions, and the reference's log-probs (KL on, and
+    `reference`: a batch's later iterations reuse the first's); `observe` sees the policy's
+    logits as they are made (policy.states_logprobs). Every pass calls the model alike (a
+    reference forward with KL on, in the first iteration; at least two completion positions, so
     a prompt call and a completion call): see rank_passes."""
     temperature, ref_logprobs = cfg.sampling.temperature, None
     with autocast(device, compute_dtype):
-        if cfg.trainer.kl_coef > 0:
+        if cfg.algorithm.kl_coef > 0 and reference:
             # The reference is the base model: the same weights with the adapter switched off.
             with torch.no_grad(), model.disable_adapter():
                 states, ids, _ = packed_states(model, prompts, completions, owners, pad_id, min_length=2)
@@ -298,10 +361,11 @@ def _forward(model, cfg: EchoConfig, pad_id: int, device, compute_dtype, prompts
     return logprobs, mask, entropy, ref_logprobs
 
 
-def _empty_pass(model, cfg: EchoConfig, pad_id: int, device, compute_dtype) -> None:
+def _empty_pass(model, cfg: EchoConfig, pad_id: int, device, compute_dtype, reference: bool = True) -> None:
     """A pass shaped like a real one whose gradient is zero: a rank with fewer passes than
     another still joins every collective of theirs."""
-    logprobs, *_ = _forward(model, cfg, pad_id, device, compute_dtype, [[pad_id]], [[pad_id]], [0])
+    logprobs, *_ = _forward(model, cfg, pad_id, device, compute_dtype, [[pad_id]], [[pad_id]], [0],
+                            reference=reference)
     (logprobs.sum() * 0.0).backward()
 
 

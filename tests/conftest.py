@@ -175,8 +175,8 @@ def assert_balanced(metrics: list[dict], stream: list[dict] | None = None, broke
         if m.get("restored"):
             continue  # a line restored from the checkpoint: the trainer died before writing it
         a = m["accounting"]
-        assert a["trained"] + a["dropped_stale"] + a["rejected"] + a.get("abandoned", 0) + a.get("evicted", 0) == a[
-            "counted"], m
+        assert (a["trained"] + a["dropped_stale"] + a["rejected"] + a.get("filtered_no_signal", 0) + a.get("abandoned", 0)
+                + a.get("evicted", 0) == a["counted"]), m
         assert a.get("evicted", 0) == 0 or broker_crashed or a.get("abandoned", 0), m
         if broker_crashed:
             assert a["published"] <= a["counted"] + a["pending"], m
@@ -358,7 +358,7 @@ async def collect_and_account(collector: Collector, totals: dict[str, int], need
 
 
 def assert_accounting_holds(a: dict[str, int]) -> None:
-    assert a["trained"] + a["dropped_stale"] + a["rejected"] + a.get("evicted", 0) == a["counted"], a
+    assert a["trained"] + a["dropped_stale"] + a["rejected"] + a.get("filtered_no_signal", 0) + a.get("evicted", 0) == a["counted"], a
     assert a["published"] == a["counted"] + a["pending"], a
 
 

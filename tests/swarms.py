@@ -54,6 +54,13 @@ def run_swarm(tmp_path, run_id: str, steps: int, *overrides: str, flags=(), samp
     return metrics, stream, done.stderr
 
 
+def assert_every_group_proved(metrics: list[dict]) -> None:
+    """trainer.verify_fraction = 1.0: every group trained passed the proof of sampling, none refused."""
+    proof = metrics[-1]["proof_of_sampling"]
+    assert proof.get("passed", 0) >= sum(m["used"] for m in metrics) and set(proof) == {"passed"}, proof
+    assert all(m["rejected"] == {} for m in metrics), [m["rejected"] for m in metrics]
+
+
 USER_TASK = '''
 from echo.tasks import GeneratedTask, Score
 

@@ -15,7 +15,7 @@ from safetensors.torch import load
 from echo.config import TaskConfig
 from echo.tasks import load_task
 from echo.wire.names import HDR_MSG_ID, HDR_VERSION
-from tests.swarms import USER_TASK, run_swarm, up_command
+from tests.swarms import USER_TASK, assert_every_group_proved, run_swarm, up_command
 
 pytestmark = pytest.mark.slow
 
@@ -27,8 +27,11 @@ def test_an_on_policy_async_run_trains_within_its_bound_with_importance_ratios_o
 
 
 def test_async_run_stays_within_the_staleness_bound_of_one(tmp_path):
-    metrics, stream, stderr = run_swarm(tmp_path, "async", 5, "trainer.max_staleness=1", "trainer.verify_fraction=1.0")
+    """And the grpo preset with two updates a batch: the ratio and the clip act, proof in-step included."""
+    metrics, stream, stderr = run_swarm(tmp_path, "async", 5, "trainer.max_staleness=1", "trainer.verify_fraction=1.0",
+                                        "algorithm.preset=grpo", "algorithm.num_iterations=2")
     assert_within_the_staleness_bound(metrics, stream, stderr, max_staleness=1, steps=5)
+    assert all(m["iterations"] == 2 for m in metrics)
 
 
 def assert_within_the_staleness_bound(metrics: list[dict], stream: list[dict], stderr: str, max_staleness: int,
@@ -138,7 +141,9 @@ def test_multi_turn_tasks_train_end_to_end(tmp_path, task, mode):
 
 
 def test_a_secured_swarm_trains_over_tls_with_role_credentials_its_weights_from_a_secured_relay(tmp_path):
-    metrics, stream, stderr = run_swarm(tmp_path, "secured", 3, flags=["--secure", "--relay"])
+    metrics, stream, stderr = run_swarm(tmp_path, "secured", 3, "algorithm.preset=gspo", "trainer.verify_fraction=1.0",
+                                        flags=["--secure", "--relay"])
+    assert_every_group_proved(metrics)
     assert [m["version"] for m in metrics] == [1, 2, 3] and all(m["used"] == 4 for m in metrics)
     assert not any(m["rejected"] for m in metrics)
     run_dir = tmp_path / "secured"
@@ -234,8 +239,13 @@ def test_a_user_task_given_as_module_and_class_trains_end_to_end(tmp_path, monke
     (tmp_path / "user_tasks" / "shout.py").write_text(USER_TASK)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "user_tasks"))
     metrics, stream, _ = run_swarm(tmp_path, "user", 2, 'task.name="shout:Shout"', 'task.params={word="hey"}',
-                                   "run.eval_prompts=4")
+                                   "run.eval_prompts=4", "algorithm.preset=dapo", "trainer.verify_fraction=1.0")
     assert [m["version"] for m in metrics] == [1, 2]
+    assert_every_group_proved(metrics)
+    # DAPO's dynamic sampling: groups with no reward spread were set aside, not trained (unless
+    # its bound of 32 a step ran out), and counted.
+    assert all(m["zero_spread_share"] == 0 or m["filtered_no_signal"] == 32 for m in metrics)
+    assert metrics[-1]["accounting"]["filtered_no_signal"] == sum(m["filtered_no_signal"] for m in metrics)
     assert {r["headers"]["Echo-Task"] for r in stream} == {"shout"}
     rewards = [m["reward_mean"] for m in metrics]
     assert all(0 <= r <= 1 for r in rewards) and any(r > 0 for r in rewards)  # the user's verifier scored them
@@ -248,7 +258,9 @@ def test_a_swarm_trains_on_a_composite_of_two_reasoning_gym_datasets(tmp_path):
     """The trainer re-derives each group's problem from its index and scores it itself."""
     datasets = '[{name="chain_sum", weight=1, config={max_terms=3}}, {name="shortest_path", weight=1}]'
     metrics, stream, _ = run_swarm(tmp_path, "gym", 2, 'task.name="reasoning_gym:composite"',
-                                   f"task.params={{datasets={datasets}}}", "run.eval_prompts=4")
+                                   f"task.params={{datasets={datasets}}}", "run.eval_prompts=4",
+                                   "algorithm.preset=dr_grpo", "trainer.verify_fraction=1.0")
+    assert_every_group_proved(metrics)
     assert [m["version"] for m in metrics] == [1, 2]
     assert {r["headers"]["Echo-Task"] for r in stream} == {"reasoning_gym:composite"}
     task = load_task(TaskConfig(name="reasoning_gym:composite", params={"datasets": [

@@ -3,7 +3,22 @@ import math
 import pytest
 import torch
 
-from echo.algorithms.grpo import grpo_loss, group_advantages, importance_weights, token_logprobs
+from echo.algorithms.corrections import Correction, rollout_correction
+from echo.algorithms.grpo import Objective, advantages, policy_loss, token_logprobs
+
+
+def grpo_loss(logprobs, old, adv, mask, clip_eps, normalizer, weights=None, ref_logprobs=None, kl_coef=0.0):
+    """The default objective (a symmetric clip, a token mean over `normalizer` tokens)."""
+    scales = torch.full((logprobs.shape[0],), 1.0 / normalizer)
+    return policy_loss(logprobs, old, adv, mask, Objective(clip_eps, clip_eps, kl_coef=kl_coef), scales, weights,
+                       ref_logprobs)
+
+
+def importance_weights(old, behaviour, mask, cap, level):
+    """The rollout correction as the trainer's is_level named it before algorithm.rollout_is/rs."""
+    correction = (Correction("token", cap, "geometric", 1 / cap, cap) if level == "sequence"
+                  else Correction(level, cap))
+    return rollout_correction(old, behaviour, mask, correction)
 
 
 @pytest.mark.parametrize("value", [0.5, 0.1, 0.3, 1 / 3, 0.7, 0.9])
@@ -11,13 +26,13 @@ from echo.algorithms.grpo import grpo_loss, group_advantages, importance_weights
 def test_equal_rewards_give_exactly_zero_advantage(value, size):
     """8 float32 rewards of 0.1 (the format reward, SmolLM2's commonest early outcome) gave
     -0.0074 each: the mean's rounding divided by a std of ~1e-8. Group size 4 happened to give 0."""
-    assert torch.equal(group_advantages(torch.full((size,), value)), torch.zeros(size))
-    assert torch.equal(group_advantages(torch.full((size,), value, dtype=torch.float64)), torch.zeros(size, dtype=torch.float64))
+    for scale in ("group", "batch", "none"):
+        assert torch.equal(advantages([[value] * size, [0.0, 1.0]], scale)[0], torch.zeros(size))
 
 
 def test_advantages_by_hand():
     # mean 0.25, unbiased std of [1,0,0,0] = sqrt(0.25) = 0.5
-    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), eps=0.0)
+    [adv] = advantages([[1.0, 0.0, 0.0, 0.0]], eps=0.0)
     assert torch.allclose(adv, torch.tensor([1.5, -0.5, -0.5, -0.5]))
 
 

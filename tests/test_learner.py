@@ -43,10 +43,17 @@ def test_groups_keep_passes_of_their_own_unless_sharing_is_on():
     assert shares_passes("on", torch.device("cpu")) is True and shares_passes("off", torch.device("cuda")) is False
 
 
-def test_a_micro_batched_step_is_the_whole_batch_step(tmp_path):
-    """Same start, same batch (with a KL term and sequence-level importance masks): the step in
-    micro-batches of a few tokens, or with both groups in one pass, leaves the same adapter as a
-    group a pass and reports the same statistics, to fp32 summation-order error (1e-6)."""
+@pytest.mark.parametrize("algorithm", [
+    {"rollout_rs": "geometric"},  # token mean, the batch's token count in every pass
+    # each completion's token mean over the batch's completions, two updates, IcePop's token mask
+    {"preset": "grpo", "num_iterations": 2, "rollout_is": "off", "rollout_rs": "token", "kl_estimator": "k2"},
+    {"preset": "dr_grpo", "scale_rewards": "batch"},  # a constant over the batch's completions
+], ids=["default", "grpo-2-iterations", "dr_grpo"])
+def test_a_micro_batched_step_is_the_whole_batch_step(tmp_path, algorithm):
+    """Same start, same batch (with a KL term and a rollout rejection): the step in micro-batches
+    of a few tokens, or with both groups in one pass, leaves the same adapter as a group a pass
+    and reports the same statistics, to fp32 summation-order error (1e-6), whatever the loss's
+    aggregation and however many updates it takes on the batch."""
     texts = ["\\boxed{5}", "no idea at all, sorry", "\\boxed{999} because", "hm"]
     batch = Batch.of([(honest_group(11 + i, texts=texts), [1.0, 0.0, 0.0, 1.0]) for i in range(2)])
     assert len({len(group.prompt_token_ids) for group in batch.groups}) == 2  # packed, one prompt is padded
@@ -58,8 +65,8 @@ def test_a_micro_batched_step_is_the_whole_batch_step(tmp_path):
             if p.requires_grad:
                 p.normal_(0, 0.05)
     for budget in (0, len(batch.groups[0].prompt_token_ids) + 30, 10_000):
-        cfg = tiny_config(tmp_path, trainer={"micro_batch_tokens": budget, "kl_coef": 0.1, "is_level": "sequence",
-                                             "pack_groups": "on"})
+        cfg = tiny_config(tmp_path, trainer={"micro_batch_tokens": budget, "pack_groups": "on"},
+                          algorithm={"kl_coef": 0.1, **algorithm})
         policy = copy.deepcopy(start)
         stats.append(train_step(policy, make_optimizer(policy, cfg), batch, cfg, tokenizer.pad_token_id))
         policies.append(policy)
@@ -115,7 +122,7 @@ def test_an_episodes_observations_are_not_trained(tmp_path):
         plain.completions[1]])
     base, tokenizer = load_model("tiny")
     start = make_policy(base, tiny_config(tmp_path).lora)
-    cfg = tiny_config(tmp_path, trainer={"kl_coef": 0.1})
+    cfg = tiny_config(tmp_path, algorithm={"kl_coef": 0.1})
     results = []
     for group in (episode, other_claims, plain):
         policy = copy.deepcopy(start)
@@ -160,3 +167,49 @@ def test_a_step_runs_at_its_scheduled_rate_and_reports_it(tmp_path):
     optimizer = make_optimizer(model, cfg)
     stats = train_step(model, optimizer, Batch.of([(honest_group(), [1.0, 0.0])], step=2), cfg, tokenizer.pad_token_id)
     assert stats["lr"] == optimizer.param_groups[0]["lr"] == cfg.trainer.lr / 2
+
+
+def _trained(tmp_path, batch: Batch, **algorithm) -> tuple[list[torch.Tensor], dict]:
+    base, tokenizer = load_model("tiny")
+    torch.manual_seed(0)
+    policy = make_policy(base, tiny_config(tmp_path).lora)
+    cfg = tiny_config(tmp_path, algorithm=algorithm, trainer={"lr": 1e-2})
+    stats = train_step(policy, make_optimizer(policy, cfg), batch, cfg, tokenizer.pad_token_id)
+    return [p.detach() for p in policy.parameters() if p.requires_grad], stats
+
+
+def test_a_truncated_completion_is_left_out_of_the_loss_where_masked(tmp_path):
+    """algorithm.mask_truncated (TRL's mask_truncated_completions): a completion the length limit
+    stopped (no end-of-sequence token; the referee holds finish_reason to that) trains nothing,
+    whatever its tokens; its tokens leave the token mean's denominator."""
+    texts = ["\\boxed{5}", "no idea", "\\boxed{999} because", "hm"]
+    group = honest_group(11, texts=texts)
+    cut = [c.replaced(token_ids=c.token_ids[:-1], logprobs=c.logprobs[:-1], finish_reason="length") for c in
+           group.completions[2:]]
+    truncated = group.model_copy(update={"completions": [*group.completions[:2], *cut]})
+    other = group.model_copy(update={"completions": [*group.completions[:2], *(
+        c.replaced(token_ids=c.token_ids[::-1]) for c in cut)]})  # other tokens where they are cut
+    rewards = [1.0, 0.0, 0.0, 1.0]
+    (masked, stats), (masked_other, _) = (_trained(tmp_path, Batch.of([(g, rewards)]), mask_truncated=True)
+                                          for g in (truncated, other))
+    kept, kept_stats = _trained(tmp_path, Batch.of([(truncated, rewards)]))
+    assert stats["tokens"] == sum(len(c.token_ids) for c in group.completions[:2])
+    assert kept_stats["tokens"] == stats["tokens"] + sum(len(c.token_ids) for c in cut)
+    assert all(torch.equal(a, b) for a, b in zip(masked, masked_other))
+    assert not all(torch.equal(a, b) for a, b in zip(masked, kept))
+
+
+def test_several_updates_on_a_batch_move_the_ratio_and_the_clip_acts(tmp_path):
+    """algorithm.num_iterations: one update leaves the ratio pi / pi_old at 1 (no clip); four on
+    the same batch, with pi_old frozen at the first, move it past the clip. The rollout correction
+    is the first iteration's: its statistics are the same either way."""
+    texts = ["\\boxed{5}", "no idea at all, sorry", "\\boxed{999} because", "hm"]
+    batch = Batch.of([(honest_group(11 + i, texts=texts), [1.0, 0.0, 0.0, 1.0]) for i in range(2)])
+    one, once = _trained(tmp_path, batch)
+    four, four_times = _trained(tmp_path, batch, num_iterations=4, clip_low=0.01, clip_high=0.01)
+    assert once["iterations"] == 1 and once["clip_fraction"] == 0.0
+    assert four_times["iterations"] == 4 and four_times["clip_fraction"] > 0
+    assert four_times["clip_low_fraction"] + four_times["clip_high_fraction"] == pytest.approx(four_times["clip_fraction"])
+    for key in ("is_ratio_mean", "is_ratio_max", "mismatch_kl", "tokens", "entropy"):
+        assert four_times[key] == pytest.approx(once[key]), key
+    assert not all(torch.equal(a, b) for a, b in zip(one, four))

@@ -30,8 +30,8 @@ def _start(tmp_path, lora: bool):
     """The same config, batch and start in every process: 3 groups in micro-batches, so that
     2 ranks get different numbers of passes (one runs an empty pass); KL on with LoRA."""
     budget = len(honest_group(12).prompt_token_ids) + 40
-    cfg = tiny_config(tmp_path, trainer={"kl_coef": 0.1 if lora else 0.0, "micro_batch_tokens": budget},
-                      lora={"enabled": lora})
+    cfg = tiny_config(tmp_path, trainer={"micro_batch_tokens": budget}, lora={"enabled": lora},
+                      algorithm={"kl_coef": 0.1 if lora else 0.0})
     batch = Batch.of([(honest_group(12 + i, texts=TEXTS), [float((i + j) % 2) for j in range(4)]) for i in range(3)])
     base, tokenizer = load_model("tiny")
     torch.manual_seed(0)  # peft draws the adapter's initial values

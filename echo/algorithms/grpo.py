@@ -1,26 +1,39 @@
-"""GRPO: group-normalised advantages and the clipped policy-gradient loss. Pure tensor math."""
+"""GRPO and its variants: advantages, the clipped policy-gradient loss and its aggregation, the
+KL estimators. Pure tensor math; rollout corrections are echo/algorithms/corrections.py."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-# Rewards whose spread is below this are equal: what differs is float rounding, not signal.
-# (8 float32 rewards of 0.1 have a mean that is not 0.1 and a std of ~1e-8: divided by it, every
-# completion got -0.0074, and a batch with no signal moved the adapter by a full Adam step.)
-EQUAL_REWARDS_STD = 1e-6
+from echo.diagnosis import no_signal
+
+# Added to the std an advantage divides by (TRL's GRPOTrainer adds the same): a group whose
+# rewards barely differ does not get advantages of thousands.
+ADVANTAGE_EPS = 1e-4
 
 
-def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Advantage of each completion relative to its group: (r - mean) / std, in float64.
-    A group whose rewards are equal (within EQUAL_REWARDS_STD) carries no signal: zero."""
-    r = rewards.double()
-    if r.numel() < 2 or r.std() <= EQUAL_REWARDS_STD:
-        return torch.zeros_like(rewards)
-    return ((r - r.mean()) / (r.std() + eps)).to(rewards.dtype)
+def advantages(rewards: list[list[float]], scale: str = "group", eps: float = ADVANTAGE_EPS,
+               device=None) -> list[torch.Tensor]:
+    """Each group's completions' advantages, in float64 and returned float32: the reward less its
+    group's mean, divided by the group's std (scale "group", GRPO), by the whole batch's std
+    ("batch", as Dr. GRPO's authors and TRL's scale_rewards="batch"), or not at all ("none",
+    Dr. GRPO). Both stds unbiased, as TRL's. A group whose rewards are equal (echo/diagnosis.py's
+    no_signal) has advantages of exactly zero, whatever the scale."""
+    groups = [torch.tensor(r, dtype=torch.float64) for r in rewards]
+    flat = torch.cat(groups) if groups else torch.zeros(0, dtype=torch.float64)
+    batch_std = flat.std() if flat.numel() > 1 else torch.tensor(0.0, dtype=torch.float64)
+    out = []
+    for r in groups:
+        if no_signal(r.tolist()):
+            out.append(torch.zeros(r.numel(), device=device))
+            continue
+        centred = r - r.mean()
+        divisor = {"group": r.std() + eps, "batch": batch_std + eps, "none": torch.tensor(1.0)}[scale]
+        out.append((centred / divisor).float().to(device))
+    return out
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool = False):
@@ -73,92 +86,94 @@ def head_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature:
 
 
 @dataclass
-class ImportanceStats:
-    ratio_mean: float  # pi_old / mu over completion tokens
-    ratio_max: float
-    truncated_fraction: float  # tokens whose ratio was cut to the cap
-    masked_fraction: float  # sequences left out by the sequence-level mask
-    # The train/inference mismatch: KL(mu || pi_old) over the sampled tokens (the k3 estimator,
-    # r - 1 - log r): 0 when the trainer computes the log-probs the sampler reported.
-    mismatch_kl: float = 0.0
-
-
-def importance_weights(
-    old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, cap: float, level: str
-) -> tuple[torch.Tensor, ImportanceStats]:
-    """Truncated importance weights [B, T] correcting for rollouts sampled by an older policy mu.
-
-    token: w_t = min(pi_old(t) / mu(t), cap).
-    sequence: the same, and a sequence whose geometric-mean ratio lies outside [1/cap, cap] is
-    masked out entirely (its tokens get weight 0): too far off-policy to learn from.
-    off: every token weight 1 (no correction), the ratios' statistics measured all the same.
-    """
-    maskf = mask.to(old_logprobs.dtype)
-    log_ratio = (old_logprobs - behaviour_logprobs) * maskf
-    ratio = torch.exp(log_ratio)
-    corrected = level != "off"
-    weights = (torch.clamp(ratio, max=cap) if corrected else torch.ones_like(ratio)) * maskf
-    keep = torch.ones(ratio.shape[0], dtype=torch.bool, device=ratio.device)
-    if level == "sequence":
-        mean_log_ratio = log_ratio.sum(-1) / maskf.sum(-1).clamp(min=1.0)
-        keep = mean_log_ratio.abs() <= math.log(cap)
-        weights = weights * keep.unsqueeze(-1)
-    n = maskf.sum().clamp(min=1.0)
-    stats = ImportanceStats(
-        ratio_mean=float((ratio * maskf).sum() / n),
-        ratio_max=float(ratio[mask].max()) if mask.any() else 1.0,
-        truncated_fraction=float(((ratio > cap) & mask).sum() / n) if corrected else 0.0,
-        masked_fraction=float((~keep).float().mean()),
-        mismatch_kl=float(((ratio - 1 - log_ratio) * maskf).sum() / n),
-    )
-    return weights, stats
-
-
-@dataclass
 class LossStats:
-    policy_loss: float
-    kl: float
-    clip_fraction: float  # tokens where the PPO clip was active
+    policy_loss: float  # the policy term's token mean (before aggregation)
+    kl: float  # the KL estimate's token mean
+    clip_fraction: float  # tokens where the clip was active: clipped below or above
+    clip_low_fraction: float = 0.0  # ratio < 1 - clip_low with A < 0 (TRL's clip_ratio/low_mean)
+    clip_high_fraction: float = 0.0  # ratio > 1 + clip_high with A > 0 (TRL's clip_ratio/high_mean)
 
 
-def grpo_loss(
+@dataclass(frozen=True)
+class Objective:
+    """The clipped policy-gradient objective, as TRL's GRPOTrainer names its parts:
+    clip_low/clip_high are its epsilon/epsilon_high; ratio_level its importance_sampling_level
+    ("sequence": GSPO's length-normalised sequence ratio, one per completion); kl_coef its beta,
+    with the KL estimator k1, k2 or k3 (TRL's: k3)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    ratio_level: str = "token"
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from tokens the policy sampled (Schulman's
+    k1, k2, k3): k1 = log(p/q), unbiased, can be negative; k2 = (log(p/q))^2 / 2; k3 = q/p - 1 - log(q/p),
+    unbiased and never negative."""
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    return torch.exp(-log_ratio) + log_ratio - 1.0
+
+
+def row_scales(lengths: torch.Tensor, aggregation: str, batch_tokens: int, batch_sequences: int,
+               max_tokens: int) -> torch.Tensor:
+    """What each completion's summed per-token loss is multiplied by, so that the passes' losses
+    add up to the whole batch's: "token_mean" over the batch's tokens (DAPO; TRL's loss_type
+    "dapo", and "bnpo" on one batch), "sequence_mean": each completion's token mean, averaged over
+    the batch's completions (GRPO as published; TRL's "grpo"), "constant": over completions x
+    max_tokens (Dr. GRPO; TRL's "dr_grpo"). lengths: each completion's trained tokens."""
+    if aggregation == "token_mean":
+        return torch.full_like(lengths, 1.0 / max(batch_tokens, 1), dtype=torch.float32)
+    if aggregation == "sequence_mean":
+        return 1.0 / (lengths.clamp(min=1).float() * max(batch_sequences, 1))
+    return torch.full_like(lengths, 1.0 / (max(batch_sequences, 1) * max_tokens), dtype=torch.float32)
+
+
+def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    clip_eps: float,
-    normalizer: float,
+    objective: Objective,
+    scales: torch.Tensor,
     weights: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, LossStats]:
-    """PPO-clip objective with per-sequence advantages and optional per-token importance
-    weights, summed over completion tokens and divided by `normalizer` (the batch's token
-    count), so per-group losses add up to a token mean over the batch.
+    """The clipped objective -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A), times the rollout
+    correction's `weights`, plus kl_coef times the KL estimate, summed over each completion's
+    tokens and times its `scales` (row_scales). r = pi / pi_old, per token or (ratio_level
+    "sequence") one per completion: exp of the mean log-ratio over its tokens.
 
-    logprobs, old_logprobs, mask, weights, ref_logprobs: [B, T]; advantages: [B].
-    """
-    mask = mask.to(logprobs.dtype)
+    logprobs, old_logprobs, mask, weights, ref_logprobs: [B, T]; advantages, scales: [B]."""
+    maskf = mask.to(logprobs.dtype)
     adv = advantages.unsqueeze(-1)
-    ratio = torch.exp(logprobs - old_logprobs)
+    log_ratio = logprobs - old_logprobs
+    if objective.ratio_level == "sequence":
+        log_ratio = ((log_ratio * maskf).sum(-1) / maskf.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    ratio = torch.exp(log_ratio)
     unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
-    policy_term = -torch.minimum(unclipped, clipped)
-    if weights is not None:
-        policy_term = policy_term * weights
-    per_token = policy_term
+    clipped = torch.clamp(ratio, 1.0 - objective.clip_low, 1.0 + objective.clip_high) * adv
+    policy_term = -torch.minimum(unclipped, clipped).expand_as(logprobs)
+    per_token = policy_term * weights if weights is not None else policy_term
     kl = torch.zeros_like(per_token)
-    if ref_logprobs is not None and kl_coef > 0:
-        # k3 estimator of KL(policy || reference): non-negative, unbiased, low variance.
-        log_ratio = ref_logprobs - logprobs
-        kl = torch.exp(log_ratio) - log_ratio - 1.0
-        per_token = per_token + kl_coef * kl
-    loss = (per_token * mask).sum() / normalizer
+    if ref_logprobs is not None and objective.kl_coef > 0:
+        kl = kl_estimate(logprobs, ref_logprobs, objective.kl_estimator)
+        per_token = per_token + objective.kl_coef * kl
+    loss = ((per_token * maskf).sum(-1) * scales).sum()
     with torch.no_grad():
-        n = mask.sum().clamp(min=1.0)
+        n = maskf.sum().clamp(min=1.0)
+        low = ((ratio < 1.0 - objective.clip_low) & (adv < 0)).expand_as(maskf)
+        high = ((ratio > 1.0 + objective.clip_high) & (adv > 0)).expand_as(maskf)
         stats = LossStats(
-            policy_loss=float((policy_term * mask).sum() / n),
-            kl=float((kl * mask).sum() / n),
-            clip_fraction=float(((unclipped != clipped).to(mask.dtype) * mask).sum() / n),
+            policy_loss=float((policy_term * maskf).sum() / n),
+            kl=float((kl * maskf).sum() / n),
+            clip_fraction=float(((low | high) * maskf).sum() / n),
+            clip_low_fraction=float((low * maskf).sum() / n),
+            clip_high_fraction=float((high * maskf).sum() / n),
         )
     return loss, stats

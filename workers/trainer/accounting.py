@@ -51,6 +51,8 @@ def step_record(step: TrainerStep, version: int, proof_counts: dict, quarantined
         "used": len(groups),
         "dropped_stale": len(collected.dropped_ids),
         "dropped_tokens": collected.dropped_tokens,
+        "filtered_no_signal": collected.filtered,  # dynamic sampling's groups set aside
+        "filtered_tokens": collected.filtered_tokens,
         "generated_seconds": collected.generated_seconds,
         "rejected": dict(collected.rejected),
         "reward_mismatch": dict(collected.reward_mismatch),
@@ -148,6 +150,7 @@ def count_consumed(totals: dict[str, int], collected: Collected) -> dict[str, in
         "trained": totals.get("trained", 0) + len(collected.used),
         "dropped_stale": totals.get("dropped_stale", 0) + len(collected.dropped_ids),
         "rejected": totals.get("rejected", 0) + sum(collected.rejected.values()),
+        "filtered_no_signal": totals.get("filtered_no_signal", 0) + collected.filtered,
     }
 
 
@@ -173,7 +176,7 @@ def _count_uncounted(acked: int, consumed: ConsumedSeqs, totals: dict[str, int],
 def account(counts: ConsumerCounts, totals: dict[str, int], consumed: ConsumedSeqs,
             unconfirmed: int) -> tuple[dict[str, int], dict[str, int]]:
     """Every message published on the run's rollouts stream is trained, dropped as stale,
-    rejected, abandoned or evicted, or still pending (not acked): `published = counted + pending`,
+    rejected, filtered (no signal: dynamic sampling), abandoned or evicted, or still pending (not acked): `published = counted + pending`,
     and `counted` (distinct messages counted) is the sum of the others (each once), from one
     reading of the readers' counts (published and pending at the same instant). Evicted messages
     are those the stream's retention limits (a sampler's quota, nats.rollouts_max_gb, _hours)

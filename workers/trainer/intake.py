@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from echo.consumed import ConsumedSeqs
+from echo.diagnosis import no_signal
 from echo.grants import GrantLedger
 from echo.learner import Batch
 from echo.wire.codec import ProtocolError, decode_rollout
@@ -31,6 +32,10 @@ class Collected:
     dropped: Counter = field(default_factory=Counter)  # stale groups by age in versions
     dropped_ids: list[str] = field(default_factory=list)
     dropped_tokens: int = 0  # completion tokens generated for nothing
+    # Dynamic sampling (algorithm.dynamic_sampling): groups whose rewards were all equal, set
+    # aside for others (acked with the step, not trained): each cost a grant and its generation.
+    filtered: int = 0
+    filtered_tokens: int = 0
     generated_seconds: float = 0.0  # the samplers' time generating the used and the stale groups
     rejected: Counter = field(default_factory=Counter)  # refused groups by reason
     reward_mismatch: Counter = field(default_factory=Counter)  # groups by sampler
@@ -49,8 +54,9 @@ class Collector:
     redelivers them all, and each is counted once, in the step that checkpointed it (`consumed`)."""
 
     def __init__(self, inbox: RolloutInbox, judge: Judge, ledger: GrantLedger | None = None,
-                 consumed: ConsumedSeqs | None = None, quarantine: Quarantined | None = None):
+                 consumed: ConsumedSeqs | None = None, quarantine: Quarantined | None = None, set_aside: int = 0):
         self.inbox, self.judge, self.quarantine = inbox, judge, quarantine
+        self.set_aside = set_aside  # groups with no signal a step sets aside at most (dynamic sampling; 0: none)
         self.ledger = ledger or GrantLedger()  # a group naming its sender's slot ends that slot
         self.consumed = consumed or ConsumedSeqs()  # stream sequences counted by checkpointed steps
 
@@ -111,6 +117,12 @@ class Collector:
         if judged.reward_mismatch:
             out.reward_mismatch[group.sampler_id] += 1
             await self._strike(delivery.sender, "reward_mismatch")
+        if no_signal(judged.rewards) and out.filtered < self.set_aside:
+            out.filtered += 1  # acked with the step: consumed, not trained
+            out.filtered_tokens += sum(len(c.token_ids) for c in group.completions)
+            if granted is not None:
+                self.ledger.set_aside(group.slot)
+            return None
         return judged
 
     async def refuse_forged(self, out: Collected, forged: dict[str, str]) -> None:

@@ -158,7 +158,8 @@ class Trainer:
                              run_task(cfg))
         if cfg.scheduler.enabled:  # what it chooses, the grants obey
             background.start(Coordinator(run, cfg, granter.standby, recent, ledger).run_forever())
-        return cls(cfg, lease, model, Collector(inbox, judge, ledger, consumed, quarantine), granter, recent)
+        set_aside = cfg.algorithm.dynamic_sampling_max if cfg.algorithm.dynamic_sampling else 0
+        return cls(cfg, lease, model, Collector(inbox, judge, ledger, consumed, quarantine, set_aside), granter, recent)
 
     async def fit(self) -> None:
         cfg, state = self.cfg, self.model.state
