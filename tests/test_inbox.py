@@ -69,6 +69,26 @@ async def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(run
         collected.rejected.values())
 
 
+async def test_dynamic_sampling_sets_aside_groups_with_no_signal_up_to_its_bound_and_hands_their_slots_out_again(runs):
+    """algorithm.dynamic_sampling: a group whose rewards are all equal is not trained, its slot is
+    handed out again (the ledger counts it lost) and its prompt is not owed; past the step's bound
+    (here 1) such groups are trained. Every message is counted once."""
+    run = await runs.open("d")
+    inbox, ledger = await RolloutInbox.open(run), GrantLedger()
+    flat = [honest_group(20 + i, version=5, group_id=f"flat{i}", texts=["a", "b"]) for i in range(2)]  # rewards 0, 0
+    signal = honest_group(14, version=5, group_id="signal")  # right and wrong: 1.0 and 0.1
+    flat[0], signal, flat[1] = (granted(ledger, group) for group in (flat[0], signal, flat[1]))  # slots in this order
+    for group in (flat[0], signal, flat[1]):
+        await publish_rollout(run, group)
+    collector = Collector(inbox, Judge(REFEREE, Timeline(max_staleness=1), Trained()), ledger, set_aside=1)
+    async with asyncio.timeout(30):
+        collected = await collector.collect(2, version=5)
+    assert [a.group.group_id for a in collected.used] == ["signal", "flat1"]  # the bound reached: trained
+    assert collected.filtered == 1 and collected.filtered_tokens == sum(len(c.token_ids) for c in flat[0].completions)
+    assert ledger.take_lost() == [flat[0].slot] and not ledger.owed
+    assert len(collected.seqs) == 3 == len(collected.used) + collected.filtered
+
+
 @pytest.fixture
 def small_messages_server(tmp_path):
     """A nats-server whose messages are at most 64 KB."""

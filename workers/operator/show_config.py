@@ -1,11 +1,12 @@
 """`echo-rl config show`: the config a run would start with, every value resolved, each with where
-it came from: the default, the file, or an override (--set, KEY=VALUE, a shortcut flag)."""
+it came from: the default, the algorithm's preset, the file, or an override (--set, KEY=VALUE, a
+shortcut flag)."""
 
 from __future__ import annotations
 
 import tomli_w
 
-from echo.config import read_config_file
+from echo.config import PRESETS, read_config_file
 from workers.arguments import config_args, config_from_args, local_overrides
 
 NAME = "config"
@@ -22,7 +23,9 @@ def run(args) -> int:
     cfg = config_from_args(args)
     from_file = dotted(read_config_file(args.config)) if args.config else set()
     overridden = {assignment.partition("=")[0].strip() for assignment in local_overrides(args)}
-    print(sourced_toml(cfg.model_dump(mode="json"), from_file, overridden).lstrip(), end="")
+    preset = cfg.algorithm.preset
+    by_preset = {f"algorithm.{key}" for key in PRESETS[preset]} if preset != "default" else set()
+    print(sourced_toml(cfg.model_dump(mode="json"), from_file, overridden, by_preset).lstrip(), end="")
     return 0
 
 
@@ -36,18 +39,20 @@ def dotted(data: dict, prefix: str = "") -> set[str]:
     return keys
 
 
-def sourced_toml(data: dict, from_file: set[str], overridden: set[str], prefix: str = "") -> str:
-    """`data` as TOML tables, each value followed by `# default`, `# file` or `# override`."""
+def sourced_toml(data: dict, from_file: set[str], overridden: set[str], by_preset: set[str] = frozenset(),
+                 prefix: str = "") -> str:
+    """`data` as TOML tables, each value followed by `# default`, `# preset`, `# file` or `# override`."""
     out = []
     for key, value in data.items():
         if not isinstance(value, dict):
             path = prefix + key
-            source = "override" if path in overridden else "file" if path in from_file else "default"
+            source = ("override" if path in overridden else "file" if path in from_file
+                      else "preset" if path in by_preset else "default")
             out.append(f"{key} = {_inline(value)}  # {source}\n")
     for key, value in data.items():
         if isinstance(value, dict):
             out.append(f"\n[{prefix}{key}]\n")
-            out.append(sourced_toml(value, from_file, overridden, f"{prefix}{key}."))
+            out.append(sourced_toml(value, from_file, overridden, by_preset, f"{prefix}{key}."))
     return "".join(out)
 
 
