@@ -29,8 +29,15 @@ from echo.referee import Referee
 from echo.tasks import load_task
 from echo.wire.names import Version
 from workers.sampler.generation import generate_groups
-from workers.trainer.accounting import metrics_line
+from workers.trainer.accounting import metrics_line, peak_rss_mb
 from workers.trainer.model import Ranks, TrainerModel
+
+
+def step_prompts(cfg: EchoConfig, task) -> list[list]:
+    """Each step's prompts, drawn from the run's seed (bench/peer_trl.py gives TRL the same)."""
+    rng = random.Random(f"{cfg.run.seed}/colocated")
+    return [[task.prompt(rng.randrange(2**31)) for _ in range(cfg.trainer.groups_per_step)]
+            for _ in range(cfg.run.steps)]
 
 
 def run_colocated(cfg: EchoConfig) -> None:
@@ -40,13 +47,11 @@ def run_colocated(cfg: EchoConfig) -> None:
     model = TrainerModel(cfg, Ranks(cfg.model.device))
     engine, task = make_engine(cfg), load_task(cfg.task)
     referee = Referee(task, model.tokenizer, model.vocab_size, cfg.sampling)
-    rng = random.Random(f"{cfg.run.seed}/colocated")
     started = time.perf_counter()
     with open(run_dir / "metrics.jsonl", "wb") as metrics:
-        for step in range(1, cfg.run.steps + 1):
+        for step, prompts in enumerate(step_prompts(cfg, task), start=1):
             step_started = time.perf_counter()
             engine.load_weights(read_shards(model.write_weights(step - 1)))  # the current policy, as a sampler gets it
-            prompts = [task.prompt(rng.randrange(2**31)) for _ in range(cfg.trainer.groups_per_step)]
             groups = generate_groups(engine, task, prompts, cfg.sampling, "colocated", Version(0, step - 1),
                                      list(range(1, len(prompts) + 1)), seed=call_seed(cfg.run.seed, "colocated", 0, step))
             batch = Batch.of([(g, referee.score(g).rewards) for g in groups])
@@ -61,7 +66,7 @@ def run_colocated(cfg: EchoConfig) -> None:
                 "busy_seconds": trained - generated, "wall_seconds": trained - started,
                 "used": len(groups), "dropped_stale": 0, "dropped_tokens": 0, "generated_seconds": generated - step_started,
                 "staleness_used": {0: len(groups)}, "rejected": {},
-                "groups": [[g.group_id, g.version, g.sampler_id] for g in groups],
+                "groups": [[g.group_id, g.version, g.sampler_id] for g in groups], "peak_rss_mb": peak_rss_mb(),
             }))
             metrics.flush()
     model.write_weights(cfg.run.steps)  # the trained policy, for `echo-rl eval`

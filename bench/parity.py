@@ -64,6 +64,8 @@ from echo.tasks import load_task
 from workers.operator.heldout import held_out_score
 
 MODES = {
+    # The peer: TRL's GRPOTrainer on the same work (bench/peer_trl.py; the `peer-trl` preset).
+    "trl": {},
     "colocated": {},
     "sequential": {"run": {"mode": "sequential"}},
     "async S=1": {"trainer": {"max_staleness": 1}},
@@ -82,6 +84,7 @@ MODES = {
                                           "rollout_rs_threshold_lower": 0.5}},
 }
 FIVE = ["colocated", "sequential", "async S=1", "async S=2", "async S=4"]
+ONE_PROCESS = ("colocated", "trl")  # generating and training in turn, on one device
 # Where a run's held-out curve points keep each measure: [step, correct, reward].
 MEASURES = {"correct": 1, "reward": 2}
 # lcm of two numbers up to 20: SmolLM2 starts at 0.19 held out, where the best constant answer
@@ -113,11 +116,19 @@ PRESETS = {
     # 40 co-located steps), judged on the held-out reward of 8 samples a prompt (a greedy answer
     # saturates within a few steps). A learning rate high enough that 8 versions apart are far
     # apart: at S = 8 nearly every group trained is 8 versions old.
-    "controlled": {"model": "tiny", "task": {"name": "bench.letters:Letters", "params": {}}, "modes": list(MODES),
+    "controlled": {"model": "tiny", "task": {"name": "bench.letters:Letters", "params": {}},
+                   "modes": [mode for mode in MODES if mode != "trl"],
                    "measure": "reward", "note": "held-out reward: the mean of 8 completions sampled a prompt",
                    "steps": 50, "seeds": 10, "eval_every": 5, "eval_prompts": 64, "eval_samples": 8,
                    "threshold": 0.7, "parallel": 1, "sampling": {"group_size": 8, "max_new_tokens": 8},
                    "trainer": {"groups_per_step": 8, "lr": 3e-3}, "lora": {"enabled": False}},
+    # Side by side with TRL (issue 66): `make up`'s work (SmolLM2, the math task, its batch and
+    # learning rate), 20 steps, held out on `make up`'s 50 problems every 5 steps, greedy.
+    "peer-trl": {"model": "smollm2", "task": {"name": "math", "params": {}},
+                 "modes": ["trl", "colocated", "sequential", "async S=1"], "measure": "correct", "note": "",
+                 "steps": 20, "seeds": 5, "eval_every": 5, "eval_prompts": 50, "threshold": 0.3, "parallel": 1,
+                 "sampling": {"group_size": 8, "max_new_tokens": 24}, "trainer": {"groups_per_step": 4, "lr": 1e-4},
+                 "lora": {}},
 }
 # Stated prices (USD an hour), to turn busy time into cost: an H100 rented on demand for the
 # trainer, a consumer GPU for a sampler. Change them with --trainer-price / --sampler-price.
@@ -160,7 +171,8 @@ def run_one(cfg: EchoConfig, mode: str, log_dir: Path) -> None:
     """One run in its own processes: `echo-rl up`, or the co-located baseline."""
     config_path = log_dir / f"{cfg.run.id}.toml"
     config_path.write_text(cfg.to_toml())
-    command = ([sys.executable, "-m", "bench.colocated", "--config", str(config_path)] if mode == "colocated"
+    one_process = {"colocated": "bench.colocated", "trl": "bench.peer_trl"}
+    command = ([sys.executable, "-m", one_process[mode], "--config", str(config_path)] if mode in one_process
                else [sys.executable, "-m", "workers.cli", "up", "--config", str(config_path), "--log-json"])
     with open(log_dir / f"{cfg.run.id}.log", "wb") as log:
         done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
@@ -173,7 +185,7 @@ def run_summary(cfg: EchoConfig, mode: str) -> dict:
     lines = read_metrics(cfg.run_dir)
     wall = lines[-1]["wall_seconds"]
     # One process does both in the co-located run: its "sampler" is the same device, part time.
-    sampler_count = 1 if mode == "colocated" else cfg.sampler.count
+    sampler_count = 1 if mode in ONE_PROCESS else cfg.sampler.count
     trained = sum(r["tokens"] for r in lines)
     wasted = sum(r["dropped_tokens"] for r in lines)
     busy, generated = sum(r["busy_seconds"] for r in lines), sum(r["generated_seconds"] for r in lines)
@@ -191,6 +203,7 @@ def run_summary(cfg: EchoConfig, mode: str) -> dict:
         "rejected": dict(sum((Counter(r.get("rejected", {})) for r in lines), Counter())),
         "reward_mismatch": dict(sum((Counter(r.get("reward_mismatch", {})) for r in lines), Counter())),
         "proof_of_sampling": lines[-1].get("proof_of_sampling", {}),  # the trainer's running count
+        "peak_rss_mb": max((r.get("peak_rss_mb", 0.0) for r in lines), default=0.0),  # the trainer's process
         "steps": [{key: r[key] for key in STEP_KEYS if key in r} for r in lines],
     }
 
@@ -285,7 +298,7 @@ def detectable_gap(a: list[float], b: list[float], power: float = 0.8, alpha: fl
 
 def run_cost(run: dict, mode: str, prices: dict) -> float:
     """USD for a run's busy time at the stated hourly prices."""
-    if mode == "colocated":
+    if mode in ONE_PROCESS:
         return run["wall_seconds"] * prices["trainer"] / 3600
     return (run["learner_seconds"] * prices["trainer"] + run["sampler_seconds"] * prices["sampler"]) / 3600
 
@@ -309,6 +322,7 @@ def mode_summary(mode: str, runs: list[dict], base: dict, threshold: float, pric
         "auc": _spread([area_under(r["curve"], at) for r in runs]),
         **{key: _spread([r[key] for r in runs]) for key in (
             "seconds_per_step", "learner_busy", "sampler_busy", "wasted_token_fraction")},
+        "peak_rss_mb": _spread([r.get("peak_rss_mb", 0.0) for r in runs]),  # runs before it was measured: 0
         "off_policy": off_policy(runs),
     }
 
@@ -361,6 +375,8 @@ def summarize(results: dict) -> dict:
                         for mode, rs in by_mode.items() if rs}
     pairs = [(reference, other) for reference in ("sequential", "colocated") if reference in results["modes"]
              for other in results["modes"] if other.startswith("async")]
+    if "trl" in results["modes"]:  # the peer: every echo-rl mode against it
+        pairs = [("trl", other) for other in results["modes"] if other != "trl"] + pairs
     if {"async S=8", "async S=8 no IS"} <= results["modes"].keys():
         pairs.append(("async S=8", "async S=8 no IS"))  # what the correction is worth, where it matters most
     # What four updates a batch cost at S = 4, and what IcePop's mask is worth with them.
@@ -518,11 +534,17 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def peak_mb(mode: dict) -> str:
+    """The trainer process's peak resident memory, the runs' largest ("-" before it was measured)."""
+    peak = mode.get("peak_rss_mb", {}).get("max", 0.0)
+    return f"{peak:.0f}" if peak else "-"
+
+
 def table(results: dict) -> str:
     rows = [f"| mode | seeds | held-out {results.get('measure', 'correct')} final | area under curve "
             "| reached threshold | s/step | learner busy | sampler busy | tokens wasted | staleness trained "
-            "| IS ratio mean (max) | mismatch KL | USD a run | USD a point |",
-            "| --- " * 14 + "|"]
+            "| IS ratio mean (max) | mismatch KL | USD a run | USD a point | trainer peak MB |",
+            "| --- " * 15 + "|"]
     for mode, m in results["modes"].items():
         per_point = f"{m['usd_per_point']:.4f}" if m["usd_per_point"] is not None else "no gain"
         off = m["off_policy"]
@@ -532,7 +554,7 @@ def table(results: dict) -> str:
                     f"| {m['sampler_busy']['mean']:.2f} | {m['wasted_token_fraction']['mean']:.3f} "
                     f"| {off['staleness']['mean']:.2f} | {_of(off, 'is_ratio_mean', 'mean')} "
                     f"({_of(off, 'is_ratio_max', 'max')}) | {_of(off, 'mismatch_kl', 'mean', '.2g')} "
-                    f"| {m['cost_usd']['mean']:.4f} | {per_point} |")
+                    f"| {m['cost_usd']['mean']:.4f} | {per_point} | {peak_mb(m)} |")
     base = results["base"]
     rows.append(f"\nbase model: correct {base['correct']:.3f}, reward {base['reward']:.3f} on {base['prompts']} "
                 f"prompts; threshold {results['threshold']}; prices {results['prices']} USD an hour")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import re
+import resource
+import sys
 import time
 import unicodedata
 from collections import Counter, deque
@@ -34,6 +36,12 @@ from workers.trainer.step import TrainerStep
 log = structlog.get_logger()
 
 PACE_STEPS = 10  # the learner status averages this many steps
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MiB (getrusage: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
 def step_record(step: TrainerStep, version: int, proof_counts: dict, quarantined: list[str]) -> dict:
@@ -66,6 +74,7 @@ def step_record(step: TrainerStep, version: int, proof_counts: dict, quarantined
         "staleness_dropped": dict(collected.dropped),
         "groups": [[g.group_id, g.version, g.sampler_id] for g in groups],
         "dropped_groups": collected.dropped_ids,
+        "peak_rss_mb": peak_rss_mb(),
     }
 
 
