@@ -72,13 +72,14 @@ def run_colocated(cfg: EchoConfig) -> None:
     model.write_weights(cfg.run.steps)  # the trained policy, for `echo-rl eval`
 
 
-def main() -> None:
+def main(run=run_colocated) -> None:
+    """`--config` (a swarm run's TOML) and `--set` overrides: the run, then its directory as JSON."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", help="TOML config file (the swarm run's)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = parser.parse_args()
     cfg = load_config(args.config, args.set)
-    run_colocated(cfg)
+    run(cfg)
     print(orjson.dumps({"run_dir": str(cfg.run_dir)}).decode())
 
 

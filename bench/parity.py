@@ -134,8 +134,8 @@ PRESETS = {
 # trainer, a consumer GPU for a sampler. Change them with --trainer-price / --sampler-price.
 PRICES = {"trainer": 2.50, "sampler": 0.40}
 # What each run keeps of every step's metrics line (workers/trainer/accounting.py).
-STEP_KEYS = ("reward_mean", "is_ratio_mean", "is_ratio_max", "is_truncated_fraction", "rs_rejected_tokens", "mismatch_kl",
-             "clip_fraction", "clip_low_fraction", "clip_high_fraction",
+STEP_KEYS = ("reward_mean", "is_ratio_mean", "is_ratio_max", "is_truncated_fraction", "rs_rejected_tokens",
+             "mismatch_kl", "clip_fraction", "clip_low_fraction", "clip_high_fraction",
              "kl", "grad_norm", "entropy", "wall_seconds", "busy_seconds", "generated_seconds", "used", "dropped_stale",
              "staleness_used", "rejected", "reward_mismatch", "verifier_errors")
 

@@ -19,15 +19,13 @@ adapter as safetensors shards in `weights/`, so the parity bench reads and score
 
 from __future__ import annotations
 
-import argparse
 import time
 
-import orjson
 import torch
 
-from bench.colocated import step_prompts
+from bench.colocated import main, step_prompts
 from echo.checkpoint import weights_file
-from echo.config import EchoConfig, load_config
+from echo.config import EchoConfig
 from echo.learner import set_threads
 from echo.models import load_model
 from echo.policy import make_policy, weights_shards
@@ -123,15 +121,5 @@ def run_trl(cfg: EchoConfig) -> None:
     trainer.train()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", help="TOML config file (the echo-rl run's)")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    args = parser.parse_args()
-    cfg = load_config(args.config, args.set)
-    run_trl(cfg)
-    print(orjson.dumps({"run_dir": str(cfg.run_dir)}).decode())
-
-
 if __name__ == "__main__":
-    main()
+    main(run_trl)
