@@ -18,12 +18,15 @@ and once after it moved on to version 1 (version 0 swapped in). Recorded per con
 
 Writes bench/results/proof-<models>.json (with the machine's load). With --in-step, only what
 proving the held version's groups inside the step costs (train_step with and without HeldProof,
-alternated on the same groups, the least of `--repeats` each), into proof-in-step-<models>.json.
+alternated on the same groups, the least of `--repeats` each), into proof-in-step-<models>.json;
+on a CPU also the seconds spent in the check's own code as a share of the step (the difference
+of the least seconds moves by more than that on a busy 2-core box).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -31,11 +34,12 @@ import numpy as np
 import torch
 
 from bench.common import write_results
+from echo import learner
 from echo.config import LoraConfig, SamplingConfig, TaskConfig, TrainerConfig, validate_config
 from echo.devices import DTYPES, dtype_name
 from echo.engines.hf import HFEngine
 from echo.learner import Batch, HeldProof, make_optimizer, train_step
-from echo.noise import Draw, group_key
+from echo.noise import Draw, TokenMargins, group_key
 from echo.policy import group_logprobs, load_weights, weights_shards
 from echo.proof import ProofSettings, SamplingProof
 from echo.tasks import load_task
@@ -168,19 +172,52 @@ def in_step_cost(model_name: str, count: int, repeats: int, device: str, compute
         sampling.temperature, 1.0, tcfg.verify_tolerance, keep=2, tolerance_16bit=tcfg.verify_tolerance_16bit,
         compute_dtype=compute_dtype, noise_seed=SEED, margin=tcfg.verify_margin, margin_16bit=tcfg.verify_margin_16bit))
     by_id = {g.group_id: g for g in groups}
-    held = HeldProof(0, proof.noise_key, lambda checked: proof.judged_in_step(by_id, checked))
+    spent = [0.0]  # seconds inside the check's own code, every in-step step together
+    held = HeldProof(0, proof.noise_key, timed(lambda checked: proof.judged_in_step(by_id, checked), spent))
     seconds: dict[str, list[float]] = {"plain": [], "in_step": []}
-    for _ in range(repeats):
-        seconds["plain"].append(train_seconds_per_group(trainer, groups, model_name, proof.pad_id,
-                                                        compute_dtype=compute_dtype))
-        seconds["in_step"].append(train_seconds_per_group(trainer, groups, model_name, proof.pad_id, held,
-                                                          compute_dtype))
+    with checks_timed(spent):
+        for _ in range(repeats):
+            seconds["plain"].append(train_seconds_per_group(trainer, groups, model_name, proof.pad_id,
+                                                            compute_dtype=compute_dtype))
+            seconds["in_step"].append(train_seconds_per_group(trainer, groups, model_name, proof.pad_id, held,
+                                                              compute_dtype))
     plain, in_step = min(seconds["plain"]), min(seconds["in_step"])
-    return {"model": model_name, "compute_dtype": compute, "groups": count, "completions": count * sampling.group_size,
-            "tokens": sum(len(c.token_ids) for g in groups for c in g.completions),
-            "step_seconds_per_group": plain, "proved_step_seconds_per_group": in_step,
-            "in_step_share_of_step": round(in_step / plain - 1, 4), "seconds": seconds,
-            "passed": proof.counts["passed"], "forged": proof.counts["forged"]}
+    result = {"model": model_name, "compute_dtype": compute, "groups": count,
+              "completions": count * sampling.group_size,
+              "tokens": sum(len(c.token_ids) for g in groups for c in g.completions),
+              "step_seconds_per_group": plain, "proved_step_seconds_per_group": in_step,
+              "in_step_share_of_step": round(in_step / plain - 1, 4), "seconds": seconds,
+              "passed": proof.counts["passed"], "forged": proof.counts["forged"]}
+    if device == "cpu":  # each op done when it returns: the check's own seconds are its cost
+        check = spent[0] / repeats / count
+        result |= {"check_seconds_per_group": check,
+                   "check_share_of_step": round(check / statistics.median(seconds["plain"]), 4)}
+    return result
+
+
+def timed(function, spent: list[float]):
+    def run(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - started
+    return run
+
+
+@contextlib.contextmanager
+def checks_timed(spent: list[float]):
+    """Adds to spent[0] the seconds the step spends in the in-step check's code: the token
+    margins read from each chunk's logits, the held groups' noise and checks (the judge is
+    timed where it is made). The difference of two steps' least seconds is the measure a GPU
+    allows; on a busy CPU it moves by more than the check costs."""
+    saved = TokenMargins.__call__, learner.held_noise, learner.held_checks
+    TokenMargins.__call__ = timed(TokenMargins.__call__, spent)
+    learner.held_noise, learner.held_checks = timed(learner.held_noise, spent), timed(learner.held_checks, spent)
+    try:
+        yield
+    finally:
+        TokenMargins.__call__, learner.held_noise, learner.held_checks = saved
 
 
 def train_seconds_per_group(model, groups: list[RolloutGroup], model_name: str, pad_id: int,

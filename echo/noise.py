@@ -68,9 +68,17 @@ def gumbel_at(key: int, completion: int, positions: torch.Tensor, ids: torch.Ten
 def _noise(low, high, completion, positions: torch.Tensor, id_bits: torch.Tensor) -> torch.Tensor:
     """The noise of each (key, completion, position, id), from the key's 32-bit halves; the
     arguments broadcast (ints or int64 tensors)."""
-    counter = (positions.to(torch.int64) + completion * 0x9E3779B9) & _M32  # (completion, position)
-    row = _mix(_mix(_mix(counter) ^ low) ^ high)
-    return -torch.log(-torch.log(uniform(_mix(_mix(row ^ id_bits) ^ low))))
+    return _cell_noise(_row_bits(low, high, completion, positions), low, id_bits)
+
+
+def _row_bits(low, high, completion, positions: torch.Tensor) -> torch.Tensor:
+    """The hash of each (key, completion, position): a row's part of its cells' noise."""
+    counter = (positions.to(torch.int64) + completion * 0x9E3779B9) & _M32
+    return _mix(_mix(_mix(counter) ^ low) ^ high)
+
+
+def _cell_noise(row_bits: torch.Tensor, low, id_bits: torch.Tensor) -> torch.Tensor:
+    return -torch.log(-torch.log(uniform(_mix(_mix(row_bits ^ id_bits) ^ low))))
 
 
 def _id_bits(ids: torch.Tensor) -> torch.Tensor:
@@ -94,24 +102,60 @@ def noisy_scores(scores: torch.Tensor, low: torch.Tensor, high: torch.Tensor, co
     group keyed (`high[n]`, `low[n]`) at `positions[n]`), -inf for the ids that cannot be the
     argmax: an id more than GUMBEL_MAX - GUMBEL_MIN below the row's best score never beats it."""
     scores = scores.float()
-    near = scores > (scores.max(dim=-1).values - (GUMBEL_MAX - GUMBEL_MIN))[:, None]
-    return _noisy_near(scores, near, low, high, completion, positions)
+    return _noisy_above(scores, scores.max(dim=-1).values - (GUMBEL_MAX - GUMBEL_MIN), low, high, completion, positions)
 
 
-def _noisy_near(scores: torch.Tensor, near: torch.Tensor, low: torch.Tensor, high: torch.Tensor,
-                completion: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """scores plus noise where `near`, -inf elsewhere: the noise is drawn for those ids alone
-    where they are few (a language model's peaked logits: hashing the whole vocabulary cost more
-    than a step's forward on a CPU), for the whole grid where they are most (it hashes faster)."""
-    if int(near.sum()) * 4 > near.numel():
-        noise = _noise(low[:, None], high[:, None], completion[:, None], positions[:, None],
-                       _vocabulary_bits(scores.shape[-1], scores.device)[None, :])
-        return torch.where(near, scores + noise, float("-inf"))
-    rows, ids = near.nonzero(as_tuple=True)
+def _noisy_above(scores: torch.Tensor, floor: torch.Tensor, low: torch.Tensor, high: torch.Tensor,
+                 completion: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """scores plus noise where above the row's `floor`, -inf elsewhere: the noise is drawn for
+    those ids alone where they are few (a language model's peaked logits: hashing the whole
+    vocabulary cost more than a step's forward on a CPU), for the whole grid where they are most."""
+    cells = _cells_above(scores, floor)
+    if cells is None:
+        return _grid_noisy(scores, floor, low, high, completion, positions)
     noisy = torch.full_like(scores, float("-inf"))
-    noisy[rows, ids] = scores[rows, ids] + _noise(low[rows], high[rows], completion[rows], positions[rows],
-                                                  _id_bits(ids))
+    noisy.view(-1)[cells] = scores.reshape(-1)[cells] + _sparse_noise(cells, scores.shape[-1], low, high, completion,
+                                                                      positions)
     return noisy
+
+
+BLOCK = 64  # vocabulary ids a block: _cells_above reads a block's max before its ids
+
+
+def _cells_above(values: torch.Tensor, floor: torch.Tensor) -> torch.Tensor | None:
+    """The flat indices (row * vocab + id) of values [N, V] above their row's `floor`, or None
+    where they are in most blocks. A block's max is compared first and only the blocks that reach
+    the floor id by id: a language model's few such ids lie in few blocks (13% of SmolLM2's at
+    T = 0.7), and one pass over a [N, V] mask to find them cost more than the rest of the check."""
+    n, vocab = values.shape
+    whole = vocab - vocab % BLOCK
+    blocks = values[:, :whole].view(n, whole // BLOCK, BLOCK)
+    hit = (blocks.amax(-1) > floor[:, None]).view(-1).nonzero().squeeze(1)  # row * blocks + block
+    if len(hit) * 4 > n * (whole // BLOCK):
+        return None
+    rows, block = hit // (whole // BLOCK), hit % (whole // BLOCK)
+    # A whole vocabulary's blocks are rows of one [N * blocks, BLOCK] view: index_select is the fast read.
+    picked = (values.view(-1, BLOCK).index_select(0, hit) if whole == vocab and values.is_contiguous()
+              else blocks[rows, block])
+    inside, at = (picked > floor[rows, None]).nonzero(as_tuple=True)
+    tail_rows, tail_ids = (values[:, whole:] > floor[:, None]).nonzero(as_tuple=True)
+    return torch.cat([rows[inside] * vocab + block[inside] * BLOCK + at, tail_rows * vocab + whole + tail_ids])
+
+
+def _grid_noisy(scores: torch.Tensor, floor: torch.Tensor, low: torch.Tensor, high: torch.Tensor,
+                completion: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    noise = _noise(low[:, None], high[:, None], completion[:, None], positions[:, None],
+                   _vocabulary_bits(scores.shape[-1], scores.device)[None, :])
+    return torch.where(scores > floor[:, None], scores + noise, float("-inf"))
+
+
+def _sparse_noise(cells: torch.Tensor, vocab: int, low: torch.Tensor, high: torch.Tensor, completion: torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor:
+    """The noise of the flat cells (row * vocab + id) of rows drawn as in noisy_scores: each row's
+    hash made once, each id's read from the vocabulary's (few hash operations per cell)."""
+    rows = cells // vocab
+    return _cell_noise(_row_bits(low, high, completion, positions)[rows], low[rows],
+                       _vocabulary_bits(vocab, cells.device)[cells % vocab])
 
 
 def key_halves(keys: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,17 +170,28 @@ def uniform(bits: torch.Tensor) -> torch.Tensor:
     return ((bits >> 9).to(torch.float32) + 0.5) / float(1 << 23)
 
 
-def noisy_margin(scores: torch.Tensor, tokens: torch.Tensor, low: torch.Tensor, high: torch.Tensor,
-                 completion: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """How far each token falls short of the noisy argmax: max(scores + noise) minus the token's
-    own scores + noise, per row of scores [N, V] (logits / T), row n drawing the noise of
-    completion `completion[n]` of the group keyed (`high[n]`, `low[n]`) at `positions[n]`; 0
-    where the token is the argmax. Only ids whose score is within GUMBEL_MAX below the token's
-    noisy score can beat it, so the noise is drawn for those alone (_noisy_near)."""
-    scores = scores.float()
-    own = scores.gather(-1, tokens[:, None]).squeeze(-1) + _noise(low, high, completion, positions, _id_bits(tokens))
-    near = scores > (own - GUMBEL_MAX)[:, None]
-    return _noisy_near(scores, near, low, high, completion, positions).max(dim=-1).values - own
+def noisy_margin(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, low: torch.Tensor,
+                 high: torch.Tensor, completion: torch.Tensor, positions: torch.Tensor,
+                 checked: torch.Tensor | None = None) -> torch.Tensor:
+    """How far each token falls short of the noisy argmax: max(logits / T + noise) minus the
+    token's own, per row of logits [N, V], row n drawing the noise of completion `completion[n]`
+    of the group keyed (`high[n]`, `low[n]`) at `positions[n]`; 0 where the token is the argmax.
+    Only ids whose score is within GUMBEL_MAX below the token's noisy score can beat it: those
+    are found on the logits as they are (no scaled fp32 copy of the chunk) and the noise drawn
+    for them alone where they are few; where most are, for the whole grid (it hashes faster).
+    `checked` (a mask of rows): the others' margins are 0, their noise not drawn."""
+    own = logits.gather(-1, tokens[:, None]).squeeze(-1).float() / temperature
+    own = own + _noise(low, high, completion, positions, _id_bits(tokens))
+    floor = (own - GUMBEL_MAX) * temperature  # in the logits' units; the token itself above it
+    if checked is not None:
+        floor = floor.masked_fill(~checked, float("inf"))
+    cells, vocab = _cells_above(logits, floor), logits.shape[-1]
+    if cells is None:
+        noisy = _grid_noisy(logits.float() / temperature, floor / temperature, low, high, completion, positions)
+        return (noisy.max(-1).values - own).clamp(min=0)  # a row not checked: -inf - own
+    noisy = logits.reshape(-1)[cells].float() / temperature + _sparse_noise(cells, vocab, low, high, completion,
+                                                                             positions)
+    return own.scatter_reduce(0, cells // vocab, noisy, "amax") - own
 
 
 class TokenMargins:
@@ -162,12 +217,11 @@ class TokenMargins:
 
     def __call__(self, rows: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         inside = positions < self.sampled.shape[1]  # past every completion's end: padding
-        take = (inside & self.sampled[rows, positions.clamp(max=self.sampled.shape[1] - 1)]).nonzero().squeeze(1)
-        if not len(take):
-            return
-        rows, positions = rows[take], positions[take]
-        margins = noisy_margin(logits[take].float() / self.temperature, tokens[take], self.low[rows],
-                               self.high[rows], self.completion[rows], positions)
+        checked = inside & self.sampled[rows, positions.clamp(max=self.sampled.shape[1] - 1)]
+        # Every row of the chunk's logits as they are (a subset would be a copy of them): the rows
+        # not checked (a prompt's, an observation's, padding) draw no noise and have margin 0.
+        margins = noisy_margin(logits, tokens, self.temperature, self.low[rows], self.high[rows],
+                               self.completion[rows], positions, checked)
         self.worst.scatter_reduce_(0, rows, margins, "amax")
         self.read = None
 

@@ -96,12 +96,12 @@ def test_a_trainer_on_two_ranks_trains_publishes_and_its_samplers_follow(tmp_pat
 def test_sequential_run_trains_only_on_its_current_version(tmp_path, relay, engine):
     """Sequential mode, directly or behind a relay: each step trains on exactly the groups its
     version sampled. On the paged engine too (sampler.engine = "hf-paged", transformers'
-    continuous batching): the trainer recomputes every group's log-probs (verify_fraction 1) and
-    finds them its own, and on-policy its importance ratios are 1."""
+    continuous batching, keyed noise drawn through its per-request processor): the trainer
+    proves every group's tokens and log-probs (verify_fraction 1) and finds them its own, and
+    on-policy its importance ratios are 1."""
     flags = ["--log-json"] + (["--relay"] if relay else [])
-    noise = "engine" if engine == "hf-paged" else "keyed"  # the paged engine draws its own (sampling.noise)
     metrics, stream, stderr = run_swarm(tmp_path, "seq", 4, "run.mode=sequential", f'sampler.engine="{engine}"',
-                                        f'sampling.noise="{noise}"', "trainer.verify_fraction=1.0", flags=flags)
+                                        "trainer.verify_fraction=1.0", flags=flags)
     assert [m["version"] for m in metrics] == [1, 2, 3, 4]
     for m in metrics:
         assert m["used"] == 4 and m["dropped_stale"] == 0

@@ -13,7 +13,7 @@ import torch
 from echo.config import ConfigError, LoraConfig, TaskConfig
 from echo.devices import dtype_name
 from echo.engines import make_engine
-from echo.engines.hf import HFEngine
+from echo.engines.hf import HFEngine, PagedEngine
 from echo.environments import load_environment, play_episodes
 from echo.grants import GrantLedger
 from echo.learner import Batch, ForgedInStep, HeldProof, make_optimizer, train_step
@@ -71,12 +71,13 @@ def test_the_margin_drawn_only_where_a_token_could_win_is_the_whole_vocabularys(
     generator = torch.Generator().manual_seed(0)
     peaked = torch.randn(32, vocab, generator=generator) * 8  # most ids far below the top ones
     flat = torch.randn(32, vocab, generator=generator) * 0.1
-    for scores in (peaked, flat):
+    draws = [torch.full((32,), value) for value in (key & 0xFFFFFFFF, key >> 32, 1)]
+    for logits, temperature in ((peaked, 1.0), (flat, 1.0), (peaked.bfloat16(), 0.7), (flat.bfloat16(), 0.7)):
+        scores = logits.float() / temperature  # the margin reads a 16-bit forward's logits as they are
         for tokens in ((scores + grid).argmax(-1), scores.argmax(-1), torch.randint(0, vocab, (32,), generator=generator)):
             noisy = scores + grid
             whole = noisy.max(-1).values - noisy.gather(-1, tokens[:, None]).squeeze(-1)
-            draws = [torch.full((32,), value) for value in (key & 0xFFFFFFFF, key >> 32, 1)]
-            assert torch.allclose(noisy_margin(scores, tokens, *draws, positions), whole, rtol=0, atol=1e-5)
+            assert torch.allclose(noisy_margin(logits, tokens, temperature, *draws, positions), whole, rtol=0, atol=1e-5)
     assert int((peaked > (peaked.max(-1, keepdim=True).values - GUMBEL_MAX)).sum()) * 4 < peaked.numel()  # the few
 
 
@@ -404,7 +405,31 @@ async def test_one_samplers_text_of_its_choosing_is_refused_and_it_is_quarantine
         await trainer.close()
 
 
-def test_an_engine_that_cannot_draw_keyed_noise_is_refused_at_start_unless_the_run_trusts_its_text(tmp_path):
+def test_the_paged_engine_draws_the_keyed_noise_hf_draws_and_its_groups_pass_the_check():
+    """Issue 63: transformers' continuous batching (sampler.engine = "hf-paged") drew with its own
+    generator, so a keyed run refused it. It now draws each token by its group's keyed noise,
+    through the manager's per-request processor: the same tokens as `hf` for the same draws (each
+    completion leaving the batch at its own step: the end-of-turn token made likely), with the
+    log-probs of softmax(logits / T), and its groups pass the proof's token check."""
+    sampler, proof = _engines()
+    _turns_end_often(sampler, proof)
+    paged = PagedEngine("tiny", LORA, KEYED, "cpu", "float32")
+    paged.model.load_state_dict(sampler.model.state_dict())
+    prompts = [sampler.encode_chat(REFEREE.task.prompt(i).messages) for i in range(6)]
+    draws = [Draw(group_key(SEED, EPOCH, slot), first=slot % 3, position=slot % 5) for slot in range(1, 7)]
+    want = [g for gens in sampler.generate(prompts, 4, draws=draws) for g in gens]
+    got = [g for gens in paged.generate(prompts, 4, draws=draws) for g in gens]
+    assert len({len(g.token_ids) for g in got}) > 3  # they left the batch at different steps
+    assert [g.token_ids for g in got] == [g.token_ids for g in want]
+    assert [g.finish_reason for g in got] == [g.finish_reason for g in want]
+    assert max(abs(a - b) for x, y in zip(got, want) for a, b in zip(x.logprobs, y.logprobs)) < 1e-4
+    groups = _keyed_groups(paged, [0, 1, 2])
+    assert [proof.forged(g, proof.check(g)) for g in groups] == [None] * 3
+
+
+def test_an_engine_that_cannot_draw_keyed_noise_is_refused_at_start_unless_the_run_trusts_its_text(tmp_path,
+                                                                                                      monkeypatch):
+    monkeypatch.setattr(PagedEngine, "keyed_noise", False)  # a transformers without per-request processors
     cfg = tiny_config(tmp_path, sampler={"engine": "hf-paged"}, sampling={"trusted_samplers": ["t1"]})
     with pytest.raises(ConfigError, match="sampling.trusted_samplers"):
         make_engine(cfg, "s1")

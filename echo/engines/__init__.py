@@ -26,15 +26,16 @@ def make_engine(cfg: EchoConfig, sampler_id: str | None = None) -> Engine:
     """The engine `sampler.engine` names, on the model's device and dtype, for sampler
     `sampler_id` (None: no sampler's, e.g. an evaluation)."""
     choice = engine_choice(cfg.sampler.engine)
-    if cfg.sampling.noise == "keyed" and choice != "hf" and sampler_id not in cfg.sampling.trusted_samplers:
+    if choice == "vllm":
+        from echo.engines.vllm import VLLMEngine as engine
+    else:
+        from echo.engines.hf import HFEngine, PagedEngine
+
+        engine = PagedEngine if choice == "hf-paged" else HFEngine
+    if cfg.sampling.noise == "keyed" and not engine.keyed_noise and sampler_id not in cfg.sampling.trusted_samplers:
         raise ConfigError(f"sampler.engine = {choice!r} cannot draw the keyed noise sampling.noise = 'keyed' asks "
-                          "for (the hf engine can): a run that trusts this sampler's text names it in "
+                          "for here (hf can): a run that trusts this sampler's text names it in "
                           "sampling.trusted_samplers, one that trusts every sampler's sets sampling.noise = 'engine'")
     if choice == "vllm":
-        from echo.engines.vllm import VLLMEngine
-
-        return VLLMEngine(cfg.model, cfg.lora, cfg.sampling)
-    from echo.engines.hf import HFEngine, PagedEngine
-
-    engine = PagedEngine if choice == "hf-paged" else HFEngine
+        return engine(cfg.model, cfg.lora, cfg.sampling)
     return engine(cfg.model.name, cfg.lora, cfg.sampling, cfg.model.device, cfg.model.dtype)

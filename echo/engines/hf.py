@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import ClassVar
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
@@ -60,6 +61,75 @@ class KeyedNoise(SampledLogprobs):
         noisy = noisy_scores(scores.float() / self.temperature, self.low, self.high, self.completion, self.position)
         self.position = self.position + 1
         return noisy
+
+
+class PagedKeyedNoise(LogitsProcessor):
+    """KeyedNoise for transformers' continuous batching (PagedEngine): a call's requests are
+    `req_<i>` in the order given, request i completion `rows[i][1]` of the group keyed
+    `rows[i][0]`, its first step at position `rows[i][2]`. The manager builds its processors from
+    the model's `_get_logits_processor`, and gives a processor of its own kind a per-request
+    argument only when it converts a plain one (ContinuousBatchingLogitsProcessorList): this one
+    stands for `_PagedKeyedDraws`, which does the work. The behaviour log-prob of each drawn
+    token, log-softmax(logits / T), is kept by request and step: the manager's own are those of
+    the noisy scores it is given."""
+
+    supports_continuous_batching = True
+
+    def __init__(self, temperature: float, rows: list[tuple[int, int, int]], max_tokens: int, device: torch.device):
+        self.temperature = temperature
+        self.low, self.high = key_halves([key for key, _, _ in rows], device)
+        self.completion = torch.tensor([j for _, j, _ in rows], dtype=torch.int64, device=device)
+        self.first = torch.tensor([at for _, _, at in rows], dtype=torch.int64, device=device)
+        self.drawn = torch.zeros(len(rows), dtype=torch.int64, device=device)  # tokens each request has drawn
+        self.logprobs = torch.zeros((len(rows), max_tokens), device=device)
+
+    def __call__(self, input_ids, scores):  # the manager calls _PagedKeyedDraws instead
+        raise TypeError("PagedKeyedNoise runs only inside transformers' continuous batching (PagedEngine)")
+
+
+def _paged_keyed_draws():
+    """The continuous-batching processor PagedKeyedNoise stands for, registered with the
+    manager's map of per-request processors; None where this transformers has no such API (the
+    paged engine then draws no keyed noise)."""
+    try:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        from transformers.generation.continuous_batching import cb_logits_processors as cb
+    except ImportError:
+        return None
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    if not hasattr(cb, "CLASSIC_TO_CB_PROCESSORS_MAP") or not {"per_request_processors", "use_async_batching"} <= fields:
+        return None
+
+    class _PagedKeyedDraws(cb.ContinuousBatchingLogitsProcessor):
+        supported_kwargs: ClassVar[dict[str, type]] = {}
+        ignored_kwargs: tuple[str, ...] = ()
+
+        def __init__(self, keyed: PagedKeyedNoise):
+            self.keyed = keyed
+
+        def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
+            int32_tensor.fill_(0)
+
+        def prepare_tensor_args(self, requests_with_new_token) -> torch.Tensor:
+            # Each row's request: its index in the call (the manager names them req_<i>).
+            return torch.tensor([int(r.state.request_id.removeprefix("req_")) for r in requests_with_new_token],
+                                dtype=torch.int32)
+
+        def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+            k, requests = self.keyed, tensor_arg[: scores.size(0)].long()
+            scaled = scores.float() / k.temperature
+            noisy = noisy_scores(scaled, k.low[requests], k.high[requests], k.completion[requests],
+                                 k.first[requests] + k.drawn[requests])
+            token = noisy.argmax(-1)  # what the manager's greedy argmax of these scores takes
+            k.logprobs[requests, k.drawn[requests]] = torch.log_softmax(scaled, -1).gather(-1, token[:, None]).squeeze(-1)
+            k.drawn[requests] += 1
+            return noisy
+
+    cb.CLASSIC_TO_CB_PROCESSORS_MAP[PagedKeyedNoise] = _PagedKeyedDraws
+    return _PagedKeyedDraws
+
+
+PAGED_KEYED = _paged_keyed_draws() is not None
 
 
 class HFEngine:
@@ -167,7 +237,7 @@ class PagedEngine(HFEngine):
     completions: partial rollouts (sampling.chunk_tokens) need `hf`."""
 
     name = "hf"  # on the wire: transformers sampled it, with the same model code and log-probs as `hf`
-    keyed_noise = False  # its sampling happens inside the manager's loop, with no processor of ours
+    keyed_noise = PAGED_KEYED  # through the manager's per-request processors (PagedKeyedNoise)
     PAGE_TOKENS = 32
     MAX_BATCH_TOKENS = 8192  # tokens in one forward: prompts are prefilled in slices of this
 
@@ -177,11 +247,13 @@ class PagedEngine(HFEngine):
                  seed: int | None = None, draws: list[Draw] | None = None) -> list[list[Generation]]:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-        if draws is not None:
-            raise ValueError("the paged engine draws no keyed noise: sampling.noise = 'engine' (make_engine says so)")
+        keyed = draws is not None and not greedy
+        if keyed and not self.keyed_noise:
+            raise ValueError("this transformers' paged engine draws no keyed noise: sampling.noise = 'engine' "
+                             "(make_engine says so)")
         limit = self.max_new_tokens if max_tokens is None else max_tokens
         requests = [prompt for prompt in prompts for _ in range(n)]
-        config = self.call_config(greedy)
+        config = self.call_config(greedy or keyed)  # keyed: the argmax of the noisy scores
         config.max_new_tokens = limit
         # Sized for this call: left to itself the manager sizes its cache from the device's free
         # memory, gigabytes on a CPU (a call then took 40 s instead of 1).
@@ -189,14 +261,28 @@ class PagedEngine(HFEngine):
         # transformers 5.17 (the GPU machine's) names the page `block_size`; later ones `page_size`.
         fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
         page = "page_size" if "page_size" in fields else "block_size"
+        sampled = PagedKeyedNoise(self.temperature, [(d.key, d.first + i % n, d.position) for i in range(len(requests))
+                                                     for d in [draws[i // n]]], limit, self.device) if keyed else None
         batching = ContinuousBatchingConfig(
-            return_logprobs=True, seed=seed, num_blocks=pages + 1, **{page: self.PAGE_TOKENS},
-            max_batch_tokens=min(self.MAX_BATCH_TOKENS, max(256, sum(map(len, requests)))), use_cuda_graph=False)
-        out = list(self.model.generate_batch(requests, generation_config=config, continuous_batching_config=batching,
-                                             warmup=False).values())
-        if len(out) != len(requests) or any(o.error for o in out):
-            errors = [o.error for o in out if o.error]
+            return_logprobs=not keyed, seed=seed, num_blocks=pages + 1, **{page: self.PAGE_TOKENS},
+            max_batch_tokens=min(self.MAX_BATCH_TOKENS, max(256, sum(map(len, requests)))), use_cuda_graph=False,
+            # keyed: the processor's Python runs at each step (no graph replays it) on its own request ids
+            **({"per_request_processors": True, "use_async_batching": False} if keyed else {}))
+        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        if keyed:  # the manager asks the model for its processors: this call's, then the class's again
+            model._get_logits_processor = lambda generation_config: LogitsProcessorList([sampled])
+        try:
+            out = model.generate_batch(requests, generation_config=config, continuous_batching_config=batching,
+                                       warmup=False)
+        finally:
+            model.__dict__.pop("_get_logits_processor", None)
+        if sorted(out) != sorted(f"req_{i}" for i in range(len(requests))) or any(o.error for o in out.values()):
+            errors = [o.error for o in out.values() if o.error]
             raise RuntimeError(f"continuous batching returned {len(out)} of {len(requests)} completions: {errors[:1]}")
+        out = [out[f"req_{i}"] for i in range(len(requests))]
+        if keyed:
+            for i, o in enumerate(out):
+                o.logprobs = sampled.logprobs[i, : len(o.generated_tokens)].tolist()
         eos = self.tokenizer.eos_token_id
         generations = [
             Generation(token_ids=list(o.generated_tokens), logprobs=list(o.logprobs),
