@@ -25,11 +25,12 @@ from echo.config import EchoConfig, load_config
 from echo.engines import make_engine
 from echo.engines.base import call_seed
 from echo.learner import Batch
+from echo.metrics import peak_rss_mb
 from echo.referee import Referee
 from echo.tasks import load_task
 from echo.wire.names import Version
 from workers.sampler.generation import generate_groups
-from workers.trainer.accounting import metrics_line, peak_rss_mb
+from workers.trainer.accounting import metrics_line
 from workers.trainer.model import Ranks, TrainerModel
 
 

@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import random
-import resource
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import time
 from pathlib import Path
 
 from bench.common import write_results
+from echo.metrics import peak_rss_mb
 
 
 def write_file(path: Path, rows: int) -> None:
@@ -45,7 +45,7 @@ def write_file(path: Path, rows: int) -> None:
 
 
 def peak_mb() -> float:
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # Linux: KiB
+    return round(peak_rss_mb(), 1)
 
 
 def phase(name: str, path: str, url: str, draws: int) -> dict:

@@ -17,11 +17,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
-import resource
 import tempfile
 
 from bench.common import write_results
 from echo.config import SamplingConfig
+from echo.metrics import peak_rss_mb
 from echo.models import byte_tokenizer, encode_chat
 from echo.referee import Referee
 from echo.tasks.math import Math
@@ -37,7 +37,7 @@ from workers.trainer.judge import Judge, Timeline
 
 
 def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return round(peak_rss_mb() * 2**20)
 
 
 def group(task: Math, tokenizer, group_id: str, tokens: int, count: int, text_bytes: int) -> RolloutGroup:

@@ -51,6 +51,7 @@ from echo.checkpoint import TrainerState, read_metrics
 from echo.config import EchoConfig, load_config, validate_config
 from echo.engines.base import Generation, NewerWeights
 from echo.learner import Batch
+from echo.metrics import peak_rss_mb
 from echo.models import base_model_digest, encode_chat, load_model
 from echo.noise import Draw
 from echo.proof import ProofSettings, SamplingProof
@@ -179,7 +180,7 @@ async def trainer_role(cfg: EchoConfig, seconds_per_token: float, usage_file: Pa
     try:
         await serve(cfg, lambda: SyntheticLearner(cfg, seconds_per_token))
     finally:
-        usage_file.write_bytes(orjson.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        usage_file.write_bytes(orjson.dumps({"peak": round(peak_rss_mb() * 2**20),
                                              "cpu_s": cpu_s() - began}))
 
 

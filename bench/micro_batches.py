@@ -20,7 +20,6 @@ with two heads, -heads before .json.
 from __future__ import annotations
 
 import argparse
-import resource
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import time
 import orjson
 
 from bench.common import write_results
+from echo.metrics import peak_rss_mb
 
 
 def long_groups(vocab: int, groups: int, group: int, tokens: int) -> list:
@@ -84,7 +84,7 @@ def timed_step(cfg, policy, pad_id: int, batch, compute_dtype, repeats: int = 1,
 
     device = model_device(policy)
     optimizer = make_optimizer(policy, cfg)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = peak_rss_mb()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     seconds = []
@@ -97,8 +97,8 @@ def timed_step(cfg, policy, pad_id: int, batch, compute_dtype, repeats: int = 1,
     on_device = {"peak_device_mb": round(torch.cuda.max_memory_allocated(device) / 2**20)} if device.type == "cuda" else {}
     return {"passes": stats["passes"], "step_s": round(min(seconds), 3), "device": str(device),
             "dtype": dtype_name(compute_dtype), **on_device,
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-            "before_step_rss_mb": round(before / 1024)}
+            "peak_rss_mb": round(peak_rss_mb()),
+            "before_step_rss_mb": round(before)}
 
 
 def one_step(model: str, groups: int, group: int, tokens: int, budget: int, repeats: int, pack_groups: str,

@@ -27,10 +27,11 @@ from bench.colocated import main, step_prompts
 from echo.checkpoint import weights_file
 from echo.config import EchoConfig
 from echo.learner import set_threads
+from echo.metrics import peak_rss_mb
 from echo.models import load_model
 from echo.policy import make_policy, weights_shards
 from echo.tasks import load_task
-from workers.trainer.accounting import metrics_line, peak_rss_mb
+from workers.trainer.accounting import metrics_line
 
 
 def trl_config(cfg: EchoConfig):

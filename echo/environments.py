@@ -108,7 +108,7 @@ def replay(env: Environment, tokenizer, prompt: Prompt, completion: Completion, 
             return Replayed(reward, "environment_error")
         reward += step.reward
         if observation is None:  # the model's last turn: the episode must be over
-            over = (step.done or len(turns) == env.max_turns or completion.finish_reason == "length"
+            over = (step.done or len(turns) == env.max_turns or completion.truncated
                     or no_room(len(completion.token_ids), observation_tokens(tokenizer, step.observation), max_tokens))
             return Replayed(reward, None if over else "episode_cut_short")
         if step.done:

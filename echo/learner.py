@@ -103,7 +103,7 @@ class Batch:
         later, of completions that stopped by themselves where `mask_truncated`."""
         return sum(int(c.model_mask()[g.sampled_from(self.oldest_version):].sum())
                    for g in self.groups for c in g.completions
-                   if not (mask_truncated and c.finish_reason == "length"))
+                   if not (mask_truncated and c.truncated))
 
     @property
     def sequences(self) -> int:
@@ -210,8 +210,10 @@ def train_step(model, optimizer, batch: Batch, cfg: EchoConfig, pad_id: int, sto
                 _empty_pass(model, cfg, pad_id, device, compute_dtype, reference=iteration == 0)
                 continue
             segments = [(batch.groups[g], advantages[g][rows], rows) for g, rows in this]
-            stats, frozen[done] = _pass(model, cfg, pad_id, device, compute_dtype, segments, counts,
-                                        batch.oldest_version, held if iteration == 0 else None, frozen.get(done))
+            stats, fixed = _pass(model, cfg, pad_id, device, compute_dtype, segments, counts, batch.oldest_version,
+                                 held if iteration == 0 else None, frozen.get(done))
+            if acfg.num_iterations > 1:  # kept on the device for the later iterations only
+                frozen[done] = fixed
             loss_sum += stats.loss_value
             per_pass.append(stats)
         if held is not None and iteration == 0:
@@ -330,7 +332,7 @@ def _freeze(old_logprobs: torch.Tensor, mask: torch.Tensor, ref_logprobs, segmen
     behaviour, sampled = torch.zeros(mask.shape), torch.zeros(mask.shape, dtype=torch.bool)
     for i, completion in enumerate(claimed):
         behaviour[i, : len(completion.logprobs)] = torch.tensor(completion.logprobs)
-        if not (acfg.mask_truncated and completion.finish_reason == "length"):
+        if not (acfg.mask_truncated and completion.truncated):
             sampled[i, : len(completion.token_ids)] = torch.from_numpy(completion.model_mask())
     mask = mask & sampled.to(mask.device)  # an episode's observations are the environment's: never trained
     stale = [group.sampled_from(oldest_version) for group, _, rows in segments for _ in rows]

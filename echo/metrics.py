@@ -5,6 +5,8 @@ heartbeats, flattened; and a run's steps summed up in one record. Pure."""
 from __future__ import annotations
 
 import math
+import resource
+import sys
 
 from echo.wire.messages import SamplerStatus
 
@@ -104,3 +106,9 @@ def summarize(lines: list[dict]) -> dict:
         "learner_busy": round(sum(r["learner_busy"] for r in lines) / len(lines), 2),
         "accounting": last.get("accounting"),  # published = trained + dropped_stale + rejected + pending
     }
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MiB (getrusage: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024

@@ -20,9 +20,9 @@ from echo.wire.names import (
     RATE_MAX,
     SAMPLE_CHARS,
     SCALAR_NAME,
-    STATUS_SAMPLES,
     SCHEMA_VERSION,
     SECONDS_MAX,
+    STATUS_SAMPLES,
     TIMESTAMP_MAX,
     Version,
 )
@@ -146,6 +146,11 @@ class Completion(_HoldsArrays, BaseModel):
         if any(o.at <= end for o, end in zip(self.observations, ends)) or ends[-1] >= len(self.token_ids):
             raise ValueError("observations: each after a model turn and before the next, in order")
         return self
+
+    @property
+    def truncated(self) -> bool:
+        """Cut at the token budget rather than ended by the model."""
+        return self.finish_reason == "length"
 
     def model_turns(self) -> list[tuple[int, int]]:
         """The (start, end) of each of the model's turns in token_ids."""

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import math
 import re
-import resource
-import sys
 import time
 import unicodedata
 from collections import Counter, deque
@@ -24,7 +22,7 @@ import structlog
 from echo.checkpoint import TrainerState, read_metrics
 from echo.consumed import ConsumedSeqs
 from echo.diagnosis import Trained, sample_picks, step_signal
-from echo.metrics import PAGE_SCALARS, mean_staleness
+from echo.metrics import PAGE_SCALARS, mean_staleness, peak_rss_mb
 from echo.wire.messages import Sample, SlotsEnded, TrainerStatus
 from echo.wire.names import CONTROL_CHARACTERS, SAMPLE_CHARS, STATUS_SAMPLES
 from streams.client import retry_forever
@@ -36,12 +34,6 @@ from workers.trainer.step import TrainerStep
 log = structlog.get_logger()
 
 PACE_STEPS = 10  # the learner status averages this many steps
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident memory so far, in MiB (getrusage: KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
 def step_record(step: TrainerStep, version: int, proof_counts: dict, quarantined: list[str]) -> dict:
@@ -81,7 +73,7 @@ def step_record(step: TrainerStep, version: int, proof_counts: dict, quarantined
 def trained_group(a: Accepted) -> Trained:
     completions = a.group.completions
     return Trained(a.rewards, a.unanswered, [len(c.token_ids) for c in completions],
-                   sum(c.finish_reason == "length" for c in completions))
+                   sum(c.truncated for c in completions))
 
 
 def step_samples(step: TrainerStep, tokenizer, count: int) -> list[dict]:
