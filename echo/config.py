@@ -95,12 +95,12 @@ class SamplingConfig(_Section):
     dtypes: list[Literal["float32", "bfloat16", "float16"]] = Field(["float32"], min_length=1)
     # Where a sampler's randomness comes from. keyed: Gumbel-max with noise keyed by the slot the
     # trainer granted (echo/noise.py), so each token is a function of the policy's logits and the
-    # trainer checks the tokens themselves, not only their log-probs; hf and hf-paged. engine:
-    # the engine's own generator (vLLM, a user's engine): the trainer can then check
-    # log-probs only, so a sampler may send text it chose (docs/security.md).
+    # trainer checks the tokens themselves, not only their log-probs; every engine here draws it
+    # (hf, hf-paged on transformers 5.23+, vLLM). engine: the engine's own generator: the trainer
+    # can then check log-probs only, so a sampler may send text it chose (docs/security.md).
     noise: Literal["keyed", "engine"] = "keyed"
     # Samplers whose text a keyed run trusts: they may run an engine that draws its own noise
-    # (vLLM, a user's engine), and the trainer checks their groups' log-probs, not their tokens.
+    # (a user's own), and the trainer checks their groups' log-probs, not their tokens.
     trusted_samplers: list[str] = []
 
 

@@ -56,9 +56,6 @@ class Referee:
             return "wrong_temperature"
         if group.dtype not in self.sampling.dtypes:  # a 16-bit claim widens the proof's band
             return "dtype_not_allowed"
-        if (self.sampling.noise == "keyed" and group.engine != "hf"  # its tokens could not be proved
-                and group.sampler_id not in self.sampling.trusted_samplers):
-            return "unkeyed_engine"
         if any(len(c.token_ids) > self.sampling.max_new_tokens for c in group.completions):
             return "completion_too_long"
         tokens = [group.prompt_token_ids, *(c.token_ids for c in group.completions)]

@@ -7,8 +7,10 @@ import time
 import orjson
 
 from echo.config import SamplingConfig, TaskConfig
+from echo.devices import dtype_name
 from echo.grants import GrantLedger
 from echo.models import byte_tokenizer, encode_chat
+from echo.noise import Draw, group_key
 from echo.referee import Referee
 from echo.tasks import Task, load_task
 from echo.tasks.math import Math
@@ -54,6 +56,23 @@ def honest_group(index: int = 12, texts=None, of_task: Task = TASK, rewards: lis
         temperature=1.0, engine="hf", dtype="float32", gen_seconds=0.1, created_at=0.0,
     )
     return RolloutGroup(**{**fields, **changes})
+
+
+def keyed_groups(sampler, prompts: list[int], seed: int, epoch: int, n: int, first_slot: int = 1,
+                 **changes) -> list[RolloutGroup]:
+    """What an honest sampler (an engine) drawing keyed noise sends for the task's `prompts`, n
+    completions each, on consecutive slots from `first_slot` of the run seeded `seed`, in `epoch`."""
+    prompt_ids = [sampler.encode_chat(TASK.prompt(i).messages) for i in prompts]
+    slots = list(range(first_slot, first_slot + len(prompts)))
+    keys = [group_key(seed, epoch, slot) for slot in slots]
+    generations = sampler.generate(prompt_ids, n, draws=[Draw(key) for key in keys])
+    return [honest_group(i, version=0, epoch=epoch, slot=slot, prompt_token_ids=ids, temperature=sampler.temperature,
+                         dtype=dtype_name(sampler.dtype), completions=[
+                             honest_group().completions[0].replaced(
+                                 token_ids=g.token_ids, logprobs=g.logprobs, text=g.text, finish_reason=g.finish_reason,
+                                 reward=TASK.score(g.text, TASK.prompt(i)).reward)
+                             for g in gens], **changes)
+            for i, slot, ids, gens in zip(prompts, slots, prompt_ids, generations)]
 
 
 def with_completion(group: RolloutGroup | None = None, i: int = 0, **changes) -> RolloutGroup:

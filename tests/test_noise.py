@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from echo.config import ConfigError, LoraConfig, TaskConfig
-from echo.devices import dtype_name
 from echo.engines import make_engine
 from echo.engines.hf import HFEngine, PagedEngine
 from echo.environments import load_environment, play_episodes
@@ -26,7 +25,7 @@ from streams.inbox import RolloutInbox
 from streams.lease import take_lease
 from streams.rollouts import publish_rollout
 from tests.conftest import tiny_config
-from tests.groups import REFEREE, SAMPLING, TASK, TOKENIZER, granted, honest_group
+from tests.groups import REFEREE, SAMPLING, TASK, TOKENIZER, granted, honest_group, keyed_groups
 from workers.background import Background
 from workers.trainer.accounting import RecentSteps
 from workers.trainer.granter import AsyncGranter
@@ -112,18 +111,7 @@ def _engines(dtype: str = "float32", sampling=KEYED):
 
 
 def _keyed_groups(sampler: HFEngine, prompts: list[int], first_slot: int = 1, **changes) -> list:
-    """What an honest sampler sends for `prompts` on consecutive slots from `first_slot`."""
-    prompt_ids = [sampler.encode_chat(REFEREE.task.prompt(i).messages) for i in prompts]
-    slots = list(range(first_slot, first_slot + len(prompts)))
-    keys = [group_key(SEED, EPOCH, slot) for slot in slots]
-    generations = sampler.generate(prompt_ids, KEYED.group_size, draws=[Draw(key) for key in keys])
-    return [honest_group(i, version=0, epoch=EPOCH, slot=slot, prompt_token_ids=ids, temperature=sampler.temperature,
-                         dtype=dtype_name(sampler.dtype), completions=[
-                             honest_group().completions[0].replaced(
-                                 token_ids=g.token_ids, logprobs=g.logprobs, text=g.text, finish_reason=g.finish_reason,
-                                 reward=TASK.score(g.text, TASK.prompt(i)).reward)
-                             for g in gens], **changes)
-            for i, slot, ids, gens in zip(prompts, slots, prompt_ids, generations)]
+    return keyed_groups(sampler, prompts, SEED, EPOCH, KEYED.group_size, first_slot, **changes)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -441,8 +429,7 @@ def test_an_engine_that_cannot_draw_keyed_noise_is_refused_at_start_unless_the_r
 def test_a_trusted_samplers_text_drawn_with_its_engines_noise_is_checked_by_its_log_probs_only():
     """A keyed run may trust named samplers (sampling.trusted_samplers) to run an engine that draws
     its own noise: their groups pass the referee and the proof checks their log-probs, not their
-    tokens. The same group from a sampler not trusted is refused (unkeyed_engine), and its tokens,
-    were they claimed as keyed, are a token forgery."""
+    tokens. The same group from a sampler not trusted is a token forgery, whichever engine it names."""
     sampler, _ = _engines()
     trainer = sampler.model  # the sampler's own weights: version 0
     proof = SamplingProof(trainer, sampler.tokenizer.pad_token_id, ProofSettings(
@@ -459,7 +446,7 @@ def test_a_trusted_samplers_text_drawn_with_its_engines_noise_is_checked_by_its_
     assert referee.malformed(group) is None
     checked = proof.check(group)
     assert checked.margin is None and proof.forged(group, checked) is None
-    untrusted = group.replaced(sampler_id="s1")
-    assert referee.malformed(untrusted) == "unkeyed_engine"
-    as_keyed = untrusted.replaced(engine="hf")
-    assert proof.forged(as_keyed, proof.check(as_keyed)) == "token_forgery"
+    for engine in ("vllm", "hf"):
+        untrusted = group.replaced(sampler_id="s1", engine=engine)
+        assert referee.malformed(untrusted) is None
+        assert proof.forged(untrusted, proof.check(untrusted)) == "token_forgery"

@@ -27,7 +27,6 @@ def test_an_honest_group_passes_with_the_verifiers_rewards():
         (with_completion(token_ids=[5, 10_000], logprobs=[-1.0, -1.0]), "token_out_of_vocab"),
         (honest_group().replaced(prompt_token_ids=[5000, 5]), "token_out_of_vocab"),
         (honest_group(temperature=0.5), "wrong_temperature"),
-        (honest_group(engine="vllm"), "unkeyed_engine"),  # the run draws keyed noise: no tokens to prove
         (with_completion(token_ids=[65, EOS, 66], logprobs=[-1.0] * 3), "tokens_after_eos"),
         (with_completion(token_ids=[65, 66], logprobs=[-1.0] * 2), "bad_finish_reason"),  # "stop" without EOS
         (with_completion(finish_reason="length"), "bad_finish_reason"),  # ran out of tokens, yet holds EOS

@@ -1,24 +1,33 @@
 """The vLLM engine against the transformers one (make test-vllm: vLLM's CPU build in .venv-vllm;
 skipped where vLLM is not installed). fp32 on both sides, so they must agree to float error:
-greedy tokens identical, log-probs of the same sampled tokens within 1e-3 nats (measured here:
-5e-7 on the tiny model, 6e-5 on SmolLM2)."""
+greedy tokens identical, keyed noise drawing the same tokens for the same grant, log-probs of the
+same sampled tokens within 1e-3 nats (measured here: 5e-7 on the tiny model, 6e-5 on SmolLM2)."""
 
 import pytest
 import torch
 
 from echo.config import LoraConfig, ModelConfig, SamplingConfig
 from echo.engines.hf import HFEngine
+from echo.noise import Draw, group_key
 from echo.policy import WeightsMismatch, group_logprobs, weights_shards
+from echo.proof import ProofSettings, SamplingProof
 from tests.conftest import assert_balanced, read_metrics, run_trainer_and_sampler, tiny_config
+from tests.groups import keyed_groups
 
 pytest.importorskip("vllm")
-from bench.engines import new_version  # noqa: E402
-from echo.engines.vllm import VLLMEngine, vllm_lora_rank  # noqa: E402
+from bench.engines import new_version
+from echo.engines.vllm import VLLMEngine, vllm_lora_rank
 
 pytestmark = pytest.mark.vllm
 
 TOLERANCE = 1e-3
+SEED = 7  # the run's: the noise's key
 PROMPTS = [[{"role": "user", "content": text}] for text in ("What is 2 + 3?", "Name a colour.", "Say hi " * 12)]
+
+
+def _draws(count: int, first_slot: int = 1) -> list[Draw]:
+    return [Draw(group_key(SEED, 0, slot), first=slot % 3, position=slot % 2)
+            for slot in range(first_slot, first_slot + count)]
 
 
 def _version(hf: HFEngine, seed: int) -> list[bytearray]:
@@ -44,6 +53,9 @@ def engines(request):
 
 
 def test_vllm_and_transformers_agree_for_the_same_adapter(engines):
+    """Issue 63: vLLM drew with its own generator, so a keyed run refused it. Its sampler now draws
+    through echo/engines/vllm_worker.py's KeyedNoise: the same tokens as transformers for the
+    same draws, with the log-probs of softmax(logits / T), and its groups pass the proof."""
     hf, vllm = engines
     shards = _version(hf, seed=1)
     vllm.load_weights(shards)
@@ -51,11 +63,19 @@ def test_vllm_and_transformers_agree_for_the_same_adapter(engines):
     assert [vllm.encode_chat(m) for m in PROMPTS] == prompts
     greedy_hf, greedy_vllm = hf.generate(prompts, 1, greedy=True), vllm.generate(prompts, 1, greedy=True)
     assert [g[0].token_ids for g in greedy_vllm] == [g[0].token_ids for g in greedy_hf]
-    for prompt, group in zip(prompts, vllm.generate(prompts, 4)):
-        assert len(group) == 4  # the whole group in one request
-        assert _gap(hf, prompt, group) < TOLERANCE  # processed (tempered) log-probs, as the trainer assumes
+    keyed_hf = hf.generate(prompts, 4, draws=_draws(len(prompts)))
+    keyed_vllm = vllm.generate(prompts, 4, draws=_draws(len(prompts)))
+    assert [[g.token_ids for g in group] for group in keyed_vllm] == [[g.token_ids for g in group] for group in keyed_hf]
+    for prompt, group in zip(prompts, keyed_vllm):
+        assert len(group) == 4
+        assert _gap(hf, prompt, group) < TOLERANCE  # tempered log-probs, as the trainer assumes
         for g in group:
             assert g.finish_reason == "length" or g.token_ids[-1] == hf.tokenizer.eos_token_id
+    proof = SamplingProof(hf.model, hf.tokenizer.pad_token_id, ProofSettings(
+        hf.temperature, 1.0, 0.01, keep=2, noise_seed=SEED))
+    proof.remember(0)
+    groups = keyed_groups(vllm, [0, 1], SEED, 1, 4, engine="vllm")
+    assert [proof.forged(g, proof.check(g)) for g in groups] == [None, None]
 
 
 def test_a_new_version_is_served_at_once_and_the_old_adapter_is_gone(engines):
@@ -66,7 +86,7 @@ def test_a_new_version_is_served_at_once_and_the_old_adapter_is_gone(engines):
     vllm.load_weights(_version(hf, seed=3))  # hf now holds version 3
     assert vllm.versions_loaded == before + 1 and vllm.adapter.lora_name == f"policy-{before + 1}"
     assert set(vllm.llm.llm_engine.list_loras()) == {vllm.adapter.lora_int_id}  # memory stays flat
-    for prompt, group in zip(prompts, vllm.generate(prompts, 4)):
+    for prompt, group in zip(prompts, vllm.generate(prompts, 4, draws=_draws(len(prompts)))):
         assert _gap(hf, prompt, group) < TOLERANCE  # not version 2's adapter, nor its cached prompt
 
 
@@ -78,11 +98,12 @@ def test_weights_that_do_not_fit_are_refused_and_the_current_ones_kept(engines):
     with pytest.raises(WeightsMismatch):
         vllm.load_weights([bytearray(s) for s in weights_shards(other.model, 2**30)])
     prompt = hf.encode_chat(PROMPTS[0])
-    assert _gap(hf, prompt, vllm.generate([prompt], 4)[0]) < TOLERANCE
+    assert _gap(hf, prompt, vllm.generate([prompt], 4, draws=_draws(1))[0]) < TOLERANCE
 
 
 def test_full_weight_mode_loads_new_weights_in_place():
-    sampling = SamplingConfig(group_size=4, max_new_tokens=16, temperature=0.7)
+    """With the engine's own noise too (sampling.noise = "engine": vLLM's sampler and log-probs)."""
+    sampling = SamplingConfig(group_size=4, max_new_tokens=16, temperature=0.7, noise="engine")
     lora = LoraConfig(enabled=False)
     hf = HFEngine("tiny", lora, sampling, "cpu", "float32")
     vllm = VLLMEngine(ModelConfig(name="tiny", device="cpu", dtype="float32"), lora, sampling)
@@ -102,12 +123,11 @@ def test_max_lora_rank_is_rounded_up_to_a_size_vllm_serves():
 @pytest.mark.slow
 def test_a_vllm_sampler_trains_a_swarm_end_to_end(nats_server, tmp_path):
     cfg = tiny_config(tmp_path, run={"id": "vllm", "steps": 3}, sampler={"engine": "vllm"},
-                      sampling={"noise": "engine"},  # vLLM draws no keyed noise yet (issue 63)
-                      trainer={"verify_fraction": 1.0}, nats={"url": nats_server.url})
+                      trainer={"verify_fraction": 1.0}, nats={"url": nats_server.url})  # keyed noise
     run_trainer_and_sampler(tmp_path, cfg, "v1", timeout=280)  # the trainer finished the run
     metrics = read_metrics(cfg.run_dir)
     assert [m["version"] for m in metrics] == [1, 2, 3] and all(m["used"] == 4 for m in metrics)
-    proof = metrics[-1]["proof_of_sampling"]  # every group recomputed by the trainer's transformers
+    proof = metrics[-1]["proof_of_sampling"]  # every group's tokens and log-probs by the trainer's transformers
     assert proof["passed"] >= 12 and "forged" not in proof
     assert {sampler for m in metrics for _, _, sampler in m["groups"]} == {"v1"}
     assert_balanced(metrics)

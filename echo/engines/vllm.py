@@ -2,7 +2,9 @@
 full-weight mode, new weights loaded in place), whole groups per request (`n = group_size`).
 
 Behaviour log-probs are vLLM's *processed* log-probs: those of the distribution it sampled from,
-after temperature (its default, raw log-probs, are the model's untempered ones)."""
+after temperature (its default, raw log-probs, are the model's untempered ones). With keyed noise
+(sampling.noise = "keyed") its sampler draws through echo/engines/vllm_worker.py's KeyedNoise,
+which reports each token's log-softmax(logits / T) as its processed logit."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from echo.config import ConfigError, LoraConfig, ModelConfig, SamplingConfig
 from echo.devices import dtype_name, resolve_device, sampler_dtype
 from echo.engines.base import Generation, NewerWeights
 from echo.models import encode_chat, model_folder, model_on_meta
-from echo.noise import Draw
+from echo.noise import Draw, key_halves
 from echo.policy import check_tensors, make_policy, policy_shapes, shards_tensors
 
 CPU_KV_CACHE_BYTES = 2**30
@@ -36,7 +38,7 @@ def vllm_lora_rank(r: int) -> int:
 
 class VLLMEngine:
     name = "vllm"
-    keyed_noise = False  # not yet: through a logits processor (issue 63)
+    keyed_noise = True  # through a logits processor (vllm_worker.KeyedNoise)
 
     def __init__(self, model: ModelConfig, lora: LoraConfig, sampling: SamplingConfig):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the sampler logs what matters itself
@@ -57,6 +59,9 @@ class VLLMEngine:
         weakref.finalize(self, shutil.rmtree, self.scratch, True)
         if self.lora:
             meta_policy.peft_config["default"].save_pretrained(self.scratch / "adapter-config")
+        self.keyed = sampling.noise == "keyed"
+        # keyed: KeyedNoise leaves a drawn token's log-prob as its processed logit (it decides greedily)
+        keyed = {"logprobs_mode": "processed_logits", "logits_processors": ["echo.engines.vllm_worker:KeyedNoise"]}
         cpu = {}
         if self.device.type == "cpu":
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # else its worker gets one core of two
@@ -69,7 +74,7 @@ class VLLMEngine:
             enable_lora=self.lora,
             max_lora_rank=vllm_lora_rank(lora.r) if self.lora else None,
             max_loras=1,
-            logprobs_mode="processed_logprobs",
+            **(keyed if self.keyed else {"logprobs_mode": "processed_logprobs"}),
             enforce_eager=self.device.type == "cpu",  # no compile step on the CPU: start in seconds
             worker_extension_cls="echo.engines.vllm_worker.WeightsReloader",
             **cpu,
@@ -119,15 +124,30 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
                  newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
                  seed: int | None = None, draws: list[Draw] | None = None) -> list[list[Generation]]:
-        """Whole completions: `newer_weights` is not asked (partial rollouts are the HF engine's);
-        `draws` must be None (keyed_noise)."""
+        """Whole completions: `newer_weights` is not asked (partial rollouts are the HF engine's).
+        With `draws`, a request per completion, each carrying its noise (KeyedNoise)."""
         from vllm import SamplingParams
 
-        if draws is not None:
-            raise ValueError("vLLM draws no keyed noise here: sampling.noise = 'engine' (make_engine says so)")
+        from echo.engines.vllm_worker import NOISE_ARG
 
-        # Plain sampling at `temperature` (no top-k/top-p), as the trainer assumes; greedy for eval.
-        params = SamplingParams(n=n, temperature=0.0 if greedy else self.temperature, max_tokens=max_tokens or self.max_new_tokens,
+        keyed = draws is not None and not greedy
+        if keyed != (self.keyed and not greedy):  # the engine's log-probs mode is the run's
+            raise ValueError(f"this vLLM engine was built for sampling.noise = {'keyed' if self.keyed else 'engine'!r}")
+        limit = max_tokens or self.max_new_tokens
+        if keyed:
+            low, high = key_halves([d.key for d in draws], torch.device("cpu"))
+            params = [SamplingParams(temperature=0.0, max_tokens=limit, logprobs=0,
+                                     stop_token_ids=[self.tokenizer.eos_token_id],
+                                     extra_args={NOISE_ARG: [int(low[i]), int(high[i]), d.first + j, d.position,
+                                                             self.temperature]})
+                      for i, d in enumerate(draws) for j in range(n)]
+            requests = [{"prompt_token_ids": p} for p in prompts for _ in range(n)]
+            outputs = self.llm.generate(requests, params, lora_request=self.adapter, use_tqdm=False)
+            completions = [self._generation(out.outputs[0]) for out in outputs]
+            return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
+        # Plain sampling at `temperature` (no top-k/top-p), as the trainer assumes; greedy for eval
+        # (a keyed engine's greedy log-probs are raw logits: an evaluation does not read them).
+        params = SamplingParams(n=n, temperature=0.0 if greedy else self.temperature, max_tokens=limit,
                                 logprobs=0, stop_token_ids=[self.tokenizer.eos_token_id], seed=seed)
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=self.adapter,
                                     use_tqdm=False)

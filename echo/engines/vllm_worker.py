@@ -1,7 +1,17 @@
-"""Methods vLLM mixes into its worker processes (`LLM(worker_extension_cls=...)`), called with
-`llm.collective_rpc(name, args)`: full-weight updates in place, without a restart."""
+"""What runs inside vLLM's own processes: methods mixed into its workers
+(`LLM(worker_extension_cls=...)`, called with `llm.collective_rpc(name, args)`: full-weight
+updates in place, without a restart), and the logits processor that draws keyed noise
+(`LLM(logits_processors=[KeyedNoise])`). Imported by vLLM only."""
 
 from __future__ import annotations
+
+import torch
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+from echo.noise import noisy_scores
+
+NOISE_ARG = "echo_noise"  # SamplingParams.extra_args key: [key low, key high, completion, first position, T]
 
 
 class WeightsReloader:
@@ -23,3 +33,43 @@ class WeightsReloader:
         model = self.model_runner.model
         if getattr(self.model_runner.model_config.hf_config, "tie_word_embeddings", False):
             model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+
+
+class KeyedNoise(LogitsProcessor):
+    """Gumbel-max with keyed noise (echo/noise.py) for the requests whose extra_args carry
+    NOISE_ARG, which are greedy (temperature 0): each row becomes -inf but at the noisy argmax of
+    logits / T, whose value is that token's log-softmax(logits / T). Greedy sampling takes that
+    token, and with logprobs_mode "processed_logits" vLLM reports that value: the behaviour
+    log-prob (the raw log-probs are untempered; processed ones would be of these rows). A
+    request's token at step t is at position first + t: its output ids so far, a list vLLM keeps
+    current. Other requests (an evaluation's greedy ones) pass as they are."""
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
+        self.rows: dict[int, tuple[list, list[int]]] = {}  # batch index -> (NOISE_ARG, its output ids)
+
+    def is_argmax_invariant(self) -> bool:
+        return False  # it decides the greedy token
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(self.rows, batch_update, _keyed)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self.rows:
+            return logits
+        index = sorted(self.rows)
+        device = logits.device
+        low, high, completion, first = torch.tensor([self.rows[i][0][:4] for i in index], device=device).unbind(1)
+        drawn = torch.tensor([len(self.rows[i][1]) for i in index], device=device)
+        temperature = torch.tensor([self.rows[i][0][4] for i in index], dtype=torch.float32, device=device)
+        rows = torch.tensor(index, device=device)
+        scaled = logits[rows].float() / temperature[:, None]
+        token = noisy_scores(scaled, low, high, completion, first + drawn).argmax(-1, keepdim=True)
+        chosen = torch.full_like(scaled, float("-inf"))
+        chosen.scatter_(1, token, torch.log_softmax(scaled, -1).gather(1, token))
+        logits[rows] = chosen.to(logits.dtype)
+        return logits
+
+
+def _keyed(params, _prompt_ids, output_ids: list[int]):
+    noise = (params.extra_args or {}).get(NOISE_ARG)
+    return None if noise is None else (noise, output_ids)
