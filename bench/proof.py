@@ -15,6 +15,7 @@ and once after it moved on to version 1 (version 0 swapped in). Recorded per con
   groups (train_step), and generation's.
 
     .venv/bin/python -m bench.proof [--models tiny smollm2] [--dtypes float32 bfloat16] [--groups 64]
+        [--engine hf | hf-paged | vllm] [--compute-dtype float32 | bfloat16]  (vllm: in .venv-vllm)
 
 Writes bench/results/proof-<models>.json (with the machine's load). With --in-step, only what
 proving the held version's groups inside the step costs (train_step with and without HeldProof,
@@ -35,9 +36,9 @@ import torch
 
 from bench.common import write_results
 from echo import learner
-from echo.config import LoraConfig, SamplingConfig, TaskConfig, TrainerConfig, validate_config
+from echo.config import LoraConfig, ModelConfig, SamplingConfig, TaskConfig, TrainerConfig, validate_config
 from echo.devices import DTYPES, dtype_name
-from echo.engines.hf import HFEngine
+from echo.engines.hf import HFEngine, PagedEngine
 from echo.learner import Batch, HeldProof, make_optimizer, train_step
 from echo.noise import Draw, TokenMargins, group_key
 from echo.policy import group_logprobs, load_weights, weights_shards
@@ -73,7 +74,7 @@ def honest_groups(engine: HFEngine, task, count: int, group_size: int, prompts_p
             groups.append(RolloutGroup(group_id=f"g{prompt.index}", sampler_id="honest", version=0, task=task.name,
                                        prompt_index=prompt.index, slot=prompt.index + 1, epoch=0,
                                        prompt_token_ids=prompt_ids, completions=completions,
-                                       temperature=engine.temperature, engine="hf", dtype=dtype_name(engine.dtype),
+                                       temperature=engine.temperature, engine=engine.name, dtype=dtype_name(engine.dtype),
                                        gen_seconds=0.0, created_at=0.0))
     return groups
 
@@ -97,14 +98,26 @@ def tokens_replaced(group: RolloutGroup, share: float, vocab: int, rng: np.rando
     return ids
 
 
-def measure(model_name: str, dtype: str, count: int, device: str) -> dict:
+def sampler_engine(name: str, model_name: str, lora: LoraConfig, sampling: SamplingConfig, device: str, dtype: str):
+    """The sampler's engine, as `sampler.engine = name` builds it."""
+    if name == "vllm":
+        from echo.engines.vllm import VLLMEngine
+
+        return VLLMEngine(ModelConfig(name=model_name, device=device, dtype=dtype), lora, sampling)
+    return (PagedEngine if name == "hf-paged" else HFEngine)(model_name, lora, sampling, device, dtype)
+
+
+def measure(model_name: str, dtype: str, count: int, device: str, engine_name: str = "hf",
+            compute: str = "float32") -> dict:
+    """`count` honest groups from an `engine_name` sampler in `dtype`, checked by a trainer whose
+    forward runs in `compute`; then forged ones."""
     sampling = SamplingConfig(group_size=8, max_new_tokens=32, temperature=0.7, prompts_per_call=4,
                               dtypes=["float32", "bfloat16"])
     lora = LoraConfig(r=16, alpha=32.0)
-    engine = HFEngine(model_name, lora, sampling, device, dtype)  # the sampler
-    trainer = HFEngine(model_name, lora, sampling, device, "float32").model  # the trainer's: another instance
-    perturb_adapter(engine.model, seed=0, scale=0.02)
-    load_weights(trainer, [bytearray(s) for s in weights_shards(engine.model, 2**30)])  # version 0, as published
+    trainer = HFEngine(model_name, lora, sampling, device, "float32").model
+    perturb_adapter(trainer, seed=0, scale=0.02)
+    engine = sampler_engine(engine_name, model_name, lora, sampling, device, dtype)
+    engine.load_weights([bytearray(s) for s in weights_shards(trainer, 2**30)])  # version 0, as published
     task = load_task(TaskConfig())
     started = time.perf_counter()
     groups = honest_groups(engine, task, count, sampling.group_size, sampling.prompts_per_call)
@@ -112,7 +125,8 @@ def measure(model_name: str, dtype: str, count: int, device: str) -> dict:
     tcfg = TrainerConfig()
     proof = SamplingProof(trainer, engine.tokenizer.pad_token_id, ProofSettings(
         sampling.temperature, 1.0, tcfg.verify_tolerance, keep=2, tolerance_16bit=tcfg.verify_tolerance_16bit,
-        noise_seed=SEED, margin=tcfg.verify_margin, margin_16bit=tcfg.verify_margin_16bit))
+        compute_dtype=DTYPES[compute], noise_seed=SEED, margin=tcfg.verify_margin,
+        margin_16bit=tcfg.verify_margin_16bit))
     proof.remember(0)
     started = time.perf_counter()
     current = [proof.check(g) for g in groups]
@@ -138,7 +152,9 @@ def measure(model_name: str, dtype: str, count: int, device: str) -> dict:
     margins = [c.margin for c in honest]
     return {
         "model": model_name,
+        "engine": engine_name,
         "sampler_dtype": dtype,
+        "trainer_compute_dtype": compute,
         "groups": len(groups),
         "completions": sum(len(g.completions) for g in groups),
         "tokens": sum(len(c.token_ids) for g in groups for c in g.completions),
@@ -248,7 +264,8 @@ def main() -> None:
     parser.add_argument("--in-step", action="store_true", help="only the cost of proving inside the step")
     parser.add_argument("--repeats", type=int, default=3, help="--in-step: steps of each kind")
     parser.add_argument("--device", default="cpu", help="where both the sampler and the trainer run")
-    parser.add_argument("--compute-dtype", default="float32", help="--in-step: the trainer's forward")
+    parser.add_argument("--compute-dtype", default="float32", help="the trainer's forward")
+    parser.add_argument("--engine", default="hf", choices=["hf", "hf-paged", "vllm"], help="the sampler's")
     args = parser.parse_args()
     torch.manual_seed(0)
     suffix = "" if args.device == "cpu" else "-gpu"  # a GPU's figures beside the CPU's, not over them
@@ -266,8 +283,11 @@ def main() -> None:
         "device": args.device,
         "tolerance": [tcfg.verify_tolerance, tcfg.verify_tolerance_16bit],
         "margin": [tcfg.verify_margin, tcfg.verify_margin_16bit],
-        "results": [measure(m, d, args.groups, args.device) for m in args.models for d in args.dtypes],
+        "results": [measure(m, d, args.groups, args.device, args.engine, args.compute_dtype)
+                    for m in args.models for d in args.dtypes],
     }
+    suffix = ("" if args.engine == "hf" else f"-{args.engine}") + suffix
+    suffix += "" if args.compute_dtype == "float32" else f"-trainer-{args.compute_dtype}"
     out = write_results(f"proof-{'-'.join(args.models)}{suffix}.json", results)
     print(out.read_text())
 
