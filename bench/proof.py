@@ -37,10 +37,10 @@ import torch
 from bench.common import write_results
 from echo import learner
 from echo.config import LoraConfig, ModelConfig, SamplingConfig, TaskConfig, TrainerConfig, validate_config
-from echo.devices import DTYPES, dtype_name
+from echo.devices import DTYPES, dtype_name, model_device
 from echo.engines.hf import HFEngine, PagedEngine
 from echo.learner import Batch, HeldProof, make_optimizer, train_step
-from echo.noise import Draw, TokenMargins, group_key
+from echo.noise import Draw, TokenMargins, group_key, gumbel
 from echo.policy import group_logprobs, load_weights, weights_shards
 from echo.proof import ProofSettings, SamplingProof
 from echo.tasks import load_task
@@ -49,6 +49,7 @@ from echo.wire.messages import Completion, RolloutGroup
 SEED = 0
 TOKEN_SHARES = [1 / 64, 0.05, 0.20]  # of a group's tokens replaced
 LOGPROB_SHIFTS = [0.5, 0.1, 0.02]  # nats subtracted from every claimed log-prob
+NEAR_TIE_GROUPS = 256  # groups whose every position's noisy scores are ranked (a forward each completion)
 
 
 def perturb_adapter(model, seed: int, scale: float) -> None:
@@ -107,6 +108,25 @@ def sampler_engine(name: str, model_name: str, lora: LoraConfig, sampling: Sampl
     return (PagedEngine if name == "hf-paged" else HFEngine)(model_name, lora, sampling, device, dtype)
 
 
+@torch.no_grad()
+def near_ties(model, groups: list[RolloutGroup], temperature: float, margins: list[float]) -> dict[str, float]:
+    """What can still slip past the token check: the share of honest tokens where another token's
+    noisy score is within a margin of the drawn one's (the runner-up a forger could send instead),
+    from the trainer's own logits (fp32), for each margin."""
+    gaps = []
+    for group in groups:
+        key, prompt = group_key(SEED, group.epoch, group.slot), group.prompt_token_ids.tolist()
+        for j, completion in enumerate(group.completions):
+            ids = torch.tensor([prompt + completion.token_ids.tolist()], device=model_device(model))
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+            noisy = logits + gumbel(key, j, torch.arange(len(completion.token_ids), device=logits.device),
+                                    logits.shape[-1])
+            top = noisy.topk(2, dim=-1).values
+            gaps.append((top[:, 0] - top[:, 1]).cpu())
+    gaps = torch.cat(gaps)
+    return {str(margin): float((gaps < margin).float().mean()) for margin in margins}
+
+
 def measure(model_name: str, dtype: str, count: int, device: str, engine_name: str = "hf",
             compute: str = "float32") -> dict:
     """`count` honest groups from an `engine_name` sampler in `dtype`, checked by a trainer whose
@@ -143,6 +163,7 @@ def measure(model_name: str, dtype: str, count: int, device: str, engine_name: s
         return sum(proof.forged(f, proof.check(f)) is not None for f in fakes) / len(fakes)
 
     tokens_caught = {share: caught(fakes) for share, fakes in token_forgeries.items()}
+    ties = near_ties(trainer, groups[:NEAR_TIE_GROUPS], sampling.temperature, [tcfg.verify_margin, tcfg.verify_margin_16bit])
     logprobs_caught = {shift: caught(fakes) for shift, fakes in logprob_forgeries.items()}
     train_seconds = train_seconds_per_group(trainer, groups[:4], model_name, proof.pad_id)
     perturb_adapter(trainer, seed=1, scale=0.02)  # the trainer takes a step: version 1
@@ -163,7 +184,8 @@ def measure(model_name: str, dtype: str, count: int, device: str, engine_name: s
         "honest_margin_max": max(margins),
         "honest_margin_p99": sorted(margins)[int(0.99 * (len(margins) - 1))],
         "false_positives": sum(proof.forged(g, c) is not None for g, c in zip(groups + groups, honest)),
-        "token_forgeries_caught": tokens_caught,  # by share of tokens replaced, true log-probs
+        "token_forgeries_caught": tokens_caught,
+        "near_tie_share": ties,  # of honest tokens, by margin: where a runner-up would pass (first NEAR_TIE_GROUPS)  # by share of tokens replaced, true log-probs
         "logprob_forgeries_caught": logprobs_caught,  # by shift in nats
         "check_seconds_per_group": check_seconds / len(groups),
         "train_seconds_per_group": train_seconds,
