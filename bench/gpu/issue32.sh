@@ -16,8 +16,10 @@
 #   shape (the short call ~1 min; the long one did not end in 4.5 min on 2026-11-26).
 #   proof: bench/proof.py --in-step on SmolLM2: what proving the held version's groups inside the
 #   step costs it, on the GPU, with the step's forward in fp32 and in bf16 (issue 63 asks for at
-#   most 1%; 3% on a CPU); then the proof on 256 groups (2,048 completions) a sampler precision,
-#   sampler and trainer on the GPU: the honest bf16 margin at scale, forgeries caught (~3 min).
+#   most 1%; 0.6% on a CPU, timed directly); then the proof on 96 groups (768 completions) of a
+#   bf16 sampler checked by a bf16 trainer forward, and of a bf16 hf-paged sampler (keyed through
+#   continuous batching): false positives, margins, near-ties, forgeries caught (the 256-group
+#   run of 2026-11-27 did not fit the lease; the fp32-trainer one is proof-smollm2-gpu.json).
 #   pilot: before the study, a second seed of async S = 1 for each of three settings at once
 #   (the preset, a KL penalty, a lower lr: on the CPU the preset's one seed rose steadily on
 #   lcm, T 1.0 swung, docs/performance.md), into $OUT/pilot-<setting>/; keep one whose held-out
@@ -80,7 +82,8 @@ receive)
   proof)
     python3 -m bench.proof --in-step --models smollm2 --groups 32 --repeats 5 --device cuda
     python3 -m bench.proof --in-step --models smollm2 --groups 32 --repeats 5 --device cuda --compute-dtype bfloat16
-    python3 -m bench.proof --models smollm2 --dtypes bfloat16 float32 --groups 256 --device cuda
+    python3 -m bench.proof --models smollm2 --dtypes bfloat16 --groups 96 --device cuda --compute-dtype bfloat16
+    python3 -m bench.proof --models smollm2 --dtypes bfloat16 --groups 96 --device cuda --engine hf-paged
     ;;
   pilot)
     declare -A SETTINGS=([preset]="" [kl]="trainer.kl_coef=0.05" [lr1e-4]="trainer.lr=1e-4")
