@@ -1,6 +1,7 @@
 """A step's metrics as the scalars experiment trackers log, under the names docs/operations.md
 lists (Watching a run): the step's record (workers/trainer/accounting.py) and the samplers'
-heartbeats, flattened; and a run's steps summed up in one record. Pure."""
+heartbeats, flattened; and a run's steps summed up in one record. Pure, but for peak_rss_mb,
+which reads this process's own usage (the trainer's and the benches' one reading of it)."""
 
 from __future__ import annotations
 

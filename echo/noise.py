@@ -105,6 +105,18 @@ def noisy_scores(scores: torch.Tensor, low: torch.Tensor, high: torch.Tensor, co
     return _noisy_above(scores, scores.max(dim=-1).values - (GUMBEL_MAX - GUMBEL_MIN), low, high, completion, positions)
 
 
+def keyed_draw(scores: torch.Tensor, low: torch.Tensor, high: torch.Tensor, completion: torch.Tensor,
+               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step of Gumbel-max with keyed noise on scores [N, V] (logits / T), rows drawn as in
+    noisy_scores: the noisy scores, each row's drawn token (their argmax) and its behaviour
+    log-prob, log-softmax(scores) at that token. For an engine whose own sampler then takes the
+    argmax of what a processor returns (hf-paged, vLLM)."""
+    scores = scores.float()
+    noisy = noisy_scores(scores, low, high, completion, positions)
+    token = noisy.argmax(-1)
+    return noisy, token, torch.log_softmax(scores, -1).gather(-1, token[:, None]).squeeze(-1)
+
+
 def _noisy_above(scores: torch.Tensor, floor: torch.Tensor, low: torch.Tensor, high: torch.Tensor,
                  completion: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """scores plus noise where above the row's `floor`, -inf elsewhere: the noise is drawn for

@@ -14,7 +14,7 @@ from echo.config import LoraConfig, SamplingConfig
 from echo.devices import resolve_device, sampler_dtype
 from echo.engines.base import Generation, NewerWeights
 from echo.models import encode_chat, load_model
-from echo.noise import Draw, key_halves, noisy_scores
+from echo.noise import Draw, key_halves, keyed_draw, noisy_scores
 from echo.policy import CACHE, kv_cache, load_weights, make_policy
 
 
@@ -117,11 +117,9 @@ def _paged_keyed_draws():
 
         def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
             k, requests = self.keyed, tensor_arg[: scores.size(0)].long()
-            scaled = scores.float() / k.temperature
-            noisy = noisy_scores(scaled, k.low[requests], k.high[requests], k.completion[requests],
-                                 k.first[requests] + k.drawn[requests])
-            token = noisy.argmax(-1)  # what the manager's greedy argmax of these scores takes
-            k.logprobs[requests, k.drawn[requests]] = torch.log_softmax(scaled, -1).gather(-1, token[:, None]).squeeze(-1)
+            noisy, _, logprob = keyed_draw(scores.float() / k.temperature, k.low[requests], k.high[requests],
+                                           k.completion[requests], k.first[requests] + k.drawn[requests])
+            k.logprobs[requests, k.drawn[requests]] = logprob  # the manager's greedy argmax takes the drawn token
             k.drawn[requests] += 1
             return noisy
 

@@ -131,7 +131,7 @@ class VLLMEngine:
         from echo.engines.vllm_worker import NOISE_ARG
 
         keyed = draws is not None and not greedy
-        if keyed != (self.keyed and not greedy):  # the engine's log-probs mode is the run's
+        if not greedy and keyed != self.keyed:  # the engine's log-probs mode is the run's
             raise ValueError(f"this vLLM engine was built for sampling.noise = {'keyed' if self.keyed else 'engine'!r}")
         limit = max_tokens or self.max_new_tokens
         if keyed:

@@ -9,7 +9,7 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from echo.noise import noisy_scores
+from echo.noise import keyed_draw
 
 NOISE_ARG = "echo_noise"  # SamplingParams.extra_args key: [key low, key high, completion, first position, T]
 
@@ -62,11 +62,10 @@ class KeyedNoise(LogitsProcessor):
         drawn = torch.tensor([len(self.rows[i][1]) for i in index], device=device)
         temperature = torch.tensor([self.rows[i][0][4] for i in index], dtype=torch.float32, device=device)
         rows = torch.tensor(index, device=device)
-        scaled = logits[rows].float() / temperature[:, None]
-        token = noisy_scores(scaled, low, high, completion, first + drawn).argmax(-1, keepdim=True)
-        chosen = torch.full_like(scaled, float("-inf"))
-        chosen.scatter_(1, token, torch.log_softmax(scaled, -1).gather(1, token))
-        logits[rows] = chosen.to(logits.dtype)
+        _, token, logprob = keyed_draw(logits[rows].float() / temperature[:, None], low, high, completion,
+                                       first + drawn)
+        chosen = torch.full((len(index), logits.shape[-1]), float("-inf"), dtype=logits.dtype, device=device)
+        logits[rows] = chosen.scatter_(1, token[:, None], logprob[:, None].to(logits.dtype))
         return logits
 
 
