@@ -183,6 +183,8 @@ def run_one(cfg: EchoConfig, mode: str, log_dir: Path) -> None:
 def run_summary(cfg: EchoConfig, mode: str) -> dict:
     """A run's pace, waste and per-step metrics, from its metrics.jsonl."""
     lines = read_metrics(cfg.run_dir)
+    summary_file = cfg.run_dir / "summary.json"  # `echo-rl up`'s, with its processes' peak memory
+    summary = orjson.loads(summary_file.read_bytes()) if summary_file.exists() else {}
     wall = lines[-1]["wall_seconds"]
     # One process does both in the co-located run: its "sampler" is the same device, part time.
     sampler_count = 1 if mode in ONE_PROCESS else cfg.sampler.count
@@ -204,6 +206,11 @@ def run_summary(cfg: EchoConfig, mode: str) -> dict:
         "reward_mismatch": dict(sum((Counter(r.get("reward_mismatch", {})) for r in lines), Counter())),
         "proof_of_sampling": lines[-1].get("proof_of_sampling", {}),  # the trainer's running count
         "peak_rss_mb": max((r.get("peak_rss_mb", 0.0) for r in lines), default=0.0),  # the trainer's process
+        # Every token sampled for the steps, kept or dropped stale; those in flight at the end are not counted.
+        "tokens_per_second": (trained + wasted) / wall,
+        # `echo-rl up`'s samplers, each its own process (the one-process modes have none apart).
+        "sampler_peak_rss_mb": max((mb for name, mb in summary.get("peak_rss_mb", {}).items() if name != "trainer"),
+                                   default=0.0),
         "steps": [{key: r[key] for key in STEP_KEYS if key in r} for r in lines],
     }
 
@@ -322,7 +329,9 @@ def mode_summary(mode: str, runs: list[dict], base: dict, threshold: float, pric
         "auc": _spread([area_under(r["curve"], at) for r in runs]),
         **{key: _spread([r[key] for r in runs]) for key in (
             "seconds_per_step", "learner_busy", "sampler_busy", "wasted_token_fraction")},
-        "peak_rss_mb": _spread([r.get("peak_rss_mb", 0.0) for r in runs]),  # runs before it was measured: 0
+        # Runs before each was measured: 0.
+        **{key: _spread([r.get(key, 0.0) for r in runs]) for key in (
+            "peak_rss_mb", "sampler_peak_rss_mb", "tokens_per_second")},
         "off_policy": off_policy(runs),
     }
 
@@ -534,17 +543,18 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def peak_mb(mode: dict) -> str:
-    """The trainer process's peak resident memory, the runs' largest ("-" before it was measured)."""
-    peak = mode.get("peak_rss_mb", {}).get("max", 0.0)
-    return f"{peak:.0f}" if peak else "-"
+def measured(mode: dict, key: str, stat: str = "max") -> str:
+    """A figure over the runs that measured it ("-" where none did: runs from before it was)."""
+    values = [v for v in mode.get(key, {}).get("values", []) if v]
+    return f"{(max(values) if stat == 'max' else statistics.fmean(values)):.0f}" if values else "-"
 
 
 def table(results: dict) -> str:
     rows = [f"| mode | seeds | held-out {results.get('measure', 'correct')} final | area under curve "
             "| reached threshold | s/step | learner busy | sampler busy | tokens wasted | staleness trained "
-            "| IS ratio mean (max) | mismatch KL | USD a run | USD a point | trainer peak MB |",
-            "| --- " * 15 + "|"]
+            "| IS ratio mean (max) | mismatch KL | USD a run | USD a point | trainer peak MB | sampler peak MB "
+            "| tokens/s |",
+            "| --- " * 17 + "|"]
     for mode, m in results["modes"].items():
         per_point = f"{m['usd_per_point']:.4f}" if m["usd_per_point"] is not None else "no gain"
         off = m["off_policy"]
@@ -554,7 +564,8 @@ def table(results: dict) -> str:
                     f"| {m['sampler_busy']['mean']:.2f} | {m['wasted_token_fraction']['mean']:.3f} "
                     f"| {off['staleness']['mean']:.2f} | {_of(off, 'is_ratio_mean', 'mean')} "
                     f"({_of(off, 'is_ratio_max', 'max')}) | {_of(off, 'mismatch_kl', 'mean', '.2g')} "
-                    f"| {m['cost_usd']['mean']:.4f} | {per_point} | {peak_mb(m)} |")
+                    f"| {m['cost_usd']['mean']:.4f} | {per_point} | {measured(m, 'peak_rss_mb')} "
+                    f"| {measured(m, 'sampler_peak_rss_mb')} | {measured(m, 'tokens_per_second', 'mean')} |")
     base = results["base"]
     rows.append(f"\nbase model: correct {base['correct']:.3f}, reward {base['reward']:.3f} on {base['prompts']} "
                 f"prompts; threshold {results['threshold']}; prices {results['prices']} USD an hour")

@@ -251,6 +251,8 @@ def test_a_user_task_given_as_module_and_class_trains_end_to_end(tmp_path, monke
     assert all(0 <= r <= 1 for r in rewards) and any(r > 0 for r in rewards)  # the user's verifier scored them
     summary = orjson.loads((tmp_path / "user" / "summary.json").read_bytes())
     assert summary["eval"]["task"] == "shout" and summary["eval"]["prompts"] == 4
+    # Each process's peak memory, from its exit (wait4): a model and torch each, so over 100 MB.
+    assert summary["peak_rss_mb"].keys() == {"trainer", "s1", "s2"} and min(summary["peak_rss_mb"].values()) > 100
     assert (tmp_path / "user" / "report.png").stat().st_size > 10_000
 
 

@@ -37,19 +37,33 @@ def _spawn(args: list[str], log_json: bool, ranks: int = 1, threads: int = 1) ->
     return subprocess.Popen(cmd, start_new_session=True, env=env)
 
 
-def stop_processes(processes: list[subprocess.Popen], timeout: float = 20.0) -> None:
-    """SIGTERM to each that runs, then wait for all; one that outlasts `timeout` is killed."""
+def reap(p: subprocess.Popen, peaks: dict[int, float], block: bool = False) -> int | None:
+    """Popen.poll (or wait, with `block`) that also keeps the process's peak resident MB, which
+    only wait4 gives and only once: Popen takes the exit code set here instead of waiting again."""
+    if p.returncode is None:
+        pid, status, usage = os.wait4(p.pid, 0 if block else os.WNOHANG)
+        if pid:
+            p.returncode = os.waitstatus_to_exitcode(status)
+            peaks[p.pid] = usage.ru_maxrss / 1024  # KiB on Linux
+    return p.returncode
+
+
+def stop_processes(processes: list[subprocess.Popen], timeout: float = 20.0,
+                   peaks: dict[int, float] | None = None) -> None:
+    """SIGTERM to each that runs, then wait for all; one that outlasts `timeout` is killed.
+    With `peaks`, each process's peak resident MB is kept in it by pid."""
+    peaks = {} if peaks is None else peaks
     for p in processes:
-        if p.poll() is None:
+        if reap(p, peaks) is None:
             p.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + timeout
     for p in processes:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:  # e.g. a trainer in the middle of a long step
+        while reap(p, peaks) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if p.returncode is None:  # e.g. a trainer in the middle of a long step
             log.warning("swarm.kill", pid=p.pid, args=p.args[3:5])
             p.kill()
-            p.wait()
+            reap(p, peaks, block=True)
 
 
 SITE = "site"  # the relay of `up --relay`
@@ -130,7 +144,7 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
                 *_creds_args(secure_dir, f"sampler-s{i}")], log_json)
         for i in range(1, cfg.sampler.count + 1)
     ]
-    code, terminated = 1, []
+    code, terminated, peaks = 1, [], {}
 
     def on_sigterm(signum, _frame):  # `kill` or `timeout` stops the swarm as Ctrl-C does
         terminated.append(signum)
@@ -138,8 +152,8 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
 
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        while (code := trainer.poll()) is None:
-            died = [p for p in samplers if p.poll() is not None]
+        while (code := reap(trainer, peaks)) is None:
+            died = [p for p in samplers if reap(p, peaks) is not None]
             if len(died) == len(samplers):
                 log.error("swarm.no_samplers", exit_codes=[p.returncode for p in died])
                 code = 1
@@ -149,25 +163,28 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
         log.info("swarm.interrupted", signal="SIGTERM" if terminated else "SIGINT")
         code = 143 if terminated else 130
     finally:
-        stop_processes([trainer, *samplers])
-        stop_processes(relays)  # after their samplers: a sampler's last heartbeat goes through its relay
+        stop_processes([trainer, *samplers], peaks=peaks)
+        stop_processes(relays, peaks=peaks)  # after their samplers: a sampler's last heartbeat goes through its relay
         server.stop()
     if code == 0:
+        names = {trainer.pid: "trainer", **{p.pid: f"s{i}" for i, p in enumerate(samplers, 1)}}
+        peak_rss_mb = {names[pid]: round(mb, 1) for pid, mb in peaks.items() if pid in names}
         try:
-            finish(run_dir, cfg.run.eval_prompts)
+            finish(run_dir, cfg.run.eval_prompts, peak_rss_mb)
         except KeyboardInterrupt:  # the run is trained and kept: only its evaluation is cut short
             log.info("swarm.interrupted", signal="SIGTERM" if terminated else "SIGINT", during="evaluation")
             code = 143 if terminated else 130
     return code
 
 
-def finish(run_dir: Path, eval_prompts: int) -> None:
-    """A finished run's summary, report and held-out evaluation, each said where it is written."""
+def finish(run_dir: Path, eval_prompts: int, peak_rss_mb: dict[str, float]) -> None:
+    """A finished run's summary, report and held-out evaluation, each said where it is written;
+    with each process's peak resident MB (a trainer on several ranks: torchrun's largest)."""
     from echo.checkpoint import read_metrics  # torch: seconds, so after the run
     from echo.metrics import summarize
     from workers.operator.charts import write_report
 
-    summary = summarize(read_metrics(run_dir))
+    summary = {**summarize(read_metrics(run_dir)), "peak_rss_mb": peak_rss_mb}
     log.info("swarm.done", run_dir=str(run_dir), **summary)
     if eval_prompts:
         from workers.operator.heldout import evaluate_run  # transformers and the engines
