@@ -80,3 +80,30 @@ class Shout(GeneratedTask):
         ok = any(c.isupper() for c in completion)
         return Score(float(ok), ok, ok)
 '''
+
+
+# A user's environment written to `verifiers`' own interface (echo/tasks/verifiers_env.py): a
+# parser and a rubric of weighted functions, one of which a random model earns now and then.
+VERIFIERS_ENV = '''
+import verifiers as vf
+from datasets import Dataset
+
+
+def load_environment(n: int = 200, eval_n: int = 12):
+    def rows(first, count):
+        return [{"question": f"What is {i} + {i % 7}?", "answer": str(i + i % 7)} for i in range(first, first + count)]
+
+    parser = vf.XMLParser(["answer"])
+
+    def correct_answer(completion, answer) -> float:
+        return 1.0 if (parser.parse_answer(completion) or "").strip() == answer else 0.0
+
+    def shout(completion) -> float:
+        text = parser.get_assistant_messages(completion)[-1]["content"] or ""
+        return float(any(c.isupper() for c in text))
+
+    rubric = vf.Rubric(funcs=[correct_answer, shout, parser.get_format_reward_func()], weights=[1.0, 0.3, 0.2],
+                       parser=parser)
+    return vf.SingleTurnEnv(dataset=Dataset.from_list(rows(0, n)), eval_dataset=Dataset.from_list(rows(n, eval_n)),
+                            system_prompt="Answer inside <answer></answer>.", parser=parser, rubric=rubric)
+'''

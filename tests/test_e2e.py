@@ -15,7 +15,7 @@ from safetensors.torch import load
 from echo.config import TaskConfig
 from echo.tasks import load_task
 from echo.wire.names import HDR_MSG_ID, HDR_VERSION
-from tests.swarms import USER_TASK, assert_every_group_proved, run_swarm, up_command
+from tests.swarms import USER_TASK, VERIFIERS_ENV, assert_every_group_proved, run_swarm, up_command
 
 pytestmark = pytest.mark.slow
 
@@ -234,11 +234,15 @@ def test_a_sequential_run_is_reproducible_from_its_config(tmp_path, monkeypatch)
     assert all(torch.allclose(weights_a[k], weights_b[k], rtol=1e-4, atol=1e-7) for k in weights_a)
 
 
-def test_a_user_task_given_as_module_and_class_trains_end_to_end(tmp_path, monkeypatch):
-    (tmp_path / "user_tasks").mkdir()
-    (tmp_path / "user_tasks" / "shout.py").write_text(USER_TASK)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "user_tasks"))
-    metrics, stream, _ = run_swarm(tmp_path, "user", 2, 'task.name="shout:Shout"', 'task.params={word="hey"}',
+def test_a_users_verifiers_environment_trains_end_to_end(tmp_path, monkeypatch):
+    """A user's module on PYTHONPATH in every process, written to `verifiers`' interface (a user's
+    module:Class task trains in the full-weight test below): its rows are the prompts, its rubric
+    scores on the trainer, its eval dataset is held out."""
+    (tmp_path / "user_envs").mkdir()
+    (tmp_path / "user_envs" / "sums_env.py").write_text(VERIFIERS_ENV)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "user_envs"))
+    monkeypatch.setenv("ECHO_CACHE", str(tmp_path / "cache"))
+    metrics, stream, _ = run_swarm(tmp_path, "user", 2, 'task.name="verifiers:sums_env"', "task.params={n=50}",
                                    "run.eval_prompts=4", "algorithm.preset=dapo", "trainer.verify_fraction=1.0")
     assert [m["version"] for m in metrics] == [1, 2]
     assert_every_group_proved(metrics)
@@ -246,11 +250,13 @@ def test_a_user_task_given_as_module_and_class_trains_end_to_end(tmp_path, monke
     # its bound of 32 a step ran out), and counted.
     assert all(m["zero_spread_share"] == 0 or m["filtered_no_signal"] == 32 for m in metrics)
     assert metrics[-1]["accounting"]["filtered_no_signal"] == sum(m["filtered_no_signal"] for m in metrics)
-    assert {r["headers"]["Echo-Task"] for r in stream} == {"shout"}
+    assert {r["headers"]["Echo-Task"] for r in stream} == {"verifiers:sums_env"}
+    # The rubric's rewards, on [0, 1]: the format function gives every completion some, the shout some more.
     rewards = [m["reward_mean"] for m in metrics]
-    assert all(0 <= r <= 1 for r in rewards) and any(r > 0 for r in rewards)  # the user's verifier scored them
+    assert all(0 < r <= 1 for r in rewards)
+    assert metrics[-1]["accounting"]["rejected"] == 0 and not any(m["verifier_errors"] for m in metrics)
     summary = orjson.loads((tmp_path / "user" / "summary.json").read_bytes())
-    assert summary["eval"]["task"] == "shout" and summary["eval"]["prompts"] == 4
+    assert summary["eval"]["task"] == "verifiers:sums_env" and summary["eval"]["prompts"] == 4  # its eval rows
     # Each process's peak memory, from its exit (wait4): a model and torch each, so over 100 MB.
     assert summary["peak_rss_mb"].keys() == {"trainer", "s1", "s2"} and min(summary["peak_rss_mb"].values()) > 100
     assert (tmp_path / "user" / "report.png").stat().st_size > 10_000

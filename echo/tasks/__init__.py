@@ -5,7 +5,8 @@ sampler sends only the index and the trainer looks up the ground truth itself), 
 completion with a verifier, and keeps a held-out set for evaluation that training never sees.
 
 Built-in tasks are named in the config (`task.name = "sokoban"`); reasoning-gym's generators as
-`reasoning_gym:<dataset>` (echo/tasks/gym.py, the `tasks` extra); a user's own as `module:Class`
+`reasoning_gym:<dataset>` (echo/tasks/gym.py, the `tasks` extra); a `verifiers` environment as
+`verifiers:<module>` (echo/tasks/verifiers_env.py, the `envs` extra); a user's own as `module:Class`
 (importable) or `path/to/file.py:Class`, and gets `task.params` as a dict.
 """
 
@@ -34,6 +35,7 @@ BUILTIN = {
     "dataset": "echo.tasks.dataset:Dataset",  # a user's file of prompts and answers, named on the trainer
 }
 GYM = "reasoning_gym:"  # reasoning-gym's datasets: echo/tasks/gym.py
+VERIFIERS = "verifiers:"  # a verifiers environment's module: echo/tasks/verifiers_env.py
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,11 @@ def task_class(name: str) -> type:
             raise ConfigError(f"task.name {name!r} needs reasoning-gym, an extra the base install leaves out: "
                               "pip install 'echo-rl[tasks]'") from None
         return gym.task_class(name.removeprefix(GYM))
+    if name.startswith(VERIFIERS):
+        if importlib.util.find_spec("verifiers") is None:
+            raise ConfigError(f"task.name {name!r} needs verifiers, an extra the base install leaves out: "
+                              "pip install 'echo-rl[envs]'")
+        return importlib.import_module("echo.tasks.verifiers_env").task_class(name.removeprefix(VERIFIERS))
     path = BUILTIN.get(name, name)
     module_name, _, class_name = path.rpartition(":")
     if not module_name:

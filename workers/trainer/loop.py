@@ -106,7 +106,7 @@ async def serve(cfg: EchoConfig, build_model: Callable[[], TrainerModel]) -> Non
 async def share_dataset(run: Run, cfg: EchoConfig, task: Dataset, model: TrainerModel) -> None:
     """A dataset's prompts checked against the model's context, then published for samplers: the
     run's config names their manifest's digest."""
-    manifest, path = task.manifest, cfg.task.params["path"]
+    manifest, path = task.manifest, task.p.path  # a verifiers environment's: its rows, written to the cache
     check_prompt_lengths(manifest, partial(encode_chat, model.tokenizer), model.context, cfg.sampling.max_new_tokens,
                          path)
     log.info("dataset.read", path=path, rows=manifest["rows"], skipped=manifest["skipped"], columns=manifest["columns"])
