@@ -107,3 +107,41 @@ def load_environment(n: int = 200, eval_n: int = 12):
     return vf.SingleTurnEnv(dataset=Dataset.from_list(rows(0, n)), eval_dataset=Dataset.from_list(rows(n, eval_n)),
                             system_prompt="Answer inside <answer></answer>.", parser=parser, rubric=rubric)
 '''
+
+
+# A multi-turn environment to `verifiers`' interface, which answers every turn: episodes go on.
+GUESS_ENV = '''
+import verifiers as vf
+from datasets import Dataset
+
+
+class Guess(vf.MultiTurnEnv):
+    """Guess the number: told higher or lower after each guess; over when guessed."""
+
+    async def env_response(self, messages, state, **kwargs):
+        guess = self.parser.parse_answer(messages) or ""
+        said = "higher" if guess.isdigit() and int(guess) < int(state["answer"]) else "lower"
+        return [{"role": "user", "content": f"{guess!r}: {said}"}]
+
+    @vf.stop
+    async def guessed(self, state) -> bool:
+        return bool(state["trajectory"]) and self.parser.parse_answer(
+            state["trajectory"][-1]["completion"]) == state["answer"]
+
+
+def load_environment(seeded: bool = True):
+    import random
+    rows = [{"question": f"Game {i}: guess my number, 1 to 9, in <answer></answer>.", "answer": str(1 + i % 9)}
+            for i in range(100)]
+    parser = vf.XMLParser(["answer"])
+
+    def guessed_it(completion, answer) -> float:
+        return float(parser.parse_answer(completion) == answer)
+
+    env = Guess(dataset=Dataset.from_list(rows), parser=parser, rubric=vf.Rubric(funcs=[guessed_it], parser=parser))
+    if not seeded:  # an answer that changes from play to play: no replay can check it
+        async def env_response(messages, state, **kwargs):
+            return [{"role": "user", "content": str(random.random())}]
+        env.env_response = env_response
+    return env
+'''

@@ -5,14 +5,21 @@ the trainer cannot run refused at start in one line. The swarm that trains on on
 from __future__ import annotations
 
 import asyncio
+import gc
+import re
+import signal
 import sys
 
 import pytest
 
 from echo.config import ConfigError, TaskConfig
-from echo.tasks import load_task, safe_score, task_class
-from echo.tasks.verifiers_env import replay_client
-from tests.swarms import VERIFIERS_ENV
+from echo.environments import EpisodeBuilder, replay
+from echo.models import encode_chat
+from echo.referee import Referee
+from echo.tasks import is_environment, load_task, safe_score, task_class
+from echo.tasks.verifiers_env import as_chat, on_loop, replay_client, texts
+from tests.groups import SAMPLING, TOKENIZER, honest_group
+from tests.swarms import GUESS_ENV, VERIFIERS_ENV
 
 vf = pytest.importorskip("verifiers")
 
@@ -31,10 +38,10 @@ def env_module(tmp_path, monkeypatch):
     return write
 
 
-def library_rewards(env, row: dict, texts: list[str]) -> dict[str, float]:
+def library_rewards(env, row: dict, answers: list[str]) -> dict[str, float]:
     """What verifiers' own group rollout and rubric (score_group, where we score each completion by
     score_rollout) give each text as the model's answer to `row`."""
-    outputs = asyncio.run(env.run_group([row] * len(texts), replay_client(texts), "m", {}))
+    outputs = asyncio.run(env.run_group([row] * len(answers), replay_client(texts(*answers)), "m", {}))
     return {out["completion"][-1]["content"]: out["reward"] for out in outputs}
 
 
@@ -48,13 +55,13 @@ def test_a_verifiers_environment_gives_its_rows_and_scores_each_completion_as_th
     # Held out: the environment's eval dataset, never a training row.
     held_out = task.held_out(10)
     assert [p.messages[-1]["content"] for p in held_out] == [f"What is {i} + {i % 7}?" for i in range(40, 45)]
-    texts = ["<answer>6</answer>", "<answer>\n6\n</answer>", "<answer>7</answer>", "<answer>SIX</answer>",
+    answers = ["<answer>6</answer>", "<answer>\n6\n</answer>", "<answer>7</answer>", "<answer>SIX</answer>",
              "It is 6", "", "<answer>6</answer> LOUD"]
-    theirs = library_rewards(task.env, task.env.get_dataset()[3], texts)
+    theirs = library_rewards(task.env, task.env.get_dataset()[3], answers)
     assert len(set(theirs.values())) >= 4  # the rubric tells these apart
     lo, hi = task.lo, task.hi
     assert (lo, hi) == (0.0, 1.5)  # the weights' sum: each function in [0, 1]
-    for text in texts:
+    for text in answers:
         score = safe_score(task, text, prompt)
         assert score is not None and 0 <= score.reward <= 1
         assert lo + score.reward * (hi - lo) == pytest.approx(theirs[text], abs=1e-12), text
@@ -141,7 +148,6 @@ def load_environment():
 
 
 @pytest.mark.parametrize("source, params, said", [
-    (MULTI_TURN, {}, "Guess is multi-turn"),
     (GROUP_REWARD, {}, "group reward functions"),
     (JUDGED, {}, "task.params.allow_judge = true"),
     (UNWEIGHTED, {}, "weighs no reward function"),
@@ -165,3 +171,108 @@ def test_an_environment_module_that_is_not_there_is_named(env_module):
         task_class("verifiers:no_such_env")({})
     with pytest.raises(ConfigError, match="name the environment's module"):
         task_class("verifiers:")
+
+
+# --- multi-turn: played by the samplers' episode loop, replayed by the trainer ---------------------
+
+CALCULATOR_ENV = '''
+import verifiers as vf
+from datasets import Dataset
+
+
+def load_environment(n: int = 30):
+    """A ToolEnv with a calculator: the model adds with the tool, then answers."""
+    rows = [{"question": f"What is {i} + {2 * i + 1}? Use the add tool.", "answer": str(3 * i + 1)} for i in range(n)]
+    parser = vf.XMLParser(["answer"])
+
+    def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: the first
+            b: the second
+        """
+        return a + b
+
+    def correct_answer(completion, answer) -> float:
+        return 1.0 if (parser.parse_answer(completion) or "").strip() == answer else 0.0
+
+    return vf.ToolEnv(tools=[add], max_turns=3, dataset=Dataset.from_list(rows), parser=parser,
+                      system_prompt="Answer inside <answer></answer>.",
+                      rubric=vf.Rubric(funcs=[correct_answer], parser=parser))
+'''
+
+
+def played(task, index: int, turns: list[str], max_tokens: int = 4096):
+    prompt = task.prompt(index)
+    episode = EpisodeBuilder(task, TOKENIZER, prompt, encode_chat(TOKENIZER, prompt.messages), max_tokens)
+    for text in turns:
+        assert not episode.done
+        ids = TOKENIZER(text, add_special_tokens=False)["input_ids"] + [TOKENIZER.eos_token_id]
+        episode.add_turn(ids, [-0.5] * len(ids))
+    return prompt, episode
+
+
+def test_a_tool_environment_is_played_turn_by_turn_as_verifiers_rolls_it_out(env_module):
+    task = load_task(TaskConfig(name=f"verifiers:{env_module('calculator_env', CALCULATOR_ENV)}", params={}))
+    assert is_environment(task) and task.max_turns == 3
+    system = task.prompt(4).messages[0]["content"]
+    assert system.startswith("Answer inside") and '"name": "add"' in system and "<tool_call>" in system
+    a, b = map(int, re.findall(r"\d+", task.prompt(4).messages[-1]["content"]))
+    call, answer = f'<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>', f"<answer>{a + b}</answer>"
+    prompt, episode = played(task, 4, [call, answer])
+    completion = episode.completion()
+    assert episode.done and completion.reward == 1.0 and len(completion.observations) == 1
+    seen = completion.token_ids[completion.observations[0].at:][:completion.observations[0].tokens]
+    assert TOKENIZER.decode(seen.tolist()) == f"\n<|im_start|>tool\n{a + b}<|im_end|>\n<|im_start|>assistant\n"
+    # verifiers' own rollout, given the same turns, answers the same and scores the same.
+    output = asyncio.run(task.env.run_rollout(task.row(prompt), replay_client(texts(call, answer)), "m", {}))
+    said = [m["content"] for m in as_chat(output["completion"]) if m["role"] == "tool"]
+    assert said == [str(a + b)] and output["reward"] == 1.0
+    assert replay(task, TOKENIZER, prompt, completion, 4096) == (1.0, None)
+    # A sampler that claims the tool said another number.
+    ids = completion.token_ids.copy()
+    ids[completion.observations[0].at + 7] ^= 1
+    assert replay(task, TOKENIZER, prompt, completion.replaced(token_ids=ids), 4096).reason == "observation_mismatch"
+
+
+def test_a_sampler_lying_about_an_episode_is_refused_or_struck_by_the_referee(env_module):
+    task = load_task(TaskConfig(name=f"verifiers:{env_module('guess_env', GUESS_ENV)}", params={}))
+    referee = Referee(task, TOKENIZER, vocab_size=len(TOKENIZER), sampling=SAMPLING)
+    _, right = played(task, 4, ["<answer>2</answer>", "<answer>5</answer>"])  # the number is 5
+    _, wrong = played(task, 4, ["<answer>9</answer>", "<answer>8</answer>"], max_tokens=60)  # cut by its budget
+    assert right.done and right.reward == 1.0 and wrong.done and wrong.reward == 0.0
+    assert "'2': higher" in TOKENIZER.decode(right.completion().token_ids.tolist())
+
+    def group(*completions):
+        return honest_group(4, texts=["x"] * len(completions), rewards=[0.0] * len(completions), of_task=task,
+                            completions=list(completions), temperature=SAMPLING.temperature)
+
+    honest = referee.score(group(right.completion(), wrong.completion()))
+    assert honest.reason is None and honest.rewards == [1.0, 0.0] and not honest.reward_mismatch
+    lied = referee.score(group(right.completion(), wrong.completion().replaced(reward=1.0)))
+    assert lied.reward_mismatch and lied.rewards == [1.0, 0.0]  # a strike; trained on the replayed reward
+    # The rollout of an episode our loop ended first (its budget) ends once the episode is dropped.
+    rollout = wrong.episode.rollout
+    del wrong
+    gc.collect()
+    assert on_loop(asyncio.wait_for(rollout, None))["error"] is not None
+    ids = right.completion().token_ids.copy()
+    said = TOKENIZER.decode(ids.tolist()).index("higher")
+    ids[said - 20: said + 6] = TOKENIZER("'5': lower", add_special_tokens=False)["input_ids"][:1] * 26
+    assert referee.score(group(right.completion().replaced(token_ids=ids))).reason == "observation_mismatch"
+
+
+def test_an_environment_that_answers_differently_each_play_is_refused_at_start(env_module):
+    name = env_module("guess_env", GUESS_ENV)
+    with pytest.raises(ConfigError, match="answered differently") as refused:
+        load_task(TaskConfig(name=f"verifiers:{name}", params={"seeded": False}))
+    assert "\n" not in str(refused.value)
+
+
+def test_loading_an_environment_leaves_the_workers_signal_handlers_as_they_were(env_module):
+    """verifiers' Environment sets SIGINT and SIGTERM handlers that exit at once: a sampler so
+    stopped sent no last heartbeat."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    load_task(TaskConfig(name=f"verifiers:{env_module('sums_env', VERIFIERS_ENV)}", params={"n": 20}))
+    assert {sig: signal.getsignal(sig) for sig in before} == before

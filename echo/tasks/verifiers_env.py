@@ -18,24 +18,40 @@ weights, sum of the positive ones], and the reward is (sum - lo) / (hi - lo). GR
 verifier error, counted. A completion is correct, as verifiers' pass@k counts it, when its sum
 reaches the environment's `pass_threshold`.
 
+A multi-turn environment (MultiTurnEnv, ToolEnv, StatefulToolEnv) is an echo-rl environment
+(echo/environments.py): a sampler plays each episode through our episode loop, token in, token
+out, and the environment's own rollout code runs alongside, each model call it makes answered
+with the turn the model sampled; what it answers (a user's turn, a tool's result) is the
+observation. The reward is its rubric's at the episode's end; an episode cut short by echo-rl's
+token budget earns 0 (one verifiers never scored). The trainer replays every episode through the
+same code and compares every observation (echo/environments.py::replay), so a sampler claims
+nothing it could invent. Tools are shown to the model in its system message, and the model calls
+them as Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (what
+Qwen's and SmolLM's templates teach), parsed as vLLM's hermes parser does for verifiers.
+
 Refused at start, in one line: a rubric with group reward functions (they score a group
 together), one that calls a judge model (a network service) unless `allow_judge = true`, and a
-multi-turn environment (not yet played by the samplers' episode loop).
+multi-turn environment whose two plays of one episode with the same turns answer differently
+(a service, or randomness without a seed): the trainer could not replay it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
+import re
+import signal
 import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from echo.config import ConfigError, cache_dir
-from echo.tasks import Prompt, Score, parse_params
+from echo.tasks import Prompt, Score, Step, parse_params
 from echo.tasks.dataset import Dataset
 
 PREFIX = "verifiers:"
@@ -47,6 +63,7 @@ class EnvParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     allow_judge: bool = False  # a JudgeRubric calls a model over the network from the trainer's scoring
+    max_turns: int = Field(10, ge=1, le=100)  # model turns an episode may take where the environment sets none
     # Set by the trainer in the run's config: the SHA-256 (hex) of the published prompts' manifest.
     prompts: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
 
@@ -55,18 +72,42 @@ def task_class(module: str):
     """What echo.tasks.task_class gives for `verifiers:<module>`: the task made from its params."""
     if not module:
         raise ConfigError("task.name 'verifiers:': name the environment's module, e.g. verifiers:my_env")
-    return lambda params: VerifiersEnv(module, params)
+    return lambda params: make_task(module, params)
+
+
+def make_task(module: str, params: dict) -> VerifiersEnv:
+    """The environment loaded with its arguments and checked; a single-turn one is a plain task,
+    a multi-turn one plays episodes."""
+    import verifiers as vf
+
+    name = PREFIX + module
+    ours = parse_params(EnvParams, {k: v for k, v in params.items() if k in EnvParams.model_fields})
+    env = _load(module, {k: v for k, v in params.items() if k not in EnvParams.model_fields})
+    check_environment(env, name, ours.allow_judge)
+    if isinstance(env, vf.SingleTurnEnv):
+        return VerifiersEnv(name, env, ours)
+    if env.max_turns <= 0:  # none of its own: ours, so that its stop and our loop's fall on one turn
+        env.max_turns = ours.max_turns
+    task = VerifiersEpisodes(name, env, ours)
+    check_replayable(task)
+    return task
 
 
 def _load(module: str, args: dict):
     import verifiers as vf  # the extra: only where a run names such an environment
 
+    # An Environment takes over SIGINT and SIGTERM as it is made (its handler exits at once, from
+    # any await): the worker's own, which stop it in order (a sampler's last heartbeat), are kept.
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return vf.load_environment(module, **args)
     except ValueError as e:  # the module did not import
         raise ConfigError(f"task.name {PREFIX + module!r}: {e}") from None
     except (RuntimeError, TypeError) as e:  # its load_environment raised, or took other arguments
         raise ConfigError(f"task.params for {PREFIX + module!r}: {e}") from None
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def _rubrics(rubric) -> list:
@@ -79,9 +120,9 @@ def check_environment(env, name: str, allow_judge: bool) -> None:
 
     if env.message_type != "chat":
         raise ConfigError(f"task.name {name!r}: a {env.message_type!r} environment; echo-rl's prompts are chat messages")
-    if not isinstance(env, vf.SingleTurnEnv):
-        raise ConfigError(f"task.name {name!r}: {type(env).__name__} is multi-turn, which echo-rl does not play from "
-                          "verifiers yet; single-turn environments (SingleTurnEnv) train")
+    if not isinstance(env, vf.MultiTurnEnv):
+        raise ConfigError(f"task.name {name!r}: a {type(env).__name__}, which echo-rl does not play; it plays "
+                          "SingleTurnEnv, MultiTurnEnv and their kinds (ToolEnv, StatefulToolEnv)")
     if env.rubric.has_group_rewards:
         raise ConfigError(f"task.name {name!r}: its rubric has group reward functions, which score a whole group at "
                           "once; echo-rl scores each completion by itself")
@@ -99,9 +140,64 @@ def reward_bounds(weights: list[float], name: str) -> tuple[float, float]:
     return lo, hi
 
 
-def _chat(messages) -> list[dict]:
+def _text(content) -> str:
+    """A message's content as text (verifiers' own reading: text parts joined)."""
+    from verifiers import Parser
+
+    return Parser()._content_to_text(content)
+
+
+def as_chat(messages) -> list[dict]:
     """Messages as echo-rl keeps them (echo/tasks/dataset.py::row_prompt): role and text."""
-    return [{"role": str(m.get("role", "user")), "content": m.get("content")} for m in messages]
+    return [{"role": str(m["role"] if isinstance(m, dict) else m.role),
+             "content": _text(m["content"] if isinstance(m, dict) else m.content)} for m in messages]
+
+
+TOOLS = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""  # Qwen2.5's chat template's words, which SmolLM2's and many others' follow
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def row_messages(env, row: dict) -> list[dict]:
+    """A row's prompt as the model sees it: with the environment's tools, if any, described in the
+    system message (a chat template's `tools`, which echo-rl's prompts, plain messages, cannot carry)."""
+    messages = as_chat(row["prompt"])
+    if env.tool_defs:
+        tools = TOOLS.format(tools="\n".join(json.dumps({"type": "function", "function": t.model_dump()})
+                                             for t in env.tool_defs))
+        if messages and messages[0]["role"] == "system":
+            messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + tools}
+        else:
+            messages.insert(0, {"role": "system", "content": tools})
+    return messages
+
+
+def tool_calls(text: str) -> tuple[str, list]:
+    """The model's text without its tool-call blocks, and the calls in them (a block that is not a
+    call's JSON stays text), numbered call_0, call_1, ... as a replay must number them alike."""
+    from verifiers.types import ToolCall
+
+    calls = []
+    for block in TOOL_CALL.findall(text):
+        try:
+            call = json.loads(block)
+            name, arguments = call["name"], call.get("arguments", {})
+        except (ValueError, TypeError, KeyError):
+            continue
+        calls.append(ToolCall(id=f"call_{len(calls)}", name=str(name),
+                              arguments=arguments if isinstance(arguments, str) else json.dumps(arguments)))
+    return (TOOL_CALL.sub("", text).strip() if calls else text), calls
 
 
 def _rows_file(env, name: str) -> tuple[Path, Path | None]:
@@ -112,7 +208,7 @@ def _rows_file(env, name: str) -> tuple[Path, Path | None]:
     folder.mkdir(parents=True, exist_ok=True)
 
     def write(dataset, split: str) -> Path:
-        lines = [orjson.dumps({"prompt": _chat(row["prompt"]), "ref": f"{split}/{i}", "data_source": name})
+        lines = [orjson.dumps({"prompt": row_messages(env, row), "ref": f"{split}/{i}", "data_source": name})
                  for i, row in enumerate(dataset)]
         data = b"\n".join(lines) + b"\n"
         path = folder / f"{hashlib.sha256(data).hexdigest()[:24]}.jsonl"
@@ -126,26 +222,36 @@ def _rows_file(env, name: str) -> tuple[Path, Path | None]:
     return train, (write(env.eval_dataset, "eval") if env.build_eval_dataset() is not None else None)
 
 
-def _run(coroutine):
-    """A coroutine run to its end from sync code: on this thread, or where this thread already runs
-    an event loop (the trainer's evaluation), on a thread of its own."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coroutine)
-    result: list = []
-    thread = threading.Thread(target=lambda: result.append(asyncio.run(coroutine)))
-    thread.start()
-    thread.join()
-    return result[0]
+_loop: tuple[int, asyncio.AbstractEventLoop] | None = None  # (pid, loop): a forked child starts its own
+_loop_lock = threading.Lock()
 
 
-def replay_client(texts: list[str]):
-    """A verifiers client that answers the environment's model calls with `texts`, in order."""
+def _quiet_at_exit(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """The rollouts of episodes still held when the process exits die with its daemon loop: said
+    by asyncio as "Task was destroyed but it is pending", which is nothing lost here."""
+    if not context.get("message", "").startswith("Task was destroyed but it is pending"):
+        loop.default_exception_handler(context)
+
+
+def on_loop(coroutine):
+    """Run a coroutine to its end on this process's verifiers loop, a daemon thread's: sync code
+    calls it (the scoring process, the samplers' episode loop, the trainer's event loop's thread),
+    and an episode's rollout waits there between its model turns."""
+    global _loop
+    with _loop_lock:
+        if _loop is None or _loop[0] != os.getpid():
+            loop = asyncio.new_event_loop()
+            loop.set_exception_handler(_quiet_at_exit)
+            threading.Thread(target=loop.run_forever, name="verifiers", daemon=True).start()
+            _loop = (os.getpid(), loop)
+    return asyncio.run_coroutine_threadsafe(coroutine, _loop[1]).result()
+
+
+def replay_client(answer: Callable[[list], Awaitable[str]]):
+    """A verifiers client whose model is `answer`: the conversation so far in, the model's text out.
+    Where the environment has tools, their calls are read from the text (`tool_calls`)."""
     import verifiers as vf
     from verifiers.types import Response, ResponseMessage
-
-    left = list(texts)
 
     class Replay(vf.Client):
         def setup_client(self, config):
@@ -158,13 +264,16 @@ def replay_client(texts: list[str]):
             return messages, {}
 
         async def get_native_response(self, prompt, model, sampling_args, tools=None, **kwargs):
-            return left.pop(0)
+            return await answer(prompt), bool(tools)
 
         async def raise_from_native_response(self, response):
             return None
 
         async def from_native_response(self, response):
-            message = ResponseMessage(content=response, finish_reason="stop", is_truncated=False)
+            text, with_tools = response
+            content, calls = tool_calls(text) if with_tools else (text, [])
+            message = ResponseMessage(content=content, tool_calls=calls or None, is_truncated=False,
+                                      finish_reason="tool_calls" if calls else "stop")
             return Response(id="replay", created=0, model=REPLAY_MODEL, message=message)
 
         async def close(self):
@@ -173,40 +282,156 @@ def replay_client(texts: list[str]):
     return Replay(None)
 
 
+def texts(*answers: str) -> Callable[[list], Awaitable[str]]:
+    """A replayed model that gives these answers, in order."""
+    left = list(answers)
+
+    async def answer(_conversation: list) -> str:
+        return left.pop(0)
+
+    return answer
+
+
 class VerifiersEnv(Dataset):
     """A dataset task whose rows are a verifiers environment's and whose verifier is its rubric."""
 
-    def __init__(self, module: str, params: dict):
-        name = PREFIX + module
-        ours = {k: v for k, v in params.items() if k in EnvParams.model_fields}
-        self.env_params = parse_params(EnvParams, ours)
-        self.env = _load(module, {k: v for k, v in params.items() if k not in ours})
-        check_environment(self.env, name, self.env_params.allow_judge)
-        self.lo, self.hi = reward_bounds(self.env.rubric._get_reward_weights(), name)
-        train, held_out = _rows_file(self.env, name)
+    def __init__(self, name: str, env, params: EnvParams):
+        self.env, self.env_params = env, params
+        self.lo, self.hi = reward_bounds(env.rubric._get_reward_weights(), name)
+        train, held_out = _rows_file(env, name)
         super().__init__({"path": str(train), "val_path": str(held_out) if held_out else None, "prompt": "prompt",
-                          "answer": "ref", "data_source": "data_source", "prompts": self.env_params.prompts})
+                          "answer": "ref", "data_source": "data_source", "prompts": params.prompts})
         self.name = name
         published = hashlib.sha256(self.published_prompts()[0]).hexdigest()
-        if self.env_params.prompts and published != self.env_params.prompts:
+        if params.prompts and published != params.prompts:
             raise ConfigError(f"task.name {name!r}: this process loaded other rows than the trainer published: the "
                               "environment's dataset is not the same in every process (a shuffle without a seed?)")
 
     answer_format = "answer its rubric reads"
 
-    def rubric_reward(self, completion: str, prompt: Prompt) -> tuple[float, dict]:
-        """The environment's own reward and metrics for `completion`, by its rollout and rubric."""
+    @property
+    def held_out_source(self) -> str:
+        if self.env.eval_dataset is not None:
+            return f"{self.manifest['rows']['held_out']} rows of the environment's eval dataset"
+        return (f"{self.manifest['rows']['held_out']} rows held out by a hash of the prompt (a tenth; the environment "
+                "has no eval_dataset to hold out)")
+
+    def row(self, prompt: Prompt) -> dict:
+        """The environment's own row behind a prompt, checked to be the prompt's."""
         split, _, i = prompt.answer.partition("/")
         row = (self.env.get_dataset() if split == "train" else self.env.eval_dataset)[int(i)]
-        if _chat(row["prompt"])[: len(prompt.messages)] != prompt.messages:
+        if row_messages(self.env, row)[: len(prompt.messages)] != prompt.messages:
             raise ValueError(f"row {prompt.answer} is not the prompt scored: the environment's rows changed")
-        output = _run(self.env.run_rollout(row, replay_client([completion]), REPLAY_MODEL, {}))
+        return row
+
+    def rollout_reward(self, output) -> float:
+        """A finished rollout's reward, on [0, 1] (the module's docstring)."""
         if output.get("error"):
             raise ValueError(f"the environment's rollout failed: {output['error']}")
-        return float(output["reward"]), dict(output.get("metrics") or {})
+        return (float(output["reward"]) - self.lo) / (self.hi - self.lo)
 
     def score(self, completion: str, prompt: Prompt) -> Score:
-        reward, _ = self.rubric_reward(completion, prompt)
+        output = on_loop(self.env.run_rollout(self.row(prompt), replay_client(texts(completion)), REPLAY_MODEL, {}))
         parsed = self.env.parser.parse_answer([{"role": "assistant", "content": completion}])
-        return Score((reward - self.lo) / (self.hi - self.lo), format_ok=parsed is not None,
-                     correct=reward >= self.env.pass_threshold)
+        return Score(self.rollout_reward(output), format_ok=parsed is not None,
+                     correct=float(output["reward"]) >= self.env.pass_threshold)
+
+
+class VerifiersEpisodes(VerifiersEnv):
+    """A multi-turn environment's episodes, played by its own rollout code (the module's docstring)."""
+
+    environment = True
+    answers_on_samplers = True  # a sampler plays the episodes, so holds the rows: the trainer replays its claims
+
+    def __init__(self, name: str, env, params: EnvParams):
+        super().__init__(name, env, params)
+        # Every episode our loop ends first (its token budget) stops its rollout with EpisodeOver,
+        # which verifiers logs as an error: not one here.
+        env.logger.addFilter(lambda record: "EpisodeOver" not in record.getMessage())
+
+    @property
+    def max_turns(self) -> int:
+        return self.env.max_turns
+
+    def episode(self, prompt: Prompt) -> Played:
+        return Played(self, self.row(prompt))
+
+
+class EpisodeOver(Exception):
+    """What the model's call raises in a rollout whose episode echo-rl ended first."""
+
+
+class Played:
+    """One rollout of the environment, suspended at each model call until `step` gives the turn."""
+
+    def __init__(self, task: VerifiersEpisodes, row: dict):
+        self.task = task
+        self.seen = on_loop(self._start(row))  # messages in the conversation the model answered last
+
+    async def _start(self, row: dict) -> int:
+        # The rollout holds the queues, never this object: dropped, it is collected (__del__).
+        asks, turns = self.asks, self.turns = asyncio.Queue(), asyncio.Queue()
+
+        async def answer(conversation: list) -> str:
+            await asks.put(conversation)
+            if (turn := await turns.get()) is None:
+                raise EpisodeOver  # a model error to verifiers: its rollout stops there
+            return turn
+
+        self.rollout = asyncio.ensure_future(self.task.env.run_rollout(row, replay_client(answer), REPLAY_MODEL, {}))
+        asked = await self._next()
+        if not isinstance(asked, list):
+            raise ValueError("the environment ended its episode before the model's first turn")
+        return len(asked)
+
+    async def _next(self):
+        """The next conversation the rollout asks the model to answer, or its output once over."""
+        ask = asyncio.ensure_future(self.asks.get())
+        await asyncio.wait({ask, self.rollout}, return_when=asyncio.FIRST_COMPLETED)
+        if ask.done():
+            return ask.result()
+        ask.cancel()
+        return self.rollout.result()
+
+    async def _answer(self, action: str):
+        await self.turns.put(action)
+        return await self._next()
+
+    def step(self, action: str) -> Step:
+        asked = on_loop(self._answer(action))
+        if not isinstance(asked, list):  # over: its rubric's reward
+            return Step([], self.task.rollout_reward(asked), done=True)
+        observation = as_chat(asked[self.seen + 1 :])  # after the model's turn: the environment's answer
+        self.seen = len(asked)
+        return Step(observation, 0.0, done=False)
+
+    def __del__(self):  # an episode our loop ended first (its token budget): its rollout waits no longer
+        rollout = getattr(self, "rollout", None)
+        if rollout is not None and not rollout.done() and _loop is not None:
+            _loop[1].call_soon_threadsafe(_stop, rollout, self.turns)
+
+
+def _stop(rollout: asyncio.Future, turns: asyncio.Queue) -> None:
+    """On the loop: the rollout's next model call ends it, and how it ended is nobody's concern."""
+    rollout.add_done_callback(lambda done: done.cancelled() or done.exception())
+    turns.put_nowait(None)
+
+
+def check_replayable(task: VerifiersEpisodes) -> None:
+    """Two plays of the first prompt's episode with the same turns must answer alike: else the
+    trainer could not replay what a sampler played."""
+    calls = [f'<tool_call>{{"name": "{t.name}", "arguments": {{}}}}</tool_call>' for t in task.env.tool_defs or []]
+    actions = [*calls, "0", "1"][: task.max_turns]
+    plays = []
+    for _ in range(2):
+        episode, observations = task.episode(task.prompt(0)), []
+        for action in actions:
+            step = episode.step(action)
+            observations.append(step.observation)
+            if step.done:
+                break
+        plays.append(observations)
+    if plays[0] != plays[1]:
+        raise ConfigError(f"task.name {task.name!r}: two plays of one episode with the same turns answered "
+                          "differently, so the trainer cannot replay what a sampler played (a service, or "
+                          "randomness without a seed)")
