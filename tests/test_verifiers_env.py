@@ -8,6 +8,7 @@ import asyncio
 import gc
 import re
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -276,3 +277,20 @@ def test_loading_an_environment_leaves_the_workers_signal_handlers_as_they_were(
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     load_task(TaskConfig(name=f"verifiers:{env_module('sums_env', VERIFIERS_ENV)}", params={"n": 20}))
     assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+def test_an_echo_task_exported_as_a_verifiers_environment_scores_as_the_task_does(tmp_path, monkeypatch):
+    """`echo-rl export-env` writes a module verifiers loads; its own group rollout gives each answer
+    the task's reward."""
+    done = subprocess.run([sys.executable, "-m", "workers.cli", "export-env", "--out", str(tmp_path / "math_env.py"),
+                           "--train", "30", "--held-out", "5", "task.params.levels=[1]"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = vf.load_environment("math_env")
+    math = load_task(TaskConfig(name="math", params={"levels": [1]}))
+    prompt = math.prompt(7)
+    assert env.get_dataset()[7]["prompt"] == prompt.messages and len(env.get_eval_dataset()) == 5
+    answers = [f"\\boxed{{{prompt.answer}}}", "\\boxed{-1}", "no box"]
+    theirs = library_rewards(env, env.get_dataset()[7], answers)
+    assert theirs == {a: math.score(a, prompt).reward for a in answers} and theirs[answers[0]] == 1.0

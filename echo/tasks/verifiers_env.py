@@ -435,3 +435,33 @@ def check_replayable(task: VerifiersEpisodes) -> None:
         raise ConfigError(f"task.name {task.name!r}: two plays of one episode with the same turns answered "
                           "differently, so the trainer cannot replay what a sampler played (a service, or "
                           "randomness without a seed)")
+
+
+# --- the other way: an echo-rl task as a verifiers environment -------------------------------------
+
+def as_environment(task: dict, train: int = 2000, held_out: int = 200):
+    """An echo-rl task (`{"name": ..., "params": {...}}`, as in the config) as a verifiers
+    SingleTurnEnv, to evaluate it with verifiers' tools: the task's first `train` training prompts
+    and `held_out` held-out ones as its dataset and eval dataset, its verifier as the rubric's
+    one function (the task's reward, on [0, 1], the answer its verifier reads unchanged)."""
+    import verifiers as vf
+    from datasets import Dataset as Rows
+
+    from echo.config import TaskConfig
+    from echo.tasks import is_environment, load_task
+
+    made = load_task(TaskConfig.model_validate(task))
+    if is_environment(made):
+        raise ConfigError(f"task {made.name!r} plays episodes: only single-turn tasks export as verifiers environments")
+
+    def rows(prompts: list[Prompt], split: str) -> Rows:
+        return Rows.from_list([{"prompt": p.messages, "answer": p.answer,
+                                "info": {"index": p.index, "source": p.source, "split": split}} for p in prompts])
+
+    def reward(prompt, completion, answer, info) -> float:
+        said = vf.Parser().parse_answer(completion) or ""
+        return made.score(said, Prompt(info["index"], as_chat(prompt), answer, info["source"])).reward
+
+    reward.__name__ = made.name.replace(":", "_")  # the metric's name in verifiers' results
+    return vf.SingleTurnEnv(dataset=rows([made.prompt(i) for i in range(train)], "train"),
+                            eval_dataset=rows(made.held_out(held_out), "held_out"), rubric=vf.Rubric(funcs=[reward]))
