@@ -87,7 +87,11 @@ class Referee:
             return Ruling("prompt_mismatch", [])
         rewards, errors, unanswered = [], 0, 0
         for completion in group.completions:
-            if is_environment(self.task):  # the episode played again with the sampler's actions
+            if getattr(self.task, "trusted_observations", False):  # the run took the samplers' word (docs/operations.md)
+                if len(completion.model_turns()) > self.task.max_turns:
+                    return Ruling("too_many_turns", [], lie=True)
+                reward = min(max(completion.reward, 0.0), 1.0)
+            elif is_environment(self.task):  # the episode played again with the sampler's actions
                 replayed = replay(self.task, self.tokenizer, prompt, completion, self.sampling.max_new_tokens)
                 if replayed.reason:
                     return Ruling(replayed.reason, [], lie=replayed.reason != "environment_error")

@@ -98,7 +98,7 @@ def load_environment(n: int = 200, eval_n: int = 12):
     def correct_answer(completion, answer) -> float:
         return 1.0 if (parser.parse_answer(completion) or "").strip() == answer else 0.0
 
-    def shout(completion) -> float:
+    async def shout(completion) -> float:  # async, as rubric functions may be
         text = parser.get_assistant_messages(completion)[-1]["content"] or ""
         return float(any(c.isupper() for c in text))
 

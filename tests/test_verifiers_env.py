@@ -294,3 +294,21 @@ def test_an_echo_task_exported_as_a_verifiers_environment_scores_as_the_task_doe
     answers = [f"\\boxed{{{prompt.answer}}}", "\\boxed{-1}", "no box"]
     theirs = library_rewards(env, env.get_dataset()[7], answers)
     assert theirs == {a: math.score(a, prompt).reward for a in answers} and theirs[answers[0]] == 1.0
+
+
+def test_an_environment_that_cannot_be_replayed_trains_on_the_samplers_word_where_the_run_says_so(env_module):
+    task = load_task(TaskConfig(name=f"verifiers:{env_module('guess_env', GUESS_ENV)}",
+                                params={"seeded": False, "trust_samplers_for_observations": True, "max_turns": 2}))
+    referee = Referee(task, TOKENIZER, vocab_size=len(TOKENIZER), sampling=SAMPLING)
+    _, episode = played(task, 4, ["<answer>3</answer>", "<answer>4</answer>"])
+    assert episode.done and len(episode.completion().observations) == 1  # its observation: a random number
+    claimed = episode.completion().replaced(reward=0.75)
+    ruling = referee.score(honest_group(4, texts=["x"], rewards=[0.0], of_task=task, completions=[claimed],
+                                        temperature=SAMPLING.temperature))
+    assert ruling.reason is None and ruling.rewards == [0.75] and not ruling.reward_mismatch  # taken as claimed
+    # What it still checks: the turn limit.
+    three = played(load_task(TaskConfig(name="verifiers:guess_env", params={
+        "seeded": False, "trust_samplers_for_observations": True, "max_turns": 3})), 4, ["1", "2", "3"])[1]
+    ruling = referee.score(honest_group(4, texts=["x"], rewards=[0.0], of_task=task, completions=[three.completion()],
+                                        temperature=SAMPLING.temperature))
+    assert ruling.reason == "too_many_turns"

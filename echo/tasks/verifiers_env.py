@@ -32,7 +32,9 @@ Qwen's and SmolLM's templates teach), parsed as vLLM's hermes parser does for ve
 Refused at start, in one line: a rubric with group reward functions (they score a group
 together), one that calls a judge model (a network service) unless `allow_judge = true`, and a
 multi-turn environment whose two plays of one episode with the same turns answer differently
-(a service, or randomness without a seed): the trainer could not replay it.
+(a service, or randomness without a seed): the trainer could not replay it. Unless the run sets
+`trust_samplers_for_observations = true`: then the trainer takes each sampler's observations and
+rewards as claimed, and a sampler can train the policy on any episode it likes.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ class EnvParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     allow_judge: bool = False  # a JudgeRubric calls a model over the network from the trainer's scoring
     max_turns: int = Field(10, ge=1, le=100)  # model turns an episode may take where the environment sets none
+    # A multi-turn environment that cannot be replayed (it calls a service, or draws without a seed)
+    # trains only with this: the trainer then takes each sampler's observations and rewards on its word.
+    trust_samplers_for_observations: bool = False
     # Set by the trainer in the run's config: the SHA-256 (hex) of the published prompts' manifest.
     prompts: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
 
@@ -89,7 +94,8 @@ def make_task(module: str, params: dict) -> VerifiersEnv:
     if env.max_turns <= 0:  # none of its own: ours, so that its stop and our loop's fall on one turn
         env.max_turns = ours.max_turns
     task = VerifiersEpisodes(name, env, ours)
-    check_replayable(task)
+    if not ours.trust_samplers_for_observations:
+        check_replayable(task)
     return task
 
 
@@ -353,6 +359,11 @@ class VerifiersEpisodes(VerifiersEnv):
     def max_turns(self) -> int:
         return self.env.max_turns
 
+    @property
+    def trusted_observations(self) -> bool:
+        """Whether the referee takes a sampler's episodes as they are (echo/referee.py)."""
+        return self.env_params.trust_samplers_for_observations
+
     def episode(self, prompt: Prompt) -> Played:
         return Played(self, self.row(prompt))
 
@@ -434,7 +445,8 @@ def check_replayable(task: VerifiersEpisodes) -> None:
     if plays[0] != plays[1]:
         raise ConfigError(f"task.name {task.name!r}: two plays of one episode with the same turns answered "
                           "differently, so the trainer cannot replay what a sampler played (a service, or "
-                          "randomness without a seed)")
+                          "randomness without a seed); task.params.trust_samplers_for_observations = true takes "
+                          "the samplers' word for every episode")
 
 
 # --- the other way: an echo-rl task as a verifiers environment -------------------------------------
