@@ -18,7 +18,7 @@ from echo.environments import EpisodeBuilder, replay
 from echo.models import encode_chat
 from echo.referee import Referee
 from echo.tasks import is_environment, load_task, safe_score, task_class
-from echo.tasks.verifiers_env import as_chat, on_loop, replay_client, texts
+from echo.tasks.verifiers_env import as_chat, on_loop, replay_client, texts, tool_calls
 from tests.groups import SAMPLING, TOKENIZER, honest_group
 from tests.swarms import GUESS_ENV, VERIFIERS_ENV
 
@@ -312,3 +312,16 @@ def test_an_environment_that_cannot_be_replayed_trains_on_the_samplers_word_wher
     ruling = referee.score(honest_group(4, texts=["x"], rewards=[0.0], of_task=task, completions=[three.completion()],
                                         temperature=SAMPLING.temperature))
     assert ruling.reason == "too_many_turns"
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>', "", [("add", '{"a": 1}')]),
+    ('first <tool_call>\n{"name": "a", "arguments": "{}"}\n</tool_call> then <tool_call>[1]</tool_call> end',
+     "first  then <tool_call>[1]</tool_call> end", [("a", "{}")]),
+    ("<tool_call>" * 10_000 + "no close", "<tool_call>" * 10_000 + "no close", []),  # one pass, not quadratic
+    ("plain text", "plain text", []),
+])
+def test_tool_calls_are_read_from_the_models_text_as_hermes_blocks(text, content, calls):
+    said, parsed = tool_calls(text)
+    assert said == content and [(c.name, c.arguments) for c in parsed] == calls
+    assert [c.id for c in parsed] == [f"call_{i}" for i in range(len(calls))]

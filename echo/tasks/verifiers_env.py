@@ -43,7 +43,6 @@ import asyncio
 import hashlib
 import json
 import os
-import re
 import signal
 import threading
 from collections.abc import Awaitable, Callable
@@ -172,7 +171,7 @@ For each function call, return a json object with function name and arguments wi
 <tool_call>
 {{"name": <function-name>, "arguments": <args-json-object>}}
 </tool_call>"""  # Qwen2.5's chat template's words, which SmolLM2's and many others' follow
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
 def row_messages(env, row: dict) -> list[dict]:
@@ -191,19 +190,23 @@ def row_messages(env, row: dict) -> list[dict]:
 
 def tool_calls(text: str) -> tuple[str, list]:
     """The model's text without its tool-call blocks, and the calls in them (a block that is not a
-    call's JSON stays text), numbered call_0, call_1, ... as a replay must number them alike."""
+    call's JSON object stays text), numbered call_0, call_1, ... as a replay must number them
+    alike. One pass over the text: it is the sampler's, read in the trainer's scoring budget."""
     from verifiers.types import ToolCall
 
-    calls = []
-    for block in TOOL_CALL.findall(text):
+    calls, kept, at = [], [], 0
+    while (start := text.find(OPEN, at)) >= 0 and (end := text.find(CLOSE, start)) >= 0:
         try:
-            call = json.loads(block)
+            call = json.loads(text[start + len(OPEN) : end])
             name, arguments = call["name"], call.get("arguments", {})
-        except (ValueError, TypeError, KeyError):
-            continue
-        calls.append(ToolCall(id=f"call_{len(calls)}", name=str(name),
-                              arguments=arguments if isinstance(arguments, str) else json.dumps(arguments)))
-    return (TOOL_CALL.sub("", text).strip() if calls else text), calls
+        except (ValueError, TypeError, KeyError, AttributeError):  # not a call's JSON object
+            kept.append(text[at : end + len(CLOSE)])
+        else:
+            kept.append(text[at:start])
+            calls.append(ToolCall(id=f"call_{len(calls)}", name=str(name),
+                                  arguments=arguments if isinstance(arguments, str) else json.dumps(arguments)))
+        at = end + len(CLOSE)
+    return ("".join([*kept, text[at:]]).strip() if calls else text), calls
 
 
 def _rows_file(env, name: str) -> tuple[Path, Path | None]:
