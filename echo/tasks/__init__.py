@@ -6,7 +6,8 @@ completion with a verifier, and keeps a held-out set for evaluation that trainin
 
 Built-in tasks are named in the config (`task.name = "sokoban"`); reasoning-gym's generators as
 `reasoning_gym:<dataset>` (echo/tasks/gym.py, the `tasks` extra); a `verifiers` environment as
-`verifiers:<module>` (echo/tasks/verifiers_env.py, the `envs` extra); a user's own as `module:Class`
+`verifiers:<module>` (echo/tasks/verifiers_env.py, the `envs` extra), an OpenEnv one as
+`openenv:<module>[:<Class>]` (echo/tasks/openenv_env.py, the `envs` extra too); a user's own as `module:Class`
 (importable) or `path/to/file.py:Class`, and gets `task.params` as a dict.
 """
 
@@ -36,6 +37,7 @@ BUILTIN = {
 }
 GYM = "reasoning_gym:"  # reasoning-gym's datasets: echo/tasks/gym.py
 VERIFIERS = "verifiers:"  # a verifiers environment's module: echo/tasks/verifiers_env.py
+OPENENV = "openenv:"  # an OpenEnv environment's module: echo/tasks/openenv_env.py
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,11 @@ def task_class(name: str) -> type:
             raise ConfigError(f"task.name {name!r} needs verifiers, an extra the base install leaves out: "
                               "pip install 'echo-rl[envs]'")
         return importlib.import_module("echo.tasks.verifiers_env").task_class(name.removeprefix(VERIFIERS))
+    if name.startswith(OPENENV):
+        if importlib.util.find_spec("openenv") is None:
+            raise ConfigError(f"task.name {name!r} needs openenv-core, an extra the base install leaves out: "
+                              "pip install 'echo-rl[envs]'")
+        return importlib.import_module("echo.tasks.openenv_env").task_class(name.removeprefix(OPENENV))
     path = BUILTIN.get(name, name)
     module_name, _, class_name = path.rpartition(":")
     if not module_name:

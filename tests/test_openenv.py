@@ -1,0 +1,163 @@
+"""OpenEnv environments as echo-rl environments (echo/tasks/openenv_env.py), with the real
+`openenv-core` package: an environment the test writes to its interface, played and replayed as
+a sampler and the trainer do, against OpenEnv's own server code for the same actions."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from echo.config import ConfigError, TaskConfig
+from echo.environments import EpisodeBuilder, replay
+from echo.models import encode_chat
+from echo.referee import Referee
+from echo.tasks import is_environment, load_task
+from tests.groups import SAMPLING, TOKENIZER, honest_group
+
+pytest.importorskip("openenv.core.env_server.interfaces")
+
+GUESS = '''
+import random
+
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import Action, Observation, State
+
+
+class GuessAction(Action):
+    guess: str
+
+
+class GuessObservation(Observation):
+    message: str
+
+
+class GuessEnvironment(Environment[GuessAction, GuessObservation, State]):
+    """Guess a number from 1 to 9, told higher or lower; reward 1 when guessed."""
+
+    def __init__(self, top: int = 9, seeded: bool = True):
+        super().__init__()
+        self.top, self.seeded = top, seeded
+        self._state = State()
+
+    def reset(self, seed=None, episode_id=None, **kwargs):
+        rng = random.Random(seed) if self.seeded else random.Random()
+        self.secret, self._state = rng.randint(1, self.top), State(step_count=0)
+        game = "" if self.seeded else f" (game {rng.random()})"  # not the seed's: no replay could check it
+        return GuessObservation(message=f"Guess my number, 1 to {self.top}{game}.")
+
+    def step(self, action, timeout_s=None, **kwargs):
+        self._state.step_count += 1
+        guess = action.guess.strip()
+        if guess == str(self.secret):
+            return GuessObservation(message="right", done=True, reward=1.0)
+        said = "higher" if guess.isdigit() and int(guess) < self.secret else "lower"
+        return GuessObservation(message=f"{guess!r}: {said}", reward=0.0)
+
+    @property
+    def state(self):
+        return self._state
+'''
+
+
+@pytest.fixture
+def guess_module(tmp_path, monkeypatch):
+    (tmp_path / "guess_openenv.py").write_text(GUESS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("guess_openenv", None)
+    return "guess_openenv"
+
+
+def played(task, prompt, turns: list[str], max_tokens: int = 4096) -> EpisodeBuilder:
+    episode = EpisodeBuilder(task, TOKENIZER, prompt, encode_chat(TOKENIZER, prompt.messages), max_tokens)
+    for text in turns:
+        if episode.done:
+            break
+        ids = TOKENIZER(text, add_special_tokens=False)["input_ids"] + [TOKENIZER.eos_token_id]
+        episode.add_turn(ids, [-0.5] * len(ids))
+    return episode
+
+
+def secret_of(task, prompt) -> int:
+    """The number, found as a model would: by guessing."""
+    for guess in range(1, 10):
+        if task.episode(prompt).step(str(guess)).done:
+            return guess
+    raise AssertionError("no guess was right")
+
+
+def test_an_openenv_environment_plays_from_a_seed_and_the_trainer_replays_it(guess_module):
+    task = load_task(TaskConfig(name=f"openenv:{guess_module}", params={"max_turns": 4}))
+    assert is_environment(task) and task.max_turns == 4
+    prompt = task.prompt(5)
+    assert prompt.messages == [{"role": "user", "content": "Guess my number, 1 to 9."}] and prompt.answer == "5"
+    assert [p.answer for p in task.held_out(3)] == [str(2**31 + i) for i in range(3)]  # seeds no training index has
+    secret = secret_of(task, prompt)
+    wrong = "1" if secret != 1 else "2"
+    episode = played(task, prompt, [wrong, str(secret)])
+    completion = episode.completion()
+    assert episode.done and completion.reward == 1.0 and len(completion.observations) == 1
+    seen = completion.token_ids[completion.observations[0].at:][:completion.observations[0].tokens]
+    assert TOKENIZER.decode(seen.tolist()).startswith(f"\n<|im_start|>user\n'{wrong}': ")
+    assert replay(task, TOKENIZER, prompt, completion, 4096) == (1.0, None)
+    ids = completion.token_ids.copy()
+    ids[completion.observations[0].at + 9] ^= 1  # another answer than the environment's
+    assert replay(task, TOKENIZER, prompt, completion.replaced(token_ids=ids), 4096).reason == "observation_mismatch"
+    referee = Referee(task, TOKENIZER, vocab_size=len(TOKENIZER), sampling=SAMPLING)
+    lied = referee.score(honest_group(5, texts=["x"], rewards=[0.0], of_task=task,
+                                      completions=[played(task, prompt, [wrong] * 4).completion().replaced(reward=1.0)],
+                                      temperature=SAMPLING.temperature))
+    assert lied.reward_mismatch and lied.rewards == [0.0]  # a strike; trained on the replayed reward
+
+
+def test_the_episode_is_what_openenvs_own_server_gives_for_the_same_actions(guess_module):
+    """OpenEnv's server (its FastAPI app, over its WebSocket session) reset with the seed and
+    stepped with the model's turns answers what the in-process episode answered."""
+    import guess_openenv
+    from fastapi.testclient import TestClient
+    from openenv.core.env_server.http_server import create_fastapi_app
+
+    task = load_task(TaskConfig(name=f"openenv:{guess_module}", params={}))
+    prompt = task.prompt(11)
+    turns = ["3", "7", str(secret_of(task, prompt))]
+    ours = task.episode(prompt)
+    app = create_fastapi_app(guess_openenv.GuessEnvironment, guess_openenv.GuessAction, guess_openenv.GuessObservation)
+    with TestClient(app).websocket_connect("/ws") as ws:
+        ws.send_json({"type": "reset", "data": {"seed": 11}})
+        assert ws.receive_json()["data"]["observation"]["message"] == prompt.messages[-1]["content"]
+        for turn in turns:
+            step = ours.step(turn)
+            ws.send_json({"type": "step", "data": {"guess": turn}})
+            theirs = ws.receive_json()["data"]
+            assert step.done == theirs["done"] and step.reward == theirs["reward"]
+            assert step.done or step.observation == [{"role": "user", "content": theirs["observation"]["message"]}]
+
+
+def test_a_turn_that_is_not_an_action_is_answered_and_the_summed_reward_mapped_onto_0_1(guess_module):
+    task = load_task(TaskConfig(name=f"openenv:{guess_module}:GuessEnvironment",
+                                params={"reward_range": [-1.0, 1.0], "instruction": "Answer with a number."}))
+    prompt = task.prompt(3)
+    assert prompt.messages[0] == {"role": "system", "content": "Answer with a number."}
+    episode = task.episode(prompt)
+    assert episode.step("   ").observation[0]["content"].startswith("'': ")  # an empty guess is still a guess
+    assert played(task, prompt, [str(secret_of(task, prompt))]).reward == 1.0  # 1 on [-1, 1]
+    assert played(task, prompt, ["0"] * 8).reward == 0.5  # 0 on [-1, 1]
+
+
+@pytest.mark.parametrize("name, params, said", [
+    ("openenv:{m}", {"env": {"seeded": False}}, "answered differently"),
+    ("openenv:{m}", {"env": {"colour": "red"}}, "task.params.env for"),
+    ("openenv:{m}:Nope", {}, "has no OpenEnv Environment Nope"),
+    ("openenv:no_such_openenv_module", {}, "no_such_openenv_module"),
+    ("openenv:{m}", {"reward_range": [1, 0]}, "reward_range"),
+])
+def test_what_cannot_be_played_or_replayed_is_refused_at_start_in_one_line(guess_module, name, params, said):
+    with pytest.raises(ConfigError) as refused:
+        load_task(TaskConfig(name=name.format(m=guess_module), params=params))
+    assert said in str(refused.value) and "\n" not in str(refused.value), refused.value
+
+
+def test_an_unseeded_environment_trains_on_the_samplers_word_where_the_run_says_so(guess_module):
+    task = load_task(TaskConfig(name=f"openenv:{guess_module}", params={
+        "env": {"seeded": False}, "trust_samplers_for_observations": True}))
+    assert task.trusted_observations and task.prompt(0).messages
