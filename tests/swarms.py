@@ -111,17 +111,25 @@ def load_environment(n: int = 200, eval_n: int = 12):
 
 # A multi-turn environment to `verifiers`' interface, which answers every turn: episodes go on.
 GUESS_ENV = '''
+import random
+
 import verifiers as vf
 from datasets import Dataset
 
 
-class Guess(vf.MultiTurnEnv):
-    """Guess the number: told higher or lower after each guess; over when guessed."""
+class Guess(vf.ToolEnv):
+    """Guess the number, with a calculator: a turn that calls the tool gets its result, one that
+    does not is a guess, told higher or lower; over when guessed."""
+
+    async def no_tools_called(self, state) -> bool:  # ToolEnv's stop, not one here: a turn without a call guesses
+        return False
 
     async def env_response(self, messages, state, **kwargs):
+        if getattr(messages[-1], "tool_calls", None):
+            return await super().env_response(messages, state, **kwargs)
         guess = self.parser.parse_answer(messages) or ""
         said = "higher" if guess.isdigit() and int(guess) < int(state["answer"]) else "lower"
-        return [{"role": "user", "content": f"{guess!r}: {said}"}]
+        return [vf.UserMessage(content=f"{guess!r}: {said}")]
 
     @vf.stop
     async def guessed(self, state) -> bool:
@@ -129,8 +137,12 @@ class Guess(vf.MultiTurnEnv):
             state["trajectory"][-1]["completion"]) == state["answer"]
 
 
+def add(a: int, b: int) -> int:
+    """a + b"""  # short: the tools' system message, in bytes, and the episode share the tiny model's 1024
+    return a + b
+
+
 def load_environment(seeded: bool = True):
-    import random
     rows = [{"question": f"Game {i}: guess my number, 1 to 9, in <answer></answer>.", "answer": str(1 + i % 9)}
             for i in range(100)]
     parser = vf.XMLParser(["answer"])
@@ -138,10 +150,55 @@ def load_environment(seeded: bool = True):
     def guessed_it(completion, answer) -> float:
         return float(parser.parse_answer(completion) == answer)
 
-    env = Guess(dataset=Dataset.from_list(rows), parser=parser, rubric=vf.Rubric(funcs=[guessed_it], parser=parser))
+    # max_turns -1: none of its own, so echo-rl's task.params.max_turns sets it.
+    env = Guess(tools=[add], max_turns=-1, dataset=Dataset.from_list(rows), parser=parser,
+                rubric=vf.Rubric(funcs=[guessed_it], parser=parser))
     if not seeded:  # an answer that changes from play to play: no replay can check it
         async def env_response(messages, state, **kwargs):
-            return [{"role": "user", "content": str(random.random())}]
+            return [vf.UserMessage(content=str(random.random()))]
         env.env_response = env_response
     return env
+'''
+
+
+OPENENV_GUESS = '''  # the guess game as an OpenEnv environment
+import random
+
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import Action, Observation, State
+
+
+class GuessAction(Action):
+    guess: str
+
+
+class GuessObservation(Observation):
+    message: str
+
+
+class GuessEnvironment(Environment[GuessAction, GuessObservation, State]):
+    """Guess a number from 1 to 9, told higher or lower; reward 1 when guessed."""
+
+    def __init__(self, top: int = 9, seeded: bool = True):
+        super().__init__()
+        self.top, self.seeded = top, seeded
+        self._state = State()
+
+    def reset(self, seed=None, episode_id=None, **kwargs):
+        rng = random.Random(seed) if self.seeded else random.Random()
+        self.secret, self._state = rng.randint(1, self.top), State(step_count=0)
+        game = "" if self.seeded else f" (game {rng.random()})"  # not the seed's: no replay could check it
+        return GuessObservation(message=f"Guess my number, 1 to {self.top}{game}.")
+
+    def step(self, action, timeout_s=None, **kwargs):
+        self._state.step_count += 1
+        guess = action.guess.strip()
+        if guess == str(self.secret):
+            return GuessObservation(message="right", done=True, reward=1.0)
+        said = "higher" if guess.isdigit() and int(guess) < self.secret else "lower"
+        return GuessObservation(message=f"{guess!r}: {said}", reward=0.0)
+
+    @property
+    def state(self):
+        return self._state
 '''

@@ -15,7 +15,15 @@ from safetensors.torch import load
 from echo.config import TaskConfig
 from echo.tasks import load_task
 from echo.wire.names import HDR_MSG_ID, HDR_VERSION
-from tests.swarms import GUESS_ENV, USER_TASK, VERIFIERS_ENV, assert_every_group_proved, run_swarm, up_command
+from tests.swarms import (
+    GUESS_ENV,
+    OPENENV_GUESS,
+    USER_TASK,
+    VERIFIERS_ENV,
+    assert_every_group_proved,
+    run_swarm,
+    up_command,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -115,18 +123,21 @@ def test_sequential_run_trains_only_on_its_current_version(tmp_path, relay, engi
     assert len(logs) == len(stderr.splitlines())  # every line is JSON
 
 
-# Each task in one mode, each mode with one task: the pairs the four combinations share (80 s of
-# the suite saved; the episode loop does not depend on the mode, the grants not on the task). The
-# calculator's episodes (math_tools) are played and replayed in test_environments.py.
-@pytest.mark.parametrize("task, mode", [("sokoban_game", "async"), ("verifiers:guess_env", "sequential")])
+# Each task in one mode, each mode with one task: the pairs the combinations share (80 s of the
+# suite saved; the episode loop does not depend on the mode, the grants not on the task). The
+# calculator's episodes (math_tools) are played and replayed in test_environments.py, the verifiers
+# game's tool calls in test_verifiers_env.py (the tiny random model calls no tool).
+@pytest.mark.parametrize("task, mode", [("sokoban_game", "async"), ("verifiers:guess_env", "sequential"),
+                                        ("openenv:guess_openenv", "async")])
 def test_multi_turn_tasks_train_end_to_end(tmp_path, monkeypatch, task, mode):
-    """Episodes of Sokoban played move by move, and of a `verifiers` MultiTurnEnv (guess the
-    number, told higher or lower): the samplers play them turn by turn with keyed noise, the
-    trainer replays each with the sampler's actions (the verifiers environment's own rollout code
-    in both), proves every group's tokens and trains on the model's tokens; nothing is refused,
-    and some episodes went past their first turn."""
+    """Episodes of Sokoban played move by move, of a `verifiers` ToolEnv (guess the number, with a
+    calculator, told higher or lower) and of the same game as an OpenEnv environment: the samplers
+    play them turn by turn with keyed noise, the trainer replays each with the sampler's actions
+    (the environment's own code in both), proves every group's tokens and trains on the model's
+    tokens; nothing is refused, and some episodes went past their first turn."""
     (tmp_path / "user_envs").mkdir()
     (tmp_path / "user_envs" / "guess_env.py").write_text(GUESS_ENV)
+    (tmp_path / "user_envs" / "guess_openenv.py").write_text(OPENENV_GUESS)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "user_envs"))
     monkeypatch.setenv("ECHO_CACHE", str(tmp_path / "cache"))
     run_id = f"{task}-{mode}".replace("_", "-").replace(":", "-")

@@ -14,55 +14,14 @@ from echo.models import encode_chat
 from echo.referee import Referee
 from echo.tasks import is_environment, load_task
 from tests.groups import SAMPLING, TOKENIZER, honest_group
+from tests.swarms import OPENENV_GUESS
 
 pytest.importorskip("openenv.core.env_server.interfaces")
-
-GUESS = '''
-import random
-
-from openenv.core.env_server.interfaces import Environment
-from openenv.core.env_server.types import Action, Observation, State
-
-
-class GuessAction(Action):
-    guess: str
-
-
-class GuessObservation(Observation):
-    message: str
-
-
-class GuessEnvironment(Environment[GuessAction, GuessObservation, State]):
-    """Guess a number from 1 to 9, told higher or lower; reward 1 when guessed."""
-
-    def __init__(self, top: int = 9, seeded: bool = True):
-        super().__init__()
-        self.top, self.seeded = top, seeded
-        self._state = State()
-
-    def reset(self, seed=None, episode_id=None, **kwargs):
-        rng = random.Random(seed) if self.seeded else random.Random()
-        self.secret, self._state = rng.randint(1, self.top), State(step_count=0)
-        game = "" if self.seeded else f" (game {rng.random()})"  # not the seed's: no replay could check it
-        return GuessObservation(message=f"Guess my number, 1 to {self.top}{game}.")
-
-    def step(self, action, timeout_s=None, **kwargs):
-        self._state.step_count += 1
-        guess = action.guess.strip()
-        if guess == str(self.secret):
-            return GuessObservation(message="right", done=True, reward=1.0)
-        said = "higher" if guess.isdigit() and int(guess) < self.secret else "lower"
-        return GuessObservation(message=f"{guess!r}: {said}", reward=0.0)
-
-    @property
-    def state(self):
-        return self._state
-'''
 
 
 @pytest.fixture
 def guess_module(tmp_path, monkeypatch):
-    (tmp_path / "guess_openenv.py").write_text(GUESS)
+    (tmp_path / "guess_openenv.py").write_text(OPENENV_GUESS)
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop("guess_openenv", None)
     return "guess_openenv"

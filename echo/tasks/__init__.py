@@ -36,8 +36,23 @@ BUILTIN = {
     "dataset": "echo.tasks.dataset:Dataset",  # a user's file of prompts and answers, named on the trainer
 }
 GYM = "reasoning_gym:"  # reasoning-gym's datasets: echo/tasks/gym.py
-VERIFIERS = "verifiers:"  # a verifiers environment's module: echo/tasks/verifiers_env.py
-OPENENV = "openenv:"  # an OpenEnv environment's module: echo/tasks/openenv_env.py
+
+
+@dataclass(frozen=True)
+class Family:
+    """Tasks named `<prefix><rest>`: a module of ours gives each its class, from a package an extra installs."""
+
+    module: str  # ours, with task_class(rest)
+    package: str  # what it needs imported
+    needs: str  # how the error names it
+    extra: str
+
+
+FAMILIES = {
+    GYM: Family("echo.tasks.gym", "reasoning_gym", "reasoning-gym", "tasks"),
+    "verifiers:": Family("echo.tasks.verifiers_env", "verifiers", "verifiers", "envs"),
+    "openenv:": Family("echo.tasks.openenv_env", "openenv", "openenv-core", "envs"),
+}
 
 
 @dataclass(frozen=True)
@@ -162,25 +177,13 @@ def parse_params(model: type[P], params: dict) -> P:
 def task_class(name: str) -> type:
     """The class a task.name names (a built-in, module:Class or file.py:Class), imported, not yet
     made: a wrong name is said before anything else is done."""
-    if name.startswith(GYM):
-        try:  # by name, as the built-ins are: the task modules import this one, never the reverse
-            gym = importlib.import_module("echo.tasks.gym")
-        except ModuleNotFoundError as e:
-            if (e.name or "").partition(".")[0] != "reasoning_gym":
-                raise
-            raise ConfigError(f"task.name {name!r} needs reasoning-gym, an extra the base install leaves out: "
-                              "pip install 'echo-rl[tasks]'") from None
-        return gym.task_class(name.removeprefix(GYM))
-    if name.startswith(VERIFIERS):
-        if importlib.util.find_spec("verifiers") is None:
-            raise ConfigError(f"task.name {name!r} needs verifiers, an extra the base install leaves out: "
-                              "pip install 'echo-rl[envs]'")
-        return importlib.import_module("echo.tasks.verifiers_env").task_class(name.removeprefix(VERIFIERS))
-    if name.startswith(OPENENV):
-        if importlib.util.find_spec("openenv") is None:
-            raise ConfigError(f"task.name {name!r} needs openenv-core, an extra the base install leaves out: "
-                              "pip install 'echo-rl[envs]'")
-        return importlib.import_module("echo.tasks.openenv_env").task_class(name.removeprefix(OPENENV))
+    for prefix, family in FAMILIES.items():
+        if name.startswith(prefix):
+            if importlib.util.find_spec(family.package) is None:
+                raise ConfigError(f"task.name {name!r} needs {family.needs}, an extra the base install leaves out: "
+                                  f"pip install 'echo-rl[{family.extra}]'")
+            # By name, as the built-ins are: the task modules import this one, never the reverse.
+            return importlib.import_module(family.module).task_class(name.removeprefix(prefix))
     path = BUILTIN.get(name, name)
     module_name, _, class_name = path.rpartition(":")
     if not module_name:

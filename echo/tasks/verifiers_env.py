@@ -311,8 +311,7 @@ class VerifiersEnv(Dataset):
         super().__init__({"path": str(train), "val_path": str(held_out) if held_out else None, "prompt": "prompt",
                           "answer": "ref", "data_source": "data_source", "prompts": params.prompts})
         self.name = name
-        published = hashlib.sha256(self.published_prompts()[0]).hexdigest()
-        if params.prompts and published != params.prompts:
+        if params.prompts and hashlib.sha256(self.published_prompts()[0]).hexdigest() != params.prompts:
             raise ConfigError(f"task.name {name!r}: this process loaded other rows than the trainer published: the "
                               "environment's dataset is not the same in every process (a shuffle without a seed?)")
 
