@@ -179,6 +179,8 @@ class GuessObservation(Observation):
 class GuessEnvironment(Environment[GuessAction, GuessObservation, State]):
     """Guess a number from 1 to 9, told higher or lower; reward 1 when guessed."""
 
+    SUPPORTS_CONCURRENT_SESSIONS = True  # one server may hold a group's episodes at once
+
     def __init__(self, top: int = 9, seeded: bool = True):
         super().__init__()
         self.top, self.seeded = top, seeded

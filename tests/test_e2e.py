@@ -127,14 +127,16 @@ def test_sequential_run_trains_only_on_its_current_version(tmp_path, relay, engi
 # suite saved; the episode loop does not depend on the mode, the grants not on the task). The
 # calculator's episodes (math_tools) are played and replayed in test_environments.py, the verifiers
 # game's tool calls in test_verifiers_env.py (the tiny random model calls no tool).
-@pytest.mark.parametrize("task, mode", [("sokoban_game", "async"), ("verifiers:guess_env", "sequential"),
-                                        ("openenv:guess_openenv", "async")])
-def test_multi_turn_tasks_train_end_to_end(tmp_path, monkeypatch, task, mode):
+@pytest.mark.parametrize("task, mode, extra", [
+    ("sokoban_game", "async", ()), ("verifiers:guess_env", "sequential", ()),
+    ("openenv:guess_openenv", "async", ('task.params.server="subprocess"',))])
+def test_multi_turn_tasks_train_end_to_end(tmp_path, monkeypatch, task, mode, extra):
     """Episodes of Sokoban played move by move, of a `verifiers` ToolEnv (guess the number, with a
-    calculator, told higher or lower) and of the same game as an OpenEnv environment: the samplers
-    play them turn by turn with keyed noise, the trainer replays each with the sampler's actions
-    (the environment's own code in both), proves every group's tokens and trains on the model's
-    tokens; nothing is refused, and some episodes went past their first turn."""
+    calculator, told higher or lower) and of the same game as an OpenEnv environment, served by
+    OpenEnv's own server beside each process: the samplers play them turn by turn with keyed
+    noise, the trainer replays each with the sampler's actions (the environment's own code in
+    both), proves every group's tokens and trains on the model's tokens; nothing is refused, and
+    some episodes went past their first turn."""
     (tmp_path / "user_envs").mkdir()
     (tmp_path / "user_envs" / "guess_env.py").write_text(GUESS_ENV)
     (tmp_path / "user_envs" / "guess_openenv.py").write_text(OPENENV_GUESS)
@@ -143,7 +145,7 @@ def test_multi_turn_tasks_train_end_to_end(tmp_path, monkeypatch, task, mode):
     run_id = f"{task}-{mode}".replace("_", "-").replace(":", "-")
     metrics, stream, _ = run_swarm(tmp_path, run_id, 3, f"task.name={task}",
                                    f"run.mode={mode}", "sampling.max_new_tokens=256", "task.params.max_turns=3",
-                                   "run.eval_prompts=2", "trainer.verify_fraction=1.0")
+                                   "run.eval_prompts=2", "trainer.verify_fraction=1.0", *extra)
     assert [m["version"] for m in metrics] == [1, 2, 3] and all(m["used"] == 4 for m in metrics)
     assert not any(m["rejected"] for m in metrics)
     assert metrics[-1]["proof_of_sampling"]["passed"] >= 12 and "forged" not in metrics[-1]["proof_of_sampling"]

@@ -4,8 +4,10 @@ a sampler and the trainer do, against OpenEnv's own server code for the same act
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
+import psutil
 import pytest
 
 from echo.config import ConfigError, TaskConfig
@@ -92,6 +94,35 @@ def test_the_episode_is_what_openenvs_own_server_gives_for_the_same_actions(gues
             assert step.done or step.observation == [{"role": "user", "content": theirs["observation"]["message"]}]
 
 
+def test_served_by_openenvs_own_server_in_a_subprocess_the_episodes_are_the_in_process_ones(guess_module, tmp_path):
+    """`server = "subprocess"`: OpenEnv's server for the class, under uvicorn beside the process,
+    played through OpenEnv's client, a WebSocket session an episode; several at once, as a
+    sampler plays a group. The server ends with the process that started it."""
+    ours = load_task(TaskConfig(name=f"openenv:{guess_module}", params={"max_turns": 4}))
+    served = load_task(TaskConfig(name=f"openenv:{guess_module}", params={"server": "subprocess", "max_turns": 4}))
+    prompts = [served.prompt(i) for i in (3, 11, 12)]
+    assert prompts == [ours.prompt(i) for i in (3, 11, 12)]
+    turns = ["not a number", str(secret_of(ours, prompts[0])), "7", "3"]
+    theirs = [played(served, p, turns) for p in prompts]  # three sessions open at once
+    assert [e.completion() for e in theirs] == [played(ours, p, turns).completion() for p in prompts]
+    assert any(e.done and e.reward == 1.0 for e in theirs) and any(e.completion().observations for e in theirs)
+    completion = theirs[0].completion()
+    assert replay(served, TOKENIZER, prompts[0], completion, 4096) == replay(ours, TOKENIZER, prompts[0], completion, 4096)
+    ids = completion.token_ids.copy()
+    ids[completion.observations[0].at + 9] ^= 1
+    assert replay(served, TOKENIZER, prompts[0], completion.replaced(token_ids=ids), 4096).reason == "observation_mismatch"
+    # A process that served: its server goes when it does.
+    script = (f"import sys, psutil; sys.path.insert(0, {str(tmp_path)!r}); from echo.config import TaskConfig; "
+              "from echo.tasks import load_task; "
+              f"load_task(TaskConfig(name='openenv:{guess_module}', params={{'server': 'subprocess'}})); "
+              "print(*[c.pid for c in psutil.Process().children()])")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    children = [int(pid) for pid in done.stdout.split()]
+    assert len(children) == 1
+    _, alive = psutil.wait_procs([psutil.Process(pid) for pid in children if psutil.pid_exists(pid)], timeout=30)
+    assert not alive
+
+
 def test_a_turn_that_is_not_an_action_is_answered_and_the_summed_reward_mapped_onto_0_1(guess_module):
     task = load_task(TaskConfig(name=f"openenv:{guess_module}:GuessEnvironment",
                                 params={"reward_range": [-1.0, 1.0], "instruction": "Answer with a number."}))
@@ -114,6 +145,20 @@ def test_what_cannot_be_played_or_replayed_is_refused_at_start_in_one_line(guess
     with pytest.raises(ConfigError) as refused:
         load_task(TaskConfig(name=name.format(m=guess_module), params=params))
     assert said in str(refused.value) and "\n" not in str(refused.value), refused.value
+
+
+def test_a_server_that_cannot_serve_a_group_or_an_image_without_docker_is_refused_in_one_line(guess_module,
+                                                                                              monkeypatch):
+    import guess_openenv
+
+    monkeypatch.setattr(guess_openenv.GuessEnvironment, "SUPPORTS_CONCURRENT_SESSIONS", False)
+    with pytest.raises(ConfigError, match="does not declare SUPPORTS_CONCURRENT_SESSIONS") as refused:
+        load_task(TaskConfig(name=f"openenv:{guess_module}", params={"server": "subprocess"}))
+    assert "\n" not in str(refused.value)
+    monkeypatch.setenv("PATH", "")  # no docker client, as on a machine without Docker
+    with pytest.raises(ConfigError, match="its container did not start") as refused:
+        load_task(TaskConfig(name="openenv:docker:guess-env:latest", params={}))
+    assert "\n" not in str(refused.value)
 
 
 def test_an_unseeded_environment_trains_on_the_samplers_word_where_the_run_says_so(guess_module):

@@ -18,7 +18,8 @@ from echo.environments import EpisodeBuilder, replay
 from echo.models import encode_chat
 from echo.referee import Referee
 from echo.tasks import is_environment, load_task, safe_score, task_class
-from echo.tasks.verifiers_env import as_chat, on_loop, replay_client, texts, tool_calls
+from echo.tasks.loop import on_loop
+from echo.tasks.verifiers_env import as_chat, replay_client, texts, tool_calls
 from tests.groups import SAMPLING, TOKENIZER, honest_group
 from tests.swarms import GUESS_ENV, VERIFIERS_ENV
 

@@ -44,7 +44,6 @@ import hashlib
 import json
 import os
 import signal
-import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -54,6 +53,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from echo.config import ConfigError, cache_dir
 from echo.tasks import Prompt, Score, Step, parse_params
 from echo.tasks.dataset import Dataset
+from echo.tasks.loop import on_loop, submit
 
 PREFIX = "verifiers:"
 REPLAY_MODEL = "echo-rl"  # the model name the environment sees: the completion is replayed, not generated
@@ -231,31 +231,6 @@ def _rows_file(env, name: str) -> tuple[Path, Path | None]:
     return train, (write(env.eval_dataset, "eval") if env.build_eval_dataset() is not None else None)
 
 
-_loop: tuple[int, asyncio.AbstractEventLoop] | None = None  # (pid, loop): a forked child starts its own
-_loop_lock = threading.Lock()
-
-
-def _quiet_at_exit(loop: asyncio.AbstractEventLoop, context: dict) -> None:
-    """The rollouts of episodes still held when the process exits die with its daemon loop: said
-    by asyncio as "Task was destroyed but it is pending", which is nothing lost here."""
-    if not context.get("message", "").startswith("Task was destroyed but it is pending"):
-        loop.default_exception_handler(context)
-
-
-def on_loop(coroutine):
-    """Run a coroutine to its end on this process's verifiers loop, a daemon thread's: sync code
-    calls it (the scoring process, the samplers' episode loop, the trainer's event loop's thread),
-    and an episode's rollout waits there between its model turns."""
-    global _loop
-    with _loop_lock:
-        if _loop is None or _loop[0] != os.getpid():
-            loop = asyncio.new_event_loop()
-            loop.set_exception_handler(_quiet_at_exit)
-            threading.Thread(target=loop.run_forever, name="verifiers", daemon=True).start()
-            _loop = (os.getpid(), loop)
-    return asyncio.run_coroutine_threadsafe(coroutine, _loop[1]).result()
-
-
 def replay_client(answer: Callable[[list], Awaitable[str]]):
     """A verifiers client whose model is `answer`: the conversation so far in, the model's text out.
     Where the environment has tools, their calls are read from the text (`tool_calls`)."""
@@ -420,8 +395,8 @@ class Played:
 
     def __del__(self):  # an episode our loop ended first (its token budget): its rollout waits no longer
         rollout = getattr(self, "rollout", None)
-        if rollout is not None and not rollout.done() and _loop is not None:
-            _loop[1].call_soon_threadsafe(_stop, rollout, self.turns)
+        if rollout is not None and not rollout.done():
+            submit(_stop, rollout, self.turns)
 
 
 def _stop(rollout: asyncio.Future, turns: asyncio.Queue) -> None:
