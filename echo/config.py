@@ -70,6 +70,10 @@ class LoraConfig(_Section):
     dropout: float = Field(0.0, ge=0, lt=1)  # on the adapter's input, while training
     # The layers the adapter wraps (Llama/Qwen2 names: attention and MLP projections).
     target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    # And the weights it wraps that are not a layer's: a mixture of experts' experts, stacked in one
+    # tensor a layer (transformers' Qwen3-MoE, Mixtral; peft's target_parameters). Names matching
+    # no parameter of the model are left out, so a dense model takes none.
+    target_parameters: list[str] = ["experts.gate_up_proj", "experts.down_proj"]
 
 
 class TaskConfig(_Section):

@@ -9,7 +9,7 @@ from echo.hub import is_pinned
 from echo.tasks import BUILTIN as BUILTIN_TASKS
 from echo.tasks import GYM
 
-BUILTIN_MODELS = ("tiny", "smollm2")
+BUILTIN_MODELS = ("tiny", "tiny-moe", "smollm2")  # echo/models.py builds or converts them
 
 # (path in the config, whether the broker may name this value, the sampler's flag that sets it).
 # reasoning-gym's datasets are installed code, and echo/tasks/gym.py takes no file path from a config.

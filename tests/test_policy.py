@@ -67,6 +67,31 @@ def test_adapter_moves_between_instances_and_reproduces_logits(engines):
     assert same_logits(source, target)
 
 
+def test_a_mixture_of_experts_takes_lora_on_attention_and_experts_and_samples_what_the_trainer_computes():
+    """tiny-moe (Qwen3-MoE, 8 experts, top-2): the adapter wraps the attention layers and each
+    layer's stacked experts (peft's target_parameters); it moves to a sampler's instance whole,
+    and the sampler's log-probs are the trainer's (in fp32 both route alike)."""
+    source, target = (HFEngine("tiny-moe", LoraConfig(r=4), SAMPLING) for _ in range(2))
+    adapted = {n.split(".lora_")[0] for n, _ in source.model.named_parameters() if ".lora_A." in n}
+    assert {n.rsplit(".", 1)[-1] for n in adapted} >= {"q_proj", "k_proj", "v_proj", "o_proj", "experts", "base_layer"}
+    with torch.no_grad():
+        for name, p in source.model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.1)
+    assert not same_logits(source, target)
+    target.load_weights(shards_of(source.model))
+    assert same_logits(source, target)
+    prompt = target.encode_chat([{"role": "user", "content": "What is 2 + 3?"}])
+    group = target.generate([prompt], 4)[0]
+    with torch.no_grad():
+        logprobs, _, _ = group_logprobs(source.model, prompt, [g.token_ids for g in group], SAMPLING.temperature,
+                                        source.tokenizer.pad_token_id)
+    for row, g in enumerate(group):
+        assert torch.allclose(logprobs[row, : len(g.token_ids)], torch.tensor(g.logprobs), atol=1e-4)
+    dense = make_policy(load_model("tiny")[0], LoraConfig(r=4))
+    assert not dense.peft_config["default"].target_parameters  # a dense model has no stacked experts
+
+
 def test_full_weights_move_in_shards_and_reproduce_logits():
     source, target = (HFEngine("tiny", LoraConfig(enabled=False), SAMPLING) for _ in range(2))
     with torch.no_grad():
