@@ -33,10 +33,11 @@ test: install
 
 # docker-compose.yml run for real (Docker and root; not part of `make test`): compose/local-images.sh
 # starts dockerd and builds local stand-ins for the images a registry would give, then the test
-# follows the README's compose section. Run it before landing a change to compose/, docker-compose*.yml or
+# follows the README's compose section; and an OpenEnv server's image is played (tests/test_openenv.py). Run it before landing a change to compose/, docker-compose*.yml or
 # pyproject.toml's extras (tests/test_image.py, in `make test`, catches only a dependency with no wheel).
 test-compose: install
-	images=$$(PY=$(PY) bash compose/local-images.sh) && env $$images $(PY) -m pytest -q --compose tests/test_compose_swarm.py $(ARGS)
+	images=$$(PY=$(PY) bash compose/local-images.sh) && env $$images $(PY) -m pytest -q --compose -m compose \
+		tests/test_compose_swarm.py tests/test_openenv.py $(ARGS)
 
 # The live status page in headless Chromium (not part of `make test`): Debian's chromium and
 # chromium-driver where missing (apt, as root), selenium into .venv; writes docs/status-page.png.

@@ -4,6 +4,7 @@ a sampler and the trainer do, against OpenEnv's own server code for the same act
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -165,3 +166,42 @@ def test_an_unseeded_environment_trains_on_the_samplers_word_where_the_run_says_
     task = load_task(TaskConfig(name=f"openenv:{guess_module}", params={
         "env": {"seeded": False}, "trust_samplers_for_observations": True}))
     assert task.trusted_observations and task.prompt(0).messages
+
+
+SERVER = """
+from openenv.core.env_server.http_server import create_app
+
+from guess_openenv import GuessAction, GuessEnvironment, GuessObservation
+
+app = create_app(GuessEnvironment, GuessAction, GuessObservation, max_concurrent_envs=64)
+"""
+
+
+@pytest.mark.compose
+@pytest.mark.timeout(3600)  # the image installs openenv-core (vfs, a busy 2-core box: minutes)
+def test_a_docker_image_of_openenvs_server_plays_the_episodes_the_package_plays_in_process(guess_module, tmp_path):
+    """`openenv:docker:<image>` where Docker runs (make test-compose): an image of OpenEnv's server
+    for the game, as OpenEnv's docs build one, started by OpenEnv's LocalDockerProvider, its Action
+    read from its /schema, played through OpenEnv's client: the in-process episodes."""
+    import importlib.metadata
+
+    image = "echo-rl-test/openenv-guess:latest"
+    folder = tmp_path / "image"
+    folder.mkdir()
+    (folder / "guess_openenv.py").write_text(OPENENV_GUESS)
+    (folder / "server.py").write_text(SERVER)
+    (folder / "Dockerfile").write_text(
+        f"FROM {os.environ.get('PYTHON_IMAGE', 'python:3.11-slim')}\n"
+        f"RUN pip install -q openenv-core=={importlib.metadata.version('openenv-core')}\n"
+        "COPY *.py /app/\nWORKDIR /app\n"
+        'CMD ["python", "-m", "uvicorn", "server:app", "--host", "0.0.0.0", "--port", "8000"]\n')
+    subprocess.run(["docker", "build", "-q", "-t", image, str(folder)], check=True, capture_output=True, timeout=3000)
+    ours = load_task(TaskConfig(name=f"openenv:{guess_module}", params={"max_turns": 4}))
+    theirs = load_task(TaskConfig(name=f"openenv:docker:{image}", params={"max_turns": 4}))
+    prompts = [theirs.prompt(i) for i in (3, 11)]
+    assert prompts == [ours.prompt(i) for i in (3, 11)]
+    turns = ["not a number", str(secret_of(ours, prompts[0])), "7", "3"]
+    played_there = [played(theirs, p, turns) for p in prompts]
+    assert [e.completion() for e in played_there] == [played(ours, p, turns).completion() for p in prompts]
+    assert played_there[0].reward == 1.0
+

@@ -1,8 +1,11 @@
 """Routing replay on the tiny mixture of experts (echo/routing.py): what a forward's routers chose,
 recorded; a forward made to use given choices, its gates recomputed from its own logits."""
 
+import pytest
 import torch
 
+from echo.config import LoraConfig, SamplingConfig
+from echo.engines.hf import HFEngine
 from echo.models import load_model
 from echo.routing import OWN, recorded, replayed, routers, routing_gap
 
@@ -60,3 +63,40 @@ def test_the_routing_gap_is_zero_for_a_routers_own_choice_and_large_for_a_made_u
     made_up = torch.stack([torch.randperm(8)[:2] for _ in range(500)])
     gap = routing_gap(logits, made_up)
     assert (gap > 0).float().mean() > 0.5  # a random pair is rarely the top 2 of 8
+
+
+class NoNewerWeights:  # the sampler's weights room with nothing new: generation goes on in chunks
+    def between_chunks(self) -> int | None:
+        return None
+
+
+@pytest.mark.parametrize("chunk", [0, 5], ids=["whole", "in-chunks"])
+def test_the_engine_records_the_routing_its_forward_used_for_every_token(chunk):
+    """Each completion's routing covers its prompt and its tokens (the last, never an input, a
+    row of zeros); replayed in the trainer's forward over the sequence it gives the sampler's own
+    log-probs, and it is the trainer's own routing but for near-ties. In chunks (partial
+    rollouts) it goes on where the last chunk stopped."""
+    sampling = SamplingConfig(group_size=3, max_new_tokens=16, temperature=0.9, chunk_tokens=chunk)
+    engine = HFEngine("tiny-moe", LoraConfig(r=4), sampling, record_routing=True)
+    with torch.no_grad():
+        for name, p in engine.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    prompts = [engine.encode_chat([{"role": "user", "content": text}]) for text in ("What is 2 + 3?", "Hi")]
+    groups = engine.generate(prompts, 3, seed=7, newer_weights=NoNewerWeights() if chunk else None)
+    agree = []
+    for prompt, group in zip(prompts, groups):
+        for g in group:
+            assert g.routing.shape == (len(prompt) + len(g.token_ids), 2, 2) and not g.routing[-1].any()
+            assert (g.routing < 8).all()
+            sequence = torch.tensor([prompt + g.token_ids])
+            with torch.no_grad(), recorded(engine.model) as own:
+                engine.model(input_ids=sequence)
+            agree.append((own[0][0][:-1] == torch.from_numpy(g.routing[:-1, 0].astype("int64"))).all(-1).float())
+            chosen = [torch.from_numpy(g.routing[:, layer].astype("int64")) for layer in range(2)]
+            with torch.no_grad(), replayed(engine.model, chosen):
+                logits = engine.model(input_ids=sequence).logits[0, len(prompt) - 1 : -1] / sampling.temperature
+            logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(g.token_ids)[:, None])[:, 0]
+            assert torch.allclose(logprobs, torch.tensor(g.logprobs), atol=1e-4)
+    assert torch.cat(agree).mean() > 0.97
+

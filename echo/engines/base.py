@@ -7,6 +7,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from echo.noise import Draw
@@ -21,6 +22,10 @@ class Generation:
     # Partial rollouts: (token index, version) where newer weights took over, in order; the
     # tokens before the first were sampled with the version the call started with.
     version_changes: tuple[tuple[int, int], ...] = ()
+    # A mixture of experts' routing, where the engine records it: for each token of the prompt and
+    # then of the completion, the experts each MoE layer sent it to, (tokens, layers, top_k). The
+    # completion's last token was never an input: its row is zeros and means nothing.
+    routing: np.ndarray | None = None
 
 
 def call_seed(run_seed: int, sampler_id: str, epoch: int, slot: int) -> int:

@@ -3,10 +3,12 @@ mode), generation with `generate`."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from typing import ClassVar
 
+import numpy as np
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
@@ -16,6 +18,7 @@ from echo.engines.base import Generation, NewerWeights
 from echo.models import encode_chat, load_model
 from echo.noise import Draw, key_halves, keyed_draw, noisy_scores
 from echo.policy import CACHE, kv_cache, load_weights, make_policy
+from echo.routing import recorded, routers
 
 
 class SampledLogprobs(LogitsProcessor):
@@ -135,12 +138,14 @@ class HFEngine:
     keyed_noise = True  # draws with sampling.noise = "keyed"
 
     def __init__(self, model_name: str, lora: LoraConfig, sampling: SamplingConfig, device: str = "auto",
-                 dtype: str = "auto"):
+                 dtype: str = "auto", record_routing: bool = False):
         self.device = resolve_device(device)
         self.dtype = sampler_dtype(dtype, self.device, sampling.dtypes)
         base, self.tokenizer = load_model(model_name, self.device, self.dtype)
         # peft keeps the adapter in fp32 over a 16-bit base; published weights are cast on load.
         self.model = make_policy(base, lora).eval()
+        # A mixture of experts' routing, recorded for the trainer to replay (echo/routing.py).
+        self.record_routing = record_routing and bool(routers(self.model))
         self.temperature = sampling.temperature
         self.max_new_tokens, self.chunk_tokens = sampling.max_new_tokens, sampling.chunk_tokens
         # Plain sampling at `temperature`: no top-k/top-p, so the behaviour log-probs the
@@ -189,13 +194,18 @@ class HFEngine:
         tokens, logprobs = [[] for _ in rows], [[] for _ in rows]
         changes: list[list[tuple[int, int]]] = [[] for _ in rows]
         produced, cache, eos = 0, None, self.tokenizer.eos_token_id
+        routed: list[list[torch.Tensor]] = [[] for _ in rows]  # each row's routing, a chunk at a time
         while True:
             config.max_new_tokens = min(chunk, limit - produced)
             noise_rows = [(d.key, d.first + row % n, d.position) for row in rows for d in [draws[row // n]]] if keyed else []
             sampled = (KeyedNoise(self.temperature, noise_rows, produced, self.device) if keyed
                        else SampledLogprobs(self.temperature))
-            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **{CACHE: cache},
-                                      logits_processor=LogitsProcessorList([sampled]))
+            with recorded(self.model) if self.record_routing else contextlib.nullcontext() as calls:
+                out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                                          **{CACHE: cache}, logits_processor=LogitsProcessorList([sampled]))
+            if self.record_routing:
+                for row, routing in zip(rows, chunk_routing(calls, len(rows))):
+                    routed[row].append(routing)
             new_tokens = out.sequences[:, ids.shape[1]:]
             chunk_logprobs = sampled.finish(new_tokens[:, -1]).cpu()
             going = []
@@ -218,12 +228,28 @@ class HFEngine:
             if version is not None:
                 for row in rows:
                     changes[row].append((produced, version))
+        padded = batch["input_ids"].shape[1]
         generations = [
             Generation(token_ids=t, logprobs=lp, text=self.tokenizer.decode(t, skip_special_tokens=True),
-                       finish_reason="stop" if t[-1] == eos else "length", version_changes=tuple(c))
-            for t, lp, c in zip(tokens, logprobs, changes)
+                       finish_reason="stop" if t[-1] == eos else "length", version_changes=tuple(c),
+                       routing=row_routing(r, padded - len(prompts[row // n]), len(prompts[row // n]) + len(t))
+                       if self.record_routing else None)
+            for row, (t, lp, c, r) in enumerate(zip(tokens, logprobs, changes, routed))
         ]
         return [generations[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+def chunk_routing(calls: list[list[torch.Tensor]], rows: int) -> torch.Tensor:
+    """One generate call's recorded routing, (rows, positions, layers, top_k): each forward routed
+    rows x its new positions, flattened row by row."""
+    return torch.stack([torch.cat([c.view(rows, -1, c.shape[-1]) for c in layer], dim=1) for layer in calls], dim=2)
+
+
+def row_routing(chunks: list[torch.Tensor], padding: int, tokens: int) -> np.ndarray:
+    """A completion's routing from its chunks: its prompt's tokens (the left padding dropped) and
+    its own, the last of which no forward took as input (a row of zeros)."""
+    routing = torch.cat(chunks)[padding : padding + tokens - 1]
+    return np.concatenate([routing.numpy().astype(np.uint16), np.zeros((1, *routing.shape[1:]), np.uint16)])
 
 
 class PagedEngine(HFEngine):
