@@ -1,6 +1,11 @@
 """Routing replay on the tiny mixture of experts (echo/routing.py): what a forward's routers chose,
 recorded; a forward made to use given choices, its gates recomputed from its own logits."""
 
+import struct
+import zlib
+
+import numpy as np
+import orjson
 import pytest
 import torch
 
@@ -8,6 +13,16 @@ from echo.config import LoraConfig, SamplingConfig
 from echo.engines.hf import HFEngine
 from echo.models import load_model
 from echo.routing import OWN, recorded, replayed, routers, routing_gap
+from echo.wire.codec import (
+    ProtocolError,
+    RolloutLimits,
+    decode_rollout,
+    encode_rollout,
+    pack_expert_ids,
+    rollout_headers,
+)
+from echo.wire.messages import RolloutGroup, Routing
+from tests.groups import honest_group
 
 IDS = torch.randint(0, 256, (3, 24), generator=torch.Generator().manual_seed(0))
 
@@ -99,4 +114,103 @@ def test_the_engine_records_the_routing_its_forward_used_for_every_token(chunk):
             logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(g.token_ids)[:, None])[:, 0]
             assert torch.allclose(logprobs, torch.tensor(g.logprobs), atol=1e-4)
     assert torch.cat(agree).mean() > 0.97
+
+
+SUBJECT = "echo.run.rollouts.s1"
+LIMITS = RolloutLimits(group_size=4, max_new_tokens=64, routing=(2, 2, 8))
+
+
+def routed_group(experts: int = 8) -> RolloutGroup:
+    """An honest group with a routing: for each token, 2 layers of 2 distinct experts."""
+    group = honest_group()
+    tokens = len(group.prompt_token_ids) + sum(len(c.token_ids) for c in group.completions)
+    rng = np.random.default_rng(0)
+    ids = np.stack([[rng.choice(experts, 2, replace=False) for _ in range(2)] for _ in range(tokens)])
+    ids[group.last_tokens()] = 0  # never an input: nothing to record
+    return group.replaced(routing=Routing(layers=2, top_k=2, experts=experts, ids=ids))
+
+
+def decoded(data: bytes, limits: RolloutLimits | None = LIMITS) -> RolloutGroup:
+    return decode_rollout(data, rollout_headers(routed_group()), SUBJECT, limits)
+
+
+def with_routing_bytes(group: RolloutGroup, shape: dict | None, body: bytes) -> bytes:
+    """The group's message with its routing's shape and bytes replaced (a sampler's own encoder)."""
+    data = encode_rollout(group.replaced(routing=None))
+    (meta_len,) = struct.unpack_from("<I", data, 4)
+    meta = orjson.loads(data[8 : 8 + meta_len])
+    if shape is not None:
+        meta["routing"] = {**shape, "bytes": len(body)}
+    head = orjson.dumps(meta)
+    return b"ECRG" + struct.pack("<I", len(head)) + head + data[8 + meta_len :] + body
+
+
+def test_a_groups_routing_travels_in_the_fewest_bits_and_comes_back_whole():
+    group = routed_group()
+    data = encode_rollout(group)
+    assert decoded(data) == group and decoded(data).routing.ids.dtype == np.uint16
+    assert zlib.decompress(pack_expert_ids(group.routing.ids, 8)) == _packed(group.routing.ids, 3)  # as specified
+    without = len(encode_rollout(group.replaced(routing=None)))
+    # 3 bits an id, 4 ids a token (2 layers, top-2): 1.5 bytes a token (random ids do not
+    # compress), and its shape in the fields.
+    assert len(data) - without <= 1.5 * len(group.routing.ids) + 128
+    assert decode_rollout(encode_rollout(group.replaced(routing=None)), rollout_headers(group), SUBJECT,
+                          RolloutLimits(group_size=4, max_new_tokens=64)).routing is None
+
+
+@pytest.mark.parametrize("change, reason, said", [
+    ("in a run that replays none", "unexpected_routing", "replays no routing"),
+    ("none in a run that replays", "no_routing", "each group carries it"),
+    ("another model's shape", "bad_routing", "the run's model routes (2, 2, 8)"),
+    ("an expert the model has not", "bad_routing", "an expert id past the 6"),
+    ("one expert twice", "bad_routing", "chosen twice for token 3"),
+    ("fewer tokens than the group", "bad_routing", "do not inflate"),
+    ("more tokens than the group", "bad_routing", "do not inflate"),
+    ("not zlib", "bad_routing", "not zlib"),
+    ("a zlib bomb", "bad_routing", "do not inflate"),
+    ("a shape past any model's", "bad_routing", "than the wire carries"),
+])
+def test_a_routing_that_is_not_the_groups_or_the_runs_is_refused_at_decode(change, reason, said):
+    group = routed_group()
+    shape = {"layers": 2, "top_k": 2, "experts": 8}
+    tokens = len(group.routing.ids)
+    packed = encode_rollout(group)[len(encode_rollout(group.replaced(routing=None))) :]
+    limits = LIMITS
+    if change == "in a run that replays none":
+        data, limits = encode_rollout(group), RolloutLimits(group_size=4, max_new_tokens=64)
+    elif change == "none in a run that replays":
+        data = encode_rollout(group.replaced(routing=None))
+    elif change == "another model's shape":
+        data = encode_rollout(group.replaced(routing=group.routing.replaced(experts=16)))
+    elif change == "an expert the model has not":  # 6 experts still take 3 bits: ids 6 and 7 fit
+        ids = group.routing.ids.copy()
+        ids[3, 1, 0] = 7
+        data = with_routing_bytes(group, shape | {"experts": 6}, zlib.compress(_packed(ids, 3)))
+        limits = RolloutLimits(group_size=4, max_new_tokens=64, routing=(2, 2, 6))
+    elif change == "one expert twice":
+        ids = group.routing.ids.copy()
+        ids[3, 1] = [5, 5]
+        data = with_routing_bytes(group, shape, zlib.compress(_packed(ids, 3)))
+    elif change == "fewer tokens than the group":
+        data = with_routing_bytes(group, shape, zlib.compress(_packed(group.routing.ids[:-8], 3)))
+    elif change == "more tokens than the group":
+        data = with_routing_bytes(group, shape, zlib.compress(_packed(np.concatenate([group.routing.ids] * 2), 3)))
+    elif change == "not zlib":
+        data = with_routing_bytes(group, shape, b"\x00" * len(packed))
+    elif change == "a zlib bomb":  # a few KB that inflate to 100 MB: refused after the group's worth
+        data, limits = with_routing_bytes(group, shape, zlib.compress(bytes(100 << 20), 9)), None
+    else:
+        data, limits = with_routing_bytes(group, shape | {"layers": 10_000}, packed), None
+    assert tokens  # the group has routing to begin with
+    with pytest.raises(ProtocolError) as refused:
+        decoded(data, limits)
+    assert refused.value.reason == reason and said in str(refused.value), refused.value
+
+
+def _packed(ids: np.ndarray, bits: int) -> bytes:
+    """Expert ids in `bits` bits each, big-endian bit order (the wire's packing, written apart)."""
+    flat = ids.reshape(-1).astype(np.uint64)
+    out = "".join(format(int(v), f"0{bits}b") for v in flat)
+    out += "0" * (-len(out) % 8)
+    return bytes(int(out[i : i + 8], 2) for i in range(0, len(out), 8))
 

@@ -49,4 +49,6 @@ not read; this is the one list of it):
     estimate of the seconds left (`steps`, `elapsed_s`, `eta_s`), the last step's headline values
     and sample completions, and the model and task (`scalars`, `samples`, `model`, `task`); read
     as 0, none and "" (unknown) before.
+23: a rollout group may carry its mixture of experts' routing (`routing`: its shape in the fields,
+    the expert ids bit-packed and compressed after the log-probs); read as none before.
 """

@@ -1,12 +1,13 @@
 """The wire's encodings: a message as JSON (orjson), decoded strictly into its model, earlier
 schemas still read renamed (_UPGRADES); a rollout group as its fields in JSON followed by its
-token ids and log-probs as fixed-width arrays (encode_rollout), decoded within the run's limits and
-checked against its subject and headers. A message that does not match raises ProtocolError with a
-reason."""
+token ids and log-probs as fixed-width arrays, and a mixture of experts' routing bit-packed and
+compressed (encode_rollout), decoded within the run's limits and checked against its subject and
+headers. A message that does not match raises ProtocolError with a reason."""
 
 from __future__ import annotations
 
 import struct
+import zlib
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -14,8 +15,18 @@ import numpy as np
 import orjson
 from pydantic import ValidationError
 
-from echo.wire.messages import ARRAYS_CHECKED, Message, RolloutGroup, read_only
-from echo.wire.names import HDR_MSG_ID, HDR_SAMPLER_ID, HDR_SCHEMA, HDR_TASK, HDR_VERSION, SCHEMA_VERSION
+from echo.wire.messages import ARRAYS_CHECKED, Message, RolloutGroup, check_routing, read_only
+from echo.wire.names import (
+    HDR_MSG_ID,
+    HDR_SAMPLER_ID,
+    HDR_SCHEMA,
+    HDR_TASK,
+    HDR_VERSION,
+    ROUTING_EXPERTS_MAX,
+    ROUTING_LAYERS_MAX,
+    ROUTING_TOP_K_MAX,
+    SCHEMA_VERSION,
+)
 
 
 class ProtocolError(ValueError):
@@ -51,7 +62,7 @@ def _json_object(data: bytes) -> dict:
 # next schema renamed, old to new. A message is renamed one schema at a time up to this one.
 _UPGRADES: dict[int, dict[str, str]] = {
     13: {"lease": "slot", "leases": "slots"}, 14: {}, 15: {}, 16: {}, 17: {}, 18: {},
-    19: {"policy_version": "version", "incarnation": "process"}, 20: {}, 21: {},
+    19: {"policy_version": "version", "incarnation": "process"}, 20: {}, 21: {}, 22: {},
 }
 
 
@@ -86,6 +97,9 @@ def _validate(cls: type[M], raw: dict, context: dict | None = None) -> M:
 # have), then every token id (prompt first, then each completion's) as little-endian uint32,
 # then every completion token's log-prob as little-endian float32. About 8 bytes a completion
 # token plus its text, against about 31 as JSON; float32 is what the trainer computes with.
+# Where the group carries a mixture of experts' routing, its JSON names the routing's shape and
+# byte count, and the routing follows: every token's expert ids, token by token, layer by layer,
+# each in the fewest bits that hold `experts - 1`, zlib-compressed.
 ROLLOUT_MAGIC = b"ECRG"
 PROMPT_TOKENS_ALLOWED = 32_768  # a prompt's length on the wire (the trainer then checks it is the task's own)
 TEXT_BYTES_PER_TOKEN = 48  # a completion's text as JSON: a token's bytes, escaped, with room to spare
@@ -100,11 +114,29 @@ class RolloutLimits:
 
     group_size: int
     max_new_tokens: int
+    # (layers, top_k, experts) of the run's model where the run replays a mixture of experts'
+    # routing: each group carries it. None: no group may.
+    routing: tuple[int, int, int] | None = None
 
     @property
     def max_bytes(self) -> int:
         per_completion = FIELDS_BYTES + self.max_new_tokens * (8 + TEXT_BYTES_PER_TOKEN)  # id, log-prob, text
-        return _ROLLOUT_HEAD.size + FIELDS_BYTES + 4 * PROMPT_TOKENS_ALLOWED + self.group_size * per_completion
+        most = _ROLLOUT_HEAD.size + FIELDS_BYTES + 4 * PROMPT_TOKENS_ALLOWED + self.group_size * per_completion
+        if self.routing is not None:
+            most += routing_bytes_max(self.routing, PROMPT_TOKENS_ALLOWED + self.group_size * self.max_new_tokens)
+        return most
+
+    def check_routing(self, routing: dict | None) -> None:
+        """A group's routing shape is the run's, and it has one where the run replays routing."""
+        if routing is None:
+            if self.routing is not None:
+                raise ProtocolError("no_routing", "the run replays its mixture of experts' routing: each group carries it")
+            return
+        if self.routing is None:
+            raise ProtocolError("unexpected_routing", "this run replays no routing")
+        if (routing["layers"], routing["top_k"], routing["experts"]) != self.routing:
+            raise ProtocolError("bad_routing", f"({routing['layers']}, {routing['top_k']}, {routing['experts']}) "
+                                                f"(layers, top_k, experts), the run's model routes {self.routing}")
 
     def check_size(self, size: int) -> None:
         if size > self.max_bytes:
@@ -120,24 +152,87 @@ class RolloutLimits:
             raise ProtocolError("completion_too_long", f"{max(completion_tokens)} tokens")
 _ROLLOUT_HEAD = struct.Struct("<4sI")
 _WIRE_IDS, _WIRE_LOGPROBS = np.dtype("<u4"), np.dtype("<f4")  # little-endian on any machine
+_PACK_BLOCK = 1 << 20  # expert ids bit-packed this many at a time (a multiple of 8: each block ends on a byte)
+ROUTING_IDS_MAX = 1 << 29  # expert ids one group may carry (1 GiB in memory): inflated only within this
+
+
+def _bits(experts: int) -> int:
+    return max(1, (experts - 1).bit_length())
+
+
+def routing_bytes_max(shape: tuple[int, int, int], tokens: int) -> int:
+    """The most a routing of `tokens` tokens takes compressed: zlib's worst case over its packed bits."""
+    layers, top_k, experts = shape
+    packed = -(-tokens * layers * top_k * _bits(experts) // 8)
+    return packed + packed // 1000 + 64
+
+
+def pack_expert_ids(ids: np.ndarray, experts: int) -> bytes:
+    """Expert ids (any shape), each in _bits(experts) bits, big-endian bit order, zlib-compressed."""
+    bits, flat = _bits(experts), ids.reshape(-1).astype(">u2")
+    blocks = []
+    for at in range(0, len(flat), _PACK_BLOCK):
+        block = np.unpackbits(flat[at : at + _PACK_BLOCK].view(np.uint8)).reshape(-1, 16)[:, 16 - bits :]
+        blocks.append(np.packbits(block.reshape(-1)).tobytes())
+    return zlib.compress(b"".join(blocks), 6)
+
+
+def unpack_expert_ids(data: bytes, count: int, experts: int) -> np.ndarray:
+    """`count` expert ids from pack_expert_ids' bytes, or ProtocolError: what does not inflate to
+    exactly their packed length is refused before more than that length is inflated."""
+    bits = _bits(experts)
+    packed = -(-count * bits // 8)
+    inflate = zlib.decompressobj()
+    try:
+        raw = inflate.decompress(data, packed + 1)
+    except zlib.error as e:
+        raise ProtocolError("bad_routing", f"not zlib: {e}") from None
+    if len(raw) != packed or not inflate.eof or inflate.unused_data:
+        raise ProtocolError("bad_routing", f"its bytes do not inflate to the {packed} that {count} ids take")
+    ids = np.empty(count, np.uint16)
+    block_bytes = _PACK_BLOCK * bits // 8
+    for n, at in enumerate(range(0, count, _PACK_BLOCK)):
+        size = min(_PACK_BLOCK, count - at)
+        chunk = np.unpackbits(np.frombuffer(raw, np.uint8, -(-size * bits // 8), n * block_bytes))[: size * bits]
+        wide = np.zeros((size, 16), np.uint8)
+        wide[:, 16 - bits :] = chunk.reshape(size, bits)
+        ids[at : at + size] = np.packbits(wide.reshape(-1)).view(">u2")
+    return ids
 
 
 def encode_rollout(group: RolloutGroup) -> bytes:
-    fields = group.model_dump(exclude={"prompt_token_ids", "completions"})
+    fields = group.model_dump(exclude={"prompt_token_ids", "completions", "routing"})
     fields["completions"] = [c.model_dump(exclude={"token_ids", "logprobs"}) for c in group.completions]
     return _pack(fields, group.prompt_token_ids, [c.token_ids for c in group.completions],
-                 [c.logprobs for c in group.completions])
+                 [c.logprobs for c in group.completions], group.routing)
 
 
-def _pack(fields: dict, prompt_ids, completion_ids: list, logprobs: list) -> bytes:
-    """Arrays or sequences: the prompt's ids, each completion's ids and each one's log-probs."""
+def _pack(fields: dict, prompt_ids, completion_ids: list, logprobs: list, routing=None) -> bytes:
+    """Arrays or sequences: the prompt's ids, each completion's ids and each one's log-probs; and
+    a Routing, if any."""
     for token_ids, values in zip(completion_ids, logprobs, strict=True):
         if len(token_ids) != len(values):
             raise ValueError("each completion token needs its log-prob")
     ids = np.concatenate([np.asarray(ids, _WIRE_IDS) for ids in (prompt_ids, *completion_ids)])
     claimed = np.concatenate([np.empty(0, _WIRE_LOGPROBS), *(np.asarray(v, _WIRE_LOGPROBS) for v in logprobs)])
-    meta = orjson.dumps({**fields, "prompt_tokens": len(prompt_ids), "completion_tokens": list(map(len, completion_ids))})
-    return b"".join((_ROLLOUT_HEAD.pack(ROLLOUT_MAGIC, len(meta)), meta, ids.tobytes(), claimed.tobytes()))
+    routed = pack_expert_ids(routing.ids, routing.experts) if routing is not None else b""
+    shape = {"routing": routing.model_dump(exclude={"ids"}) | {"bytes": len(routed)}} if routing is not None else {}
+    meta = orjson.dumps({**fields, **shape, "prompt_tokens": len(prompt_ids),
+                         "completion_tokens": list(map(len, completion_ids))})
+    return b"".join((_ROLLOUT_HEAD.pack(ROLLOUT_MAGIC, len(meta)), meta, ids.tobytes(), claimed.tobytes(), routed))
+
+
+def _routing_shape(raw: dict) -> dict | None:
+    """A rollout message's routing shape, checked enough to size its bytes (the model checks the rest)."""
+    shape = raw.get("routing")
+    if shape is None:
+        return None
+    if not (isinstance(shape, dict) and set(shape) == {"layers", "top_k", "experts", "bytes"}
+            and all(type(v) is int and v >= 1 for v in shape.values())):
+        raise ProtocolError("bad_schema", "routing: its layers, top_k, experts and bytes, positive integers")
+    if shape["layers"] > ROUTING_LAYERS_MAX or shape["top_k"] > ROUTING_TOP_K_MAX or shape["experts"] > ROUTING_EXPERTS_MAX:
+        raise ProtocolError("bad_routing", "more layers, experts or choices a token than the wire carries")
+    return shape
 
 
 def _read_rollout(data: bytes,
@@ -162,14 +257,25 @@ def _read_rollout(data: bytes,
         raise ProtocolError("bad_schema", "token counts: one for the prompt and one for each completion")
     if limits is not None:
         limits.check_counts(prompt_tokens, completion_tokens)
+    routing = _routing_shape(raw)
+    if limits is not None:
+        limits.check_routing(routing)
     tokens = prompt_tokens + sum(completion_tokens)
-    expected = meta_end + 4 * tokens + 4 * sum(completion_tokens)
+    arrays_end = meta_end + 4 * tokens + 4 * sum(completion_tokens)
+    expected = arrays_end + (routing["bytes"] if routing else 0)
     if len(data) != expected:
         raise ProtocolError("bad_encoding", f"{len(data)} bytes, its token counts make {expected}")
     data = bytes(data)  # a read-only buffer: the arrays below are views of it
     # Native byte order (a copy on a big-endian machine only): torch takes no other.
     ids = np.frombuffer(data, _WIRE_IDS, tokens, meta_end).astype(np.uint32, copy=False)
     logprobs = np.frombuffer(data, _WIRE_LOGPROBS, tokens - prompt_tokens, meta_end + 4 * tokens)
+    if routing:
+        count = tokens * routing["layers"] * routing["top_k"]
+        if count > ROUTING_IDS_MAX:
+            raise ProtocolError("bad_routing", f"{count} expert ids, more than the {ROUTING_IDS_MAX} a group may carry")
+        expert_ids = unpack_expert_ids(data[arrays_end:], count, routing["experts"])
+        raw["routing"] = {"layers": routing["layers"], "top_k": routing["top_k"], "experts": routing["experts"],
+                          "ids": read_only(expert_ids.reshape(tokens, routing["layers"], routing["top_k"]))}
     return raw, prompt_tokens, completion_tokens, read_only(ids), read_only(logprobs.astype(np.float32, copy=False))
 
 
@@ -194,7 +300,13 @@ def _decode_group(data: bytes, limits: RolloutLimits | None) -> tuple[RolloutGro
     raw["prompt_token_ids"] = ids[:prompt_tokens]
     for c, (a, b) in zip(raw["completions"], _spans(counts)):
         c["token_ids"], c["logprobs"] = ids[prompt_tokens + a : prompt_tokens + b], logprobs[a:b]
-    return _validate(RolloutGroup, raw, ARRAYS_CHECKED), sent_in
+    group = _validate(RolloutGroup, raw, ARRAYS_CHECKED)
+    if group.routing is not None:
+        try:
+            check_routing(group.routing, group.last_tokens())
+        except ValueError as e:
+            raise ProtocolError("bad_routing", str(e)) from None
+    return group, sent_in
 
 
 def rollout_headers(group: RolloutGroup) -> dict[str, str]:

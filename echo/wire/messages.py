@@ -18,6 +18,9 @@ from echo.wire.names import (
     MAX_CHAIN,
     PROCESS_PATTERN,
     RATE_MAX,
+    ROUTING_EXPERTS_MAX,
+    ROUTING_LAYERS_MAX,
+    ROUTING_TOP_K_MAX,
     SAMPLE_CHARS,
     SCALAR_NAME,
     SCHEMA_VERSION,
@@ -40,7 +43,7 @@ class Message(BaseModel):
     """A message of the wire, naming the schema it was written in."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    schema_version: Literal[22] = SCHEMA_VERSION
+    schema_version: Literal[23] = SCHEMA_VERSION
 
 
 # The validation context of a decoded message, whose arrays the codec (echo/wire/codec.py) checked
@@ -85,6 +88,21 @@ def read_only(values: np.ndarray) -> np.ndarray:
 # In memory a group's tokens and log-probs are numpy arrays, end to end (decoding a long group
 # into Python lists took most of its ingest time); model_dump gives plain lists.
 TokenIds = Annotated[np.ndarray, BeforeValidator(_token_ids), PlainSerializer(lambda a: a.tolist())]
+
+
+def _expert_ids(value, info: ValidationInfo) -> np.ndarray:
+    """Expert ids as a read-only uint16 array of (tokens, layers, top_k)."""
+    if _checked(info):
+        return value
+    ids = np.asarray(value)
+    if ids.ndim != 3 or (ids.size and ids.dtype.kind not in "iu"):
+        raise ValueError("routing ids: integers, (tokens, layers, top_k)")
+    if ids.size and (ids.min() < 0 or ids.max() >= ROUTING_EXPERTS_MAX):
+        raise ValueError(f"routing ids: between 0 and {ROUTING_EXPERTS_MAX - 1}")
+    return read_only(ids.astype(np.uint16))
+
+
+ExpertIds = Annotated[np.ndarray, BeforeValidator(_expert_ids), PlainSerializer(lambda a: a.tolist())]
 LogProbs = Annotated[np.ndarray, BeforeValidator(_logprobs), PlainSerializer(lambda a: a.tolist())]
 
 
@@ -166,6 +184,35 @@ class Completion(_HoldsArrays, BaseModel):
         return mask
 
 
+class Routing(_HoldsArrays, BaseModel):
+    """A mixture of experts' routing of a group's tokens (echo/routing.py), recorded by the sampler
+    for the trainer to replay: for every token id the group carries, the prompt's then each
+    completion's, the `top_k` experts (of `experts`) each of the model's `layers` MoE layers sent
+    it to. A completion's last token was never an input: its row is zeros and means nothing."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, arbitrary_types_allowed=True)
+    layers: int = Field(ge=1, le=ROUTING_LAYERS_MAX)
+    top_k: int = Field(ge=1, le=ROUTING_TOP_K_MAX)
+    experts: int = Field(ge=2, le=ROUTING_EXPERTS_MAX)
+    ids: ExpertIds
+
+
+def check_routing(routing: Routing, last_tokens: np.ndarray) -> None:
+    """Each token's choice at each layer: `top_k` distinct experts of `experts` (a router's top-k
+    never repeats one), but at `last_tokens`, rows that mean nothing."""
+    ids = routing.ids
+    if ids.shape[1:] != (routing.layers, routing.top_k) or routing.top_k > routing.experts:
+        raise ValueError(f"routing: {tuple(ids.shape[1:])} choices a token, the group says ({routing.layers}, "
+                         f"{routing.top_k}) of {routing.experts} experts")
+    if ids.size and ids.max() >= routing.experts:
+        raise ValueError(f"routing: an expert id past the {routing.experts} the model has")
+    ranked = np.sort(ids, axis=-1)
+    repeated = (ranked[..., 1:] == ranked[..., :-1]).any(axis=(1, 2))
+    repeated[last_tokens] = False
+    if repeated.any():
+        raise ValueError(f"routing: an expert chosen twice for token {int(repeated.argmax())} at one layer")
+
+
 class RolloutGroup(_HoldsArrays, Message):
     """One GRPO group: every completion the sampler drew for one prompt."""
 
@@ -191,17 +238,28 @@ class RolloutGroup(_HoldsArrays, Message):
     # between chunks. None: `version` sampled it all; else it sampled the tokens before the
     # first change, and each change's version those from its `at` (in every completion that long).
     version_changes: list[VersionChange] = []
+    routing: Routing | None = None  # a mixture of experts', where the run replays it (algorithm.router_replay)
 
     @model_validator(mode="after")
-    def _has_a_prompt(self):
+    def _has_a_prompt(self, info: ValidationInfo):
         if not self.prompt_token_ids.size:
             raise ValueError("prompt_token_ids: an empty prompt")
+        tokens = len(self.prompt_token_ids) + sum(len(c.token_ids) for c in self.completions)
+        if self.routing is not None:
+            if len(self.routing.ids) != tokens:
+                raise ValueError(f"routing: for {len(self.routing.ids)} tokens, the group has {tokens}")
+            if not _checked(info):
+                check_routing(self.routing, self.last_tokens())
         changes, versions = self.version_changes, [self.version, *(c.version for c in self.version_changes)]
         if any(a.at >= b.at for a, b in zip(changes, changes[1:])) or any(a >= b for a, b in zip(versions, versions[1:])):
             raise ValueError("version_changes: each later in the completions than the one before, and newer")
         if changes and changes[-1].at >= max(len(c.token_ids) for c in self.completions):
             raise ValueError("version_changes: past every completion's last token")
         return self
+
+    def last_tokens(self) -> np.ndarray:
+        """Where each completion's last token lies among the group's token ids (the prompt's first)."""
+        return len(self.prompt_token_ids) + np.cumsum([len(c.token_ids) for c in self.completions]) - 1
 
     @property
     def newest_version(self) -> int:

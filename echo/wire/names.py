@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
-SCHEMA_VERSION = 22  # what each schema changed, and which earlier ones are still read: echo/wire/__init__.py
+SCHEMA_VERSION = 23  # what each schema changed, and which earlier ones are still read: echo/wire/__init__.py
 
 # Run and sampler ids become subject tokens and stream names: keep them to safe characters.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -193,6 +193,9 @@ CONTROL_CHARACTERS = r"\x00-\x1f\x7f-\x9f"  # C0 and C1, as a regex character ra
 LABEL_PATTERN = rf"^[^{CONTROL_CHARACTERS}]*$"
 DIGEST = r"^([0-9a-f]{64})?$"  # echo/delta.py::digest, or "" where none is given
 MAX_CHAIN = 64  # links of a delta chain an announcement may name (the trainer sends whole long before)
+# A mixture of experts' routing on the wire: MoE layers, experts chosen a token, experts a layer
+# (Qwen3-235B: 94 layers, 8 of 128; DeepSeek-V3: 58, 8 of 256).
+ROUTING_LAYERS_MAX, ROUTING_TOP_K_MAX, ROUTING_EXPERTS_MAX = 256, 64, 4096
 
 
 def subject_sampler(subject: str) -> str:
