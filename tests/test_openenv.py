@@ -196,12 +196,15 @@ def test_a_docker_image_of_openenvs_server_plays_the_episodes_the_package_plays_
         "COPY *.py /app/\nWORKDIR /app\n"
         'CMD ["python", "-m", "uvicorn", "server:app", "--host", "0.0.0.0", "--port", "8000"]\n')
     subprocess.run(["docker", "build", "-q", "-t", image, str(folder)], check=True, capture_output=True, timeout=3000)
-    ours = load_task(TaskConfig(name=f"openenv:{guess_module}", params={"max_turns": 4}))
-    theirs = load_task(TaskConfig(name=f"openenv:docker:{image}", params={"max_turns": 4}))
-    prompts = [theirs.prompt(i) for i in (3, 11)]
-    assert prompts == [ours.prompt(i) for i in (3, 11)]
-    turns = ["not a number", str(secret_of(ours, prompts[0])), "7", "3"]
-    played_there = [played(theirs, p, turns) for p in prompts]
-    assert [e.completion() for e in played_there] == [played(ours, p, turns).completion() for p in prompts]
-    assert played_there[0].reward == 1.0
+    try:
+        ours = load_task(TaskConfig(name=f"openenv:{guess_module}", params={"max_turns": 4}))
+        theirs = load_task(TaskConfig(name=f"openenv:docker:{image}", params={"max_turns": 4}))
+        prompts = [theirs.prompt(i) for i in (3, 11)]
+        assert prompts == [ours.prompt(i) for i in (3, 11)]
+        turns = ["not a number", str(secret_of(ours, prompts[0])), "7", "3"]
+        played_there = [played(theirs, p, turns) for p in prompts]
+        assert [e.completion() for e in played_there] == [played(ours, p, turns).completion() for p in prompts]
+        assert played_there[0].reward == 1.0
+    finally:  # its container goes when this process does; the image's GBs (vfs) now
+        subprocess.run(["docker", "image", "rm", "--force", image], capture_output=True, check=False)
 
