@@ -25,9 +25,10 @@ from pathlib import Path
 import safetensors.torch
 
 from bench.common import write_results
-from echo.checkpoint import read_metrics, read_shards, weights_at
+from echo.checkpoint import read_shards, weights_at
 from echo.config import validate_config
 from echo.delta import apply, changed_fraction, digest, encode, pack, unpack
+from echo.metrics import read_metrics
 from echo.policy import shards_tensors
 
 

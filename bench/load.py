@@ -47,11 +47,11 @@ import torch
 
 from bench.common import MACHINE, results_dir, write_results
 from bench.sync import start_link
-from echo.checkpoint import TrainerState, read_metrics
+from echo.checkpoint import TrainerState
 from echo.config import EchoConfig, load_config, validate_config
 from echo.engines.base import Generation, NewerWeights
 from echo.learner import Batch
-from echo.metrics import peak_rss_mb
+from echo.metrics import peak_rss_mb, read_metrics
 from echo.models import base_model_digest, encode_chat, load_model
 from echo.noise import Draw
 from echo.proof import ProofSettings, SamplingProof

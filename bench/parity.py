@@ -56,10 +56,11 @@ from pathlib import Path
 import orjson
 
 from bench.common import MACHINE, results_dir
-from echo.checkpoint import read_metrics, read_shards, weights_at
+from echo.checkpoint import read_shards, weights_at
 from echo.config import EchoConfig, apply_override, validate_config
 from echo.devices import resolve_device
 from echo.engines import make_engine
+from echo.metrics import read_metrics
 from echo.tasks import load_task
 from workers.operator.heldout import held_out_score
 

@@ -30,8 +30,8 @@ import orjson
 
 from bench.common import write_results
 from echo.capacity import LearnerPace, utilisation
-from echo.checkpoint import read_metrics
 from echo.config import validate_config
+from echo.metrics import read_metrics
 from echo.wire.messages import SamplerStatus
 from streams.client import open_run
 from streams.registry import read_statuses, read_trainer_status

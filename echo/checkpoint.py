@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import orjson
 import safetensors
 import safetensors.torch
 import torch
@@ -110,14 +109,6 @@ def weights_file(run_dir: Path, version: int, shard: int) -> Path:
 
 def _version_of(path: Path) -> int:
     return int(path.name[1:7])
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    """The run's `metrics.jsonl`, one record per step ([] before the first step). A last line
-    without its newline is not one yet: being appended now, or cut short by a crash."""
-    path = run_dir / "metrics.jsonl"
-    data = path.read_bytes() if path.exists() else b""
-    return [orjson.loads(line) for line in data[: data.rfind(b"\n") + 1].splitlines() if line.strip()]
 
 
 def latest_weights(run_dir: Path) -> tuple[int, list[Path]]:

@@ -1,13 +1,18 @@
 """A step's metrics as the scalars experiment trackers log, under the names docs/operations.md
 lists (Watching a run): the step's record (workers/trainer/accounting.py) and the samplers'
 heartbeats, flattened; and a run's steps summed up in one record. Pure, but for peak_rss_mb,
-which reads this process's own usage (the trainer's and the benches' one reading of it)."""
+which reads this process's own usage (the trainer's and the benches' one reading of it), and
+read_metrics, a run's metrics.jsonl (here, not beside the checkpoint: reading it needs no torch,
+whose import cost `echo-rl up` seconds after every run)."""
 
 from __future__ import annotations
 
 import math
 import resource
 import sys
+from pathlib import Path
+
+import orjson
 
 from echo.wire.messages import SamplerStatus
 
@@ -113,3 +118,11 @@ def peak_rss_mb() -> float:
     """This process's peak resident memory so far, in MiB (getrusage: KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The run's `metrics.jsonl`, one record per step ([] before the first step). A last line
+    without its newline is not one yet: being appended now, or cut short by a crash."""
+    path = run_dir / "metrics.jsonl"
+    data = path.read_bytes() if path.exists() else b""
+    return [orjson.loads(line) for line in data[: data.rfind(b"\n") + 1].splitlines() if line.strip()]

@@ -19,9 +19,9 @@ import pytest
 import structlog
 import torch
 
-from echo.checkpoint import read_metrics
 from echo.config import EchoConfig, validate_config
 from echo.engines.hf import HFEngine
+from echo.metrics import read_metrics
 from echo.models import base_model_digest
 from echo.policy import weights_shards
 from echo.wire.codec import encode

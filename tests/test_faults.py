@@ -16,11 +16,12 @@ import pytest
 import structlog.testing
 import torch
 
-from echo.checkpoint import TrainerState, read_metrics
+from echo.checkpoint import TrainerState
 from echo.engines.hf import HFEngine
 from echo.grants import GrantLedger
 from echo.learner import Batch, StepAbandoned, make_optimizer, train_step
 from echo.lifeline import exited, process_name
+from echo.metrics import read_metrics
 from echo.models import load_model
 from echo.policy import make_policy
 from echo.referee import Referee

@@ -8,7 +8,7 @@ import sys
 import orjson
 import pytest
 
-from echo.checkpoint import read_metrics
+from echo.metrics import read_metrics
 from echo.models import load_tokenizer
 from streams.server import NatsServer
 from tests.conftest import a_sampler_holding_slots, assert_balanced, wait_for_steps, worker_process

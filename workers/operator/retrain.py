@@ -18,9 +18,10 @@ from pathlib import Path
 import structlog
 from safetensors.torch import load
 
-from echo.checkpoint import latest_weights, read_metrics
+from echo.checkpoint import latest_weights
 from echo.config import load_config
 from echo.learner import Batch
+from echo.metrics import read_metrics
 from echo.referee import Referee
 from echo.tasks import load_task
 from echo.wire.codec import ProtocolError

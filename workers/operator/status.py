@@ -221,7 +221,7 @@ async def status_command(args, url: str, run_id: str, credentials) -> int:
                          join_wait_s=JOIN_WAIT_S if args.serve else 0, give_up_s=PATIENCE_S)
     try:
         if args.serve:
-            from echo.checkpoint import read_metrics
+            from echo.metrics import read_metrics
             from workers.operator.page import serve_page
 
             # On the trainer's machine (--run), the charts begin at the run's first step.

@@ -180,9 +180,8 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
 def finish(run_dir: Path, eval_prompts: int, peak_rss_mb: dict[str, float]) -> None:
     """A finished run's summary, report and held-out evaluation, each said where it is written;
     with each process's peak resident MB (a trainer on several ranks: torchrun's largest)."""
-    from echo.checkpoint import read_metrics  # torch: seconds, so after the run
-    from echo.metrics import summarize
-    from workers.operator.charts import write_report
+    from echo.metrics import read_metrics, summarize
+    from workers.operator.charts import write_report  # matplotlib: a second, so after the run
 
     summary = {**summarize(read_metrics(run_dir)), "peak_rss_mb": peak_rss_mb}
     log.info("swarm.done", run_dir=str(run_dir), **summary)

@@ -19,10 +19,10 @@ from pathlib import Path
 import orjson
 import structlog
 
-from echo.checkpoint import TrainerState, read_metrics
+from echo.checkpoint import TrainerState
 from echo.consumed import ConsumedSeqs
 from echo.diagnosis import Trained, sample_picks, step_signal
-from echo.metrics import PAGE_SCALARS, mean_staleness, peak_rss_mb
+from echo.metrics import PAGE_SCALARS, mean_staleness, peak_rss_mb, read_metrics
 from echo.wire.messages import Sample, SlotsEnded, TrainerStatus
 from echo.wire.names import CONTROL_CHARACTERS, SAMPLE_CHARS, STATUS_SAMPLES
 from streams.client import retry_forever

@@ -21,14 +21,14 @@ from functools import partial
 import orjson
 import structlog
 
-from echo.checkpoint import load_trained_completions, load_trained_content, read_metrics, remember_trained
+from echo.checkpoint import load_trained_completions, load_trained_content, remember_trained
 from echo.config import EchoConfig
 from echo.consumed import ConsumedSeqs
 from echo.diagnosis import NoSignal, likely_cause
 from echo.grants import DeliveryBound, GrantLedger
 from echo.learner import Batch
 from echo.logs import bind_process, duration
-from echo.metrics import sampler_scalars, step_scalars, summarize
+from echo.metrics import read_metrics, sampler_scalars, step_scalars, summarize
 from echo.models import encode_chat
 from echo.referee import Referee
 from echo.tasks import answer_format, load_task
