@@ -152,13 +152,15 @@ def test_a_run_on_a_hub_model_and_a_verl_dataset_trains_samplers_given_only_the_
         assert [m["used"] for m in metrics] == [2, 2] and sum(sum(m["rejected"].values()) for m in metrics) == 0
 
         async def statuses():
-            """Once the odd sampler has said it refused weights: it may start after the run ends
-            (three samplers load at once here), and then refuses the last version."""
+            """Once every sampler has said where it stands: any of them may start after the run
+            ends (three samplers load at once here; the odd one then refuses the last version),
+            and a heartbeat counts the groups published before it."""
             run = await open_run(nats_server.url, "hub", "check", create=False)
             try:
                 while True:
                     seen = {s.sampler_id: s for s in await read_statuses(run)}
-                    if "odd" in seen and seen["odd"].weight_failures:
+                    if {"s1", "s2", "odd"} <= seen.keys() and seen["odd"].weight_failures and \
+                            seen["s1"].groups_published + seen["s2"].groups_published >= 4:
                         return seen
                     await asyncio.sleep(0.5)
             finally:
