@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import nullcontext
 
 import torch
 
@@ -53,21 +54,13 @@ def forward(model, sequence: list[int], routing=None):
     hooks = [r.register_forward_hook(lambda _m, _i, out: logits_seen.append(out[0].detach().float()))
              for r in routers(model)]
     try:
-        with torch.no_grad(), recorded(model) as calls, (replayed(model, routing) if routing else _nothing()):
+        with torch.no_grad(), recorded(model) as calls, (replayed(model, routing) if routing else nullcontext()):
             logits = model(input_ids=ids).logits.float()[0, :-1]
     finally:
         for hook in hooks:
             hook.remove()
     logprobs = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
     return logprobs, logits_seen, [layer[0] for layer in calls]
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def mismatch(mu: list[torch.Tensor], pi: list[torch.Tensor], theirs: list, ours: list) -> dict:

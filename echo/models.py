@@ -54,10 +54,10 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def tiny_model(tokenizer) -> torch.nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
+def _tiny(config_class, model_class, tokenizer, **config) -> torch.nn.Module:
+    """A tiny random-init model of `model_class`, the same weights in every process (TINY_SEED):
+    the shape both tiny models share, and `config`'s own fields."""
+    config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -68,10 +68,17 @@ def tiny_model(tokenizer) -> torch.nn.Module:
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        **config,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(TINY_SEED)
-        return Qwen2ForCausalLM(config)
+        return model_class(config)
+
+
+def tiny_model(tokenizer) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return _tiny(Qwen2Config, Qwen2ForCausalLM, tokenizer)
 
 
 def tiny_moe_model(tokenizer) -> torch.nn.Module:
@@ -79,25 +86,8 @@ def tiny_moe_model(tokenizer) -> torch.nn.Module:
     to 2 (Qwen3-30B-A3B's top-k over its 128)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=64,
-        num_experts=8,
-        num_experts_per_tok=2,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(TINY_SEED)
-        return Qwen3MoeForCausalLM(config)
+    return _tiny(Qwen3MoeConfig, Qwen3MoeForCausalLM, tokenizer, head_dim=32, moe_intermediate_size=64,
+                 num_experts=8, num_experts_per_tok=2)
 
 
 TINY = {"tiny": tiny_model, "tiny-moe": tiny_moe_model}  # built in-process, with the byte tokenizer

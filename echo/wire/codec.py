@@ -126,7 +126,7 @@ class RolloutLimits:
             most += routing_bytes_max(self.routing, PROMPT_TOKENS_ALLOWED + self.group_size * self.max_new_tokens)
         return most
 
-    def check_routing(self, routing: dict | None) -> None:
+    def check_routing_shape(self, routing: dict | None) -> None:
         """A group's routing shape is the run's, and it has one where the run replays routing."""
         if routing is None:
             if self.routing is not None:
@@ -259,7 +259,7 @@ def _read_rollout(data: bytes,
         limits.check_counts(prompt_tokens, completion_tokens)
     routing = _routing_shape(raw)
     if limits is not None:
-        limits.check_routing(routing)
+        limits.check_routing_shape(routing)
     tokens = prompt_tokens + sum(completion_tokens)
     arrays_end = meta_end + 4 * tokens + 4 * sum(completion_tokens)
     expected = arrays_end + (routing["bytes"] if routing else 0)
