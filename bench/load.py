@@ -70,6 +70,7 @@ class SyntheticEngine:
 
     name, device, dtype = "hf", torch.device("cpu"), torch.float32
     keyed_noise = False  # synthetic tokens: nothing drawn
+    routing = None  # a dense model's
 
     def __init__(self, cfg: EchoConfig, tokens_per_s: float, median_tokens: int, seed: int):
         _, self.tokenizer = load_model(cfg.model.name)

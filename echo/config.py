@@ -157,6 +157,12 @@ class TrainerConfig(_Section):
     # sides; with a bf16 sampler 0.006 on the tiny model (10,000 completions), 0.23 on SmolLM2 (64; 0.33 in 768 on an H100).
     verify_margin: float = Field(0.01, gt=0)  # between fp32 samplers and an fp32 trainer
     verify_margin_16bit: float = Field(0.5, gt=0)  # where either side computes in bf16/fp16
+    # algorithm.router_replay = "replay": how far (in router logits) a recorded expert may lie below
+    # the trainer's own k-th choice (echo/routing.py::routing_gap); a group past it is forged_routing.
+    # Honest bf16 samplers measured at most 0.004 on tiny-moe (bench/moe.py, results/moe.json), where
+    # 96% of made-up choices lie past 0.05. A model with larger router logits rounds more: measure
+    # yours with bench/moe.py before lowering it.
+    verify_routing_margin: float = Field(0.05, gt=0)
     quarantine_after: int = Field(3, ge=0)  # offences tolerated before quarantine (0: none)
     # Selective delivery (echo/grants.py): a sampler that keeps back the groups it dislikes biases
     # training without forging anything. An honest one delivers its slots in order and loses them
@@ -331,6 +337,12 @@ class AlgorithmConfig(_Section):
     rollout_rs_threshold: float = Field(2.0, gt=0)  # a ratio above it is rejected (IcePop's paper: 5)
     rollout_rs_threshold_lower: float = Field(0.5, ge=0)  # a ratio below it is rejected (IcePop's: 0.5; MIS: 0)
     rollout_rs_k3_threshold: float = Field(0.01, gt=0)  # k3: a completion's mean estimate above it is rejected
+    # A mixture of experts' routing (echo/routing.py): "replay" has the samplers record the experts
+    # each token went to and the trainer's forwards (pi_old, pi_theta, the proof) send it to the
+    # same ones, so that a 16-bit sampler's near-ties in the router do not become ratios far from 1
+    # (verl's and ROLL's R3). Needs an MoE model and sampler.engine = "hf"; costs bytes a token
+    # on the wire (docs/operations.md). "off": each side routes on its own.
+    router_replay: Literal["off", "replay"] = "off"
 
     @model_validator(mode="before")
     @classmethod

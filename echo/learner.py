@@ -19,6 +19,7 @@ from echo.devices import autocast, model_device
 from echo.noise import TokenMargins
 from echo.policy import packed_states, states_logprobs
 from echo.proof import Checked, held_checks, held_noise, worst_checks
+from echo.routing import Replay
 from echo.wire.messages import RolloutGroup
 
 
@@ -32,7 +33,7 @@ class ForgedInStep(Exception):
 
     def __init__(self, forged: dict[str, str]):
         super().__init__(f"{len(forged)} forged: {sorted(forged.items())[:4]}")
-        self.forged = forged  # group id -> why (token_forgery, logprob_forgery)
+        self.forged = forged  # group id -> why (token_forgery, forged_routing, logprob_forgery)
 
 
 @dataclass(frozen=True)
@@ -308,10 +309,11 @@ def _pass(model, cfg: EchoConfig, pad_id: int, device, compute_dtype,
     if any(n is not None for n in noise):
         margins = TokenMargins(noise, [torch.from_numpy(c.model_mask()) for c in claimed], cfg.sampling.temperature,
                                device)
+    replay = Replay.of(pass_groups) if acfg.router_replay == "replay" else None  # each token's recorded experts
     logprobs, mask, entropy, ref_logprobs = _forward(model, cfg, pad_id, device, compute_dtype, prompts,
                                                      [c.token_ids for c in claimed], owners, margins,
-                                                     reference=frozen is None)
-    checked = {} if held is None else held_checks(pass_groups, logprobs.detach(), margins, held.version)
+                                                     reference=frozen is None, replay=replay)
+    checked = {} if held is None else held_checks(pass_groups, logprobs.detach(), margins, held.version, replay)
     if frozen is None:
         frozen = _freeze(logprobs.detach(), mask, ref_logprobs, segments, claimed, oldest_version, acfg, device)
     mask = frozen.mask
@@ -345,20 +347,22 @@ def _freeze(old_logprobs: torch.Tensor, mask: torch.Tensor, ref_logprobs, segmen
 
 
 def _forward(model, cfg: EchoConfig, pad_id: int, device, compute_dtype, prompts: list, completions: list,
-             owners: list[int], observe=None, reference: bool = True):
+             owners: list[int], observe=None, reference: bool = True, replay: Replay | None = None):
     """Log-probs, mask and entropy of completions, and the reference's log-probs (KL on, and
     `reference`: a batch's later iterations reuse the first's); `observe` sees the policy's
-    logits as they are made (policy.states_logprobs). Every pass calls the model alike (a
-    reference forward with KL on, in the first iteration; at least two completion positions, so
-    a prompt call and a completion call): see rank_passes."""
+    logits as they are made (policy.states_logprobs); `replay` routes a mixture of experts'
+    tokens as sampled (the reference's too) and measures the policy's routing gaps. Every pass
+    calls the model alike (a reference forward with KL on, in the first iteration; at least two
+    completion positions, so a prompt call and a completion call): see rank_passes."""
     temperature, ref_logprobs = cfg.sampling.temperature, None
     with autocast(device, compute_dtype):
         if cfg.algorithm.kl_coef > 0 and reference:
             # The reference is the base model: the same weights with the adapter switched off.
+            again = replay and replay.again()  # routed alike; its gaps are not the policy's
             with torch.no_grad(), model.disable_adapter():
-                states, ids, _ = packed_states(model, prompts, completions, owners, pad_id, min_length=2)
+                states, ids, _ = packed_states(model, prompts, completions, owners, pad_id, 2, again)
                 ref_logprobs = states_logprobs(model, states, ids, temperature)
-        states, ids, mask = packed_states(model, prompts, completions, owners, pad_id, min_length=2)
+        states, ids, mask = packed_states(model, prompts, completions, owners, pad_id, 2, replay)
         logprobs, entropy = states_logprobs(model, states, ids, temperature, with_entropy=True, observe=observe)
     return logprobs, mask, entropy, ref_logprobs
 

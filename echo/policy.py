@@ -4,6 +4,7 @@ completions (what the trainer differentiates)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from echo.algorithms.grpo import head_logprobs, token_logprobs
 from echo.config import ConfigError, LoraConfig
 from echo.devices import model_device
+from echo.routing import Replay
 
 
 class WeightsMismatch(ValueError):
@@ -206,7 +208,7 @@ def group_logprobs(model, prompt_ids, completions: list, temperature: float, pad
 
 
 def packed_logprobs(model, prompts: list, completions: list, owners: list[int], temperature: float, pad_id: int,
-                    min_length: int = 1):
+                    min_length: int = 1, replay: Replay | None = None):
     """Per-token log-probs [R, C] of completions (arrays or lists of token ids; right-padded to at
     least `min_length`), their mask [R, C], and the sampling distribution's entropy at each
     position [R, C] (no gradient). Completion r continues prompt `owners[r]`.
@@ -217,15 +219,18 @@ def packed_logprobs(model, prompts: list, completions: list, owners: list[int], 
     completion separately (the tests check it, and against the sampler's own log-probs), at a
     fraction of the cost: a group's prompt runs once, not once per completion, and many short
     groups share the two calls instead of making two each (on a GPU a call of a small model
-    costs its kernel launches, not its arithmetic)."""
-    states, ids, mask = packed_states(model, prompts, completions, owners, pad_id, min_length)
+    costs its kernel launches, not its arithmetic). With `replay`, a mixture of experts routes each
+    token as its sampler recorded (echo/routing.py)."""
+    states, ids, mask = packed_states(model, prompts, completions, owners, pad_id, min_length, replay)
     logprobs, entropy = states_logprobs(model, states, ids, temperature, with_entropy=True)
     return logprobs, mask, entropy
 
 
-def packed_states(model, prompts: list, completions: list, owners: list[int], pad_id: int, min_length: int = 1):
+def packed_states(model, prompts: list, completions: list, owners: list[int], pad_id: int, min_length: int = 1,
+                  replay: Replay | None = None):
     """What packed_logprobs reads the log-probs from at each completion position (see _forward),
-    the completions' ids [R, C] and their mask [R, C]: the two model calls."""
+    the completions' ids [R, C] and their mask [R, C]: the two model calls (each routed as
+    `replay` says, where given)."""
     rows, length = len(completions), max(min_length, *(len(c) for c in completions))
     device = model_device(model)
     prompt_lengths = torch.tensor([len(p) for p in prompts])
@@ -242,28 +247,31 @@ def packed_states(model, prompts: list, completions: list, owners: list[int], pa
     owner = torch.tensor(owners, device=device)
     ids, mask, prompt_ids, prompt_mask = ids.to(device), mask.to(device), prompt_ids.to(device), prompt_mask.to(device)
     # Left padding: a prompt's positions count from its first real token.
-    prompt, cache = _forward(model, input_ids=prompt_ids, attention_mask=prompt_mask,
-                             position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
+    with replay.prompts_forward(model, prompt_ids.shape[1]) if replay else contextlib.nullcontext():
+        prompt, cache = _forward(model, input_ids=prompt_ids, attention_mask=prompt_mask,
+                                 position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
     cache.batch_select_indices(owner)  # each completion's own prompt's keys and values
     # Completion token t is predicted at position t - 1: the first by its prompt's last position.
     states = prompt[owner, -1:]
     if length > 1:
         attention = torch.cat([prompt_mask[owner], mask[:, :-1].long()], dim=1)
         positions = prompt_lengths.to(device)[owner, None] + torch.arange(length - 1, device=device)
-        rest, _ = _forward(model, input_ids=ids[:, :-1], attention_mask=attention, position_ids=positions,
-                           **{CACHE: cache})
+        with replay.completions_forward(model, length - 1) if replay else contextlib.nullcontext():
+            rest, _ = _forward(model, input_ids=ids[:, :-1], attention_mask=attention, position_ids=positions,
+                               **{CACHE: cache})
         states = torch.cat([states, rest], dim=1)
     return states, ids, mask
 
 
 def spanning_logprobs(model, prompt_ids, completions: list, starts: list[int], use_version, temperature: float,
-                      pad_id: int, observe=None) -> torch.Tensor:
+                      pad_id: int, observe=None, replay: Replay | None = None) -> torch.Tensor:
     """Per-token log-probs [G, C] of one group's completions sampled by several versions in turn
     (partial rollouts): version k predicted the tokens from `starts[k]` on (starts[0] = 0), and
     `use_version(k)` puts its weights in the model. As in generation, a swap keeps the cache:
     version k also reads in the token before its first, and attends to the keys and values the
     earlier versions left; its tokens' log-probs are read through its own head (in full-weight
-    mode the head is trained too). `observe` sees the logits (states_logprobs)."""
+    mode the head is trained too). `observe` sees the logits (states_logprobs); `replay` routes
+    each token as its sampler recorded (each under the version that sampled it)."""
     rows, length = len(completions), max(len(c) for c in completions)
     device = model_device(model)
     prompt = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64)).repeat(rows, 1)
@@ -275,7 +283,8 @@ def spanning_logprobs(model, prompt_ids, completions: list, starts: list[int], u
     ids, cache, logprobs = ids.to(device), None, []
     for k, (a, b) in enumerate(zip(cuts, cuts[1:])):
         use_version(k)
-        out, cache = _forward(model, input_ids=inputs[:, a:b], use_cache=True, **{CACHE: cache})
+        with replay.sequences_forward(model, inputs.shape[1], slice(a, b)) if replay else contextlib.nullcontext():
+            out, cache = _forward(model, input_ids=inputs[:, a:b], use_cache=True, **{CACHE: cache})
         states = out[:, max(0, prompt.shape[1] - 1 - a):]  # completion positions starts[k] on
         begin = starts[k]
 

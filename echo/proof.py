@@ -31,6 +31,7 @@ from echo.config import EchoConfig
 from echo.devices import DTYPES, autocast, model_device
 from echo.noise import TokenMargins, group_key
 from echo.policy import packed_states, spanning_logprobs, states_logprobs
+from echo.routing import Replay
 from echo.wire.messages import Completion, RolloutGroup
 
 
@@ -77,6 +78,9 @@ class ProofSettings:
     # (held_checks): the trainer's weights are those the samplers run (published unrounded).
     in_step: bool = False
     trusted: frozenset[str] = frozenset()  # samplers whose text the run trusts: log-probs checked, not tokens
+    # Where the run replays a mixture of experts' routing (the forwards route as the group says):
+    # how far a recorded expert may lie below the trainer's own top-k (routing_gap). None: no replay.
+    routing_margin: float | None = None
 
     @classmethod
     def of(cls, cfg: EchoConfig, compute_dtype: torch.dtype) -> ProofSettings:
@@ -85,7 +89,8 @@ class ProofSettings:
                    tcfg.verify_tolerance_16bit, DTYPES[tcfg.publish_dtype], compute_dtype,
                    cfg.run.seed if cfg.sampling.noise == "keyed" else None, tcfg.verify_margin,
                    tcfg.verify_margin_16bit, in_step=tcfg.publish_dtype == "float32",
-                   trusted=frozenset(cfg.sampling.trusted_samplers))
+                   trusted=frozenset(cfg.sampling.trusted_samplers),
+                   routing_margin=tcfg.verify_routing_margin if cfg.algorithm.router_replay == "replay" else None)
 
 
 @dataclass(frozen=True)
@@ -94,11 +99,14 @@ class Checked:
 
     gap: float  # the largest log-prob gap (logprob_gap)
     margin: float | None = None  # the largest token margin (noise.TokenMargins); None: tokens not checked
+    routing: float | None = None  # the largest routing gap (routing.Replay); None: no routing replayed
 
     def worst(self, other: Checked) -> Checked:
         """Both parts of one group's check (its completions split between passes) as one."""
-        margins = [m for m in (self.margin, other.margin) if m is not None]
-        return Checked(max(self.gap, other.gap), max(margins) if margins else None)
+        def larger(a, b):
+            return a if b is None else b if a is None else max(a, b)
+
+        return Checked(max(self.gap, other.gap), larger(self.margin, other.margin), larger(self.routing, other.routing))
 
 
 def worst_checks(parts) -> dict[str, Checked]:
@@ -125,11 +133,11 @@ def held(group: RolloutGroup, version: int) -> bool:
 
 
 def held_checks(pass_groups: list[tuple[RolloutGroup, list[int]]], recomputed: torch.Tensor,
-                margins: TokenMargins | None, version: int) -> dict[str, Checked]:
+                margins: TokenMargins | None, version: int, replay: Replay | None = None) -> dict[str, Checked]:
     """The proof of sampling from a training pass's own forward, for its groups sampled by
     `version`, the one the step trains from: their recomputed log-probs are the step's pi_old
     (`recomputed`, [R, C]), their token margins (`margins`; None: no token checked) read from the
-    logits it made for them. The pass's rows are
+    logits it made for them, their routing gaps from the routing it replayed (`replay`). The pass's rows are
     `pass_groups`' completions in order; the check of a group split between passes is its parts'
     worst (Checked.worst)."""
     if not any(held(group, version) for group, _ in pass_groups):
@@ -141,7 +149,8 @@ def held_checks(pass_groups: list[tuple[RolloutGroup, list[int]]], recomputed: t
         if held(group, version):
             claimed = [group.completions[i] for i in rows]
             margin = None if margins is None else margins.of(span)
-            out[group.group_id] = Checked(logprob_gap(claimed, recomputed[span]), margin)
+            routing = None if replay is None else replay.of_rows(span)
+            out[group.group_id] = Checked(logprob_gap(claimed, recomputed[span]), margin, routing)
     return out
 
 
@@ -156,6 +165,7 @@ class SamplingProof:
         self.publish_dtype, self.compute_dtype = settings.publish_dtype, settings.compute_dtype
         self.noise_seed, self.margin, self.margin_16bit = settings.noise_seed, settings.margin, settings.margin_16bit
         self.in_step, self.trusted = settings.in_step, settings.trusted
+        self.routing_margin = settings.routing_margin
         # From the OS, not the run's seed: every sampler reads the config, and one that could tell
         # which groups will be checked would forge only the others.
         self.rng = random.SystemRandom()
@@ -216,20 +226,22 @@ class SamplingProof:
                     margins = TokenMargins([(key, j) for j in range(len(completions))],
                                            [torch.from_numpy(c.model_mask()) for c in group.completions],
                                            self.temperature, model_device(self.model))
+                replay = Replay.of([(group, list(range(len(completions))))]) if self.routing_margin else None
                 if len(versions) == 1:
                     use_version(0)
                     states, ids, _ = packed_states(self.model, [group.prompt_token_ids], completions,
-                                                   [0] * len(completions), self.pad_id)
+                                                   [0] * len(completions), self.pad_id, replay=replay)
                     recomputed = states_logprobs(self.model, states, ids, self.temperature, observe=margins)
                 else:
                     starts = [0, *(change.at for change in group.version_changes)]
                     recomputed = spanning_logprobs(self.model, group.prompt_token_ids, completions, starts,
-                                                   use_version, self.temperature, self.pad_id, observe=margins)
+                                                   use_version, self.temperature, self.pad_id, margins, replay)
         finally:
             if swapped:
                 _copy_into(self.model, self.live)
         checked = Checked(logprob_gap(group.completions, recomputed.float().cpu()),
-                          None if margins is None else margins.of(slice(None)))
+                          None if margins is None else margins.of(slice(None)),
+                          None if replay is None else replay.of_rows(slice(None)))
         if self.forged(group, checked):
             self.counts["forged"] += 1
             self.suspects.add(group.sampler_id)
@@ -257,10 +269,13 @@ class SamplingProof:
 
     def forged(self, group: RolloutGroup, checked: Checked | None) -> str | None:
         """Why the group is a forgery (token_forgery: a token the noise did not pick;
+        forged_routing: experts the router would not have chosen, which replay would have trusted;
         logprob_forgery: log-probs not the policy's), or None."""
         if checked is None:
             return None
         # "not <=": a NaN (a token or log-prob no forward gives) is a forgery, never a pass.
         if checked.margin is not None and not checked.margin <= self.margin_for(group):
             return "token_forgery"
+        if checked.routing is not None and not checked.routing <= self.routing_margin:
+            return "forged_routing"
         return None if checked.gap <= self.tolerance_for(group) else "logprob_forgery"

@@ -38,13 +38,15 @@ class Ruling:
 
 
 class Referee:
-    def __init__(self, task: Task, tokenizer, vocab_size: int, sampling: SamplingConfig):
+    def __init__(self, task: Task, tokenizer, vocab_size: int, sampling: SamplingConfig,
+                 routing: tuple[int, int, int] | None = None):
         self.task, self.tokenizer, self.vocab_size, self.sampling = task, tokenizer, vocab_size, sampling
+        self.routing = routing  # the model's (layers, top_k, experts) where the run replays its routing
 
     @property
     def limits(self) -> RolloutLimits:
         """What the run's groups may hold on the wire."""
-        return RolloutLimits(self.sampling.group_size, self.sampling.max_new_tokens)
+        return RolloutLimits(self.sampling.group_size, self.sampling.max_new_tokens, self.routing)
 
     def malformed(self, group: RolloutGroup) -> str | None:
         """A reason to reject the group's shape, or None. Cheap: run before the staleness check."""

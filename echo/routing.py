@@ -20,8 +20,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from echo.wire.messages import RolloutGroup, Routing
 
 OWN = -1  # in a replayed choice: this token's experts are the trainer's own top-k (no record for it)
 
@@ -66,16 +69,24 @@ def recorded(model: torch.nn.Module) -> Iterator[list[list[torch.Tensor]]]:
 
 
 @contextlib.contextmanager
-def replayed(model: torch.nn.Module, chosen: list[torch.Tensor]) -> Iterator[None]:
+def replayed(model: torch.nn.Module, chosen: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
     """Inside, a forward's router at layer l sends token i to the experts `chosen[l][i]` (OWN:
-    its own top-k). One forward: the tensors cover exactly the tokens it routes."""
+    its own top-k). One forward: the tensors cover exactly the tokens it routes. Yields the
+    routing gaps (routing_gap), one (tokens,) tensor a layer once the forward has run."""
     found = routers(model)
     if len(chosen) != len(found):
         raise ValueError(f"routing for {len(chosen)} layers, the model routes in {len(found)}")
+    gaps: list[torch.Tensor] = []
+
+    def route(hidden, router, layer):
+        logits, scores, indices = gates(router, hidden, layer)
+        gaps.append(routing_gap(logits.detach(), indices))
+        return logits, scores, indices
+
     for router, layer in zip(found, chosen):
-        router.forward = lambda hidden, router=router, layer=layer: gates(router, hidden, layer)
+        router.forward = lambda hidden, router=router, layer=layer: route(hidden, router, layer)
     try:
-        yield
+        yield gaps
     finally:
         for router in found:
             del router.forward  # the class's own again
@@ -88,3 +99,91 @@ def routing_gap(logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     k = chosen.shape[-1]
     kth = torch.topk(logits.float(), k, dim=-1).values[..., -1]
     return (kth - logits.float().gather(-1, chosen.long()).min(dim=-1).values).clamp(min=0)
+
+
+def routing_shape(model: torch.nn.Module) -> tuple[int, int, int] | None:
+    """(layers, top_k, experts) of a mixture of experts' routing (the wire's Routing), or None
+    for a dense model."""
+    found = routers(model)
+    return (len(found), found[0].top_k, found[0].num_experts) if found else None
+
+
+class Replay:
+    """Routing replay for one packed forward (echo/policy.py::packed_states): the experts the
+    sampler recorded for each prompt's and each completion's tokens ((tokens, layers, top_k)
+    arrays, as Routing carries them; None: the router's own), and afterwards, for each
+    completion, the largest routing gap of the tokens it was scored from (its prompt's too):
+    what the proof of sampling compares with `trainer.verify_routing_margin`."""
+
+    def __init__(self, prompts: list[np.ndarray | None], completions: list[np.ndarray | None], owners: list[int]):
+        self.prompts, self.completions = prompts, completions
+        self.owners = torch.tensor(owners)  # completion r continues prompt owners[r]
+        self.gaps = torch.zeros(len(completions))
+
+    @classmethod
+    def of(cls, pass_groups: list[tuple[RolloutGroup, list[int]]]) -> Replay:
+        """For the completions `rows` of each group, in order (the groups' routing split)."""
+        prompts, completions, owners = [], [], []
+        for j, (group, rows) in enumerate(pass_groups):
+            routing = group.routing
+            bounds = len(group.prompt_token_ids) + np.cumsum([0, *(len(c.token_ids) for c in group.completions)])
+            prompts.append(None if routing is None else routing.ids[: bounds[0]])
+            # A completion's last token is never an input: its row (zeros) is not replayed.
+            completions += [None if routing is None else routing.ids[bounds[i] : bounds[i + 1] - 1] for i in rows]
+            owners += [j] * len(rows)
+        return cls(prompts, completions, owners)
+
+    def again(self) -> Replay:
+        """The same routing, its gaps not yet measured (another forward over the same tokens)."""
+        return Replay(self.prompts, self.completions, self.owners.tolist())
+
+    @contextlib.contextmanager
+    def prompts_forward(self, model, width: int) -> Iterator[None]:
+        """Inside: the forward of the prompts, left-padded to `width`."""
+        with self._forward(model, self.prompts, width, self.owners, left=True):
+            yield
+
+    @contextlib.contextmanager
+    def completions_forward(self, model, width: int) -> Iterator[None]:
+        """Inside: the forward of the completions' inputs (each but its last token), right-padded to `width`."""
+        with self._forward(model, self.completions, width, torch.arange(len(self.completions))):
+            yield
+
+    @contextlib.contextmanager
+    def sequences_forward(self, model, width: int, span: slice) -> Iterator[None]:
+        """Inside: a forward of positions `span` of each completion's prompt and inputs, one row each."""
+        rows = [None if c is None else np.concatenate([self.prompts[j], c])
+                for c, j in zip(self.completions, self.owners.tolist())]
+        with self._forward(model, rows, width, torch.arange(len(rows)), span=span):
+            yield
+
+    @contextlib.contextmanager
+    def _forward(self, model, rows: list[np.ndarray | None], width: int, owners: torch.Tensor, left: bool = False,
+                 span: slice = slice(None)) -> Iterator[None]:
+        layers, top_k, _ = routing_shape(model)
+        chosen = torch.full((len(rows), width, layers, top_k), OWN, dtype=torch.long)
+        for i, row in enumerate(rows):
+            if row is not None:
+                row = torch.from_numpy(row[:width].astype(np.int64))
+                if left:
+                    chosen[i, width - len(row) :] = row
+                else:
+                    chosen[i, : len(row)] = row
+        chosen = chosen[:, span]
+        with replayed(model, list(chosen.reshape(-1, layers, top_k).unbind(1))) as gaps:
+            yield
+        largest = torch.stack(gaps).amax(0).reshape(chosen.shape[:2]).amax(1).cpu()
+        self.gaps = torch.maximum(self.gaps, largest[owners])
+
+    def of_rows(self, span: slice) -> float:
+        """The largest gap of completions `span`."""
+        gaps = self.gaps[span]
+        return float(gaps.max()) if gaps.numel() else 0.0
+
+
+def group_routing(rows: list[np.ndarray], prompt_tokens: int, shape: tuple[int, int, int]) -> Routing:
+    """A group's Routing from its completions' (the engine's Generation.routing, each over its
+    prompt and its tokens): the prompt's rows once (the first completion's), then each completion's."""
+    layers, top_k, experts = shape
+    ids = np.concatenate([rows[0][:prompt_tokens], *(r[prompt_tokens:] for r in rows)])
+    return Routing(layers=layers, top_k=top_k, experts=experts, ids=ids)

@@ -17,15 +17,16 @@ from tests.conftest import assert_balanced
 SMALL = ["lora.r=4", "sampling.group_size=4", "sampling.max_new_tokens=8", "trainer.groups_per_step=4", "run.eval_prompts=0"]
 
 
-def up_command(tmp_path, run_id: str, steps: int, *overrides: str, flags=()) -> list[str]:
-    cmd = [sys.executable, "-m", "workers.cli", "up", "--model", "tiny", "--steps", str(steps), "--run-id", run_id, *flags]
+def up_command(tmp_path, run_id: str, steps: int, *overrides: str, flags=(), model: str = "tiny") -> list[str]:
+    cmd = [sys.executable, "-m", "workers.cli", "up", "--model", model, "--steps", str(steps), "--run-id", run_id, *flags]
     for assignment in [f'run.dir="{tmp_path}"', *SMALL, *overrides]:
         cmd += ["--set", assignment]
     return cmd
 
 
-def run_swarm(tmp_path, run_id: str, steps: int, *overrides: str, flags=(), samplers=frozenset({"s1", "s2"})):
-    cmd = up_command(tmp_path, run_id, steps, *overrides, flags=flags)
+def run_swarm(tmp_path, run_id: str, steps: int, *overrides: str, flags=(), samplers=frozenset({"s1", "s2"}),
+              model: str = "tiny"):
+    cmd = up_command(tmp_path, run_id, steps, *overrides, flags=flags, model=model)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)  # a hang guard: a run here takes 1-4 min
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / run_id

@@ -35,11 +35,16 @@ def test_an_on_policy_async_run_trains_within_its_bound_with_importance_ratios_o
 
 
 def test_async_run_stays_within_the_staleness_bound_of_one(tmp_path):
-    """And the grpo preset with two updates a batch: the ratio and the clip act, proof in-step included."""
+    """On the tiny mixture of experts with routing replay (issue 68): every group carries its
+    routing, every forward of the trainer replays it, and every group passes the proof, the
+    routing check included. And the grpo preset with two updates a batch: the ratio and the clip
+    act, proof in-step included."""
     metrics, stream, stderr = run_swarm(tmp_path, "async", 5, "trainer.max_staleness=1", "trainer.verify_fraction=1.0",
-                                        "algorithm.preset=grpo", "algorithm.num_iterations=2")
+                                        "algorithm.preset=grpo", "algorithm.num_iterations=2",
+                                        'algorithm.router_replay="replay"', model="tiny-moe")
     assert_within_the_staleness_bound(metrics, stream, stderr, max_staleness=1, steps=5)
     assert all(m["iterations"] == 2 for m in metrics)
+    assert all((r["group"]["routing"]["layers"], r["group"]["routing"]["top_k"]) == (2, 2) for r in stream)
 
 
 def assert_within_the_staleness_bound(metrics: list[dict], stream: list[dict], stderr: str, max_staleness: int,

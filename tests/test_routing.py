@@ -1,6 +1,7 @@
 """Routing replay on the tiny mixture of experts (echo/routing.py): what a forward's routers chose,
 recorded; a forward made to use given choices, its gates recomputed from its own logits."""
 
+import argparse
 import struct
 import zlib
 
@@ -9,10 +10,14 @@ import orjson
 import pytest
 import torch
 
-from echo.config import LoraConfig, SamplingConfig
+from echo.config import ConfigError, LoraConfig, SamplingConfig
+from echo.engines import make_engine
 from echo.engines.hf import HFEngine
+from echo.learner import Batch, ForgedInStep, HeldProof, make_optimizer, train_step
 from echo.models import load_model
-from echo.routing import OWN, recorded, replayed, routers, routing_gap
+from echo.policy import load_tensors, make_policy, packed_logprobs, policy_tensors
+from echo.proof import ProofSettings, SamplingProof, logprob_gap
+from echo.routing import OWN, Replay, recorded, replayed, routers, routing_gap
 from echo.wire.codec import (
     ProtocolError,
     RolloutLimits,
@@ -22,7 +27,12 @@ from echo.wire.codec import (
     rollout_headers,
 )
 from echo.wire.messages import RolloutGroup, Routing
-from tests.groups import honest_group
+from echo.wire.names import Version
+from tests.conftest import tiny_config
+from tests.groups import TASK, honest_group
+from workers.arguments import config_and_task_from_args
+from workers.sampler.generation import generate_groups
+from workers.trainer.model import Ranks, TrainerModel
 
 IDS = torch.randint(0, 256, (3, 24), generator=torch.Generator().manual_seed(0))
 
@@ -214,3 +224,131 @@ def _packed(ids: np.ndarray, bits: int) -> bytes:
     out += "0" * (-len(out) % 8)
     return bytes(int(out[i : i + 8], 2) for i in range(0, len(out), 8))
 
+
+
+# --- replayed by the trainer: its forwards, the proof, the step ---------------------------------
+
+def _sampler_and_trainer(chunk: int = 0):
+    """A sampler's engine recording routing (its adapter made non-zero), and a trainer's proof
+    over a model of its own holding the same weights, the run replaying routing."""
+    sampling = SamplingConfig(group_size=3, max_new_tokens=12, temperature=0.9, chunk_tokens=chunk)
+    engine = HFEngine("tiny-moe", LoraConfig(r=4), sampling, record_routing=True)
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(1)
+        for name, p in engine.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+    trainer = make_policy(load_model("tiny-moe")[0], LoraConfig(r=4))
+    load_tensors(trainer, policy_tensors(engine.model))
+    proof = SamplingProof(trainer, engine.tokenizer.pad_token_id,
+                          ProofSettings(sampling.temperature, 1.0, 0.01, 2, routing_margin=0.05))
+    proof.remember(0)
+    return engine, sampling, proof
+
+
+def _forge_routing(proof: SamplingProof, group: RolloutGroup) -> RolloutGroup:
+    """The group with made-up experts for every token, and the log-probs the policy gives its
+    tokens under them: what a sampler that wants its tokens scored under other experts sends."""
+    rng = np.random.default_rng(3)
+    ids = np.stack([[rng.choice(8, 2, replace=False) for _ in range(2)] for _ in range(len(group.routing.ids))])
+    ids[group.last_tokens()] = 0
+    forged = group.replaced(group_id="forged", routing=group.routing.model_copy(update={"ids": ids.astype(np.uint16)}))
+    replay = Replay.of([(forged, list(range(len(forged.completions))))])
+    with torch.no_grad():
+        logprobs, _, _ = packed_logprobs(proof.model, [forged.prompt_token_ids], [c.token_ids for c in forged.completions],
+                                         [0] * len(forged.completions), proof.temperature, proof.pad_id, replay=replay)
+    return forged.replaced(completions=[c.replaced(logprobs=logprobs[i, : len(c.token_ids)].tolist())
+                                        for i, c in enumerate(forged.completions)])
+
+
+def test_the_trainer_replays_the_recorded_routing_and_a_made_up_one_is_forged_routing():
+    """The sampler's groups carry their routing (the prompt's once, then each completion's); the
+    trainer's packed forward over two groups at once, replaying it, gives the sampler's own
+    log-probs with no routing gap. Made-up experts, sent with the log-probs the policy gives under
+    them, pass the log-prob check (a trainer that trusts routing trains on them) and are
+    forged_routing."""
+    engine, sampling, proof = _sampler_and_trainer()
+    groups = generate_groups(engine, TASK, [TASK.prompt(1), TASK.prompt(2)], sampling, "s1", Version(0, 0), [1, 2],
+                             seed=5)
+    for group in groups:
+        routing = group.routing
+        assert (routing.layers, routing.top_k, routing.experts) == (2, 2, 8)
+        assert len(routing.ids) == len(group.prompt_token_ids) + sum(len(c.token_ids) for c in group.completions)
+    replay = Replay.of([(g, list(range(3))) for g in groups])
+    claimed = [c for g in groups for c in g.completions]
+    with torch.no_grad():
+        logprobs, _, _ = packed_logprobs(proof.model, [g.prompt_token_ids for g in groups],
+                                         [c.token_ids for c in claimed], [0, 0, 0, 1, 1, 1], sampling.temperature,
+                                         proof.pad_id, replay=replay)
+    assert logprob_gap(claimed, logprobs) < 1e-4 and float(replay.gaps.max()) < 1e-4
+
+    honest = proof.check(groups[0])
+    assert honest.gap < 1e-4 and honest.routing < 1e-4 and proof.forged(groups[0], honest) is None
+    forged = _forge_routing(proof, groups[0])
+    checked = proof.check(forged)
+    assert checked.gap < 1e-4 and checked.routing > 0.05  # its log-probs are the policy's under its routing
+    assert proof.forged(forged, checked) == "forged_routing"
+    assert "s1" in proof.suspects
+
+
+def test_a_partial_rollouts_routing_is_replayed_under_each_version_that_sampled_it():
+    """Generated in chunks, each under the version then held: the proof's forward replays each
+    version's tokens with the routing they were sampled with."""
+    engine, sampling, proof = _sampler_and_trainer(chunk=4)
+    proof.remember(1)  # the same weights under a second version, swapped in after the first chunk
+    versions = iter([1])
+
+    class NewerOnce:
+        def between_chunks(self):
+            return next(versions, None)
+
+    [group] = generate_groups(engine, TASK, [TASK.prompt(3)], sampling, "s1", Version(0, 0), [1], NewerOnce(), seed=2)
+    assert group.version_changes and group.version_changes[0].version == 1
+    honest = proof.check(group)
+    assert honest.gap < 1e-4 and honest.routing < 1e-4 and proof.forged(group, honest) is None
+    forged = _forge_routing(proof, group)
+    assert proof.forged(forged, proof.check(forged)) == "forged_routing"
+
+
+def test_the_step_finds_forged_routing_in_its_own_forward_before_any_update(tmp_path):
+    """The groups of the version the trainer holds are proved by the step's forward, which
+    replays their routing: a made-up routing is found there, and nothing is updated."""
+    engine, sampling, proof = _sampler_and_trainer()
+    cfg = tiny_config(tmp_path, model={"name": "tiny-moe"}, sampling=sampling.model_dump(),
+                      algorithm={"router_replay": "replay"}, trainer={"micro_batch_tokens": 64, "pack_groups": "on"})
+    groups = generate_groups(engine, TASK, [TASK.prompt(4), TASK.prompt(5)], sampling, "s1", Version(0, 0), [1, 2],
+                             seed=9)
+    batch = [groups[0], _forge_routing(proof, groups[1])]
+    model, optimizer = proof.model, make_optimizer(proof.model, cfg)
+    before = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
+
+    def judge(checked):
+        return proof.judged_in_step({g.group_id: g for g in batch}, checked)
+
+    with pytest.raises(ForgedInStep) as caught:
+        train_step(model, optimizer, Batch(batch, [[1.0, 0.0, 0.0]] * 2), cfg, proof.pad_id,
+                   held=HeldProof(0, proof.noise_key, judge))
+    assert caught.value.forged == {"forged": "forged_routing"}
+    assert all(torch.equal(p, before[k]) for k, p in model.named_parameters() if p.requires_grad)
+    stats = train_step(model, optimizer, Batch(groups, [[1.0, 0.0, 0.0]] * 2), cfg, proof.pad_id,
+                       held=HeldProof(0, proof.noise_key, lambda checked: proof.judged_in_step(
+                           {g.group_id: g for g in groups}, checked)))
+    assert stats["passes"] >= 1 and proof.counts["passed"] == 2
+
+
+def test_routing_replay_that_cannot_work_is_refused_at_start_naming_the_field(tmp_path):
+    """An engine that records no routing, a dense model (on either side) or a multi-turn task
+    (its observations' routing is not recorded): one line at start, not groups refused later."""
+    moe = {"router_replay": "replay"}
+    paged = tiny_config(tmp_path, model={"name": "tiny-moe"}, algorithm=moe, sampler={"engine": "hf-paged"})
+    with pytest.raises(ConfigError, match="router_replay.*'hf-paged'"):
+        make_engine(paged, "s1")
+    dense = tiny_config(tmp_path, algorithm=moe)
+    with pytest.raises(ConfigError, match="router_replay.*dense"):
+        make_engine(dense, "s1")
+    with pytest.raises(ConfigError, match="router_replay.*dense"):
+        TrainerModel(dense, Ranks("cpu"))
+    args = argparse.Namespace(config=None, set=['task.name="sokoban_game"', 'algorithm.router_replay="replay"'])
+    with pytest.raises(ConfigError, match="router_replay.*sokoban_game"):
+        config_and_task_from_args(args)
+    assert make_engine(tiny_config(tmp_path, model={"name": "tiny-moe"}, algorithm=moe), "s1").routing == (2, 2, 8)

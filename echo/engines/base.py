@@ -50,6 +50,8 @@ class NewerWeights(Protocol):
 class Engine(Protocol):
     name: str  # "hf" or "vllm", named in every group it samples
     keyed_noise: bool  # whether it draws with keyed noise (sampling.noise = "keyed", echo/noise.py)
+    # (layers, top_k, experts) where it records a mixture of experts' routing (Generation.routing), else None
+    routing: tuple[int, int, int] | None
     device: torch.device
     dtype: torch.dtype  # the precision it samples in
     tokenizer: object  # a transformers tokenizer: multi-turn episodes render observations with it

@@ -12,13 +12,13 @@ import numpy as np
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from echo.config import LoraConfig, SamplingConfig
+from echo.config import ConfigError, LoraConfig, SamplingConfig
 from echo.devices import resolve_device, sampler_dtype
 from echo.engines.base import Generation, NewerWeights
 from echo.models import encode_chat, load_model
 from echo.noise import Draw, key_halves, keyed_draw, noisy_scores
 from echo.policy import CACHE, kv_cache, load_weights, make_policy
-from echo.routing import recorded, routers
+from echo.routing import recorded, routing_shape
 
 
 class SampledLogprobs(LogitsProcessor):
@@ -144,8 +144,11 @@ class HFEngine:
         base, self.tokenizer = load_model(model_name, self.device, self.dtype)
         # peft keeps the adapter in fp32 over a 16-bit base; published weights are cast on load.
         self.model = make_policy(base, lora).eval()
-        # A mixture of experts' routing, recorded for the trainer to replay (echo/routing.py).
-        self.record_routing = record_routing and bool(routers(self.model))
+        # A mixture of experts' routing shape, where its routing is recorded for the trainer to replay
+        # (echo/routing.py); None: not recorded.
+        self.routing = routing_shape(self.model) if record_routing else None
+        if record_routing and self.routing is None:
+            raise ConfigError(f"algorithm.router_replay = 'replay': {model_name} is a dense model, no router to replay")
         self.temperature = sampling.temperature
         self.max_new_tokens, self.chunk_tokens = sampling.max_new_tokens, sampling.chunk_tokens
         # Plain sampling at `temperature`: no top-k/top-p, so the behaviour log-probs the
@@ -200,10 +203,10 @@ class HFEngine:
             noise_rows = [(d.key, d.first + row % n, d.position) for row in rows for d in [draws[row // n]]] if keyed else []
             sampled = (KeyedNoise(self.temperature, noise_rows, produced, self.device) if keyed
                        else SampledLogprobs(self.temperature))
-            with recorded(self.model) if self.record_routing else contextlib.nullcontext() as calls:
+            with recorded(self.model) if self.routing else contextlib.nullcontext() as calls:
                 out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
                                           **{CACHE: cache}, logits_processor=LogitsProcessorList([sampled]))
-            if self.record_routing:
+            if self.routing:
                 for row, routing in zip(rows, chunk_routing(calls, len(rows))):
                     routed[row].append(routing)
             new_tokens = out.sequences[:, ids.shape[1]:]
@@ -233,7 +236,7 @@ class HFEngine:
             Generation(token_ids=t, logprobs=lp, text=self.tokenizer.decode(t, skip_special_tokens=True),
                        finish_reason="stop" if t[-1] == eos else "length", version_changes=tuple(c),
                        routing=row_routing(r, padded - len(prompts[row // n]), len(prompts[row // n]) + len(t))
-                       if self.record_routing else None)
+                       if self.routing else None)
             for row, (t, lp, c, r) in enumerate(zip(tokens, logprobs, changes, routed))
         ]
         return [generations[i * n : (i + 1) * n] for i in range(len(prompts))]
@@ -262,6 +265,7 @@ class PagedEngine(HFEngine):
 
     name = "hf"  # on the wire: transformers sampled it, with the same model code and log-probs as `hf`
     keyed_noise = PAGED_KEYED  # through the manager's per-request processors (PagedKeyedNoise)
+    routing = None  # records none (make_engine refuses router_replay with it)
     PAGE_TOKENS = 32
     MAX_BATCH_TOKENS = 8192  # tokens in one forward: prompts are prefilled in slices of this
 

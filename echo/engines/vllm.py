@@ -39,6 +39,7 @@ def vllm_lora_rank(r: int) -> int:
 class VLLMEngine:
     name = "vllm"
     keyed_noise = True  # through a logits processor (vllm_worker.KeyedNoise)
+    routing = None  # records none (make_engine refuses router_replay with it)
 
     def __init__(self, model: ModelConfig, lora: LoraConfig, sampling: SamplingConfig):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the sampler logs what matters itself

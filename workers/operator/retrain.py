@@ -50,7 +50,7 @@ def retrain(run_dir: Path, nats_url: str | None = None, credentials: Credentials
         with run_broker(cfg.run.id if nats_url else run_dir, nats_url, credentials) as (url, run_id, credentials):
             groups = asyncio.run(_groups(url, run_id, credentials))
         model = TrainerModel(cfg, Ranks(cfg.model.device))
-        referee = Referee(load_task(cfg.task), model.tokenizer, model.vocab_size, cfg.sampling)
+        referee = Referee(load_task(cfg.task), model.tokenizer, model.vocab_size, cfg.sampling, model.routing)
         for step in steps:
             missing = [g for g, _, _ in step["groups"] if g not in groups]
             if missing:

@@ -14,6 +14,7 @@ from echo.devices import dtype_name
 from echo.engines.base import Engine, NewerWeights, call_seed
 from echo.environments import play_episodes
 from echo.noise import Draw, group_key
+from echo.routing import group_routing
 from echo.tasks import Task, is_environment, safe_score
 from echo.throughput import CallWindow
 from echo.wire.messages import Completion, Grant, RolloutGroup, VersionChange
@@ -62,6 +63,7 @@ def generate_groups(engine: Engine, task: Task, prompts: list, sampling: Samplin
     from the task's verifier. A multi-turn task's completions are episodes, played turn by turn
     with the weights that began them (echo/environments.py)."""
     prompt_ids = [engine.encode_chat(p.messages) for p in prompts]
+    routings = [None] * len(prompts)  # a mixture of experts' routing, where the engine records it
     started = time.perf_counter()
     if is_environment(task):
         completions = play_episodes(engine, task, prompts, prompt_ids, sampling.group_size, sampling.max_new_tokens,
@@ -77,6 +79,9 @@ def generate_groups(engine: Engine, task: Task, prompts: list, sampling: Samplin
                         for g in gens] for prompt, gens in zip(prompts, generations)]
         # its completions were sampled together: the longest saw every change
         changes = [max((g.version_changes for g in gens), key=len) for gens in generations]
+        if engine.routing:
+            routings = [group_routing([g.routing for g in gens], len(ids), engine.routing)
+                        for ids, gens in zip(prompt_ids, generations)]
     seconds = time.perf_counter() - started
     return [
         RolloutGroup(
@@ -95,6 +100,8 @@ def generate_groups(engine: Engine, task: Task, prompts: list, sampling: Samplin
             gen_seconds=seconds / len(prompts),
             created_at=time.time(),
             version_changes=[VersionChange(at=at, version=v) for at, v in group_changes],
+            routing=routing,
         )
-        for slot, prompt, ids, group, group_changes in zip(slots, prompts, prompt_ids, completions, changes)
+        for slot, prompt, ids, group, group_changes, routing in zip(slots, prompts, prompt_ids, completions, changes,
+                                                                     routings)
     ]

@@ -164,7 +164,8 @@ class Judge:
 
     async def proven(self, case: Case) -> Verdict | None:
         """The proof of sampling, on the groups chosen for it: the claimed log-probs are the policy's,
-        and with keyed noise each token is the one the noise picks. Groups of the version the
+        with keyed noise each token is the one the noise picks, and with routing replay each
+        recorded expert one the router would choose. Groups of the version the
         trainer holds are proved by the step that trains them (SamplingProof.in_step)."""
         if not (self.proof and self.proof.wants(case.group, case.version)):
             return None
@@ -172,5 +173,6 @@ class Judge:
         reason = self.proof.forged(case.group, checked)
         if reason:
             margin = "" if checked.margin is None else f", token margin {checked.margin:.3g}"
-            return Verdict(reason, f"{case.about}: log-prob gap {checked.gap:.3g}{margin}", strike=True)
+            routing = "" if checked.routing is None else f", routing gap {checked.routing:.3g}"
+            return Verdict(reason, f"{case.about}: log-prob gap {checked.gap:.3g}{margin}{routing}", strike=True)
         return None

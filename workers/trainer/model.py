@@ -43,6 +43,7 @@ from echo.lifeline import die_with_parent
 from echo.models import base_model_digest, load_model
 from echo.policy import make_policy, weights_kind, weights_shards
 from echo.proof import Checked, ProofSettings, SamplingProof, worst_checks
+from echo.routing import routing_shape
 from echo.wire.messages import RolloutGroup, WeightsLink
 
 log = structlog.get_logger()
@@ -143,6 +144,10 @@ class TrainerModel:
         base, self.tokenizer = load_model(cfg.model.name, load_on, self.compute_dtype if cfg.lora.enabled else torch.float32)
         self.vocab_size = base.get_input_embeddings().num_embeddings
         self.context = getattr(base.config, "max_position_embeddings", None)  # tokens, prompt and completion
+        # (layers, top_k, experts) where the run replays a mixture of experts' routing: every group carries it.
+        self.routing = routing_shape(base) if cfg.algorithm.router_replay == "replay" else None
+        if cfg.algorithm.router_replay == "replay" and self.routing is None:
+            raise ConfigError(f"algorithm.router_replay = 'replay': {cfg.model.name} is a dense model, no router to replay")
         # The adapter's initial values come from the run's seed: the same on every rank, and a
         # retrain (`echo-rl replay --retrain`) starts where the run started.
         with torch.random.fork_rng(devices=[ranks.device] if ranks.device.type == "cuda" else []):
