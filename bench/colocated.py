@@ -23,7 +23,7 @@ import orjson
 from echo.checkpoint import read_shards
 from echo.config import EchoConfig, load_config
 from echo.engines import make_engine
-from echo.engines.base import call_seed
+from echo.engines.base import Engine, call_seed
 from echo.learner import Batch
 from echo.metrics import peak_rss_mb
 from echo.referee import Referee
@@ -41,12 +41,13 @@ def step_prompts(cfg: EchoConfig, task) -> list[list]:
             for _ in range(cfg.run.steps)]
 
 
-def run_colocated(cfg: EchoConfig) -> None:
+def run_colocated(cfg: EchoConfig, engine: Engine | None = None) -> None:
+    """The run `cfg` names, generating with `engine` (default: the one the config makes)."""
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(cfg.to_toml())
     model = TrainerModel(cfg, Ranks(cfg.model.device))
-    engine, task = make_engine(cfg), load_task(cfg.task)
+    engine, task = engine or make_engine(cfg, "colocated"), load_task(cfg.task)
     referee = Referee(task, model.tokenizer, model.vocab_size, cfg.sampling)
     started = time.perf_counter()
     with open(run_dir / "metrics.jsonl", "wb") as metrics:

@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from echo.delta import CHANGED, VALUES, DeltaError, apply, changed_fraction, digest, encode, send_whole
+from echo.models import load_model
+from echo.policy import load_tensors, policy_tensors
 
 
 def versions(seed: int = 0, dtype=torch.bfloat16, lr: float = 1e-5):
@@ -85,3 +87,21 @@ def test_a_version_goes_whole_first_every_k_versions_and_when_its_delta_is_large
     assert not send_whole(2, 1, 10, 1000, every=8, max_share=0.5)
     assert send_whole(9, 1, 10, 1000, every=8, max_share=0.5)  # a late joiner's chain stays short
     assert send_whole(3, 1, 600, 1000, every=8, max_share=0.5)  # a delta larger than the share: whole
+
+
+def test_a_mixture_of_experts_full_weights_go_as_a_delta_and_load_bit_for_bit():
+    """The tiny MoE's every parameter (its stacked experts, 3-D, and its routers) as published,
+    a version later: the delta rebuilds it bit for bit and a sampler's model takes it."""
+    model = load_model("tiny-moe")[0]
+    old = policy_tensors(model, torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-3 * torch.sign(torch.randn(p.shape, generator=g)))
+    new = policy_tensors(model, torch.bfloat16)
+    assert any(t.dim() == 3 for t in new.values())  # the experts, stacked
+    rebuilt = apply(old, encode(old, new))
+    assert digest(rebuilt) == digest(new) != digest(old)
+    sampler = load_model("tiny-moe", dtype=torch.bfloat16)[0]
+    load_tensors(sampler, rebuilt)
+    assert all(torch.equal(p, new[k]) for k, p in sampler.named_parameters())

@@ -21,6 +21,7 @@ from huggingface_hub import constants
 from echo.config import ConfigError
 from echo.edge import check_config_from_broker
 from echo.models import base_model_digest, hub_snapshot, load_model, pin_model
+from echo.routing import routing_shape
 from streams.client import open_run
 from streams.registry import read_statuses
 from tests.conftest import tiny_config, verl_rows
@@ -31,10 +32,11 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 ECHO_RL = [sys.executable, "-m", "workers.cli"]
 
 
-def hub_cache(root: Path, repo: str = REPO, commit: str = COMMIT, nudge: float = 0.0) -> Path:
-    """A hub cache at `root` holding the tiny model as `repo` at `commit` (branch main, tag v1),
-    laid out as huggingface_hub writes it; `nudge` moves every weight, for a copy that differs."""
-    model, tokenizer = load_model("tiny")
+def hub_cache(root: Path, repo: str = REPO, commit: str = COMMIT, nudge: float = 0.0, model: str = "tiny") -> Path:
+    """A hub cache at `root` holding the tiny model (or `model`) as `repo` at `commit` (branch
+    main, tag v1), laid out as huggingface_hub writes it; `nudge` moves every weight, for a copy
+    that differs."""
+    model, tokenizer = load_model(model)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(nudge)
@@ -73,6 +75,20 @@ def test_a_model_named_by_hub_id_loads_from_the_cache_pinned_to_its_commit(offli
     assert model.num_parameters() == load_model("tiny")[0].num_parameters() and tokenizer.padding_side == "left"
     # By content: the same weights under a hub id are the same base as the built-in tiny model.
     assert base_model_digest(pinned) == base_model_digest("tiny")
+
+
+def test_a_mixture_of_experts_named_by_hub_id_loads_as_a_dense_model_does(tmp_path, monkeypatch):
+    """Its stacked experts and routers saved in the hub's layout come back whole: the same base as
+    the built-in tiny MoE, routing alike."""
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub_cache(tmp_path / "hub", "echo-test/tiny-moe", model="tiny-moe")))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    hub_snapshot.cache_clear()
+    try:
+        model, _ = load_model("echo-test/tiny-moe")
+        assert routing_shape(model) == (2, 2, 8)
+        assert base_model_digest("echo-test/tiny-moe") == base_model_digest("tiny-moe")
+    finally:
+        hub_snapshot.cache_clear()
 
 
 @pytest.mark.parametrize("name, said", [

@@ -26,14 +26,14 @@ STEPS = 3
 TEXTS = ["\\boxed{5}", "no idea at all, sorry", "", "\\boxed{999} because"]
 
 
-def _start(tmp_path, lora: bool):
+def _start(tmp_path, lora: bool, model: str = "tiny"):
     """The same config, batch and start in every process: 3 groups in micro-batches, so that
     2 ranks get different numbers of passes (one runs an empty pass); KL on with LoRA."""
     budget = len(honest_group(12).prompt_token_ids) + 40
-    cfg = tiny_config(tmp_path, trainer={"micro_batch_tokens": budget}, lora={"enabled": lora},
-                      algorithm={"kl_coef": 0.1 if lora else 0.0})
+    cfg = tiny_config(tmp_path, model={"name": model}, trainer={"micro_batch_tokens": budget},
+                      lora={"enabled": lora}, algorithm={"kl_coef": 0.1 if lora else 0.0})
     batch = Batch.of([(honest_group(12 + i, texts=TEXTS), [float((i + j) % 2) for j in range(4)]) for i in range(3)])
-    base, tokenizer = load_model("tiny")
+    base, tokenizer = load_model(model)
     torch.manual_seed(0)  # peft draws the adapter's initial values
     policy = make_policy(base, cfg.lora)
     generator = torch.Generator().manual_seed(7)
@@ -56,9 +56,9 @@ def _join(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo")
 
 
-def _rank(rank: int, world: int, port: int, tmp_path, lora: bool) -> None:
+def _rank(rank: int, world: int, port: int, tmp_path, lora: bool, model: str) -> None:
     _join(rank, world, port)
-    cfg, batch, policy, pad_id = _start(tmp_path, lora)
+    cfg, batch, policy, pad_id = _start(tmp_path, lora, model)
     shard(policy)
     _, stats = _train(policy, cfg, batch, pad_id, rank, world)
     parts = [None] * world
@@ -71,16 +71,18 @@ def _rank(rank: int, world: int, port: int, tmp_path, lora: bool) -> None:
     leave()
 
 
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-def test_two_ranks_train_what_one_process_does(tmp_path, lora):
+# Full-weight mode on the mixture of experts: its attention, norms and embeddings are the dense
+# model's kinds, and its stacked experts and routers are sharded and trained as well.
+@pytest.mark.parametrize("lora, model", [(True, "tiny"), (False, "tiny-moe")], ids=["lora", "full-moe"])
+def test_two_ranks_train_what_one_process_does(tmp_path, lora, model):
     """3 steps on a fixed batch of 3 groups: 2 FSDP2 ranks, each its share of the passes, against
     one process with all of them. Same trained tensors within 1e-6 (fp32 reduction order), and
     the ranks' merged statistics are the whole step's; and training moved them."""
-    cfg, batch, _, _ = _start(tmp_path, lora)
+    cfg, batch, _, _ = _start(tmp_path, lora, model)
     passes = step_passes(batch, cfg.trainer.micro_batch_tokens)
     assert len(passes) % 2 == 1 and rank_passes(passes, 1, 2)[-1] is None  # rank 1 runs an empty pass
-    mp.spawn(_rank, args=(2, free_port(), tmp_path, lora), nprocs=2)
-    cfg, batch, policy, pad_id = _start(tmp_path, lora)
+    mp.spawn(_rank, args=(2, free_port(), tmp_path, lora, model), nprocs=2)
+    cfg, batch, policy, pad_id = _start(tmp_path, lora, model)
     before = copy.deepcopy(policy_tensors(policy))
     _, stats = _train(policy, cfg, batch, pad_id)
     one, two = policy_tensors(policy), torch.load(tmp_path / "ranks.pt")
