@@ -134,6 +134,10 @@ class EpisodeBuilder:
         self.observations: list[Observation] = []
         self.actions: list[str] = []
         self.reward, self.done, self.finish_reason = 0.0, False, "stop"
+        # A mixture of experts' routing of prompt_ids + ids, where the engine records it: each
+        # token's from the forward that first read it (a turn's tokens from that turn, the
+        # observation and the turn's last token before it from the next turn's prefill).
+        self.routing: np.ndarray | None = None
 
     @property
     def context(self) -> list[int]:
@@ -144,7 +148,14 @@ class EpisodeBuilder:
         """Tokens the model's next turn may take."""
         return self.max_tokens - len(self.ids)
 
-    def add_turn(self, ids: list[int], logprobs: list[float]) -> None:
+    def add_turn(self, ids: list[int], logprobs: list[float], routing: np.ndarray | None = None) -> None:
+        """The model's turn (its tokens, log-probs and, where recorded, the routing of its
+        context and tokens: Generation.routing), and the environment's answer."""
+        if routing is not None:
+            read = 0 if self.routing is None else len(self.routing) - 1  # the last token: first read now
+            context = len(self.context)
+            earlier = [] if self.routing is None else [self.routing[:read]]
+            self.routing = np.concatenate([*earlier, routing[read : context + len(ids)]])
         self.ids += ids
         self.logprobs += logprobs
         action = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -179,12 +190,18 @@ class EpisodeBuilder:
 def play_episodes(engine, env: Environment, prompts: list[Prompt], prompt_ids: list[list[int]], n: int,
                   max_tokens: int, greedy: bool = False, seed: int | None = None,
                   keys: list[int] | None = None) -> list[list[Completion]]:
+    """Each prompt's `n` episodes as completions (see play)."""
+    return [[e.completion() for e in group] for group in play(engine, env, prompts, prompt_ids, n, max_tokens,
+                                                              greedy, seed, keys)]
+
+
+def play(engine, env: Environment, prompts: list[Prompt], prompt_ids: list[list[int]], n: int, max_tokens: int,
+         greedy: bool = False, seed: int | None = None, keys: list[int] | None = None) -> list[list[EpisodeBuilder]]:
     """`n` episodes from each prompt, played turn by turn: each round, every episode still going
     takes its next model turn (all in one batch, each at most the tokens its budget has left;
     greedy for evaluation; round k drawn with `seed` + k, or with keyed noise where `keys`, one
     per prompt, are given: episode j of a group draws as its completion j, each token at its
-    position in the episode), and the environment answers. Returns each prompt's episodes as
-    completions."""
+    position in the episode), and the environment answers. Returns each prompt's episodes."""
     episodes = [[EpisodeBuilder(env, engine.tokenizer, prompt, ids, max_tokens) for _ in range(n)]
                 for prompt, ids in zip(prompts, prompt_ids)]
     going = [(e, None if keys is None else keys[i], j) for i, group in enumerate(episodes) for j, e in enumerate(group)]
@@ -197,6 +214,6 @@ def play_episodes(engine, env: Environment, prompts: list[Prompt], prompt_ids: l
         round_ += 1
         for (episode, _, _), (generation,) in zip(going, turns):
             keep = min(len(generation.token_ids), episode.room)  # a shorter budget than the batch's
-            episode.add_turn(generation.token_ids[:keep], generation.logprobs[:keep])
+            episode.add_turn(generation.token_ids[:keep], generation.logprobs[:keep], generation.routing)
         going = [g for g in going if not g[0].done]
-    return [[e.completion() for e in group] for group in episodes]
+    return episodes

@@ -5,6 +5,7 @@ field for what a test needs. Not a test module: test modules import it, never ea
 import time
 
 import orjson
+import torch
 
 from echo.config import SamplingConfig, TaskConfig
 from echo.devices import dtype_name
@@ -116,3 +117,13 @@ def granted(ledger: GrantLedger, group: RolloutGroup) -> RolloutGroup:
     (slot,), _ = ledger.grant(group.sampler_id, 1, 1, 1 << 20, time.monotonic())
     ledger.prompts[slot] = group.prompt_index
     return group.model_copy(update={"slot": slot})
+
+
+def turns_end_often(models: list, prompt_ids: list[int]) -> None:
+    """The random tiny models almost never end a turn: give the end-of-turn token a logit of about
+    3 (its head row along the first model's mean final hidden state over `prompt_ids`), in every
+    model alike, so episodes play several turns."""
+    with torch.no_grad():
+        mean = models[0](input_ids=torch.tensor([prompt_ids]), output_hidden_states=True).hidden_states[-1][0].mean(0)
+        for model in models:
+            model.get_output_embeddings().weight[TOKENIZER.eos_token_id] = 3.0 * mean / mean.norm() ** 2

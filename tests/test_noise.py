@@ -25,7 +25,7 @@ from streams.inbox import RolloutInbox
 from streams.lease import take_lease
 from streams.rollouts import publish_rollout
 from tests.conftest import tiny_config
-from tests.groups import REFEREE, SAMPLING, TASK, TOKENIZER, granted, honest_group, keyed_groups
+from tests.groups import REFEREE, SAMPLING, TASK, TOKENIZER, granted, honest_group, keyed_groups, turns_end_often
 from workers.background import Background
 from workers.trainer.accounting import RecentSteps
 from workers.trainer.granter import AsyncGranter
@@ -152,17 +152,6 @@ def test_a_swapped_token_or_text_chosen_with_its_true_log_probs_is_a_token_forge
         assert proof.forged(forged, checked) == "token_forgery", checked
 
 
-def _turns_end_often(sampler: HFEngine, proof: SamplingProof) -> None:
-    """The random tiny model almost never ends a turn: give the end-of-turn token a logit of about
-    3 (its head row along the mean final hidden state), in both models alike, so episodes play
-    several turns."""
-    prompt = torch.tensor([sampler.encode_chat(REFEREE.task.prompt(0).messages)])
-    with torch.no_grad():
-        mean = proof.model(input_ids=prompt, output_hidden_states=True).hidden_states[-1][0].mean(0)
-        for model in (sampler.model, proof.model):
-            model.get_output_embeddings().weight[TOKENIZER.eos_token_id] = 3.0 * mean / mean.norm() ** 2
-
-
 def test_episodes_draw_keyed_noise_turn_by_turn_and_a_turn_changed_is_a_token_forgery():
     """Issue 63: an episode's turns drew with the engine's own generator and were checked by their
     log-probs only. Each turn now draws with its group's keyed noise, episode j as completion j, a
@@ -170,7 +159,7 @@ def test_episodes_draw_keyed_noise_turn_by_turn_and_a_turn_changed_is_a_token_fo
     environment's observations are its own, replayed by the referee). Honest episodes pass and draw
     the same again; one token of a later turn replaced, with true log-probs, is a token forgery."""
     sampler, proof = _engines()
-    _turns_end_often(sampler, proof)
+    turns_end_often([proof.model, sampler.model], sampler.encode_chat(REFEREE.task.prompt(0).messages))
     env = load_environment(TaskConfig(name="math_tools"))
     prompts = [env.prompt(i) for i in range(2)]
     prompt_ids = [sampler.encode_chat(p.messages) for p in prompts]
@@ -400,7 +389,7 @@ def test_the_paged_engine_draws_the_keyed_noise_hf_draws_and_its_groups_pass_the
     completion leaving the batch at its own step: the end-of-turn token made likely), with the
     log-probs of softmax(logits / T), and its groups pass the proof's token check."""
     sampler, proof = _engines()
-    _turns_end_often(sampler, proof)
+    turns_end_often([proof.model, sampler.model], sampler.encode_chat(REFEREE.task.prompt(0).messages))
     paged = PagedEngine("tiny", LORA, KEYED, "cpu", "float32")
     paged.model.load_state_dict(sampler.model.state_dict())
     prompts = [sampler.encode_chat(REFEREE.task.prompt(i).messages) for i in range(6)]

@@ -1,7 +1,6 @@
 """Routing replay on the tiny mixture of experts (echo/routing.py): what a forward's routers chose,
 recorded; a forward made to use given choices, its gates recomputed from its own logits."""
 
-import argparse
 import struct
 import zlib
 
@@ -10,9 +9,10 @@ import orjson
 import pytest
 import torch
 
-from echo.config import ConfigError, LoraConfig, SamplingConfig
+from echo.config import ConfigError, LoraConfig, SamplingConfig, TaskConfig
 from echo.engines import make_engine
 from echo.engines.hf import HFEngine
+from echo.environments import load_environment
 from echo.learner import Batch, ForgedInStep, HeldProof, make_optimizer, train_step
 from echo.models import load_model
 from echo.policy import load_tensors, make_policy, packed_logprobs, policy_tensors
@@ -29,8 +29,7 @@ from echo.wire.codec import (
 from echo.wire.messages import RolloutGroup, Routing
 from echo.wire.names import Version
 from tests.conftest import tiny_config
-from tests.groups import TASK, honest_group
-from workers.arguments import config_and_task_from_args
+from tests.groups import TASK, honest_group, turns_end_often
 from workers.sampler.generation import generate_groups
 from workers.trainer.model import Ranks, TrainerModel
 
@@ -337,8 +336,8 @@ def test_the_step_finds_forged_routing_in_its_own_forward_before_any_update(tmp_
 
 
 def test_routing_replay_that_cannot_work_is_refused_at_start_naming_the_field(tmp_path):
-    """An engine that records no routing, a dense model (on either side) or a multi-turn task
-    (its observations' routing is not recorded): one line at start, not groups refused later."""
+    """An engine that records no routing or a dense model (on either side): one line at start,
+    not groups refused later."""
     moe = {"router_replay": "replay"}
     paged = tiny_config(tmp_path, model={"name": "tiny-moe"}, algorithm=moe, sampler={"engine": "hf-paged"})
     with pytest.raises(ConfigError, match="router_replay.*'hf-paged'"):
@@ -348,7 +347,30 @@ def test_routing_replay_that_cannot_work_is_refused_at_start_naming_the_field(tm
         make_engine(dense, "s1")
     with pytest.raises(ConfigError, match="router_replay.*dense"):
         TrainerModel(dense, Ranks("cpu"))
-    args = argparse.Namespace(config=None, set=['task.name="sokoban_game"', 'algorithm.router_replay="replay"'])
-    with pytest.raises(ConfigError, match="router_replay.*sokoban_game"):
-        config_and_task_from_args(args)
     assert make_engine(tiny_config(tmp_path, model={"name": "tiny-moe"}, algorithm=moe), "s1").routing == (2, 2, 8)
+
+
+def test_an_episodes_routing_is_replayed_each_token_as_the_forward_that_first_read_it_routed_it():
+    """A multi-turn episode's routing: its turns' tokens as their turns routed them, each
+    observation (and the turn's last token before it) as the next turn's prefill did. The trainer
+    replaying it over the whole episode gets the sampler's log-probs, no routing gap; an
+    observation's experts made up are forged_routing."""
+    engine, sampling, proof = _sampler_and_trainer()
+    sampling = sampling.model_copy(update={"max_new_tokens": 256, "group_size": 2})
+    env = load_environment(TaskConfig(name="math_tools"))
+    prompts = [env.prompt(i) for i in range(2)]
+    prompt_ids = [engine.encode_chat(p.messages) for p in prompts]
+    turns_end_often([proof.model, engine.model], prompt_ids[0])
+    groups = generate_groups(engine, env, prompts, sampling, "s1", Version(0, 0), [1, 2], seed=4)
+    assert all(len(c.observations) >= 1 for g in groups for c in g.completions)  # two turns or more
+    for group in groups:
+        assert len(group.routing.ids) == len(group.prompt_token_ids) + sum(len(c.token_ids) for c in group.completions)
+        checked = proof.check(group)
+        assert checked.gap < 1e-4 and checked.routing < 1e-4 and proof.forged(group, checked) is None, checked
+
+    group, first = groups[0], groups[0].completions[0]
+    observation = len(group.prompt_token_ids) + first.observations[0].at + 1  # an observation's second token
+    ids = group.routing.ids.copy()
+    ids[observation] = (ids[observation] + 1) % 8  # other experts, still distinct
+    forged = group.replaced(routing=group.routing.model_copy(update={"ids": ids}))
+    assert proof.forged(forged, proof.check(forged)) == "forged_routing"

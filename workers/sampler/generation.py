@@ -12,7 +12,7 @@ import uuid
 from echo.config import EchoConfig, SamplingConfig
 from echo.devices import dtype_name
 from echo.engines.base import Engine, NewerWeights, call_seed
-from echo.environments import play_episodes
+from echo.environments import play
 from echo.noise import Draw, group_key
 from echo.routing import group_routing
 from echo.tasks import Task, is_environment, safe_score
@@ -66,9 +66,13 @@ def generate_groups(engine: Engine, task: Task, prompts: list, sampling: Samplin
     routings = [None] * len(prompts)  # a mixture of experts' routing, where the engine records it
     started = time.perf_counter()
     if is_environment(task):
-        completions = play_episodes(engine, task, prompts, prompt_ids, sampling.group_size, sampling.max_new_tokens,
-                                    seed=seed, keys=keys)
+        episodes = play(engine, task, prompts, prompt_ids, sampling.group_size, sampling.max_new_tokens, seed=seed,
+                        keys=keys)
+        completions = [[e.completion() for e in group] for group in episodes]
         changes = [[] for _ in prompts]
+        if engine.routing:
+            routings = [group_routing([e.routing for e in group], len(ids), engine.routing)
+                        for ids, group in zip(prompt_ids, episodes)]
     else:
         generations = engine.generate(prompt_ids, sampling.group_size, newer_weights=newer_weights, seed=seed,
                                       draws=None if keys is None else [Draw(key) for key in keys])
