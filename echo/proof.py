@@ -144,12 +144,13 @@ def held_checks(pass_groups: list[tuple[RolloutGroup, list[int]]], recomputed: t
         return {}
     out, start = {}, 0
     recomputed = recomputed.detach().float().cpu()  # once for the pass, not a wait on the device a group
+    gaps = None if replay is None else replay.gaps.cpu()
     for group, rows in pass_groups:
         span, start = slice(start, start + len(rows)), start + len(rows)
         if held(group, version):
             claimed = [group.completions[i] for i in rows]
             margin = None if margins is None else margins.of(span)
-            routing = None if replay is None else replay.of_rows(span)
+            routing = None if gaps is None else float(gaps[span].max())
             out[group.group_id] = Checked(logprob_gap(claimed, recomputed[span]), margin, routing)
     return out
 
@@ -241,7 +242,7 @@ class SamplingProof:
                 _copy_into(self.model, self.live)
         checked = Checked(logprob_gap(group.completions, recomputed.float().cpu()),
                           None if margins is None else margins.of(slice(None)),
-                          None if replay is None else replay.of_rows(slice(None)))
+                          None if replay is None else float(replay.gaps.max()))
         if self.forged(group, checked):
             self.counts["forged"] += 1
             self.suspects.add(group.sampler_id)

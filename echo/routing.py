@@ -111,14 +111,15 @@ def routing_shape(model: torch.nn.Module) -> tuple[int, int, int] | None:
 class Replay:
     """Routing replay for one packed forward (echo/policy.py::packed_states): the experts the
     sampler recorded for each prompt's and each completion's tokens ((tokens, layers, top_k)
-    arrays, as Routing carries them; None: the router's own), and afterwards, for each
-    completion, the largest routing gap of the tokens it was scored from (its prompt's too):
-    what the proof of sampling compares with `trainer.verify_routing_margin`."""
+    arrays, as Routing carries them; None: the router's own), and afterwards `gaps`: for each
+    completion, the largest routing gap of the tokens it was scored from (its prompt's too), on
+    the model's device (read once a pass, not a wait a forward): what the proof of sampling
+    compares with `trainer.verify_routing_margin`."""
 
     def __init__(self, prompts: list[np.ndarray | None], completions: list[np.ndarray | None], owners: list[int]):
         self.prompts, self.completions = prompts, completions
         self.owners = torch.tensor(owners)  # completion r continues prompt owners[r]
-        self.gaps = torch.zeros(len(completions))
+        self.gaps: torch.Tensor | None = None  # none measured yet
 
     @classmethod
     def of(cls, pass_groups: list[tuple[RolloutGroup, list[int]]]) -> Replay:
@@ -172,13 +173,9 @@ class Replay:
         chosen = chosen[:, span]
         with replayed(model, list(chosen.reshape(-1, layers, top_k).unbind(1))) as gaps:
             yield
-        largest = torch.stack(gaps).amax(0).reshape(chosen.shape[:2]).amax(1).cpu()
-        self.gaps = torch.maximum(self.gaps, largest[owners])
-
-    def of_rows(self, span: slice) -> float:
-        """The largest gap of completions `span`."""
-        gaps = self.gaps[span]
-        return float(gaps.max()) if gaps.numel() else 0.0
+        largest = torch.stack(gaps).amax(0).reshape(chosen.shape[:2]).amax(1)
+        largest = largest[owners.to(largest.device)]
+        self.gaps = largest if self.gaps is None else torch.maximum(self.gaps, largest)
 
 
 def group_routing(rows: list[np.ndarray], prompt_tokens: int, shape: tuple[int, int, int]) -> Routing:
