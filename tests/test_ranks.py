@@ -6,6 +6,7 @@ import copy
 import gc
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,6 +16,8 @@ from echo.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from echo.learner import Batch, make_optimizer, merge_stats, rank_passes, step_passes, train_step
 from echo.models import load_model
 from echo.policy import make_policy, policy_tensors
+from echo.routing import group_routing, recorded, routing_shape
+from echo.wire.messages import Routing
 from streams.server import free_port
 from tests.conftest import tiny_config
 from tests.groups import honest_group
@@ -30,8 +33,9 @@ def _start(tmp_path, lora: bool, model: str = "tiny"):
     """The same config, batch and start in every process: 3 groups in micro-batches, so that
     2 ranks get different numbers of passes (one runs an empty pass); KL on with LoRA."""
     budget = len(honest_group(12).prompt_token_ids) + 40
-    cfg = tiny_config(tmp_path, model={"name": model}, trainer={"micro_batch_tokens": budget},
-                      lora={"enabled": lora}, algorithm={"kl_coef": 0.1 if lora else 0.0})
+    moe = model == "tiny-moe"  # its routing replayed, as a sampler of these weights recorded it
+    cfg = tiny_config(tmp_path, model={"name": model}, trainer={"micro_batch_tokens": budget}, lora={"enabled": lora},
+                      algorithm={"kl_coef": 0.1 if lora else 0.0, "router_replay": "replay" if moe else "off"})
     batch = Batch.of([(honest_group(12 + i, texts=TEXTS), [float((i + j) % 2) for j in range(4)]) for i in range(3)])
     base, tokenizer = load_model(model)
     torch.manual_seed(0)  # peft draws the adapter's initial values
@@ -41,7 +45,21 @@ def _start(tmp_path, lora: bool, model: str = "tiny"):
         for p in policy.parameters():
             if p.requires_grad:
                 p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    if moe:
+        batch = Batch([g.replaced(routing=_recorded(policy, g)) for g in batch.groups], batch.rewards)
     return cfg, batch, policy, tokenizer.pad_token_id
+
+
+def _recorded(policy, group) -> Routing:
+    """The group's routing as the policy's forward over each completion chose it."""
+    rows = []
+    for completion in group.completions:
+        with torch.no_grad(), recorded(policy) as calls:
+            policy(input_ids=torch.tensor([[*group.prompt_token_ids.tolist(), *completion.token_ids.tolist()]]))
+        ids = torch.stack([layer[0] for layer in calls], 1).numpy().astype(np.uint16)
+        ids[-1] = 0  # the last token is never an input
+        rows.append(ids)
+    return group_routing(rows, len(group.prompt_token_ids), routing_shape(policy))
 
 
 def _train(policy, cfg, batch, pad_id, rank=0, world=1, steps=STEPS, optimizer=None):
@@ -72,7 +90,8 @@ def _rank(rank: int, world: int, port: int, tmp_path, lora: bool, model: str) ->
 
 
 # Full-weight mode on the mixture of experts: its attention, norms and embeddings are the dense
-# model's kinds, and its stacked experts and routers are sharded and trained as well.
+# model's kinds, and its stacked experts and routers are sharded and trained as well, its routing
+# replayed.
 @pytest.mark.parametrize("lora, model", [(True, "tiny"), (False, "tiny-moe")], ids=["lora", "full-moe"])
 def test_two_ranks_train_what_one_process_does(tmp_path, lora, model):
     """3 steps on a fixed batch of 3 groups: 2 FSDP2 ranks, each its share of the passes, against
