@@ -340,7 +340,7 @@ class AlgorithmConfig(_Section):
     # A mixture of experts' routing (echo/routing.py): "replay" has the samplers record the experts
     # each token went to and the trainer's forwards (pi_old, pi_theta, the proof) send it to the
     # same ones, so that a 16-bit sampler's near-ties in the router do not become ratios far from 1
-    # (verl's and ROLL's R3). Needs an MoE model and sampler.engine = "hf"; costs bytes a token
+    # (verl's and ROLL's R3). Needs an MoE model and sampler.engine "hf" or "hf-paged"; costs bytes a token
     # on the wire (docs/operations.md). "off": each side routes on its own.
     router_replay: Literal["off", "replay"] = "off"
 

@@ -37,13 +37,11 @@ def make_engine(cfg: EchoConfig, sampler_id: str | None = None) -> Engine:
                           "for here (hf can): a run that trusts this sampler's text names it in "
                           "sampling.trusted_samplers, one that trusts every sampler's sets sampling.noise = 'engine'")
     replay = cfg.algorithm.router_replay == "replay"
-    if replay and choice != "hf":
-        raise ConfigError(f"algorithm.router_replay = 'replay' needs the routing each token took, which "
-                          f"sampler.engine = {choice!r} does not record here (hf does)")
+    if replay and choice == "vllm":
+        raise ConfigError("algorithm.router_replay = 'replay' needs the routing each token took, which "
+                          "sampler.engine = 'vllm' does not record here (hf and hf-paged do)")
     if choice == "vllm":
         return engine(cfg.model, cfg.lora, cfg.sampling)
-    if choice == "hf-paged":
-        return engine(cfg.model.name, cfg.lora, cfg.sampling, cfg.model.device, cfg.model.dtype)
     # An evaluation (no sampler) scores greedy completions: nothing is replayed.
     return engine(cfg.model.name, cfg.lora, cfg.sampling, cfg.model.device, cfg.model.dtype,
                   record_routing=replay and sampler_id is not None)

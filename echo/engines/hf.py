@@ -265,7 +265,6 @@ class PagedEngine(HFEngine):
 
     name = "hf"  # on the wire: transformers sampled it, with the same model code and log-probs as `hf`
     keyed_noise = PAGED_KEYED  # through the manager's per-request processors (PagedKeyedNoise)
-    routing = None  # records none (make_engine refuses router_replay with it)
     PAGE_TOKENS = 32
     MAX_BATCH_TOKENS = 8192  # tokens in one forward: prompts are prefilled in slices of this
 
@@ -295,13 +294,16 @@ class PagedEngine(HFEngine):
             return_logprobs=not keyed, seed=seed, num_blocks=pages + 1, **{page: self.PAGE_TOKENS},
             max_batch_tokens=min(self.MAX_BATCH_TOKENS, max(256, sum(map(len, requests)))), use_cuda_graph=False,
             # keyed: the processor's Python runs at each step (no graph replays it) on its own request ids
-            **({"per_request_processors": True, "use_async_batching": False} if keyed else {}))
+            **({"per_request_processors": True} if keyed else {}),
+            # one forward after another: a forward's routing is read against the layout prepared for it
+            **({"use_async_batching": False} if keyed or self.routing else {}))
         model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         if keyed:  # the manager asks the model for its processors: this call's, then the class's again
             model._get_logits_processor = lambda generation_config: LogitsProcessorList([sampled])
         try:
-            out = model.generate_batch(requests, generation_config=config, continuous_batching_config=batching,
-                                       warmup=False)
+            with paged_routing(model, len(requests)) if self.routing else contextlib.nullcontext() as routed:
+                out = model.generate_batch(requests, generation_config=config, continuous_batching_config=batching,
+                                           warmup=False)
         finally:
             model.__dict__.pop("_get_logits_processor", None)
         if sorted(out) != sorted(f"req_{i}" for i in range(len(requests))) or any(o.error for o in out.values()):
@@ -315,7 +317,62 @@ class PagedEngine(HFEngine):
         generations = [
             Generation(token_ids=list(o.generated_tokens), logprobs=list(o.logprobs),
                        text=self.tokenizer.decode(o.generated_tokens, skip_special_tokens=True),
-                       finish_reason="stop" if o.generated_tokens[-1] == eos else "length")
-            for o in out
+                       finish_reason="stop" if o.generated_tokens[-1] == eos else "length",
+                       routing=routed.of(i, i - i % n, len(requests[i]) + len(o.generated_tokens)) if self.routing
+                       else None)
+            for i, o in enumerate(out)
         ]
         return [generations[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+class PagedRouting:
+    """What continuous batching's forwards routed, request by request: each forward packs the
+    scheduled requests' tokens one after another (`query_length` of each, at its positions from
+    `past_length`), so the routers' choices, token by token, go back to their requests' rows."""
+
+    def __init__(self, requests: int):
+        self.rows: list[dict[int, np.ndarray]] = [{} for _ in range(requests)]  # position -> (layers, top_k)
+        self.layouts: list[list[tuple[int, int, int]]] = []  # each forward's (request, past_length, query_length)
+
+    def add(self, calls: list[list[torch.Tensor]]) -> None:
+        """The forwards' choices (`recorded`: a (tokens, top_k) tensor a layer a forward), each against its layout."""
+        for forward, layout in enumerate(self.layouts):
+            ids = torch.stack([layer[forward] for layer in calls], 1).numpy().astype(np.uint16)
+            start = 0
+            for request, past, length in layout:
+                for j in range(length):
+                    self.rows[request][past + j] = ids[start + j]
+                start += length
+
+    def of(self, request: int, first: int, tokens: int) -> np.ndarray:
+        """A request's routing over its prompt and completion (`tokens`), the last row zeros; a
+        prompt shared with the requests from `first` on (its group) is prefilled once: its rows
+        from whichever request did."""
+        some = next(iter(self.rows[request].values()))
+        out = np.zeros((tokens, *some.shape), np.uint16)
+        for position in range(tokens - 1):
+            row = self.rows[request].get(position)
+            out[position] = row if row is not None else next(r[position] for r in self.rows[first:] if position in r)
+        return out
+
+
+@contextlib.contextmanager
+def paged_routing(model, requests: int):
+    """Inside, a generate_batch call's routing is kept (PagedRouting), read once it returns."""
+    from transformers.generation.continuous_batching import input_outputs
+
+    routed = PagedRouting(requests)
+    prepare = input_outputs.ContinuousBatchingIOs.prepare_batch_tensors
+
+    def prepare_and_keep(self, requests_in_batch, *args, **kwargs):
+        routed.layouts.append([(int(f.state.request_id.removeprefix("req_")), f.state.position_offset, f.query_length)
+                               for f in requests_in_batch])
+        return prepare(self, requests_in_batch, *args, **kwargs)
+
+    input_outputs.ContinuousBatchingIOs.prepare_batch_tensors = prepare_and_keep
+    try:
+        with recorded(model) as calls:
+            yield routed
+        routed.add(calls)
+    finally:
+        input_outputs.ContinuousBatchingIOs.prepare_batch_tensors = prepare
