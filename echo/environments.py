@@ -152,10 +152,9 @@ class EpisodeBuilder:
         """The model's turn (its tokens, log-probs and, where recorded, the routing of its
         context and tokens: Generation.routing), and the environment's answer."""
         if routing is not None:
-            read = 0 if self.routing is None else len(self.routing) - 1  # the last token: first read now
-            context = len(self.context)
-            earlier = [] if self.routing is None else [self.routing[:read]]
-            self.routing = np.concatenate([*earlier, routing[read : context + len(ids)]])
+            # what earlier turns routed, but the last token: this turn's prefill read it first
+            kept = routing[:0] if self.routing is None else self.routing[:-1]
+            self.routing = np.concatenate([kept, routing[len(kept) : len(self.context) + len(ids)]])
         self.ids += ids
         self.logprobs += logprobs
         action = self.tokenizer.decode(ids, skip_special_tokens=True)

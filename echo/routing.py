@@ -68,12 +68,15 @@ def recorded(model: torch.nn.Module) -> Iterator[list[list[torch.Tensor]]]:
             hook.remove()
 
 
-@contextlib.contextmanager
-def replayed(model: torch.nn.Module, chosen: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+def replayed(model: torch.nn.Module, chosen: list[torch.Tensor]) -> contextlib.AbstractContextManager:
     """Inside, a forward's router at layer l sends token i to the experts `chosen[l][i]` (OWN:
     its own top-k). One forward: the tensors cover exactly the tokens it routes. Yields the
     routing gaps (routing_gap), one (tokens,) tensor a layer once the forward has run."""
-    found = routers(model)
+    return _replayed(routers(model), chosen)
+
+
+@contextlib.contextmanager
+def _replayed(found: list[torch.nn.Module], chosen: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
     if len(chosen) != len(found):
         raise ValueError(f"routing for {len(chosen)} layers, the model routes in {len(found)}")
     gaps: list[torch.Tensor] = []
@@ -161,7 +164,8 @@ class Replay:
     @contextlib.contextmanager
     def _forward(self, model, rows: list[np.ndarray | None], width: int, owners: torch.Tensor, left: bool = False,
                  span: slice = slice(None)) -> Iterator[None]:
-        layers, top_k, _ = routing_shape(model)
+        found = routers(model)  # once a forward: a walk over every module
+        layers, top_k = len(found), found[0].top_k
         chosen = torch.full((len(rows), width, layers, top_k), OWN, dtype=torch.long)
         for i, row in enumerate(rows):
             if row is not None:
@@ -171,7 +175,7 @@ class Replay:
                 else:
                     chosen[i, : len(row)] = row
         chosen = chosen[:, span]
-        with replayed(model, list(chosen.reshape(-1, layers, top_k).unbind(1))) as gaps:
+        with _replayed(found, list(chosen.reshape(-1, layers, top_k).unbind(1))) as gaps:
             yield
         largest = torch.stack(gaps).amax(0).reshape(chosen.shape[:2]).amax(1)
         largest = largest[owners.to(largest.device)]

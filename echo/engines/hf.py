@@ -358,7 +358,10 @@ class PagedRouting:
 
 @contextlib.contextmanager
 def paged_routing(model, requests: int):
-    """Inside, a generate_batch call's routing is kept (PagedRouting), read once it returns."""
+    """Inside, a generate_batch call's routing is kept (PagedRouting), read once it returns. The
+    layouts are caught on transformers' class for the call (its instance is made inside
+    generate_batch), so a process generates with one paged engine at a time while one records:
+    a sampler's one engine does."""
     from transformers.generation.continuous_batching import input_outputs
 
     routed = PagedRouting(requests)

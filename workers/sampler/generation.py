@@ -63,16 +63,13 @@ def generate_groups(engine: Engine, task: Task, prompts: list, sampling: Samplin
     from the task's verifier. A multi-turn task's completions are episodes, played turn by turn
     with the weights that began them (echo/environments.py)."""
     prompt_ids = [engine.encode_chat(p.messages) for p in prompts]
-    routings = [None] * len(prompts)  # a mixture of experts' routing, where the engine records it
     started = time.perf_counter()
     if is_environment(task):
         episodes = play(engine, task, prompts, prompt_ids, sampling.group_size, sampling.max_new_tokens, seed=seed,
                         keys=keys)
         completions = [[e.completion() for e in group] for group in episodes]
         changes = [[] for _ in prompts]
-        if engine.routing:
-            routings = [group_routing([e.routing for e in group], len(ids), engine.routing)
-                        for ids, group in zip(prompt_ids, episodes)]
+        routed = [[e.routing for e in group] for group in episodes]
     else:
         generations = engine.generate(prompt_ids, sampling.group_size, newer_weights=newer_weights, seed=seed,
                                       draws=None if keys is None else [Draw(key) for key in keys])
@@ -83,9 +80,10 @@ def generate_groups(engine: Engine, task: Task, prompts: list, sampling: Samplin
                         for g in gens] for prompt, gens in zip(prompts, generations)]
         # its completions were sampled together: the longest saw every change
         changes = [max((g.version_changes for g in gens), key=len) for gens in generations]
-        if engine.routing:
-            routings = [group_routing([g.routing for g in gens], len(ids), engine.routing)
-                        for ids, gens in zip(prompt_ids, generations)]
+        routed = [[g.routing for g in gens] for gens in generations]
+    # a mixture of experts' routing, where the engine records it: each completion's rows over its prompt and tokens
+    routings = ([group_routing(rows, len(ids), engine.routing) for ids, rows in zip(prompt_ids, routed)]
+                if engine.routing else [None] * len(prompts))
     seconds = time.perf_counter() - started
     return [
         RolloutGroup(
