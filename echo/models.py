@@ -6,6 +6,7 @@ HF_HOME, HF_HUB_CACHE and HF_HUB_OFFLINE direct)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -217,13 +218,7 @@ def base_model_digest(name: str) -> str:
     cache = cache_dir() / "digests.json"
     known = json.loads(cache.read_text()) if cache.exists() else {}
     if key not in known:
-        from safetensors import safe_open
-
-        tensors = {}
-        for f in files:
-            with safe_open(f, "pt") as opened:
-                tensors |= {k: opened.get_tensor(k) for k in opened.keys()}
-        known[key] = _tensors_digest(tensors)
+        known[key] = _files_digest(files)
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_name(f"digests.json.tmp{os.getpid()}")
         tmp.write_text(json.dumps(known))
@@ -231,12 +226,37 @@ def base_model_digest(name: str) -> str:
     return known[key]
 
 
-def _tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+DIGEST_READ = 1 << 24  # bytes a read: the digest holds one such piece, not the model (61 GB for Qwen3-30B-A3B)
+
+
+def _files_digest(files: list[Path]) -> str:
+    """SHA-256 over every tensor in `files` by name: its name, torch dtype, shape, then its bytes
+    as stored (safetensors keeps them row-major, little-endian: a contiguous tensor's own), read
+    piece by piece from the file: what hashing the loaded tensors gave, in memory of one piece."""
+    from safetensors.torch import _TYPES as DTYPES
+
+    where = {}
+    for f in files:
+        with open(f, "rb") as opened:
+            size = int.from_bytes(opened.read(8), "little")
+            try:
+                header = json.loads(opened.read(size))
+            except ValueError as e:
+                raise ConfigError(f"{f}: not a safetensors file ({e})") from None
+        header.pop("__metadata__", None)
+        where |= {name: (f, 8 + size, h) for name, h in header.items()}
     digest = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].detach().contiguous().cpu()
-        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    with contextlib.ExitStack() as stack:
+        opened = {f: stack.enter_context(open(f, "rb")) for f in files}
+        for name in sorted(where):
+            f, data, h = where[name]
+            if h["dtype"] not in DTYPES:
+                raise ConfigError(f"{f}: tensor {name} has dtype {h['dtype']}, which torch does not load")
+            digest.update(f"{name}|{DTYPES[h['dtype']]}|{tuple(h['shape'])}|".encode())
+            start, end = h["data_offsets"]
+            opened[f].seek(data + start)
+            for at in range(start, end, DIGEST_READ):
+                digest.update(opened[f].read(min(DIGEST_READ, end - at)))
     return "sha256:" + digest.hexdigest()
 
 

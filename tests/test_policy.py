@@ -2,11 +2,14 @@
 exactly, and the engine's behaviour log-probs are what the trainer computes for the same tokens."""
 
 import copy
+import hashlib
+import tracemalloc
 
 import pytest
 import safetensors.torch
 import torch
 
+import echo.models
 import echo.policy
 from echo.algorithms import grpo
 from echo.algorithms.grpo import token_logprobs
@@ -55,6 +58,40 @@ def test_the_base_model_is_known_by_its_weights_wherever_its_copy_lies(tmp_path,
     model.save_pretrained(tmp_path / "fine-tuned")
     assert base_model_digest(str(tmp_path / "fine-tuned")) != digest
     assert (tmp_path / "cache" / "digests.json").exists()  # a folder is read once per machine
+
+
+def test_a_sharded_base_is_known_by_the_same_digest_read_a_piece_at_a_time(tmp_path, monkeypatch):
+    """A hub checkpoint comes in shards (Qwen3-30B-A3B: 16 files, 61 GB): the digest is the
+    tensors' (name, dtype, shape, bytes in name order) as hashing the loaded tensors gives it,
+    whatever the sharding, and reads the files a piece at a time instead of holding the model."""
+    monkeypatch.setenv("ECHO_CACHE", str(tmp_path / "cache"))
+    model, _ = load_model("tiny-moe")
+    model.save_pretrained(tmp_path / "whole")
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="200KB")
+    shards = sorted((tmp_path / "sharded").glob("*.safetensors"))
+    assert len(shards) > 3
+    tensors = {}
+    for f in shards:
+        tensors |= safetensors.torch.load_file(f)
+    reference = hashlib.sha256()  # the loaded tensors hashed, as the digest was first computed
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        reference.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode() + t.view(torch.uint8).numpy().tobytes())
+    assert base_model_digest(str(tmp_path / "sharded")) == "sha256:" + reference.hexdigest()
+    assert base_model_digest(str(tmp_path / "sharded")) == base_model_digest(str(tmp_path / "whole"))
+    big = tmp_path / "big"  # 96 MB in tensors of mixed dtypes, an empty one and a scalar (a view as bytes failed on it)
+    big.mkdir()
+    (big / "config.json").write_text("{}")  # a model folder, as far as finding its weights goes
+    safetensors.torch.save_file({"a": torch.zeros(4096, 2048), "b": torch.ones(4096, 2048, dtype=torch.bfloat16),
+                                 "s": torch.tensor(3)}, big / "model-1.safetensors")
+    safetensors.torch.save_file({"c": torch.full((8192, 2048), 2.0), "d": torch.zeros(2, 0)}, big / "model-2.safetensors")
+    tracemalloc.start()
+    try:
+        base_model_digest(str(big))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * echo.models.DIGEST_READ + 2**20, peak  # one piece read (and hashed) at a time
 
 
 def test_adapter_moves_between_instances_and_reproduces_logits(engines):
