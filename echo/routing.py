@@ -18,12 +18,14 @@ Pure: no I/O.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from echo.config import ConfigError
 from echo.wire.messages import RolloutGroup, Routing
 
 OWN = -1  # in a replayed choice: this token's experts are the trainer's own top-k (no record for it)
@@ -104,11 +106,26 @@ def routing_gap(logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     return (kth - logits.float().gather(-1, chosen.long()).min(dim=-1).values).clamp(min=0)
 
 
+def router_layers(model: torch.nn.Module) -> list[int]:
+    """The decoder layer of each router, in order (`model.layers.<i>.`): a model may route in some
+    layers only (Qwen3-MoE's mlp_only_layers), and an engine may report every layer's."""
+    return [int(re.search(r"layers\.(\d+)\.", name)[1]) for name, m in model.named_modules() if is_router(m)]
+
+
 def routing_shape(model: torch.nn.Module) -> tuple[int, int, int] | None:
     """(layers, top_k, experts) of a mixture of experts' routing (the wire's Routing), or None
     for a dense model."""
     found = routers(model)
     return (len(found), found[0].top_k, found[0].num_experts) if found else None
+
+
+def replayed_shape(model: torch.nn.Module, name: str, replay: bool) -> tuple[int, int, int] | None:
+    """The routing shape a run that replays routing records and checks (None where it does not);
+    a dense model asked to is refused at start, naming the field."""
+    shape = routing_shape(model) if replay else None
+    if replay and shape is None:
+        raise ConfigError(f"algorithm.router_replay = 'replay': {name} is a dense model, no router to replay")
+    return shape
 
 
 class Replay:

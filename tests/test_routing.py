@@ -42,6 +42,35 @@ def test_a_dense_model_has_no_routers_and_the_tiny_moe_one_a_layer():
     assert [r.top_k for r in routers(model)] == [2, 2] and all(r.num_experts == 8 for r in routers(model))
 
 
+def test_vllms_routed_experts_become_the_moe_layers_rows_an_engine_records():
+    """vLLM returns every decoder layer's experts (uint8 up to 256 experts), over the prompt and
+    the completion but its last token; a model may route in some layers only (mlp_only_layers).
+    The rows kept are the MoE layers', as the HF engines record them, the last row zeros."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from echo.engines.vllm import routed_rows
+    from echo.models import byte_tokenizer, model_on_meta
+    from echo.routing import router_layers
+
+    assert router_layers(model_on_meta("tiny-moe")) == [0, 1]
+    config = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=8,
+                            num_experts_per_tok=2, mlp_only_layers=[1], vocab_size=len(byte_tokenizer()))
+    with torch.device("meta"):
+        assert router_layers(Qwen3MoeForCausalLM(config)) == [0, 2]
+    tokens = 7
+    every_layer = np.random.default_rng(0).integers(0, 8, (tokens - 1, 3, 2)).astype(np.uint8)
+    every_layer[:, 1] = 0  # a dense layer: no experts
+    rows = routed_rows(every_layer, [0, 2], 2, tokens)
+    assert rows.dtype == np.uint16 and rows.shape == (tokens, 2, 2)
+    assert np.array_equal(rows[:-1], every_layer[:, [0, 2]]) and not rows[-1].any()
+    whole = np.concatenate([every_layer, every_layer[:1]])  # a row for the last token too: not kept
+    assert np.array_equal(routed_rows(whole, [0, 2], 2, tokens), rows)
+    for wrong in (None, every_layer[:-1], every_layer[:, :2], every_layer[..., :1]):
+        with pytest.raises(RuntimeError, match="routed experts"):
+            routed_rows(wrong, [0, 2], 2, tokens)
+
+
 def test_replaying_a_forwards_own_routing_gives_its_logits_and_other_routing_other_logits():
     model, _ = load_model("tiny-moe")
     with torch.no_grad(), recorded(model) as calls:
@@ -337,8 +366,7 @@ def test_the_step_finds_forged_routing_in_its_own_forward_before_any_update(tmp_
 
 
 def test_routing_replay_that_cannot_work_is_refused_at_start_naming_the_field(tmp_path):
-    """A dense model (on either side): one line at start, not groups refused later. (vLLM records
-    no routing here either; it is refused as well, tested where it is installed.)"""
+    """A dense model (on either side): one line at start, not groups refused later."""
     moe = {"router_replay": "replay"}
     dense = tiny_config(tmp_path, algorithm=moe)
     with pytest.raises(ConfigError, match="router_replay.*dense"):

@@ -6,7 +6,8 @@ same sampled tokens within 1e-3 nats (measured here: 5e-7 on the tiny model, 6e-
 import pytest
 import torch
 
-from echo.config import LoraConfig, ModelConfig, SamplingConfig
+from echo.config import ConfigError, LoraConfig, ModelConfig, SamplingConfig
+from echo.engines import make_engine
 from echo.engines.hf import HFEngine
 from echo.noise import Draw, group_key
 from echo.policy import WeightsMismatch, group_logprobs, weights_shards
@@ -131,3 +132,15 @@ def test_a_vllm_sampler_trains_a_swarm_end_to_end(nats_server, tmp_path):
     assert proof["passed"] >= 12 and "forged" not in proof
     assert {sampler for m in metrics for _, _, sampler in m["groups"]} == {"v1"}
     assert_balanced(metrics)
+
+
+def test_routing_replay_where_vllm_returns_no_routed_experts_is_refused_at_start_naming_the_field(tmp_path):
+    """vLLM returns each token's experts from its V2 model runner only, which its CPU build
+    cannot run (no Triton backend for the CPU): a sampler asked to record routing with it stops at
+    start in one line, instead of sending groups the trainer would refuse as no_routing."""
+    cfg = tiny_config(tmp_path, model={"name": "tiny-moe", "device": "cpu", "dtype": "float32"},
+                      algorithm={"router_replay": "replay"}, sampler={"engine": "vllm"})
+    with pytest.raises(ConfigError, match=r"router_replay = 'replay' with sampler.engine = 'vllm': this vLLM cannot "
+                                          r"return routed experts \(.*Model Runner V2") as refused:
+        make_engine(cfg, "s1")
+    assert "\n" not in str(refused.value)

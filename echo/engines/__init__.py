@@ -36,12 +36,9 @@ def make_engine(cfg: EchoConfig, sampler_id: str | None = None) -> Engine:
         raise ConfigError(f"sampler.engine = {choice!r} cannot draw the keyed noise sampling.noise = 'keyed' asks "
                           "for here (hf can): a run that trusts this sampler's text names it in "
                           "sampling.trusted_samplers, one that trusts every sampler's sets sampling.noise = 'engine'")
-    replay = cfg.algorithm.router_replay == "replay"
-    if replay and choice == "vllm":
-        raise ConfigError("algorithm.router_replay = 'replay' needs the routing each token took, which "
-                          "sampler.engine = 'vllm' does not record here (hf and hf-paged do)")
-    if choice == "vllm":
-        return engine(cfg.model, cfg.lora, cfg.sampling)
     # An evaluation (no sampler) scores greedy completions: nothing is replayed.
+    record_routing = cfg.algorithm.router_replay == "replay" and sampler_id is not None
+    if choice == "vllm":
+        return engine(cfg.model, cfg.lora, cfg.sampling, record_routing)
     return engine(cfg.model.name, cfg.lora, cfg.sampling, cfg.model.device, cfg.model.dtype,
-                  record_routing=replay and sampler_id is not None)
+                  record_routing=record_routing)

@@ -12,13 +12,13 @@ import numpy as np
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from echo.config import ConfigError, LoraConfig, SamplingConfig
+from echo.config import LoraConfig, SamplingConfig
 from echo.devices import resolve_device, sampler_dtype
 from echo.engines.base import Generation, NewerWeights
 from echo.models import encode_chat, load_model
 from echo.noise import Draw, key_halves, keyed_draw, noisy_scores
 from echo.policy import CACHE, kv_cache, load_weights, make_policy
-from echo.routing import recorded, routing_shape
+from echo.routing import recorded, replayed_shape
 
 
 class SampledLogprobs(LogitsProcessor):
@@ -146,9 +146,7 @@ class HFEngine:
         self.model = make_policy(base, lora).eval()
         # A mixture of experts' routing shape, where its routing is recorded for the trainer to replay
         # (echo/routing.py); None: not recorded.
-        self.routing = routing_shape(self.model) if record_routing else None
-        if record_routing and self.routing is None:
-            raise ConfigError(f"algorithm.router_replay = 'replay': {model_name} is a dense model, no router to replay")
+        self.routing = replayed_shape(self.model, model_name, record_routing)
         self.temperature = sampling.temperature
         self.max_new_tokens, self.chunk_tokens = sampling.max_new_tokens, sampling.chunk_tokens
         # Plain sampling at `temperature`: no top-k/top-p, so the behaviour log-probs the

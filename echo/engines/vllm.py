@@ -14,6 +14,7 @@ import tempfile
 import weakref
 from pathlib import Path
 
+import numpy as np
 import safetensors.torch
 import torch
 from transformers import AutoTokenizer
@@ -24,6 +25,7 @@ from echo.engines.base import Generation, NewerWeights
 from echo.models import encode_chat, model_folder, model_on_meta
 from echo.noise import Draw, key_halves
 from echo.policy import check_tensors, make_policy, policy_shapes, shards_tensors
+from echo.routing import replayed_shape, router_layers
 
 CPU_KV_CACHE_BYTES = 2**30
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
@@ -39,9 +41,8 @@ def vllm_lora_rank(r: int) -> int:
 class VLLMEngine:
     name = "vllm"
     keyed_noise = True  # through a logits processor (vllm_worker.KeyedNoise)
-    routing = None  # records none (make_engine refuses router_replay with it)
 
-    def __init__(self, model: ModelConfig, lora: LoraConfig, sampling: SamplingConfig):
+    def __init__(self, model: ModelConfig, lora: LoraConfig, sampling: SamplingConfig, record_routing: bool = False):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the sampler logs what matters itself
         from vllm import LLM
 
@@ -52,7 +53,11 @@ class VLLMEngine:
         folder = model_folder(model.name)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         # What a published version must look like, from the model's shapes alone (no weights).
-        meta_policy = make_policy(model_on_meta(model.name), lora)
+        meta_model = model_on_meta(model.name)
+        # A mixture of experts' routing: vLLM returns every decoder layer's; ours are the MoE layers'
+        self.routing = replayed_shape(meta_model, model.name, record_routing)
+        self.moe_layers = router_layers(meta_model)
+        meta_policy = make_policy(meta_model, lora)
         self.expected = policy_shapes(meta_policy)
         self.lora = lora.enabled
         # Adapters and full-weight shards go through files: RAM-backed where there is /dev/shm.
@@ -68,18 +73,28 @@ class VLLMEngine:
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # else its worker gets one core of two
             if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # else vLLM takes a share of the machine's memory
                 cpu["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
-        self.llm = LLM(
-            model=str(folder),
-            dtype=dtype_name(self.dtype),
-            seed=int.from_bytes(os.urandom(4), "little"),  # samplers on the same prompt must not draw the same
-            enable_lora=self.lora,
-            max_lora_rank=vllm_lora_rank(lora.r) if self.lora else None,
-            max_loras=1,
-            **(keyed if self.keyed else {"logprobs_mode": "processed_logprobs"}),
-            enforce_eager=self.device.type == "cpu",  # no compile step on the CPU: start in seconds
-            worker_extension_cls="echo.engines.vllm_worker.WeightsReloader",
-            **cpu,
-        )
+        try:
+            self.llm = LLM(
+                model=str(folder),
+                dtype=dtype_name(self.dtype),
+                seed=int.from_bytes(os.urandom(4), "little"),  # samplers on the same prompt must not draw the same
+                enable_lora=self.lora,
+                max_lora_rank=vllm_lora_rank(lora.r) if self.lora else None,
+                max_loras=1,
+                **(keyed if self.keyed else {"logprobs_mode": "processed_logprobs"}),
+                enforce_eager=self.device.type == "cpu",  # no compile step on the CPU: start in seconds
+                worker_extension_cls="echo.engines.vllm_worker.WeightsReloader",
+                # vLLM 0.15 on (#28284). Its CPU build (0.32) refuses it: its V2 model runner
+                # needs Triton, which has no CPU backend there.
+                **({"enable_return_routed_experts": True} if self.routing else {}),
+                **cpu,
+            )
+        except ValueError as e:  # vLLM's config check (pydantic's ValidationError)
+            if not self.routing:
+                raise
+            reason = e.errors()[0]["msg"] if hasattr(e, "errors") else str(e)
+            raise ConfigError("algorithm.router_replay = 'replay' with sampler.engine = 'vllm': this vLLM cannot "
+                              f"return routed experts ({reason}); hf and hf-paged record them") from None
         self.temperature, self.max_new_tokens = sampling.temperature, sampling.max_new_tokens
         self.adapter = None  # the current version's LoRARequest; None: the base model
         self.versions_loaded = 0  # adapter ids and names are never reused: vLLM caches by them
@@ -144,7 +159,7 @@ class VLLMEngine:
                       for i, d in enumerate(draws) for j in range(n)]
             requests = [{"prompt_token_ids": p} for p in prompts for _ in range(n)]
             outputs = self.llm.generate(requests, params, lora_request=self.adapter, use_tqdm=False)
-            completions = [self._generation(out.outputs[0]) for out in outputs]
+            completions = [self._generation(out.outputs[0], len(out.prompt_token_ids)) for out in outputs]
             return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
         # Plain sampling at `temperature` (no top-k/top-p), as the trainer assumes; greedy for eval
         # (a keyed engine's greedy log-probs are raw logits: an evaluation does not read them).
@@ -152,11 +167,27 @@ class VLLMEngine:
                                 logprobs=0, stop_token_ids=[self.tokenizer.eos_token_id], seed=seed)
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=self.adapter,
                                     use_tqdm=False)
-        return [[self._generation(c) for c in out.outputs] for out in outputs]
+        return [[self._generation(c, len(out.prompt_token_ids)) for c in out.outputs] for out in outputs]
 
-    @staticmethod
-    def _generation(completion) -> Generation:
+    def _generation(self, completion, prompt_tokens: int) -> Generation:
         ids = list(completion.token_ids)
         logprobs = [step[token].logprob for token, step in zip(ids, completion.logprobs)]
+        routing = None
+        if self.routing:
+            routing = routed_rows(completion.routed_experts, self.moe_layers, self.routing[1], prompt_tokens + len(ids))
         return Generation(token_ids=ids, logprobs=logprobs, text=completion.text,
-                          finish_reason="stop" if completion.finish_reason == "stop" else "length")
+                          finish_reason="stop" if completion.finish_reason == "stop" else "length", routing=routing)
+
+
+def routed_rows(routed, moe_layers: list[int], top_k: int, tokens: int) -> np.ndarray:
+    """vLLM's routed experts for one completion (CompletionOutput.routed_experts: (positions, every
+    decoder layer, top_k), uint8 or uint16, over the prompt and the completion but its last token,
+    which was never an input) as Generation.routing: the MoE layers' rows, the last row zeros."""
+    routed = None if routed is None else np.asarray(routed)
+    if routed is None or routed.ndim != 3 or routed.shape[0] not in (tokens - 1, tokens) \
+            or routed.shape[1] <= max(moe_layers) or routed.shape[2] != top_k:
+        raise RuntimeError(f"vLLM's routed experts {None if routed is None else routed.shape} do not fit "
+                           f"{tokens} tokens of {len(moe_layers)} MoE layers, top-{top_k}")
+    out = np.zeros((tokens, len(moe_layers), top_k), np.uint16)
+    out[: tokens - 1] = routed[: tokens - 1, moe_layers]
+    return out

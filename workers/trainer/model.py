@@ -43,7 +43,7 @@ from echo.lifeline import die_with_parent
 from echo.models import base_model_digest, load_model
 from echo.policy import make_policy, weights_kind, weights_shards
 from echo.proof import Checked, ProofSettings, SamplingProof, worst_checks
-from echo.routing import routing_shape
+from echo.routing import replayed_shape
 from echo.wire.messages import RolloutGroup, WeightsLink
 
 log = structlog.get_logger()
@@ -145,9 +145,7 @@ class TrainerModel:
         self.vocab_size = base.get_input_embeddings().num_embeddings
         self.context = getattr(base.config, "max_position_embeddings", None)  # tokens, prompt and completion
         # (layers, top_k, experts) where the run replays a mixture of experts' routing: every group carries it.
-        self.routing = routing_shape(base) if cfg.algorithm.router_replay == "replay" else None
-        if cfg.algorithm.router_replay == "replay" and self.routing is None:
-            raise ConfigError(f"algorithm.router_replay = 'replay': {cfg.model.name} is a dense model, no router to replay")
+        self.routing = replayed_shape(base, cfg.model.name, cfg.algorithm.router_replay == "replay")
         # The adapter's initial values come from the run's seed: the same on every rank, and a
         # retrain (`echo-rl replay --retrain`) starts where the run started.
         with torch.random.fork_rng(devices=[ranks.device] if ranks.device.type == "cuda" else []):
