@@ -28,8 +28,10 @@ install: $(VENV)/.installed
 up: install
 	$(VENV)/bin/echo-rl up --model smollm2 --set 'run.trackers=["tensorboard"]' $(ARGS)
 
+# Two test files at a time (pytest-xdist): alone, the suite kept one of two cores busy on average
+# (its processes wait on one another); each file stays in one process with its fixtures.
 test: install
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile $(ARGS)
 
 # docker-compose.yml run for real (Docker and root; not part of `make test`): compose/local-images.sh
 # starts dockerd and builds local stand-ins for the images a registry would give, then the test

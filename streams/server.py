@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from echo.config import ConfigError
 from echo.lifeline import arm_parent_death_signal
 from echo.wire.names import HUB_DOMAIN
 
@@ -45,14 +46,27 @@ def write_secret(path: Path, data: bytes) -> None:
 # macOS and Windows 49152+), not from port 0: a port from the ephemeral range can be taken by
 # any outgoing connection between the pick and the server's bind, or while a broker restarts on it.
 LISTEN_PORTS = range(10_000, 32_768)
+PORTS_ENV = "ECHO_LISTEN_PORTS"  # "FIRST-LAST" instead: a firewall's opening, or a test process's own slice
 MAX_PENDING = "64MB"  # the server's default, written out: FETCH_BYTES (streams/inbox.py) is half of it
 LOG_FILE_LIMIT = 16 << 20  # bytes a broker's log file reaches before the server rotates it
 LOG_FILES_KEPT = 4  # files the server keeps, the current one included: its log stays under 4 x LOG_FILE_LIMIT
 _handed_out: set[int] = set()  # two picks in a row (a server and its leaf port) never match
 
 
+def listen_ports() -> range:
+    """Where free_port picks: LISTEN_PORTS, or the range ECHO_LISTEN_PORTS names."""
+    spec = os.environ.get(PORTS_ENV)
+    if not spec:
+        return LISTEN_PORTS
+    first, _, last = spec.partition("-")
+    if not (first.isdigit() and last.isdigit() and 1024 <= int(first) <= int(last) <= 65535):
+        raise ConfigError(f"{PORTS_ENV}={spec!r}: FIRST-LAST, two ports from 1024 to 65535")
+    return range(int(first), int(last) + 1)
+
+
 def free_port() -> int:
-    for port in random.sample(LISTEN_PORTS, 100):
+    ports = listen_ports()
+    for port in random.sample(ports, min(100, len(ports))):
         if port in _handed_out:
             continue
         with socket.socket() as s:
@@ -62,7 +76,7 @@ def free_port() -> int:
                 continue
         _handed_out.add(port)
         return port
-    raise RuntimeError(f"no free port in {LISTEN_PORTS.start}-{LISTEN_PORTS.stop - 1} on 127.0.0.1")
+    raise RuntimeError(f"no free port in {ports.start}-{ports.stop - 1} on 127.0.0.1")
 
 
 def port_holder(host: str, port: int) -> str | None:

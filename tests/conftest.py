@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import hashlib
 import inspect
+import os
 import signal
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from streams.client import Run, open_run
 from streams.grants import slots_granted
 from streams.registry import read_statuses
 from streams.secure import SecureDir
-from streams.server import NatsServer, ServerConfig, free_port
+from streams.server import LISTEN_PORTS, PORTS_ENV, NatsServer, ServerConfig, free_port
 from streams.weights import WeightsPublisher
 from workers.operator.relay import loopback_relay_args
 from workers.operator.swarm import worker_command
@@ -39,6 +40,14 @@ from workers.trainer.accounting import count_consumed, settle
 from workers.trainer.intake import Collector
 
 TINY_BASE = base_model_digest("tiny")  # what weights for the tiny model are announced for
+
+# `make test` runs two test processes at once (pytest-xdist): each picks its servers' ports from
+# its own slice, as do the swarms it starts, so no two pick one port between the pick and the bind.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    _worker = int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw"))
+    _workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    _slice = len(LISTEN_PORTS) // _workers
+    os.environ[PORTS_ENV] = f"{LISTEN_PORTS.start + _worker * _slice}-{LISTEN_PORTS.start + (_worker + 1) * _slice - 1}"
 
 
 def pytest_addoption(parser):

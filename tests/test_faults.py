@@ -16,6 +16,7 @@ import pytest
 import structlog.testing
 import torch
 
+from echo.config import ConfigError
 from echo.checkpoint import TrainerState
 from echo.engines.hf import HFEngine
 from echo.grants import GrantLedger
@@ -35,7 +36,7 @@ from streams.lease import HELD_S, RENEW_S, AnotherTrainer, take_lease
 from streams.objects import put_object
 from streams.registry import put_status, read_statuses
 from streams.rollouts import publish_rollout
-from streams.server import NatsServer, ServerConfig, free_port
+from streams.server import PORTS_ENV, NatsServer, ServerConfig, free_port
 from streams.watch import LatestValue
 from streams.weights import WeightsPublisher
 from tests.conftest import (
@@ -445,6 +446,21 @@ def test_servers_listen_outside_the_ports_outgoing_connections_take():
     ports = [free_port() for _ in range(50)]
     assert len(set(ports)) == len(ports)  # a server and its leaf port never share one
     assert not any(low <= port <= high for port in ports)
+
+
+def test_servers_listen_in_the_ports_echo_listen_ports_names(monkeypatch):
+    """A firewall's opening (or, under `make test`, each test process's own slice): every pick in
+    it, none twice, and a range that is not one is said naming the variable."""
+    monkeypatch.setenv(PORTS_ENV, "40000-40009")  # outside any test process's slice: none picked before
+    ports = []
+    with pytest.raises(RuntimeError, match="no free port in 40000-40009"):
+        while len(ports) <= 10:
+            ports.append(free_port())
+    assert ports and len(set(ports)) == len(ports) and set(ports) <= set(range(40000, 40010))
+    for wrong in ("29999-29990", "80-90", "29990", "a-b"):
+        monkeypatch.setenv(PORTS_ENV, wrong)
+        with pytest.raises(ConfigError, match=f"{PORTS_ENV}='{wrong}': FIRST-LAST"):
+            free_port()
 
 
 async def test_messages_the_stream_evicted_before_the_trainer_read_them_are_named_in_the_accounting(runs):
