@@ -16,8 +16,8 @@ import pytest
 import structlog.testing
 import torch
 
-from echo.config import ConfigError
 from echo.checkpoint import TrainerState
+from echo.config import ConfigError
 from echo.engines.hf import HFEngine
 from echo.grants import GrantLedger
 from echo.learner import Batch, StepAbandoned, make_optimizer, train_step
