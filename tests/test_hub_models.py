@@ -101,11 +101,13 @@ def test_a_hub_model_that_cannot_be_had_is_one_line_naming_it(offline_hub, name,
     assert "HF_HUB_OFFLINE is set" in str(refused.value) and "\n" not in str(refused.value)
 
 
-def test_the_trainer_given_a_hub_id_it_cannot_have_stops_at_start_in_one_line(tmp_path):
+@pytest.mark.parametrize("command", [["trainer", "--nats", "nats://127.0.0.1:1"], ["up"]])
+def test_the_trainer_or_a_swarm_given_a_hub_id_it_cannot_have_stops_at_start_in_one_line(tmp_path, command):
+    """`up` pins the model in a child of its own (workers/operator/swarm.py::in_child): its error too."""
     env = {**os.environ, "HF_HUB_CACHE": str(hub_cache(tmp_path / "hub")), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([*ECHO_RL, "trainer", "--model", f"{REPO}@v2", "--run-id", "r", "--nats",
-                           "nats://127.0.0.1:1"], capture_output=True, text=True, env=env, timeout=120)
-    assert done.returncode != 0 and "Traceback" not in done.stderr
+    done = subprocess.run([*ECHO_RL, *command, "--model", f"{REPO}@v2", "--run-id", "r", "--set",
+                           f'run.dir="{tmp_path}"'], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert f"model.name '{REPO}@v2': revision v2 of {REPO} is not in the hub cache" in done.stderr
 
 

@@ -72,13 +72,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def run() -> NoReturn:
+def run(argv: list[str] | None = None) -> NoReturn:
     """The `echo-rl` command: main, then the process exits without the interpreter's teardown,
     which takes 1.5 s in a process holding torch, transformers and a model (most of the time a
     test swarm spends after its last step). Everything main started has ended by its return;
     atexit's functions still run (logging's flush, a server an environment started), and the
     output is flushed."""
-    code = main()
+    code = main(argv)
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,13 +1,21 @@
 """`echo-rl up`: a whole swarm on this machine. An embedded nats-server, one trainer and N
-samplers, each its own OS process talking only through NATS, exactly as on separate machines."""
+samplers, each its own OS process talking only through NATS, exactly as on separate machines.
+
+The trainer and the samplers are forked from this launcher once it has imported what they import
+(torch, transformers, peft: 7 s of CPU a process, most of a small swarm's start), as a zygote
+does. It must run no torch operation before: GNU OpenMP's thread pool, once started, does not
+survive a fork, and a forked worker's first parallel operation would hang (measured). So what
+may compute (converting a model) runs in a child of its own (`in_child`)."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import orjson
@@ -28,13 +36,84 @@ def worker_command(args: list[str], ranks: int = 1) -> list[str]:
     return [sys.executable, *torchrun, "-m", "workers.cli", *args]
 
 
-def _spawn(args: list[str], log_json: bool, ranks: int = 1, threads: int = 1) -> subprocess.Popen:
-    cmd = worker_command(args + (["--log-json"] if log_json else []), ranks)
-    env = {**os.environ, "ECHO_PROGRESS": "0"}  # the swarm shares one terminal: no progress lines redrawn in it
+# What the trainer's and the samplers' `run` import: imported here once, before they are forked.
+WORKER_MODULES = ("workers.trainer.loop", "workers.trainer.model", "workers.sampler.modes")
+
+
+def _spawn(args: list[str], log_json: bool, ranks: int = 1, threads: int = 1,
+           fork: bool = False) -> subprocess.Popen | Forked:
+    """A worker in its own session (Ctrl-C reaches only this launcher, which then stops the
+    children in order): forked with `fork` (WORKER_MODULES imported), else started by exec; with
+    `ranks` > 1 under torchrun."""
+    args = args + (["--log-json"] if log_json else [])
+    env = {"ECHO_PROGRESS": "0"}  # the swarm shares one terminal: no progress lines redrawn in it
     if ranks > 1:
         env["OMP_NUM_THREADS"] = str(threads)  # else torchrun sets 1, loudly
-    # Own session: Ctrl-C reaches only this launcher, which then stops the children in order.
-    return subprocess.Popen(cmd, start_new_session=True, env=env)
+    elif fork:
+        return Forked(args, env)
+    return subprocess.Popen(worker_command(args, ranks), start_new_session=True, env={**os.environ, **env})
+
+
+class Forked:
+    """A worker forked from this process: what the swarm uses of subprocess.Popen (pid, args,
+    returncode, send_signal, kill). The child runs `echo-rl <args>` as a process started for it
+    would: its own session, default signal handlers, `env` set, then workers.cli.run."""
+
+    def __init__(self, args: list[str], env: dict[str, str]):
+        self.args, self.returncode = worker_command(args), None
+        sys.stdout.flush()
+        sys.stderr.flush()  # else the child writes out what this process had buffered as well
+        self.pid = os.fork()
+        if self.pid == 0:
+            try:
+                os.setsid()
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                os.environ.update(env)
+                sys.argv = self.args[2:]
+                from workers.cli import run
+
+                run(args)  # exits
+            except SystemExit as e:  # argparse's
+                os._exit(e.code if isinstance(e.code, int) else 1)
+            except BaseException:  # anything before its own exit: said, and the child still exits
+                traceback.print_exc()
+            os._exit(1)
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def in_child(fn, *args):
+    """fn(*args) in a forked child, its result (JSON) or its ConfigError back through a pipe: the
+    torch work it may do stays out of a process that forks workers afterwards."""
+    read, write = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            out = {"value": fn(*args)}
+        except ConfigError as e:
+            out = {"config_error": str(e)}
+        except BaseException as e:
+            out = {"error": f"{type(e).__name__}: {e}"}
+        os.write(write, orjson.dumps(out))
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as answer:
+        out = orjson.loads(answer.read() or b"{}")
+    os.waitpid(pid, 0)
+    if "config_error" in out:
+        raise ConfigError(out["config_error"])
+    if "value" not in out:
+        raise RuntimeError(f"{fn.__name__}{args}: {out.get('error', 'the child died without an answer')}")
+    return out["value"]
 
 
 def reap(p: subprocess.Popen, peaks: dict[int, float], block: bool = False) -> int | None:
@@ -104,10 +183,12 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
         raise ConfigError("--cluster with --secure: a secured cluster is not built yet (docs/security.md)")
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.model.name != "tiny":  # built by each worker in milliseconds; else converted or fetched once here
-        from echo.models import pin_model  # torch and transformers: seconds, so only when there is work
+    from echo.models import TINY, pin_model
 
-        cfg.model.name = pin_model(cfg.model.name)
+    if cfg.model.name not in TINY:  # built by each worker in milliseconds; else converted or fetched once here
+        cfg.model.name = in_child(pin_model, cfg.model.name)
+    for module in WORKER_MODULES:  # before the server starts: its start overlaps nothing of theirs anyway
+        importlib.import_module(module)
     secure_dir = secure_swarm(cfg, relay) if secure else None
     secured = {"include": secure_dir.dir / SERVER_CONF, "leaf_include": secure_dir.leaf_conf} if secure_dir else {}
     leaf_port = free_port() if relay else None
@@ -130,7 +211,7 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
              trainer_ranks=trainer_ranks)
 
     trainer = _spawn(["trainer", "--config", str(config_path), *_creds_args(secure_dir, "trainer")], log_json,
-                     trainer_ranks, cfg.trainer.threads)
+                     trainer_ranks, cfg.trainer.threads, fork=True)
     relays, server_args = [], ["--nats", server.url]
     if relay:
         port = free_port()
@@ -141,7 +222,7 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
         server_args = ["--nats", server.url, "--weights-from", relay_url] if secure else ["--nats", relay_url]
     samplers = [
         _spawn(["sampler", "--config", str(config_path), "--id", f"s{i}", *server_args,
-                *_creds_args(secure_dir, f"sampler-s{i}")], log_json)
+                *_creds_args(secure_dir, f"sampler-s{i}")], log_json, fork=True)
         for i in range(1, cfg.sampler.count + 1)
     ]
     code, terminated, peaks = 1, [], {}
