@@ -10,7 +10,7 @@ import tomllib
 import orjson
 import pytest
 
-from echo.config import load_config
+from echo.config import ConfigError, load_config
 from echo.models import load_model
 from echo.wire.names import CONFIG_KEY
 from streams.client import NoBroker, connect, open_run
@@ -19,6 +19,7 @@ from streams.server import free_port
 from tests.conftest import tiny_config
 from workers.arguments import config_from_args
 from workers.cli import build_parser, main
+from workers.operator.swarm import in_child
 from workers.sampler.sampler import sampler_config_from_run
 
 
@@ -34,6 +35,23 @@ def test_a_bad_task_fails_at_start_naming_the_field_before_anything_starts(tmp_p
     assert main([*args, "--set", "task.name=nosuch"]) == 2
     assert "task.name 'nosuch'" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # no server, no run directory
+
+
+def _refuse(field: str):
+    raise ConfigError(f"{field}: refused")
+
+
+def test_what_up_computes_before_forking_its_workers_runs_in_a_child_and_comes_back():
+    """`up` pins (converts, fetches) the model in a forked child, so that it runs no torch work
+    itself before forking its workers: the value comes back, a ConfigError as one, any other
+    failure named, and the child never goes on past it."""
+    assert in_child(sorted, [3, 1, 2]) == [1, 2, 3]
+    with pytest.raises(ConfigError, match="model.name: refused"):
+        in_child(_refuse, "model.name")
+    with pytest.raises(RuntimeError, match="divmod.*ZeroDivisionError"):
+        in_child(divmod, 1, 0)
+    with pytest.raises(RuntimeError, match="object.*TypeError"):  # no JSON for it
+        in_child(object)
 
 
 def test_a_server_that_cannot_be_reached_is_said_at_once_in_one_line():

@@ -96,15 +96,18 @@ def in_child(fn, *args):
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
-        os.close(read)
-        try:
-            out = {"value": fn(*args)}
-        except ConfigError as e:
-            out = {"config_error": str(e)}
-        except BaseException as e:
-            out = {"error": f"{type(e).__name__}: {e}"}
-        os.write(write, orjson.dumps(out))
-        os._exit(0)
+        try:  # whatever happens, the child goes no further than here
+            os.close(read)
+            try:
+                answer = orjson.dumps({"value": fn(*args)})
+            except ConfigError as e:
+                answer = orjson.dumps({"config_error": str(e)})
+            except BaseException as e:
+                answer = orjson.dumps({"error": f"{type(e).__name__}: {e}"})
+            with os.fdopen(write, "wb") as pipe:
+                pipe.write(answer)
+        finally:
+            os._exit(0)
     os.close(write)
     with os.fdopen(read, "rb") as answer:
         out = orjson.loads(answer.read() or b"{}")
