@@ -61,9 +61,7 @@ class Forked:
 
     def __init__(self, args: list[str], env: dict[str, str]):
         self.args, self.returncode = worker_command(args), None
-        sys.stdout.flush()
-        sys.stderr.flush()  # else the child writes out what this process had buffered as well
-        self.pid = os.fork()
+        self.pid = _fork()
         if self.pid == 0:
             try:
                 os.setsid()
@@ -88,13 +86,17 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
+def _fork() -> int:
+    sys.stdout.flush()
+    sys.stderr.flush()  # else the child writes out what this process had buffered as well
+    return os.fork()
+
+
 def in_child(fn, *args):
     """fn(*args) in a forked child, its result (JSON) or its ConfigError back through a pipe: the
     torch work it may do stays out of a process that forks workers afterwards."""
     read, write = os.pipe()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
+    pid = _fork()
     if pid == 0:
         try:  # whatever happens, the child goes no further than here
             os.close(read)
