@@ -142,12 +142,15 @@ class TrainerConfig(_Section):
     # Grant no work until this many samplers have asked (0: start with the first). `up` sets it to
     # the samplers it starts, so that one ready first does not take a short run's every group.
     min_samplers: int = Field(0, ge=0)
-    # Proof of sampling (echo/proof.py): recompute the claimed log-probs of this share of groups
-    # (every group of a sampler caught once); a token off by more than the tolerance (nats) is a
-    # forgery. Groups of the version the trainer holds are all proved, by the step's own forward
-    # (with publish_dtype float32: the weights it trains are those the samplers run). A sampler
-    # with more than quarantine_after forgeries or reward mismatches is quarantined.
-    verify_fraction: float = Field(0.1, ge=0, le=1)
+    # Proof of sampling (echo/proof.py): recompute the claimed log-probs (and, with keyed noise,
+    # the tokens) of this share of groups under the versions that sampled them; a token off by
+    # more than the tolerance (nats) is a forgery. 1: every group trained is proven, from a
+    # sampler's first. Below 1 is a run's explicit trust in its samplers: a sampler never caught
+    # has about (1 - f) / f groups trained unproven before its first check (a suspect's are all
+    # checked). Groups of the version the trainer holds are proved by the step's own forward (with
+    # publish_dtype float32: the weights it trains are those the samplers run). A sampler with
+    # more than quarantine_after forgeries or reward mismatches is quarantined.
+    verify_fraction: float = Field(1.0, ge=0, le=1)
     verify_tolerance: float = Field(0.01, gt=0)  # between fp32 samplers and an fp32 trainer
     # Where either side computes in bf16/fp16: honest SmolLM2 groups measured up to 0.33 (docs/operations.md).
     verify_tolerance_16bit: float = Field(0.5, gt=0)

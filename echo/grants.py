@@ -99,6 +99,7 @@ class _Call:
     open: int  # its slots neither accepted, wasted nor given up yet
     accepted: int = 0
     last_at: float = 0.0  # its latest group's arrival
+    version: int | None = None  # the version its sampler said it ran when it asked
 
 
 class GrantLedger:
@@ -210,7 +211,7 @@ class GrantLedger:
         self.issued += groups
         self.prompts.update((slot, self.owed.popleft() if self.owed else slot_prompt(self.seed, slot)) for slot in slots)
         self.outstanding.update((slot, sampler_id) for slot in slots)
-        call = _Call(sampler_id, now, len(slots))
+        call = _Call(sampler_id, now, len(slots), version=version)
         self._calls.update((slot, call) for slot in slots)
         if slots and not held:
             self.progress_at[sampler_id] = now
@@ -241,6 +242,12 @@ class GrantLedger:
         call = self._calls[slot]
         call.last_at = max(call.last_at, arrived, call.granted_at)  # clocks apart by a little
         return self.prompts[slot]
+
+    def asked_with(self, slot: int) -> int | None:
+        """The version the holder of `slot` (out, or delivered and not yet settled) said it ran
+        when it was granted; None where it said none."""
+        call = self._calls.get(slot)
+        return None if call is None else call.version
 
     def accepted(self, slot: int) -> None:
         """A delivered slot's group is to be trained: its holder made progress (a group the

@@ -30,9 +30,12 @@ from torch.distributed.fsdp import FSDPModule
 from echo.config import EchoConfig
 from echo.devices import DTYPES, autocast, model_device
 from echo.noise import TokenMargins, group_key
-from echo.policy import packed_states, spanning_logprobs, states_logprobs
+from echo.policy import load_tensors, packed_states, spanning_logprobs, states_logprobs
 from echo.routing import Replay
 from echo.wire.messages import Completion, RolloutGroup
+
+# The reasons a group is refused as forged (SamplingProof.forged): its sender becomes a suspect.
+FORGERIES = frozenset({"token_forgery", "forged_routing", "logprob_forgery"})
 
 
 def logprob_gap(claimed: list[Completion], recomputed: torch.Tensor) -> float:
@@ -182,6 +185,15 @@ class SamplingProof:
         self.versions[version] = {k: v.to(self.publish_dtype) for k, v in self.live.items()} if rounded else self.live
         for old in [v for v in self.versions if v <= version - self.keep]:
             del self.versions[old]
+
+    def recall(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Keep `tensors` (a version's trainable tensors as published, read back from the run's
+        weights files) as `version`: a restarted trainer proves its predecessor's last versions'
+        groups as that trainer would have. One process only (a rank's shards are not files)."""
+        live = {k: v.detach().clone() for k, v in _trainable(self.model).items()}
+        load_tensors(self.model, tensors)
+        self.versions[version] = {k: v.detach().clone().to(self.publish_dtype) for k, v in _trainable(self.model).items()}
+        _copy_into(self.model, live)
 
     def wants(self, group: RolloutGroup, version: int) -> bool:
         """Whether to check `group` now, the trainer holding `version`: not where the step proves

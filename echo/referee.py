@@ -46,7 +46,8 @@ class Referee:
     @property
     def limits(self) -> RolloutLimits:
         """What the run's groups may hold on the wire."""
-        return RolloutLimits(self.sampling.group_size, self.sampling.max_new_tokens, self.routing)
+        return RolloutLimits(self.sampling.group_size, self.sampling.max_new_tokens, self.routing,
+                             self.sampling.chunk_tokens)
 
     def malformed(self, group: RolloutGroup) -> str | None:
         """A reason to reject the group's shape, or None. Cheap: run before the staleness check."""

@@ -1,5 +1,6 @@
 """Quarantined samplers on the wire: one key in the run's state bucket, changed with
-compare-and-set by the trainer (catching a sampler) and by an operator (lifting it)."""
+compare-and-set by the trainer (catching a sampler) and by an operator (lifting it); and the
+trainer's strikes and suspects beside it (read back by a restarted trainer, cleared by a lift)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from typing import Callable
 from nats.js.errors import KeyWrongLastSequenceError
 
 from echo.wire.codec import decode, encode
-from echo.wire.messages import Quarantine
-from echo.wire.names import QUARANTINE_KEY
+from echo.wire.messages import Quarantine, Strikes
+from echo.wire.names import QUARANTINE_KEY, STRIKES_KEY
 from streams.client import Run
 from streams.watch import read_value, watch_forever
 
@@ -48,3 +49,20 @@ async def watch_quarantine(run: Run, on_change: Callable[[dict[str, str]], None]
         on_change(dict(decode(Quarantine, value).samplers))
 
     await watch_forever(run, QUARANTINE_KEY, changed)
+
+
+async def read_strikes(run: Run) -> Strikes:
+    """The strikes and suspects the run's trainers recorded (none before the first)."""
+    return (await read_value(run.state, STRIKES_KEY, functools.partial(decode, Strikes)))[0] or Strikes()
+
+
+async def put_strikes(run: Run, strikes: Strikes) -> None:
+    """The trainer's record (it alone writes it, one trainer holding the lease at a time)."""
+    await run.state.put(STRIKES_KEY, encode(strikes))
+
+
+async def forgive(run: Run, sampler_id: str) -> None:
+    """A lifted sampler's strikes and suspicion cleared: a fresh start, also for the next trainer."""
+    strikes = await read_strikes(run)
+    counts = {k: v for k, v in strikes.counts.items() if k != sampler_id}
+    await put_strikes(run, Strikes(counts=counts, suspects=[s for s in strikes.suspects if s != sampler_id]))

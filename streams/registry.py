@@ -6,8 +6,10 @@ entry expires by itself."""
 from __future__ import annotations
 
 import functools
+import time
 
 import structlog
+from pydantic import ValidationError
 
 from echo.wire.codec import ProtocolError, decode, encode
 from echo.wire.messages import SamplerStatus, TrainerStatus
@@ -54,8 +56,10 @@ async def read_statuses(run: Run) -> list[SamplerStatus]:
     statuses = []
     for subject in sorted(info.state.subjects or {}):
         key = subject.removeprefix(prefix)
-        status, _ = await read_value(run.registry, key, _decode_status)
-        if status is None:  # deleted, or one sampler's bad word: it must not stop the readers
+        status, revision = await read_value(run.registry, key, _decode_status)
+        if status is None:  # deleted, or one sampler's bad word: it must not stop the readers, nor hide it
+            if revision and (shown := _bad_heartbeat(key)) is not None:
+                statuses.append(shown)
             continue
         # A sampler writes its own key only (its credentials), but any value: not another's status.
         if key != status.sampler_id:
@@ -63,6 +67,22 @@ async def read_statuses(run: Run) -> list[SamplerStatus]:
             continue
         statuses.append(status)
     return statuses
+
+
+def _bad_heartbeat(key: str) -> SamplerStatus | None:
+    """A heartbeat that did not decode, as its readers show it: the sampler is there, saying
+    nothing readable (None for a key no sampler id could have)."""
+    try:
+        return SamplerStatus(sampler_id=key, version=-1, groups_published=0, weight_failures={},
+                             updated_at=time.time(), state="bad_heartbeat")
+    except ValidationError:
+        return None
+
+
+async def heartbeat_unreadable(run: Run, sampler_id: str) -> bool:
+    """Whether the sampler's heartbeat is there and does not decode: it gets no work until it does."""
+    status, revision = await read_value(run.registry, sampler_id, _decode_status)
+    return status is None and revision != 0
 
 
 async def read_heartbeat(run: Run, sampler_id: str) -> tuple[int, SamplerStatus | None]:

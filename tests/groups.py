@@ -2,6 +2,7 @@
 prompt at its index, the byte tokenizer's tokens, the verifier's rewards), then changed field by
 field for what a test needs. Not a test module: test modules import it, never each other."""
 
+import asyncio
 import time
 
 import orjson
@@ -17,6 +18,7 @@ from echo.tasks import Task, load_task
 from echo.tasks.math import Math
 from echo.wire.codec import _pack, _read_rollout, _spans
 from echo.wire.messages import Completion, RolloutGroup
+from streams.rollouts import publish_rollout
 
 TOKENIZER = byte_tokenizer()
 TASK = Math({})
@@ -127,3 +129,32 @@ def turns_end_often(models: list, prompt_ids: list[int]) -> None:
         mean = models[0](input_ids=torch.tensor([prompt_ids]), output_hidden_states=True).hidden_states[-1][0].mean(0)
         for model in models:
             model.get_output_embeddings().weight[TOKENIZER.eos_token_id] = 3.0 * mean / mean.norm() ** 2
+
+
+def perturb(model, seed: int) -> None:
+    """Move a policy off its initial values, as training would: a LoRA adapter's B (zero at init:
+    every version would be the base model), or in full-weight mode every parameter, the head too."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+            elif p.requires_grad and "lora" not in name:
+                p.add_(torch.randn(p.shape, generator=generator) * 0.02)
+
+
+async def collect_once_quarantined(collector, quarantine, forger: str, run, ledger: GrantLedger,
+                                   honest: RolloutGroup, version: int):
+    """What `collector` collects for one group while another sampler's `honest` group is published
+    only once `forger` is quarantined (else it would be read in turn with the forger's first)."""
+
+    async def once_quarantined():
+        while forger not in quarantine:
+            await asyncio.sleep(0.01)
+        await publish_rollout(run, granted(ledger, honest))
+
+    publishing = asyncio.create_task(once_quarantined())
+    async with asyncio.timeout(120):  # a hang guard: all is published
+        collected = await collector.collect(1, version=version)
+    await publishing
+    return collected

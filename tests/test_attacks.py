@@ -178,7 +178,8 @@ async def test_a_malformed_value_in_the_runs_state_is_read_as_absent_and_fences_
         assert await read_quarantine(trainer) == {} and BAD_VALUES[QUARANTINE_KEY] == counted + 1
         assert await current_epoch(trainer) is None
         assert await read_trainer_status(trainer) is None and await slots_granted(trainer) == 0
-        assert await read_statuses(trainer) == [] and await read_heartbeat(trainer, "s1") == (0, None)
+        assert await read_heartbeat(trainer, "s1") == (0, None)  # no sign of life, and shown as bad (issue 80)
+        assert [(s.sampler_id, s.state) for s in await read_statuses(trainer)] == [("s1", "bad_heartbeat")]
         args = ["quarantine", "list", "--nats", server.url, "--run-id", "sec",
                 "--creds", str(secure.seed_file("observer")), "--tls-ca", str(secure.ca_file)]
         assert await asyncio.to_thread(main, args) == 0 and capsys.readouterr().out.splitlines()[-1] == "{}"
@@ -242,7 +243,8 @@ async def test_a_heartbeat_past_its_size_is_refused_by_the_broker_and_by_every_r
         # A bucket from before the limit: every reader still checks the size before decoding.
         await trainer.js.update_stream(dataclasses.replace(registry_stream(trainer.names), max_msg_size=-1))
         await trainer.registry.put("s1", encode(huge))
-        assert await read_heartbeat(trainer, "s1") == (0, None) and await read_statuses(trainer) == []
+        assert await read_heartbeat(trainer, "s1") == (0, None)
+        assert [(s.sampler_id, s.state) for s in await read_statuses(trainer)] == [("s1", "bad_heartbeat")]
         assert BAD_VALUES["s1"] >= 1
     finally:
         await attacker.close()

@@ -25,7 +25,17 @@ from streams.inbox import RolloutInbox
 from streams.lease import take_lease
 from streams.rollouts import publish_rollout
 from tests.conftest import tiny_config
-from tests.groups import REFEREE, SAMPLING, TASK, TOKENIZER, granted, honest_group, keyed_groups, turns_end_often
+from tests.groups import (
+    REFEREE,
+    SAMPLING,
+    TASK,
+    TOKENIZER,
+    collect_once_quarantined,
+    granted,
+    honest_group,
+    keyed_groups,
+    turns_end_often,
+)
 from workers.background import Background
 from workers.trainer.accounting import RecentSteps
 from workers.trainer.granter import AsyncGranter
@@ -364,16 +374,7 @@ async def test_one_samplers_text_of_its_choosing_is_refused_and_it_is_quarantine
             await publish_rollout(attacker, granted(ledger, _keyed_groups(sampler, [7], first_slot=5,
                                                                            group_id="late")[0]))
             good = _keyed_groups(sampler, [8], first_slot=6, group_id="good", sampler_id="s2")[0]
-
-            async def honest_once_quarantined():  # else read in turn with the forger's first
-                while "s1" not in quarantine:
-                    await asyncio.sleep(0.01)
-                await publish_rollout(trainer, granted(ledger, good))
-
-            honest = asyncio.create_task(honest_once_quarantined())
-            async with asyncio.timeout(120):  # a hang guard: all is published
-                collected = await collector.collect(1, version=0)
-            await honest
+            collected = await collect_once_quarantined(collector, quarantine, "s1", trainer, ledger, good, version=0)
         assert [a.group.group_id for a in collected.used] == ["good"]
         assert collected.rejected == {"token_forgery": 4, "quarantined": 1}, collected.rejected
         assert "s1" in quarantine

@@ -20,7 +20,7 @@ from streams.quarantine import read_quarantine
 from streams.registry import read_statuses
 from streams.rollouts import publish_rollout
 from tests.conftest import tiny_config
-from tests.groups import REFEREE, SAMPLING, granted, honest_group
+from tests.groups import REFEREE, SAMPLING, collect_once_quarantined, granted, honest_group, perturb
 from workers.background import Background
 from workers.cli import build_parser
 from workers.operator.quarantine import quarantine_command
@@ -31,16 +31,6 @@ from workers.trainer.judge import Judge, Timeline
 from workers.trainer.strikes import Quarantined
 
 LORA = LoraConfig(r=4, alpha=8.0)
-
-
-def _perturb(model, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:  # zero at init: every version would be the base model
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
-            elif p.requires_grad and "lora" not in name:  # full-weight mode: every parameter, the head too
-                p.add_(torch.randn(p.shape, generator=generator) * 0.02)
 
 
 def _proof(policy, tolerance: float = 0.01, fraction: float = 1.0) -> SamplingProof:
@@ -71,7 +61,7 @@ def test_the_gap_is_the_largest_difference_of_a_token_the_model_sampled():
 
 def test_honest_log_probs_pass_under_the_claimed_version_and_forged_ones_fail():
     sampler = HFEngine("tiny", LORA, SAMPLING)
-    _perturb(sampler.model, seed=0)
+    perturb(sampler.model, seed=0)
     trainer = HFEngine("tiny", LORA, SAMPLING).model  # another instance, given version 0 as published
     load_weights(trainer, [bytearray(s) for s in weights_shards(sampler.model, 2**30)])
     proof = _proof(trainer)
@@ -84,7 +74,7 @@ def test_honest_log_probs_pass_under_the_claimed_version_and_forged_ones_fail():
         for g in generations])
     assert proof.check(group).gap < 1e-4  # fp32: float error only
 
-    _perturb(trainer, seed=1)  # the trainer steps on: version 1
+    perturb(trainer, seed=1)  # the trainer steps on: version 1
     proof.remember(1)
     version_1 = {k: v.clone() for k, v in policy_tensors(trainer).items()}
     assert proof.check(group).gap < 1e-4  # version 0 swapped in for the check...
@@ -101,7 +91,7 @@ def test_honest_log_probs_pass_under_the_claimed_version_and_forged_ones_fail():
 async def test_a_forging_sampler_is_rejected_then_quarantined_until_an_operator_lifts_it(runs, tmp_path):
     cfg = tiny_config(tmp_path, run={"id": "forge"})
     policy = HFEngine("tiny", LORA, SAMPLING).model
-    _perturb(policy, seed=0)
+    perturb(policy, seed=0)
 
     def true_logprobs(group):
         with torch.no_grad():
@@ -126,14 +116,8 @@ async def test_a_forging_sampler_is_rejected_then_quarantined_until_an_operator_
         for index, group_id in [(12, "f1"), (13, "f2"), (16, "f3")]:
             await publish_rollout(run, granted(ledger, honest_group(index, group_id=group_id, sampler_id="s1")))
 
-        async def honest_once_quarantined():  # else read in turn with the forger's first
-            while "s1" not in quarantine:
-                await asyncio.sleep(0.01)
-            await publish_rollout(run, granted(ledger, true_logprobs(honest_group(14, group_id="h1", sampler_id="s2"))))
-
-        honest = asyncio.create_task(honest_once_quarantined())
-        collected = await collector.collect(1, version=1)
-        await honest
+        collected = await collect_once_quarantined(collector, quarantine, "s1", run, ledger, true_logprobs(
+            honest_group(14, group_id="h1", sampler_id="s2")), version=1)
         assert [a.group.group_id for a in collected.used] == ["h1"]
         assert collected.rejected == {"logprob_forgery": 2, "quarantined": 1}  # f3 came after the quarantine
         assert await read_quarantine(run) == {"s1": "2 strikes, the last logprob_forgery"}
@@ -165,7 +149,7 @@ def test_a_partial_rollout_is_checked_token_by_token_under_the_version_that_samp
     proof = SamplingProof(trainer, 0, ProofSettings(sampling.temperature, 1.0, 0.01, keep=3, noise_seed=5))
     versions = []
     for version in range(3):  # as the trainer publishes them
-        _perturb(trainer, seed=version)
+        perturb(trainer, seed=version)
         proof.remember(version)
         versions.append([bytearray(s) for s in weights_shards(trainer, 2**30)])
     load_weights(sampler.model, versions[0])

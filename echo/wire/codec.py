@@ -117,6 +117,9 @@ class RolloutLimits:
     # (layers, top_k, experts) of the run's model where the run replays a mixture of experts'
     # routing: each group carries it. None: no group may.
     routing: tuple[int, int, int] | None = None
+    # The run's sampling.chunk_tokens: a partial rollout's versions change between chunks, each
+    # after a whole number of them. 0: the run makes no partial rollouts.
+    chunk_tokens: int = 0
 
     @property
     def max_bytes(self) -> int:
@@ -125,6 +128,17 @@ class RolloutLimits:
         if self.routing is not None:
             most += routing_bytes_max(self.routing, PROMPT_TOKENS_ALLOWED + self.group_size * self.max_new_tokens)
         return most
+
+    def check_version_changes(self, group: RolloutGroup) -> None:
+        """A partial rollout only where the run makes them, its versions changing where an engine
+        changes them: between chunks (a claim of another version from token 1 on is not one)."""
+        if not group.version_changes:
+            return
+        if not self.chunk_tokens:
+            raise ProtocolError("partial_not_enabled", "a partial rollout in a run without sampling.chunk_tokens")
+        if any(c.at % self.chunk_tokens for c in group.version_changes) or group.version_changes[0].at <= 0:
+            raise ProtocolError("bad_version_change", f"versions change at "
+                                f"{[c.at for c in group.version_changes]}, not after whole chunks of {self.chunk_tokens}")
 
     def check_routing_shape(self, routing: dict | None) -> None:
         """A group's routing shape is the run's, and it has one where the run replays routing."""
@@ -301,6 +315,8 @@ def _decode_group(data: bytes, limits: RolloutLimits | None) -> tuple[RolloutGro
     for c, (a, b) in zip(raw["completions"], _spans(counts)):
         c["token_ids"], c["logprobs"] = ids[prompt_tokens + a : prompt_tokens + b], logprobs[a:b]
     group = _validate(RolloutGroup, raw, ARRAYS_CHECKED)
+    if limits is not None:
+        limits.check_version_changes(group)
     if group.routing is not None:
         try:
             check_routing(group.routing, group.last_tokens())

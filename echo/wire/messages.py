@@ -435,7 +435,8 @@ class Schedule(Message):
 
 
 # finished: the trainer said the run has finished; the sampler waits, in case the run goes on.
-SamplerState = Literal["active", "standby", "draining", "quarantined", "finished"]
+# bad_heartbeat: not a sampler's word but its readers', for a heartbeat that did not decode.
+SamplerState = Literal["active", "standby", "draining", "quarantined", "finished", "bad_heartbeat"]
 
 
 class SamplerStatus(Message):
@@ -473,6 +474,15 @@ class Quarantine(Message):
     times. Lifted by an operator (`echo-rl quarantine lift`)."""
 
     samplers: dict[str, str] = {}
+
+
+class Strikes(Message):
+    """The trainer's strikes against samplers, and the suspects whose every group it checks
+    (caught forging once): kept in the run's state so that a restarted or taken-over trainer
+    gives no credential its budget back. Written by the trainer alone."""
+
+    counts: dict[str, int] = {}
+    suspects: list[str] = []
 
 
 class PullRequest(Message):

@@ -53,6 +53,7 @@ TRAINER_KEY = "trainer"  # the TrainerLease: which trainer process, in which epo
 SLOTS_KEY = "slots"  # the number of slots granted so far (the trainer's, kept across restarts)
 SLOTS_KEY_BEFORE_14 = "leases"  # its name before schema 14, read when a run that began earlier resumes
 QUARANTINE_KEY = "quarantine"  # samplers whose groups are ignored (Quarantine), by the trainer or an operator
+STRIKES_KEY = "strikes"  # the trainer's strikes and suspects (Strikes), kept across its restarts
 SCHEDULE_KEY = "schedule"  # the scheduler's choice of samplers (Schedule), written by the trainer
 # The trainer's pace (TrainerStatus), for the scheduler and `echo-rl plan`. The key keeps its schema-19
 # value: a run begun before schema 20 resumes, and its samplers and credentials read it there.

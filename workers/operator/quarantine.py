@@ -26,7 +26,7 @@ def register(sub) -> None:
 async def quarantine_command(args) -> int:
     """Print the quarantined samplers (JSON) after lifting `args.sampler`'s quarantine, if asked."""
     from streams.client import PATIENCE_S, open_run
-    from streams.quarantine import change_quarantine, read_quarantine
+    from streams.quarantine import change_quarantine, forgive, read_quarantine
 
     if args.action == "lift" and not args.sampler:
         raise ConfigError("quarantine lift: name the sampler to lift")
@@ -37,6 +37,7 @@ async def quarantine_command(args) -> int:
         if args.action == "lift":
             if args.sampler not in samplers:
                 raise ConfigError(f"sampler {args.sampler!r} is not quarantined (quarantined: {sorted(samplers)})")
+            await forgive(run, args.sampler)  # before the lift: the trainer reads no stale strikes at a restart
             samplers = await change_quarantine(run, lambda current: current.pop(args.sampler, None))
     finally:
         await run.close()

@@ -24,7 +24,7 @@ from echo.wire.messages import Grant, GrantBudget, GrantRequest, PullRequest
 from streams.client import BROKER_ERRORS, Run, retry_forever
 from streams.grants import publish_budget, record_slots_granted, serve_grants, slots_granted
 from streams.pull import publish_pull_request
-from streams.registry import read_heartbeat
+from streams.registry import heartbeat_unreadable, read_heartbeat
 from workers.trainer.strikes import Quarantined
 
 log = structlog.get_logger()
@@ -132,6 +132,11 @@ class Granter:
             self.release_gone(sampler_id, restarted=True)
         if (self.quarantine and sampler_id in self.quarantine) or request.epoch != self.epoch:
             return Grant()
+        try:
+            if await heartbeat_unreadable(self.run, sampler_id):  # shown as bad_heartbeat; no work until it reads
+                return Grant()
+        except BROKER_ERRORS:  # the broker restarting: the grant cannot be recorded either (below)
+            pass
         if sampler_id in self.standby:
             return Grant()
         if sampler_id not in self.fleet:

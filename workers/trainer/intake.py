@@ -9,6 +9,7 @@ strikes the sender through the quarantine (workers/trainer/strikes.py). It publi
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ class Collected:
     # Dynamic sampling (algorithm.dynamic_sampling): groups whose rewards were all equal, set
     # aside for others (acked with the step, not trained): each cost a grant and its generation.
     filtered: int = 0
+    filtered_by: Counter = field(default_factory=Counter)  # of them, by sender: each has its share of the budget
     filtered_tokens: int = 0
     generated_seconds: float = 0.0  # the samplers' time generating the used and the stale groups
     rejected: Counter = field(default_factory=Counter)  # refused groups by reason
@@ -100,7 +102,8 @@ class Collector:
             return None
         granted = self.ledger.delivered(delivery.sender, group.slot, delivery.arrived)
         prompt = granted if granted is not None else self.ledger.earlier_prompt(group.slot, group.prompt_index)
-        judged = await self.judge.judge(Case(group, delivery.sender, version, prompt, out.used))
+        asked_with = self.ledger.asked_with(group.slot) if granted is not None else None
+        judged = await self.judge.judge(Case(group, delivery.sender, version, prompt, out.used, asked_with))
         if granted is not None:
             (self.ledger.accepted if isinstance(judged, Accepted) else self.ledger.wasted)(group.slot)
         if isinstance(judged, Verdict):
@@ -117,13 +120,21 @@ class Collector:
         if judged.reward_mismatch:
             out.reward_mismatch[group.sampler_id] += 1
             await self._strike(delivery.sender, "reward_mismatch")
-        if no_signal(judged.rewards) and out.filtered < self.set_aside:
+        if no_signal(judged.rewards) and self._may_set_aside(delivery.sender, out):
             out.filtered += 1  # acked with the step: consumed, not trained
+            out.filtered_by[delivery.sender] += 1
             out.filtered_tokens += sum(len(c.token_ids) for c in group.completions)
             if granted is not None:
                 self.ledger.set_aside(group.slot)
             return None
         return judged
+
+    def _may_set_aside(self, sender: str, out: Collected) -> bool:
+        """Dynamic sampling's budget has room, and `sender` has used no more than its share of it
+        (an equal part among the samplers asking): one sampler's groups with no signal cannot
+        spend the step's set-aside budget for everyone (theirs are trained past it, as no budget)."""
+        share = self.ledger.share(self.set_aside, time.monotonic())
+        return out.filtered < self.set_aside and out.filtered_by[sender] < share
 
     async def refuse_forged(self, out: Collected, forged: dict[str, str]) -> None:
         """Groups the step's own forward proved forged (group id -> why): refused and struck as

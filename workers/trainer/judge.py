@@ -53,6 +53,7 @@ class Case:
     version: int  # the trainer's, now
     prompt: int | None  # the prompt its slot was granted with; None: no slot granted its sender
     step: list[Accepted] = field(default_factory=list)  # accepted so far this step
+    asked_with: int | None = None  # the version its sender said it ran when granted its slot; None: not known
     content: str = ""
     ruling: Ruling | None = None
 
@@ -151,6 +152,9 @@ class Judge:
         if group.prompt_index != case.prompt:  # no honest sampler of this release does it
             return Verdict("wrong_prompt", f"prompt {group.prompt_index} on slot {group.slot}, granted {case.prompt}",
                            strike=True)
+        if case.asked_with is not None and group.version < case.asked_with:  # weights only move forward
+            return Verdict("version_not_granted", f"version {group.version} on slot {group.slot}, asked with "
+                           f"{case.asked_with}", strike=True)
         return None
 
     async def scored(self, case: Case) -> Verdict | None:
@@ -170,6 +174,8 @@ class Judge:
         if not (self.proof and self.proof.wants(case.group, case.version)):
             return None
         checked = await asyncio.to_thread(self.check, case.group)
+        if checked is None:  # a version that sampled it is no longer kept: nothing could prove it
+            return Verdict("unverifiable", case.about)
         reason = self.proof.forged(case.group, checked)
         if reason:
             margin = "" if checked.margin is None else f", token margin {checked.margin:.3g}"

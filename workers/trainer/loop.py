@@ -146,6 +146,7 @@ class Trainer:
                              bound=DeliveryBound(cfg.trainer.undelivered_window, cfg.trainer.undelivered_share))
         quarantine = Quarantined(run, cfg.trainer.quarantine_after)
         await quarantine.start(background)
+        model.proof.suspects.update(quarantine.suspects)  # a predecessor's suspects stay checked
         referee = Referee(task, model.tokenizer, model.vocab_size, cfg.sampling, model.routing)
         judge = Judge(referee, Timeline(cfg.staleness_bound, lease.epoch, state.version, cfg.begun_within),
                       Trained(load_trained_content(run_dir, state.trained_content),

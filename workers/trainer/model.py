@@ -30,6 +30,7 @@ from echo.checkpoint import (
     delta_shards,
     load_checkpoint,
     prune_weights,
+    read_shards,
     save_checkpoint,
     weights_at,
     weights_digest,
@@ -41,7 +42,7 @@ from echo.devices import DTYPES, resolve_device, resolve_dtype
 from echo.learner import Batch, ForgedInStep, HeldProof, make_optimizer, merge_stats, set_threads, train_step
 from echo.lifeline import die_with_parent
 from echo.models import base_model_digest, load_model
-from echo.policy import make_policy, weights_kind, weights_shards
+from echo.policy import make_policy, shards_tensors, weights_kind, weights_shards
 from echo.proof import Checked, ProofSettings, SamplingProof, worst_checks
 from echo.routing import replayed_shape
 from echo.wire.messages import RolloutGroup, WeightsLink
@@ -172,6 +173,19 @@ class TrainerModel:
                               f"began with (model.name in {self.cfg.run_dir / 'config.toml'})")
         state.base_model = self.base_model
         self.state = state
+        if self.ranks.world == 1:
+            self._recall_versions(state.version)
+
+    def _recall_versions(self, version: int) -> None:
+        """The versions before `version` that the proof keeps, read back from the run's weights
+        files: their groups, still in the stream, are proven after a restart as before it. One
+        not on disk is not kept, and its groups are refused as unverifiable (no strike)."""
+        for old in range(max(0, version - self.proof.keep + 1), version):
+            try:
+                files = weights_at(self.cfg.run_dir, old)
+            except FileNotFoundError:
+                continue
+            self.proof.recall(old, shards_tensors(read_shards(files)))
 
     @everywhere
     def train(self, batch: Batch, version: int | None = None) -> dict:
@@ -224,8 +238,8 @@ class TrainerModel:
             if self.ranks.rank == 0:
                 files.append(weights_file(run_dir, version, index))
                 files[-1].write_bytes(data)
-        if self.ranks.rank == 0:  # and the one before: the next version's delta is against this one
-            prune_weights(run_dir, version - max(tcfg.keep_versions, 2) + 1)
+        if self.ranks.rank == 0:  # the one before (the next delta is against it), and those the proof keeps
+            prune_weights(run_dir, version - max(tcfg.keep_versions, 2, self.proof.keep) + 1)
         return files
 
     def as_delta(self, version: int, files: list[Path], chain: list[WeightsLink]) -> tuple[str, list[bytes] | None]:
