@@ -17,7 +17,9 @@ and once after it moved on to version 1 (version 0 swapped in). Recorded per con
     .venv/bin/python -m bench.proof [--models tiny smollm2] [--dtypes float32 bfloat16] [--groups 64]
         [--engine hf | hf-paged | vllm] [--compute-dtype float32 | bfloat16]  (vllm: in .venv-vllm)
 
-Writes bench/results/proof-<models>.json (with the machine's load). With --in-step, only what
+Writes bench/results/proof-<models>.json (with the machine's load). With --every, what proving
+every group costs an honest async run at staleness bounds 1 and 2 (the groups of older versions
+checked one at a time, as the intake does, and together: check_many), into proof-every-<models>.json. With --in-step, only what
 proving the held version's groups inside the step costs (train_step with and without HeldProof,
 alternated on the same groups, the least of `--repeats` each), into proof-in-step-<models>.json;
 on a CPU also the seconds spent in the check's own code as a share of the step (the difference
@@ -233,6 +235,58 @@ def in_step_cost(model_name: str, count: int, repeats: int, device: str, compute
     return result
 
 
+def every_group_cost(model_name: str, count: int, staleness: int, repeats: int, device: str, compute: str) -> dict:
+    """What proving every group costs an honest async run (trainer.verify_fraction 1, the default):
+    a step's `count` groups, a third of the trainer's version S and the rest spread over the S
+    versions before it (the issue's swarm trained {"0": 173, "1": 347} at S = 1), each honest and
+    drawn by its version. The step proves its own version's groups from its forward (HeldProof);
+    the others are proven under their versions, one group at a time (SamplingProof.check, as the
+    intake judges them) or together (check_many: a version swapped in once, forwards of several
+    groups). The least seconds of `repeats`, alternated, each against the step's."""
+    sampling = SamplingConfig(group_size=8, max_new_tokens=32, temperature=0.7, prompts_per_call=4)
+    lora = LoraConfig(r=16, alpha=32.0)
+    engine = HFEngine(model_name, lora, sampling, device, "float32")
+    trainer = HFEngine(model_name, lora, sampling, device, "float32").model
+    tcfg, compute_dtype = TrainerConfig(), DTYPES[compute]
+    proof = SamplingProof(trainer, engine.tokenizer.pad_token_id, ProofSettings(
+        sampling.temperature, 1.0, tcfg.verify_tolerance, keep=staleness + 1,
+        tolerance_16bit=tcfg.verify_tolerance_16bit, compute_dtype=compute_dtype, noise_seed=SEED,
+        margin=tcfg.verify_margin, margin_16bit=tcfg.verify_margin_16bit))
+    task, held_count = load_task(TaskConfig()), count // 3
+    versions = [staleness] * held_count + [staleness - 1 - i % staleness for i in range(count - held_count)]
+    groups = []
+    for version in range(staleness + 1):  # as the trainer publishes them; each version draws its groups
+        perturb_adapter(trainer, seed=version, scale=0.02)
+        proof.remember(version)
+        load_weights(engine.model, [bytearray(s) for s in weights_shards(trainer, 2**30)])
+        mine = [i for i, v in enumerate(versions) if v == version]
+        drawn = honest_groups(engine, task, count, sampling.group_size, sampling.prompts_per_call)
+        groups += [drawn[i].replaced(version=version) for i in mine]
+    older = [g for g in groups if g.version != staleness]
+    by_id = {g.group_id: g for g in groups}
+    held = HeldProof(staleness, proof.noise_key, lambda checked: proof.judged_in_step(by_id, checked))
+    seconds: dict[str, list[float]] = {"step": [], "one_at_a_time": [], "together": []}
+    for _ in range(repeats):
+        seconds["step"].append(train_seconds_per_group(trainer, groups, model_name, proof.pad_id, held,
+                                                       compute_dtype) * len(groups))
+        started = time.perf_counter()
+        one = [proof.check(g) for g in older]
+        seconds["one_at_a_time"].append(time.perf_counter() - started)
+        started = time.perf_counter()
+        together = proof.check_many(older)
+        seconds["together"].append(time.perf_counter() - started)
+        assert all(c is not None and not proof.forged(g, c) for g, c in zip(older, one)), "an honest group failed"
+        assert all(not proof.forged(g, together[g.group_id]) for g in older), "an honest group failed"
+    step, one_at_a_time, together = (min(seconds[k]) for k in ("step", "one_at_a_time", "together"))
+    return {"model": model_name, "staleness": staleness, "compute_dtype": compute, "groups": count,
+            "groups_of_older_versions": len(older),
+            "tokens": sum(len(c.token_ids) for g in groups for c in g.completions),
+            "step_seconds": step, "one_at_a_time_seconds": one_at_a_time, "together_seconds": together,
+            "one_at_a_time_share_of_step": round(one_at_a_time / step, 4),
+            "together_share_of_step": round(together / step, 4), "seconds": seconds,
+            "passed": proof.counts["passed"], "forged": proof.counts["forged"]}
+
+
 def timed(function, spent: list[float]):
     def run(*args, **kwargs):
         started = time.perf_counter()
@@ -284,13 +338,22 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="the sampler's precision")
     parser.add_argument("--groups", type=int, default=64, help="honest groups per configuration, each checked twice")
     parser.add_argument("--in-step", action="store_true", help="only the cost of proving inside the step")
-    parser.add_argument("--repeats", type=int, default=3, help="--in-step: steps of each kind")
+    parser.add_argument("--repeats", type=int, default=3, help="--in-step, --every: steps of each kind")
+    parser.add_argument("--every", action="store_true",
+                        help="only what proving every group costs an honest async run (S = 1 and 2)")
     parser.add_argument("--device", default="cpu", help="where both the sampler and the trainer run")
     parser.add_argument("--compute-dtype", default="float32", help="the trainer's forward")
     parser.add_argument("--engine", default="hf", choices=["hf", "hf-paged", "vllm"], help="the sampler's")
     args = parser.parse_args()
     torch.manual_seed(0)
     suffix = "" if args.device == "cpu" else "-gpu"  # a GPU's figures beside the CPU's, not over them
+    if args.every:
+        results = {"torch_threads": torch.get_num_threads(), "device": args.device,
+                   "results": [every_group_cost(m, args.groups, staleness, args.repeats, args.device,
+                                                args.compute_dtype)
+                               for m in args.models for staleness in (1, 2)]}
+        print(write_results(f"proof-every-{'-'.join(args.models)}{suffix}.json", results).read_text())
+        return
     if args.in_step:
         results = {"torch_threads": torch.get_num_threads(), "device": args.device,
                    "results": [in_step_cost(m, args.groups, args.repeats, args.device, args.compute_dtype)

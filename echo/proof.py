@@ -215,52 +215,92 @@ class SamplingProof:
 
     def check(self, group: RolloutGroup) -> Checked | None:
         """The group's log-prob gap and token margin, or None if a version that sampled it is no
-        longer kept (not checked). A forgery makes its sampler a suspect: all its groups are
-        checked. A partial rollout's tokens are each checked under the version that sampled them."""
-        versions = [group.version, *(change.version for change in group.version_changes)]
-        if any(version not in self.versions for version in versions):
-            self.counts["unverifiable"] += 1
-            return None
-        completions = [c.token_ids for c in group.completions]
+        longer kept (not checked): check_many of one group."""
+        return self.check_many([group])[group.group_id]
+
+    def check_many(self, groups: list[RolloutGroup], rows_per_forward: int = 64) -> dict[str, Checked | None]:
+        """Each group's check (group id -> Checked), or None where a version that sampled it is no
+        longer kept. Groups sampled by one version are proved together: that version swapped in
+        once, forwards of up to `rows_per_forward` completions; a partial rollout's tokens each
+        under the version that sampled them. A forgery makes its sampler a suspect: all its
+        groups are checked."""
+        out: dict[str, Checked | None] = {}
+        by_version: dict[int, list[RolloutGroup]] = {}
+        for group in groups:
+            versions = [group.version, *(change.version for change in group.version_changes)]
+            if any(version not in self.versions for version in versions):
+                self.counts["unverifiable"] += 1
+                out[group.group_id] = None
+            elif not group.version_changes:
+                by_version.setdefault(group.version, []).append(group)
         swapped = False
 
-        def use_version(k: int) -> None:
+        def use(version: int) -> None:
             nonlocal swapped
-            tensors = self.versions[versions[k]]
+            tensors = self.versions[version]
             if tensors is not self.live or swapped:
                 _copy_into(self.model, tensors)
                 swapped = True
 
         try:
             with torch.no_grad(), autocast(model_device(self.model), self.compute_dtype):
-                margins = None  # the token check, from the logits the log-probs are made of
-                key = self.noise_key(group)
-                if key is not None:
-                    margins = TokenMargins([(key, j) for j in range(len(completions))],
-                                           [torch.from_numpy(c.model_mask()) for c in group.completions],
-                                           self.temperature, model_device(self.model))
-                replay = Replay.of([(group, list(range(len(completions))))]) if self.routing_margin else None
-                if len(versions) == 1:
-                    use_version(0)
-                    states, ids, _ = packed_states(self.model, [group.prompt_token_ids], completions,
-                                                   [0] * len(completions), self.pad_id, replay=replay)
-                    recomputed = states_logprobs(self.model, states, ids, self.temperature, observe=margins)
-                else:
-                    starts = [0, *(change.at for change in group.version_changes)]
-                    recomputed = spanning_logprobs(self.model, group.prompt_token_ids, completions, starts,
-                                                   use_version, self.temperature, self.pad_id, margins, replay)
+                for version, alike in sorted(by_version.items()):
+                    use(version)
+                    per_forward = max(1, rows_per_forward // len(alike[0].completions))
+                    for start in range(0, len(alike), per_forward):
+                        out |= self._one_version(alike[start : start + per_forward], version)
+                for group in groups:
+                    if group.version_changes and group.group_id not in out:
+                        out[group.group_id] = self._spanning(group, use)
         finally:
             if swapped:
                 _copy_into(self.model, self.live)
-        checked = Checked(logprob_gap(group.completions, recomputed.float().cpu()),
-                          None if margins is None else margins.of(slice(None)),
-                          None if replay is None else float(replay.gaps.max()))
-        if self.forged(group, checked):
-            self.counts["forged"] += 1
-            self.suspects.add(group.sampler_id)
-        else:
-            self.counts["passed"] += 1
-        return checked
+        for group in groups:
+            checked = out[group.group_id]
+            if checked is None:
+                continue
+            if self.forged(group, checked):
+                self.counts["forged"] += 1
+                self.suspects.add(group.sampler_id)
+            else:
+                self.counts["passed"] += 1
+        return out
+
+    def _one_version(self, groups: list[RolloutGroup], version: int) -> dict[str, Checked]:
+        """One packed forward of groups that `version` (in the model now) sampled whole."""
+        pass_groups = [(group, list(range(len(group.completions)))) for group in groups]
+        device = model_device(self.model)
+        margins = None  # the token check, from the logits the log-probs are made of
+        if any(self.noise_key(group) is not None for group in groups):
+            margins = TokenMargins(held_noise(pass_groups, version, self.noise_key),
+                                   [torch.from_numpy(c.model_mask()) for group in groups for c in group.completions],
+                                   self.temperature, device)
+        replay = Replay.of(pass_groups) if self.routing_margin else None
+        owners = [k for k, group in enumerate(groups) for _ in group.completions]
+        states, ids, _ = packed_states(self.model, [group.prompt_token_ids for group in groups],
+                                       [c.token_ids for group in groups for c in group.completions], owners,
+                                       self.pad_id, replay=replay)
+        recomputed = states_logprobs(self.model, states, ids, self.temperature, observe=margins)
+        return held_checks(pass_groups, recomputed, margins, version, replay)
+
+    def _spanning(self, group: RolloutGroup, use) -> Checked:
+        """A partial rollout's check: each token under the version that sampled it (`use(version)`
+        puts a version's weights in the model)."""
+        versions = [group.version, *(change.version for change in group.version_changes)]
+        completions = [c.token_ids for c in group.completions]
+        margins = None
+        key = self.noise_key(group)
+        if key is not None:
+            margins = TokenMargins([(key, j) for j in range(len(completions))],
+                                   [torch.from_numpy(c.model_mask()) for c in group.completions],
+                                   self.temperature, model_device(self.model))
+        replay = Replay.of([(group, list(range(len(completions))))]) if self.routing_margin else None
+        starts = [0, *(change.at for change in group.version_changes)]
+        recomputed = spanning_logprobs(self.model, group.prompt_token_ids, completions, starts,
+                                       lambda k: use(versions[k]), self.temperature, self.pad_id, margins, replay)
+        return Checked(logprob_gap(group.completions, recomputed.float().cpu()),
+                       None if margins is None else margins.of(slice(None)),
+                       None if replay is None else float(replay.gaps.max()))
 
     def noise_key(self, group: RolloutGroup) -> int | None:
         """The key of the noise that drew `group`'s tokens, where they are checked: the run draws

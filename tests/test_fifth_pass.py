@@ -44,7 +44,7 @@ from workers.operator.quarantine import quarantine_command
 from workers.operator.status import snapshot
 from workers.trainer.granter import AsyncGranter
 from workers.trainer.intake import Collector
-from workers.trainer.judge import Case, Judge, Timeline
+from workers.trainer.judge import Judge, Timeline
 from workers.trainer.model import Ranks, TrainerModel
 from workers.trainer.strikes import Quarantined
 
@@ -234,9 +234,9 @@ def test_a_restarted_trainer_proves_its_predecessors_versions_from_the_runs_weig
     restarted.resume()
     restarted.remember(1)  # the version it publishes first (publish_version)
     assert sorted(restarted.proof.versions) == [0, 1]
-    checked = restarted.check(honest)
+    checked = restarted.check_many([honest])[honest.group_id]
     assert checked is not None and checked.gap < 1e-4 and checked.margin < 1e-4
-    assert restarted.proof.forged(forged, restarted.check(forged)) == "token_forgery"
+    assert restarted.proof.forged(forged, restarted.proof.check(forged)) == "token_forgery"
 
     for f in (cfg.run_dir / "weights").glob("v000000-*"):
         f.unlink()
@@ -244,8 +244,9 @@ def test_a_restarted_trainer_proves_its_predecessors_versions_from_the_runs_weig
     without.resume()
     without.remember(1)
     referee = Referee(TASK, TOKENIZER, len(TOKENIZER), cfg.sampling)
-    judge = Judge(referee, Timeline(max_staleness=1), proof=without.proof, check=without.check)
-    verdict = asyncio.run(judge.proven(Case(honest, "s1", 1, honest.prompt_index)))
+    judge = Judge(referee, Timeline(max_staleness=1), proof=without.proof, check_many=without.check_many)
+    assert judge.wants_proof(honest, 1)
+    verdict = asyncio.run(judge.prove([honest], 1))[honest.group_id]
     assert verdict.reason == "unverifiable" and not verdict.strike
 
 
@@ -324,3 +325,27 @@ async def test_one_samplers_groups_with_no_signal_use_only_its_share_of_the_set_
         collected = await collector.collect(2, version=1)
     assert [a.group.group_id for a in collected.used] == ["s1-none-again", "s2-some"]
     assert collected.filtered_by == {"s1": 1, "s2": 1}
+
+
+def test_groups_proven_together_get_the_check_each_gets_alone(tmp_path):
+    """The intake proves a step's groups together (check_many): a version swapped in once and
+    forwards of several groups. Each group's gap and margin are what its own check finds, a
+    forgery among honest groups is caught alone, and the trainer's weights are its own after."""
+    cfg = _config(tmp_path)
+    proof, shards = _trainer_at_version_1(cfg)
+    live = {k: v.clone() for k, v in proof.live.items()}
+    sampler = HFEngine("tiny", LORA, cfg.sampling, "cpu", "float32")
+    load_weights(sampler.model, shards[0])
+    older = keyed_groups(sampler, [1, 2, 3], SEED, 0, 8, first_slot=1)
+    forged = _chosen(sampler, older[1], shards).replaced(group_id="forged", sampler_id="s9")
+    load_weights(sampler.model, shards[1])
+    current = [g.replaced(version=1) for g in keyed_groups(sampler, [4, 5], SEED, 0, 8, first_slot=4)]
+    groups = [older[0], current[0], forged, older[1], current[1], older[2]]
+    together = proof.check_many(groups, rows_per_forward=16)  # two groups a forward
+    for group in groups:
+        alone = proof.check(group)
+        assert together[group.group_id].gap == pytest.approx(alone.gap, abs=1e-5)
+        assert together[group.group_id].margin == pytest.approx(alone.margin, abs=1e-5)
+        assert bool(proof.forged(group, together[group.group_id])) == (group is forged)
+    assert proof.suspects == {"s9"}
+    assert all(torch.equal(p, live[k]) for k, p in proof.model.named_parameters() if p.requires_grad)

@@ -261,7 +261,7 @@ async def test_a_forgery_found_in_the_step_is_refused_and_struck_and_the_step_tr
     load_weights(sampler.model, [bytearray(s) for s in weights_shards(model.module, 2**30)])
     quarantine, ledger = Quarantined(run, after=3), GrantLedger(seed=cfg.run.seed)
     judge = Judge(Referee(TASK, TOKENIZER, len(TOKENIZER), KEYED), Timeline(max_staleness=1, epoch=EPOCH),
-                  proof=model.proof, check=model.check)
+                  proof=model.proof, check_many=model.check_many)
     collector = Collector(await RolloutInbox.open(run), judge, ledger, quarantine=quarantine)
     granter = AsyncGranter(run, EPOCH, cfg, model.state, ledger, quarantine)
     await granter.start()

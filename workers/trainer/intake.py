@@ -20,6 +20,7 @@ from echo.diagnosis import no_signal
 from echo.grants import GrantLedger
 from echo.learner import Batch
 from echo.wire.codec import ProtocolError, decode_rollout
+from echo.wire.messages import RolloutGroup
 from streams.inbox import Delivery, RolloutInbox
 from workers.trainer.judge import Accepted, Case, Judge, Verdict
 from workers.trainer.strikes import Quarantined
@@ -50,6 +51,16 @@ class Collected:
         return Batch([a.group for a in self.used], [a.rewards for a in self.used], oldest_version, step)
 
 
+@dataclass
+class Judged:
+    """A delivery's group and the judge's verdict on it (until proven, if the proof wants it)."""
+
+    delivery: Delivery
+    group: RolloutGroup
+    granted: int | None  # the prompt its slot was granted with; None: not on a slot of its sender's
+    verdict: Accepted | Verdict
+
+
 class Collector:
     """Pulls rollout messages until it has enough usable groups. Every message consumed (used,
     dropped or rejected) stays held in the inbox until the step is checkpointed: a crash
@@ -63,10 +74,12 @@ class Collector:
         self.consumed = consumed or ConsumedSeqs()  # stream sequences counted by checkpointed steps
 
     async def collect(self, need: int, version: int, on_wait=None, into: Collected | None = None) -> Collected:
-        """Until `need` groups are usable (`into` holds those collected so far)."""
-        out = into or Collected()
+        """Until `need` groups are usable (`into` holds those collected so far). The groups the
+        proof of sampling wants are proven together (Judge.prove: a version swapped in once),
+        once there are enough to fill the step or the stream has no more for now."""
+        out, proving = into or Collected(), []
         while len(out.used) < need:
-            deliveries = await self.inbox.fetch(need - len(out.used), timeout=1.0)
+            deliveries = await self.inbox.fetch(need - len(out.used) - len(proving), timeout=1.0)
             if not deliveries and on_wait is not None:
                 await on_wait(need - len(out.used))
             for delivery in deliveries:
@@ -77,20 +90,29 @@ class Collector:
                     self.inbox.let_go(delivery)
                     continue
                 out.seqs.append(delivery.seq)
-                accepted = await self._take(delivery, version, out)
-                if accepted is not None:
-                    out.used.append(accepted)
-                else:
+                judged = await self._judge(delivery, version, out, [*out.used, *(j.verdict for j in proving)])
+                if judged is None:
                     self.inbox.let_go(delivery)
+                elif isinstance(judged.verdict, Accepted) and self.judge.wants_proof(judged.group, version):
+                    proving.append(judged)
+                else:
+                    await self._settle(judged, out)
+            if proving and (len(out.used) + len(proving) >= need or not deliveries):
+                verdicts = await self.judge.prove([j.group for j in proving], version)
+                for judged in proving:
+                    judged.verdict = verdicts.get(judged.group.group_id, judged.verdict)
+                    await self._settle(judged, out)
+                proving = []
             for sampler_id in self.ledger.take_withholders():  # found here or by the granter's releases
                 record = self.ledger.deliveries[sampler_id]
                 log.warning("grants.undelivered", sampler=sampler_id, undelivered=record.undelivered, ended=record.ended)
                 await self._strike(sampler_id, "slots_undelivered")
         return out
 
-    async def _take(self, delivery: Delivery, version: int, out: Collected) -> Accepted | None:
-        """The group to train on, or None (tallied in `out` by what happened to it). A group on
-        one of its sender's slots ends it: wasted when not trained, and its prompt owed."""
+    async def _judge(self, delivery: Delivery, version: int, out: Collected, taken: list[Accepted]) -> Judged | None:
+        """The judge's verdict on a delivery but for the proof of sampling (`taken`: the groups
+        accepted this step so far), or None for a message not judged (tallied by `_refused`, or
+        its sender quarantined). A group on one of its sender's slots ends it."""
         if self.quarantine is not None and delivery.sender in self.quarantine:
             out.rejected["quarantined"] += 1  # not logged one by one: a quarantined flood would fill the log
             return None
@@ -103,31 +125,40 @@ class Collector:
         granted = self.ledger.delivered(delivery.sender, group.slot, delivery.arrived)
         prompt = granted if granted is not None else self.ledger.earlier_prompt(group.slot, group.prompt_index)
         asked_with = self.ledger.asked_with(group.slot) if granted is not None else None
-        judged = await self.judge.judge(Case(group, delivery.sender, version, prompt, out.used, asked_with))
+        verdict = await self.judge.judge(Case(group, delivery.sender, version, prompt, taken, asked_with))
+        return Judged(delivery, group, granted, verdict)
+
+    async def _settle(self, judged: Judged, out: Collected) -> None:
+        """Tally a group's final verdict in `out`: trained (held in the inbox until the step's
+        checkpoint), set aside, dropped as stale or refused (let go). A group not trained
+        wastes its slot, and its prompt is owed."""
+        group, verdict, granted = judged.group, judged.verdict, judged.granted
         if granted is not None:
-            (self.ledger.accepted if isinstance(judged, Accepted) else self.ledger.wasted)(group.slot)
-        if isinstance(judged, Verdict):
-            if judged.stale_by is not None:
-                out.dropped[judged.stale_by] += 1
+            (self.ledger.accepted if isinstance(verdict, Accepted) else self.ledger.wasted)(group.slot)
+        if isinstance(verdict, Verdict):
+            if verdict.stale_by is not None:
+                out.dropped[verdict.stale_by] += 1
                 out.dropped_ids.append(group.group_id)
                 out.dropped_tokens += sum(len(c.token_ids) for c in group.completions)
                 out.generated_seconds += group.gen_seconds
             else:
-                await self._refused(out, delivery.sender, judged)
-            return None
+                await self._refused(out, judged.delivery.sender, verdict)
+            self.inbox.let_go(judged.delivery)
+            return
         out.generated_seconds += group.gen_seconds
-        out.verifier_errors += judged.verifier_errors
-        if judged.reward_mismatch:
+        out.verifier_errors += verdict.verifier_errors
+        if verdict.reward_mismatch:
             out.reward_mismatch[group.sampler_id] += 1
-            await self._strike(delivery.sender, "reward_mismatch")
-        if no_signal(judged.rewards) and self._may_set_aside(delivery.sender, out):
+            await self._strike(judged.delivery.sender, "reward_mismatch")
+        if no_signal(verdict.rewards) and self._may_set_aside(judged.delivery.sender, out):
             out.filtered += 1  # acked with the step: consumed, not trained
-            out.filtered_by[delivery.sender] += 1
+            out.filtered_by[judged.delivery.sender] += 1
             out.filtered_tokens += sum(len(c.token_ids) for c in group.completions)
             if granted is not None:
                 self.ledger.set_aside(group.slot)
-            return None
-        return judged
+            self.inbox.let_go(judged.delivery)
+            return
+        out.used.append(verdict)
 
     def _may_set_aside(self, sender: str, out: Collected) -> bool:
         """Dynamic sampling's budget has room, and `sender` has used no more than its share of it

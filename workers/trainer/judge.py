@@ -2,10 +2,11 @@
 
 One ordered list of checks (`Judge.checks`), each looking at the group as a `Case` and answering
 with a `Verdict` (why it is not trained, whether that is a strike, whether it is merely stale),
-or None to let it through to the next. The cheap checks come first; the verifiers (in their
-budgeted child process) and the proof of sampling last, on groups that would otherwise be
-trained. A group through them all is `Accepted`, with the trainer's own rewards. A new check
-is one method and one entry in the list.
+or None to let it through to the next. The cheap checks come first, the verifiers (in their
+budgeted child process) last. A group through them all is `Accepted`, with the trainer's own
+rewards. A new check is one method and one entry in the list. The proof of sampling comes after,
+on the accepted groups of a step together (`prove`: a version's groups in one forward), or from
+the step's own forward for the version it trains from.
 
 The judge decides and counts nothing: the intake (workers/trainer/intake.py) tallies its
 verdicts, ends the grants and strikes the samplers.
@@ -89,14 +90,16 @@ class Trained:
 
 class Judge:
     def __init__(self, referee: Referee, timeline: Timeline, trained: Trained | None = None,
-                 proof: SamplingProof | None = None, check=None, scoring: ScoringProcess | None = None):
+                 proof: SamplingProof | None = None, check_many=None, scoring: ScoringProcess | None = None):
         self.referee, self.timeline = referee, timeline
         self.trained = trained or Trained()
         self.proof = proof
-        self.check = check or (proof.check if proof else None)  # the proof's forward (on every rank)
+        self.check_many = check_many or (proof.check_many if proof else None)  # the proof's forwards (every rank)
         self.limits = referee.limits  # what a message may hold, checked before it is read
         self.scoring = scoring  # the verifiers with a budget, in a child process; None: here (tests)
-        self.checks = [self.well_formed, self.new, self.fresh, self.on_its_slot, self.scored, self.proven]
+        # The proof of sampling is not one of them: the intake proves the groups through them all
+        # together (prove), or the step from its own forward.
+        self.checks = [self.well_formed, self.new, self.fresh, self.on_its_slot, self.scored]
 
     async def judge(self, case: Case) -> Accepted | Verdict:
         for check in self.checks:
@@ -166,19 +169,28 @@ class Judge:
             return Verdict(ruling.reason, case.about, strike=ruling.lie)
         return None
 
-    async def proven(self, case: Case) -> Verdict | None:
-        """The proof of sampling, on the groups chosen for it: the claimed log-probs are the policy's,
-        with keyed noise each token is the one the noise picks, and with routing replay each
-        recorded expert one the router would choose. Groups of the version the
-        trainer holds are proved by the step that trains them (SamplingProof.in_step)."""
-        if not (self.proof and self.proof.wants(case.group, case.version)):
-            return None
-        checked = await asyncio.to_thread(self.check, case.group)
-        if checked is None:  # a version that sampled it is no longer kept: nothing could prove it
-            return Verdict("unverifiable", case.about)
-        reason = self.proof.forged(case.group, checked)
-        if reason:
-            margin = "" if checked.margin is None else f", token margin {checked.margin:.3g}"
-            routing = "" if checked.routing is None else f", routing gap {checked.routing:.3g}"
-            return Verdict(reason, f"{case.about}: log-prob gap {checked.gap:.3g}{margin}{routing}", strike=True)
-        return None
+    def wants_proof(self, group: RolloutGroup, version: int) -> bool:
+        """Whether the proof of sampling checks `group` before it is trained, the trainer holding
+        `version` (SamplingProof.wants: every group at the default verify_fraction 1, but those
+        the step proves from its own forward)."""
+        return self.proof is not None and self.proof.wants(group, version)
+
+    async def prove(self, groups: list[RolloutGroup], version: int) -> dict[str, Verdict]:
+        """The proof of sampling, on accepted groups it wants (wants_proof), together: the claimed
+        log-probs are the policy's, with keyed noise each token is the one the noise picks, and
+        with routing replay each recorded expert one the router would choose. The groups refused
+        (group id -> why): forged, a strike; unverifiable (a version that sampled it is no longer
+        kept), none. Groups of the version the trainer holds are proved by the step that trains
+        them (SamplingProof.in_step)."""
+        checks = await asyncio.to_thread(self.check_many, groups)
+        verdicts = {}
+        for group in groups:
+            checked, about = checks[group.group_id], f"group {group.group_id} from {group.sampler_id}"
+            if checked is None:  # nothing could prove it
+                verdicts[group.group_id] = Verdict("unverifiable", about)
+            elif reason := self.proof.forged(group, checked):
+                margin = "" if checked.margin is None else f", token margin {checked.margin:.3g}"
+                routing = "" if checked.routing is None else f", routing gap {checked.routing:.3g}"
+                verdicts[group.group_id] = Verdict(reason, f"{about}: log-prob gap {checked.gap:.3g}{margin}{routing}",
+                                                   strike=True)
+        return verdicts

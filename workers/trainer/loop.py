@@ -151,7 +151,7 @@ class Trainer:
         judge = Judge(referee, Timeline(cfg.staleness_bound, lease.epoch, state.version, cfg.begun_within),
                       Trained(load_trained_content(run_dir, state.trained_content),
                               load_trained_completions(run_dir, state.trained_completions)),
-                      model.proof, model.check, scoring)
+                      model.proof, model.check_many, scoring)
         background.start(inbox.keep_alive(cfg.trainer.ack_wait_s / 3))
         granter = granter_for(run, lease.epoch, cfg, state, ledger, quarantine)
         background.start(granter.watch_heartbeats())

@@ -212,9 +212,10 @@ class TrainerModel:
                                          worst_checks(self.ranks.gather(checked)))
 
     @everywhere
-    def check(self, group: RolloutGroup) -> Checked | None:
-        """Proof of sampling: the group's log-prob gap and token margin (SamplingProof.check)."""
-        return self.proof.check(group)
+    def check_many(self, groups: list[RolloutGroup]) -> dict[str, Checked | None]:
+        """Proof of sampling: each group's log-prob gap and token margin, a version's groups
+        together (SamplingProof.check_many)."""
+        return self.proof.check_many(groups)
 
     @everywhere
     def remember(self, version: int) -> None:
