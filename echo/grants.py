@@ -112,8 +112,9 @@ class GrantLedger:
     nothing here.
 
     Each slot is granted with its prompt (the trainer's draw, `slot_prompt`), and a lost slot's
-    prompt is owed: the next slot granted takes it. So a sampler cannot choose what the policy
-    learns from, neither by naming prompts nor by letting the ones it dislikes go.
+    prompt is owed: the next slot granted takes it, with the keyed noise of the slot it was first
+    granted on (`noise_slot`). So a sampler cannot choose what the policy learns from, neither by
+    naming prompts nor by letting the ones it dislikes go: the prompt comes back drawn alike.
 
     Each grant is a call the trainer measures itself, from the grant to its last group's
     arrival in the stream, counting only the groups it accepted (`measured`): the scheduler
@@ -127,7 +128,10 @@ class GrantLedger:
         self.issued = issued  # slots numbered so far in the run, in every epoch of the trainer
         self.seed = seed  # the run's: slot_prompt's
         self.prompts: dict[int, int] = {}  # slot number -> the prompt index it was granted with, until it settles
-        self.owed: deque[int] = deque()  # prompts of lost slots, granted again first
+        # (prompt, noise slot) of lost slots, granted again first with the noise they were first
+        # granted with: a redraw is the same draw, so a sampler cannot choose among a prompt's draws.
+        self.owed: deque[tuple[int, int]] = deque()
+        self.noise: dict[int, int] = {}  # slot number -> the slot whose keyed noise it draws with, where not its own
         self.earlier: range = range(0)  # a predecessor's last slots, whose groups may still come (resume)
         self._earlier_taken: set[int] = set()
         self.active_s, self.rate_window_s = active_s, rate_window_s
@@ -209,7 +213,11 @@ class GrantLedger:
         groups = max(0, min(want, headroom_share, share - held))
         slots = list(range(self.issued + 1, self.issued + 1 + groups))
         self.issued += groups
-        self.prompts.update((slot, self.owed.popleft() if self.owed else slot_prompt(self.seed, slot)) for slot in slots)
+        for slot in slots:
+            if self.owed:
+                self.prompts[slot], self.noise[slot] = self.owed.popleft()
+            else:
+                self.prompts[slot] = slot_prompt(self.seed, slot)
         self.outstanding.update((slot, sampler_id) for slot in slots)
         call = _Call(sampler_id, now, len(slots), version=version)
         self._calls.update((slot, call) for slot in slots)
@@ -269,9 +277,15 @@ class GrantLedger:
         (handed out as a lost slot's), and its prompt is not owed (it taught nothing)."""
         self._lost.append(slot)
 
-    def owe(self, prompt: int) -> None:
-        """A trained group found forged after its slot settled (in its step): its prompt is owed."""
-        self.owed.append(prompt)
+    def owe(self, prompt: int, noise_slot: int) -> None:
+        """A trained group found forged after its slot settled (in its step): its prompt is owed,
+        with the noise it was granted with."""
+        self.owed.append((prompt, noise_slot))
+
+    def noise_slot(self, slot: int) -> int:
+        """The slot whose keyed noise the group on `slot` (out, or delivered and not yet settled)
+        draws with: its own, or that of the slot its prompt was first granted on."""
+        return self.noise.get(slot, slot)
 
     def release(self, sampler_id: str) -> list[int]:
         """End every slot `sampler_id` holds (it stopped, restarted, died or stalled): they are lost,
@@ -326,9 +340,9 @@ class GrantLedger:
         return withholders
 
     def _settle(self, slot: int, accepted: bool) -> None:
-        prompt = self.prompts.pop(slot)
+        prompt, noise_slot = self.prompts.pop(slot), self.noise.pop(slot, slot)
         if not accepted:
-            self.owed.append(prompt)
+            self.owed.append((prompt, noise_slot))
         call = self._calls.pop(slot)
         call.open -= 1
         call.accepted += accepted

@@ -118,6 +118,7 @@ def granted(ledger: GrantLedger, group: RolloutGroup) -> RolloutGroup:
     test's choice of prompt, as if the trainer had drawn it): what an honest sampler sends."""
     (slot,), _ = ledger.grant(group.sampler_id, 1, 1, 1 << 20, time.monotonic())
     ledger.prompts[slot] = group.prompt_index
+    ledger.noise.pop(slot, None)  # a fresh draw: its own slot's noise
     return group.model_copy(update={"slot": slot})
 
 

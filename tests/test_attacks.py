@@ -453,14 +453,15 @@ async def test_a_sampler_keeping_back_its_low_reward_groups_is_struck_and_quaran
                     if not (grant and grant.slots):
                         await asyncio.sleep(0.02)
                         continue
-                    for slot, prompt in zip(grant.slots, grant.prompts):
+                    for slot, prompt, noise in zip(grant.slots, grant.prompts, grant.keyed_slots()):
                         granted_prompts.append((slot, prompt))
                         answer = f"\\boxed{{{TASK.prompt(prompt).answer}}}"
-                        draws = random.Random(slot)  # its sampling: each completion right half the time
-                        texts = [f"draw {slot}.{j}: " + (answer if draws.random() < 0.5 else "\\boxed{-1}")
+                        draws = random.Random(noise)  # its keyed sampling: each completion right half the time
+                        texts = [f"draw {noise}.{j}: " + (answer if draws.random() < 0.5 else "\\boxed{-1}")
                                  for j in range(2)]
                         group = honest_group(prompt, texts=texts, sampler_id=sampler_id, slot=slot, version=version,
-                                             epoch=lease.epoch, group_id=uuid.uuid4().hex)
+                                             epoch=lease.epoch, group_id=uuid.uuid4().hex,
+                                             noise_slot=None if noise == slot else noise)
                         if keeps_back and sum(c.reward for c in group.completions) < 1:
                             withheld.append((slot, prompt))
                         else:
@@ -486,7 +487,7 @@ async def test_a_sampler_keeping_back_its_low_reward_groups_is_struck_and_quaran
         # The trainer still chooses the prompts: each one let go was granted again (or is owed).
         for slot, prompt in withheld:
             if slot not in ledger.outstanding:  # ended, not still held at the end
-                assert prompt in ledger.owed or any(p == prompt and s > slot for s, p in granted_prompts), (slot, prompt)
+                assert prompt in {p for p, _ in ledger.owed} or any(p == prompt and s > slot for s, p in granted_prompts), (slot, prompt)
     finally:
         await attacker.close()
         await trainer.close()

@@ -20,7 +20,7 @@ from echo.proof import ProofSettings, SamplingProof
 from echo.referee import Referee
 from echo.wire.codec import ProtocolError, decode_rollout, encode_rollout, rollout_headers
 from echo.wire.messages import GrantRequest, SamplerStatus
-from echo.wire.names import RunNames
+from echo.wire.names import RunNames, Version
 from streams.client import open_run
 from streams.inbox import RolloutInbox
 from streams.lease import take_lease
@@ -42,6 +42,7 @@ from workers.background import Background
 from workers.cli import build_parser
 from workers.operator.quarantine import quarantine_command
 from workers.operator.status import snapshot
+from workers.sampler.generation import generate_groups
 from workers.trainer.granter import AsyncGranter
 from workers.trainer.intake import Collector
 from workers.trainer.judge import Judge, Timeline
@@ -53,11 +54,11 @@ SEED = 7
 CHUNK = 8
 
 
-def _config(tmp_path, **sampling):
+def _config(tmp_path, trainer: dict | None = None, **sampling):
     """A keyed async run as the issue's swarm: staleness bound 1, the proof at its defaults."""
     return tiny_config(tmp_path, run={"id": "sec", "seed": SEED}, lora={"r": LORA.r, "alpha": LORA.alpha},
                        sampling={"group_size": 8, "max_new_tokens": 24, "temperature": 1.0, **sampling},
-                       trainer={"max_staleness": 1, "quarantine_after": 3})
+                       trainer={"max_staleness": 1, "quarantine_after": 3, **(trainer or {})})
 
 
 def _trainer_at_version_1(cfg):
@@ -349,3 +350,58 @@ def test_groups_proven_together_get_the_check_each_gets_alone(tmp_path):
         assert bool(proof.forged(group, together[group.group_id])) == (group is forged)
     assert proof.suspects == {"s9"}
     assert all(torch.equal(p, live[k]) for k, p in proof.model.named_parameters() if p.requires_grad)
+
+
+async def test_a_prompt_granted_again_is_drawn_with_the_noise_of_the_slot_it_was_first_granted_on(runs, tmp_path):
+    """A sampler that lets a slot go (selective delivery, under the 1-in-8 bound) had its prompt
+    granted again on a new slot, drawn with that slot's noise: a new draw, so it chose which of a
+    prompt's completions were trained. The grant now names the noise of the slot the prompt was
+    first granted on: the redraw is the same draw (here at the same version: the same tokens), and
+    a group drawn with any other noise is refused and struck."""
+    cfg = _config(tmp_path, trainer={"groups_per_step": 4, "max_staleness": 0})
+    run = await runs.open("again", "trainer")
+    lease = await take_lease(run)
+    ledger = GrantLedger(seed=SEED)
+    granter = AsyncGranter(run, lease.epoch, cfg, TrainerState(), ledger)
+    await granter.ask(0)
+    asked = GrantRequest(want=2, epoch=lease.epoch, version=0)
+    first = await granter.grant("s1", asked)
+    assert first.slots == [1, 2] and first.noise_slots == []  # fresh draws: each its own noise
+    ledger.release("s1")  # s1 let them go
+    granter.reissue_lost(ledger.take_lost(), accepted=0)
+    again = await granter.grant("s2", asked)
+    assert again.prompts == first.prompts and again.keyed_slots() == [1, 2] and again.slots == [3, 4]
+
+    sampler = HFEngine("tiny", LORA, cfg.sampling, "cpu", "float32")
+    perturb(sampler.model, seed=0)
+    prompt_ids = [sampler.encode_chat(TASK.prompt(i).messages) for i in first.prompts]
+    withheld = sampler.generate(prompt_ids, 8, draws=[Draw(group_key(SEED, lease.epoch, s)) for s in first.slots])
+    redrawn = sampler.generate(prompt_ids, 8, draws=[Draw(group_key(SEED, lease.epoch, s))
+                                                     for s in again.keyed_slots()])
+    assert [[g.token_ids for g in gens] for gens in redrawn] == [[g.token_ids for g in gens] for gens in withheld]
+    keys = [group_key(SEED, lease.epoch, s) for s in again.keyed_slots()]  # as the sampler's generation call draws
+    sent = generate_groups(sampler, TASK, [TASK.prompt(i) for i in again.prompts], cfg.sampling, "s2",
+                           Version(lease.epoch, 0), again.slots, keys=keys, noise_slots=again.keyed_slots())
+    assert [(g.slot, g.noise_slot, g.keyed_slot) for g in sent] == [(3, 1, 1), (4, 2, 2)]
+    assert [[c.token_ids.tolist() for c in g.completions] for g in sent] == [[list(g.token_ids) for g in gens]
+                                                                            for gens in redrawn]
+
+    quarantine = Quarantined(run, after=10)
+    collector = Collector(await RolloutInbox.open(run), Judge(Referee(TASK, TOKENIZER, len(TOKENIZER), cfg.sampling),
+                                                              Timeline(max_staleness=0, epoch=lease.epoch)),
+                          ledger, quarantine=quarantine)
+    own = sampler.generate(prompt_ids[:1], 8, draws=[Draw(group_key(SEED, lease.epoch, 3))])  # slot 3's noise
+    for slot, prompt, noise, gens in zip(again.slots, again.prompts, [None, 2], [own[0], redrawn[1]]):
+        await publish_rollout(run, honest_group(prompt, version=0, epoch=lease.epoch, slot=slot, sampler_id="s2",
+                                                group_id=f"slot{slot}", temperature=cfg.sampling.temperature,
+                                                noise_slot=noise, prompt_token_ids=sampler.encode_chat(
+                                                    TASK.prompt(prompt).messages), completions=[
+                                                    honest_group().completions[0].replaced(
+                                                        token_ids=g.token_ids, logprobs=g.logprobs, text=g.text,
+                                                        finish_reason=g.finish_reason,
+                                                        reward=TASK.score(g.text, TASK.prompt(prompt)).reward)
+                                                    for g in gens]))
+    async with asyncio.timeout(60):
+        collected = await collector.collect(1, version=0)
+    assert [a.group.group_id for a in collected.used] == ["slot4"]
+    assert collected.rejected == {"wrong_noise_slot": 1} and quarantine.strikes == {"s2": 1}

@@ -73,13 +73,14 @@ async def test_the_trainer_names_every_prompt_and_what_is_trained_is_its_draw(ru
         for slot in slots:
             prompt = ledger.prompts[slot]
             drawn[prompt] += prompt == slot_prompt(3, slot)  # a fresh draw (else a lost slot's, owed)
+            noise = ledger.noise_slot(slot)  # an owed prompt's: the slot it was first granted on
             group = honest_group(prompt, group_id=f"{sampler_id}-{slot}", sampler_id=sampler_id, slot=slot,
-                                 version=5)
+                                 version=5, noise_slot=None if noise == slot else noise)
             if attacking and prompt % 3:  # a prompt it dislikes: three ways of not doing it
                 choice = slot % 3
                 if choice == 0:
                     group = honest_group(7, group_id=f"{sampler_id}-{slot}", sampler_id=sampler_id, slot=slot,
-                                         version=5)
+                                         version=5, noise_slot=group.noise_slot)
                     expected_rejections["wrong_prompt"] += 1
                 elif choice == 1:
                     group = group.replaced(dtype="bfloat16", completions=[

@@ -157,7 +157,7 @@ def test_slots_passed_over_or_held_at_a_release_are_undelivered_and_past_the_bou
     ledger.grant("w", want=4, headroom=64, window=64, now=0)  # 5-8
     prompts = dict(ledger.prompts)
     assert ledger.delivered("w", 6, arrived=1) is not None  # 5 passed over
-    assert 5 not in ledger.outstanding and ledger.take_lost() == [5] and list(ledger.owed) == [prompts[5]]
+    assert 5 not in ledger.outstanding and ledger.take_lost() == [5] and list(ledger.owed) == [(prompts[5], 5)]
     assert ledger.delivered("w", 5, arrived=2) is None  # should it come after all, it holds no slot
     assert ledger.delivered("w", 8, arrived=2) is not None  # 7 too
     assert (ledger.deliveries["w"].ended, ledger.deliveries["w"].undelivered) == (4, 2)
@@ -317,7 +317,7 @@ async def test_a_restarted_process_asking_for_work_hands_its_predecessors_slots_
     assert (await granter.grant("x", after)).groups == 4 and (await granter.grant("y", asked)).groups == 2
 
 
-ASK_AGAIN = {"schema_version": SCHEMA_VERSION, "slots": [], "prompts": [], "more": True}  # nothing now, ask again soon
+ASK_AGAIN = {"schema_version": SCHEMA_VERSION, "slots": [], "prompts": [], "more": True, "noise_slots": []}  # nothing now, ask again soon
 
 
 async def _granter_at_version_0(runs, run_id: str, cfg):
@@ -392,7 +392,7 @@ async def test_sequential_groups_are_granted_once_and_only_for_the_current_reque
     grants = await asyncio.gather(*(_ask(sampler, f"s{i}", lease.epoch, 0, 4, request.request_id) for i in range(3)))
     assert sum(g.groups for g in grants) == 6  # in arrival order: the first alone may get its whole want
     assert (await _ask(sampler, "s0", lease.epoch, 0, 4, request.request_id)).model_dump() == {
-        "schema_version": SCHEMA_VERSION, "slots": [], "prompts": [], "more": False}
+        "schema_version": SCHEMA_VERSION, "slots": [], "prompts": [], "more": False, "noise_slots": []}
     assert sorted(slot for g in grants for slot in g.slots) == list(range(1, 7))
     granted_at = time.monotonic()
     while time.monotonic() - granted_at <= cfg.trainer.reissue_after_s:  # the holders stall past it

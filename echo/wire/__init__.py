@@ -51,4 +51,7 @@ not read; this is the one list of it):
     as 0, none and "" (unknown) before.
 23: a rollout group may carry its mixture of experts' routing (`routing`: its shape in the fields,
     the expert ids bit-packed and compressed after the log-probs); read as none before.
+24: a prompt granted again keeps the keyed noise of the slot it was first granted on: a grant names
+    each slot's (`noise_slots`), a group the one that drew it where not its own (`noise_slot`);
+    read as their own before.
 """

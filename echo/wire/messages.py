@@ -43,7 +43,7 @@ class Message(BaseModel):
     """A message of the wire, naming the schema it was written in."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    schema_version: Literal[23] = SCHEMA_VERSION
+    schema_version: Literal[24] = SCHEMA_VERSION
 
 
 # The validation context of a decoded message, whose arrays the codec (echo/wire/codec.py) checked
@@ -239,6 +239,14 @@ class RolloutGroup(_HoldsArrays, Message):
     # first change, and each change's version those from its `at` (in every completion that long).
     version_changes: list[VersionChange] = []
     routing: Routing | None = None  # a mixture of experts', where the run replays it (algorithm.router_replay)
+    # The slot whose keyed noise drew it, where not its own: a prompt granted again (its first
+    # slot lost) is drawn with its first slot's noise (Grant.noise_slots). None: its own.
+    noise_slot: int | None = Field(None, ge=1, le=COUNT_MAX)
+
+    @property
+    def keyed_slot(self) -> int:
+        """The slot whose keyed noise drew it (echo/noise.py's group_key)."""
+        return self.slot if self.noise_slot is None else self.noise_slot
 
     @model_validator(mode="after")
     def _has_a_prompt(self, info: ValidationInfo):
@@ -518,13 +526,22 @@ class Grant(Message):
     slots: list[int] = Field(default_factory=list, max_length=1024)
     prompts: list[Count] = Field(default_factory=list, max_length=1024)
     more: bool = False
+    # The slot whose keyed noise each slot's group draws with (a prompt granted again keeps its
+    # first slot's); empty: each its own.
+    noise_slots: list[int] = Field(default_factory=list, max_length=1024)
 
     @model_validator(mode="after")
     def _a_prompt_a_slot(self):
         if len(self.prompts) != len(self.slots):
             raise ValueError("prompts: one for each slot")
+        if self.noise_slots and len(self.noise_slots) != len(self.slots):
+            raise ValueError("noise_slots: one for each slot, or none")
         return self
 
     @property
     def groups(self) -> int:
         return len(self.slots)
+
+    def keyed_slots(self) -> list[int]:
+        """The slot whose keyed noise each slot's group draws with."""
+        return self.noise_slots or self.slots

@@ -152,7 +152,9 @@ class Granter:
                 log.warning("grants.grant_unrecorded", sampler=sampler_id, slots=len(slots), reason=repr(e))
                 self.ledger.revoke(slots)
                 return Grant(more=True)
-        return Grant(slots=slots, prompts=[self.ledger.prompts[slot] for slot in slots], more=more)
+        noise = [self.ledger.noise_slot(slot) for slot in slots]
+        return Grant(slots=slots, prompts=[self.ledger.prompts[slot] for slot in slots], more=more,
+                     noise_slots=noise if noise != slots else [])
 
 
 class SequentialGranter(Granter):

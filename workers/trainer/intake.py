@@ -125,7 +125,8 @@ class Collector:
         granted = self.ledger.delivered(delivery.sender, group.slot, delivery.arrived)
         prompt = granted if granted is not None else self.ledger.earlier_prompt(group.slot, group.prompt_index)
         asked_with = self.ledger.asked_with(group.slot) if granted is not None else None
-        verdict = await self.judge.judge(Case(group, delivery.sender, version, prompt, taken, asked_with))
+        noise_slot = self.ledger.noise_slot(group.slot) if granted is not None else group.slot  # a predecessor's: fresh
+        verdict = await self.judge.judge(Case(group, delivery.sender, version, prompt, taken, asked_with, noise_slot))
         return Judged(delivery, group, granted, verdict)
 
     async def _settle(self, judged: Judged, out: Collected) -> None:
@@ -172,7 +173,7 @@ class Collector:
         any forgery, their prompts owed, their messages still counted by the step (acked with it)."""
         for accepted in [a for a in out.used if a.group.group_id in forged]:
             out.used.remove(accepted)
-            self.ledger.owe(accepted.group.prompt_index)
+            self.ledger.owe(accepted.group.prompt_index, accepted.group.keyed_slot)
             out.generated_seconds -= accepted.group.gen_seconds
             out.verifier_errors -= accepted.verifier_errors
             await self._refused(out, accepted.group.sampler_id,

@@ -55,6 +55,7 @@ class Case:
     prompt: int | None  # the prompt its slot was granted with; None: no slot granted its sender
     step: list[Accepted] = field(default_factory=list)  # accepted so far this step
     asked_with: int | None = None  # the version its sender said it ran when granted its slot; None: not known
+    noise_slot: int | None = None  # the slot whose keyed noise its slot was granted with; None: its own
     content: str = ""
     ruling: Ruling | None = None
 
@@ -99,7 +100,9 @@ class Judge:
         self.scoring = scoring  # the verifiers with a budget, in a child process; None: here (tests)
         # The proof of sampling is not one of them: the intake proves the groups through them all
         # together (prove), or the step from its own forward.
-        self.checks = [self.well_formed, self.new, self.fresh, self.on_its_slot, self.scored]
+        # Stale before new: a late group of a lost slot whose prompt was drawn again with the
+        # same noise (echo/grants.py) repeats what was trained in its place, and is merely stale.
+        self.checks = [self.well_formed, self.fresh, self.new, self.on_its_slot, self.scored]
 
     async def judge(self, case: Case) -> Accepted | Verdict:
         for check in self.checks:
@@ -155,6 +158,9 @@ class Judge:
         if group.prompt_index != case.prompt:  # no honest sampler of this release does it
             return Verdict("wrong_prompt", f"prompt {group.prompt_index} on slot {group.slot}, granted {case.prompt}",
                            strike=True)
+        if group.keyed_slot != (case.noise_slot or group.slot):  # a redraw of its prompt is the same draw
+            return Verdict("wrong_noise_slot", f"noise of slot {group.keyed_slot} on slot {group.slot}, granted "
+                           f"{case.noise_slot or group.slot}", strike=True)
         if case.asked_with is not None and group.version < case.asked_with:  # weights only move forward
             return Verdict("version_not_granted", f"version {group.version} on slot {group.slot}, asked with "
                            f"{case.asked_with}", strike=True)
