@@ -352,6 +352,7 @@ def main() -> None:
                    "results": [every_group_cost(m, args.groups, staleness, args.repeats, args.device,
                                                 args.compute_dtype)
                                for m in args.models for staleness in (1, 2)]}
+        suffix += "" if args.compute_dtype == "float32" else f"-{args.compute_dtype}"
         print(write_results(f"proof-every-{'-'.join(args.models)}{suffix}.json", results).read_text())
         return
     if args.in_step:

@@ -19,7 +19,9 @@
 #   most 1%; 0.6% on a CPU, timed directly); then the proof on 96 groups (768 completions) of a
 #   bf16 sampler checked by a bf16 trainer forward, and of a bf16 hf-paged sampler (keyed through
 #   continuous batching): false positives, margins, near-ties, forgeries caught (the 256-group
-#   run of 2026-11-27 did not fit the lease; the fp32-trainer one is proof-smollm2-gpu.json).
+#   run of 2026-11-27 did not fit the lease; the fp32-trainer one is proof-smollm2-gpu.json); and
+#   what proving every group costs an honest async run (issue 80: --every, S = 1 and 2, the
+#   older versions' groups one at a time and together), into proof-every-smollm2-gpu-bfloat16.json.
 #   moe: bench/moe.py on the GPU (issue 68): the tiny MoE's bf16 sampler against its fp32 trainer,
 #   with and without routing replay, on CUDA's kernels: top-k disagreement, mismatch KL, ratios,
 #   the honest routing gap the forged-routing margin must allow (~1 min), into moe-gpu.json.
@@ -87,6 +89,7 @@ receive)
     python3 -m bench.proof --in-step --models smollm2 --groups 32 --repeats 5 --device cuda --compute-dtype bfloat16
     python3 -m bench.proof --models smollm2 --dtypes bfloat16 --groups 96 --device cuda --compute-dtype bfloat16
     python3 -m bench.proof --models smollm2 --dtypes bfloat16 --groups 96 --device cuda --engine hf-paged
+    python3 -m bench.proof --every --models smollm2 --groups 32 --repeats 3 --device cuda --compute-dtype bfloat16
     ;;
   moe)
     python3 -m bench.moe --device cuda --groups 256 --tokens 128
