@@ -320,6 +320,21 @@ def test_the_trainer_replays_the_recorded_routing_and_a_made_up_one_is_forged_ro
     assert "s1" in proof.suspects
 
 
+def test_forged_routing_among_honest_groups_proven_together_is_found_from_the_first_group():
+    """Issue 80: the intake proves every group of an older version, a step's together
+    (check_many: one forward of several groups, each replaying its own routing). A made-up
+    routing among honest groups is forged_routing; the honest ones pass."""
+    engine, sampling, proof = _sampler_and_trainer()
+    groups = generate_groups(engine, TASK, [TASK.prompt(1), TASK.prompt(2)], sampling, "s1", Version(0, 0), [1, 2],
+                             seed=5)
+    proof.remember(1)  # the trainer moved on: the groups are a version behind it
+    forged = _forge_routing(proof, groups[0]).replaced(sampler_id="s9")
+    checks = proof.check_many([groups[0], forged, groups[1]])
+    assert [proof.forged(g, checks[g.group_id]) for g in (groups[0], forged, groups[1])] == [None, "forged_routing",
+                                                                                            None]
+    assert proof.suspects == {"s9"}
+
+
 def test_a_partial_rollouts_routing_is_replayed_under_each_version_that_sampled_it():
     """Generated in chunks, each under the version then held: the proof's forward replays each
     version's tokens with the routing they were sampled with."""

@@ -47,6 +47,7 @@ def step_record(step: TrainerStep, version: int, proof_counts: dict, quarantined
         "tokens_per_second": stats["tokens"] / stats["train_seconds"],
         "step_seconds": wait + train,  # waiting for groups + training
         "wait_seconds": wait,  # for groups (and refereeing them)
+        "proof_seconds": collected.proof_seconds,  # of it, proving groups of older versions (in-step proofs: train)
         "wall_seconds": step.ended("train") - step.process_started,  # since this trainer process started
         "used": len(groups),
         "dropped_stale": len(collected.dropped_ids),

@@ -40,6 +40,7 @@ class Collected:
     filtered_by: Counter = field(default_factory=Counter)  # of them, by sender: each has its share of the budget
     filtered_tokens: int = 0
     generated_seconds: float = 0.0  # the samplers' time generating the used and the stale groups
+    proof_seconds: float = 0.0  # the proof of sampling's forwards here (Judge.prove), within the wait for groups
     rejected: Counter = field(default_factory=Counter)  # refused groups by reason
     reward_mismatch: Counter = field(default_factory=Counter)  # groups by sampler
     verifier_errors: int = 0
@@ -98,7 +99,9 @@ class Collector:
                 else:
                     await self._settle(judged, out)
             if proving and (len(out.used) + len(proving) >= need or not deliveries):
+                started = time.perf_counter()
                 verdicts = await self.judge.prove([j.group for j in proving], version)
+                out.proof_seconds += time.perf_counter() - started
                 for judged in proving:
                     judged.verdict = verdicts.get(judged.group.group_id, judged.verdict)
                     await self._settle(judged, out)
