@@ -130,7 +130,7 @@ class SyntheticLearner:
         self.state, self.ranks, self.stop = TrainerState(), SimpleNamespace(world=1), threading.Event()
         self.base_model, self.kind, self.routing = base_model_digest(cfg.model.name), "lora", None  # a dense model
         self.proof = SamplingProof(torch.nn.Linear(1, 1), 0, ProofSettings(cfg.sampling.temperature, 0.0, 1.0, keep=1))
-        self.check = None
+        self.check_many = None  # proves nothing: verify_fraction 0
 
     def resume(self) -> None:
         pass

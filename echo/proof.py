@@ -25,12 +25,14 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+from peft import PeftModel
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from echo.config import EchoConfig
 from echo.devices import DTYPES, autocast, model_device
 from echo.noise import TokenMargins, group_key
-from echo.policy import load_tensors, packed_states, spanning_logprobs, states_logprobs
+from echo.policy import check_tensors, packed_states, policy_shapes, spanning_logprobs, states_logprobs
 from echo.routing import Replay
 from echo.wire.messages import Completion, RolloutGroup
 
@@ -52,6 +54,12 @@ def logprob_gap(claimed: list[Completion], recomputed: torch.Tensor) -> float:
 
 def _trainable(model) -> dict[str, torch.Tensor]:
     return {k: p for k, p in model.named_parameters() if p.requires_grad}
+
+
+def _published_name(model, name: str) -> str:
+    """A trainable parameter's name in the published tensors (echo/policy.py's policy_tensors):
+    peft names an adapter's without the adapter's name, as get_peft_model_state_dict does."""
+    return name.replace(f".{model.active_adapter}", "") if isinstance(model, PeftModel) else name
 
 
 def _copy_into(model, tensors: dict[str, torch.Tensor]) -> None:
@@ -187,11 +195,16 @@ class SamplingProof:
             del self.versions[old]
 
     def recall(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Keep `tensors` (a version's trainable tensors as published, read back from the run's
+        """Keep `tensors` (a version's tensors as published, read back whole from the run's
         weights files) as `version`: a restarted trainer proves its predecessor's last versions'
-        groups as that trainer would have. One process only (a rank's shards are not files)."""
+        groups as that trainer would have. On several ranks every rank calls it alike: each keeps
+        its own shards (distribute_tensor, a collective)."""
+        check_tensors(policy_shapes(self.model), tensors)
         live = {k: v.detach().clone() for k, v in _trainable(self.model).items()}
-        load_tensors(self.model, tensors)
+        with torch.no_grad():
+            for name, p in _trainable(self.model).items():
+                whole = tensors[_published_name(self.model, name)].to(p.dtype)
+                p.copy_(distribute_tensor(whole, p.device_mesh, p.placements) if isinstance(p, DTensor) else whole)
         self.versions[version] = {k: v.detach().clone().to(self.publish_dtype) for k, v in _trainable(self.model).items()}
         _copy_into(self.model, live)
 

@@ -64,6 +64,8 @@ async def read_statuses(run: Run) -> list[SamplerStatus]:
         # A sampler writes its own key only (its credentials), but any value: not another's status.
         if key != status.sampler_id:
             log.warning("registry.misnamed_status", key=key, sampler=status.sampler_id)
+            if (shown := _bad_heartbeat(key)) is not None:  # its key's sampler said nothing of its own
+                statuses.append(shown)
             continue
         statuses.append(status)
     return statuses

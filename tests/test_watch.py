@@ -10,16 +10,19 @@ from streams.registry import put_status, read_statuses
 from streams.schedule import publish_schedule, watch_schedule
 
 
-async def test_a_bad_or_misnamed_heartbeat_is_skipped_not_fatal(runs):
+async def test_a_bad_or_misnamed_heartbeat_is_shown_as_bad_not_fatal(runs):
     """A sampler's credentials let it write its own heartbeat key, with any value: garbage, or a
-    status naming another sampler. Readers (the scheduler, `echo-rl status`) skip both."""
+    status naming another sampler. Readers (the scheduler, `echo-rl status`) take neither for
+    what it says, and show both samplers as bad_heartbeat (issue 80: one vanished before)."""
 
     run = await runs.open("beats", "trainer")
     honest = SamplerStatus(sampler_id="s1", version=0, groups_published=0, weight_failures={}, updated_at=0.0)
     await put_status(run, honest)
     await run.registry.put("s2", b"junk")
     await run.registry.put("s0", encode(honest))  # s0 speaking for s1
-    assert await read_statuses(run) == [honest]
+    statuses = await read_statuses(run)
+    assert statuses[1] == honest and [(s.sampler_id, s.state) for s in statuses] == [
+        ("s0", "bad_heartbeat"), ("s1", "active"), ("s2", "bad_heartbeat")]
 
 
 async def test_a_bad_schedule_value_is_skipped_and_the_next_good_one_followed(runs):

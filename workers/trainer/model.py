@@ -173,8 +173,7 @@ class TrainerModel:
                               f"began with (model.name in {self.cfg.run_dir / 'config.toml'})")
         state.base_model = self.base_model
         self.state = state
-        if self.ranks.world == 1:
-            self._recall_versions(state.version)
+        self._recall_versions(state.version)
 
     def _recall_versions(self, version: int) -> None:
         """The versions before `version` that the proof keeps, read back from the run's weights
