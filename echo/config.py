@@ -204,7 +204,7 @@ class SamplerConfig(_Section):
     count: int = Field(2, ge=1)  # samplers `echo-rl up` starts
     # auto: vLLM where it is installed and a CUDA device is present, else transformers (echo/engines/);
     # hf-paged: transformers' continuous batching over a paged cache (whole completions, as vllm).
-    engine: Literal["auto", "hf", "hf-paged", "vllm"] = "auto"
+    engine: Literal["auto", "hf", "hf-paged", "vllm", "mlx"] = "auto"
     threads: int = Field(0, ge=0)  # torch threads; 0 leaves torch's default
     heartbeat_s: float = Field(5.0, gt=0)  # how often a sampler writes its status to the run's KV
     # What this machine costs per hour (the scheduler's input, any currency): its own, never

@@ -13,7 +13,7 @@ from echo.engines.base import Engine
 
 
 def engine_choice(choice: str) -> str:
-    """"hf", "hf-paged" or "vllm" for `sampler.engine` on this machine."""
+    """"hf", "hf-paged", "vllm" or "mlx" for `sampler.engine` on this machine."""
     if choice == "auto":
         return "vllm" if importlib.util.find_spec("vllm") and torch.cuda.is_available() else "hf"
     if choice == "vllm" and importlib.util.find_spec("vllm") is None:
@@ -28,6 +28,8 @@ def make_engine(cfg: EchoConfig, sampler_id: str | None = None) -> Engine:
     choice = engine_choice(cfg.sampler.engine)
     if choice == "vllm":
         from echo.engines.vllm import VLLMEngine as engine
+    elif choice == "mlx":
+        from echo.engines.mlx import MLXEngine as engine
     else:
         from echo.engines.hf import HFEngine, PagedEngine
 

@@ -53,5 +53,5 @@ not read; this is the one list of it):
     the expert ids bit-packed and compressed after the log-probs); read as none before.
 24: a prompt granted again keeps the keyed noise of the slot it was first granted on: a grant names
     each slot's (`noise_slots`), a group the one that drew it where not its own (`noise_slot`);
-    read as their own before.
+    read as their own before; a group may name the engine "mlx".
 """

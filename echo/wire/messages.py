@@ -230,7 +230,7 @@ class RolloutGroup(_HoldsArrays, Message):
     temperature: float = Field(gt=0, le=1000)
     # What sampled it: 16-bit log-probs differ from the trainer's by rounding, which the proof
     # of sampling allows for (trainer.verify_tolerance_16bit) where the run allows 16 bits (sampling.dtypes).
-    engine: Literal["hf", "vllm"]
+    engine: Literal["hf", "vllm", "mlx"]
     dtype: Literal["float32", "bfloat16", "float16"]
     gen_seconds: Seconds
     created_at: Timestamp

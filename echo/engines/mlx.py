@@ -1,0 +1,199 @@
+"""The MLX engine (`sampler.engine = "mlx"`): generation with Apple's MLX through mlx-lm's models,
+on a Mac's GPU (Metal) or, with `mlx[cpu]`, any machine's CPU. It runs the model mlx-lm builds
+from the run's Hugging Face folder and the trainer's tokenizer, a LoRA adapter as mlx-lm's
+LoRALinear (a PEFT version converted: A and B transposed, scale alpha / r), or every weight in
+full-weight mode.
+
+The forward is MLX's; the draw is the trainer's own code. Each step's last-position logits come
+to the CPU as float32 and the token is drawn there by echo/noise.py (keyed noise: the same bits
+the trainer's proof draws again) or by torch's generator (the engine's noise, for a run that
+trusts its samplers), with the behaviour log-prob of softmax(logits / T). A prompt's n
+completions are one batch (the prompt repeated, so no padding: every row has the same length),
+the end-of-sequence token kept.
+
+A model whose architecture mlx-lm does not have, or an MLX not installed, is refused at start in
+one line; so is routing replay (this engine records no mixture-of-experts routing yet).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+from echo.config import ConfigError, LoraConfig, SamplingConfig
+from echo.devices import DTYPES
+from echo.engines.base import Generation, NewerWeights
+from echo.models import encode_chat, load_tokenizer, model_folder, model_on_meta
+from echo.noise import Draw, key_halves, keyed_draw
+from echo.policy import check_tensors, make_policy, policy_shapes, shards_tensors
+
+
+def _mlx():
+    try:
+        import mlx.core as mx
+        import mlx_lm
+    except ImportError:
+        raise ConfigError("sampler.engine = 'mlx': MLX is not installed here; pip install 'echo-rl[mlx]' "
+                          "(mlx with its CPU backend on Linux, Metal on a Mac)") from None
+    return mx, mlx_lm
+
+
+def _config_overrides(folder) -> dict:
+    """What mlx-lm reads under other names than transformers 5 writes in config.json: a top-level
+    rope_theta (transformers writes it under rope_parameters; mlx-lm's default, 1e6, moved every
+    logit), and a mixture of experts' num_experts (num_local_experts)."""
+    config, out = json.loads((folder / "config.json").read_text()), {}
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" not in config and "rope_theta" in rope:
+        out["rope_theta"] = rope["rope_theta"]
+    if "num_experts" not in config and "num_local_experts" in config:
+        out["num_experts"] = config["num_local_experts"]
+    return out
+
+
+class MLXEngine:
+    name = "mlx"
+    keyed_noise = True
+    routing = None  # no mixture-of-experts routing recorded (refused at start where the run replays it)
+
+    def __init__(self, model_name: str, lora: LoraConfig, sampling: SamplingConfig, device: str = "auto",
+                 dtype: str = "auto", record_routing: bool = False):
+        mx, _ = _mlx()
+        from mlx_lm.models.cache import make_prompt_cache
+        from mlx_lm.tuner.utils import linear_to_lora_layers
+        from mlx_lm.utils import load_model
+
+        if record_routing:
+            raise ConfigError("sampler.engine = 'mlx' records no mixture-of-experts routing: a run with "
+                              "algorithm.router_replay = 'replay' samples with sampler.engine = 'hf'")
+        if device not in ("auto", "cpu", "mps"):
+            raise ConfigError(f"model.device = {device!r}: the mlx engine runs on 'cpu' or a Mac's GPU ('mps', 'auto')")
+        self.mx, self._cache = mx, make_prompt_cache
+        mx.set_default_device(mx.cpu if device == "cpu" or not mx.metal.is_available() else mx.gpu)
+        self.device = torch.device("cpu")  # where the draw runs
+        # float32 unless the run allows a 16-bit sampler and this one asks for it (auto: fp32 on a CPU)
+        wanted = "float32" if dtype == "auto" and not mx.metal.is_available() else dtype
+        if wanted == "auto":
+            wanted = "bfloat16" if "bfloat16" in sampling.dtypes else "float32"
+        if wanted not in sampling.dtypes:
+            raise ConfigError(f"model.dtype {wanted!r}: sampling.dtypes {sampling.dtypes} do not allow it")
+        self.dtype = DTYPES[wanted]
+        folder = model_folder(model_name)
+        try:
+            self.model, _ = load_model(folder, model_config=_config_overrides(folder))
+        except (ValueError, TypeError, KeyError) as e:  # "Model type ... not supported.", a config it cannot read
+            raise ConfigError(f"model.name {model_name!r}: mlx-lm cannot build it ({e}); use sampler.engine = 'hf'") from None
+        if wanted != "float32":
+            self.model.set_dtype(getattr(mx, wanted))
+        self.tokenizer = load_tokenizer(model_name)
+        self.lora = lora if lora.enabled else None
+        if self.lora is not None:
+            keys = sorted({path.split("layers.", 1)[1].split(".", 1)[1] for path, _ in self._linears()
+                           if path.rsplit(".", 1)[-1] in lora.target_modules})
+            if not keys:
+                raise ConfigError(f"lora.target_modules {lora.target_modules} match no layer of {model_name!r} in mlx-lm")
+            linear_to_lora_layers(self.model, len(self.model.model.layers),
+                                  {"rank": lora.r, "scale": lora.alpha / lora.r, "dropout": 0.0, "keys": keys})
+        self.model.eval()
+        # What the trainer publishes for this model (its own definition), which must map onto this
+        # model's parameters one for one: a mixture of experts' stacked experts under LoRA do not.
+        self.shapes = policy_shapes(make_policy(model_on_meta(model_name), lora))
+        mine = self._published_shapes()
+        if mine != self.shapes:
+            missing, extra = sorted(self.shapes.keys() - mine.keys())[:2], sorted(mine.keys() - self.shapes.keys())[:2]
+            raise ConfigError(f"model.name {model_name!r}: the weights the trainer publishes do not map onto mlx-lm's "
+                              f"model (not here: {missing}; only here: {extra}); use sampler.engine = 'hf'")
+        self.temperature = sampling.temperature
+        self.max_new_tokens, self.chunk_tokens = sampling.max_new_tokens, sampling.chunk_tokens
+
+    def _linears(self):
+        import mlx.nn as nn
+
+        return [(path, m) for path, m in self.model.named_modules() if isinstance(m, nn.Linear) and "layers." in path]
+
+    def _published_shapes(self) -> dict[str, torch.Size]:
+        """The names and shapes of what a version publishes for this model (echo/policy.py's
+        policy_tensors): PEFT's adapter names, or every parameter."""
+        from mlx.utils import tree_flatten
+
+        flat = dict(tree_flatten(self.model.parameters()))
+        if self.lora is None:
+            return {k: torch.Size(v.shape) for k, v in flat.items()}
+        shapes = {}
+        for k, v in flat.items():
+            if k.endswith(".lora_a"):  # (in, r): PEFT's A is (r, in)
+                shapes[f"base_model.model.{k[: -len('.lora_a')]}.lora_A.weight"] = torch.Size(v.shape[::-1])
+            elif k.endswith(".lora_b"):  # (r, out): PEFT's B is (out, r)
+                shapes[f"base_model.model.{k[: -len('.lora_b')]}.lora_B.weight"] = torch.Size(v.shape[::-1])
+        return shapes
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return encode_chat(self.tokenizer, messages)
+
+    def load_weights(self, shards: list[bytearray]) -> None:
+        """Swap a published version in place (a LoRA adapter's A and B, or every weight), or raise
+        WeightsMismatch with the current weights kept: every name and shape is checked first."""
+        mx = self.mx
+        incoming = shards_tensors(shards)
+        check_tensors(self.shapes, incoming)
+        pairs = []
+        for key, tensor in incoming.items():
+            value = tensor.float().numpy()
+            if self.lora is not None:
+                path, which = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
+                key, value = f"{path}.lora_{which[0].lower()}", value.T
+            pairs.append((key, mx.array(value)))
+        self.model.load_weights(pairs, strict=False)
+        if self.dtype != torch.float32 and self.lora is None:
+            self.model.set_dtype(mx.bfloat16 if self.dtype == torch.bfloat16 else mx.float16)
+        mx.eval(self.model.parameters())
+
+    def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
+                 newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
+                 seed: int | None = None, draws: list[Draw] | None = None) -> list[list[Generation]]:
+        """n completions a prompt, each prompt's n in one batch (see the module's docstring)."""
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        limit = self.max_new_tokens if max_tokens is None else max_tokens
+        out = []
+        for k, prompt in enumerate(prompts):
+            draw = None if draws is None or greedy else draws[k]
+            out.append(self._one_prompt(prompt, n, limit, greedy, draw, generator, newer_weights))
+        return out
+
+    def _one_prompt(self, prompt: list[int], n: int, limit: int, greedy: bool, draw: Draw | None,
+                    generator: torch.Generator | None, newer_weights: NewerWeights | None) -> list[Generation]:
+        mx, eos = self.mx, self.tokenizer.eos_token_id
+        cache = self._cache(self.model)
+        logits = self.model(mx.array([prompt] * n), cache=cache)[:, -1, :]
+        if draw is not None:
+            low, high = key_halves([draw.key] * n, self.device)
+            completion = torch.arange(draw.first, draw.first + n)
+        tokens, logprobs = [[] for _ in range(n)], [[] for _ in range(n)]
+        changes: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+        going = list(range(n))
+        for step in range(limit):
+            scores = torch.from_numpy(np.array(logits.astype(mx.float32))) / self.temperature
+            if draw is not None:
+                _, token, logprob = keyed_draw(scores, low, high, completion, torch.full((n,), draw.position + step))
+            else:
+                token = (scores.argmax(-1) if greedy
+                         else torch.multinomial(torch.softmax(scores, -1), 1, generator=generator).squeeze(-1))
+                logprob = torch.log_softmax(scores, -1).gather(-1, token[:, None]).squeeze(-1)
+            for row in going:
+                tokens[row].append(int(token[row]))
+                logprobs[row].append(float(logprob[row]))
+            going = [row for row in going if tokens[row][-1] != eos]
+            if not going or step + 1 == limit:
+                break
+            if newer_weights is not None and self.chunk_tokens and (step + 1) % self.chunk_tokens == 0:
+                version = newer_weights.between_chunks()  # the cache is kept, as generation keeps it
+                if version is not None:
+                    for row in going:
+                        changes[row].append((step + 1, version))
+            # Every row goes on (a finished one's tokens are not read): the batch keeps one length.
+            logits = self.model(mx.array(token.numpy().astype(np.int32))[:, None], cache=cache)[:, -1, :]
+        return [Generation(token_ids=t, logprobs=lp, text=self.tokenizer.decode(t, skip_special_tokens=True),
+                           finish_reason="stop" if t[-1] == eos else "length", version_changes=tuple(c))
+                for t, lp, c in zip(tokens, logprobs, changes)]
