@@ -7,6 +7,7 @@ so all see the same load on a shared machine. Speeds are also given as ratios to
 
     .venv/bin/python -m bench.engines --engines hf hf-paged [--model smollm2] [--rounds 3]
     .venv-vllm/bin/python -m bench.engines --engines hf vllm   (needs vLLM: make test-vllm)
+    .venv/bin/python -m bench.engines --engines hf mlx [--model tiny]   (MLX's CPU backend here; Metal on a Mac)
     python -m bench.engines --engines hf hf-paged --device cuda --dtype bfloat16 --prompts 8 --group 16 --tokens 1024
 
 Writes bench/results/engines[-<engines>-<device>].json.
@@ -40,7 +41,7 @@ def new_version(hf: HFEngine, seed: int, scale: float = 0.02) -> list[bytearray]
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=["hf", "hf-paged", "vllm"],
+    parser.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=["hf", "hf-paged", "vllm", "mlx"],
                         help="sampler.engine settings, hf first: the others' speeds are ratios to it")
     parser.add_argument("--device", default="cpu", help="model.device")
     parser.add_argument("--dtype", default="float32", help="model.dtype")
@@ -92,8 +93,8 @@ def main() -> None:
     for name in args.engines[1:]:
         result[f"{name}_speed_ratio"] = round(result[name]["tokens_per_s"] / result["hf"]["tokens_per_s"], 2)
     default = args.engines == ["hf", "vllm"] and args.device == "cpu"  # the figure docs/performance.md quotes
-    out = write_results("engines.json" if default else f"engines-{'-'.join(args.engines)}-{hf.device.type}.json",
-                        result)
+    name = "engines.json" if default else f"engines-{'-'.join(args.engines)}-{hf.device.type}.json"
+    out = write_results(name if args.model == "smollm2" else name.replace(".json", f"-{args.model}.json"), result)
     print(out.read_text())
 
 

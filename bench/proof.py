@@ -15,7 +15,7 @@ and once after it moved on to version 1 (version 0 swapped in). Recorded per con
   groups (train_step), and generation's.
 
     .venv/bin/python -m bench.proof [--models tiny smollm2] [--dtypes float32 bfloat16] [--groups 64]
-        [--engine hf | hf-paged | vllm] [--compute-dtype float32 | bfloat16]  (vllm: in .venv-vllm)
+        [--engine hf | hf-paged | vllm | mlx] [--compute-dtype float32 | bfloat16]  (vllm: in .venv-vllm)
 
 Writes bench/results/proof-<models>.json (with the machine's load). With --every, what proving
 every group costs an honest async run at staleness bounds 1 and 2 (the groups of older versions
@@ -107,6 +107,10 @@ def sampler_engine(name: str, model_name: str, lora: LoraConfig, sampling: Sampl
         from echo.engines.vllm import VLLMEngine
 
         return VLLMEngine(ModelConfig(name=model_name, device=device, dtype=dtype), lora, sampling)
+    if name == "mlx":
+        from echo.engines.mlx import MLXEngine
+
+        return MLXEngine(model_name, lora, sampling, device, dtype)
     return (PagedEngine if name == "hf-paged" else HFEngine)(model_name, lora, sampling, device, dtype)
 
 
@@ -343,7 +347,7 @@ def main() -> None:
                         help="only what proving every group costs an honest async run (S = 1 and 2)")
     parser.add_argument("--device", default="cpu", help="where both the sampler and the trainer run")
     parser.add_argument("--compute-dtype", default="float32", help="the trainer's forward")
-    parser.add_argument("--engine", default="hf", choices=["hf", "hf-paged", "vllm"], help="the sampler's")
+    parser.add_argument("--engine", default="hf", choices=["hf", "hf-paged", "vllm", "mlx"], help="the sampler's")
     args = parser.parse_args()
     torch.manual_seed(0)
     suffix = "" if args.device == "cpu" else "-gpu"  # a GPU's figures beside the CPU's, not over them
