@@ -13,8 +13,10 @@ from echo.engines.hf import HFEngine
 from echo.noise import Draw, group_key
 from echo.policy import WeightsMismatch, group_logprobs, load_weights, tensors_from_buffer, weights_shards
 from echo.proof import ProofSettings, SamplingProof
+from echo.wire.names import Version
 from tests.groups import TASK, honest_group, keyed_groups, perturb
 from tests.swarms import assert_every_group_proved, run_swarm
+from workers.sampler.generation import generate_groups
 
 mx = pytest.importorskip("mlx.core")
 from echo.engines.mlx import MLXEngine  # noqa: E402  (needs mlx)
@@ -114,9 +116,34 @@ def test_a_partial_rollout_changes_versions_between_chunks_and_passes_the_proof(
     assert checked.gap < 1e-4 and checked.margin < 1e-4
 
 
+def test_a_mixture_of_experts_routing_is_recorded_as_the_trainer_replays_it():
+    """tiny-moe (Qwen3-MoE) with its attention adapted: the experts mlx-lm's blocks chose for
+    every prompt and completion token travel with the group, and the trainer's proof, replaying
+    them, finds the group's log-probs and tokens its own; made-up experts are forged_routing."""
+    lora = LoraConfig(r=4, alpha=8.0, target_parameters=[])
+    policy, versions = _versions("tiny-moe", lora, 1)
+    engine = MLXEngine("tiny-moe", lora, SAMPLING, "cpu", "float32", record_routing=True)
+    engine.load_weights(versions[0])
+    assert engine.routing == (2, 2, 8)
+    groups = generate_groups(engine, TASK, [TASK.prompt(1), TASK.prompt(2)], SAMPLING, "s1", Version(0, 0), [1, 2],
+                             keys=[group_key(SEED, 0, 1), group_key(SEED, 0, 2)])
+    proof = SamplingProof(policy, 0, ProofSettings(SAMPLING.temperature, 1.0, 0.01, keep=2, noise_seed=SEED,
+                                                   routing_margin=0.05))
+    proof.remember(0)
+    checks = proof.check_many(groups)
+    for group in groups:
+        assert len(group.routing.ids) == len(group.prompt_token_ids) + sum(len(c.token_ids) for c in group.completions)
+        checked = checks[group.group_id]
+        assert checked.gap < 1e-4 and checked.margin < 1e-4 and checked.routing < 1e-4, checked
+    ids = groups[0].routing.ids.copy()
+    ids[: len(groups[0].prompt_token_ids)] = (ids[: len(groups[0].prompt_token_ids)] + 3) % 8  # other experts
+    forged = groups[0].replaced(routing=groups[0].routing.model_copy(update={"ids": ids}))
+    assert proof.forged(forged, proof.check(forged)) in ("forged_routing", "logprob_forgery", "token_forgery")
+
+
 def test_what_it_cannot_take_is_refused_at_start_in_one_line():
-    with pytest.raises(ConfigError, match="router_replay"):
-        MLXEngine("tiny-moe", LORA, SAMPLING, "cpu", "float32", record_routing=True)
+    with pytest.raises(ConfigError, match="dense model"):
+        MLXEngine("tiny", LORA, SAMPLING, "cpu", "float32", record_routing=True)
     with pytest.raises(ConfigError, match="do not map onto mlx-lm"):  # LoRA on the experts' stacked weights
         MLXEngine("tiny-moe", LORA, SAMPLING, "cpu", "float32")
     with pytest.raises(ConfigError, match="sampling.dtypes"):

@@ -11,13 +11,19 @@ trusts its samplers), with the behaviour log-prob of softmax(logits / T). A prom
 completions are one batch (the prompt repeated, so no padding: every row has the same length),
 the end-of-sequence token kept.
 
+Where the run replays a mixture of experts' routing, the experts each of mlx-lm's expert blocks
+(SwitchGLU) is sent are kept a forward, as the HF engines record a router's: every prompt token's
+and completion token's, the last token's row zeros (no forward took it as input).
+
 A model whose architecture mlx-lm does not have, or an MLX not installed, is refused at start in
-one line; so is routing replay (this engine records no mixture-of-experts routing yet).
+one line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 
 import numpy as np
 import torch
@@ -28,6 +34,7 @@ from echo.engines.base import Generation, NewerWeights
 from echo.models import encode_chat, load_tokenizer, model_folder, model_on_meta
 from echo.noise import Draw, key_halves, keyed_draw
 from echo.policy import check_tensors, make_policy, policy_shapes, shards_tensors
+from echo.routing import replayed_shape
 
 
 def _mlx():
@@ -53,10 +60,34 @@ def _config_overrides(folder) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def recorded(model):
+    """Inside, each expert block's choices are kept: `calls[layer]` gets one (rows, tokens, k)
+    array of expert ids a forward, the blocks in decoder-layer order. mlx-lm's blocks pass their
+    chosen experts to SwitchGLU, whose call is wrapped for the while (the class's, as
+    echo/routing.py's paged_routing patches transformers')."""
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    blocks = sorted(((int(re.search(r"layers\.(\d+)\.", path)[1]), m) for path, m in model.named_modules()
+                     if isinstance(m, SwitchGLU)), key=lambda pair: pair[0])
+    index = {id(m): k for k, (_, m) in enumerate(blocks)}
+    calls: list[list] = [[] for _ in blocks]
+    original = SwitchGLU.__call__
+
+    def keeping(self, x, indices):
+        calls[index[id(self)]].append(indices)
+        return original(self, x, indices)
+
+    SwitchGLU.__call__ = keeping
+    try:
+        yield calls
+    finally:
+        SwitchGLU.__call__ = original
+
+
 class MLXEngine:
     name = "mlx"
     keyed_noise = True
-    routing = None  # no mixture-of-experts routing recorded (refused at start where the run replays it)
 
     def __init__(self, model_name: str, lora: LoraConfig, sampling: SamplingConfig, device: str = "auto",
                  dtype: str = "auto", record_routing: bool = False):
@@ -65,9 +96,6 @@ class MLXEngine:
         from mlx_lm.tuner.utils import linear_to_lora_layers
         from mlx_lm.utils import load_model
 
-        if record_routing:
-            raise ConfigError("sampler.engine = 'mlx' records no mixture-of-experts routing: a run with "
-                              "algorithm.router_replay = 'replay' samples with sampler.engine = 'hf'")
         if device not in ("auto", "cpu", "mps"):
             raise ConfigError(f"model.device = {device!r}: the mlx engine runs on 'cpu' or a Mac's GPU ('mps', 'auto')")
         self.mx, self._cache = mx, make_prompt_cache
@@ -99,7 +127,10 @@ class MLXEngine:
         self.model.eval()
         # What the trainer publishes for this model (its own definition), which must map onto this
         # model's parameters one for one: a mixture of experts' stacked experts under LoRA do not.
-        self.shapes = policy_shapes(make_policy(model_on_meta(model_name), lora))
+        on_meta = model_on_meta(model_name)
+        # A mixture of experts' routing shape, where its routing is recorded for the trainer to replay
+        self.routing = replayed_shape(on_meta, model_name, record_routing)
+        self.shapes = policy_shapes(make_policy(on_meta, lora))
         mine = self._published_shapes()
         if mine != self.shapes:
             missing, extra = sorted(self.shapes.keys() - mine.keys())[:2], sorted(mine.keys() - self.shapes.keys())[:2]
@@ -165,8 +196,16 @@ class MLXEngine:
     def _one_prompt(self, prompt: list[int], n: int, limit: int, greedy: bool, draw: Draw | None,
                     generator: torch.Generator | None, newer_weights: NewerWeights | None) -> list[Generation]:
         mx, eos = self.mx, self.tokenizer.eos_token_id
-        cache = self._cache(self.model)
-        logits = self.model(mx.array([prompt] * n), cache=cache)[:, -1, :]
+        cache, routed = self._cache(self.model), []  # routed: each forward's (rows, tokens, layers, k)
+
+        def forward(inputs):
+            with recorded(self.model) if self.routing else contextlib.nullcontext() as calls:
+                logits = self.model(inputs, cache=cache)[:, -1, :]
+            if self.routing:
+                routed.append(np.stack([np.array(c[0]).reshape(n, -1, c[0].shape[-1]) for c in calls], axis=2))
+            return logits
+
+        logits = forward(mx.array([prompt] * n))
         if draw is not None:
             low, high = key_halves([draw.key] * n, self.device)
             completion = torch.arange(draw.first, draw.first + n)
@@ -193,7 +232,15 @@ class MLXEngine:
                     for row in going:
                         changes[row].append((step + 1, version))
             # Every row goes on (a finished one's tokens are not read): the batch keeps one length.
-            logits = self.model(mx.array(token.numpy().astype(np.int32))[:, None], cache=cache)[:, -1, :]
+            logits = forward(mx.array(token.numpy().astype(np.int32))[:, None])
+        routing = np.concatenate(routed, axis=1).astype(np.uint16) if self.routing else None
         return [Generation(token_ids=t, logprobs=lp, text=self.tokenizer.decode(t, skip_special_tokens=True),
-                           finish_reason="stop" if t[-1] == eos else "length", version_changes=tuple(c))
-                for t, lp, c in zip(tokens, logprobs, changes)]
+                           finish_reason="stop" if t[-1] == eos else "length", version_changes=tuple(c),
+                           routing=None if routing is None else _row_routing(routing[row], len(prompt) + len(t)))
+                for row, (t, lp, c) in enumerate(zip(tokens, logprobs, changes))]
+
+
+def _row_routing(forwards: np.ndarray, tokens: int) -> np.ndarray:
+    """A completion's routing over its prompt and its tokens: the last token, which no forward took
+    as input, a row of zeros (a finished row was fed on with the batch: those rows are dropped)."""
+    return np.concatenate([forwards[: tokens - 1], np.zeros((1, *forwards.shape[1:]), np.uint16)])
