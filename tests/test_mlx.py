@@ -150,9 +150,16 @@ def test_what_it_cannot_take_is_refused_at_start_in_one_line():
         MLXEngine("tiny", LORA, SAMPLING, "cpu", "bfloat16")
 
 
-def test_mlx_samplers_train_an_async_swarm_every_group_proved(tmp_path):
+@pytest.mark.parametrize("model, overrides", [
+    ("tiny", ()),
+    ("tiny-moe", ('algorithm.router_replay="replay"', "lora.target_parameters=[]")),
+], ids=["dense", "moe-replay"])
+def test_mlx_samplers_train_an_async_swarm_every_group_proved(tmp_path, model, overrides):
     """`echo-rl up` with sampler.engine = "mlx": both samplers draw with MLX, the trainer proves
-    every group (the default verify_fraction 1) and trains on them."""
-    metrics, stream, _ = run_swarm(tmp_path, "mlx", 3, 'sampler.engine="mlx"', "trainer.max_staleness=1")
+    every group (the default verify_fraction 1) and trains on them; on the mixture of experts
+    every group carries the routing the trainer replays."""
+    metrics, stream, _ = run_swarm(tmp_path, "mlx", 3, 'sampler.engine="mlx"', "trainer.max_staleness=1", *overrides,
+                                   model=model)
     assert_every_group_proved(metrics)
     assert stream and {r["group"]["engine"] for r in stream} == {"mlx"}
+    assert all((r["group"]["routing"] is not None) == (model == "tiny-moe") for r in stream)
