@@ -79,6 +79,22 @@ def test_columns_are_mapped_by_config_and_a_text_prompt_takes_the_instruction(tm
     assert prompt.answer == str(3 * number) and task.score(f"\\boxed{{{3 * number}}}", prompt).correct
 
 
+def test_a_chat_prompts_last_user_turn_takes_the_instruction_too(tmp_path, monkeypatch):
+    """Issue 82: task.params.instruction was applied to text prompts only, and a verl parquet's
+    chat prompts were left as they were without a word, while run.no_signal named that key as the
+    remedy. The last user turn now goes through it (a system turn and an earlier exchange kept)."""
+    rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                        {"role": "assistant", "content": "Hello"}, {"role": "user", "content": f"What is {i} + {i}?"}],
+             "reward_model": {"ground_truth": str(2 * i)}, "data_source": "mine"} for i in range(50)]
+    task = dataset(tmp_path, monkeypatch, path=write_parquet(tmp_path / "chat.parquet", rows),
+                   instruction="{prompt} Put your final answer in \\boxed{{}}.")
+    messages = task.prompt(0).messages
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert messages[:3] == rows[0]["prompt"][:3]
+    assert messages[3]["content"].startswith("What is ") and messages[3]["content"].endswith(
+        "? Put your final answer in \\boxed{}.")
+
+
 def test_rewards_by_name(tmp_path, monkeypatch):
     (tmp_path / "my_reward.py").write_text("def half(completion, truth, source):\n    return 0.5\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -64,7 +64,9 @@ class DatasetParams(BaseModel):
     val_path: str | None = None
     val_split: str = "test"
     split_column: str = "extra_info.split"
-    instruction: str = "{prompt}"  # a text prompt becomes one user message: this, with {prompt} filled in
+    # A text prompt becomes one user message: this, with {prompt} filled in; a chat prompt's last
+    # user turn is filled in the same way (verl's and TRL's chat rows carry no answer format).
+    instruction: str = "{prompt}"
     # math: the last \boxed{} against the truth (numbers compared, else math-verify); exact: the last
     # \boxed{} (or the whole text) equal to the truth; regex:<pattern>: its last match's first group
     # equal to it; reasoning_gym: the verifier of the row's data_source; or module:function(completion,
@@ -105,6 +107,9 @@ def row_prompt(row: dict, prompt_column: str, answer_column: str, p: DatasetPara
         messages = [{"role": str(m.get("role", "user")), "content": m["content"]} for m in value]
         while messages and messages[-1]["role"] == "assistant":  # TRL's `messages` end with the answer
             messages.pop()
+        last_user = next((i for i in reversed(range(len(messages))) if messages[i]["role"] == "user"), None)
+        if last_user is not None:
+            messages[last_user]["content"] = p.instruction.format(prompt=messages[last_user]["content"])
     else:
         return "prompt_not_text_or_messages"
     if not messages or not messages[-1]["content"].strip():
