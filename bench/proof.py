@@ -110,7 +110,7 @@ def sampler_engine(name: str, model_name: str, lora: LoraConfig, sampling: Sampl
     if name == "mlx":
         from echo.engines.mlx import MLXEngine
 
-        return MLXEngine(model_name, lora, sampling, device, dtype)
+        return MLXEngine(ModelConfig(name=model_name, device=device, dtype=dtype), lora, sampling)
     return (PagedEngine if name == "hf-paged" else HFEngine)(model_name, lora, sampling, device, dtype)
 
 

@@ -55,7 +55,7 @@ def test_the_engine_bench_times_generate_against_continuous_batching(tmp_path):
     subprocess.run([sys.executable, "-m", "bench.engines", "--engines", "hf", "hf-paged", "--model", "tiny",
                     "--prompts", "2", "--group", "2", "--tokens", "8"], check=True, capture_output=True,
                    env={"BENCH_RESULTS": str(tmp_path), "PATH": "/usr/bin:/bin"})
-    result = orjson.loads((tmp_path / "engines-hf-hf-paged-cpu.json").read_bytes())
+    result = orjson.loads((tmp_path / "engines-hf-hf-paged-cpu-tiny.json").read_bytes())
     assert result["hf"]["tokens_per_s"] > 0 and result["hf-paged"]["tokens_per_s"] > 0
     # The ratio of the rates it reports, to its two decimals, whichever engine this machine favours.
     assert result["hf-paged_speed_ratio"] == round(result["hf-paged"]["tokens_per_s"] / result["hf"]["tokens_per_s"], 2)

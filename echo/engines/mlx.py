@@ -15,6 +15,14 @@ Where the run replays a mixture of experts' routing, the experts each of mlx-lm'
 (SwitchGLU) is sent are kept a forward, as the HF engines record a router's: every prompt token's
 and completion token's, the last token's row zeros (no forward took it as input).
 
+One model over several processes (`sampler.ranks`, `group`: an MLX distributed group, ring
+backend): mlx-lm's pipeline gives each rank a share of the decoder layers (rank 0 the last), and
+each loads only its own layers' weights and adapter. Rank 0 is the sampler, the only NATS client;
+every call and every version it gets goes to the other ranks first (`_send`: one all_sum of the
+pickled command), which wait in `follow`. In generation every rank runs its layers and the head;
+the token is rank 0's draw, sent to the others once a step, so unlike hardware cannot diverge.
+A group's routing is then not recorded (each rank sees its own layers' experts only).
+
 A model whose architecture mlx-lm does not have, or an MLX not installed, is refused at start in
 one line.
 """
@@ -23,12 +31,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import pickle
 import re
+import resource
 
 import numpy as np
 import torch
 
-from echo.config import ConfigError, LoraConfig, SamplingConfig
+from echo.config import ConfigError, LoraConfig, ModelConfig, SamplingConfig
 from echo.devices import DTYPES
 from echo.engines.base import Generation, NewerWeights
 from echo.models import encode_chat, load_tokenizer, model_folder, model_on_meta
@@ -38,12 +48,20 @@ from echo.routing import replayed_shape
 
 
 def _mlx():
+    """mlx.core and mlx_lm, imported. mlx-lm's utils set the process's open-file limits to
+    (2048, 4096) on import, the hard limit included (lowered for good): the sampler's stay its own
+    (a page test holding 2,000 sockets failed in the process after it)."""
+    setrlimit = resource.setrlimit
+    resource.setrlimit = lambda *limits: None
     try:
         import mlx.core as mx
         import mlx_lm
+        import mlx_lm.utils  # noqa: F401  (the import that sets them)
     except ImportError:
         raise ConfigError("sampler.engine = 'mlx': MLX is not installed here; pip install 'echo-rl[mlx]' "
                           "(mlx with its CPU backend on Linux, Metal on a Mac)") from None
+    finally:
+        resource.setrlimit = setrlimit
     return mx, mlx_lm
 
 
@@ -85,12 +103,23 @@ def recorded(model):
         SwitchGLU.__call__ = original
 
 
+class _FromRank0:
+    """A following rank's NewerWeights: between chunks, what rank 0 swapped in (sent, then "go")."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def between_chunks(self) -> int | None:
+        return self.engine.follow(until="go")[1]
+
+
 class MLXEngine:
     name = "mlx"
     keyed_noise = True
 
-    def __init__(self, model_name: str, lora: LoraConfig, sampling: SamplingConfig, device: str = "auto",
-                 dtype: str = "auto", record_routing: bool = False):
+    def __init__(self, model: ModelConfig, lora: LoraConfig, sampling: SamplingConfig, record_routing: bool = False,
+                 group=None):
+        model_name, device, dtype = model.name, model.device, model.dtype
         mx, _ = _mlx()
         from mlx_lm.models.cache import make_prompt_cache
         from mlx_lm.tuner.utils import linear_to_lora_layers
@@ -109,10 +138,22 @@ class MLXEngine:
             raise ConfigError(f"model.dtype {wanted!r}: sampling.dtypes {sampling.dtypes} do not allow it")
         self.dtype = DTYPES[wanted]
         folder = model_folder(model_name)
-        try:
-            self.model, _ = load_model(folder, model_config=_config_overrides(folder))
+        self.group = group if group is not None and group.size() > 1 else None
+        self.rank = 0 if self.group is None else self.group.rank()
+        try:  # lazily: on several ranks each reads only its own layers' weights
+            self.model, _ = load_model(folder, lazy=True, model_config=_config_overrides(folder))
         except (ValueError, TypeError, KeyError) as e:  # "Model type ... not supported.", a config it cannot read
-            raise ConfigError(f"model.name {model_name!r}: mlx-lm cannot build it ({e}); use sampler.engine = 'hf'") from None
+            raise ConfigError(f"model.name {model_name!r}: mlx-lm cannot build it ({e}); "
+                              "use sampler.engine = 'hf'") from None
+        if self.group is not None:
+            if record_routing:
+                raise ConfigError("sampler.ranks > 1 records no mixture-of-experts routing (each rank sees its own "
+                                  "layers' experts): a run with algorithm.router_replay = 'replay' samples unsplit")
+            if not hasattr(self.model.model, "pipeline"):
+                raise ConfigError(f"sampler.ranks = {self.group.size()}: mlx-lm cannot split {model_name!r} by layers "
+                                  "(its pipeline covers qwen2, qwen3_moe, deepseek: not llama); use sampler.ranks = 1")
+            self.model.model.pipeline(self.group)
+        mx.eval(self.model.parameters())
         if wanted != "float32":
             self.model.set_dtype(getattr(mx, wanted))
         self.tokenizer = load_tokenizer(model_name)
@@ -121,7 +162,8 @@ class MLXEngine:
             keys = sorted({path.split("layers.", 1)[1].split(".", 1)[1] for path, _ in self._linears()
                            if path.rsplit(".", 1)[-1] in lora.target_modules})
             if not keys:
-                raise ConfigError(f"lora.target_modules {lora.target_modules} match no layer of {model_name!r} in mlx-lm")
+                raise ConfigError(f"lora.target_modules {lora.target_modules} match no layer of {model_name!r} "
+                                  "in mlx-lm")
             linear_to_lora_layers(self.model, len(self.model.model.layers),
                                   {"rank": lora.r, "scale": lora.alpha / lora.r, "dropout": 0.0, "keys": keys})
         self.model.eval()
@@ -131,13 +173,23 @@ class MLXEngine:
         # A mixture of experts' routing shape, where its routing is recorded for the trainer to replay
         self.routing = replayed_shape(on_meta, model_name, record_routing)
         self.shapes = policy_shapes(make_policy(on_meta, lora))
+        # this rank's share of them (all of them on one rank)
+        self.mine = {k: v for k, v in self.shapes.items() if self._holds(k)}
         mine = self._published_shapes()
-        if mine != self.shapes:
+        if mine != self.mine:
             missing, extra = sorted(self.shapes.keys() - mine.keys())[:2], sorted(mine.keys() - self.shapes.keys())[:2]
             raise ConfigError(f"model.name {model_name!r}: the weights the trainer publishes do not map onto mlx-lm's "
                               f"model (not here: {missing}; only here: {extra}); use sampler.engine = 'hf'")
         self.temperature = sampling.temperature
         self.max_new_tokens, self.chunk_tokens = sampling.max_new_tokens, sampling.chunk_tokens
+
+    def _holds(self, name: str) -> bool:
+        """Whether this rank holds the published tensor `name` (a layer's: by its number; the rest,
+        the embeddings, norm and head, every rank)."""
+        layer = re.search(r"layers\.(\d+)\.", name)
+        inner = self.model.model
+        end = getattr(inner, "end_idx", None) or 1 << 30  # mlx-lm's pipeline's, where it split the model
+        return layer is None or getattr(inner, "start_idx", 0) <= int(layer[1]) < end
 
     def _linears(self):
         import mlx.nn as nn
@@ -151,7 +203,7 @@ class MLXEngine:
 
         flat = dict(tree_flatten(self.model.parameters()))
         if self.lora is None:
-            return {k: torch.Size(v.shape) for k, v in flat.items()}
+            return {k: torch.Size(v.shape) for k, v in flat.items() if self._holds(k)}
         shapes = {}
         for k, v in flat.items():
             if k.endswith(".lora_a"):  # (in, r): PEFT's A is (r, in)
@@ -165,12 +217,19 @@ class MLXEngine:
 
     def load_weights(self, shards: list[bytearray]) -> None:
         """Swap a published version in place (a LoRA adapter's A and B, or every weight), or raise
-        WeightsMismatch with the current weights kept: every name and shape is checked first."""
-        mx = self.mx
+        WeightsMismatch with the current weights kept: every name and shape is checked first (on
+        rank 0, before any other rank is sent them)."""
         incoming = shards_tensors(shards)
         check_tensors(self.shapes, incoming)
+        self._send(("load", [bytes(s) for s in shards]))
+        self._load(incoming)
+
+    def _load(self, incoming: dict[str, torch.Tensor]) -> None:
+        mx = self.mx
         pairs = []
         for key, tensor in incoming.items():
+            if not self._holds(key):
+                continue
             value = tensor.float().numpy()
             if self.lora is not None:
                 path, which = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
@@ -181,10 +240,56 @@ class MLXEngine:
             self.model.set_dtype(mx.bfloat16 if self.dtype == torch.bfloat16 else mx.float16)
         mx.eval(self.model.parameters())
 
+    # --- several ranks: rank 0 leads, the others follow -----------------------------------------
+
+    def _send(self, command) -> None:
+        """Rank 0: `command` to every other rank (nothing on one rank, nor on the others: they follow)."""
+        if self.group is not None and self.rank == 0:
+            self._broadcast(command)
+
+    def _broadcast(self, command=None):
+        """Rank 0's `command`, on every rank: its pickle summed with the others' zeros (two
+        all_sums: its length, then its bytes). Only rank 0's processes write it: ranks are one
+        owner's processes (the ring is unauthenticated: docs/operations.md)."""
+        mx = self.mx
+        data = pickle.dumps(command) if self.rank == 0 else b""
+        length = mx.distributed.all_sum(mx.array([len(data)], dtype=mx.int32), group=self.group).item()
+        payload = mx.array(np.frombuffer(data, dtype=np.uint8)) if self.rank == 0 else mx.zeros((length,), mx.uint8)
+        return pickle.loads(bytes(np.array(mx.distributed.all_sum(payload, group=self.group))))
+
+    def follow(self, until: str = "stop"):
+        """A rank other than 0: do what rank 0 sends (a version to load, a call to generate) until
+        it sends `until` (a call's chunk boundary: "go"; the end: "stop"); returns that command."""
+        while True:
+            command = self._broadcast()
+            if command[0] == until:
+                return command
+            if command[0] == "load":
+                self._load(shards_tensors([bytearray(s) for s in command[1]]))
+            elif command[0] == "generate":
+                *call, chunked = command[1:]
+                self._generate(*call, _FromRank0(self) if chunked else None)
+
+    def stop_followers(self) -> None:
+        """Rank 0, at the end: the other ranks leave `follow`."""
+        self._send(("stop",))
+
+    def _token(self, token: torch.Tensor) -> torch.Tensor:
+        """Rank 0's drawn tokens, on every rank (one all_sum a step)."""
+        if self.group is None:
+            return token
+        mine = token.numpy().astype(np.int32) if self.rank == 0 else np.zeros(len(token), np.int32)
+        return torch.from_numpy(np.array(self.mx.distributed.all_sum(self.mx.array(mine), group=self.group)))
+
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
                  newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
                  seed: int | None = None, draws: list[Draw] | None = None) -> list[list[Generation]]:
         """n completions a prompt, each prompt's n in one batch (see the module's docstring)."""
+        self._send(("generate", prompts, n, greedy, max_tokens, seed, draws, newer_weights is not None))
+        return self._generate(prompts, n, greedy, max_tokens, seed, draws, newer_weights)
+
+    def _generate(self, prompts: list[list[int]], n: int, greedy: bool, max_tokens: int | None, seed: int | None,
+                  draws: list[Draw] | None, newer_weights: NewerWeights | None = None) -> list[list[Generation]]:
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         limit = self.max_new_tokens if max_tokens is None else max_tokens
         out = []
@@ -220,6 +325,7 @@ class MLXEngine:
                 token = (scores.argmax(-1) if greedy
                          else torch.multinomial(torch.softmax(scores, -1), 1, generator=generator).squeeze(-1))
                 logprob = torch.log_softmax(scores, -1).gather(-1, token[:, None]).squeeze(-1)
+            token = self._token(token)
             for row in going:
                 tokens[row].append(int(token[row]))
                 logprobs[row].append(float(logprob[row]))
@@ -228,6 +334,7 @@ class MLXEngine:
                 break
             if newer_weights is not None and self.chunk_tokens and (step + 1) % self.chunk_tokens == 0:
                 version = newer_weights.between_chunks()  # the cache is kept, as generation keeps it
+                self._send(("go", version))  # after the version it swapped in, if any
                 if version is not None:
                     for row in going:
                         changes[row].append((step + 1, version))
