@@ -4,6 +4,7 @@ joined by a real nats-server. The checks read the run's metrics and its rollout 
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import orjson
@@ -197,6 +198,9 @@ def test_ctrl_c_or_sigterm_stops_every_process(tmp_path, stop, code):
     # nats-server, trainer, two samplers; the trainer's scoring process, the fork server it
     # comes from and multiprocessing's resource tracker
     assert len(children) == 7
+    # The rest of its output read meanwhile: a pipe nobody reads fills (64 KiB), and every process
+    # writing to it, `up` among them, then blocks (it once outlasted the wait below in CI).
+    threading.Thread(target=proc.stderr.read, daemon=True).start()
     proc.send_signal(stop)
     assert proc.wait(timeout=60) == code
     deadline = time.monotonic() + 30
