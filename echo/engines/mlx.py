@@ -18,9 +18,10 @@ and completion token's, the last token's row zeros (no forward took it as input)
 One model over several processes (`sampler.ranks`, `group`: an MLX distributed group, ring
 backend): mlx-lm's pipeline gives each rank a share of the decoder layers (rank 0 the last), and
 each loads only its own layers' weights and adapter. Rank 0 is the sampler, the only NATS client;
-every call and every version it gets goes to the other ranks first (`_send`: one all_sum of the
-pickled command), which wait in `follow`. In generation every rank runs its layers and the head;
-the token is rank 0's draw, sent to the others once a step, so unlike hardware cannot diverge.
+every call and every version it gets goes to the other ranks first (`_send`: the command as JSON
+and bytes, never a pickle: the ring is plain TCP), which wait in `follow`. In generation every
+rank runs its layers and the head; the token is rank 0's draw, sent to the others once a step, so
+unlike hardware cannot diverge.
 A group's routing is then not recorded (each rank sees its own layers' experts only).
 
 A model whose architecture mlx-lm does not have, or an MLX not installed, is refused at start in
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import pickle
 import re
 import resource
 
@@ -101,6 +101,13 @@ def recorded(model):
         yield calls
     finally:
         SwitchGLU.__call__ = original
+
+
+def _draw_as_list(value):
+    """JSON for a call's draws (echo/noise.py's Draw: key, first, position)."""
+    if isinstance(value, Draw):
+        return [value.key, value.first, value.position]
+    raise TypeError(f"{type(value).__name__} is not sent between ranks")
 
 
 class _FromRank0:
@@ -221,7 +228,7 @@ class MLXEngine:
         rank 0, before any other rank is sent them)."""
         incoming = shards_tensors(shards)
         check_tensors(self.shapes, incoming)
-        self._send(("load", [bytes(s) for s in shards]))
+        self._send(("load",), [bytes(s) for s in shards])
         self._load(incoming)
 
     def _load(self, incoming: dict[str, torch.Tensor]) -> None:
@@ -242,33 +249,45 @@ class MLXEngine:
 
     # --- several ranks: rank 0 leads, the others follow -----------------------------------------
 
-    def _send(self, command) -> None:
-        """Rank 0: `command` to every other rank (nothing on one rank, nor on the others: they follow)."""
+    def _send(self, command: tuple, blobs: list[bytes] = ()) -> None:
+        """Rank 0: `command` (JSON-able) and `blobs` to every other rank (nothing on one rank, nor
+        on the others: they follow)."""
         if self.group is not None and self.rank == 0:
-            self._broadcast(command)
+            self._broadcast(command, blobs)
 
-    def _broadcast(self, command=None):
-        """Rank 0's `command`, on every rank: its pickle summed with the others' zeros (two
-        all_sums: its length, then its bytes). Only rank 0's processes write it: ranks are one
-        owner's processes (the ring is unauthenticated: docs/operations.md)."""
+    def _broadcast(self, command: tuple = (), blobs: list[bytes] = ()) -> tuple[list, list[bytes]]:
+        """Rank 0's command and blobs, on every rank: its bytes summed with the others' zeros (two
+        all_sums: their length, then the bytes), a JSON head naming the blobs' sizes, then the
+        blobs. JSON, not a pickle: the ring is plain TCP, and what arrives is data, never code."""
         mx = self.mx
-        data = pickle.dumps(command) if self.rank == 0 else b""
+        data = b""
+        if self.rank == 0:
+            head = json.dumps([list(command), [len(b) for b in blobs]], default=_draw_as_list).encode()
+            data = b"".join([len(head).to_bytes(4, "little"), head, *blobs])
         length = mx.distributed.all_sum(mx.array([len(data)], dtype=mx.int32), group=self.group).item()
         payload = mx.array(np.frombuffer(data, dtype=np.uint8)) if self.rank == 0 else mx.zeros((length,), mx.uint8)
-        return pickle.loads(bytes(np.array(mx.distributed.all_sum(payload, group=self.group))))
+        data = bytes(np.array(mx.distributed.all_sum(payload, group=self.group)))
+        size = int.from_bytes(data[:4], "little")
+        command, sizes = json.loads(data[4 : 4 + size])
+        blobs, at = [], 4 + size
+        for n in sizes:
+            blobs.append(data[at : at + n])
+            at += n
+        return command, blobs
 
     def follow(self, until: str = "stop"):
         """A rank other than 0: do what rank 0 sends (a version to load, a call to generate) until
         it sends `until` (a call's chunk boundary: "go"; the end: "stop"); returns that command."""
         while True:
-            command = self._broadcast()
+            command, blobs = self._broadcast()
             if command[0] == until:
                 return command
             if command[0] == "load":
-                self._load(shards_tensors([bytearray(s) for s in command[1]]))
+                self._load(shards_tensors([bytearray(b) for b in blobs]))
             elif command[0] == "generate":
-                *call, chunked = command[1:]
-                self._generate(*call, _FromRank0(self) if chunked else None)
+                prompts, n, greedy, max_tokens, seed, draws, chunked = command[1:]
+                draws = None if draws is None else [Draw(*d) for d in draws]
+                self._generate(prompts, n, greedy, max_tokens, seed, draws, _FromRank0(self) if chunked else None)
 
     def stop_followers(self) -> None:
         """Rank 0, at the end: the other ranks leave `follow`."""
