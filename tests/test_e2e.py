@@ -1,6 +1,7 @@
 """End to end: `echo-rl up` on the tiny model, a trainer and two samplers as OS processes
 joined by a real nats-server. The checks read the run's metrics and its rollout stream."""
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -189,7 +190,10 @@ def test_a_secured_swarm_trains_over_tls_with_role_credentials_its_weights_from_
 def test_ctrl_c_or_sigterm_stops_every_process(tmp_path, stop, code):
     """Ctrl-C, `kill` or `timeout` on `up`: its nats-server, trainer and samplers all stop (a
     SIGTERM once orphaned them, and a later `up` started a second server on the same store)."""
-    proc = subprocess.Popen(up_command(tmp_path, "stop", 10_000), stderr=subprocess.PIPE, text=True)
+    # Started as a script's `up &` or nohup starts it, SIGINT ignored: Python then installs no
+    # handler of its own, and `kill -INT` did nothing (the run went on for as long as CI ran).
+    proc = subprocess.Popen(up_command(tmp_path, "stop", 10_000), stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     children = []
     for line in proc.stderr:
         children = psutil.Process(proc.pid).children(recursive=True) or children
@@ -202,11 +206,16 @@ def test_ctrl_c_or_sigterm_stops_every_process(tmp_path, stop, code):
     # writing to it, `up` among them, then blocks (it once outlasted the wait below in CI).
     threading.Thread(target=proc.stderr.read, daemon=True).start()
     proc.send_signal(stop)
-    assert proc.wait(timeout=60) == code
-    deadline = time.monotonic() + 30
-    while running := [c for c in children if _alive(c)]:
-        assert time.monotonic() < deadline, running  # each gone, or a zombie its parent left
-        time.sleep(0.05)
+    try:
+        assert proc.wait(timeout=60) == code
+        deadline = time.monotonic() + 30
+        while running := [c for c in children if _alive(c)]:
+            assert time.monotonic() < deadline, running  # each gone, or a zombie its parent left
+            time.sleep(0.05)
+    finally:  # a swarm left running would load every test after this one
+        for p in [proc, *children]:
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                p.kill()
 
 
 def _alive(process: psutil.Process) -> bool:

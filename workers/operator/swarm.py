@@ -230,13 +230,16 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
                 *_creds_args(secure_dir, f"sampler-s{i}")], log_json, fork=True)
         for i in range(1, cfg.sampler.count + 1)
     ]
-    code, terminated, peaks = 1, [], {}
+    code, stopped_by, peaks = 1, [signal.SIGINT], {}
 
-    def on_sigterm(signum, _frame):  # `kill` or `timeout` stops the swarm as Ctrl-C does
-        terminated.append(signum)
+    def on_stop(signum, _frame):  # `kill` or `timeout` stops the swarm as Ctrl-C does
+        stopped_by.append(signal.Signals(signum))
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    # SIGINT too: a shell without job control (`up &` in a script, nohup) starts it ignored, and
+    # Python then leaves it so: `kill -INT` did nothing, and the run went on.
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGINT, on_stop)
     try:
         while (code := reap(trainer, peaks)) is None:
             died = [p for p in samplers if reap(p, peaks) is not None]
@@ -246,8 +249,8 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
                 break
             time.sleep(0.5)
     except KeyboardInterrupt:
-        log.info("swarm.interrupted", signal="SIGTERM" if terminated else "SIGINT")
-        code = 143 if terminated else 130
+        log.info("swarm.interrupted", signal=stopped_by[-1].name)
+        code = 128 + stopped_by[-1]
     finally:
         stop_processes([trainer, *samplers], peaks=peaks)
         stop_processes(relays, peaks=peaks)  # after their samplers: a sampler's last heartbeat goes through its relay
@@ -258,8 +261,8 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
         try:
             finish(run_dir, cfg.run.eval_prompts, peak_rss_mb)
         except KeyboardInterrupt:  # the run is trained and kept: only its evaluation is cut short
-            log.info("swarm.interrupted", signal="SIGTERM" if terminated else "SIGINT", during="evaluation")
-            code = 143 if terminated else 130
+            log.info("swarm.interrupted", signal=stopped_by[-1].name, during="evaluation")
+            code = 128 + stopped_by[-1]
     return code
 
 
