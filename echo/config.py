@@ -205,6 +205,9 @@ class SamplerConfig(_Section):
     # auto: vLLM where it is installed and a CUDA device is present, else transformers (echo/engines/);
     # hf-paged: transformers' continuous batching over a paged cache (whole completions, as vllm).
     engine: Literal["auto", "hf", "hf-paged", "vllm", "mlx"] = "auto"
+    # engine = "mlx": the model split over this many processes of this box by mlx-lm's pipeline
+    # (each holds a share of the layers: what the split buys is memory); rank 0 is the sampler.
+    ranks: int = Field(1, ge=1, le=64)
     threads: int = Field(0, ge=0)  # torch threads; 0 leaves torch's default
     heartbeat_s: float = Field(5.0, gt=0)  # how often a sampler writes its status to the run's KV
     # What this machine costs per hour (the scheduler's input, any currency): its own, never

@@ -3,6 +3,8 @@ trainer's under the same weights, every version swapped in place; its keyed draw
 the trainer draws again (the proof passes them, and strikes a forged token); partial rollouts
 change versions between chunks; what it cannot take is refused at start or at load."""
 
+import time
+
 import numpy as np
 import pytest
 import safetensors.torch
@@ -14,9 +16,11 @@ from echo.noise import Draw, group_key
 from echo.policy import WeightsMismatch, group_logprobs, load_weights, tensors_from_buffer, weights_shards
 from echo.proof import ProofSettings, SamplingProof
 from echo.wire.names import Version
+from tests.conftest import tiny_config
 from tests.groups import TASK, honest_group, keyed_groups, perturb
 from tests.swarms import assert_every_group_proved, run_swarm
 from workers.sampler.generation import generate_groups
+from workers.sampler.ranks import WATCH_S, start_ranks
 
 mx = pytest.importorskip("mlx.core")
 from echo.engines.mlx import MLXEngine  # noqa: E402  (needs mlx)
@@ -177,3 +181,55 @@ def test_mlx_samplers_train_an_async_swarm_every_group_proved(tmp_path, model, o
     assert_every_group_proved(metrics)
     assert stream and {r["group"]["engine"] for r in stream} == {"mlx"}
     assert all((r["group"]["routing"] is not None) == (model == "tiny-moe") for r in stream)
+
+
+def test_one_model_over_two_ranks_draws_what_it_draws_whole_and_a_lost_rank_is_noticed(tmp_path):
+    """sampler.ranks = 2 on this box: rank 1 started here (workers/sampler/ranks.py), mlx-lm's
+    pipeline giving each rank half the layers. Versions and calls go from rank 0 to rank 1; the
+    split model's keyed draws and log-probs are the whole model's, a version swapped in between
+    chunks included. Rank 1 killed: noticed within RankWatch's bound."""
+    cfg = tiny_config(tmp_path, lora={"r": LORA.r, "alpha": LORA.alpha},
+                      sampling={**SAMPLING.model_dump(), "chunk_tokens": 8}, sampler={"engine": "mlx", "ranks": 2})
+    _, versions = _versions("tiny", LORA, 2)
+    lost = []
+    group, watch = start_ranks(cfg, on_lost=lambda rank, code: lost.append(rank))
+    split = MLXEngine(_model("tiny"), LORA, cfg.sampling, group=group)
+    whole = MLXEngine(_model("tiny"), LORA, cfg.sampling)
+    assert split.model.model.end_idx - split.model.model.start_idx == 1  # its half of the tiny model's 2 layers
+
+    class OneSwap:  # each engine's weights room: version 1 after the first chunk
+        def __init__(self, engine):
+            self.engine, self.swapped = engine, False
+
+        def between_chunks(self):
+            if self.swapped:
+                return None
+            self.swapped = True
+            self.engine.load_weights(versions[1])
+            return 1
+
+    ids = [whole.encode_chat(TASK.prompt(i).messages) for i in (1, 2)]
+    draws = [Draw(group_key(SEED, 0, slot)) for slot in (1, 2)]
+    got = {}
+    for name, engine in (("split", split), ("whole", whole)):
+        engine.load_weights(versions[0])
+        got[name] = engine.generate(ids, 8, newer_weights=OneSwap(engine), draws=draws)
+    tokens = {name: [[g.token_ids for g in gens] for gens in out] for name, out in got.items()}
+    assert tokens["split"] == tokens["whole"]
+    assert max(abs(a - b) for x, y in zip(got["split"], got["whole"]) for g, h in zip(x, y)
+               for a, b in zip(g.logprobs, h.logprobs)) < 1e-5
+    assert any(g.version_changes for gens in got["split"] for g in gens)
+    started = time.perf_counter()
+    watch.processes[0].kill()
+    while not lost and time.perf_counter() - started < 10 * WATCH_S:
+        time.sleep(0.02)
+    assert lost == [1] and time.perf_counter() - started < 2 * WATCH_S + 0.5
+
+
+def test_a_split_mlx_sampler_trains_a_swarm_every_group_proved(tmp_path):
+    """`echo-rl up` with sampler.ranks = 2: each sampler starts its second rank itself, and the
+    trainer proves every group."""
+    metrics, stream, stderr = run_swarm(tmp_path, "mlx-split", 3, 'sampler.engine="mlx"', "sampler.ranks=2")
+    assert_every_group_proved(metrics)
+    assert stream and {r["group"]["engine"] for r in stream} == {"mlx"} and "sampler.ranks" in stderr
+

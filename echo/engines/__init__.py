@@ -22,10 +22,14 @@ def engine_choice(choice: str) -> str:
     return choice
 
 
-def make_engine(cfg: EchoConfig, sampler_id: str | None = None) -> Engine:
+def make_engine(cfg: EchoConfig, sampler_id: str | None = None, group=None) -> Engine:
     """The engine `sampler.engine` names, on the model's device and dtype, for sampler
-    `sampler_id` (None: no sampler's, e.g. an evaluation)."""
+    `sampler_id` (None: no sampler's, e.g. an evaluation); `group`: the MLX ranks it is split
+    over (sampler.ranks; workers/sampler/ranks.py starts them)."""
     choice = engine_choice(cfg.sampler.engine)
+    if cfg.sampler.ranks > 1 and choice != "mlx":
+        raise ConfigError(f"sampler.ranks = {cfg.sampler.ranks}: only sampler.engine = 'mlx' splits a model over "
+                          "processes; set it, or sampler.ranks = 1")
     if choice == "vllm":
         from echo.engines.vllm import VLLMEngine as engine
     elif choice == "mlx":
@@ -43,6 +47,6 @@ def make_engine(cfg: EchoConfig, sampler_id: str | None = None) -> Engine:
     if choice == "vllm":
         return engine(cfg.model, cfg.lora, cfg.sampling, record_routing)
     if choice == "mlx":
-        return engine(cfg.model, cfg.lora, cfg.sampling, record_routing)
+        return engine(cfg.model, cfg.lora, cfg.sampling, record_routing, group)
     return engine(cfg.model.name, cfg.lora, cfg.sampling, cfg.model.device, cfg.model.dtype,
                   record_routing=record_routing)

@@ -15,6 +15,15 @@ Where the run replays a mixture of experts' routing, the experts each of mlx-lm'
 (SwitchGLU) is sent are kept a forward, as the HF engines record a router's: every prompt token's
 and completion token's, the last token's row zeros (no forward took it as input).
 
+One model over several processes (`sampler.ranks`, `group`: an MLX distributed group, ring
+backend): mlx-lm's pipeline gives each rank a share of the decoder layers (rank 0 the last), and
+each loads only its own layers' weights and adapter. Rank 0 is the sampler, the only NATS client;
+every call and every version it gets goes to the other ranks first (`_send`: the command as JSON
+and bytes, never a pickle: the ring is plain TCP), which wait in `follow`. In generation every
+rank runs its layers and the head; the token is rank 0's draw, sent to the others once a step, so
+unlike hardware cannot diverge.
+A group's routing is then not recorded (each rank sees its own layers' experts only).
+
 A model whose architecture mlx-lm does not have, or an MLX not installed, is refused at start in
 one line.
 """
@@ -94,11 +103,29 @@ def recorded(model):
         SwitchGLU.__call__ = original
 
 
+def _draw_as_list(value):
+    """JSON for a call's draws (echo/noise.py's Draw: key, first, position)."""
+    if isinstance(value, Draw):
+        return [value.key, value.first, value.position]
+    raise TypeError(f"{type(value).__name__} is not sent between ranks")
+
+
+class _FromRank0:
+    """A following rank's NewerWeights: between chunks, what rank 0 swapped in (sent, then "go")."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def between_chunks(self) -> int | None:
+        return self.engine.follow(until="go")[1]
+
+
 class MLXEngine:
     name = "mlx"
     keyed_noise = True
 
-    def __init__(self, model: ModelConfig, lora: LoraConfig, sampling: SamplingConfig, record_routing: bool = False):
+    def __init__(self, model: ModelConfig, lora: LoraConfig, sampling: SamplingConfig, record_routing: bool = False,
+                 group=None):
         model_name, device, dtype = model.name, model.device, model.dtype
         mx, _ = _mlx()
         from mlx_lm.models.cache import make_prompt_cache
@@ -118,11 +145,22 @@ class MLXEngine:
             raise ConfigError(f"model.dtype {wanted!r}: sampling.dtypes {sampling.dtypes} do not allow it")
         self.dtype = DTYPES[wanted]
         folder = model_folder(model_name)
-        try:
-            self.model, _ = load_model(folder, model_config=_config_overrides(folder))
+        self.group = group if group is not None and group.size() > 1 else None
+        self.rank = 0 if self.group is None else self.group.rank()
+        try:  # lazily: on several ranks each reads only its own layers' weights
+            self.model, _ = load_model(folder, lazy=True, model_config=_config_overrides(folder))
         except (ValueError, TypeError, KeyError) as e:  # "Model type ... not supported.", a config it cannot read
             raise ConfigError(f"model.name {model_name!r}: mlx-lm cannot build it ({e}); "
                               "use sampler.engine = 'hf'") from None
+        if self.group is not None:
+            if record_routing:
+                raise ConfigError("sampler.ranks > 1 records no mixture-of-experts routing (each rank sees its own "
+                                  "layers' experts): a run with algorithm.router_replay = 'replay' samples unsplit")
+            if not hasattr(self.model.model, "pipeline"):
+                raise ConfigError(f"sampler.ranks = {self.group.size()}: mlx-lm cannot split {model_name!r} by layers "
+                                  "(its pipeline covers qwen2, qwen3_moe, deepseek: not llama); use sampler.ranks = 1")
+            self.model.model.pipeline(self.group)
+        mx.eval(self.model.parameters())
         if wanted != "float32":
             self.model.set_dtype(getattr(mx, wanted))
         self.tokenizer = load_tokenizer(model_name)
@@ -142,13 +180,23 @@ class MLXEngine:
         # A mixture of experts' routing shape, where its routing is recorded for the trainer to replay
         self.routing = replayed_shape(on_meta, model_name, record_routing)
         self.shapes = policy_shapes(make_policy(on_meta, lora))
+        # this rank's share of them (all of them on one rank)
+        self.mine = {k: v for k, v in self.shapes.items() if self._holds(k)}
         mine = self._published_shapes()
-        if mine != self.shapes:
+        if mine != self.mine:
             missing, extra = sorted(self.shapes.keys() - mine.keys())[:2], sorted(mine.keys() - self.shapes.keys())[:2]
             raise ConfigError(f"model.name {model_name!r}: the weights the trainer publishes do not map onto mlx-lm's "
                               f"model (not here: {missing}; only here: {extra}); use sampler.engine = 'hf'")
         self.temperature = sampling.temperature
         self.max_new_tokens, self.chunk_tokens = sampling.max_new_tokens, sampling.chunk_tokens
+
+    def _holds(self, name: str) -> bool:
+        """Whether this rank holds the published tensor `name` (a layer's: by its number; the rest,
+        the embeddings, norm and head, every rank)."""
+        layer = re.search(r"layers\.(\d+)\.", name)
+        inner = self.model.model
+        end = getattr(inner, "end_idx", None) or 1 << 30  # mlx-lm's pipeline's, where it split the model
+        return layer is None or getattr(inner, "start_idx", 0) <= int(layer[1]) < end
 
     def _linears(self):
         import mlx.nn as nn
@@ -162,7 +210,7 @@ class MLXEngine:
 
         flat = dict(tree_flatten(self.model.parameters()))
         if self.lora is None:
-            return {k: torch.Size(v.shape) for k, v in flat.items()}
+            return {k: torch.Size(v.shape) for k, v in flat.items() if self._holds(k)}
         shapes = {}
         for k, v in flat.items():
             if k.endswith(".lora_a"):  # (in, r): PEFT's A is (r, in)
@@ -176,12 +224,19 @@ class MLXEngine:
 
     def load_weights(self, shards: list[bytearray]) -> None:
         """Swap a published version in place (a LoRA adapter's A and B, or every weight), or raise
-        WeightsMismatch with the current weights kept: every name and shape is checked first."""
-        mx = self.mx
+        WeightsMismatch with the current weights kept: every name and shape is checked first (on
+        rank 0, before any other rank is sent them)."""
         incoming = shards_tensors(shards)
         check_tensors(self.shapes, incoming)
+        self._send(("load",), [bytes(s) for s in shards])
+        self._load(incoming)
+
+    def _load(self, incoming: dict[str, torch.Tensor]) -> None:
+        mx = self.mx
         pairs = []
         for key, tensor in incoming.items():
+            if not self._holds(key):
+                continue
             value = tensor.float().numpy()
             if self.lora is not None:
                 path, which = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
@@ -192,10 +247,68 @@ class MLXEngine:
             self.model.set_dtype(mx.bfloat16 if self.dtype == torch.bfloat16 else mx.float16)
         mx.eval(self.model.parameters())
 
+    # --- several ranks: rank 0 leads, the others follow -----------------------------------------
+
+    def _send(self, command: tuple, blobs: list[bytes] = ()) -> None:
+        """Rank 0: `command` (JSON-able) and `blobs` to every other rank (nothing on one rank, nor
+        on the others: they follow)."""
+        if self.group is not None and self.rank == 0:
+            self._broadcast(command, blobs)
+
+    def _broadcast(self, command: tuple = (), blobs: list[bytes] = ()) -> tuple[list, list[bytes]]:
+        """Rank 0's command and blobs, on every rank: its bytes summed with the others' zeros (two
+        all_sums: their length, then the bytes), a JSON head naming the blobs' sizes, then the
+        blobs. JSON, not a pickle: the ring is plain TCP, and what arrives is data, never code."""
+        mx = self.mx
+        data = b""
+        if self.rank == 0:
+            head = json.dumps([list(command), [len(b) for b in blobs]], default=_draw_as_list).encode()
+            data = b"".join([len(head).to_bytes(4, "little"), head, *blobs])
+        length = mx.distributed.all_sum(mx.array([len(data)], dtype=mx.int32), group=self.group).item()
+        payload = mx.array(np.frombuffer(data, dtype=np.uint8)) if self.rank == 0 else mx.zeros((length,), mx.uint8)
+        data = bytes(np.array(mx.distributed.all_sum(payload, group=self.group)))
+        size = int.from_bytes(data[:4], "little")
+        command, sizes = json.loads(data[4 : 4 + size])
+        blobs, at = [], 4 + size
+        for n in sizes:
+            blobs.append(data[at : at + n])
+            at += n
+        return command, blobs
+
+    def follow(self, until: str = "stop"):
+        """A rank other than 0: do what rank 0 sends (a version to load, a call to generate) until
+        it sends `until` (a call's chunk boundary: "go"; the end: "stop"); returns that command."""
+        while True:
+            command, blobs = self._broadcast()
+            if command[0] == until:
+                return command
+            if command[0] == "load":
+                self._load(shards_tensors([bytearray(b) for b in blobs]))
+            elif command[0] == "generate":
+                prompts, n, greedy, max_tokens, seed, draws, chunked = command[1:]
+                draws = None if draws is None else [Draw(*d) for d in draws]
+                self._generate(prompts, n, greedy, max_tokens, seed, draws, _FromRank0(self) if chunked else None)
+
+    def stop_followers(self) -> None:
+        """Rank 0, at the end: the other ranks leave `follow`."""
+        self._send(("stop",))
+
+    def _token(self, token: torch.Tensor) -> torch.Tensor:
+        """Rank 0's drawn tokens, on every rank (one all_sum a step)."""
+        if self.group is None:
+            return token
+        mine = token.numpy().astype(np.int32) if self.rank == 0 else np.zeros(len(token), np.int32)
+        return torch.from_numpy(np.array(self.mx.distributed.all_sum(self.mx.array(mine), group=self.group)))
+
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
                  newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
                  seed: int | None = None, draws: list[Draw] | None = None) -> list[list[Generation]]:
         """n completions a prompt, each prompt's n in one batch (see the module's docstring)."""
+        self._send(("generate", prompts, n, greedy, max_tokens, seed, draws, newer_weights is not None))
+        return self._generate(prompts, n, greedy, max_tokens, seed, draws, newer_weights)
+
+    def _generate(self, prompts: list[list[int]], n: int, greedy: bool, max_tokens: int | None, seed: int | None,
+                  draws: list[Draw] | None, newer_weights: NewerWeights | None = None) -> list[list[Generation]]:
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         limit = self.max_new_tokens if max_tokens is None else max_tokens
         out = []
@@ -231,6 +344,7 @@ class MLXEngine:
                 token = (scores.argmax(-1) if greedy
                          else torch.multinomial(torch.softmax(scores, -1), 1, generator=generator).squeeze(-1))
                 logprob = torch.log_softmax(scores, -1).gather(-1, token[:, None]).squeeze(-1)
+            token = self._token(token)
             for row in going:
                 tokens[row].append(int(token[row]))
                 logprobs[row].append(float(logprob[row]))
@@ -239,6 +353,7 @@ class MLXEngine:
                 break
             if newer_weights is not None and self.chunk_tokens and (step + 1) % self.chunk_tokens == 0:
                 version = newer_weights.between_chunks()  # the cache is kept, as generation keeps it
+                self._send(("go", version))  # after the version it swapped in, if any
                 if version is not None:
                     for row in going:
                         changes[row].append((step + 1, version))

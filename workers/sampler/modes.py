@@ -31,6 +31,7 @@ from streams.watch import LatestValue
 from workers.background import Background
 from workers.sampler.generation import Generation
 from workers.sampler.heartbeat import Heartbeat
+from workers.sampler.ranks import start_ranks
 from workers.sampler.weights import EngineWeights
 from workers.sampler.work import Work
 
@@ -140,8 +141,16 @@ async def run_sampler(cfg: EchoConfig, sampler_id: str) -> None:
     run = await open_run(cfg.nats.url, cfg.run.id, f"sampler-{sampler_id}", cfg.nats.hub_domain or None,
                          credentials=credentials_of(cfg.nats.creds, cfg.nats.tls_ca), create=False,
                          weights_url=cfg.nats.weights_url or None)
+    ranks = None
     try:
-        engine = make_engine(cfg, sampler_id)
+        group = None
+        if cfg.sampler.ranks > 1:  # one model over several processes: this one is rank 0
+            group, ranks = start_ranks(cfg)
+        engine = make_engine(cfg, sampler_id, group)
         await Sampler(cfg, sampler_id, run, engine, load_task(cfg.task)).serve()
+        if ranks is not None:
+            engine.stop_followers()
     finally:
+        if ranks is not None:
+            ranks.close()
         await run.close()
