@@ -205,9 +205,19 @@ class SamplerConfig(_Section):
     # auto: vLLM where it is installed and a CUDA device is present, else transformers (echo/engines/);
     # hf-paged: transformers' continuous batching over a paged cache (whole completions, as vllm).
     engine: Literal["auto", "hf", "hf-paged", "vllm", "mlx"] = "auto"
-    # engine = "mlx": the model split over this many processes of this box by mlx-lm's pipeline
-    # (each holds a share of the layers: what the split buys is memory); rank 0 is the sampler.
+    # engine = "mlx": the model split over this many processes by mlx-lm's pipeline (each holds a
+    # share of the layers, in proportion to its memory: what the split buys is memory); rank 0 is
+    # the sampler. On this box, started by it; on several, named by `hostfile`.
     ranks: int = Field(1, ge=1, le=64)
+    # MLX's ring hostfile (JSON: one ["host:port"] a rank, rank 0 first) for ranks on several
+    # machines, each started there with `echo-rl rank` (docs/operations.md); "": all on this box.
+    hostfile: str = ""
+    # The memory this rank offers the model's layers, in GB; 0: measured (a Mac's recommended
+    # working set, else the machine's physical memory).
+    memory_gb: float = Field(0.0, ge=0)
+    # A wait on the other ranks (a forward through their layers, a collective) longer than this:
+    # a rank hung. The sampler then starts its ranks again (workers/sampler/ranks.py).
+    rank_timeout_s: float = Field(60.0, gt=0)
     threads: int = Field(0, ge=0)  # torch threads; 0 leaves torch's default
     heartbeat_s: float = Field(5.0, gt=0)  # how often a sampler writes its status to the run's KV
     # What this machine costs per hour (the scheduler's input, any currency): its own, never

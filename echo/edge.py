@@ -28,6 +28,7 @@ _THIS_BOX = [
     ("nats", "creds"), ("nats", "tls_ca"), ("nats", "weights_url"),  # its own files and relay
     ("model", "device"), ("model", "dtype"), ("sampler", "engine"), ("sampler", "threads"),  # its hardware
     ("sampler", "cost_per_hour"), ("sampler", "throttle_s"),
+    ("sampler", "ranks"), ("sampler", "hostfile"), ("sampler", "memory_gb"), ("sampler", "rank_timeout_s"),  # its split
     ("task", "params", "path"),  # a dataset file on the trainer's box: samplers read its prompts from the broker
 ]
 

@@ -135,7 +135,8 @@ def test_a_local_model_folder_loads(tmp_path):
 
 def test_an_edge_sampler_reads_the_runs_config_from_nats_and_keeps_its_own_hardware(nats_server, tmp_path):
     cfg = tiny_config(tmp_path, run={"id": "edge"}, nats={"url": "nats://trainer-side:4222"},
-                      model={"name": "tiny", "device": "cuda:1", "dtype": "bfloat16"}, sampler={"engine": "vllm"})
+                      model={"name": "tiny", "device": "cuda:1", "dtype": "bfloat16"},
+                      sampler={"engine": "vllm", "ranks": 4, "hostfile": "/etc/ring.json", "memory_gb": 80.0})
     args = build_parser().parse_args(
         ["sampler", "--id", "laptop", "--nats", nats_server.url, "--run-id", "edge", "--set", "sampler.threads=3",
          "--set", "model.dtype=float16"]
@@ -152,6 +153,8 @@ def test_an_edge_sampler_reads_the_runs_config_from_nats_and_keeps_its_own_hardw
     assert got.sampler.threads == 3 and got.sampling == cfg.sampling and got.task == cfg.task
     # The trainer's GPU is not this laptop's: device and engine are its own defaults, dtype its flag.
     assert (got.model.device, got.model.dtype, got.sampler.engine) == ("auto", "float16", "auto")
+    # Nor its split: how many processes to start and which file to read are this box's to say.
+    assert (got.sampler.ranks, got.sampler.hostfile, got.sampler.memory_gb) == (1, "", 0.0)
 
 
 def test_a_person_waiting_on_a_command_gets_one_line_for_a_refused_broker_or_a_wrong_run(secured, tmp_path, capsys,

@@ -3,9 +3,16 @@ trainer's under the same weights, every version swapped in place; its keyed draw
 the trainer draws again (the proof passes them, and strikes a forged token); partial rollouts
 change versions between chunks; what it cannot take is refused at start or at load."""
 
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
 
 import numpy as np
+import psutil
 import pytest
 import safetensors.torch
 import torch
@@ -20,10 +27,10 @@ from tests.conftest import tiny_config
 from tests.groups import TASK, honest_group, keyed_groups, perturb
 from tests.swarms import assert_every_group_proved, run_swarm
 from workers.sampler.generation import generate_groups
-from workers.sampler.ranks import WATCH_S, start_ranks
+from workers.sampler.ranks import start_ranks
 
 mx = pytest.importorskip("mlx.core")
-from echo.engines.mlx import MLXEngine  # noqa: E402  (needs mlx)
+from echo.engines.mlx import MLXEngine, layer_split  # noqa: E402  (needs mlx)
 
 LORA = LoraConfig(r=4, alpha=8.0)
 SAMPLING = SamplingConfig(group_size=8, max_new_tokens=24, temperature=1.0)
@@ -183,19 +190,26 @@ def test_mlx_samplers_train_an_async_swarm_every_group_proved(tmp_path, model, o
     assert all((r["group"]["routing"] is not None) == (model == "tiny-moe") for r in stream)
 
 
-def test_one_model_over_two_ranks_draws_what_it_draws_whole_and_a_lost_rank_is_noticed(tmp_path):
+def test_one_model_over_two_ranks_draws_what_it_draws_whole_and_a_hung_or_lost_rank_is_noticed(tmp_path):
     """sampler.ranks = 2 on this box: rank 1 started here (workers/sampler/ranks.py), mlx-lm's
     pipeline giving each rank half the layers. Versions and calls go from rank 0 to rank 1; the
     split model's keyed draws and log-probs are the whole model's, a version swapped in between
-    chunks included. Rank 1 killed: noticed within RankWatch's bound."""
+    chunks included. Rank 1 stopped (SIGSTOP: hung, not gone) during a call: noticed once rank 0
+    has waited sampler.rank_timeout_s, not before; then killed: the call fails, and the watch
+    names the exit."""
+    timeout_s = 3.0
     cfg = tiny_config(tmp_path, lora={"r": LORA.r, "alpha": LORA.alpha},
-                      sampling={**SAMPLING.model_dump(), "chunk_tokens": 8}, sampler={"engine": "mlx", "ranks": 2})
+                      sampling={**SAMPLING.model_dump(), "chunk_tokens": 8},
+                      sampler={"engine": "mlx", "ranks": 2, "rank_timeout_s": timeout_s})
     _, versions = _versions("tiny", LORA, 2)
     lost = []
-    group, watch = start_ranks(cfg, on_lost=lambda rank, code: lost.append(rank))
+    group, watch = start_ranks(cfg, on_lost=lambda why: lost.append((why, time.monotonic())))
     split = MLXEngine(_model("tiny"), LORA, cfg.sampling, group=group)
+    watch.engine = split
     whole = MLXEngine(_model("tiny"), LORA, cfg.sampling)
-    assert split.model.model.end_idx - split.model.model.start_idx == 1  # its half of the tiny model's 2 layers
+    assert split.layers == (1, 2)  # its half of the tiny model's 2 layers: rank 0 the last
+    # each rank holds the embeddings, head and its layer: less than the whole, together more
+    assert len(split.rank_mb) == 2 and max(split.rank_mb) < whole.rank_mb[0] < sum(split.rank_mb)
 
     class OneSwap:  # each engine's weights room: version 1 after the first chunk
         def __init__(self, engine):
@@ -219,17 +233,118 @@ def test_one_model_over_two_ranks_draws_what_it_draws_whole_and_a_lost_rank_is_n
     assert max(abs(a - b) for x, y in zip(got["split"], got["whole"]) for g, h in zip(x, y)
                for a, b in zip(g.logprobs, h.logprobs)) < 1e-5
     assert any(g.version_changes for gens in got["split"] for g in gens)
-    started = time.perf_counter()
-    watch.processes[0].kill()
-    while not lost and time.perf_counter() - started < 10 * WATCH_S:
-        time.sleep(0.02)
-    assert lost == [1] and time.perf_counter() - started < 2 * WATCH_S + 0.5
+    assert watch.trouble(time.monotonic()) is None and not lost  # a whole call's waits, none too long
+
+    rank1 = watch.processes[0]
+    rank1.send_signal(signal.SIGSTOP)
+    failed = []
+
+    def call():
+        try:
+            split.generate(ids, 8, draws=draws)
+        except RuntimeError as e:  # the ring's "connection to a peer was lost", once rank 1 is killed
+            failed.append(str(e))
+
+    started = time.monotonic()
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    while not lost and time.monotonic() - started < 60:
+        time.sleep(0.05)
+    (why, at), = lost
+    assert "no answer from the other ranks" in why and at - started >= timeout_s
+    rank1.kill()
+    caller.join(timeout=60)
+    assert failed and "peer" in failed[0]
+    assert watch.trouble(time.monotonic()) == "rank 1 exited with code -9"
 
 
-def test_a_split_mlx_sampler_trains_a_swarm_every_group_proved(tmp_path):
+def test_the_layers_are_split_in_proportion_to_each_ranks_memory():
+    """mlx-lm's pipeline takes a count a rank; each gets its share by memory, at least one layer."""
+    assert layer_split(30, [16.0, 16.0]) == [15, 15]
+    assert layer_split(30, [8.0, 16.0, 8.0]) == [8, 14, 8]  # 27 spread: 6.75, 13.5, 6.75, then the remainders
+    assert layer_split(31, [1.0, 1.0]) == [16, 15]  # a tie: the lower rank, as mlx-lm's even split
+    assert layer_split(4, [1.0, 1000.0]) == [1, 3]  # the smallest still holds a layer
+    assert sum(layer_split(61, [24.0, 36.0, 128.0, 8.0])) == 61
+    with pytest.raises(ConfigError, match="sampler.ranks = 3: the model has 2 decoder layers"):
+        layer_split(2, [1.0, 1.0, 1.0])
+
+
+def test_a_split_mlx_sampler_trains_a_swarm_every_group_proved_through_a_hung_and_a_killed_rank(tmp_path):
     """`echo-rl up` with sampler.ranks = 2: each sampler starts its second rank itself, and the
-    trainer proves every group."""
-    metrics, stream, stderr = run_swarm(tmp_path, "mlx-split", 3, 'sampler.engine="mlx"', "sampler.ranks=2")
-    assert_every_group_proved(metrics)
-    assert stream and {r["group"]["engine"] for r in stream} == {"mlx"} and "sampler.ranks" in stderr
+    trainer proves every group. Once the run is under way, s1's rank 1 hangs (SIGSTOP) and s2's
+    is killed: neither sampler can generate until it starts again with new ranks, so the run
+    ends only if both did (each says why), and it trains nothing but proven groups."""
+    run_dir = tmp_path / "mlx-split"
 
+    def disturb(up_pid: int) -> None:
+        while not ((run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_bytes()):
+            time.sleep(0.1)  # a step trained: both samplers' ranks are up
+        ranks = sorted((p for p in psutil.Process(up_pid).children(recursive=True)
+                        if "workers.sampler.ranks" in " ".join(p.cmdline())), key=lambda p: p.ppid())
+        hung, killed = ranks
+        hung.suspend()
+        killed.kill()
+
+    metrics, stream, stderr = run_swarm(tmp_path, "mlx-split", 4, 'sampler.engine="mlx"', "sampler.ranks=2",
+                                        "sampler.rank_timeout_s=3", meanwhile=disturb)
+    assert_every_group_proved(metrics)
+    assert stream and {r["group"]["engine"] for r in stream} == {"mlx"}
+    lost = [line for line in stderr.splitlines() if "sampler.rank_lost" in line]
+    assert any("no answer from the other ranks" in line for line in lost), stderr[-3000:]
+    assert any("exited with code -9" in line or "a collective failed" in line for line in lost), stderr[-3000:]
+    assert stderr.count("sampler.ranks") >= 4  # each sampler's ranks, and each again
+
+
+RANK0 = """
+import json, os, sys
+from pathlib import Path
+from echo.config import load_config
+from echo.engines.mlx import MLXEngine
+from workers.sampler.ranks import start_ranks
+cfg = load_config(Path(sys.argv[1]))
+group, watch = start_ranks(cfg, on_lost=lambda why: None)
+engine = MLXEngine(cfg.model, cfg.lora, cfg.sampling, group=group)
+engine.load_weights([bytearray(Path(sys.argv[2]).read_bytes())])
+out = engine.generate(json.loads(sys.argv[3]), 4, greedy=True)
+print(json.dumps([[g.token_ids for g in gens] for gens in out]), flush=True)
+if sys.argv[4] == "vanish":
+    os._exit(0)  # as a machine that drops off: no word to rank 1
+engine.stop_followers()
+"""
+
+
+def test_ranks_on_other_machines_follow_a_hostfile_and_outlive_rank_0(tmp_path):
+    """sampler.hostfile: rank 1 started by its own command (`echo-rl rank`, as on another box),
+    rank 0 (the sampler) starting none. The split model generates the whole model's tokens. Rank 0
+    gone without a word: rank 1 starts again by itself (the same port) and serves the next rank 0;
+    told to stop, it exits."""
+    ports = [socket.socket(), socket.socket()]
+    for s in ports:
+        s.bind(("127.0.0.1", 0))
+    hostfile = tmp_path / "ring.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{s.getsockname()[1]}"] for s in ports]))
+    for s in ports:
+        s.close()
+    cfg = tiny_config(tmp_path, sampler={"engine": "mlx", "ranks": 2, "hostfile": str(hostfile)})
+    config = tmp_path / "sampler.toml"
+    config.write_text(cfg.to_toml())
+    _, versions = _versions("tiny", cfg.lora, 1)
+    (weights := tmp_path / "v0.safetensors").write_bytes(bytes(versions[0][0]))
+    whole = MLXEngine(_model("tiny"), cfg.lora, cfg.sampling)
+    whole.load_weights(versions[0])
+    ids = [whole.encode_chat(TASK.prompt(i).messages) for i in (1, 2)]
+    expected = [[g.token_ids for g in gens] for gens in whole.generate(ids, 4, greedy=True)]
+
+    rank1 = subprocess.Popen([sys.executable, "-m", "workers.cli", "rank", "--config", str(config), "--rank", "1"],
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        for end in ("vanish", "stop"):
+            rank0 = subprocess.run([sys.executable, "-c", RANK0, str(config), str(weights), json.dumps(ids), end],
+                                   capture_output=True, text=True, timeout=300)
+            assert rank0.returncode == 0, rank0.stderr[-3000:]
+            assert json.loads(rank0.stdout.splitlines()[-1]) == expected
+        assert rank1.wait(timeout=120) == 0
+        said = rank1.stderr.read()
+        assert said.count("rank.ready") == 2 and "rank.group_lost" in said, said[-3000:]
+    finally:
+        rank1.kill()

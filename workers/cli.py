@@ -28,13 +28,13 @@ from echo.config import ConfigError
 from streams.server import nats_server_binary
 from workers.operator import (evaluate, export_env, hub, plan, quarantine, relay, replay, report, secure, show_config,
                               status, up)
-from workers.sampler import sampler
+from workers.sampler import ranks, sampler
 from workers.trainer import trainer
 
 # In this order in `echo-rl --help`.
 COMMANDS = {command.NAME: command
-            for command in (up, hub, trainer, sampler, relay, secure, evaluate, report, replay, quarantine, status,
-                            plan, show_config, export_env)}
+            for command in (up, hub, trainer, sampler, ranks, relay, secure, evaluate, report, replay, quarantine,
+                            status, plan, show_config, export_env)}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -47,6 +47,6 @@ def make_engine(cfg: EchoConfig, sampler_id: str | None = None, group=None) -> E
     if choice == "vllm":
         return engine(cfg.model, cfg.lora, cfg.sampling, record_routing)
     if choice == "mlx":
-        return engine(cfg.model, cfg.lora, cfg.sampling, record_routing, group)
+        return engine(cfg.model, cfg.lora, cfg.sampling, record_routing, group, cfg.sampler.memory_gb)
     return engine(cfg.model.name, cfg.lora, cfg.sampling, cfg.model.device, cfg.model.dtype,
                   record_routing=record_routing)

@@ -16,12 +16,15 @@ Where the run replays a mixture of experts' routing, the experts each of mlx-lm'
 and completion token's, the last token's row zeros (no forward took it as input).
 
 One model over several processes (`sampler.ranks`, `group`: an MLX distributed group, ring
-backend): mlx-lm's pipeline gives each rank a share of the decoder layers (rank 0 the last), and
-each loads only its own layers' weights and adapter. Rank 0 is the sampler, the only NATS client;
+backend): mlx-lm's pipeline gives each rank a share of the decoder layers (rank 0 the last), in
+proportion to the memory each offers (`layer_split`), and each loads only its own layers' weights
+and adapter. Every rank's base model must be rank 0's, by digest. Rank 0 is the sampler, the only NATS client;
 every call and every version it gets goes to the other ranks first (`_send`: the command as JSON
 and bytes, never a pickle: the ring is plain TCP), which wait in `follow`. In generation every
 rank runs its layers and the head; the token is rank 0's draw, sent to the others once a step, so
-unlike hardware cannot diverge.
+unlike hardware cannot diverge. While rank 0 waits on the others (a forward through their
+layers, a collective), `waiting_since` says since when: a watchdog (workers/sampler/ranks.py)
+reads it to tell a hung rank from a slow one.
 A group's routing is then not recorded (each rank sees its own layers' experts only).
 
 A model whose architecture mlx-lm does not have, or an MLX not installed, is refused at start in
@@ -32,8 +35,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import resource
+import time
 
 import numpy as np
 import torch
@@ -120,12 +125,35 @@ class _FromRank0:
         return self.engine.follow(until="go")[1]
 
 
+def layer_split(layers: int, memory: list[float]) -> list[int]:
+    """Each rank's number of decoder layers (mlx-lm's pipeline's `split`, by rank), in proportion
+    to the memory each offers: at least one each, the largest remainders taking what rounding
+    leaves (the lower rank first on a tie, as mlx-lm's even split)."""
+    ranks = len(memory)
+    if not 1 <= ranks <= layers:
+        raise ConfigError(f"sampler.ranks = {ranks}: the model has {layers} decoder layers, at least one a rank")
+    weights = memory if all(m > 0 for m in memory) else [1.0] * ranks
+    exact = [(layers - ranks) * w / sum(weights) for w in weights]
+    split = [1 + int(e) for e in exact]
+    for r in sorted(range(ranks), key=lambda r: (int(exact[r]) - exact[r], r))[: layers - sum(split)]:
+        split[r] += 1
+    return split
+
+
+def _memory_gb() -> float:
+    """This machine's memory for the model: a Mac's recommended working set for Metal, else its
+    physical memory."""
+    info = _mlx()[0].device_info()
+    size = info.get("max_recommended_working_set_size") or info.get("memory_size")
+    return (size or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 2**30
+
+
 class MLXEngine:
     name = "mlx"
     keyed_noise = True
 
     def __init__(self, model: ModelConfig, lora: LoraConfig, sampling: SamplingConfig, record_routing: bool = False,
-                 group=None):
+                 group=None, memory_gb: float = 0.0):
         model_name, device, dtype = model.name, model.device, model.dtype
         mx, _ = _mlx()
         from mlx_lm.models.cache import make_prompt_cache
@@ -147,6 +175,7 @@ class MLXEngine:
         folder = model_folder(model_name)
         self.group = group if group is not None and group.size() > 1 else None
         self.rank = 0 if self.group is None else self.group.rank()
+        self.waiting_since: float | None = None
         try:  # lazily: on several ranks each reads only its own layers' weights
             self.model, _ = load_model(folder, lazy=True, model_config=_config_overrides(folder))
         except (ValueError, TypeError, KeyError) as e:  # "Model type ... not supported.", a config it cannot read
@@ -159,8 +188,12 @@ class MLXEngine:
             if not hasattr(self.model.model, "pipeline"):
                 raise ConfigError(f"sampler.ranks = {self.group.size()}: mlx-lm cannot split {model_name!r} by layers "
                                   "(its pipeline covers qwen2, qwen3_moe, deepseek: not llama); use sampler.ranks = 1")
-            self.model.model.pipeline(self.group)
+            self._same_base(model_name)
+            memory = self._gathered(memory_gb or _memory_gb())
+            self.model.model.pipeline(self.group, layer_split(len(self.model.model.layers), memory))
         mx.eval(self.model.parameters())
+        inner = self.model.model  # the decoder layers this rank runs, [first, last + 1): mlx-lm's pipeline's
+        self.layers = (getattr(inner, "start_idx", 0), getattr(inner, "end_idx", None) or len(inner.layers))
         if wanted != "float32":
             self.model.set_dtype(getattr(mx, wanted))
         self.tokenizer = load_tokenizer(model_name)
@@ -189,14 +222,46 @@ class MLXEngine:
                               f"model (not here: {missing}; only here: {extra}); use sampler.engine = 'hf'")
         self.temperature = sampling.temperature
         self.max_new_tokens, self.chunk_tokens = sampling.max_new_tokens, sampling.chunk_tokens
+        # each rank's weights in MB, by rank (what the split buys); one rank: the whole model's
+        self.rank_mb = [self._held_mb()] if self.group is None else self._gathered(self._held_mb())
+
+    def _held_mb(self) -> float:
+        from mlx.utils import tree_flatten
+
+        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters())) / 2**20
 
     def _holds(self, name: str) -> bool:
         """Whether this rank holds the published tensor `name` (a layer's: by its number; the rest,
         the embeddings, norm and head, every rank)."""
         layer = re.search(r"layers\.(\d+)\.", name)
-        inner = self.model.model
-        end = getattr(inner, "end_idx", None) or 1 << 30  # mlx-lm's pipeline's, where it split the model
-        return layer is None or getattr(inner, "start_idx", 0) <= int(layer[1]) < end
+        return layer is None or self.layers[0] <= int(layer[1]) < self.layers[1]
+
+    def _same_base(self, model_name: str) -> None:
+        """Every rank's base model is rank 0's, by content (ranks on other machines keep their own
+        copies): one that differs stops at start."""
+        from echo.models import base_model_digest
+
+        mine = base_model_digest(model_name)
+        (_, theirs), _ = self._broadcast(("base", mine))
+        if theirs != mine:
+            raise ConfigError(f"model.name {model_name!r}: this rank's copy differs from rank 0's "
+                              f"(digest {mine[:12]}, rank 0's {theirs[:12]}): give every rank the same model")
+
+    def _gathered(self, value: float) -> list[float]:
+        """Every rank's `value`, by rank, on every rank."""
+        mx = self.mx
+        mine = np.zeros(self.group.size(), np.float32)
+        mine[self.rank] = value
+        return np.array(mx.distributed.all_sum(mx.array(mine), group=self.group)).tolist()
+
+    @contextlib.contextmanager
+    def _waiting(self):
+        """Rank 0 waits on the other ranks inside: `waiting_since` says since when."""
+        self.waiting_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self.waiting_since = None
 
     def _linears(self):
         import mlx.nn as nn
@@ -264,9 +329,10 @@ class MLXEngine:
         if self.rank == 0:
             head = json.dumps([list(command), [len(b) for b in blobs]], default=_draw_as_list).encode()
             data = b"".join([len(head).to_bytes(4, "little"), head, *blobs])
-        length = mx.distributed.all_sum(mx.array([len(data)], dtype=mx.int32), group=self.group).item()
-        payload = mx.array(np.frombuffer(data, dtype=np.uint8)) if self.rank == 0 else mx.zeros((length,), mx.uint8)
-        data = bytes(np.array(mx.distributed.all_sum(payload, group=self.group)))
+        with self._waiting():
+            length = mx.distributed.all_sum(mx.array([len(data)], dtype=mx.int32), group=self.group).item()
+            payload = mx.array(np.frombuffer(data, dtype=np.uint8)) if self.rank == 0 else mx.zeros((length,), mx.uint8)
+            data = bytes(np.array(mx.distributed.all_sum(payload, group=self.group)))
         size = int.from_bytes(data[:4], "little")
         command, sizes = json.loads(data[4 : 4 + size])
         blobs, at = [], 4 + size
@@ -298,7 +364,8 @@ class MLXEngine:
         if self.group is None:
             return token
         mine = token.numpy().astype(np.int32) if self.rank == 0 else np.zeros(len(token), np.int32)
-        return torch.from_numpy(np.array(self.mx.distributed.all_sum(self.mx.array(mine), group=self.group)))
+        with self._waiting():
+            return torch.from_numpy(np.array(self.mx.distributed.all_sum(self.mx.array(mine), group=self.group)))
 
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
                  newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
@@ -337,7 +404,8 @@ class MLXEngine:
         changes: list[list[tuple[int, int]]] = [[] for _ in range(n)]
         going = list(range(n))
         for step in range(limit):
-            scores = torch.from_numpy(np.array(logits.astype(mx.float32))) / self.temperature
+            with self._waiting():  # split, the forward runs through every rank's layers here (MLX is lazy)
+                scores = torch.from_numpy(np.array(logits.astype(mx.float32))) / self.temperature
             if draw is not None:
                 _, token, logprob = keyed_draw(scores, low, high, completion, torch.full((n,), draw.position + step))
             else:

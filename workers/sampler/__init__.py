@@ -12,7 +12,8 @@ and touches only what it names:
   (streams/rollouts.py), and the call's measured pace;
 - heartbeat.py: the sampler's status in the run's registry (streams/registry.py), what it reads
   back (quarantined, the run finished), and its last word when it stops;
-- ranks.py: an MLX model split over several processes of this box (sampler.ranks): the other
-  ranks started, and watched (a lost one ends the sampler, saying so).
+- ranks.py: an MLX model split over several processes (sampler.ranks): the other ranks, started
+  here or on other boxes (`echo-rl rank`, sampler.hostfile), watched; a lost or hung one starts
+  the sampler again.
 Either way the trainer grants the work: a sampler generates nothing unasked.
 """

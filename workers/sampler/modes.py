@@ -147,7 +147,16 @@ async def run_sampler(cfg: EchoConfig, sampler_id: str) -> None:
         if cfg.sampler.ranks > 1:  # one model over several processes: this one is rank 0
             group, ranks = start_ranks(cfg)
         engine = make_engine(cfg, sampler_id, group)
-        await Sampler(cfg, sampler_id, run, engine, load_task(cfg.task)).serve()
+        if ranks is not None:
+            ranks.engine = engine  # its waits on the other ranks, watched
+            log.info("sampler.split", layers=list(engine.layers),
+                     weights_mb=[round(mb, 1) for mb in engine.rank_mb])
+        try:
+            await Sampler(cfg, sampler_id, run, engine, load_task(cfg.task)).serve()
+        except RuntimeError as e:  # "[ring] connection to a peer was lost": a rank of another box
+            if ranks is None or "[ring]" not in str(e):
+                raise
+            ranks.lost(f"a collective failed: {e}")
         if ranks is not None:
             engine.stop_followers()
     finally:
