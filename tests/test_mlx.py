@@ -3,6 +3,8 @@ trainer's under the same weights, every version swapped in place; its keyed draw
 the trainer draws again (the proof passes them, and strikes a forged token); partial rollouts
 change versions between chunks; what it cannot take is refused at start or at load."""
 
+import asyncio
+import contextlib
 import json
 import signal
 import socket
@@ -17,12 +19,14 @@ import pytest
 import safetensors.torch
 import torch
 
-from echo.config import ConfigError, LoraConfig, ModelConfig, SamplingConfig
+from echo.config import ConfigError, LoraConfig, ModelConfig, SamplingConfig, load_config
 from echo.engines.hf import HFEngine
 from echo.noise import Draw, group_key
 from echo.policy import WeightsMismatch, group_logprobs, load_weights, tensors_from_buffer, weights_shards
 from echo.proof import ProofSettings, SamplingProof
 from echo.wire.names import Version
+from streams.client import open_run
+from streams.registry import read_statuses
 from tests.conftest import tiny_config
 from tests.groups import TASK, honest_group, keyed_groups, perturb
 from tests.swarms import assert_every_group_proved, run_swarm
@@ -272,27 +276,62 @@ def test_the_layers_are_split_in_proportion_to_each_ranks_memory():
 def test_a_split_mlx_sampler_trains_a_swarm_every_group_proved_through_a_hung_and_a_killed_rank(tmp_path):
     """`echo-rl up` with sampler.ranks = 2: each sampler starts its second rank itself, and the
     trainer proves every group. Once the run is under way, s1's rank 1 hangs (SIGSTOP) and s2's
-    is killed: neither sampler can generate until it starts again with new ranks, so the run
-    ends only if both did (each says why), and it trains nothing but proven groups."""
+    is killed, with the trainer held still (SIGSTOP: no grant, so no call, and the run cannot end
+    meanwhile): each sampler notices (the hung rank by rank 0's ping between calls) and starts
+    again with a new rank. Then the run goes on, and trains nothing but proven groups."""
     run_dir = tmp_path / "mlx-split"
 
+    def ranks_of(up: psutil.Process) -> dict[int, int]:
+        """The sampler ranks running under `up`: pid -> its sampler's pid."""
+        ranks = {}
+        for p in up.children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):  # a zombie or gone: not running
+                if "workers.sampler.ranks" in " ".join(p.cmdline()):
+                    ranks[p.pid] = p.ppid()
+        return ranks
+
+    def heartbeats() -> dict[str, str]:
+        """Each sampler's process, as its heartbeat names it (a new one: it started again)."""
+        async def read():
+            run = await open_run(load_config(run_dir / "config.toml").nats.url, "mlx-split", "check", create=False)
+            try:
+                return {s.sampler_id: s.process for s in await read_statuses(run)}
+            finally:
+                await run.close()
+        return asyncio.run(read())
+
+    failed = []
+
     def disturb(up_pid: int) -> None:
+        up = psutil.Process(up_pid)
         while not ((run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_bytes()):
             time.sleep(0.1)  # a step trained: both samplers' ranks are up
-        ranks = sorted((p for p in psutil.Process(up_pid).children(recursive=True)
-                        if "workers.sampler.ranks" in " ".join(p.cmdline())), key=lambda p: p.ppid())
-        hung, killed = ranks
-        hung.suspend()
-        killed.kill()
+        ranks, before = ranks_of(up), heartbeats()
+        (hung, _), (killed, _) = ranks.items()
+        trainer, = [p for p in up.children() if p.pid not in ranks.values() and "nats" not in p.name()]
+        trainer.suspend()
+        try:
+            psutil.Process(hung).suspend()
+            psutil.Process(killed).kill()
+            deadline = time.monotonic() + 300  # a guard: each sampler is back in seconds
+            while (now := heartbeats()).keys() != before.keys() or any(now[s] == before[s] for s in before):
+                assert time.monotonic() < deadline, f"not every sampler started again: {before} {now}"
+                time.sleep(0.2)
+        except BaseException as e:
+            failed.append(e)
+        finally:
+            trainer.resume()
 
     metrics, stream, stderr = run_swarm(tmp_path, "mlx-split", 4, 'sampler.engine="mlx"', "sampler.ranks=2",
                                         "sampler.rank_timeout_s=3", meanwhile=disturb)
+    assert not failed, failed
     assert_every_group_proved(metrics)
     assert stream and {r["group"]["engine"] for r in stream} == {"mlx"}
     lost = [line for line in stderr.splitlines() if "sampler.rank_lost" in line]
-    assert any("no answer from the other ranks" in line for line in lost), stderr[-3000:]
-    assert any("exited with code -9" in line or "a collective failed" in line for line in lost), stderr[-3000:]
-    assert stderr.count("sampler.ranks") >= 4  # each sampler's ranks, and each again
+    assert len(lost) == 2, stderr[-3000:]
+    assert any("no answer from the other ranks" in line for line in lost), lost
+    assert any("exited with code -9" in line or "a collective failed" in line for line in lost), lost
+    assert stderr.count("sampler.split") == 4  # each sampler's ranks, and each again
 
 
 RANK0 = """

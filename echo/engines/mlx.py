@@ -38,6 +38,7 @@ import json
 import os
 import re
 import resource
+import threading
 import time
 
 import numpy as np
@@ -176,6 +177,8 @@ class MLXEngine:
         self.group = group if group is not None and group.size() > 1 else None
         self.rank = 0 if self.group is None else self.group.rank()
         self.waiting_since: float | None = None
+        self._calling = threading.RLock()  # rank 0's calls, one at a time: each a sequence of collectives
+        self._followed = self.group is not None  # other ranks follow this one (till stop_followers)
         try:  # lazily: on several ranks each reads only its own layers' weights
             self.model, _ = load_model(folder, lazy=True, model_config=_config_overrides(folder))
         except (ValueError, TypeError, KeyError) as e:  # "Model type ... not supported.", a config it cannot read
@@ -293,8 +296,9 @@ class MLXEngine:
         rank 0, before any other rank is sent them)."""
         incoming = shards_tensors(shards)
         check_tensors(self.shapes, incoming)
-        self._send(("load",), [bytes(s) for s in shards])
-        self._load(incoming)
+        with self._calling:
+            self._send(("load",), [bytes(s) for s in shards])
+            self._load(incoming)
 
     def _load(self, incoming: dict[str, torch.Tensor]) -> None:
         mx = self.mx
@@ -348,7 +352,7 @@ class MLXEngine:
             command, blobs = self._broadcast()
             if command[0] == until:
                 return command
-            if command[0] == "load":
+            if command[0] == "load":  # else "ping": nothing to do
                 self._load(shards_tensors([bytearray(b) for b in blobs]))
             elif command[0] == "generate":
                 prompts, n, greedy, max_tokens, seed, draws, chunked = command[1:]
@@ -356,8 +360,10 @@ class MLXEngine:
                 self._generate(prompts, n, greedy, max_tokens, seed, draws, _FromRank0(self) if chunked else None)
 
     def stop_followers(self) -> None:
-        """Rank 0, at the end: the other ranks leave `follow`."""
-        self._send(("stop",))
+        """Rank 0, at the end: the other ranks leave `follow` (and no ping follows)."""
+        with self._calling:
+            self._send(("stop",))
+            self._followed = False
 
     def _token(self, token: torch.Tensor) -> torch.Tensor:
         """Rank 0's drawn tokens, on every rank (one all_sum a step)."""
@@ -371,8 +377,23 @@ class MLXEngine:
                  newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
                  seed: int | None = None, draws: list[Draw] | None = None) -> list[list[Generation]]:
         """n completions a prompt, each prompt's n in one batch (see the module's docstring)."""
-        self._send(("generate", prompts, n, greedy, max_tokens, seed, draws, newer_weights is not None))
-        return self._generate(prompts, n, greedy, max_tokens, seed, draws, newer_weights)
+        with self._calling:
+            self._send(("generate", prompts, n, greedy, max_tokens, seed, draws, newer_weights is not None))
+            return self._generate(prompts, n, greedy, max_tokens, seed, draws, newer_weights)
+
+    def ping(self) -> bool:
+        """Rank 0, between calls: one round trip through every rank, so that a rank hung while the
+        sampler is idle is noticed too. False, doing nothing, while a call is under way (its own
+        waits are watched)."""
+        if not self._calling.acquire(blocking=False):
+            return False
+        try:
+            if not self._followed:
+                return False
+            self._send(("ping",))
+        finally:
+            self._calling.release()
+        return True
 
     def _generate(self, prompts: list[list[int]], n: int, greedy: bool, max_tokens: int | None, seed: int | None,
                   draws: list[Draw] | None, newer_weights: NewerWeights | None = None) -> list[list[Generation]]:

@@ -8,9 +8,11 @@ several boxes (`sampler.hostfile`) each other box runs `echo-rl rank --config FI
 
 A lost rank: one that exits, or a wait on the others longer than `sampler.rank_timeout_s` (a
 hung one: MLX's collectives have no timeout), is noticed by rank 0's `RankWatch` within
-WATCH_S of either. The sampler then starts again as a new process (exec: an MLX group cannot be
-rebuilt in a process), with new ranks, at most MAX_RESTARTS times; meanwhile its heartbeat
-stops and the trainer hands its slots to the others. A rank of another box, its group lost,
+WATCH_S of either; between calls rank 0 pings the others every PING_S, so a hung rank is
+noticed within rank_timeout_s + PING_S + WATCH_S whatever the sampler is doing. The sampler
+then starts again as a new process (exec: an MLX group cannot be rebuilt in a process), with new
+ranks, at most MAX_RESTARTS times; meanwhile its heartbeat stops and the trainer hands its slots
+to the others. A rank of another box, its group lost,
 starts again the same way and waits for rank 0.
 """
 
@@ -35,6 +37,7 @@ log = structlog.get_logger()
 
 NAME = "rank"
 WATCH_S = 0.5  # how often rank 0 looks at the other ranks
+PING_S = 5.0  # between calls, rank 0 pings the others this often: a rank hung while idle is noticed too
 MAX_RESTARTS = 5  # a sampler whose ranks keep failing stops, saying so, rather than loop for ever
 RESTARTS = "ECHO_RANK_RESTARTS"  # how many times this process's ancestors started again
 
@@ -97,6 +100,16 @@ class RankWatch:
         self.engine = None
         self.stopped, self._once = threading.Event(), threading.Lock()
         threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
+        threading.Thread(target=self._ping, name="rank-ping", daemon=True).start()
+
+    def _ping(self) -> None:  # its own thread: a ping to a hung rank blocks, and the watch sees that wait
+        while not self.stopped.wait(PING_S):
+            try:
+                if self.engine is not None:
+                    self.engine.ping()
+            except RuntimeError as e:  # "[ring] connection to a peer was lost"
+                self.lost(f"a collective failed: {e}")
+                return
 
     def _watch(self) -> None:
         while not self.stopped.wait(self.every_s):
