@@ -325,7 +325,11 @@ def test_a_split_mlx_sampler_trains_a_swarm_every_group_proved_through_a_hung_an
     metrics, stream, stderr = run_swarm(tmp_path, "mlx-split", 4, 'sampler.engine="mlx"', "sampler.ranks=2",
                                         "sampler.rank_timeout_s=3", meanwhile=disturb)
     assert not failed, failed
-    assert_every_group_proved(metrics)
+    proof = metrics[-1]["proof_of_sampling"]
+    assert proof.get("passed", 0) >= sum(m["used"] for m in metrics) and set(proof) == {"passed"}, proof
+    # Refused, with no strike, at most: a group its sampler's predecessor published before it went,
+    # read once the trainer had handed that slot out again (echo/grants.py: a restart's slots go).
+    assert {reason for m in metrics for reason in m["rejected"]} <= {"slot_not_held"}, [m["rejected"] for m in metrics]
     assert stream and {r["group"]["engine"] for r in stream} == {"mlx"}
     lost = [line for line in stderr.splitlines() if "sampler.rank_lost" in line]
     assert len(lost) == 2, stderr[-3000:]
