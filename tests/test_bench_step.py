@@ -59,3 +59,15 @@ def test_the_engine_bench_times_generate_against_continuous_batching(tmp_path):
     assert result["hf"]["tokens_per_s"] > 0 and result["hf-paged"]["tokens_per_s"] > 0
     # The ratio of the rates it reports, to its two decimals, whichever engine this machine favours.
     assert result["hf-paged_speed_ratio"] == round(result["hf-paged"]["tokens_per_s"] / result["hf"]["tokens_per_s"], 2)
+
+
+def test_the_engine_bench_splits_an_mlx_model_and_says_what_each_rank_holds(tmp_path):
+    """bench/engines.py's mlx-split row (issue 81), on the tiny model: the split engine generates
+    beside the whole one, and each of its 2 ranks holds less than the whole model."""
+    pytest.importorskip("mlx.core")
+    subprocess.run([sys.executable, "-m", "bench.engines", "--engines", "hf", "mlx", "mlx-split", "--model", "tiny",
+                    "--prompts", "2", "--group", "2", "--tokens", "8", "--rounds", "1"], check=True,
+                   capture_output=True, env={"BENCH_RESULTS": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    result = orjson.loads((tmp_path / "engines-hf-mlx-mlx-split-cpu-tiny.json").read_bytes())
+    assert result["mlx-split"]["tokens_per_s"] > 0 and len(result["mlx-split"]["weights_mb_per_rank"]) == 2
+    assert max(result["mlx-split"]["weights_mb_per_rank"]) < result["mlx"]["weights_mb"]
