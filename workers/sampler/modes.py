@@ -10,6 +10,7 @@ This file is the process and its two loops; the other rooms of the wing: workers
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 
@@ -141,7 +142,7 @@ async def run_sampler(cfg: EchoConfig, sampler_id: str) -> None:
     run = await open_run(cfg.nats.url, cfg.run.id, f"sampler-{sampler_id}", cfg.nats.hub_domain or None,
                          credentials=credentials_of(cfg.nats.creds, cfg.nats.tls_ca), create=False,
                          weights_url=cfg.nats.weights_url or None)
-    ranks = None
+    ranks = engine = None
     try:
         group = None
         if cfg.sampler.ranks > 1:  # one model over several processes: this one is rank 0
@@ -157,9 +158,10 @@ async def run_sampler(cfg: EchoConfig, sampler_id: str) -> None:
             if ranks is None or "[ring]" not in str(e):
                 raise
             ranks.lost(f"a collective failed: {e}")
-        if ranks is not None:
-            engine.stop_followers()
     finally:
         if ranks is not None:
+            if engine is not None:  # however it stops (SIGTERM too): else they wait, a remote rank for ever
+                with contextlib.suppress(RuntimeError):  # a rank already gone
+                    engine.stop_followers()
             ranks.close()
         await run.close()

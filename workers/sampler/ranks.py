@@ -199,16 +199,16 @@ def follow(cfg: EchoConfig, again: bool) -> int:
 
     from echo.engines.mlx import MLXEngine
 
-    group = mx.distributed.init(strict=True, backend="ring")
     try:
+        group = mx.distributed.init(strict=True, backend="ring")  # rank 0 not (yet) there: "Couldn't connect"
         engine = MLXEngine(cfg.model, cfg.lora, cfg.sampling, group=group, memory_gb=cfg.sampler.memory_gb)
         log.info("rank.ready", rank=group.rank(), layers=list(engine.layers),
                  weights_mb=[round(mb, 1) for mb in engine.rank_mb])
         engine.follow()
-    except RuntimeError as e:  # "[ring] connection to a peer was lost": rank 0 stopped or started again
+    except RuntimeError as e:  # "[ring] ...": no rank 0 yet, or it stopped, or it started again
         if not again:
             raise
-        log.warning("rank.group_lost", why=str(e), action="this rank starts again and waits for rank 0")
+        log.warning("rank.no_group", why=str(e), action="this rank starts again and waits for rank 0")
         time.sleep(1.0)  # not a busy loop where rank 0 is gone for long
         exec_again(int(os.environ.get(RESTARTS, "0")) + 1)
     return 0
