@@ -5,6 +5,7 @@ Validated at start: an unknown key or a bad value fails with a ConfigError namin
 
 from __future__ import annotations
 
+import difflib
 import os
 import time
 import tomllib
@@ -41,6 +42,9 @@ class RunConfig(_Section):
     # Evaluate the version just published every this many steps, on eval_prompts held-out prompts,
     # greedy, on the trainer's machine between steps (workers/trainer/evaluation.py); 0: never.
     eval_every: int = Field(0, ge=0)
+    # With eval_every: the base model (version 0) scored the same way before step 1, the curve's
+    # first point (verl's trainer.val_before_train).
+    eval_before: bool = True
     # Experiment trackers the trainer writes each step to (workers/trainer/trackers.py), each an
     # extra (`pip install 'echo-rl[trackers]'`): TensorBoard event files in <run dir>/tensorboard,
     # W&B (offline unless WANDB_MODE or WANDB_API_KEY is set; the tracker run's id is this run's),
@@ -50,6 +54,7 @@ class RunConfig(_Section):
     # Completions shown each step, to read why a run learns or not: the best of one group, the
     # worst of the next (echo/diagnosis.py), in <run dir>/samples.jsonl, the trackers and the page.
     samples_per_step: int = Field(2, ge=0, le=64)
+    log_completions: bool = False  # those completions on the console too, each step (TRL's log_completions)
 
 
 class ModelConfig(_Section):
@@ -496,12 +501,95 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ec
     return validate_config(data)
 
 
-def format_errors(error: ValidationError, prefix: str = "") -> str:
+# verl's and TRL's names for what echo-rl calls otherwise: an unknown field among them is answered
+# with echo-rl's key (not taken as an alias: one name a meaning, and some differ in unit).
+FOREIGN_KEYS = {
+    # verl's (Hydra's dotted keys)
+    "data.train_files": "task.name=\"dataset\" with task.params.path",
+    "data.val_files": "task.params.val_path",
+    "data.prompt_key": "task.params.prompt",
+    "data.train_batch_size": "trainer.groups_per_step (prompts a step)",
+    "data.max_response_length": "sampling.max_new_tokens",
+    "trainer.total_training_steps": "run.steps",
+    "trainer.total_epochs": "run.steps (echo-rl counts steps)",
+    "trainer.test_freq": "run.eval_every",
+    "trainer.val_before_train": "run.eval_before",
+    "trainer.logger": "run.trackers",
+    "trainer.project_name": "run.id",
+    "trainer.experiment_name": "run.id",
+    "trainer.default_local_dir": "run.dir",
+    "actor_rollout_ref.model.path": "model.name",
+    "actor_rollout_ref.actor.optim.lr": "trainer.lr",
+    "actor_rollout_ref.actor.kl_loss_coef": "algorithm.kl_coef",
+    "actor_rollout_ref.actor.clip_ratio": "algorithm.clip_low and algorithm.clip_high",
+    "actor_rollout_ref.actor.clip_ratio_low": "algorithm.clip_low",
+    "actor_rollout_ref.actor.clip_ratio_high": "algorithm.clip_high",
+    "actor_rollout_ref.actor.ppo_epochs": "algorithm.num_iterations",
+    "actor_rollout_ref.actor.loss_agg_mode": "algorithm.loss_aggregation",
+    "actor_rollout_ref.rollout.n": "sampling.group_size",
+    "actor_rollout_ref.rollout.temperature": "sampling.temperature",
+    "actor_rollout_ref.rollout.response_length": "sampling.max_new_tokens",
+    "algorithm.adv_estimator": "algorithm.preset (\"grpo\", \"dr_grpo\", \"dapo\", \"gspo\")",
+    # TRL's (GRPOConfig's fields)
+    "model_name_or_path": "model.name",
+    "output_dir": "run.dir",
+    "max_steps": "run.steps",
+    "seed": "run.seed",
+    "learning_rate": "trainer.lr",
+    "num_generations": "sampling.group_size",
+    "max_completion_length": "sampling.max_new_tokens",
+    "temperature": "sampling.temperature",
+    "beta": "algorithm.kl_coef",
+    "epsilon": "algorithm.clip_low",
+    "epsilon_high": "algorithm.clip_high",
+    "loss_type": "algorithm.preset, or algorithm.loss_aggregation",
+    "num_iterations": "algorithm.num_iterations",
+    "scale_rewards": "algorithm.scale_rewards",
+    "mask_truncated_completions": "algorithm.mask_truncated",
+    "importance_sampling_level": "algorithm.ratio_level",
+    "report_to": "run.trackers",
+    "log_completions": "run.log_completions (run.samples_per_step of them)",
+    "eval_strategy": "run.eval_every",
+}
+
+
+def known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every field of `model`, its sections' too, as prefix + section.key."""
+    keys = []
+    for name, field in model.model_fields.items():
+        kind = field.annotation
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            keys += known_keys(kind, f"{prefix}{name}.")
+        else:
+            keys.append(prefix + name)
+    return keys
+
+
+def _unknown(path: str, value, known: list[str]) -> str:
+    """An unknown field's line: echo-rl's key for verl's or TRL's name, else the nearest `known`."""
+    if isinstance(value, dict):  # an unknown section: its keys, each named whole
+        return "; ".join(_unknown(f"{path}.{key}", inner, known) for key, inner in value.items())
+    if path in FOREIGN_KEYS:
+        return f"{path}: unknown field (verl's or TRL's name): echo-rl's is {FOREIGN_KEYS[path]}"
+    close = difflib.get_close_matches(path, known, n=1, cutoff=0.75)
+    if not close:  # the key right, in another section (or none)
+        leaf = difflib.get_close_matches(path.rsplit(".", 1)[-1], [key.rsplit(".", 1)[-1] for key in known], n=1,
+                                         cutoff=0.8)
+        close = [key for key in known if leaf and key.rsplit(".", 1)[-1] == leaf[0]][:2]
+    return f"{path}: unknown field" + (f"; did you mean {' or '.join(close)}?" if close else "")
+
+
+def format_errors(error: ValidationError, prefix: str = "", model: type[BaseModel] | None = None) -> str:
+    """One line for a config's errors; with `model` (what was validated), an unknown field is
+    answered with the key it may have meant."""
+    known = known_keys(model, prefix) if model is not None else []
     lines = []
     for err in error.errors():
         field = prefix + ".".join(str(p) for p in err["loc"])
-        msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
-        lines.append(f"{field}: {msg}")
+        if err["type"] == "extra_forbidden":
+            lines.append(_unknown(field, err.get("input"), known))
+        else:
+            lines.append(f"{field}: {err['msg']}")
     return "; ".join(lines)
 
 
@@ -531,4 +619,4 @@ def validate_config(data: dict) -> EchoConfig:
     try:
         return EchoConfig.model_validate(upgraded(data))
     except ValidationError as e:
-        raise ConfigError("invalid config: " + format_errors(e)) from None
+        raise ConfigError("invalid config: " + format_errors(e, model=EchoConfig)) from None

@@ -301,3 +301,45 @@ def test_a_hub_is_refused_open_to_other_machines_unless_asked_and_serves_a_secur
     finally:
         hub.send_signal(signal.SIGTERM)
         assert hub.wait(timeout=30) == 0
+
+
+def test_overrides_go_anywhere_on_the_line_as_hydra_takes_them(tmp_path, capsys):
+    """`config show run.steps=2 --config x.yaml run.seed=1` failed with argparse's usage dump
+    (issue 82): an override after an option is one too, in its place; a word that is neither
+    is still refused."""
+    (tmp_path / "x.yaml").write_text("run:\n  steps: 7\n  seed: 3\n")
+    assert main(["config", "show", "run.steps=2", "--config", str(tmp_path / "x.yaml"), "run.seed=1",
+                 "--model", "tiny", "sampling.group_size=4"]) == 0
+    shown = tomllib.loads(re.sub(r"  # \w+$", "", capsys.readouterr().out, flags=re.M))
+    assert (shown["run"]["steps"], shown["run"]["seed"], shown["sampling"]["group_size"]) == (2, 1, 4)
+    with pytest.raises(SystemExit):
+        main(["config", "show", "run.steps=2", "--model", "tiny", "stray"])
+    assert "unrecognized arguments: stray" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, answer", [
+    ("data.train_files=train.parquet", 'echo-rl\'s is task.name="dataset" with task.params.path'),  # verl's
+    ("trainer.total_training_steps=5", "echo-rl's is run.steps"),
+    ("actor_rollout_ref.actor.optim.lr=1e-6", "echo-rl's is trainer.lr"),
+    ("num_generations=8", "echo-rl's is sampling.group_size"),  # TRL's
+    ("sampling.group_sise=4", "did you mean sampling.group_size?"),  # a typo
+    ("max_new_tokens=64", "did you mean sampling.max_new_tokens?"),  # the right key, no section
+    ('task.name="dataset" task.params.val_pth=x', "task.params.val_pth: unknown field; did you mean "
+     "task.params.val_path?"),  # a task's own params, refused by config show as by the trainer
+], ids=["verl-data", "verl-steps", "verl-lr", "trl-generations", "typo", "no-section", "task-param"])
+def test_a_key_from_verl_or_trl_or_a_typo_is_answered_with_echo_rls_key_in_one_line(override, answer, capsys):
+    assert main(["config", "show", *override.split()]) == 2
+    err = capsys.readouterr().err
+    assert answer in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_up_allows_the_precision_its_own_samplers_are_asked_for(tmp_path):
+    """`up --set model.dtype=bfloat16` stopped at start until sampling.dtypes also named it: in a
+    local swarm the operator owns every sampler. A trainer's own config is left as it is."""
+    from workers.operator.swarm import allow_own_precision
+
+    cfg = tiny_config(tmp_path, model={"name": "tiny", "dtype": "bfloat16"})
+    assert allow_own_precision(cfg) and cfg.sampling.dtypes == ["float32", "bfloat16"]
+    assert not allow_own_precision(cfg)  # once
+    fp32 = tiny_config(tmp_path)
+    assert not allow_own_precision(fp32) and fp32.sampling.dtypes == ["float32"]

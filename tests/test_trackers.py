@@ -153,11 +153,12 @@ def test_every_tracker_reads_back_every_step_across_a_trainer_restart(tmp_path):
                                     for t in tables)  # a W&B table a step
     logged = sorted(glob.glob(str(run_dir / "mlflow-artifacts" / "*" / "artifacts" / "samples" / "step-*.json")))
     assert [orjson.loads(open(p, "rb").read())[0]["step"] for p in logged] == steps  # an MLflow artifact a step
-    # Evaluated during training at steps 2 and 4 (evals.jsonl), beside `up`'s base-and-trained at each end.
+    # Evaluated before step 1 (the base: verl's val_before_train, once: not again on the resume)
+    # and during training at steps 2 and 4 (evals.jsonl), beside `up`'s base-and-trained at each end.
     evals = [orjson.loads(line) for line in (run_dir / "evals.jsonl").read_bytes().splitlines()]
-    assert [(e["step"], e["version"], e["prompts"]) for e in evals] == [(2, 2, 3), (4, 4, 3)]
-    assert sorted(tensorboard_scalars(run_dir, "eval/trained_reward")) == [2, 4]
+    assert [(e["step"], e["version"], e["prompts"]) for e in evals] == [(0, 0, 3), (2, 2, 3), (4, 4, 3)]
+    assert sorted(tensorboard_scalars(run_dir, "eval/trained_reward")) == [0, 2, 4]
     assert sorted(tensorboard_scalars(run_dir, "time/phase/evaluate")) == [2, 4]
-    assert sorted(wandb_history(run_dir, "eval/prompts")[0].items()) == [(2, 3.0), (4, 3.0)]
-    assert sorted(mlflow_history(run_dir, "eval/trained_correct")[0]) == [2, 4]
+    assert sorted(wandb_history(run_dir, "eval/prompts")[0].items()) == [(0, 3.0), (2, 3.0), (4, 3.0)]
+    assert sorted(mlflow_history(run_dir, "eval/trained_correct")[0]) == [0, 2, 4]
     assert sorted(mlflow_history(run_dir, "eval/base_correct")[0]) == [2, 4]

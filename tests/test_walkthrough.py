@@ -50,7 +50,7 @@ def test_the_walkthrough_on_a_trusted_network(tmp_path):
         trainer = start(*ECHO_RL, "trainer", "--config", str(ROOT / "docs" / "run.toml"), "--nats", hub_url, *SMALL,
                         "--log-json", "task.name=dataset", "task.params.path=train.parquet",
                         "task.params.val_path=test.parquet", "run.eval_every=3", "run.eval_prompts=2",
-                        "run.trackers=[tensorboard]")
+                        "run.trackers=[tensorboard]", "run.log_completions=true")
         start(*ECHO_RL, "relay", "--hub", f"nats-leaf://127.0.0.1:{leaf}", "--run-id", "arith-1", "--domain", "site-a",
               "--insecure", "--port", str(relay_port))  # 3. beside the hub: another client port
         sampler = start(*ECHO_RL, "sampler", "--nats", f"nats://127.0.0.1:{relay_port}", "--run-id", "arith-1",
@@ -60,7 +60,10 @@ def test_the_walkthrough_on_a_trusted_network(tmp_path):
         lines = [orjson.loads(line) for line in trainer_log.splitlines() if line.startswith("{")]
         assert [line["run_id"] for line in lines if line["event"] == "trainer.ready"] == ["arith-1"]
         assert lines[-1]["event"] == "trainer.finished" and lines[-1]["steps"] == 3
-        assert [line["step"] for line in lines if line["event"] == "eval.step"] == [3]
+        assert [line["step"] for line in lines if line["event"] == "eval.step"] == [0, 3]  # the base first
+        shown = [line for line in lines if line["event"] == "step.completion"]  # TRL's log_completions
+        assert [line["step"] for line in shown] == [1, 1, 2, 2, 3, 3]
+        assert all("boxed" in line["prompt"] for line in shown)
 
         status = subprocess.run([*ECHO_RL, "status", "--nats", hub_url, "--run-id", "arith-1", "--once", "--json"],
                                 cwd=tmp_path, capture_output=True, text=True, timeout=60)  # 5.

@@ -21,6 +21,7 @@ import argparse
 import atexit
 import importlib.util
 import os
+import re
 import sys
 from typing import NoReturn
 
@@ -62,8 +63,23 @@ def check_full_install(args) -> None:
             raise ConfigError(str(e)) from None
 
 
+OVERRIDE = re.compile(r"[A-Za-z_][\w.-]*=")  # section.key=value (or a bare key=value: answered by name)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with overrides anywhere on it, as Hydra takes them: one after an option
+    (`config show run.steps=2 --config x.yaml run.seed=1`) is an override too, in its place."""
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        if not hasattr(args, "overrides") or not all(OVERRIDE.match(extra) for extra in extras):
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        args.overrides = [*args.overrides, *extras]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     try:
         check_full_install(args)
         return COMMANDS[args.command].run(args)

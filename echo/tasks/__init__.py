@@ -171,7 +171,7 @@ def parse_params(model: type[P], params: dict) -> P:
     try:
         return model.model_validate(params)
     except ValidationError as e:
-        raise ConfigError("invalid config: " + format_errors(e, prefix="task.params.")) from None
+        raise ConfigError("invalid config: " + format_errors(e, prefix="task.params.", model=model)) from None
 
 
 def task_class(name: str) -> type:

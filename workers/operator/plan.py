@@ -57,7 +57,7 @@ def fleet_from_file(path: Path) -> tuple[LearnerPace, list[SamplerPace]]:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not TOML: {e}") from None
     except ValidationError as e:
-        raise ConfigError(f"{path}: {format_errors(e)}") from None
+        raise ConfigError(f"{path}: {format_errors(e, model=Fleet)}") from None
     return LearnerPace(**fleet.learner.model_dump()), [SamplerPace(**w.model_dump()) for w in fleet.samplers]
 
 

@@ -137,7 +137,7 @@ def relay_config_from_args(args):
     try:
         return RelayConfig(**fields, store_dir=args.store or Path("runs/relays") / args.domain)
     except ValidationError as e:
-        raise ConfigError("invalid relay options: " + format_errors(e)) from None
+        raise ConfigError("invalid relay options: " + format_errors(e, model=RelayConfig)) from None
 
 
 def starts_server(args) -> bool:

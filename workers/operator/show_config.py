@@ -7,7 +7,7 @@ from __future__ import annotations
 import tomli_w
 
 from echo.config import PRESETS, read_config_file
-from workers.arguments import config_args, config_from_args, local_overrides
+from workers.arguments import config_and_task_from_args, config_args, local_overrides
 
 NAME = "config"
 
@@ -20,7 +20,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    cfg = config_from_args(args)
+    cfg = config_and_task_from_args(args)  # a task's own params checked as the trainer checks them
     from_file = dotted(read_config_file(args.config)) if args.config else set()
     overridden = {assignment.partition("=")[0].strip() for assignment in local_overrides(args)}
     preset = cfg.algorithm.preset

@@ -153,6 +153,16 @@ def stop_processes(processes: list[subprocess.Popen], timeout: float = 20.0,
 SITE = "site"  # the relay of `up --relay`
 
 
+def allow_own_precision(cfg: EchoConfig) -> bool:
+    """A swarm's samplers are its operator's own: the precision model.dtype asks of them is added
+    to sampling.dtypes (a trainer facing others' samplers keeps that list as it is set). Whether
+    it was added."""
+    if cfg.model.dtype in ("bfloat16", "float16") and cfg.model.dtype not in cfg.sampling.dtypes:
+        cfg.sampling.dtypes = [*cfg.sampling.dtypes, cfg.model.dtype]
+        return True
+    return False
+
+
 def secure_swarm(cfg: EchoConfig, relay: bool) -> SecureDir:
     """Credentials for this run's trainer, samplers and relay in <run>/secure (kept across a resume)."""
     secure = SecureDir(cfg.run_dir / "secure")
@@ -188,6 +198,8 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
         raise ConfigError("--cluster with --secure: a secured cluster is not built yet (docs/security.md)")
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
+    if allow_own_precision(cfg):
+        log.info("swarm.dtypes", model_dtype=cfg.model.dtype, sampling_dtypes=cfg.sampling.dtypes)
     from echo.models import TINY, pin_model
 
     if cfg.model.name not in TINY:  # built by each worker in milliseconds; else converted or fetched once here

@@ -179,6 +179,10 @@ class Trainer:
 
     async def take_steps(self, process_started: float, trackers: Trackers) -> None:
         cfg, state = self.cfg, self.model.state
+        if cfg.run.eval_before and state.step == 0 and self.evaluator.prompts:  # the curve's first point
+            evaluated = await asyncio.to_thread(self.evaluator.evaluate, 0, state.version)
+            if trackers.live:
+                await asyncio.to_thread(trackers.log, 0, eval_scalars(evaluated), [])
         with open(cfg.run_dir / "metrics.jsonl", "ab") as metrics_file:
             for number in range(state.step + 1, cfg.run.steps + 1):
                 step = TrainerStep(number, process_started)
@@ -233,6 +237,10 @@ class Trainer:
                         cause=likely_cause(record, answer_format(task), self.cfg.sampling.max_new_tokens))
         with open(self.cfg.run_dir / "samples.jsonl", "ab") as f:
             f.write(b"".join(orjson.dumps(s) + b"\n" for s in step.samples))
+        if self.cfg.run.log_completions:  # decoded from tokens, control characters out (step_samples)
+            for s in step.samples:
+                log.info("step.completion", step=s["step"], reward=round(s["reward"], 3), sampler=s["sampler"],
+                         prompt=s["prompt"][-200:], completion=s["completion"])
         return step.samples
 
     def samplers_scalars(self, samplers: list, version: int) -> dict[str, float]:
