@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import ssl
 import time
 import uuid
@@ -22,7 +23,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from echo.config import ConfigError
-from echo.wire.names import HDR_MSG_ID, HUB_DOMAIN, RunNames, Storage
+from echo.wire.names import HDR_MSG_ID, HUB_DOMAIN, ID_PATTERN, RunNames, Storage
 from streams import layout
 from streams.credentials import Credentials
 
@@ -372,7 +373,7 @@ async def _join_run(js: JetStreamContext, names: RunNames, hub_domain: str | Non
     """Bind to a run the trainer created, waiting up to `wait_s` for it to do so: on a secured
     broker only the trainer may create streams and buckets. A secured broker answers nothing to
     credentials issued for another run (its permissions drop the request): that is a timeout."""
-    deadline, waited = asyncio.get_running_loop().time() + wait_s, False
+    deadline, waited, others = asyncio.get_running_loop().time() + wait_s, False, []
     while True:
         try:
             await require_stream(js, f"KV_{names.state_bucket}")  # the trainer creates the registry next
@@ -380,18 +381,38 @@ async def _join_run(js: JetStreamContext, names: RunNames, hub_domain: str | Non
                     bind_kv(js, names.registry_bucket, hub_domain))
         except (NotFoundError, *BROKER_ERRORS) as e:  # BucketNotFoundError too; or the broker restarting
             if asyncio.get_running_loop().time() > deadline:
-                raise no_run(names.run_id, e) from None
+                raise no_run(names.run_id, e, others) from None
             if not waited and wait_s > 0:
-                log.info("run.waiting", run=names.run_id, for_s=wait_s, why="no trainer has created it yet")
+                others = await runs_on(js) if isinstance(e, NotFoundError) else []
+                if others:  # a typo in the run id, most likely: say so at once, and which runs are here
+                    log.warning("run.not_here", run=names.run_id, runs_here=others, for_s=wait_s,
+                                why="no trainer has created it: is the run id right? (waiting for it meanwhile)")
+                else:
+                    log.info("run.waiting", run=names.run_id, for_s=wait_s, why="no trainer has created it yet")
                 waited = True
             if not isinstance(e, NotFoundError):
                 log.warning("broker.retry", what="join the run", reason=repr(e))
             await asyncio.sleep(0.5)
 
 
-def no_run(run_id: str, e: Exception) -> NoRun:
+RUNS_SHOWN = 20
+
+
+async def runs_on(js: JetStreamContext) -> list[str]:
+    """The runs this broker holds (their state buckets' streams), RUNS_SHOWN at most; none where
+    these credentials may not list streams (a secured broker's sampler)."""
+    try:
+        streams = await js.streams_info()
+    except (APIError, *BROKER_ERRORS):
+        return []
+    found = (re.fullmatch(r"KV_echo_(.+)_state", info.config.name or "") for info in streams)
+    return sorted(m[1] for m in found if m and re.fullmatch(ID_PATTERN, m[1]))[:RUNS_SHOWN]
+
+
+def no_run(run_id: str, e: Exception, others: list[str] = ()) -> NoRun:
     if isinstance(e, NotFoundError):
-        return NoRun(f"run {run_id!r} is not on this broker: is its trainer running?")
+        here = f" (it has {', '.join(others)})" if others else ""
+        return NoRun(f"run {run_id!r} is not on this broker{here}: is its trainer running, and the run id right?")
     return NoRun(f"run {run_id!r} did not answer ({type(e).__name__}): it is not on this broker, or these "
                  "credentials are another run's")
 

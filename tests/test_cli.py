@@ -13,7 +13,7 @@ import pytest
 from echo.config import ConfigError, load_config
 from echo.models import load_model
 from echo.wire.names import CONFIG_KEY
-from streams.client import NoBroker, connect, open_run
+from streams.client import NoBroker, NoRun, connect, open_run
 from streams.secure import SecureDir
 from streams.server import free_port
 from tests.conftest import tiny_config
@@ -343,3 +343,18 @@ def test_up_allows_the_precision_its_own_samplers_are_asked_for(tmp_path):
     assert not allow_own_precision(cfg)  # once
     fp32 = tiny_config(tmp_path)
     assert not allow_own_precision(fp32) and fp32.sampling.dtypes == ["float32"]
+
+
+def test_a_sampler_given_a_run_id_the_hub_does_not_have_names_the_runs_it_has_at_once(nats_server, capsys):
+    """A mistyped run id waited 600 s saying only "no trainer has created it yet" (issue 82): the
+    runs the hub holds are named in the first line, and again when the wait ends."""
+    async def main_():
+        for run_id in ("arith-1", "gsm8k"):
+            await (await open_run(nats_server.url, run_id, "trainer")).close()
+        with pytest.raises(NoRun, match=r"run 'arith-l' is not on this broker \(it has arith-1, gsm8k\)"):
+            await open_run(nats_server.url, "arith-l", "sampler-s1", create=False, join_wait_s=1.0)
+
+    asyncio.run(main_())
+    said = capsys.readouterr()
+    line = next(line for line in (said.out + said.err).splitlines() if "run.not_here" in line)
+    assert "arith-1" in line and "gsm8k" in line and "is the run id right?" in line

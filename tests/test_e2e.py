@@ -204,10 +204,19 @@ def test_ctrl_c_or_sigterm_stops_every_process(tmp_path, stop, code):
     assert len(children) == 7
     # The rest of its output read meanwhile: a pipe nobody reads fills (64 KiB), and every process
     # writing to it, `up` among them, then blocks (it once outlasted the wait below in CI).
-    threading.Thread(target=proc.stderr.read, daemon=True).start()
+    rest = []
+    reader = threading.Thread(target=lambda: rest.append(proc.stderr.read()), daemon=True)
+    reader.start()
     proc.send_signal(stop)
+    signalled = time.monotonic()
     try:
         assert proc.wait(timeout=60) == code
+        # Within seconds, not up's 20 s deadline for the stragglers it kills (issue 82: both
+        # samplers hung till then), each process saying it stopped.
+        assert time.monotonic() - signalled < 5
+        reader.join(timeout=10)
+        said = "".join(rest)
+        assert "swarm.kill" not in said and said.count("sampler.stopped") == 2 and "trainer.stopped" in said, said
         deadline = time.monotonic() + 30
         while running := [c for c in children if _alive(c)]:
             assert time.monotonic() < deadline, running  # each gone, or a zombie its parent left

@@ -126,6 +126,10 @@ def test_a_sampler_stopped_while_holding_slots_hands_them_back_at_once(nats_serv
         assert '"grants.undelivered"' not in logs  # a stop costs its call's slots: within the bound
     released = [orjson.loads(line) for line in logs.splitlines() if '"grants.slots_released"' in line]
     assert [(r["sampler"], r["stopped"], r["slots"]) for r in released] == [("s2", True, 2)], released
+    # What the operator reads meanwhile: s2 gone, no sampler left, then s1 joining.
+    said = [orjson.loads(line)["event"] for line in logs.splitlines() if '"trainer.s' in line or "no_samplers" in line]
+    assert said[said.index("trainer.sampler_gone"):][:3] == ["trainer.sampler_gone", "trainer.no_samplers",
+                                                             "trainer.sampler_joined"], said
 
 
 def test_a_sampler_killed_and_restarted_under_its_id_at_once_gets_its_predecessors_slots_handed_out(
@@ -146,3 +150,5 @@ def test_a_sampler_killed_and_restarted_under_its_id_at_once_gets_its_predecesso
         assert '"grants.undelivered"' not in logs
     released = [orjson.loads(line) for line in logs.splitlines() if '"grants.slots_released"' in line]
     assert released and released[0]["sampler"] == "s2" and released[0]["restarted"], released
+    rejoined = [orjson.loads(line) for line in logs.splitlines() if '"trainer.sampler_rejoined"' in line]
+    assert [(r["sampler"], r["restarted"]) for r in rejoined] == [("s2", True)], rejoined

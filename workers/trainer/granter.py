@@ -45,6 +45,7 @@ class Granter:
         self.quarantine = quarantine
         self.version = state.version
         self.fleet: set[str] = set()  # samplers that asked for work since this trainer started
+        self.gone: set[str] = set()  # of them, those found stopped or silent, until they ask again
         self.heartbeats = Heartbeats()
         self.standby: set[str] = set()  # the scheduler's (workers/trainer/coordinator.py): granted no work
 
@@ -93,6 +94,19 @@ class Granter:
         self.heartbeats.stopped.discard(sampler_id)
         if slots:
             log.warning("grants.slots_released", sampler=sampler_id, slots=len(slots), **why)
+        if why.get("restarted"):
+            self.rejoined(sampler_id, restarted=True)
+        elif sampler_id not in self.gone:
+            self.gone.add(sampler_id)
+            alive = len(self.fleet - self.gone)
+            log.warning("trainer.sampler_gone", sampler=sampler_id, samplers_alive=alive, **why)
+            if not alive:  # the run waits: say so, not nothing
+                log.warning("trainer.no_samplers", waiting_for="a sampler to join or rejoin", run=self.cfg.run.id)
+
+    def rejoined(self, sampler_id: str, restarted: bool) -> None:
+        self.gone.discard(sampler_id)
+        log.info("trainer.sampler_rejoined", sampler=sampler_id, restarted=restarted,
+                 samplers_alive=len(self.fleet - self.gone))
 
     async def on_wait(self, missing: int) -> None:
         """Waiting for groups: release the slots of stopped, dead or stalled holders, then hand
@@ -130,6 +144,8 @@ class Granter:
         `trainer.min_samplers` have asked (ask again soon), else what the mode grants."""
         if self.heartbeats.restarted(sampler_id, request.process):
             self.release_gone(sampler_id, restarted=True)
+        elif sampler_id in self.gone:  # silent or stopped, and asking again
+            self.rejoined(sampler_id, restarted=False)
         if (self.quarantine and sampler_id in self.quarantine) or request.epoch != self.epoch:
             return Grant()
         try:

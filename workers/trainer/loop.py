@@ -85,16 +85,22 @@ async def serve(cfg: EchoConfig, build_model: Callable[[], TrainerModel]) -> Non
     model loads for longer: one wait, not both (see docs/performance.md, Recovery)."""
     run = await open_run(cfg.nats.url, cfg.run.id, "trainer", cfg.nats.hub_domain or None,
                          credentials=credentials_of(cfg.nats.creds, cfg.nats.tls_ca), storage=cfg.nats.storage())
+    started = time.perf_counter()
     building = asyncio.ensure_future(asyncio.to_thread(build_model))  # refused, the process exits once it is built
     lease = model = None
     try:
         lease = await take_lease(run)  # before touching the run: a second trainer stops here
+        log.info("trainer.lease_taken", epoch=lease.epoch, next="the model, built meanwhile")
         model = await building
+        log.info("trainer.model_built", seconds=round(time.perf_counter() - started, 1))
         async with Background() as background, ScoringProcess.of(cfg, model.tokenizer, model.vocab_size) as scoring:
             background.start(lease.renew_forever())
             await asyncio.to_thread(model.resume)  # holding the lease: no other trainer prunes it now
             trainer = await Trainer.open(cfg, run, lease, background, model, scoring)
             await trainer.fit()
+    except asyncio.CancelledError:  # SIGTERM or Ctrl-C (workers/arguments.py): said, as the samplers say it
+        log.info("trainer.stopped", step=model.state.step if model is not None else 0, why="a signal")
+        raise
     finally:
         if lease is not None:
             await lease.release()
