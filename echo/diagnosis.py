@@ -36,6 +36,7 @@ class Trained:
     unanswered: int  # completions with no answer the verifier could read
     lengths: list[int]  # tokens per completion
     truncated: int  # completions stopped by the length limit
+    close: int = 0  # of the unanswered, those with the true answer in their text
 
 
 def step_signal(groups: list[Trained]) -> dict[str, float]:
@@ -48,14 +49,35 @@ def step_signal(groups: list[Trained]) -> dict[str, float]:
         "length_mean": sum(completions) / count,
         "length_max": max(completions, default=0),
         "truncated_share": sum(g.truncated for g in groups) / count,
+        "close_share": sum(g.close for g in groups) / count,
     }
 
 
-def likely_cause(record: dict, answer_format: str, max_new_tokens: int) -> str:
-    """What most likely keeps every group's rewards equal, and what to change."""
-    if record["no_answer_share"] >= MOSTLY:
-        return (f"{record['no_answer_share']:.0%} of completions have no {answer_format}: ask for it in the prompt, "
-                "with an instruction or a worked example (a dataset's task.params.instruction)")
+INSTRUCTION = "task.params.instruction"  # a dataset's: '{prompt} ...' on a text prompt or a chat's last user turn
+
+
+def likely_cause(record: dict, answer_format: str, max_new_tokens: int, asked_share: float | None = None,
+                 own_format: bool = False) -> str:
+    """What most likely keeps every group's rewards equal, and what to change. With no answer in
+    most completions, the advice reads the prompts first: `asked_share`, the share of the step's
+    prompts that ask for the answer's form (None: the task cannot tell); `own_format`, whether the
+    task sets that form itself (an environment's prompt and parser)."""
+    no_answer = record["no_answer_share"]
+    if no_answer >= MOSTLY:
+        missing = f"{no_answer:.0%} of completions have no {answer_format}"
+        if own_format:
+            return (f"{missing}: the environment sets that form (its system prompt and parser), not echo-rl: read "
+                    "its rollouts in samples.jsonl, and use a model that follows its instructions")
+        if asked_share is not None and asked_share < MOSTLY:
+            return (f"{missing}, and {1 - asked_share:.0%} of the prompts never ask for it: add it with "
+                    f"{INSTRUCTION} (e.g. '{{prompt}} Put your final answer in \\boxed{{}}.')")
+        close = record.get("close_share", 0.0)
+        if asked_share is not None:
+            return (f"{missing} though the prompts ask for it ({close:.0%} wrote the right answer, not in that "
+                    "form): this model does not follow the format zero-shot; show it a solved example in "
+                    f"{INSTRUCTION}, as the built-in math task does, or use a larger instruct model")
+        return (f"{missing}: ask for it in the prompt ({INSTRUCTION}); if the prompts ask already, show a solved "
+                "example there, or use a larger instruct model")
     if record["truncated_share"] >= MOSTLY:
         return (f"{record['truncated_share']:.0%} of completions stopped at sampling.max_new_tokens "
                 f"({max_new_tokens}) before an answer: raise it")

@@ -35,6 +35,7 @@ class Ruling:
     lie: bool = False  # rejected for claiming what the environment never said: a strike, as a forgery
     source: str = ""  # the prompt's data source (a dataset's), for rewards by source
     unanswered: int = 0  # completions in which the verifier found no answer (Score.format_ok false)
+    close: int = 0  # of those, the ones with the true answer in their text: the form is what they miss
 
 
 class Referee:
@@ -88,7 +89,7 @@ class Referee:
         prompt = self.task.prompt(group.prompt_index)
         if not np.array_equal(encode_chat(self.tokenizer, prompt.messages), group.prompt_token_ids):
             return Ruling("prompt_mismatch", [])
-        rewards, errors, unanswered = [], 0, 0
+        rewards, errors, unanswered, close = [], 0, 0, 0
         for completion in group.completions:
             if getattr(self.task, "trusted_observations", False):  # the run took the samplers' word (docs/operations.md)
                 if len(completion.model_turns()) > self.task.max_turns:
@@ -104,12 +105,13 @@ class Referee:
                 score = safe_score(self.task, text, prompt)
                 errors += score is None
                 unanswered += score is not None and not score.format_ok
+                close += score is not None and not score.format_ok and bool(prompt.answer) and prompt.answer in text
                 reward = score.reward if score else 0.0
             rewards.append(reward)
             completion_done()
         claimed = getattr(self.task, "answers_on_samplers", True)  # else a sampler claims none
         mismatch = claimed and any(abs(r - c.reward) > 1e-6 for r, c in zip(rewards, group.completions))
-        return Ruling(None, rewards, mismatch, errors, source=prompt.source, unanswered=unanswered)
+        return Ruling(None, rewards, mismatch, errors, source=prompt.source, unanswered=unanswered, close=close)
 
 
 def completion_keys(group: RolloutGroup) -> list[int]:

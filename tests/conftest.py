@@ -377,10 +377,12 @@ def assert_accounting_holds(a: dict[str, int]) -> None:
     assert a["published"] == a["counted"] + a["pending"], a
 
 
-def verl_rows(n: int, answer=lambda i: str(2 * i)) -> list[dict]:
-    """verl's parquet schema: chat messages, reward_model.ground_truth, data_source."""
+def verl_rows(n: int, answer=lambda i: str(2 * i), ask: bool = True) -> list[dict]:
+    """verl's parquet schema: chat messages, reward_model.ground_truth, data_source; `ask`: the
+    question asks for a boxed answer (a practitioner's own data often does not)."""
+    asked = " Put the answer in \\boxed{}." if ask else ""
     return [{"data_source": "openai/gsm8k", "ability": "math", "extra_info": {"index": i},
-             "prompt": [{"role": "user", "content": f"What is {i} + {i}? Put the answer in \\boxed{{}}."}],
+             "prompt": [{"role": "user", "content": f"What is {i} + {i}?{asked}"}],
              "reward_model": {"style": "rule", "ground_truth": answer(i)}} for i in range(n)]
 
 

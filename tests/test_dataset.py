@@ -95,6 +95,25 @@ def test_a_chat_prompts_last_user_turn_takes_the_instruction_too(tmp_path, monke
         "? Put your final answer in \\boxed{}.")
 
 
+def test_worked_examples_go_before_every_prompt_and_the_instruction_is_written_as_a_person_writes_it(
+        tmp_path, monkeypatch):
+    """The remedy for a model that does not box its answer zero-shot (issue 82), as the built-in
+    math task does it: a solved example as an earlier exchange, after any system prompt. The
+    instruction's braces as written (`\\boxed{}` raised IndexError from str.format), and an
+    instruction without {prompt}, which would drop every row's question, refused at start."""
+    rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"What is {i} + {i}?"}],
+             "reward_model": {"ground_truth": str(2 * i)}} for i in range(50)]
+    path = write_parquet(tmp_path / "chat.parquet", rows)
+    task = dataset(tmp_path, monkeypatch, path=path, instruction="{prompt} Put your final answer in \\boxed{}.",
+                   examples=[["What is 3 + 4?", "3 + 4 = 7, so \\boxed{7}"]])
+    messages = task.prompt(0).messages
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert messages[1]["content"] == "What is 3 + 4? Put your final answer in \\boxed{}."
+    assert messages[2]["content"] == "3 + 4 = 7, so \\boxed{7}" and messages[3]["content"].endswith("\\boxed{}.")
+    with pytest.raises(ConfigError, match=r"task.params.instruction"):
+        dataset(tmp_path, monkeypatch, path=path, instruction="Put your final answer in \\boxed{}.")
+
+
 def test_rewards_by_name(tmp_path, monkeypatch):
     (tmp_path / "my_reward.py").write_text("def half(completion, truth, source):\n    return 0.5\n")
     monkeypatch.syspath_prepend(str(tmp_path))

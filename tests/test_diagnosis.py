@@ -20,10 +20,10 @@ from workers.trainer.step import TrainerStep
 
 
 def test_a_steps_signal_counts_groups_with_equal_rewards_and_completions_with_no_answer():
-    groups = [Trained([0.0, 0.0], unanswered=2, lengths=[8, 8], truncated=2),
+    groups = [Trained([0.0, 0.0], unanswered=2, lengths=[8, 8], truncated=2, close=1),
               Trained([1.0, 0.1], unanswered=0, lengths=[3, 5], truncated=0)]
     assert step_signal(groups) == {"zero_spread_share": 0.5, "no_answer_share": 0.5, "length_mean": 6.0,
-                                   "length_max": 8, "truncated_share": 0.5}
+                                   "length_max": 8, "truncated_share": 0.5, "close_share": 0.25}
 
 
 def signal(zero=1.0, no_answer=0.0, truncated=0.0, reward=0.0) -> dict:
@@ -48,6 +48,41 @@ def test_the_cause_named_is_the_likeliest():
     assert "scored 0" in likely_cause(signal(no_answer=0.2), boxed, 8)
     assert "scored 1" in likely_cause(signal(reward=1.0), boxed, 8)
     assert "sampling.temperature" in likely_cause(signal(reward=0.4), boxed, 8)
+
+
+def test_with_no_answer_the_advice_reads_the_prompts_first():
+    """Issue 82: a verl parquet's chat prompts never asked for \\boxed{}, and the advice named a key
+    that did nothing on them; the same words came where the prompts asked already, on a verifiers
+    environment, and on a random model. Three causes, three answers."""
+    boxed, none = "\\boxed{} answer", {**signal(no_answer=1.0), "close_share": 0.25}
+    not_asked = likely_cause(none, boxed, 8, asked_share=0.0)
+    assert "100% of the prompts never ask for it: add it with task.params.instruction" in not_asked
+    not_followed = likely_cause(none, boxed, 8, asked_share=1.0)
+    assert "though the prompts ask for it (25% wrote the right answer" in not_followed
+    assert "does not follow the format zero-shot" in not_followed and "larger instruct model" in not_followed
+    own = likely_cause(none, "answer its rubric reads", 8, asked_share=None, own_format=True)
+    assert "the environment sets that form" in own and "task.params" not in own
+    assert len({not_asked, not_followed, own}) == 3
+
+
+def test_whether_a_prompt_asks_for_the_answer_is_read_from_the_task_and_the_prompt(tmp_path):
+    """asks_for_answer: a dataset's by its reward's marker, the built-in math task's own prompts ask
+    (its worked example), a verifiers environment sets its own form."""
+    from echo.config import TaskConfig
+    from echo.tasks import asks_for_answer, load_task
+    from echo.tasks.verifiers_env import VerifiersEnv
+
+    math = load_task(TaskConfig(name="math"))
+    assert asks_for_answer(math, math.prompt(0).messages) is True
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "answer": "4"}\n' * 20)
+    plain = load_task(TaskConfig(name="dataset", params={"path": str(rows)}))
+    assert asks_for_answer(plain, plain.prompt(0).messages) is False
+    told = load_task(TaskConfig(name="dataset", params={"path": str(rows), "instruction": "{prompt} Box it: \\boxed{}."}))
+    assert asks_for_answer(told, told.prompt(0).messages) is True
+    assert asks_for_answer(load_task(TaskConfig(name="dataset", params={"path": str(rows), "reward": "regex:(\\d+)"})),
+                           plain.prompt(0).messages) is None
+    assert VerifiersEnv.sets_own_format and VerifiersEnv.answer_marker is None
 
 
 def test_the_picks_alternate_best_and_worst_through_the_groups():

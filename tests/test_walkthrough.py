@@ -45,12 +45,16 @@ def test_the_walkthrough_on_a_trusted_network(tmp_path):
         assert ready["relay"].startswith(f"echo-rl relay --hub nats-leaf://127.0.0.1:{leaf} ")
         # 2. as the README's "your model, your dataset, your tracker": a verl parquet with its
         # validation file, evaluated during training, a tracker, overrides Hydra's way.
-        pq.write_table(pa.Table.from_pylist(verl_rows(60)), tmp_path / "train.parquet")
-        pq.write_table(pa.Table.from_pylist(verl_rows(6, answer=str)), tmp_path / "test.parquet")
+        # Its chat prompts do not ask for the answer's form: the documented prompt options add it
+        # (docs/operations.md, "Your own data"), an instruction and a worked example.
+        pq.write_table(pa.Table.from_pylist(verl_rows(60, ask=False)), tmp_path / "train.parquet")
+        pq.write_table(pa.Table.from_pylist(verl_rows(6, answer=str, ask=False)), tmp_path / "test.parquet")
         trainer = start(*ECHO_RL, "trainer", "--config", str(ROOT / "docs" / "run.toml"), "--nats", hub_url, *SMALL,
                         "--log-json", "task.name=dataset", "task.params.path=train.parquet",
                         "task.params.val_path=test.parquet", "run.eval_every=3", "run.eval_prompts=2",
-                        "run.trackers=[tensorboard]", "run.log_completions=true")
+                        "run.trackers=[tensorboard]", "run.log_completions=true",
+                        "task.params.instruction={prompt} Put your final answer in \\boxed{}.",
+                        'task.params.examples=[["What is 3 + 4?", "3 + 4 = 7, so \\\\boxed{7}"]]')
         start(*ECHO_RL, "relay", "--hub", f"nats-leaf://127.0.0.1:{leaf}", "--run-id", "arith-1", "--domain", "site-a",
               "--insecure", "--port", str(relay_port))  # 3. beside the hub: another client port
         sampler = start(*ECHO_RL, "sampler", "--nats", f"nats://127.0.0.1:{relay_port}", "--run-id", "arith-1",
@@ -63,7 +67,9 @@ def test_the_walkthrough_on_a_trusted_network(tmp_path):
         assert [line["step"] for line in lines if line["event"] == "eval.step"] == [0, 3]  # the base first
         shown = [line for line in lines if line["event"] == "step.completion"]  # TRL's log_completions
         assert [line["step"] for line in shown] == [1, 1, 2, 2, 3, 3]
-        assert all("boxed" in line["prompt"] for line in shown)
+        assert all(line["prompt"].endswith("? Put your final answer in \\boxed{}.\nassistant\n") for line in shown)
+        samples = [orjson.loads(row) for row in (tmp_path / "runs" / "arith-1" / "samples.jsonl").read_bytes().splitlines()]
+        assert all("3 + 4 = 7, so \\boxed{7}" in s["prompt"] for s in samples)  # the example, before each
 
         status = subprocess.run([*ECHO_RL, "status", "--nats", hub_url, "--run-id", "arith-1", "--once", "--json"],
                                 cwd=tmp_path, capture_output=True, text=True, timeout=60)  # 5.

@@ -129,6 +129,15 @@ def answer_format(task) -> str:
     return getattr(task, "answer_format", "answer its verifier can read")
 
 
+def asks_for_answer(task, messages: list[dict]) -> bool | None:
+    """Whether a prompt asks for the answer in the form the task's verifier reads (names its
+    `answer_marker`); None where the task has no marker to look for."""
+    marker = getattr(task, "answer_marker", None)
+    if marker is None:
+        return None
+    return any(marker in str(m.get("content", "")) for m in messages)
+
+
 def is_held_out(messages: list[dict]) -> bool:
     """A fixed tenth of all problems, chosen by a hash of the question, is kept for evaluation."""
     return hashlib.sha256(messages[-1]["content"].encode()).digest()[0] % 10 == 0

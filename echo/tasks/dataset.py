@@ -66,7 +66,11 @@ class DatasetParams(BaseModel):
     split_column: str = "extra_info.split"
     # A text prompt becomes one user message: this, with {prompt} filled in; a chat prompt's last
     # user turn is filled in the same way (verl's and TRL's chat rows carry no answer format).
-    instruction: str = "{prompt}"
+    instruction: str = Field("{prompt}", pattern=r"\{prompt\}")
+    # Worked examples, each [question, solution], put before every prompt as a user turn (the
+    # instruction applied) and the assistant's: a small model that does not follow the answer's form
+    # zero-shot copies it from them (the built-in math task shows one: echo/tasks/math.py's EXAMPLE).
+    examples: list[tuple[str, str]] = Field([], max_length=8)
     # math: the last \boxed{} against the truth (numbers compared, else math-verify); exact: the last
     # \boxed{} (or the whole text) equal to the truth; regex:<pattern>: its last match's first group
     # equal to it; reasoning_gym: the verifier of the row's data_source; or module:function(completion,
@@ -98,22 +102,33 @@ def pick_columns(row: dict, p: DatasetParams) -> tuple[str, str]:
     return found[0], found[1]
 
 
+def fill(instruction: str, prompt: str) -> str:
+    """The instruction with the prompt in it. Its braces as written (`\\boxed{}`), or doubled as
+    str.format has them (`\\boxed{{}}`): both give one pair (formatting raised on the first)."""
+    return instruction.replace("{{", "{").replace("}}", "}").replace("{prompt}", prompt)
+
+
 def row_prompt(row: dict, prompt_column: str, answer_column: str, p: DatasetParams) -> tuple[list[dict], str, str] | str:
     """(messages, answer, data source) of a row, or why it is skipped."""
     value, answer = _field(row, prompt_column), _field(row, answer_column)
     if isinstance(value, str):
-        messages = [{"role": "user", "content": p.instruction.format(prompt=value)}]
+        messages = [{"role": "user", "content": fill(p.instruction, value)}]
     elif isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in value):
         messages = [{"role": str(m.get("role", "user")), "content": m["content"]} for m in value]
         while messages and messages[-1]["role"] == "assistant":  # TRL's `messages` end with the answer
             messages.pop()
         last_user = next((i for i in reversed(range(len(messages))) if messages[i]["role"] == "user"), None)
         if last_user is not None:
-            messages[last_user]["content"] = p.instruction.format(prompt=messages[last_user]["content"])
+            messages[last_user]["content"] = fill(p.instruction, messages[last_user]["content"])
     else:
         return "prompt_not_text_or_messages"
     if not messages or not messages[-1]["content"].strip():
         return "empty_prompt"
+    shown = [turn for question, solution in p.examples
+             for turn in ({"role": "user", "content": fill(p.instruction, question)},
+                          {"role": "assistant", "content": solution})]
+    system = 1 if messages[0]["role"] == "system" else 0  # the examples after a system prompt, if any
+    messages = [*messages[:system], *shown, *messages[system:]]
     if answer is None or str(answer).strip() == "":
         return "no_answer"
     return messages, str(answer), str(_field(row, p.data_source) or "")
@@ -124,8 +139,8 @@ def row_prompt(row: dict, prompt_column: str, answer_column: str, p: DatasetPara
 def built_dataset(p: DatasetParams) -> Path:
     """The cache folder of `p.path`'s shards, built on first use (atomically: a rename)."""
     source = existing(p.path).resolve()
-    mapping = p.model_dump(include={"prompt", "answer", "data_source", "split", "instruction", "val_split",
-                                    "split_column"})
+    mapping = p.model_dump(include={"prompt", "answer", "data_source", "split", "instruction", "examples",
+                                    "val_split", "split_column"})
     validation = existing(p.val_path, "task.params.val_path").resolve() if p.val_path else None
     files = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in (source, validation) if f is not None]
     key = hashlib.sha256(orjson.dumps([files, mapping],
@@ -378,6 +393,11 @@ class Dataset:
 
     def score(self, completion: str, prompt: Prompt) -> Score:
         return self.reward(completion, prompt.answer, prompt.source)
+
+    @property
+    def answer_marker(self) -> str | None:
+        """What a prompt asking for the answer's form names (None: a rule it cannot tell)."""
+        return {"math": "\\boxed", "exact": "\\boxed", "reasoning_gym": "<answer>"}.get(self.p.reward)
 
     @property
     def answer_format(self) -> str:

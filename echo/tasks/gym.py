@@ -164,6 +164,7 @@ class ReasoningGym(GeneratedTask):
         return self.entry(dataset, int(index))
 
     answer_format = "<answer></answer> block"
+    sets_own_format = True  # reasoning-gym's own prompt and verifier
 
     def score(self, completion: str, prompt: Prompt) -> Score:
         answer = extract_answer(completion)

@@ -91,6 +91,7 @@ class KnightsKnaves(GeneratedTask):
         return [{"role": "user", "content": question}], encode_answer(names, truth)
 
     answer_format = "<answer></answer> block"
+    answer_marker = "<answer>"
 
     def score(self, completion: str, prompt: Prompt) -> Score:
         truth = dict(pair.split(":") for pair in prompt.answer.split(","))

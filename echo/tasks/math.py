@@ -155,6 +155,7 @@ class Math(GeneratedTask):
 
     instruction = INSTRUCTION
     answer_format = "\\boxed{} answer"
+    answer_marker = "\\boxed"
 
     def _messages(self, question: str) -> list[dict]:
         return [*(EXAMPLE if self.p.example else []), {"role": "user", "content": self.instruction.format(question=question)}]

@@ -291,6 +291,8 @@ class VerifiersEnv(Dataset):
                               "environment's dataset is not the same in every process (a shuffle without a seed?)")
 
     answer_format = "answer its rubric reads"
+    answer_marker = None
+    sets_own_format = True  # the environment's system prompt, parser and rubric
 
     @property
     def held_out_source(self) -> str:

@@ -74,7 +74,7 @@ def step_record(step: TrainerStep, version: int, proof_counts: dict, quarantined
 def trained_group(a: Accepted) -> Trained:
     completions = a.group.completions
     return Trained(a.rewards, a.unanswered, [len(c.token_ids) for c in completions],
-                   sum(c.truncated for c in completions))
+                   sum(c.truncated for c in completions), a.close)
 
 
 def step_samples(step: TrainerStep, tokenizer, count: int) -> list[dict]:

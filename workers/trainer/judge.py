@@ -43,6 +43,7 @@ class Accepted:
     source: str = ""  # its prompt's data source (a dataset's; else "")
     verifier_errors: int = 0  # completions whose verifier raised (reward 0)
     unanswered: int = 0  # completions in which the verifier found no answer
+    close: int = 0  # of those, the ones with the true answer in their text
 
 
 @dataclass
@@ -111,7 +112,7 @@ class Judge:
                 return verdict
         ruling = case.ruling
         return Accepted(case.group, ruling.rewards, case.content, ruling.reward_mismatch, ruling.source,
-                        ruling.verifier_errors, ruling.unanswered)
+                        ruling.verifier_errors, ruling.unanswered, ruling.close)
 
     async def well_formed(self, case: Case) -> Verdict | None:
         """What the run's config rules out (group size, temperature, tokens, task, precision): no

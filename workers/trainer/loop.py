@@ -31,7 +31,7 @@ from echo.logs import bind_process, duration
 from echo.metrics import read_metrics, sampler_scalars, step_scalars, summarize
 from echo.models import encode_chat
 from echo.referee import Referee
-from echo.tasks import answer_format, load_task
+from echo.tasks import answer_format, asks_for_answer, load_task
 from echo.tasks.dataset import Dataset, check_prompt_lengths
 from echo.wire.messages import SlotsEnded, TrainerStatus, WeightsAnnouncement
 from streams.client import Run, open_run, retry_forever
@@ -239,8 +239,11 @@ class Trainer:
         learn from, and the step's sample completions, appended to samples.jsonl and returned."""
         if self.no_signal.observe(record):
             task = self.collector.judge.referee.task
+            asked = [asks_for_answer(task, task.prompt(a.group.prompt_index).messages) for a in step.collected.used]
+            asked_share = None if not asked or None in asked else sum(asked) / len(asked)
             log.warning("run.no_signal", steps=self.no_signal.streak, zero_spread_share=record["zero_spread_share"],
-                        cause=likely_cause(record, answer_format(task), self.cfg.sampling.max_new_tokens))
+                        cause=likely_cause(record, answer_format(task), self.cfg.sampling.max_new_tokens, asked_share,
+                                           getattr(task, "sets_own_format", False)))
         with open(self.cfg.run_dir / "samples.jsonl", "ab") as f:
             f.write(b"".join(orjson.dumps(s) + b"\n" for s in step.samples))
         if self.cfg.run.log_completions:  # decoded from tokens, control characters out (step_samples)
