@@ -120,9 +120,18 @@ def peak_rss_mb() -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    """The run's `metrics.jsonl`, one record per step ([] before the first step). A last line
-    without its newline is not one yet: being appended now, or cut short by a crash."""
-    path = run_dir / "metrics.jsonl"
-    data = path.read_bytes() if path.exists() else b""
+def read_metrics(run_dir: Path, name: str = "metrics.jsonl", tail_bytes: int | None = None) -> list[dict]:
+    """The run's `metrics.jsonl`, one record per step ([] before the first step), or another of
+    its JSON Lines files (`evals.jsonl`, `samples.jsonl`); with `tail_bytes`, only the records in
+    its last so many bytes. A last line without its newline is not one yet: being appended now,
+    or cut short by a crash."""
+    path = run_dir / name
+    if not path.exists():
+        return []
+    with open(path, "rb") as f:
+        start = 0 if tail_bytes is None else max(0, f.seek(0, 2) - tail_bytes)
+        f.seek(start)
+        data = f.read()
+    if start:
+        data = data[data.find(b"\n") + 1:]  # its first line, cut by the seek
     return [orjson.loads(line) for line in data[: data.rfind(b"\n") + 1].splitlines() if line.strip()]

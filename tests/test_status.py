@@ -73,7 +73,8 @@ def test_status_shows_the_trainer_and_every_sampler_of_a_live_swarm(tmp_path):
             while later["trainer"]["step"] == first["trainer"]["step"]:
                 later = next_event(events)
             assert set(later) == {"run_id", "at", "trainer", "samplers", "stream", "storage", "relays",
-                                 "steps", "config"}
+                                 "steps", "config", "evals", "samples"}  # the last two: served with --run
+            assert later["evals"] == [] and {s["sampler"] for s in later["samples"]} <= {"s1", "s2"}
             assert later["config"]["run"]["id"] == "live" and later["config"]["model"]["name"] == "tiny"
             assert {s["id"] for s in later["samplers"]} == {"s1", "s2"}
             assert [p["step"] for p in later["steps"]][-1] == later["trainer"]["step"] > first["trainer"]["step"]

@@ -21,7 +21,7 @@ from pathlib import Path
 import orjson
 import structlog
 
-from echo.metrics import mean_staleness
+from echo.metrics import mean_staleness, read_metrics
 from streams.client import Run
 from workers.operator.status import REFRESH_S, snapshot
 
@@ -31,6 +31,8 @@ STATIC = Path(__file__).parent / "static"
 FILES = {"/": ("status.html", "text/html; charset=utf-8"), "/uPlot.iife.min.js": ("uPlot.iife.min.js", "text/javascript"),
          "/uPlot.min.css": ("uPlot.min.css", "text/css")}
 STEPS_KEPT = 10_000  # points a page's charts hold
+SAMPLE_STEPS = 5  # the last steps whose completions the page shows (from the run's samples.jsonl)
+SAMPLES_TAIL = 256 << 10  # the bytes of samples.jsonl read for them (a sample is at most a few KB)
 # A step's record keys the page charts, by the names the page reads.
 CHARTED = {"reward_mean": "reward", "loss": "loss", "kl": "kl", "entropy": "entropy", "grad_norm": "grad_norm",
            "lr": "lr", "length_mean": "length", "zero_spread_share": "zero_spread"}
@@ -39,16 +41,20 @@ READ_TIMEOUT_S = 10.0  # for a request's line and headers
 WRITE_TIMEOUT_S = 30.0  # for a page to take an event: one that stops reading is closed
 HEAD_MAX = 16 << 10  # a request's line and headers
 KEEPALIVE_S = 30.0  # an event stream with no new snapshot gets a comment this often
+FIRST_SNAPSHOT_S = 30.0  # /snapshot waits this long for the first (a broker that does not answer: closed)
 
 
 class Latest:
-    """The newest snapshot as one server-sent event, and the trainer's steps seen."""
+    """The newest snapshot as one server-sent event, and the trainer's steps seen. With the run's
+    directory (the trainer's machine): its held-out evaluations and the last steps' completions."""
 
-    def __init__(self, history: list[dict] = ()):
+    def __init__(self, run_dir: Path | None = None):
         self.changed = asyncio.Condition()
         self.body = self.event = b""  # the newest snapshot, as JSON and as a server-sent event
+        self.run_dir = run_dir
         # step -> its charted values: the run's metrics where this machine has them (the page
         # then shows the run since its first step), then each step the trainer's status names.
+        history = read_metrics(run_dir) if run_dir else []
         self.steps: dict[int, dict] = {r["step"]: point(r, mean_staleness(r)) for r in history}
 
     async def update(self, snap: dict) -> None:
@@ -58,7 +64,13 @@ class Latest:
                                                 trainer["staleness"])
         for old in sorted(self.steps)[:-STEPS_KEPT]:
             del self.steps[old]
-        body = orjson.dumps({**snap, "steps": [{"step": s, **p} for s, p in sorted(self.steps.items())]})
+        extra = {}
+        if self.run_dir is not None:  # read again each time: small, or read from their ends
+            extra["evals"] = [{"step": e["step"], "reward": e["reward"]} for e in read_metrics(self.run_dir, "evals.jsonl")]
+            samples = read_metrics(self.run_dir, "samples.jsonl", tail_bytes=SAMPLES_TAIL)
+            last = sorted({s["step"] for s in samples})[-SAMPLE_STEPS:]
+            extra["samples"] = [s for s in samples if s["step"] in last][::-1]  # the newest first
+        body = orjson.dumps({**snap, **extra, "steps": [{"step": s, **p} for s, p in sorted(self.steps.items())]})
         async with self.changed:
             self.body, self.event = body, b"data: " + body + b"\n\n"
             self.changed.notify_all()
@@ -144,7 +156,9 @@ class PageServer:
         if path == "/events":
             return await self.events(writer)
         if path == "/snapshot":  # the newest snapshot, once: for a page that must finish loading (a screenshot)
-            return await self.respond(writer, 200, self.latest.body or b"{}", "application/json")
+            async with self.latest.changed:  # the first one, on a page opened as the server starts
+                await asyncio.wait_for(self.latest.changed.wait_for(lambda: self.latest.body), FIRST_SNAPSHOT_S)
+            return await self.respond(writer, 200, self.latest.body, "application/json")
         if path not in FILES:
             return await self.respond(writer, 404, b"not found\n", "text/plain")
         name, kind = FILES[path]
@@ -177,8 +191,8 @@ def parse_address(text: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
-async def serve_page(run: Run, address: str, history: list[dict] = ()) -> None:
-    latest = Latest(history)
+async def serve_page(run: Run, address: str, run_dir: Path | None = None) -> None:
+    latest = Latest(run_dir)
     host, port = parse_address(address)
     server = PageServer(latest)
     port = await server.start(host, port)

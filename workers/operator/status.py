@@ -221,11 +221,10 @@ async def status_command(args, url: str, run_id: str, credentials) -> int:
                          join_wait_s=JOIN_WAIT_S if args.serve else 0, give_up_s=PATIENCE_S)
     try:
         if args.serve:
-            from echo.metrics import read_metrics
             from workers.operator.page import serve_page
 
             # On the trainer's machine (--run), the charts begin at the run's first step.
-            await serve_page(run, args.serve, read_metrics(args.run) if args.run else [])
+            await serve_page(run, args.serve, args.run)
         else:
             await watch(run, args.once, args.json, sys.stdout)
     finally:
