@@ -104,6 +104,9 @@ class Keep:
                 and (self.rewards is None or self.rewards[0] <= mean <= self.rewards[1]))
 
 
+PROMPT_SHOWN = 300  # characters of a group's prompt a table line shows
+
+
 def table_line(record: dict, decode: Callable[[list[int]], str] | None = None) -> str:
     """One line per record, then each completion's reward and text: decoded from its tokens with
     `decode` (the run's tokenizer; a multi-turn episode turn by turn, the model's words and the
@@ -117,6 +120,8 @@ def table_line(record: dict, decode: Callable[[list[int]], str] | None = None) -
             f"{group['group_id']}  {len(rewards)} completions  {tokens} tokens  "
             f"reward {sum(rewards) / len(rewards):.3f}")
     lines = [line]
+    if decode is not None and group.get("prompt_token_ids") is not None:  # its end: where the question is
+        lines.append(f"    prompt: {decode(group['prompt_token_ids'])[-PROMPT_SHOWN:]!r}")
     for i, completion in enumerate(group["completions"]):
         if decode is None or not completion["observations"]:
             text = repr(decode(completion["token_ids"])) if decode else f"claimed {completion['text']!r}"
@@ -134,13 +139,15 @@ def table_line(record: dict, decode: Callable[[list[int]], str] | None = None) -
 
 
 async def _dump(url: str, run_id: str, out, keep: Keep, table: bool, credentials: Credentials | None,
-                decode: Callable[[list[int]], str] | None) -> int:
-    count = 0
+                decode: Callable[[list[int]], str] | None) -> tuple[int, int]:
+    """(records written, records read)."""
+    count = read = 0
     async for record in read_rollouts(url, run_id, credentials):
+        read += 1
         if keep(record):
             out.write((table_line(record, decode) if table else orjson.dumps(record).decode()) + "\n")
             count += 1
-    return count
+    return count, read
 
 
 @contextmanager
@@ -175,7 +182,10 @@ def replay(run: str | Path, nats_url: str | None, out_path: str | None, keep: Ke
     out = open(out_path, "w") if out_path else sys.stdout
     try:
         with run_broker(run, nats_url, credentials) as (url, run_id, credentials):
-            asyncio.run(_dump(url, run_id, out, keep, table, credentials, decode))
+            written, read = asyncio.run(_dump(url, run_id, out, keep, table, credentials, decode))
+        if not written:  # a filter that matched nothing says so, not an empty output
+            print(f"echo-rl replay: none of the stream's {read} records matched", file=sys.stderr)
+            return 1
         return 0
     finally:
         if out_path:

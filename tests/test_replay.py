@@ -34,14 +34,20 @@ def test_replay_filters_a_finished_runs_stream(on_policy_swarm):
     expected = [r for r in stream if r["group"]["sampler_id"] == sampler and r["group"]["version"] == version]
     assert [r["seq"] for r in records] == [r["seq"] for r in expected] and expected
     assert [r["seq"] for r in _records(_replay(run_dir, "--seq", "2:4").stdout)] == [2, 3, 4]
-    assert _replay(run_dir, "--rejected").stdout == ""  # an honest run: nothing malformed
+    honest = _replay(run_dir, "--rejected")
+    assert honest.stdout == "" and honest.returncode == 1  # an honest run: nothing malformed, and it says so
+    assert f"none of the stream's {len(stream)} records matched" in honest.stderr
+    assert _replay(run_dir, "--version", "999").returncode == 1  # issue 82: printed nothing, rc 0
     everything = _replay(run_dir, "--reward", "0:1", "--table").stdout.split("\n")[:-1]
-    heads = [line for line in everything if not line.startswith("    [")]
+    heads = [line for line in everything if not line.startswith(("    [", "    prompt: "))]
     assert len(heads) == len(stream) and all(" completions " in line for line in heads)
-    # Each completion's text, decoded by the run's tokenizer from its tokens (not the sampler's claim).
+    # Its prompt's end, then each completion's text, decoded by the run's tokenizer from its tokens
+    # (not the sampler's claim).
     tokenizer = load_tokenizer("tiny")
-    first = stream[0]["group"]["completions"]
-    assert everything[1:1 + len(first)] == [
+    first = stream[0]["group"]
+    assert everything[1] == f"    prompt: {tokenizer.decode(first['prompt_token_ids'])[-300:]!r}"
+    first = first["completions"]
+    assert everything[2:2 + len(first)] == [
         f"    [{i}] reward {c['reward']:.3f} {c['finish_reason']}: {tokenizer.decode(c['token_ids'])!r}"
         for i, c in enumerate(first)]
 
