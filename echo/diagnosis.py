@@ -74,10 +74,10 @@ def likely_cause(record: dict, answer_format: str, max_new_tokens: int, asked_sh
         close = record.get("close_share", 0.0)
         if asked_share is not None:
             return (f"{missing} though the prompts ask for it ({close:.0%} wrote the right answer, not in that "
-                    "form): this model does not follow the format zero-shot; show it a solved example in "
-                    f"{INSTRUCTION}, as the built-in math task does, or use a larger instruct model")
+                    "form): this model does not follow the format zero-shot; show it a solved example "
+                    "(task.params.examples), as the built-in math task does, or use a larger instruct model")
         return (f"{missing}: ask for it in the prompt ({INSTRUCTION}); if the prompts ask already, show a solved "
-                "example there, or use a larger instruct model")
+                "example (task.params.examples), or use a larger instruct model")
     if record["truncated_share"] >= MOSTLY:
         return (f"{record['truncated_share']:.0%} of completions stopped at sampling.max_new_tokens "
                 f"({max_new_tokens}) before an answer: raise it")

@@ -59,7 +59,7 @@ def test_with_no_answer_the_advice_reads_the_prompts_first():
     assert "100% of the prompts never ask for it: add it with task.params.instruction" in not_asked
     not_followed = likely_cause(none, boxed, 8, asked_share=1.0)
     assert "though the prompts ask for it (25% wrote the right answer" in not_followed
-    assert "does not follow the format zero-shot" in not_followed and "larger instruct model" in not_followed
+    assert "does not follow the format zero-shot" in not_followed and "task.params.examples" in not_followed
     own = likely_cause(none, "answer its rubric reads", 8, asked_share=None, own_format=True)
     assert "the environment sets that form" in own and "task.params" not in own
     assert len({not_asked, not_followed, own}) == 3
