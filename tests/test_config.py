@@ -24,7 +24,7 @@ def test_overrides_are_typed():
     "overrides, field",
     [
         (["trainer.lrr=1"], "trainer.lrr: unknown field"),
-        (["nonsense.x=1"], "nonsense: unknown field"),
+        (["nonsense.x=1"], "nonsense.x: unknown field"),  # an unknown section: its keys named whole
         (["trainer.lr=-1"], "trainer.lr: Input should be greater than 0"),
         (["run.mode=fast"], "run.mode"),
         (["sampling.group_size=1"], "sampling.group_size"),

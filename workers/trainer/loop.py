@@ -191,6 +191,10 @@ class Trainer:
                 await asyncio.to_thread(trackers.log, 0, eval_scalars(evaluated), [])
         with open(cfg.run_dir / "metrics.jsonl", "ab") as metrics_file:
             for number in range(state.step + 1, cfg.run.steps + 1):
+                # Told to stop, no new step: a cancellation nats-py swallowed (in its flush, during the
+                # step's publish) stays counted here, where the next re-cancel came 3 s (many steps) later.
+                if asyncio.current_task().cancelling():
+                    raise asyncio.CancelledError
                 step = TrainerStep(number, process_started)
                 with step.phase("collect"):
                     await retry_forever("ask for groups", lambda: self.granter.ask(state.version))
