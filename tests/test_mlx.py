@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ from echo.proof import ProofSettings, SamplingProof
 from echo.wire.names import Version
 from streams.client import open_run
 from streams.registry import read_statuses
+from streams.server import free_port
 from tests.conftest import tiny_config
 from tests.groups import TASK, honest_group, keyed_groups, perturb
 from tests.swarms import assert_every_group_proved, run_swarm
@@ -361,13 +361,8 @@ def test_ranks_on_other_machines_follow_a_hostfile_and_outlive_rank_0(tmp_path):
     rank 0 (the sampler) starting none. The split model generates the whole model's tokens. Rank 0
     gone without a word: rank 1 starts again by itself (the same port) and serves the next rank 0;
     told to stop, it exits."""
-    ports = [socket.socket(), socket.socket()]
-    for s in ports:
-        s.bind(("127.0.0.1", 0))
     hostfile = tmp_path / "ring.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{s.getsockname()[1]}"] for s in ports]))
-    for s in ports:
-        s.close()
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(2)]))
     cfg = tiny_config(tmp_path, sampler={"engine": "mlx", "ranks": 2, "hostfile": str(hostfile)})
     config = tmp_path / "sampler.toml"
     config.write_text(cfg.to_toml())

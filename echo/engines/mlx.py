@@ -216,11 +216,10 @@ class MLXEngine:
         # A mixture of experts' routing shape, where its routing is recorded for the trainer to replay
         self.routing = replayed_shape(on_meta, model_name, record_routing)
         self.shapes = policy_shapes(make_policy(on_meta, lora))
-        # this rank's share of them (all of them on one rank)
-        self.mine = {k: v for k, v in self.shapes.items() if self._holds(k)}
+        expected = {k: v for k, v in self.shapes.items() if self._holds(k)}  # this rank's share (all, unsplit)
         mine = self._published_shapes()
-        if mine != self.mine:
-            missing, extra = sorted(self.shapes.keys() - mine.keys())[:2], sorted(mine.keys() - self.shapes.keys())[:2]
+        if mine != expected:
+            missing, extra = sorted(expected.keys() - mine.keys())[:2], sorted(mine.keys() - expected.keys())[:2]
             raise ConfigError(f"model.name {model_name!r}: the weights the trainer publishes do not map onto mlx-lm's "
                               f"model (not here: {missing}; only here: {extra}); use sampler.engine = 'hf'")
         self.temperature = sampling.temperature

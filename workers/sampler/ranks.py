@@ -12,15 +12,14 @@ WATCH_S of either; between calls rank 0 pings the others every PING_S, so a hung
 noticed within rank_timeout_s + PING_S + WATCH_S whatever the sampler is doing. The sampler
 then starts again as a new process (exec: an MLX group cannot be rebuilt in a process), with new
 ranks, at most MAX_RESTARTS times; meanwhile its heartbeat stops and the trainer hands its slots
-to the others. A rank of another box, its group lost,
-starts again the same way and waits for rank 0.
+to the others. A rank of another box, its group lost, starts again the same way and waits for
+rank 0.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ import structlog
 
 from echo.config import ConfigError, EchoConfig
 from echo.lifeline import arm_parent_death_signal, die_with_parent
+from streams.server import free_port
 
 log = structlog.get_logger()
 
@@ -75,17 +75,6 @@ def read_hostfile(cfg: EchoConfig) -> list:
         raise ConfigError(f"sampler.hostfile {cfg.sampler.hostfile!r}: one [\"host:port\"] a rank, "
                           f"{cfg.sampler.ranks} of them (sampler.ranks)")
     return hosts
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 class RankWatch:
@@ -176,7 +165,7 @@ def start_ranks(cfg: EchoConfig, on_lost=None):
     else:
         folder = Path(tempfile.mkdtemp(prefix="echo-ranks-"))
         hostfile = str(folder / "ring.json")
-        Path(hostfile).write_text(json.dumps([[f"127.0.0.1:{port}"] for port in _free_ports(cfg.sampler.ranks)]))
+        Path(hostfile).write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(cfg.sampler.ranks)]))
         config = folder / "config.toml"
         config.write_text(cfg.to_toml())
         processes = [subprocess.Popen([sys.executable, "-m", "workers.sampler.ranks", str(config), str(rank)],
