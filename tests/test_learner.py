@@ -53,17 +53,24 @@ def test_a_micro_batched_step_is_the_whole_batch_step(tmp_path, algorithm):
     """Same start, same batch (with a KL term and a rollout rejection): the step in micro-batches
     of a few tokens, or with both groups in one pass, leaves the same adapter as a group a pass
     and reports the same statistics, to fp32 summation-order error (1e-6), whatever the loss's
-    aggregation and however many updates it takes on the batch."""
+    aggregation and however many updates it takes on the batch.
+
+    The parameters are fp64 (the log-probs stay fp32): AdamW divides each gradient element by its
+    own size, so an fp32 summation-order error in an element whose terms nearly cancel became a
+    share of a learning-rate step (1.4e-6 apart at lr 1e-4, on about one random start in
+    fifteen); gradients accumulated in fp64 left at most 3e-8 over 60 starts. The start is seeded: one that fails
+    fails again."""
     texts = ["\\boxed{5}", "no idea at all, sorry", "\\boxed{999} because", "hm"]
     batch = Batch.of([(honest_group(11 + i, texts=texts), [1.0, 0.0, 0.0, 1.0]) for i in range(2)])
     assert len({len(group.prompt_token_ids) for group in batch.groups}) == 2  # packed, one prompt is padded
     policies, stats = [], []
     base, tokenizer = load_model("tiny")
-    start = make_policy(base, tiny_config(tmp_path).lora)
+    start = make_policy(base, tiny_config(tmp_path).lora).double()
+    seeded = torch.Generator().manual_seed(12)
     with torch.no_grad():
         for p in start.parameters():
             if p.requires_grad:
-                p.normal_(0, 0.05)
+                p.normal_(0, 0.05, generator=seeded)
     for budget in (0, len(batch.groups[0].prompt_token_ids) + 30, 10_000):
         cfg = tiny_config(tmp_path, trainer={"micro_batch_tokens": budget, "pack_groups": "on"},
                           algorithm={"kl_coef": 0.1, **algorithm})
