@@ -5,30 +5,39 @@ a published LoRA adapter: what a sampler does per version). Rounds alternate bet
 so all see the same load on a shared machine. Speeds are also given as ratios to `hf`
 (transformers' `generate`), measured in the same run.
 
+    .venv/bin/python -m bench.engines   (hf, mlx and mlx-split on tiny, smollm2 and qwen2-16l: engines.json)
     .venv/bin/python -m bench.engines --engines hf hf-paged [--model smollm2] [--rounds 3]
-    .venv-vllm/bin/python -m bench.engines --engines hf vllm   (needs vLLM: make test-vllm)
-    .venv/bin/python -m bench.engines --engines hf mlx [--model tiny]   (MLX's CPU backend here; Metal on a Mac)
-    .venv/bin/python -m bench.engines --engines hf mlx mlx-split --model qwen2-16l   (one model over 2 ranks)
+    .venv-vllm/bin/python -m bench.engines --engines hf vllm --model smollm2   (needs vLLM: make test-vllm)
+    python -m bench.engines --engines hf hf-paged --model smollm2 --device cuda --dtype bfloat16 \
+        --prompts 8 --group 16 --tokens 1024
 
-`mlx-split` is the MLX engine split over `--ranks` processes of this box (sampler.ranks: this
-process rank 0), with each rank's weights in MB beside the whole model's (what the split buys).
-mlx-lm splits qwen2 and qwen3_moe, not llama (SmolLM2): `--model qwen2-16l` is a random-init
-Qwen2 of 16 layers (hidden 512, ~60M parameters), built here once, for a split with weight to it.
-    python -m bench.engines --engines hf hf-paged --device cuda --dtype bfloat16 --prompts 8 --group 16 --tokens 1024
+`mlx` is MLX's CPU backend here (Metal on a Mac). `mlx-split` is the MLX engine split over
+`--ranks` processes of this box (sampler.ranks: this process rank 0). For both, each rank's
+weights in MB and its peak: the weights and the most a call took above what the rank held before
+it (mx.get_peak_memory, read on every rank), what the split buys. mlx-lm splits qwen2 and
+qwen3_moe, not llama (SmolLM2: its row says so); `qwen2-16l` is a random-init Qwen2 of 16 layers
+(hidden 512, ~60M parameters), built here once, for a split with weight to it. Several models:
+each runs in a process of its own (one MLX group a process), into one file.
 
-Writes bench/results/engines[-<engines>-<device>].json.
+Writes bench/results/engines[-<engines>-<device>[-<models>]].json.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
+import orjson
 import torch
 
 from bench.common import write_results
-from echo.config import cache_dir, validate_config
+from echo.config import ConfigError, cache_dir, validate_config
 from echo.engines import make_engine
 from echo.engines.hf import HFEngine
 from echo.models import byte_tokenizer
@@ -66,10 +75,14 @@ def new_version(hf: HFEngine, seed: int, scale: float = 0.02) -> list[bytearray]
     return [bytearray(s) for s in weights_shards(hf.model, 2**30)]
 
 
+DEFAULT_ENGINES, DEFAULT_MODELS = ["hf", "mlx", "mlx-split"], ["tiny", "smollm2", RANDOM_QWEN2]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--engines", nargs="+", default=["hf", "vllm"],
+    parser.add_argument("--model", nargs="+", default=DEFAULT_MODELS,
+                        help="several: each in a process of its own (one MLX group a process), one file")
+    parser.add_argument("--engines", nargs="+", default=DEFAULT_ENGINES,
                         choices=["hf", "hf-paged", "vllm", "mlx", "mlx-split"],
                         help="sampler.engine settings, hf first: the others' speeds are ratios to it")
     parser.add_argument("--ranks", type=int, default=2, help="mlx-split: the processes one model is split over")
@@ -82,8 +95,32 @@ def main() -> None:
     args = parser.parse_args()
     if args.engines[0] != "hf":
         parser.error("--engines: hf first (the baseline)")
-    model = random_qwen2() if args.model == RANDOM_QWEN2 else args.model
-    engines, start_s, ranks = {}, {}, None
+    name = f"engines-{'-'.join(args.engines)}-{args.device.split(':')[0]}"
+    if args.engines == DEFAULT_ENGINES and args.model == DEFAULT_MODELS and args.device == "cpu":
+        name = "engines"  # the figures docs/operations.md quotes
+    elif args.model != ["smollm2"]:
+        name += f"-{'-'.join(args.model)}"
+    if len(args.model) == 1:
+        result = measure(args, args.model[0])
+    else:
+        result = {"call": None, "models": {}}
+        for model in args.model:
+            with tempfile.TemporaryDirectory() as folder:
+                argv = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("model", "engines")]
+                subprocess.run([sys.executable, "-m", "bench.engines", *argv, "--engines", *args.engines,
+                                "--model", model], check=True, env={**os.environ, "BENCH_RESULTS": folder})
+                [child] = Path(folder).glob("*.json")
+                one = orjson.loads(child.read_bytes())
+            result["call"] = one.pop("call")
+            result["models"][model] = one  # with the load while this model's rounds ran
+    out = write_results(f"{name}.json", result)
+    print(out.read_text())
+
+
+def measure(args, model_name: str) -> dict:
+    """One model's engines, rounds alternating between them."""
+    model = random_qwen2() if model_name == RANDOM_QWEN2 else model_name
+    engines, start_s, refused, ranks = {}, {}, {}, None
     for name in args.engines:
         split = name == "mlx-split"
         cfg = validate_config({"model": {"name": model, "device": args.device, "dtype": args.dtype},
@@ -95,7 +132,14 @@ def main() -> None:
         group = None
         if split:
             group, ranks = start_ranks(cfg, on_lost=lambda why: print(f"a rank was lost: {why}"))
-        engines[name] = make_engine(cfg, group=group)
+        try:
+            engines[name] = make_engine(cfg, group=group)
+        except ConfigError as e:  # mlx-lm splits no llama (SmolLM2): said in the row
+            refused[name] = str(e)
+            if split:
+                ranks.close()
+                ranks = None
+            continue
         if split:
             ranks.engine = engines[name]
         start_s[name] = round(time.perf_counter() - started, 1)
@@ -103,45 +147,49 @@ def main() -> None:
     prompts = [hf.encode_chat([{"role": "user", "content": f"What is {i} + {i + 3}? Explain."}])
                for i in range(args.prompts)]
     samples: dict[str, dict[str, list[float]]] = {name: {"tokens_per_s": [], "swap_s": []} for name in engines}
+    call_mb: dict[str, list[float]] = {}  # an MLX engine's most memory a call took above what it held, by rank
     for round_ in range(args.rounds + 1):  # round 0 warms every engine up (first-call costs) and is not counted
         shards = new_version(hf, seed=round_)
         for name, engine in engines.items():
             started = time.perf_counter()
             engine.load_weights(shards)
             swap = time.perf_counter() - started
+            before = engine.memory_mb() if hasattr(engine, "memory_mb") else None
             started = time.perf_counter()
             groups = engine.generate(prompts, args.group)
             if engine.device.type == "cuda":
                 torch.cuda.synchronize(engine.device)
             seconds = time.perf_counter() - started
+            if before is not None:
+                took = [most - held for (held, _), (_, most) in zip(before, engine.memory_mb())]
+                call_mb[name] = [max(a, b) for a, b in zip(call_mb.get(name, took), took)]
             if round_:
                 tokens = sum(len(g.token_ids) for group in groups for g in group)
                 samples[name]["tokens_per_s"].append(tokens / seconds)
                 samples[name]["swap_s"].append(swap)
     result = {
-        "model": args.model,
+        "model": model_name,
         "call": f"{args.prompts} prompts x {args.group} completions x {args.tokens} tokens, {args.dtype}, "
                 f"{hf.device}, LoRA r={hf.model.peft_config['default'].r}",
         "adapter_mb": round(sum(len(s) for s in shards) / 2**20, 2),
         "start_s": start_s,
         **{name: {k: round(statistics.median(v), 4) for k, v in s.items()} for name, s in samples.items()},
+        **{name: {"refused": why} for name, why in refused.items()},
         "rounds": args.rounds,
     }
-    for name in args.engines[1:]:
-        result[f"{name}_speed_ratio"] = round(result[name]["tokens_per_s"] / result["hf"]["tokens_per_s"], 2)
-    if ranks is not None:  # what each rank holds, against the whole model in one process
-        split = engines["mlx-split"]
-        result["mlx-split"]["weights_mb_per_rank"] = [round(mb, 1) for mb in split.rank_mb]
-        if "mlx" in engines:
-            result["mlx"]["weights_mb"] = round(engines["mlx"].rank_mb[0], 1)
-            whole = result["mlx"]["tokens_per_s"]
-            result["mlx-split_vs_mlx_speed"] = round(result["mlx-split"]["tokens_per_s"] / whole, 2)
-        split.stop_followers()
+    for name in engines:
+        if name != "hf":
+            result[f"{name}_speed_ratio"] = round(result[name]["tokens_per_s"] / result["hf"]["tokens_per_s"], 2)
+        if name in call_mb:  # each rank's weights, and its peak: the weights and the most a call took above them
+            held = engines[name].rank_mb
+            result[name]["weights_mb_per_rank"] = [round(mb, 1) for mb in held]
+            result[name]["peak_mb_per_rank"] = [round(mb + extra, 1) for mb, extra in zip(held, call_mb[name])]
+    if "mlx" in engines and "mlx-split" in engines:
+        result["mlx-split_vs_mlx_speed"] = round(result["mlx-split"]["tokens_per_s"] / result["mlx"]["tokens_per_s"], 2)
+    if ranks is not None:
+        engines["mlx-split"].stop_followers()
         ranks.close()
-    default = args.engines == ["hf", "vllm"] and args.device == "cpu"  # the figure docs/performance.md quotes
-    name = "engines.json" if default else f"engines-{'-'.join(args.engines)}-{hf.device.type}.json"
-    out = write_results(name if args.model == "smollm2" else name.replace(".json", f"-{args.model}.json"), result)
-    print(out.read_text())
+    return result
 
 
 if __name__ == "__main__":

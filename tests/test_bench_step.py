@@ -62,12 +62,20 @@ def test_the_engine_bench_times_generate_against_continuous_batching(tmp_path):
 
 
 def test_the_engine_bench_splits_an_mlx_model_and_says_what_each_rank_holds(tmp_path):
-    """bench/engines.py's mlx-split row (issue 81), on the tiny model: the split engine generates
-    beside the whole one, and each of its 2 ranks holds less than the whole model."""
+    """bench/engines.py's mlx rows (issue 81), two models in one run, each in its own process: on
+    the tiny model the split engine generates beside the whole one, each of its 2 ranks holding
+    less and peaking lower; SmolLM2 (llama), which mlx-lm cannot split, gets a row saying so."""
     pytest.importorskip("mlx.core")
-    subprocess.run([sys.executable, "-m", "bench.engines", "--engines", "hf", "mlx", "mlx-split", "--model", "tiny",
-                    "--prompts", "2", "--group", "2", "--tokens", "8", "--rounds", "1"], check=True,
-                   capture_output=True, env={"BENCH_RESULTS": str(tmp_path), "PATH": "/usr/bin:/bin"})
-    result = orjson.loads((tmp_path / "engines-hf-mlx-mlx-split-cpu-tiny.json").read_bytes())
-    assert result["mlx-split"]["tokens_per_s"] > 0 and len(result["mlx-split"]["weights_mb_per_rank"]) == 2
-    assert max(result["mlx-split"]["weights_mb_per_rank"]) < result["mlx"]["weights_mb"]
+    subprocess.run([sys.executable, "-m", "bench.engines", "--engines", "hf", "mlx", "mlx-split",
+                    "--model", "tiny", "smollm2", "--prompts", "1", "--group", "2", "--tokens", "8", "--rounds", "1"],
+                   check=True, capture_output=True, env={"BENCH_RESULTS": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    result = orjson.loads((tmp_path / "engines-hf-mlx-mlx-split-cpu-tiny-smollm2.json").read_bytes())
+    tiny, smollm2 = result["models"]["tiny"], result["models"]["smollm2"]
+    assert result["call"].startswith("1 prompts x 2 completions x 8 tokens") and tiny["machine"]["cores"]
+    split, whole = tiny["mlx-split"], tiny["mlx"]
+    assert split["tokens_per_s"] > 0 and len(split["weights_mb_per_rank"]) == len(split["peak_mb_per_rank"]) == 2
+    assert max(split["weights_mb_per_rank"]) < whole["weights_mb_per_rank"][0]
+    assert max(split["peak_mb_per_rank"]) < whole["peak_mb_per_rank"][0]
+    assert all(peak >= held for peak, held in zip(split["peak_mb_per_rank"], split["weights_mb_per_rank"]))
+    assert smollm2["mlx"]["tokens_per_s"] > 0 and "cannot split" in smollm2["mlx-split"]["refused"]
+    assert "mlx-split_speed_ratio" not in smollm2

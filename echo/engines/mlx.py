@@ -225,12 +225,26 @@ class MLXEngine:
         self.temperature = sampling.temperature
         self.max_new_tokens, self.chunk_tokens = sampling.max_new_tokens, sampling.chunk_tokens
         # each rank's weights in MB, by rank (what the split buys); one rank: the whole model's
-        self.rank_mb = [self._held_mb()] if self.group is None else self._gathered(self._held_mb())
+        self.rank_mb = self._gathered(self._held_mb())
 
     def _held_mb(self) -> float:
         from mlx.utils import tree_flatten
 
         return sum(v.nbytes for _, v in tree_flatten(self.model.parameters())) / 2**20
+
+    def memory_mb(self) -> list[tuple[float, float]]:
+        """Rank 0: each rank's MLX memory in MB, by rank: (held now, the most held since it was
+        last asked); asking starts the count again. The memory of a call is the second after it
+        less the first before it (a process's count: another MLX engine in it counts too)."""
+        with self._calling:
+            self._send(("memory",))
+            return self._memory_mb()
+
+    def _memory_mb(self) -> list[tuple[float, float]]:
+        mx = self.mx
+        held, most = mx.get_active_memory() / 2**20, mx.get_peak_memory() / 2**20
+        mx.reset_peak_memory()
+        return list(zip(self._gathered(held), self._gathered(most)))
 
     def _holds(self, name: str) -> bool:
         """Whether this rank holds the published tensor `name` (a layer's: by its number; the rest,
@@ -252,6 +266,8 @@ class MLXEngine:
     def _gathered(self, value: float) -> list[float]:
         """Every rank's `value`, by rank, on every rank."""
         mx = self.mx
+        if self.group is None:
+            return [value]
         mine = np.zeros(self.group.size(), np.float32)
         mine[self.rank] = value
         return np.array(mx.distributed.all_sum(mx.array(mine), group=self.group)).tolist()
@@ -353,6 +369,8 @@ class MLXEngine:
                 return command
             if command[0] == "load":  # else "ping": nothing to do
                 self._load(shards_tensors([bytearray(b) for b in blobs]))
+            elif command[0] == "memory":
+                self._memory_mb()
             elif command[0] == "generate":
                 prompts, n, greedy, max_tokens, seed, draws, chunked = command[1:]
                 draws = None if draws is None else [Draw(*d) for d in draws]
