@@ -23,6 +23,7 @@ from echo.engines.hf import HFEngine
 from echo.noise import Draw, group_key
 from echo.policy import WeightsMismatch, group_logprobs, load_weights, tensors_from_buffer, weights_shards
 from echo.proof import ProofSettings, SamplingProof
+from echo.wire.messages import SamplerStatus
 from echo.wire.names import Version
 from streams.client import open_run
 from streams.registry import read_statuses
@@ -278,7 +279,8 @@ def test_a_split_mlx_sampler_trains_a_swarm_every_group_proved_through_a_hung_an
     trainer proves every group. Once the run is under way, s1's rank 1 hangs (SIGSTOP) and s2's
     is killed, with the trainer held still (SIGSTOP: no grant, so no call, and the run cannot end
     meanwhile): each sampler notices (the hung rank by rank 0's ping between calls) and starts
-    again with a new rank. Then the run goes on, and trains nothing but proven groups."""
+    again with a new rank, whose heartbeat says the group was lost once, and why. Then the run
+    goes on, and trains nothing but proven groups."""
     run_dir = tmp_path / "mlx-split"
 
     def ranks_of(up: psutil.Process) -> dict[int, int]:
@@ -290,12 +292,12 @@ def test_a_split_mlx_sampler_trains_a_swarm_every_group_proved_through_a_hung_an
                     ranks[p.pid] = p.ppid()
         return ranks
 
-    def heartbeats() -> dict[str, str]:
-        """Each sampler's process, as its heartbeat names it (a new one: it started again)."""
+    def heartbeats() -> dict[str, SamplerStatus]:
+        """Each sampler's heartbeat (a new process: it started again)."""
         async def read():
             run = await open_run(load_config(run_dir / "config.toml").nats.url, "mlx-split", "check", create=False)
             try:
-                return {s.sampler_id: s.process for s in await read_statuses(run)}
+                return {s.sampler_id: s for s in await read_statuses(run)}
             finally:
                 await run.close()
         return asyncio.run(read())
@@ -314,9 +316,15 @@ def test_a_split_mlx_sampler_trains_a_swarm_every_group_proved_through_a_hung_an
             psutil.Process(hung).suspend()
             psutil.Process(killed).kill()
             deadline = time.monotonic() + 300  # a guard: each sampler is back in seconds
-            while (now := heartbeats()).keys() != before.keys() or any(now[s] == before[s] for s in before):
+            while (now := heartbeats()).keys() != before.keys() or any(
+                    now[s].process == before[s].process for s in before):
                 assert time.monotonic() < deadline, f"not every sampler started again: {before} {now}"
                 time.sleep(0.2)
+            assert {(s.ranks, s.ranks_restarted, s.rank_lost) for s in before.values()} == {(2, 0, "")}
+            assert {(s.ranks, s.ranks_restarted) for s in now.values()} == {(2, 1)}
+            said = sorted(s.rank_lost for s in now.values())
+            assert "no answer from the other ranks" in " ".join(said), said
+            assert "exited with code -9" in " ".join(said) or "a collective failed" in " ".join(said), said
         except BaseException as e:
             failed.append(e)
         finally:

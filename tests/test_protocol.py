@@ -230,6 +230,24 @@ def test_messages_recorded_in_schema_19_decode_under_the_names_of_20():
     with pytest.raises(ProtocolError, match="bad_schema"):
         decode(SamplerStatus, orjson.dumps(beat | {"schema_version": SCHEMA_VERSION}))
 
+
+def test_a_heartbeat_of_24_reads_as_one_rank_never_restarted_and_25_says_why_a_split_one_restarted():
+    """Schema 25: a sampler whose model is split over several processes says how many, how many
+    times their group was lost, and why the last time; a beat of 24 reads as one rank. The why is
+    a label: a control character in it is refused at decode (it reaches terminals and the page)."""
+    beat = {"schema_version": 24, "sampler_id": "s1", "version": 3, "groups_published": 0, "weight_failures": {},
+            "updated_at": 1.0, "process": "ab12"}
+    old = decode(SamplerStatus, orjson.dumps(beat))
+    assert (old.ranks, old.ranks_restarted, old.rank_lost) == (1, 0, "")
+    split = beat | {"schema_version": SCHEMA_VERSION, "ranks": 2, "ranks_restarted": 1,
+                    "rank_lost": "rank 1 exited with code -9"}
+    assert decode(SamplerStatus, orjson.dumps(split)).rank_lost == "rank 1 exited with code -9"
+    for bad in ({"rank_lost": "rank 1 \x1b[2Jexited"}, {"ranks": 0}, {"ranks": 65}, {"rank_lost": "x" * 257},
+                {"ranks_restarted": -1}):
+        with pytest.raises(ProtocolError):
+            decode(SamplerStatus, orjson.dumps(split | bad))
+
+
 def _spanning(changes: list[dict], version: int = 3, lengths=(6, 3)) -> RolloutGroup:
     """A group newer weights took over at `changes` (partial rollouts)."""
     completions = [Completion(token_ids=list(range(4, 4 + n)), logprobs=[-0.5] * n, text="x", reward=0.0,

@@ -12,11 +12,11 @@ from urllib.request import urlopen
 import orjson
 import pytest
 
-from echo.wire.messages import TrainerStatus
+from echo.wire.messages import SamplerStatus, TrainerStatus
 from streams.client import open_run
 from tests.conftest import next_event, serving, tiny_config, worker_process
 from tests.swarms import up_command
-from workers.operator.status import pace_s, progress
+from workers.operator.status import engine_cell, pace_s, progress, sampler_row
 
 pytestmark = pytest.mark.slow
 
@@ -138,6 +138,19 @@ def test_progress_reads_as_steps_of_the_run_and_a_trainer_is_late_only_past_its_
     status = TrainerStatus(step_s=30.0, groups_per_step=4, max_staleness=1, version=7, utilisation=0.75,
                            updated_at=0.0)
     assert pace_s(status) == 40.0  # busy 30 s of each 40 s step
+
+
+def test_a_split_samplers_engine_says_its_ranks_and_why_their_group_was_last_lost():
+    """A sampler's engine cell (status, and the page alike): one rank, the engine alone; split, how
+    many ranks, and after a lost group how many times and why the last time."""
+    beat = SamplerStatus(sampler_id="s1", version=3, groups_published=0, weight_failures={}, updated_at=1.0,
+                         engine="mlx")
+    row = sampler_row(beat, 3, {}, None, 2.0)
+    assert engine_cell(row) == "mlx"
+    assert engine_cell(row | {"ranks": 2}) == "mlx x2"
+    lost = sampler_row(beat.model_copy(update={"ranks": 2, "ranks_restarted": 1,
+                                               "rank_lost": "rank 1 exited with code -9"}), 3, {}, None, 2.0)
+    assert engine_cell(lost) == "mlx x2, restarted 1: rank 1 exited with code -9"
 
 
 def test_a_page_served_before_its_run_begins_waits_for_the_trainer(nats_server):

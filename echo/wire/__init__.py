@@ -54,4 +54,7 @@ not read; this is the one list of it):
 24: a prompt granted again keeps the keyed noise of the slot it was first granted on: a grant names
     each slot's (`noise_slots`), a group the one that drew it where not its own (`noise_slot`);
     read as their own before; a group may name the engine "mlx".
+25: a sampler's heartbeat names the processes its model is split over (`ranks`), how many times
+    their group was lost and started again and why the last time (`ranks_restarted`,
+    `rank_lost`); read as 1, 0 and "" before.
 """

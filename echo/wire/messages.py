@@ -43,7 +43,7 @@ class Message(BaseModel):
     """A message of the wire, naming the schema it was written in."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    schema_version: Literal[24] = SCHEMA_VERSION
+    schema_version: Literal[25] = SCHEMA_VERSION
 
 
 # The validation context of a decoded message, whose arrays the codec (echo/wire/codec.py) checked
@@ -474,6 +474,11 @@ class SamplerStatus(Message):
     # its last versions: from hearing of one to running it (fetch and load)
     sync_s: dict[VersionKey, Seconds] = Field(default_factory=dict, max_length=16)
     process: str = Field("", pattern=PROCESS_PATTERN)  # this process's random name, new at each start
+    # One model over several processes (sampler.ranks): how many, how many times their group was
+    # lost (a rank exited or hung) and the sampler started again, and why the last time.
+    ranks: int = Field(1, ge=1, le=64)
+    ranks_restarted: Count = 0
+    rank_lost: Label = ""
 
 
 class Quarantine(Message):

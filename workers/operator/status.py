@@ -78,6 +78,7 @@ def sampler_row(s: SamplerStatus, version: int | None, quarantined: dict[str, st
         "id": s.sampler_id, "state": "quarantined" if s.sampler_id in quarantined else s.state,
         "version": s.version, "lag": None if version is None or s.version < 0 else version - s.version,
         "engine": s.engine, "device": s.device, "relay": s.relay or "hub",
+        "ranks": s.ranks, "ranks_restarted": s.ranks_restarted, "rank_lost": s.rank_lost,
         "groups_per_s": s.groups_per_s, "tokens_per_s": s.tokens_per_s,
         "sync_s": round(statistics.fmean(s.sync_s.values()), 3) if s.sync_s else None,
         "cost_per_hour": s.cost_per_hour, "groups_published": s.groups_published,
@@ -136,12 +137,21 @@ def render(snap: dict):
                   "sync s", "cost/h", "published", "undelivered", "seen", title="samplers", title_justify="left")
     for s in snap["samplers"]:
         table.add_row(s["id"], s["state"], str(s["version"]), "-" if s["lag"] is None else str(s["lag"]),
-                      Text(s["engine"]), Text(s["device"]), Text(s["relay"]), f"{s['groups_per_s']:.2f}",
+                      Text(engine_cell(s)), Text(s["device"]), Text(s["relay"]), f"{s['groups_per_s']:.2f}",
                       f"{s['tokens_per_s']:.0f}",
                       "-" if s["sync_s"] is None else f"{s['sync_s']:.2f}", f"{s['cost_per_hour']:g}",
                       str(s["groups_published"]), undelivered(s), f"{s['seen_s_ago']:.0f} s ago")
     parts.append(table)
     return Group(*parts)
+
+
+def engine_cell(s: dict) -> str:
+    """A sampler's engine, with the processes its model is split over, and how many times their
+    group was lost and why the last time (the page says the same: static/status.html)."""
+    if s["ranks"] == 1:
+        return s["engine"]
+    restarted = f", restarted {s['ranks_restarted']}: {s['rank_lost']}" if s["ranks_restarted"] else ""
+    return f"{s['engine']} x{s['ranks']}{restarted}"
 
 
 def pace_s(trainer: TrainerStatus) -> float:

@@ -16,6 +16,7 @@ from streams.client import BROKER_ERRORS, Run
 from streams.quarantine import read_quarantine
 from streams.registry import put_status, read_trainer_status
 from workers.sampler.generation import Generation
+from workers.sampler.ranks import group_restarts
 from workers.sampler.weights import EngineWeights
 from workers.sampler.work import Work
 
@@ -36,6 +37,7 @@ class Heartbeat:
     def status(self) -> SamplerStatus:
         rates = self.generation.calls.rates(time.monotonic())
         scfg = self.cfg.sampler
+        restarted, lost = group_restarts()
         return SamplerStatus(
             sampler_id=self.sampler_id,
             version=self.weights.version,
@@ -55,6 +57,9 @@ class Heartbeat:
             call_s=round(rates.call_s, 4),
             sync_s=self.weights.syncs,
             process=self.work.process,
+            ranks=scfg.ranks,
+            ranks_restarted=restarted,
+            rank_lost=lost,
         )
 
     async def beat(self) -> None:

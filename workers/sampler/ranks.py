@@ -12,14 +12,16 @@ WATCH_S of either; between calls rank 0 pings the others every PING_S, so a hung
 noticed within rank_timeout_s + PING_S + WATCH_S whatever the sampler is doing. The sampler
 then starts again as a new process (exec: an MLX group cannot be rebuilt in a process), with new
 ranks, at most MAX_RESTARTS times; meanwhile its heartbeat stops and the trainer hands its slots
-to the others. A rank of another box, its group lost, starts again the same way and waits for
-rank 0.
+to the others. The new process's heartbeat says how many times and why the last time
+(`group_restarts`: SamplerStatus.ranks_restarted, rank_lost). A rank of another box, its group
+lost, starts again the same way and waits for rank 0.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -31,6 +33,7 @@ import structlog
 
 from echo.config import ConfigError, EchoConfig
 from echo.lifeline import arm_parent_death_signal, die_with_parent
+from echo.wire.names import CONTROL_CHARACTERS
 from streams.server import free_port
 
 log = structlog.get_logger()
@@ -40,6 +43,7 @@ WATCH_S = 0.5  # how often rank 0 looks at the other ranks
 PING_S = 5.0  # between calls, rank 0 pings the others this often: a rank hung while idle is noticed too
 MAX_RESTARTS = 5  # a sampler whose ranks keep failing stops, saying so, rather than loop for ever
 RESTARTS = "ECHO_RANK_RESTARTS"  # how many times this process's ancestors started again
+LOST = "ECHO_RANK_LOST"  # why the last time
 
 
 def register(sub) -> None:
@@ -135,18 +139,26 @@ class RankWatch:
         ranks killed first; after MAX_RESTARTS, it exits, saying so."""
         for process in self.processes:
             process.kill()
-        restarts = int(os.environ.get(RESTARTS, "0"))
+        restarts = group_restarts()[0]
         if restarts >= MAX_RESTARTS:
             log.error("sampler.rank_lost", why=why, action=f"the sampler exits: its ranks failed {restarts} times")
             os._exit(3)
         log.warning("sampler.rank_lost", why=why, action=f"the sampler starts again ({restarts + 1} of {MAX_RESTARTS})")
-        exec_again(restarts + 1)
+        exec_again(restarts + 1, why)
 
 
-def exec_again(restarts: int) -> None:
+def group_restarts() -> tuple[int, str]:
+    """How many times this sampler's group of ranks was lost and the sampler started again (this
+    process's ancestors, by exec_again), and why the last time."""
+    return int(os.environ.get(RESTARTS, "0")), os.environ.get(LOST, "")
+
+
+def exec_again(restarts: int, why: str = "") -> None:
     """This process's command (`echo-rl ...`, however it was started) in place of this process:
-    the same pid, environment and session, no descriptor but the standard three."""
+    the same pid, session and environment, with `restarts` and `why` (as a heartbeat label: no
+    control character, 256 at most), no descriptor but the standard three."""
     os.environ[RESTARTS] = str(restarts)
+    os.environ[LOST] = re.sub(f"[{CONTROL_CHARACTERS}]", " ", why)[:256]
     sys.stdout.flush()
     sys.stderr.flush()
     os.closerange(3, 1 << 16)  # the ring's sockets among them: a port of the hostfile is free again
@@ -176,7 +188,7 @@ def start_ranks(cfg: EchoConfig, on_lost=None):
     started = time.perf_counter()
     group = mx.distributed.init(strict=True, backend="ring")
     log.info("sampler.ranks", ranks=group.size(), seconds=round(time.perf_counter() - started, 2),
-             restarts=int(os.environ.get(RESTARTS, "0")))
+             restarts=group_restarts()[0])
     return group, RankWatch(processes, cfg.sampler.rank_timeout_s, on_lost)
 
 
@@ -199,7 +211,7 @@ def follow(cfg: EchoConfig, again: bool) -> int:
             raise
         log.warning("rank.no_group", why=str(e), action="this rank starts again and waits for rank 0")
         time.sleep(1.0)  # not a busy loop where rank 0 is gone for long
-        exec_again(int(os.environ.get(RESTARTS, "0")) + 1)
+        exec_again(group_restarts()[0] + 1, str(e))
     return 0
 
 
@@ -208,4 +220,7 @@ if __name__ == "__main__":  # a rank on rank 0's box, started by it
 
     die_with_parent()
     os.environ["MLX_RANK"] = sys.argv[2]
-    sys.exit(follow(load_config(Path(sys.argv[1])), again=False))
+    try:
+        sys.exit(follow(load_config(Path(sys.argv[1])), again=False))
+    except ConfigError:  # the model as rank 0 builds it: rank 0 says the same, in its one line
+        sys.exit(2)
