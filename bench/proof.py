@@ -139,7 +139,8 @@ def measure(model_name: str, dtype: str, count: int, device: str, engine_name: s
     forward runs in `compute`; then forged ones."""
     sampling = SamplingConfig(group_size=8, max_new_tokens=32, temperature=0.7, prompts_per_call=4,
                               dtypes=["float32", "bfloat16"])
-    lora = LoraConfig(r=16, alpha=32.0)
+    # mlx-lm's stacked experts take no LoRA of the trainer's: a mixture of experts adapts its attention
+    lora = LoraConfig(r=16, alpha=32.0, **({"target_parameters": []} if engine_name == "mlx" else {}))
     trainer = HFEngine(model_name, lora, sampling, device, "float32").model
     perturb_adapter(trainer, seed=0, scale=0.02)
     engine = sampler_engine(engine_name, model_name, lora, sampling, device, dtype)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 
 import numpy as np
 import psutil
@@ -20,14 +21,19 @@ import torch
 
 from echo.config import ConfigError, LoraConfig, ModelConfig, SamplingConfig, load_config
 from echo.engines.hf import HFEngine
+from echo.models import base_model_digest
 from echo.noise import Draw, group_key
 from echo.policy import WeightsMismatch, group_logprobs, load_weights, tensors_from_buffer, weights_shards
 from echo.proof import ProofSettings, SamplingProof
-from echo.wire.messages import SamplerStatus
+from echo.wire.messages import GrantRequest, SamplerStatus, Strikes
 from echo.wire.names import Version
 from streams.client import open_run
+from streams.grants import request_grant
+from streams.quarantine import read_strikes
 from streams.registry import read_statuses
+from streams.rollouts import publish_rollout
 from streams.server import free_port
+from streams.weights import WeightsFollower
 from tests.conftest import tiny_config
 from tests.groups import TASK, honest_group, keyed_groups, perturb
 from tests.swarms import assert_every_group_proved, run_swarm
@@ -178,6 +184,9 @@ def test_what_it_cannot_take_is_refused_at_start_in_one_line():
         MLXEngine(_model("tiny-moe"), LORA, SAMPLING)
     with pytest.raises(ConfigError, match="sampling.dtypes"):
         MLXEngine(_model("tiny", "bfloat16"), LORA, SAMPLING)
+    sixteen_bits = SAMPLING.model_copy(update={"dtypes": ["float32", "bfloat16"]})
+    with pytest.raises(ConfigError, match="GatherMM"):  # MLX's CPU backend: "Currently only supports float32"
+        MLXEngine(_model("tiny-moe", "bfloat16"), LORA.model_copy(update={"target_parameters": []}), sixteen_bits)
 
 
 @pytest.mark.parametrize("model, overrides", [
@@ -187,12 +196,84 @@ def test_what_it_cannot_take_is_refused_at_start_in_one_line():
 def test_mlx_samplers_train_an_async_swarm_every_group_proved(tmp_path, model, overrides):
     """`echo-rl up` with sampler.engine = "mlx": both samplers draw with MLX, the trainer proves
     every group (the default verify_fraction 1) and trains on them; on the mixture of experts
-    every group carries the routing the trainer replays."""
-    metrics, stream, _ = run_swarm(tmp_path, "mlx", 3, 'sampler.engine="mlx"', "trainer.max_staleness=1", *overrides,
-                                   model=model)
-    assert_every_group_proved(metrics)
+    every group carries the routing the trainer replays. On the dense model a third sampler joins
+    meanwhile and forges: it draws a granted slot's group with MLX, as the honest ones do, swaps
+    one token and sends that token's true log-probs under the version it ran; the trainer strikes
+    it for a token forgery and trains nothing of it."""
+    struck: list[Strikes | BaseException] = []
+
+    def forge(up_pid: int) -> None:
+        try:
+            struck.append(asyncio.run(_forge(tmp_path / "mlx", psutil.Process(up_pid))))
+        except BaseException as e:  # said by the assertion below, not lost in this thread
+            struck.append(e)
+
+    meanwhile = None if model == "tiny-moe" else forge
+    # the trainer grants work once one sampler asks (up's default: both), here the forger alone at first
+    joined = ("trainer.min_samplers=1",) if meanwhile else ()
+    metrics, stream, _ = run_swarm(tmp_path, "mlx", 4, 'sampler.engine="mlx"', "trainer.max_staleness=1", *overrides,
+                                   *joined, model=model, meanwhile=meanwhile)
     assert stream and {r["group"]["engine"] for r in stream} == {"mlx"}
     assert all((r["group"]["routing"] is not None) == (model == "tiny-moe") for r in stream)
+    if meanwhile is None:
+        assert_every_group_proved(metrics)
+        return
+    assert struck and struck[0].counts == {"s3": 1} and struck[0].suspects == ["s3"], struck
+    rejected = [reason for m in metrics for reason, n in m["rejected"].items() for _ in range(n)]
+    assert rejected.count("token_forgery") == 1 and set(rejected) <= {"token_forgery", "stale"}, rejected
+    proof = metrics[-1]["proof_of_sampling"]
+    assert proof.get("passed", 0) >= sum(m["used"] for m in metrics) and proof.get("forged") == 1, proof
+    assert {r["group"]["sampler_id"] for r in stream} == {"s1", "s2", "s3"}
+
+
+async def _forge(run_dir, up: psutil.Process) -> Strikes:
+    """A sampler s3 of `up`'s run in `run_dir`, with an MLX engine: it sends one granted slot's
+    group with one token forged (true log-probs under the version it runs), and returns the run's
+    strikes once the trainer has struck it. The honest samplers are held (SIGSTOP) from their
+    start until that group is sent: the trainer, short of groups, cannot end the run before it
+    has judged it."""
+    workers: list[psutil.Process] = []  # forked by up: the trainer, then the samplers
+    while len(workers) < 3:
+        workers = sorted((p for p in up.children() if "nats" not in p.name()), key=lambda p: (p.create_time(), p.pid))
+        await asyncio.sleep(0.02)
+    _, *samplers = workers
+    for sampler in samplers:
+        sampler.suspend()
+    try:
+        cfg = load_config(run_dir / "config.toml")
+        run = await open_run(cfg.nats.url, cfg.run.id, "s3", create=False)
+        follower = await WeightsFollower(run, base_model_digest(cfg.model.name)).start()
+        engine, policy = MLXEngine(cfg.model, cfg.lora, cfg.sampling), HFEngine("tiny", cfg.lora, cfg.sampling, "cpu")
+        announcement, shards = await follower.wait_for(0)
+        engine.load_weights(shards)
+        policy.load_weights(shards)
+        grant = None
+        while not (grant and grant.slots):
+            grant = await request_grant(run, "s3", GrantRequest(want=1, epoch=announcement.epoch,
+                                                                version=announcement.version, process="f0"))
+        slot, noise = grant.slots[0], grant.keyed_slots()[0]
+        [group] = keyed_groups(engine, grant.prompts, cfg.run.seed, announcement.epoch, cfg.sampling.group_size,
+                               first_slot=noise)
+        first = group.completions[0]
+        swapped = first.token_ids.tolist()
+        swapped[0] = (swapped[0] + 1) % len(engine.tokenizer)
+        with torch.no_grad():
+            logprobs = group_logprobs(policy.model, group.prompt_token_ids, [swapped], cfg.sampling.temperature,
+                                      engine.tokenizer.pad_token_id)[0][0, : len(swapped)].tolist()
+        forged = group.replaced(slot=slot, noise_slot=None if noise == slot else noise, sampler_id="s3",
+                                version=announcement.version, engine="mlx", group_id=uuid.uuid4().hex, completions=[
+            first.replaced(token_ids=swapped, logprobs=logprobs), *group.completions[1:]])
+        await publish_rollout(run, forged)
+    finally:
+        for sampler in samplers:
+            sampler.resume()
+    try:
+        while not (strikes := await read_strikes(run)).counts:
+            await asyncio.sleep(0.1)
+        return strikes
+    finally:
+        await follower.stop()
+        await run.close()
 
 
 def test_one_model_over_two_ranks_draws_what_it_draws_whole_and_a_hung_or_lost_rank_is_noticed(tmp_path):

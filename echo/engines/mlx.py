@@ -84,6 +84,15 @@ def _config_overrides(folder) -> dict:
     return out
 
 
+def _expert_blocks(model) -> list:
+    """A mixture of experts' expert blocks (mlx-lm's SwitchGLU), (decoder layer, block) in layer
+    order; none in a dense model."""
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    return sorted(((int(re.search(r"layers\.(\d+)\.", path)[1]), m) for path, m in model.named_modules()
+                   if isinstance(m, SwitchGLU)), key=lambda pair: pair[0])
+
+
 @contextlib.contextmanager
 def recorded(model):
     """Inside, each expert block's choices are kept: `calls[layer]` gets one (rows, tokens, k)
@@ -92,8 +101,7 @@ def recorded(model):
     echo/routing.py's paged_routing patches transformers')."""
     from mlx_lm.models.switch_layers import SwitchGLU
 
-    blocks = sorted(((int(re.search(r"layers\.(\d+)\.", path)[1]), m) for path, m in model.named_modules()
-                     if isinstance(m, SwitchGLU)), key=lambda pair: pair[0])
+    blocks = _expert_blocks(model)
     index = {id(m): k for k, (_, m) in enumerate(blocks)}
     calls: list[list] = [[] for _ in blocks]
     original = SwitchGLU.__call__
@@ -198,6 +206,10 @@ class MLXEngine:
         inner = self.model.model  # the decoder layers this rank runs, [first, last + 1): mlx-lm's pipeline's
         self.layers = (getattr(inner, "start_idx", 0), getattr(inner, "end_idx", None) or len(inner.layers))
         if wanted != "float32":
+            if mx.default_device().type == mx.cpu and _expert_blocks(self.model):
+                raise ConfigError(f"model.dtype {wanted!r}: MLX's CPU backend multiplies a mixture of experts' "
+                                  "experts (GatherMM) in float32 only; use model.dtype = 'float32' here (a Mac's GPU "
+                                  f"takes {wanted})")
             self.model.set_dtype(getattr(mx, wanted))
         self.tokenizer = load_tokenizer(model_name)
         self.lora = lora if lora.enabled else None
