@@ -83,6 +83,10 @@ def refused(e: Exception) -> bool:
     return isinstance(e, REFUSALS) or "authorization violation" in str(e).lower()
 
 
+class RequestLost(nats.errors.Error):
+    """A request whose connection dropped before its answer came: a broker error, tried again."""
+
+
 class ConnectionEvents:
     """One log line per connection event, never a traceback for an expected network event (nats-py's
     default logs each failed attempt with its traceback, and says nothing of a wrong URL): the
@@ -121,7 +125,14 @@ class ConnectionEvents:
 
     async def disconnected(self) -> None:
         if self.nc is not None and not self.nc.is_closed:  # nats-py calls this on close() too
-            log.warning("nats.disconnected", url=self.url, reconnecting=True)
+            # Requests sent on the connection that dropped: their answers will not come (the server
+            # is gone, or answers the old connection). Failed now, each is tried again on the next
+            # connection, not waited out to its timeout (a rollout's publish 10 s, a KV write 5 s:
+            # the longest stalls of a rolling restart, test_cluster.py).
+            lost = [future for future in self.nc._resp_map.values() if not future.done()]
+            for future in lost:
+                future.set_exception(RequestLost("the connection it was sent on dropped before its answer"))
+            log.warning("nats.disconnected", url=self.url, reconnecting=True, requests_failed=len(lost))
 
     async def reconnected(self) -> None:
         self.last = None

@@ -257,6 +257,11 @@ class NatsServer:
         self.stop()
 
 
+# nats-server's raft (server/raft.go, compiled in): a follower campaigns 4-9 s after its leader's
+# last heartbeat. A wait shorter than the least of it was no election's.
+ELECTION_MIN_S = 4.0
+
+
 class NatsCluster:
     """`size` nats-servers on this machine routed into one JetStream cluster (`echo-rl up
     --cluster 3`): streams created with `nats.replicas = size` keep a copy on every node and
@@ -290,8 +295,33 @@ class NatsCluster:
         for node in self.nodes:
             node.stop()
 
+    def restart(self, i: int, graceful: bool = True) -> None:
+        """Node i stopped and started again on its store and ports (planned maintenance, one node
+        at a time: wait for `replicas_current` before the next). Gracefully (SIGTERM) nats-server
+        hands each raft group it leads to a peer as it shuts down: no election is waited for.
+        Killed (SIGKILL), the groups it led wait out an election (ELECTION_MIN_S and more)."""
+        node = self.nodes[i]
+        if graceful:
+            node.stop()
+        else:
+            node.process.kill()
+            node.process.wait()
+        node.start()
+
     def __enter__(self) -> "NatsCluster":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+async def replicas_current(js, streams: list[str]) -> bool:
+    """Whether every replica of each stream (`js`: a JetStream context) is current: a node
+    started again has caught up with its peers, and the next may be taken down."""
+    for stream in streams:
+        info = await js.stream_info(stream)
+        peers = info.cluster.replicas or [] if info.cluster else []  # the leader's followers
+        if info.cluster is None or info.cluster.leader is None or len(peers) < info.config.num_replicas - 1 or \
+                not all(p.current and not p.offline for p in peers):
+            return False
+    return True
