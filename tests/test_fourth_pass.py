@@ -45,7 +45,7 @@ from streams.server import LOG_FILES_KEPT, NatsServer, ServerConfig
 from tests.conftest import tiny_config
 from tests.groups import REFEREE, honest_group, pack_rollout, unpack_rollout
 from workers.operator.page import Latest, PageServer
-from workers.operator.status import render, sampler_row
+from workers.operator.status import fleet_summary, render, sampler_row
 from workers.trainer.intake import Collector
 from workers.trainer.judge import Judge, Timeline
 from workers.trainer.strikes import Quarantined
@@ -166,9 +166,9 @@ def test_thousands_of_hostile_heartbeats_stop_no_reader(tmp_path, monkeypatch):
     now = time.time()
     rows = [sampler_row(s, 2**53 - 1, {}, None, now) for s in passed]
     snap = {"run_id": "r", "at": now, "trainer": None, "samplers": rows, "stream": None,
-            "storage": {"bytes": 0, "limit": None}, "relays": {}}
+            "storage": {"bytes": 0, "limit": None}, "relays": {}, "fleet": fleet_summary(rows)}
     out = io.StringIO()
-    Console(file=out, width=200).print(render(snap))
+    Console(file=out, width=200).print(render(snap, every=True), render(snap))  # each a line; summed up
     assert not any(ord(c) < 32 and c != "\n" or 0x7f <= ord(c) <= 0x9f for c in out.getvalue())
     orjson.loads(orjson.dumps(snap))  # the page's event and `status --json`
 

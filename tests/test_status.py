@@ -1,6 +1,7 @@
 """`echo-rl status` on a live swarm: the trainer and every sampler, from the broker alone."""
 
 import asyncio
+import io
 import re
 import signal
 import subprocess
@@ -11,12 +12,13 @@ from urllib.request import urlopen
 
 import orjson
 import pytest
+from rich.console import Console
 
 from echo.wire.messages import SamplerStatus, TrainerStatus
 from streams.client import open_run
 from tests.conftest import next_event, serving, tiny_config, worker_process
 from tests.swarms import up_command
-from workers.operator.status import engine_cell, pace_s, progress, sampler_row
+from workers.operator.status import engine_cell, fleet_summary, pace_s, progress, render, sampler_row
 
 pytestmark = pytest.mark.slow
 
@@ -63,6 +65,7 @@ def test_status_shows_the_trainer_and_every_sampler_of_a_live_swarm(tmp_path):
         assert snap["storage"]["bytes"] >= snap["stream"]["bytes"] and snap["storage"]["limit"] is None
         view = _status(tmp_path / "live")  # the terminal view, printed once
         assert "s1" in view and "s2" in view and "learner busy" in view and "undelivered" in view
+        assert re.search(r"samplers +(active|standby) \d", view), view  # summed up first
         assert re.search(r"step \d+/10000, elapsed \S+, ETA \S+", view), view
         with serving(tmp_path / "live") as url:  # the live page: its events, each a snapshot
             assert b"echo-rl status" in urlopen(url).read()
@@ -72,8 +75,9 @@ def test_status_shows_the_trainer_and_every_sampler_of_a_live_swarm(tmp_path):
             first, later = next_event(events), next_event(events)
             while later["trainer"]["step"] == first["trainer"]["step"]:
                 later = next_event(events)
-            assert set(later) == {"run_id", "at", "trainer", "samplers", "stream", "storage", "relays",
+            assert set(later) == {"run_id", "at", "trainer", "samplers", "fleet", "stream", "storage", "relays",
                                  "steps", "config", "evals", "samples"}  # the last two: served with --run
+            assert later["fleet"]["samplers"] == 2 and set(later["fleet"]["slowest"]) <= {"s1", "s2"}
             assert later["evals"] == [] and {s["sampler"] for s in later["samples"]} <= {"s1", "s2"}
             assert later["config"]["run"]["id"] == "live" and later["config"]["model"]["name"] == "tiny"
             assert {s["id"] for s in later["samplers"]} == {"s1", "s2"}
@@ -151,6 +155,32 @@ def test_a_split_samplers_engine_says_its_ranks_and_why_their_group_was_last_los
     lost = sampler_row(beat.model_copy(update={"ranks": 2, "ranks_restarted": 1,
                                                "rank_lost": "rank 1 exited with code -9"}), 3, {}, None, 2.0)
     assert engine_cell(lost) == "mlx x2, restarted 1: rank 1 exited with code -9"
+
+
+def test_a_thousand_samplers_are_summed_up_with_the_slowest_listed_and_every_one_on_asking():
+    """Issue 83: at 1,000 samplers the view is a summary (how many in each state, the spread of
+    pace and lag) and the ten slowest active ones, not 1,000 lines; `--all` lists each."""
+    now = time.time()
+    states = ["active"] * 900 + ["standby"] * 60 + ["draining"] * 40
+    beats = [SamplerStatus(sampler_id=f"s{i:04d}", version=10 - i % 3, groups_published=i, weight_failures={},
+                           updated_at=now, state=state, groups_per_s=0.01 * (1 + (i * 7919) % 1000))
+             for i, state in enumerate(states)]
+    rows = [sampler_row(b, 10, {}, None, now) for b in beats]
+    fleet = fleet_summary(rows)
+    assert fleet["samplers"] == 1000 and fleet["by_state"] == {"active": 900, "draining": 40, "standby": 60}
+    active = sorted((r["groups_per_s"], r["id"]) for r in rows if r["state"] == "active")
+    assert fleet["slowest"] == [i for _, i in active[:10]]
+    assert fleet["groups_per_s"]["p50"] == active[450][0] and fleet["lag"] == {"p10": 0, "p50": 1, "p90": 2}
+    snap = {"run_id": "r", "at": now, "trainer": None, "samplers": rows, "stream": None,
+            "storage": {"bytes": 0, "limit": None}, "relays": {}, "fleet": fleet}
+    summed, every = io.StringIO(), io.StringIO()
+    Console(file=summed, width=200).print(render(snap))
+    Console(file=every, width=200).print(render(snap, every=True))
+    assert "active 900, draining 40, standby 60" in summed.getvalue()
+    assert "the 10 slowest active of 1000 samplers" in summed.getvalue()
+    listed = re.findall(r"\bs\d{4}\b", summed.getvalue())
+    assert listed == fleet["slowest"], listed  # slowest first
+    assert len(summed.getvalue().splitlines()) < 40 and len(re.findall(r"\bs\d{4}\b", every.getvalue())) == 1000
 
 
 def test_a_page_served_before_its_run_begins_waits_for_the_trainer(nats_server):

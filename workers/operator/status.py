@@ -54,7 +54,8 @@ async def snapshot(run: Run) -> dict:
             "samples": [s.model_dump() for s in trainer.samples], "model": trainer.model, "task": trainer.task,
             "overdue": not trainer.finished and now - trainer.updated_at > OVERDUE_PACES * pace_s(trainer) + OVERDUE_S,
         },
-        "samplers": [sampler_row(s, version, quarantined, trainer, now) for s in samplers],
+        "samplers": (rows := [sampler_row(s, version, quarantined, trainer, now) for s in samplers]),
+        "fleet": fleet_summary(rows),
         "stream": stream,
         "storage": await account_storage(run),
         "relays": relays,
@@ -103,8 +104,33 @@ def printable(value):
     return value
 
 
-def render(snap: dict):
-    """The snapshot as rich renderables, for a terminal."""
+SHOWN_ROWS = 20  # samplers listed one a line; a larger fleet is summed up, its slowest listed (--all: every one)
+SLOWEST = 10
+
+
+def fleet_summary(rows: list[dict]) -> dict:
+    """The samplers at a glance, however many: how many in each state, the spread of their pace
+    (groups/s, of those taking work) and of their lag behind the trainer, and the slowest ones."""
+    working = sorted((s for s in rows if s["state"] == "active"), key=lambda s: (s["groups_per_s"], s["id"]))
+
+    def spread(values: list[float]) -> dict[str, float] | None:
+        if not values:
+            return None
+        values = sorted(values)
+        return {f"p{q}": values[min(len(values) - 1, len(values) * q // 100)] for q in (10, 50, 90)}
+
+    states: dict[str, int] = {}
+    for s in rows:
+        states[s["state"]] = states.get(s["state"], 0) + 1
+    return {"samplers": len(rows), "by_state": dict(sorted(states.items())),
+            "groups_per_s": spread([s["groups_per_s"] for s in working]),
+            "lag": spread([s["lag"] for s in rows if s["lag"] is not None]),
+            "slowest": [s["id"] for s in working[:SLOWEST]]}
+
+
+def render(snap: dict, every: bool = False):
+    """The snapshot as rich renderables, for a terminal: each sampler a line, or past SHOWN_ROWS
+    (and not `every`) the fleet summed up and its slowest listed."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text  # a sampler's own words, shown as written: no markup of theirs is interpreted
@@ -132,10 +158,20 @@ def render(snap: dict):
     storage = snap["storage"]
     head.add_row("account storage", f"{storage['bytes'] / 1e6:.1f} MB " + (
         f"of {storage['limit'] / 1e6:.1f} MB" if storage["limit"] is not None else "(no limit)"))
+    fleet, rows = snap["fleet"], snap["samplers"]
+    head.add_row("samplers", ", ".join(f"{k} {v}" for k, v in fleet["by_state"].items()) or "none")
+    for name, unit in (("groups_per_s", "groups/s, active"), ("lag", "versions behind")):
+        if fleet[name] is not None:
+            head.add_row(f"  {unit}", "  ".join(f"{q} {v:.3g}" for q, v in fleet[name].items()))
     parts.append(head)
+    title = "samplers"
+    if len(rows) > SHOWN_ROWS and not every:
+        slowest = set(fleet["slowest"])
+        rows = sorted((s for s in rows if s["id"] in slowest), key=lambda s: s["groups_per_s"])
+        title = f"the {len(rows)} slowest active of {len(snap['samplers'])} samplers (--all: every one)"
     table = Table("sampler", "state", "version", "lag", "engine", "device", "relay", "groups/s", "tokens/s",
-                  "sync s", "cost/h", "published", "undelivered", "seen", title="samplers", title_justify="left")
-    for s in snap["samplers"]:
+                  "sync s", "cost/h", "published", "undelivered", "seen", title=title, title_justify="left")
+    for s in rows:
         table.add_row(s["id"], s["state"], str(s["version"]), "-" if s["lag"] is None else str(s["lag"]),
                       Text(engine_cell(s)), Text(s["device"]), Text(s["relay"]), f"{s['groups_per_s']:.2f}",
                       f"{s['tokens_per_s']:.0f}",
@@ -183,24 +219,25 @@ def _console(out):
     return Console(file=out, width=None if out.isatty() else 160)  # a pipe or file: one line per sampler
 
 
-async def watch(run: Run, once: bool, as_json: bool, out) -> None:
-    """A live terminal view; or snapshots as JSON lines (one with `once`), or one printed view."""
+async def watch(run: Run, once: bool, as_json: bool, out, every: bool = False) -> None:
+    """A live terminal view; or snapshots as JSON lines (one with `once`), or one printed view
+    (`every`: each sampler a line, however many)."""
     import orjson
 
     if not (once or as_json):
         from rich.live import Live
 
-        with Live(render(await snapshot(run)), console=_console(out), refresh_per_second=1) as live:
+        with Live(render(await snapshot(run), every), console=_console(out), refresh_per_second=1) as live:
             while True:
                 await asyncio.sleep(REFRESH_S)
-                live.update(render(await snapshot(run)))
+                live.update(render(await snapshot(run), every))
     while True:
         snap = await snapshot(run)
         if as_json:
             out.write(orjson.dumps(snap).decode() + "\n")
             out.flush()
         else:
-            _console(out).print(render(snap))
+            _console(out).print(render(snap, every))
         if once:
             return
         await asyncio.sleep(REFRESH_S)
@@ -218,6 +255,8 @@ def register(sub) -> None:
     status.add_argument("--creds", help="on a secured broker: observer (or trainer) credentials")
     status.add_argument("--tls-ca")
     status.add_argument("--once", action="store_true", help="one snapshot, then exit")
+    status.add_argument("--all", action="store_true", help=f"each sampler a line, however many (else past "
+                        f"{SHOWN_ROWS}: the fleet summed up and its {SLOWEST} slowest)")
     status.add_argument("--json", action="store_true", help="snapshots as JSON lines (one with --once)")
     status.add_argument("--serve", metavar="[HOST:]PORT", help="serve a live page of the run instead (HOST "
                         "defaults to 127.0.0.1: this machine only)")
@@ -236,7 +275,7 @@ async def status_command(args, url: str, run_id: str, credentials) -> int:
             # On the trainer's machine (--run), the charts begin at the run's first step.
             await serve_page(run, args.serve, args.run)
         else:
-            await watch(run, args.once, args.json, sys.stdout)
+            await watch(run, args.once, args.json, sys.stdout, args.all)
     finally:
         await run.close()
     return 0
