@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import functools
 import math
 import random
 import resource
@@ -62,7 +63,13 @@ from workers.operator.relay import loopback_relay_args
 from workers.operator.swarm import stop_processes
 from workers.sampler.modes import Sampler
 
-ADAPTER_BYTES = 4 << 20  # a LoRA adapter of rank 16 on a 1-2B model is a few MB
+ADAPTER_MB = 4.0  # a LoRA adapter of rank 16 on a 1-2B model is a few MB
+
+
+@functools.cache
+def _tokenizer(model_name: str):
+    """One per process: a thousand samplers share it."""
+    return load_model(model_name)[1]
 
 
 class SyntheticEngine:
@@ -73,7 +80,7 @@ class SyntheticEngine:
     routing = None  # a dense model's
 
     def __init__(self, cfg: EchoConfig, tokens_per_s: float, median_tokens: int, seed: int):
-        _, self.tokenizer = load_model(cfg.model.name)
+        self.tokenizer = _tokenizer(cfg.model.name)
         self.vocab = len(self.tokenizer)
         self.max_new, self.chunk = cfg.sampling.max_new_tokens, cfg.sampling.chunk_tokens or cfg.sampling.max_new_tokens
         self.tokens_per_s, self.median = tokens_per_s, median_tokens
@@ -123,8 +130,9 @@ class SyntheticEngine:
 class SyntheticLearner:
     """Bench only: the trainer's model, with a step of `seconds_per_token` a token trained."""
 
-    def __init__(self, cfg: EchoConfig, seconds_per_token: float):
+    def __init__(self, cfg: EchoConfig, seconds_per_token: float, adapter_mb: float = ADAPTER_MB):
         _, self.tokenizer = load_model(cfg.model.name)
+        self.adapter_bytes = int(adapter_mb * 2**20)
         self.vocab_size = len(self.tokenizer)
         self.cfg, self.seconds_per_token = cfg, seconds_per_token
         self.state, self.ranks, self.stop = TrainerState(), SimpleNamespace(world=1), threading.Event()
@@ -155,7 +163,7 @@ class SyntheticLearner:
 
     def write_weights(self, version: int) -> list[Path]:
         path = self.cfg.run_dir / "weights" / f"v{version:06d}.bin"
-        path.write_bytes(random.randbytes(ADAPTER_BYTES))
+        path.write_bytes(random.randbytes(self.adapter_bytes))
         for old in sorted(path.parent.glob("v*.bin"))[: -self.cfg.trainer.keep_versions]:
             old.unlink()
         return [path]
@@ -167,11 +175,16 @@ class SyntheticLearner:
         pass
 
 
-async def trainer_role(cfg: EchoConfig, seconds_per_token: float, usage_file: Path) -> None:
-    """The trainer's process; its peak memory and CPU seconds written to `usage_file` at the end.
-    Its learner sleeps, so its CPU is the trainer's own broker work (fetching, refereeing,
-    granting, publishing, acks, accounting), which a trainer host pays on any machine."""
+async def trainer_role(cfg: EchoConfig, seconds_per_token: float, usage_file: Path, adapter_mb: float) -> None:
+    """The trainer's process; its peak memory and CPU seconds written to `usage_file` at the end,
+    with the seconds its granter spent answering grant requests and reading heartbeats (the
+    work that grows with the samplers). Its learner sleeps, so its CPU is the trainer's own broker
+    work (fetching, refereeing, granting, publishing, acks, accounting), which a trainer host pays
+    on any machine."""
+    from workers.trainer import granter
     from workers.trainer.loop import serve  # the real trainer, given the stand-in model
+
+    spent = timed(granter.Granter, ("grant", "read_heartbeats"))
 
     def cpu_s() -> float:  # its scoring processes' included, once they ended
         return sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, (resource.RUSAGE_SELF,
@@ -179,34 +192,108 @@ async def trainer_role(cfg: EchoConfig, seconds_per_token: float, usage_file: Pa
 
     began = cpu_s()  # after the imports
     try:
-        await serve(cfg, lambda: SyntheticLearner(cfg, seconds_per_token))
+        await serve(cfg, lambda: SyntheticLearner(cfg, seconds_per_token, adapter_mb))
     finally:
         usage_file.write_bytes(orjson.dumps({"peak": round(peak_rss_mb() * 2**20),
-                                             "cpu_s": cpu_s() - began}))
+                                             "cpu_s": cpu_s() - began, "granter_s": spent}))
 
 
-async def samplers_role(cfg: EchoConfig, speeds: list[float], median_tokens: int, trainer, urls: list[str]) -> list:
-    """A sampler decoding at each of `speeds` (tokens/s a row), each on the next of `urls` (the
-    hub, or the sites' relays) in turn."""
+def timed(cls, names: tuple[str, ...]) -> dict[str, float]:
+    """Bench only: the seconds each of `cls`'s async methods `names` spends, summed (wrapped in place)."""
+    spent = dict.fromkeys(names, 0.0)
+    for name in names:
+        method = getattr(cls, name)
+
+        async def wrapped(self, *args, _method=method, _name=name, **kwargs):
+            began = time.perf_counter()
+            try:
+                return await _method(self, *args, **kwargs)
+            finally:
+                spent[_name] += time.perf_counter() - began
+        setattr(cls, name, wrapped)
+    return spent
+
+
+async def samplers_role(cfg: EchoConfig, speeds: list[float], median_tokens: int, running, urls: list[str],
+                        first: int = 0, churn: float = 0.0, measure=None) -> list:
+    """Samplers s<first>, s<first + 1>, ..., decoding at each of `speeds` (tokens/s a row), each on
+    the next of `urls` (the hub, or the sites' relays) in turn, while `running()`; a `churn`
+    share of them dies once during the run, at a random time, and comes back under the same id
+    (a new process name) a few seconds later. `measure(run)` runs once at the end, while their
+    heartbeats are still in the registry. Returns each version's time from its announcement to
+    a sampler running it."""
     count = len(speeds)
     # Each sampler's generation sleeps in a thread: enough threads that none waits for another.
     asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(count + 8))
     task = load_task(cfg.task)
-    runs = [await open_run(urls[i % len(urls)], cfg.run.id, f"sampler-s{i}", create=False) for i in range(count)]
-    samplers = [Sampler(cfg, f"s{i}", run, SyntheticEngine(cfg, speeds[i], median_tokens, seed=i), task)
-                for i, run in enumerate(runs)]
-    serving = [asyncio.create_task(s.serve()) for s in samplers]
-    while trainer.poll() is None:
+
+    async def start(i: int) -> tuple[Sampler, asyncio.Task]:
+        run = await open_run(urls[(first + i) % len(urls)], cfg.run.id, f"sampler-s{first + i}", create=False)
+        engine = SyntheticEngine(cfg, speeds[i], median_tokens, seed=first + i)
+        sampler = Sampler(cfg, f"s{first + i}", run, engine, task)
+        return sampler, asyncio.create_task(sampler.serve())
+
+    started = [await start(i) for i in range(count)]
+    syncs: list[float] = []  # from hearing of a version to running it
+    dying = sorted(random.Random(first).sample(range(count), round(churn * count)))
+    deaths = {i: time.monotonic() + random.Random(first + i).uniform(5.0, 30.0) for i in dying}
+    while running():
         await asyncio.sleep(0.5)
-        failed = [t for t in serving if t.done()]
+        failed = [t for _, t in started if t.done()]
         if failed:
-            trainer.kill()
             raise RuntimeError(f"a sampler stopped: {failed[0].exception()!r}")
-    syncs = [seconds for s in samplers for seconds in s.weights.syncs.values()]  # from hearing of a version to running it
-    await cancel_until_done(serving)  # nats-py may swallow a cancellation (streams/client.py)
-    for run in runs:
-        await run.close()
+        for i, when in list(deaths.items()):
+            if time.monotonic() >= when:  # it dies; comes back under its id a few seconds later
+                del deaths[i]
+                sampler, serving = started[i]
+                syncs += sampler.weights.syncs.values()
+                await cancel_until_done([serving])
+                await sampler.run.close()
+                await asyncio.sleep(2.0)
+                started[i] = await start(i)
+    if measure is not None:
+        await measure(started[0][0].run)
+    syncs += [seconds for s, _ in started for seconds in s.weights.syncs.values()]
+    await cancel_until_done([t for _, t in started])  # nats-py may swallow a cancellation (streams/client.py)
+    for sampler, _ in started:
+        await sampler.run.close()
     return syncs
+
+
+async def registry_and_view(run, out: dict) -> None:
+    """What the run's registry holds once 1,000 samplers beat, and what `echo-rl status` costs to
+    read and draw it (the page's event is the same snapshot)."""
+    import io
+
+    from rich.console import Console
+
+    from workers.operator.status import render, snapshot
+
+    info = await run.js.stream_info(f"KV_{run.names.registry_bucket}")
+    began = time.perf_counter()
+    snap = await snapshot(run)
+    read = time.perf_counter() - began
+    began = time.perf_counter()
+    Console(file=io.StringIO(), width=200).print(render(snap))
+    out.update(registry_entries=info.state.messages, registry_writes=info.state.last_seq,
+               registry_kb=round(info.state.bytes / 1024), snapshot_s=round(read, 3),
+               render_s=round(time.perf_counter() - began, 3), snapshot_kb=round(len(orjson.dumps(snap)) / 1024))
+
+
+def samplers_process(args) -> None:
+    """--role samplers: a slice of the fleet in a process of its own, till SIGTERM; its syncs to --usage-file."""
+    import signal
+
+    cfg = load_config(args.config)
+    every = speeds(argparse.Namespace(**{**vars(args), "samplers": args.samplers[0]}))
+
+    async def main():
+        stopped = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopped.set)
+        return await samplers_role(cfg, every[args.first : args.first + args.count], args.median_tokens,
+                                   lambda: not stopped.is_set(), args.urls, args.first, args.churn)
+
+    args.usage_file.write_bytes(orjson.dumps(asyncio.run(main())))
 
 
 def start_sites(hub: NatsServer, relays: int, wan: list[float] | None, store: Path) -> tuple[list[str], list]:
@@ -244,11 +331,22 @@ def run_shape(args, chunk_tokens: int, max_staleness: int) -> dict:
         config_path.write_text(cfg.to_toml())
         usage_file = Path(tmp) / "trainer-usage"
         trainer = subprocess.Popen([sys.executable, "-m", "bench.load", "--role", "trainer", "--config", str(config_path),
-                                    "--learner-us-per-token", str(args.learner_us_per_token), "--usage-file", str(usage_file)],
+                                    "--learner-us-per-token", str(args.learner_us_per_token),
+                                    "--usage-file", str(usage_file), "--adapter-mb", str(args.adapter_mb)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         urls, sites = start_sites(server, args.relays, args.wan, Path(tmp) / "sites")
+        urls = urls or [server.url]
         broker = psutil.Process(server.process.pid)
-        broker_peak = [0]
+        broker_peak, broker_cpu = [0], sum(broker.cpu_times()[:2])
+        # The fleet in `processes` slices: this process runs the first, the others one each.
+        share = -(-args.samplers // args.processes)
+        slices = [(first, min(share, args.samplers - first)) for first in range(0, args.samplers, share)]
+        others = [(subprocess.Popen([sys.executable, "-m", "bench.load", "--role", "samplers", "--config",
+                                     str(config_path), "--usage-file", str(Path(tmp) / f"syncs-{first}"),
+                                     "--first", str(first), "--count", str(count), "--urls", *urls,
+                                     *_fleet_args(args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE),
+                   Path(tmp) / f"syncs-{first}") for first, count in slices[1:]]
+        seen: dict = {}
 
         async def watch_broker():
             while True:
@@ -258,28 +356,51 @@ def run_shape(args, chunk_tokens: int, max_staleness: int) -> dict:
         async def main():
             watching = asyncio.create_task(watch_broker())
             try:
-                return await samplers_role(cfg, speeds(args), args.median_tokens, trainer, urls or [server.url])
+                return await samplers_role(cfg, speeds(args)[: slices[0][1]], args.median_tokens,
+                                           lambda: trainer.poll() is None and _alive(others), urls, 0, args.churn,
+                                           lambda run: registry_and_view(run, seen))
             finally:
                 watching.cancel()
 
         started, began = time.perf_counter(), time.monotonic()
         try:
             syncs = asyncio.run(main())
+            seen["hub_cpu_s"] = round(sum(broker.cpu_times()[:2]) - broker_cpu, 1)
         finally:
+            stop_processes([process for process, _ in others], timeout=60)
             stop_processes(sites)
+        for _, file in others:
+            syncs += orjson.loads(file.read_bytes())
         _, logs = trainer.communicate()
         if trainer.returncode != 0:
             raise RuntimeError(f"the trainer failed: {logs[-3000:]}")
         metrics = read_metrics(cfg.run_dir)
         return {**report(metrics, syncs, args, chunk_tokens, max_staleness, orjson.loads(usage_file.read_bytes()),
-                         broker_peak[0], time.perf_counter() - started), "machine": MACHINE.report(since=began)}
+                         broker_peak[0], time.perf_counter() - started), **seen, "machine": MACHINE.report(since=began)}
+
+
+def _alive(others: list) -> bool:
+    """Every samplers process still running; one that ended says why."""
+    for process, _ in others:
+        if process.poll() is not None:
+            raise RuntimeError(f"a samplers process exited with {process.returncode}: {process.stderr.read()[-3000:]}")
+    return True
+
+
+def _fleet_args(args) -> list[str]:
+    """What a samplers process needs of the bench's arguments to draw its slice of the fleet."""
+    return [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("samplers", "median_tokens", "tokens_per_s",
+                                                                      "slow_share", "slow_factor", "spread", "churn")]
 
 
 def speeds(args) -> list[float]:
     """Each sampler's decoding speed: a heterogeneous fleet has `slow_share` of its samplers
-    `slow_factor` times slower (a gaming GPU beside datacenter ones), whose calls outlast steps."""
+    `slow_factor` times slower (a gaming GPU beside datacenter ones), whose calls outlast steps;
+    with `spread` > 1 every sampler's speed is drawn log-uniformly down to spread times slower."""
     slow = round(args.slow_share * args.samplers)
-    return [args.tokens_per_s / (args.slow_factor if i < slow else 1.0) for i in range(args.samplers)]
+    rng = random.Random(0)
+    return [args.tokens_per_s / (args.slow_factor if i < slow else 1.0) / args.spread ** rng.random()
+            for i in range(args.samplers)]
 
 
 def report(metrics: list[dict], syncs: list[float], args, chunk_tokens: int, max_staleness: int, trainer: dict,
@@ -293,7 +414,8 @@ def report(metrics: list[dict], syncs: list[float], args, chunk_tokens: int, max
     return {
         "samplers": args.samplers, "relays": args.relays, "wan": args.wan, "groups_per_step": args.groups, "group_size": args.group_size,
         "max_new_tokens": args.max_tokens, "median_tokens": args.median_tokens, "tokens_per_s": args.tokens_per_s,
-        "slow_share": args.slow_share, "slow_factor": args.slow_factor, "chunk_tokens": chunk_tokens,
+        "slow_share": args.slow_share, "slow_factor": args.slow_factor, "spread": args.spread, "churn": args.churn,
+        "processes": args.processes, "adapter_mb": args.adapter_mb, "chunk_tokens": chunk_tokens,
         "max_staleness": max_staleness, "steps": len(metrics), "seconds": round(seconds, 1),
         "tokens_per_step": round(trained / len(metrics)),
         "learner_seconds_per_step": round(learner / len(later), 2),
@@ -306,6 +428,11 @@ def report(metrics: list[dict], syncs: list[float], args, chunk_tokens: int, max
         # The trainer process's own CPU (its learner here sleeps): its broker work, comparable
         # across machines where the shares above depend on what else the cores run.
         "trainer_cpu_s_per_step": round(trainer["cpu_s"] / len(metrics), 2),
+        # per token read (trained, or read and left out): what must not grow with the samplers
+        "trainer_cpu_us_per_token": round(trainer["cpu_s"] / max(1, trained + untrained + dropped) * 1e6, 3),
+        "granter_ms_per_step": {k: round(v / len(metrics) * 1e3, 1) for k, v in trainer.get("granter_s", {}).items()},
+        "accounting": metrics[-1]["accounting"],  # nothing lost: published = trained + dropped + rejected + pending
+        "counted_twice": sum(m["already_counted"] for m in metrics),
         "trainer_cpu_share_of_learner": round(trainer["cpu_s"] / learner_all, 4) if learner_all else None,
         "trainer_peak_gb": round(trainer["peak"] / 2**30, 3), "broker_peak_gb": round(broker_peak / 2**30, 3),
         "sync_s_median": round(float(np.median(syncs)), 3) if syncs else None,
@@ -315,7 +442,7 @@ def report(metrics: list[dict], syncs: list[float], args, chunk_tokens: int, max
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--role", choices=["bench", "trainer"], default="bench")
+    p.add_argument("--role", choices=["bench", "trainer", "samplers"], default="bench")
     p.add_argument("--config", type=Path)
     p.add_argument("--usage-file", type=Path)
     p.add_argument("--samplers", type=int, nargs="+", default=[8])
@@ -333,10 +460,22 @@ def main() -> None:
     p.add_argument("--chunks", type=int, nargs="+", default=[0, 1024], help="chunk_tokens: 0 is whole completions")
     p.add_argument("--relays", type=int, default=0, help="sites, each a relay its samplers reach the run through")
     p.add_argument("--wan", nargs=2, type=float, metavar=("RTT_MS", "MBIT"), help="each site's link to the hub")
+    p.add_argument("--spread", type=float, default=1.0,
+                   help="speeds drawn log-uniformly down to this many times slower")
+    p.add_argument("--churn", type=float, default=0.0, help="the share of samplers that die once and come back")
+    p.add_argument("--processes", type=int, default=1, help="processes the samplers are spread over")
+    p.add_argument("--adapter-mb", type=float, default=ADAPTER_MB, help="the stand-in adapter's size")
+    p.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)  # --role samplers: its slice
+    p.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--urls", nargs="+", help=argparse.SUPPRESS)
     p.add_argument("--out", default="load.json")
     args = p.parse_args()
     if args.role == "trainer":
-        asyncio.run(trainer_role(load_config(args.config), args.learner_us_per_token * 1e-6, args.usage_file))
+        asyncio.run(trainer_role(load_config(args.config), args.learner_us_per_token * 1e-6, args.usage_file,
+                                 args.adapter_mb))
+        return
+    if args.role == "samplers":
+        samplers_process(args)
         return
     results = []
     for samplers in args.samplers:
@@ -354,7 +493,7 @@ def main() -> None:
 def _shape(result: dict) -> tuple:
     return tuple(str(result.get(k)) for k in ("samplers", "relays", "wan", "groups_per_step", "group_size",
                                               "max_new_tokens", "median_tokens", "tokens_per_s", "slow_share",
-                                              "slow_factor", "chunk_tokens", "max_staleness"))
+                                              "slow_factor", "spread", "churn", "chunk_tokens", "max_staleness"))
 
 
 if __name__ == "__main__":
