@@ -233,7 +233,11 @@ async def samplers_role(cfg: EchoConfig, speeds: list[float], median_tokens: int
         sampler = Sampler(cfg, f"s{first + i}", run, engine, task)
         return sampler, asyncio.create_task(sampler.serve())
 
-    started = [await start(i) for i in range(count)]
+    started = []
+    for i in range(count):
+        if not running():  # the trainer, or another samplers process, ended before this fleet was up
+            raise RuntimeError("the run ended while its samplers were starting")
+        started.append(await start(i))
     syncs: list[float] = []  # from hearing of a version to running it
     dying = sorted(random.Random(first).sample(range(count), round(churn * count)))
     deaths = {i: time.monotonic() + random.Random(first + i).uniform(5.0, 30.0) for i in dying}
@@ -329,11 +333,11 @@ def run_shape(args, chunk_tokens: int, max_staleness: int) -> dict:
         })
         config_path = Path(tmp) / "load.toml"
         config_path.write_text(cfg.to_toml())
-        usage_file = Path(tmp) / "trainer-usage"
+        usage_file, trainer_log = Path(tmp) / "trainer-usage", Path(tmp) / "trainer.log"
         trainer = subprocess.Popen([sys.executable, "-m", "bench.load", "--role", "trainer", "--config", str(config_path),
                                     "--learner-us-per-token", str(args.learner_us_per_token),
                                     "--usage-file", str(usage_file), "--adapter-mb", str(args.adapter_mb)],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                   stdout=subprocess.DEVNULL, stderr=trainer_log.open("wb"))  # a full pipe blocked it
         urls, sites = start_sites(server, args.relays, args.wan, Path(tmp) / "sites")
         urls = urls or [server.url]
         broker = psutil.Process(server.process.pid)
@@ -371,9 +375,8 @@ def run_shape(args, chunk_tokens: int, max_staleness: int) -> dict:
             stop_processes(sites)
         for _, file in others:
             syncs += orjson.loads(file.read_bytes())
-        _, logs = trainer.communicate()
-        if trainer.returncode != 0:
-            raise RuntimeError(f"the trainer failed: {logs[-3000:]}")
+        if trainer.wait() != 0:
+            raise RuntimeError(f"the trainer failed: {trainer_log.read_text()[-3000:]}")
         metrics = read_metrics(cfg.run_dir)
         return {**report(metrics, syncs, args, chunk_tokens, max_staleness, orjson.loads(usage_file.read_bytes()),
                          broker_peak[0], time.perf_counter() - started), **seen, "machine": MACHINE.report(since=began)}

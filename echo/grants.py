@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from echo.throughput import CallWindow, Rates
@@ -43,6 +43,15 @@ from echo.throughput import CallWindow, Rates
 ACTIVE_S = 30.0  # a sampler that asked for work this recently shares the window
 STALL_CALLS = 4  # a holder that has filled none of its slots for this many of its calls' time is stalled
 SYNC_SAMPLES = 8  # a sampler's observed sync time: the least of its last this many
+ASKS_PER_S = 200.0  # asks a second, in all, a trainer takes from samplers told "work is left, not yet yours"
+ASK_AGAIN_MIN_S = 0.2
+
+
+def ask_again_s(asking: int) -> float:
+    """How long a sampler told "work is left, not yours yet" waits before it asks again: the
+    `asking` samplers' asks spread to ASKS_PER_S a second in all (a thousand asking every 0.2 s
+    drowned the trainer in 5,000 requests a second), never sooner than ASK_AGAIN_MIN_S."""
+    return max(ASK_AGAIN_MIN_S, asking / ASKS_PER_S)
 
 
 def slot_prompt(seed: int, slot: int) -> int:
@@ -136,7 +145,11 @@ class GrantLedger:
         self._earlier_taken: set[int] = set()
         self.active_s, self.rate_window_s = active_s, rate_window_s
         self.outstanding: dict[int, str] = {}  # slot number -> the sampler holding it
+        self._holding: dict[str, set[int]] = {}  # the same by sampler: no scan of every slot out a grant
         self.asked_at: dict[str, float] = {}
+        # who asked within active_s, oldest first: how many share the work, with no scan of every
+        # sampler a grant (a thousand samplers asking each step made that a million a step)
+        self._asking: OrderedDict[str, float] = OrderedDict()
         self.progress_at: dict[str, float] = {}  # a holder's last accepted group, or the grant that made it one
         self._lost: list[int] = []
         self._calls: dict[int, _Call] = {}  # slot -> its grant's call, until the slot settles
@@ -169,19 +182,22 @@ class GrantLedger:
         return prompt
 
     def held(self, sampler_id: str) -> int:
-        return sum(1 for holder in self.outstanding.values() if holder == sampler_id)
+        return len(self._holding.get(sampler_id, ()))
 
     def holders(self) -> set[str]:
-        return set(self.outstanding.values())
+        return {sampler_id for sampler_id, slots in self._holding.items() if slots}
 
     def share(self, window: int, now: float) -> int:
         """The most one sampler may hold: an equal part of `window` among those asking (a benched
         one takes no part)."""
-        return math.ceil(window / max(1, len(self._sharing(now))))
+        return math.ceil(window / max(1, self.sharing(now)))
 
-    def _sharing(self, now: float) -> set[str]:
-        """The samplers the work is shared among: those that asked lately, but the benched."""
-        return {s for s, asked in self.asked_at.items() if now - asked <= self.active_s and not self._on_bench(s, now)}
+    def sharing(self, now: float) -> int:
+        """How many samplers the work is shared among: those that asked lately (within active_s
+        of `now`, which only moves on), but the benched."""
+        while self._asking and now - next(iter(self._asking.values())) > self.active_s:
+            self._asking.popitem(last=False)
+        return len(self._asking) - sum(1 for s, until in self.benched.items() if now < until and s in self._asking)
 
     def _on_bench(self, sampler_id: str, now: float) -> bool:
         return now < self.benched.get(sampler_id, 0.0)
@@ -202,9 +218,11 @@ class GrantLedger:
         """Grant `sampler_id`, which runs `version`, up to `want` slots of the `headroom` left,
         within its share. Returns (the slots' numbers, whether headroom is left after them)."""
         self.asked_at[sampler_id] = now
+        self._asking.pop(sampler_id, None)
+        self._asking[sampler_id] = now
         if version is not None:
             self._observe_sync(sampler_id, version, now)
-        if self._on_bench(sampler_id, now) and self._sharing(now) - {sampler_id}:  # the work is theirs
+        if self._on_bench(sampler_id, now) and self.sharing(now):  # others ask: the work is theirs
             return [], False
         held = self.held(sampler_id)
         # Scarce headroom is split too: a sampler that always asks first must not take it all.
@@ -219,6 +237,7 @@ class GrantLedger:
             else:
                 self.prompts[slot] = slot_prompt(self.seed, slot)
         self.outstanding.update((slot, sampler_id) for slot in slots)
+        self._holding.setdefault(sampler_id, set()).update(slots)
         call = _Call(sampler_id, now, len(slots), version=version)
         self._calls.update((slot, call) for slot in slots)
         if slots and not held:
@@ -243,10 +262,10 @@ class GrantLedger:
         were passed over: they end undelivered (their groups, should they still come, hold no slot)."""
         if self.outstanding.get(slot) != sampler_id:
             return None
-        passed = sorted(s for s, holder in self.outstanding.items() if holder == sampler_id and s < slot)
+        passed = sorted(s for s in self._holding[sampler_id] if s < slot)
         self.revoke(passed)
         self._count(sampler_id, delivered=1, undelivered=len(passed))
-        del self.outstanding[slot]
+        self._end(slot)
         call = self._calls[slot]
         call.last_at = max(call.last_at, arrived, call.granted_at)  # clocks apart by a little
         return self.prompts[slot]
@@ -290,7 +309,7 @@ class GrantLedger:
     def release(self, sampler_id: str) -> list[int]:
         """End every slot `sampler_id` holds (it stopped, restarted, died or stalled): they are lost,
         and undelivered."""
-        slots = sorted(slot for slot, holder in self.outstanding.items() if holder == sampler_id)
+        slots = sorted(self._holding.get(sampler_id, ()))
         self.revoke(slots)
         self._count(sampler_id, delivered=0, undelivered=len(slots))
         return slots
@@ -321,9 +340,13 @@ class GrantLedger:
         """End `slots`: they are lost (and, where the grant could not be recorded, never handed
         over: no sampler's doing)."""
         for slot in slots:
-            del self.outstanding[slot]
+            self._end(slot)
             self._settle(slot, accepted=False)
         self._lost += slots
+
+    def _end(self, slot: int) -> None:
+        """`slot` is out no longer."""
+        self._holding[self.outstanding.pop(slot)].discard(slot)
 
     def _count(self, sampler_id: str, delivered: int, undelivered: int) -> None:
         record = self.deliveries.setdefault(sampler_id, Deliveries(recent=deque(maxlen=self.bound.window)))

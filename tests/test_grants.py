@@ -9,7 +9,17 @@ import time
 import pytest
 
 from echo.checkpoint import TrainerState
-from echo.grants import DeliveryBound, GrantLedger, Heartbeats, allowance, lost_slots, sampler_cap
+from echo.grants import (
+    ASK_AGAIN_MIN_S,
+    ASKS_PER_S,
+    DeliveryBound,
+    GrantLedger,
+    Heartbeats,
+    allowance,
+    ask_again_s,
+    lost_slots,
+    sampler_cap,
+)
 from echo.wire.codec import decode, encode
 from echo.wire.messages import Grant, GrantRequest, SamplerStatus
 from echo.wire.names import GRANT_TIMEOUT_S, SCHEMA_VERSION, SLOTS_KEY_BEFORE_14
@@ -317,7 +327,23 @@ async def test_a_restarted_process_asking_for_work_hands_its_predecessors_slots_
     assert (await granter.grant("x", after)).groups == 4 and (await granter.grant("y", asked)).groups == 2
 
 
-ASK_AGAIN = {"schema_version": SCHEMA_VERSION, "slots": [], "prompts": [], "more": True, "noise_slots": []}  # nothing now, ask again soon
+# nothing now, ask again soon: as soon as the least wait (a few samplers ask)
+ASK_AGAIN = {"schema_version": SCHEMA_VERSION, "slots": [], "prompts": [], "more": True, "noise_slots": [],
+             "again_s": ASK_AGAIN_MIN_S}
+
+
+def test_a_crowd_told_to_ask_again_spreads_its_asks_and_the_ledger_counts_it_without_a_scan():
+    """Issue 83: a thousand samplers told "work is left, not yours yet" each asked again 0.2 s
+    later: 5,000 requests a second at the trainer. The wait now grows with the samplers asking,
+    to ASKS_PER_S asks a second in all; and the ledger counts who asks, and what each holds,
+    as they ask (the scans of every sampler and slot a grant made a step O(samplers^2))."""
+    assert ask_again_s(8) == ASK_AGAIN_MIN_S and ask_again_s(1000) == 1000 / ASKS_PER_S == 5.0
+    ledger = GrantLedger(active_s=30.0)
+    for i in range(1000):
+        ledger.grant(f"s{i}", 1, 0 if i % 2 else 1, 2000, now=i * 0.01)  # every other one gets a slot
+    assert ledger.sharing(10.0) == 1000 and ledger.held("s0") == 1 and ledger.held("s1") == 0
+    assert ledger.sharing(35.0) == 500  # those that asked more than 30 s before are no longer counted
+    assert ledger.release("s0") == [1] and ledger.held("s0") == 0 and "s0" not in ledger.holders()
 
 
 async def _granter_at_version_0(runs, run_id: str, cfg):
@@ -392,7 +418,8 @@ async def test_sequential_groups_are_granted_once_and_only_for_the_current_reque
     grants = await asyncio.gather(*(_ask(sampler, f"s{i}", lease.epoch, 0, 4, request.request_id) for i in range(3)))
     assert sum(g.groups for g in grants) == 6  # in arrival order: the first alone may get its whole want
     assert (await _ask(sampler, "s0", lease.epoch, 0, 4, request.request_id)).model_dump() == {
-        "schema_version": SCHEMA_VERSION, "slots": [], "prompts": [], "more": False, "noise_slots": []}
+        "schema_version": SCHEMA_VERSION, "slots": [], "prompts": [], "more": False, "noise_slots": [],
+        "again_s": 0.0}
     assert sorted(slot for g in grants for slot in g.slots) == list(range(1, 7))
     granted_at = time.monotonic()
     while time.monotonic() - granted_at <= cfg.trainer.reissue_after_s:  # the holders stall past it

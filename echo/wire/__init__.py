@@ -56,5 +56,6 @@ not read; this is the one list of it):
     read as their own before; a group may name the engine "mlx".
 25: a sampler's heartbeat names the processes its model is split over (`ranks`), how many times
     their group was lost and started again and why the last time (`ranks_restarted`,
-    `rank_lost`); read as 1, 0 and "" before.
+    `rank_lost`); read as 1, 0 and "" before. A grant with work left and no slot says when to ask
+    again (`again_s`: the trainer spreads a crowd's asks); read as 0 (the sampler's own pace).
 """

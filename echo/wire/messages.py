@@ -534,6 +534,9 @@ class Grant(Message):
     # The slot whose keyed noise each slot's group draws with (a prompt granted again keeps its
     # first slot's); empty: each its own.
     noise_slots: list[int] = Field(default_factory=list, max_length=1024)
+    # more, and no slot: ask again this long after at the soonest (the trainer spreads a crowd's
+    # asks); 0: the sampler's own pace. A sampler waits at most ASK_AGAIN_MAX_S whatever it says.
+    again_s: Seconds = 0.0
 
     @model_validator(mode="after")
     def _a_prompt_a_slot(self):

@@ -22,7 +22,7 @@ from echo.engines import make_engine
 from echo.engines.base import Engine
 from echo.learner import set_threads
 from echo.tasks import Task, load_task
-from echo.wire.messages import PullRequest
+from echo.wire.messages import Grant, PullRequest
 from streams.client import Run, open_run
 from streams.credentials import credentials_of
 from streams.grants import watch_budget
@@ -38,7 +38,8 @@ from workers.sampler.work import Work
 
 log = structlog.get_logger()
 
-ASK_AGAIN_S = 0.2
+ASK_AGAIN_S = 0.2  # a grant's more with no again_s (a trainer before schema 25)
+ASK_AGAIN_MAX_S = 30.0  # the longest a grant's again_s is heeded
 NO_ANSWER_WAIT_S = 1.0  # no trainer answered a request for work (none yet, or a broker restarting)
 
 
@@ -68,7 +69,7 @@ class Sampler:
                     await self.generation.generate_and_publish(grant, asked_at)
                     continue
                 if grant and grant.more:
-                    await asyncio.sleep(ASK_AGAIN_S)  # work is left, just not for this sampler yet
+                    await asyncio.sleep(again_s(grant))  # work is left, just not for this sampler yet
                     continue
             waits = [asyncio.ensure_future(self.work.changed.wait()), asyncio.ensure_future(self.weights.wait_newer())]
             _, pending = await asyncio.wait(waits, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
@@ -106,7 +107,7 @@ class Sampler:
         elif grant.slots:
             await self.generation.generate_and_publish(grant, asked_at)
         elif grant.more:
-            await asyncio.sleep(ASK_AGAIN_S)  # work is left, just not for this sampler yet
+            await asyncio.sleep(again_s(grant))  # work is left, just not for this sampler yet
         else:
             return False  # wait for the next request
         return True
@@ -135,6 +136,12 @@ class Sampler:
             await self.weights.stop()
             log.info("sampler.stopped", published=self.generation.published, version=self.weights.version,
                      failures=dict(self.weights.follower.failures))
+
+
+def again_s(grant: Grant) -> float:
+    """How long to wait before asking again where work is left but none was granted: as the
+    trainer says (it spreads a crowd's asks), within ASK_AGAIN_MAX_S."""
+    return min(grant.again_s or ASK_AGAIN_S, ASK_AGAIN_MAX_S)
 
 
 async def run_sampler(cfg: EchoConfig, sampler_id: str) -> None:

@@ -19,7 +19,7 @@ import structlog
 
 from echo.checkpoint import TrainerState
 from echo.config import EchoConfig
-from echo.grants import GrantLedger, Heartbeats, allowance, lost_slots, sampler_cap
+from echo.grants import GrantLedger, Heartbeats, allowance, ask_again_s, lost_slots, sampler_cap
 from echo.wire.messages import Grant, GrantBudget, GrantRequest, PullRequest
 from streams.client import BROKER_ERRORS, Run, retry_forever
 from streams.grants import publish_budget, record_slots_granted, serve_grants, slots_granted
@@ -159,18 +159,19 @@ class Granter:
             self.fleet.add(sampler_id)
             log.info("trainer.sampler_joined", sampler=sampler_id, samplers=len(self.fleet))
         if len(self.fleet) < self.cfg.trainer.min_samplers:
-            return Grant(more=True)
+            return Grant(more=True, again_s=ask_again_s(len(self.fleet)))
         slots, more = self.grant_work(sampler_id, request)
+        again_s = ask_again_s(self.ledger.sharing(time.monotonic()))  # a crowd's asks spread out
         if slots:
             try:
                 await record_slots_granted(self.run, self.ledger.issued)
             except BROKER_ERRORS as e:  # a restarted trainer could number them again: not handed over
                 log.warning("grants.grant_unrecorded", sampler=sampler_id, slots=len(slots), reason=repr(e))
                 self.ledger.revoke(slots)
-                return Grant(more=True)
+                return Grant(more=True, again_s=again_s)
         noise = [self.ledger.noise_slot(slot) for slot in slots]
         return Grant(slots=slots, prompts=[self.ledger.prompts[slot] for slot in slots], more=more,
-                     noise_slots=noise if noise != slots else [])
+                     noise_slots=noise if noise != slots else [], again_s=again_s if more and not slots else 0.0)
 
 
 class SequentialGranter(Granter):
