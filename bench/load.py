@@ -190,12 +190,21 @@ async def trainer_role(cfg: EchoConfig, seconds_per_token: float, usage_file: Pa
         return sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, (resource.RUSAGE_SELF,
                                                                                resource.RUSAGE_CHILDREN)))
 
-    began = cpu_s()  # after the imports
+    began, first_step = cpu_s(), []  # after the imports; once its first step is in (the fleet joined)
+
+    def watch_first_step() -> None:
+        while not read_metrics(cfg.run_dir):
+            time.sleep(0.2)
+        first_step.append(cpu_s())
+
+    threading.Thread(target=watch_first_step, daemon=True).start()
     try:
         await serve(cfg, lambda: SyntheticLearner(cfg, seconds_per_token, adapter_mb))
     finally:
-        usage_file.write_bytes(orjson.dumps({"peak": round(peak_rss_mb() * 2**20),
-                                             "cpu_s": cpu_s() - began, "granter_s": spent}))
+        ended = cpu_s()
+        usage_file.write_bytes(orjson.dumps({"peak": round(peak_rss_mb() * 2**20), "cpu_s": ended - began,
+                                             "after_first_step_cpu_s": ended - first_step[0] if first_step else None,
+                                             "granter_s": spent}))
 
 
 def timed(cls, names: tuple[str, ...]) -> dict[str, float]:
@@ -433,6 +442,10 @@ def report(metrics: list[dict], syncs: list[float], args, chunk_tokens: int, max
         "trainer_cpu_s_per_step": round(trainer["cpu_s"] / len(metrics), 2),
         # per token read (trained, or read and left out): what must not grow with the samplers
         "trainer_cpu_us_per_token": round(trainer["cpu_s"] / max(1, trained + untrained + dropped) * 1e6, 3),
+        # the same after the first step: the steady cost, the fleet's joining left out
+        "trainer_cpu_us_per_token_after_first_step": None if trainer["after_first_step_cpu_s"] is None else round(
+            trainer["after_first_step_cpu_s"] / max(1, sum(m["tokens"] + m["untrained_tokens"] + m["dropped_tokens"]
+                                                           for m in metrics[1:])) * 1e6, 3),
         "granter_ms_per_step": {k: round(v / len(metrics) * 1e3, 1) for k, v in trainer.get("granter_s", {}).items()},
         "accounting": metrics[-1]["accounting"],  # nothing lost: published = trained + dropped + rejected + pending
         "counted_twice": sum(m["already_counted"] for m in metrics),
@@ -472,6 +485,7 @@ def main() -> None:
     p.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--urls", nargs="+", help=argparse.SUPPRESS)
     p.add_argument("--out", default="load.json")
+    p.add_argument("--plot", help="also draw each figure against the number of samplers into bench/results/PLOT")
     args = p.parse_args()
     if args.role == "trainer":
         asyncio.run(trainer_role(load_config(args.config), args.learner_us_per_token * 1e-6, args.usage_file,
@@ -491,6 +505,42 @@ def main() -> None:
     earlier = orjson.loads(existing.read_bytes())["shapes"] if existing.exists() else []
     measured = {_shape(r) for r in results}
     print(write_results(args.out, {"shapes": [r for r in earlier if _shape(r) not in measured] + results}))
+    if args.plot:
+        plot_by_samplers(results, results_dir() / args.plot)
+
+
+SCALE_FIGURES = [("trainer_cpu_us_per_token", "trainer CPU, us a token read"),
+                 ("granter_ms_per_step", "granter, ms a step (grants; heartbeats)"),
+                 ("hub_cpu_s", "hub CPU, s"), ("snapshot_s", "status snapshot, s"),
+                 ("wasted_token_share", "tokens wasted, share"), ("sync_s_median", "weights to running, s (p50; max)")]
+
+
+def plot_by_samplers(results: list[dict], out: Path) -> None:
+    """Each scale figure against the number of samplers (log axis), one panel each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = sorted(results, key=lambda r: r["samplers"])
+    samplers = [r["samplers"] for r in results]
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    for ax, (key, title) in zip(axes.flat, SCALE_FIGURES):
+        if key == "granter_ms_per_step":
+            for part in ("grant", "read_heartbeats"):
+                ax.plot(samplers, [r[key].get(part, 0) for r in results], marker="o", label=part)
+            ax.legend()
+        else:
+            ax.plot(samplers, [r[key] for r in results], marker="o")
+            if key == "sync_s_median":
+                ax.plot(samplers, [r["sync_s_max"] for r in results], marker="o", linestyle="--")
+        ax.set_xscale("log")
+        ax.set_xticks(samplers, [str(s) for s in samplers])
+        ax.set_title(title)
+        ax.set_xlabel("samplers")
+        ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
 
 
 def _shape(result: dict) -> tuple:
