@@ -38,6 +38,9 @@ BATCH_BYTES = 8 << 20  # per batched get: well under the server's 64 MiB max_pen
 ACK_TIMEOUT_S = 5.0
 PURGE_TIMEOUT_S = 1.0  # for a failed put's chunks: its retry waits for this clean-up
 ACK_POLL_S = 0.1  # how often a wait for an ack looks whether the connection it was sent on dropped
+# A replica's lag behind another (milliseconds; seconds just after a failover), and how often a
+# read that found chunks missing looks again within it.
+REPLICA_LAG_S, REREAD_S = 3.0, 0.1
 
 
 class AckLost(nats.errors.Error):
@@ -160,7 +163,31 @@ async def get_object(
     hex, and `expected_size` when given: the object must be the one its announcer meant), or
     TransferError. The size is checked before the buffer is allocated (against `expected_size`,
     or at most `max_size`): a forged info cannot make a reader allocate more than it was told
-    to expect."""
+    to expect.
+
+    Direct gets are answered by any replica, and one may be behind another: the info read from
+    one and the chunks from one that lacks them yet (or an older info whose chunks the newer
+    put purged) look truncated for a moment. A truncated read is read again, whole, for up to
+    REPLICA_LAG_S before it is believed (the CI's 3-node cluster once failed so right after a
+    failover)."""
+    began, said = asyncio.get_running_loop().time(), False
+    while True:
+        try:
+            return await _read_object(js, bucket, name, expected_sha256, expected_size, timeout, max_size)
+        except TransferError as e:
+            waited_s = asyncio.get_running_loop().time() - began
+            if e.reason != "truncated" or waited_s > REPLICA_LAG_S:
+                raise
+            if not said:
+                log.info("objects.read_again", bucket=bucket, name=name, reason=str(e), within_s=REPLICA_LAG_S)
+                said = True
+        await asyncio.sleep(REREAD_S)
+
+
+async def _read_object(
+    js: JetStreamContext, bucket: str, name: str, expected_sha256: str | None,
+    expected_size: int | None, timeout: float, max_size: int | None,
+) -> bytearray:
     info = await object_info(js, bucket, name)
     if info is None:
         raise TransferError("not_found", f"{bucket}/{name}")

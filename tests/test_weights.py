@@ -5,6 +5,8 @@ import asyncio
 import base64
 import io
 import json
+import os
+import time
 
 import pytest
 import safetensors.torch
@@ -16,7 +18,7 @@ from echo.tasks import load_task
 from echo.wire.messages import Grant
 from echo.wire.names import HDR_VERSION, weights_object_name
 from streams.lease import take_lease
-from streams.objects import TransferError, get_object, put_object
+from streams.objects import TransferError, direct_get_batch, get_object, put_object, sha256_hex
 from streams.registry import put_status, read_statuses
 from streams.replay import read_rollouts
 from streams.weights import WeightsFollower, WeightsPublisher, fetch_weights
@@ -130,11 +132,12 @@ async def test_a_version_a_slow_sampler_is_fetching_stays_for_keep_seconds(runs)
     ],
     ids=["corrupt-chunk", "truncated"],
 )
-async def test_a_damaged_adapter_is_refused_the_old_version_kept_and_the_fetch_retried(runs, tamper):
+async def test_a_damaged_adapter_is_refused_the_old_version_kept_and_the_fetch_retried(runs, tamper, monkeypatch):
     """A damaged object is refused (the old weights stay) and fetched again with backoff while
     its announcement is the newest: once the object is whole again (here: stored again, as a
     trainer's retry or a relay's re-mirror would), the follower takes it without a new
     announcement. Before, it waited for a newer version: forever, in sequential mode."""
+    monkeypatch.setattr("streams.objects.REPLICA_LAG_S", 0.2)  # one server: no replica lags another
     run = await runs.open("damage", "test")
     weights = WeightsPublisher(await take_lease(run))
     await weights.publish(0, [b"good" * 100_000], TINY_BASE)
@@ -154,6 +157,32 @@ async def test_a_damaged_adapter_is_refused_the_old_version_kept_and_the_fetch_r
     assert (await follower.wait_for(2))[1] == [b"next" * 1000]
     await follower.stop()
     assert follower._task.done()  # ended, not just told to: the connection closes next
+
+
+async def test_chunks_a_replica_lacks_yet_are_waited_for_and_chunks_none_has_are_not(runs, monkeypatch):
+    """CI, 2026-11-29: just after a 3-node cluster's failover a read of an object whole on the
+    leader failed 'truncated: 0 of 32 chunks stored': direct gets are answered by any replica, the
+    info came from one and the chunks from one behind it. One server stands in for the replica
+    behind: the info is there and its chunks come 0.5 s later. Chunks that never come are still
+    refused, once REPLICA_LAG_S has passed."""
+    run = await runs.open("lagging", "test")
+    bucket, data = run.names.weights_bucket, os.urandom(3 << 20)
+    info = await put_object(run.js, bucket, "w", data)
+    subject = f"$O.{bucket}.C.{info.nuid}"
+    chunks = [m.data for m in await direct_get_batch(run.js, f"OBJ_{bucket}", subject, 1, info.chunks, 5)]
+    await run.js.purge_stream(f"OBJ_{bucket}", subject=subject)
+    reading = asyncio.create_task(get_object(run.js, bucket, "w", sha256_hex(info), len(data)))
+    await asyncio.sleep(0.5)
+    assert not reading.done()
+    for chunk in chunks:
+        await run.js.publish(subject, chunk)
+    assert await reading == data
+    await run.js.purge_stream(f"OBJ_{bucket}", subject=subject)
+    monkeypatch.setattr("streams.objects.REPLICA_LAG_S", 0.5)
+    began = time.monotonic()
+    with pytest.raises(TransferError, match="truncated: 0 of 3 chunks"):
+        await get_object(run.js, bucket, "w", sha256_hex(info), len(data))
+    assert time.monotonic() - began >= 0.5
 
 
 async def test_an_object_larger_than_announced_is_refused_before_its_buffer_is_allocated(runs):
