@@ -361,6 +361,19 @@ def _ask(run, sampler_id, epoch, version, want=2, pull_request_id=None):
     return request_grant(run, sampler_id, request)
 
 
+async def test_once_the_work_is_given_out_a_crowd_asking_costs_the_trainer_no_broker_request(runs, tmp_path):
+    """Issue 83: each budget wakes every idle sampler, and each ask read the asker's heartbeat
+    from the broker (is it readable? none is granted work while it is not): at 1,000 samplers,
+    1,000 reads a step, most of the trainer's CPU a token. The read is made only where there is
+    work to grant; a sampler asking when none is left costs the trainer no request at all."""
+    cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "max_staleness": 0})
+    run, granter, asked = await _granter_at_version_0(runs, "crowd", cfg)
+    assert sum([(await granter.grant(f"s{i}", asked)).groups for i in range(4)]) == 4  # the window, given out
+    sent = run.nc.stats["out_msgs"]
+    assert [(await granter.grant(f"idle{i}", asked)).groups for i in range(1000)] == [0] * 1000
+    assert run.nc.stats["out_msgs"] == sent  # (one with work to take is read: test_fifth_pass.py)
+
+
 async def test_a_run_begun_before_schema_14_numbers_its_slots_on_from_the_old_key(runs):
     run = await runs.open("renamed", "trainer")
     assert await slots_granted(run) == 0

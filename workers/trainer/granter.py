@@ -148,13 +148,15 @@ class Granter:
             self.rejoined(sampler_id, restarted=False)
         if (self.quarantine and sampler_id in self.quarantine) or request.epoch != self.epoch:
             return Grant()
-        try:
-            if await heartbeat_unreadable(self.run, sampler_id):  # shown as bad_heartbeat; no work until it reads
-                return Grant()
-        except BROKER_ERRORS:  # the broker restarting: the grant cannot be recorded either (below)
-            pass
         if sampler_id in self.standby:
             return Grant()
+        # Read only where there is work to grant: a thousand idle samplers ask at each budget,
+        # and a read each was most of the trainer's CPU a token (issue 83).
+        try:
+            if self.headroom(request) > 0 and await heartbeat_unreadable(self.run, sampler_id):
+                return Grant()  # shown as bad_heartbeat; no work until it reads
+        except BROKER_ERRORS:  # the broker restarting: the grant cannot be recorded either (below)
+            pass
         if sampler_id not in self.fleet:
             self.fleet.add(sampler_id)
             log.info("trainer.sampler_joined", sampler=sampler_id, samplers=len(self.fleet))
@@ -196,9 +198,20 @@ class SequentialGranter(Granter):
         # The same request again: samplers that were told it was all given out ask once more.
         await publish_pull_request(self.run, self.request)
 
-    def grant_work(self, sampler_id: str, request: GrantRequest) -> tuple[list[int], bool]:
+    def matching(self, request: GrantRequest) -> PullRequest | None:
+        """The current request, if `request` asks for its groups with its version."""
         current = self.request
         if current is None or request.pull_request_id != current.request_id or request.version != current.version:
+            return None
+        return current
+
+    def headroom(self, request: GrantRequest) -> int:
+        current = self.matching(request)
+        return current.groups - self.granted if current else 0
+
+    def grant_work(self, sampler_id: str, request: GrantRequest) -> tuple[list[int], bool]:
+        current = self.matching(request)
+        if current is None:
             return [], False
         slots, more = self.ledger.grant(sampler_id, request.want, current.groups - self.granted, current.groups,
                                          time.monotonic(), request.version)
@@ -235,13 +248,17 @@ class AsyncGranter(Granter):
     async def republish(self, missing: int) -> None:
         await self.publish(self.cfg.trainer.groups_per_step)
 
+    def headroom(self, request: GrantRequest) -> int:
+        if request.pull_request_id is not None or not 0 <= request.version <= self.version:
+            return 0
+        cap = sampler_cap(self.version, self.highest_slot(), request.version, self.cfg.trainer.groups_per_step)
+        return cap - self.ledger.issued
+
     def grant_work(self, sampler_id: str, request: GrantRequest) -> tuple[list[int], bool]:
         if request.pull_request_id is not None or not 0 <= request.version <= self.version:
             return [], False
-        per_step = self.cfg.trainer.groups_per_step
-        cap = sampler_cap(self.version, self.highest_slot(), request.version, per_step)
-        window = (self.cfg.trainer.max_staleness + 1) * per_step  # groups that may be in flight at once
-        return self.ledger.grant(sampler_id, request.want, cap - self.ledger.issued, window, time.monotonic(),
+        window = (self.cfg.trainer.max_staleness + 1) * self.cfg.trainer.groups_per_step  # in flight at once
+        return self.ledger.grant(sampler_id, request.want, self.headroom(request), window, time.monotonic(),
                                  request.version)
 
 
