@@ -58,7 +58,7 @@ from echo.noise import Draw
 from echo.proof import ProofSettings, SamplingProof
 from echo.tasks import load_task
 from streams.client import cancel_until_done, open_run
-from streams.server import NatsServer, ServerConfig, free_port
+from streams.server import NatsCluster, NatsServer, ServerConfig, free_port
 from workers.operator.relay import loopback_relay_args
 from workers.operator.swarm import stop_processes
 from workers.sampler.modes import Sampler
@@ -310,8 +310,9 @@ def samplers_process(args) -> None:
 
 
 def start_sites(hub: NatsServer, relays: int, wan: list[float] | None, store: Path) -> tuple[list[str], list]:
-    """`relays` sites, each a relay (`echo-rl relay`) whose leaf connection to the hub crosses a
-    shaped link of its own when `wan` (RTT ms, Mbit/s) is given: (the relays' URLs, processes)."""
+    """`relays` sites, each a relay (`echo-rl relay`) whose leaf connection to the hub (a
+    cluster's node with the leaf port) crosses a shaped link of its own when `wan` (RTT ms,
+    Mbit/s) is given: (the relays' URLs, processes)."""
     urls, procs = [], []
     for site in range(relays):
         leaf_url = hub.leaf_url
@@ -328,9 +329,16 @@ def start_sites(hub: NatsServer, relays: int, wan: list[float] | None, store: Pa
     return urls, procs
 
 
+def hub_for(args, store: Path) -> NatsServer | NatsCluster:
+    """The hub: one nats-server, or `--cluster` nodes routed into one (relays join the first)."""
+    if args.cluster > 1:
+        return NatsCluster(store, args.cluster, leaf_port=free_port())
+    return NatsServer(store, ServerConfig(leaf_port=free_port(), advertise_leaf=False))
+
+
 def run_shape(args, chunk_tokens: int, max_staleness: int) -> dict:
-    with (tempfile.TemporaryDirectory() as tmp,
-          NatsServer(Path(tmp) / "nats", ServerConfig(leaf_port=free_port(), advertise_leaf=False)) as server):
+    with tempfile.TemporaryDirectory() as tmp, hub_for(args, Path(tmp) / "nats") as server:
+        nodes = server.nodes if isinstance(server, NatsCluster) else [server]
         cfg = validate_config({
             "run": {"id": "load", "dir": tmp, "steps": args.steps},
             "model": {"name": "tiny"},
@@ -338,7 +346,7 @@ def run_shape(args, chunk_tokens: int, max_staleness: int) -> dict:
                          "chunk_tokens": chunk_tokens, "prompts_per_call": args.prompts_per_call},
             "trainer": {"groups_per_step": args.groups, "max_staleness": max_staleness, "verify_fraction": 0.0,
                         "min_samplers": args.samplers},
-            "nats": {"url": server.url},
+            "nats": {"url": server.url, "replicas": len(nodes)},
         })
         config_path = Path(tmp) / "load.toml"
         config_path.write_text(cfg.to_toml())
@@ -347,10 +355,10 @@ def run_shape(args, chunk_tokens: int, max_staleness: int) -> dict:
                                     "--learner-us-per-token", str(args.learner_us_per_token),
                                     "--usage-file", str(usage_file), "--adapter-mb", str(args.adapter_mb)],
                                    stdout=subprocess.DEVNULL, stderr=trainer_log.open("wb"))  # a full pipe blocked it
-        urls, sites = start_sites(server, args.relays, args.wan, Path(tmp) / "sites")
+        urls, sites = start_sites(nodes[0], args.relays, args.wan, Path(tmp) / "sites")
         urls = urls or [server.url]
-        broker = psutil.Process(server.process.pid)
-        broker_peak, broker_cpu = [0], sum(broker.cpu_times()[:2])
+        brokers = [psutil.Process(node.process.pid) for node in nodes]
+        broker_peak, broker_cpu = [0], sum(sum(b.cpu_times()[:2]) for b in brokers)
         # The fleet in `processes` slices: this process runs the first, the others one each.
         share = -(-args.samplers // args.processes)
         slices = [(first, min(share, args.samplers - first)) for first in range(0, args.samplers, share)]
@@ -363,7 +371,7 @@ def run_shape(args, chunk_tokens: int, max_staleness: int) -> dict:
 
         async def watch_broker():
             while True:
-                broker_peak[0] = max(broker_peak[0], broker.memory_info().rss)
+                broker_peak[0] = max(broker_peak[0], sum(b.memory_info().rss for b in brokers))
                 await asyncio.sleep(0.5)
 
         async def main():
@@ -378,7 +386,7 @@ def run_shape(args, chunk_tokens: int, max_staleness: int) -> dict:
         started, began = time.perf_counter(), time.monotonic()
         try:
             syncs = asyncio.run(main())
-            seen["hub_cpu_s"] = round(sum(broker.cpu_times()[:2]) - broker_cpu, 1)
+            seen["hub_cpu_s"] = round(sum(sum(b.cpu_times()[:2]) for b in brokers) - broker_cpu, 1)
         finally:
             stop_processes([process for process, _ in others], timeout=60)
             stop_processes(sites)
@@ -424,7 +432,7 @@ def report(metrics: list[dict], syncs: list[float], args, chunk_tokens: int, max
     untrained = sum(m["untrained_tokens"] for m in metrics)
     dropped = sum(m["dropped_tokens"] for m in metrics)
     return {
-        "samplers": args.samplers, "relays": args.relays, "wan": args.wan, "groups_per_step": args.groups, "group_size": args.group_size,
+        "samplers": args.samplers, "cluster": args.cluster, "relays": args.relays, "wan": args.wan, "groups_per_step": args.groups, "group_size": args.group_size,
         "max_new_tokens": args.max_tokens, "median_tokens": args.median_tokens, "tokens_per_s": args.tokens_per_s,
         "slow_share": args.slow_share, "slow_factor": args.slow_factor, "spread": args.spread, "churn": args.churn,
         "processes": args.processes, "adapter_mb": args.adapter_mb, "chunk_tokens": chunk_tokens,
@@ -474,6 +482,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--staleness", type=int, nargs="+", default=[1])
     p.add_argument("--chunks", type=int, nargs="+", default=[0, 1024], help="chunk_tokens: 0 is whole completions")
+    p.add_argument("--cluster", type=int, default=1, help="hub nodes: a cluster of 3 keeps 3 copies of everything")
     p.add_argument("--relays", type=int, default=0, help="sites, each a relay its samplers reach the run through")
     p.add_argument("--wan", nargs=2, type=float, metavar=("RTT_MS", "MBIT"), help="each site's link to the hub")
     p.add_argument("--spread", type=float, default=1.0,

@@ -43,15 +43,22 @@ from echo.throughput import CallWindow, Rates
 ACTIVE_S = 30.0  # a sampler that asked for work this recently shares the window
 STALL_CALLS = 4  # a holder that has filled none of its slots for this many of its calls' time is stalled
 SYNC_SAMPLES = 8  # a sampler's observed sync time: the least of its last this many
-ASKS_PER_S = 200.0  # asks a second, in all, a trainer takes from samplers told "work is left, not yet yours"
-ASK_AGAIN_MIN_S = 0.2
+# Asks a second, in all, a trainer takes from samplers told "work is left, not yours yet" and the
+# soonest one asks again; and from those told "none is left", who wait for the next budget and
+# ask regardless only in case they missed it (a thousand asking every 5 s were 4,000 requests a
+# step, most of the trainer's work at that size).
+ASKS_PER_S, ASK_AGAIN_MIN_S = 200.0, 0.2
+IDLE_ASKS_PER_S, IDLE_ASK_MIN_S = 20.0, 5.0
 
 
-def ask_again_s(asking: int) -> float:
-    """How long a sampler told "work is left, not yours yet" waits before it asks again: the
-    `asking` samplers' asks spread to ASKS_PER_S a second in all (a thousand asking every 0.2 s
-    drowned the trainer in 5,000 requests a second), never sooner than ASK_AGAIN_MIN_S."""
-    return max(ASK_AGAIN_MIN_S, asking / ASKS_PER_S)
+def ask_again_s(asking: int, more: bool = True) -> float:
+    """How long a sampler granted nothing waits before it asks again (`more`: work is left, not
+    yours yet; else none is left, and a new budget wakes it sooner): the `asking` samplers' asks
+    spread to ASKS_PER_S (IDLE_ASKS_PER_S) a second in all, never sooner than ASK_AGAIN_MIN_S
+    (IDLE_ASK_MIN_S). A thousand asking every 0.2 s drowned the trainer in 5,000 requests a second."""
+    if more:
+        return max(ASK_AGAIN_MIN_S, asking / ASKS_PER_S)
+    return max(IDLE_ASK_MIN_S, asking / IDLE_ASKS_PER_S)
 
 
 def slot_prompt(seed: int, slot: int) -> int:

@@ -12,6 +12,8 @@ from echo.checkpoint import TrainerState
 from echo.grants import (
     ASK_AGAIN_MIN_S,
     ASKS_PER_S,
+    IDLE_ASK_MIN_S,
+    IDLE_ASKS_PER_S,
     DeliveryBound,
     GrantLedger,
     Heartbeats,
@@ -27,6 +29,7 @@ from streams.grants import record_slots_granted, request_grant, serve_grants, sl
 from streams.lease import take_lease
 from streams.registry import put_status
 from tests.conftest import tiny_config
+from workers.sampler.modes import IDLE_WAIT_MAX_S, IDLE_WAIT_S, idle_s
 from workers.trainer.coordinator import delivered_paces
 from workers.trainer.granter import AsyncGranter, SequentialGranter
 from workers.trainer.strikes import Quarantined
@@ -365,13 +368,20 @@ async def test_once_the_work_is_given_out_a_crowd_asking_costs_the_trainer_no_br
     """Issue 83: each budget wakes every idle sampler, and each ask read the asker's heartbeat
     from the broker (is it readable? none is granted work while it is not): at 1,000 samplers,
     1,000 reads a step, most of the trainer's CPU a token. The read is made only where there is
-    work to grant; a sampler asking when none is left costs the trainer no request at all."""
+    work to grant; a sampler asking when none is left costs the trainer no request at all. And
+    such samplers, waiting for the next budget, asked anyway every 5 s in case they had missed
+    it: 200 requests a second at 1,000. They are told to wait longer as they are more, to
+    IDLE_ASKS_PER_S in all."""
+    assert ask_again_s(8, more=False) == IDLE_ASK_MIN_S and ask_again_s(1000, more=False) == 1000 / IDLE_ASKS_PER_S
     cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "max_staleness": 0})
     run, granter, asked = await _granter_at_version_0(runs, "crowd", cfg)
     assert sum([(await granter.grant(f"s{i}", asked)).groups for i in range(4)]) == 4  # the window, given out
     sent = run.nc.stats["out_msgs"]
-    assert [(await granter.grant(f"idle{i}", asked)).groups for i in range(1000)] == [0] * 1000
+    idle = [await granter.grant(f"idle{i}", asked) for i in range(1000)]
     assert run.nc.stats["out_msgs"] == sent  # (one with work to take is read: test_fifth_pass.py)
+    assert [(g.groups, g.more) for g in idle] == [(0, False)] * 1000
+    assert idle[-1].again_s == 1004 / IDLE_ASKS_PER_S and idle_s(idle[-1]) == idle[-1].again_s
+    assert idle_s(Grant(again_s=1e9)) == IDLE_WAIT_MAX_S and idle_s(None) == idle_s(Grant()) == IDLE_WAIT_S
 
 
 async def test_a_run_begun_before_schema_14_numbers_its_slots_on_from_the_old_key(runs):
@@ -432,7 +442,7 @@ async def test_sequential_groups_are_granted_once_and_only_for_the_current_reque
     assert sum(g.groups for g in grants) == 6  # in arrival order: the first alone may get its whole want
     assert (await _ask(sampler, "s0", lease.epoch, 0, 4, request.request_id)).model_dump() == {
         "schema_version": SCHEMA_VERSION, "slots": [], "prompts": [], "more": False, "noise_slots": [],
-        "again_s": 0.0}
+        "again_s": IDLE_ASK_MIN_S}  # at the latest: the next request wakes it
     assert sorted(slot for g in grants for slot in g.slots) == list(range(1, 7))
     granted_at = time.monotonic()
     while time.monotonic() - granted_at <= cfg.trainer.reissue_after_s:  # the holders stall past it

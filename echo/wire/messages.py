@@ -534,8 +534,10 @@ class Grant(Message):
     # The slot whose keyed noise each slot's group draws with (a prompt granted again keeps its
     # first slot's); empty: each its own.
     noise_slots: list[int] = Field(default_factory=list, max_length=1024)
-    # more, and no slot: ask again this long after at the soonest (the trainer spreads a crowd's
-    # asks); 0: the sampler's own pace. A sampler waits at most ASK_AGAIN_MAX_S whatever it says.
+    # No slot: with more, ask again this long after at the soonest; without, ask again after this
+    # long at the latest, a new budget waking the sampler sooner (the trainer spreads a crowd's
+    # asks, echo/grants.py::ask_again_s); 0: the sampler's own pace. Bounded by the sampler
+    # (workers/sampler/modes.py::again_s) whatever it says.
     again_s: Seconds = 0.0
 
     @model_validator(mode="after")

@@ -40,6 +40,9 @@ log = structlog.get_logger()
 
 ASK_AGAIN_S = 0.2  # a grant's more with no again_s (a trainer before schema 25)
 ASK_AGAIN_MAX_S = 30.0  # the longest a grant's again_s is heeded
+# Granted nothing and none left: how long to wait for a new budget or weights before asking
+# anyway (in case a change was missed), at the least and, whatever the grant says, the most.
+IDLE_WAIT_S, IDLE_WAIT_MAX_S = 5.0, 120.0
 NO_ANSWER_WAIT_S = 1.0  # no trainer answered a request for work (none yet, or a broker restarting)
 
 
@@ -57,11 +60,12 @@ class Sampler:
     async def run_async(self) -> None:
         """Generate only what the trainer grants under its grant budget, so no work arrives
         stale. With nothing granted, wait until the budget or this sampler's weights change (or
-        5 s pass)."""
+        the time the trainer said: 5 s, longer among many)."""
         while True:
             self.work.changed.clear()  # before reading the budget: no update can slip past
             await self.weights.apply_newest()
             await self.heartbeat.first_weights()
+            grant = None
             if not self.work.standby:
                 asked_at = time.perf_counter()
                 grant = await self.work.ask(self.weights.running)
@@ -72,7 +76,7 @@ class Sampler:
                     await asyncio.sleep(again_s(grant))  # work is left, just not for this sampler yet
                     continue
             waits = [asyncio.ensure_future(self.work.changed.wait()), asyncio.ensure_future(self.weights.wait_newer())]
-            _, pending = await asyncio.wait(waits, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
+            _, pending = await asyncio.wait(waits, timeout=idle_s(grant), return_when=asyncio.FIRST_COMPLETED)
             for task in pending:
                 task.cancel()
 
@@ -142,6 +146,13 @@ def again_s(grant: Grant) -> float:
     """How long to wait before asking again where work is left but none was granted: as the
     trainer says (it spreads a crowd's asks), within ASK_AGAIN_MAX_S."""
     return min(grant.again_s or ASK_AGAIN_S, ASK_AGAIN_MAX_S)
+
+
+def idle_s(grant: Grant | None) -> float:
+    """How long to wait for a new budget or weights, granted nothing with none left (or on
+    standby, or unanswered), before asking anyway: as the trainer says (longer among many
+    samplers), within IDLE_WAIT_S and IDLE_WAIT_MAX_S."""
+    return min(max(grant.again_s if grant else 0.0, IDLE_WAIT_S), IDLE_WAIT_MAX_S)
 
 
 async def run_sampler(cfg: EchoConfig, sampler_id: str) -> None:

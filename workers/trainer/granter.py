@@ -163,17 +163,17 @@ class Granter:
         if len(self.fleet) < self.cfg.trainer.min_samplers:
             return Grant(more=True, again_s=ask_again_s(len(self.fleet)))
         slots, more = self.grant_work(sampler_id, request)
-        again_s = ask_again_s(self.ledger.sharing(time.monotonic()))  # a crowd's asks spread out
+        again_s = 0.0 if slots else ask_again_s(self.ledger.sharing(time.monotonic()), more)  # a crowd's asks spread out
         if slots:
             try:
                 await record_slots_granted(self.run, self.ledger.issued)
             except BROKER_ERRORS as e:  # a restarted trainer could number them again: not handed over
                 log.warning("grants.grant_unrecorded", sampler=sampler_id, slots=len(slots), reason=repr(e))
                 self.ledger.revoke(slots)
-                return Grant(more=True, again_s=again_s)
+                return Grant(more=True, again_s=ask_again_s(self.ledger.sharing(time.monotonic())))
         noise = [self.ledger.noise_slot(slot) for slot in slots]
         return Grant(slots=slots, prompts=[self.ledger.prompts[slot] for slot in slots], more=more,
-                     noise_slots=noise if noise != slots else [], again_s=again_s if more and not slots else 0.0)
+                     noise_slots=noise if noise != slots else [], again_s=again_s)
 
 
 class SequentialGranter(Granter):
