@@ -193,22 +193,36 @@ class Run:
                     await nc.close()
 
 
-class _WritesThroughDomain:
-    """A JetStream context whose publishes go to `$JS.<domain>.API.<subject>`, for a KV bucket.
+# How long a small write (a KV key, a rollout message under ROLLOUT_MESSAGE_MAX) waits for its
+# ack before it is tried again. An ack comes in milliseconds; one whose request reached a
+# stream's leader as its leadership moved (a node's planned restart) never comes, and waiting
+# out nats-py's 5 s (10 s for a rollout) stalled writes longer than an election would
+# (tests/test_cluster.py). Larger writes add their transfer over a slow uplink.
+WRITE_TIMEOUT_S = 3.0
+SLOW_UPLINK_BYTES_PER_S = 1.25e6  # 10 Mbit/s
+
+
+def write_timeout_s(size: int) -> float:
+    return WRITE_TIMEOUT_S + size / SLOW_UPLINK_BYTES_PER_S
+
+
+class _KVWrites:
+    """A JetStream context for a KV bucket whose publishes wait WRITE_TIMEOUT_S for their ack,
+    and go to `$JS.<domain>.API.<subject>` when the hub has a domain.
 
     nats-py 2.16 writes a KV key by publishing to `$KV.<bucket>.<key>`, which a leaf node with a
     JetStream domain of its own (a relay) keeps to itself. nats.go prefixes the domain's API, as
     here; the hub answers that subject for clients connected to it directly too. Everything else
     (reads, watches) goes to the wrapped context unchanged."""
 
-    def __init__(self, js: JetStreamContext, domain: str):
-        self._js, self._prefix = js, f"$JS.{domain}.API."
+    def __init__(self, js: JetStreamContext, domain: str | None):
+        self._js, self._prefix = js, f"$JS.{domain}.API." if domain else ""
 
     def __getattr__(self, name):
         return getattr(self._js, name)
 
-    async def publish(self, subject: str, *args, **kwargs):
-        return await self._js.publish(self._prefix + subject, *args, **kwargs)
+    async def publish(self, subject: str, *args, timeout: float | None = None, **kwargs):
+        return await self._js.publish(self._prefix + subject, *args, timeout=timeout or WRITE_TIMEOUT_S, **kwargs)
 
 
 async def put_expiring(kv: KeyValue, key: str, value: bytes, ttl_s: int) -> None:
@@ -230,7 +244,7 @@ async def _create_kv(js: JetStreamContext, config: KeyValueConfig, domain: str |
 # gets (streams/layout.py).
 def bind_kv(js: JetStreamContext, bucket: str, domain: str | None) -> KeyValue:
     return KeyValue(name=bucket, stream=f"KV_{bucket}", pre=f"$KV.{bucket}.",
-                    js=js if domain is None else _WritesThroughDomain(js, domain), direct=True)
+                    js=_KVWrites(js, domain), direct=True)
 
 
 def bind_object_store(js: JetStreamContext, bucket: str) -> ObjectStore:

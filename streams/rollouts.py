@@ -29,7 +29,7 @@ from echo.wire.names import (
     RunNames,
     subject_sampler,
 )
-from streams.client import BROKER_ERRORS, Run, retry_forever
+from streams.client import BROKER_ERRORS, Run, retry_forever, write_timeout_s
 
 log = structlog.get_logger()
 
@@ -61,7 +61,7 @@ async def _publish_until_stored(run: Run, subject: str, data: bytes, headers: di
     """The message's stream sequence. Nats-Msg-Id makes a retry safe: a publish can time out
     although it was stored (the retry's ack then names the stored message's sequence)."""
     ack = await retry_forever(f"publish {headers[HDR_MSG_ID]}",
-                              lambda: run.js.publish(subject, data, headers=headers, timeout=10),
+                              lambda: run.js.publish(subject, data, headers=headers, timeout=write_timeout_s(len(data))),
                               first_delay_s=0.5, max_delay_s=PUBLISH_RETRY_MAX_S)
     return ack.seq
 
