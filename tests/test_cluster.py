@@ -57,7 +57,9 @@ async def test_a_rolling_restart_under_load_loses_nothing_and_waits_for_no_elect
     waits as long as an election would (a follower campaigns only ELECTION_MIN_S after its
     leader's last word); every acknowledged rollout is in the stream once. (Before RequestLost, a
     publish on the stopped node's connection waited out its 10 s timeout; killed instead of
-    stopped, a node's groups stall writes for an election: bench/rolling.py.)"""
+    stopped, a node's groups stall writes for an election: bench/rolling.py.) A write that reached
+    a leader as its leadership moved got no answer at all: CI, 2026-12-06, saw a publish wait out
+    10 s and a KV write 5 s so; small writes now wait WRITE_TIMEOUT_S for their ack."""
     run = await runs.open("r3", "trainer", url=cluster.url, storage=Storage(replicas=3), mirror_wait_s=60)
     writers = Writers(run)
     try:
