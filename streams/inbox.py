@@ -258,6 +258,6 @@ class RolloutInbox:
             if exact:
                 break
         holding = [info for info in infos if info.num_pending + info.num_ack_pending]
-        return ConsumerCounts(ack_floor=min((info.ack_floor.stream_seq for info in holding), default=last_seq),
+        return ConsumerCounts(ack_floor=min((info.ack_floor_seq for info in holding), default=last_seq),
                               published=last_seq, pending=sum(info.num_pending + info.num_ack_pending for info in infos),
                               exact=exact)
