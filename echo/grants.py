@@ -45,8 +45,8 @@ STALL_CALLS = 4  # a holder that has filled none of its slots for this many of i
 SYNC_SAMPLES = 8  # a sampler's observed sync time: the least of its last this many
 # Asks a second, in all, a trainer takes from samplers told "work is left, not yours yet" and the
 # soonest one asks again; and from those told "none is left", who wait for the next budget and
-# ask regardless only in case they missed it (a thousand asking every 5 s were 4,000 requests a
-# step, most of the trainer's work at that size).
+# ask regardless only in case they missed it (a thousand asking every 5 s were 200 requests a
+# second, thousands a step at that size).
 ASKS_PER_S, ASK_AGAIN_MIN_S = 200.0, 0.2
 IDLE_ASKS_PER_S, IDLE_ASK_MIN_S = 20.0, 5.0
 
