@@ -8,7 +8,6 @@ import asyncio
 import hashlib
 from dataclasses import dataclass
 
-import nats
 import orjson
 import structlog
 from nats.errors import TimeoutError as NatsTimeout
@@ -158,10 +157,16 @@ async def reset_reader(run: Run, name: str) -> None:
     """Offer again at once every message a reader has not had acked (nats-server 2.14's consumer
     reset, to its ack floor): deliveries lost with a dropped connection, or made to a trainer
     that died, would otherwise come back only after ack_wait."""
-    api = f"{run.js._prefix}.CONSUMER.RESET.{run.names.rollouts_stream}.{name}"
-    answer = orjson.loads((await run.nc.request(api, b"{}", timeout=5.0)).data)
+    await _jetstream_api(run, f"CONSUMER.RESET.{run.names.rollouts_stream}.{name}", b"{}")
+
+
+async def _jetstream_api(run: Run, call: str, body: bytes = b"") -> dict:
+    """A JetStream API request made by hand (an API nats-py lacks, or an answer read for a few
+    fields): its answer as a dict, or the server's refusal raised as nats-py's APIError."""
+    answer = orjson.loads((await run.nc.request(f"{run.js._prefix}.{call}", body, timeout=run.js._timeout)).data)
     if "error" in answer:
-        raise nats.errors.Error(f"consumer reset refused: {answer['error']}")
+        raise APIError.from_error(answer["error"])
+    return answer
 
 
 async def rollout_subjects(run: Run) -> tuple[int, list[str]]:
@@ -191,13 +196,9 @@ async def readers(run: Run) -> list[ReaderState]:
     alone: nats-py's ConsumerInfo of each of 1,000 samplers' readers, every pull round, took a
     third of the trainer's CPU at 1,000 samplers (py-spy on bench/load.py, 2026-12-06)."""
     found: list[ReaderState] = []
-    subject = f"{run.js._prefix}.CONSUMER.LIST.{run.names.rollouts_stream}"
     while True:
-        reply = await run.nc.request(subject, orjson.dumps({"offset": len(found)}) if found else b"",
-                                     timeout=run.js._timeout)
-        answer = orjson.loads(reply.data)
-        if "error" in answer:
-            raise APIError.from_error(answer["error"])
+        answer = await _jetstream_api(run, f"CONSUMER.LIST.{run.names.rollouts_stream}",
+                                      orjson.dumps({"offset": len(found)}) if found else b"")
         page = answer.get("consumers") or []
         found += [ReaderState(c["name"], c.get("num_pending", 0), c.get("num_ack_pending", 0),
                               (c.get("ack_floor") or {}).get("stream_seq", 0)) for c in page]
