@@ -138,6 +138,11 @@ class Granter:
             self.reissue_lost(lost, accepted=self.cfg.trainer.groups_per_step - missing)
             await retry_forever("hand out lost work", lambda: self.republish(missing))
 
+    def headroom(self, request: GrantRequest) -> int | None:
+        """The slots the mode may still grant for `request` (None: it asks for none this mode
+        grants: another pull request, a version not published), before each sampler's share."""
+        raise NotImplementedError
+
     async def grant(self, sampler_id: str, request: GrantRequest) -> Grant:
         """The answer to a sampler asking for work: none for a quarantined sampler or one running
         a previous trainer's weights (it must apply ours first), none yet while fewer than
@@ -153,7 +158,7 @@ class Granter:
         # Read only where there is work to grant: a thousand idle samplers ask at each budget,
         # and a read each was most of the trainer's CPU a token (issue 83).
         try:
-            if self.headroom(request) > 0 and await heartbeat_unreadable(self.run, sampler_id):
+            if (self.headroom(request) or 0) > 0 and await heartbeat_unreadable(self.run, sampler_id):
                 return Grant()  # shown as bad_heartbeat; no work until it reads
         except BROKER_ERRORS:  # the broker restarting: the grant cannot be recorded either (below)
             pass
@@ -163,17 +168,17 @@ class Granter:
         if len(self.fleet) < self.cfg.trainer.min_samplers:
             return Grant(more=True, again_s=ask_again_s(len(self.fleet)))
         slots, more = self.grant_work(sampler_id, request)
-        again_s = 0.0 if slots else ask_again_s(self.ledger.sharing(time.monotonic()), more)  # a crowd's asks spread out
+        sharing = self.ledger.sharing(time.monotonic())  # a crowd's asks spread out
         if slots:
             try:
                 await record_slots_granted(self.run, self.ledger.issued)
             except BROKER_ERRORS as e:  # a restarted trainer could number them again: not handed over
                 log.warning("grants.grant_unrecorded", sampler=sampler_id, slots=len(slots), reason=repr(e))
                 self.ledger.revoke(slots)
-                return Grant(more=True, again_s=ask_again_s(self.ledger.sharing(time.monotonic())))
+                return Grant(more=True, again_s=ask_again_s(sharing))
         noise = [self.ledger.noise_slot(slot) for slot in slots]
         return Grant(slots=slots, prompts=[self.ledger.prompts[slot] for slot in slots], more=more,
-                     noise_slots=noise if noise != slots else [], again_s=again_s)
+                     noise_slots=noise if noise != slots else [], again_s=0.0 if slots else ask_again_s(sharing, more))
 
 
 class SequentialGranter(Granter):
@@ -198,22 +203,17 @@ class SequentialGranter(Granter):
         # The same request again: samplers that were told it was all given out ask once more.
         await publish_pull_request(self.run, self.request)
 
-    def matching(self, request: GrantRequest) -> PullRequest | None:
-        """The current request, if `request` asks for its groups with its version."""
+    def headroom(self, request: GrantRequest) -> int | None:
         current = self.request
         if current is None or request.pull_request_id != current.request_id or request.version != current.version:
             return None
-        return current
-
-    def headroom(self, request: GrantRequest) -> int:
-        current = self.matching(request)
-        return current.groups - self.granted if current else 0
+        return current.groups - self.granted
 
     def grant_work(self, sampler_id: str, request: GrantRequest) -> tuple[list[int], bool]:
-        current = self.matching(request)
-        if current is None:
+        headroom = self.headroom(request)
+        if headroom is None:
             return [], False
-        slots, more = self.ledger.grant(sampler_id, request.want, current.groups - self.granted, current.groups,
+        slots, more = self.ledger.grant(sampler_id, request.want, headroom, self.request.groups,
                                          time.monotonic(), request.version)
         self.granted += len(slots)
         return slots, more
@@ -248,18 +248,18 @@ class AsyncGranter(Granter):
     async def republish(self, missing: int) -> None:
         await self.publish(self.cfg.trainer.groups_per_step)
 
-    def headroom(self, request: GrantRequest) -> int:
+    def headroom(self, request: GrantRequest) -> int | None:
         if request.pull_request_id is not None or not 0 <= request.version <= self.version:
-            return 0
+            return None
         cap = sampler_cap(self.version, self.highest_slot(), request.version, self.cfg.trainer.groups_per_step)
         return cap - self.ledger.issued
 
     def grant_work(self, sampler_id: str, request: GrantRequest) -> tuple[list[int], bool]:
-        if request.pull_request_id is not None or not 0 <= request.version <= self.version:
+        headroom = self.headroom(request)
+        if headroom is None:
             return [], False
         window = (self.cfg.trainer.max_staleness + 1) * self.cfg.trainer.groups_per_step  # in flight at once
-        return self.ledger.grant(sampler_id, request.want, self.headroom(request), window, time.monotonic(),
-                                 request.version)
+        return self.ledger.grant(sampler_id, request.want, headroom, window, time.monotonic(), request.version)
 
 
 def granter_for(run: Run, epoch: int, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
