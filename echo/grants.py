@@ -49,6 +49,11 @@ SYNC_SAMPLES = 8  # a sampler's observed sync time: the least of its last this m
 # second, thousands a step at that size).
 ASKS_PER_S, ASK_AGAIN_MIN_S = 200.0, 0.2
 IDLE_ASKS_PER_S, IDLE_ASK_MIN_S = 20.0, 5.0
+# Idle samplers a budget wakes per slot open: some of those drawn ask late (a slow uplink, a
+# version behind), and the busy ask anyway as they finish. A budget woke every idle sampler: a
+# thousand asks a step for 128 slots, the trainer's largest cost that grew with the samplers.
+DRAWN_PER_OPEN_SLOT = 2.0
+REDRAW_S = 1.0  # open slots nobody took for this long: the trainer draws other idle samplers
 
 
 def ask_again_s(asking: int, more: bool = True) -> float:
@@ -59,6 +64,19 @@ def ask_again_s(asking: int, more: bool = True) -> float:
     if more:
         return max(ASK_AGAIN_MIN_S, asking / ASKS_PER_S)
     return max(IDLE_ASK_MIN_S, asking / IDLE_ASKS_PER_S)
+
+
+def ask_share(open_slots: int, idle: int) -> float:
+    """The share of `idle` samplers a budget with `open_slots` wakes to ask (idle 0: unknown, all)."""
+    return 1.0 if idle <= 0 else min(1.0, DRAWN_PER_OPEN_SLOT * open_slots / idle)
+
+
+def drawn_to_ask(sampler_id: str, version: int, draw: int, share: float) -> bool:
+    """Whether a budget's draw wakes `sampler_id`: a hash, so each draw wakes a different share
+    of the idle samplers and every one is drawn as often (random.random() would do as well; a
+    sampler that ignores its draw costs the trainer only its own asks)."""
+    digest = hashlib.sha256(f"{sampler_id}/{version}/{draw}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") < share * 2**64
 
 
 def slot_prompt(seed: int, slot: int) -> int:
@@ -154,6 +172,7 @@ class GrantLedger:
         self.outstanding: dict[int, str] = {}  # slot number -> the sampler holding it
         self._holding: dict[str, set[int]] = {}  # the same by sampler: no scan of every slot out a grant
         self.asked_at: dict[str, float] = {}
+        self.granted_at = 0.0  # the last grant of any slot
         # who asked within active_s, oldest first: how many share the work, with no scan of every
         # sampler a grant (a thousand samplers asking each step made that a million a step)
         self._asking: OrderedDict[str, float] = OrderedDict()
@@ -206,6 +225,11 @@ class GrantLedger:
             self._asking.popitem(last=False)
         return len(self._asking) - sum(1 for s, until in self.benched.items() if now < until and s in self._asking)
 
+    def idle(self, now: float) -> int:
+        """Of the samplers sharing the work, those holding no slot."""
+        sharing = self.sharing(now)
+        return max(0, sharing - sum(1 for sampler_id in self._asking if self._holding.get(sampler_id)))
+
     def _on_bench(self, sampler_id: str, now: float) -> bool:
         return now < self.benched.get(sampler_id, 0.0)
 
@@ -249,6 +273,8 @@ class GrantLedger:
         self._calls.update((slot, call) for slot in slots)
         if slots and not held:
             self.progress_at[sampler_id] = now
+        if slots:
+            self.granted_at = now
         return slots, headroom > groups
 
     def _observe_sync(self, sampler_id: str, version: int, now: float) -> None:

@@ -6,7 +6,6 @@ state bucket, written by the trainer only."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 from typing import Awaitable, Callable
 
@@ -75,10 +74,10 @@ async def publish_budget(run: Run, budget: GrantBudget) -> None:
     await run.state.put(BUDGET_KEY, encode(budget))
 
 
-async def watch_budget(run: Run, changed: asyncio.Event) -> None:
-    """Set `changed` whenever the trainer publishes a budget, so idle samplers ask for work
-    again at once instead of polling the trainer."""
-    await watch_forever(run, BUDGET_KEY, lambda _: changed.set())
+async def watch_budget(run: Run, on_budget: Callable[[GrantBudget], None]) -> None:
+    """Call `on_budget` with each budget the trainer publishes, so idle samplers ask for work
+    again at once instead of polling the trainer. One that does not decode is said and skipped."""
+    await watch_forever(run, BUDGET_KEY, lambda value: on_budget(decode(GrantBudget, value)))
 
 
 async def slots_granted(run: Run) -> int:

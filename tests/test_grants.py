@@ -14,22 +14,27 @@ from echo.grants import (
     ASKS_PER_S,
     IDLE_ASK_MIN_S,
     IDLE_ASKS_PER_S,
+    REDRAW_S,
     DeliveryBound,
     GrantLedger,
     Heartbeats,
     allowance,
     ask_again_s,
+    ask_share,
+    drawn_to_ask,
     lost_slots,
     sampler_cap,
 )
 from echo.wire.codec import decode, encode
-from echo.wire.messages import Grant, GrantRequest, SamplerStatus
-from echo.wire.names import GRANT_TIMEOUT_S, SCHEMA_VERSION, SLOTS_KEY_BEFORE_14
+from echo.wire.messages import Grant, GrantBudget, GrantRequest, SamplerStatus
+from echo.wire.names import BUDGET_KEY, GRANT_TIMEOUT_S, SCHEMA_VERSION, SLOTS_KEY_BEFORE_14
 from streams.grants import record_slots_granted, request_grant, serve_grants, slots_granted
 from streams.lease import take_lease
 from streams.registry import put_status
+from streams.watch import read_value
 from tests.conftest import tiny_config
 from workers.sampler.modes import IDLE_WAIT_MAX_S, IDLE_WAIT_S, idle_s
+from workers.sampler.work import Work
 from workers.trainer.coordinator import delivered_paces
 from workers.trainer.granter import AsyncGranter, SequentialGranter
 from workers.trainer.strikes import Quarantined
@@ -382,6 +387,73 @@ async def test_once_the_work_is_given_out_a_crowd_asking_costs_the_trainer_no_br
     assert [(g.groups, g.more) for g in idle] == [(0, False)] * 1000
     assert idle[-1].again_s == 1004 / IDLE_ASKS_PER_S and idle_s(idle[-1]) == idle[-1].again_s
     assert idle_s(Grant(again_s=1e9)) == IDLE_WAIT_MAX_S and idle_s(None) == idle_s(Grant()) == IDLE_WAIT_S
+
+
+def test_a_budget_draws_about_two_idle_samplers_a_slot_open_and_each_draw_others():
+    """A budget among 1,000 idle samplers with 128 slots open wakes about 256 of them; a draw of
+    a budget with no count of the idle (a trainer before schema 26), or among few, wakes all."""
+    ids = [f"s{i}" for i in range(1000)]
+    share = ask_share(128, 1000)
+    first = {s for s in ids if drawn_to_ask(s, 7, 0, share)}
+    second = {s for s in ids if drawn_to_ask(s, 7, 1, share)}
+    assert 200 < len(first) < 312 and 200 < len(second) < 312  # 256, binomially: within 3.6 sd
+    assert len(first & second) < 100  # another draw, other samplers (65 expected)
+    assert ask_share(128, 0) == ask_share(128, 100) == 1.0 and ask_share(0, 1000) == 0.0
+    assert all(drawn_to_ask(s, 7, 0, 1.0) for s in ids) and not any(drawn_to_ask(s, 7, 0, 0.0) for s in ids)
+
+
+async def _budget(run) -> GrantBudget:
+    return (await read_value(run.state, BUDGET_KEY, lambda value: decode(GrantBudget, value)))[0]
+
+
+async def test_a_budget_wakes_only_a_draw_of_the_idle_crowd_and_draws_again_while_its_slots_go_untaken(
+        runs, tmp_path):
+    """Issue 83: each budget woke every idle sampler, and each asked: 1,000 requests a step for
+    128 groups at 1,000 samplers, the largest cost of the trainer's that still grew with the
+    samplers. A budget now says how many slots are open and how many samplers idle, and wakes
+    about DRAWN_PER_OPEN_SLOT per slot. Where those drawn do not take them (busy, behind, gone),
+    the trainer draws again after REDRAW_S, and not while the slots are taken."""
+    cfg = tiny_config(tmp_path, trainer={"groups_per_step": 64, "max_staleness": 0})
+    run, granter, asked = await _granter_at_version_0(runs, "drawn", cfg)
+    asked = asked.model_copy(update={"want": 1})
+    crowd = [Work(run, f"s{i}", 1, "p") for i in range(1000)]
+    assert sum([(await granter.grant(w.sampler_id, asked)).groups for w in crowd]) == 64  # step 1's window
+    for slot in list(granter.ledger.outstanding):  # step 1 trains them
+        granter.ledger.delivered(granter.ledger.outstanding[slot], slot, arrived=time.monotonic())
+        granter.ledger.accepted(slot)
+    await granter.ask(1)
+    budget = await _budget(run)
+    assert (budget.open, budget.idle) == (64, 1000)
+    for work in crowd:
+        work.follow_budget(budget)
+    drawn = [w for w in crowd if w.drawn]
+    assert 80 < len(drawn) < 180  # 128 expected: the rest sleep through this budget
+    at_v1 = asked.model_copy(update={"version": 1})
+    grants = [await granter.grant(w.sampler_id, at_v1) for w in drawn]
+    assert sum(g.groups for g in grants) == 64  # every open slot taken, by a seventh of the crowd
+
+    for slot in list(granter.ledger.outstanding):
+        granter.ledger.delivered(granter.ledger.outstanding[slot], slot, arrived=time.monotonic())
+        granter.ledger.accepted(slot)
+    await granter.ask(2)
+    first = await _budget(run)
+    redraws = asyncio.ensure_future(granter.redraw_forever())
+    try:
+        deadline = time.monotonic() + 30 * REDRAW_S  # the drawn never ask: gone
+        while (await _budget(run)).draw == first.draw:
+            assert time.monotonic() < deadline, "no second draw while every slot stayed open"
+            await asyncio.sleep(0.05)
+        second = await _budget(run)
+        assert second.open == 64 and second.version == 2
+        for work in crowd:
+            work.follow_budget(second)
+        at_v2 = asked.model_copy(update={"version": 2})
+        assert sum([(await granter.grant(w.sampler_id, at_v2)).groups for w in crowd if w.drawn]) == 64
+        taken = (await _budget(run)).draw
+        await asyncio.sleep(3 * REDRAW_S)
+        assert (await _budget(run)).draw == taken  # taken: no draw more
+    finally:
+        redraws.cancel()
 
 
 async def test_a_run_begun_before_schema_14_numbers_its_slots_on_from_the_old_key(runs):

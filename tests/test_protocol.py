@@ -6,6 +6,7 @@ import orjson
 import pytest
 from pydantic import ValidationError
 
+from echo.grants import ask_share
 from echo.wire.codec import (
     ROLLOUT_MAGIC,
     ProtocolError,
@@ -18,6 +19,7 @@ from echo.wire.codec import (
 from echo.wire.messages import (
     Completion,
     Grant,
+    GrantBudget,
     GrantRequest,
     PullRequest,
     RolloutGroup,
@@ -229,6 +231,19 @@ def test_messages_recorded_in_schema_19_decode_under_the_names_of_20():
         decode_rollout(_mutate(policy_version=3, version=None), rollout_headers(group), subject)
     with pytest.raises(ProtocolError, match="bad_schema"):
         decode(SamplerStatus, orjson.dumps(beat | {"schema_version": SCHEMA_VERSION}))
+
+
+def test_a_budget_of_25_reads_as_waking_every_idle_sampler_and_26_bounds_its_counts():
+    """Schema 26: a budget says how many slots were open and samplers idle, and its draw; one of
+    25 (no counts) reads as 0, which wakes every idle sampler, as it did."""
+    old = decode(GrantBudget, orjson.dumps({"schema_version": 25, "version": 3, "allowance": 8, "groups_per_step": 4}))
+    assert (old.open, old.idle, old.draw) == (0, 0, 0) and ask_share(old.open, old.idle) == 1.0
+    new = {"schema_version": SCHEMA_VERSION, "version": 3, "allowance": 8, "groups_per_step": 4, "open": 4,
+           "idle": 1000, "draw": 2}
+    assert decode(GrantBudget, orjson.dumps(new)).idle == 1000
+    for bad in ({"open": -1}, {"idle": 2**63}, {"draw": "1"}, {"again": 1}):
+        with pytest.raises(ProtocolError):
+            decode(GrantBudget, orjson.dumps(new | bad))
 
 
 def test_a_heartbeat_of_24_reads_as_one_rank_never_restarted_and_25_says_why_a_split_one_restarted():

@@ -58,4 +58,7 @@ not read; this is the one list of it):
     their group was lost and started again and why the last time (`ranks_restarted`,
     `rank_lost`); read as 1, 0 and "" before. A grant with work left and no slot says when to ask
     again (`again_s`: the trainer spreads a crowd's asks); read as 0 (the sampler's own pace).
+26: async mode's grant budget says how many slots were open and how many samplers idle when it
+    was published, and its draw (`open`, `idle`, `draw`): among many, only a share of the idle
+    wake to ask; read as 0 (every idle sampler asks) before.
 """

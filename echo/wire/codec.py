@@ -62,7 +62,7 @@ def _json_object(data: bytes) -> dict:
 # next schema renamed, old to new. A message is renamed one schema at a time up to this one.
 _UPGRADES: dict[int, dict[str, str]] = {
     13: {"lease": "slot", "leases": "slots"}, 14: {}, 15: {}, 16: {}, 17: {}, 18: {},
-    19: {"policy_version": "version", "incarnation": "process"}, 20: {}, 21: {}, 22: {}, 23: {}, 24: {},
+    19: {"policy_version": "version", "incarnation": "process"}, 20: {}, 21: {}, 22: {}, 23: {}, 24: {}, 25: {},
 }
 
 

@@ -43,7 +43,7 @@ class Message(BaseModel):
     """A message of the wire, naming the schema it was written in."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    schema_version: Literal[25] = SCHEMA_VERSION
+    schema_version: Literal[26] = SCHEMA_VERSION
 
 
 # The validation context of a decoded message, whose arrays the codec (echo/wire/codec.py) checked
@@ -364,11 +364,18 @@ class TrainerLease(Message):
 
 
 class GrantBudget(Message):
-    """Async mode: samplers running `version` may take slots numbered up to `allowance`."""
+    """Async mode: samplers running `version` may take slots numbered up to `allowance`.
+
+    It wakes the idle samplers to ask for the work; among many, only a share of them, drawn
+    afresh each `draw` (echo/grants.py::drawn_to_ask): `open` slots were left when it was
+    published, for `idle` samplers that asked lately and held none (0: every one asks)."""
 
     version: int = Field(ge=0)
     allowance: int = Field(ge=0)
     groups_per_step: int = Field(ge=1)
+    open: Count = 0
+    idle: Count = 0
+    draw: Count = 0
 
 
 class Sample(BaseModel):

@@ -59,14 +59,14 @@ class Sampler:
 
     async def run_async(self) -> None:
         """Generate only what the trainer grants under its grant budget, so no work arrives
-        stale. With nothing granted, wait until the budget or this sampler's weights change (or
-        the time the trainer said: 5 s, longer among many)."""
+        stale. With nothing granted, wait until this sampler's weights change or a budget draws
+        it (or the time the trainer said: 5 s, longer among many)."""
+        ask, wait_s = True, idle_s(None)
         while True:
             self.work.changed.clear()  # before reading the budget: no update can slip past
             await self.weights.apply_newest()
             await self.heartbeat.first_weights()
-            grant = None
-            if not self.work.standby:
+            if ask and not self.work.standby:
                 asked_at = time.perf_counter()
                 grant = await self.work.ask(self.weights.running)
                 if grant and grant.slots:
@@ -75,10 +75,13 @@ class Sampler:
                 if grant and grant.more:
                     await asyncio.sleep(again_s(grant))  # work is left, just not for this sampler yet
                     continue
-            waits = [asyncio.ensure_future(self.work.changed.wait()), asyncio.ensure_future(self.weights.wait_newer())]
-            _, pending = await asyncio.wait(waits, timeout=idle_s(grant), return_when=asyncio.FIRST_COMPLETED)
+                wait_s = idle_s(grant)
+            changed, newer = asyncio.ensure_future(self.work.changed.wait()), asyncio.ensure_future(self.weights.wait_newer())
+            done, pending = await asyncio.wait([changed, newer], timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
             for task in pending:
                 task.cancel()
+            # Only a budget that did not draw this sampler is waited past: others take its slots.
+            ask = done != {changed} or self.work.drawn
 
     async def run_sequential(self) -> None:
         names = self.run.names
@@ -133,7 +136,7 @@ class Sampler:
                 if self.cfg.run.mode == "sequential":
                     await self.run_sequential()
                 else:
-                    background.start(watch_budget(self.run, self.work.changed))
+                    background.start(watch_budget(self.run, self.work.follow_budget))
                     await self.run_async()
         finally:
             await self.heartbeat.last_beat()

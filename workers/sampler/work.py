@@ -8,7 +8,8 @@ import asyncio
 
 import structlog
 
-from echo.wire.messages import Grant, GrantRequest, PullRequest, Schedule
+from echo.grants import ask_share, drawn_to_ask
+from echo.wire.messages import Grant, GrantBudget, GrantRequest, PullRequest, Schedule
 from echo.wire.names import Version
 from streams.client import Run
 from streams.grants import request_grant
@@ -22,6 +23,7 @@ class Work:
         self.process = process  # this process's random name (Sampler), in every request
         self.standby = False  # the scheduler's choice: keep the weights current, take no work
         self.changed = asyncio.Event()  # async mode: the budget or the standby changed, so an idle sampler asks again
+        self.drawn = True  # async mode: whether the change wakes this sampler to ask (a budget's draw)
         self.pull_request: PullRequest | None = None  # sequential mode: the newest request it has read
         self.unanswered = 0  # requests for work no trainer answered (none serving yet, a broker restarting)
 
@@ -34,9 +36,16 @@ class Work:
         self.unanswered += grant is None
         return grant
 
+    def follow_budget(self, budget: GrantBudget) -> None:
+        """A new budget: this sampler asks for work if it is drawn to (among many idle ones, a
+        share just large enough to take the open slots)."""
+        self.drawn = drawn_to_ask(self.sampler_id, budget.version, budget.draw, ask_share(budget.open, budget.idle))
+        self.changed.set()
+
     def follow_schedule(self, schedule: Schedule) -> None:
         standby = self.sampler_id in schedule.standby
         if standby != self.standby:
             log.info("sampler.standby" if standby else "sampler.active", why=schedule.why)
             self.standby = standby
+            self.drawn = True
             self.changed.set()  # an idle sampler asks for work at once

@@ -19,7 +19,7 @@ import structlog
 
 from echo.checkpoint import TrainerState
 from echo.config import EchoConfig
-from echo.grants import GrantLedger, Heartbeats, allowance, ask_again_s, lost_slots, sampler_cap
+from echo.grants import REDRAW_S, GrantLedger, Heartbeats, allowance, ask_again_s, lost_slots, sampler_cap
 from echo.wire.messages import Grant, GrantBudget, GrantRequest, PullRequest
 from streams.client import BROKER_ERRORS, Run, retry_forever
 from streams.grants import publish_budget, record_slots_granted, serve_grants, slots_granted
@@ -221,7 +221,11 @@ class SequentialGranter(Granter):
 
 class AsyncGranter(Granter):
     """Async mode: the grant budget, so that samplers generate no group that would arrive
-    stale (echo/grants.py). Lost slots are handed out again by raising the allowance."""
+    stale (echo/grants.py). Lost slots are handed out again by raising the allowance. Each
+    budget wakes a draw of the idle samplers, and another draw while open slots go untaken."""
+
+    draw = 0  # the budget's, one more each publish
+    published_at = 0.0
 
     async def start(self) -> None:
         await super().start()
@@ -236,8 +240,24 @@ class AsyncGranter(Granter):
 
     async def publish(self, groups: int) -> None:
         # Samplers watch the budget to ask for work again as soon as there is some.
-        budget = GrantBudget(version=self.version, allowance=self.highest_slot(), groups_per_step=groups)
+        now, highest = time.monotonic(), self.highest_slot()
+        budget = GrantBudget(version=self.version, allowance=highest, groups_per_step=groups, draw=self.draw,
+                             open=max(0, highest - self.ledger.issued), idle=self.ledger.idle(now))
+        self.draw += 1
         await publish_budget(self.run, budget)
+        self.published_at = now
+
+    async def redraw_forever(self) -> None:
+        """While slots stay open and nobody takes one for REDRAW_S (those drawn were busy,
+        behind, or gone), publish the budget again: it draws other idle samplers."""
+        while True:
+            await asyncio.sleep(REDRAW_S)
+            untaken_s = time.monotonic() - max(self.published_at, self.ledger.granted_at)
+            if self.published_at and untaken_s >= REDRAW_S and self.highest_slot() > self.ledger.issued:
+                try:
+                    await self.publish(self.cfg.trainer.groups_per_step)
+                except BROKER_ERRORS as e:  # the broker restarting: the next round tries again
+                    log.warning("grants.redraw_failed", reason=repr(e))
 
     def reissue_lost(self, lost: list[int], accepted: int) -> None:
         """Count what is lost from what is out (echo/grants.py): `accepted`, the groups the

@@ -56,7 +56,7 @@ from workers.trainer.accounting import (
 )
 from workers.trainer.coordinator import Coordinator
 from workers.trainer.evaluation import Evaluator, eval_scalars
-from workers.trainer.granter import Granter, granter_for
+from workers.trainer.granter import AsyncGranter, Granter, granter_for
 from workers.trainer.intake import Collector
 from workers.trainer.judge import Judge, Timeline, Trained
 from workers.trainer.model import Ranks, TrainerModel
@@ -161,6 +161,8 @@ class Trainer:
         background.start(inbox.keep_alive(cfg.trainer.ack_wait_s / 3))
         granter = granter_for(run, lease.epoch, cfg, state, ledger, quarantine)
         background.start(granter.watch_heartbeats())
+        if isinstance(granter, AsyncGranter):
+            background.start(granter.redraw_forever())
         recent = RecentSteps(cfg.trainer.groups_per_step, cfg.staleness_bound, cfg.run.steps, cfg.model.name,
                              run_task(cfg))
         if cfg.scheduler.enabled:  # what it chooses, the grants obey
