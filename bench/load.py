@@ -209,13 +209,15 @@ async def trainer_role(cfg: EchoConfig, seconds_per_token: float, usage_file: Pa
 
 
 def timed(cls, names: tuple[str, ...]) -> dict[str, float]:
-    """Bench only: the seconds each of `cls`'s async methods `names` spends, summed (wrapped in place)."""
-    spent = dict.fromkeys(names, 0.0)
+    """Bench only: the seconds each of `cls`'s async methods `names` spends, summed, and its calls
+    (under "<name>_calls"), wrapped in place."""
+    spent = dict.fromkeys(names, 0.0) | dict.fromkeys((f"{name}_calls" for name in names), 0)
     for name in names:
         method = getattr(cls, name)
 
         async def wrapped(self, *args, _method=method, _name=name, **kwargs):
             began = time.perf_counter()
+            spent[f"{_name}_calls"] += 1
             try:
                 return await _method(self, *args, **kwargs)
             finally:
@@ -454,7 +456,9 @@ def report(metrics: list[dict], syncs: list[float], args, chunk_tokens: int, max
         "trainer_cpu_us_per_token_after_first_step": None if trainer["after_first_step_cpu_s"] is None else round(
             trainer["after_first_step_cpu_s"] / max(1, sum(m["tokens"] + m["untrained_tokens"] + m["dropped_tokens"]
                                                            for m in metrics[1:])) * 1e6, 3),
-        "granter_ms_per_step": {k: round(v / len(metrics) * 1e3, 1) for k, v in trainer.get("granter_s", {}).items()},
+        "granter_ms_per_step": {k: round(v / len(metrics) * 1e3, 1) for k, v in trainer.get("granter_s", {}).items()
+                                if not k.endswith("_calls")},
+        "grant_requests_per_step": round(trainer.get("granter_s", {}).get("grant_calls", 0) / len(metrics), 1),
         "accounting": metrics[-1]["accounting"],  # nothing lost: published = trained + dropped + rejected + pending
         "rejected_by": dict(sum((Counter(m.get("rejected") or {}) for m in metrics), Counter())),
         "counted_twice": sum(m["already_counted"] for m in metrics),

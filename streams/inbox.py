@@ -98,6 +98,9 @@ class RolloutInbox:
         # By subject, in turn order: the one served last goes to the back.
         self.readers: dict[str, Reader] = {}
         self.connection = -1  # the connection the readers were last reset on: none yet
+        # The stream's last sequence when the readers were last listed, while every message they
+        # then held undelivered was fetched (else None): nothing new to pull until it moves.
+        self.drained_at: int | None = None
 
     @classmethod
     async def open(cls, run: Run, ack_wait_s: float = 600.0) -> "RolloutInbox":
@@ -126,7 +129,7 @@ class RolloutInbox:
             for reader in self.readers.values():
                 await reset_reader(self.run, reader.name)
                 reader.waiting.clear()
-            self.connection = self._reconnects()
+            self.connection, self.drained_at = self._reconnects(), None
         except BROKER_ERRORS as e:  # still reconnecting: the next fetch tries again
             log.warning("inbox.reset_failed", reason=repr(e))
 
@@ -153,21 +156,30 @@ class RolloutInbox:
     async def _pull(self) -> bool:
         """One round: every reader with messages undelivered fetches its share of a full fetch,
         all at once; True when any came. A reader with none is not asked (a fetch on one waits
-        out its expiry)."""
+        out its expiry). The readers are listed only when the stream moved on since they were
+        last drained: an idle inbox listing 1,000 samplers' readers ten times a second was the
+        trainer's largest cost that grew with the samplers (issue 83)."""
+        # A reader's subscription may also hold late messages of a fetch that gave up waiting.
+        late = {reader.name: n for reader in self.readers.values() if (n := reader.subscription.pending_msgs)}
         try:
-            await self._bind_readers()
-            undelivered = {info.name: info.num_pending for info in await readers(self.run) if info.num_pending}
+            last_seq = await last_rollout_seq(self.run)
+            undelivered = {}
+            if last_seq != self.drained_at:
+                await self._bind_readers()
+                undelivered = {info.name: info.num_pending for info in await readers(self.run) if info.num_pending}
         except BROKER_ERRORS as e:  # a broker restarting: the next round asks again
             log.warning("inbox.pull_failed", reason=repr(e))
             return False
-        # A reader's subscription may also hold late messages of a fetch that gave up waiting.
-        ready = [(reader, count) for reader in self.readers.values()
-                 if (count := undelivered.get(reader.name, 0) + reader.subscription.pending_msgs)][:FETCH_MAX]
+        counts = [(reader, count) for reader in self.readers.values()
+                  if (count := undelivered.get(reader.name, 0) + late.get(reader.name, 0))]
+        ready = counts[:FETCH_MAX]
         share = FETCH_MAX // max(1, len(ready))
         fetched = await asyncio.gather(*(fetch_rollouts(reader.subscription, min(share, count), PULL_TIMEOUT_S)
                                          for reader, count in ready))
         for (reader, _), msgs in zip(ready, fetched):
             reader.waiting += msgs
+        drained = len(ready) == len(counts) and all(len(msgs) >= count for (_, count), msgs in zip(ready, fetched))
+        self.drained_at = last_seq if drained else None
         return any(fetched)
 
     def _in_turn(self, batch: int) -> list[Msg]:

@@ -426,7 +426,7 @@ async def test_a_budget_wakes_only_a_draw_of_the_idle_crowd_and_draws_again_whil
     assert (budget.open, budget.idle) == (64, 1000)
     for work in crowd:
         work.follow_budget(budget)
-    drawn = [w for w in crowd if w.drawn]
+    drawn = [w for w in crowd if w.drawn == 1]
     assert 80 < len(drawn) < 180  # 128 expected: the rest sleep through this budget
     at_v1 = asked.model_copy(update={"version": 1})
     grants = [await granter.grant(w.sampler_id, at_v1) for w in drawn]

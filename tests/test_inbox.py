@@ -279,3 +279,26 @@ async def test_samplers_are_read_in_turn_so_no_backlog_stands_in_front_of_anothe
     assert await inbox.ack_held() == 0
     counts = await inbox.counts()
     assert (counts.published, counts.pending, counts.ack_floor) == (flood + 2, 0, flood + 2)
+
+
+async def test_an_idle_inbox_lists_its_readers_only_when_the_stream_moves_on(runs):
+    """Issue 83: waiting for groups, the inbox listed every sampler's reader (and the stream's
+    subjects) ten times a second, a scan of 1,000 consumers' states each time at 1,000 samplers.
+    It now asks for the stream's last sequence alone until it moves: an idle round reads a few
+    hundred bytes whatever the number of samplers, and a group published after is still fetched."""
+    run = await runs.open("idle")
+    samplers = 300  # two pages of the server's consumer listing
+    for i in range(samplers):
+        await run.js.publish(run.names.rollouts_subject(f"s{i}"), b"x", headers={HDR_MSG_ID: f"g{i}"})
+    inbox = await RolloutInbox.open(run, ack_wait_s=600.0)
+    got = []
+    async with asyncio.timeout(60):
+        while len(got) < samplers:
+            got += await inbox.fetch(FETCH_MAX, timeout=5.0)
+    sent, read = run.nc.stats["out_msgs"], run.nc.stats["in_bytes"]
+    assert await inbox.fetch(1, timeout=1.0) == []  # about ten idle rounds
+    requests = run.nc.stats["out_msgs"] - sent
+    assert requests >= 2 and (run.nc.stats["in_bytes"] - read) / requests < 2_000  # a listing: ~200 KB
+    await run.js.publish(run.names.rollouts_subject("s7"), b"y", headers={HDR_MSG_ID: "late"})
+    assert [d.sender for d in await inbox.fetch(1, timeout=10.0)] == ["s7"]
+    assert await inbox.ack_held() == 0 and (await inbox.counts()).pending == 0

@@ -61,27 +61,33 @@ class Sampler:
         """Generate only what the trainer grants under its grant budget, so no work arrives
         stale. With nothing granted, wait until this sampler's weights change or a budget draws
         it (or the time the trainer said: 5 s, longer among many)."""
-        ask, wait_s = True, idle_s(None)
+        # Woken by a budget or weights, it asks where the newest budget drew it and it runs that
+        # budget's version (the rest of a crowd takes the slots), or where a new trainer took over;
+        # and always after a call, a wait for work left, or a wait that timed out.
+        anyway, wait_s, asked_epoch = True, idle_s(None), None
         while True:
             self.work.changed.clear()  # before reading the budget: no update can slip past
             await self.weights.apply_newest()
             await self.heartbeat.first_weights()
-            if ask and not self.work.standby:
-                asked_at = time.perf_counter()
-                grant = await self.work.ask(self.weights.running)
+            running, drawn = self.weights.running, self.work.drawn
+            if (anyway or (drawn is not None and running.version >= drawn) or running.epoch != asked_epoch) \
+                    and not self.work.standby:
+                asked_at, asked_epoch = time.perf_counter(), running.epoch
+                grant = await self.work.ask(running)
                 if grant and grant.slots:
                     await self.generation.generate_and_publish(grant, asked_at)
+                    anyway = True
                     continue
                 if grant and grant.more:
                     await asyncio.sleep(again_s(grant))  # work is left, just not for this sampler yet
+                    anyway = True
                     continue
                 wait_s = idle_s(grant)
-            changed, newer = asyncio.ensure_future(self.work.changed.wait()), asyncio.ensure_future(self.weights.wait_newer())
-            done, pending = await asyncio.wait([changed, newer], timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+            waits = [asyncio.ensure_future(self.work.changed.wait()), asyncio.ensure_future(self.weights.wait_newer())]
+            done, pending = await asyncio.wait(waits, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
             for task in pending:
                 task.cancel()
-            # Only a budget that did not draw this sampler is waited past: others take its slots.
-            ask = done != {changed} or self.work.drawn
+            anyway = not done
 
     async def run_sequential(self) -> None:
         names = self.run.names

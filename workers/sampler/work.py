@@ -23,7 +23,9 @@ class Work:
         self.process = process  # this process's random name (Sampler), in every request
         self.standby = False  # the scheduler's choice: keep the weights current, take no work
         self.changed = asyncio.Event()  # async mode: the budget or the standby changed, so an idle sampler asks again
-        self.drawn = True  # async mode: whether the change wakes this sampler to ask (a budget's draw)
+        # Async mode: the version of the newest budget, where it drew this sampler to ask, until it
+        # asks running that version (with older weights it would be granted nothing).
+        self.drawn: int | None = None
         self.pull_request: PullRequest | None = None  # sequential mode: the newest request it has read
         self.unanswered = 0  # requests for work no trainer answered (none serving yet, a broker restarting)
 
@@ -33,13 +35,16 @@ class Work:
         request = GrantRequest(want=self.prompts_per_call, epoch=running.epoch, version=running.version,
                                pull_request_id=pull_request_id, process=self.process)
         grant = await request_grant(self.run, self.sampler_id, request)
+        if self.drawn is not None and running.version >= self.drawn:
+            self.drawn = None
         self.unanswered += grant is None
         return grant
 
     def follow_budget(self, budget: GrantBudget) -> None:
         """A new budget: this sampler asks for work if it is drawn to (among many idle ones, a
         share just large enough to take the open slots)."""
-        self.drawn = drawn_to_ask(self.sampler_id, budget.version, budget.draw, ask_share(budget.open, budget.idle))
+        drawn = drawn_to_ask(self.sampler_id, budget.version, budget.draw, ask_share(budget.open, budget.idle))
+        self.drawn = budget.version if drawn else None
         self.changed.set()
 
     def follow_schedule(self, schedule: Schedule) -> None:
@@ -47,5 +52,5 @@ class Work:
         if standby != self.standby:
             log.info("sampler.standby" if standby else "sampler.active", why=schedule.why)
             self.standby = standby
-            self.drawn = True
+            self.drawn = 0  # whatever it runs
             self.changed.set()  # an idle sampler asks for work at once
