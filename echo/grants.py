@@ -43,12 +43,15 @@ from echo.throughput import CallWindow, Rates
 ACTIVE_S = 30.0  # a sampler that asked for work this recently shares the window
 STALL_CALLS = 4  # a holder that has filled none of its slots for this many of its calls' time is stalled
 SYNC_SAMPLES = 8  # a sampler's observed sync time: the least of its last this many
+# A sampler's pace: the median time from a grant to its group's arrival, over its last this many
+# groups delivered within the last so many seconds (one judged too slow is tried again after).
+PACE_SAMPLES, PACE_KEPT_S = 8, 600.0
 # Asks a second, in all, a trainer takes from samplers told "work is left, not yours yet" and the
 # soonest one asks again; and from those told "none is left", who wait for the next budget and
 # ask regardless only in case they missed it (a thousand asking every 5 s were 200 requests a
 # second, thousands a step at that size).
 ASKS_PER_S, ASK_AGAIN_MIN_S = 200.0, 0.2
-IDLE_ASKS_PER_S, IDLE_ASK_MIN_S = 20.0, 5.0
+IDLE_ASKS_PER_S, IDLE_ASK_MIN_S = 10.0, 5.0
 # Idle samplers a budget wakes per slot open: some of those drawn ask late (a slow uplink, a
 # version behind), and the busy ask anyway as they finish. A budget woke every idle sampler: a
 # thousand asks a step for 128 slots, the trainer's largest cost that grew with the samplers.
@@ -182,6 +185,7 @@ class GrantLedger:
         self._rates: dict[str, CallWindow] = {}  # by sampler: the calls measured here
         self._announced: dict[int, float] = {}  # version -> when the trainer announced it
         self._syncs: dict[str, list[float]] = {}  # by sampler: its last SYNC_SAMPLES sync times
+        self._paces: dict[str, deque[tuple[float, float]]] = {}  # by sampler: (arrival, seconds from its grant)
         self._running: dict[str, int] = {}  # by sampler: the newest version it asked with
         # Released for holding slots unfilled, and no group accepted since: one slot at a time,
         # so a hoarder asking 50 times a second cannot take the released work again at once.
@@ -239,6 +243,21 @@ class GrantLedger:
         for old in [v for v in self._announced if v < version - SYNC_SAMPLES]:
             del self._announced[old]
 
+    def fresh_for_s(self, version: int, max_staleness: int, now: float) -> float | None:
+        """How long from `now` a group generated with `version` may take and still arrive fresh:
+        until the trainer announces version + max_staleness + 1, at the pace of its recent
+        announcements (None before it has one)."""
+        if len(self._announced) < 2:
+            return None
+        (first, first_at), (last, last_at) = min(self._announced.items()), max(self._announced.items())
+        return last_at + (version + max_staleness + 1 - last) * (last_at - first_at) / (last - first) - now
+
+    def pace_s(self, sampler_id: str, now: float) -> float | None:
+        """The median time from a grant to the arrival of `sampler_id`'s group, over its last
+        PACE_SAMPLES delivered within PACE_KEPT_S (None: none)."""
+        times = sorted(s for arrived, s in self._paces.get(sampler_id, ()) if now - arrived <= PACE_KEPT_S)
+        return times[len(times) // 2] if times else None
+
     def synced(self, sampler_id: str) -> float | None:
         """The sync time the trainer observed of `sampler_id`, or None before the first."""
         samples = self._syncs.get(sampler_id)
@@ -247,7 +266,9 @@ class GrantLedger:
     def grant(self, sampler_id: str, want: int, headroom: int, window: int, now: float,
               version: int | None = None) -> tuple[list[int], bool]:
         """Grant `sampler_id`, which runs `version`, up to `want` slots of the `headroom` left,
-        within its share. Returns (the slots' numbers, whether headroom is left after them)."""
+        within its share. Returns (the slots' numbers, whether headroom is left after them that
+        it may take: not while it holds its share, which it holds until its groups are read,
+        often the next step; one at its share told "ask again soon" asked every few seconds)."""
         self.asked_at[sampler_id] = now
         self._asking.pop(sampler_id, None)
         self._asking[sampler_id] = now
@@ -275,7 +296,7 @@ class GrantLedger:
             self.progress_at[sampler_id] = now
         if slots:
             self.granted_at = now
-        return slots, headroom > groups
+        return slots, headroom > groups and held + groups < share
 
     def _observe_sync(self, sampler_id: str, version: int, now: float) -> None:
         # Only a move to a newer version by a sampler already running: one that joins late did
@@ -301,6 +322,8 @@ class GrantLedger:
         self._end(slot)
         call = self._calls[slot]
         call.last_at = max(call.last_at, arrived, call.granted_at)  # clocks apart by a little
+        paces = self._paces.setdefault(sampler_id, deque(maxlen=PACE_SAMPLES))
+        paces.append((call.last_at, call.last_at - call.granted_at))
         return self.prompts[slot]
 
     def asked_with(self, slot: int) -> int | None:

@@ -14,6 +14,7 @@ from echo.grants import (
     ASKS_PER_S,
     IDLE_ASK_MIN_S,
     IDLE_ASKS_PER_S,
+    PACE_KEPT_S,
     REDRAW_S,
     DeliveryBound,
     GrantLedger,
@@ -131,12 +132,15 @@ def test_lost_slots_are_what_was_issued_and_is_neither_out_nor_trained():
 
 def test_each_sampler_asking_holds_at_most_an_equal_share_of_the_window():
     ledger = GrantLedger(issued=10, active_s=10)  # a restarted trainer numbers on from 10
-    assert ledger.grant("a", want=8, headroom=100, window=8, now=0) == (list(range(11, 19)), True)  # alone: all
-    assert ledger.grant("b", want=8, headroom=92, window=8, now=1) == ([19, 20, 21, 22], True)  # two ask: 4 each
-    assert ledger.grant("a", want=8, headroom=88, window=8, now=2) == ([], True)  # a holds 8 already
+    # At its share, a sampler is told none is left for it (not "ask again soon"): it holds the
+    # share until its groups are read, often the next step.
+    assert ledger.grant("a", want=8, headroom=100, window=8, now=0) == (list(range(11, 19)), False)  # alone: all
+    assert ledger.grant("b", want=8, headroom=92, window=8, now=1) == ([19, 20, 21, 22], False)  # two ask: 4 each
+    assert ledger.grant("a", want=8, headroom=88, window=8, now=2) == ([], False)  # a holds 8 already
     for slot in range(11, 17):
         assert ledger.delivered("a", slot, arrived=3)
-    assert ledger.grant("a", want=8, headroom=88, window=8, now=3) == ([23, 24], True)
+    assert ledger.grant("a", want=1, headroom=88, window=8, now=3) == ([23], True)  # its share is 4
+    assert ledger.grant("a", want=8, headroom=87, window=8, now=3) == ([24], False)
     assert ledger.grant("c", want=8, headroom=3, window=8, now=4) == ([25], True)  # scarce headroom: a third of it
     # a and b stop asking (dead, or a hoarder gone quiet): after active_s the window is c's again.
     assert len(ledger.grant("c", want=8, headroom=50, window=8, now=30)[0]) == 7
@@ -448,7 +452,7 @@ async def test_a_budget_wakes_only_a_draw_of_the_idle_crowd_and_draws_again_whil
         for work in crowd:
             work.follow_budget(second)
         at_v2 = asked.model_copy(update={"version": 2})
-        assert sum([(await granter.grant(w.sampler_id, at_v2)).groups for w in crowd if w.drawn]) == 64
+        assert sum([(await granter.grant(w.sampler_id, at_v2)).groups for w in crowd if w.drawn == 2]) == 64
         taken = (await _budget(run)).draw
         await asyncio.sleep(3 * REDRAW_S)
         assert (await _budget(run)).draw == taken  # taken: no draw more
@@ -488,8 +492,9 @@ async def test_grants_never_pass_the_cap_however_many_samplers_race(runs, tmp_pa
         assert granter.ledger.delivered("a", slot, arrived=time.monotonic())
         granter.ledger.accepted(slot)
     await granter.ask(3)
-    # the holder has its share of the window (1 of 8 among 14 asking): ask again later
-    assert (await _ask(sampler, holder, lease.epoch, 3, want=8)).model_dump() == ASK_AGAIN
+    # the holder has its share of the window (1 of 8 among 14 asking): none for it until it delivers
+    assert (await _ask(sampler, holder, lease.epoch, 3, want=8)).model_dump() == ASK_AGAIN | {
+        "more": False, "again_s": IDLE_ASK_MIN_S}
     assert (await _ask(sampler, "late", lease.epoch, 3, want=8)).groups == 1  # 15 asking: a share of 1 of 8
 
     # A restarted trainer numbers its grants on from the count in KV.
@@ -577,6 +582,36 @@ async def test_a_grant_that_fails_in_our_code_is_still_answered(runs):
     reply = await run.nc.request(run.names.grants_subject("a"), encode(GrantRequest(want=1, epoch=1, version=0)),
                                  timeout=GRANT_TIMEOUT_S)
     assert decode(Grant, reply.data).groups == 0
+
+
+def test_a_sampler_whose_groups_would_arrive_stale_gets_no_work_while_others_take_it(tmp_path):
+    """Issue 83: with speeds spread 10x, the slowest samplers' groups arrived stale, a tenth of
+    the tokens generated wasted. The trainer now measures each sampler's pace (grant to arrival)
+    and grants none to one whose groups would arrive after the trainer moved past their version
+    (at its own pace of versions), while other samplers take the work. Never where none does
+    (a fleet all slower than the trainer still gets it), nor with partial rollouts."""
+    cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "max_staleness": 1})
+    granter = AsyncGranter(None, 0, cfg, TrainerState(version=2), GrantLedger())
+    ledger, t0 = granter.ledger, time.monotonic() - 21.0
+    for version in range(3):  # a version every 10 s: version 2 at t0 + 20
+        ledger.announced(version, t0 + 10.0 * version)
+    for sampler_id, took in (("fast", 4.0), ("slow", 30.0)):  # its group came this long after its grant
+        (slot,), _ = ledger.grant(sampler_id, 1, 8, 8, now=t0, version=0)
+        assert ledger.delivered(sampler_id, slot, arrived=t0 + took) is not None
+        ledger.accepted(slot)
+    now = time.monotonic()
+    assert ledger.pace_s("slow", now) == 30.0 and ledger.pace_s("fast", now) == 4.0
+    # Version 2's groups are fresh until version 4 is announced: t0 + 40, 19 s from now.
+    assert abs(ledger.fresh_for_s(2, 1, now) - (t0 + 40.0 - now)) < 1e-9
+    at_v2 = GrantRequest(want=1, epoch=0, version=2)
+    ledger.grant("other", 1, 8, 8, now=time.monotonic(), version=2)  # others take the work
+    assert granter.too_slow("slow", 2, time.monotonic()) and granter.grant_work("slow", at_v2) == ([], False)
+    assert not granter.too_slow("fast", 2, time.monotonic()) and granter.grant_work("fast", at_v2)[0]
+    later = time.monotonic() + REDRAW_S  # nobody took a slot for REDRAW_S: the slow one gets it
+    assert not granter.too_slow("slow", 2, later)
+    assert ledger.pace_s("slow", t0 + 30.0 + PACE_KEPT_S + 1) is None  # forgotten: it is tried again
+    chunked = AsyncGranter(None, 0, tiny_config(tmp_path, sampling={"chunk_tokens": 8}), TrainerState(), ledger)
+    assert not chunked.too_slow("slow", 2, time.monotonic())
 
 
 def test_the_trainer_measures_each_grant_by_the_groups_it_accepted():

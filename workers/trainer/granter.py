@@ -275,11 +275,23 @@ class AsyncGranter(Granter):
         return cap - self.ledger.issued
 
     def grant_work(self, sampler_id: str, request: GrantRequest) -> tuple[list[int], bool]:
-        headroom = self.headroom(request)
-        if headroom is None:
+        headroom, now = self.headroom(request), time.monotonic()
+        if headroom is None or self.too_slow(sampler_id, request.version, now):
             return [], False
         window = (self.cfg.trainer.max_staleness + 1) * self.cfg.trainer.groups_per_step  # in flight at once
-        return self.ledger.grant(sampler_id, request.want, headroom, window, time.monotonic(), request.version)
+        return self.ledger.grant(sampler_id, request.want, headroom, window, now, request.version)
+
+    def too_slow(self, sampler_id: str, version: int, now: float) -> bool:
+        """Whether `sampler_id`'s groups, at its measured pace, would arrive stale while others
+        take the work (a slot granted within REDRAW_S): generating them would be wasted (a tenth
+        of the tokens, with speeds spread 10x: docs/performance.md). A fleet all slower than the
+        trainer's pace is still given it, and so are partial rollouts, where a long completion
+        takes newer weights between its chunks."""
+        if self.cfg.sampling.chunk_tokens or now - self.ledger.granted_at >= REDRAW_S:
+            return False
+        pace = self.ledger.pace_s(sampler_id, now)
+        fresh_for = self.ledger.fresh_for_s(version, self.cfg.trainer.max_staleness, now)
+        return pace is not None and fresh_for is not None and pace > fresh_for
 
 
 def granter_for(run: Run, epoch: int, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
