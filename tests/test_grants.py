@@ -612,6 +612,14 @@ def test_a_sampler_whose_groups_would_arrive_stale_gets_no_work_while_others_tak
     assert ledger.pace_s("slow", t0 + 30.0 + PACE_KEPT_S + 1) is None  # forgotten: it is tried again
     chunked = AsyncGranter(None, 0, tiny_config(tmp_path, sampling={"chunk_tokens": 8}), TrainerState(), ledger)
     assert not chunked.too_slow("slow", 2, time.monotonic())
+    # Its pace is what three in four of its last 8 groups kept to: the long ones arrive stale.
+    paces = []
+    for took in [4.0] * 6 + [30.0] * 3:
+        (slot,), _ = ledger.grant("mixed", 1, 8, 8, now=t0, version=0)
+        ledger.delivered("mixed", slot, arrived=t0 + took)
+        ledger.accepted(slot)
+        paces.append(ledger.pace_s("mixed", t0 + 31.0))
+    assert paces[-2:] == [4.0, 30.0]  # 2 long ones of its last 8, then 3
 
 
 def test_the_trainer_measures_each_grant_by_the_groups_it_accepted():

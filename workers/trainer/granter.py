@@ -241,8 +241,11 @@ class AsyncGranter(Granter):
     async def publish(self, groups: int) -> None:
         # Samplers watch the budget to ask for work again as soon as there is some.
         now, highest = time.monotonic(), self.highest_slot()
+        # Idle: every sampler known and not gone that holds no slot, not only those that asked
+        # lately (drawn less, they ask less: counting only them made every sampler drawn).
+        idle = max(0, len(self.fleet - self.gone) - len(self.ledger.holders()))
         budget = GrantBudget(version=self.version, allowance=highest, groups_per_step=groups, draw=self.draw,
-                             open=max(0, highest - self.ledger.issued), idle=self.ledger.idle(now))
+                             open=max(0, highest - self.ledger.issued), idle=idle)
         self.draw += 1
         await publish_budget(self.run, budget)
         self.published_at = now
