@@ -460,6 +460,24 @@ async def test_a_budget_wakes_only_a_draw_of_the_idle_crowd_and_draws_again_whil
         redraws.cancel()
 
 
+async def test_waiting_for_groups_reads_the_holders_heartbeats_once_a_heartbeat_not_once_a_wait(runs, tmp_path):
+    """Issue 83: each wait for groups (a second apart) read every holder's heartbeat, 256 holders
+    at 1,000 samplers: most of the trainer's broker requests. A reading younger than a heartbeat
+    is used as it is."""
+    cfg = tiny_config(tmp_path, trainer={"groups_per_step": 20, "max_staleness": 0, "sampler_dead_after_s": 60.0},
+                      sampler={"heartbeat_s": 30.0, "entry_ttl_s": 90})  # younger than a heartbeat however slow the box
+    run, granter, asked = await _granter_at_version_0(runs, "waits", cfg)
+    one = asked.model_copy(update={"want": 1})
+    assert sum([(await granter.grant(f"s{i}", one)).groups for i in range(20)]) == 20  # 20 holders
+    sent = run.nc.stats["out_msgs"]
+    for _ in range(5):
+        await granter.on_wait(20)
+    assert run.nc.stats["out_msgs"] - sent == 20  # one reading: a request a holder
+    granter.heartbeats_read_at -= granter.heartbeats_every_s  # a heartbeat later: read again
+    await granter.on_wait(20)
+    assert run.nc.stats["out_msgs"] - sent == 40
+
+
 async def test_a_run_begun_before_schema_14_numbers_its_slots_on_from_the_old_key(runs):
     run = await runs.open("renamed", "trainer")
     assert await slots_granted(run) == 0

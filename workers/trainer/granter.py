@@ -48,6 +48,7 @@ class Granter:
         self.gone: set[str] = set()  # of them, those found stopped or silent, until they ask again
         self.heartbeats = Heartbeats()
         self.standby: set[str] = set()  # the scheduler's (workers/trainer/coordinator.py): granted no work
+        self.heartbeats_read, self.heartbeats_read_at = False, 0.0  # the last reading whole, and when
 
     async def start(self) -> None:
         # A restarted trainer numbers on; its predecessor's last slots (a few windows of groups in
@@ -66,14 +67,18 @@ class Granter:
         """Read the holders' heartbeats while the trainer runs, whatever its step is doing: a
         stopping sampler's last one (`draining`) lives only `sampler.entry_ttl_s`, which a step
         busy training or scoring may outlast; read here, it is remembered until its slots go."""
-        every = min(self.cfg.sampler.heartbeat_s, self.cfg.sampler.entry_ttl_s / 2)
         while True:
             await self.read_heartbeats()
-            await asyncio.sleep(every)
+            await asyncio.sleep(self.heartbeats_every_s)
+
+    @property
+    def heartbeats_every_s(self) -> float:
+        return min(self.cfg.sampler.heartbeat_s, self.cfg.sampler.entry_ttl_s / 2)
 
     async def read_heartbeats(self) -> bool:
         """Observe each holder's heartbeat; False when the broker could not be read (the next
         reading tries again)."""
+        self.heartbeats_read = False
         for sampler_id in sorted(self.ledger.holders()):
             try:
                 revision, status = await read_heartbeat(self.run, sampler_id)
@@ -83,6 +88,7 @@ class Granter:
             process, stopping = (status.process, status.state == "draining") if status else ("", False)
             if self.heartbeats.observe(sampler_id, revision, time.monotonic(), process, stopping):
                 self.release_gone(sampler_id, restarted=True)
+        self.heartbeats_read, self.heartbeats_read_at = True, time.monotonic()
         return True
 
     def release_gone(self, sampler_id: str, **why) -> None:
@@ -110,8 +116,12 @@ class Granter:
 
     async def on_wait(self, missing: int) -> None:
         """Waiting for groups: release the slots of stopped, dead or stalled holders, then hand
-        out again whatever was lost."""
-        if not await self.read_heartbeats():
+        out again whatever was lost. The holders' heartbeats are read again only where the last
+        reading is older than a heartbeat (watch_heartbeats reads them that often): read at every
+        wait, a second apart, 256 holders' were most of the trainer's broker requests at 1,000
+        samplers. None is judged while the broker cannot be read."""
+        fresh = self.heartbeats_read and time.monotonic() - self.heartbeats_read_at < self.heartbeats_every_s
+        if not fresh and not await self.read_heartbeats():
             return
         now = time.monotonic()
         for sampler_id in sorted(self.ledger.holders()):
