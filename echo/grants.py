@@ -77,8 +77,8 @@ def ask_share(open_slots: int, idle: int) -> float:
 
 def drawn_to_ask(sampler_id: str, version: int, draw: int, share: float) -> bool:
     """Whether a budget's draw wakes `sampler_id`: a hash, so each draw wakes a different share
-    of the idle samplers and every one is drawn as often (random.random() would do as well; a
-    sampler that ignores its draw costs the trainer only its own asks)."""
+    of the idle samplers and every one is drawn as often. The draw is advice: a sampler that
+    ignores it and asks anyway is granted no more than its share, as any asker is."""
     digest = hashlib.sha256(f"{sampler_id}/{version}/{draw}".encode()).digest()
     return int.from_bytes(digest[:8], "little") < share * 2**64
 

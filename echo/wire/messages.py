@@ -368,7 +368,8 @@ class GrantBudget(Message):
 
     It wakes the idle samplers to ask for the work; among many, only a share of them, drawn
     afresh each `draw` (echo/grants.py::drawn_to_ask): `open` slots were left when it was
-    published, for `idle` samplers that asked lately and held none (0: every one asks)."""
+    published, for `idle` samplers (known to the trainer, not gone, holding none; 0: every one
+    asks)."""
 
     version: int = Field(ge=0)
     allowance: int = Field(ge=0)
