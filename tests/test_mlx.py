@@ -281,8 +281,11 @@ def test_one_model_over_two_ranks_draws_what_it_draws_whole_and_a_hung_or_lost_r
     pipeline giving each rank half the layers. Versions and calls go from rank 0 to rank 1; the
     split model's keyed draws and log-probs are the whole model's, a version swapped in between
     chunks included. Rank 1 stopped (SIGSTOP: hung, not gone) during a call: noticed once rank 0
-    has waited sampler.rank_timeout_s, not before; then killed: the call fails, and the watch
-    names the exit."""
+    has waited sampler.rank_timeout_s, not before; then killed: the watch names the exit. The
+    blocked call itself fails ("connection to a peer was lost") or stays blocked: mlx's ring
+    promises neither (CI, 2026-12-06: still blocked 60 s after the ring said "Failing pending
+    tasks"), and the sampler waits for neither: its watch starts it again as a new process
+    (RankWatch.start_again)."""
     timeout_s = 3.0
     cfg = tiny_config(tmp_path, lora={"r": LORA.r, "alpha": LORA.alpha},
                       sampling={**SAMPLING.model_dump(), "chunk_tokens": 8},
@@ -339,9 +342,10 @@ def test_one_model_over_two_ranks_draws_what_it_draws_whole_and_a_hung_or_lost_r
     (why, at), = lost
     assert "no answer from the other ranks" in why and at - started >= timeout_s
     rank1.kill()
-    caller.join(timeout=60)
-    assert failed and "peer" in failed[0]
+    rank1.wait(timeout=60)
     assert watch.trouble(time.monotonic()) == "rank 1 exited with code -9"
+    caller.join(timeout=10)
+    assert not failed or "peer" in failed[0]  # if it failed, for the lost peer
 
 
 def test_the_layers_are_split_in_proportion_to_each_ranks_memory():
