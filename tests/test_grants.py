@@ -34,7 +34,7 @@ from streams.lease import take_lease
 from streams.registry import put_status
 from streams.watch import read_value
 from tests.conftest import tiny_config
-from workers.sampler.modes import IDLE_WAIT_MAX_S, IDLE_WAIT_S, idle_s
+from workers.sampler.modes import IDLE_WAIT_MAX_S, idle_s
 from workers.sampler.work import Work
 from workers.trainer.coordinator import delivered_paces
 from workers.trainer.granter import AsyncGranter, SequentialGranter
@@ -390,7 +390,7 @@ async def test_once_the_work_is_given_out_a_crowd_asking_costs_the_trainer_no_br
     assert run.nc.stats["out_msgs"] == sent  # (one with work to take is read: test_fifth_pass.py)
     assert [(g.groups, g.more) for g in idle] == [(0, False)] * 1000
     assert idle[-1].again_s == 1004 / IDLE_ASKS_PER_S and idle_s(idle[-1]) == idle[-1].again_s
-    assert idle_s(Grant(again_s=1e9)) == IDLE_WAIT_MAX_S and idle_s(None) == idle_s(Grant()) == IDLE_WAIT_S
+    assert idle_s(Grant(again_s=1e9)) == IDLE_WAIT_MAX_S and idle_s(None) == idle_s(Grant()) == IDLE_ASK_MIN_S
 
 
 def test_a_budget_draws_about_two_idle_samplers_a_slot_open_and_each_draw_others():

@@ -20,6 +20,7 @@ from echo.config import EchoConfig
 from echo.devices import dtype_name
 from echo.engines import make_engine
 from echo.engines.base import Engine
+from echo.grants import ASK_AGAIN_MIN_S, IDLE_ASK_MIN_S
 from echo.learner import set_threads
 from echo.tasks import Task, load_task
 from echo.wire.messages import Grant, PullRequest
@@ -38,11 +39,11 @@ from workers.sampler.work import Work
 
 log = structlog.get_logger()
 
-ASK_AGAIN_S = 0.2  # a grant's more with no again_s (a trainer before schema 25)
-ASK_AGAIN_MAX_S = 30.0  # the longest a grant's again_s is heeded
-# Granted nothing and none left: how long to wait for a new budget or weights before asking
-# anyway (in case a change was missed), at the least and, whatever the grant says, the most.
-IDLE_WAIT_S, IDLE_WAIT_MAX_S = 5.0, 120.0
+# The least waits are the trainer's own (echo/grants.py: ASK_AGAIN_MIN_S for a grant's more
+# with no again_s, a trainer before schema 25; IDLE_ASK_MIN_S granted nothing and none left,
+# waiting for a new budget or weights before asking anyway); these are the longest heeded,
+# whatever a grant says.
+ASK_AGAIN_MAX_S, IDLE_WAIT_MAX_S = 30.0, 120.0
 NO_ANSWER_WAIT_S = 1.0  # no trainer answered a request for work (none yet, or a broker restarting)
 
 
@@ -111,7 +112,7 @@ class Sampler:
         """One round of asking for `request`'s groups and generating what is granted; False once
         they are all given out."""
         if self.work.standby:
-            await asyncio.sleep(ASK_AGAIN_S)
+            await asyncio.sleep(ASK_AGAIN_MIN_S)
             return True
         asked_at = time.perf_counter()
         grant = await self.work.ask(self.weights.running, request.request_id)
@@ -154,14 +155,14 @@ class Sampler:
 def again_s(grant: Grant) -> float:
     """How long to wait before asking again where work is left but none was granted: as the
     trainer says (it spreads a crowd's asks), within ASK_AGAIN_MAX_S."""
-    return min(grant.again_s or ASK_AGAIN_S, ASK_AGAIN_MAX_S)
+    return min(grant.again_s or ASK_AGAIN_MIN_S, ASK_AGAIN_MAX_S)
 
 
 def idle_s(grant: Grant | None) -> float:
     """How long to wait for a new budget or weights, granted nothing with none left (or on
     standby, or unanswered), before asking anyway: as the trainer says (longer among many
-    samplers), within IDLE_WAIT_S and IDLE_WAIT_MAX_S."""
-    return min(max(grant.again_s if grant else 0.0, IDLE_WAIT_S), IDLE_WAIT_MAX_S)
+    samplers), within IDLE_ASK_MIN_S and IDLE_WAIT_MAX_S."""
+    return min(max(grant.again_s if grant else 0.0, IDLE_ASK_MIN_S), IDLE_WAIT_MAX_S)
 
 
 async def run_sampler(cfg: EchoConfig, sampler_id: str) -> None:
