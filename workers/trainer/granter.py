@@ -48,7 +48,7 @@ class Granter:
         self.gone: set[str] = set()  # of them, those found stopped or silent, until they ask again
         self.heartbeats = Heartbeats()
         self.standby: set[str] = set()  # the scheduler's (workers/trainer/coordinator.py): granted no work
-        self.heartbeats_read, self.heartbeats_read_at = False, 0.0  # the last reading whole, and when
+        self.heartbeats_read_at: float | None = None  # when the last reading of them ended whole (None: it failed)
 
     async def start(self) -> None:
         # A restarted trainer numbers on; its predecessor's last slots (a few windows of groups in
@@ -78,17 +78,17 @@ class Granter:
     async def read_heartbeats(self) -> bool:
         """Observe each holder's heartbeat; False when the broker could not be read (the next
         reading tries again)."""
-        self.heartbeats_read = False
         for sampler_id in sorted(self.ledger.holders()):
             try:
                 revision, status = await read_heartbeat(self.run, sampler_id)
             except BROKER_ERRORS as e:  # the broker restarting
                 log.warning("grants.heartbeat_unread", sampler=sampler_id, reason=repr(e))
+                self.heartbeats_read_at = None
                 return False
             process, stopping = (status.process, status.state == "draining") if status else ("", False)
             if self.heartbeats.observe(sampler_id, revision, time.monotonic(), process, stopping):
                 self.release_gone(sampler_id, restarted=True)
-        self.heartbeats_read, self.heartbeats_read_at = True, time.monotonic()
+        self.heartbeats_read_at = time.monotonic()
         return True
 
     def release_gone(self, sampler_id: str, **why) -> None:
@@ -120,7 +120,8 @@ class Granter:
         reading is older than a heartbeat (watch_heartbeats reads them that often): read at every
         wait, a second apart, 256 holders' were most of the trainer's broker requests at 1,000
         samplers. None is judged while the broker cannot be read."""
-        fresh = self.heartbeats_read and time.monotonic() - self.heartbeats_read_at < self.heartbeats_every_s
+        read_at = self.heartbeats_read_at
+        fresh = read_at is not None and time.monotonic() - read_at < self.heartbeats_every_s
         if not fresh and not await self.read_heartbeats():
             return
         now = time.monotonic()
