@@ -425,6 +425,12 @@ def speeds(args) -> list[float]:
             for i in range(args.samplers)]
 
 
+def wasted_share(metrics: list[dict]) -> float:
+    """Of the tokens the steps read, those not trained: dropped as stale, or older than the bound."""
+    wasted = sum(m["dropped_tokens"] + m["untrained_tokens"] for m in metrics)
+    return round(wasted / max(1, wasted + sum(m["tokens"] for m in metrics)), 4)
+
+
 def report(metrics: list[dict], syncs: list[float], args, chunk_tokens: int, max_staleness: int, trainer: dict,
            broker_peak: int, seconds: float) -> dict:
     later = metrics[1:] or metrics  # the first step waits for every sampler's first call
@@ -444,8 +450,17 @@ def report(metrics: list[dict], syncs: list[float], args, chunk_tokens: int, max
         # the step's time after its groups are in, apart from the learner: publishing the
         # version, acks, accounting (fetching and refereeing are in the wait, shared with generation)
         "overhead_share_of_learner": round(overhead / learner, 4) if learner else None,
+        "overhead_share_by_phase": {phase: round(sum(m["phase_seconds"][phase] for m in later) / learner, 4)
+                                    for phase in ("checkpoint", "publish", "account")} if learner else None,
+        # after the first (the fleet joining): what a step takes, and the longest
+        "step_s_median": round(float(np.median([m["step_seconds"] for m in later])), 2),
+        "step_s_max": round(max(m["step_seconds"] for m in later), 2),
         "wait_share_of_step": round(sum(m["wait_seconds"] for m in later) / sum(m["step_seconds"] for m in later), 3),
-        "wasted_token_share": round((dropped + untrained) / max(1, dropped + untrained + trained), 4),
+        "wasted_token_share": wasted_share(metrics),
+        # The run's second half: a sampler's first groups are granted before its pace is known,
+        # and the slowest arrive stale (the joining's waste, once a run and a newcomer).
+        "wasted_token_share_second_half": wasted_share(metrics[len(metrics) // 2:]),
+        "wasted_token_share_by_step": [wasted_share([m]) for m in metrics],
         "dropped_stale_groups": sum(m["dropped_stale"] for m in metrics),
         # The trainer process's own CPU (its learner here sleeps): its broker work, comparable
         # across machines where the shares above depend on what else the cores run.

@@ -43,10 +43,21 @@ from echo.throughput import CallWindow, Rates
 ACTIVE_S = 30.0  # a sampler that asked for work this recently shares the window
 STALL_CALLS = 4  # a holder that has filled none of its slots for this many of its calls' time is stalled
 SYNC_SAMPLES = 8  # a sampler's observed sync time: the least of its last this many
-# A sampler's pace: the time from a grant to its group's arrival that three in four of its last
-# this many groups kept to, delivered within the last so many seconds (one judged too slow is
-# tried again after). Not the median: the long completions are the ones that arrive stale.
-PACE_SAMPLES, PACE_KEPT_S, PACE_QUANTILE = 8, 600.0, 0.75
+# A sampler's pace: its seconds a token over its last this many calls delivered within the last
+# so many seconds (one judged too slow is tried again after), each from the grant to its last
+# group's arrival, over its longest completion: a call's groups decode together, in the time of
+# its longest. Waits and latency count as tokens' time: it errs slow.
+PACE_SAMPLES, PACE_KEPT_S = 8, 600.0
+# A long group: this quantile of the longest completions of the fleet's last so many groups (any
+# sampler's, stale ones included). Not a typical one: the long completions are the ones that
+# arrive stale, and they hold most of the tokens (a sampler's usual time fitted where its long
+# groups went stale: a tenth of the tokens at 256 samplers, docs/performance.md).
+LONG_SAMPLES, LONG_QUANTILE = 256, 0.95
+# A version's deadline is judged at this share of the lower quartile of the trainer's recent
+# steps' times, erring short: the steps shorten as work moves to the faster samplers. At 256
+# samplers the quartile alone let 5% of the tokens go stale in a run's second half; with this
+# share, 0.1% (docs/performance.md).
+STEP_SHARE = 0.8
 # Asks a second, in all, a trainer takes from samplers told "work is left, not yours yet" and the
 # soonest one asks again; and from those told "none is left", who wait for the next budget and
 # ask regardless only in case they missed it (a thousand asking every 5 s were 200 requests a
@@ -138,6 +149,7 @@ class _Call:
     accepted: int = 0
     last_at: float = 0.0  # its latest group's arrival
     version: int | None = None  # the version its sampler said it ran when it asked
+    longest: int = 0  # tokens in the longest completion of its groups delivered
 
 
 class GrantLedger:
@@ -186,7 +198,8 @@ class GrantLedger:
         self._rates: dict[str, CallWindow] = {}  # by sampler: the calls measured here
         self._announced: dict[int, float] = {}  # version -> when the trainer announced it
         self._syncs: dict[str, list[float]] = {}  # by sampler: its last SYNC_SAMPLES sync times
-        self._paces: dict[str, deque[tuple[float, float]]] = {}  # by sampler: (arrival, seconds from its grant)
+        self._paces: dict[str, deque[_Call]] = {}  # by sampler: its last calls delivered
+        self._lengths: deque[int] = deque(maxlen=LONG_SAMPLES)  # the longest completion of each group delivered
         self._running: dict[str, int] = {}  # by sampler: the newest version it asked with
         # Released for holding slots unfilled, and no group accepted since: one slot at a time,
         # so a hoarder asking 50 times a second cannot take the released work again at once.
@@ -241,18 +254,31 @@ class GrantLedger:
 
     def fresh_for_s(self, version: int, max_staleness: int, now: float) -> float | None:
         """How long from `now` a group generated with `version` may take and still arrive fresh:
-        until the trainer announces version + max_staleness + 1, at the pace of its recent
-        announcements (None before it has one)."""
+        until the trainer announces version + max_staleness + 1, a step taking STEP_SHARE of the
+        lower quartile of the intervals between its recent announcements (None before it has
+        two). Not their mean: the first step, waiting for the fleet, took four of the later ones.
+        At least the steps still to come after the one under way: a step running long moves the
+        deadline too (without that floor every sampler was refused, one grant a REDRAW_S, and a
+        step took 90 s)."""
         if len(self._announced) < 2:
             return None
-        (first, first_at), (last, last_at) = min(self._announced.items()), max(self._announced.items())
-        return last_at + (version + max_staleness + 1 - last) * (last_at - first_at) / (last - first) - now
+        announced = sorted(self._announced.items())
+        intervals = sorted((at - before_at) / (v - before)
+                           for (before, before_at), (v, at) in zip(announced, announced[1:]))
+        (last, last_at), interval = announced[-1], STEP_SHARE * intervals[len(intervals) // 4]
+        ahead = version + max_staleness + 1 - last  # announcements until its groups are stale
+        return max(last_at + ahead * interval - now, (ahead - 1) * interval)
 
-    def pace_s(self, sampler_id: str, now: float) -> float | None:
-        """The time from a grant to the arrival of `sampler_id`'s group that PACE_QUANTILE of its
-        last PACE_SAMPLES delivered within PACE_KEPT_S kept to (None: none)."""
-        times = sorted(s for arrived, s in self._paces.get(sampler_id, ()) if now - arrived <= PACE_KEPT_S)
-        return times[math.ceil(PACE_QUANTILE * len(times)) - 1] if times else None
+    def long_group_s(self, sampler_id: str, now: float) -> float | None:
+        """How long `sampler_id` would take from a grant to the arrival of a long group (PACE_*,
+        LONG_*); None: it delivered none lately."""
+        kept = [call for call in self._paces.get(sampler_id, ()) if now - call.last_at <= PACE_KEPT_S]
+        if not kept:
+            return None
+        lengths = sorted(self._lengths)
+        long_tokens = lengths[math.ceil(LONG_QUANTILE * len(lengths)) - 1]
+        seconds = sum(call.last_at - call.granted_at for call in kept)
+        return seconds / max(1, sum(call.longest for call in kept)) * long_tokens
 
     def synced(self, sampler_id: str) -> float | None:
         """The sync time the trainer observed of `sampler_id`, or None before the first."""
@@ -305,10 +331,11 @@ class GrantLedger:
         if running is None or version > running:
             self._running[sampler_id] = version
 
-    def delivered(self, sampler_id: str, slot: int, arrived: float) -> int | None:
+    def delivered(self, sampler_id: str, slot: int, arrived: float, tokens: int = 1) -> int | None:
         """A group naming `slot` arrived from `sampler_id` (stored by the broker at `arrived`, not
-        when the trainer, busy with a step, got to it): the prompt index the slot was granted
-        with, if it was one of its slots (which it ends), else None. Its earlier slots still out
+        when the trainer, busy with a step, got to it; `tokens` in its longest completion): the
+        prompt index the slot was granted with, if it was one of its slots (which it ends), else
+        None. Its earlier slots still out
         were passed over: they end undelivered (their groups, should they still come, hold no slot)."""
         if self.outstanding.get(slot) != sampler_id:
             return None
@@ -318,8 +345,10 @@ class GrantLedger:
         self._end(slot)
         call = self._calls[slot]
         call.last_at = max(call.last_at, arrived, call.granted_at)  # clocks apart by a little
-        paces = self._paces.setdefault(sampler_id, deque(maxlen=PACE_SAMPLES))
-        paces.append((call.last_at, call.last_at - call.granted_at))
+        if not call.longest:  # its first group delivered
+            self._paces.setdefault(sampler_id, deque(maxlen=PACE_SAMPLES)).append(call)
+        call.longest = max(call.longest, tokens)
+        self._lengths.append(tokens)
         return self.prompts[slot]
 
     def asked_with(self, slot: int) -> int | None:

@@ -16,6 +16,7 @@ from echo.grants import (
     IDLE_ASKS_PER_S,
     PACE_KEPT_S,
     REDRAW_S,
+    STEP_SHARE,
     DeliveryBound,
     GrantLedger,
     Heartbeats,
@@ -602,42 +603,63 @@ async def test_a_grant_that_fails_in_our_code_is_still_answered(runs):
     assert decode(Grant, reply.data).groups == 0
 
 
-def test_a_sampler_whose_groups_would_arrive_stale_gets_no_work_while_others_take_it(tmp_path):
+def test_a_sampler_whose_long_groups_would_arrive_stale_gets_no_work_while_others_take_it(tmp_path):
     """Issue 83: with speeds spread 10x, the slowest samplers' groups arrived stale, a tenth of
-    the tokens generated wasted. The trainer now measures each sampler's pace (grant to arrival)
-    and grants none to one whose groups would arrive after the trainer moved past their version
-    (at its own pace of versions), while other samplers take the work. Never where none does
-    (a fleet all slower than the trainer still gets it), nor with partial rollouts."""
+    the tokens generated wasted. The trainer measures each sampler's seconds a token (grant to
+    arrival, over its calls' longest completions) and grants none to one whose long group (the
+    fleet's 95th percentile) would arrive after the trainer moved past its version, while other
+    samplers take the work. Never where none does (a fleet all slower than the trainer still
+    gets it), nor with partial rollouts."""
     cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "max_staleness": 1})
     granter = AsyncGranter(None, 0, cfg, TrainerState(version=2), GrantLedger())
     ledger, t0 = granter.ledger, time.monotonic() - 21.0
     for version in range(3):  # a version every 10 s: version 2 at t0 + 20
         ledger.announced(version, t0 + 10.0 * version)
-    for sampler_id, took in (("fast", 4.0), ("slow", 30.0)):  # its group came this long after its grant
-        (slot,), _ = ledger.grant(sampler_id, 1, 8, 8, now=t0, version=0)
-        assert ledger.delivered(sampler_id, slot, arrived=t0 + took) is not None
-        ledger.accepted(slot)
+
+    def deliver(sampler_id: str, took: float, *longest: int) -> None:
+        """One call of len(longest) groups, all arriving `took` after its grant."""
+        slots, _ = ledger.grant(sampler_id, len(longest), 8, 64, now=t0, version=0)
+        for slot, tokens in zip(slots, longest):
+            assert ledger.delivered(sampler_id, slot, arrived=t0 + took, tokens=tokens) is not None
+            ledger.accepted(slot)
+
+    deliver("fast", 4.0, 400, 100, 100, 100)  # one batch, in the time of its longest: 0.01 s a token
+    deliver("slow", 30.0, 100)  # 0.3 s a token
+    deliver("steady", 5.0, 50)  # its usual group takes 5 s, a long one 40 s
     now = time.monotonic()
-    assert ledger.pace_s("slow", now) == 30.0 and ledger.pace_s("fast", now) == 4.0
-    # Version 2's groups are fresh until version 4 is announced: t0 + 40, 19 s from now.
-    assert abs(ledger.fresh_for_s(2, 1, now) - (t0 + 40.0 - now)) < 1e-9
+    # The fleet's long group: 400 tokens, the 95th percentile of the groups delivered.
+    assert ledger.long_group_s("fast", now) == pytest.approx(4.0)
+    assert ledger.long_group_s("slow", now) == pytest.approx(120.0)
+    assert ledger.long_group_s("steady", now) == pytest.approx(40.0)
+    # Version 2's groups are fresh until version 4 is announced, two steps after version 2's.
+    assert ledger.fresh_for_s(2, 1, now) == pytest.approx(t0 + 20.0 + 2 * 10.0 * STEP_SHARE - now)
     at_v2 = GrantRequest(want=1, epoch=0, version=2)
-    ledger.grant("other", 1, 8, 8, now=time.monotonic(), version=2)  # others take the work
+    ledger.grant("other", 1, 8, 64, now=time.monotonic(), version=2)  # others take the work
     assert granter.too_slow("slow", 2, time.monotonic()) and granter.grant_work("slow", at_v2) == ([], False)
+    assert granter.too_slow("steady", 2, time.monotonic())  # its usual time fits: its long groups would not
     assert not granter.too_slow("fast", 2, time.monotonic()) and granter.grant_work("fast", at_v2)[0]
+    assert not granter.too_slow("new", 2, time.monotonic())  # not measured yet: it is tried
     later = time.monotonic() + REDRAW_S  # nobody took a slot for REDRAW_S: the slow one gets it
     assert not granter.too_slow("slow", 2, later)
-    assert ledger.pace_s("slow", t0 + 30.0 + PACE_KEPT_S + 1) is None  # forgotten: it is tried again
+    assert ledger.long_group_s("slow", t0 + 30.0 + PACE_KEPT_S + 1) is None  # forgotten: it is tried again
     chunked = AsyncGranter(None, 0, tiny_config(tmp_path, sampling={"chunk_tokens": 8}), TrainerState(), ledger)
     assert not chunked.too_slow("slow", 2, time.monotonic())
-    # Its pace is what three in four of its last 8 groups kept to: the long ones arrive stale.
-    paces = []
-    for took in [4.0] * 6 + [30.0] * 3:
-        (slot,), _ = ledger.grant("mixed", 1, 8, 8, now=t0, version=0)
-        ledger.delivered("mixed", slot, arrived=t0 + took)
-        ledger.accepted(slot)
-        paces.append(ledger.pace_s("mixed", t0 + 31.0))
-    assert paces[-2:] == [4.0, 30.0]  # 2 long ones of its last 8, then 3
+
+
+def test_the_deadline_of_a_version_is_judged_at_the_pace_of_its_usual_steps_and_moves_with_a_long_one():
+    """The first step waits for the fleet to join: at the mean of the steps' times it counted
+    for four, and groups were granted that arrived stale. A step running longer than the usual
+    ones moves the deadline with it: once it was judged passed, every sampler was refused and a
+    step took 90 s, one grant a second."""
+    ledger = GrantLedger()
+    for version, at in enumerate((0.0, 40.0, 50.0, 60.0, 70.0)):  # joining took 40 s, then 10 s a step
+        ledger.announced(version, at)
+    step = 10.0 * STEP_SHARE  # erring short
+    assert ledger.fresh_for_s(4, 1, now=72.0) == pytest.approx(70.0 + 2 * step - 72.0)  # until version 6
+    assert ledger.fresh_for_s(3, 1, now=72.0) == pytest.approx(70.0 + step - 72.0)
+    # Version 5 is late: version 4's groups are fresh for at least the step after it.
+    assert ledger.fresh_for_s(4, 1, now=130.0) == pytest.approx(step)
+    assert ledger.fresh_for_s(2, 1, now=72.0) < 0  # version 4 is out: stale already
 
 
 def test_the_trainer_measures_each_grant_by_the_groups_it_accepted():

@@ -296,17 +296,15 @@ class AsyncGranter(Granter):
         return self.ledger.grant(sampler_id, request.want, headroom, window, now, request.version)
 
     def too_slow(self, sampler_id: str, version: int, now: float) -> bool:
-        """Whether `sampler_id`'s groups, at its measured pace, would arrive stale while others
-        take the work (a slot granted within REDRAW_S): generating them would be wasted. (With
-        speeds spread 10x, a tenth of the tokens went stale, but mostly from samplers whose pace
-        fitted: this refused 3% of the asks and cut little; docs/performance.md.) A fleet all
-        slower than the trainer's pace is still given it, and so are partial rollouts, where a
-        long completion takes newer weights between its chunks."""
+        """Whether a long group of `sampler_id`'s, at its measured pace, would arrive stale while
+        others take the work (a slot granted within REDRAW_S): generating it would be wasted.
+        A fleet all slower than the trainer's pace is still given it, and so are partial
+        rollouts, where a long completion takes newer weights between its chunks."""
         if self.cfg.sampling.chunk_tokens or now - self.ledger.granted_at >= REDRAW_S:
             return False
-        pace = self.ledger.pace_s(sampler_id, now)
+        long_s = self.ledger.long_group_s(sampler_id, now)
         fresh_for = self.ledger.fresh_for_s(version, self.cfg.trainer.max_staleness, now)
-        return pace is not None and fresh_for is not None and pace > fresh_for
+        return long_s is not None and fresh_for is not None and long_s > fresh_for
 
 
 def granter_for(run: Run, epoch: int, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,

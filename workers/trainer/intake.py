@@ -125,7 +125,8 @@ class Collector:
         except ProtocolError as e:  # junk, or a sampler of another release: either way nothing to train
             await self._refused(out, delivery.sender, Verdict(e.reason, str(e), strike=True))
             return None
-        granted = self.ledger.delivered(delivery.sender, group.slot, delivery.arrived)
+        longest = max((len(c.token_ids) for c in group.completions), default=1)
+        granted = self.ledger.delivered(delivery.sender, group.slot, delivery.arrived, longest)
         prompt = granted if granted is not None else self.ledger.earlier_prompt(group.slot, group.prompt_index)
         asked_with = self.ledger.asked_with(group.slot) if granted is not None else None
         noise_slot = self.ledger.noise_slot(group.slot) if granted is not None else group.slot  # a predecessor's: fresh
