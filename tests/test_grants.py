@@ -342,7 +342,7 @@ async def test_a_restarted_process_asking_for_work_hands_its_predecessors_slots_
 
 # nothing now, ask again soon: as soon as the least wait (a few samplers ask)
 ASK_AGAIN = {"schema_version": SCHEMA_VERSION, "slots": [], "prompts": [], "more": True, "noise_slots": [],
-             "again_s": ASK_AGAIN_MIN_S}
+             "again_s": ASK_AGAIN_MIN_S, "wait_version": 0}
 
 
 def test_a_crowd_told_to_ask_again_spreads_its_asks_and_the_ledger_counts_it_without_a_scan():
@@ -538,7 +538,7 @@ async def test_sequential_groups_are_granted_once_and_only_for_the_current_reque
     assert sum(g.groups for g in grants) == 6  # in arrival order: the first alone may get its whole want
     assert (await _ask(sampler, "s0", lease.epoch, 0, 4, request.request_id)).model_dump() == {
         "schema_version": SCHEMA_VERSION, "slots": [], "prompts": [], "more": False, "noise_slots": [],
-        "again_s": IDLE_ASK_MIN_S}  # at the latest: the next request wakes it
+        "again_s": IDLE_ASK_MIN_S, "wait_version": 0}  # at the latest: the next request wakes it
     assert sorted(slot for g in grants for slot in g.slots) == list(range(1, 7))
     granted_at = time.monotonic()
     while time.monotonic() - granted_at <= cfg.trainer.reissue_after_s:  # the holders stall past it
@@ -635,15 +635,29 @@ def test_a_sampler_whose_long_groups_would_arrive_stale_gets_no_work_while_other
     assert ledger.fresh_for_s(2, 1, now) == pytest.approx(t0 + 20.0 + 2 * 10.0 * STEP_SHARE - now)
     at_v2 = GrantRequest(want=1, epoch=0, version=2)
     ledger.grant("other", 1, 8, 64, now=time.monotonic(), version=2)  # others take the work
-    assert granter.too_slow("slow", 2, time.monotonic()) and granter.grant_work("slow", at_v2) == ([], False)
+    assert granter.too_slow("slow", 2, time.monotonic()) and granter.too_slow_until("slow", at_v2) == 3
     assert granter.too_slow("steady", 2, time.monotonic())  # its usual time fits: its long groups would not
-    assert not granter.too_slow("fast", 2, time.monotonic()) and granter.grant_work("fast", at_v2)[0]
+    assert not granter.too_slow("fast", 2, time.monotonic()) and not granter.too_slow_until("fast", at_v2)
+    assert granter.grant_work("fast", at_v2)[0]
     assert not granter.too_slow("new", 2, time.monotonic())  # not measured yet: it is tried
     later = time.monotonic() + REDRAW_S  # nobody took a slot for REDRAW_S: the slow one gets it
     assert not granter.too_slow("slow", 2, later)
     assert ledger.long_group_s("slow", t0 + 30.0 + PACE_KEPT_S + 1) is None  # forgotten: it is tried again
     chunked = AsyncGranter(None, 0, tiny_config(tmp_path, sampling={"chunk_tokens": 8}), TrainerState(), ledger)
     assert not chunked.too_slow("slow", 2, time.monotonic())
+
+
+def test_a_sampler_refused_as_too_slow_is_not_woken_again_by_budgets_of_its_version():
+    """At 1,000 samplers the slow ones, refused, were drawn again by every budget of the same
+    version while its slots went untaken, and refused again: a third of the grant requests. The
+    refusal names the next version, and budgets of older ones no longer wake the sampler."""
+    work = Work(None, "s1", 1, "p")
+    work.wait_version = 3  # as a refusal at version 2 said
+    for draw in range(20):  # every idle sampler drawn (2 open slots, 1 idle)
+        work.follow_budget(GrantBudget(version=2, allowance=8, groups_per_step=4, open=2, idle=1, draw=draw))
+        assert work.drawn is None
+    work.follow_budget(GrantBudget(version=3, allowance=8, groups_per_step=4, open=2, idle=1, draw=0))
+    assert work.drawn == 3
 
 
 def test_the_deadline_of_a_version_is_judged_at_the_pace_of_its_usual_steps_and_moves_with_a_long_one():

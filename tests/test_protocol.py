@@ -246,6 +246,18 @@ def test_a_budget_of_25_reads_as_waking_every_idle_sampler_and_26_bounds_its_cou
             decode(GrantBudget, orjson.dumps(new | bad))
 
 
+def test_a_grant_of_26_reads_as_no_wait_and_27_bounds_the_version_it_names():
+    """Schema 27: a grant refusing a sampler too slow for its version names the version it waits
+    for; one of 26 reads as none (0), and the sampler's draws wake it as they did."""
+    old = decode(Grant, orjson.dumps({"schema_version": 26, "slots": [], "prompts": [], "more": False}))
+    assert old.wait_version == 0
+    new = {"schema_version": SCHEMA_VERSION, "slots": [], "prompts": [], "more": False, "wait_version": 8}
+    assert decode(Grant, orjson.dumps(new)).wait_version == 8
+    for bad in ({"wait_version": -1}, {"wait_version": 2**63}, {"wait_version": "8"}):
+        with pytest.raises(ProtocolError):
+            decode(Grant, orjson.dumps(new | bad))
+
+
 def test_a_heartbeat_of_24_reads_as_one_rank_never_restarted_and_25_says_why_a_split_one_restarted():
     """Schema 25: a sampler whose model is split over several processes says how many, how many
     times their group was lost, and why the last time; a beat of 24 reads as one rank. The why is

@@ -61,4 +61,6 @@ not read; this is the one list of it):
 26: async mode's grant budget says how many slots were open and how many samplers idle when it
     was published, and its draw (`open`, `idle`, `draw`): among many, only a share of the idle
     wake to ask; read as 0 (every idle sampler asks) before.
+27: a grant refusing a sampler whose long groups would arrive stale names the version it waits for
+    (`wait_version`): budgets of older ones do not wake it; read as 0 (none) before.
 """

@@ -43,7 +43,7 @@ class Message(BaseModel):
     """A message of the wire, naming the schema it was written in."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    schema_version: Literal[26] = SCHEMA_VERSION
+    schema_version: Literal[27] = SCHEMA_VERSION
 
 
 # The validation context of a decoded message, whose arrays the codec (echo/wire/codec.py) checked
@@ -547,6 +547,10 @@ class Grant(Message):
     # asks, echo/grants.py::ask_again_s); 0: the sampler's own pace. Bounded by the sampler
     # (workers/sampler/modes.py::again_s) whatever it says.
     again_s: Seconds = 0.0
+    # Async mode, no slot: none for this sampler before it runs this version (its long groups
+    # would arrive stale at the trainer's pace), so a budget of an older one does not wake it;
+    # 0: no such wait.
+    wait_version: Count = 0
 
     @model_validator(mode="after")
     def _a_prompt_a_slot(self):

@@ -26,6 +26,7 @@ class Work:
         # Async mode: the version of the newest budget, where it drew this sampler to ask, until it
         # asks running that version (with older weights it would be granted nothing).
         self.drawn: int | None = None
+        self.wait_version = 0  # async mode: no budget of an older version wakes it (Grant.wait_version)
         self.pull_request: PullRequest | None = None  # sequential mode: the newest request it has read
         self.unanswered = 0  # requests for work no trainer answered (none serving yet, a broker restarting)
 
@@ -35,6 +36,8 @@ class Work:
         request = GrantRequest(want=self.prompts_per_call, epoch=running.epoch, version=running.version,
                                pull_request_id=pull_request_id, process=self.process)
         grant = await request_grant(self.run, self.sampler_id, request)
+        if grant is not None:
+            self.wait_version = grant.wait_version
         if self.drawn is not None and running.version >= self.drawn:
             self.drawn = None
         self.unanswered += grant is None
@@ -42,8 +45,9 @@ class Work:
 
     def follow_budget(self, budget: GrantBudget) -> None:
         """A new budget: this sampler asks for work if it is drawn to (among many idle ones, a
-        share just large enough to take the open slots)."""
-        drawn = drawn_to_ask(self.sampler_id, budget.version, budget.draw, ask_share(budget.open, budget.idle))
+        share just large enough to take the open slots), of a version it does not wait past."""
+        drawn = budget.version >= self.wait_version and \
+            drawn_to_ask(self.sampler_id, budget.version, budget.draw, ask_share(budget.open, budget.idle))
         self.drawn = budget.version if drawn else None
         self.changed.set()
 
