@@ -32,6 +32,7 @@ import concurrent.futures
 import functools
 import math
 import random
+import re
 import resource
 import subprocess
 import sys
@@ -53,6 +54,7 @@ from echo.checkpoint import TrainerState
 from echo.config import EchoConfig, load_config, validate_config
 from echo.engines.base import Generation, NewerWeights
 from echo.learner import Batch
+from echo.logs import configure_logging
 from echo.metrics import peak_rss_mb, read_metrics
 from echo.models import base_model_digest, encode_chat, load_model
 from echo.noise import Draw
@@ -184,6 +186,8 @@ async def trainer_role(cfg: EchoConfig, seconds_per_token: float, usage_file: Pa
     on any machine."""
     from workers.trainer import granter
     from workers.trainer.loop import serve  # the real trainer, given the stand-in model
+
+    configure_logging(level="warning", progress=False)  # to its log: the report counts the warnings
 
     spent = timed(granter.Granter, ("grant", "read_heartbeats"))
 
@@ -397,8 +401,17 @@ def run_shape(args, chunk_tokens: int, max_staleness: int) -> dict:
         if trainer.wait() != 0:
             raise RuntimeError(f"the trainer failed: {trainer_log.read_text()[-3000:]}")
         metrics = read_metrics(cfg.run_dir)
+        seen["trainer_warnings"] = warnings_by_event(trainer_log)
         return {**report(metrics, syncs, args, chunk_tokens, max_staleness, orjson.loads(usage_file.read_bytes()),
                          broker_peak[0], time.perf_counter() - started), **seen, "machine": MACHINE.report(since=began)}
+
+
+def warnings_by_event(log: Path) -> dict[str, int]:
+    """The trainer's warnings (and errors) in its log, counted by event: why slots were released,
+    groups refused, samplers judged gone."""
+    events = Counter(m.group(1) for line in log.read_text(errors="replace").splitlines()
+                     if (m := re.match(r"\S+ \[(?:warning|error)\s*\] (\S+)", line)))
+    return dict(events.most_common())
 
 
 def _alive(others: list) -> bool:

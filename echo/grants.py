@@ -335,8 +335,8 @@ class GrantLedger:
         """A group naming `slot` arrived from `sampler_id` (stored by the broker at `arrived`, not
         when the trainer, busy with a step, got to it; `tokens` in its longest completion): the
         prompt index the slot was granted with, if it was one of its slots (which it ends), else
-        None. Its earlier slots still out
-        were passed over: they end undelivered (their groups, should they still come, hold no slot)."""
+        None. Its earlier slots still out were passed over: they end undelivered (their groups,
+        should they still come, hold no slot)."""
         if self.outstanding.get(slot) != sampler_id:
             return None
         passed = sorted(s for s in self._holding[sampler_id] if s < slot)
@@ -347,7 +347,7 @@ class GrantLedger:
         call.last_at = max(call.last_at, arrived, call.granted_at)  # clocks apart by a little
         if not call.longest:  # its first group delivered
             self._paces.setdefault(sampler_id, deque(maxlen=PACE_SAMPLES)).append(call)
-        call.longest = max(call.longest, tokens)
+        call.longest = max(call.longest, tokens, 1)
         self._lengths.append(tokens)
         return self.prompts[slot]
 

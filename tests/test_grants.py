@@ -634,11 +634,12 @@ def test_a_sampler_whose_long_groups_would_arrive_stale_gets_no_work_while_other
     # Version 2's groups are fresh until version 4 is announced, two steps after version 2's.
     assert ledger.fresh_for_s(2, 1, now) == pytest.approx(t0 + 20.0 + 2 * 10.0 * STEP_SHARE - now)
     at_v2 = GrantRequest(want=1, epoch=0, version=2)
-    ledger.grant("other", 1, 8, 64, now=time.monotonic(), version=2)  # others take the work
+    # Nobody fast enough has taken work: a swarm all slower than its trainer still gets it.
+    ledger.grant("new", 1, 8, 64, now=time.monotonic(), version=2)  # not measured: not a taker that fits
+    assert not granter.too_slow("slow", 2, time.monotonic()) and not granter.too_slow_until("slow", at_v2)
+    assert not granter.too_slow_until("fast", at_v2) and granter.grant_work("fast", at_v2)[0]  # one that fits takes some
     assert granter.too_slow("slow", 2, time.monotonic()) and granter.too_slow_until("slow", at_v2) == 3
     assert granter.too_slow("steady", 2, time.monotonic())  # its usual time fits: its long groups would not
-    assert not granter.too_slow("fast", 2, time.monotonic()) and not granter.too_slow_until("fast", at_v2)
-    assert granter.grant_work("fast", at_v2)[0]
     assert not granter.too_slow("new", 2, time.monotonic())  # not measured yet: it is tried
     later = time.monotonic() + REDRAW_S  # nobody took a slot for REDRAW_S: the slow one gets it
     assert not granter.too_slow("slow", 2, later)

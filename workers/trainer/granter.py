@@ -245,6 +245,7 @@ class AsyncGranter(Granter):
 
     draw = 0  # the budget's, one more each publish
     published_at = 0.0
+    fit_granted: tuple[float, str] = (0.0, "")  # the last grant to a sampler measured fast enough for it, and whose
 
     async def start(self) -> None:
         await super().start()
@@ -301,7 +302,10 @@ class AsyncGranter(Granter):
         if headroom is None:
             return [], False
         window = (self.cfg.trainer.max_staleness + 1) * self.cfg.trainer.groups_per_step  # in flight at once
-        return self.ledger.grant(sampler_id, request.want, headroom, window, now, request.version)
+        slots, more = self.ledger.grant(sampler_id, request.want, headroom, window, now, request.version)
+        if slots and self.fits(sampler_id, request.version, now):
+            self.fit_granted = (now, sampler_id)
+        return slots, more
 
     def too_slow_until(self, sampler_id: str, request: GrantRequest) -> int:
         """Refused as too slow (below), a sampler waits for the next version, with which its
@@ -313,15 +317,22 @@ class AsyncGranter(Granter):
 
     def too_slow(self, sampler_id: str, version: int, now: float) -> bool:
         """Whether a long group of `sampler_id`'s, at its measured pace, would arrive stale while
-        others take the work (a slot granted within REDRAW_S): generating it would be wasted.
-        A fleet all slower than the trainer's pace is still given it, and so are partial
-        rollouts, where a long completion takes newer weights between its chunks."""
-        if self.cfg.sampling.chunk_tokens or now - self.ledger.granted_at >= REDRAW_S:
+        other samplers fast enough take the work (one was granted some within REDRAW_S):
+        generating it would be wasted. A fleet all slower than the trainer's pace is still given
+        it (small swarms, each sampler as slow as the steps it sets, starved under a gate that
+        counted any grant as the work taken, its own included), and so are partial rollouts,
+        where a long completion takes newer weights between its chunks."""
+        granted_at, taker = self.fit_granted
+        if self.cfg.sampling.chunk_tokens or now - granted_at >= REDRAW_S or taker == sampler_id:
             return False
+        return self.fits(sampler_id, version, now) is False
+
+    def fits(self, sampler_id: str, version: int, now: float) -> bool | None:
+        """Whether a long group of `sampler_id`'s would arrive fresh at its measured pace (None:
+        not measured, or the trainer's pace not yet known)."""
         long_s = self.ledger.long_group_s(sampler_id, now)
         fresh_for = self.ledger.fresh_for_s(version, self.cfg.trainer.max_staleness, now)
-        return long_s is not None and fresh_for is not None and long_s > fresh_for
-
+        return None if long_s is None or fresh_for is None else long_s <= fresh_for
 
 def granter_for(run: Run, epoch: int, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
                  quarantine: Quarantined) -> "Granter":
