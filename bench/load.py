@@ -32,7 +32,6 @@ import concurrent.futures
 import functools
 import math
 import random
-import re
 import resource
 import subprocess
 import sys
@@ -187,7 +186,7 @@ async def trainer_role(cfg: EchoConfig, seconds_per_token: float, usage_file: Pa
     from workers.trainer import granter
     from workers.trainer.loop import serve  # the real trainer, given the stand-in model
 
-    configure_logging(level="warning", progress=False)  # to its log: the report counts the warnings
+    configure_logging(json=True, level="warning", progress=False)  # to its log: the report counts the warnings
 
     spent = timed(granter.Granter, ("grant", "read_heartbeats"))
 
@@ -409,8 +408,12 @@ def run_shape(args, chunk_tokens: int, max_staleness: int) -> dict:
 def warnings_by_event(log: Path) -> dict[str, int]:
     """The trainer's warnings (and errors) in its log, counted by event: why slots were released,
     groups refused, samplers judged gone."""
-    events = Counter(m.group(1) for line in log.read_text(errors="replace").splitlines()
-                     if (m := re.match(r"\S+ \[(?:warning|error)\s*\] (\S+)", line)))
+    events = Counter()
+    for line in log.read_bytes().splitlines():
+        try:
+            events[orjson.loads(line)["event"]] += 1
+        except (orjson.JSONDecodeError, KeyError, TypeError):  # a traceback's lines, a library's print
+            continue
     return dict(events.most_common())
 
 
