@@ -200,6 +200,7 @@ class GrantLedger:
         self._syncs: dict[str, list[float]] = {}  # by sampler: its last SYNC_SAMPLES sync times
         self._paces: dict[str, deque[_Call]] = {}  # by sampler: its last calls delivered
         self._lengths: deque[int] = deque(maxlen=LONG_SAMPLES)  # the longest completion of each group delivered
+        self._long_tokens: int | None = None  # their LONG_QUANTILE, sorted out once a delivery, not once an ask
         self._running: dict[str, int] = {}  # by sampler: the newest version it asked with
         # Released for holding slots unfilled, and no group accepted since: one slot at a time,
         # so a hoarder asking 50 times a second cannot take the released work again at once.
@@ -275,10 +276,11 @@ class GrantLedger:
         kept = [call for call in self._paces.get(sampler_id, ()) if now - call.last_at <= PACE_KEPT_S]
         if not kept:
             return None
-        lengths = sorted(self._lengths)
-        long_tokens = lengths[math.ceil(LONG_QUANTILE * len(lengths)) - 1]
+        if self._long_tokens is None:
+            lengths = sorted(self._lengths)
+            self._long_tokens = lengths[math.ceil(LONG_QUANTILE * len(lengths)) - 1]
         seconds = sum(call.last_at - call.granted_at for call in kept)
-        return seconds / max(1, sum(call.longest for call in kept)) * long_tokens
+        return seconds / max(1, sum(call.longest for call in kept)) * self._long_tokens
 
     def synced(self, sampler_id: str) -> float | None:
         """The sync time the trainer observed of `sampler_id`, or None before the first."""
@@ -349,6 +351,7 @@ class GrantLedger:
             self._paces.setdefault(sampler_id, deque(maxlen=PACE_SAMPLES)).append(call)
         call.longest = max(call.longest, tokens, 1)
         self._lengths.append(tokens)
+        self._long_tokens = None
         return self.prompts[slot]
 
     def asked_with(self, slot: int) -> int | None:

@@ -35,8 +35,7 @@ from streams.lease import take_lease
 from streams.registry import put_status
 from streams.watch import read_value
 from tests.conftest import tiny_config
-from workers.sampler.modes import IDLE_WAIT_MAX_S, idle_s
-from workers.sampler.work import Work
+from workers.sampler.work import IDLE_WAIT_MAX_S, Work, idle_s
 from workers.trainer.coordinator import delivered_paces
 from workers.trainer.granter import AsyncGranter, SequentialGranter
 from workers.trainer.strikes import Quarantined
@@ -659,6 +658,36 @@ def test_a_sampler_refused_as_too_slow_is_not_woken_again_by_budgets_of_its_vers
         assert work.drawn is None
     work.follow_budget(GrantBudget(version=3, allowance=8, groups_per_step=4, open=2, idle=1, draw=0))
     assert work.drawn == 3
+
+
+async def test_budgets_that_draw_a_refused_sampler_to_no_ask_do_not_put_off_its_asking_anyway():
+    """CI, 2026-12-06: a sampler refused as too slow waits for the next version, and asks anyway
+    once the time the trainer said is up. The trainer's redraws, every REDRAW_S while the slots
+    went untaken, woke it each time, and each wake started that wait over: it never asked again.
+    The sampler that had taken the work then froze, and the run stalled for good. The wait now
+    ends when the trainer said, whatever wakes the sampler meanwhile."""
+    work = Work(None, "s1", 1, "p")
+    before = time.monotonic()
+    work.answered(Grant(again_s=7.0, wait_version=3))  # refused at version 2
+    assert work.wait_version == 3 and before + 7.0 <= work.ask_by <= time.monotonic() + 7.0
+    work.ask_by -= 6.5  # the test's own clock: 0.5 s left
+
+    async def redraw_forever():
+        for draw in itertools.count():
+            work.follow_budget(GrantBudget(version=2, allowance=8, groups_per_step=4, open=2, idle=1, draw=draw))
+            await asyncio.sleep(REDRAW_S / 10)
+
+    redraws, no_weights = asyncio.ensure_future(redraw_forever()), asyncio.Event()
+    try:
+        async with asyncio.timeout(30):  # it never asked, woken ten times a second
+            while not await work.idle(no_weights.wait()):  # woken, not drawn
+                assert work.drawn is None
+                work.changed.clear()  # as the sampler's loop does
+        assert time.monotonic() >= work.ask_by
+    finally:
+        redraws.cancel()
+    work.answered(None)  # no answer: the least wait
+    assert work.idle_for_s == IDLE_ASK_MIN_S
 
 
 def test_the_deadline_of_a_version_is_judged_at_the_pace_of_its_usual_steps_and_moves_with_a_long_one():

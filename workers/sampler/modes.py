@@ -20,7 +20,7 @@ from echo.config import EchoConfig
 from echo.devices import dtype_name
 from echo.engines import make_engine
 from echo.engines.base import Engine
-from echo.grants import ASK_AGAIN_MIN_S, IDLE_ASK_MIN_S
+from echo.grants import ASK_AGAIN_MIN_S
 from echo.learner import set_threads
 from echo.tasks import Task, load_task
 from echo.wire.messages import Grant, PullRequest
@@ -39,11 +39,9 @@ from workers.sampler.work import Work
 
 log = structlog.get_logger()
 
-# The least waits are the trainer's own (echo/grants.py: ASK_AGAIN_MIN_S for a grant's more
-# with no again_s, a trainer before schema 25; IDLE_ASK_MIN_S granted nothing and none left,
-# waiting for a new budget or weights before asking anyway); these are the longest heeded,
-# whatever a grant says.
-ASK_AGAIN_MAX_S, IDLE_WAIT_MAX_S = 30.0, 120.0
+# The least wait is the trainer's own (echo/grants.py: ASK_AGAIN_MIN_S for a grant's more with
+# no again_s, a trainer before schema 25); this is the longest heeded, whatever a grant says.
+ASK_AGAIN_MAX_S = 30.0
 NO_ANSWER_WAIT_S = 1.0  # no trainer answered a request for work (none yet, or a broker restarting)
 
 
@@ -61,11 +59,11 @@ class Sampler:
     async def run_async(self) -> None:
         """Generate only what the trainer grants under its grant budget, so no work arrives
         stale. With nothing granted, wait until this sampler's weights change or a budget draws
-        it (or the time the trainer said: 5 s, longer among many)."""
+        it, or the time the trainer said (5 s, longer among many) is up (Work.idle)."""
         # Woken by a budget or weights, it asks where the newest budget drew it and it runs that
         # budget's version (the rest of a crowd takes the slots), or where a new trainer took over;
         # and always after a call, a wait for work left, or a wait that timed out.
-        anyway, wait_s, asked_epoch = True, idle_s(None), None
+        anyway, asked_epoch = True, None
         while True:
             self.work.changed.clear()  # before reading the budget: no update can slip past
             await self.weights.apply_newest()
@@ -83,12 +81,7 @@ class Sampler:
                     await asyncio.sleep(again_s(grant))  # work is left, just not for this sampler yet
                     anyway = True
                     continue
-                wait_s = idle_s(grant)
-            waits = [asyncio.ensure_future(self.work.changed.wait()), asyncio.ensure_future(self.weights.wait_newer())]
-            done, pending = await asyncio.wait(waits, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
-            for task in pending:
-                task.cancel()
-            anyway = not done
+            anyway = await self.work.idle(self.weights.wait_newer())
 
     async def run_sequential(self) -> None:
         names = self.run.names
@@ -156,13 +149,6 @@ def again_s(grant: Grant) -> float:
     """How long to wait before asking again where work is left but none was granted: as the
     trainer says (it spreads a crowd's asks), within ASK_AGAIN_MAX_S."""
     return min(grant.again_s or ASK_AGAIN_MIN_S, ASK_AGAIN_MAX_S)
-
-
-def idle_s(grant: Grant | None) -> float:
-    """How long to wait for a new budget or weights, granted nothing with none left (or on
-    standby, or unanswered), before asking anyway: as the trainer says (longer among many
-    samplers), within IDLE_ASK_MIN_S and IDLE_WAIT_MAX_S."""
-    return min(max(grant.again_s if grant else 0.0, IDLE_ASK_MIN_S), IDLE_WAIT_MAX_S)
 
 
 async def run_sampler(cfg: EchoConfig, sampler_id: str) -> None:

@@ -245,7 +245,8 @@ class AsyncGranter(Granter):
 
     draw = 0  # the budget's, one more each publish
     published_at = 0.0
-    fit_granted: tuple[float, str] = (0.0, "")  # the last grant to a sampler measured fast enough for it, and whose
+    # When a sampler measured fast enough for its version was last granted work, and which one.
+    fit_granted: tuple[float, str] = (0.0, "")
 
     async def start(self) -> None:
         await super().start()
