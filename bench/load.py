@@ -33,6 +33,7 @@ import functools
 import math
 import random
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -189,6 +190,7 @@ async def trainer_role(cfg: EchoConfig, seconds_per_token: float, usage_file: Pa
     configure_logging(json=True, level="warning", progress=False)  # to its log: the report counts the warnings
 
     spent = timed(granter.Granter, ("grant", "read_heartbeats"))
+    outcomes = tally_grants(granter.Granter)
 
     def cpu_s() -> float:  # its scoring processes' included, once they ended
         return sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, (resource.RUSAGE_SELF,
@@ -208,7 +210,7 @@ async def trainer_role(cfg: EchoConfig, seconds_per_token: float, usage_file: Pa
         ended = cpu_s()
         usage_file.write_bytes(orjson.dumps({"peak": round(peak_rss_mb() * 2**20), "cpu_s": ended - began,
                                              "after_first_step_cpu_s": ended - first_step[0] if first_step else None,
-                                             "granter_s": spent}))
+                                             "granter_s": spent, "grant_outcomes": outcomes}))
 
 
 def timed(cls, names: tuple[str, ...]) -> dict[str, float]:
@@ -227,6 +229,20 @@ def timed(cls, names: tuple[str, ...]) -> dict[str, float]:
                 spent[_name] += time.perf_counter() - began
         setattr(cls, name, wrapped)
     return spent
+
+
+def tally_grants(cls) -> Counter:
+    """Bench only: `cls.grant`'s answers counted by what they were (which asks a step could do
+    without), wrapped in place."""
+    outcomes, grant = Counter(), cls.grant
+
+    async def tallied(self, sampler_id, request):
+        answer = await grant(self, sampler_id, request)
+        outcomes["slots" if answer.slots else "too_slow" if answer.wait_version else
+                 "behind" if request.version < self.version else "more" if answer.more else "none_left"] += 1
+        return answer
+    cls.grant = tallied
+    return outcomes
 
 
 async def samplers_role(cfg: EchoConfig, speeds: list[float], median_tokens: int, running, urls: list[str],
@@ -401,6 +417,9 @@ def run_shape(args, chunk_tokens: int, max_staleness: int) -> dict:
             raise RuntimeError(f"the trainer failed: {trainer_log.read_text()[-3000:]}")
         metrics = read_metrics(cfg.run_dir)
         seen["trainer_warnings"] = warnings_by_event(trainer_log)
+        if args.trainer_logs:  # the warnings' details (why a slot was released, after how long)
+            Path(args.trainer_logs).mkdir(parents=True, exist_ok=True)
+            shutil.copy(trainer_log, Path(args.trainer_logs) / f"trainer-{args.samplers}.log")
         return {**report(metrics, syncs, args, chunk_tokens, max_staleness, orjson.loads(usage_file.read_bytes()),
                          broker_peak[0], time.perf_counter() - started), **seen, "machine": MACHINE.report(since=began)}
 
@@ -442,8 +461,9 @@ def speeds(args) -> list[float]:
 
 
 def wasted_share(metrics: list[dict]) -> float:
-    """Of the tokens the steps read, those not trained: dropped as stale, or older than the bound."""
-    wasted = sum(m["dropped_tokens"] + m["untrained_tokens"] for m in metrics)
+    """Of the tokens the steps read, those not trained: dropped as stale, older than the bound, or
+    refused (every sampler here is honest: a group refused had its slot released before it came)."""
+    wasted = sum(m["dropped_tokens"] + m["untrained_tokens"] + m["rejected_tokens"] for m in metrics)
     return round(wasted / max(1, wasted + sum(m["tokens"] for m in metrics)), 4)
 
 
@@ -490,6 +510,7 @@ def report(metrics: list[dict], syncs: list[float], args, chunk_tokens: int, max
         "granter_ms_per_step": {k: round(v / len(metrics) * 1e3, 1) for k, v in trainer.get("granter_s", {}).items()
                                 if not k.endswith("_calls")},
         "grant_requests_per_step": round(trainer.get("granter_s", {}).get("grant_calls", 0) / len(metrics), 1),
+        "grant_answers_per_step": {k: round(v / len(metrics), 1) for k, v in trainer.get("grant_outcomes", {}).items()},
         "accounting": metrics[-1]["accounting"],  # nothing lost: published = trained + dropped + rejected + pending
         "rejected_by": dict(sum((Counter(m.get("rejected") or {}) for m in metrics), Counter())),
         "counted_twice": sum(m["already_counted"] for m in metrics),
@@ -530,6 +551,7 @@ def main() -> None:
     p.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--urls", nargs="+", help=argparse.SUPPRESS)
     p.add_argument("--out", default="load.json")
+    p.add_argument("--trainer-logs", help="keep each shape's trainer log in this folder (JSON lines)")
     p.add_argument("--plot", help="also draw each figure against the number of samplers into bench/results/PLOT")
     args = p.parse_args()
     if args.role == "trainer":

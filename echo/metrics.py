@@ -29,7 +29,7 @@ STEP_SCALARS = {
     "is_truncated_fraction": "importance/truncated_fraction", "is_masked_fraction": "importance/masked_fraction",
     "rs_rejected_tokens": "importance/rejected_tokens", "mismatch_kl": "mismatch/kl",
     "used": "groups/used", "dropped_stale": "groups/dropped_stale", "dropped_tokens": "groups/dropped_tokens",
-    "filtered_no_signal": "groups/filtered_no_signal",
+    "filtered_no_signal": "groups/filtered_no_signal", "rejected_tokens": "groups/rejected_tokens",
     "verifier_errors": "groups/verifier_errors",
     "learner_busy": "learner/busy", "tokens_per_second": "learner/tokens_per_s", "tokens": "learner/tokens",
     "step_seconds": "time/step_s", "wait_seconds": "time/wait_s", "train_seconds": "time/train_s",

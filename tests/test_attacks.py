@@ -373,6 +373,7 @@ async def test_a_group_resending_trained_completions_is_refused(secured, tmp_pat
             collected = await collector.collect(1, version=5)
         assert [a.group.group_id for a in collected.used] == ["likely"]
         assert collected.rejected == {"repeated_completion": 2}, collected.rejected
+        assert collected.rejected_tokens == sum(len(c.token_ids) for g in (doubled, swapped) for c in g.completions)
         # A trainer resumed from the checkpoint remembers them too.
         resumed = Judge(REFEREE, Timeline(max_staleness=1),
                         Trained(completions=load_trained_completions(tmp_path, state.trained_completions)))

@@ -27,6 +27,7 @@ from echo.grants import (
     lost_slots,
     sampler_cap,
 )
+from echo.throughput import CallWindow
 from echo.wire.codec import decode, encode
 from echo.wire.messages import Grant, GrantBudget, GrantRequest, SamplerStatus
 from echo.wire.names import BUDGET_KEY, GRANT_TIMEOUT_S, SCHEMA_VERSION, SLOTS_KEY_BEFORE_14
@@ -196,16 +197,34 @@ def test_slots_passed_over_or_held_at_a_release_are_undelivered_and_past_the_bou
     assert (ledger.deliveries["honest"].ended, ledger.deliveries["honest"].undelivered) == (4, 0)
 
 
+def test_the_stall_limits_of_a_wait_read_each_samplers_calls_once_however_many_holders_are_new(monkeypatch):
+    """Issue 83: each holder's limit scanned every sampler's calls (for the fleet's median, which
+    a holder never measured is held to): at 1,000 samplers a wait (about one a second) cost the
+    trainer up to a second of CPU while the fleet joined. The fleet's calls are read once a wait."""
+    ledger = GrantLedger()
+    for i in range(1000):
+        for slot in ledger.grant(f"s{i}", want=1, headroom=10**6, window=10**6, now=0)[0]:
+            ledger.delivered(f"s{i}", slot, arrived=5)
+            ledger.accepted(slot)  # a 5-s call each
+    reads = []
+    rates = CallWindow.rates
+    monkeypatch.setattr(CallWindow, "rates", lambda window, now: reads.append(window) or rates(window, now))
+    holders = [f"s{i}" for i in range(0, 1000, 4)] + [f"new{i}" for i in range(256)]
+    limits = ledger.stall_limits_s(holders, now=6, at_least=1, at_most=300)
+    assert limits == dict.fromkeys(holders, 20.0)  # four calls of its own, or of the fleet's median
+    assert len(reads) == 1000 + 250  # the fleet's once, and each measured holder's own
+
+
 def test_a_holder_that_fills_no_slot_for_a_few_calls_is_released_then_held_to_one_slot_until_it_delivers():
     ledger = GrantLedger()
-    assert ledger.stall_limit_s("x", now=0, at_least=15, at_most=300) == 300  # no call measured yet
+    assert ledger.stall_limits_s(["x"], now=0, at_least=15, at_most=300)["x"] == 300  # no call measured yet
     for slot in ledger.grant("h", want=2, headroom=8, window=8, now=0)[0]:
         ledger.delivered("h", slot, arrived=5)
         ledger.accepted(slot)  # h's call: 5 s
-    assert ledger.stall_limit_s("h", now=6, at_least=15, at_most=300) == 20  # four of its calls
-    assert ledger.stall_limit_s("x", now=6, at_least=15, at_most=300) == 20  # never measured: the fleet's
-    assert ledger.stall_limit_s("x", now=6, at_least=30, at_most=300) == 30
-    assert ledger.stall_limit_s("x", now=6, at_least=1, at_most=10) == 10
+    assert ledger.stall_limits_s(["h"], now=6, at_least=15, at_most=300)["h"] == 20  # four of its calls
+    assert ledger.stall_limits_s(["x"], now=6, at_least=15, at_most=300)["x"] == 20  # never measured: the fleet's
+    assert ledger.stall_limits_s(["x"], now=6, at_least=30, at_most=300)["x"] == 30
+    assert ledger.stall_limits_s(["x"], now=6, at_least=1, at_most=10)["x"] == 10
     held, _ = ledger.grant("x", want=4, headroom=6, window=8, now=6)
     assert len(held) == 3 and ledger.release_unfilled("x", now=6, bench_s=20) == (held, False)
     assert ledger.take_lost() == held

@@ -56,6 +56,7 @@ def step_record(step: TrainerStep, version: int, proof_counts: dict, quarantined
         "filtered_tokens": collected.filtered_tokens,
         "generated_seconds": collected.generated_seconds,
         "rejected": dict(collected.rejected),
+        "rejected_tokens": collected.rejected_tokens,
         "reward_mismatch": dict(collected.reward_mismatch),
         "verifier_errors": collected.verifier_errors,
         "already_counted": collected.already_counted,

@@ -35,7 +35,7 @@ class Granter:
     streams/grants.py, answered while it runs), and hands out again the work of slots lost:
     groups that arrived and were not trained, and the slots of a sampler whose heartbeat
     stopped (`trainer.sampler_dead_after_s`) or that had no group accepted for a few of its
-    calls' measured time (alive but stuck, or hoarding: GrantLedger.stall_limit_s, at most
+    calls' measured time (alive but stuck, or hoarding: GrantLedger.stall_limits_s, at most
     `trainer.reissue_after_s`); such a one holds a slot at a time until it delivers, and doing it
     again is a strike."""
 
@@ -124,16 +124,14 @@ class Granter:
         fresh = read_at is not None and time.monotonic() - read_at < self.heartbeats_every_s
         if not fresh and not await self.read_heartbeats():
             return
-        now = time.monotonic()
-        for sampler_id in sorted(self.ledger.holders()):
+        now, trainer, holders = time.monotonic(), self.cfg.trainer, sorted(self.ledger.holders())
+        # At least twice the silence that declares death: a sampler that died holding slots is
+        # found silent first (its slots then go at once, and no strike).
+        limits_s = self.ledger.stall_limits_s(holders, now, 2 * trainer.sampler_dead_after_s, trainer.reissue_after_s)
+        for sampler_id in holders:
             stopped = sampler_id in self.heartbeats.stopped  # its last heartbeat: it abandoned them
             silent_s = self.heartbeats.silent_for(sampler_id, now)
-            stalled_s = now - self.ledger.progress_at[sampler_id]
-            trainer = self.cfg.trainer
-            # At least twice the silence that declares death: a sampler that died holding slots
-            # is found silent first (its slots then go at once, and no strike).
-            limit_s = self.ledger.stall_limit_s(sampler_id, now, 2 * trainer.sampler_dead_after_s,
-                                                trainer.reissue_after_s)
+            stalled_s, limit_s = now - self.ledger.progress_at[sampler_id], limits_s[sampler_id]
             if stopped or silent_s > trainer.sampler_dead_after_s:
                 self.release_gone(sampler_id, stopped=stopped, silent_s=round(silent_s, 1))
             elif stalled_s > trainer.reissue_after_s or (stalled_s > limit_s and self.heartbeats.beating(sampler_id)):
