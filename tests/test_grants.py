@@ -497,6 +497,30 @@ async def test_waiting_for_groups_reads_the_holders_heartbeats_once_a_heartbeat_
     assert run.nc.stats["out_msgs"] - sent == 40
 
 
+async def test_a_sampler_granted_work_after_a_while_idle_is_not_taken_for_dead_on_an_old_reading(runs, tmp_path):
+    """Issue 83, 1,000 samplers: 359 samplers were judged gone in a 16-step run (silent for 4 to
+    206 s by the trainer's readings), their slots released, and 265 of their groups then refused
+    as on slots not held: a sixth of the tokens wasted. A sampler's heartbeat is read only while
+    it holds slots, and a reading younger than a heartbeat is not read again: one granted work
+    after a while idle was judged by the reading of its last holding, minutes old. Its asking for
+    work is a sign of life too."""
+    cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "max_staleness": 0, "sampler_dead_after_s": 5.0},
+                      sampler={"heartbeat_s": 2.0})
+    run, granter, asked = await _granter_at_version_0(runs, "idle", cfg)
+    granter.heartbeats.observe("s1", revision=7, now=time.monotonic() - 100)  # while it held slots, 100 s ago
+    await granter.on_wait(4)  # a reading of the holders (none)
+    assert (await granter.grant("s1", asked.model_copy(update={"want": 1}))).groups == 1
+    await granter.on_wait(4)  # on that reading, where it is younger than a heartbeat: s1 unread since
+    assert granter.ledger.holders() == {"s1"} and "s1" not in granter.gone
+    granter.heartbeats_read_at -= granter.heartbeats_every_s  # a heartbeat later: read, unchanged
+    await granter.on_wait(4)
+    assert granter.ledger.holders() == {"s1"}  # silent since its ask, not yet 5 s
+    await asyncio.sleep(cfg.trainer.sampler_dead_after_s)
+    granter.heartbeats_read_at -= granter.heartbeats_every_s
+    await granter.on_wait(4)
+    assert not granter.ledger.holders() and "s1" in granter.gone  # silent since its ask: dead
+
+
 async def test_a_run_begun_before_schema_14_numbers_its_slots_on_from_the_old_key(runs):
     run = await runs.open("renamed", "trainer")
     assert await slots_granted(run) == 0

@@ -161,6 +161,7 @@ class Granter:
         """The answer to a sampler asking for work: none for a quarantined sampler or one running
         a previous trainer's weights (it must apply ours first), none yet while fewer than
         `trainer.min_samplers` have asked (ask again soon), else what the mode grants."""
+        self.heartbeats.heard(sampler_id, time.monotonic())
         if self.heartbeats.restarted(sampler_id, request.process):
             self.release_gone(sampler_id, restarted=True)
         elif sampler_id in self.gone:  # silent or stopped, and asking again
