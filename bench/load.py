@@ -201,7 +201,7 @@ async def trainer_role(cfg: EchoConfig, seconds_per_token: float, usage_file: Pa
     def watch_first_step() -> None:
         while not read_metrics(cfg.run_dir):
             time.sleep(0.2)
-        first_step.append(cpu_s())
+        first_step.extend([cpu_s(), dict(outcomes)])  # at once: read at the end, maybe meanwhile
 
     threading.Thread(target=watch_first_step, daemon=True).start()
     try:
@@ -210,7 +210,8 @@ async def trainer_role(cfg: EchoConfig, seconds_per_token: float, usage_file: Pa
         ended = cpu_s()
         usage_file.write_bytes(orjson.dumps({"peak": round(peak_rss_mb() * 2**20), "cpu_s": ended - began,
                                              "after_first_step_cpu_s": ended - first_step[0] if first_step else None,
-                                             "granter_s": spent, "grant_outcomes": outcomes}))
+                                             "granter_s": spent, "grant_outcomes": outcomes,
+                                             "grant_outcomes_after_first_step": outcomes - Counter(first_step[1]) if first_step else {}}))
 
 
 def timed(cls, names: tuple[str, ...]) -> dict[str, float]:
@@ -510,7 +511,9 @@ def report(metrics: list[dict], syncs: list[float], args, chunk_tokens: int, max
         "granter_ms_per_step": {k: round(v / len(metrics) * 1e3, 1) for k, v in trainer.get("granter_s", {}).items()
                                 if not k.endswith("_calls")},
         "grant_requests_per_step": round(trainer.get("granter_s", {}).get("grant_calls", 0) / len(metrics), 1),
-        "grant_answers_per_step": {k: round(v / len(metrics), 1) for k, v in trainer.get("grant_outcomes", {}).items()},
+        # after the first (the fleet joining: every ask is told to wait, `trainer.min_samplers`)
+        "grant_answers_per_step": {k: round(v / max(1, len(metrics) - 1), 1)
+                                   for k, v in trainer["grant_outcomes_after_first_step"].items()},
         "accounting": metrics[-1]["accounting"],  # nothing lost: published = trained + dropped + rejected + pending
         "rejected_by": dict(sum((Counter(m.get("rejected") or {}) for m in metrics), Counter())),
         "counted_twice": sum(m["already_counted"] for m in metrics),

@@ -137,9 +137,9 @@ class TrainerConfig(_Section):
     weight_decay: float = Field(0.0, ge=0)  # AdamW's
     max_grad_norm: float = Field(1.0, gt=0)  # gradients clipped to this norm
     max_staleness: int = Field(1, ge=0)  # async: drop rollouts older than version - max_staleness; sequential uses 0
-    # A sampler holding slots is dead when its heartbeat has not changed for sampler_dead_after_s,
-    # and stuck when it has delivered none of them for reissue_after_s: its slots, and only
-    # those, are then handed out again.
+    # A sampler holding slots is dead when neither its heartbeat has changed nor it has asked
+    # for work for sampler_dead_after_s, and stuck when it has delivered none of them for
+    # reissue_after_s: its slots, and only those, are then handed out again.
     sampler_dead_after_s: float = Field(15.0, gt=0)
     # Stuck: slots held without a group accepted for 4 of the sampler's measured calls (the
     # fleet's median for one never measured), at least twice sampler_dead_after_s, at most this.
