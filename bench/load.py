@@ -211,7 +211,8 @@ async def trainer_role(cfg: EchoConfig, seconds_per_token: float, usage_file: Pa
         usage_file.write_bytes(orjson.dumps({"peak": round(peak_rss_mb() * 2**20), "cpu_s": ended - began,
                                              "after_first_step_cpu_s": ended - first_step[0] if first_step else None,
                                              "granter_s": spent, "grant_outcomes": outcomes,
-                                             "grant_outcomes_after_first_step": outcomes - Counter(first_step[1]) if first_step else {}}))
+                                             "grant_outcomes_after_first_step":
+                                                 outcomes - Counter(first_step[1]) if first_step else {}}))
 
 
 def timed(cls, names: tuple[str, ...]) -> dict[str, float]:

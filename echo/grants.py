@@ -508,9 +508,12 @@ class Heartbeats:
         """It asked for work: as much a sign of life as its heartbeat's change. Its heartbeat is
         read only while it holds slots: judged by the reading of its last holding, one granted
         work again after a while idle was found silent for minutes and its slots released (at
-        1,000 samplers, 359 in a 16-step run, and a sixth of the tokens thrown away)."""
+        1,000 samplers, 359 in a 16-step run, and a sixth of the tokens thrown away). Alive, it is
+        held to the stall rule: one asking to seem alive, and never delivering, is released as
+        stalled and struck, not kept for `trainer.reissue_after_s`."""
         if sampler_id in self.seen:  # else not yet read: not silent (silent_for)
             self.seen[sampler_id] = (self.seen[sampler_id][0], now)
+            self.changes[sampler_id] = self.changes.get(sampler_id, 0) + 1
 
     def restarted(self, sampler_id: str, process: str) -> bool:
         """Whether `process` (from a heartbeat or a request for work) is a new process under
@@ -525,8 +528,9 @@ class Heartbeats:
         return bool(now)
 
     def beating(self, sampler_id: str) -> bool:
-        """Whether its heartbeat changed while this process watched: alive, not merely not yet
-        found silent (one that died before a second reading is found silent, never stuck)."""
+        """Whether it gave a sign of life while this process watched (its heartbeat changed, or it
+        asked for work): alive, not merely not yet found silent (one that died before a second
+        reading is found silent, never stuck)."""
         return self.changes.get(sampler_id, 0) > 0
 
     def silent_for(self, sampler_id: str, now: float) -> float:

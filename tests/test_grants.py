@@ -512,6 +512,7 @@ async def test_a_sampler_granted_work_after_a_while_idle_is_not_taken_for_dead_o
     assert (await granter.grant("s1", asked.model_copy(update={"want": 1}))).groups == 1
     await granter.on_wait(4)  # on that reading, where it is younger than a heartbeat: s1 unread since
     assert granter.ledger.holders() == {"s1"} and "s1" not in granter.gone
+    assert granter.heartbeats.beating("s1")  # alive: held to the stall rule, as one whose heartbeat changed
     granter.heartbeats_read_at -= granter.heartbeats_every_s  # a heartbeat later: read, unchanged
     await granter.on_wait(4)
     assert granter.ledger.holders() == {"s1"}  # silent since its ask, not yet 5 s

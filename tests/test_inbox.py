@@ -4,18 +4,21 @@ the history it keeps, and fetches that lose their connection or outgrow a batch.
 
 import asyncio
 import hashlib
+import itertools
 import json
+import time
 
 import nats.js.errors
 import pytest
 
+import streams.inbox as inbox_module
 from echo.config import SamplingConfig
 from echo.consumed import ConsumedSeqs
 from echo.grants import GrantLedger
 from echo.referee import Referee, content_hash
 from echo.wire.codec import encode_rollout, rollout_headers
 from echo.wire.names import HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE, HDR_MSG_ID, HDR_SAMPLER_ID, HDR_VERSION
-from streams.inbox import FETCH_MAX, RolloutInbox
+from streams.inbox import FETCH_MAX, POLL_S, RolloutInbox
 from streams.replay import read_rollouts
 from streams.rollouts import publish_rollout, reader_name, reader_subscription, readers, rollout_body
 from streams.server import NatsServer, ServerConfig
@@ -302,3 +305,42 @@ async def test_an_idle_inbox_lists_its_readers_only_when_the_stream_moves_on(run
     await run.js.publish(run.names.rollouts_subject("s7"), b"y", headers={HDR_MSG_ID: "late"})
     assert [d.sender for d in await inbox.fetch(1, timeout=10.0)] == ["s7"]
     assert await inbox.ack_held() == 0 and (await inbox.counts()).pending == 0
+
+
+async def test_while_samplers_publish_the_inbox_lists_its_readers_no_more_than_a_page_a_poll(runs, monkeypatch):
+    """Issue 83: the readers were listed at every round while the stream moved on, and with
+    1,000 samplers it always does (a group every few hundred milliseconds): 4 pages of about
+    700 bytes a reader, ten and more times a second, a fifth of the trainer's CPU (py-spy).
+    Beyond a page of readers they are listed no more often than a page a POLL_S, and every group
+    is still fetched."""
+    run = await runs.open("busy")
+    samplers = 600  # three pages of the server's consumer listing: listed at most every 2 x POLL_S
+    for i in range(samplers):
+        await run.js.publish(run.names.rollouts_subject(f"s{i}"), b"x", headers={HDR_MSG_ID: f"g{i}"})
+    inbox = await RolloutInbox.open(run, ack_wait_s=600.0)
+    got = []
+    async with asyncio.timeout(120):
+        while len(got) < samplers:
+            got += await inbox.fetch(FETCH_MAX, timeout=5.0)
+    listings = []
+    monkeypatch.setattr(inbox_module, "readers", lambda run: listings.append(time.monotonic()) or readers(run))
+
+    async def publish_on():  # a group every 10 ms, from the samplers in turn
+        for i in itertools.count():
+            await run.js.publish(run.names.rollouts_subject(f"s{i % samplers}"), b"y", headers={HDR_MSG_ID: f"h{i}"})
+            await asyncio.sleep(0.01)
+
+    publishing = asyncio.ensure_future(publish_on())
+    try:
+        began = time.monotonic()
+        while time.monotonic() - began < 2.0:
+            got += await inbox.fetch(1, timeout=1.0)  # one at a time: a round each, before
+    finally:
+        publishing.cancel()
+    gaps = [b - a for a, b in zip(listings, listings[1:])]
+    assert len(listings) >= 2 and min(gaps) >= 2 * POLL_S, gaps
+    published = (await run.js.stream_info(run.names.rollouts_stream)).state.messages
+    async with asyncio.timeout(60):  # every group published is fetched, once
+        while len(got) < published:
+            got += await inbox.fetch(FETCH_MAX, timeout=1.0)
+    assert sorted(d.seq for d in got) == list(range(1, published + 1))

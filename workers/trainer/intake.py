@@ -42,7 +42,7 @@ class Collected:
     generated_seconds: float = 0.0  # the samplers' time generating the used and the stale groups
     proof_seconds: float = 0.0  # the proof of sampling's forwards here (Judge.prove), within the wait for groups
     rejected: Counter = field(default_factory=Counter)  # refused groups by reason
-    rejected_tokens: int = 0  # completion tokens of the refused groups that decoded (an honest one's: its slot released)
+    rejected_tokens: int = 0  # completion tokens of the refused groups that decoded (an honest one's: slot released)
     reward_mismatch: Counter = field(default_factory=Counter)  # groups by sampler
     verifier_errors: int = 0
     already_counted: int = 0  # offered again after a crash, counted when first consumed
