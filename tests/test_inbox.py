@@ -284,20 +284,25 @@ async def test_samplers_are_read_in_turn_so_no_backlog_stands_in_front_of_anothe
     assert (counts.published, counts.pending, counts.ack_floor) == (flood + 2, 0, flood + 2)
 
 
+async def _an_inbox_that_fetched_a_group_of_each(run, samplers: int) -> tuple[RolloutInbox, list]:
+    """An inbox opened on a group from each of `samplers`, and those groups fetched."""
+    for i in range(samplers):
+        await run.js.publish(run.names.rollouts_subject(f"s{i}"), b"x", headers={HDR_MSG_ID: f"g{i}"})
+    inbox = await RolloutInbox.open(run, ack_wait_s=600.0)
+    got = []
+    async with asyncio.timeout(120):
+        while len(got) < samplers:
+            got += await inbox.fetch(FETCH_MAX, timeout=5.0)
+    return inbox, got
+
+
 async def test_an_idle_inbox_lists_its_readers_only_when_the_stream_moves_on(runs):
     """Issue 83: waiting for groups, the inbox listed every sampler's reader (and the stream's
     subjects) ten times a second, a scan of 1,000 consumers' states each time at 1,000 samplers.
     It now asks for the stream's last sequence alone until it moves: an idle round reads a few
     hundred bytes whatever the number of samplers, and a group published after is still fetched."""
     run = await runs.open("idle")
-    samplers = 300  # two pages of the server's consumer listing
-    for i in range(samplers):
-        await run.js.publish(run.names.rollouts_subject(f"s{i}"), b"x", headers={HDR_MSG_ID: f"g{i}"})
-    inbox = await RolloutInbox.open(run, ack_wait_s=600.0)
-    got = []
-    async with asyncio.timeout(60):
-        while len(got) < samplers:
-            got += await inbox.fetch(FETCH_MAX, timeout=5.0)
+    inbox, got = await _an_inbox_that_fetched_a_group_of_each(run, 300)  # two pages of the server's listing
     sent, read = run.nc.stats["out_msgs"], run.nc.stats["in_bytes"]
     assert await inbox.fetch(1, timeout=1.0) == []  # about ten idle rounds
     requests = run.nc.stats["out_msgs"] - sent
@@ -315,13 +320,7 @@ async def test_while_samplers_publish_the_inbox_lists_its_readers_no_more_than_a
     is still fetched."""
     run = await runs.open("busy")
     samplers = 600  # three pages of the server's consumer listing: listed at most every 2 x POLL_S
-    for i in range(samplers):
-        await run.js.publish(run.names.rollouts_subject(f"s{i}"), b"x", headers={HDR_MSG_ID: f"g{i}"})
-    inbox = await RolloutInbox.open(run, ack_wait_s=600.0)
-    got = []
-    async with asyncio.timeout(120):
-        while len(got) < samplers:
-            got += await inbox.fetch(FETCH_MAX, timeout=5.0)
+    inbox, got = await _an_inbox_that_fetched_a_group_of_each(run, samplers)
     listings = []
     monkeypatch.setattr(inbox_module, "readers", lambda run: listings.append(time.monotonic()) or readers(run))
 
