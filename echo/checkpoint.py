@@ -31,8 +31,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from echo import delta
-from echo.referee import completion_keys
-from echo.wire.messages import RolloutGroup
 
 
 @dataclass
@@ -178,10 +176,9 @@ def prune_weights(run_dir: Path, oldest_kept: int) -> None:
             path.unlink()
 
 
-def remember_trained(run_dir: Path, state: TrainerState, contents: list[str], groups: list[RolloutGroup]) -> None:
-    """Before the step's checkpoint: what it trained, so no later trainer of the run trains it
-    again (a replayed group, a completion resent)."""
-    keys = [key for group in groups for key in completion_keys(group)]
+def remember_trained(run_dir: Path, state: TrainerState, contents: list[str], keys: list[int]) -> None:
+    """Before the step's checkpoint: what it trained (its groups' content hashes and completion
+    keys), so no later trainer of the run trains it again (a replayed group, a completion resent)."""
     append_trained_content(run_dir, contents)
     append_trained_completions(run_dir, keys)
     state.trained_content += len(contents)

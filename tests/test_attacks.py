@@ -19,9 +19,12 @@ from nats.js.api import ConsumerConfig
 from nats.js.errors import KeyNotFoundError
 from rich.console import Console
 
+import echo.referee as referee_module
+import workers.trainer.judge as judge_module
 from echo.checkpoint import TrainerState, load_trained_completions, remember_trained
 from echo.config import ConfigError
 from echo.grants import DeliveryBound, GrantLedger
+from echo.referee import completion_keys
 from echo.wire.codec import encode, rollout_headers
 from echo.wire.messages import GrantRequest, SamplerStatus, TrainerStatus, WeightsAnnouncement
 from echo.wire.names import (
@@ -71,7 +74,7 @@ from workers.operator.status import render, snapshot
 from workers.trainer.coordinator import Coordinator
 from workers.trainer.granter import AsyncGranter
 from workers.trainer.intake import Collector
-from workers.trainer.judge import Case, Judge, Timeline, Trained
+from workers.trainer.judge import Accepted, Case, Judge, Timeline, Trained
 from workers.trainer.scoring import ScoringProcess
 from workers.trainer.strikes import Quarantined
 
@@ -362,7 +365,7 @@ async def test_a_group_resending_trained_completions_is_refused(secured, tmp_pat
             step = await collector.collect(1, version=5)
         collector.trained(step)  # trained, and checkpointed
         state = TrainerState()
-        remember_trained(tmp_path, state, [a.content for a in step.used], [a.group for a in step.used])
+        remember_trained(tmp_path, state, [a.content for a in step.used], [k for a in step.used for k in a.keys])
 
         doubled = first.replaced(group_id="doubled", completions=[first.completions[0]] * 2)
         swapped = first.replaced(group_id="swapped", completions=[first.completions[0], honest_group().completions[1]])
@@ -411,6 +414,33 @@ async def test_a_verifier_bomb_costs_the_bomber_its_group_and_a_strike_and_the_s
     finally:
         await attacker.close()
         await trainer.close()
+
+
+async def test_a_step_hashes_each_groups_completions_twice_however_many_it_accepted(monkeypatch):
+    """Issue 83 (the trainer's CPU a token at the reasoning shape): to find a completion resent
+    within the step, each group judged hashed again the completions of every group accepted
+    before it, O(groups^2) hashes of their tokens a step (64 groups of 16 x 4k tokens: about a
+    second of the trainer's CPU), and the checkpoint hashed them all once more. Each group's are
+    hashed when judged and when accepted, and the step's record and checkpoint reuse those."""
+    hashed = []
+
+    def counted(group):
+        hashed.append(group.group_id)
+        return completion_keys(group)
+
+    monkeypatch.setattr(judge_module, "completion_keys", counted)
+    monkeypatch.setattr(referee_module, "completion_keys", counted)
+    judge, step = Judge(REFEREE, Timeline(max_staleness=1)), []
+    for i in range(32):
+        group = honest_group(i, group_id=f"g{i}")
+        case = Case(group, "s1", 0, group.prompt_index, step)
+        assert await judge.new(case) is None
+        step.append(Accepted(group, [1.0, 0.0], case.content))
+    judge.trained.add(step)  # the step trained them
+    assert len(hashed) == 2 * 32, len(hashed)
+    assert judge.trained.completions == {k for a in step for k in completion_keys(a.group)}
+    resent = step[5].group.replaced(group_id="resent")
+    assert (await judge.new(Case(resent, "s1", 0, resent.prompt_index, step))).reason == "replayed_content"
 
 
 async def test_a_sampler_keeping_back_its_low_reward_groups_is_struck_and_quarantined(secured, tmp_path):

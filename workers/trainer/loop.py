@@ -272,7 +272,7 @@ class Trainer:
         self.collector.trained(step.collected)
         state.consumed = self.collector.consumed.as_dict()
         state.totals = count_consumed(state.totals, step.collected)
-        remember_trained(self.cfg.run_dir, state, [a.content for a in used], [a.group for a in used])
+        remember_trained(self.cfg.run_dir, state, [a.content for a in used], [k for a in used for k in a.keys])
         step.record = state.record = step_record(step, state.version, dict(self.model.proof.counts),
                                                  sorted(self.quarantine.samplers))
         await self.lease.held()  # fenced out by another trainer, or not sure it still holds the run: no checkpoint
