@@ -419,8 +419,8 @@ async def test_a_verifier_bomb_costs_the_bomber_its_group_and_a_strike_and_the_s
 async def test_a_step_hashes_each_groups_completions_twice_however_many_it_accepted(monkeypatch):
     """Issue 83 (the trainer's CPU a token at the reasoning shape): to find a completion resent
     within the step, each group judged hashed again the completions of every group accepted
-    before it, O(groups^2) hashes of their tokens a step (64 groups of 16 x 4k tokens: about a
-    second of the trainer's CPU), and the checkpoint hashed them all once more. Each group's are
+    before it, O(groups^2) hashes of their tokens a step (64 groups of 16 x 4k tokens: 0.4 s of
+    the trainer's CPU a step, on this box), and the checkpoint hashed them all once more. Each group's are
     hashed when judged and when accepted, and the step's record and checkpoint reuse those."""
     hashed = []
 

@@ -50,7 +50,7 @@ class Accepted:
     def keys(self) -> list[int]:
         """Its completion_keys, hashed once: each group judged read those of every group accepted
         before it in the step, O(groups^2) hashes of its tokens a step (at 64 groups of 16 x 4k
-        tokens, about a second of the trainer's CPU)."""
+        tokens, 0.4 s of the trainer's CPU)."""
         return completion_keys(self.group)
 
 
