@@ -334,6 +334,7 @@ class AsyncGranter(Granter):
         fresh_for = self.ledger.fresh_for_s(version, self.cfg.trainer.max_staleness, now)
         return None if long_s is None or fresh_for is None else long_s <= fresh_for
 
+
 def granter_for(run: Run, epoch: int, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
                  quarantine: Quarantined) -> "Granter":
     mode = SequentialGranter if cfg.run.mode == "sequential" else AsyncGranter

@@ -139,16 +139,17 @@ class Collector:
         checkpoint), set aside, dropped as stale or refused (let go). A group not trained
         wastes its slot, and its prompt is owed."""
         group, verdict, granted = judged.group, judged.verdict, judged.granted
+        tokens = sum(len(c.token_ids) for c in group.completions)  # generated, where it is not trained
         if granted is not None:
             (self.ledger.accepted if isinstance(verdict, Accepted) else self.ledger.wasted)(group.slot)
         if isinstance(verdict, Verdict):
             if verdict.stale_by is not None:
                 out.dropped[verdict.stale_by] += 1
                 out.dropped_ids.append(group.group_id)
-                out.dropped_tokens += sum(len(c.token_ids) for c in group.completions)
+                out.dropped_tokens += tokens
                 out.generated_seconds += group.gen_seconds
             else:
-                out.rejected_tokens += sum(len(c.token_ids) for c in group.completions)
+                out.rejected_tokens += tokens
                 await self._refused(out, judged.delivery.sender, verdict)
             self.inbox.let_go(judged.delivery)
             return
@@ -160,7 +161,7 @@ class Collector:
         if no_signal(verdict.rewards) and self._may_set_aside(judged.delivery.sender, out):
             out.filtered += 1  # acked with the step: consumed, not trained
             out.filtered_by[judged.delivery.sender] += 1
-            out.filtered_tokens += sum(len(c.token_ids) for c in group.completions)
+            out.filtered_tokens += tokens
             if granted is not None:
                 self.ledger.set_aside(group.slot)
             self.inbox.let_go(judged.delivery)
