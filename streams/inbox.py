@@ -14,12 +14,15 @@ Nothing waits out ack_wait: when the inbox opens (a previous trainer's deliverie
 and after its connection dropped (a broker restart, a cut link: a fetch's messages lost with it,
 acks for deliveries made before it unanswered), it resets its readers to their ack floors, and
 every unacked message is offered again at once; the trainer skips those it already counted by
-their sequences."""
+their sequences.
+
+Which readers have messages is learnt from a headers-only watch of the stream (every message's
+subject and sequence, in order), so a round fetches from those alone: listing the readers' states
+instead cost about 700 bytes a sampler a round, a fifth of the trainer's CPU at 1,000 samplers."""
 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -30,15 +33,16 @@ from echo.wire.codec import RolloutLimits
 from echo.wire.names import ROLLOUT_MESSAGE_MAX, subject_sampler
 from streams.client import BROKER_ERRORS, Run
 from streams.rollouts import (
-    CONSUMER_PAGE,
     fetch_rollouts,
     last_rollout_seq,
+    late_rollouts,
     reader_name,
     reader_subscription,
     readers,
     reset_reader,
     rollout_body,
     rollout_subjects,
+    watch_rollouts,
 )
 
 log = structlog.get_logger()
@@ -49,9 +53,9 @@ ACK_ATTEMPTS = 3  # a held message's ack is confirmed, or left for the broker to
 # (the batch lost with it came back only after ack_wait).
 FETCH_BYTES = 32 << 20
 FETCH_MAX = FETCH_BYTES // ROLLOUT_MESSAGE_MAX  # messages one round asks the server for, all readers together
-POLL_S = 0.1  # how often an idle inbox asks whether any sampler has published
-# A reader found with messages answers at once, however busy the box; this bounds only one whose
-# messages were evicted between the listing and its fetch (a fetch on an empty consumer waits it out).
+POLL_S = 0.1  # how often an idle inbox looks again, between the watch's wake-ups
+# A reader with messages answers at once, however busy the box; this bounds only one whose every
+# announced message was evicted before its fetch (a fetch on an empty consumer waits it out).
 PULL_TIMEOUT_S = 5.0
 SNAPSHOT_TRIES = 50  # counts read again while samplers publish between the reads
 
@@ -90,6 +94,9 @@ class Reader:
     subscription: object
     name: str  # its consumer's
     waiting: list[Msg] = field(default_factory=list)
+    # The stream sequence it has delivered through: a message of its subject announced past it is
+    # still to fetch (delivered in order; one announced and never delivered was evicted).
+    through: int = 0
 
 
 class RolloutInbox:
@@ -100,16 +107,17 @@ class RolloutInbox:
         # By subject, in turn order: the one served last goes to the back.
         self.readers: dict[str, Reader] = {}
         self.connection = -1  # the connection the readers were last reset on: none yet
-        # The stream's last sequence when the readers were last listed, while every message they
-        # then held undelivered was fetched (else None): nothing new to pull until it moves.
-        self.drained_at: int | None = None
-        # Not listed again before this (monotonic): a page of readers' state a POLL_S, the first free.
-        self.list_after = 0.0
+        self.watch = None  # the stream's headers-only watch (watch_rollouts), on that connection
+        # By subject: the sequences the watch announced past its reader's `through`, to fetch.
+        self.announced: dict[str, list[int]] = {}
+        self.woken = asyncio.Event()  # set by each announcement
+        # While the watch replays what the stream held when it began, nothing is fetched: the
+        # first round sees every sampler's backlog, and no flood of one stands in front of another.
+        self.replaying, self.replay_to = True, 0
 
     @classmethod
     async def open(cls, run: Run, ack_wait_s: float = 600.0) -> "RolloutInbox":
         inbox = cls(run, ack_wait_s)
-        await inbox._bind_readers()
         await inbox._reset_if_reconnected()
         return inbox
 
@@ -120,22 +128,58 @@ class RolloutInbox:
         """A reader on every subject the stream holds messages on; returns its last sequence then."""
         last_seq, subjects = await rollout_subjects(self.run)
         for subject in subjects:
-            if subject not in self.readers:
-                self.readers[subject] = Reader(await reader_subscription(self.run, subject, self.ack_wait_s),
-                                               reader_name(self.run.names, subject))
+            await self._bind(subject)
         return last_seq
 
+    async def _bind(self, subject: str) -> Reader:
+        if subject not in self.readers:
+            self.readers[subject] = Reader(await reader_subscription(self.run, subject, self.ack_wait_s),
+                                           reader_name(self.run.names, subject))
+        return self.readers[subject]
+
     async def _reset_if_reconnected(self) -> None:
-        """On a connection the readers were not reset on yet, offer every unacked message again."""
+        """On a connection the readers were not reset on yet, offer every unacked message again,
+        and watch the stream from the oldest of them."""
         if self.connection == self._reconnects():
             return
         try:
+            # Read before the readers are bound: a subject first published after it is announced.
+            last_seq = await last_rollout_seq(self.run)
+            await self._bind_readers()
             for reader in self.readers.values():
                 await reset_reader(self.run, reader.name)
                 reader.waiting.clear()
-            self.connection, self.drained_at = self._reconnects(), None
+            await self._watch_from(last_seq, {state.name: state for state in await readers(self.run)})
+            self.connection = self._reconnects()
         except BROKER_ERRORS as e:  # still reconnecting: the next fetch tries again
             log.warning("inbox.reset_failed", reason=repr(e))
+
+    async def _watch_from(self, last_seq: int, states: dict) -> None:
+        """Watch the stream from the oldest message a reader still holds unacked. A reader holding
+        none has delivered its subject through `last_seq`; one holding some, through its ack floor
+        (acked messages above the floor are announced too, and found gone by its fetch)."""
+        start = last_seq + 1
+        for reader in self.readers.values():
+            state = states.get(reader.name)
+            holding = state is not None and state.num_pending + state.num_ack_pending > 0
+            reader.through = state.ack_floor_seq if holding else last_seq
+            if holding:
+                start = min(start, reader.through + 1)
+        if self.watch is not None:
+            try:
+                await self.watch.unsubscribe()
+            except BROKER_ERRORS as e:  # the old connection's: gone with it
+                log.warning("inbox.unwatch_failed", reason=repr(e))
+        self.announced.clear()
+        self.replaying, self.replay_to = start <= last_seq, last_seq
+        self.watch = await watch_rollouts(self.run, start, self._arrived)
+
+    async def _arrived(self, msg: Msg) -> None:
+        seq = msg.metadata.sequence.stream
+        self.announced.setdefault(msg.subject, []).append(seq)
+        if seq >= self.replay_to or msg.metadata.num_pending == 0:
+            self.replaying = False
+        self.woken.set()
 
     async def fetch(self, batch: int, timeout: float) -> list[Delivery]:
         """Up to `batch` deliveries ([] when none came within `timeout`), each held until ack_held,
@@ -145,10 +189,14 @@ class RolloutInbox:
         deadline = time.monotonic() + timeout
         await self._reset_if_reconnected()
         while not any(reader.waiting for reader in self.readers.values()):
+            self.woken.clear()
             if not await self._pull():
                 if time.monotonic() >= deadline:
                     return []
-                await asyncio.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+                try:
+                    await asyncio.wait_for(self.woken.wait(), min(POLL_S, max(0.0, deadline - time.monotonic())))
+                except asyncio.TimeoutError:
+                    pass
         now, wall, connection = time.monotonic(), time.time(), self._reconnects()
         deliveries = [Delivery(msg.metadata.sequence.stream, msg.subject, msg.headers or {}, msg,
                                arrived=now - max(0.0, wall - msg.metadata.timestamp.timestamp()),
@@ -158,40 +206,46 @@ class RolloutInbox:
         return deliveries
 
     async def _pull(self) -> bool:
-        """One round: every reader with messages undelivered fetches its share of a full fetch,
-        all at once; True when any came. A reader with none is not asked (a fetch on one waits
-        out its expiry). The readers are listed only when the stream moved on since they were
-        last drained: an idle inbox listing 1,000 samplers' readers ten times a second was the
-        trainer's largest cost that grew with the samplers (issue 83). And beyond a page of them,
-        no more often than a page a POLL_S: a group arriving meanwhile waits for the next listing
-        (0.3 s at most at 1,000 samplers, where a step takes 10 s or more)."""
+        """One round: every reader with messages announced, or queued late, fetches its share of a
+        full fetch, all at once; True when any came. A reader with none is not asked (a fetch on
+        one waits out its expiry). A fetch that brings fewer than it asked for found its reader
+        empty: the rest of what was announced before it was evicted."""
+        if self.replaying:
+            return False
         # A reader's subscription may also hold late messages of a fetch that gave up waiting.
-        late = {reader.name: n for reader in self.readers.values() if (n := reader.subscription.pending_msgs)}
+        late = {reader.name: n for reader in self.readers.values() if (n := late_rollouts(reader.subscription))}
         try:
-            last_seq = await last_rollout_seq(self.run)
-            undelivered, listed = {}, False
-            if last_seq != self.drained_at and time.monotonic() >= self.list_after:
-                await self._bind_readers()
-                states = await readers(self.run)
-                undelivered, listed = {info.name: info.num_pending for info in states if info.num_pending}, True
-                # Listed at every round while samplers published (about 700 bytes a reader, 4
-                # pages at 1,000 samplers), it was a fifth of the trainer's CPU there (py-spy).
-                self.list_after = time.monotonic() + POLL_S * (math.ceil(len(states) / CONSUMER_PAGE) - 1)
+            for subject in [subject for subject in self.announced if subject not in self.readers]:
+                await self._bind(subject)  # a new sampler's: all its messages announced
         except BROKER_ERRORS as e:  # a broker restarting: the next round asks again
             log.warning("inbox.pull_failed", reason=repr(e))
             return False
-        counts = [(reader, count) for reader in self.readers.values()
-                  if (count := undelivered.get(reader.name, 0) + late.get(reader.name, 0))]
+        counts = []
+        for subject, reader in self.readers.items():
+            known = self.announced.get(subject, [])
+            if count := sum(seq > reader.through for seq in known) + late.get(reader.name, 0):
+                counts.append((reader, count, max(known, default=0)))
         ready = counts[:FETCH_MAX]
         share = FETCH_MAX // max(1, len(ready))
-        fetched = await asyncio.gather(*(fetch_rollouts(reader.subscription, min(share, count), PULL_TIMEOUT_S)
-                                         for reader, count in ready))
-        for (reader, _), msgs in zip(ready, fetched):
+        asked = [min(share, count) for _, count, _ in ready]
+        fetched = await asyncio.gather(*(fetch_rollouts(reader.subscription, n, PULL_TIMEOUT_S)
+                                         for (reader, _, _), n in zip(ready, asked)))
+        for (reader, _, newest), n, msgs in zip(ready, asked, fetched):
             reader.waiting += msgs
-        if listed:  # else what the last listing found still holds, and the stream moved on since
-            drained = len(ready) == len(counts) and all(len(msgs) >= count for (_, count), msgs in zip(ready, fetched))
-            self.drained_at = last_seq if drained else None
+            reader.through = max([reader.through, *(msg.metadata.sequence.stream for msg in msgs)])
+            if len(msgs) < n:
+                reader.through = max(reader.through, newest)
+        self._forget_delivered()
         return any(fetched)
+
+    def _forget_delivered(self) -> None:
+        for subject in list(self.announced):
+            reader = self.readers.get(subject)
+            if reader is not None:
+                if not (left := [seq for seq in self.announced[subject] if seq > reader.through]):
+                    del self.announced[subject]
+                else:
+                    self.announced[subject] = left
 
     def _in_turn(self, batch: int) -> list[Msg]:
         """Up to `batch` waiting messages, one from each sampler in turn."""

@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from dataclasses import dataclass
+from typing import Awaitable, Callable
 
 import orjson
 import structlog
+from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header
 from nats.js.errors import APIError, NotFoundError
 
 from echo.wire.codec import ProtocolError, RolloutLimits, encode_rollout, rollout_headers
@@ -36,6 +38,9 @@ log = structlog.get_logger()
 PUBLISH_RETRY_MAX_S = 10.0
 HEADER_ROOM = 4096  # of a message's largest size, left for its headers
 CONSUMER_PAGE = 256  # consumers in one CONSUMER.LIST answer
+# The watch's consumer lives on one server: lost with it (a rolling restart), it is made again
+# after two heartbeats go missing, while no group is fetched.
+WATCH_HEARTBEAT_S = 1.0
 FETCH_RETRY_S = 1.0  # after a failed fetch: the broker is restarting or moving the consumer
 
 
@@ -204,6 +209,27 @@ async def readers(run: Run) -> list[ReaderState]:
                               (c.get("ack_floor") or {}).get("stream_seq", 0)) for c in page]
         if len(page) < CONSUMER_PAGE:
             return [state for state in found if is_reader(state.name)]
+
+
+async def watch_rollouts(run: Run, start_seq: int, on_arrival: Callable[[Msg], Awaitable[None]]):
+    """Each rollout message from `start_seq` on, headers only and in stream order, handed to
+    `on_arrival`: which samplers have published, for a few hundred bytes a message where listing
+    the readers costs hundreds a sampler. An ordered consumer: nats-py starts it again past the
+    last message seen after a gap or two missed heartbeats (WATCH_HEARTBEAT_S)."""
+    config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq)
+    return await run.js.subscribe(run.names.all_rollouts, stream=run.names.rollouts_stream, cb=on_arrival,
+                                  config=config, ordered_consumer=True, headers_only=True,
+                                  idle_heartbeat=WATCH_HEARTBEAT_S)
+
+
+def late_rollouts(subscription) -> int:
+    """The messages a reader's subscription queued for a fetch that gave up waiting. The status
+    that ends such a pull request (its expiry, 408) is queued with them and is not counted: taken
+    for a message, it had the next round fetch from an empty reader, wait out its expiry, and
+    leave another such status behind, a round after round."""
+    if not subscription.pending_msgs:
+        return 0
+    return sum(not (msg.headers or {}).get(Header.STATUS) for msg in subscription._sub._pending_queue._queue)
 
 
 async def fetch_rollouts(subscription, batch: int, timeout: float) -> list:

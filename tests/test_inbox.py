@@ -17,8 +17,17 @@ from echo.consumed import ConsumedSeqs
 from echo.grants import GrantLedger
 from echo.referee import Referee, content_hash
 from echo.wire.codec import encode_rollout, rollout_headers
-from echo.wire.names import HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE, HDR_MSG_ID, HDR_SAMPLER_ID, HDR_VERSION
-from streams.inbox import FETCH_MAX, POLL_S, RolloutInbox
+from echo.wire.names import (
+    HDR_BODY_PARTS,
+    HDR_BODY_SHA256,
+    HDR_BODY_SIZE,
+    HDR_MSG_ID,
+    HDR_SAMPLER_ID,
+    HDR_VERSION,
+    Storage,
+)
+from streams.client import open_run
+from streams.inbox import FETCH_MAX, RolloutInbox
 from streams.replay import read_rollouts
 from streams.rollouts import publish_rollout, reader_name, reader_subscription, readers, rollout_body
 from streams.server import NatsServer, ServerConfig
@@ -296,37 +305,40 @@ async def _an_inbox_that_fetched_a_group_of_each(run, samplers: int) -> tuple[Ro
     return inbox, got
 
 
-async def test_an_idle_inbox_lists_its_readers_only_when_the_stream_moves_on(runs):
+async def test_an_idle_inbox_asks_the_broker_nothing_and_still_fetches_the_next_group(runs):
     """Issue 83: waiting for groups, the inbox listed every sampler's reader (and the stream's
     subjects) ten times a second, a scan of 1,000 consumers' states each time at 1,000 samplers.
-    It now asks for the stream's last sequence alone until it moves: an idle round reads a few
-    hundred bytes whatever the number of samplers, and a group published after is still fetched."""
+    The stream's watch now says when a sampler publishes: an idle inbox sends the broker nothing,
+    and a group published after is fetched."""
     run = await runs.open("idle")
     inbox, got = await _an_inbox_that_fetched_a_group_of_each(run, 300)  # two pages of the server's listing
-    sent, read = run.nc.stats["out_msgs"], run.nc.stats["in_bytes"]
+    sent = run.nc.stats["out_msgs"]
     assert await inbox.fetch(1, timeout=1.0) == []  # about ten idle rounds
-    requests = run.nc.stats["out_msgs"] - sent
-    assert requests >= 2 and (run.nc.stats["in_bytes"] - read) / requests < 2_000  # a listing: ~200 KB
+    assert run.nc.stats["out_msgs"] - sent <= 1  # a ping, at most
     await run.js.publish(run.names.rollouts_subject("s7"), b"y", headers={HDR_MSG_ID: "late"})
     assert [d.sender for d in await inbox.fetch(1, timeout=10.0)] == ["s7"]
     assert await inbox.ack_held() == 0 and (await inbox.counts()).pending == 0
 
 
-async def test_while_samplers_publish_the_inbox_lists_its_readers_no_more_than_a_page_a_poll(runs, monkeypatch):
+async def test_while_samplers_publish_the_inbox_fetches_from_the_publishers_alone_and_never_lists_its_readers(
+        runs, monkeypatch):
     """Issue 83: the readers were listed at every round while the stream moved on, and with
     1,000 samplers it always does (a group every few hundred milliseconds): 4 pages of about
-    700 bytes a reader, ten and more times a second, a fifth of the trainer's CPU (py-spy).
-    Beyond a page of readers they are listed no more often than a page a POLL_S, and every group
-    is still fetched."""
+    700 bytes a reader, ten and more times a second, a fifth of the trainer's CPU (py-spy). A
+    round now fetches from the readers the watch announced groups for: no listing, a fetch
+    request a group or fewer, and every group fetched once."""
     run = await runs.open("busy")
-    samplers = 600  # three pages of the server's consumer listing: listed at most every 2 x POLL_S
+    samplers = 600  # three pages of the server's consumer listing
     inbox, got = await _an_inbox_that_fetched_a_group_of_each(run, samplers)
     listings = []
     monkeypatch.setattr(inbox_module, "readers", lambda run: listings.append(time.monotonic()) or readers(run))
+    sent, published = run.nc.stats["out_msgs"], 0
 
     async def publish_on():  # a group every 10 ms, from the samplers in turn
+        nonlocal published
         for i in itertools.count():
             await run.js.publish(run.names.rollouts_subject(f"s{i % samplers}"), b"y", headers={HDR_MSG_ID: f"h{i}"})
+            published += 1
             await asyncio.sleep(0.01)
 
     publishing = asyncio.ensure_future(publish_on())
@@ -336,10 +348,37 @@ async def test_while_samplers_publish_the_inbox_lists_its_readers_no_more_than_a
             got += await inbox.fetch(1, timeout=1.0)  # one at a time: a round each, before
     finally:
         publishing.cancel()
-    gaps = [b - a for a, b in zip(listings, listings[1:])]
-    assert len(listings) >= 2 and min(gaps) >= 2 * POLL_S, gaps
+    # Each publish is one message out; each fetch of one reader a request, and its no-wait probe.
+    assert listings == [] and run.nc.stats["out_msgs"] - sent <= 3 * published + 1
     published = (await run.js.stream_info(run.names.rollouts_stream)).state.messages
     async with asyncio.timeout(60):  # every group published is fetched, once
         while len(got) < published:
             got += await inbox.fetch(FETCH_MAX, timeout=1.0)
     assert sorted(d.seq for d in got) == list(range(1, published + 1))
+
+
+
+
+async def test_groups_evicted_before_their_fetch_cost_one_wait_not_one_a_round(nats_server, monkeypatch):
+    """The watch announces a group when it is stored; the stream's limits may remove it before
+    the inbox fetches it (here its size: `nats.rollouts_max_gb`). A fetch on a reader whose
+    every announced message is gone waits out PULL_TIMEOUT_S and finds nothing; one that finds
+    fewer than were announced found the rest gone. Either marks them gone, so no later round
+    waits for them."""
+    monkeypatch.setattr(inbox_module, "PULL_TIMEOUT_S", 1.0)
+    run = await open_run(nats_server.url, "evicted", "test", storage=Storage(rollouts_max_bytes=8 << 10))
+    try:
+        inbox = await RolloutInbox.open(run, ack_wait_s=600.0)
+        for i, sampler in enumerate(["s1"] + 10 * ["s2"]):  # s1's group, then s2's, evicting it and their own
+            await run.js.publish(run.names.rollouts_subject(sampler), bytes(2000), headers={HDR_MSG_ID: f"g{i}"})
+        async with asyncio.timeout(30):
+            while sum(map(len, inbox.announced.values())) < 11:
+                await asyncio.sleep(0.05)
+        kept = (await run.js.stream_info(run.names.rollouts_stream)).state
+        assert kept.first_seq > 2 and kept.last_seq == 11  # s1's group and s2's first ones gone
+        got = await inbox.fetch(FETCH_MAX, timeout=5.0)
+        assert [d.seq for d in got] == list(range(kept.first_seq, 12)) and inbox.announced == {}
+        began = time.monotonic()
+        assert await inbox.fetch(1, timeout=0.1) == [] and time.monotonic() - began < inbox_module.PULL_TIMEOUT_S
+    finally:
+        await run.close()
