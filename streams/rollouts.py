@@ -222,13 +222,14 @@ async def watch_rollouts(run: Run, start_seq: int, on_arrival: Callable[[Msg], A
                                   idle_heartbeat=WATCH_HEARTBEAT_S)
 
 
-def late_rollouts(subscription) -> int:
-    """The messages a reader's subscription queued for a fetch that gave up waiting. The status
-    that ends such a pull request (its expiry, 408) is queued with them and is not counted: taken
-    for a message, it had the next round fetch from an empty reader, wait out its expiry, and
-    leave another such status behind, a round after round."""
+def late_rollouts(subscription) -> int | None:
+    """The messages a reader's subscription queued for a fetch that gave up waiting (None: none
+    queued, its answer not come yet). The status that ends such a pull request (its expiry, 408)
+    is queued with them and is not counted: taken for a message, it had the next round fetch
+    from an empty reader, wait out its expiry and leave another such status behind, round after
+    round."""
     if not subscription.pending_msgs:
-        return 0
+        return None
     return sum(not (msg.headers or {}).get(Header.STATUS) for msg in subscription._sub._pending_queue._queue)
 
 
