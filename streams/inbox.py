@@ -227,8 +227,9 @@ class RolloutInbox:
         except BROKER_ERRORS as e:  # a broker restarting: the next round asks again
             log.warning("inbox.pull_failed", reason=repr(e))
             return False
-        counts = []  # announced while a reader was bound: bound next round
+        # One announced while another's reader was being bound has none yet: bound next round.
         news = [subject for subject in self.announced.keys() | late.keys() if subject in self.readers]
+        counts = []
         for subject in sorted(news, key=lambda subject: self.readers[subject].served):
             known, reader = self.announced.get(subject, []), self.readers[subject]
             if count := sum(seq > reader.through for seq in known) + late.get(subject, 0):

@@ -230,6 +230,7 @@ def late_rollouts(subscription) -> int | None:
     round."""
     if not subscription.pending_msgs:
         return None
+    # nats-py tells only how many are queued, not what: its queue is read in place, not taken from.
     return sum(not (msg.headers or {}).get(Header.STATUS) for msg in subscription._sub._pending_queue._queue)
 
 
