@@ -23,6 +23,7 @@ instead cost about 700 bytes a sampler a round, a fifth of the trainer's CPU at 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -97,7 +98,9 @@ class Reader:
     # The stream sequence it has delivered through: a message of its subject announced past it is
     # still to fetch (delivered in order; one announced and never delivered was evicted).
     through: int = 0
-    served: int = 0  # when the inbox last handed out one of its messages (a count): turns go to the least recent
+    # Its place in the turn, the lowest first: given when it is bound, and again (at the back)
+    # each time one of its messages is handed out.
+    turn: int = 0
 
 
 class RolloutInbox:
@@ -110,7 +113,7 @@ class RolloutInbox:
         # Those whose last fetch waited out its expiry and brought nothing: its answer (a message
         # of the last instant, or the expiry's status) may still come, queued on the subscription.
         self.gave_up: set[str] = set()
-        self.served = 0  # messages handed out
+        self.turns = itertools.count()
         self.connection = -1  # the connection the readers were last reset on: none yet
         self.watch = None  # the stream's headers-only watch (watch_rollouts), on that connection
         # By subject: the sequences the watch announced past its reader's `through`, to fetch.
@@ -138,8 +141,8 @@ class RolloutInbox:
 
     async def _bind(self, subject: str) -> Reader:
         if subject not in self.readers:
-            self.readers[subject] = Reader(await reader_subscription(self.run, subject, self.ack_wait_s),
-                                           reader_name(self.run.names, subject))
+            subscription = await reader_subscription(self.run, subject, self.ack_wait_s)
+            self.readers[subject] = Reader(subscription, reader_name(self.run.names, subject), turn=next(self.turns))
         return self.readers[subject]
 
     async def _reset_if_reconnected(self) -> None:
@@ -230,7 +233,7 @@ class RolloutInbox:
         # One announced while another's reader was being bound has none yet: bound next round.
         news = [subject for subject in self.announced.keys() | late.keys() if subject in self.readers]
         counts = []
-        for subject in sorted(news, key=lambda subject: self.readers[subject].served):
+        for subject in sorted(news, key=lambda subject: self.readers[subject].turn):
             known, reader = self.announced.get(subject, []), self.readers[subject]
             if count := sum(seq > reader.through for seq in known) + late.get(subject, 0):
                 counts.append((subject, count, max(known, default=0)))
@@ -281,11 +284,10 @@ class RolloutInbox:
         served first)."""
         taken: list[Msg] = []
         while len(taken) < batch and self.ready:
-            for subject in sorted(self.ready, key=lambda subject: self.readers[subject].served)[: batch - len(taken)]:
+            for subject in sorted(self.ready, key=lambda subject: self.readers[subject].turn)[: batch - len(taken)]:
                 reader = self.readers[subject]
                 taken.append(reader.waiting.pop(0))
-                self.served += 1
-                reader.served = self.served
+                reader.turn = next(self.turns)
                 if not reader.waiting:
                     self.ready.discard(subject)
         return taken
