@@ -110,8 +110,8 @@ class RolloutInbox:
         self.untrained: set[int] = set()  # the sequences of held messages let go (not trained)
         self.readers: dict[str, Reader] = {}  # by subject
         self.ready: set[str] = set()  # the subjects whose readers have messages waiting
-        # Those whose last fetch waited out its expiry and brought nothing: its answer (a message
-        # of the last instant, or the expiry's status) may still come, queued on the subscription.
+        # Those whose last fetch waited out its expiry: the rest of its answer (a message of the
+        # last instant, or the expiry's status) may still come, queued on the subscription.
         self.gave_up: set[str] = set()
         self.turns = itertools.count()
         self.connection = -1  # the connection the readers were last reset on: none yet
