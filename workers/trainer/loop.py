@@ -208,10 +208,16 @@ class Trainer:
                     await asyncio.sleep(cfg.trainer.throttle_s)  # a slower learner, when asked
                 with step.phase("checkpoint"):
                     await self.checkpoint(step)
-                with step.phase("publish"):
-                    step.published = await publish_version(self.weights, self.model, state.version)
-                with step.phase("account"):
-                    record = await self.account(step)
+                # Acking and counting wait on the broker as publishing does, and need only the
+                # checkpoint: they go on meanwhile (the reasoning shape's overhead, issue 83).
+                settling = asyncio.create_task(settle(self.inbox, self.collector.consumed, state.totals))
+                try:
+                    with step.phase("publish"):
+                        step.published = await publish_version(self.weights, self.model, state.version)
+                    with step.phase("account"):
+                        record = await self.account(step, await settling)
+                finally:
+                    settling.cancel()  # done by then, but where publishing failed
                 evaluated = None
                 if self.evaluator.due(step.number):
                     with step.phase("evaluate"):
@@ -279,11 +285,11 @@ class Trainer:
         await asyncio.to_thread(self.model.save, state)
         self.lease.check()
 
-    async def account(self, step: TrainerStep) -> dict:
-        """The step's groups acked (only now: the step that consumed them is checkpointed), every
-        message counted, the trainer's pace published; the step's finished record."""
+    async def account(self, step: TrainerStep, settled: tuple[dict[str, int], dict]) -> dict:
+        """With the step's groups acked and every message counted (`settled`: only after the step
+        that consumed them is checkpointed), the trainer's pace published; the step's finished record."""
         state = self.model.state
-        state.totals, accounting = await settle(self.inbox, self.collector.consumed, state.totals)
+        state.totals, accounting = settled
         record = finished_record(step, accounting)
         slots = {s: SlotsEnded(ended=d.ended, undelivered=d.undelivered) for s, d in self.collector.ledger.deliveries.items()}
         step.samples = step_samples(step, self.model.tokenizer, self.cfg.run.samples_per_step)
