@@ -306,7 +306,8 @@ async def registry_and_view(run, out: dict) -> None:
 
     from rich.console import Console
 
-    from workers.operator.status import render, snapshot
+    from workers.operator.snapshot import snapshot
+    from workers.operator.status import render
 
     info = await run.js.stream_info(f"KV_{run.names.registry_bucket}")
     began = time.perf_counter()

@@ -62,7 +62,7 @@ from echo.devices import resolve_device
 from echo.engines import make_engine
 from echo.metrics import read_metrics
 from echo.tasks import load_task
-from workers.operator.heldout import held_out_score
+from echo.heldout import held_out_score
 
 MODES = {
     # The peer: TRL's GRPOTrainer on the same work (bench/peer_trl.py; the `peer-trl` preset).

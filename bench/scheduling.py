@@ -29,14 +29,13 @@ from statistics import mean
 import orjson
 
 from bench.common import write_results
-from echo.capacity import LearnerPace, utilisation
+from echo.capacity import LearnerPace, sampler_pace, utilisation
 from echo.config import validate_config
 from echo.metrics import read_metrics
 from echo.wire.messages import SamplerStatus
 from streams.client import open_run
 from streams.registry import read_statuses, read_trainer_status
 from streams.server import NatsServer
-from workers.operator.plan import sampler_pace
 from workers.operator.swarm import stop_processes, worker_command
 
 

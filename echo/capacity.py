@@ -24,26 +24,43 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field, replace
+from statistics import mean
+from typing import Annotated
 
+from pydantic import ConfigDict, Field, with_config
+
+from echo.wire.messages import SamplerStatus
+
+SCHEDULED = ("active", "standby")  # a draining or quarantined sampler is not the scheduler's to use
 EXACT_UP_TO = 12  # samplers: every subset is tried up to here (4096), a greedy heuristic beyond
 TOLERANCE = 1e-9
 
 
+# Each field's bounds are checked where a fleet file is read (workers/operator/plan.py), not at
+# every construction here.
+@with_config(ConfigDict(extra="forbid"))
 @dataclass(frozen=True)
 class LearnerPace:
-    step_s: float  # T: one step's training and publishing, measured
-    groups_per_step: int  # B
-    max_staleness: int  # S
+    step_s: Annotated[float, Field(gt=0)]  # T: one step's training and publishing, measured
+    groups_per_step: Annotated[int, Field(ge=1)]  # B
+    max_staleness: Annotated[int, Field(ge=0)]  # S
 
 
+@with_config(ConfigDict(extra="forbid"))
 @dataclass(frozen=True)
 class SamplerPace:
     id: str
-    groups_per_s: float  # r_i, measured over a sliding window
-    sync_s: float  # D_i: from a version's announcement to the sampler running it
-    call_s: float  # g_i: one generation call, from its start to its groups published
-    cost_per_hour: float = 0.0
+    groups_per_s: Annotated[float, Field(ge=0)]  # r_i, measured over a sliding window
+    sync_s: Annotated[float, Field(ge=0)]  # D_i: from a version's announcement to the sampler running it
+    call_s: Annotated[float, Field(gt=0)]  # g_i: one generation call, from its start to its groups published
+    cost_per_hour: Annotated[float, Field(ge=0)] = 0.0
     device: str = ""
+
+
+def sampler_pace(status: SamplerStatus) -> SamplerPace:
+    """A registry entry as the model's sampler: its sync time is the mean over its last versions."""
+    return SamplerPace(status.sampler_id, status.groups_per_s, mean(status.sync_s.values()) if status.sync_s else 0.0,
+                       status.call_s or math.inf, status.cost_per_hour, status.device)
 
 
 @dataclass(frozen=True)

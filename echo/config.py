@@ -586,7 +586,7 @@ def format_errors(error: ValidationError, prefix: str = "", model: type[BaseMode
     lines = []
     for err in error.errors():
         field = prefix + ".".join(str(p) for p in err["loc"])
-        if err["type"] == "extra_forbidden":
+        if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):  # a model's, a dataclass's
             lines.append(_unknown(field, err.get("input"), known))
         else:
             lines.append(f"{field}: {err['msg']}")

@@ -70,7 +70,8 @@ from tests.groups import (
 )
 from workers.background import Background
 from workers.cli import main
-from workers.operator.status import render, snapshot
+from workers.operator.snapshot import snapshot
+from workers.operator.status import render
 from workers.trainer.coordinator import Coordinator
 from workers.trainer.granter import AsyncGranter
 from workers.trainer.intake import Collector

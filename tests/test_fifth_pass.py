@@ -41,7 +41,7 @@ from tests.groups import (
 from workers.background import Background
 from workers.cli import build_parser
 from workers.operator.quarantine import quarantine_command
-from workers.operator.status import snapshot
+from workers.operator.snapshot import snapshot
 from workers.sampler.generation import generate_groups
 from workers.trainer.granter import AsyncGranter
 from workers.trainer.intake import Collector

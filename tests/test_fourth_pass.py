@@ -45,7 +45,8 @@ from streams.server import LOG_FILES_KEPT, NatsServer, ServerConfig
 from tests.conftest import tiny_config
 from tests.groups import REFEREE, honest_group, pack_rollout, unpack_rollout
 from workers.operator.page import Latest, PageServer
-from workers.operator.status import fleet_summary, render, sampler_row
+from workers.operator.snapshot import fleet_summary, sampler_row
+from workers.operator.status import render
 from workers.trainer.intake import Collector
 from workers.trainer.judge import Judge, Timeline
 from workers.trainer.strikes import Quarantined

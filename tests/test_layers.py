@@ -48,24 +48,36 @@ def test_no_module_imports_from_a_layer_above_its_own(layer):
     assert {f: names for f, names in wrong.items() if names} == {}
 
 
-def echo_imports(path: Path) -> set[str]:
-    """The echo modules `path` imports, lazily inside a function too (a name imported from a
+LAYERS = ("echo", "streams", "workers")
+
+
+def modules_of(*packages: str) -> dict[str, Path]:
+    return {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+            for package in packages for p in (ROOT / package).rglob("*.py")}
+
+
+def our_imports(path: Path) -> set[str]:
+    """The modules of ours `path` imports, lazily inside a function too (a name imported from a
     package is its submodule where there is one)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("echo"):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith(LAYERS):
             found |= {f"{node.module}.{alias.name}" for alias in node.names} | {node.module}
         elif isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names if alias.name.startswith("echo")}
+            found |= {alias.name for alias in node.names if alias.name.startswith(LAYERS)}
     return found
 
 
-def test_no_import_cycle_among_echos_modules():
-    """A cycle is dodged with imports inside functions (echo/tasks/dataset.py <-> math.py was):
-    the modules of the pure library import each other one way."""
-    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
-               for p in (ROOT / "echo").rglob("*.py")}
-    graph = {name: (echo_imports(path) & modules.keys()) - {name} for name, path in modules.items()}
+def import_graph(*packages: str) -> dict[str, set[str]]:
+    modules = modules_of(*packages)
+    return {name: (our_imports(path) & modules.keys()) - {name} for name, path in modules.items()}
+
+
+def test_no_import_cycle_anywhere():
+    """A cycle is dodged with imports inside functions (echo/tasks/dataset.py <-> math.py was;
+    so were the page and `status`, and the command line, `up`, the swarm and its forked child):
+    every module of ours is imported one way."""
+    graph = import_graph(*LAYERS)
     done, cycles = set(), []
 
     def visit(name: str, path: list[str]) -> None:
@@ -81,6 +93,13 @@ def test_no_import_cycle_among_echos_modules():
     for name in sorted(graph):
         visit(name, [])
     assert cycles == []
+
+
+def test_the_trainers_wing_imports_nothing_of_the_operators():
+    """The trainer's process runs without the operator's tools: what both use lives below them."""
+    graph = import_graph("workers")
+    assert {(name, other) for name, imported in graph.items() if name.startswith("workers.trainer")
+            for other in imported if other.startswith("workers.operator")} == set()
 
 
 def test_no_file_name_twice_in_workers():

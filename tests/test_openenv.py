@@ -162,6 +162,12 @@ def test_a_server_that_cannot_serve_a_group_or_an_image_without_docker_is_refuse
     assert "\n" not in str(refused.value)
 
 
+def test_an_unseeded_environment_is_refused_at_start_unless_the_run_trusts_the_samplers(guess_module):
+    with pytest.raises(ConfigError, match="cannot replay what a sampler played") as refused:
+        load_task(TaskConfig(name=f"openenv:{guess_module}", params={"env": {"seeded": False}}))
+    assert "\n" not in str(refused.value)
+
+
 def test_an_unseeded_environment_trains_on_the_samplers_word_where_the_run_says_so(guess_module):
     task = load_task(TaskConfig(name=f"openenv:{guess_module}", params={
         "env": {"seeded": False}, "trust_samplers_for_observations": True}))

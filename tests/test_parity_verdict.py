@@ -29,8 +29,8 @@ from bench.parity import (
     verdict,
 )
 from echo.engines import make_engine
+from echo.heldout import held_out_score
 from tests.conftest import tiny_config
-from workers.operator.heldout import held_out_score
 from workers.trainer.accounting import metrics_line
 
 

@@ -18,7 +18,8 @@ from echo.wire.messages import SamplerStatus, TrainerStatus
 from streams.client import open_run
 from tests.conftest import next_event, serving, tiny_config, worker_process
 from tests.swarms import up_command
-from workers.operator.status import engine_cell, fleet_summary, pace_s, progress, render, sampler_row
+from workers.operator.snapshot import fleet_summary, pace_s, sampler_row
+from workers.operator.status import engine_cell, progress, render
 
 pytestmark = pytest.mark.slow
 

@@ -297,6 +297,12 @@ def test_an_echo_task_exported_as_a_verifiers_environment_scores_as_the_task_doe
     assert theirs == {a: math.score(a, prompt).reward for a in answers} and theirs[answers[0]] == 1.0
 
 
+def test_an_environment_that_cannot_be_replayed_is_refused_at_start_unless_the_run_trusts_the_samplers(env_module):
+    with pytest.raises(ConfigError, match="cannot replay what a sampler played"):
+        load_task(TaskConfig(name=f"verifiers:{env_module('guess_env', GUESS_ENV)}",
+                             params={"seeded": False, "max_turns": 2}))
+
+
 def test_an_environment_that_cannot_be_replayed_trains_on_the_samplers_word_where_the_run_says_so(env_module):
     task = load_task(TaskConfig(name=f"verifiers:{env_module('guess_env', GUESS_ENV)}",
                                 params={"seeded": False, "trust_samplers_for_observations": True, "max_turns": 2}))

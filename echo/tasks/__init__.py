@@ -110,6 +110,26 @@ class Environment(Protocol):
     def episode(self, prompt: Prompt) -> Episode: ...
 
 
+def check_replayable(task: Environment, actions: list[str], unless: str) -> None:
+    """Two plays of the first prompt's episode with the same `actions` must answer alike (each
+    observation, and when it is done), else no trainer can replay what a sampler played; `unless`
+    names what in the environment could make them differ."""
+    plays = []
+    for _ in range(2):
+        prompt = task.prompt(0)
+        episode, answers = task.episode(prompt), [prompt.messages]
+        for action in actions:
+            step = episode.step(action)
+            answers.append((step.observation, step.done))
+            if step.done:
+                break
+        plays.append(answers)
+    if plays[0] != plays[1]:
+        raise ConfigError(f"task.name {task.name!r}: two plays of one episode with the same turns answered "
+                          f"differently, so the trainer cannot replay what a sampler played ({unless}); "
+                          "task.params.trust_samplers_for_observations = true takes the samplers' word for every episode")
+
+
 def safe_score(task: Task, completion: str, prompt: Prompt) -> Score | None:
     """The verifier's score, or None if it raised or gave a reward outside [0, 1]: a bug in a
     task costs that completion (reward 0, counted by the caller), not the run. Out of memory is

@@ -47,7 +47,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from echo.config import ConfigError
-from echo.tasks import Prompt, Step, parse_params
+from echo.tasks import Prompt, Step, check_replayable, parse_params
 from echo.tasks.loop import on_loop, submit
 
 PREFIX = "openenv:"
@@ -331,7 +331,8 @@ class OpenEnvTask:
         else:
             self.form = ActionForm.of(_schema(server_for(self)))
         if not self.trusted_observations:
-            check_replayable(self)
+            probe = "0" if self.form.text else "{}"
+            check_replayable(self, [probe] * min(2, self.max_turns), "randomness not drawn from the seed?")
 
     def make(self):
         return self.cls(**self.p.env)
@@ -395,19 +396,3 @@ class Played:
 def _disconnect(client) -> None:
     """On the loop, from a finaliser: the session's end is not waited for."""
     asyncio.ensure_future(client.disconnect())
-
-
-def check_replayable(task: OpenEnvTask) -> None:
-    """Two plays of the first episode with the same turns must answer alike, else no trainer can
-    replay what a sampler played."""
-    probe = "0" if task.form.text else "{}"
-    plays = []
-    for _ in range(2):
-        prompt = task.prompt(0)
-        episode = task.episode(prompt)
-        plays.append([prompt.messages, *(episode.step(probe) for _ in range(min(2, task.max_turns)))])
-    if plays[0] != plays[1]:
-        raise ConfigError(f"task.name {task.name!r}: two plays of one episode with the same seed and turns answered "
-                          "differently, so the trainer cannot replay what a sampler played (randomness not drawn "
-                          "from the seed?); task.params.trust_samplers_for_observations = true takes the samplers' "
-                          "word for every episode")

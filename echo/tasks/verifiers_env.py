@@ -51,7 +51,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from echo.config import ConfigError, cache_dir
-from echo.tasks import Prompt, Score, Step, parse_params
+from echo.tasks import Prompt, Score, Step, check_replayable, parse_params
 from echo.tasks.dataset import Dataset
 from echo.tasks.loop import on_loop, submit
 
@@ -94,7 +94,8 @@ def make_task(module: str, params: dict) -> VerifiersEnv:
         env.max_turns = ours.max_turns
     task = VerifiersEpisodes(name, env, ours)
     if not ours.trust_samplers_for_observations:
-        check_replayable(task)
+        calls = [f'<tool_call>{{"name": "{t.name}", "arguments": {{}}}}</tool_call>' for t in env.tool_defs or []]
+        check_replayable(task, [*calls, "0", "1"][: task.max_turns], "a service, or randomness without a seed")
     return task
 
 
@@ -405,27 +406,6 @@ def _stop(rollout: asyncio.Future, turns: asyncio.Queue) -> None:
     """On the loop: the rollout's next model call ends it, and how it ended is nobody's concern."""
     rollout.add_done_callback(lambda done: done.cancelled() or done.exception())
     turns.put_nowait(None)
-
-
-def check_replayable(task: VerifiersEpisodes) -> None:
-    """Two plays of the first prompt's episode with the same turns must answer alike: else the
-    trainer could not replay what a sampler played."""
-    calls = [f'<tool_call>{{"name": "{t.name}", "arguments": {{}}}}</tool_call>' for t in task.env.tool_defs or []]
-    actions = [*calls, "0", "1"][: task.max_turns]
-    plays = []
-    for _ in range(2):
-        episode, observations = task.episode(task.prompt(0)), []
-        for action in actions:
-            step = episode.step(action)
-            observations.append(step.observation)
-            if step.done:
-                break
-        plays.append(observations)
-    if plays[0] != plays[1]:
-        raise ConfigError(f"task.name {task.name!r}: two plays of one episode with the same turns answered "
-                          "differently, so the trainer cannot replay what a sampler played (a service, or "
-                          "randomness without a seed); task.params.trust_samplers_for_observations = true takes "
-                          "the samplers' word for every episode")
 
 
 # --- the other way: an echo-rl task as a verifiers environment -------------------------------------

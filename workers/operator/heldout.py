@@ -1,6 +1,6 @@
 """`echo-rl eval`: score the base model and a run's last published weights on the task's
 held-out set, with greedy decoding, so the two numbers differ only by what training changed
-(the parity bench also scores by sampling: held_out_score's `samples`)."""
+(echo/heldout.py scores; the parity bench also scores by sampling)."""
 
 from __future__ import annotations
 
@@ -13,34 +13,10 @@ import structlog
 from echo.checkpoint import latest_weights, read_shards
 from echo.config import EchoConfig
 from echo.engines import make_engine
-from echo.environments import play_episodes
-from echo.logs import Progress
-from echo.tasks import is_environment, load_task
+from echo.tasks import load_task
+from echo.heldout import held_out_score
 
 log = structlog.get_logger()
-
-
-def held_out_score(engine, task, prompts, max_tokens: int, batch: int = 8, samples: int = 0,
-                   seed: int = 0) -> tuple[float, float]:
-    """(mean reward, share correct) of the engine's current weights on `prompts`: greedy, or with
-    `samples`, over that many completions sampled for each prompt, drawn with `seed` (the same
-    draws for every version scored): the policy's expected reward. A multi-turn task's episodes
-    are played to their end; one is correct when it earned the whole reward (1)."""
-    scores, n, greedy = [], max(samples, 1), samples == 0
-    with Progress("held-out", len(prompts), " prompts") as progress:
-        for call, start in enumerate(range(0, len(prompts), batch)):
-            chunk = prompts[start : start + batch]
-            ids = [engine.encode_chat(p.messages) for p in chunk]
-            draw = None if greedy else seed + call
-            if is_environment(task):
-                episodes = play_episodes(engine, task, chunk, ids, n, max_tokens, greedy=greedy, seed=draw)
-                scores += [(e.reward, e.reward >= 1.0 - 1e-9) for played in episodes for e in played]
-            else:
-                outputs = engine.generate(ids, n, greedy=greedy, seed=draw)
-                scores += [(s.reward, s.correct) for out, p in zip(outputs, chunk)
-                           for s in (task.score(o.text, p) for o in out)]
-            progress.advance(len(chunk))
-    return sum(r for r, _ in scores) / len(scores), sum(c for _, c in scores) / len(scores)
 
 
 def evaluate(cfg: EchoConfig, version: int, shards: list[Path], n: int, batch: int = 8) -> dict:

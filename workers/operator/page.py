@@ -1,5 +1,5 @@
 """`echo-rl status --serve [HOST:]PORT`: the run's live page. The status snapshot
-(workers/operator/status.py) every REFRESH_S, pushed to each open page as a server-sent event, with
+(workers/operator/snapshot.py) every REFRESH_S, pushed to each open page as a server-sent event, with
 the trainer's steps (CHARTED a step: from the run's metrics where this machine has them, else those
 seen since the page server started); the page (workers/operator/static/status.html) draws them
 with uPlot, vendored. Read-only: it serves the page, its two static files, the events and the
@@ -23,7 +23,7 @@ import structlog
 
 from echo.metrics import mean_staleness, read_metrics
 from streams.client import Run
-from workers.operator.status import REFRESH_S, snapshot
+from workers.operator.snapshot import REFRESH_S, snapshot
 
 log = structlog.get_logger()
 

@@ -5,48 +5,26 @@ TOML description; the answer from the capacity model (echo/capacity.py)."""
 from __future__ import annotations
 
 import asyncio
-import math
 import tomllib
 from pathlib import Path
-from statistics import mean
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-from echo.capacity import LearnerPace, Plan, SamplerPace, best_staleness, cheapest
+from echo.capacity import SCHEDULED, LearnerPace, Plan, SamplerPace, best_staleness, cheapest, sampler_pace
 from echo.config import ConfigError, format_errors
 from echo.logs import configure_logging
 from echo.wire.messages import SamplerStatus
 from streams.credentials import credentials_of
 from workers.arguments import at_least
 
-SCHEDULED = ("active", "standby")  # a draining or quarantined sampler is not the scheduler's to use
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class LearnerSpec(_Strict):
-    step_s: float = Field(gt=0)
-    groups_per_step: int = Field(ge=1)
-    max_staleness: int = Field(ge=0)
-
-
-class SamplerSpec(_Strict):
-    id: str
-    groups_per_s: float = Field(ge=0)
-    sync_s: float = Field(ge=0)
-    call_s: float = Field(gt=0)
-    cost_per_hour: float = Field(0.0, ge=0)
-    device: str = ""
-
-
-class Fleet(_Strict):
+class Fleet(BaseModel):
     """A fleet file: `[learner]` and one `[[samplers]]` table per sampler (docs/operations.md, Scheduling)."""
 
-    learner: LearnerSpec
-    samplers: list[SamplerSpec]
+    model_config = ConfigDict(extra="forbid")
+    learner: LearnerPace
+    samplers: list[SamplerPace]
 
 
 def fleet_from_file(path: Path) -> tuple[LearnerPace, list[SamplerPace]]:
@@ -58,13 +36,7 @@ def fleet_from_file(path: Path) -> tuple[LearnerPace, list[SamplerPace]]:
         raise ConfigError(f"{path}: not TOML: {e}") from None
     except ValidationError as e:
         raise ConfigError(f"{path}: {format_errors(e, model=Fleet)}") from None
-    return LearnerPace(**fleet.learner.model_dump()), [SamplerPace(**w.model_dump()) for w in fleet.samplers]
-
-
-def sampler_pace(status: SamplerStatus) -> SamplerPace:
-    """A registry entry as the model's sampler: its sync time is the mean over its last versions."""
-    return SamplerPace(status.sampler_id, status.groups_per_s, mean(status.sync_s.values()) if status.sync_s else 0.0,
-                  status.call_s or math.inf, status.cost_per_hour, status.device)
+    return fleet.learner, fleet.samplers
 
 
 def measured(statuses: list[SamplerStatus]) -> list[SamplerPace]:

@@ -57,7 +57,8 @@ def _spawn(args: list[str], log_json: bool, ranks: int = 1, threads: int = 1,
 class Forked:
     """A worker forked from this process: what the swarm uses of subprocess.Popen (pid, args,
     returncode, send_signal, kill). The child runs `echo-rl <args>` as a process started for it
-    would: its own session, default signal handlers, `env` set, then workers.cli.run."""
+    would: its own session, default signal handlers, `env` set, then the command (workers/entry.py:
+    the trainer's or a sampler's alone, so the child never imports the command line that imports this)."""
 
     def __init__(self, args: list[str], env: dict[str, str]):
         self.args, self.returncode = worker_command(args), None
@@ -69,9 +70,9 @@ class Forked:
                 signal.signal(signal.SIGINT, signal.default_int_handler)
                 os.environ.update(env)
                 sys.argv = self.args[2:]
-                from workers.cli import run
+                from workers.entry import WORKERS, run
 
-                run(args)  # exits
+                run(WORKERS, args)  # exits
             except SystemExit as e:  # argparse's
                 os._exit(e.code if isinstance(e.code, int) else 1)
             except BaseException:  # anything before its own exit: said, and the child still exits

@@ -17,14 +17,13 @@ from dataclasses import replace
 
 import structlog
 
-from echo.capacity import LearnerPace, SamplerPace, cheapest, replan_reason
+from echo.capacity import SCHEDULED, LearnerPace, SamplerPace, cheapest, replan_reason, sampler_pace
 from echo.config import EchoConfig
 from echo.grants import GrantLedger
 from echo.wire.messages import SamplerStatus, Schedule, TrainerStatus
 from streams.client import BROKER_ERRORS, Run
 from streams.registry import read_statuses
 from streams.schedule import publish_schedule
-from workers.operator.plan import SCHEDULED, sampler_pace
 
 log = structlog.get_logger()
 
