@@ -20,14 +20,14 @@ import time
 
 import orjson
 
-from echo.checkpoint import read_shards
 from echo.config import EchoConfig, load_config
 from echo.engines import make_engine
 from echo.engines.base import Engine, call_seed
-from echo.learner import Batch
-from echo.metrics import peak_rss_mb
-from echo.referee import Referee
 from echo.tasks import load_task
+from echo.train.checkpoint import read_shards
+from echo.train.learner import Batch
+from echo.train.metrics import peak_rss_mb
+from echo.trust.referee import Referee
 from echo.wire.names import Version
 from workers.sampler.generation import generate_groups
 from workers.trainer.accounting import metrics_line

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from bench.common import write_results
-from echo.metrics import peak_rss_mb
+from echo.train.metrics import peak_rss_mb
 
 
 def write_file(path: Path, rows: int) -> None:

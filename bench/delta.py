@@ -2,7 +2,7 @@
 
 Trains a full-weight swarm (`echo-rl up`, `lora.enabled = false`, weights published in bf16,
 every version kept) on `make up`'s task, then takes each consecutive pair of its versions as a
-trainer would publish them: the whole version's bytes against the delta's (echo/delta.py; as
+trainer would publish them: the whole version's bytes against the delta's (echo/weights/delta.py; as
 safetensors, and packed as published: zlib at level 1), the share of elements changed, the
 seconds to make and pack the delta (the trainer's) and to unpack and apply it and check the
 result's digest (a sampler's), and that the rebuilt weights are the version, bit for bit; and
@@ -25,11 +25,11 @@ from pathlib import Path
 import safetensors.torch
 
 from bench.common import write_results
-from echo.checkpoint import read_shards, weights_at
 from echo.config import validate_config
-from echo.delta import apply, changed_fraction, digest, encode, pack, unpack
-from echo.metrics import read_metrics
-from echo.policy import shards_tensors
+from echo.model.policy import shards_tensors
+from echo.train.checkpoint import read_shards, weights_at
+from echo.train.metrics import read_metrics
+from echo.weights.delta import apply, changed_fraction, digest, encode, pack, unpack
 
 
 def train(model: str, task: str, steps: int, lr: float, work: Path) -> Path:

@@ -40,8 +40,8 @@ from bench.common import write_results
 from echo.config import ConfigError, cache_dir, validate_config
 from echo.engines import make_engine
 from echo.engines.hf import HFEngine
-from echo.models import byte_tokenizer
-from echo.policy import weights_shards
+from echo.model.loading import byte_tokenizer
+from echo.model.policy import weights_shards
 from workers.sampler.ranks import start_ranks
 
 RANDOM_QWEN2 = "qwen2-16l"

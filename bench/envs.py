@@ -4,7 +4,7 @@ rollout code (echo/tasks/verifiers_env.py) costs a sampler and the trainer.
 
 The game, both ways: guess a number from 1 to 9, told higher or lower after each guess, over when
 guessed (reward 1) or after `--turns` turns. Measured in one run, each way:
-- played: `--episodes` episodes through the samplers' episode loop (echo/environments.py
+- played: `--episodes` episodes through the samplers' episode loop (echo/tasks/episodes.py
   play_episodes) with the tiny model, groups of 8, keyed noise: episodes a second;
 - replayed: the same episodes checked as the trainer checks them (`replay`): milliseconds each.
 The two ways run interleaved `--repeats` times after a warm-up, each figure the median of its
@@ -25,8 +25,8 @@ from pathlib import Path
 from bench.common import write_results
 from echo.config import EchoConfig, TaskConfig
 from echo.engines import make_engine
-from echo.environments import play_episodes, replay
 from echo.tasks import Prompt, Step, load_task
+from echo.tasks.episodes import play_episodes, replay
 
 GUESS_ENV = '''
 import verifiers as vf

@@ -1,4 +1,4 @@
-"""What the trainer's check of a multi-turn episode costs (issue 29): echo/environments.py
+"""What the trainer's check of a multi-turn episode costs (issue 29): echo/tasks/episodes.py
 `replay` (the episode played again with the sampler's actions, every observation rendered and
 compared token for token, every reward recomputed) per episode, beside the check of a
 single-turn completion (its reward recomputed by the task's verifier) measured in the same run.
@@ -20,9 +20,9 @@ from transformers import AutoTokenizer
 
 from bench.common import write_results
 from echo.config import TaskConfig
-from echo.environments import EpisodeBuilder, load_environment, replay
-from echo.models import byte_tokenizer, encode_chat, model_folder
+from echo.model.loading import byte_tokenizer, encode_chat, model_folder
 from echo.tasks import safe_score
+from echo.tasks.episodes import EpisodeBuilder, load_environment, replay
 
 THINKING = "Let me think about where the boxes and goals are and which way to push. "
 

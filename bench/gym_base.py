@@ -26,7 +26,7 @@ from bench.common import results_dir, write_results
 from echo.config import validate_config
 from echo.engines import make_engine
 from echo.tasks import load_task
-from echo.heldout import held_out_score
+from echo.train.heldout import held_out_score
 
 CANDIDATES = {
     "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+", "-"],

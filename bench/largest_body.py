@@ -21,10 +21,10 @@ import tempfile
 
 from bench.common import write_results
 from echo.config import SamplingConfig
-from echo.metrics import peak_rss_mb
-from echo.models import byte_tokenizer, encode_chat
-from echo.referee import Referee
+from echo.model.loading import byte_tokenizer, encode_chat
 from echo.tasks.math import Math
+from echo.train.metrics import peak_rss_mb
+from echo.trust.referee import Referee
 from echo.wire.codec import RolloutLimits, encode_rollout, rollout_headers
 from echo.wire.messages import Completion, RolloutGroup
 from echo.wire.names import HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE

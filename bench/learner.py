@@ -33,8 +33,8 @@ def profile_step(cfg, policy, pad_id, batch, compute_dtype, top: int = 15) -> li
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from echo.devices import model_device
-    from echo.learner import make_optimizer, train_step
+    from echo.model.devices import model_device
+    from echo.train.learner import make_optimizer, train_step
 
     device = model_device(policy)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -57,8 +57,8 @@ def measure(model: str, shape: str, repeats: int, pack_groups: str, device: str,
             profile: bool, budget: int = 4096) -> dict:
     import torch
 
-    from echo.devices import dtype_name, model_device
-    from echo.learner import make_optimizer, train_step
+    from echo.model.devices import dtype_name, model_device
+    from echo.train.learner import make_optimizer, train_step
 
     groups, group, tokens = SHAPES[shape]
     cfg, policy, pad_id, batch, compute_dtype = step_setup(model, groups, group, tokens, budget, pack_groups, device, dtype)

@@ -50,16 +50,16 @@ import torch
 
 from bench.common import MACHINE, results_dir, write_results
 from bench.sync import start_link
-from echo.checkpoint import TrainerState
 from echo.config import EchoConfig, load_config, validate_config
 from echo.engines.base import Generation, NewerWeights
-from echo.learner import Batch
-from echo.logs import configure_logging
-from echo.metrics import peak_rss_mb, read_metrics
-from echo.models import base_model_digest, encode_chat, load_model
-from echo.noise import Draw
-from echo.proof import ProofSettings, SamplingProof
+from echo.model.loading import base_model_digest, encode_chat, load_model
+from echo.process.logs import configure_logging
 from echo.tasks import load_task
+from echo.train.checkpoint import TrainerState
+from echo.train.learner import Batch
+from echo.train.metrics import peak_rss_mb, read_metrics
+from echo.trust.noise import Draw
+from echo.trust.proof import ProofSettings, SamplingProof
 from streams.client import cancel_until_done, open_run
 from streams.server import NatsCluster, NatsServer, ServerConfig, free_port
 from workers.operator.relay import loopback_relay_args

@@ -27,7 +27,7 @@ import time
 import orjson
 
 from bench.common import write_results
-from echo.metrics import peak_rss_mb
+from echo.train.metrics import peak_rss_mb
 
 
 def long_groups(vocab: int, groups: int, group: int, tokens: int) -> list:
@@ -35,7 +35,7 @@ def long_groups(vocab: int, groups: int, group: int, tokens: int) -> list:
     after a 64-token prompt (seeded: every process builds the same)."""
     import torch
 
-    from echo.learner import Batch
+    from echo.train.learner import Batch
     from echo.wire.messages import Completion, RolloutGroup
 
     generator = torch.Generator().manual_seed(0)
@@ -60,9 +60,9 @@ def step_setup(model: str, groups: int, group: int, tokens: int, budget: int, pa
     import torch
 
     from echo.config import validate_config
-    from echo.devices import resolve_device, resolve_dtype
-    from echo.models import load_model
-    from echo.policy import make_policy
+    from echo.model.devices import resolve_device, resolve_dtype
+    from echo.model.loading import load_model
+    from echo.model.policy import make_policy
 
     torch.manual_seed(0)
     cfg = validate_config({"model": {"name": model, "device": device, "dtype": dtype},
@@ -79,8 +79,8 @@ def timed_step(cfg, policy, pad_id: int, batch, compute_dtype, repeats: int = 1,
     process's peak resident memory before and after (and on a GPU, the device's peak)."""
     import torch
 
-    from echo.devices import dtype_name, model_device
-    from echo.learner import make_optimizer, train_step
+    from echo.model.devices import dtype_name, model_device
+    from echo.train.learner import make_optimizer, train_step
 
     device = model_device(policy)
     optimizer = make_optimizer(policy, cfg)
@@ -103,10 +103,10 @@ def timed_step(cfg, policy, pad_id: int, batch, compute_dtype, repeats: int = 1,
 
 def one_step(model: str, groups: int, group: int, tokens: int, budget: int, repeats: int, pack_groups: str,
              device: str = "auto", dtype: str = "auto", head: str = "chunked") -> dict:
-    import echo.policy
+    import echo.model.policy
 
     if head == "logits":  # every model family as if its head were not plain: the whole logits
-        echo.policy.PLAIN_HEADS = frozenset()
+        echo.model.policy.PLAIN_HEADS = frozenset()
     return {"budget": budget, "head": head,
             **timed_step(*step_setup(model, groups, group, tokens, budget, pack_groups, device, dtype), repeats)}
 

@@ -6,12 +6,12 @@ The sampler draws `--groups` groups of 4 completions of up to `--tokens` tokens 
 its log-probs (mu) and its routing are those of its bf16 forward over each sampled sequence (the
 log-probs a sampler reports, taken over the whole sequence rather than token by token). The
 trainer's fp32 forward over the same sequences gives pi, once routing by itself and once
-replaying the sampler's routing for every token (echo/routing.py). For each:
+replaying the sampler's routing for every token (echo/trust/routing.py). For each:
 - the share of (token, MoE layer) whose top-k set differs from the sampler's;
 - the mismatch KL(mu || pi) over the sampled tokens (k3, and k1);
 - the token importance ratios pi/mu: the largest, and the share past the cap (2, verl's
   rollout_is_threshold); and the same for GSPO's sequence ratio (the geometric mean a sequence).
-And the routing gap (echo/routing.py::routing_gap) of the sampler's honest choices under the
+And the routing gap (echo/trust/routing.py::routing_gap) of the sampler's honest choices under the
 trainer's fp32 router logits, the margin a forged-routing check must allow, beside the gap of
 forged choices (random experts for every token), each under the trainer's forward replaying the
 choices claimed: how many of those the margin catches.
@@ -29,10 +29,10 @@ import orjson
 import torch
 
 from bench.common import results_dir, write_results
-from echo.devices import model_device
-from echo.models import encode_chat, load_model
-from echo.policy import make_policy
-from echo.routing import recorded, replayed, routers, routing_gap
+from echo.model.devices import model_device
+from echo.model.loading import encode_chat, load_model
+from echo.model.policy import make_policy
+from echo.trust.routing import recorded, replayed, routers, routing_gap
 
 CAP = 2.0  # the importance weights' cap: verl's rollout_is_threshold, echo-rl's default
 

@@ -33,7 +33,7 @@ from bench.common import MACHINE, results_dir
 from bench.parity import permutation_p
 from echo.config import validate_config
 from echo.engines.hf import HFEngine
-from echo.metrics import read_metrics
+from echo.train.metrics import read_metrics
 
 MODES = ("off", "replay")
 # Lower is steadier for each, but the rewards (higher is better: replay must not cost learning).

@@ -56,13 +56,13 @@ from pathlib import Path
 import orjson
 
 from bench.common import MACHINE, results_dir
-from echo.checkpoint import read_shards, weights_at
 from echo.config import EchoConfig, apply_override, validate_config
-from echo.devices import resolve_device
 from echo.engines import make_engine
-from echo.metrics import read_metrics
+from echo.model.devices import resolve_device
 from echo.tasks import load_task
-from echo.heldout import held_out_score
+from echo.train.checkpoint import read_shards, weights_at
+from echo.train.heldout import held_out_score
+from echo.train.metrics import read_metrics
 
 MODES = {
     # The peer: TRL's GRPOTrainer on the same work (bench/peer_trl.py; the `peer-trl` preset).

@@ -2,8 +2,8 @@
 (bench.parity's `peer-trl` preset runs it as the mode "trl" beside echo-rl's co-located,
 sequential and async runs, and scores every run's versions with the same held-out code).
 
-The same as an echo-rl run of the same config: the base model (echo.models.load_model), the
-LoRA adapter with the same initial values (echo.policy.make_policy after the run's seed), the
+The same as an echo-rl run of the same config: the base model (echo.model.loading.load_model), the
+LoRA adapter with the same initial values (echo.model.policy.make_policy after the run's seed), the
 task's prompts in the co-located run's order (bench/colocated.py's step_prompts) and its reward
 function, group size, completion length and temperature, AdamW at the same constant learning
 rate and gradient clip, one update per batch of `trainer.groups_per_step` groups, the loss of
@@ -24,13 +24,13 @@ import time
 import torch
 
 from bench.colocated import main, step_prompts
-from echo.checkpoint import weights_file
 from echo.config import EchoConfig
-from echo.learner import set_threads
-from echo.metrics import peak_rss_mb
-from echo.models import load_model
-from echo.policy import make_policy, weights_shards
+from echo.model.loading import load_model
+from echo.model.policy import make_policy, weights_shards
 from echo.tasks import load_task
+from echo.train.checkpoint import weights_file
+from echo.train.learner import set_threads
+from echo.train.metrics import peak_rss_mb
 from workers.trainer.accounting import metrics_line
 
 

@@ -1,6 +1,6 @@
 """Benchmark: the proof of sampling, honest and forged, at fp32 and bf16.
 
-An honest sampler (the transformers engine, keyed noise: echo/noise.py) generates groups with a
+An honest sampler (the transformers engine, keyed noise: echo/trust/noise.py) generates groups with a
 LoRA adapter at version 0; the trainer's SamplingProof checks them, once as its newest version
 and once after it moved on to version 1 (version 0 swapped in). Recorded per configuration
 (model, the sampler's precision):
@@ -37,15 +37,15 @@ import numpy as np
 import torch
 
 from bench.common import write_results
-from echo import learner
 from echo.config import LoraConfig, ModelConfig, SamplingConfig, TaskConfig, TrainerConfig, validate_config
-from echo.devices import DTYPES, dtype_name, model_device
 from echo.engines.hf import HFEngine, PagedEngine
-from echo.learner import Batch, HeldProof, make_optimizer, train_step
-from echo.noise import Draw, TokenMargins, group_key, gumbel
-from echo.policy import group_logprobs, load_weights, weights_shards
-from echo.proof import ProofSettings, SamplingProof
+from echo.model.devices import DTYPES, dtype_name, model_device
+from echo.model.policy import group_logprobs, load_weights, weights_shards
 from echo.tasks import load_task
+from echo.train import learner
+from echo.train.learner import Batch, HeldProof, make_optimizer, train_step
+from echo.trust.noise import Draw, TokenMargins, group_key, gumbel
+from echo.trust.proof import ProofSettings, SamplingProof
 from echo.wire.messages import Completion, RolloutGroup
 
 SEED = 0

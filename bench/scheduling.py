@@ -1,4 +1,4 @@
-"""Benchmark: the capacity model (echo/capacity.py) against the real swarm, and what cost-aware
+"""Benchmark: the capacity model (echo/fleet/capacity.py) against the real swarm, and what cost-aware
 activation saves. Each fleet is a real trainer and real samplers on the tiny model, joined by a
 nats-server, the samplers slowed to different speeds (`sampler.throttle_s`, a pause per group)
 and given costs (`sampler.cost_per_hour`). After the run the model predicts the learner's
@@ -29,9 +29,9 @@ from statistics import mean
 import orjson
 
 from bench.common import write_results
-from echo.capacity import LearnerPace, sampler_pace, utilisation
 from echo.config import validate_config
-from echo.metrics import read_metrics
+from echo.fleet.capacity import LearnerPace, sampler_pace, utilisation
+from echo.train.metrics import read_metrics
 from echo.wire.messages import SamplerStatus
 from streams.client import open_run
 from streams.registry import read_statuses, read_trainer_status

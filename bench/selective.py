@@ -4,7 +4,7 @@ A sampler that lets the groups it dislikes go (under the 1-in-8 bound, trainer.u
 forges nothing: the trainer grants each such prompt again. Before, the prompt came back on a new
 slot, drawn with that slot's keyed noise: a fresh draw, so the dropper chose which of a prompt's
 draws were trained. Now it comes back with the noise of the slot it was first granted on
-(echo/grants.py): the same draw, moved only by the versions the trainer took meanwhile.
+(echo/fleet/grants.py): the same draw, moved only by the versions the trainer took meanwhile.
 
 The tiny model, keyed noise, `--prompts` groups drawn at version 0. The statistic the dropper
 selects on: how often a chosen token appears in a group's completions (any token the policy
@@ -31,9 +31,9 @@ from bench.common import write_results
 from bench.proof import SEED, perturb_adapter
 from echo.config import LoraConfig, SamplingConfig, TaskConfig
 from echo.engines.hf import HFEngine
-from echo.grants import DeliveryBound
-from echo.noise import Draw, group_key
+from echo.fleet.grants import DeliveryBound
 from echo.tasks import load_task
+from echo.trust.noise import Draw, group_key
 
 
 def draw(engine: HFEngine, prompt_ids: list, slots: list[int], group_size: int, batch: int = 8) -> list[list[list[int]]]:

@@ -14,7 +14,7 @@ samplers' connections, or the relay's leaf connection, cross it; the link is sha
 
 Full weights (issue 47): `--full MB` publishes synthetic bf16 weights of that size instead,
 each version changing `--changed` of their elements (what bench/delta.py measured of real
-training), once as whole versions and once as deltas (echo/delta.py, the trainer's packing and
+training), once as whole versions and once as deltas (echo/weights/delta.py, the trainer's packing and
 anchors); the samplers are followers alone (rebuild, check the digest, hold the weights), spread
 over `--relays` relays, each with its own shaped link when `--wan` is given:
 
@@ -49,7 +49,7 @@ APPLIED = "bench.applied"  # core NATS subject on which each worker reports (wor
 
 
 async def worker(url: str, run_id: str, model: str, worker_id: int, full: bool) -> None:
-    from echo.logs import configure_logging
+    from echo.process.logs import configure_logging
     from streams.client import open_run
     from streams.weights import WeightsFollower
 
@@ -90,7 +90,7 @@ class FullWeights:
             self.tensors[name] = torch.where(moved, (tensor.float() * 1.01 + 1e-3).to(torch.bfloat16), tensor)
 
     async def publish(self, weights, version: int, model: str):
-        from echo import delta
+        from echo.weights import delta
 
         before = dict(self.tensors)
         if version:
@@ -129,8 +129,8 @@ def start_link(target_port: int, wan: tuple[float, float]) -> tuple[subprocess.P
 async def measure(hub: NatsServer, model: str, n: int, versions: int, relays: int,
                   wan: tuple[float, float] | None = None, full: FullWeights | None = None) -> dict:
     from echo.config import LoraConfig
-    from echo.models import load_model
-    from echo.policy import make_policy, weights_shards
+    from echo.model.loading import load_model
+    from echo.model.policy import make_policy, weights_shards
     from streams.client import open_run
     from streams.lease import take_lease
     from streams.weights import WeightsPublisher
@@ -231,7 +231,7 @@ def main() -> None:
                         help="with --full: the share of elements a version changes")
     args = parser.parse_args()
 
-    from echo.models import resolve_model
+    from echo.model.loading import resolve_model
 
     resolve_model(args.model)  # convert once, before the workers start
     weights = [None] if args.full is None else [FullWeights(args.full, args.changed, deltas)

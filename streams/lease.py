@@ -18,7 +18,7 @@ import time
 import structlog
 from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 
-from echo.lifeline import exited, process_name
+from echo.process.lifeline import exited, process_name
 from echo.wire.codec import ProtocolError, decode, encode
 from echo.wire.messages import TrainerLease, WeightsAnnouncement
 from echo.wire.names import TRAINER_KEY

@@ -1,7 +1,7 @@
 """The run's config on the wire: one key of the run's state bucket, written by the trainer, so
 an edge sampler needs only the server and the run id. What only the trainer's machine can say
 (its credential files) stays off the wire; a reader decides what of the rest it accepts
-(echo/edge.py)."""
+(echo/config/edge.py)."""
 
 from __future__ import annotations
 

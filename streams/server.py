@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from echo.config import ConfigError
-from echo.lifeline import arm_parent_death_signal
+from echo.process.lifeline import arm_parent_death_signal
 from echo.wire.names import HUB_DOMAIN
 
 

@@ -18,11 +18,11 @@ import structlog
 import torch
 from nats.js.errors import APIError, NotFoundError
 
-from echo import delta
 from echo.config import ConfigError
-from echo.logs import Progress
-from echo.policy import shards_tensors
-from echo.retention import expired_versions
+from echo.model.policy import shards_tensors
+from echo.process.logs import Progress
+from echo.weights import delta
+from echo.weights.retention import expired_versions
 from echo.wire.codec import encode
 from echo.wire.messages import WeightsAnnouncement, WeightsLink, WeightsShard
 from echo.wire.names import OBJ_HDR_EPOCH, OBJ_HDR_VERSION, Version, weights_object_name
@@ -43,7 +43,7 @@ class WeightsPublisher:
     """The trainer's side of the weights, made from its lease (streams/lease.py), so only the
     run's current trainer can hold one: every announcement names the lease's epoch, and the
     publisher keeps the register of when each version it published was superseded, which
-    retention decides on (echo/retention.py). A version leaves the bucket once `keep` newer ones
+    retention decides on (echo/weights/retention.py). A version leaves the bucket once `keep` newer ones
     exist and a newer one was announced `keep_seconds` ago, so disk use is bounded and a fetch
     that takes less than that finishes."""
 

@@ -9,13 +9,13 @@ import orjson
 import torch
 
 from echo.config import SamplingConfig, TaskConfig
-from echo.devices import dtype_name
-from echo.grants import GrantLedger
-from echo.models import byte_tokenizer, encode_chat
-from echo.noise import Draw, group_key
-from echo.referee import Referee
+from echo.fleet.grants import GrantLedger
+from echo.model.devices import dtype_name
+from echo.model.loading import byte_tokenizer, encode_chat
 from echo.tasks import Task, load_task
 from echo.tasks.math import Math
+from echo.trust.noise import Draw, group_key
+from echo.trust.referee import Referee
 from echo.wire.codec import _pack, _read_rollout, _spans
 from echo.wire.messages import Completion, RolloutGroup
 from streams.rollouts import publish_rollout

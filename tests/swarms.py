@@ -9,7 +9,7 @@ import threading
 import orjson
 import pytest
 
-from echo.grants import DeliveryBound
+from echo.fleet.grants import DeliveryBound
 from streams.client import open_run
 from streams.registry import read_statuses, read_trainer_status
 from streams.replay import read_rollouts, run_broker
@@ -50,7 +50,7 @@ def run_swarm(tmp_path, run_id: str, steps: int, *overrides: str, flags=(), samp
     with run_broker(run_dir, None) as (url, _, credentials):  # the run's own store, after the run
         stream, statuses, trainer = asyncio.run(read(url, credentials))
     assert {s.sampler_id for s in statuses} == samplers  # each ran and heartbeat
-    # Honest samplers deliver their slots: none undelivered past the bound (echo/grants.py).
+    # Honest samplers deliver their slots: none undelivered past the bound (echo/fleet/grants.py).
     assert all(s.undelivered <= DeliveryBound().most for s in trainer.slots.values()), trainer.slots
     assert all(s.weight_failures == {} for s in statuses), statuses  # no weights refused (size, digest, delta)
     # Every group trained came from them. How many each made is up to its speed: in a run of a few

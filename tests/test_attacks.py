@@ -19,12 +19,12 @@ from nats.js.api import ConsumerConfig
 from nats.js.errors import KeyNotFoundError
 from rich.console import Console
 
-import echo.referee as referee_module
+import echo.trust.referee as referee_module
 import workers.trainer.judge as judge_module
-from echo.checkpoint import TrainerState, load_trained_completions, remember_trained
 from echo.config import ConfigError
-from echo.grants import DeliveryBound, GrantLedger
-from echo.referee import completion_keys
+from echo.fleet.grants import DeliveryBound, GrantLedger
+from echo.train.checkpoint import TrainerState, load_trained_completions, remember_trained
+from echo.trust.referee import completion_keys
 from echo.wire.codec import encode, rollout_headers
 from echo.wire.messages import GrantRequest, SamplerStatus, TrainerStatus, WeightsAnnouncement
 from echo.wire.names import (

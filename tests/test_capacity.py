@@ -1,10 +1,10 @@
-"""The capacity model (echo/capacity.py) on fleets small enough to compute by hand."""
+"""The capacity model (echo/fleet/capacity.py) on fleets small enough to compute by hand."""
 
 from dataclasses import replace
 
 import pytest
 
-from echo.capacity import (
+from echo.fleet.capacity import (
     LearnerPace, SamplerPace, _better, _evaluate, best_staleness, cheapest, cycle_seconds, replan_reason, utilisation,
 )
 

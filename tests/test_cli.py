@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from echo.config import ConfigError, load_config
-from echo.models import load_model
+from echo.model.loading import load_model
 from echo.wire.names import CONFIG_KEY
 from streams.client import NoBroker, NoRun, connect, open_run
 from streams.secure import SecureDir

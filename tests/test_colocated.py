@@ -4,7 +4,7 @@ library's own parts, writing the trainer's metrics."""
 import orjson
 
 from bench.colocated import run_colocated
-from echo.metrics import read_metrics, summarize
+from echo.train.metrics import read_metrics, summarize
 from tests.conftest import tiny_config
 from tests.swarms import USER_TASK
 from workers.operator.charts import write_report

@@ -60,14 +60,14 @@ def test_override_without_equals_is_refused():
 def test_the_config_reference_is_current_and_explains_every_key():
     from pathlib import Path
 
-    from echo.config_reference import reference
+    from echo.config.reference import reference
 
     text = reference()
     assert (Path(__file__).parent.parent / "docs" / "config.md").read_text() == text, (
-        "docs/config.md is behind echo/config.py: .venv/bin/python -m echo.config_reference > docs/config.md")
+        "docs/config.md is behind echo/config/__init__.py: .venv/bin/python -m echo.config.reference > docs/config.md")
     rows = [line for line in text.splitlines() if line.startswith("| `")]
     assert len(rows) == sum(len(f.annotation.model_fields) for f in EchoConfig.model_fields.values())
-    assert not [row for row in rows if row.endswith("|  |")], "a key without a meaning: comment it in echo/config.py"
+    assert not [row for row in rows if row.endswith("|  |")], "a key without a meaning: comment it in echo/config/__init__.py"
 
 
 def test_a_preset_sets_its_fields_and_a_field_beside_it_wins():

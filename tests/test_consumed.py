@@ -1,4 +1,4 @@
-from echo.consumed import ConsumedSeqs
+from echo.fleet.consumed import ConsumedSeqs
 
 
 def test_sequences_counted_in_any_order_compact_into_a_floor():

@@ -4,7 +4,7 @@ registry, and a fleet that is no longer measured leaves no sampler on standby.""
 import time
 from types import SimpleNamespace
 
-from echo.grants import GrantLedger
+from echo.fleet.grants import GrantLedger
 from echo.wire.messages import SamplerStatus, TrainerStatus
 from streams.registry import put_status
 from tests.conftest import tiny_config

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from echo.config import ConfigError, TaskConfig
-from echo.edge import drop_this_box_fields
+from echo.config.edge import drop_this_box_fields
 from echo.tasks import is_held_out, load_task
 from echo.tasks.dataset import SHARD_ROWS
 from streams.prompts import PromptShards, publish_prompts
@@ -201,7 +201,7 @@ def test_a_sampler_reads_the_prompts_through_the_broker_and_never_an_answer(tmp_
 def test_a_prompt_longer_than_the_models_context_is_one_line_naming_its_row(tmp_path, monkeypatch):
     from functools import partial
 
-    from echo.models import encode_chat, load_tokenizer
+    from echo.model.loading import encode_chat, load_tokenizer
     from echo.tasks.dataset import check_prompt_lengths
 
     rows = verl_rows(40)

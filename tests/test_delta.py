@@ -1,12 +1,12 @@
-"""Sparse deltas between full-weight versions (echo/delta.py): bit for bit, and refused whole
+"""Sparse deltas between full-weight versions (echo/weights/delta.py): bit for bit, and refused whole
 where they do not fit what a sampler holds."""
 
 import pytest
 import torch
 
-from echo.delta import CHANGED, VALUES, DeltaError, apply, changed_fraction, digest, encode, send_whole
-from echo.models import load_model
-from echo.policy import load_tensors, policy_tensors
+from echo.model.loading import load_model
+from echo.model.policy import load_tensors, policy_tensors
+from echo.weights.delta import CHANGED, VALUES, DeltaError, apply, changed_fraction, digest, encode, send_whole
 
 
 def versions(seed: int = 0, dtype=torch.bfloat16, lr: float = 1e-5):

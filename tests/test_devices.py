@@ -1,4 +1,4 @@
-"""Devices and precision (echo/devices.py): what each process resolves, what stays fp32 under a
+"""Devices and precision (echo/model/devices.py): what each process resolves, what stays fp32 under a
 16-bit model, and weights published in bf16. No GPU here: the 16-bit paths run in bf16 on the CPU."""
 
 import importlib.util
@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from echo.config import ConfigError
-from echo.devices import autocast, resolve_device, resolve_dtype
 from echo.engines import engine_choice
 from echo.engines.hf import HFEngine
-from echo.learner import Batch, make_optimizer, train_step
-from echo.models import load_model
-from echo.policy import group_logprobs, load_weights, make_policy, policy_tensors, weights_shards
-from echo.proof import ProofSettings, SamplingProof
+from echo.model.devices import autocast, resolve_device, resolve_dtype
+from echo.model.loading import load_model
+from echo.model.policy import group_logprobs, load_weights, make_policy, policy_tensors, weights_shards
+from echo.train.learner import Batch, make_optimizer, train_step
+from echo.trust.proof import ProofSettings, SamplingProof
 from tests.conftest import tiny_config
 from tests.groups import honest_group
 

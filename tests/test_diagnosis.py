@@ -1,4 +1,4 @@
-"""Why a run learns or not (echo/diagnosis.py): the step's signal, the warning after steps with
+"""Why a run learns or not (echo/train/diagnosis.py): the step's signal, the warning after steps with
 none and the cause it names, the completions picked to show; and what a step decodes of them
 (workers/trainer/accounting.py), bounded for files, trackers and pages."""
 
@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from echo.diagnosis import NoSignal, Trained, likely_cause, sample_picks, step_signal
+from echo.train.diagnosis import NoSignal, Trained, likely_cause, sample_picks, step_signal
 from echo.wire.codec import decode, encode
 from echo.wire.messages import TrainerStatus
 from echo.wire.names import SAMPLE_CHARS, STATUS_SAMPLES

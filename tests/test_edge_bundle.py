@@ -11,7 +11,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from echo.metrics import read_metrics
+from echo.train.metrics import read_metrics
 from streams.client import open_run
 from streams.registry import read_statuses
 from tests.conftest import tiny_config, worker_process

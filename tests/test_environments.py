@@ -1,4 +1,4 @@
-"""Multi-turn episodes (echo/environments.py): built token-in token-out as a sampler builds them,
+"""Multi-turn episodes (echo/tasks/episodes.py): built token-in token-out as a sampler builds them,
 replayed by the trainer, and refused when a sampler lies about what the environment said."""
 
 from pathlib import Path
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from echo.config import ConfigError, TaskConfig
-from echo.environments import EpisodeBuilder, SingleTurn, load_environment, observation_tokens, replay
-from echo.models import byte_tokenizer, encode_chat
+from echo.model.loading import byte_tokenizer, encode_chat
 from echo.tasks import is_environment
+from echo.tasks.episodes import EpisodeBuilder, SingleTurn, load_environment, observation_tokens, replay
 from echo.tasks.math import Math, calculate
 from echo.tasks.sokoban import Room, SokobanGame
 from echo.wire.messages import Observation

@@ -16,17 +16,17 @@ import pytest
 import structlog.testing
 import torch
 
-from echo.checkpoint import TrainerState
 from echo.config import ConfigError
 from echo.engines.hf import HFEngine
-from echo.grants import GrantLedger
-from echo.learner import Batch, StepAbandoned, make_optimizer, train_step
-from echo.lifeline import exited, process_name
-from echo.metrics import read_metrics
-from echo.models import load_model
-from echo.policy import make_policy
-from echo.referee import Referee
+from echo.fleet.grants import GrantLedger
+from echo.model.loading import load_model
+from echo.model.policy import make_policy
+from echo.process.lifeline import exited, process_name
 from echo.tasks import load_task
+from echo.train.checkpoint import TrainerState
+from echo.train.learner import Batch, StepAbandoned, make_optimizer, train_step
+from echo.train.metrics import read_metrics
+from echo.trust.referee import Referee
 from echo.wire.codec import encode
 from echo.wire.messages import WeightsAnnouncement
 from echo.wire.names import TRAINER_KEY, Storage, weights_object_name

@@ -10,14 +10,14 @@ import time
 import pytest
 import torch
 
-from echo.checkpoint import TrainerState
 from echo.config import LoraConfig
 from echo.engines.hf import HFEngine
-from echo.grants import GrantLedger
-from echo.noise import Draw, group_key
-from echo.policy import group_logprobs, load_weights, weights_shards
-from echo.proof import ProofSettings, SamplingProof
-from echo.referee import Referee
+from echo.fleet.grants import GrantLedger
+from echo.model.policy import group_logprobs, load_weights, weights_shards
+from echo.train.checkpoint import TrainerState
+from echo.trust.noise import Draw, group_key
+from echo.trust.proof import ProofSettings, SamplingProof
+from echo.trust.referee import Referee
 from echo.wire.codec import ProtocolError, decode_rollout, encode_rollout, rollout_headers
 from echo.wire.messages import GrantRequest, SamplerStatus
 from echo.wire.names import RunNames, Version

@@ -20,10 +20,10 @@ import pytest
 from rich.console import Console
 
 from echo.config import TaskConfig
-from echo.grants import GrantLedger, slot_prompt
-from echo.metrics import sampler_scalars, step_scalars
-from echo.referee import completion_keys, content_hash, repeats
+from echo.fleet.grants import GrantLedger, slot_prompt
 from echo.tasks import load_task
+from echo.train.metrics import sampler_scalars, step_scalars
+from echo.trust.referee import completion_keys, content_hash, repeats
 from echo.wire.codec import ProtocolError, decode, decode_rollout, encode_rollout
 from echo.wire.messages import SamplerStatus
 from echo.wire.names import (

@@ -8,8 +8,7 @@ import time
 
 import pytest
 
-from echo.checkpoint import TrainerState
-from echo.grants import (
+from echo.fleet.grants import (
     ASK_AGAIN_MIN_S,
     ASKS_PER_S,
     IDLE_ASK_MIN_S,
@@ -27,7 +26,8 @@ from echo.grants import (
     lost_slots,
     sampler_cap,
 )
-from echo.throughput import CallWindow
+from echo.fleet.throughput import CallWindow
+from echo.train.checkpoint import TrainerState
 from echo.wire.codec import decode, encode
 from echo.wire.messages import Grant, GrantBudget, GrantRequest, SamplerStatus
 from echo.wire.names import BUDGET_KEY, GRANT_TIMEOUT_S, SCHEMA_VERSION, SLOTS_KEY_BEFORE_14

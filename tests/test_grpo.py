@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from echo.algorithms.corrections import Correction, rollout_correction
-from echo.algorithms.grpo import Objective, advantages, policy_loss, token_logprobs
+from echo.train.algorithms.corrections import Correction, rollout_correction
+from echo.train.algorithms.grpo import Objective, advantages, policy_loss, token_logprobs
 
 
 def grpo_loss(logprobs, old, adv, mask, clip_eps, normalizer, weights=None, ref_logprobs=None, kl_coef=0.0):

@@ -15,8 +15,8 @@ import pytest
 from bench.gym_base import best_constant
 from bench.parity import TASK
 from echo.config import ConfigError, SamplingConfig, TaskConfig
-from echo.referee import Referee
 from echo.tasks import Score, gym, load_task
+from echo.trust.referee import Referee
 from streams.server import free_port
 from tests.groups import TOKENIZER, honest_group
 

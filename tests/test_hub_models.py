@@ -19,9 +19,9 @@ import torch
 from huggingface_hub import constants
 
 from echo.config import ConfigError
-from echo.edge import check_config_from_broker
-from echo.models import base_model_digest, hub_snapshot, load_model, pin_model
-from echo.routing import routing_shape
+from echo.config.edge import check_config_from_broker
+from echo.model.loading import base_model_digest, hub_snapshot, load_model, pin_model
+from echo.trust.routing import routing_shape
 from streams.client import open_run
 from streams.registry import read_statuses
 from tests.conftest import tiny_config, verl_rows

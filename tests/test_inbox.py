@@ -13,9 +13,9 @@ import pytest
 
 import streams.inbox as inbox_module
 from echo.config import SamplingConfig
-from echo.consumed import ConsumedSeqs
-from echo.grants import GrantLedger
-from echo.referee import Referee, content_hash
+from echo.fleet.consumed import ConsumedSeqs
+from echo.fleet.grants import GrantLedger
+from echo.trust.referee import Referee, content_hash
 from echo.wire.codec import encode_rollout, rollout_headers
 from echo.wire.names import (
     HDR_BODY_PARTS,

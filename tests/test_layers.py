@@ -174,11 +174,21 @@ def test_no_test_module_imports_another():
     assert wrong == {}
 
 
-def test_tasks_sit_below_the_environments_that_play_them():
-    """echo/environments.py plays what echo/tasks/ defines (Step, Environment live in echo.tasks):
+def test_tasks_sit_below_the_episodes_that_play_them():
+    """echo/tasks/episodes.py plays what echo/tasks/ defines (Step, Environment live in echo.tasks):
     no task module imports it back."""
-    back = [f.name for f in (ROOT / "echo" / "tasks").glob("*.py") if "echo.environments" in f.read_text()]
-    assert back == []
+    graph = import_graph("echo")
+    assert [name for name, imported in graph.items()
+            if name.startswith("echo.tasks") and name != "echo.tasks.episodes" and "echo.tasks.episodes" in imported] == []
+
+
+def test_echo_is_in_rooms_each_saying_what_lives_there():
+    """No loose module in echo/ beside its __init__.py, and every room's __init__.py has a docstring."""
+    assert sorted(p.name for p in (ROOT / "echo").glob("*.py")) == ["__init__.py"]
+    for room in (ROOT / "echo").rglob("*/"):
+        if room.name != "__pycache__" and any(room.glob("*.py")):
+            init = room / "__init__.py"
+            assert init.exists() and ast.get_docstring(ast.parse(init.read_text())), room
 
 
 # Prints OMP_WAIT_POLICY as it is when torch is first imported (OpenMP reads it then, once), and
@@ -200,7 +210,7 @@ for module in sys.argv[1:]:  # as a process of ours imports them: workers.cli, t
 
 @pytest.mark.parametrize("modules, given, expected", [
     ("workers.cli workers.trainer.model", None, "PASSIVE"), ("workers.cli workers.sampler.modes", None, "PASSIVE"),
-    ("bench.load", None, "PASSIVE"), ("tests.conftest", None, "PASSIVE"), ("echo.learner", "ACTIVE", "ACTIVE")])
+    ("bench.load", None, "PASSIVE"), ("tests.conftest", None, "PASSIVE"), ("echo.train.learner", "ACTIVE", "ACTIVE")])
 def test_torch_is_loaded_with_passive_openmp_threads_unless_the_user_says_otherwise(modules, given, expected):
     """Spinning OpenMP threads (libgomp's default) beside another busy process made generation
     150x slower on this 2-core box; echo/__init__.py asks for passive ones before torch loads."""

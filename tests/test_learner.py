@@ -5,9 +5,17 @@ import copy
 import pytest
 import torch
 
-from echo.learner import Batch, learning_rate, make_optimizer, micro_batches, shares_passes, step_passes, train_step
-from echo.models import load_model
-from echo.policy import make_policy
+from echo.model.loading import load_model
+from echo.model.policy import make_policy
+from echo.train.learner import (
+    Batch,
+    learning_rate,
+    make_optimizer,
+    micro_batches,
+    shares_passes,
+    step_passes,
+    train_step,
+)
 from tests.conftest import tiny_config
 from tests.groups import honest_group
 

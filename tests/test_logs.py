@@ -8,7 +8,7 @@ from pathlib import Path
 import orjson
 import structlog
 
-from echo.logs import bind_process, configure_logging
+from echo.process.logs import bind_process, configure_logging
 
 ECHO_RL = str(Path(sys.executable).parent / "echo-rl")
 
@@ -35,7 +35,7 @@ def test_a_terminal_line_leads_with_the_worker_and_version(capsys):
 
 
 def test_progress_is_drawn_on_a_terminal_never_across_a_log_line_and_not_in_json(capsys):
-    from echo.logs import Progress
+    from echo.process.logs import Progress
 
     configure_logging(run="r1", role="eval", worker="eval", progress=True)
     with Progress("held-out", 4, " prompts") as progress:

@@ -21,10 +21,10 @@ import torch
 
 from echo.config import ConfigError, LoraConfig, ModelConfig, SamplingConfig, load_config
 from echo.engines.hf import HFEngine
-from echo.models import base_model_digest
-from echo.noise import Draw, group_key
-from echo.policy import WeightsMismatch, group_logprobs, load_weights, tensors_from_buffer, weights_shards
-from echo.proof import ProofSettings, SamplingProof
+from echo.model.loading import base_model_digest
+from echo.model.policy import WeightsMismatch, group_logprobs, load_weights, tensors_from_buffer, weights_shards
+from echo.trust.noise import Draw, group_key
+from echo.trust.proof import ProofSettings, SamplingProof
 from echo.wire.messages import GrantRequest, SamplerStatus, Strikes
 from echo.wire.names import Version
 from streams.client import open_run
@@ -421,7 +421,7 @@ def test_a_split_mlx_sampler_trains_a_swarm_every_group_proved_through_a_hung_an
     proof = metrics[-1]["proof_of_sampling"]
     assert proof.get("passed", 0) >= sum(m["used"] for m in metrics) and set(proof) == {"passed"}, proof
     # Refused, with no strike, at most: a group its sampler's predecessor published before it went,
-    # read once the trainer had handed that slot out again (echo/grants.py: a restart's slots go).
+    # read once the trainer had handed that slot out again (echo/fleet/grants.py: a restart's slots go).
     assert {reason for m in metrics for reason in m["rejected"]} <= {"slot_not_held"}, [m["rejected"] for m in metrics]
     assert stream and {r["group"]["engine"] for r in stream} == {"mlx"}
     lost = [line for line in stderr.splitlines() if "sampler.rank_lost" in line]

@@ -12,10 +12,10 @@ import psutil
 import pytest
 
 from echo.config import ConfigError, TaskConfig
-from echo.environments import EpisodeBuilder, replay
-from echo.models import encode_chat
-from echo.referee import Referee
+from echo.model.loading import encode_chat
 from echo.tasks import is_environment, load_task
+from echo.tasks.episodes import EpisodeBuilder, replay
+from echo.trust.referee import Referee
 from tests.groups import SAMPLING, TOKENIZER, honest_group
 from tests.swarms import OPENENV_GUESS
 

@@ -29,7 +29,7 @@ from bench.parity import (
     verdict,
 )
 from echo.engines import make_engine
-from echo.heldout import held_out_score
+from echo.train.heldout import held_out_score
 from tests.conftest import tiny_config
 from workers.trainer.accounting import metrics_line
 

@@ -9,15 +9,15 @@ import pytest
 import safetensors.torch
 import torch
 
-import echo.models
-import echo.policy
-from echo.algorithms import grpo
-from echo.algorithms.grpo import token_logprobs
+import echo.model.loading
+import echo.model.policy
+from echo.train.algorithms import grpo
+from echo.train.algorithms.grpo import token_logprobs
 from echo.config import LoraConfig, SamplingConfig
 from echo.engines.base import call_seed
 from echo.engines.hf import HFEngine, PagedEngine
-from echo.models import base_model_digest, load_model
-from echo.policy import WeightsMismatch, group_logprobs, make_policy, packed_logprobs, tensors_from_buffer, weights_shards
+from echo.model.loading import base_model_digest, load_model
+from echo.model.policy import WeightsMismatch, group_logprobs, make_policy, packed_logprobs, tensors_from_buffer, weights_shards
 
 SAMPLING = SamplingConfig(group_size=4, max_new_tokens=12, temperature=0.7)
 
@@ -91,7 +91,7 @@ def test_a_sharded_base_is_known_by_the_same_digest_read_a_piece_at_a_time(tmp_p
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert peak < 2 * echo.models.DIGEST_READ + 2**20, peak  # one piece read (and hashed) at a time
+    assert peak < 2 * echo.model.loading.DIGEST_READ + 2**20, peak  # one piece read (and hashed) at a time
 
 
 def test_adapter_moves_between_instances_and_reproduces_logits(engines):
@@ -268,7 +268,7 @@ def test_log_probs_taken_a_few_positions_at_a_time_are_the_whole_logits_log_soft
     model, pad, head = engine.model, engine.tokenizer.pad_token_id, engine.model.get_output_embeddings()
     monkeypatch.setattr(grpo, "HEAD_CHUNK_ELEMENTS", head.weight.shape[0] * 5)  # 5 positions: cuts mid-completion
     if not plain:
-        monkeypatch.setattr(echo.policy, "PLAIN_HEADS", frozenset())
+        monkeypatch.setattr(echo.model.policy, "PLAIN_HEADS", frozenset())
     with torch.no_grad():  # lora_B non-zero: else every lora_A gradient is zero
         for name, p in model.named_parameters():
             if "lora_B" in name:

@@ -6,13 +6,13 @@ import asyncio
 import pytest
 import torch
 
-from echo.checkpoint import TrainerState
 from echo.config import LoraConfig
 from echo.engines.hf import HFEngine
-from echo.grants import GrantLedger
-from echo.noise import Draw, group_key
-from echo.policy import group_logprobs, load_weights, policy_tensors, weights_shards
-from echo.proof import ProofSettings, SamplingProof, logprob_gap
+from echo.fleet.grants import GrantLedger
+from echo.model.policy import group_logprobs, load_weights, policy_tensors, weights_shards
+from echo.train.checkpoint import TrainerState
+from echo.trust.noise import Draw, group_key
+from echo.trust.proof import ProofSettings, SamplingProof, logprob_gap
 from echo.wire.messages import Completion, GrantRequest, Observation
 from streams.inbox import RolloutInbox
 from streams.lease import take_lease

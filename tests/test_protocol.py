@@ -6,7 +6,7 @@ import orjson
 import pytest
 from pydantic import ValidationError
 
-from echo.grants import ask_share
+from echo.fleet.grants import ask_share
 from echo.wire.codec import (
     ROLLOUT_MAGIC,
     ProtocolError,

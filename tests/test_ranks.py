@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from echo.checkpoint import TrainerState, load_checkpoint, save_checkpoint
-from echo.learner import Batch, make_optimizer, merge_stats, rank_passes, step_passes, train_step
-from echo.models import load_model
-from echo.policy import make_policy, policy_tensors
-from echo.routing import group_routing, recorded, routing_shape
+from echo.model.loading import load_model
+from echo.model.policy import make_policy, policy_tensors
+from echo.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from echo.train.learner import Batch, make_optimizer, merge_stats, rank_passes, step_passes, train_step
+from echo.trust.routing import group_routing, recorded, routing_shape
 from echo.wire.messages import Routing
 from streams.server import free_port
 from tests.conftest import tiny_config

@@ -2,9 +2,9 @@
 
 import pytest
 
-from echo.referee import REPEAT_LOGPROB, Referee, completion_keys, content_hash, repeats
 from echo.tasks import Score
 from echo.tasks.math import Math
+from echo.trust.referee import REPEAT_LOGPROB, Referee, completion_keys, content_hash, repeats
 from tests.groups import REFEREE, SAMPLING, TASK, TOKENIZER, honest_group, unlikely, with_completion
 
 EOS = TOKENIZER.eos_token_id

@@ -8,8 +8,8 @@ import sys
 import orjson
 import pytest
 
-from echo.metrics import read_metrics
-from echo.models import load_tokenizer
+from echo.model.loading import load_tokenizer
+from echo.train.metrics import read_metrics
 from streams.server import NatsServer
 from tests.conftest import a_sampler_holding_slots, assert_balanced, wait_for_steps, worker_process
 

@@ -10,7 +10,10 @@ import orjson
 import pytest
 import torch
 
-from echo.checkpoint import (
+from echo.config import LoraConfig
+from echo.model.loading import load_model
+from echo.model.policy import make_policy
+from echo.train.checkpoint import (
     TrainerState,
     append_trained_completions,
     append_trained_content,
@@ -19,10 +22,7 @@ from echo.checkpoint import (
     load_trained_content,
     save_checkpoint,
 )
-from echo.config import LoraConfig
-from echo.learner import learning_rate
-from echo.models import load_model
-from echo.policy import make_policy
+from echo.train.learner import learning_rate
 from echo.wire.names import HDR_MSG_ID, RunNames
 from streams.client import connect
 from streams.replay import read_rollouts

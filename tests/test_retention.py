@@ -1,4 +1,4 @@
-from echo.retention import expired_versions
+from echo.weights.retention import expired_versions
 
 
 def test_a_version_goes_once_keep_newer_exist_and_it_was_superseded_long_enough_ago():

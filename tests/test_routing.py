@@ -1,4 +1,4 @@
-"""Routing replay on the tiny mixture of experts (echo/routing.py): what a forward's routers chose,
+"""Routing replay on the tiny mixture of experts (echo/trust/routing.py): what a forward's routers chose,
 recorded; a forward made to use given choices, its gates recomputed from its own logits."""
 
 import struct
@@ -12,12 +12,12 @@ import torch
 from echo.config import ConfigError, LoraConfig, SamplingConfig, TaskConfig
 from echo.engines import make_engine
 from echo.engines.hf import HFEngine, PagedEngine
-from echo.environments import load_environment
-from echo.learner import Batch, ForgedInStep, HeldProof, make_optimizer, train_step
-from echo.models import load_model
-from echo.policy import load_tensors, make_policy, packed_logprobs, policy_tensors
-from echo.proof import ProofSettings, SamplingProof, logprob_gap
-from echo.routing import OWN, Replay, recorded, replayed, routers, routing_gap
+from echo.model.loading import load_model
+from echo.model.policy import load_tensors, make_policy, packed_logprobs, policy_tensors
+from echo.tasks.episodes import load_environment
+from echo.train.learner import Batch, ForgedInStep, HeldProof, make_optimizer, train_step
+from echo.trust.proof import ProofSettings, SamplingProof, logprob_gap
+from echo.trust.routing import OWN, Replay, recorded, replayed, routers, routing_gap
 from echo.wire.codec import (
     ProtocolError,
     RolloutLimits,
@@ -49,8 +49,8 @@ def test_vllms_routed_experts_become_the_moe_layers_rows_an_engine_records():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from echo.engines.vllm import routed_rows
-    from echo.models import byte_tokenizer, model_on_meta
-    from echo.routing import router_layers
+    from echo.model.loading import byte_tokenizer, model_on_meta
+    from echo.trust.routing import router_layers
 
     assert router_layers(model_on_meta("tiny-moe")) == [0, 1]
     config = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,

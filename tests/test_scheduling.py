@@ -8,8 +8,8 @@ import itertools
 import pytest
 
 from bench.scheduling import FleetSampler, run_fleet
-from echo.capacity import LearnerPace, SamplerPace, cycle_seconds
 from echo.config import SchedulerConfig
+from echo.fleet.capacity import LearnerPace, SamplerPace, cycle_seconds
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ def _cost_and_utilisation(learner: LearnerPace, samplers: list[SamplerPace]) -> 
 def _check_choice(choice: dict) -> None:
     """The set chosen reaches the target if any set does, at no more than (1 + switch_margin)
     times the cheapest such set's cost per step (the margin keeps the set chosen before); if
-    none does, it comes closest. Checked by trying every set, apart from echo/capacity.py's search."""
+    none does, it comes closest. Checked by trying every set, apart from echo/fleet/capacity.py's search."""
     learner = LearnerPace(**choice["learner"])
     samplers = [SamplerPace(**s) for s in choice["samplers"]]
     sets = [list(c) for n in range(1, len(samplers) + 1) for c in itertools.combinations(samplers, n)]

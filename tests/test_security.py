@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from echo.config import ConfigError
-from echo.edge import check_config_from_broker
+from echo.config.edge import check_config_from_broker
 from echo.wire.codec import decode, encode, encode_rollout, rollout_headers
 from echo.wire.messages import WeightsAnnouncement
 from echo.wire.names import BUDGET_KEY, CONFIG_KEY, HDR_MSG_ID, SLOTS_KEY, SLOTS_KEY_BEFORE_14, TRAINER_KEY, RunNames

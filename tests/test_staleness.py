@@ -1,6 +1,6 @@
 import pytest
 
-from echo.staleness import Freshness, freshness
+from echo.fleet.staleness import Freshness, freshness
 
 
 @pytest.mark.parametrize(

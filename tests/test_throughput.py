@@ -1,8 +1,8 @@
-"""A sampler's measured rates (echo/throughput.py): per second of generating, over a window."""
+"""A sampler's measured rates (echo/fleet/throughput.py): per second of generating, over a window."""
 
 import pytest
 
-from echo.throughput import CallWindow, Rates
+from echo.fleet.throughput import CallWindow, Rates
 
 
 def test_rates_are_per_second_of_generating_over_the_window_and_an_idle_sampler_keeps_its_last():

@@ -1,4 +1,4 @@
-"""Experiment trackers (workers/trainer/trackers.py, echo/metrics.py): what each step logs, under
+"""Experiment trackers (workers/trainer/trackers.py, echo/train/metrics.py): what each step logs, under
 documented names, read back from TensorBoard's event files, W&B's offline run files and MLflow's
 store, across a trainer restart; a tracker that fails is dropped and the run goes on."""
 
@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from echo.metrics import sampler_scalars, step_scalars
+from echo.train.metrics import sampler_scalars, step_scalars
 from echo.wire.messages import SamplerStatus
 from tests.conftest import tiny_config, verl_rows
 from tests.swarms import up_command

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from echo.algorithms.corrections import Correction, rollout_correction
-from echo.algorithms.grpo import Objective, advantages, kl_estimate, policy_loss, row_scales
 from echo.config import PRESETS
+from echo.train.algorithms.corrections import Correction, rollout_correction
+from echo.train.algorithms.grpo import Objective, advantages, kl_estimate, policy_loss, row_scales
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 

@@ -14,12 +14,12 @@ import sys
 import pytest
 
 from echo.config import ConfigError, TaskConfig
-from echo.environments import EpisodeBuilder, replay
-from echo.models import encode_chat
-from echo.referee import Referee
+from echo.model.loading import encode_chat
 from echo.tasks import is_environment, load_task, safe_score, task_class
+from echo.tasks.episodes import EpisodeBuilder, replay
 from echo.tasks.loop import on_loop
 from echo.tasks.verifiers_env import as_chat, replay_client, texts, tool_calls
+from echo.trust.referee import Referee
 from tests.groups import SAMPLING, TOKENIZER, honest_group
 from tests.swarms import GUESS_ENV, VERIFIERS_ENV
 

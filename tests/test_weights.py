@@ -13,7 +13,7 @@ import safetensors.torch
 import torch
 
 from echo.engines.hf import HFEngine
-from echo.policy import weights_shards
+from echo.model.policy import weights_shards
 from echo.tasks import load_task
 from echo.wire.messages import Grant
 from echo.wire.names import HDR_VERSION, weights_object_name

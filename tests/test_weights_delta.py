@@ -1,5 +1,5 @@
 """Full weights sent as deltas against a real nats-server (issue 47): the trainer's side
-(echo/checkpoint.py's files, streams/weights.py's publisher) and a sampler's follower, which
+(echo/train/checkpoint.py's files, streams/weights.py's publisher) and a sampler's follower, which
 rebuilds each version bit for bit from the weights it holds or from the chain's anchor, and
 refuses whatever does not make the digest announced."""
 
@@ -13,9 +13,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from echo import delta
-from echo.checkpoint import delta_shards, weights_at, weights_digest, weights_file
-from echo.policy import shards_tensors
+from echo.model.policy import shards_tensors
+from echo.train.checkpoint import delta_shards, weights_at, weights_digest, weights_file
+from echo.weights import delta
 from echo.wire.codec import encode
 from echo.wire.messages import WeightsAnnouncement, WeightsLink, WeightsShard
 from echo.wire.names import weights_object_name

@@ -98,8 +98,8 @@ def run_directory(path: Path, needs: str) -> Path:
 
 def check_hardware(cfg: EchoConfig, sampler: bool) -> None:
     """A device or engine this machine does not have stops the worker at start, in one line."""
-    from echo.devices import resolve_device
     from echo.engines import engine_choice
+    from echo.model.devices import resolve_device
 
     resolve_device(cfg.model.device)
     if sampler:

@@ -10,7 +10,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from echo.noise import Draw
+from echo.trust.noise import Draw
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class NewerWeights(Protocol):
 
 class Engine(Protocol):
     name: str  # "hf" or "vllm", named in every group it samples
-    keyed_noise: bool  # whether it draws with keyed noise (sampling.noise = "keyed", echo/noise.py)
+    keyed_noise: bool  # whether it draws with keyed noise (sampling.noise = "keyed", echo/trust/noise.py)
     # (layers, top_k, experts) where it records a mixture of experts' routing (Generation.routing), else None
     routing: tuple[int, int, int] | None
     device: torch.device
@@ -65,12 +65,12 @@ class Engine(Protocol):
         """n sampled completions for each prompt (greedy: the most likely one, for evaluation), of
         at most `max_tokens` (None: sampling.max_new_tokens; an episode's turn takes what is left),
         drawn with `seed` (call_seed: the same call of the same run draws the same; None: fresh),
-        or, given `draws` (one per prompt: echo/noise.py's Draw, its group's key), by Gumbel-max
+        or, given `draws` (one per prompt: echo/trust/noise.py's Draw, its group's key), by Gumbel-max
         with keyed noise, which only an engine with `keyed_noise` can.
         An engine that generates in chunks asks `newer_weights` between them; one that does
         not (vLLM here) ignores it, and its completions carry no version changes."""
 
     def load_weights(self, shards: list[bytearray]) -> None:
         """Swap in a published version (safetensors shards: a LoRA adapter, or every parameter)
-        without reloading the model. Raises echo.policy.WeightsMismatch and keeps the current
+        without reloading the model. Raises echo.model.policy.WeightsMismatch and keeps the current
         weights if they do not fit."""

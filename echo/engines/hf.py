@@ -13,12 +13,12 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from echo.config import LoraConfig, SamplingConfig
-from echo.devices import resolve_device, sampler_dtype
 from echo.engines.base import Generation, NewerWeights
-from echo.models import encode_chat, load_model
-from echo.noise import Draw, key_halves, keyed_draw, noisy_scores
-from echo.policy import CACHE, kv_cache, load_weights, make_policy
-from echo.routing import recorded, replayed_shape
+from echo.model.devices import resolve_device, sampler_dtype
+from echo.model.loading import encode_chat, load_model
+from echo.model.policy import CACHE, kv_cache, load_weights, make_policy
+from echo.trust.noise import Draw, key_halves, keyed_draw, noisy_scores
+from echo.trust.routing import recorded, replayed_shape
 
 
 class SampledLogprobs(LogitsProcessor):
@@ -48,7 +48,7 @@ class SampledLogprobs(LogitsProcessor):
 
 
 class KeyedNoise(SampledLogprobs):
-    """Gumbel-max sampling with keyed noise (echo/noise.py), under greedy decoding: each step's
+    """Gumbel-max sampling with keyed noise (echo/trust/noise.py), under greedy decoding: each step's
     scores become logits / T + g, whose argmax is the token. Row i of the batch is completion
     `rows[i][1]` of the group keyed `rows[i][0]`, its first step at position `rows[i][2]`; the
     call's first step is `start` steps past those."""
@@ -145,7 +145,7 @@ class HFEngine:
         # peft keeps the adapter in fp32 over a 16-bit base; published weights are cast on load.
         self.model = make_policy(base, lora).eval()
         # A mixture of experts' routing shape, where its routing is recorded for the trainer to replay
-        # (echo/routing.py); None: not recorded.
+        # (echo/trust/routing.py); None: not recorded.
         self.routing = replayed_shape(self.model, model_name, record_routing)
         self.temperature = sampling.temperature
         self.max_new_tokens, self.chunk_tokens = sampling.max_new_tokens, sampling.chunk_tokens

@@ -5,7 +5,7 @@ LoRALinear (a PEFT version converted: A and B transposed, scale alpha / r), or e
 full-weight mode.
 
 The forward is MLX's; the draw is the trainer's own code. Each step's last-position logits come
-to the CPU as float32 and the token is drawn there by echo/noise.py (keyed noise: the same bits
+to the CPU as float32 and the token is drawn there by echo/trust/noise.py (keyed noise: the same bits
 the trainer's proof draws again) or by torch's generator (the engine's noise, for a run that
 trusts its samplers), with the behaviour log-prob of softmax(logits / T). A prompt's n
 completions are one batch (the prompt repeated, so no padding: every row has the same length),
@@ -45,12 +45,12 @@ import numpy as np
 import torch
 
 from echo.config import ConfigError, LoraConfig, ModelConfig, SamplingConfig
-from echo.devices import DTYPES
 from echo.engines.base import Generation, NewerWeights
-from echo.models import encode_chat, load_tokenizer, model_folder, model_on_meta
-from echo.noise import Draw, key_halves, keyed_draw
-from echo.policy import check_tensors, make_policy, policy_shapes, shards_tensors
-from echo.routing import replayed_shape
+from echo.model.devices import DTYPES
+from echo.model.loading import encode_chat, load_tokenizer, model_folder, model_on_meta
+from echo.model.policy import check_tensors, make_policy, policy_shapes, shards_tensors
+from echo.trust.noise import Draw, key_halves, keyed_draw
+from echo.trust.routing import replayed_shape
 
 
 def _mlx():
@@ -98,7 +98,7 @@ def recorded(model):
     """Inside, each expert block's choices are kept: `calls[layer]` gets one (rows, tokens, k)
     array of expert ids a forward, the blocks in decoder-layer order. mlx-lm's blocks pass their
     chosen experts to SwitchGLU, whose call is wrapped for the while (the class's, as
-    echo/routing.py's paged_routing patches transformers')."""
+    echo/trust/routing.py's paged_routing patches transformers')."""
     from mlx_lm.models.switch_layers import SwitchGLU
 
     blocks = _expert_blocks(model)
@@ -118,7 +118,7 @@ def recorded(model):
 
 
 def _draw_as_list(value):
-    """JSON for a call's draws (echo/noise.py's Draw: key, first, position)."""
+    """JSON for a call's draws (echo/trust/noise.py's Draw: key, first, position)."""
     if isinstance(value, Draw):
         return [value.key, value.first, value.position]
     raise TypeError(f"{type(value).__name__} is not sent between ranks")
@@ -267,7 +267,7 @@ class MLXEngine:
     def _same_base(self, model_name: str) -> None:
         """Every rank's base model is rank 0's, by content (ranks on other machines keep their own
         copies): one that differs stops at start."""
-        from echo.models import base_model_digest
+        from echo.model.loading import base_model_digest
 
         mine = base_model_digest(model_name)
         (_, theirs), _ = self._broadcast(("base", mine))
@@ -299,7 +299,7 @@ class MLXEngine:
         return [(path, m) for path, m in self.model.named_modules() if isinstance(m, nn.Linear) and "layers." in path]
 
     def _published_shapes(self) -> dict[str, torch.Size]:
-        """The names and shapes of what a version publishes for this model (echo/policy.py's
+        """The names and shapes of what a version publishes for this model (echo/model/policy.py's
         policy_tensors): PEFT's adapter names, or every parameter."""
         from mlx.utils import tree_flatten
 

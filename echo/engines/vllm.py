@@ -20,12 +20,12 @@ import torch
 from transformers import AutoTokenizer
 
 from echo.config import ConfigError, LoraConfig, ModelConfig, SamplingConfig
-from echo.devices import dtype_name, resolve_device, sampler_dtype
 from echo.engines.base import Generation, NewerWeights
-from echo.models import encode_chat, model_folder, model_on_meta
-from echo.noise import Draw, key_halves
-from echo.policy import check_tensors, make_policy, policy_shapes, shards_tensors
-from echo.routing import replayed_shape, router_layers
+from echo.model.devices import dtype_name, resolve_device, sampler_dtype
+from echo.model.loading import encode_chat, model_folder, model_on_meta
+from echo.model.policy import check_tensors, make_policy, policy_shapes, shards_tensors
+from echo.trust.noise import Draw, key_halves
+from echo.trust.routing import replayed_shape, router_layers
 
 CPU_KV_CACHE_BYTES = 2**30
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts

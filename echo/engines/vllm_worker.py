@@ -9,7 +9,7 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from echo.noise import keyed_draw
+from echo.trust.noise import keyed_draw
 
 NOISE_ARG = "echo_noise"  # SamplingParams.extra_args key: [key low, key high, completion, first position, T]
 
@@ -36,7 +36,7 @@ class WeightsReloader:
 
 
 class KeyedNoise(LogitsProcessor):
-    """Gumbel-max with keyed noise (echo/noise.py) for the requests whose extra_args carry
+    """Gumbel-max with keyed noise (echo/trust/noise.py) for the requests whose extra_args carry
     NOISE_ARG, which are greedy (temperature 0): each row becomes -inf but at the noisy argmax of
     logits / T, whose value is that token's log-softmax(logits / T). Greedy sampling takes that
     token, and with logprobs_mode "processed_logits" vLLM reports that value: the behaviour

@@ -29,10 +29,10 @@ from echo.config import ConfigError, TaskConfig, format_errors
 
 BUILTIN = {
     "math": "echo.tasks.math:Math",
-    "math_tools": "echo.tasks.math:MathTools",  # multi-turn, with a calculator (echo/environments.py)
+    "math_tools": "echo.tasks.math:MathTools",  # multi-turn, with a calculator (echo/tasks/episodes.py)
     "knights_knaves": "echo.tasks.knights_knaves:KnightsKnaves",
     "sokoban": "echo.tasks.sokoban:Sokoban",
-    "sokoban_game": "echo.tasks.sokoban:SokobanGame",  # multi-turn (echo/environments.py)
+    "sokoban_game": "echo.tasks.sokoban:SokobanGame",  # multi-turn (echo/tasks/episodes.py)
     "dataset": "echo.tasks.dataset:Dataset",  # a user's file of prompts and answers, named on the trainer
 }
 GYM = "reasoning_gym:"  # reasoning-gym's datasets: echo/tasks/gym.py
@@ -85,7 +85,7 @@ class Task(Protocol):
 
 @dataclass(frozen=True)
 class Step:
-    """What an environment answers a model's turn (echo/environments.py)."""
+    """What an environment answers a model's turn (echo/tasks/episodes.py)."""
 
     observation: list[dict]  # chat messages to append (empty when done)
     reward: float  # in [0, 1]
@@ -97,7 +97,7 @@ class Episode(Protocol):
 
 
 class Environment(Protocol):
-    """A multi-turn task: it declares `environment = True` and plays episodes (echo/environments.py)."""
+    """A multi-turn task: it declares `environment = True` and plays episodes (echo/tasks/episodes.py)."""
 
     name: str
     environment: bool

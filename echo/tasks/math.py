@@ -199,7 +199,7 @@ MAX_CALC_CHARS = 200
 
 
 class MathTools(Math):
-    """Math with a calculator (an environment, echo/environments.py): a turn with a <calc> call
+    """Math with a calculator (an environment, echo/tasks/episodes.py): a turn with a <calc> call
     is answered with the result (a `tool` turn); a turn with a \\boxed{} answer ends the episode,
     scored as the `math` task scores it; a turn with neither is told what it may do."""
 

@@ -21,7 +21,7 @@ answered "invalid action: ..." as a user turn, and the episode goes on. Each obs
 shown as a user turn: its one text field, else its fields as JSON (done, reward and metadata left
 out). The rewards of an episode's steps are summed and mapped from `reward_range` onto [0, 1].
 
-The trainer replays each episode with the sampler's turns (echo/environments.py::replay), so an
+The trainer replays each episode with the sampler's turns (echo/tasks/episodes.py::replay), so an
 environment must answer alike for a seed and the same actions: two plays are compared at start
 and one that differs is refused, unless `trust_samplers_for_observations = true` (the trainer
 then takes the samplers' word: docs/operations.md).
@@ -213,7 +213,7 @@ class OverWebSocket:
 SERVE = """
 import json, socket, sys
 import uvicorn
-from echo.lifeline import die_with_parent
+from echo.process.lifeline import die_with_parent
 from echo.tasks.openenv_env import app_for
 die_with_parent()
 app = app_for(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))

@@ -174,7 +174,7 @@ GAME_RULES = ("Push every box onto a goal. You can push a box but not pull it.\n
 
 
 class SokobanGame(Sokoban):
-    """Sokoban played a few moves a turn (an environment, echo/environments.py): the model
+    """Sokoban played a few moves a turn (an environment, echo/tasks/episodes.py): the model
     answers with its next moves, and sees the board they lead to, until every box is on a goal
     or its turns run out. The reward: 1 when it solves the room; a well-formed turn that does
     not earns format_reward / max_turns; a turn with no well-formed moves is told so, and sees

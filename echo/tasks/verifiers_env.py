@@ -19,12 +19,12 @@ verifier error, counted. A completion is correct, as verifiers' pass@k counts it
 reaches the environment's `pass_threshold`.
 
 A multi-turn environment (MultiTurnEnv, ToolEnv, StatefulToolEnv) is an echo-rl environment
-(echo/environments.py): a sampler plays each episode through our episode loop, token in, token
+(echo/tasks/episodes.py): a sampler plays each episode through our episode loop, token in, token
 out, and the environment's own rollout code runs alongside, each model call it makes answered
 with the turn the model sampled; what it answers (a user's turn, a tool's result) is the
 observation. The reward is its rubric's at the episode's end; an episode cut short by echo-rl's
 token budget earns 0 (one verifiers never scored). The trainer replays every episode through the
-same code and compares every observation (echo/environments.py::replay), so a sampler claims
+same code and compares every observation (echo/tasks/episodes.py::replay), so a sampler claims
 nothing it could invent. Tools are shown to the model in its system message, and the model calls
 them as Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (what
 Qwen's and SmolLM's templates teach), parsed as vLLM's hermes parser does for verifiers.
@@ -341,7 +341,7 @@ class VerifiersEpisodes(VerifiersEnv):
 
     @property
     def trusted_observations(self) -> bool:
-        """Whether the referee takes a sampler's episodes as they are (echo/referee.py)."""
+        """Whether the referee takes a sampler's episodes as they are (echo/trust/referee.py)."""
         return self.env_params.trust_samplers_for_observations
 
     def episode(self, prompt: Prompt) -> Played:

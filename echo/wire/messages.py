@@ -128,7 +128,7 @@ class VersionChange(BaseModel):
 
 class Observation(BaseModel):
     """Where, in a multi-turn episode's tokens, the environment answered: `tokens` tokens from
-    `at` on are its observation (rendered by echo/environments.py), not sampled by the model."""
+    `at` on are its observation (rendered by echo/tasks/episodes.py), not sampled by the model."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
     at: int = Field(ge=1)
@@ -185,7 +185,7 @@ class Completion(_HoldsArrays, BaseModel):
 
 
 class Routing(_HoldsArrays, BaseModel):
-    """A mixture of experts' routing of a group's tokens (echo/routing.py), recorded by the sampler
+    """A mixture of experts' routing of a group's tokens (echo/trust/routing.py), recorded by the sampler
     for the trainer to replay: for every token id the group carries, the prompt's then each
     completion's, the `top_k` experts (of `experts`) each of the model's `layers` MoE layers sent
     it to. A completion's last token was never an input: its row is zeros and means nothing."""
@@ -245,7 +245,7 @@ class RolloutGroup(_HoldsArrays, Message):
 
     @property
     def keyed_slot(self) -> int:
-        """The slot whose keyed noise drew it (echo/noise.py's group_key)."""
+        """The slot whose keyed noise drew it (echo/trust/noise.py's group_key)."""
         return self.slot if self.noise_slot is None else self.noise_slot
 
     @model_validator(mode="after")
@@ -293,7 +293,7 @@ class WeightsShard(BaseModel):
 
 class WeightsLink(BaseModel):
     """One version of a delta chain: its objects, whole weights (the anchor) or a delta
-    (echo/delta.py) against the version `delta_of`, and the digest of the whole weights it makes."""
+    (echo/weights/delta.py) against the version `delta_of`, and the digest of the whole weights it makes."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
     version: int = Field(ge=0)
@@ -313,7 +313,7 @@ class WeightsAnnouncement(Message):
     epoch: int = Field(ge=1)  # the announcing trainer's TrainerLease.epoch: versions are ordered within one
     kind: Literal["lora", "full"]
     shards: list[WeightsShard] = Field(min_length=1)
-    base_model: str  # its content digest (echo/models.py::base_model_digest): any copy matches
+    base_model: str  # its content digest (echo/model/loading.py::base_model_digest): any copy matches
     created_at: float
     digest: str = Field("", pattern=DIGEST)
     delta_of: int | None = None
@@ -358,7 +358,7 @@ class TrainerLease(Message):
     epoch: int = Field(ge=1)
     holder: str  # host and process, for the operator
     released: bool = False  # a trainer that stopped cleanly: the next may start at once
-    # The holder's process as its machine names it (echo/lifeline.py; "" where it cannot): a trainer
+    # The holder's process as its machine names it (echo/process/lifeline.py; "" where it cannot): a trainer
     # started where it can see that process has exited takes over at once.
     process: str = Field("", max_length=128)
 
@@ -367,7 +367,7 @@ class GrantBudget(Message):
     """Async mode: samplers running `version` may take slots numbered up to `allowance`.
 
     It wakes the idle samplers to ask for the work; among many, only a share of them, drawn
-    afresh each `draw` (echo/grants.py::drawn_to_ask): `open` slots were left when it was
+    afresh each `draw` (echo/fleet/grants.py::drawn_to_ask): `open` slots were left when it was
     published, for `idle` samplers (known to the trainer, not gone, holding none; 0: every one
     asks)."""
 
@@ -396,7 +396,7 @@ class Sample(BaseModel):
 
 class SlotsEnded(BaseModel):
     """A sampler's granted slots that have ended, and how many of them it never delivered
-    (passed over, or held when it stopped, restarted, died or stalled: echo/grants.py)."""
+    (passed over, or held when it stopped, restarted, died or stalled: echo/fleet/grants.py)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
     ended: Count
@@ -429,7 +429,7 @@ class TrainerStatus(Message):
     elapsed_s: float = Field(0.0, ge=0)  # since this trainer process started
     eta_s: float = Field(0.0, ge=0)  # the steps left at the pace of the last ones (waits included)
     # For the page: the last step's headline values (loss, kl, entropy, grad_norm, lr, lengths,
-    # the signal: echo/metrics.py's PAGE_SCALARS, finite ones only), its sample completions, and
+    # the signal: echo/train/metrics.py's PAGE_SCALARS, finite ones only), its sample completions, and
     # what the run trains (model.name, the task and its dataset).
     scalars: dict[Annotated[str, Field(pattern=SCALAR_NAME)], float] = Field({}, max_length=32)
     samples: list[Sample] = Field([], max_length=STATUS_SAMPLES)
@@ -530,7 +530,7 @@ class GrantRequest(Message):
 
 class Grant(Message):
     """The trainer's answer: generate one group for each of `slots` (numbered across the run),
-    on the prompt at the same place in `prompts` (the trainer's choice, echo/grants.py), each
+    on the prompt at the same place in `prompts` (the trainer's choice, echo/fleet/grants.py), each
     group naming its slot, so the trainer knows which grants were fulfilled and which are
     still out. `more`: work is left that this sampler may get soon (once the trainer has
     received the groups it holds, or once enough samplers have joined): ask again shortly;
@@ -544,7 +544,7 @@ class Grant(Message):
     noise_slots: list[int] = Field(default_factory=list, max_length=1024)
     # No slot: with more, ask again this long after at the soonest; without, ask again after this
     # long at the latest, a new budget waking the sampler sooner (the trainer spreads a crowd's
-    # asks, echo/grants.py::ask_again_s); 0: the sampler's own pace. Bounded by the sampler
+    # asks, echo/fleet/grants.py::ask_again_s); 0: the sampler's own pace. Bounded by the sampler
     # (workers/sampler/modes.py::again_s) whatever it says.
     again_s: Seconds = 0.0
     # Async mode, no slot: none for this sampler before it runs this version (its long groups

@@ -7,7 +7,7 @@ calls (workers/cli.py names the contract):
 - secure.py: `echo-rl secure`, credentials and TLS for a secured broker (streams/secure.py);
 - status.py, page.py: `echo-rl status`, a run read from the broker alone, in a terminal or as a
   live page;
-- plan.py: `echo-rl plan`, which samplers to pay for (echo/capacity.py);
+- plan.py: `echo-rl plan`, which samplers to pay for (echo/fleet/capacity.py);
 - evaluate.py, heldout.py: `echo-rl eval`, the base model and the last weights on held-out prompts;
 - report.py, charts.py: `echo-rl report`, a run's metrics as one PNG;
 - replay.py, retrain.py: `echo-rl replay`, a run's rollout stream read back, or trained again;

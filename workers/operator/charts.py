@@ -7,7 +7,7 @@ from pathlib import Path
 
 import orjson
 
-from echo.metrics import read_metrics
+from echo.train.metrics import read_metrics
 
 
 def write_report(run_dir: Path) -> Path:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import orjson
 
-from echo.logs import configure_logging
+from echo.process.logs import configure_logging
 from workers.arguments import at_least, run_directory
 
 NAME = "eval"

@@ -1,6 +1,6 @@
 """`echo-rl eval`: score the base model and a run's last published weights on the task's
 held-out set, with greedy decoding, so the two numbers differ only by what training changed
-(echo/heldout.py scores; the parity bench also scores by sampling)."""
+(echo/train/heldout.py scores; the parity bench also scores by sampling)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from pathlib import Path
 import orjson
 import structlog
 
-from echo.checkpoint import latest_weights, read_shards
 from echo.config import EchoConfig
 from echo.engines import make_engine
 from echo.tasks import load_task
-from echo.heldout import held_out_score
+from echo.train.checkpoint import latest_weights, read_shards
+from echo.train.heldout import held_out_score
 
 log = structlog.get_logger()
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import structlog
 
 from echo.config import ConfigError
-from echo.logs import configure_logging
+from echo.process.logs import configure_logging
 from streams.secure import SERVER_CONF, SecureDir
 from streams.server import NatsServer, ServerConfig
 from workers.arguments import run_until_signal

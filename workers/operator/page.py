@@ -21,7 +21,7 @@ from pathlib import Path
 import orjson
 import structlog
 
-from echo.metrics import mean_staleness, read_metrics
+from echo.train.metrics import mean_staleness, read_metrics
 from streams.client import Run
 from workers.operator.snapshot import REFRESH_S, snapshot
 

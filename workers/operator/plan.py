@@ -1,6 +1,6 @@
 """`echo-rl plan`: which samplers a run should pay for. The fleet comes from the run's live
 registry (each sampler's measured rates, sync times and cost, and the trainer's pace) or from a
-TOML description; the answer from the capacity model (echo/capacity.py)."""
+TOML description; the answer from the capacity model (echo/fleet/capacity.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import orjson
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from echo.capacity import SCHEDULED, LearnerPace, Plan, SamplerPace, best_staleness, cheapest, sampler_pace
 from echo.config import ConfigError, format_errors
-from echo.logs import configure_logging
+from echo.fleet.capacity import SCHEDULED, LearnerPace, Plan, SamplerPace, best_staleness, cheapest, sampler_pace
+from echo.process.logs import configure_logging
 from echo.wire.messages import SamplerStatus
 from streams.credentials import credentials_of
 from workers.arguments import at_least
@@ -111,7 +111,7 @@ def register(sub) -> None:
 
 async def live_fleet(args):
     """The capacity model's inputs from a live run: the trainer's pace and the registry."""
-    from echo.capacity import LearnerPace
+    from echo.fleet.capacity import LearnerPace
     from streams.client import PATIENCE_S, open_run
     from streams.registry import read_statuses, read_trainer_status
 

@@ -7,7 +7,7 @@ import asyncio
 import orjson
 
 from echo.config import ConfigError
-from echo.logs import configure_logging
+from echo.process.logs import configure_logging
 from streams.credentials import credentials_of
 
 NAME = "quarantine"

@@ -20,7 +20,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from echo.config import ConfigError, format_errors
-from echo.logs import configure_logging
+from echo.process.logs import configure_logging
 from echo.wire.names import HUB_DOMAIN, ID_PATTERN, RunNames
 from streams.client import connect
 from streams.relay import open_mirrors, prune_replaced

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import orjson
 
-from echo.logs import configure_logging
+from echo.process.logs import configure_logging
 from streams.credentials import credentials_of
 from workers.arguments import run_directory, span
 
@@ -65,7 +65,7 @@ def run(args) -> int:
 
 def _decoder(args):
     """The tokenizer's decode of the model the run trained (or --model's); None where neither is known."""
-    from echo.models import load_tokenizer
+    from echo.model.loading import load_tokenizer
 
     config = Path(args.run) / "config.toml"
     if not (args.model or config.exists()):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from echo.logs import configure_logging
+from echo.process.logs import configure_logging
 from workers.arguments import run_directory
 
 NAME = "report"

@@ -18,12 +18,12 @@ from pathlib import Path
 import structlog
 from safetensors.torch import load
 
-from echo.checkpoint import latest_weights
 from echo.config import load_config
-from echo.learner import Batch
-from echo.metrics import read_metrics
-from echo.referee import Referee
 from echo.tasks import load_task
+from echo.train.checkpoint import latest_weights
+from echo.train.learner import Batch
+from echo.train.metrics import read_metrics
+from echo.trust.referee import Referee
 from echo.wire.codec import ProtocolError
 from echo.wire.messages import RolloutGroup
 from streams.credentials import Credentials

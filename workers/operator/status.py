@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from echo.config import ConfigError
-from echo.logs import configure_logging, duration
+from echo.process.logs import configure_logging, duration
 from echo.wire.names import CONTROL_CHARACTERS
 from streams.client import Run
 from streams.credentials import credentials_of

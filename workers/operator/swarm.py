@@ -201,7 +201,7 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
     run_dir.mkdir(parents=True, exist_ok=True)
     if allow_own_precision(cfg):
         log.info("swarm.dtypes", model_dtype=cfg.model.dtype, sampling_dtypes=cfg.sampling.dtypes)
-    from echo.models import TINY, pin_model
+    from echo.model.loading import TINY, pin_model
 
     if cfg.model.name not in TINY:  # built by each worker in milliseconds; else converted or fetched once here
         cfg.model.name = in_child(pin_model, cfg.model.name)
@@ -282,7 +282,7 @@ def up(cfg: EchoConfig, log_json: bool = False, relay: bool = False, secure: boo
 def finish(run_dir: Path, eval_prompts: int, peak_rss_mb: dict[str, float]) -> None:
     """A finished run's summary, report and held-out evaluation, each said where it is written;
     with each process's peak resident MB (a trainer on several ranks: torchrun's largest)."""
-    from echo.metrics import read_metrics, summarize
+    from echo.train.metrics import read_metrics, summarize
     from workers.operator.charts import write_report  # matplotlib: a second, so after the run
 
     summary = {**summarize(read_metrics(run_dir)), "peak_rss_mb": peak_rss_mb}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from echo.logs import configure_logging
+from echo.process.logs import configure_logging
 from workers.arguments import config_and_task_from_args, config_args
 
 NAME = "up"

@@ -17,12 +17,12 @@ import uuid
 import structlog
 
 from echo.config import EchoConfig
-from echo.devices import dtype_name
 from echo.engines import make_engine
 from echo.engines.base import Engine
-from echo.grants import ASK_AGAIN_MIN_S
-from echo.learner import set_threads
+from echo.fleet.grants import ASK_AGAIN_MIN_S
+from echo.model.devices import dtype_name
 from echo.tasks import Task, load_task
+from echo.train.learner import set_threads
 from echo.wire.messages import Grant, PullRequest
 from streams.client import Run, open_run
 from streams.credentials import credentials_of
@@ -39,7 +39,7 @@ from workers.sampler.work import Work
 
 log = structlog.get_logger()
 
-# The least wait is the trainer's own (echo/grants.py: ASK_AGAIN_MIN_S for a grant's more with
+# The least wait is the trainer's own (echo/fleet/grants.py: ASK_AGAIN_MIN_S for a grant's more with
 # no again_s, a trainer before schema 25); this is the longest heeded, whatever a grant says.
 ASK_AGAIN_MAX_S = 30.0
 NO_ANSWER_WAIT_S = 1.0  # no trainer answered a request for work (none yet, or a broker restarting)

@@ -32,7 +32,7 @@ from pathlib import Path
 import structlog
 
 from echo.config import ConfigError, EchoConfig
-from echo.lifeline import arm_parent_death_signal, die_with_parent
+from echo.process.lifeline import arm_parent_death_signal, die_with_parent
 from echo.wire.names import CONTROL_CHARACTERS
 from streams.server import free_port
 
@@ -56,7 +56,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from echo.logs import configure_logging
+    from echo.process.logs import configure_logging
     from workers.arguments import config_from_args
 
     configure_logging(args.log_json, role="rank", worker=f"rank-{args.rank}")

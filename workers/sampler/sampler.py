@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from echo.config import ConfigError, EchoConfig, apply_override, validate_config
-from echo.edge import check_config_from_broker, drop_this_box_fields
-from echo.logs import bind_process, configure_logging
+from echo.config.edge import check_config_from_broker, drop_this_box_fields
+from echo.process.logs import bind_process, configure_logging
 from echo.tasks import task_class
 from echo.wire.names import HUB_DOMAIN, check_id
 from streams.credentials import credentials_of
@@ -59,7 +59,7 @@ def checked_command_line(local: list[str]) -> dict:
     if "task" in given:
         task_class(cfg.task.name)
     if "model" in given:
-        from echo.models import check_model_name  # torch: imported by the commands that need it
+        from echo.model.loading import check_model_name  # torch: imported by the commands that need it
 
         check_model_name(cfg.model.name)
     return given

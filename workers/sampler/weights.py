@@ -11,9 +11,9 @@ import time
 import structlog
 
 from echo.engines.base import Engine
-from echo.logs import bind_process
-from echo.models import base_model_digest
-from echo.policy import WeightsMismatch
+from echo.model.loading import base_model_digest
+from echo.model.policy import WeightsMismatch
+from echo.process.logs import bind_process
 from echo.wire.messages import WeightsAnnouncement
 from echo.wire.names import Version
 from streams.client import Run

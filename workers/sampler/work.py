@@ -10,7 +10,7 @@ from collections.abc import Awaitable
 
 import structlog
 
-from echo.grants import IDLE_ASK_MIN_S, ask_share, drawn_to_ask
+from echo.fleet.grants import IDLE_ASK_MIN_S, ask_share, drawn_to_ask
 from echo.wire.messages import Grant, GrantBudget, GrantRequest, PullRequest, Schedule
 from echo.wire.names import Version
 from streams.client import Run

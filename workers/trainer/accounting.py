@@ -19,10 +19,10 @@ from pathlib import Path
 import orjson
 import structlog
 
-from echo.checkpoint import TrainerState
-from echo.consumed import ConsumedSeqs
-from echo.diagnosis import Trained, sample_picks, step_signal
-from echo.metrics import PAGE_SCALARS, mean_staleness, peak_rss_mb, read_metrics
+from echo.fleet.consumed import ConsumedSeqs
+from echo.train.checkpoint import TrainerState
+from echo.train.diagnosis import Trained, sample_picks, step_signal
+from echo.train.metrics import PAGE_SCALARS, mean_staleness, peak_rss_mb, read_metrics
 from echo.wire.messages import Sample, SlotsEnded, TrainerStatus
 from echo.wire.names import CONTROL_CHARACTERS, SAMPLE_CHARS, STATUS_SAMPLES
 from streams.client import retry_forever
@@ -79,7 +79,7 @@ def trained_group(a: Accepted) -> Trained:
 
 
 def step_samples(step: TrainerStep, tokenizer, count: int) -> list[dict]:
-    """`count` of the step's completions to read (echo/diagnosis.py's picks), decoded here from
+    """`count` of the step's completions to read (echo/train/diagnosis.py's picks), decoded here from
     their tokens (never a sampler's own text), control characters and length bounded: they go to
     files, trackers and a web page."""
     used = step.collected.used
@@ -110,7 +110,7 @@ def rewards_by_source(used: list[Accepted]) -> dict[str, float]:
 
 def finished_record(step: TrainerStep, accounting: dict) -> dict:
     """The checkpointed record with what came after the checkpoint: publishing, accounting, and
-    the step's busy time (everything but the wait: T of the capacity model, echo/capacity.py,
+    the step's busy time (everything but the wait: T of the capacity model, echo/fleet/capacity.py,
     and the share of the step it is, what `echo-rl status` shows over the last steps)."""
     busy = step.busy_seconds()
     return {**step.record, "publish_seconds": step.seconds["publish"], "accounting": accounting,

@@ -1,9 +1,9 @@
 """ECHO-2's cost-aware activation, run inside the trainer process (scheduler.enabled).
 
 Every `scheduler.every_s` the coordinator reads the run's registry and the rates and sync times
-the trainer measured of each sampler (echo/grants.py). When a sampler joined, left (its entry
+the trainer measured of each sampler (echo/fleet/grants.py). When a sampler joined, left (its entry
 expired) or its measured rates drifted, it chooses again the cheapest set of samplers
-that reaches `scheduler.target_utilisation` at the trainer's measured pace (echo/capacity.py) and
+that reaches `scheduler.target_utilisation` at the trainer's measured pace (echo/fleet/capacity.py) and
 publishes the choice (streams/schedule.py): the others go on standby, keeping their weights
 current and taking no slots, and the trainer grants them none. A sampler not yet measured (the
 trainer has accepted no grant's groups from it) takes work until it is.
@@ -17,9 +17,9 @@ from dataclasses import replace
 
 import structlog
 
-from echo.capacity import SCHEDULED, LearnerPace, SamplerPace, cheapest, replan_reason, sampler_pace
 from echo.config import EchoConfig
-from echo.grants import GrantLedger
+from echo.fleet.capacity import SCHEDULED, LearnerPace, SamplerPace, cheapest, replan_reason, sampler_pace
+from echo.fleet.grants import GrantLedger
 from echo.wire.messages import SamplerStatus, Schedule, TrainerStatus
 from streams.client import BROKER_ERRORS, Run
 from streams.registry import read_statuses

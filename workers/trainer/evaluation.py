@@ -1,6 +1,6 @@
 """Evaluation during training (`run.eval_every`, as verl's test_freq and TRL's eval_steps): every
 so many steps the version just published is scored on `run.eval_prompts` held-out prompts, greedy,
-as `echo-rl eval` scores it (echo/heldout.py).
+as `echo-rl eval` scores it (echo/train/heldout.py).
 
 It runs on the trainer's machine, between steps: an engine of the samplers' kind, made at the
 first evaluation, is loaded with the version's published shards (the weights the samplers run,
@@ -14,10 +14,10 @@ import time
 import orjson
 import structlog
 
-from echo.checkpoint import read_shards, weights_at
 from echo.config import EchoConfig
 from echo.engines import make_engine
-from echo.heldout import held_out_score
+from echo.train.checkpoint import read_shards, weights_at
+from echo.train.heldout import held_out_score
 
 log = structlog.get_logger()
 

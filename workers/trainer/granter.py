@@ -3,7 +3,7 @@
 Owns the grants (numbered, answered on each sampler's grants subject while the trainer runs,
 streams/grants.py), the count of grants lost and handed out again, and the choice between the
 two modes: sequential mode's pull requests (each step asks for exactly its groups) and async
-mode's grant budget (echo/grants.py). It reads heartbeats (streams/registry.py) to
+mode's grant budget (echo/fleet/grants.py). It reads heartbeats (streams/registry.py) to
 release the grants of dead or stalled samplers, asks the quarantine (workers/trainer/strikes.py)
 and honours the scheduler's standby set (workers/trainer/coordinator.py). It reads no rollouts: the
 intake tells it, through the shared GrantLedger, which grants were fulfilled or wasted.
@@ -17,9 +17,9 @@ import uuid
 
 import structlog
 
-from echo.checkpoint import TrainerState
 from echo.config import EchoConfig
-from echo.grants import REDRAW_S, GrantLedger, Heartbeats, allowance, ask_again_s, lost_slots, sampler_cap
+from echo.fleet.grants import REDRAW_S, GrantLedger, Heartbeats, allowance, ask_again_s, lost_slots, sampler_cap
+from echo.train.checkpoint import TrainerState
 from echo.wire.messages import Grant, GrantBudget, GrantRequest, PullRequest
 from streams.client import BROKER_ERRORS, Run, retry_forever
 from streams.grants import publish_budget, record_slots_granted, serve_grants, slots_granted
@@ -239,7 +239,7 @@ class SequentialGranter(Granter):
 
 class AsyncGranter(Granter):
     """Async mode: the grant budget, so that samplers generate no group that would arrive
-    stale (echo/grants.py). Lost slots are handed out again by raising the allowance. Each
+    stale (echo/fleet/grants.py). Lost slots are handed out again by raising the allowance. Each
     budget wakes a draw of the idle samplers, and another draw while open slots go untaken."""
 
     draw = 0  # the budget's, one more each publish
@@ -283,7 +283,7 @@ class AsyncGranter(Granter):
                     log.warning("grants.redraw_failed", reason=repr(e))
 
     def reissue_lost(self, lost: list[int], accepted: int) -> None:
-        """Count what is lost from what is out (echo/grants.py): `accepted`, the groups the
+        """Count what is lost from what is out (echo/fleet/grants.py): `accepted`, the groups the
         step being collected took so far, are not."""
         self.state.lost = lost_slots(self.ledger.issued, len(self.ledger.outstanding), self.version,
                                      self.cfg.trainer.groups_per_step, accepted)

@@ -3,7 +3,7 @@
 It reads deliveries from the rollout inbox (streams/inbox.py), which holds them unacked until the
 process says the step is checkpointed; decodes each within the run's limits; hands the group to
 the judge (workers/trainer/judge.py) with the prompt its slot was granted with; and tallies
-the verdict in what the step collected, ends the grant in the ledger (echo/grants.py) and
+the verdict in what the step collected, ends the grant in the ledger (echo/fleet/grants.py) and
 strikes the sender through the quarantine (workers/trainer/strikes.py). It publishes nothing.
 """
 
@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from echo.consumed import ConsumedSeqs
-from echo.diagnosis import no_signal
-from echo.grants import GrantLedger
-from echo.learner import Batch
+from echo.fleet.consumed import ConsumedSeqs
+from echo.fleet.grants import GrantLedger
+from echo.train.diagnosis import no_signal
+from echo.train.learner import Batch
 from echo.wire.codec import ProtocolError, decode_rollout
 from echo.wire.messages import RolloutGroup
 from streams.inbox import Delivery, RolloutInbox

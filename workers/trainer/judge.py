@@ -18,9 +18,9 @@ import asyncio
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from echo.proof import SamplingProof
-from echo.referee import Referee, Ruling, completion_keys, content_hash, repeats
-from echo.staleness import Freshness, freshness
+from echo.fleet.staleness import Freshness, freshness
+from echo.trust.proof import SamplingProof
+from echo.trust.referee import Referee, Ruling, completion_keys, content_hash, repeats
 from echo.wire.messages import RolloutGroup
 from workers.trainer.scoring import ScoringProcess
 
@@ -110,7 +110,7 @@ class Judge:
         # The proof of sampling is not one of them: the intake proves the groups through them all
         # together (prove), or the step from its own forward.
         # Stale before new: a late group of a lost slot whose prompt was drawn again with the
-        # same noise (echo/grants.py) repeats what was trained in its place, and is merely stale.
+        # same noise (echo/fleet/grants.py) repeats what was trained in its place, and is merely stale.
         self.checks = [self.well_formed, self.fresh, self.new, self.on_its_slot, self.scored]
 
     async def judge(self, case: Case) -> Accepted | Verdict:

@@ -21,18 +21,18 @@ from functools import partial
 import orjson
 import structlog
 
-from echo.checkpoint import load_trained_completions, load_trained_content, remember_trained
 from echo.config import EchoConfig
-from echo.consumed import ConsumedSeqs
-from echo.diagnosis import NoSignal, likely_cause
-from echo.grants import DeliveryBound, GrantLedger
-from echo.learner import Batch
-from echo.logs import bind_process, duration
-from echo.metrics import read_metrics, sampler_scalars, step_scalars, summarize
-from echo.models import encode_chat
-from echo.referee import Referee
+from echo.fleet.consumed import ConsumedSeqs
+from echo.fleet.grants import DeliveryBound, GrantLedger
+from echo.model.loading import encode_chat
+from echo.process.logs import bind_process, duration
 from echo.tasks import answer_format, asks_for_answer, load_task
 from echo.tasks.dataset import Dataset, check_prompt_lengths
+from echo.train.checkpoint import load_trained_completions, load_trained_content, remember_trained
+from echo.train.diagnosis import NoSignal, likely_cause
+from echo.train.learner import Batch
+from echo.train.metrics import read_metrics, sampler_scalars, step_scalars, summarize
+from echo.trust.referee import Referee
 from echo.wire.messages import SlotsEnded, TrainerStatus, WeightsAnnouncement
 from streams.client import Run, open_run, retry_forever
 from streams.credentials import credentials_of
@@ -247,7 +247,7 @@ class Trainer:
             step.batch = step.collected.batch(version - self.cfg.staleness_bound, step.number)
 
     def diagnose(self, step: TrainerStep, record: dict) -> list[dict]:
-        """Why the run learns or not (echo/diagnosis.py): a warning after steps with nothing to
+        """Why the run learns or not (echo/train/diagnosis.py): a warning after steps with nothing to
         learn from, and the step's sample completions, appended to samples.jsonl and returned."""
         if self.no_signal.observe(record):
             task = self.collector.judge.referee.task

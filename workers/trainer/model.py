@@ -25,7 +25,12 @@ import torch.distributed as dist
 from peft import PeftModel
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from echo.checkpoint import (
+from echo.config import ConfigError, EchoConfig
+from echo.model.devices import DTYPES, resolve_device, resolve_dtype
+from echo.model.loading import base_model_digest, load_model
+from echo.model.policy import make_policy, shards_tensors, weights_kind, weights_shards
+from echo.process.lifeline import die_with_parent
+from echo.train.checkpoint import (
     TrainerState,
     delta_shards,
     load_checkpoint,
@@ -36,15 +41,10 @@ from echo.checkpoint import (
     weights_digest,
     weights_file,
 )
-from echo.config import ConfigError, EchoConfig
-from echo.delta import DeltaError, send_whole
-from echo.devices import DTYPES, resolve_device, resolve_dtype
-from echo.learner import Batch, ForgedInStep, HeldProof, make_optimizer, merge_stats, set_threads, train_step
-from echo.lifeline import die_with_parent
-from echo.models import base_model_digest, load_model
-from echo.policy import make_policy, shards_tensors, weights_kind, weights_shards
-from echo.proof import Checked, ProofSettings, SamplingProof, worst_checks
-from echo.routing import replayed_shape
+from echo.train.learner import Batch, ForgedInStep, HeldProof, make_optimizer, merge_stats, set_threads, train_step
+from echo.trust.proof import Checked, ProofSettings, SamplingProof, worst_checks
+from echo.trust.routing import replayed_shape
+from echo.weights.delta import DeltaError, send_whole
 from echo.wire.messages import RolloutGroup, WeightsLink
 
 log = structlog.get_logger()
@@ -188,7 +188,7 @@ class TrainerModel:
 
     @everywhere
     def train(self, batch: Batch, version: int | None = None) -> dict:
-        """A step on the batch (echo/learner.py's train_step), on every rank; given the `version`
+        """A step on the batch (echo/train/learner.py's train_step), on every rank; given the `version`
         it trains from, the groups that version sampled are proved by the step's own forward where
         the proof does (in_step; a retrain or a bench proves nothing). Returns the step's
         statistics, or {"forged": {group id: why}} and no update."""

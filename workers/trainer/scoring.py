@@ -24,8 +24,8 @@ from multiprocessing.connection import Connection
 import structlog
 
 from echo.config import EchoConfig, SamplingConfig, TaskConfig
-from echo.referee import Referee, Ruling
 from echo.tasks import is_environment, load_task
+from echo.trust.referee import Referee, Ruling
 from echo.wire.messages import RolloutGroup
 
 log = structlog.get_logger()

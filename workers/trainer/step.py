@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from echo.learner import Batch
+from echo.train.learner import Batch
 from echo.wire.messages import WeightsAnnouncement
 from workers.trainer.intake import Collected
 
@@ -54,5 +54,5 @@ class TrainerStep:
 
     def busy_seconds(self) -> float:
         """Since its groups were in, to now: everything but the wait (T of the capacity model,
-        echo/capacity.py)."""
+        echo/fleet/capacity.py)."""
         return time.perf_counter() - self.ended("collect")

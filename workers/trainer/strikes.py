@@ -13,7 +13,7 @@ from collections import Counter
 
 import structlog
 
-from echo.proof import FORGERIES
+from echo.trust.proof import FORGERIES
 from echo.wire.messages import Strikes
 from streams.client import Run, retry_forever
 from streams.quarantine import change_quarantine, put_strikes, read_quarantine, read_strikes, watch_quarantine

@@ -1,5 +1,5 @@
 """The experiment trackers the trainer (rank 0) writes to (`run.trackers`): TensorBoard, W&B
-and MLflow, each an optional extra. Every step's scalars (echo/metrics.py), the config at the
+and MLflow, each an optional extra. Every step's scalars (echo/train/metrics.py), the config at the
 start, each step's sample completions (a table or text), the run's summary at the end. A resumed trainer continues the same tracker run: W&B's run
 id is echo-rl's, MLflow's run is found by its `echo.run_id` tag, TensorBoard appends to the
 run directory's event files. A tracker that fails (not installed, no network, a full disk) is

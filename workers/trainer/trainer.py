@@ -7,7 +7,7 @@ import time
 
 import structlog
 
-from echo.logs import bind_process, configure_logging
+from echo.process.logs import bind_process, configure_logging
 from workers.arguments import check_hardware, config_and_task_from_args, config_args, run_until_signal
 from workers.trainer.trackers import check_trackers
 
@@ -31,7 +31,7 @@ def run(args) -> int:
     check_trackers(cfg.run.trackers)
     # Said before the imports that take a slow machine's first half minute, not after
     log.info("trainer.starting", model=cfg.model.name, task=cfg.task.name, next="torch, transformers and the model")
-    from echo.models import pin_model
+    from echo.model.loading import pin_model
     from workers.trainer.model import Ranks, follow_rank_0
 
     cfg.model.name = pin_model(cfg.model.name)  # before the run's config is written: samplers load this revision

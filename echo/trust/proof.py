@@ -7,7 +7,7 @@ A sampler's log-probs drive the importance weights pi_old / mu: a sampler that i
 is caught by a forward pass of the claimed version. prime-rl checks inference with TOPLOC
 proofs from the inference engine; here the log-probs the protocol already carries are the proof.
 Log-probs alone cannot catch a sampler that runs the model forward over completions it chose
-and reports their true log-probs. With keyed noise (sampling.noise = "keyed", echo/noise.py) a
+and reports their true log-probs. With keyed noise (sampling.noise = "keyed", echo/trust/noise.py) a
 token is a function of the logits and of noise the trainer draws again, so the same forward
 checks the tokens too: each must be the noisy argmax, within `margin` (the engines' numeric
 differences): every token the model drew, an episode's turns included (the environment's
@@ -30,10 +30,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from echo.config import EchoConfig
-from echo.devices import DTYPES, autocast, model_device
-from echo.noise import TokenMargins, group_key
-from echo.policy import check_tensors, packed_states, policy_shapes, spanning_logprobs, states_logprobs
-from echo.routing import Replay
+from echo.model.devices import DTYPES, autocast, model_device
+from echo.model.policy import check_tensors, packed_states, policy_shapes, spanning_logprobs, states_logprobs
+from echo.trust.noise import TokenMargins, group_key
+from echo.trust.routing import Replay
 from echo.wire.messages import Completion, RolloutGroup
 
 # The reasons a group is refused as forged (SamplingProof.forged): its sender becomes a suspect.
@@ -57,7 +57,7 @@ def _trainable(model) -> dict[str, torch.Tensor]:
 
 
 def _published_name(model, name: str) -> str:
-    """A trainable parameter's name in the published tensors (echo/policy.py's policy_tensors):
+    """A trainable parameter's name in the published tensors (echo/model/policy.py's policy_tensors):
     peft names an adapter's without the adapter's name, as get_peft_model_state_dict does."""
     return name.replace(f".{model.active_adapter}", "") if isinstance(model, PeftModel) else name
 

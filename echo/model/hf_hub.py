@@ -1,5 +1,5 @@
 """Models named by their Hugging Face Hub id, `owner/name` or `owner/name@revision`. Pure:
-parsing only; echo/models.py downloads. A trainer pins the revision to its commit hash before the
+parsing only; echo/model/loading.py downloads. A trainer pins the revision to its commit hash before the
 run starts, so every process of the run loads the same bytes, whatever the branch does later."""
 
 from __future__ import annotations

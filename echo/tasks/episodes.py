@@ -23,8 +23,8 @@ from typing import NamedTuple
 import numpy as np
 
 from echo.config import TaskConfig
-from echo.noise import Draw
 from echo.tasks import Environment, Episode, Prompt, Step, Task, is_environment, load_task, safe_score
+from echo.trust.noise import Draw
 from echo.wire.messages import Completion, Observation
 
 

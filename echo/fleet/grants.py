@@ -39,7 +39,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from echo.throughput import CallWindow, Rates
+from echo.fleet.throughput import CallWindow, Rates
 
 ACTIVE_S = 30.0  # a sampler that asked for work this recently shares the window
 STALL_CALLS = 4  # a holder that has filled none of its slots for this many of its calls' time is stalled

@@ -129,7 +129,7 @@ def replayed_shape(model: torch.nn.Module, name: str, replay: bool) -> tuple[int
 
 
 class Replay:
-    """Routing replay for one packed forward (echo/policy.py::packed_states): the experts the
+    """Routing replay for one packed forward (echo/model/policy.py::packed_states): the experts the
     sampler recorded for each prompt's and each completion's tokens ((tokens, layers, top_k)
     arrays, as Routing carries them; None: the router's own), and afterwards `gaps`: for each
     completion, the largest routing gap of the tokens it was scored from (its prompt's too), on

@@ -1,6 +1,8 @@
 """One typed config for a run: a TOML file plus `--set section.key=value` overrides.
 
 Validated at start: an unknown key or a bad value fails with a ConfigError naming the field.
+Beside it: reference.py (docs/config.md, written from these fields) and edge.py (what an edge
+sampler accepts from the run's config on the broker).
 """
 
 from __future__ import annotations
@@ -52,19 +54,19 @@ class RunConfig(_Section):
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = []
     project: str = "echo-rl"  # the W&B project and the MLflow experiment
     # Completions shown each step, to read why a run learns or not: the best of one group, the
-    # worst of the next (echo/diagnosis.py), in <run dir>/samples.jsonl, the trackers and the page.
+    # worst of the next (echo/train/diagnosis.py), in <run dir>/samples.jsonl, the trackers and the page.
     samples_per_step: int = Field(2, ge=0, le=64)
     log_completions: bool = False  # those completions on the console too, each step (TRL's log_completions)
 
 
 class ModelConfig(_Section):
     # "tiny", "smollm2", a local Hugging Face model folder, or a hub id "owner/name[@revision]"
-    # (the trainer pins the revision to its commit: echo/hub.py).
+    # (the trainer pins the revision to its commit: echo/model/hf_hub.py).
     name: str = "tiny"
-    # This process's hardware (echo/devices.py): each process resolves "auto" on its own machine,
+    # This process's hardware (echo/model/devices.py): each process resolves "auto" on its own machine,
     # and an edge sampler ignores the trainer's choice (its command line's --set wins).
     device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$")
-    # auto: bf16 on a CUDA GPU that has it, fp16 on an older one and on MPS, fp32 on a CPU (echo/devices.py).
+    # auto: bf16 on a CUDA GPU that has it, fp16 on an older one and on MPS, fp32 on a CPU (echo/model/devices.py).
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
@@ -103,7 +105,7 @@ class SamplingConfig(_Section):
     # here; add "bfloat16" for GPU samplers' speed.
     dtypes: list[Literal["float32", "bfloat16", "float16"]] = Field(["float32"], min_length=1)
     # Where a sampler's randomness comes from. keyed: Gumbel-max with noise keyed by the slot the
-    # trainer granted (echo/noise.py), so each token is a function of the policy's logits and the
+    # trainer granted (echo/trust/noise.py), so each token is a function of the policy's logits and the
     # trainer checks the tokens themselves, not only their log-probs; every engine here draws it
     # (hf, hf-paged on transformers 5.23+, vLLM). engine: the engine's own generator: the trainer
     # can then check log-probs only, so a sampler may send text it chose (docs/security.md).
@@ -128,11 +130,11 @@ class TrainerConfig(_Section):
     lr: float = Field(1e-4, gt=0)  # AdamW's learning rate (the peak, under a schedule)
     # The learning rate over run.steps, as transformers' get_{constant,linear,cosine}_schedule_with_warmup:
     # from 0 up to lr over warmup_steps, then held, or down to 0 linearly or along a half cosine.
-    # A function of the step alone: a resumed run goes on at the same rate (echo/learner.py).
+    # A function of the step alone: a resumed run goes on at the same rate (echo/train/learner.py).
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)  # steps of the linear warmup from 0 to lr
     # After this many steps in a row whose every group scored alike (no advantage: nothing
-    # learned), one warning naming the likely cause (run.no_signal, echo/diagnosis.py); 0: never.
+    # learned), one warning naming the likely cause (run.no_signal, echo/train/diagnosis.py); 0: never.
     no_signal_steps: int = Field(3, ge=0)
     weight_decay: float = Field(0.0, ge=0)  # AdamW's
     max_grad_norm: float = Field(1.0, gt=0)  # gradients clipped to this norm
@@ -147,7 +149,7 @@ class TrainerConfig(_Section):
     # Grant no work until this many samplers have asked (0: start with the first). `up` sets it to
     # the samplers it starts, so that one ready first does not take a short run's every group.
     min_samplers: int = Field(0, ge=0)
-    # Proof of sampling (echo/proof.py): recompute the claimed log-probs (and, with keyed noise,
+    # Proof of sampling (echo/trust/proof.py): recompute the claimed log-probs (and, with keyed noise,
     # the tokens) of this share of groups under the versions that sampled them; a token off by
     # more than the tolerance (nats) is a forgery. 1: every group trained is proven, from a
     # sampler's first. Below 1 is a run's explicit trust in its samplers: a sampler never caught
@@ -166,13 +168,13 @@ class TrainerConfig(_Section):
     verify_margin: float = Field(0.01, gt=0)  # between fp32 samplers and an fp32 trainer
     verify_margin_16bit: float = Field(0.5, gt=0)  # where either side computes in bf16/fp16
     # algorithm.router_replay = "replay": how far (in router logits) a recorded expert may lie below
-    # the trainer's own k-th choice (echo/routing.py::routing_gap); a group past it is forged_routing.
+    # the trainer's own k-th choice (echo/trust/routing.py::routing_gap); a group past it is forged_routing.
     # Honest bf16 samplers measured at most 0.004 on tiny-moe (bench/moe.py, results/moe.json), where
     # 96% of made-up choices lie past 0.05. A model with larger router logits rounds more: measure
     # yours with bench/moe.py before lowering it.
     verify_routing_margin: float = Field(0.05, gt=0)
     quarantine_after: int = Field(3, ge=0)  # offences tolerated before quarantine (0: none)
-    # Selective delivery (echo/grants.py): a sampler that keeps back the groups it dislikes biases
+    # Selective delivery (echo/fleet/grants.py): a sampler that keeps back the groups it dislikes biases
     # training without forging anything. An honest one delivers its slots in order and loses them
     # only to faults (a crash or restart loses its call in flight, sampling.prompts_per_call
     # slots); one with more than undelivered_share of its last undelivered_window slots undelivered
@@ -192,7 +194,7 @@ class TrainerConfig(_Section):
     # What published weights are stored as (samplers cast on load): bf16 halves the bytes on the
     # wire, at a rounding of the trained fp32 weights that the importance weights correct for.
     publish_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    # Full weights go as a sparse delta against the version before (echo/delta.py; in bf16 most
+    # Full weights go as a sparse delta against the version before (echo/weights/delta.py; in bf16 most
     # elements keep their bits from one step to the next), with the whole weights (an anchor)
     # every delta_every versions, and whenever a delta would be more than delta_max_share of the
     # whole. 0: always whole. A LoRA adapter always goes whole.
@@ -226,7 +228,7 @@ class SamplerConfig(_Section):
     threads: int = Field(0, ge=0)  # torch threads; 0 leaves torch's default
     heartbeat_s: float = Field(5.0, gt=0)  # how often a sampler writes its status to the run's KV
     # What this machine costs per hour (the scheduler's input, any currency): its own, never
-    # taken from the trainer's config (echo/edge.py).
+    # taken from the trainer's config (echo/config/edge.py).
     cost_per_hour: float = Field(0.0, ge=0)
     # Seconds of pause per group generated, and between chunks: a slower machine, for tests and
     # benchmarks of the scheduler. Its own, like cost_per_hour.
@@ -292,7 +294,7 @@ class NatsConfig(_Section):
         return self
 
 
-# What each algorithm.preset sets (echo/algorithms/; docs/algorithms.md). A field given beside
+# What each algorithm.preset sets (echo/train/algorithms/; docs/algorithms.md). A field given beside
 # the preset wins over it.
 PRESETS: dict[str, dict[str, Any]] = {
     # TRL's GRPOConfig defaults: loss_type "dapo" (a token mean over the batch), rewards scaled by
@@ -344,7 +346,7 @@ class AlgorithmConfig(_Section):
     dynamic_sampling_max: int = Field(32, ge=0)  # groups set aside a step at most, before it trains on what it has
     kl_coef: float = Field(0.0, ge=0)  # KL penalty to the base model (the adapter switched off); 0: none (TRL's beta)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # Schulman's estimators of KL(policy || reference); TRL's is k3
-    # Rollout correction, as verl's algorithm.rollout_correction (echo/algorithms/corrections.py):
+    # Rollout correction, as verl's algorithm.rollout_correction (echo/train/algorithms/corrections.py):
     # importance weights pi_old / mu truncated at rollout_is_threshold, per token (token TIS) or
     # per completion (sequence TIS: the product of its ratios); off trains stale rollouts as if
     # fresh (the ratios still measured): a baseline for studies.
@@ -358,7 +360,7 @@ class AlgorithmConfig(_Section):
     rollout_rs_threshold: float = Field(2.0, gt=0)  # a ratio above it is rejected (IcePop's paper: 5)
     rollout_rs_threshold_lower: float = Field(0.5, ge=0)  # a ratio below it is rejected (IcePop's: 0.5; MIS: 0)
     rollout_rs_k3_threshold: float = Field(0.01, gt=0)  # k3: a completion's mean estimate above it is rejected
-    # A mixture of experts' routing (echo/routing.py): "replay" has the samplers record the experts
+    # A mixture of experts' routing (echo/trust/routing.py): "replay" has the samplers record the experts
     # each token went to and the trainer's forwards (pi_old, pi_theta, the proof) send it to the
     # same ones, so that a 16-bit sampler's near-ties in the router do not become ratios far from 1
     # (verl's and ROLL's R3). Needs an MoE model and sampler.engine "hf" or "hf-paged"; costs bytes a token

@@ -5,15 +5,15 @@ from the box's own command line, unless they name something built in. Pure, no I
 from __future__ import annotations
 
 from echo.config import ConfigError
-from echo.hub import is_pinned
+from echo.model.hf_hub import is_pinned
 from echo.tasks import BUILTIN as BUILTIN_TASKS
 from echo.tasks import GYM
 
-BUILTIN_MODELS = ("tiny", "tiny-moe", "smollm2")  # echo/models.py builds or converts them
+BUILTIN_MODELS = ("tiny", "tiny-moe", "smollm2")  # echo/model/loading.py builds or converts them
 
 # (path in the config, whether the broker may name this value, the sampler's flag that sets it).
 # reasoning-gym's datasets are installed code, and echo/tasks/gym.py takes no file path from a config.
-# A hub model at a commit is data (safetensors and configs, never code: echo/models.py::HUB_FILES)
+# A hub model at a commit is data (safetensors and configs, never code: echo/model/loading.py::HUB_FILES)
 # whose digest the weights then check.
 _LOCAL_ONLY = [
     (("task", "name"), lambda name: name in BUILTIN_TASKS or str(name).startswith(GYM), "--task"),

@@ -1,5 +1,5 @@
 """A sampler's measured speed over its recent generation calls: the r_i and g_i of the capacity
-model (echo/capacity.py). Pure, no I/O."""
+model (echo/fleet/capacity.py). Pure, no I/O."""
 
 from __future__ import annotations
 

@@ -30,20 +30,20 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from echo import delta
+from echo.weights import delta
 
 
 @dataclass
 class TrainerState:
     step: int = 0  # optimizer steps done
     version: int = 0  # policy version published after the last step
-    consumed: dict = field(default_factory=dict)  # stream sequences counted (echo/consumed.py), never twice
+    consumed: dict = field(default_factory=dict)  # stream sequences counted (echo/fleet/consumed.py), never twice
     totals: dict[str, int] = field(default_factory=dict)  # messages consumed so far, by what became of them
     trained_content: int = 0  # how many lines of trained_content.txt are this checkpoint's
     trained_completions: int = 0  # how many keys of trained_completions.bin are
     lost: int = 0  # slots that will never be trained (the grant budget hands them out again)
     record: dict | None = None  # the last step's metrics line, restored if the crash lost it
-    base_model: str = ""  # the base's digest (echo/models.py::base_model_digest): a resume on another is refused
+    base_model: str = ""  # the base's digest (echo/model/loading.py::base_model_digest): a resume on another is refused
 
 
 def save_checkpoint(path: Path, model, optimizer, state: TrainerState, rng_states: list[torch.Tensor] | None = None,
@@ -150,7 +150,7 @@ class _OnDisk(Mapping):
 
 
 def weights_digest(files: list[Path]) -> str:
-    """echo/delta.py's digest of the version in `files` (what a sampler holding it computes)."""
+    """echo/weights/delta.py's digest of the version in `files` (what a sampler holding it computes)."""
     return delta.digest(_OnDisk(files))
 
 
@@ -202,7 +202,7 @@ def append_trained_completions(run_dir: Path, keys: list[int]) -> None:
 
 
 def load_trained_completions(run_dir: Path, count: int) -> set[int]:
-    """The checkpoint's `count` completion keys (echo/referee.py completion_keys); what a crash
+    """The checkpoint's `count` completion keys (echo/trust/referee.py completion_keys); what a crash
     left after them is cut off."""
     path = run_dir / "trained_completions.bin"
     data = path.read_bytes() if path.exists() else b""

@@ -12,14 +12,14 @@ from typing import NamedTuple
 
 import torch
 
-from echo.algorithms.corrections import Correction, CorrectionStats, rollout_correction
-from echo.algorithms.grpo import LossStats, Objective, advantages, policy_loss, row_scales
 from echo.config import EchoConfig
-from echo.devices import autocast, model_device
-from echo.noise import TokenMargins
-from echo.policy import packed_states, states_logprobs
-from echo.proof import Checked, held_checks, held_noise, worst_checks
-from echo.routing import Replay
+from echo.model.devices import autocast, model_device
+from echo.model.policy import packed_states, states_logprobs
+from echo.train.algorithms.corrections import Correction, CorrectionStats, rollout_correction
+from echo.train.algorithms.grpo import LossStats, Objective, advantages, policy_loss, row_scales
+from echo.trust.noise import TokenMargins
+from echo.trust.proof import Checked, held_checks, held_noise, worst_checks
+from echo.trust.routing import Replay
 from echo.wire.messages import RolloutGroup
 
 
@@ -38,7 +38,7 @@ class ForgedInStep(Exception):
 
 @dataclass(frozen=True)
 class HeldProof:
-    """The proof of sampling a step runs from its own forward (echo/proof.py's held_checks) on
+    """The proof of sampling a step runs from its own forward (echo/trust/proof.py's held_checks) on
     the groups `version`, the one it trains from, sampled: their recomputed log-probs are its
     pi_old, so the check costs the token margins only. `judge` answers, before the optimizer's
     update and alike on every rank, which groups are forged (group id -> why)."""
@@ -178,7 +178,7 @@ def train_step(model, optimizer, batch: Batch, cfg: EchoConfig, pad_id: int, sto
     The policy before the step is pi_old: the first iteration's forward gives its log-probs, the
     PPO ratio pi / pi_old starts at 1 and acts from the second iteration on (Frozen keeps what the
     first fixed). The off-policy gap to the sampler's mu is the rollout correction's (pi_old / mu,
-    echo/algorithms/corrections.py). So the groups sampled by the current version are proved from
+    echo/train/algorithms/corrections.py). So the groups sampled by the current version are proved from
     the first forward (`held`): before any update, and if any is forged none is made (ForgedInStep).
 
     The forward runs in `compute_dtype` (autocast) over fp32 trainable parameters; log-probs,

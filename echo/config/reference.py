@@ -1,8 +1,8 @@
 """The config reference (docs/config.md), generated from the typed config itself: every key,
 its type and limits, its default, and its meaning, taken from the comments beside it in
-echo/config.py. tests/test_config.py fails when the file is behind the code.
+echo/config/__init__.py. tests/test_config.py fails when the file is behind the code.
 
-    .venv/bin/python -m echo.config_reference > docs/config.md
+    .venv/bin/python -m echo.config.reference > docs/config.md
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from echo.config import EchoConfig
 
 HEADER = """# Config reference
 
-Generated from `echo/config.py` by `python -m echo.config_reference`: do not edit by hand.
+Generated from `echo/config/__init__.py` by `python -m echo.config.reference`: do not edit by hand.
 A run's config is a TOML file (`--config run.toml`) with these sections, or `--set
 section.key=value` on the command line of `up`, `trainer`, `sampler` and `eval`. An unknown key or a bad value stops the process at
 start, naming the field.

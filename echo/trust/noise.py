@@ -6,7 +6,7 @@ Here g is not the engine's random state but a function of the group's key (the r
 trainer's epoch and the slot it granted), the completion's index in the group, the token's
 position in the completion and the vocabulary id. So a completion is a function of the policy's
 logits: a sampler holding the grant has no choice of text, and the trainer, recomputing the
-logits, checks that each token is the one the noise picks (echo/proof.py). The exceptions are
+logits, checks that each token is the one the noise picks (echo/trust/proof.py). The exceptions are
 near-ties within the engines' numeric error: the trainer's margin bounds them.
 
 The noise is a counter-based hash (murmur3's 32-bit finaliser, twice), vectorised in int64 so
@@ -208,7 +208,7 @@ def noisy_margin(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
 
 class TokenMargins:
     """The token margins of completions drawn with keyed noise, read from logits made anyway (the
-    log-probs' chunks: echo/policy.py's states_logprobs shows it each). Row r of the tokens is
+    log-probs' chunks: echo/model/policy.py's states_logprobs shows it each). Row r of the tokens is
     completion `noise[r][1]` of the group keyed `noise[r][0]`, or not checked (None); `sampled[r]`
     marks the tokens the model drew (an episode's observations are the environment's).
     `worst[r]`: the worst margin of its tokens seen (0 for a row not checked)."""

@@ -1,5 +1,5 @@
 """GRPO and its variants: advantages, the clipped policy-gradient loss and its aggregation, the
-KL estimators. Pure tensor math; rollout corrections are echo/algorithms/corrections.py."""
+KL estimators. Pure tensor math; rollout corrections are echo/train/algorithms/corrections.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from echo.diagnosis import no_signal
+from echo.train.diagnosis import no_signal
 
 # Added to the std an advantage divides by (TRL's GRPOTrainer adds the same): a group whose
 # rewards barely differ does not get advantages of thousands.
@@ -20,7 +20,7 @@ def advantages(rewards: list[list[float]], scale: str = "group", eps: float = AD
     """Each group's completions' advantages, in float64 and returned float32: the reward less its
     group's mean, divided by the group's std (scale "group", GRPO), by the whole batch's std
     ("batch", as Dr. GRPO's authors and TRL's scale_rewards="batch"), or not at all ("none",
-    Dr. GRPO). Both stds unbiased, as TRL's. A group whose rewards are equal (echo/diagnosis.py's
+    Dr. GRPO). Both stds unbiased, as TRL's. A group whose rewards are equal (echo/train/diagnosis.py's
     no_signal) has advantages of exactly zero, whatever the scale."""
     groups = [torch.tensor(r, dtype=torch.float64) for r in rewards]
     flat = torch.cat(groups) if groups else torch.zeros(0, dtype=torch.float64)

@@ -16,10 +16,10 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from echo.algorithms.grpo import head_logprobs, token_logprobs
 from echo.config import ConfigError, LoraConfig
-from echo.devices import model_device
-from echo.routing import Replay
+from echo.model.devices import model_device
+from echo.train.algorithms.grpo import head_logprobs, token_logprobs
+from echo.trust.routing import Replay
 
 
 class WeightsMismatch(ValueError):
@@ -59,7 +59,7 @@ def _forward(model, **inputs):
 
 def states_logprobs(model, states, tokens, temperature: float, with_entropy: bool = False, observe=None):
     """Log-probs (and entropy) of `tokens` from what _forward gave at each position; `observe`
-    sees the logits made for them (head_logprobs; e.g. echo/noise.py's TokenMargins)."""
+    sees the logits made for them (head_logprobs; e.g. echo/trust/noise.py's TokenMargins)."""
     if _plain_head(model):
         return head_logprobs(model.get_output_embeddings(), states, tokens, temperature, with_entropy, observe)
     if observe is not None:
@@ -220,7 +220,7 @@ def packed_logprobs(model, prompts: list, completions: list, owners: list[int], 
     fraction of the cost: a group's prompt runs once, not once per completion, and many short
     groups share the two calls instead of making two each (on a GPU a call of a small model
     costs its kernel launches, not its arithmetic). With `replay`, a mixture of experts routes each
-    token as its sampler recorded (echo/routing.py)."""
+    token as its sampler recorded (echo/trust/routing.py)."""
     states, ids, mask = packed_states(model, prompts, completions, owners, pad_id, min_length, replay)
     logprobs, entropy = states_logprobs(model, states, ids, temperature, with_entropy=True)
     return logprobs, mask, entropy

@@ -1,7 +1,7 @@
 """The trainer's own judgement of a rollout group. Samplers are not trusted: a group must be
 well-formed, its prompt must be the task's prompt at its index, and its rewards are recomputed
 with the task's verifier from the completion tokens (a multi-turn task's episodes are played
-again with the sampler's actions, every observation checked: echo/environments.py replay).
+again with the sampler's actions, every observation checked: echo/tasks/episodes.py replay).
 Pure logic, no I/O."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from echo.config import SamplingConfig
-from echo.environments import replay
-from echo.models import encode_chat
+from echo.model.loading import encode_chat
 from echo.tasks import Task, is_environment, safe_score
+from echo.tasks.episodes import replay
 from echo.wire.codec import RolloutLimits
 from echo.wire.messages import RolloutGroup
 

@@ -3,9 +3,9 @@ and the parity bench take it: the same numbers wherever they are shown."""
 
 from __future__ import annotations
 
-from echo.environments import play_episodes
-from echo.logs import Progress
+from echo.process.logs import Progress
 from echo.tasks import is_environment
+from echo.tasks.episodes import play_episodes
 
 
 def held_out_score(engine, task, prompts, max_tokens: int, batch: int = 8, samples: int = 0,
