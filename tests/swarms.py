@@ -59,7 +59,7 @@ def run_swarm(tmp_path, run_id: str, steps: int, *overrides: str, flags=(), samp
     assert meanwhile or sum(s.groups_published for s in statuses) >= sum(m["used"] for m in metrics), statuses
     assert_balanced(metrics, stream)
     # Busy: everything but waiting for groups, the share `echo-rl status` and the capacity model use.
-    assert all(m["learner_busy"] == pytest.approx(m["busy_seconds"] / (m["busy_seconds"] + m["wait_seconds"]))
+    assert all(m["utilisation"] == pytest.approx(m["busy_seconds"] / (m["busy_seconds"] + m["wait_seconds"]))
                for m in metrics)
     return metrics, stream, stderr
 

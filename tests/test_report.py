@@ -6,6 +6,7 @@ from workers.operator.charts import held_out_line, trainer_minutes, write_report
 
 
 def _steps(walls: list[float]) -> list[dict]:
+    """A run's records as written before 2026-12-07 (`learner_busy`, now `utilisation`): still drawn."""
     return [{"step": i + 1, "wall_seconds": w, "reward_mean": 0.1 * (i % 5), "staleness_used": {"0": 4},
              "dropped_stale": 0, "learner_busy": 0.5} for i, w in enumerate(walls)]
 

@@ -68,7 +68,7 @@ def test_restore_metrics_keeps_one_line_per_checkpointed_step(tmp_path):
     path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in lines[:2]))
     restore_metrics(tmp_path, TrainerState(step=3, record={"step": 3, "step_seconds": 3.0, "wait_seconds": 1.0}))
     assert [orjson.loads(x) for x in path.read_bytes().splitlines()][-1] == {
-        "step": 3, "step_seconds": 3.0, "wait_seconds": 1.0, "busy_seconds": 2.0, "learner_busy": 2 / 3, "restored": True}
+        "step": 3, "step_seconds": 3.0, "wait_seconds": 1.0, "busy_seconds": 2.0, "utilisation": 2 / 3, "restored": True}
     # Killed while appending step 4's line, whose checkpoint never landed: the cut line goes.
     path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in lines) + b'{"step": 4, "rew')
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]

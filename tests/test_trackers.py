@@ -133,7 +133,7 @@ def test_every_tracker_reads_back_every_step_across_a_trainer_restart(tmp_path):
     steps = [1, 2, 3, 4]
     # A sampler beats as soon as it runs its first weights: its version lag and sync time are
     # there from the first step.
-    for name in ("reward/mean", "mismatch/kl", "learner/busy", "groups/used", "time/phase/publish",
+    for name in ("reward/mean", "mismatch/kl", "learner/utilisation", "groups/used", "time/phase/publish",
                  "sampler/s1/tokens_per_s", "sampler/s1/version_lag", "sampler/s2/sync_s"):
         assert sorted(tensorboard_scalars(run_dir, name)) == steps, name
         history, ids = wandb_history(run_dir, name)

@@ -31,7 +31,7 @@ STEP_SCALARS = {
     "used": "groups/used", "dropped_stale": "groups/dropped_stale", "dropped_tokens": "groups/dropped_tokens",
     "filtered_no_signal": "groups/filtered_no_signal", "rejected_tokens": "groups/rejected_tokens",
     "verifier_errors": "groups/verifier_errors",
-    "learner_busy": "learner/busy", "tokens_per_second": "learner/tokens_per_s", "tokens": "learner/tokens",
+    "utilisation": "learner/utilisation", "tokens_per_second": "learner/tokens_per_s", "tokens": "learner/tokens",
     "step_seconds": "time/step_s", "wait_seconds": "time/wait_s", "train_seconds": "time/train_s",
 }
 # Dicts of counts in the record: each key becomes `<prefix>/<key>`.
@@ -109,7 +109,7 @@ def summarize(lines: list[dict]) -> dict:
         "rollouts_used": sum(r["used"] for r in lines),
         "rollouts_dropped_stale": sum(r["dropped_stale"] for r in lines),
         "wasted_token_fraction": round(wasted / max(wasted + sum(r["tokens"] for r in lines), 1), 4),
-        "learner_busy": round(sum(r["learner_busy"] for r in lines) / len(lines), 2),
+        "utilisation": round(sum(r["utilisation"] for r in lines) / len(lines), 2),
         "accounting": last.get("accounting"),  # published = trained + dropped_stale + rejected + pending
     }
 
@@ -134,4 +134,12 @@ def read_metrics(run_dir: Path, name: str = "metrics.jsonl", tail_bytes: int | N
         data = f.read()
     if start:
         data = data[data.find(b"\n") + 1:]  # its first line, cut by the seek
-    return [orjson.loads(line) for line in data[: data.rfind(b"\n") + 1].splitlines() if line.strip()]
+    return [_upgraded(orjson.loads(line)) for line in data[: data.rfind(b"\n") + 1].splitlines() if line.strip()]
+
+
+def _upgraded(record: dict) -> dict:
+    """A record in today's names: runs before 2026-12-07 named the learner's busy share
+    `learner_busy` (one word for it since, the trainer's status's)."""
+    if "learner_busy" in record:
+        record["utilisation"] = record.pop("learner_busy")
+    return record

@@ -32,7 +32,7 @@ def write_report(run_dir: Path) -> Path:
     series = [
         ("mean reward", rewards, None),
         ("staleness of used groups (versions)", [mean_age(r) for r in lines], [r["dropped_stale"] for r in lines]),
-        ("learner busy", [r["learner_busy"] for r in lines], None),
+        ("learner busy", [r["utilisation"] for r in lines], None),
     ]
     fig, axes = plt.subplots(len(series), 2, figsize=(11, 8), sharex="col")
     marker = "." if len(lines) <= 200 else None  # markers of a thousand steps are a blob

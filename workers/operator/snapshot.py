@@ -32,7 +32,7 @@ async def snapshot(run: Run) -> dict:
         "at": now,
         "trainer": None if trainer is None else {
             "epoch": await current_epoch(run), "step": trainer.step, "version": trainer.version,
-            "rewards": trainer.rewards, "learner_busy": trainer.utilisation, "step_s": trainer.step_s,
+            "rewards": trainer.rewards, "utilisation": trainer.utilisation, "step_s": trainer.step_s,
             "publish_s": trainer.publish_s, "accounting": trainer.accounting, "rejected": trainer.rejected,
             "seen_s_ago": round(now - trainer.updated_at, 1), "finished": trainer.finished,
             "staleness": trainer.staleness, "steps": trainer.steps, "elapsed_s": trainer.elapsed_s,

@@ -59,7 +59,7 @@ def render(snap: dict, every: bool = False):
     else:
         head.add_row("progress", progress(trainer))
         head.add_row("trainer", f"epoch {trainer['epoch']}, version {trainer['version']}, "
-                     f"learner busy {trainer['learner_busy']:.0%}, {trainer['step_s']:.2f} s a step, "
+                     f"learner busy {trainer['utilisation']:.0%}, {trainer['step_s']:.2f} s a step, "
                      f"publish {trainer['publish_s']:.2f} s")
         head.add_row("reward (last steps)", " ".join(f"{r:.2f}" for r in trainer["rewards"]))
         accounting, rejected = trainer["accounting"], trainer["rejected"]

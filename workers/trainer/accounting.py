@@ -114,7 +114,7 @@ def finished_record(step: TrainerStep, accounting: dict) -> dict:
     and the share of the step it is, what `echo-rl status` shows over the last steps)."""
     busy = step.busy_seconds()
     return {**step.record, "publish_seconds": step.seconds["publish"], "accounting": accounting,
-            "busy_seconds": busy, "learner_busy": busy / (busy + step.record["wait_seconds"])}
+            "busy_seconds": busy, "utilisation": busy / (busy + step.record["wait_seconds"])}
 
 
 class RecentSteps:
@@ -216,7 +216,7 @@ def restore_metrics(run_dir: Path, state: TrainerState) -> None:
     kept = [r for r in lines if r["step"] <= state.step]
     if state.record and (not kept or kept[-1]["step"] < state.step):
         record, busy = state.record, state.record["step_seconds"] - state.record["wait_seconds"]
-        kept.append({**record, "busy_seconds": busy, "learner_busy": busy / record["step_seconds"], "restored": True})
+        kept.append({**record, "busy_seconds": busy, "utilisation": busy / record["step_seconds"], "restored": True})
     cut_short = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
     if len(kept) != len(lines) or cut_short:  # a line cut short would run into the next one appended
         path.write_bytes(b"".join(metrics_line(r) for r in kept))

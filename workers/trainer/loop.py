@@ -314,7 +314,7 @@ def write_metrics(metrics_file, record: dict, step: TrainerStep, status: Trainer
     metrics_file.flush()
     log.info("step", step=step.number, progress=f"{step.number}/{status.steps}", version=record["version"],
              reward=round(record["reward_mean"], 3), used=record["used"], stale=record["dropped_stale"],
-             busy=f"{record['learner_busy']:.0%}", seconds=round(record["step_seconds"], 2),
+             busy=f"{record['utilisation']:.0%}", seconds=round(record["step_seconds"], 2),
              elapsed=duration(status.elapsed_s), eta=duration(status.eta_s))
     return record
 
