@@ -20,7 +20,7 @@ from pathlib import Path
 from bench.common import write_results
 from bench.transport import make_group
 from echo.wire.names import Storage
-from streams.client import Run, open_run, retry_forever
+from streams.client import RunClient, open_run, retry_forever
 from streams.rollouts import publish_rollout
 from streams.server import NatsCluster, replicas_current
 
@@ -31,7 +31,7 @@ class Writers:
     """Rollouts published and a KV key written, each without a pause, till `stop`; `longest`:
     each one's longest wait since `mark()`."""
 
-    def __init__(self, run: Run):
+    def __init__(self, run: RunClient):
         self.run, self.acked, self.longest = run, [], {"publish": 0.0, "put": 0.0}
         self.stopping = asyncio.Event()
         self.tasks = [asyncio.create_task(self._without_pause("publish", self._publish)),
@@ -67,12 +67,12 @@ class Writers:
         return messages == len(self.acked) == len(set(self.acked))
 
 
-def run_streams(run: Run) -> list[str]:
+def run_streams(run: RunClient) -> list[str]:
     names = run.names
     return [names.rollouts_stream, names.control_stream, f"KV_{names.state_bucket}", f"OBJ_{names.weights_bucket}"]
 
 
-async def restart(cluster: NatsCluster, run: Run, i: int, graceful: bool = True) -> float:
+async def restart(cluster: NatsCluster, run: RunClient, i: int, graceful: bool = True) -> float:
     """Node i stopped and started again; the seconds until every replica of the run is current."""
     began = time.monotonic()
     await asyncio.to_thread(cluster.restart, i, graceful)

@@ -169,7 +169,10 @@ async def connect(url: str, name: str, credentials: Credentials | None = None,
 
 
 @dataclass
-class Run:
+class RunClient:
+    """One process's client of one run (open_run): its connections, and the run's streams and
+    buckets on them. Not the run (`cfg.run`), nor a command's `run`."""
+
     nc: NATS
     js: JetStreamContext  # the hub's JetStream: rollouts, control, state
     # The JetStream of the server weights are read from: the one this process is connected to
@@ -450,7 +453,7 @@ async def open_run(
     url: str, run_id: str, client_name: str, hub_domain: str | None = HUB_DOMAIN, mirror_wait_s: int = 30,
     credentials: Credentials | None = None, create: bool = True, join_wait_s: float = 600.0,
     weights_url: str | None = None, storage: Storage = Storage(), give_up_s: float | None = None,
-) -> Run:
+) -> RunClient:
     """Connect and open the run's streams and buckets. The trainer creates them (`create`:
     creation with an identical config is a no-op); every other client joins, waiting up to
     `join_wait_s` for the trainer to have created them. `url` is the hub, or a relay in front of
@@ -469,7 +472,7 @@ async def open_run(
     except BaseException:
         await nc.close()
         raise
-    run = Run(nc, js, nc.jetstream(), names, weights, state, registry)
+    run = RunClient(nc, js, nc.jetstream(), names, weights, state, registry)
     try:
         if weights_url:
             run.weights_nc = await connect(weights_url, f"{client_name}-weights", credentials, give_up_s)
@@ -502,7 +505,7 @@ class DuplicatePublish(RuntimeError):
     pass
 
 
-async def publish_once(run: Run, subject: str, data: bytes) -> None:
+async def publish_once(run: RunClient, subject: str, data: bytes) -> None:
     """Publish with a message id nobody can guess: JetStream drops a second message with the same
     id, so a predictable id (weights-7) could be taken first by a forger and ours dropped."""
     ack = await run.js.publish(subject, data, headers={HDR_MSG_ID: uuid.uuid4().hex})

@@ -14,7 +14,7 @@ import structlog
 from echo.wire.codec import ProtocolError, decode, encode
 from echo.wire.messages import Grant, GrantBudget, GrantRequest
 from echo.wire.names import BUDGET_KEY, GRANT_TIMEOUT_S, SLOTS_KEY, SLOTS_KEY_BEFORE_14, subject_sampler
-from streams.client import BROKER_ERRORS, Run
+from streams.client import BROKER_ERRORS, RunClient
 from streams.watch import read_value, watch_forever
 
 log = structlog.get_logger()
@@ -32,7 +32,7 @@ def is_inbox(reply: str) -> bool:
     return bool(INBOX.match(reply or ""))
 
 
-async def serve_grants(run: Run, decide: Decide):
+async def serve_grants(run: RunClient, decide: Decide):
     """Answer every sampler's grant requests with `decide`; returns the subscription. The
     sampler id comes from the subject, which a secured sampler cannot choose."""
 
@@ -55,7 +55,7 @@ async def serve_grants(run: Run, decide: Decide):
     return await run.nc.subscribe(run.names.all_grants, cb=on_request)
 
 
-async def request_grant(run: Run, sampler_id: str, request: GrantRequest,
+async def request_grant(run: RunClient, sampler_id: str, request: GrantRequest,
                         timeout: float = GRANT_TIMEOUT_S) -> Grant | None:
     """The trainer's answer, or None when none came (no trainer yet, a busy one, a broker
     restarting): not "nothing left", which only the trainer can say."""
@@ -70,17 +70,17 @@ async def request_grant(run: Run, sampler_id: str, request: GrantRequest,
         return None
 
 
-async def publish_budget(run: Run, budget: GrantBudget) -> None:
+async def publish_budget(run: RunClient, budget: GrantBudget) -> None:
     await run.state.put(BUDGET_KEY, encode(budget))
 
 
-async def watch_budget(run: Run, on_budget: Callable[[GrantBudget], None]) -> None:
+async def watch_budget(run: RunClient, on_budget: Callable[[GrantBudget], None]) -> None:
     """Call `on_budget` with each budget the trainer publishes, so idle samplers ask for work
     again at once instead of polling the trainer. One that does not decode is said and skipped."""
     await watch_forever(run, BUDGET_KEY, lambda value: on_budget(decode(GrantBudget, value)))
 
 
-async def slots_granted(run: Run) -> int:
+async def slots_granted(run: RunClient) -> int:
     """Slots granted so far: a restarted trainer numbers its grants on from there."""
     for key in (SLOTS_KEY, SLOTS_KEY_BEFORE_14):
         granted = (await read_value(run.state, key, int))[0]
@@ -89,5 +89,5 @@ async def slots_granted(run: Run) -> int:
     return 0
 
 
-async def record_slots_granted(run: Run, granted: int) -> None:
+async def record_slots_granted(run: RunClient, granted: int) -> None:
     await run.state.put(SLOTS_KEY, str(granted).encode())

@@ -32,7 +32,7 @@ from nats.aio.msg import Msg
 
 from echo.wire.codec import RolloutLimits
 from echo.wire.names import ROLLOUT_MESSAGE_MAX, subject_sampler
-from streams.client import BROKER_ERRORS, Run
+from streams.client import BROKER_ERRORS, RunClient
 from streams.rollouts import (
     fetch_rollouts,
     last_rollout_seq,
@@ -104,7 +104,7 @@ class Reader:
 
 
 class RolloutInbox:
-    def __init__(self, run: Run, ack_wait_s: float):
+    def __init__(self, run: RunClient, ack_wait_s: float):
         self.run, self.ack_wait_s = run, ack_wait_s
         self.held: list[Delivery] = []  # fetched and not yet acked
         self.untrained: set[int] = set()  # the sequences of held messages let go (not trained)
@@ -124,7 +124,7 @@ class RolloutInbox:
         self.replaying, self.replay_to = True, 0
 
     @classmethod
-    async def open(cls, run: Run, ack_wait_s: float = 600.0) -> "RolloutInbox":
+    async def open(cls, run: RunClient, ack_wait_s: float = 600.0) -> "RolloutInbox":
         inbox = cls(run, ack_wait_s)
         await inbox._reset_if_reconnected()
         return inbox

@@ -22,7 +22,7 @@ from echo.process.lifeline import exited, process_name
 from echo.wire.codec import ProtocolError, decode, encode
 from echo.wire.messages import TrainerLease, WeightsAnnouncement
 from echo.wire.names import TRAINER_KEY
-from streams.client import BROKER_ERRORS, Run
+from streams.client import BROKER_ERRORS, RunClient
 from streams.watch import read_value
 
 log = structlog.get_logger()
@@ -43,7 +43,7 @@ class AnotherTrainer(RuntimeError):
 
 
 class Lease:
-    def __init__(self, run: Run, lease: TrainerLease, revision: int):
+    def __init__(self, run: RunClient, lease: TrainerLease, revision: int):
         self.run, self.lease, self.revision = run, lease, revision
         self.lost: BaseException | None = None
         # When the last renewal the broker confirmed was sent; None until renew_forever runs (a
@@ -115,7 +115,7 @@ class Lease:
             pass  # taken over already: nothing of ours to release
 
 
-async def take_lease(run: Run, lapse_s: float = LAPSE_S) -> Lease:
+async def take_lease(run: RunClient, lapse_s: float = LAPSE_S) -> Lease:
     """Take the run's next epoch. A held lease is watched for `lapse_s`: renewed, it belongs to a
     live trainer (AnotherTrainer); not renewed, its holder died and the run is taken over. A
     holder this process sees has exited (a trainer restarted on its machine) is not waited for."""
@@ -147,13 +147,13 @@ async def take_lease(run: Run, lapse_s: float = LAPSE_S) -> Lease:
         return Lease(run, lease, revision)
 
 
-async def current_epoch(run: Run) -> int | None:
+async def current_epoch(run: RunClient) -> int | None:
     """The epoch of the run's trainer, or None before any trainer started (or its lease unreadable)."""
     held, _ = await read_value(run.state, TRAINER_KEY, _DECODE_LEASE)
     return held.epoch if held else None
 
 
-async def _last_announced_epoch(run: Run) -> int:
+async def _last_announced_epoch(run: RunClient) -> int:
     """The epoch of the newest weights announcement (0: none readable): after an unreadable lease
     the next epoch comes after every one samplers have seen."""
     try:

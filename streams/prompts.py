@@ -15,7 +15,7 @@ import structlog
 from echo.tasks import Prompt, Task
 from echo.tasks.dataset import PROMPTS_MANIFEST_MAX_BYTES, SHARDS_KEPT, manifest_of, prompt_of
 from echo.wire.names import prompts_object_name
-from streams.client import BROKER_ERRORS, Run
+from streams.client import BROKER_ERRORS, RunClient
 from streams.objects import TransferError, get_object, object_info, put_object, sha256_hex
 
 log = structlog.get_logger()
@@ -24,7 +24,7 @@ FETCH_WAIT_S = 60.0  # how long a shard may be missing (a relay still mirroring 
 FETCH_RETRY_S = 0.5
 
 
-async def publish_prompts(run: Run, manifest: bytes, shards: list[Path]) -> str:
+async def publish_prompts(run: RunClient, manifest: bytes, shards: list[Path]) -> str:
     """Put the shards, then the manifest, unless already stored; the manifest's SHA-256 (hex)."""
     for data in [*(f.read_bytes() for f in shards), manifest]:
         digest = hashlib.sha256(data).hexdigest()  # the manifest's, last
@@ -49,7 +49,7 @@ class LocalPrompts:
 class PromptShards:
     """A dataset's training prompts as published, without their answers."""
 
-    def __init__(self, run: Run, manifest_sha256: str):
+    def __init__(self, run: RunClient, manifest_sha256: str):
         self.run, self.manifest_sha256 = run, manifest_sha256
         self.manifest: dict | None = None
         self.shards: OrderedDict[int, list[bytes]] = OrderedDict()
@@ -81,7 +81,7 @@ class PromptShards:
                 await asyncio.sleep(FETCH_RETRY_S)
 
 
-def prompt_source(run: Run, task: Task) -> LocalPrompts | PromptShards:
+def prompt_source(run: RunClient, task: Task) -> LocalPrompts | PromptShards:
     """Where a sampler's prompts come from: the broker for a dataset this box does not hold."""
     digest = getattr(task, "remote_prompts", None)
     return PromptShards(run, digest) if digest else LocalPrompts(task)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from echo.wire.codec import encode
 from echo.wire.messages import PullRequest
-from streams.client import Run, publish_once
+from streams.client import RunClient, publish_once
 
 
-async def publish_pull_request(run: Run, request: PullRequest) -> None:
+async def publish_pull_request(run: RunClient, request: PullRequest) -> None:
     await publish_once(run, run.names.pull_subject, encode(request))

@@ -12,21 +12,21 @@ from nats.js.errors import KeyWrongLastSequenceError
 from echo.wire.codec import decode, encode
 from echo.wire.messages import Quarantine, Strikes
 from echo.wire.names import QUARANTINE_KEY, STRIKES_KEY
-from streams.client import Run
+from streams.client import RunClient
 from streams.watch import read_value, watch_forever
 
 
-async def _read(run: Run) -> tuple[Quarantine, int]:
+async def _read(run: RunClient) -> tuple[Quarantine, int]:
     quarantine, revision = await read_value(run.state, QUARANTINE_KEY, functools.partial(decode, Quarantine))
     return quarantine or Quarantine(), revision
 
 
-async def read_quarantine(run: Run) -> dict[str, str]:
+async def read_quarantine(run: RunClient) -> dict[str, str]:
     """Quarantined sampler ids and why."""
     return dict((await _read(run))[0].samplers)
 
 
-async def change_quarantine(run: Run, change: Callable[[dict[str, str]], None]) -> dict[str, str]:
+async def change_quarantine(run: RunClient, change: Callable[[dict[str, str]], None]) -> dict[str, str]:
     """Apply `change` to the quarantined samplers, retrying if another writer came first."""
     while True:
         current, revision = await _read(run)
@@ -43,7 +43,7 @@ async def change_quarantine(run: Run, change: Callable[[dict[str, str]], None]) 
             continue
 
 
-async def watch_quarantine(run: Run, on_change: Callable[[dict[str, str]], None]) -> None:
+async def watch_quarantine(run: RunClient, on_change: Callable[[dict[str, str]], None]) -> None:
     """Forever: call `on_change` with the quarantined samplers whenever they change."""
     def changed(value: bytes) -> None:
         on_change(dict(decode(Quarantine, value).samplers))
@@ -51,17 +51,17 @@ async def watch_quarantine(run: Run, on_change: Callable[[dict[str, str]], None]
     await watch_forever(run, QUARANTINE_KEY, changed)
 
 
-async def read_strikes(run: Run) -> Strikes:
+async def read_strikes(run: RunClient) -> Strikes:
     """The strikes and suspects the run's trainers recorded (none before the first)."""
     return (await read_value(run.state, STRIKES_KEY, functools.partial(decode, Strikes)))[0] or Strikes()
 
 
-async def put_strikes(run: Run, strikes: Strikes) -> None:
+async def put_strikes(run: RunClient, strikes: Strikes) -> None:
     """The trainer's record (it alone writes it, one trainer holding the lease at a time)."""
     await run.state.put(STRIKES_KEY, encode(strikes))
 
 
-async def forgive(run: Run, sampler_id: str) -> None:
+async def forgive(run: RunClient, sampler_id: str) -> None:
     """A lifted sampler's strikes and suspicion cleared: a fresh start, also for the next trainer."""
     strikes = await read_strikes(run)
     counts = {k: v for k, v in strikes.counts.items() if k != sampler_id}

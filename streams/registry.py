@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from echo.wire.codec import ProtocolError, decode, encode
 from echo.wire.messages import SamplerStatus, TrainerStatus
 from echo.wire.names import STATUS_MAX_BYTES, TRAINER_STATUS_KEY
-from streams.client import Run, put_expiring
+from streams.client import RunClient, put_expiring
 from streams.watch import read_value
 
 READ_AT_ONCE = 128  # heartbeats read concurrently by read_statuses
@@ -30,20 +30,20 @@ def _decode_status(data: bytes) -> SamplerStatus:
     return decode(SamplerStatus, data)
 
 
-async def put_status(run: Run, status: SamplerStatus) -> None:
+async def put_status(run: RunClient, status: SamplerStatus) -> None:
     await put_expiring(run.registry, status.sampler_id, encode(status), status.ttl_s)
 
 
-async def put_trainer_status(run: Run, status: TrainerStatus) -> None:
+async def put_trainer_status(run: RunClient, status: TrainerStatus) -> None:
     await run.state.put(TRAINER_STATUS_KEY, encode(status))
 
 
-async def read_trainer_status(run: Run) -> TrainerStatus | None:
+async def read_trainer_status(run: RunClient) -> TrainerStatus | None:
     """None before the trainer's first step."""
     return (await read_value(run.state, TRAINER_STATUS_KEY, functools.partial(decode, TrainerStatus)))[0]
 
 
-def weights_relay(run: Run, hub_domain: str) -> str:
+def weights_relay(run: RunClient, hub_domain: str) -> str:
     """The JetStream domain of the relay this client reads weights from; "" on the hub itself.
     The server's INFO says it when the client connects (nats-py keeps it private; a sampler may
     not ask JetStream for its account INFO)."""
@@ -51,7 +51,7 @@ def weights_relay(run: Run, hub_domain: str) -> str:
     return "" if domain == hub_domain else domain
 
 
-async def read_statuses(run: Run) -> list[SamplerStatus]:
+async def read_statuses(run: RunClient) -> list[SamplerStatus]:
     # The bucket's stream lists its subjects exactly. nats-py's `keys()` watches the bucket
     # instead and can stop before the first key arrives (its end marker races the delivery).
     prefix = f"$KV.{run.names.registry_bucket}."
@@ -88,13 +88,13 @@ def _bad_heartbeat(key: str) -> SamplerStatus | None:
         return None
 
 
-async def heartbeat_unreadable(run: Run, sampler_id: str) -> bool:
+async def heartbeat_unreadable(run: RunClient, sampler_id: str) -> bool:
     """Whether the sampler's heartbeat is there and does not decode: it gets no work until it does."""
     status, revision = await read_value(run.registry, sampler_id, _decode_status)
     return status is None and revision != 0
 
 
-async def read_heartbeat(run: Run, sampler_id: str) -> tuple[int, SamplerStatus | None]:
+async def read_heartbeat(run: RunClient, sampler_id: str) -> tuple[int, SamplerStatus | None]:
     """The revision of the sampler's heartbeat key (it changes with every beat) and what it says;
     (0, None) when there is none or it is unreadable: not a sign of life."""
     status, revision = await read_value(run.registry, sampler_id, _decode_status)

@@ -31,7 +31,7 @@ from echo.wire.names import (
     RunNames,
     subject_sampler,
 )
-from streams.client import BROKER_ERRORS, Run, retry_forever, write_timeout_s
+from streams.client import BROKER_ERRORS, RunClient, retry_forever, write_timeout_s
 
 log = structlog.get_logger()
 
@@ -44,7 +44,7 @@ WATCH_HEARTBEAT_S = 1.0
 FETCH_RETRY_S = 1.0  # after a failed fetch: the broker is restarting or moving the consumer
 
 
-async def publish_rollout(run: Run, group: RolloutGroup) -> None:
+async def publish_rollout(run: RunClient, group: RolloutGroup) -> None:
     """Publish until the stream has it: through a broker restart or a relay's cut uplink (no
     responders), a sampler keeps its group and tries again with backoff, never dies of it. A
     group larger than one rollout message goes in parts on the sampler's bodies subject first;
@@ -62,7 +62,7 @@ async def publish_rollout(run: Run, group: RolloutGroup) -> None:
     await _publish_until_stored(run, run.names.rollouts_subject(group.sampler_id), data, headers)
 
 
-async def _publish_until_stored(run: Run, subject: str, data: bytes, headers: dict[str, str]) -> int:
+async def _publish_until_stored(run: RunClient, subject: str, data: bytes, headers: dict[str, str]) -> int:
     """The message's stream sequence. Nats-Msg-Id makes a retry safe: a publish can time out
     although it was stored (the retry's ack then names the stored message's sequence)."""
     ack = await retry_forever(f"publish {headers[HDR_MSG_ID]}",
@@ -138,7 +138,7 @@ def is_reader(consumer_name: str) -> bool:
     return consumer_name.startswith((f"{TRAINER_CONSUMER}-", f"{TRAINER_CONSUMER}~"))
 
 
-async def reader_subscription(run: Run, subject: str, ack_wait_s: float = 600.0):
+async def reader_subscription(run: RunClient, subject: str, ack_wait_s: float = 600.0):
     """The trainer's durable pull consumer on one sampler's subject: reading each sampler through
     its own, the trainer takes them in turn, and no sampler's backlog stands in front of another's
     (one consumer over every subject delivers in stream order). Messages are acked after the step
@@ -158,14 +158,14 @@ async def reader_subscription(run: Run, subject: str, ack_wait_s: float = 600.0)
     return await run.js.pull_subscribe_bind(name, run.names.rollouts_stream)
 
 
-async def reset_reader(run: Run, name: str) -> None:
+async def reset_reader(run: RunClient, name: str) -> None:
     """Offer again at once every message a reader has not had acked (nats-server 2.14's consumer
     reset, to its ack floor): deliveries lost with a dropped connection, or made to a trainer
     that died, would otherwise come back only after ack_wait."""
     await _jetstream_api(run, f"CONSUMER.RESET.{run.names.rollouts_stream}.{name}", b"{}")
 
 
-async def _jetstream_api(run: Run, call: str, body: bytes = b"") -> dict:
+async def _jetstream_api(run: RunClient, call: str, body: bytes = b"") -> dict:
     """A JetStream API request made by hand (an API nats-py lacks, or an answer read for a few
     fields): its answer as a dict, or the server's refusal raised as nats-py's APIError."""
     answer = orjson.loads((await run.nc.request(f"{run.js._prefix}.{call}", body, timeout=run.js._timeout)).data)
@@ -174,14 +174,14 @@ async def _jetstream_api(run: Run, call: str, body: bytes = b"") -> dict:
     return answer
 
 
-async def rollout_subjects(run: Run) -> tuple[int, list[str]]:
+async def rollout_subjects(run: RunClient) -> tuple[int, list[str]]:
     """The rollouts stream's last sequence and the subjects it holds messages on, read at one
     instant (the trainer's own call: samplers may not ask for stream INFO)."""
     info = await run.js.stream_info(run.names.rollouts_stream, subjects_filter=run.names.all_rollouts)
     return info.state.last_seq, list(info.state.subjects or {})
 
 
-async def last_rollout_seq(run: Run) -> int:
+async def last_rollout_seq(run: RunClient) -> int:
     """The rollouts stream's last sequence (its INFO without the subjects listing)."""
     return (await run.js.stream_info(run.names.rollouts_stream)).state.last_seq
 
@@ -196,7 +196,7 @@ class ReaderState:
     ack_floor_seq: int  # every message of its subject up to this stream sequence is acked
 
 
-async def readers(run: Run) -> list[ReaderState]:
+async def readers(run: RunClient) -> list[ReaderState]:
     """Every reader's state, in one request per 256 (the server's page), parsed for these fields
     alone: nats-py's ConsumerInfo of each of 1,000 samplers' readers, every pull round, took a
     third of the trainer's CPU at 1,000 samplers (py-spy on bench/load.py, 2026-12-06)."""
@@ -211,7 +211,7 @@ async def readers(run: Run) -> list[ReaderState]:
             return [state for state in found if is_reader(state.name)]
 
 
-async def watch_rollouts(run: Run, start_seq: int, on_arrival: Callable[[Msg], Awaitable[None]]):
+async def watch_rollouts(run: RunClient, start_seq: int, on_arrival: Callable[[Msg], Awaitable[None]]):
     """Each rollout message from `start_seq` on, headers only and in stream order, handed to
     `on_arrival`: which samplers have published, for a few hundred bytes a message where listing
     the readers costs hundreds a sampler. An ordered consumer: nats-py starts it again past the
@@ -247,14 +247,14 @@ async def fetch_rollouts(subscription, batch: int, timeout: float) -> list:
 
 
 
-async def account_storage(run: Run) -> dict[str, int | None]:
+async def account_storage(run: RunClient) -> dict[str, int | None]:
     """What the run's account keeps on the broker's disk (on an open broker: every run's), and its
     limit (`secure init --run-storage-gb`; None: no limit)."""
     info = await run.js.account_info()
     return {"bytes": info.storage, "limit": info.limits.max_storage if info.limits.max_storage >= 0 else None}
 
 
-async def rollouts_backlog(run: Run) -> dict[str, int] | None:
+async def rollouts_backlog(run: RunClient) -> dict[str, int] | None:
     """The rollout stream's messages and bytes, and its readers' pending (not yet delivered) and
     unacked messages; None before the trainer has created the stream."""
     try:

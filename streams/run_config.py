@@ -11,20 +11,20 @@ import orjson
 
 from echo.config import EchoConfig
 from echo.wire.names import CONFIG_KEY
-from streams.client import Run
+from streams.client import RunClient
 from streams.watch import read_value
 
 
-async def publish_run_config(run: Run, cfg: EchoConfig) -> None:
+async def publish_run_config(run: RunClient, cfg: EchoConfig) -> None:
     await run.state.put(CONFIG_KEY, cfg.model_dump_json(exclude={"nats": {"creds", "tls_ca"}}).encode())
 
 
-async def run_config(run: Run) -> dict | None:
+async def run_config(run: RunClient) -> dict | None:
     """The run's config as plain data; None before a trainer wrote it (or unreadable: said and counted)."""
     return (await read_value(run.state, CONFIG_KEY, _json_object))[0]
 
 
-async def wait_for_run_config(run: Run, poll_s: float = 1.0) -> dict:
+async def wait_for_run_config(run: RunClient, poll_s: float = 1.0) -> dict:
     """The run's config as plain data, waiting for a trainer that has not started yet."""
     while (config := await run_config(run)) is None:
         await asyncio.sleep(poll_s)  # none yet, or unreadable: the trainer writes it again

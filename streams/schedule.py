@@ -8,14 +8,14 @@ from typing import Callable
 from echo.wire.codec import decode, encode
 from echo.wire.messages import Schedule
 from echo.wire.names import SCHEDULE_KEY
-from streams.client import Run
+from streams.client import RunClient
 from streams.watch import watch_forever
 
 
-async def publish_schedule(run: Run, schedule: Schedule) -> None:
+async def publish_schedule(run: RunClient, schedule: Schedule) -> None:
     await run.state.put(SCHEDULE_KEY, encode(schedule))
 
 
-async def watch_schedule(run: Run, on_change: Callable[[Schedule], None]) -> None:
+async def watch_schedule(run: RunClient, on_change: Callable[[Schedule], None]) -> None:
     """Forever: call `on_change` with the schedule, the current one first, then each new one."""
     await watch_forever(run, SCHEDULE_KEY, lambda value: on_change(decode(Schedule, value)))

@@ -16,7 +16,7 @@ from nats.js.errors import KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from echo.wire.codec import ProtocolError, decode
-from streams.client import BROKER_ERRORS, Run, cancel_until_done
+from streams.client import BROKER_ERRORS, RunClient, cancel_until_done
 
 log = structlog.get_logger()
 
@@ -68,7 +68,7 @@ async def poll_newest(read: Callable[[], Awaitable[tuple[int, bytes] | None]],
         await asyncio.sleep(POLL_S)
 
 
-async def watch_forever(run: Run, key: str, on_value: Callable[[bytes], None]) -> None:
+async def watch_forever(run: RunClient, key: str, on_value: Callable[[bytes], None]) -> None:
     """Call `on_value` with each new value of the state bucket's `key` (the current one first),
     forever (poll_newest). A value `on_value` refuses (ProtocolError) is said, counted and
     skipped: the next good one counts."""

@@ -26,7 +26,7 @@ from echo.weights.retention import expired_versions
 from echo.wire.codec import encode
 from echo.wire.messages import WeightsAnnouncement, WeightsLink, WeightsShard
 from echo.wire.names import OBJ_HDR_EPOCH, OBJ_HDR_VERSION, Version, weights_object_name
-from streams.client import BROKER_ERRORS, STORAGE_FULL, Run, cancel_until_done, publish_once
+from streams.client import BROKER_ERRORS, STORAGE_FULL, RunClient, cancel_until_done, publish_once
 from streams.lease import Lease, current_epoch
 from streams.objects import TransferError, get_object, put_object, sha256_hex
 from streams.watch import LatestValue
@@ -130,7 +130,7 @@ class WeightsPublisher:
                 await self.run.weights.delete(info.name)
 
 
-async def fetch_weights(run: Run, announcement: WeightsAnnouncement | WeightsLink) -> list[bytearray]:
+async def fetch_weights(run: RunClient, announcement: WeightsAnnouncement | WeightsLink) -> list[bytearray]:
     """The announced shards' bytes, each checked against the announcement's size and digest as
     well as the object's own info; TransferError (not found, truncated, mismatch) otherwise."""
     shards = []
@@ -143,7 +143,7 @@ async def fetch_weights(run: Run, announcement: WeightsAnnouncement | WeightsLin
     return shards
 
 
-async def rebuild(run: Run, announcement: WeightsAnnouncement, tensors: dict[str, torch.Tensor],
+async def rebuild(run: RunClient, announcement: WeightsAnnouncement, tensors: dict[str, torch.Tensor],
                   links: list[WeightsLink]) -> list[bytearray]:
     """The announced version's whole weights (one safetensors shard): `tensors` with each of
     `links`' deltas applied in turn, checked against the announcement's digest. DeltaError for
@@ -172,7 +172,7 @@ class WeightsFollower:
     """Keeps the newest announced weights downloaded and verified, ready for the sampler to
     apply between generations. Intermediate versions that were superseded are skipped."""
 
-    def __init__(self, run: Run, base_model: str):
+    def __init__(self, run: RunClient, base_model: str):
         self.run = run
         self.base_model = base_model
         self.failures: Counter[str] = Counter()

@@ -29,7 +29,7 @@ from echo.train.metrics import read_metrics
 from echo.wire.codec import encode
 from echo.wire.messages import WeightsAnnouncement, WeightsShard
 from echo.wire.names import weights_object_name
-from streams.client import Run, open_run
+from streams.client import RunClient, open_run
 from streams.grants import slots_granted
 from streams.registry import read_statuses
 from streams.secure import SecureDir
@@ -127,7 +127,7 @@ class Runs:
     def __init__(self, url: str):
         self.url, self.opened = url, []
 
-    async def open(self, run_id: str, client_name: str = "test", url: str | None = None, **options) -> Run:
+    async def open(self, run_id: str, client_name: str = "test", url: str | None = None, **options) -> RunClient:
         run = await open_run(url or self.url, run_id, client_name, **options)
         self.opened.append(run)
         return run

@@ -22,7 +22,7 @@ import orjson
 import structlog
 
 from echo.train.metrics import mean_staleness, read_metrics
-from streams.client import Run
+from streams.client import RunClient
 from workers.operator.snapshot import REFRESH_S, snapshot
 
 log = structlog.get_logger()
@@ -191,7 +191,7 @@ def parse_address(text: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
-async def serve_page(run: Run, address: str, run_dir: Path | None = None) -> None:
+async def serve_page(run: RunClient, address: str, run_dir: Path | None = None) -> None:
     latest = Latest(run_dir)
     host, port = parse_address(address)
     server = PageServer(latest)

@@ -9,7 +9,7 @@ import statistics
 import time
 
 from echo.wire.messages import SamplerStatus, TrainerStatus
-from streams.client import Run
+from streams.client import RunClient
 from streams.lease import current_epoch
 from streams.quarantine import read_quarantine
 from streams.registry import read_statuses, read_trainer_status
@@ -19,7 +19,7 @@ from streams.run_config import run_config
 REFRESH_S = 2.0
 
 
-async def snapshot(run: Run) -> dict:
+async def snapshot(run: RunClient) -> dict:
     trainer, samplers = await read_trainer_status(run), await read_statuses(run)
     quarantined, now = await read_quarantine(run), time.time()
     version = trainer.version if trainer else None

@@ -18,7 +18,7 @@ from pathlib import Path
 from echo.config import ConfigError
 from echo.process.logs import configure_logging, duration
 from echo.wire.names import CONTROL_CHARACTERS
-from streams.client import Run
+from streams.client import RunClient
 from streams.credentials import credentials_of
 from workers.arguments import run_directory, run_until_signal
 from workers.operator.snapshot import REFRESH_S, SLOWEST, snapshot
@@ -128,7 +128,7 @@ def _console(out):
     return Console(file=out, width=None if out.isatty() else 160)  # a pipe or file: one line per sampler
 
 
-async def watch(run: Run, once: bool, as_json: bool, out, every: bool = False) -> None:
+async def watch(run: RunClient, once: bool, as_json: bool, out, every: bool = False) -> None:
     """A live terminal view; or snapshots as JSON lines (one with `once`), or one printed view
     (`every`: each sampler a line, however many)."""
     import orjson

@@ -19,14 +19,14 @@ from echo.trust.noise import Draw, group_key
 from echo.trust.routing import group_routing
 from echo.wire.messages import Completion, Grant, RolloutGroup, VersionChange
 from echo.wire.names import Version
-from streams.client import Run
+from streams.client import RunClient
 from streams.prompts import prompt_source
 from streams.rollouts import publish_rollout
 from workers.sampler.weights import EngineWeights
 
 
 class Generation:
-    def __init__(self, cfg: EchoConfig, sampler_id: str, run: Run, task: Task, weights: EngineWeights):
+    def __init__(self, cfg: EchoConfig, sampler_id: str, run: RunClient, task: Task, weights: EngineWeights):
         self.cfg, self.sampler_id, self.run, self.task, self.weights = cfg, sampler_id, run, task, weights
         self.prompts = prompt_source(run, task)  # the task's own, or a dataset's from the broker
         self.calls = CallWindow(cfg.sampler.rate_window_s)

@@ -12,7 +12,7 @@ import structlog
 
 from echo.config import EchoConfig
 from echo.wire.messages import SamplerStatus
-from streams.client import BROKER_ERRORS, Run
+from streams.client import BROKER_ERRORS, RunClient
 from streams.quarantine import read_quarantine
 from streams.registry import put_status, read_trainer_status
 from workers.sampler.generation import Generation
@@ -24,7 +24,7 @@ log = structlog.get_logger()
 
 
 class Heartbeat:
-    def __init__(self, cfg: EchoConfig, sampler_id: str, run: Run, weights: EngineWeights, generation: Generation,
+    def __init__(self, cfg: EchoConfig, sampler_id: str, run: RunClient, weights: EngineWeights, generation: Generation,
                  work: Work):
         self.cfg, self.sampler_id, self.run, self.engine = cfg, sampler_id, run, weights.engine
         self.weights, self.generation, self.work = weights, generation, work

@@ -24,7 +24,7 @@ from echo.model.devices import dtype_name
 from echo.tasks import Task, load_task
 from echo.train.learner import set_threads
 from echo.wire.messages import Grant, PullRequest
-from streams.client import Run, open_run
+from streams.client import RunClient, open_run
 from streams.credentials import credentials_of
 from streams.grants import watch_budget
 from streams.registry import weights_relay
@@ -46,7 +46,7 @@ NO_ANSWER_WAIT_S = 1.0  # no trainer answered a request for work (none yet, or a
 
 
 class Sampler:
-    def __init__(self, cfg: EchoConfig, sampler_id: str, run: Run, engine: Engine, task: Task):
+    def __init__(self, cfg: EchoConfig, sampler_id: str, run: RunClient, engine: Engine, task: Task):
         self.cfg, self.sampler_id, self.run = cfg, sampler_id, run
         self.weights = EngineWeights(run, engine, cfg.model.name, cfg.sampler.throttle_s)
         # This process, named in its requests and heartbeats: a restart under the same id is told

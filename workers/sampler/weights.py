@@ -16,7 +16,7 @@ from echo.model.policy import WeightsMismatch
 from echo.process.logs import bind_process
 from echo.wire.messages import WeightsAnnouncement
 from echo.wire.names import Version
-from streams.client import Run
+from streams.client import RunClient
 from streams.weights import WeightsFollower
 
 log = structlog.get_logger()
@@ -25,7 +25,7 @@ SYNCS_KEPT = 8
 
 
 class EngineWeights:
-    def __init__(self, run: Run, engine: Engine, model_name: str, throttle_s: float = 0.0):
+    def __init__(self, run: RunClient, engine: Engine, model_name: str, throttle_s: float = 0.0):
         self.engine, self.throttle_s = engine, throttle_s
         self.follower = WeightsFollower(run, base_model_digest(model_name))
         self.running = Version(0, -1)  # what the engine runs

@@ -13,7 +13,7 @@ import structlog
 from echo.fleet.grants import IDLE_ASK_MIN_S, ask_share, drawn_to_ask
 from echo.wire.messages import Grant, GrantBudget, GrantRequest, PullRequest, Schedule
 from echo.wire.names import Version
-from streams.client import Run
+from streams.client import RunClient
 from streams.grants import request_grant
 
 log = structlog.get_logger()
@@ -22,7 +22,7 @@ IDLE_WAIT_MAX_S = 120.0  # the longest wait for a budget heeded, whatever a gran
 
 
 class Work:
-    def __init__(self, run: Run, sampler_id: str, prompts_per_call: int, process: str):
+    def __init__(self, run: RunClient, sampler_id: str, prompts_per_call: int, process: str):
         self.run, self.sampler_id, self.prompts_per_call = run, sampler_id, prompts_per_call
         self.process = process  # this process's random name (Sampler), in every request
         self.standby = False  # the scheduler's choice: keep the weights current, take no work

@@ -21,7 +21,7 @@ from echo.config import EchoConfig
 from echo.fleet.capacity import SCHEDULED, LearnerPace, SamplerPace, cheapest, replan_reason, sampler_pace
 from echo.fleet.grants import GrantLedger
 from echo.wire.messages import SamplerStatus, Schedule, TrainerStatus
-from streams.client import BROKER_ERRORS, Run
+from streams.client import BROKER_ERRORS, RunClient
 from streams.registry import read_statuses
 from streams.schedule import publish_schedule
 
@@ -44,7 +44,7 @@ def delivered_paces(statuses: list[SamplerStatus], ledger: GrantLedger, now: flo
 
 
 class Coordinator:
-    def __init__(self, run: Run, cfg: EchoConfig, standby: set[str], pace, ledger: GrantLedger):
+    def __init__(self, run: RunClient, cfg: EchoConfig, standby: set[str], pace, ledger: GrantLedger):
         self.run, self.cfg, self.ledger = run, cfg, ledger
         self.pace = pace  # the trainer's Pace: its `status` after each step
         self.standby = standby  # the trainer's grants read this set: it is changed in place

@@ -21,7 +21,7 @@ from echo.config import EchoConfig
 from echo.fleet.grants import REDRAW_S, GrantLedger, Heartbeats, allowance, ask_again_s, lost_slots, sampler_cap
 from echo.train.checkpoint import TrainerState
 from echo.wire.messages import Grant, GrantBudget, GrantRequest, PullRequest
-from streams.client import BROKER_ERRORS, Run, retry_forever
+from streams.client import BROKER_ERRORS, RunClient, retry_forever
 from streams.grants import publish_budget, record_slots_granted, serve_grants, slots_granted
 from streams.pull import publish_pull_request
 from streams.registry import heartbeat_unreadable, read_heartbeat
@@ -39,7 +39,7 @@ class Granter:
     `trainer.reissue_after_s`); such a one holds a slot at a time until it delivers, and doing it
     again is a strike."""
 
-    def __init__(self, run: Run, epoch: int, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
+    def __init__(self, run: RunClient, epoch: int, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
                  quarantine: Quarantined | None = None):
         self.run, self.epoch, self.cfg, self.state, self.ledger = run, epoch, cfg, state, ledger  # epoch: the lease's
         self.quarantine = quarantine
@@ -335,7 +335,7 @@ class AsyncGranter(Granter):
         return None if long_s is None or fresh_for is None else long_s <= fresh_for
 
 
-def granter_for(run: Run, epoch: int, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
+def granter_for(run: RunClient, epoch: int, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
                  quarantine: Quarantined) -> "Granter":
     mode = SequentialGranter if cfg.run.mode == "sequential" else AsyncGranter
     return mode(run, epoch, cfg, state, ledger, quarantine)

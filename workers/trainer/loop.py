@@ -34,7 +34,7 @@ from echo.train.learner import Batch
 from echo.train.metrics import read_metrics, sampler_scalars, step_scalars, summarize
 from echo.trust.referee import Referee
 from echo.wire.messages import SlotsEnded, TrainerStatus, WeightsAnnouncement
-from streams.client import Run, open_run, retry_forever
+from streams.client import RunClient, open_run, retry_forever
 from streams.credentials import credentials_of
 from streams.inbox import RolloutInbox
 from streams.lease import Lease, take_lease
@@ -109,7 +109,7 @@ async def serve(cfg: EchoConfig, build_model: Callable[[], TrainerModel]) -> Non
             model.close()
 
 
-async def share_dataset(run: Run, cfg: EchoConfig, task: Dataset, model: TrainerModel) -> None:
+async def share_dataset(run: RunClient, cfg: EchoConfig, task: Dataset, model: TrainerModel) -> None:
     """A dataset's prompts checked against the model's context, then published for samplers: the
     run's config names their manifest's digest."""
     manifest, path = task.manifest, task.p.path  # a verifiers environment's: its rows, written to the cache
@@ -135,7 +135,7 @@ class Trainer:
             self.no_signal.observe(record)
 
     @classmethod
-    async def open(cls, cfg: EchoConfig, run: Run, lease: Lease, background: Background, model: TrainerModel,
+    async def open(cls, cfg: EchoConfig, run: RunClient, lease: Lease, background: Background, model: TrainerModel,
                    scoring: ScoringProcess) -> Trainer:
         run_dir, state = cfg.run_dir, model.state
         (run_dir / "weights").mkdir(parents=True, exist_ok=True)
@@ -319,7 +319,7 @@ def write_metrics(metrics_file, record: dict, step: TrainerStep, status: Trainer
     return record
 
 
-async def mark_finished(run: Run) -> None:
+async def mark_finished(run: RunClient) -> None:
     """The run's end, visible outside this process: the trainer's status marked finished (status
     shows it, samplers' heartbeats say it)."""
     status = await retry_forever("read the trainer status", lambda: read_trainer_status(run))

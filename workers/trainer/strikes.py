@@ -15,7 +15,7 @@ import structlog
 
 from echo.trust.proof import FORGERIES
 from echo.wire.messages import Strikes
-from streams.client import Run, retry_forever
+from streams.client import RunClient, retry_forever
 from streams.quarantine import change_quarantine, put_strikes, read_quarantine, read_strikes, watch_quarantine
 from workers.background import Background
 
@@ -27,7 +27,7 @@ class Quarantined:
     log-probs or claiming rewards more than `trainer.quarantine_after` times. The trainer
     follows the key, so an operator's lift takes effect at once."""
 
-    def __init__(self, run: Run, after: int):
+    def __init__(self, run: RunClient, after: int):
         self.run, self.after = run, after
         self.samplers: dict[str, str] = {}
         self.strikes: Counter[str] = Counter()
