@@ -64,7 +64,7 @@ from streams.client import cancel_until_done, open_run
 from streams.server import NatsCluster, NatsServer, ServerConfig, free_port
 from workers.operator.relay import loopback_relay_args
 from workers.operator.swarm import stop_processes
-from workers.sampler.modes import Sampler
+from workers.sampler.sampler import Sampler
 
 ADAPTER_MB = 4.0  # a LoRA adapter of rank 16 on a 1-2B model is a few MB
 
@@ -188,7 +188,7 @@ async def trainer_role(cfg: EchoConfig, seconds_per_token: float, usage_file: Pa
     work (fetching, refereeing, granting, publishing, acks, accounting), which a trainer host pays
     on any machine."""
     from workers.trainer import granter
-    from workers.trainer.loop import serve  # the real trainer, given the stand-in model
+    from workers.trainer.trainer import serve  # the real trainer, given the stand-in model
 
     configure_logging(json=True, level="warning", progress=False)  # to its log: the report counts the warnings
 

@@ -20,7 +20,7 @@ from tests.conftest import tiny_config
 from workers.arguments import config_from_args
 from workers.cli import build_parser, main
 from workers.operator.swarm import in_child
-from workers.sampler.sampler import sampler_config_from_run
+from workers.sampler.sampler_command import sampler_config_from_run
 
 
 def test_bad_config_fails_at_start_naming_the_field(capsys):

@@ -51,7 +51,7 @@ from tests.conftest import (
     worker_process,
 )
 from tests.groups import REFEREE, granted, honest_group
-from workers.sampler.modes import Sampler
+from workers.sampler.sampler import Sampler
 from workers.trainer.accounting import count_consumed, settle
 from workers.trainer.granter import SequentialGranter
 from workers.trainer.intake import Collector

@@ -209,7 +209,7 @@ for module in sys.argv[1:]:  # as a process of ours imports them: workers.cli, t
 
 
 @pytest.mark.parametrize("modules, given, expected", [
-    ("workers.cli workers.trainer.model", None, "PASSIVE"), ("workers.cli workers.sampler.modes", None, "PASSIVE"),
+    ("workers.cli workers.trainer.model", None, "PASSIVE"), ("workers.cli workers.sampler.sampler", None, "PASSIVE"),
     ("bench.load", None, "PASSIVE"), ("tests.conftest", None, "PASSIVE"), ("echo.train.learner", "ACTIVE", "ACTIVE")])
 def test_torch_is_loaded_with_passive_openmp_threads_unless_the_user_says_otherwise(modules, given, expected):
     """Spinning OpenMP threads (libgomp's default) beside another busy process made generation

@@ -41,7 +41,7 @@ from workers.trainer.accounting import RecentSteps
 from workers.trainer.granter import AsyncGranter
 from workers.trainer.intake import Collector
 from workers.trainer.judge import Judge, Timeline
-from workers.trainer.loop import Trainer
+from workers.trainer.trainer import Trainer
 from workers.trainer.model import Ranks, TrainerModel
 from workers.trainer.step import TrainerStep
 from workers.trainer.strikes import Quarantined

@@ -24,7 +24,7 @@ from tests.groups import REFEREE, SAMPLING, collect_once_quarantined, granted, h
 from workers.background import Background
 from workers.cli import build_parser
 from workers.operator.quarantine import quarantine_command
-from workers.sampler.modes import Sampler
+from workers.sampler.sampler import Sampler
 from workers.trainer.granter import AsyncGranter
 from workers.trainer.intake import Collector
 from workers.trainer.judge import Judge, Timeline

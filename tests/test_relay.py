@@ -19,8 +19,8 @@ from streams.server import NatsServer, ServerConfig, free_port
 from streams.weights import WeightsPublisher
 from tests.conftest import TINY_BASE, adapter_for_version, relay, tiny_config
 from workers.cli import build_parser
-from workers.sampler.modes import Sampler
-from workers.sampler.sampler import sampler_config_from_run
+from workers.sampler.sampler import Sampler
+from workers.sampler.sampler_command import sampler_config_from_run
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from streams.registry import put_status, read_statuses
 from streams.replay import read_rollouts
 from streams.weights import WeightsFollower, WeightsPublisher, fetch_weights
 from tests.conftest import TINY_BASE, adapter_for_version, store_tampered, tiny_config
-from workers.sampler.modes import Sampler
+from workers.sampler.sampler import Sampler
 
 
 async def test_weights_round_trip_and_a_wrong_digest_is_refused(runs, tmp_path):

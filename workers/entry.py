@@ -30,12 +30,12 @@ from typing import NoReturn
 
 from echo.config import ConfigError
 from streams.server import nats_server_binary
-from workers.sampler import sampler
-from workers.trainer import trainer
+from workers.sampler import sampler_command
+from workers.trainer import trainer_command
 
 Commands = dict[str, ModuleType]
 
-WORKERS: Commands = {trainer.NAME: trainer, sampler.NAME: sampler}  # what a local swarm forks
+WORKERS: Commands = {trainer_command.NAME: trainer_command, sampler_command.NAME: sampler_command}  # what a local swarm forks
 
 
 def build_parser(commands: Commands, description: str | None = None) -> argparse.ArgumentParser:

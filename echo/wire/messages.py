@@ -545,7 +545,7 @@ class Grant(Message):
     # No slot: with more, ask again this long after at the soonest; without, ask again after this
     # long at the latest, a new budget waking the sampler sooner (the trainer spreads a crowd's
     # asks, echo/fleet/grants.py::ask_again_s); 0: the sampler's own pace. Bounded by the sampler
-    # (workers/sampler/modes.py::again_s) whatever it says.
+    # (workers/sampler/sampler.py::again_s) whatever it says.
     again_s: Seconds = 0.0
     # Async mode, no slot: none for this sampler before it runs this version (its long groups
     # would arrive stale at the trainer's pace), so a budget of an older one does not wake it;

@@ -37,7 +37,7 @@ def worker_command(args: list[str], ranks: int = 1) -> list[str]:
 
 
 # What the trainer's and the samplers' `run` import: imported here once, before they are forked.
-WORKER_MODULES = ("workers.trainer.loop", "workers.trainer.model", "workers.sampler.modes")
+WORKER_MODULES = ("workers.trainer.trainer", "workers.trainer.model", "workers.sampler.sampler")
 
 
 def _spawn(args: list[str], log_json: bool, ranks: int = 1, threads: int = 1,

@@ -2,8 +2,8 @@
 generates rollout groups and publishes them, and heartbeats what it does. Each room owns one job
 and touches only what it names:
 
-- sampler.py: `echo-rl sampler`, its arguments, and an edge sampler's config read from the broker;
-- modes.py: the process and its two loops (async and sequential mode): which room acts when;
+- sampler_command.py: `echo-rl sampler`, its arguments, and an edge sampler's config read from the broker;
+- sampler.py: the process (Sampler) and its two loops (async and sequential mode): which room acts when;
 - weights.py: the weights the engine runs: following the published versions (streams/weights.py
   downloads and verifies them) and swapping them in, between calls or, for partial rollouts,
   between chunks of one (the engine asks, through echo/engines/base.py's NewerWeights);

@@ -2,8 +2,8 @@
 groups, takes GRPO steps and publishes each new version. Each room owns one job and touches only
 what it names:
 
-- trainer.py: `echo-rl trainer`, its arguments (under torchrun: each rank's);
-- loop.py: the process and its step loop, each step's phases named and timed (collect, train,
+- trainer_command.py: `echo-rl trainer`, its arguments (under torchrun: each rank's);
+- trainer.py: the process (Trainer) and its step loop, each step's phases named and timed (collect, train,
   checkpoint, publish, account, evaluate); it owns the order of the phases and nothing else;
 - intake.py: what becomes of every rollout message, through the rollout inbox
   (streams/inbox.py): decoded, handed to the judge, its verdict tallied, its grant ended, its

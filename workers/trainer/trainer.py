@@ -1,45 +1,358 @@
-"""`echo-rl trainer`: the trainer of a run (under torchrun: each of its ranks)."""
+"""The trainer process: consume rollout groups, take GRPO steps, publish each new version.
+
+Step s trains on groups whose policy version is within the staleness bound of version s - 1
+and publishes version s. In sequential mode it first asks the samplers for exactly the groups
+it needs, generated with its current version.
+
+Exactly once: a step's groups are acked only after the checkpoint holding that step is on disk.
+After a crash the trainer resumes from the checkpoint; groups it had not acked come back from
+the stream, and any it already trained on (their ids are in the checkpoint) are skipped.
+
+This file is the process and its step loop; the other rooms of the wing: workers/trainer/__init__.py.
+"""
 
 from __future__ import annotations
 
-import os
+import asyncio
 import time
+from collections.abc import Callable
+from functools import partial
 
+import orjson
 import structlog
 
-from echo.process.logs import bind_process, configure_logging
-from workers.arguments import check_hardware, config_and_task_from_args, config_args, run_until_signal
-from workers.trainer.trackers import check_trackers
+from echo.config import EchoConfig
+from echo.fleet.consumed import ConsumedSeqs
+from echo.fleet.grants import DeliveryBound, GrantLedger
+from echo.model.loading import encode_chat
+from echo.process.logs import bind_process, duration
+from echo.tasks import answer_format, asks_for_answer, load_task
+from echo.tasks.dataset import Dataset, check_prompt_lengths
+from echo.train.checkpoint import load_trained_completions, load_trained_content, remember_trained
+from echo.train.diagnosis import NoSignal, likely_cause
+from echo.train.learner import Batch
+from echo.train.metrics import read_metrics, sampler_scalars, step_scalars, summarize
+from echo.trust.referee import Referee
+from echo.wire.messages import SlotsEnded, TrainerStatus, WeightsAnnouncement
+from streams.client import RunClient, open_run, retry_forever
+from streams.credentials import credentials_of
+from streams.inbox import RolloutInbox
+from streams.lease import Lease, take_lease
+from streams.prompts import publish_prompts
+from streams.registry import put_trainer_status, read_statuses, read_trainer_status
+from streams.run_config import publish_run_config
+from streams.weights import WeightsPublisher
+from workers.background import Background
+from workers.trainer.accounting import (
+    RecentSteps,
+    count_abandoned,
+    count_consumed,
+    finished_record,
+    metrics_line,
+    restore_metrics,
+    settle,
+    step_record,
+    step_samples,
+)
+from workers.trainer.coordinator import Coordinator
+from workers.trainer.evaluation import Evaluator, eval_scalars
+from workers.trainer.granter import AsyncGranter, Granter, granter_for
+from workers.trainer.intake import Collector
+from workers.trainer.judge import Judge, Timeline, Trained
+from workers.trainer.model import Ranks, TrainerModel
+from workers.trainer.scoring import ScoringProcess, start_forkserver
+from workers.trainer.step import TrainerStep
+from workers.trainer.strikes import Quarantined
+from workers.trainer.trackers import Trackers
 
-NAME = "trainer"
 log = structlog.get_logger()
 
-
-def register(sub) -> None:
-    trainer = sub.add_parser("trainer", help="run the trainer of a run (under torchrun: its ranks)")
-    config_args(trainer)
+PUBLISH_RETRY_MAX_S = 1.0  # the learner waits on a weights publish: try again soon after a failover
 
 
-def run(args) -> int:
-    rank = int(os.environ.get("RANK", "0"))  # torchrun's (workers/trainer/model.py's Ranks joins them)
-    configure_logging(args.log_json, run=args.run_id, role="trainer",
-                      worker="trainer" if rank == 0 else f"trainer-rank{rank}")
+async def run_trainer(cfg: EchoConfig, ranks: Ranks) -> None:
+    start_forkserver()  # what the scoring process imports loads while the model is built
+    await serve(cfg, lambda: TrainerModel(cfg, ranks))  # the other ranks build theirs meanwhile (follow_rank_0)
+    # Only now, every connection closed: nothing this process logs comes after the summary (a
+    # connection's error callback can still fire while it closes).
+    log.info("trainer.finished", run_dir=str(cfg.run_dir), **summarize(read_metrics(cfg.run_dir)))
+
+
+async def serve(cfg: EchoConfig, build_model: Callable[[], TrainerModel]) -> None:
+    """The run's lease taken while the model is built, and renewed; the model resumed from the
+    run's checkpoint, the steps taken. A restarted trainer waits LAPSE_S (4 s) for its dead
+    predecessor's lease to lapse (not at all where it sees that process has exited), a large
+    model loads for longer: one wait, not both (see docs/performance.md, Recovery)."""
+    run = await open_run(cfg.nats.url, cfg.run.id, "trainer", cfg.nats.hub_domain or None,
+                         credentials=credentials_of(cfg.nats.creds, cfg.nats.tls_ca), storage=cfg.nats.storage())
     started = time.perf_counter()
-    cfg = config_and_task_from_args(args)
-    bind_process(run=cfg.run.id)
-    check_hardware(cfg, sampler=False)
-    check_trackers(cfg.run.trackers)
-    # Said before the imports that take a slow machine's first half minute, not after
-    log.info("trainer.starting", model=cfg.model.name, task=cfg.task.name, next="torch, transformers and the model")
-    from echo.model.loading import pin_model
-    from workers.trainer.model import Ranks, follow_rank_0
+    building = asyncio.ensure_future(asyncio.to_thread(build_model))  # refused, the process exits once it is built
+    lease = model = None
+    try:
+        lease = await take_lease(run)  # before touching the run: a second trainer stops here
+        log.info("trainer.lease_taken", epoch=lease.epoch, next="the model, built meanwhile")
+        model = await building
+        log.info("trainer.model_built", seconds=round(time.perf_counter() - started, 1))
+        async with Background() as background, ScoringProcess.of(cfg, model.tokenizer, model.vocab_size) as scoring:
+            background.start(lease.renew_forever())
+            await asyncio.to_thread(model.resume)  # holding the lease: no other trainer prunes it now
+            trainer = await Trainer.open(cfg, run, lease, background, model, scoring)
+            await trainer.fit()
+    except asyncio.CancelledError:  # SIGTERM or Ctrl-C (workers/arguments.py): said, as the samplers say it
+        log.info("trainer.stopped", step=model.state.step if model is not None else 0, why="a signal")
+        raise
+    finally:
+        if lease is not None:
+            await lease.release()
+        await run.close()
+        if model is not None:
+            model.close()
 
-    cfg.model.name = pin_model(cfg.model.name)  # before the run's config is written: samplers load this revision
 
-    ranks = Ranks(cfg.model.device)  # rank 0 of 1, unless started by torchrun
-    log.info("trainer.imported", seconds=round(time.perf_counter() - started, 1), ranks=ranks.world)
-    if ranks.rank > 0:
-        return follow_rank_0(cfg, ranks)  # no signal handling: torchrun's SIGTERM ends it
-    from workers.trainer.loop import run_trainer
+async def share_dataset(run: RunClient, cfg: EchoConfig, task: Dataset, model: TrainerModel) -> None:
+    """A dataset's prompts checked against the model's context, then published for samplers: the
+    run's config names their manifest's digest."""
+    manifest, path = task.manifest, task.p.path  # a verifiers environment's: its rows, written to the cache
+    check_prompt_lengths(manifest, partial(encode_chat, model.tokenizer), model.context, cfg.sampling.max_new_tokens,
+                         path)
+    log.info("dataset.read", path=path, rows=manifest["rows"], skipped=manifest["skipped"], columns=manifest["columns"])
+    cfg.task.params["prompts"] = await publish_prompts(run, *task.published_prompts())
 
-    return run_until_signal(run_trainer(cfg, ranks))
+
+class Trainer:
+    """The rooms a step passes through, opened once; `fit` takes the steps, phase by phase."""
+
+    def __init__(self, cfg: EchoConfig, lease: Lease, model: TrainerModel, collector: Collector, granter: Granter,
+                 recent: RecentSteps):
+        self.cfg, self.run, self.lease, self.model = cfg, lease.run, lease, model
+        self.collector, self.granter, self.recent = collector, granter, recent
+        self.inbox, self.quarantine = collector.inbox, collector.quarantine
+        self.weights = WeightsPublisher(lease, cfg.trainer.keep_versions, cfg.trainer.keep_versions_s)
+        self.left_out: set[str] = set()  # samplers whose heartbeats gave no scalars (logged once)
+        self.no_signal = NoSignal(cfg.trainer.no_signal_steps)
+        self.evaluator = Evaluator(cfg, collector.judge.referee.task)
+        for record in read_metrics(cfg.run_dir):  # a resumed run's streak goes on
+            self.no_signal.observe(record)
+
+    @classmethod
+    async def open(cls, cfg: EchoConfig, run: RunClient, lease: Lease, background: Background, model: TrainerModel,
+                   scoring: ScoringProcess) -> Trainer:
+        run_dir, state = cfg.run_dir, model.state
+        (run_dir / "weights").mkdir(parents=True, exist_ok=True)
+        task = load_task(cfg.task)
+        if hasattr(task, "published_prompts"):  # a dataset on this box: samplers read its prompts from the broker
+            await share_dataset(run, cfg, task, model)
+        (run_dir / "config.toml").write_text(cfg.to_toml())
+        await publish_run_config(run, cfg)
+        restore_metrics(run_dir, state)
+        inbox = await RolloutInbox.open(run, cfg.trainer.ack_wait_s)
+        consumed = ConsumedSeqs(**state.consumed)
+        state.totals = await count_abandoned(inbox, consumed, state.totals)
+        ledger = GrantLedger(rate_window_s=cfg.sampler.rate_window_s, seed=cfg.run.seed,
+                             bound=DeliveryBound(cfg.trainer.undelivered_window, cfg.trainer.undelivered_share))
+        quarantine = Quarantined(run, cfg.trainer.quarantine_after)
+        await quarantine.start(background)
+        model.proof.suspects.update(quarantine.suspects)  # a predecessor's suspects stay checked
+        referee = Referee(task, model.tokenizer, model.vocab_size, cfg.sampling, model.routing)
+        judge = Judge(referee, Timeline(cfg.staleness_bound, lease.epoch, state.version, cfg.begun_within),
+                      Trained(load_trained_content(run_dir, state.trained_content),
+                              load_trained_completions(run_dir, state.trained_completions)),
+                      model.proof, model.check_many, scoring)
+        background.start(inbox.keep_alive(cfg.trainer.ack_wait_s / 3))
+        granter = granter_for(run, lease.epoch, cfg, state, ledger, quarantine)
+        background.start(granter.watch_heartbeats())
+        if isinstance(granter, AsyncGranter):
+            background.start(granter.redraw_forever())
+        recent = RecentSteps(cfg.trainer.groups_per_step, cfg.staleness_bound, cfg.run.steps, cfg.model.name,
+                             run_task(cfg))
+        if cfg.scheduler.enabled:  # what it chooses, the grants obey
+            background.start(Coordinator(run, cfg, granter.standby, recent, ledger).run_forever())
+        set_aside = cfg.algorithm.dynamic_sampling_max if cfg.algorithm.dynamic_sampling else 0
+        return cls(cfg, lease, model, Collector(inbox, judge, ledger, consumed, quarantine, set_aside), granter, recent)
+
+    async def fit(self) -> None:
+        cfg, state = self.cfg, self.model.state
+        await publish_version(self.weights, self.model, state.version)  # a fresh run's version 0, or the checkpoint's
+        await self.granter.start()
+        log.info("trainer.ready", run_id=cfg.run.id, mode=cfg.run.mode, model=cfg.model.name, step=state.step,
+                 version=state.version, steps=cfg.run.steps, ranks=self.model.ranks.world)
+        process_started = time.perf_counter()
+        trackers = await asyncio.to_thread(Trackers, cfg)  # W&B starts a process: seconds
+        try:
+            await self.take_steps(process_started, trackers)
+            await asyncio.to_thread(trackers.finish, summarize(read_metrics(cfg.run_dir)))
+        finally:
+            await asyncio.to_thread(trackers.close)
+        await mark_finished(self.run)
+
+    async def take_steps(self, process_started: float, trackers: Trackers) -> None:
+        cfg, state = self.cfg, self.model.state
+        if cfg.run.eval_before and state.step == 0 and self.evaluator.prompts:  # the curve's first point
+            evaluated = await asyncio.to_thread(self.evaluator.evaluate, 0, state.version)
+            if trackers.live:
+                await asyncio.to_thread(trackers.log, 0, eval_scalars(evaluated), [])
+        with open(cfg.run_dir / "metrics.jsonl", "ab") as metrics_file:
+            for number in range(state.step + 1, cfg.run.steps + 1):
+                # Told to stop, no new step: a cancellation nats-py swallowed (in its flush, during the
+                # step's publish) stays counted here, where the next re-cancel came 3 s (many steps) later.
+                if asyncio.current_task().cancelling():
+                    raise asyncio.CancelledError
+                step = TrainerStep(number, process_started)
+                with step.phase("collect"):
+                    await retry_forever("ask for groups", lambda: self.granter.ask(state.version))
+                    step.collected = await self.collector.collect(cfg.trainer.groups_per_step, state.version,
+                                                                  self.granter.on_wait)
+                    step.batch = step.collected.batch(state.version - cfg.staleness_bound, step.number)
+                with step.phase("train"):
+                    step.stats = await self.train_proven(step)
+                    await asyncio.sleep(cfg.trainer.throttle_s)  # a slower learner, when asked
+                with step.phase("checkpoint"):
+                    await self.checkpoint(step)
+                # Acking and counting wait on the broker as publishing does, and need only the
+                # checkpoint: they go on meanwhile (the reasoning shape's overhead, issue 83).
+                settling = asyncio.create_task(settle(self.inbox, self.collector.consumed, state.totals))
+                try:
+                    with step.phase("publish"):
+                        step.published = await publish_version(self.weights, self.model, state.version)
+                    with step.phase("account"):
+                        record = await self.account(step, await settling)
+                finally:
+                    settling.cancel()  # done by then, but where publishing failed
+                evaluated = None
+                if self.evaluator.due(step.number):
+                    with step.phase("evaluate"):
+                        evaluated = await asyncio.to_thread(self.evaluator.evaluate, step.number, state.version)
+                record = write_metrics(metrics_file, record, step, self.recent.status)
+                samples = self.diagnose(step, record)
+                if trackers.live:
+                    samplers = await retry_forever("read heartbeats", lambda: read_statuses(self.run))
+                    scalars = step_scalars(record, sum(self.quarantine.strikes.values()))
+                    scalars |= self.samplers_scalars(samplers, record["version"])
+                    scalars |= eval_scalars(evaluated) if evaluated else {}
+                    await asyncio.to_thread(trackers.log, step.number, scalars, samples)
+
+    async def train_proven(self, step: TrainerStep) -> dict:
+        """The step trained on its batch, the groups of the version it trains from proved by its
+        own forward: a forged one is refused and struck, groups are collected in its place and the
+        step is taken again (no update was made)."""
+        version = self.model.state.version
+        while True:
+            stats = await train_in_thread(self.model, step.batch, version)
+            if "forged" not in stats:
+                return stats
+            log.warning("step.forged_groups", step=step.number, forged=stats["forged"])
+            await self.collector.refuse_forged(step.collected, stats["forged"])
+            await self.collector.collect(self.cfg.trainer.groups_per_step, version, self.granter.on_wait,
+                                         into=step.collected)
+            step.batch = step.collected.batch(version - self.cfg.staleness_bound, step.number)
+
+    def diagnose(self, step: TrainerStep, record: dict) -> list[dict]:
+        """Why the run learns or not (echo/train/diagnosis.py): a warning after steps with nothing to
+        learn from, and the step's sample completions, appended to samples.jsonl and returned."""
+        if self.no_signal.observe(record):
+            task = self.collector.judge.referee.task
+            asked = [asks_for_answer(task, task.prompt(a.group.prompt_index).messages) for a in step.collected.used]
+            asked_share = None if not asked or None in asked else sum(asked) / len(asked)
+            log.warning("run.no_signal", steps=self.no_signal.streak, zero_spread_share=record["zero_spread_share"],
+                        cause=likely_cause(record, answer_format(task), self.cfg.sampling.max_new_tokens, asked_share,
+                                           getattr(task, "sets_own_format", False)))
+        with open(self.cfg.run_dir / "samples.jsonl", "ab") as f:
+            f.write(b"".join(orjson.dumps(s) + b"\n" for s in step.samples))
+        if self.cfg.run.log_completions:  # decoded from tokens, control characters out (step_samples)
+            for s in step.samples:
+                log.info("step.completion", step=s["step"], reward=round(s["reward"], 3), sampler=s["sampler"],
+                         prompt=s["prompt"][-200:], completion=s["completion"])
+        return step.samples
+
+    def samplers_scalars(self, samplers: list, version: int) -> dict[str, float]:
+        scalars, left_out = sampler_scalars(samplers, version)
+        for sampler_id in set(left_out) - self.left_out:  # once each: a sampler could send it every beat
+            log.warning("trackers.sampler_left_out", sampler=sampler_id, reason="its heartbeat's values")
+        self.left_out.update(left_out)
+        return scalars
+
+    async def checkpoint(self, step: TrainerStep) -> None:
+        """The step, what it consumed and trained, and its metrics, on disk before anything of it is acked."""
+        state, used = self.model.state, step.collected.used
+        state.step, state.version = step.number, state.version + 1
+        self.collector.trained(step.collected)
+        state.consumed = self.collector.consumed.as_dict()
+        state.totals = count_consumed(state.totals, step.collected)
+        remember_trained(self.cfg.run_dir, state, [a.content for a in used], [k for a in used for k in a.keys])
+        step.record = state.record = step_record(step, state.version, dict(self.model.proof.counts),
+                                                 sorted(self.quarantine.samplers))
+        await self.lease.held()  # fenced out by another trainer, or not sure it still holds the run: no checkpoint
+        await asyncio.to_thread(self.model.save, state)
+        self.lease.check()
+
+    async def account(self, step: TrainerStep, settled: tuple[dict[str, int], dict]) -> dict:
+        """With the step's groups acked and every message counted (`settled`: only after the step
+        that consumed them is checkpointed), the trainer's pace published; the step's finished record."""
+        state = self.model.state
+        state.totals, accounting = settled
+        record = finished_record(step, accounting)
+        slots = {s: SlotsEnded(ended=d.ended, undelivered=d.undelivered) for s, d in self.collector.ledger.deliveries.items()}
+        step.samples = step_samples(step, self.model.tokenizer, self.cfg.run.samples_per_step)
+        status = self.recent.add(record, state.version, dict(self.quarantine.strikes), slots, step.samples)
+        await retry_forever("trainer status", lambda: put_trainer_status(self.run, status))
+        await retry_forever("run config", lambda: publish_run_config(self.run, self.cfg))  # whatever overwrote it
+        return record
+
+
+def run_task(cfg: EchoConfig) -> str:
+    """The task as the page names it: a dataset's file beside the task's name."""
+    path = cfg.task.params.get("path") if cfg.task.name == "dataset" else None
+    return f"{cfg.task.name} ({path})" if path else cfg.task.name
+
+
+def write_metrics(metrics_file, record: dict, step: TrainerStep, status: TrainerStatus) -> dict:
+    """The step's line in metrics.jsonl, with its phases' times; returns what it wrote. Logged
+    with the run's progress: step 7/20, elapsed and the estimate of the time left."""
+    record = {**record, "phase_seconds": {name: round(s, 4) for name, s in step.seconds.items()},
+              "weights": {"bytes": step.published.size, "delta_of": step.published.delta_of}}
+    metrics_file.write(metrics_line(record))
+    metrics_file.flush()
+    log.info("step", step=step.number, progress=f"{step.number}/{status.steps}", version=record["version"],
+             reward=round(record["reward_mean"], 3), used=record["used"], stale=record["dropped_stale"],
+             busy=f"{record['utilisation']:.0%}", seconds=round(record["step_seconds"], 2),
+             elapsed=duration(status.elapsed_s), eta=duration(status.eta_s))
+    return record
+
+
+async def mark_finished(run: RunClient) -> None:
+    """The run's end, visible outside this process: the trainer's status marked finished (status
+    shows it, samplers' heartbeats say it)."""
+    status = await retry_forever("read the trainer status", lambda: read_trainer_status(run))
+    if status is not None:
+        finished = status.model_copy(update={"finished": True})
+        await retry_forever("mark the run finished", lambda: put_trainer_status(run, finished))
+
+
+async def train_in_thread(model: TrainerModel, batch: Batch, version: int) -> dict:
+    """A step off the event loop. Cancelled (SIGTERM), it tells the step to stop at the next
+    pass: the process then exits in seconds instead of finishing a long step; nothing of the
+    step was acked, so its groups are redelivered to the next trainer."""
+    model.stop.clear()
+    try:
+        return await asyncio.to_thread(model.train, batch, version)
+    except asyncio.CancelledError:
+        model.stop.set()
+        raise
+
+
+async def publish_version(weights: WeightsPublisher, model: TrainerModel, version: int) -> WeightsAnnouncement:
+    """Write the version's shards to the run directory (for `echo-rl eval`), then publish them
+    from there (a retry reads them again), or full weights as deltas against the version before.
+    Both keep the newest `trainer.keep_versions` versions (the bucket, for `trainer.keep_versions_s`
+    more: what a slow sampler's fetch may take; and whatever the newest delta is built from)."""
+    files = await asyncio.to_thread(model.write_weights, version)
+    digest, deltas = "", None  # a LoRA adapter goes whole, as published
+    if model.kind == "full":
+        digest, deltas = await asyncio.to_thread(model.as_delta, version, files, weights.chain)
+    delta_of = weights.newest.version if deltas is not None else None
+    announcement = await retry_forever("publish weights", lambda: weights.publish(
+        version, deltas if deltas is not None else (f.read_bytes() for f in files), model.base_model, model.kind,
+        digest=digest, delta_of=delta_of), max_delay_s=PUBLISH_RETRY_MAX_S)
+    await asyncio.to_thread(model.remember, version)
+    bind_process(version=version)  # this trainer's log lines name the version it last published
+    return announcement
