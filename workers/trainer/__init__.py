@@ -18,6 +18,8 @@ what it names:
 - strikes.py: strikes against samplers, and who is quarantined (streams/quarantine.py);
 - accounting.py: the step's metrics, the run's totals, the learner's pace, its sample
   completions; bookkeeping only;
+- shown.py: what a step shows outside: metrics.jsonl and the log, sample completions, the
+  no-signal warning and its cause, the trackers' scalars; it decides nothing;
 - evaluation.py: the version just published scored on held-out prompts (run.eval_every);
 - coordinator.py: ECHO-2's cost-aware activation of samplers (scheduler.enabled);
 - model.py: the model, its optimizer and checkpoint, on one rank or several; no NATS.

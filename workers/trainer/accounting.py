@@ -19,6 +19,7 @@ from pathlib import Path
 import orjson
 import structlog
 
+from echo.config import EchoConfig
 from echo.fleet.consumed import ConsumedSeqs
 from echo.train.checkpoint import TrainerState
 from echo.train.diagnosis import Trained, sample_picks, step_signal
@@ -115,6 +116,12 @@ def finished_record(step: TrainerStep, accounting: dict) -> dict:
     busy = step.busy_seconds()
     return {**step.record, "publish_seconds": step.seconds["publish"], "accounting": accounting,
             "busy_seconds": busy, "utilisation": busy / (busy + step.record["wait_seconds"])}
+
+
+def run_task(cfg: EchoConfig) -> str:
+    """The task as the page names it: a dataset's file beside the task's name."""
+    path = cfg.task.params.get("path") if cfg.task.name == "dataset" else None
+    return f"{cfg.task.name} ({path})" if path else cfg.task.name
 
 
 class RecentSteps:

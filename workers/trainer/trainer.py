@@ -18,28 +18,26 @@ import time
 from collections.abc import Callable
 from functools import partial
 
-import orjson
 import structlog
 
 from echo.config import EchoConfig
 from echo.fleet.consumed import ConsumedSeqs
 from echo.fleet.grants import DeliveryBound, GrantLedger
 from echo.model.loading import encode_chat
-from echo.process.logs import bind_process, duration
-from echo.tasks import answer_format, asks_for_answer, load_task
+from echo.process.logs import bind_process
+from echo.tasks import load_task
 from echo.tasks.dataset import Dataset, check_prompt_lengths
 from echo.train.checkpoint import load_trained_completions, load_trained_content, remember_trained
-from echo.train.diagnosis import NoSignal, likely_cause
 from echo.train.learner import Batch
-from echo.train.metrics import read_metrics, sampler_scalars, step_scalars, summarize
+from echo.train.metrics import read_metrics, summarize
 from echo.trust.referee import Referee
-from echo.wire.messages import SlotsEnded, TrainerStatus, WeightsAnnouncement
+from echo.wire.messages import SlotsEnded, WeightsAnnouncement
 from streams.client import RunClient, open_run, retry_forever
 from streams.credentials import credentials_of
 from streams.inbox import RolloutInbox
 from streams.lease import Lease, take_lease
 from streams.prompts import publish_prompts
-from streams.registry import put_trainer_status, read_statuses, read_trainer_status
+from streams.registry import put_trainer_status, read_trainer_status
 from streams.run_config import publish_run_config
 from streams.weights import WeightsPublisher
 from workers.background import Background
@@ -48,14 +46,14 @@ from workers.trainer.accounting import (
     count_abandoned,
     count_consumed,
     finished_record,
-    metrics_line,
     restore_metrics,
+    run_task,
     settle,
     step_record,
     step_samples,
 )
 from workers.trainer.coordinator import Coordinator
-from workers.trainer.evaluation import Evaluator, eval_scalars
+from workers.trainer.evaluation import Evaluator
 from workers.trainer.granter import AsyncGranter, Granter, granter_for
 from workers.trainer.intake import Collector
 from workers.trainer.judge import Judge, Timeline, Trained
@@ -63,6 +61,7 @@ from workers.trainer.model import Ranks, TrainerModel
 from workers.trainer.scoring import ScoringProcess, start_forkserver
 from workers.trainer.step import TrainerStep
 from workers.trainer.strikes import Quarantined
+from workers.trainer.shown import Shown
 from workers.trainer.trackers import Trackers
 
 log = structlog.get_logger()
@@ -128,11 +127,7 @@ class Trainer:
         self.collector, self.granter, self.recent = collector, granter, recent
         self.inbox, self.quarantine = collector.inbox, collector.quarantine
         self.weights = WeightsPublisher(lease, cfg.trainer.keep_versions, cfg.trainer.keep_versions_s)
-        self.left_out: set[str] = set()  # samplers whose heartbeats gave no scalars (logged once)
-        self.no_signal = NoSignal(cfg.trainer.no_signal_steps)
         self.evaluator = Evaluator(cfg, collector.judge.referee.task)
-        for record in read_metrics(cfg.run_dir):  # a resumed run's streak goes on
-            self.no_signal.observe(record)
 
     @classmethod
     async def open(cls, cfg: EchoConfig, run: RunClient, lease: Lease, background: Background, model: TrainerModel,
@@ -179,57 +174,47 @@ class Trainer:
         process_started = time.perf_counter()
         trackers = await asyncio.to_thread(Trackers, cfg)  # W&B starts a process: seconds
         try:
-            await self.take_steps(process_started, trackers)
+            await self.take_steps(process_started, Shown(cfg, self.run, self.collector.judge.referee.task, trackers))
             await asyncio.to_thread(trackers.finish, summarize(read_metrics(cfg.run_dir)))
         finally:
             await asyncio.to_thread(trackers.close)
         await mark_finished(self.run)
 
-    async def take_steps(self, process_started: float, trackers: Trackers) -> None:
+    async def take_steps(self, process_started: float, shown: Shown) -> None:
         cfg, state = self.cfg, self.model.state
         if cfg.run.eval_before and state.step == 0 and self.evaluator.prompts:  # the curve's first point
-            evaluated = await asyncio.to_thread(self.evaluator.evaluate, 0, state.version)
-            if trackers.live:
-                await asyncio.to_thread(trackers.log, 0, eval_scalars(evaluated), [])
-        with open(cfg.run_dir / "metrics.jsonl", "ab") as metrics_file:
-            for number in range(state.step + 1, cfg.run.steps + 1):
-                # Told to stop, no new step: a cancellation nats-py swallowed (in its flush, during the
-                # step's publish) stays counted here, where the next re-cancel came 3 s (many steps) later.
-                if asyncio.current_task().cancelling():
-                    raise asyncio.CancelledError
-                step = TrainerStep(number, process_started)
-                with step.phase("collect"):
-                    await retry_forever("ask for groups", lambda: self.granter.ask(state.version))
-                    step.collected = await self.collector.collect(cfg.trainer.groups_per_step, state.version,
-                                                                  self.granter.on_wait)
-                    step.batch = step.collected.batch(state.version - cfg.staleness_bound, step.number)
-                with step.phase("train"):
-                    step.stats = await self.train_proven(step)
-                    await asyncio.sleep(cfg.trainer.throttle_s)  # a slower learner, when asked
-                with step.phase("checkpoint"):
-                    await self.checkpoint(step)
-                # Acking and counting wait on the broker as publishing does, and need only the
-                # checkpoint: they go on meanwhile (the reasoning shape's overhead, issue 83).
-                settling = asyncio.create_task(settle(self.inbox, self.collector.consumed, state.totals))
-                try:
-                    with step.phase("publish"):
-                        step.published = await publish_version(self.weights, self.model, state.version)
-                    with step.phase("account"):
-                        record = await self.account(step, await settling)
-                finally:
-                    settling.cancel()  # done by then, but where publishing failed
-                evaluated = None
-                if self.evaluator.due(step.number):
-                    with step.phase("evaluate"):
-                        evaluated = await asyncio.to_thread(self.evaluator.evaluate, step.number, state.version)
-                record = write_metrics(metrics_file, record, step, self.recent.status)
-                samples = self.diagnose(step, record)
-                if trackers.live:
-                    samplers = await retry_forever("read heartbeats", lambda: read_statuses(self.run))
-                    scalars = step_scalars(record, sum(self.quarantine.strikes.values()))
-                    scalars |= self.samplers_scalars(samplers, record["version"])
-                    scalars |= eval_scalars(evaluated) if evaluated else {}
-                    await asyncio.to_thread(trackers.log, step.number, scalars, samples)
+            await shown.evaluated(0, await asyncio.to_thread(self.evaluator.evaluate, 0, state.version))
+        for number in range(state.step + 1, cfg.run.steps + 1):
+            # Told to stop, no new step: a cancellation nats-py swallowed (in its flush, during the
+            # step's publish) stays counted here, where the next re-cancel came 3 s (many steps) later.
+            if asyncio.current_task().cancelling():
+                raise asyncio.CancelledError
+            step = TrainerStep(number, process_started)
+            with step.phase("collect"):
+                await retry_forever("ask for groups", lambda: self.granter.ask(state.version))
+                step.collected = await self.collector.collect(cfg.trainer.groups_per_step, state.version,
+                                                              self.granter.on_wait)
+                step.batch = step.collected.batch(state.version - cfg.staleness_bound, step.number)
+            with step.phase("train"):
+                step.stats = await self.train_proven(step)
+                await asyncio.sleep(cfg.trainer.throttle_s)  # a slower learner, when asked
+            with step.phase("checkpoint"):
+                await self.checkpoint(step)
+            # Acking and counting wait on the broker as publishing does, and need only the
+            # checkpoint: they go on meanwhile (the reasoning shape's overhead, issue 83).
+            settling = asyncio.create_task(settle(self.inbox, self.collector.consumed, state.totals))
+            try:
+                with step.phase("publish"):
+                    step.published = await publish_version(self.weights, self.model, state.version)
+                with step.phase("account"):
+                    record = await self.account(step, await settling)
+            finally:
+                settling.cancel()  # done by then, but where publishing failed
+            evaluated = None
+            if self.evaluator.due(step.number):
+                with step.phase("evaluate"):
+                    evaluated = await asyncio.to_thread(self.evaluator.evaluate, step.number, state.version)
+            await shown.step(step, record, self.recent.status, sum(self.quarantine.strikes.values()), evaluated)
 
     async def train_proven(self, step: TrainerStep) -> dict:
         """The step trained on its batch, the groups of the version it trains from proved by its
@@ -245,31 +230,6 @@ class Trainer:
             await self.collector.collect(self.cfg.trainer.groups_per_step, version, self.granter.on_wait,
                                          into=step.collected)
             step.batch = step.collected.batch(version - self.cfg.staleness_bound, step.number)
-
-    def diagnose(self, step: TrainerStep, record: dict) -> list[dict]:
-        """Why the run learns or not (echo/train/diagnosis.py): a warning after steps with nothing to
-        learn from, and the step's sample completions, appended to samples.jsonl and returned."""
-        if self.no_signal.observe(record):
-            task = self.collector.judge.referee.task
-            asked = [asks_for_answer(task, task.prompt(a.group.prompt_index).messages) for a in step.collected.used]
-            asked_share = None if not asked or None in asked else sum(asked) / len(asked)
-            log.warning("run.no_signal", steps=self.no_signal.streak, zero_spread_share=record["zero_spread_share"],
-                        cause=likely_cause(record, answer_format(task), self.cfg.sampling.max_new_tokens, asked_share,
-                                           getattr(task, "sets_own_format", False)))
-        with open(self.cfg.run_dir / "samples.jsonl", "ab") as f:
-            f.write(b"".join(orjson.dumps(s) + b"\n" for s in step.samples))
-        if self.cfg.run.log_completions:  # decoded from tokens, control characters out (step_samples)
-            for s in step.samples:
-                log.info("step.completion", step=s["step"], reward=round(s["reward"], 3), sampler=s["sampler"],
-                         prompt=s["prompt"][-200:], completion=s["completion"])
-        return step.samples
-
-    def samplers_scalars(self, samplers: list, version: int) -> dict[str, float]:
-        scalars, left_out = sampler_scalars(samplers, version)
-        for sampler_id in set(left_out) - self.left_out:  # once each: a sampler could send it every beat
-            log.warning("trackers.sampler_left_out", sampler=sampler_id, reason="its heartbeat's values")
-        self.left_out.update(left_out)
-        return scalars
 
     async def checkpoint(self, step: TrainerStep) -> None:
         """The step, what it consumed and trained, and its metrics, on disk before anything of it is acked."""
@@ -297,26 +257,6 @@ class Trainer:
         await retry_forever("trainer status", lambda: put_trainer_status(self.run, status))
         await retry_forever("run config", lambda: publish_run_config(self.run, self.cfg))  # whatever overwrote it
         return record
-
-
-def run_task(cfg: EchoConfig) -> str:
-    """The task as the page names it: a dataset's file beside the task's name."""
-    path = cfg.task.params.get("path") if cfg.task.name == "dataset" else None
-    return f"{cfg.task.name} ({path})" if path else cfg.task.name
-
-
-def write_metrics(metrics_file, record: dict, step: TrainerStep, status: TrainerStatus) -> dict:
-    """The step's line in metrics.jsonl, with its phases' times; returns what it wrote. Logged
-    with the run's progress: step 7/20, elapsed and the estimate of the time left."""
-    record = {**record, "phase_seconds": {name: round(s, 4) for name, s in step.seconds.items()},
-              "weights": {"bytes": step.published.size, "delta_of": step.published.delta_of}}
-    metrics_file.write(metrics_line(record))
-    metrics_file.flush()
-    log.info("step", step=step.number, progress=f"{step.number}/{status.steps}", version=record["version"],
-             reward=round(record["reward_mean"], 3), used=record["used"], stale=record["dropped_stale"],
-             busy=f"{record['utilisation']:.0%}", seconds=round(record["step_seconds"], 2),
-             elapsed=duration(status.elapsed_s), eta=duration(status.eta_s))
-    return record
 
 
 async def mark_finished(run: RunClient) -> None:
