@@ -58,7 +58,7 @@ def run_colocated(cfg: EchoConfig, engine: Engine | None = None) -> None:
                                      list(range(1, len(prompts) + 1)), seed=call_seed(cfg.run.seed, "colocated", 0, step))
             batch = Batch.of([(g, referee.score(g).rewards) for g in groups])
             generated = time.perf_counter()
-            stats = model.train(batch)
+            stats = model.train(batch).stats
             trained = time.perf_counter()
             metrics.write(metrics_line({
                 "step": step, "version": step, **stats,

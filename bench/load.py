@@ -65,6 +65,7 @@ from streams.server import NatsCluster, NatsServer, ServerConfig, free_port
 from workers.operator.relay import loopback_relay_args
 from workers.operator.swarm import stop_processes
 from workers.sampler.sampler import Sampler
+from workers.trainer.model import Stepped
 
 ADAPTER_MB = 4.0  # a LoRA adapter of rank 16 on a 1-2B model is a few MB
 
@@ -148,7 +149,7 @@ class SyntheticLearner:
     def resume(self) -> None:
         pass
 
-    def train(self, batch: Batch, version: int | None = None) -> dict:
+    def train(self, batch: Batch, version: int | None = None) -> Stepped:
         """A step's time, slept; synthetic tokens prove nothing (`version` unused)."""
         tokens = sum(max(0, len(c.token_ids) - g.sampled_from(batch.oldest_version))
                      for g in batch.groups for c in g.completions)
@@ -156,12 +157,12 @@ class SyntheticLearner:
         seconds = max(tokens * self.seconds_per_token, 1e-6)
         time.sleep(seconds)
         rewards = [r for rs in batch.rewards for r in rs]
-        return {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "is_ratio_mean": 1.0,
-                "is_ratio_max": 1.0, "is_truncated_fraction": 0.0, "is_masked_fraction": 0.0, "mismatch_kl": 0.0,
-                "grad_norm": 0.0,
-                "reward_mean": float(np.mean(rewards)), "reward_std": float(np.std(rewards)), "tokens": tokens,
-                "untrained_tokens": every - tokens, "sequences": sum(len(g.completions) for g in batch.groups),
-                "passes": 1, "train_seconds": seconds}
+        return Stepped({"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "is_ratio_mean": 1.0,
+                        "is_ratio_max": 1.0, "is_truncated_fraction": 0.0, "is_masked_fraction": 0.0,
+                        "mismatch_kl": 0.0, "grad_norm": 0.0, "reward_mean": float(np.mean(rewards)),
+                        "reward_std": float(np.std(rewards)), "tokens": tokens, "untrained_tokens": every - tokens,
+                        "sequences": sum(len(g.completions) for g in batch.groups), "passes": 1,
+                        "train_seconds": seconds})
 
     def save(self, state: TrainerState) -> None:
         pass  # no checkpoint: the bench measures the protocol

@@ -41,10 +41,10 @@ from workers.trainer.accounting import RecentSteps
 from workers.trainer.granter import AsyncGranter
 from workers.trainer.intake import Collector
 from workers.trainer.judge import Judge, Timeline
-from workers.trainer.trainer import Trainer
 from workers.trainer.model import Ranks, TrainerModel
 from workers.trainer.step import TrainerStep
 from workers.trainer.strikes import Quarantined
+from workers.trainer.trainer import Trainer
 
 LORA = LoraConfig(r=4, alpha=8.0)
 SEED, EPOCH = 7, 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -119,6 +120,15 @@ def shard(policy) -> None:
             module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
 
 
+@dataclass(frozen=True)
+class Stepped:
+    """What a step did: its statistics, or, where its own forward proved groups forged (group id
+    -> why), those and no update."""
+
+    stats: dict = field(default_factory=dict)
+    forged: dict[str, str] = field(default_factory=dict)
+
+
 def everywhere(method):
     """A TrainerModel method every rank runs: rank 0's call is sent to the other ranks first."""
 
@@ -187,11 +197,11 @@ class TrainerModel:
             self.proof.recall(old, shards_tensors(read_shards(files)))
 
     @everywhere
-    def train(self, batch: Batch, version: int | None = None) -> dict:
+    def train(self, batch: Batch, version: int | None = None) -> Stepped:
         """A step on the batch (echo/train/learner.py's train_step), on every rank; given the `version`
         it trains from, the groups that version sampled are proved by the step's own forward where
         the proof does (in_step; a retrain or a bench proves nothing). Returns the step's
-        statistics, or {"forged": {group id: why}} and no update."""
+        statistics, or the groups it proved forged and no update."""
         # On several ranks a step is never abandoned half way: the other ranks would wait in its
         # collectives. A stopping trainer's ranks are all stopped by torchrun instead.
         stop = self.stop if self.ranks.world == 1 else None
@@ -202,8 +212,8 @@ class TrainerModel:
             stats = train_step(self.module, self.optimizer, batch, self.cfg, self.tokenizer.pad_token_id, stop,
                                self.compute_dtype, self.ranks.rank, self.ranks.world, held)
         except ForgedInStep as e:
-            return {"forged": e.forged}
-        return merge_stats(self.ranks.gather(stats))
+            return Stepped(forged=e.forged)
+        return Stepped(merge_stats(self.ranks.gather(stats)))
 
     def _judge_held(self, batch: Batch, checked: dict[str, Checked]) -> dict[str, str]:
         """Every rank's checks of the step's groups (each ran some of its passes), judged alike."""

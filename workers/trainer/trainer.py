@@ -57,11 +57,11 @@ from workers.trainer.evaluation import Evaluator
 from workers.trainer.granter import AsyncGranter, Granter, granter_for
 from workers.trainer.intake import Collector
 from workers.trainer.judge import Judge, Timeline, Trained
-from workers.trainer.model import Ranks, TrainerModel
+from workers.trainer.model import Ranks, Stepped, TrainerModel
 from workers.trainer.scoring import ScoringProcess, start_forkserver
+from workers.trainer.shown import Shown
 from workers.trainer.step import TrainerStep
 from workers.trainer.strikes import Quarantined
-from workers.trainer.shown import Shown
 from workers.trainer.trackers import Trackers
 
 log = structlog.get_logger()
@@ -222,11 +222,11 @@ class Trainer:
         step is taken again (no update was made)."""
         version = self.model.state.version
         while True:
-            stats = await train_in_thread(self.model, step.batch, version)
-            if "forged" not in stats:
-                return stats
-            log.warning("step.forged_groups", step=step.number, forged=stats["forged"])
-            await self.collector.refuse_forged(step.collected, stats["forged"])
+            stepped = await train_in_thread(self.model, step.batch, version)
+            if not stepped.forged:
+                return stepped.stats
+            log.warning("step.forged_groups", step=step.number, forged=stepped.forged)
+            await self.collector.refuse_forged(step.collected, stepped.forged)
             await self.collector.collect(self.cfg.trainer.groups_per_step, version, self.granter.on_wait,
                                          into=step.collected)
             step.batch = step.collected.batch(version - self.cfg.staleness_bound, step.number)
@@ -268,7 +268,7 @@ async def mark_finished(run: RunClient) -> None:
         await retry_forever("mark the run finished", lambda: put_trainer_status(run, finished))
 
 
-async def train_in_thread(model: TrainerModel, batch: Batch, version: int) -> dict:
+async def train_in_thread(model: TrainerModel, batch: Batch, version: int) -> Stepped:
     """A step off the event loop. Cancelled (SIGTERM), it tells the step to stop at the next
     pass: the process then exits in seconds instead of finishing a long step; nothing of the
     step was acked, so its groups are redelivered to the next trainer."""
