@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import nats
 import orjson
 import pytest
 import structlog
@@ -121,21 +122,31 @@ def secured(tmp_path):
 
 
 class Runs:
-    """The runs an async test opened (on `url`, the test's server unless it names another),
-    closed when the test ends."""
+    """The runs and connections an async test opened (on `url`, the test's server unless it
+    names another), closed when the test ends, passed or failed, the last opened first; and
+    whatever else it asked to be undone then (`later`)."""
 
     def __init__(self, url: str):
-        self.url, self.opened = url, []
+        self.url, self.closers = url, []
 
     async def open(self, run_id: str, client_name: str = "test", url: str | None = None, **options) -> RunClient:
         run = await open_run(url or self.url, run_id, client_name, **options)
-        self.opened.append(run)
+        self.closers.append(run.close)
         return run
 
+    async def connect(self, **options) -> nats.NATS:
+        """A bare NATS connection to the test's server."""
+        nc = await nats.connect(self.url, **options)
+        self.closers.append(nc.close)
+        return nc
+
+    def later(self, undo) -> None:
+        """`await undo()` when the test ends, before what was opened before this call is closed."""
+        self.closers.append(undo)
+
     async def close(self) -> None:
-        for run in reversed(self.opened):
-            await run.close()
-        self.opened.clear()
+        while self.closers:
+            await self.closers.pop()()
 
 
 @pytest.fixture
@@ -145,8 +156,8 @@ def runs(nats_server):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
-    """An `async def` test runs on a fresh event loop; its `runs` are closed on that loop, also
-    when the test fails (a run left open would keep its connections and tasks to the end)."""
+    """An `async def` test runs on a fresh event loop; its `runs` (any Runs it is given) are
+    closed on that loop, also when the test fails (a run left open would keep its connections and tasks to the end)."""
     if not inspect.iscoroutinefunction(pyfuncitem.obj):
         return None
     args = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
@@ -155,8 +166,9 @@ def pytest_pyfunc_call(pyfuncitem):
         try:
             await pyfuncitem.obj(**args)
         finally:
-            if isinstance(args.get("runs"), Runs):
-                await args["runs"].close()
+            for opened in args.values():
+                if isinstance(opened, Runs):
+                    await opened.close()
 
     asyncio.run(main())
     return True
