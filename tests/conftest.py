@@ -37,7 +37,7 @@ from streams.secure import SecureDir
 from streams.server import LISTEN_PORTS, PORTS_ENV, NatsServer, ServerConfig, free_port
 from streams.weights import WeightsPublisher
 from workers.operator.relay import loopback_relay_args
-from workers.operator.swarm import worker_command
+from workers.operator.swarm import stop_processes, worker_command
 from workers.trainer.accounting import count_consumed, settle
 from workers.trainer.intake import Collector
 
@@ -241,14 +241,26 @@ def run_trainer_and_sampler(tmp_path, cfg: EchoConfig, sampler_id: str, timeout:
     return logs, result
 
 
+def eventually(check, timeout: float, every: float = 0.1, why=None):
+    """`check()`'s first truthy value, asked every `every` s; past `timeout` s the test fails,
+    saying `why(last value)` (else the last value)."""
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        assert time.monotonic() < deadline, why(value) if why else f"not within {timeout} s: {value!r}"
+        time.sleep(every)
+    return value
+
+
+def running(*processes: subprocess.Popen) -> None:
+    """Each of `processes` still runs; else the test fails with the end of its stderr."""
+    for p in processes:
+        assert p.poll() is None, p.stderr.read()[-3000:]
+
+
 def wait_for_steps(run_dir, steps: int, processes: list[subprocess.Popen], timeout: float = 120) -> None:
     """Until metrics.jsonl has `steps` lines, while every one of `processes` runs."""
-    deadline = time.monotonic() + timeout
-    while len(read_metrics(run_dir)) < steps:
-        for p in processes:
-            assert p.poll() is None, p.stderr.read()[-3000:]
-        assert time.monotonic() < deadline, f"fewer than {steps} steps in {timeout} s"
-        time.sleep(0.05)
+    eventually(lambda: running(*processes) or len(read_metrics(run_dir)) >= steps, timeout, 0.05,
+               why=lambda _: f"fewer than {steps} steps in {timeout} s")
 
 
 async def _slots_granted(url: str, run_id: str) -> int:
@@ -271,14 +283,13 @@ async def sampler_statuses(url: str, run_id: str) -> dict:
 def wait_until_published(url: str, run_id: str, sampler_id: str, groups: int, process: subprocess.Popen,
                          timeout: float = 120) -> None:
     """Until the sampler's heartbeat says it has published `groups`, while its process runs."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def published() -> bool:
+        running(process)
         status = asyncio.run(sampler_statuses(url, run_id)).get(sampler_id)
-        if status is not None and status.groups_published >= groups:
-            return
-        assert process.poll() is None, process.stderr.read()[-3000:]
-        assert time.monotonic() < deadline, f"{sampler_id} published fewer than {groups} groups in {timeout} s"
-        time.sleep(0.1)
+        return status is not None and status.groups_published >= groups
+
+    eventually(published, timeout, why=lambda _: f"{sampler_id} published fewer than {groups} groups in {timeout} s")
 
 
 @contextlib.contextmanager
@@ -305,9 +316,8 @@ def a_sampler_holding_slots(tmp_path, url: str, steps: int, dead_after_s: float)
     finally:
         for p in processes:
             if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.send_signal(signal.SIGTERM)
-                p.wait(timeout=60)
+                p.send_signal(signal.SIGCONT)  # one stopped (SIGSTOP) hears no SIGTERM
+        stop_processes(processes, timeout=60)
 
 
 def adapter_for_version(engine: HFEngine, version: int) -> list[bytes]:

@@ -29,7 +29,10 @@ def run_swarm(tmp_path, run_id: str, steps: int, *overrides: str, flags=(), samp
               model: str = "tiny", meanwhile=None):
     """`up`'s run, checked; `meanwhile(pid)`, if given, runs beside it (up's pid: what to disturb:
     a sampler it restarts counts its groups afresh, so the heartbeats' counts are not summed)."""
-    cmd = up_command(tmp_path, run_id, steps, *overrides, flags=flags, model=model)
+    # Each sampler's heartbeat is read after the run: it must outlive the run's end on a busy box
+    # (an entry expires sampler.entry_ttl_s, 30 s, after its last beat; under a load of 8 on 2
+    # cores, up's teardown and the read took longer, and a sampler's entry was gone).
+    cmd = up_command(tmp_path, run_id, steps, "sampler.entry_ttl_s=3600", *overrides, flags=flags, model=model)
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         if meanwhile is not None:
             threading.Thread(target=meanwhile, args=(proc.pid,), daemon=True).start()

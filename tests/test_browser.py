@@ -7,13 +7,16 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import serving
+from tests.conftest import eventually, serving
 from tests.swarms import up_command
+
+# Each thing the page shows, looked for until it is seen (a page draws as events arrive).
+wait_for = partial(eventually, timeout=120, every=0.2, why=lambda _: "not seen in time")
 
 pytestmark = pytest.mark.browser
 
@@ -32,14 +35,6 @@ def chromium(tmp_path):
                  f"--user-data-dir={tmp_path / 'chromium'}", "--window-size=1280,900"):
         options.add_argument(flag)
     return webdriver.Chrome(options=options, service=Service("/usr/bin/chromedriver"))
-
-
-def wait_for(what, timeout: float = 120):
-    deadline = time.monotonic() + timeout
-    while not (found := what()):
-        assert time.monotonic() < deadline, "not seen in time"
-        time.sleep(0.2)
-    return found
 
 
 def test_the_live_page_shows_the_samplers_and_its_step_advances_without_a_reload(tmp_path):

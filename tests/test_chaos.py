@@ -34,6 +34,7 @@ from tests.conftest import (
 )
 from tests.swarms import up_command
 from workers.operator.relay import loopback_relay_args
+from workers.operator.swarm import stop_processes
 
 pytestmark = pytest.mark.slow
 
@@ -114,11 +115,7 @@ def test_a_broker_killed_mid_run_and_restarted_on_its_store_lets_the_run_finish(
         # Said in a line each, never with nats-py's traceback per attempt.
         assert "nats.disconnected" in logs and "nats.reconnected" in logs and "Traceback" not in logs
     finally:
-        for p in [trainer, *samplers]:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in samplers:
-            p.wait(timeout=30)
+        stop_processes([trainer, *samplers], timeout=30)
     metrics = read_metrics(cfg.run_dir)
     assert [m["step"] for m in metrics] == list(range(1, 9)) and down_at < 8
     assert_balanced(metrics, broker_crashed=True)

@@ -17,6 +17,7 @@ from safetensors.torch import load
 from echo.config import TaskConfig
 from echo.tasks import load_task
 from echo.wire.names import HDR_MSG_ID, HDR_VERSION
+from tests.conftest import eventually
 from tests.swarms import (
     GUESS_ENV,
     OPENENV_GUESS,
@@ -217,10 +218,9 @@ def test_ctrl_c_or_sigterm_stops_every_process(tmp_path, stop, code):
         reader.join(timeout=10)
         said = "".join(rest)
         assert "swarm.kill" not in said and said.count("sampler.stopped") == 2 and "trainer.stopped" in said, said
-        deadline = time.monotonic() + 30
-        while running := [c for c in children if _alive(c)]:
-            assert time.monotonic() < deadline, running  # each gone, or a zombie its parent left
-            time.sleep(0.05)
+        # Each gone, or a zombie its parent left.
+        eventually(lambda: not [c for c in children if _alive(c)], 30, 0.05,
+                   why=lambda _: [c for c in children if _alive(c)])
     finally:  # a swarm left running would load every test after this one
         for p in [proc, *children]:
             with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):

@@ -3,13 +3,13 @@ each newer version between chunks; the trainer trains such a group (its tokens w
 and the proof of sampling checks each token under the version that sampled it."""
 
 import asyncio
-import signal
 
 import pytest
 
 from streams.replay import read_rollouts
 from tests.conftest import assert_balanced, read_metrics, tiny_config, worker_process
 from tests.groups import REFEREE, honest_group
+from workers.operator.swarm import stop_processes
 from workers.trainer.judge import Case, Judge, Timeline
 
 
@@ -48,10 +48,7 @@ def test_a_group_spanning_three_versions_is_trained_and_proved_token_by_token(na
         _, logs = trainer.communicate(timeout=300)
         assert trainer.returncode == 0, logs[-3000:]
     finally:
-        for p in samplers:
-            p.send_signal(signal.SIGTERM)
-        for p in samplers:
-            p.wait(timeout=30)
+        stop_processes(samplers, timeout=30)
 
     async def stream():
         return [r async for r in read_rollouts(nats_server.url, "partial")]

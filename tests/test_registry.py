@@ -12,8 +12,9 @@ import pytest
 
 from streams.client import open_run
 from streams.registry import read_statuses
-from tests.conftest import tiny_config, wait_for_steps, worker_process
+from tests.conftest import eventually, running, tiny_config, wait_for_steps, worker_process
 from workers.cli import main
+from workers.operator.swarm import stop_processes
 
 pytestmark = pytest.mark.slow
 
@@ -38,10 +39,13 @@ def test_a_samplers_entry_shows_hardware_rates_syncs_and_cost_and_expires_when_i
     sampler = worker_process(config_path, "sampler", "--id", "s1")
     try:
         wait_for_steps(cfg.run_dir, 3, [trainer, sampler])
-        deadline = time.monotonic() + 60
-        while len((status := _statuses(nats_server.url, "registry")[0]).sync_s) < 3:  # a beat after a third version
-            assert time.monotonic() < deadline and sampler.poll() is None, status
-            time.sleep(0.1)
+
+        def beat_after_a_third_version():
+            running(sampler)
+            status = _statuses(nats_server.url, "registry")[0]
+            return status if len(status.sync_s) >= 3 else None
+
+        status = eventually(beat_after_a_third_version, 60)
         assert (status.sampler_id, status.state, status.engine, status.device, status.model, status.relay) == (
             "s1", "active", "hf", "cpu", "tiny", "")
         assert status.cost_per_hour == 0.7 and status.ttl_s == 2
@@ -59,13 +63,9 @@ def test_a_samplers_entry_shows_hardware_rates_syncs_and_cost_and_expires_when_i
 
         os.kill(sampler.pid, signal.SIGKILL)
         last_beat = _statuses(nats_server.url, "registry")[0].updated_at  # the TTL runs from the last put
-        deadline = time.monotonic() + 60  # a hang guard: the broker removes it 2 s after the last beat
-        while _statuses(nats_server.url, "registry"):
-            assert time.monotonic() < deadline, "the dead sampler's entry never expired"
-            time.sleep(0.1)
+        # A hang guard: the broker removes it 2 s after the last beat.
+        eventually(lambda: not _statuses(nats_server.url, "registry"), 60,
+                   why=lambda _: "the dead sampler's entry never expired")
         assert time.time() - last_beat > 1.0  # it went by its TTL, not at once
     finally:
-        for p in (trainer, sampler):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-            p.wait(timeout=60)
+        stop_processes([trainer, sampler], timeout=60)

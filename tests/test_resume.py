@@ -28,6 +28,7 @@ from streams.client import connect
 from streams.replay import read_rollouts
 from streams.rollouts import is_reader
 from tests.conftest import alive, assert_balanced, read_metrics, tiny_config, wait_for_steps, worker_process
+from workers.operator.swarm import stop_processes
 from workers.trainer.accounting import restore_metrics
 
 
@@ -144,10 +145,7 @@ def test_kill_9_the_trainer_and_resume_trains_every_group_once(nats_server, tmp_
         resumed_at = ready["step"]
         assert resumed_at == ready["version"] >= 3
     finally:
-        for p in samplers:
-            p.send_signal(signal.SIGTERM)
-        for p in samplers:
-            p.wait(timeout=30)
+        stop_processes(samplers, timeout=30)
 
     metrics = read_metrics(cfg.run_dir)
     assert [m["step"] for m in metrics] == list(range(1, 9))

@@ -16,7 +16,7 @@ from rich.console import Console
 
 from echo.wire.messages import SamplerStatus, TrainerStatus
 from streams.client import open_run
-from tests.conftest import next_event, serving, tiny_config, worker_process
+from tests.conftest import eventually, next_event, serving, tiny_config, worker_process
 from tests.swarms import up_command
 from workers.operator.snapshot import fleet_summary, pace_s, sampler_row
 from workers.operator.status import engine_cell, progress, render
@@ -114,10 +114,9 @@ def test_the_end_of_a_secured_standalone_run_is_seen_from_its_run_directory(tmp_
         assert trainer.returncode == 0, trainer_log[-3000:]
         last = orjson.loads(trainer_log.strip().splitlines()[-1])
         assert last["event"] == "trainer.finished" and last["steps"] == 2 and "reward_last5" in last
-        deadline = time.monotonic() + 30
-        while (snap := orjson.loads(_status(run_dir, "--json")))["samplers"][0]["state"] != "finished":
-            assert time.monotonic() < deadline, snap  # its next heartbeats say it
-            time.sleep(0.5)
+        # Its next heartbeats say it.
+        snap = eventually(lambda: (s := orjson.loads(_status(run_dir, "--json")))["samplers"][0]["state"] == "finished"
+                          and s, 30, 0.5)
         assert snap["trainer"]["finished"] is True and snap["trainer"]["step"] == 2
         assert "finished at step 2" in _status(run_dir)
     finally:

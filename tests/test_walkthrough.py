@@ -18,6 +18,7 @@ import pytest
 
 from streams.server import free_port
 from tests.conftest import verl_rows
+from workers.operator.swarm import stop_processes
 
 pytestmark = pytest.mark.slow
 
@@ -95,10 +96,4 @@ def test_the_walkthrough_on_a_trusted_network(tmp_path):
         assert start["held_out"] == "6 rows of task.params.val_path"  # why fewer than asked
         assert orjson.loads((run_dir / "eval.json").read_bytes())["prompts"] == 3
     finally:
-        for p in reversed(processes):
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        stop_processes(list(reversed(processes)), timeout=30)
