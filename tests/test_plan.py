@@ -48,5 +48,8 @@ def test_a_bad_fleet_file_fails_naming_the_field(tmp_path, capsys):
     fleet.write_text(FLEET.replace("call_s = 4.0", "call_s = -1"))
     assert main(["plan", "--fleet", str(fleet)]) == 2
     assert "samplers.1.call_s" in capsys.readouterr().err
+    fleet.write_text(FLEET.replace("step_s", "step_secs"))
+    assert main(["plan", "--fleet", str(fleet)]) == 2
+    assert "learner.step_secs: unknown field; did you mean learner.step_s?" in capsys.readouterr().err
     assert main(["plan"]) == 2
     assert "give --fleet FILE, or --nats URL with --run-id ID" in capsys.readouterr().err

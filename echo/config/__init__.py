@@ -7,6 +7,7 @@ sampler accepts from the run's config on the broker).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import time
@@ -562,6 +563,8 @@ def known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
         kind = field.annotation
         if isinstance(kind, type) and issubclass(kind, BaseModel):
             keys += known_keys(kind, f"{prefix}{name}.")
+        elif dataclasses.is_dataclass(kind):  # a section validated as a dataclass (a fleet file's)
+            keys += [f"{prefix}{name}.{field.name}" for field in dataclasses.fields(kind)]
         else:
             keys.append(prefix + name)
     return keys
