@@ -112,15 +112,15 @@ class Environment(Protocol):
 
 def check_replayable(task: Environment, actions: list[str], unless: str) -> None:
     """Two plays of the first prompt's episode with the same `actions` must answer alike (each
-    observation, and when it is done), else no trainer can replay what a sampler played; `unless`
-    names what in the environment could make them differ."""
+    step whole: the trainer's replay sums its rewards too), else no trainer can replay what a
+    sampler played; `unless` names what in the environment could make them differ."""
     plays = []
     for _ in range(2):
         prompt = task.prompt(0)
         episode, answers = task.episode(prompt), [prompt.messages]
         for action in actions:
             step = episode.step(action)
-            answers.append((step.observation, step.done))
+            answers.append(step)
             if step.done:
                 break
         plays.append(answers)
