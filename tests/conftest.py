@@ -157,7 +157,8 @@ def runs(nats_server):
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
     """An `async def` test runs on a fresh event loop; its `runs` (any Runs it is given) are
-    closed on that loop, also when the test fails (a run left open would keep its connections and tasks to the end)."""
+    closed on that loop, also when the test fails (a run left open would keep its connections
+    and tasks to the end)."""
     if not inspect.iscoroutinefunction(pyfuncitem.obj):
         return None
     args = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
@@ -259,7 +260,7 @@ def running(*processes: subprocess.Popen) -> None:
 
 def wait_for_steps(run_dir, steps: int, processes: list[subprocess.Popen], timeout: float = 120) -> None:
     """Until metrics.jsonl has `steps` lines, while every one of `processes` runs."""
-    eventually(lambda: running(*processes) or len(read_metrics(run_dir)) >= steps, timeout, 0.05,
+    eventually(lambda: len(read_metrics(run_dir)) >= steps or running(*processes), timeout, 0.05,
                why=lambda _: f"fewer than {steps} steps in {timeout} s")
 
 
@@ -285,9 +286,8 @@ def wait_until_published(url: str, run_id: str, sampler_id: str, groups: int, pr
     """Until the sampler's heartbeat says it has published `groups`, while its process runs."""
 
     def published() -> bool:
-        running(process)
         status = asyncio.run(sampler_statuses(url, run_id)).get(sampler_id)
-        return status is not None and status.groups_published >= groups
+        return (status is not None and status.groups_published >= groups) or running(process)
 
     eventually(published, timeout, why=lambda _: f"{sampler_id} published fewer than {groups} groups in {timeout} s")
 

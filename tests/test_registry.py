@@ -41,11 +41,10 @@ def test_a_samplers_entry_shows_hardware_rates_syncs_and_cost_and_expires_when_i
         wait_for_steps(cfg.run_dir, 3, [trainer, sampler])
 
         def beat_after_a_third_version():
-            running(sampler)
             status = _statuses(nats_server.url, "registry")[0]
-            return status if len(status.sync_s) >= 3 else None
+            return status if len(status.sync_s) >= 3 else running(sampler)
 
-        status = eventually(beat_after_a_third_version, 60)
+        status = eventually(beat_after_a_third_version, 60, why=lambda _: _statuses(nats_server.url, "registry"))
         assert (status.sampler_id, status.state, status.engine, status.device, status.model, status.relay) == (
             "s1", "active", "hf", "cpu", "tiny", "")
         assert status.cost_per_hour == 0.7 and status.ttl_s == 2

@@ -116,7 +116,7 @@ def test_the_end_of_a_secured_standalone_run_is_seen_from_its_run_directory(tmp_
         assert last["event"] == "trainer.finished" and last["steps"] == 2 and "reward_last5" in last
         # Its next heartbeats say it.
         snap = eventually(lambda: (s := orjson.loads(_status(run_dir, "--json")))["samplers"][0]["state"] == "finished"
-                          and s, 30, 0.5)
+                          and s, 30, 0.5, why=lambda _: _status(run_dir, "--json"))
         assert snap["trainer"]["finished"] is True and snap["trainer"]["step"] == 2
         assert "finished at step 2" in _status(run_dir)
     finally:

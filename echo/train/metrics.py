@@ -91,7 +91,7 @@ def sampler_scalars(samplers: list[SamplerStatus], version: int) -> tuple[dict[s
 
 
 def summarize(lines: list[dict]) -> dict:
-    """The run's steps (its metrics.jsonl, echo/train/checkpoint.py's read_metrics) in one record: what
+    """The run's steps (its metrics.jsonl, read_metrics) in one record: what
     `up`, the trainer's last line and summary.json say."""
     if not lines:
         return {"steps": 0}
