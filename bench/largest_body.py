@@ -46,7 +46,7 @@ def group(task: Math, tokenizer, group_id: str, tokens: int, count: int, text_by
                               text="x" * text_bytes, reward=0.0, finish_reason="length")
                    for i in range(count)]  # distinct: a repeat would be refused before it is scored
     return RolloutGroup(group_id=group_id, sampler_id="s1", version=1, task="math", prompt_index=12, slot=1,
-                        epoch=0, prompt_token_ids=encode_chat(tokenizer, prompt.messages),
+                        term=0, prompt_token_ids=encode_chat(tokenizer, prompt.messages),
                         completions=completions, temperature=1.0, engine="hf", dtype="float32",
                         gen_seconds=0.1, created_at=0.0)
 

@@ -75,7 +75,7 @@ def honest_groups(engine: HFEngine, task, count: int, group_size: int, prompts_p
             completions = [Completion(token_ids=g.token_ids, logprobs=g.logprobs, text=g.text, reward=0.0,
                                       finish_reason=g.finish_reason) for g in gens]
             groups.append(RolloutGroup(group_id=f"g{prompt.index}", sampler_id="honest", version=0, task=task.name,
-                                       prompt_index=prompt.index, slot=prompt.index + 1, epoch=0,
+                                       prompt_index=prompt.index, slot=prompt.index + 1, term=0,
                                        prompt_token_ids=prompt_ids, completions=completions,
                                        temperature=engine.temperature, engine=engine.name, dtype=dtype_name(engine.dtype),
                                        gen_seconds=0.0, created_at=0.0))
@@ -121,7 +121,7 @@ def near_ties(model, groups: list[RolloutGroup], temperature: float, margins: li
     from the trainer's own logits (fp32), for each margin."""
     gaps = []
     for group in groups:
-        key, prompt = group_key(SEED, group.epoch, group.slot), group.prompt_token_ids.tolist()
+        key, prompt = group_key(SEED, group.term, group.slot), group.prompt_token_ids.tolist()
         for j, completion in enumerate(group.completions):
             ids = torch.tensor([prompt + completion.token_ids.tolist()], device=model_device(model))
             logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature

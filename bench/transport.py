@@ -42,7 +42,7 @@ def make_group(completions: int, tokens: int, index: int) -> RolloutGroup:
     rng = random.Random(index)
     logprobs = array("f", [-rng.random() * 4 for _ in range(tokens)]).tolist()  # as a float32 model gives them
     return RolloutGroup(
-        group_id=f"g{index}", sampler_id="s1", version=0, epoch=0, task="math", prompt_index=index, slot=1,
+        group_id=f"g{index}", sampler_id="s1", version=0, term=0, task="math", prompt_index=index, slot=1,
         prompt_token_ids=[rng.randrange(49_152) for _ in range(128)],
         completions=[Completion(token_ids=[rng.randrange(49_152) for _ in range(tokens)], logprobs=logprobs,
                                 text="word " * (tokens * 3 // 5), reward=1.0, finish_reason="length")

@@ -1,10 +1,10 @@
 """The trainer's lease on a run (TrainerLease under TRAINER_KEY in the state bucket).
 
-One trainer owns a run at a time. A trainer starting takes the next epoch with a compare-and-set;
+One trainer owns a run at a time. A trainer starting takes the next term with a compare-and-set;
 if the lease is held and being renewed, another trainer is alive and this one refuses to start;
 if it stops being renewed (the holder died) it lapses and the new trainer takes over, at once
 when it can see that the holder's process has exited (restarted on the same machine). Versions
-are ordered by (epoch, version), so a restarted trainer's announcements supersede everything of
+are ordered by (term, version), so a restarted trainer's announcements supersede everything of
 its predecessor's, even a version number forged far ahead."""
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ class Lease:
         self.renewed_at: float | None = None
 
     @property
-    def epoch(self) -> int:
-        return self.lease.epoch
+    def term(self) -> int:
+        return self.lease.term
 
     async def renew_forever(self) -> None:
         """Renew until another trainer takes the run. A renewal that fails on the way (a broker
@@ -68,24 +68,24 @@ class Lease:
             except KeyWrongLastSequenceError:
                 if await self._still_ours():
                     continue
-                self.lost = AnotherTrainer(f"run {self.run.names.run_id}: another trainer took over epoch {self.epoch}")
-                log.error("trainer.fenced_out", epoch=self.epoch)
+                self.lost = AnotherTrainer(f"run {self.run.names.run_id}: another trainer took over term {self.term}")
+                log.error("trainer.fenced_out", term=self.term)
                 raise self.lost  # at once: the process exits non-zero (workers/background.py)
             except BROKER_ERRORS as e:
-                log.warning("trainer.lease_renewal_failed", epoch=self.epoch, error=repr(e))
+                log.warning("trainer.lease_renewal_failed", term=self.term, error=repr(e))
 
     async def _still_ours(self) -> bool:
         """The key moved under a renewal: it is still this lease when its value is ours (a renewal
         that timed out here was applied after all, or a broker killed mid-write came back with an
-        older revision); another trainer would have written the next epoch. Takes its revision."""
+        older revision); another trainer would have written the next term. Takes its revision."""
         try:
             held, revision = await read_value(self.run.state, TRAINER_KEY, _DECODE_LEASE)
         except BROKER_ERRORS as e:  # not known yet: the next renewal asks again
-            log.warning("trainer.lease_renewal_failed", epoch=self.epoch, error=repr(e))
+            log.warning("trainer.lease_renewal_failed", term=self.term, error=repr(e))
             return True
         if held != self.lease:  # another's, gone, or unreadable: the run's state is not what this trainer knew
             return False
-        log.warning("trainer.lease_revision_moved", epoch=self.epoch, expected=self.revision, found=revision)
+        log.warning("trainer.lease_revision_moved", term=self.term, expected=self.revision, found=revision)
         self.revision = revision
         return True
 
@@ -97,7 +97,7 @@ class Lease:
             self.check()
             if not unconfirmed:
                 unconfirmed = True
-                log.warning("trainer.lease_unconfirmed", epoch=self.epoch, waiting=True,
+                log.warning("trainer.lease_unconfirmed", term=self.term, waiting=True,
                             renewed_s_ago=round(time.monotonic() - self.renewed_at, 1))
             await asyncio.sleep(RENEW_S / 4)
         self.check()
@@ -116,7 +116,7 @@ class Lease:
 
 
 async def take_lease(run: RunClient, lapse_s: float = LAPSE_S) -> Lease:
-    """Take the run's next epoch. A held lease is watched for `lapse_s`: renewed, it belongs to a
+    """Take the run's next term. A held lease is watched for `lapse_s`: renewed, it belongs to a
     live trainer (AnotherTrainer); not renewed, its holder died and the run is taken over. A
     holder this process sees has exited (a trainer restarted on its machine) is not waited for."""
     loop = asyncio.get_running_loop()
@@ -124,9 +124,9 @@ async def take_lease(run: RunClient, lapse_s: float = LAPSE_S) -> Lease:
     while True:
         held, revision = await read_value(run.state, TRAINER_KEY, _DECODE_LEASE)
         if held is not None and not held.released and exited(held.process):
-            log.info("trainer.lease_holder_exited", holder=held.holder, epoch=held.epoch)
+            log.info("trainer.lease_holder_exited", holder=held.holder, term=held.term)
         elif revision and (held is None or not held.released):  # an unreadable lease is watched as a held one
-            holder = f"{held.holder}, epoch {held.epoch}" if held else "its lease unreadable"
+            holder = f"{held.holder}, term {held.term}" if held else "its lease unreadable"
             if watched is None:
                 watched = (revision, loop.time())
                 log.info("trainer.lease_held", holder=holder, waiting_s=lapse_s)
@@ -135,8 +135,8 @@ async def take_lease(run: RunClient, lapse_s: float = LAPSE_S) -> Lease:
             if loop.time() - watched[1] < lapse_s:
                 await asyncio.sleep(RENEW_S / 4)
                 continue
-        epoch = held.epoch if held else await _last_announced_epoch(run) if revision else 0
-        lease = TrainerLease(epoch=epoch + 1, holder=f"{socket.gethostname()}:{os.getpid()}", process=process_name())
+        term = held.term if held else await _last_announced_term(run) if revision else 0
+        lease = TrainerLease(term=term + 1, holder=f"{socket.gethostname()}:{os.getpid()}", process=process_name())
         try:
             if revision == 0:
                 revision = await run.state.create(TRAINER_KEY, encode(lease))
@@ -147,17 +147,17 @@ async def take_lease(run: RunClient, lapse_s: float = LAPSE_S) -> Lease:
         return Lease(run, lease, revision)
 
 
-async def current_epoch(run: RunClient) -> int | None:
-    """The epoch of the run's trainer, or None before any trainer started (or its lease unreadable)."""
+async def current_term(run: RunClient) -> int | None:
+    """The term of the run's trainer, or None before any trainer started (or its lease unreadable)."""
     held, _ = await read_value(run.state, TRAINER_KEY, _DECODE_LEASE)
-    return held.epoch if held else None
+    return held.term if held else None
 
 
-async def _last_announced_epoch(run: RunClient) -> int:
-    """The epoch of the newest weights announcement (0: none readable): after an unreadable lease
-    the next epoch comes after every one samplers have seen."""
+async def _last_announced_term(run: RunClient) -> int:
+    """The term of the newest weights announcement (0: none readable): after an unreadable lease
+    the next term comes after every one samplers have seen."""
     try:
         last = await run.js.get_last_msg(run.names.control_stream, run.names.weights_subject)
-        return decode(WeightsAnnouncement, last.data).epoch
+        return decode(WeightsAnnouncement, last.data).term
     except (NotFoundError, ProtocolError):
         return 0

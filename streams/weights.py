@@ -25,9 +25,9 @@ from echo.weights import delta
 from echo.weights.retention import expired_versions
 from echo.wire.codec import encode
 from echo.wire.messages import WeightsAnnouncement, WeightsLink, WeightsShard
-from echo.wire.names import OBJ_HDR_EPOCH, OBJ_HDR_VERSION, Version, weights_object_name
+from echo.wire.names import OBJ_HDR_TERM, OBJ_HDR_VERSION, Version, weights_object_name
 from streams.client import BROKER_ERRORS, STORAGE_FULL, RunClient, cancel_until_done, publish_once
-from streams.lease import Lease, current_epoch
+from streams.lease import Lease, current_term
 from streams.objects import TransferError, get_object, put_object, sha256_hex
 from streams.watch import LatestValue
 
@@ -41,16 +41,16 @@ RETRY_FIRST_S, RETRY_MAX_S = 0.25, 15.0  # backoff between fetches of the newest
 
 class WeightsPublisher:
     """The trainer's side of the weights, made from its lease (streams/lease.py), so only the
-    run's current trainer can hold one: every announcement names the lease's epoch, and the
+    run's current trainer can hold one: every announcement names the lease's term, and the
     publisher keeps the register of when each version it published was superseded, which
     retention decides on (echo/weights/retention.py). A version leaves the bucket once `keep` newer ones
     exist and a newer one was announced `keep_seconds` ago, so disk use is bounded and a fetch
     that takes less than that finishes."""
 
     def __init__(self, lease: Lease, keep: int = 3, keep_seconds: float = 0.0):
-        self.lease, self.run, self.epoch, self.keep, self.keep_seconds = lease, lease.run, lease.epoch, keep, keep_seconds
+        self.lease, self.run, self.term, self.keep, self.keep_seconds = lease, lease.run, lease.term, keep, keep_seconds
         self.superseded_at: dict[int, float] | None = None  # version -> when a newer one came (inf: newest)
-        self.chain: list[WeightsLink] = []  # this epoch's last whole version and the deltas after it
+        self.chain: list[WeightsLink] = []  # this term's last whole version and the deltas after it
 
     @property
     def newest(self) -> WeightsLink | None:
@@ -68,10 +68,10 @@ class WeightsPublisher:
         if delta_of is not None and (not before or before[-1].version != delta_of):
             raise ValueError(f"a delta against version {delta_of}, not the last announced before {version}")
         for index, data in enumerate(shards):
-            name = weights_object_name(self.epoch, version, index)
+            name = weights_object_name(self.term, version, index)
             try:
                 info = await put_object(run.js, run.names.weights_bucket, name, data,
-                                        headers={OBJ_HDR_VERSION: [str(version)], OBJ_HDR_EPOCH: [str(self.epoch)]})
+                                        headers={OBJ_HDR_VERSION: [str(version)], OBJ_HDR_TERM: [str(self.term)]})
             except APIError as e:  # no room: trying again would wait forever, for nothing frees any
                 if e.err_code not in STORAGE_FULL:
                     raise
@@ -82,7 +82,7 @@ class WeightsPublisher:
                     f"broker's max_file_store), or lower those") from None
             stored.append(WeightsShard(object_name=name, size=len(data), sha256=sha256_hex(info)))  # hashed while sent
         announcement = WeightsAnnouncement(
-            version=version, epoch=self.epoch, kind=kind, shards=stored, base_model=base_model, created_at=time.time(),
+            version=version, term=self.term, kind=kind, shards=stored, base_model=base_model, created_at=time.time(),
             digest=digest, delta_of=delta_of, chain=before if delta_of is not None else [],
         )
         await self.lease.held()  # never announced by a trainer that may have been taken over
@@ -106,16 +106,16 @@ class WeightsPublisher:
             del kept[old]
 
     async def _delete_version(self, version: int) -> None:
-        """Delete this epoch's shards of `version` by name (0, 1, ... until one is missing):
+        """Delete this term's shards of `version` by name (0, 1, ... until one is missing):
         no scan of the bucket, whose delete markers grow with the run."""
         for index in itertools.count():
             try:
-                await self.run.weights.delete(weights_object_name(self.epoch, version, index))
+                await self.run.weights.delete(weights_object_name(self.term, version, index))
             except NotFoundError:  # missing, or deleted already
                 return
 
     async def _delete_versions_before(self, oldest_kept: int) -> None:
-        """Delete every stored version older than `oldest_kept`, and every earlier epoch's."""
+        """Delete every stored version older than `oldest_kept`, and every earlier term's."""
         try:
             infos = await self.run.weights.list(ignore_deletes=True)
         except NotFoundError:  # nats-py's name for an empty bucket
@@ -125,8 +125,8 @@ class WeightsPublisher:
             if OBJ_HDR_VERSION not in headers:
                 continue  # not weights: a dataset's prompts (streams/prompts.py)
             version = int((headers.get(OBJ_HDR_VERSION) or ["-1"])[0])
-            epoch = int((headers.get(OBJ_HDR_EPOCH) or ["-1"])[0])
-            if 0 <= version < oldest_kept or epoch != self.epoch:
+            term = int((headers.get(OBJ_HDR_TERM) or ["-1"])[0])
+            if 0 <= version < oldest_kept or term != self.term:
                 await self.run.weights.delete(info.name)
 
 
@@ -183,7 +183,7 @@ class WeightsFollower:
         )
         self._task: asyncio.Task | None = None
         self.failed: BaseException | None = None  # why the fetch loop ended, if it did
-        self.fetch_s: dict[tuple[int, int], float] = {}  # (epoch, version) -> from hearing of it to downloaded
+        self.fetch_s: dict[tuple[int, int], float] = {}  # (term, version) -> from hearing of it to downloaded
 
     def _on_bad(self, error) -> None:
         self.failures[error.reason] += 1
@@ -214,7 +214,7 @@ class WeightsFollower:
             seq, announcement = await self._announcements.wait_newer(handled)
             try:
                 await self._take(announcement, seq)
-            except BROKER_ERRORS as e:  # reading the epoch: the broker
+            except BROKER_ERRORS as e:  # reading the term: the broker
                 log.warning("weights.follow_failed", version=announcement.version, reason=repr(e))
                 await asyncio.sleep(RETRY_FIRST_S)
                 continue
@@ -222,11 +222,11 @@ class WeightsFollower:
 
     async def _take(self, announcement: WeightsAnnouncement, seq: int) -> None:
         started = time.perf_counter()
-        if self.ready and self.ready[0].epoch_version >= announcement.epoch_version:
+        if self.ready and self.ready[0].term_version >= announcement.term_version:
             return
-        if announcement.epoch != await current_epoch(self.run):
-            self.failures["wrong_epoch"] += 1  # not from the trainer that holds the run
-            log.warning("weights.refused", version=announcement.version, epoch=announcement.epoch)
+        if announcement.term != await current_term(self.run):
+            self.failures["wrong_term"] += 1  # not from the trainer that holds the run
+            log.warning("weights.refused", version=announcement.version, term=announcement.term)
             return
         if announcement.base_model != self.base_model:  # trained on another base: never generated on here
             self.failures["wrong_base_model"] += 1
@@ -236,8 +236,8 @@ class WeightsFollower:
         data = await self._fetch_while_newest(announcement, seq)
         if data is None:
             return
-        self.fetch_s = {announcement.epoch_version: time.perf_counter() - started}  # the ready version's
-        seconds = self.fetch_s[announcement.epoch_version]
+        self.fetch_s = {announcement.term_version: time.perf_counter() - started}  # the ready version's
+        seconds = self.fetch_s[announcement.term_version]
         log.debug("weights.fetched", version=announcement.version, seconds=round(seconds, 3))
         async with self._ready_changed:
             self.ready = (announcement, data)
@@ -298,16 +298,16 @@ class WeightsFollower:
                 raise RuntimeError(f"the weights follower stopped: {self.failed!r}") from self.failed
             return self.ready
 
-    async def wait_for(self, version: int, epoch: int | None = None) -> tuple[WeightsAnnouncement, list[bytearray]]:
-        """Wait until weights of `version` or newer are downloaded (of `epoch` or a later one,
-        when given: an earlier epoch's higher versions are older); return the newest."""
-        if epoch is None:
+    async def wait_for(self, version: int, term: int | None = None) -> tuple[WeightsAnnouncement, list[bytearray]]:
+        """Wait until weights of `version` or newer are downloaded (of `term` or a later one,
+        when given: an earlier term's higher versions are older); return the newest."""
+        if term is None:
             return await self._wait(lambda announcement: announcement.version >= version)
-        return await self._wait(lambda announcement: announcement.epoch_version >= Version(epoch, version))
+        return await self._wait(lambda announcement: announcement.term_version >= Version(term, version))
 
     async def wait_newer(self, than: Version) -> None:
         """Wait until weights of a version after `than` are downloaded."""
-        await self._wait(lambda announcement: announcement.epoch_version > than)
+        await self._wait(lambda announcement: announcement.term_version > than)
 
     async def stop(self) -> None:
         """Stop fetching, and wait until the fetch has ended (its connection may close next)."""

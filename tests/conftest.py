@@ -333,7 +333,7 @@ async def store_tampered(weights: WeightsPublisher, version: int, data: bytes, t
     """Store an adapter, rewrite its chunks in the bucket with `tamper`, then announce the
     original's size and digest, as `weights`' trainer would have."""
     run = weights.run
-    name = weights_object_name(weights.epoch, version, 0)
+    name = weights_object_name(weights.term, version, 0)
     await run.weights.put(name, data)
     info = await run.weights.get_info(name)
     subject = f"$O.{run.names.weights_bucket}.C.{info.nuid}"
@@ -345,7 +345,7 @@ async def store_tampered(weights: WeightsPublisher, version: int, data: bytes, t
         await run.js.publish(subject, chunk)
     shard = WeightsShard(object_name=name, size=len(data), sha256=hashlib.sha256(data).hexdigest())
     announcement = WeightsAnnouncement(
-        version=version, epoch=weights.epoch, kind="lora", shards=[shard], base_model=TINY_BASE, created_at=0.0
+        version=version, term=weights.term, kind="lora", shards=[shard], base_model=TINY_BASE, created_at=0.0
     )
     # The object is announced as it would be by a trainer that computed the digest before damage.
     await run.js.publish(run.names.weights_subject, encode(announcement))

@@ -54,22 +54,22 @@ def honest_group(index: int = 12, texts=None, of_task: Task = TASK, rewards: lis
         completions.append(Completion(token_ids=ids, logprobs=[-0.5] * len(ids), text=text, reward=reward,
                                       finish_reason="stop"))
     fields = dict(
-        group_id="g", sampler_id="s1", version=1, task=of_task.name, prompt_index=index, slot=1, epoch=0,
+        group_id="g", sampler_id="s1", version=1, task=of_task.name, prompt_index=index, slot=1, term=0,
         prompt_token_ids=encode_chat(TOKENIZER, prompt.messages), completions=completions,
         temperature=1.0, engine="hf", dtype="float32", gen_seconds=0.1, created_at=0.0,
     )
     return RolloutGroup(**{**fields, **changes})
 
 
-def keyed_groups(sampler, prompts: list[int], seed: int, epoch: int, n: int, first_slot: int = 1,
+def keyed_groups(sampler, prompts: list[int], seed: int, term: int, n: int, first_slot: int = 1,
                  **changes) -> list[RolloutGroup]:
     """What an honest sampler (an engine) drawing keyed noise sends for the task's `prompts`, n
-    completions each, on consecutive slots from `first_slot` of the run seeded `seed`, in `epoch`."""
+    completions each, on consecutive slots from `first_slot` of the run seeded `seed`, in `term`."""
     prompt_ids = [sampler.encode_chat(TASK.prompt(i).messages) for i in prompts]
     slots = list(range(first_slot, first_slot + len(prompts)))
-    keys = [group_key(seed, epoch, slot) for slot in slots]
+    keys = [group_key(seed, term, slot) for slot in slots]
     generations = sampler.generate(prompt_ids, n, draws=[Draw(key) for key in keys])
-    return [honest_group(i, version=0, epoch=epoch, slot=slot, prompt_token_ids=ids, temperature=sampler.temperature,
+    return [honest_group(i, version=0, term=term, slot=slot, prompt_token_ids=ids, temperature=sampler.temperature,
                          dtype=dtype_name(sampler.dtype), completions=[
                              honest_group().completions[0].replaced(
                                  token_ids=g.token_ids, logprobs=g.logprobs, text=g.text, finish_reason=g.finish_reason,

@@ -47,7 +47,7 @@ from streams.client import open_run
 from streams.grants import request_grant, slots_granted
 from streams.inbox import FETCH_MAX, RolloutInbox
 from streams.layout import registry_stream
-from streams.lease import RENEW_S, AnotherTrainer, current_epoch, take_lease
+from streams.lease import RENEW_S, AnotherTrainer, current_term, take_lease
 from streams.quarantine import change_quarantine, read_quarantine
 from streams.registry import put_status, read_heartbeat, read_statuses, read_trainer_status
 from streams.rollouts import fetch_rollouts, publish_rollout
@@ -107,7 +107,7 @@ async def _serving_trainer(hub: Hub, tmp_path):
     lease = await take_lease(trainer)
     trainer_weights = WeightsPublisher(lease)
     announcement = await trainer_weights.publish(0, [b"v0" * 100], TINY_BASE)
-    granter = AsyncGranter(trainer, lease.epoch, tiny_config(tmp_path, run={"id": "sec"}), TrainerState(), GrantLedger())
+    granter = AsyncGranter(trainer, lease.term, tiny_config(tmp_path, run={"id": "sec"}), TrainerState(), GrantLedger())
     await granter.start()
     hub.later(granter.subscription.unsubscribe)
     await granter.ask(0)
@@ -123,7 +123,7 @@ async def test_the_trainer_answers_a_grant_request_only_in_an_inbox_and_copies_n
     trainer, lease, announcement, granter = await _serving_trainer(hub, tmp_path)
     names = trainer.names
     attacker = await hub.connect(**secure.credentials("sampler-s1").connect_options())
-    request = encode(GrantRequest(want=1, epoch=lease.epoch, version=0))
+    request = encode(GrantRequest(want=1, term=lease.term, version=0))
     rollup = {"Nats-Rollup": "all", "Echo-Sampler-Id": "s2"}
     for target in (f"$O.{names.weights_bucket}.M.x", names.rollouts_subject("s2"), f"$KV.{names.state_bucket}.x"):
         await attacker.publish(names.grants_subject("s1"), request, reply=target, headers=rollup)
@@ -150,7 +150,7 @@ async def test_no_answer_a_sampler_asks_for_lands_in_the_runs_state(hub, tmp_pat
     keys = [(trainer.state, names.state_bucket, key) for key in (
         QUARANTINE_KEY, TRAINER_KEY, SCHEDULE_KEY, BUDGET_KEY, TRAINER_STATUS_KEY, CONFIG_KEY, "x")]
     keys.append((trainer.registry, names.registry_bucket, "s0"))  # another sampler's heartbeat (its own it writes)
-    grant = encode(GrantRequest(want=1, epoch=lease.epoch, version=0))
+    grant = encode(GrantRequest(want=1, term=lease.term, version=0))
     revisions = {(kv, key): await _revision(kv, key) for kv, _, key in keys}
     for _, bucket, key in keys:
         for api in ("$JS.hub.API", "$JS.API"):
@@ -173,7 +173,7 @@ async def test_a_malformed_value_in_the_runs_state_is_read_as_absent_and_fences_
     """Whatever writes junk into the run's state (it was a reflected server answer; any client of
     the run's account could), no reader crashes: each takes the value for absent, says and counts
     it; the trainer whose lease it overwrote stops at once, and the next one takes the run in an
-    epoch after every one announced."""
+    term after every one announced."""
     server, secure = hub.server, hub.secure
     trainer, lease, announcement, granter = await _serving_trainer(hub, tmp_path)
     await change_quarantine(trainer, lambda samplers: samplers.update({"s9": "caught"}))
@@ -185,7 +185,7 @@ async def test_a_malformed_value_in_the_runs_state_is_read_as_absent_and_fences_
         await trainer.registry.put("s1", junk)
         counted = BAD_VALUES[QUARANTINE_KEY]
         assert await read_quarantine(trainer) == {} and BAD_VALUES[QUARANTINE_KEY] == counted + 1
-        assert await current_epoch(trainer) is None
+        assert await current_term(trainer) is None
         assert await read_trainer_status(trainer) is None and await slots_granted(trainer) == 0
         assert await read_heartbeat(trainer, "s1") == (0, None)  # no sign of life, and shown as bad (issue 80)
         assert [(s.sampler_id, s.state) for s in await read_statuses(trainer)] == [("s1", "bad_heartbeat")]
@@ -195,7 +195,7 @@ async def test_a_malformed_value_in_the_runs_state_is_read_as_absent_and_fences_
         with pytest.raises(AnotherTrainer):  # its lease overwritten: fenced out, at once
             await asyncio.wait_for(renewing, 5 * RENEW_S)
         successor = await take_lease(trainer, lapse_s=0.5)  # the unreadable lease lapses like a dead one's
-        assert successor.epoch == announcement.epoch + 1
+        assert successor.term == announcement.term + 1
     finally:
         renewing.cancel()
 
@@ -203,7 +203,7 @@ async def test_a_malformed_value_in_the_runs_state_is_read_as_absent_and_fences_
 async def test_a_rollup_on_the_samplers_own_heartbeat_key_wipes_nothing(hub, tmp_path):
     """One publish on the sampler's own heartbeat key with `Nats-Rollup: all` wiped the state
     bucket (config, trainer lease, slot count, quarantine): the trainer was fenced out and its
-    successor started again at epoch 1. Heartbeats now live in a bucket of their own that
+    successor started again at term 1. Heartbeats now live in a bucket of their own that
     refuses rollups, purges and deletes, and the state bucket holds nothing a sampler writes."""
     secure = hub.secure
     trainer, lease, announcement, granter = await _serving_trainer(hub, tmp_path)
@@ -225,7 +225,7 @@ async def test_a_rollup_on_the_samplers_own_heartbeat_key_wipes_nothing(hub, tmp
         with pytest.raises(nats.js.errors.APIError):
             await trainer.js.purge_stream(stream)
     assert (await trainer.state.get(CONFIG_KEY)).value == b'{"task": {"name": "math"}}'
-    assert await current_epoch(trainer) == lease.epoch and await slots_granted(trainer) == 0
+    assert await current_term(trainer) == lease.term and await slots_granted(trainer) == 0
     assert (await trainer.registry.get("s0")).value == b"another sampler's heartbeat"
 
 
@@ -435,10 +435,10 @@ async def test_a_sampler_keeping_back_its_low_reward_groups_is_struck_and_quaran
         await quarantine.start(background)
         bound = DeliveryBound(cfg.trainer.undelivered_window, cfg.trainer.undelivered_share)
         ledger = GrantLedger(seed=cfg.run.seed, bound=bound)
-        granter = AsyncGranter(trainer, lease.epoch, cfg, TrainerState(), ledger, quarantine)
+        granter = AsyncGranter(trainer, lease.term, cfg, TrainerState(), ledger, quarantine)
         await granter.start()
         await granter.ask(0)
-        judge = Judge(REFEREE, Timeline(max_staleness=cfg.trainer.max_staleness, epoch=lease.epoch))
+        judge = Judge(REFEREE, Timeline(max_staleness=cfg.trainer.max_staleness, term=lease.term))
         collector = Collector(await RolloutInbox.open(trainer), judge, ledger, quarantine=quarantine)
         withheld: list[tuple[int, int]] = []  # (slot, prompt)
         granted_prompts: list[tuple[int, int]] = []
@@ -450,7 +450,7 @@ async def test_a_sampler_keeping_back_its_low_reward_groups_is_struck_and_quaran
             while not done.is_set():
                 version = granter.version
                 grant = await request_grant(run, sampler_id, GrantRequest(
-                    want=1, epoch=lease.epoch, version=version, process=process))
+                    want=1, term=lease.term, version=version, process=process))
                 if not (grant and grant.slots):
                     await asyncio.sleep(0.02)
                     continue
@@ -461,7 +461,7 @@ async def test_a_sampler_keeping_back_its_low_reward_groups_is_struck_and_quaran
                     texts = [f"draw {noise}.{j}: " + (answer if draws.random() < 0.5 else "\\boxed{-1}")
                              for j in range(2)]
                     group = honest_group(prompt, texts=texts, sampler_id=sampler_id, slot=slot, version=version,
-                                         epoch=lease.epoch, group_id=uuid.uuid4().hex,
+                                         term=lease.term, group_id=uuid.uuid4().hex,
                                          noise_slot=None if noise == slot else noise)
                     if keeps_back and sum(c.reward for c in group.completions) < 1:
                         withheld.append((slot, prompt))

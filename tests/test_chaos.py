@@ -20,7 +20,7 @@ from echo.wire.codec import decode
 from echo.wire.messages import GrantRequest, SamplerStatus, WeightsAnnouncement
 from streams.client import open_run
 from streams.grants import request_grant
-from streams.lease import current_epoch
+from streams.lease import current_term
 from streams.registry import put_status
 from streams.server import NatsServer, ServerConfig, free_port
 from tests.conftest import (
@@ -63,7 +63,7 @@ async def _take_leases_and_die(url: str, run_id: str, sampler_id: str) -> list[i
                 except NotFoundError:  # the trainer has not published its first version yet
                     continue
                 version = decode(WeightsAnnouncement, last.data).version
-                request = GrantRequest(want=2, epoch=await current_epoch(run), version=version)
+                request = GrantRequest(want=2, term=await current_term(run), version=version)
                 grant = await request_grant(run, sampler_id, request)
                 if grant and grant.slots:
                     await put_status(run, SamplerStatus(sampler_id=sampler_id, version=version, groups_published=0,
@@ -122,8 +122,8 @@ def test_a_broker_killed_mid_run_and_restarted_on_its_store_lets_the_run_finish(
 
 
 def test_a_trainer_restarted_from_an_older_checkpoint_is_followed_by_running_samplers(nats_server, tmp_path):
-    """Samplers running version 6 of one trainer epoch follow the next epoch's
-    version 3 (its checkpoint is older): it holds the run's lease in a later epoch. What the
+    """Samplers running version 6 of one trainer term follow the next term's
+    version 3 (its checkpoint is older): it holds the run's lease in a later term. What the
     discarded timeline consumed is counted as abandoned, once."""
     cfg = tiny_config(tmp_path, run={"id": "rewind", "steps": 3}, trainer={"max_staleness": 1},
                       nats={"url": nats_server.url})
@@ -143,7 +143,7 @@ def test_a_trainer_restarted_from_an_older_checkpoint_is_followed_by_running_sam
         train(6)  # the timeline that will be discarded: versions 4 to 6
         shutil.rmtree(cfg.run_dir)
         shutil.copytree(tmp_path / "at-step-3", cfg.run_dir)
-        logs = train(6)  # resumed from step 3: versions 4 to 6 again, in a later epoch
+        logs = train(6)  # resumed from step 3: versions 4 to 6 again, in a later term
         assert all(p.poll() is None for p in samplers)
     finally:
         for p in samplers:

@@ -149,7 +149,7 @@ def test_a_step_told_to_stop_is_abandoned_between_passes_and_leaves_the_policy_a
 
 async def _ask_for_version(lease, cfg, version: int) -> SequentialGranter:
     """A sequential trainer's orders, asking for `version`'s groups."""
-    orders = SequentialGranter(lease.run, lease.epoch, cfg, TrainerState(version=version), GrantLedger())
+    orders = SequentialGranter(lease.run, lease.term, cfg, TrainerState(version=version), GrantLedger())
     await orders.start()
     await orders.ask(version)
     return orders
@@ -168,7 +168,7 @@ async def _collect_step(lease, cfg, version: int, ledger: GrantLedger):
     run = lease.run
     base, tokenizer = load_model("tiny")
     referee = Referee(load_task(cfg.task), tokenizer, base.get_input_embeddings().num_embeddings, cfg.sampling)
-    collector = Collector(await RolloutInbox.open(run), Judge(referee, Timeline(max_staleness=0, epoch=lease.epoch)), ledger)
+    collector = Collector(await RolloutInbox.open(run), Judge(referee, Timeline(max_staleness=0, term=lease.term)), ledger)
     async with asyncio.timeout(30):
         return collector, await collector.collect(cfg.trainer.groups_per_step, version=version)
 
@@ -190,7 +190,7 @@ async def test_a_sequential_sampler_whose_fetch_of_the_requested_version_fails_r
         while not sampler.weights.follower.failures:
             await asyncio.sleep(0.02)
     assert set(sampler.weights.follower.failures) == {"digest_mismatch"} and sampler.weights.version == -1
-    await put_object(run.js, run.names.weights_bucket, weights_object_name(lease.epoch, 0, 0), adapter)  # whole again
+    await put_object(run.js, run.names.weights_bucket, weights_object_name(lease.term, 0, 0), adapter)  # whole again
     collector, collected = await _collect_step(lease, cfg, 0, orders.ledger)
     assert len(collected.used) == cfg.trainer.groups_per_step and sampler.weights.version == 0
     collector.consumed.add(collected.seqs)  # the step checkpointed: every message is accounted for
@@ -203,9 +203,9 @@ async def test_a_sequential_sampler_whose_fetch_of_the_requested_version_fails_r
     await orders.subscription.unsubscribe()
 
 
-async def test_a_sequential_sampler_asked_for_an_older_version_of_a_new_epoch_waits_for_it(runs, tmp_path):
-    """A trainer resumed from an older checkpoint asks for version 0 of its epoch 2 while the
-    samplers run version 1 of epoch 1, and its request can arrive before its weights (a relay's
+async def test_a_sequential_sampler_asked_for_an_older_version_of_a_new_term_waits_for_it(runs, tmp_path):
+    """A trainer resumed from an older checkpoint asks for version 0 of its term 2 while the
+    samplers run version 1 of term 1, and its request can arrive before its weights (a relay's
     mirror lags the hub). Before, the sampler took version 1 for 'version 0 or newer', skipped
     the request and waited for the next one, which never came: the run stalled."""
     cfg = tiny_config(tmp_path, run={"mode": "sequential"})
@@ -225,15 +225,15 @@ async def test_a_sequential_sampler_asked_for_an_older_version_of_a_new_epoch_wa
     assert sampler.weights.running == (1, 1)
     await orders.subscription.unsubscribe()
     await lease.release()
-    lease = await take_lease(run)  # epoch 2, resumed at version 0
-    weights = WeightsPublisher(lease)  # a publisher is its lease's: epoch 2's versions
+    lease = await take_lease(run)  # term 2, resumed at version 0
+    weights = WeightsPublisher(lease)  # a publisher is its lease's: term 2's versions
     orders = await _ask_for_version(lease, cfg, 0)
-    async with asyncio.timeout(30):  # the sampler has the request, and no weights of epoch 2 yet
-        while (sampler.work.pull_request.epoch, sampler.work.pull_request.version) != (2, 0):
+    async with asyncio.timeout(30):  # the sampler has the request, and no weights of term 2 yet
+        while (sampler.work.pull_request.term, sampler.work.pull_request.version) != (2, 0):
             await asyncio.sleep(0.02)
     await weights.publish(0, adapters[0], TINY_BASE)
     _, collected = await _collect_step(lease, cfg, 0, orders.ledger)
-    assert {(a.group.epoch, a.group.version) for a in collected.used} == {(2, 0)}
+    assert {(a.group.term, a.group.version) for a in collected.used} == {(2, 0)}
     serving.cancel()
     await orders.subscription.unsubscribe()
 
@@ -248,7 +248,7 @@ async def test_a_sequential_sampler_whose_request_for_work_goes_unanswered_asks_
     run = await runs.open(cfg.run.id, "trainer")
     lease = await take_lease(run)
     await WeightsPublisher(lease).publish(0, adapter, TINY_BASE)
-    orders = SequentialGranter(run, lease.epoch, cfg, TrainerState(), GrantLedger())
+    orders = SequentialGranter(run, lease.term, cfg, TrainerState(), GrantLedger())
     await orders.ask(0)  # the request is out; no one answers requests for work yet
     _, sampler, serving = await _serving_sampler(runs, cfg)
     async with asyncio.timeout(30):
@@ -321,7 +321,7 @@ async def test_a_trainer_restarted_on_its_machine_takes_the_run_at_once_and_a_li
     finally:
         holder.kill()
         holder.wait()
-    assert taken.epoch == 2 and taken.lease.process
+    assert taken.term == 2 and taken.lease.process
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="processes are named from Linux's /proc")
@@ -338,7 +338,7 @@ def test_a_process_is_told_exited_only_where_its_machine_and_pid_namespace_are_t
 async def test_a_trainer_keeps_its_lease_when_a_renewal_it_gave_up_on_was_applied(runs):
     """Seen with the broker down 12 s: a renewal timed out here, nats-py sent it once the broker
     was back, and the next renewal's compare-and-set failed; the trainer took that for another
-    trainer and stopped. The key holding this lease still is not a takeover; a later epoch is."""
+    trainer and stopped. The key holding this lease still is not a takeover; a later term is."""
 
     run = await runs.open("renew", "trainer")
     lease = await take_lease(run)
@@ -349,7 +349,7 @@ async def test_a_trainer_keeps_its_lease_when_a_renewal_it_gave_up_on_was_applie
         while lease.revision <= moved_to and not renewing.done():  # renewed past it, or fenced out
             await asyncio.sleep(0.05)
     assert lease.lost is None and not renewing.done()
-    await run.state.put(TRAINER_KEY, encode(lease.lease.model_copy(update={"epoch": lease.epoch + 1})))
+    await run.state.put(TRAINER_KEY, encode(lease.lease.model_copy(update={"term": lease.term + 1})))
     async with asyncio.timeout(5 * RENEW_S):
         with pytest.raises(AnotherTrainer):  # fenced out: it stops at once
             await renewing

@@ -293,9 +293,9 @@ async def test_a_heartbeat_that_does_not_decode_shows_its_sampler_and_gets_it_no
     cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "max_staleness": 0})
     run = await runs.open("beat", "trainer")
     lease = await take_lease(run)
-    granter = AsyncGranter(run, lease.epoch, cfg, TrainerState(), GrantLedger())
+    granter = AsyncGranter(run, lease.term, cfg, TrainerState(), GrantLedger())
     await granter.ask(0)
-    asked = GrantRequest(want=2, epoch=lease.epoch, version=0)
+    asked = GrantRequest(want=2, term=lease.term, version=0)
     await run.registry.put("s9", b'{"schema_version": 23, "sampler_id": {"a": 1}, "sync_s": {"x": {}}}')
     assert (await granter.grant("s9", asked)).groups == 0
     assert [(s.sampler_id, s.state) for s in await read_statuses(run)] == [("s9", "bad_heartbeat")]
@@ -362,9 +362,9 @@ async def test_a_prompt_granted_again_is_drawn_with_the_noise_of_the_slot_it_was
     run = await runs.open("again", "trainer")
     lease = await take_lease(run)
     ledger = GrantLedger(seed=SEED)
-    granter = AsyncGranter(run, lease.epoch, cfg, TrainerState(), ledger)
+    granter = AsyncGranter(run, lease.term, cfg, TrainerState(), ledger)
     await granter.ask(0)
-    asked = GrantRequest(want=2, epoch=lease.epoch, version=0)
+    asked = GrantRequest(want=2, term=lease.term, version=0)
     first = await granter.grant("s1", asked)
     assert first.slots == [1, 2] and first.noise_slots == []  # fresh draws: each its own noise
     ledger.release("s1")  # s1 let them go
@@ -375,24 +375,24 @@ async def test_a_prompt_granted_again_is_drawn_with_the_noise_of_the_slot_it_was
     sampler = HFEngine("tiny", LORA, cfg.sampling, "cpu", "float32")
     perturb(sampler.model, seed=0)
     prompt_ids = [sampler.encode_chat(TASK.prompt(i).messages) for i in first.prompts]
-    withheld = sampler.generate(prompt_ids, 8, draws=[Draw(group_key(SEED, lease.epoch, s)) for s in first.slots])
-    redrawn = sampler.generate(prompt_ids, 8, draws=[Draw(group_key(SEED, lease.epoch, s))
+    withheld = sampler.generate(prompt_ids, 8, draws=[Draw(group_key(SEED, lease.term, s)) for s in first.slots])
+    redrawn = sampler.generate(prompt_ids, 8, draws=[Draw(group_key(SEED, lease.term, s))
                                                      for s in again.keyed_slots()])
     assert [[g.token_ids for g in gens] for gens in redrawn] == [[g.token_ids for g in gens] for gens in withheld]
-    keys = [group_key(SEED, lease.epoch, s) for s in again.keyed_slots()]  # as the sampler's generation call draws
+    keys = [group_key(SEED, lease.term, s) for s in again.keyed_slots()]  # as the sampler's generation call draws
     sent = generate_groups(sampler, TASK, [TASK.prompt(i) for i in again.prompts], cfg.sampling, "s2",
-                           Version(lease.epoch, 0), again.slots, keys=keys, noise_slots=again.keyed_slots())
+                           Version(lease.term, 0), again.slots, keys=keys, noise_slots=again.keyed_slots())
     assert [(g.slot, g.noise_slot, g.keyed_slot) for g in sent] == [(3, 1, 1), (4, 2, 2)]
     assert [[c.token_ids.tolist() for c in g.completions] for g in sent] == [[list(g.token_ids) for g in gens]
                                                                             for gens in redrawn]
 
     quarantine = Quarantined(run, after=10)
     collector = Collector(await RolloutInbox.open(run), Judge(Referee(TASK, TOKENIZER, len(TOKENIZER), cfg.sampling),
-                                                              Timeline(max_staleness=0, epoch=lease.epoch)),
+                                                              Timeline(max_staleness=0, term=lease.term)),
                           ledger, quarantine=quarantine)
-    own = sampler.generate(prompt_ids[:1], 8, draws=[Draw(group_key(SEED, lease.epoch, 3))])  # slot 3's noise
+    own = sampler.generate(prompt_ids[:1], 8, draws=[Draw(group_key(SEED, lease.term, 3))])  # slot 3's noise
     for slot, prompt, noise, gens in zip(again.slots, again.prompts, [None, 2], [own[0], redrawn[1]]):
-        await publish_rollout(run, honest_group(prompt, version=0, epoch=lease.epoch, slot=slot, sampler_id="s2",
+        await publish_rollout(run, honest_group(prompt, version=0, term=lease.term, slot=slot, sampler_id="s2",
                                                 group_id=f"slot{slot}", temperature=cfg.sampling.temperature,
                                                 noise_slot=noise, prompt_token_ids=sampler.encode_chat(
                                                     TASK.prompt(prompt).messages), completions=[

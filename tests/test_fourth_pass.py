@@ -286,7 +286,7 @@ async def test_a_prompt_object_claiming_gigabytes_allocates_nothing(tmp_path, mo
             tracemalloc.stop()
 
 
-GROUP_FIELDS = ["version", "epoch", "task", "prompt_index", "slot", "temperature", "gen_seconds", "created_at",
+GROUP_FIELDS = ["version", "term", "task", "prompt_index", "slot", "temperature", "gen_seconds", "created_at",
                 "engine", "dtype"]
 
 

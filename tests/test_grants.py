@@ -64,7 +64,7 @@ class _Budget:
         self.accepted = 0
 
     def take(self, sampler: str) -> list[int]:
-        request = GrantRequest(want=1000, epoch=1, version=self.granter.version)
+        request = GrantRequest(want=1000, term=1, version=self.granter.version)
         return self.granter.grant_work(sampler, request)[0]
 
     def arrive(self, sampler: str, slot: int, trained: bool = True) -> None:
@@ -260,14 +260,14 @@ async def test_a_hoarder_is_released_within_a_few_calls_held_to_a_slot_and_struc
     sampler = await runs.open("hoard", "sampler", create=False)
     lease = await take_lease(run)
     quarantine = Quarantined(run, after=0)
-    granter = SequentialGranter(run, lease.epoch, cfg, TrainerState(), GrantLedger(), quarantine)
+    granter = SequentialGranter(run, lease.term, cfg, TrainerState(), GrantLedger(), quarantine)
     await granter.start()
     await granter.ask(0)
     request = granter.request.request_id
     beating = asyncio.create_task(_beat(sampler, "x"))
     try:
-        assert (await _ask(sampler, "x", lease.epoch, 0, 2, request)).groups == 2  # the hoarder asks first
-        for slot in (await _ask(sampler, "h", lease.epoch, 0, 2, request)).slots:
+        assert (await _ask(sampler, "x", lease.term, 0, 2, request)).groups == 2  # the hoarder asks first
+        for slot in (await _ask(sampler, "h", lease.term, 0, 2, request)).slots:
             assert granter.ledger.delivered("h", slot, arrived=time.monotonic())
             granter.ledger.accepted(slot)  # h's call, measured: far shorter than the 2 s floor
         async with asyncio.timeout(60):  # a hang guard: before, 300 s
@@ -277,16 +277,16 @@ async def test_a_hoarder_is_released_within_a_few_calls_held_to_a_slot_and_struc
         assert granter.ledger.held("x") == 0 and quarantine.strikes == {}  # once may be a slow machine
         # Issue 61: it took the released work again at once, a release interval lost each time.
         # Benched (trainer.reissue_after_s) while h asks: the work is h's, one interval lost in all.
-        assert (await _ask(sampler, "x", lease.epoch, 0, 2, request)).groups == 0
-        assert (await _ask(sampler, "h", lease.epoch, 0, 2, request)).groups == 2
+        assert (await _ask(sampler, "x", lease.term, 0, 2, request)).groups == 0
+        assert (await _ask(sampler, "h", lease.term, 0, 2, request)).groups == 2
         async with asyncio.timeout(30):  # off the bench: a slot at a time
-            while (await _ask(sampler, "x", lease.epoch, 0, 2, request)).groups != 1:
+            while (await _ask(sampler, "x", lease.term, 0, 2, request)).groups != 1:
                 await asyncio.sleep(0.5)
         async with asyncio.timeout(60):
             while "x" not in quarantine:
                 await asyncio.sleep(0.5)
                 await granter.on_wait(1)
-        assert quarantine.strikes == {"x": 1} and (await _ask(sampler, "x", lease.epoch, 0, 2, request)).groups == 0
+        assert quarantine.strikes == {"x": 1} and (await _ask(sampler, "x", lease.term, 0, 2, request)).groups == 0
     finally:
         beating.cancel()
         await granter.subscription.unsubscribe()
@@ -382,13 +382,13 @@ async def _granter_at_version_0(runs, run_id: str, cfg):
     and a request for 2 groups made with its weights: (run, granter, request)."""
     run = await runs.open(run_id, "trainer")
     lease = await take_lease(run)
-    granter = AsyncGranter(run, lease.epoch, cfg, TrainerState(), GrantLedger())
+    granter = AsyncGranter(run, lease.term, cfg, TrainerState(), GrantLedger())
     await granter.ask(0)
-    return run, granter, GrantRequest(want=2, epoch=lease.epoch, version=0)
+    return run, granter, GrantRequest(want=2, term=lease.term, version=0)
 
 
-def _ask(run, sampler_id, epoch, version, want=2, pull_request_id=None):
-    request = GrantRequest(want=want, epoch=epoch, version=version, pull_request_id=pull_request_id)
+def _ask(run, sampler_id, term, version, want=2, pull_request_id=None):
+    request = GrantRequest(want=want, term=term, version=version, pull_request_id=pull_request_id)
     return request_grant(run, sampler_id, request)
 
 
@@ -539,28 +539,28 @@ async def test_grants_never_pass_the_cap_however_many_samplers_race(runs, tmp_pa
     assert await _ask(sampler, "a", 1, 0) is None  # no trainer yet: no answer
     lease = await take_lease(run)
     await record_slots_granted(run, 8)  # the 8 groups of the 2 steps trained so far held slots 1-8
-    granter = AsyncGranter(run, lease.epoch, cfg, TrainerState(version=2), GrantLedger())
+    granter = AsyncGranter(run, lease.term, cfg, TrainerState(version=2), GrantLedger())
     await granter.start()
     await granter.ask(2)  # slots up to (2 + 1 + 1) * 4 = 16
-    assert (await _ask(sampler, "a", lease.epoch, 1, want=8)).groups == 4  # a version behind: cap 16 - 4
-    assert (await _ask(sampler, "b", lease.epoch, 0, want=8)).groups == 0  # two behind: its groups would be stale
-    grants = await asyncio.gather(*(_ask(sampler, f"s{i}", lease.epoch, 2) for i in range(12)))
+    assert (await _ask(sampler, "a", lease.term, 1, want=8)).groups == 4  # a version behind: cap 16 - 4
+    assert (await _ask(sampler, "b", lease.term, 0, want=8)).groups == 0  # two behind: its groups would be stale
+    grants = await asyncio.gather(*(_ask(sampler, f"s{i}", lease.term, 2) for i in range(12)))
     assert sum(g.groups for g in grants) == 4 and await slots_granted(run) == 16
     holder = next(f"s{i}" for i, g in enumerate(grants) if g.groups)
-    assert (await _ask(sampler, holder, lease.epoch, 2)).groups == 0
-    assert (await _ask(sampler, holder, lease.epoch, 3)).groups == 0  # a version the trainer has not published
-    assert (await _ask(sampler, holder, lease.epoch - 1, 2)).groups == 0  # a previous trainer's weights
+    assert (await _ask(sampler, holder, lease.term, 2)).groups == 0
+    assert (await _ask(sampler, holder, lease.term, 3)).groups == 0  # a version the trainer has not published
+    assert (await _ask(sampler, holder, lease.term - 1, 2)).groups == 0  # a previous trainer's weights
     for slot in sorted(granter.ledger.outstanding)[:4]:  # step 3 trains a's 4 groups
         assert granter.ledger.delivered("a", slot, arrived=time.monotonic())
         granter.ledger.accepted(slot)
     await granter.ask(3)
     # the holder has its share of the window (1 of 8 among 14 asking): none for it until it delivers
-    assert (await _ask(sampler, holder, lease.epoch, 3, want=8)).model_dump() == ASK_AGAIN | {
+    assert (await _ask(sampler, holder, lease.term, 3, want=8)).model_dump() == ASK_AGAIN | {
         "more": False, "again_s": IDLE_ASK_MIN_S}
-    assert (await _ask(sampler, "late", lease.epoch, 3, want=8)).groups == 1  # 15 asking: a share of 1 of 8
+    assert (await _ask(sampler, "late", lease.term, 3, want=8)).groups == 1  # 15 asking: a share of 1 of 8
 
     # A restarted trainer numbers its grants on from the count in KV.
-    again = AsyncGranter(run, lease.epoch, cfg, TrainerState(version=3), GrantLedger())
+    again = AsyncGranter(run, lease.term, cfg, TrainerState(version=3), GrantLedger())
     await again.start()
     assert again.ledger.issued == 17 and again.state.lost == 17 - 3 * 4  # what was out is counted lost
     await granter.subscription.unsubscribe()
@@ -573,13 +573,13 @@ async def test_sequential_groups_are_granted_once_and_only_for_the_current_reque
     run = await runs.open("seq", "trainer")
     sampler = await runs.open("seq", "sampler", create=False)
     lease = await take_lease(run)
-    granter = SequentialGranter(run, lease.epoch, cfg, TrainerState(), GrantLedger())
+    granter = SequentialGranter(run, lease.term, cfg, TrainerState(), GrantLedger())
     await granter.start()
     await granter.ask(0)
     request = granter.request
-    grants = await asyncio.gather(*(_ask(sampler, f"s{i}", lease.epoch, 0, 4, request.request_id) for i in range(3)))
+    grants = await asyncio.gather(*(_ask(sampler, f"s{i}", lease.term, 0, 4, request.request_id) for i in range(3)))
     assert sum(g.groups for g in grants) == 6  # in arrival order: the first alone may get its whole want
-    assert (await _ask(sampler, "s0", lease.epoch, 0, 4, request.request_id)).model_dump() == {
+    assert (await _ask(sampler, "s0", lease.term, 0, 4, request.request_id)).model_dump() == {
         "schema_version": SCHEMA_VERSION, "slots": [], "prompts": [], "more": False, "noise_slots": [],
         "again_s": IDLE_ASK_MIN_S, "wait_version": 0}  # at the latest: the next request wakes it
     assert sorted(slot for g in grants for slot in g.slots) == list(range(1, 7))
@@ -594,11 +594,11 @@ async def test_sequential_groups_are_granted_once_and_only_for_the_current_reque
     await granter.on_wait(5)  # the others delivered nothing for reissue_after_s: only their slots are lost
     assert granter.ledger.holders() <= {keeper} and granter.granted == 6 - released
     assert granter.request.request_id == request.request_id  # the same request, published again
-    asked_again = [await _ask(sampler, f"s{i}", lease.epoch, 0, 4, request.request_id) for i in range(3)]
+    asked_again = [await _ask(sampler, f"s{i}", lease.term, 0, 4, request.request_id) for i in range(3)]
     assert sum(g.groups for g in asked_again) == released
     assert min(slot for g in asked_again for slot in g.slots) == 7  # new numbers
     await granter.ask(1)  # the next step: the old request is over
-    assert (await _ask(sampler, "s1", lease.epoch, 0, 4, request.request_id)).groups == 0
+    assert (await _ask(sampler, "s1", lease.term, 0, 4, request.request_id)).groups == 0
     await granter.subscription.unsubscribe()
 
 
@@ -641,7 +641,7 @@ async def test_a_grant_that_fails_in_our_code_is_still_answered(runs):
 
     run = await runs.open("failing", "trainer")
     await serve_grants(run, decide)
-    reply = await run.nc.request(run.names.grants_subject("a"), encode(GrantRequest(want=1, epoch=1, version=0)),
+    reply = await run.nc.request(run.names.grants_subject("a"), encode(GrantRequest(want=1, term=1, version=0)),
                                  timeout=GRANT_TIMEOUT_S)
     assert decode(Grant, reply.data).groups == 0
 
@@ -676,7 +676,7 @@ def test_a_sampler_whose_long_groups_would_arrive_stale_gets_no_work_while_other
     assert ledger.long_group_s("steady", now) == pytest.approx(40.0)
     # Version 2's groups are fresh until version 4 is announced, two steps after version 2's.
     assert ledger.fresh_for_s(2, 1, now) == pytest.approx(t0 + 20.0 + 2 * 10.0 * STEP_SHARE - now)
-    at_v2 = GrantRequest(want=1, epoch=0, version=2)
+    at_v2 = GrantRequest(want=1, term=0, version=2)
     # Nobody fast enough has taken work: a swarm all slower than its trainer still gets it.
     ledger.grant("new", 1, 8, 64, now=time.monotonic(), version=2)  # not measured: not a taker that fits
     assert not granter.too_slow("slow", 2, time.monotonic()) and not granter.too_slow_until("slow", at_v2)

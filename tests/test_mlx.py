@@ -249,10 +249,10 @@ async def _forge(run_dir, up: psutil.Process) -> Strikes:
         policy.load_weights(shards)
         grant = None
         while not (grant and grant.slots):
-            grant = await request_grant(run, "s3", GrantRequest(want=1, epoch=announcement.epoch,
+            grant = await request_grant(run, "s3", GrantRequest(want=1, term=announcement.term,
                                                                 version=announcement.version, process="f0"))
         slot, noise = grant.slots[0], grant.keyed_slots()[0]
-        [group] = keyed_groups(engine, grant.prompts, cfg.run.seed, announcement.epoch, cfg.sampling.group_size,
+        [group] = keyed_groups(engine, grant.prompts, cfg.run.seed, announcement.term, cfg.sampling.group_size,
                                first_slot=noise)
         first = group.completions[0]
         swapped = first.token_ids.tolist()

@@ -47,23 +47,23 @@ from workers.trainer.strikes import Quarantined
 from workers.trainer.trainer import Trainer
 
 LORA = LoraConfig(r=4, alpha=8.0)
-SEED, EPOCH = 7, 1
+SEED, TERM = 7, 1
 
 
 def test_the_noise_is_the_same_bits_for_the_same_key_and_a_gumbel_draw():
-    key = group_key(SEED, EPOCH, 3)
+    key = group_key(SEED, TERM, 3)
     noise = gumbel(key, 2, torch.arange(64), 4096)
     assert torch.equal(noise, gumbel(key, 2, torch.arange(64), 4096))
     assert torch.equal(noise[10:20], gumbel(key, 2, torch.arange(10, 20), 4096))  # a chunk is its own positions
     assert not torch.equal(noise, gumbel(key, 3, torch.arange(64), 4096))  # another completion
-    assert not torch.equal(noise, gumbel(group_key(SEED, EPOCH, 4), 2, torch.arange(64), 4096))  # another slot
-    assert not torch.equal(noise, gumbel(group_key(SEED, EPOCH + 1, 3), 2, torch.arange(64), 4096))  # another epoch
+    assert not torch.equal(noise, gumbel(group_key(SEED, TERM, 4), 2, torch.arange(64), 4096))  # another slot
+    assert not torch.equal(noise, gumbel(group_key(SEED, TERM + 1, 3), 2, torch.arange(64), 4096))  # another term
     # A standard Gumbel: mean Euler's gamma (0.5772), standard deviation pi / sqrt(6) (1.2825).
     assert noise.mean().item() == pytest.approx(0.5772, abs=0.01)
     assert noise.std().item() == pytest.approx(1.2825, abs=0.01)
     # Its argmax over logits + noise is a draw from softmax(logits): 4,000 keys, fixed bits.
     logits = torch.tensor([0.0, 1.0, 2.0])
-    drawn = torch.stack([(logits + gumbel(group_key(SEED, EPOCH, slot), 0, torch.arange(1), 3)[0]).argmax()
+    drawn = torch.stack([(logits + gumbel(group_key(SEED, TERM, slot), 0, torch.arange(1), 3)[0]).argmax()
                          for slot in range(4000)])
     assert torch.bincount(drawn, minlength=3) / 4000 == pytest.approx(torch.softmax(logits, 0).tolist(), abs=0.02)
 
@@ -73,7 +73,7 @@ def test_the_margin_drawn_only_where_a_token_could_win_is_the_whole_vocabularys(
     few (a language model's peaked logits): the same margins as the whole grid's, for peaked and
     flat scores, the sampled token and others; gumbel_at is gumbel's noise at its pairs (the same
     bits; a log's last bit may differ where a tensor's length leaves a vectorised loop a tail)."""
-    key, positions, vocab = group_key(SEED, EPOCH, 3), torch.arange(5, 37), 4096
+    key, positions, vocab = group_key(SEED, TERM, 3), torch.arange(5, 37), 4096
     grid = gumbel(key, 1, positions, vocab)
     rows, ids = torch.randint(0, 32, (100,)), torch.randint(0, vocab, (100,))
     assert torch.allclose(gumbel_at(key, 1, positions[rows], ids), grid[rows, ids], rtol=0, atol=1e-5)
@@ -121,7 +121,7 @@ def _engines(dtype: str = "float32", sampling=KEYED):
 
 
 def _keyed_groups(sampler: HFEngine, prompts: list[int], first_slot: int = 1, **changes) -> list:
-    return keyed_groups(sampler, prompts, SEED, EPOCH, KEYED.group_size, first_slot, **changes)
+    return keyed_groups(sampler, prompts, SEED, TERM, KEYED.group_size, first_slot, **changes)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -173,12 +173,12 @@ def test_episodes_draw_keyed_noise_turn_by_turn_and_a_turn_changed_is_a_token_fo
     env = load_environment(TaskConfig(name="math_tools"))
     prompts = [env.prompt(i) for i in range(2)]
     prompt_ids = [sampler.encode_chat(p.messages) for p in prompts]
-    keys = [group_key(SEED, EPOCH, slot) for slot in (1, 2)]
+    keys = [group_key(SEED, TERM, slot) for slot in (1, 2)]
     episodes = play_episodes(sampler, env, prompts, prompt_ids, 2, 384, keys=keys)
     assert all(len(c.observations) >= 2 for group in episodes for c in group)  # three turns or more
     again = play_episodes(sampler, env, prompts, prompt_ids, 2, 384, keys=keys)
     assert [[c.token_ids.tolist() for c in g] for g in again] == [[c.token_ids.tolist() for c in g] for g in episodes]
-    groups = [honest_group(p.index, task=env.name, version=0, epoch=EPOCH, slot=slot, prompt_token_ids=ids,
+    groups = [honest_group(p.index, task=env.name, version=0, term=TERM, slot=slot, prompt_token_ids=ids,
                            completions=completions)
               for p, ids, slot, completions in zip(prompts, prompt_ids, (1, 2), episodes)]
     for group in groups:
@@ -253,17 +253,17 @@ async def test_a_forgery_found_in_the_step_is_refused_and_struck_and_the_step_tr
                       sampling=KEYED.model_dump(), trainer={"groups_per_step": 2})
     run = await runs.open("held", "trainer")
     lease = await take_lease(run)
-    assert lease.epoch == EPOCH
+    assert lease.term == TERM
     model = TrainerModel(cfg, Ranks("cpu"))
     model.resume()
     model.remember(0)
     sampler = HFEngine("tiny", LORA, KEYED, "cpu", "float32")
     load_weights(sampler.model, [bytearray(s) for s in weights_shards(model.module, 2**30)])
     quarantine, ledger = Quarantined(run, after=3), GrantLedger(seed=cfg.run.seed)
-    judge = Judge(Referee(TASK, TOKENIZER, len(TOKENIZER), KEYED), Timeline(max_staleness=1, epoch=EPOCH),
+    judge = Judge(Referee(TASK, TOKENIZER, len(TOKENIZER), KEYED), Timeline(max_staleness=1, term=TERM),
                   proof=model.proof, check_many=model.check_many)
     collector = Collector(await RolloutInbox.open(run), judge, ledger, quarantine=quarantine)
-    granter = AsyncGranter(run, EPOCH, cfg, model.state, ledger, quarantine)
+    granter = AsyncGranter(run, TERM, cfg, model.state, ledger, quarantine)
     await granter.start()
     await granter.ask(0)
     trainer = Trainer(cfg, lease, model, collector, granter, RecentSteps(2, 1, cfg.run.steps))
@@ -363,7 +363,7 @@ async def test_one_samplers_text_of_its_choosing_is_refused_and_it_is_quarantine
             quarantine = Quarantined(trainer, after=3)
             await quarantine.start(background)
             ledger, referee = GrantLedger(), Referee(TASK, TOKENIZER, len(TOKENIZER), KEYED)
-            judge = Judge(referee, Timeline(max_staleness=1, epoch=EPOCH), proof=proof)
+            judge = Judge(referee, Timeline(max_staleness=1, term=TERM), proof=proof)
             collector = Collector(await RolloutInbox.open(trainer), judge, ledger, quarantine=quarantine)
             for slot, (what, attack) in enumerate(attacks.items(), start=1):
                 honest = _keyed_groups(sampler, [slot], first_slot=slot, group_id=f"f{slot}")[0]
@@ -394,7 +394,7 @@ def test_the_paged_engine_draws_the_keyed_noise_hf_draws_and_its_groups_pass_the
     paged = PagedEngine("tiny", LORA, KEYED, "cpu", "float32")
     paged.model.load_state_dict(sampler.model.state_dict())
     prompts = [sampler.encode_chat(REFEREE.task.prompt(i).messages) for i in range(6)]
-    draws = [Draw(group_key(SEED, EPOCH, slot), first=slot % 3, position=slot % 5) for slot in range(1, 7)]
+    draws = [Draw(group_key(SEED, TERM, slot), first=slot % 3, position=slot % 5) for slot in range(1, 7)]
     want = [g for gens in sampler.generate(prompts, 4, draws=draws) for g in gens]
     got = [g for gens in paged.generate(prompts, 4, draws=draws) for g in gens]
     assert len({len(g.token_ids) for g in got}) > 3  # they left the batch at different steps

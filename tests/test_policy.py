@@ -11,13 +11,20 @@ import torch
 
 import echo.model.loading
 import echo.model.policy
-from echo.train.algorithms import grpo
-from echo.train.algorithms.grpo import token_logprobs
 from echo.config import LoraConfig, SamplingConfig
 from echo.engines.base import call_seed
 from echo.engines.hf import HFEngine, PagedEngine
 from echo.model.loading import base_model_digest, load_model
-from echo.model.policy import WeightsMismatch, group_logprobs, make_policy, packed_logprobs, tensors_from_buffer, weights_shards
+from echo.model.policy import (
+    WeightsMismatch,
+    group_logprobs,
+    make_policy,
+    packed_logprobs,
+    tensors_from_buffer,
+    weights_shards,
+)
+from echo.train.algorithms import grpo
+from echo.train.algorithms.grpo import token_logprobs
 
 SAMPLING = SamplingConfig(group_size=4, max_new_tokens=12, temperature=0.7)
 
@@ -328,8 +335,8 @@ def test_the_engine_keeps_one_steps_logits_and_its_log_probs_are_those_of_every_
 
 def test_a_calls_sampling_noise_comes_from_the_runs_seed(engines):
     """Each process seeded its sampling at random: no run was reproducible from its config. A
-    call's seed (call_seed: run seed, sampler, trainer epoch, first slot) draws the same
-    completions in another engine, and another slot's, epoch's, sampler's or run's draws others."""
+    call's seed (call_seed: run seed, sampler, trainer term, first slot) draws the same
+    completions in another engine, and another slot's, term's, sampler's or run's draws others."""
     a, b = engines
     b.load_weights(shards_of(a.model))  # the same weights in both
     prompts = [a.encode_chat([{"role": "user", "content": text}]) for text in ("What is 2 + 3?", "Hi")]

@@ -121,8 +121,8 @@ async def test_a_forging_sampler_is_rejected_then_quarantined_until_an_operator_
         assert [a.group.group_id for a in collected.used] == ["h1"]
         assert collected.rejected == {"logprob_forgery": 2, "quarantined": 1}  # f3 came after the quarantine
         assert await read_quarantine(run) == {"s1": "2 strikes, the last logprob_forgery"}
-        orders = AsyncGranter(run, lease.epoch, cfg, TrainerState(version=1), GrantLedger(), quarantine)
-        asked = GrantRequest(want=2, epoch=lease.epoch, version=1)
+        orders = AsyncGranter(run, lease.term, cfg, TrainerState(version=1), GrantLedger(), quarantine)
+        asked = GrantRequest(want=2, term=lease.term, version=1)
         assert (await orders.grant("s1", asked)).groups == 0 and (await orders.grant("s2", asked)).groups == 2
 
         # The sampler's heartbeat shows it.
@@ -164,7 +164,7 @@ def test_a_partial_rollout_is_checked_token_by_token_under_the_version_that_samp
 
     prompt_ids = sampler.encode_chat(REFEREE.task.prompt(3).messages)
     generations = sampler.generate([prompt_ids], sampling.group_size, newer_weights=TwoSwaps(),
-                                   draws=[Draw(group_key(5, 0, 1))])[0]  # the group's slot 1 of epoch 0
+                                   draws=[Draw(group_key(5, 0, 1))])[0]  # the group's slot 1 of term 0
     for g in generations:  # a completion that ended before a swap does not name it
         assert g.version_changes == tuple(c for c in ((8, 1), (16, 2)) if c[0] < len(g.token_ids))
     assert max(len(g.version_changes) for g in generations) == 2

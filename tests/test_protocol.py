@@ -24,12 +24,13 @@ from echo.wire.messages import (
     PullRequest,
     RolloutGroup,
     SamplerStatus,
+    TrainerLease,
     TrainerStatus,
     WeightsAnnouncement,
     WeightsLink,
     WeightsShard,
 )
-from echo.wire.names import HDR_MSG_ID, HDR_SCHEMA, HDR_VERSION, SCHEMA_VERSION, RunNames
+from echo.wire.names import HDR_MSG_ID, HDR_SCHEMA, HDR_VERSION, SCHEMA_VERSION, RunNames, Version
 from tests.groups import honest_group, pack_rollout, unpack_rollout
 
 
@@ -78,9 +79,9 @@ def test_a_rollout_costs_8_bytes_a_completion_token_plus_its_text():
 
 def test_other_messages_round_trip():
     shard = WeightsShard(object_name="a", size=10, sha256="0" * 64)
-    ann = WeightsAnnouncement(version=2, epoch=1, kind="full", shards=[shard, shard], base_model="tiny", created_at=1.0)
+    ann = WeightsAnnouncement(version=2, term=1, kind="full", shards=[shard, shard], base_model="tiny", created_at=1.0)
     assert ann.size == 20
-    req = PullRequest(request_id="r1", epoch=1, version=2, groups=8)
+    req = PullRequest(request_id="r1", term=1, version=2, groups=8)
     assert decode(WeightsAnnouncement, encode(ann)) == ann
     assert decode(PullRequest, encode(req)) == req
 
@@ -191,7 +192,7 @@ def test_a_group_recorded_in_schema_13_still_decodes_and_one_mixing_the_names_do
     subject = RunNames("r").rollouts_subject("s1")
     raw = unpack_rollout(encode_rollout(group))
     recorded = pack_rollout(raw | {"schema_version": 13, "lease": raw.pop("slot"),
-                                   "policy_version": raw.pop("version")})
+                                   "policy_version": raw.pop("version"), "epoch": raw.pop("term")})
     headers = rollout_headers(group) | {HDR_SCHEMA: "13"}
     assert decode_rollout(recorded, headers, subject) == group
     with pytest.raises(ProtocolError, match="header_mismatch"):
@@ -213,24 +214,49 @@ def test_messages_recorded_in_schema_19_decode_under_the_names_of_20():
     group = make_group()
     subject = RunNames("r").rollouts_subject("s1")
     raw = unpack_rollout(encode_rollout(group))
-    version = raw.pop("version")
-    recorded = pack_rollout(raw | {"schema_version": 19, "policy_version": version})
+    version, term = raw.pop("version"), raw.pop("term")
+    recorded = pack_rollout(raw | {"schema_version": 19, "policy_version": version, "epoch": term})
     assert decode_rollout(recorded, rollout_headers(group) | {HDR_SCHEMA: "19"}, subject) == group
     beat = {"schema_version": 19, "sampler_id": "s1", "version": 3, "groups_published": 0, "weight_failures": {},
             "updated_at": 1.0, "incarnation": "ab12"}
     assert decode(SamplerStatus, orjson.dumps(beat)).process == "ab12"
     asked = {"schema_version": 19, "want": 2, "epoch": 1, "version": 3, "incarnation": "ab12"}
-    assert decode(GrantRequest, orjson.dumps(asked)) == GrantRequest(want=2, epoch=1, version=3, process="ab12")
+    assert decode(GrantRequest, orjson.dumps(asked)) == GrantRequest(want=2, term=1, version=3, process="ab12")
     pace = {"schema_version": 19, "step_s": 1.0, "groups_per_step": 4, "max_staleness": 1, "version": 3,
             "utilisation": 0.5, "updated_at": 1.0}
     assert decode(TrainerStatus, orjson.dumps(pace)).version == 3
-    both = pack_rollout(raw | {"schema_version": 19, "policy_version": version, "version": version})
+    both = pack_rollout(raw | {"schema_version": 19, "policy_version": version, "version": version, "epoch": term})
     with pytest.raises(ProtocolError, match="bad_schema"):
         decode_rollout(both, rollout_headers(group) | {HDR_SCHEMA: "19"}, subject)
     with pytest.raises(ProtocolError, match="bad_schema"):
         decode_rollout(_mutate(policy_version=3, version=None), rollout_headers(group), subject)
     with pytest.raises(ProtocolError, match="bad_schema"):
         decode(SamplerStatus, orjson.dumps(beat | {"schema_version": SCHEMA_VERSION}))
+
+
+def test_messages_of_27_name_the_trainers_term_epoch_and_read_as_term():
+    """Schema 28 calls the trainer's count of takeovers its term (an epoch is a pass over the data
+    in verl, TRL and PPO): a recorded group, lease, announcement, pull request and request for work
+    of 27 still read; one of 28 naming an epoch does not."""
+    group = make_group()
+    subject = RunNames("r").rollouts_subject("s1")
+    raw = unpack_rollout(encode_rollout(group))
+    recorded = pack_rollout(raw | {"schema_version": 27, "epoch": raw.pop("term")})
+    assert decode_rollout(recorded, rollout_headers(group) | {HDR_SCHEMA: "27"}, subject) == group
+    lease = {"schema_version": 27, "epoch": 4, "holder": "h", "process": "ab"}
+    assert decode(TrainerLease, orjson.dumps(lease)).term == 4
+    shard = WeightsShard(object_name="w-0", size=1, sha256="0" * 64)
+    announced = {"schema_version": 27, "version": 3, "epoch": 2, "kind": "lora", "shards": [shard.model_dump()],
+                 "base_model": "tiny", "created_at": 1.0}
+    assert decode(WeightsAnnouncement, orjson.dumps(announced)).term_version == Version(2, 3)
+    pulled = {"schema_version": 27, "request_id": "r1", "epoch": 2, "version": 3, "groups": 8}
+    assert decode(PullRequest, orjson.dumps(pulled)).term == 2
+    asked = {"schema_version": 27, "want": 2, "epoch": 2, "version": 3, "process": "ab12"}
+    assert decode(GrantRequest, orjson.dumps(asked)).term == 2
+    with pytest.raises(ProtocolError, match="bad_schema"):
+        decode(GrantRequest, orjson.dumps(asked | {"schema_version": SCHEMA_VERSION}))
+    with pytest.raises(ProtocolError, match="bad_schema"):
+        decode(GrantRequest, orjson.dumps(asked | {"term": 2}))  # both names at once
 
 
 def test_a_budget_of_25_reads_as_waking_every_idle_sampler_and_26_bounds_its_counts():

@@ -142,7 +142,7 @@ async def test_an_edge_sampler_behind_a_relay_reads_the_config_and_heartbeats_to
 
     await serve_grants(run, grant_all)
     async with asyncio.timeout(5):  # the hub tells the leaf of the trainer's interest a moment later
-        while not (grant := await request_grant(sampler_run, "far", GrantRequest(want=3, epoch=1, version=0))):
+        while not (grant := await request_grant(sampler_run, "far", GrantRequest(want=3, term=1, version=0))):
             await asyncio.sleep(0.05)
     assert grant.groups == 3  # the trainer's answer through it
     assert await read_statuses(run) == [status]

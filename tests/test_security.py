@@ -88,7 +88,7 @@ async def test_a_second_trainer_refuses_to_start_and_a_dead_ones_lease_lapses(ru
         await take_lease(second)
     renewing.cancel()  # the first trainer dies without releasing
     taken = await take_lease(second)
-    assert taken.epoch == lease.epoch + 1
+    assert taken.term == lease.term + 1
     with pytest.raises(AnotherTrainer):  # the old holder wakes up: its renewal fails, it stops at once
         await lease.renew_forever()
     with pytest.raises(AnotherTrainer):
@@ -105,27 +105,27 @@ async def test_forged_and_pre_deduplicated_announcements_do_not_wedge_samplers(r
     await follower.wait_for(0)
 
     attacker = trainer.js  # any client allowed to publish on the weights subject
-    # Another epoch than the lease's is refused, whatever its version.
-    foreign = real.model_copy(update={"version": 10**9, "epoch": 99})
+    # Another term than the lease's is refused, whatever its version.
+    foreign = real.model_copy(update={"version": 10**9, "term": 99})
     await attacker.publish(trainer.names.weights_subject, encode(foreign))
     # The follower only looks at the newest announcement: wait for each refusal before the next.
-    await _until(lambda: follower.failures["wrong_epoch"] == 1)
+    await _until(lambda: follower.failures["wrong_term"] == 1)
     # The next version's id taken first: with the old predictable ids the real one was dropped.
     await attacker.publish(trainer.names.weights_subject, encode(foreign), headers={HDR_MSG_ID: "weights-1"})
-    await _until(lambda: follower.failures["wrong_epoch"] == 2)
+    await _until(lambda: follower.failures["wrong_term"] == 2)
     await trainer_weights.publish(1, [b"v1" * 100], TINY_BASE)
     assert (await follower.wait_for(1))[0].version == 1
 
-    # A forgery in the current epoch wins until the trainer restarts: its next epoch orders
-    # its versions after every version of the old epoch, forged or not.
-    forged = real.model_copy(update={"version": 10**9, "epoch": lease.epoch})
+    # A forgery in the current term wins until the trainer restarts: its next term orders
+    # its versions after every version of the old term, forged or not.
+    forged = real.model_copy(update={"version": 10**9, "term": lease.term})
     await attacker.publish(trainer.names.weights_subject, encode(forged))
     await follower.wait_for(10**9)
     await lease.release()
     restarted = await take_lease(trainer)
     trainer_weights = WeightsPublisher(restarted)
     await trainer_weights.publish(2, [b"v2" * 100], TINY_BASE)
-    await _until(lambda: follower.ready[0].epoch_version == (restarted.epoch, 2))
+    await _until(lambda: follower.ready[0].term_version == (restarted.term, 2))
     await follower.stop()
 
 

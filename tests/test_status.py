@@ -49,7 +49,7 @@ def test_status_shows_the_trainer_and_every_sampler_of_a_live_swarm(tmp_path):
             assert time.monotonic() < deadline, snap
             time.sleep(0.2)
         trainer = snap["trainer"]
-        assert trainer["epoch"] >= 1 and trainer["step"] >= 1 and trainer["version"] == trainer["step"]
+        assert trainer["term"] >= 1 and trainer["step"] >= 1 and trainer["version"] == trainer["step"]
         assert len(trainer["rewards"]) >= 1 and 0 < trainer["utilisation"] <= 1
         assert trainer["steps"] == 10_000 and trainer["elapsed_s"] > 0 and trainer["eta_s"] > 0
         assert trainer["model"] == "tiny" and trainer["task"] == "math" and not trainer["overdue"]

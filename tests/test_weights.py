@@ -150,7 +150,7 @@ async def test_a_damaged_adapter_is_refused_the_old_version_kept_and_the_fetch_r
             await asyncio.sleep(0.02)
     assert set(follower.failures) <= {"digest_mismatch", "truncated", "size_mismatch"}
     assert follower.ready[0].version == 0 and follower.ready[1] == [b"good" * 100_000]
-    await put_object(run.js, run.names.weights_bucket, weights_object_name(weights.epoch, 1, 0), adapter)  # repaired
+    await put_object(run.js, run.names.weights_bucket, weights_object_name(weights.term, 1, 0), adapter)  # repaired
     async with asyncio.timeout(5):
         assert (await follower.wait_for(1))[1] == [adapter]
     await weights.publish(2, [b"next" * 1000], TINY_BASE)  # and it still takes the next good one

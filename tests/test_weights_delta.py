@@ -176,10 +176,10 @@ async def test_a_delta_announced_before_its_objects_arrive_is_waited_for_not_ref
     await follower.wait_for(0)
     files = write(tmp_path, 1, weights[1])
     deltas = delta_shards(weights_at(tmp_path, 0), files, max_bytes=1 << 30)
-    names = [weights_object_name(publisher.epoch, 1, i) for i in range(len(deltas))]
+    names = [weights_object_name(publisher.term, 1, i) for i in range(len(deltas))]
     shards = [WeightsShard(object_name=name, size=len(data), sha256=hashlib.sha256(data).hexdigest())
               for name, data in zip(names, deltas)]
-    announcement = WeightsAnnouncement(version=1, epoch=publisher.epoch, kind="full", shards=shards,
+    announcement = WeightsAnnouncement(version=1, term=publisher.term, kind="full", shards=shards,
                                        base_model=TINY_BASE, created_at=0.0, digest=weights_digest(files), delta_of=0,
                                        chain=base.links)
     await run.js.publish(run.names.weights_subject, encode(announcement))
@@ -203,11 +203,11 @@ async def test_a_delta_bomb_inflates_no_further_than_the_weights_held(runs, tmp_
     bomb = zlib.compress(bytes(96 << 20), 9)  # ~100 KB that inflate to 96 MB
     shards = []
     for index in range(len(SHARDS)):
-        name = weights_object_name(anchor.epoch, 1, index)
+        name = weights_object_name(anchor.term, 1, index)
         await put_object(run.js, run.names.weights_bucket, name, bomb)
         shards.append(WeightsShard(object_name=name, size=len(bomb), sha256=hashlib.sha256(bomb).hexdigest()))
     claimed = [s.model_copy(update={"size": 1 << 30}) for s in anchor.shards]  # the anchor "is" 2 GiB
-    forged = WeightsAnnouncement(version=1, epoch=anchor.epoch, kind="full", shards=shards, base_model=TINY_BASE,
+    forged = WeightsAnnouncement(version=1, term=anchor.term, kind="full", shards=shards, base_model=TINY_BASE,
                                  created_at=time.time(), digest="f" * 64, delta_of=0,
                                  chain=[WeightsLink(version=0, shards=claimed, digest=anchor.digest)])
     tracemalloc.start()

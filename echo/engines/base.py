@@ -28,12 +28,12 @@ class Generation:
     routing: np.ndarray | None = None
 
 
-def call_seed(run_seed: int, sampler_id: str, epoch: int, slot: int) -> int:
+def call_seed(run_seed: int, sampler_id: str, term: int, slot: int) -> int:
     """The sampling noise of the generation call that fills `slot` (its first) in the trainer's
-    `epoch`, from the run's seed: a run is reproducible from its config, and no two
+    `term`, from the run's seed: a run is reproducible from its config, and no two
     calls draw the same, a restarted sampler's included (slots are numbered once per run: an
     honest sampler must never repeat a completion, which the trainer refuses)."""
-    digest = hashlib.sha256(f"{run_seed}/{sampler_id}/{epoch}/{slot}".encode()).digest()
+    digest = hashlib.sha256(f"{run_seed}/{sampler_id}/{term}/{slot}".encode()).digest()
     return int.from_bytes(digest[:4], "little")  # vLLM's seeds are 32-bit
 
 

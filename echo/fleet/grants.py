@@ -176,7 +176,7 @@ class GrantLedger:
 
     def __init__(self, issued: int = 0, active_s: float = ACTIVE_S, rate_window_s: float = 60.0, seed: int = 0,
                  bound: DeliveryBound | None = None):
-        self.issued = issued  # slots numbered so far in the run, in every epoch of the trainer
+        self.issued = issued  # slots numbered so far in the run, in every term of the trainer
         self.seed = seed  # the run's: slot_prompt's
         self.prompts: dict[int, int] = {}  # slot number -> the prompt index it was granted with, until it settles
         # (prompt, noise slot) of lost slots, granted again first with the noise they were first

@@ -3,7 +3,7 @@
 A token drawn as argmax(logits / T + g), with g a standard Gumbel variable for each vocabulary
 id, is a draw from softmax(logits / T): the same distribution as plain temperature sampling.
 Here g is not the engine's random state but a function of the group's key (the run's seed, the
-trainer's epoch and the slot it granted), the completion's index in the group, the token's
+trainer's term and the slot it granted), the completion's index in the group, the token's
 position in the completion and the vocabulary id. So a completion is a function of the policy's
 logits: a sampler holding the grant has no choice of text, and the trainer, recomputing the
 logits, checks that each token is the one the noise picks (echo/trust/proof.py). The exceptions are
@@ -24,10 +24,10 @@ import torch
 _M32 = 0xFFFFFFFF
 
 
-def group_key(run_seed: int, epoch: int, slot: int) -> int:
-    """The noise key of the group that fills `slot` in the trainer's `epoch`: slots are numbered
-    once per epoch, so no two groups of a run share noise, a restarted sampler's included."""
-    digest = hashlib.sha256(f"echo-noise/{run_seed}/{epoch}/{slot}".encode()).digest()
+def group_key(run_seed: int, term: int, slot: int) -> int:
+    """The noise key of the group that fills `slot` in the trainer's `term`: slots are numbered
+    once per term, so no two groups of a run share noise, a restarted sampler's included."""
+    digest = hashlib.sha256(f"echo-noise/{run_seed}/{term}/{slot}".encode()).digest()
     return int.from_bytes(digest[:8], "little")
 
 

@@ -320,7 +320,7 @@ class SamplingProof:
         keyed noise and does not trust the group's sampler's text."""
         if self.noise_seed is None or group.sampler_id in self.trusted:
             return None
-        return group_key(self.noise_seed, group.epoch, group.keyed_slot)
+        return group_key(self.noise_seed, group.term, group.keyed_slot)
 
     def exact(self, group: RolloutGroup) -> bool:
         """fp32 on both sides agrees to float error; a 16-bit side (the group's sampler, or this

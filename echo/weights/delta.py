@@ -115,7 +115,7 @@ def route(announcement: WeightsAnnouncement, held: WeightsAnnouncement | None) -
     """The announced version's links to fetch and apply in turn: after the one held (the same
     trainer's version, with the same digest) when it is in the chain, else from the anchor."""
     links = announcement.links
-    if held is not None and held.epoch == announcement.epoch and held.digest:
+    if held is not None and held.term == announcement.term and held.digest:
         for i, link in enumerate(links):
             if link.version == held.version and link.digest == held.digest:
                 return links[i + 1:]

@@ -7,17 +7,17 @@ of the other. Importers name the module they use:
 - codec.py: messages as JSON, a rollout group as JSON fields and fixed-width arrays, strict
   decoding (ProtocolError with a reason) and the earlier schemas still read (_UPGRADES).
 
-Each word keeps one meaning on the wire: a `version` is a number within an epoch, `Version` the
-pair (epoch, version) that orders them; an `epoch` is the trainer's count of takeovers, not an
-identity; a `process` is one process's name (a sampler's, or the lease holder's); a slot is one
-group of granted work; the trainer's status is a TrainerStatus. Header and key values that stored
+Each word keeps one meaning on the wire: a `version` is a number within a term, `Version` the
+pair (term, version) that orders them; a `term` is the trainer's count of takeovers (Raft's word,
+not a pass over the data), not an identity; a `process` is one process's name (a sampler's, or
+the lease holder's); a slot is one group of granted work; the trainer's status is a TrainerStatus. Header and key values that stored
 streams and buckets already carry keep their old spelling (`Echo-Policy-Version`, `policy-version`,
 the status key `learner`).
 
 Schema history (names.SCHEMA_VERSION; a change to a message bumps it, and a rename also reads the
 earlier schema, renamed, so a recorded run replays and a restarted trainer trains the groups it had
 not read; this is the one list of it):
-2: a weights announcement lists shards; 3: and names the trainer's epoch.
+2: a weights announcement lists shards; 3: and names the trainer's epoch (a term since 28).
 4: the trainer grants work (GrantRequest/Grant), samplers no longer take it from KV.
 5: grants are numbered slots: a grant names them, a group carries the one it fills and its epoch.
 6: a group names the engine and precision that sampled it.
@@ -63,4 +63,8 @@ not read; this is the one list of it):
     wake to ask; read as 0 (every idle sampler asks) before.
 27: a grant refusing a sampler whose long groups would arrive stale names the version it waits for
     (`wait_version`): budgets of older ones do not wake it; read as 0 (none) before.
+28: the trainer's count of takeovers is its `term` (in verl, TRL and PPO an epoch is a pass over
+    the data); `epoch` before, in every message that names it (announcements, the lease, pull
+    requests, requests for work, groups). Stored names keep theirs: the weights objects'
+    `trainer-epoch` header and their names' `e` prefix.
 """

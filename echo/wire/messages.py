@@ -43,7 +43,7 @@ class Message(BaseModel):
     """A message of the wire, naming the schema it was written in."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    schema_version: Literal[27] = SCHEMA_VERSION
+    schema_version: Literal[28] = SCHEMA_VERSION
 
 
 # The validation context of a decoded message, whose arrays the codec (echo/wire/codec.py) checked
@@ -221,7 +221,7 @@ class RolloutGroup(_HoldsArrays, Message):
     group_id: str = Field(pattern=ID_PATTERN)
     sampler_id: str = Field(pattern=ID_PATTERN)
     version: Count
-    epoch: Count  # the epoch of the trainer whose weights generated it (versions restart with one)
+    term: Count  # the term of the trainer whose weights generated it (versions restart with one)
     task: Label
     prompt_index: Count  # the task's prompt at this index (echo.tasks.Task.prompt), as its slot's grant named
     slot: int = Field(ge=1, le=COUNT_MAX)  # the granted slot this group fills (Grant.slots)
@@ -310,7 +310,7 @@ class WeightsAnnouncement(Message):
     from the anchor. `digest` is that of the whole weights this version makes."""
 
     version: int = Field(ge=0)
-    epoch: int = Field(ge=1)  # the announcing trainer's TrainerLease.epoch: versions are ordered within one
+    term: int = Field(ge=1)  # the announcing trainer's TrainerLease.term: versions are ordered within one
     kind: Literal["lora", "full"]
     shards: list[WeightsShard] = Field(min_length=1)
     base_model: str  # its content digest (echo/model/loading.py::base_model_digest): any copy matches
@@ -343,19 +343,19 @@ class WeightsAnnouncement(Message):
         return sum(s.size for s in self.shards)
 
     @property
-    def epoch_version(self) -> Version:
-        """Its version as the wire orders them: by epoch, then number."""
-        return Version(self.epoch, self.version)
+    def term_version(self) -> Version:
+        """Its version as the wire orders them: by term, then number."""
+        return Version(self.term, self.version)
 
 
 class TrainerLease(Message):
-    """The run's owner. Each trainer start takes the next epoch (compare-and-set) and renews the
+    """The run's owner. Each trainer start takes the next term (compare-and-set) and renews the
     lease while it runs: a second trainer finds it renewed and refuses to start; a restarted one
-    finds it lapsed (or released) and takes over. Samplers accept announcements of this epoch only.
-    `epoch` is the trainer's count of takeovers, which orders them, not an identity: `process`
+    finds it lapsed (or released) and takes over. Samplers accept announcements of this term only.
+    `term` is the trainer's count of takeovers, which orders them, not an identity: `process`
     names the process that holds the lease."""
 
-    epoch: int = Field(ge=1)
+    term: int = Field(ge=1)
     holder: str  # host and process, for the operator
     released: bool = False  # a trainer that stopped cleanly: the next may start at once
     # The holder's process as its machine names it (echo/process/lifeline.py; "" where it cannot): a trainer
@@ -508,21 +508,21 @@ class Strikes(Message):
 
 class PullRequest(Message):
     """Sequential mode: the trainer wants `groups` groups generated with `version` of its
-    `epoch`: a trainer resumed from an older checkpoint asks for a version lower than the one
+    `term`: a trainer resumed from an older checkpoint asks for a version lower than the one
     samplers run, and means its own."""
 
     request_id: str = Field(pattern=ID_PATTERN)
-    epoch: int = Field(ge=1)
+    term: int = Field(ge=1)
     version: int = Field(ge=0)
     groups: int = Field(ge=1)
 
 
 class GrantRequest(Message):
     """A sampler asks the trainer for up to `want` groups to generate with the weights it runs
-    (`epoch`, `version`); in sequential mode, for the pull request `pull_request_id`."""
+    (`term`, `version`); in sequential mode, for the pull request `pull_request_id`."""
 
     want: int = Field(ge=1, le=1024)
-    epoch: Count
+    term: Count
     version: int = Field(ge=-1, le=COUNT_MAX)
     pull_request_id: str | None = Field(None, pattern=ID_PATTERN)
     process: str = Field("", pattern=PROCESS_PATTERN)  # the process asking (SamplerStatus.process)

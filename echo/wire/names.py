@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
-SCHEMA_VERSION = 27  # what each schema changed, and which earlier ones are still read: echo/wire/__init__.py
+SCHEMA_VERSION = 28  # what each schema changed, and which earlier ones are still read: echo/wire/__init__.py
 
 # Run and sampler ids become subject tokens and stream names: keep them to safe characters.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -43,13 +43,13 @@ HUB_DOMAIN = "hub"
 
 # Headers on each adapter object in the weights bucket; values must be lists of strings.
 OBJ_HDR_VERSION = "policy-version"
-OBJ_HDR_EPOCH = "trainer-epoch"
+OBJ_HDR_TERM = "trainer-epoch"  # the term; its value predates the name (schema 28)
 
 TRAINER_CONSUMER = "trainer"
 # Keys of the run's state bucket.
 CONFIG_KEY = "config"  # the run's config, JSON: an edge sampler needs only the URL and the run id
 BUDGET_KEY = "budget"  # async mode's GrantBudget, written by the trainer
-TRAINER_KEY = "trainer"  # the TrainerLease: which trainer process, in which epoch, owns the run
+TRAINER_KEY = "trainer"  # the TrainerLease: which trainer process, in which term, owns the run
 SLOTS_KEY = "slots"  # the number of slots granted so far (the trainer's, kept across restarts)
 SLOTS_KEY_BEFORE_14 = "leases"  # its name before schema 14, read when a run that began earlier resumes
 QUARANTINE_KEY = "quarantine"  # samplers whose groups are ignored (Quarantine), by the trainer or an operator
@@ -164,18 +164,18 @@ def prompts_object_name(sha256_hex: str) -> str:
     return f"prompts-{sha256_hex}"
 
 
-def weights_object_name(epoch: int, version: int, shard: int) -> str:
-    # Keyed by epoch too: a trainer resumed from an older checkpoint republishes versions an
-    # earlier epoch published, and must not overwrite what a sampler may be reading.
-    return f"weights-e{epoch:06d}-v{version:08d}-{shard:04d}.safetensors"
+def weights_object_name(term: int, version: int, shard: int) -> str:
+    # Keyed by term too: a trainer resumed from an older checkpoint republishes versions an
+    # earlier term published, and must not overwrite what a sampler may be reading.
+    return f"weights-e{term:06d}-v{version:08d}-{shard:04d}.safetensors"
 
 
 class Version(NamedTuple):
-    """A version of the weights as the wire orders them: the epoch of the trainer that published
+    """A version of the weights as the wire orders them: the term of the trainer that published
     it (its count of takeovers) and its number. Ordered as a tuple: a restarted trainer's versions
     come after its predecessor's, whatever their numbers."""
 
-    epoch: int
+    term: int
     version: int
 
 
@@ -183,7 +183,7 @@ class Version(NamedTuple):
 # terminals: every number finite and in range (JSON gives no inf or NaN; 1e308 overflowed a mean),
 # every string short and free of control characters (a terminal obeys escape sequences), every
 # dict small with keys of the declared kind (a key "x" for a version stopped the trainer).
-COUNT_MAX = 2**53 - 1  # versions, epochs, slots, prompt indices, counts: exact as a double, safe in int64 sums
+COUNT_MAX = 2**53 - 1  # versions, terms, slots, prompt indices, counts: exact as a double, safe in int64 sums
 SECONDS_MAX = 1e9  # about 31 years
 RATE_MAX = 1e12
 TIMESTAMP_MAX = 1e11  # Unix seconds, the year 5138

@@ -10,7 +10,7 @@ import time
 
 from echo.wire.messages import SamplerStatus, TrainerStatus
 from streams.client import RunClient
-from streams.lease import current_epoch
+from streams.lease import current_term
 from streams.quarantine import read_quarantine
 from streams.registry import read_statuses, read_trainer_status
 from streams.rollouts import account_storage, rollouts_backlog
@@ -31,7 +31,7 @@ async def snapshot(run: RunClient) -> dict:
         "run_id": run.names.run_id,
         "at": now,
         "trainer": None if trainer is None else {
-            "epoch": await current_epoch(run), "step": trainer.step, "version": trainer.version,
+            "term": await current_term(run), "step": trainer.step, "version": trainer.version,
             "rewards": trainer.rewards, "utilisation": trainer.utilisation, "step_s": trainer.step_s,
             "publish_s": trainer.publish_s, "accounting": trainer.accounting, "rejected": trainer.rejected,
             "seen_s_ago": round(now - trainer.updated_at, 1), "finished": trainer.finished,

@@ -1,7 +1,7 @@
 """`echo-rl status`: what a run is doing, read from the broker alone (any machine that reaches
 it can look; a secured broker's observer credentials suffice).
 
-One snapshot (workers/operator/snapshot.py, which the page draws too): the trainer (epoch, step, version, recent rewards, learner busy, pace,
+One snapshot (workers/operator/snapshot.py, which the page draws too): the trainer (term, step, version, recent rewards, learner busy, pace,
 publish time, what became of every group), each sampler in the registry (state, version and lag
 behind the trainer, engine and device, rates, sync time, cost, quarantine), the rollout stream
 (messages, bytes, pending, unacked) and which relay each sampler reads weights from. `--once
@@ -58,7 +58,7 @@ def render(snap: dict, every: bool = False):
         head.add_row("trainer", "no step yet")
     else:
         head.add_row("progress", progress(trainer))
-        head.add_row("trainer", f"epoch {trainer['epoch']}, version {trainer['version']}, "
+        head.add_row("trainer", f"term {trainer['term']}, version {trainer['version']}, "
                      f"learner busy {trainer['utilisation']:.0%}, {trainer['step_s']:.2f} s a step, "
                      f"publish {trainer['publish_s']:.2f} s")
         head.add_row("reward (last steps)", " ".join(f"{r:.2f}" for r in trainer["rewards"]))

@@ -38,10 +38,10 @@ class Generation:
         published, is measured."""
         running, slots = self.weights.running, grant.slots
         prompts = [await self.prompts.prompt(index) for index in grant.prompts]
-        seed = call_seed(self.cfg.run.seed, self.sampler_id, running.epoch, slots[0])
+        seed = call_seed(self.cfg.run.seed, self.sampler_id, running.term, slots[0])
         keyed = self.cfg.sampling.noise == "keyed" and self.weights.engine.keyed_noise  # else a trusted sampler's
         noise_slots = grant.keyed_slots()
-        keys = [group_key(self.cfg.run.seed, running.epoch, slot) for slot in noise_slots] if keyed else None
+        keys = [group_key(self.cfg.run.seed, running.term, slot) for slot in noise_slots] if keyed else None
         started = time.perf_counter()
         groups = await asyncio.to_thread(generate_groups, self.weights.engine, self.task, prompts, self.cfg.sampling,
                                          self.sampler_id, running, slots, self.weights, seed, keys, noise_slots)
@@ -91,7 +91,7 @@ def generate_groups(engine: Engine, task: Task, prompts: list, sampling: Samplin
             group_id=uuid.uuid4().hex,
             sampler_id=sampler_id,
             version=running.version,
-            epoch=running.epoch,
+            term=running.term,
             task=task.name,
             prompt_index=prompt.index,
             slot=slot,

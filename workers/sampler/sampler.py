@@ -63,15 +63,15 @@ class Sampler:
         # Woken by a budget or weights, it asks where the newest budget drew it and it runs that
         # budget's version (the rest of a crowd takes the slots), or where a new trainer took over;
         # and always after a call, a wait for work left, or a wait that timed out.
-        anyway, asked_epoch = True, None
+        anyway, asked_term = True, None
         while True:
             self.work.changed.clear()  # before reading the budget: no update can slip past
             await self.weights.apply_newest()
             await self.heartbeat.first_weights()
             running, drawn = self.weights.running, self.work.drawn
-            if (anyway or (drawn is not None and running.version >= drawn) or running.epoch != asked_epoch) \
+            if (anyway or (drawn is not None and running.version >= drawn) or running.term != asked_term) \
                     and not self.work.standby:
-                asked_at, asked_epoch = time.perf_counter(), running.epoch
+                asked_at, asked_term = time.perf_counter(), running.term
                 grant = await self.work.ask(running)
                 if grant and grant.slots:
                     await self.generation.generate_and_publish(grant, asked_at)
@@ -92,9 +92,9 @@ class Sampler:
             while True:
                 seq, request = await requests.wait_newer(seq)
                 self.work.pull_request = request
-                await self.weights.apply_newest(request.version, request.epoch)
+                await self.weights.apply_newest(request.version, request.term)
                 await self.heartbeat.first_weights()
-                if self.weights.running != (request.epoch, request.version):
+                if self.weights.running != (request.term, request.version):
                     continue  # the trainer has moved past this request already
                 while requests.seq == seq and await self.fill(request):
                     pass

@@ -43,12 +43,12 @@ class EngineWeights:
     async def stop(self) -> None:
         await self.follower.stop()
 
-    async def apply_newest(self, at_least: int = 0, epoch: int | None = None) -> None:
-        """Swap in the newest downloaded weights, waiting for version `at_least` (of `epoch`)
+    async def apply_newest(self, at_least: int = 0, term: int | None = None) -> None:
+        """Swap in the newest downloaded weights, waiting for version `at_least` (of `term`)
         if needed. A generation in flight is not touched here: it swaps between its chunks
         (between_chunks), or not at all."""
-        announcement, shards = await self.follower.wait_for(at_least, epoch)
-        if announcement.epoch_version > max(self.running, self.refused):
+        announcement, shards = await self.follower.wait_for(at_least, term)
+        if announcement.term_version > max(self.running, self.refused):
             await asyncio.to_thread(self.load, announcement, shards)
 
     async def wait_newer(self) -> None:
@@ -57,11 +57,11 @@ class EngineWeights:
 
     def between_chunks(self) -> int | None:
         """Partial rollouts: called from the engine's thread between chunks of a generation. The
-        newest downloaded weights of the epoch it began with, if newer: their version."""
+        newest downloaded weights of the term it began with, if newer: their version."""
         time.sleep(self.throttle_s)  # a slower machine, when asked: slower chunks too
         ready = self.follower.ready
         newest = max(self.running, self.refused)
-        if ready is None or ready[0].epoch != self.running.epoch or ready[0].epoch_version <= newest:
+        if ready is None or ready[0].term != self.running.term or ready[0].term_version <= newest:
             return None
         return self.version if self.load(*ready) else None
 
@@ -71,13 +71,13 @@ class EngineWeights:
         try:
             self.engine.load_weights(shards)
         except WeightsMismatch as e:
-            self.refused = announcement.epoch_version
+            self.refused = announcement.term_version
             self.follower.failures["weights_mismatch"] += 1
             log.warning("weights.refused", version=announcement.version, reason=str(e))
             return False
-        self.running = announcement.epoch_version
+        self.running = announcement.term_version
         bind_process(version=self.version)
-        fetched = self.follower.fetch_s.get(announcement.epoch_version, 0.0)
+        fetched = self.follower.fetch_s.get(announcement.term_version, 0.0)
         self.syncs = dict(list(self.syncs.items())[-SYNCS_KEPT + 1:])
         self.syncs[str(announcement.version)] = round(fetched + time.perf_counter() - started, 4)
         log.debug("weights.applied", version=self.version)

@@ -40,7 +40,7 @@ class Work:
     async def ask(self, running: Version, pull_request_id: str | None = None) -> Grant | None:
         """What the trainer grants this sampler to generate with the weights it runs (None: no
         answer came)."""
-        request = GrantRequest(want=self.prompts_per_call, epoch=running.epoch, version=running.version,
+        request = GrantRequest(want=self.prompts_per_call, term=running.term, version=running.version,
                                pull_request_id=pull_request_id, process=self.process)
         grant = await request_grant(self.run, self.sampler_id, request)
         self.answered(grant)

@@ -166,7 +166,7 @@ def count_consumed(totals: dict[str, int], collected: Collected) -> dict[str, in
 
 async def count_abandoned(inbox: RolloutInbox, consumed: ConsumedSeqs, totals: dict[str, int]) -> dict[str, int]:
     """At start: messages the broker has acked that this trainer's checkpoint never counted. A
-    trainer of an earlier epoch consumed them in a timeline whose checkpoint is gone (the run restarted
+    trainer of an earlier term consumed them in a timeline whose checkpoint is gone (the run restarted
     from an older checkpoint, or a wiped run directory on a broker that kept its streams). They
     are counted as `abandoned`, once."""
     counts = await inbox.counts()

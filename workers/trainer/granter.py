@@ -39,9 +39,9 @@ class Granter:
     `trainer.reissue_after_s`); such a one holds a slot at a time until it delivers, and doing it
     again is a strike."""
 
-    def __init__(self, run: RunClient, epoch: int, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
+    def __init__(self, run: RunClient, term: int, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
                  quarantine: Quarantined | None = None):
-        self.run, self.epoch, self.cfg, self.state, self.ledger = run, epoch, cfg, state, ledger  # epoch: the lease's
+        self.run, self.term, self.cfg, self.state, self.ledger = run, term, cfg, state, ledger  # term: the lease's
         self.quarantine = quarantine
         self.version = state.version
         self.fleet: set[str] = set()  # samplers that asked for work since this trainer started
@@ -166,7 +166,7 @@ class Granter:
             self.release_gone(sampler_id, restarted=True)
         elif sampler_id in self.gone:  # silent or stopped, and asking again
             self.rejoined(sampler_id, restarted=False)
-        if (self.quarantine and sampler_id in self.quarantine) or request.epoch != self.epoch:
+        if (self.quarantine and sampler_id in self.quarantine) or request.term != self.term:
             return Grant()
         if sampler_id in self.standby:
             return Grant()
@@ -208,7 +208,7 @@ class SequentialGranter(Granter):
 
     async def publish(self, groups: int) -> None:
         # Current before it is published: a sampler may ask for its groups at once.
-        self.request, self.granted = PullRequest(request_id=uuid.uuid4().hex, epoch=self.epoch,
+        self.request, self.granted = PullRequest(request_id=uuid.uuid4().hex, term=self.term,
                                                   version=self.version, groups=groups), 0
         self.first_slot = self.ledger.issued + 1
         await publish_pull_request(self.run, self.request)
@@ -335,7 +335,7 @@ class AsyncGranter(Granter):
         return None if long_s is None or fresh_for is None else long_s <= fresh_for
 
 
-def granter_for(run: RunClient, epoch: int, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
+def granter_for(run: RunClient, term: int, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
                  quarantine: Quarantined) -> "Granter":
     mode = SequentialGranter if cfg.run.mode == "sequential" else AsyncGranter
-    return mode(run, epoch, cfg, state, ledger, quarantine)
+    return mode(run, term, cfg, state, ledger, quarantine)

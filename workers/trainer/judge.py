@@ -78,8 +78,8 @@ class Timeline:
     """Which versions' groups this trainer may train on."""
 
     max_staleness: int
-    epoch: int = 0  # this trainer's epoch (streams/lease.py)
-    # The version it resumed from: an earlier epoch's versions up to that one are this
+    term: int = 0  # this trainer's term (streams/lease.py)
+    # The version it resumed from: an earlier term's versions up to that one are this
     # timeline's too; later ones came from a checkpoint since discarded.
     resumed_from: int = 0
     begun_within: int | None = None  # a partial rollout's first tokens (EchoConfig.begun_within); None: max_staleness
@@ -143,11 +143,11 @@ class Judge:
     async def fresh(self, case: Case) -> Verdict | None:
         """Of this timeline, and within the staleness bound of the trainer's version."""
         group, timeline, version = case.group, self.timeline, case.version
-        if group.epoch > timeline.epoch:
-            return Verdict("future_epoch", f"{group.epoch} > {timeline.epoch}")
+        if group.term > timeline.term:
+            return Verdict("future_term", f"{group.term} > {timeline.term}")
         newest = group.newest_version  # a partial rollout's last tokens: the rest may be older
-        if group.epoch < timeline.epoch and newest > timeline.resumed_from:
-            return Verdict("discarded_timeline", f"version {newest} of epoch {group.epoch}")
+        if group.term < timeline.term and newest > timeline.resumed_from:
+            return Verdict("discarded_timeline", f"version {newest} of term {group.term}")
         fresh = freshness(newest, version, timeline.max_staleness)
         begun_within = timeline.max_staleness if timeline.begun_within is None else timeline.begun_within
         if fresh is Freshness.USE and group.version < version - begun_within:

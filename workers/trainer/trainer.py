@@ -89,7 +89,7 @@ async def serve(cfg: EchoConfig, build_model: Callable[[], TrainerModel]) -> Non
     lease = model = None
     try:
         lease = await take_lease(run)  # before touching the run: a second trainer stops here
-        log.info("trainer.lease_taken", epoch=lease.epoch, next="the model, built meanwhile")
+        log.info("trainer.lease_taken", term=lease.term, next="the model, built meanwhile")
         model = await building
         log.info("trainer.model_built", seconds=round(time.perf_counter() - started, 1))
         async with Background() as background, ScoringProcess.of(cfg, model.tokenizer, model.vocab_size) as scoring:
@@ -149,12 +149,12 @@ class Trainer:
         await quarantine.start(background)
         model.proof.suspects.update(quarantine.suspects)  # a predecessor's suspects stay checked
         referee = Referee(task, model.tokenizer, model.vocab_size, cfg.sampling, model.routing)
-        judge = Judge(referee, Timeline(cfg.staleness_bound, lease.epoch, state.version, cfg.begun_within),
+        judge = Judge(referee, Timeline(cfg.staleness_bound, lease.term, state.version, cfg.begun_within),
                       Trained(load_trained_content(run_dir, state.trained_content),
                               load_trained_completions(run_dir, state.trained_completions)),
                       model.proof, model.check_many, scoring)
         background.start(inbox.keep_alive(cfg.trainer.ack_wait_s / 3))
-        granter = granter_for(run, lease.epoch, cfg, state, ledger, quarantine)
+        granter = granter_for(run, lease.term, cfg, state, ledger, quarantine)
         background.start(granter.watch_heartbeats())
         if isinstance(granter, AsyncGranter):
             background.start(granter.redraw_forever())
