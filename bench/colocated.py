@@ -1,6 +1,6 @@
 """The co-located baseline: one process that alternates generating and training on the same
 model, what a verl-style co-located run does, built from the same library code as the swarm:
-the sampler's engine and group-making (`generate_groups`), the trainer's referee (its rewards),
+the sampler's engine and group-making (`generate_groups`), the trainer's scorer (its rewards),
 and the trainer's TrainerModel (step, micro-batches, optimizer, the weight files it publishes). Same config, task, seed and batch
 sizes as a swarm run; every step generates `trainer.groups_per_step` groups with the current
 weights (on-policy: staleness 0), then trains on them.
@@ -27,7 +27,7 @@ from echo.tasks import load_task
 from echo.train.checkpoint import read_shards
 from echo.train.learner import Batch
 from echo.train.metrics import peak_rss_mb
-from echo.trust.referee import Referee
+from echo.trust.scorer import Scorer
 from echo.wire.names import Version
 from workers.sampler.generation import generate_groups
 from workers.trainer.accounting import metrics_line
@@ -48,7 +48,7 @@ def run_colocated(cfg: EchoConfig, engine: Engine | None = None) -> None:
     (run_dir / "config.toml").write_text(cfg.to_toml())
     model = TrainerModel(cfg, Ranks(cfg.model.device))
     engine, task = engine or make_engine(cfg, "colocated"), load_task(cfg.task)
-    referee = Referee(task, model.tokenizer, model.vocab_size, cfg.sampling)
+    scorer = Scorer(task, model.tokenizer, model.vocab_size, cfg.sampling)
     started = time.perf_counter()
     with open(run_dir / "metrics.jsonl", "wb") as metrics:
         for step, prompts in enumerate(step_prompts(cfg, task), start=1):
@@ -56,7 +56,7 @@ def run_colocated(cfg: EchoConfig, engine: Engine | None = None) -> None:
             engine.load_weights(read_shards(model.write_weights(step - 1)))  # the current policy, as a sampler gets it
             groups = generate_groups(engine, task, prompts, cfg.sampling, "colocated", Version(0, step - 1),
                                      list(range(1, len(prompts) + 1)), seed=call_seed(cfg.run.seed, "colocated", 0, step))
-            batch = Batch.of([(g, referee.score(g).rewards) for g in groups])
+            batch = Batch.of([(g, scorer.score(g).rewards) for g in groups])
             generated = time.perf_counter()
             stats = model.train(batch).stats
             trained = time.perf_counter()

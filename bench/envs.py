@@ -6,7 +6,7 @@ The game, both ways: guess a number from 1 to 9, told higher or lower after each
 guessed (reward 1) or after `--turns` turns. Measured in one run, each way:
 - played: `--episodes` episodes through the samplers' episode loop (echo/tasks/episodes.py
   play_episodes) with the tiny model, groups of 8, keyed noise: episodes a second;
-- replayed: the same episodes checked as the trainer checks them (`replay`): milliseconds each.
+- replayed: the same episodes checked as the trainer checks them (`rerun`): milliseconds each.
 The two ways run interleaved `--repeats` times after a warm-up, each figure the median of its
 runs; the verifiers figures are given as ratios to the native ones.
 
@@ -26,7 +26,7 @@ from bench.common import write_results
 from echo.config import EchoConfig, TaskConfig
 from echo.engines import make_engine
 from echo.tasks import Prompt, Step, load_task
-from echo.tasks.episodes import play_episodes, replay
+from echo.tasks.episodes import play_episodes, rerun
 
 GUESS_ENV = '''
 import verifiers as vf
@@ -99,7 +99,7 @@ def measure(env, engine, args) -> dict:
     seconds = time.perf_counter() - started
     episodes = [(p, c) for p, group in zip(prompts, played) for c in group]
     started = time.perf_counter()
-    checked = [replay(env, engine.tokenizer, p, c, args.max_tokens) for p, c in episodes]
+    checked = [rerun(env, engine.tokenizer, p, c, args.max_tokens) for p, c in episodes]
     replay_s = (time.perf_counter() - started) / len(episodes)
     assert all(r.reason is None for r in checked), [r.reason for r in checked if r.reason]
     return {"episodes": len(episodes), "reward": sum(c.reward for _, c in episodes) / len(episodes),

@@ -1,5 +1,5 @@
 """What the trainer's check of a multi-turn episode costs (issue 29): echo/tasks/episodes.py
-`replay` (the episode played again with the sampler's actions, every observation rendered and
+`rerun` (the episode played again with the sampler's actions, every observation rendered and
 compared token for token, every reward recomputed) per episode, beside the check of a
 single-turn completion (its reward recomputed by the task's verifier) measured in the same run.
 
@@ -22,7 +22,7 @@ from bench.common import write_results
 from echo.config import TaskConfig
 from echo.model.loading import byte_tokenizer, encode_chat, model_folder
 from echo.tasks import safe_score
-from echo.tasks.episodes import EpisodeBuilder, load_environment, replay
+from echo.tasks.episodes import EpisodeBuilder, load_environment, rerun
 
 THINKING = "Let me think about where the boxes and goals are and which way to push. "
 
@@ -74,7 +74,7 @@ def main() -> None:
         for task in ("sokoban_game", "math_tools"):
             env = load_environment(TaskConfig(name=task, params={"max_turns": args.turns}))
             built = episodes(env, tokenizer, task, args)
-            per_episode = seconds_each(built, lambda item: replay(env, tokenizer, item[0], item[1], args.max_tokens))
+            per_episode = seconds_each(built, lambda item: rerun(env, tokenizer, item[0], item[1], args.max_tokens))
             turns = sum(len(c.model_turns()) for _, c in built) / len(built)
             tokens = sum(len(c.token_ids) for _, c in built) / len(built)
             rows.append({"tokenizer": tokenizer_name, "task": task, "turns_per_episode": round(turns, 2),

@@ -1,6 +1,6 @@
 """The trainer's peak resident memory under the largest group a sampler may send (issue 26).
 
-A real nats-server and the trainer's real intake (RolloutInbox, Collector, Judge, Referee) at a
+A real nats-server and the trainer's real intake (RolloutInbox, Collector, Judge, Scorer) at a
 reasoning shape (`--group-size` completions of up to `--max-new-tokens`). A sampler publishes
 one small honest group (the baseline), then a group whose encoded body is exactly
 `RolloutLimits.max_bytes` for that shape (every completion at the token limit, its text padded
@@ -24,7 +24,7 @@ from echo.config import SamplingConfig
 from echo.model.loading import byte_tokenizer, encode_chat
 from echo.tasks.math import Math
 from echo.train.metrics import peak_rss_mb
-from echo.trust.referee import Referee
+from echo.trust.scorer import Scorer
 from echo.wire.codec import RolloutLimits, encode_rollout, rollout_headers
 from echo.wire.messages import Completion, RolloutGroup
 from echo.wire.names import HDR_BODY_PARTS, HDR_BODY_SHA256, HDR_BODY_SIZE
@@ -86,9 +86,9 @@ def publish_in_a_process(url: str, args, which: str) -> None:
 async def measure(url: str, args) -> dict:
     tokenizer, task = byte_tokenizer(), Math({})
     sampling = SamplingConfig(group_size=args.group_size, max_new_tokens=args.max_new_tokens, temperature=1.0)
-    referee = Referee(task, tokenizer, vocab_size=len(tokenizer), sampling=sampling)
+    scorer = Scorer(task, tokenizer, vocab_size=len(tokenizer), sampling=sampling)
     run = await open_run(url, "body", "trainer")
-    collector = Collector(await RolloutInbox.open(run), Judge(referee, Timeline(max_staleness=1)))
+    collector = Collector(await RolloutInbox.open(run), Judge(scorer, Timeline(max_staleness=1)))
     outcomes = []
     for which in ("small", "largest"):
         await asyncio.to_thread(publish_in_a_process, url, args, which)
@@ -96,9 +96,9 @@ async def measure(url: str, args) -> dict:
         outcomes.append({"used": [a.group.group_id for a in collected.used], "rejected": dict(collected.rejected)})
         outcomes[-1]["peak_rss"] = peak_rss()
     await run.close()
-    size = len(encode_rollout(padded_to(referee.limits, task, tokenizer, args.max_new_tokens, args.group_size)))
+    size = len(encode_rollout(padded_to(scorer.limits, task, tokenizer, args.max_new_tokens, args.group_size)))
     return {"group_size": args.group_size, "max_new_tokens": args.max_new_tokens,
-            "largest_body_bytes": size, "limit_bytes": referee.limits.max_bytes,
+            "largest_body_bytes": size, "limit_bytes": scorer.limits.max_bytes,
             "baseline_peak_gb": round(outcomes[0]["peak_rss"] / 2**30, 3),
             "peak_gb": round(outcomes[1]["peak_rss"] / 2**30, 3),
             "extra_peak_gb": round((outcomes[1]["peak_rss"] - outcomes[0]["peak_rss"]) / 2**30, 3),

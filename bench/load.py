@@ -1,4 +1,4 @@
-"""Benchmark: the real protocol at reasoning shapes. The real trainer loop (intake, referee,
+"""Benchmark: the real protocol at reasoning shapes. The real trainer loop (intake, scorer,
 grants, accounting, weights publishing), a real nats-server and real samplers (grants,
 weights following, heartbeats, publishing), with the two computations this machine cannot do at
 that shape replaced by bench-only stand-ins that live here and nowhere else (no config selects
@@ -14,7 +14,7 @@ them):
   for a LoRA adapter.
 
 Reported per shape: the step's time apart from the learner's, as a share of the learner's (the
-broker's and the trainer's own overhead: fetching, refereeing, publishing, acks, accounting),
+broker's and the trainer's own overhead: fetching, scoring, publishing, acks, accounting),
 the trainer's and the broker's peak resident memory, the tokens wasted (dropped as stale, or
 not trained as older than the bound), and how long each version took from its publish to a
 sampler running it.
@@ -51,7 +51,7 @@ import torch
 from bench.common import MACHINE, results_dir, write_results
 from bench.sync import start_link
 from echo.config import EchoConfig, load_config, validate_config
-from echo.engines.base import Generation, NewerWeights
+from echo.engines.base import CompletionOutput, NewerWeights
 from echo.model.loading import base_model_digest, encode_chat, load_model
 from echo.process.logs import configure_logging
 from echo.tasks import load_task
@@ -98,7 +98,7 @@ class SyntheticEngine:
 
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
                  newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
-                 seed: int | None = None, draws: list[Draw] | None = None) -> list[list[Generation]]:
+                 seed: int | None = None, draws: list[Draw] | None = None) -> list[list[CompletionOutput]]:
         # Synthetic tokens: no noise is drawn, keyed or not (its trainer checks no proof).
         rows, rng = len(prompts) * n, self.rng if seed is None else np.random.default_rng(seed)
         limit = max_tokens or self.max_new
@@ -124,7 +124,7 @@ class SyntheticEngine:
             ids = [t if t != eos else eos - 1 for t in ids]  # no end of sequence but the last
             if stops:
                 ids[-1] = eos
-            generations.append(Generation(
+            generations.append(CompletionOutput(
                 token_ids=ids, logprobs=rng.uniform(-3.0, -0.01, length).tolist(),
                 text=self.tokenizer.decode(ids, skip_special_tokens=True), finish_reason="stop" if stops else "length",
                 version_changes=tuple(changes[row])))
@@ -186,7 +186,7 @@ async def trainer_role(cfg: EchoConfig, seconds_per_token: float, usage_file: Pa
     """The trainer's process; its peak memory and CPU seconds written to `usage_file` at the end,
     with the seconds its granter spent answering grant requests and reading heartbeats (the
     work that grows with the samplers). Its learner sleeps, so its CPU is the trainer's own broker
-    work (fetching, refereeing, granting, publishing, acks, accounting), which a trainer host pays
+    work (fetching, scoring, granting, publishing, acks, accounting), which a trainer host pays
     on any machine."""
     from workers.trainer import granter
     from workers.trainer.trainer import serve  # the real trainer, given the stand-in model
@@ -491,7 +491,7 @@ def report(metrics: list[dict], syncs: list[float], args, chunk_tokens: int, max
         "tokens_per_step": round(trained / len(metrics)),
         "learner_seconds_per_step": round(learner / len(later), 2),
         # the step's time after its groups are in, apart from the learner: publishing the
-        # version, acks, accounting (fetching and refereeing are in the wait, shared with generation)
+        # version, acks, accounting (fetching and scoring are in the wait, shared with generation)
         "overhead_share_of_learner": round(overhead / learner, 4) if learner else None,
         "overhead_share_by_phase": {phase: round(sum(m["phase_seconds"][phase] for m in later) / learner, 4)
                                     for phase in ("checkpoint", "publish", "account")} if learner else None,

@@ -15,7 +15,7 @@ from echo.model.loading import byte_tokenizer, encode_chat
 from echo.tasks import Task, load_task
 from echo.tasks.math import Math
 from echo.trust.noise import Draw, group_key
-from echo.trust.referee import Referee
+from echo.trust.scorer import Scorer
 from echo.wire.codec import _pack, _read_rollout, _spans
 from echo.wire.messages import Completion, RolloutGroup
 from streams.rollouts import publish_rollout
@@ -23,21 +23,21 @@ from streams.rollouts import publish_rollout
 TOKENIZER = byte_tokenizer()
 TASK = Math({})
 SAMPLING = SamplingConfig(group_size=2, max_new_tokens=32, temperature=1.0)
-REFEREE = Referee(TASK, TOKENIZER, vocab_size=len(TOKENIZER), sampling=SAMPLING)
+SCORER = Scorer(TASK, TOKENIZER, vocab_size=len(TOKENIZER), sampling=SAMPLING)
 # \\boxed{K^{9^{8}}}: math-verify hands sympy each power tower to evaluate in full (45.9 s for
 # the first in the trainer's process; the issue measured > 515 s for 8). It reaches sympy only
 # where the truth is not a number (a number is compared: echo/tasks/math.py).
 BOMB = [f"\\boxed{{{k}^{{9^{{8}}}}}}" for k in (3, 5)]
 
 
-def symbolic_math(tmp_path) -> tuple[TaskConfig, Task, Referee]:
+def symbolic_math(tmp_path) -> tuple[TaskConfig, Task, Scorer]:
     """The math task on a dataset whose truths are not numbers (math-verify checks them), as
-    its config, the task and its referee."""
+    its config, the task and its scorer."""
     rows = [{"question": f"What is the square root of 2 (case {i})?", "answer": "\\sqrt{2}"} for i in range(32)]
     (tmp_path / "symbolic.jsonl").write_bytes(b"\n".join(orjson.dumps(r) for r in rows))
     config = TaskConfig(name="math", params={"dataset": str(tmp_path / "symbolic.jsonl")})
     task = load_task(config)
-    return config, task, Referee(task, TOKENIZER, vocab_size=len(TOKENIZER), sampling=SAMPLING)
+    return config, task, Scorer(task, TOKENIZER, vocab_size=len(TOKENIZER), sampling=SAMPLING)
 
 
 def honest_group(index: int = 12, texts=None, of_task: Task = TASK, rewards: list[float] | None = None,

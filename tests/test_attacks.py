@@ -19,12 +19,12 @@ from nats.js.api import ConsumerConfig
 from nats.js.errors import KeyNotFoundError
 from rich.console import Console
 
-import echo.trust.referee as referee_module
+import echo.trust.scorer as scorer_module
 import workers.trainer.judge as judge_module
 from echo.config import ConfigError
 from echo.fleet.grants import DeliveryBound, GrantLedger
 from echo.train.checkpoint import TrainerState, load_trained_completions, remember_trained
-from echo.trust.referee import completion_keys
+from echo.trust.scorer import completion_keys
 from echo.wire.codec import encode, rollout_headers
 from echo.wire.messages import GrantRequest, SamplerStatus, TrainerStatus, WeightsAnnouncement
 from echo.wire.names import (
@@ -58,7 +58,7 @@ from streams.weights import WeightsPublisher, fetch_weights
 from tests.conftest import TINY_BASE, Runs, assert_accounting_holds, collect_and_account, tiny_config
 from tests.groups import (
     BOMB,
-    REFEREE,
+    SCORER,
     SAMPLING,
     TASK,
     TOKENIZER,
@@ -75,7 +75,7 @@ from workers.operator.status import render
 from workers.trainer.coordinator import Coordinator
 from workers.trainer.granter import AsyncGranter
 from workers.trainer.intake import Collector
-from workers.trainer.judge import Accepted, Case, Judge, Timeline, Trained
+from workers.trainer.judge import Accepted, Case, Judge, Timeline, AlreadyTrained
 from workers.trainer.scoring import ScoringProcess
 from workers.trainer.strikes import Quarantined
 
@@ -291,7 +291,7 @@ async def test_a_message_past_the_runs_limits_is_refused_before_it_is_validated_
     await attacker.js.publish(trainer.names.rollouts_subject("s1"), b"", headers=pointer)  # no part exists
     ledger = GrantLedger()
     await publish_rollout(attacker, granted(ledger, honest_group(version=5, group_id="fine")))
-    collector = Collector(await RolloutInbox.open(trainer), Judge(REFEREE, Timeline(max_staleness=1)), ledger)
+    collector = Collector(await RolloutInbox.open(trainer), Judge(SCORER, Timeline(max_staleness=1)), ledger)
     collected = await collector.collect(1, version=5)
     assert [a.group.group_id for a in collected.used] == ["fine"]
     # 100 completions (within the message's size): refused by their count; 512 MB claimed: by its size.
@@ -337,7 +337,7 @@ async def test_a_group_resending_trained_completions_is_refused(hub, tmp_path):
     ledger = GrantLedger()
     first = granted(ledger, unlikely(unlikely(honest_group(texts=[long_answer, "no idea \\boxed{999}"],
                                                            version=5, group_id="first"), 0), 1))
-    collector = Collector(await RolloutInbox.open(trainer), Judge(REFEREE, Timeline(max_staleness=1)), ledger)
+    collector = Collector(await RolloutInbox.open(trainer), Judge(SCORER, Timeline(max_staleness=1)), ledger)
     await publish_rollout(attacker, first)
     async with asyncio.timeout(30):
         step = await collector.collect(1, version=5)
@@ -356,8 +356,8 @@ async def test_a_group_resending_trained_completions_is_refused(hub, tmp_path):
     assert collected.rejected == {"repeated_completion": 2}, collected.rejected
     assert collected.rejected_tokens == sum(len(c.token_ids) for g in (doubled, swapped) for c in g.completions)
     # A trainer resumed from the checkpoint remembers them too.
-    resumed = Judge(REFEREE, Timeline(max_staleness=1),
-                    Trained(completions=load_trained_completions(tmp_path, state.trained_completions)))
+    resumed = Judge(SCORER, Timeline(max_staleness=1),
+                    AlreadyTrained(completions=load_trained_completions(tmp_path, state.trained_completions)))
     again = swapped.replaced(group_id="again")
     assert (await resumed.new(Case(again, "s1", 5, again.prompt_index))).reason == "repeated_completion"
 
@@ -371,7 +371,7 @@ async def test_a_verifier_bomb_costs_the_bomber_its_group_and_a_strike_and_the_s
     secure = hub.secure
     trainer = await hub.open("sec", "trainer", credentials=secure.credentials("trainer"))
     attacker = await hub.open("sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
-    config, task, referee = symbolic_math(tmp_path)
+    config, task, scorer = symbolic_math(tmp_path)
     ledger = GrantLedger()
     bomb = honest_group(of_task=task, texts=BOMB, rewards=[0.1, 0.1], group_id="bomb", version=5)
     await publish_rollout(attacker, granted(ledger, bomb))
@@ -379,7 +379,7 @@ async def test_a_verifier_bomb_costs_the_bomber_its_group_and_a_strike_and_the_s
     quarantine = Quarantined(trainer, after=3)
     async with ScoringProcess(config, TOKENIZER, len(TOKENIZER), SAMPLING, budget_s=3.0,
                               memory_mb=1024.0) as scoring:
-        judge = Judge(referee, Timeline(max_staleness=1), scoring=scoring)
+        judge = Judge(scorer, Timeline(max_staleness=1), scoring=scoring)
         collector = Collector(await RolloutInbox.open(trainer), judge, ledger, quarantine=quarantine)
         async with asyncio.timeout(120):  # a hang guard: the budget is 3 s a completion
             step = await collector.collect(1, version=5)
@@ -400,8 +400,8 @@ async def test_a_step_hashes_each_groups_completions_twice_however_many_it_accep
         return completion_keys(group)
 
     monkeypatch.setattr(judge_module, "completion_keys", counted)
-    monkeypatch.setattr(referee_module, "completion_keys", counted)
-    judge, step = Judge(REFEREE, Timeline(max_staleness=1)), []
+    monkeypatch.setattr(scorer_module, "completion_keys", counted)
+    judge, step = Judge(SCORER, Timeline(max_staleness=1)), []
     for i in range(32):
         group = honest_group(i, group_id=f"g{i}")
         case = Case(group, "s1", 0, group.prompt_index, step)
@@ -438,7 +438,7 @@ async def test_a_sampler_keeping_back_its_low_reward_groups_is_struck_and_quaran
         granter = AsyncGranter(trainer, lease.term, cfg, TrainerState(), ledger, quarantine)
         await granter.start()
         await granter.ask(0)
-        judge = Judge(REFEREE, Timeline(max_staleness=cfg.trainer.max_staleness, term=lease.term))
+        judge = Judge(SCORER, Timeline(max_staleness=cfg.trainer.max_staleness, term=lease.term))
         collector = Collector(await RolloutInbox.open(trainer), judge, ledger, quarantine=quarantine)
         withheld: list[tuple[int, int]] = []  # (slot, prompt)
         granted_prompts: list[tuple[int, int]] = []
@@ -522,7 +522,7 @@ async def test_one_sampler_keeps_no_more_than_its_quota_and_evicts_only_its_own(
     names = trainer.names
     try:
         ledger = GrantLedger()
-        collector = Collector(await RolloutInbox.open(trainer), Judge(REFEREE, Timeline(max_staleness=1)), ledger)
+        collector = Collector(await RolloutInbox.open(trainer), Judge(SCORER, Timeline(max_staleness=1)), ledger)
         await publish_rollout(honest, granted(ledger, honest_group(30, version=5, group_id="before", sampler_id="s2")))
         for i in range(400):  # 80 MB
             await attacker.js.publish(names.rollouts_subject("s1"), bytes(200_000), headers={HDR_MSG_ID: f"r{i}"})
@@ -628,7 +628,7 @@ async def test_a_flood_of_junk_stands_in_front_of_no_honest_group_and_costs_its_
         ledger = GrantLedger()
         await publish_rollout(honest, granted(ledger, honest_group(30, version=5, group_id="behind", sampler_id="s2")))
         quarantine = Quarantined(trainer, after=3)
-        collector = Collector(await RolloutInbox.open(trainer), Judge(REFEREE, Timeline(max_staleness=1)), ledger,
+        collector = Collector(await RolloutInbox.open(trainer), Judge(SCORER, Timeline(max_staleness=1)), ledger,
                               quarantine=quarantine)
         totals, accounting = await collect_and_account(collector, {}, 1)
         assert accounting["trained"] == 1 and accounting["rejected"] <= 1, accounting  # before: all 2000 first

@@ -9,7 +9,7 @@ import pytest
 from echo.config import ConfigError, TaskConfig
 from echo.model.loading import byte_tokenizer, encode_chat
 from echo.tasks import is_environment
-from echo.tasks.episodes import EpisodeBuilder, SingleTurn, load_environment, observation_tokens, replay
+from echo.tasks.episodes import EpisodeBuilder, SingleTurn, load_environment, observation_tokens, rerun
 from echo.tasks.math import Math, calculate
 from echo.tasks.sokoban import Room, SokobanGame
 from echo.wire.messages import Observation
@@ -58,13 +58,13 @@ def test_a_game_played_turn_by_turn_is_replayed_to_the_same_reward():
     assert len(completion.observations) == 1 and completion.model_mask().sum() < len(completion.token_ids)
     observed = completion.token_ids[completion.observations[0].at:][:completion.observations[0].tokens]
     assert "Your next moves?" in TOKENIZER.decode(observed.tolist())
-    assert replay(GAME, TOKENIZER, GAME.prompt(3), completion, 4096) == (pytest.approx(1.0), None)
+    assert rerun(GAME, TOKENIZER, GAME.prompt(3), completion, 4096) == (pytest.approx(1.0), None)
 
 
 def test_an_unsolved_game_ends_at_its_turn_limit_with_the_format_reward():
     episode = play(GAME, 3, ["<answer>U</answer>", "<answer>D</answer>"] * 2)
     assert episode.done and len(episode.actions) == 4 and episode.reward < 0.1 + 1e-9
-    replayed = replay(GAME, TOKENIZER, GAME.prompt(3), episode.completion(), 4096)
+    replayed = rerun(GAME, TOKENIZER, GAME.prompt(3), episode.completion(), 4096)
     assert replayed.reason is None and replayed.reward == pytest.approx(episode.reward)
 
 
@@ -78,27 +78,27 @@ def test_a_sampler_lying_about_the_environment_is_refused_with_a_reason():
     ids = completion.token_ids.copy()
     o = completion.observations[0]
     ids[o.at + 3] = TOKENIZER("#", add_special_tokens=False)["input_ids"][0] ^ 1  # a board it was not shown
-    assert replay(GAME, TOKENIZER, prompt, completion.replaced(token_ids=ids), 4096).reason == "observation_mismatch"
+    assert rerun(GAME, TOKENIZER, prompt, completion.replaced(token_ids=ids), 4096).reason == "observation_mismatch"
     # Cut short after two turns (the rest dropped): the game was not over.
     end = completion.observations[1].at
     short = completion.replaced(token_ids=completion.token_ids[:end], logprobs=completion.logprobs[:end],
                                 observations=completion.observations[:1])
-    assert replay(GAME, TOKENIZER, prompt, short, 4096).reason == "episode_cut_short"
+    assert rerun(GAME, TOKENIZER, prompt, short, 4096).reason == "episode_cut_short"
     # More turns than the environment allows, and a turn after the game ended.
-    assert replay(SokobanGame({"max_turns": 2}), TOKENIZER, prompt, completion, 4096).reason == "too_many_turns"
+    assert rerun(SokobanGame({"max_turns": 2}), TOKENIZER, prompt, completion, 4096).reason == "too_many_turns"
     solved = play(GAME, 3, [f"<answer>{solution(3)}</answer>"]).completion()
     board = observation_tokens(TOKENIZER, [{"role": "user", "content": "what next?"}])
     more, logprobs = turn("<answer>U</answer>")
     went_on = solved.replaced(token_ids=np.concatenate([solved.token_ids, board, more]),
                               logprobs=np.concatenate([solved.logprobs, [0.0] * len(board), logprobs]),
                               observations=[Observation(at=len(solved.token_ids), tokens=len(board))])
-    assert replay(GAME, TOKENIZER, prompt, went_on, 4096).reason == "episode_went_on"
+    assert rerun(GAME, TOKENIZER, prompt, went_on, 4096).reason == "episode_went_on"
 
 
 def test_an_episode_ends_when_a_turn_is_cut_or_no_room_is_left_for_another():
     cut = play(GAME, 3, ["<answer>U</answer", ], last_ends=False)
     assert cut.done and cut.finish_reason == "length"
-    assert replay(GAME, TOKENIZER, GAME.prompt(3), cut.completion(), 4096).reason is None
+    assert rerun(GAME, TOKENIZER, GAME.prompt(3), cut.completion(), 4096).reason is None
     tight = play(GAME, 3, ["<answer>U</answer>"], max_tokens=40)  # the board would not fit
     assert tight.done and not tight.completion().observations
 
@@ -110,15 +110,15 @@ def test_a_single_turn_task_is_the_one_step_case():
     episode = play(math, 12, [f"\\boxed{{{prompt.answer}}}"])
     assert episode.done and episode.reward == Math({}).score(f"\\boxed{{{prompt.answer}}}", prompt).reward == 1.0
     assert not episode.completion().observations
-    assert replay(math, TOKENIZER, prompt, episode.completion(), 4096) == (1.0, None)
+    assert rerun(math, TOKENIZER, prompt, episode.completion(), 4096) == (1.0, None)
     assert isinstance(load_environment(TaskConfig(name="sokoban_game")), SokobanGame)
 
 
 def test_an_episode_with_no_room_for_the_next_board_is_over_for_the_trainer_too():
     tight = play(GAME, 3, ["<answer>U</answer>"], max_tokens=60)
     assert tight.done and not tight.completion().observations
-    assert replay(GAME, TOKENIZER, GAME.prompt(3), tight.completion(), 60).reason is None
-    assert replay(GAME, TOKENIZER, GAME.prompt(3), tight.completion(), 4096).reason == "episode_cut_short"
+    assert rerun(GAME, TOKENIZER, GAME.prompt(3), tight.completion(), 60).reason is None
+    assert rerun(GAME, TOKENIZER, GAME.prompt(3), tight.completion(), 4096).reason == "episode_cut_short"
 
 
 def test_the_documented_plug_in_environment_plays_and_replays(tmp_path):
@@ -131,7 +131,7 @@ def test_the_documented_plug_in_environment_plays_and_replays(tmp_path):
     episode = play(env, 5, ["50", "25", prompt.answer])
     completion = episode.completion()
     assert episode.done and completion.reward == 1.0 and len(completion.observations) == 2
-    assert replay(env, TOKENIZER, prompt, completion, 4096) == (1.0, None)
+    assert rerun(env, TOKENIZER, prompt, completion, 4096) == (1.0, None)
 
 
 def test_a_task_declares_whether_it_is_an_environment_and_a_mismatch_is_refused_at_start(tmp_path):
@@ -159,10 +159,10 @@ def test_a_calculator_call_is_answered_and_a_lie_about_its_result_is_refused():
     assert episode.done and completion.reward == 1.0 and len(completion.observations) == 1
     answer = completion.token_ids[completion.observations[0].at:][:completion.observations[0].tokens]
     assert TOKENIZER.decode(answer.tolist()) == "\n<|im_start|>tool\n20<|im_end|>\n<|im_start|>assistant\n"
-    assert replay(tools, TOKENIZER, prompt, completion, 4096) == (1.0, None)
+    assert rerun(tools, TOKENIZER, prompt, completion, 4096) == (1.0, None)
     ids = completion.token_ids.copy()
     ids[completion.observations[0].at + 7] = TOKENIZER("1", add_special_tokens=False)["input_ids"][0]  # 20 said 10
-    assert replay(tools, TOKENIZER, prompt, completion.replaced(token_ids=ids), 4096).reason == "observation_mismatch"
+    assert rerun(tools, TOKENIZER, prompt, completion.replaced(token_ids=ids), 4096).reason == "observation_mismatch"
 
 
 @pytest.mark.parametrize("expression, value", [
@@ -186,4 +186,4 @@ def test_an_environment_that_raises_ends_the_episode_and_the_trainer_refuses_it(
     broken = _Broken(Math({}))
     episode = play(broken, 12, ["\\boxed{1}"])
     assert episode.done and episode.reward == 0.0
-    assert replay(broken, TOKENIZER, broken.prompt(12), episode.completion(), 4096).reason == "environment_error"
+    assert rerun(broken, TOKENIZER, broken.prompt(12), episode.completion(), 4096).reason == "environment_error"

@@ -26,7 +26,7 @@ from echo.tasks import load_task
 from echo.train.checkpoint import TrainerState
 from echo.train.learner import Batch, StepAbandoned, make_optimizer, train_step
 from echo.train.metrics import read_metrics
-from echo.trust.referee import Referee
+from echo.trust.scorer import Scorer
 from echo.wire.codec import encode
 from echo.wire.messages import WeightsAnnouncement
 from echo.wire.names import TRAINER_KEY, Storage, weights_object_name
@@ -50,7 +50,7 @@ from tests.conftest import (
     wait_for_steps,
     worker_process,
 )
-from tests.groups import REFEREE, granted, honest_group
+from tests.groups import SCORER, granted, honest_group
 from workers.sampler.sampler import Sampler
 from workers.trainer.accounting import count_consumed, settle
 from workers.trainer.granter import SequentialGranter
@@ -167,8 +167,8 @@ async def _collect_step(lease, cfg, version: int, ledger: GrantLedger):
     """A trainer's collector for `version` (its granter's `ledger`), and the step's groups it collected."""
     run = lease.run
     base, tokenizer = load_model("tiny")
-    referee = Referee(load_task(cfg.task), tokenizer, base.get_input_embeddings().num_embeddings, cfg.sampling)
-    collector = Collector(await RolloutInbox.open(run), Judge(referee, Timeline(max_staleness=0, term=lease.term)), ledger)
+    scorer = Scorer(load_task(cfg.task), tokenizer, base.get_input_embeddings().num_embeddings, cfg.sampling)
+    collector = Collector(await RolloutInbox.open(run), Judge(scorer, Timeline(max_staleness=0, term=lease.term)), ledger)
     async with asyncio.timeout(30):
         return collector, await collector.collect(cfg.trainer.groups_per_step, version=version)
 
@@ -469,7 +469,7 @@ async def test_messages_the_stream_evicted_before_the_trainer_read_them_are_name
     never read are now counted as `evicted`."""
     run = await runs.open("evict", "trainer", storage=Storage(rollouts_max_bytes=12_000))
     ledger = GrantLedger()
-    collector = Collector(await RolloutInbox.open(run), Judge(REFEREE, Timeline(max_staleness=1)), ledger)
+    collector = Collector(await RolloutInbox.open(run), Judge(SCORER, Timeline(max_staleness=1)), ledger)
     for i in range(2):
         await publish_rollout(run, granted(ledger, honest_group(30 + i, version=5, group_id=f"early{i}")))
     totals, first = await collect_and_account(collector, {}, 2)

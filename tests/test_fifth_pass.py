@@ -17,7 +17,7 @@ from echo.model.policy import group_logprobs, load_weights, weights_shards
 from echo.train.checkpoint import TrainerState
 from echo.trust.noise import Draw, group_key
 from echo.trust.proof import ProofSettings, SamplingProof
-from echo.trust.referee import Referee
+from echo.trust.scorer import Scorer
 from echo.wire.codec import ProtocolError, decode_rollout, encode_rollout, rollout_headers
 from echo.wire.messages import GrantRequest, SamplerStatus
 from echo.wire.names import RunNames, Version
@@ -148,7 +148,7 @@ async def test_chosen_text_trains_nothing_from_a_fresh_credentials_first_group_n
     proof, shards = _trainer_at_version_1(cfg)
     sampler = HFEngine("tiny", LORA, cfg.sampling, "cpu", "float32")
     load_weights(sampler.model, shards[0])
-    referee = Referee(TASK, TOKENIZER, len(TOKENIZER), cfg.sampling)
+    scorer = Scorer(TASK, TOKENIZER, len(TOKENIZER), cfg.sampling)
     trainer = await open_run(server.url, "sec", "trainer", credentials=secure.credentials("trainer"))
     attacker = await open_run(server.url, "sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
     forged = []
@@ -157,7 +157,7 @@ async def test_chosen_text_trains_nothing_from_a_fresh_credentials_first_group_n
             quarantine = Quarantined(trainer, after=cfg.trainer.quarantine_after)
             await quarantine.start(background)
             ledger = GrantLedger(seed=SEED)
-            judge = Judge(referee, Timeline(max_staleness=1, begun_within=cfg.begun_within), proof=proof)
+            judge = Judge(scorer, Timeline(max_staleness=1, begun_within=cfg.begun_within), proof=proof)
             collector = Collector(await RolloutInbox.open(trainer), judge, ledger, quarantine=quarantine)
             for k in range(4):  # quarantine_after 3: the fourth strike quarantines
                 slot = ledger.issued + 1
@@ -193,16 +193,16 @@ def test_a_claim_the_run_cannot_have_made_is_refused_at_decode(tmp_path):
     trained); a version change where no engine makes one (from token 1) was too. Both are now
     refused at decode, a strike as any malformed message."""
     cfg = _config(tmp_path)
-    plain = Referee(TASK, TOKENIZER, len(TOKENIZER), cfg.sampling)
-    chunked = Referee(TASK, TOKENIZER, len(TOKENIZER), cfg.sampling.model_copy(update={"chunk_tokens": CHUNK}))
+    plain = Scorer(TASK, TOKENIZER, len(TOKENIZER), cfg.sampling)
+    chunked = Scorer(TASK, TOKENIZER, len(TOKENIZER), cfg.sampling.model_copy(update={"chunk_tokens": CHUNK}))
     completions = [c.replaced(token_ids=[65] * 20 + [TOKENIZER.eos_token_id], logprobs=[-0.5] * 21)
                    for c in honest_group().completions] * 4
     subject = RunNames("sec").rollouts_subject("s1")
 
-    def decoded(referee, *changes):
+    def decoded(scorer, *changes):
         group = honest_group(version=0, completions=completions, version_changes=[
             {"at": at, "version": v} for at, v in changes])
-        return decode_rollout(encode_rollout(group), rollout_headers(group), subject, referee.limits)
+        return decode_rollout(encode_rollout(group), rollout_headers(group), subject, scorer.limits)
 
     with pytest.raises(ProtocolError, match="partial_not_enabled"):
         decoded(plain, (CHUNK, 1))
@@ -244,8 +244,8 @@ def test_a_restarted_trainer_proves_its_predecessors_versions_from_the_runs_weig
     without = TrainerModel(cfg, Ranks("cpu"))
     without.resume()
     without.remember(1)
-    referee = Referee(TASK, TOKENIZER, len(TOKENIZER), cfg.sampling)
-    judge = Judge(referee, Timeline(max_staleness=1), proof=without.proof, check_many=without.check_many)
+    scorer = Scorer(TASK, TOKENIZER, len(TOKENIZER), cfg.sampling)
+    judge = Judge(scorer, Timeline(max_staleness=1), proof=without.proof, check_many=without.check_many)
     assert judge.wants_proof(honest, 1)
     verdict = asyncio.run(judge.prove([honest], 1))[honest.group_id]
     assert verdict.reason == "unverifiable" and not verdict.strike
@@ -258,8 +258,8 @@ async def test_a_group_older_than_the_version_its_sender_asked_with_is_refused_a
     run = await runs.open("asked", "trainer")
     ledger = GrantLedger(seed=SEED)
     quarantine = Quarantined(run, after=10)
-    referee = Referee(TASK, TOKENIZER, len(TOKENIZER), SAMPLING)
-    collector = Collector(await RolloutInbox.open(run), Judge(referee, Timeline(max_staleness=1)), ledger,
+    scorer = Scorer(TASK, TOKENIZER, len(TOKENIZER), SAMPLING)
+    collector = Collector(await RolloutInbox.open(run), Judge(scorer, Timeline(max_staleness=1)), ledger,
                           quarantine=quarantine)
     for group_id, version in (("older", 4), ("as-asked", 5)):
         (slot,), _ = ledger.grant("s1", 1, 1, 1 << 20, time.monotonic(), version=5)
@@ -312,8 +312,8 @@ async def test_one_samplers_groups_with_no_signal_use_only_its_share_of_the_set_
     trained. Now each sampler asking has an equal part of it."""
     run = await runs.open("dynamic", "trainer")
     ledger = GrantLedger(seed=SEED)
-    referee = Referee(TASK, TOKENIZER, len(TOKENIZER), SAMPLING)
-    collector = Collector(await RolloutInbox.open(run), Judge(referee, Timeline(max_staleness=1)), ledger,
+    scorer = Scorer(TASK, TOKENIZER, len(TOKENIZER), SAMPLING)
+    collector = Collector(await RolloutInbox.open(run), Judge(scorer, Timeline(max_staleness=1)), ledger,
                           set_aside=2)
     wrong = ["\\boxed{99999}", "\\boxed{99998}"]  # no answer of the task's: rewards 0 and 0
     groups = [granted(ledger, honest_group(12, group_id="s2-none", sampler_id="s2", texts=wrong)),
@@ -387,7 +387,7 @@ async def test_a_prompt_granted_again_is_drawn_with_the_noise_of_the_slot_it_was
                                                                             for gens in redrawn]
 
     quarantine = Quarantined(run, after=10)
-    collector = Collector(await RolloutInbox.open(run), Judge(Referee(TASK, TOKENIZER, len(TOKENIZER), cfg.sampling),
+    collector = Collector(await RolloutInbox.open(run), Judge(Scorer(TASK, TOKENIZER, len(TOKENIZER), cfg.sampling),
                                                               Timeline(max_staleness=0, term=lease.term)),
                           ledger, quarantine=quarantine)
     own = sampler.generate(prompt_ids[:1], 8, draws=[Draw(group_key(SEED, lease.term, 3))])  # slot 3's noise

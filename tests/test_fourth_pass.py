@@ -23,7 +23,7 @@ from echo.config import TaskConfig
 from echo.fleet.grants import GrantLedger, slot_prompt
 from echo.tasks import load_task
 from echo.train.metrics import sampler_scalars, step_scalars
-from echo.trust.referee import completion_keys, content_hash, repeats
+from echo.trust.scorer import completion_keys, content_hash, repeats
 from echo.wire.codec import ProtocolError, decode, decode_rollout, encode_rollout
 from echo.wire.messages import SamplerStatus
 from echo.wire.names import (
@@ -43,7 +43,7 @@ from streams.rollouts import publish_rollout
 from streams.secure import SecureDir
 from streams.server import LOG_FILES_KEPT, NatsServer, ServerConfig
 from tests.conftest import tiny_config
-from tests.groups import REFEREE, honest_group, pack_rollout, unpack_rollout
+from tests.groups import SCORER, honest_group, pack_rollout, unpack_rollout
 from workers.operator.page import Latest, PageServer
 from workers.operator.snapshot import fleet_summary, sampler_row
 from workers.operator.status import render
@@ -63,7 +63,7 @@ async def test_the_trainer_names_every_prompt_and_what_is_trained_is_its_draw(ru
     run = await runs.open("steer", "trainer")
     ledger = GrantLedger(seed=3)
     quarantine = Quarantined(run, after=1_000)  # counts strikes; never quarantines here
-    collector = Collector(await RolloutInbox.open(run), Judge(REFEREE, Timeline(max_staleness=1)), ledger,
+    collector = Collector(await RolloutInbox.open(run), Judge(SCORER, Timeline(max_staleness=1)), ledger,
                           quarantine=quarantine)
     drawn, trained, expected_rejections = Counter(), Counter(), Counter()
 
@@ -314,7 +314,7 @@ def test_thousands_of_hostile_groups_are_refused_at_decode_or_judged_without_rai
         except ProtocolError as e:
             refused[e.reason] += 1
             continue
-        REFEREE.malformed(group)
+        SCORER.malformed(group)
         completion_keys(group), content_hash(group), repeats(group, set())
         assert math.isfinite(group.gen_seconds + group.created_at)
         judged += 1

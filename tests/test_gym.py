@@ -16,7 +16,7 @@ from bench.gym_base import best_constant
 from bench.parity import TASK
 from echo.config import ConfigError, SamplingConfig, TaskConfig
 from echo.tasks import Score, gym, load_task
-from echo.trust.referee import Referee
+from echo.trust.scorer import Scorer
 from streams.server import free_port
 from tests.groups import TOKENIZER, honest_group
 
@@ -86,7 +86,7 @@ COMPOSITE = load_task(TaskConfig(name="reasoning_gym:composite", params=HANDFUL[
 
 
 def test_the_trainer_recomputes_the_rewards_with_the_datasets_verifier():
-    referee = Referee(COMPOSITE, TOKENIZER, vocab_size=len(TOKENIZER),
+    scorer = Scorer(COMPOSITE, TOKENIZER, vocab_size=len(TOKENIZER),
                       sampling=SamplingConfig(group_size=3, max_new_tokens=64, temperature=1.0))
     sources = set()
     for index in range(8):
@@ -95,13 +95,13 @@ def test_the_trainer_recomputes_the_rewards_with_the_datasets_verifier():
         right = right_answer(COMPOSITE, prompt)
         liar = honest_group(index, [right, "<answer>no</answer>", right.removeprefix("<answer>")], of_task=COMPOSITE,
                             rewards=[0.0, 1.0, 1.0])
-        assert referee.malformed(liar) is None
-        ruling = referee.score(liar)
-        assert ruling.reason is None and ruling.reward_mismatch
-        assert ruling.rewards == [1.0, 0.0, 0.0]  # format_reward 0: a wrong or untagged answer earns nothing
+        assert scorer.malformed(liar) is None
+        scored = scorer.score(liar)
+        assert scored.reason is None and scored.reward_mismatch
+        assert scored.rewards == [1.0, 0.0, 0.0]  # format_reward 0: a wrong or untagged answer earns nothing
     assert sources == {"chain_sum", "largest_island"}  # both of the composite's generators
     other = honest_group(1, ["a", "b", "c"], of_task=COMPOSITE, rewards=[0.0] * 3)
-    assert referee.score(other.model_copy(update={"prompt_index": 2})).reason == "prompt_mismatch"
+    assert scorer.score(other.model_copy(update={"prompt_index": 2})).reason == "prompt_mismatch"
 
 
 def test_an_answer_the_verifier_cannot_read_is_wrong_not_a_verifier_error():

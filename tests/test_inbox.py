@@ -15,7 +15,7 @@ import streams.inbox as inbox_module
 from echo.config import SamplingConfig
 from echo.fleet.consumed import ConsumedSeqs
 from echo.fleet.grants import GrantLedger
-from echo.trust.referee import Referee, content_hash
+from echo.trust.scorer import Scorer, content_hash
 from echo.wire.codec import encode_rollout, rollout_headers
 from echo.wire.names import (
     HDR_BODY_PARTS,
@@ -39,9 +39,9 @@ from streams.rollouts import (
 )
 from streams.server import NatsServer, ServerConfig
 from tests.conftest import tiny_config
-from tests.groups import REFEREE, TASK, TOKENIZER, granted, honest_group, with_completion
+from tests.groups import SCORER, TASK, TOKENIZER, granted, honest_group, with_completion
 from workers.trainer.intake import Collector
-from workers.trainer.judge import Judge, Timeline, Trained
+from workers.trainer.judge import Judge, Timeline, AlreadyTrained
 
 
 async def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(runs):
@@ -67,7 +67,7 @@ async def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(run
     await publish_rollout(run, ok)  # a retry: de-duplicated
 
     trained_earlier = content_hash(honest_group(13))
-    collector = Collector(inbox, Judge(REFEREE, Timeline(max_staleness=1), Trained(content={trained_earlier})), ledger)
+    collector = Collector(inbox, Judge(SCORER, Timeline(max_staleness=1), AlreadyTrained(content={trained_earlier})), ledger)
     collected = await collector.collect(2, version=5)
     assert [a.group.group_id for a in collected.used] == ["liar", "ok"]
     assert collected.used[0].rewards == [1.0, 0.1]  # the trainer's rewards, not the liar's
@@ -99,7 +99,7 @@ async def test_dynamic_sampling_sets_aside_groups_with_no_signal_up_to_its_bound
     flat[0], signal, flat[1] = (granted(ledger, group) for group in (flat[0], signal, flat[1]))  # slots in this order
     for group in (flat[0], signal, flat[1]):
         await publish_rollout(run, group)
-    collector = Collector(inbox, Judge(REFEREE, Timeline(max_staleness=1), Trained()), ledger, set_aside=1)
+    collector = Collector(inbox, Judge(SCORER, Timeline(max_staleness=1), AlreadyTrained()), ledger, set_aside=1)
     async with asyncio.timeout(30):
         collected = await collector.collect(2, version=5)
     assert [a.group.group_id for a in collected.used] == ["signal", "flat1"]  # the bound reached: trained
@@ -143,8 +143,8 @@ async def test_a_group_larger_than_a_message_travels_in_parts_and_bad_parts_are_
         HDR_BODY_PARTS: str(part.seq), HDR_BODY_SIZE: str(len(stolen)),
         HDR_BODY_SHA256: hashlib.sha256(stolen).hexdigest()})
     await publish_rollout(run, big)
-    referee = Referee(TASK, TOKENIZER, len(TOKENIZER), SamplingConfig(group_size=2, max_new_tokens=40_000, temperature=1.0))
-    collector = Collector(inbox, Judge(referee, Timeline(max_staleness=1)), ledger)
+    scorer = Scorer(TASK, TOKENIZER, len(TOKENIZER), SamplingConfig(group_size=2, max_new_tokens=40_000, temperature=1.0))
+    collector = Collector(inbox, Judge(scorer, Timeline(max_staleness=1)), ledger)
     collected = await collector.collect(1, version=5)
     assert [a.group for a in collected.used] == [big] and collected.used[0].rewards == [1.0, 0.1]
     assert collected.rejected == {"bad_body": 4}
@@ -159,12 +159,12 @@ async def test_a_step_that_crashed_between_its_checkpoint_and_its_acks_is_not_co
     run, ledger = await runs.open("redeliver", "test"), GrantLedger()
     for i in range(3):
         await publish_rollout(run, granted(ledger, honest_group(20 + i, version=5, group_id=f"g{i}")))
-    first = Collector(await RolloutInbox.open(run, ack_wait_s=600.0), Judge(REFEREE, Timeline(max_staleness=1)), ledger)
+    first = Collector(await RolloutInbox.open(run, ack_wait_s=600.0), Judge(SCORER, Timeline(max_staleness=1)), ledger)
     step = await first.collect(2, version=5)  # checkpointed, then the crash: never acked
     assert [a.group.group_id for a in step.used] == ["g0", "g1"]
     await publish_rollout(run, granted(ledger, honest_group(23, version=5, group_id="g3")))
     # Opening the inbox offers g0 and g1 again at once (not after ack_wait), before newer messages.
-    restarted = Collector(await RolloutInbox.open(run, ack_wait_s=600.0), Judge(REFEREE, Timeline(max_staleness=1)),
+    restarted = Collector(await RolloutInbox.open(run, ack_wait_s=600.0), Judge(SCORER, Timeline(max_staleness=1)),
                           ledger, consumed=ConsumedSeqs(above=step.seqs))
     again = await restarted.collect(2, version=5)
     assert [a.group.group_id for a in again.used] == ["g2", "g3"] and again.already_counted == 2

@@ -195,7 +195,7 @@ def _trained(tmp_path, batch: Batch, **algorithm) -> tuple[list[torch.Tensor], d
 
 def test_a_truncated_completion_is_left_out_of_the_loss_where_masked(tmp_path):
     """algorithm.mask_truncated (TRL's mask_truncated_completions): a completion the length limit
-    stopped (no end-of-sequence token; the referee holds finish_reason to that) trains nothing,
+    stopped (no end-of-sequence token; the scorer holds finish_reason to that) trains nothing,
     whatever its tokens; its tokens leave the token mean's denominator."""
     texts = ["\\boxed{5}", "no idea", "\\boxed{999} because", "hm"]
     group = honest_group(11, texts=texts)

@@ -19,14 +19,14 @@ from echo.tasks.episodes import load_environment, play_episodes
 from echo.train.learner import Batch, ForgedInStep, HeldProof, make_optimizer, train_step
 from echo.trust.noise import GUMBEL_MAX, Draw, group_key, gumbel, gumbel_at, noisy_margin, uniform
 from echo.trust.proof import Checked, ProofSettings, SamplingProof
-from echo.trust.referee import Referee
+from echo.trust.scorer import Scorer
 from streams.client import open_run
 from streams.inbox import RolloutInbox
 from streams.lease import take_lease
 from streams.rollouts import publish_rollout
 from tests.conftest import tiny_config
 from tests.groups import (
-    REFEREE,
+    SCORER,
     SAMPLING,
     TASK,
     TOKENIZER,
@@ -166,10 +166,10 @@ def test_episodes_draw_keyed_noise_turn_by_turn_and_a_turn_changed_is_a_token_fo
     """Issue 63: an episode's turns drew with the engine's own generator and were checked by their
     log-probs only. Each turn now draws with its group's keyed noise, episode j as completion j, a
     token at its position in the episode; the proof checks every token the model drew (the
-    environment's observations are its own, replayed by the referee). Honest episodes pass and draw
+    environment's observations are its own, replayed by the scorer). Honest episodes pass and draw
     the same again; one token of a later turn replaced, with true log-probs, is a token forgery."""
     sampler, proof = _engines()
-    turns_end_often([proof.model, sampler.model], sampler.encode_chat(REFEREE.task.prompt(0).messages))
+    turns_end_often([proof.model, sampler.model], sampler.encode_chat(SCORER.task.prompt(0).messages))
     env = load_environment(TaskConfig(name="math_tools"))
     prompts = [env.prompt(i) for i in range(2)]
     prompt_ids = [sampler.encode_chat(p.messages) for p in prompts]
@@ -260,7 +260,7 @@ async def test_a_forgery_found_in_the_step_is_refused_and_struck_and_the_step_tr
     sampler = HFEngine("tiny", LORA, KEYED, "cpu", "float32")
     load_weights(sampler.model, [bytearray(s) for s in weights_shards(model.module, 2**30)])
     quarantine, ledger = Quarantined(run, after=3), GrantLedger(seed=cfg.run.seed)
-    judge = Judge(Referee(TASK, TOKENIZER, len(TOKENIZER), KEYED), Timeline(max_staleness=1, term=TERM),
+    judge = Judge(Scorer(TASK, TOKENIZER, len(TOKENIZER), KEYED), Timeline(max_staleness=1, term=TERM),
                   proof=model.proof, check_many=model.check_many)
     collector = Collector(await RolloutInbox.open(run), judge, ledger, quarantine=quarantine)
     granter = AsyncGranter(run, TERM, cfg, model.state, ledger, quarantine)
@@ -362,8 +362,8 @@ async def test_one_samplers_text_of_its_choosing_is_refused_and_it_is_quarantine
         async with Background() as background:
             quarantine = Quarantined(trainer, after=3)
             await quarantine.start(background)
-            ledger, referee = GrantLedger(), Referee(TASK, TOKENIZER, len(TOKENIZER), KEYED)
-            judge = Judge(referee, Timeline(max_staleness=1, term=TERM), proof=proof)
+            ledger, scorer = GrantLedger(), Scorer(TASK, TOKENIZER, len(TOKENIZER), KEYED)
+            judge = Judge(scorer, Timeline(max_staleness=1, term=TERM), proof=proof)
             collector = Collector(await RolloutInbox.open(trainer), judge, ledger, quarantine=quarantine)
             for slot, (what, attack) in enumerate(attacks.items(), start=1):
                 honest = _keyed_groups(sampler, [slot], first_slot=slot, group_id=f"f{slot}")[0]
@@ -390,10 +390,10 @@ def test_the_paged_engine_draws_the_keyed_noise_hf_draws_and_its_groups_pass_the
     completion leaving the batch at its own step: the end-of-turn token made likely), with the
     log-probs of softmax(logits / T), and its groups pass the proof's token check."""
     sampler, proof = _engines()
-    turns_end_often([proof.model, sampler.model], sampler.encode_chat(REFEREE.task.prompt(0).messages))
+    turns_end_often([proof.model, sampler.model], sampler.encode_chat(SCORER.task.prompt(0).messages))
     paged = PagedEngine("tiny", LORA, KEYED, "cpu", "float32")
     paged.model.load_state_dict(sampler.model.state_dict())
-    prompts = [sampler.encode_chat(REFEREE.task.prompt(i).messages) for i in range(6)]
+    prompts = [sampler.encode_chat(SCORER.task.prompt(i).messages) for i in range(6)]
     draws = [Draw(group_key(SEED, TERM, slot), first=slot % 3, position=slot % 5) for slot in range(1, 7)]
     want = [g for gens in sampler.generate(prompts, 4, draws=draws) for g in gens]
     got = [g for gens in paged.generate(prompts, 4, draws=draws) for g in gens]
@@ -418,7 +418,7 @@ def test_an_engine_that_cannot_draw_keyed_noise_is_refused_at_start_unless_the_r
 
 def test_a_trusted_samplers_text_drawn_with_its_engines_noise_is_checked_by_its_log_probs_only():
     """A keyed run may trust named samplers (sampling.trusted_samplers) to run an engine that draws
-    its own noise: their groups pass the referee and the proof checks their log-probs, not their
+    its own noise: their groups pass the scorer and the proof checks their log-probs, not their
     tokens. The same group from a sampler not trusted is a token forgery, whichever engine it names."""
     sampler, _ = _engines()
     trainer = sampler.model  # the sampler's own weights: version 0
@@ -432,11 +432,11 @@ def test_a_trusted_samplers_text_drawn_with_its_engines_noise_is_checked_by_its_
     group = drawn.replaced(engine="vllm", sampler_id="t1", completions=[
         c.replaced(token_ids=g.token_ids, logprobs=g.logprobs, text=g.text, finish_reason=g.finish_reason,
                    reward=TASK.score(g.text, TASK.prompt(5)).reward) for c, g in zip(drawn.completions, own)])
-    referee = Referee(TASK, TOKENIZER, len(TOKENIZER), KEYED.model_copy(update={"trusted_samplers": ["t1"]}))
-    assert referee.malformed(group) is None
+    scorer = Scorer(TASK, TOKENIZER, len(TOKENIZER), KEYED.model_copy(update={"trusted_samplers": ["t1"]}))
+    assert scorer.malformed(group) is None
     checked = proof.check(group)
     assert checked.margin is None and proof.forged(group, checked) is None
     for engine in ("vllm", "hf"):
         untrusted = group.replaced(sampler_id="s1", engine=engine)
-        assert referee.malformed(untrusted) is None
+        assert scorer.malformed(untrusted) is None
         assert proof.forged(untrusted, proof.check(untrusted)) == "token_forgery"

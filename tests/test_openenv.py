@@ -14,8 +14,8 @@ import pytest
 from echo.config import ConfigError, TaskConfig
 from echo.model.loading import encode_chat
 from echo.tasks import is_environment, load_task
-from echo.tasks.episodes import EpisodeBuilder, replay
-from echo.trust.referee import Referee
+from echo.tasks.episodes import EpisodeBuilder, rerun
+from echo.trust.scorer import Scorer
 from tests.groups import SAMPLING, TOKENIZER, honest_group
 from tests.swarms import OPENENV_GUESS
 
@@ -61,12 +61,12 @@ def test_an_openenv_environment_plays_from_a_seed_and_the_trainer_replays_it(gue
     assert episode.done and completion.reward == 1.0 and len(completion.observations) == 1
     seen = completion.token_ids[completion.observations[0].at:][:completion.observations[0].tokens]
     assert TOKENIZER.decode(seen.tolist()).startswith(f"\n<|im_start|>user\n'{wrong}': ")
-    assert replay(task, TOKENIZER, prompt, completion, 4096) == (1.0, None)
+    assert rerun(task, TOKENIZER, prompt, completion, 4096) == (1.0, None)
     ids = completion.token_ids.copy()
     ids[completion.observations[0].at + 9] ^= 1  # another answer than the environment's
-    assert replay(task, TOKENIZER, prompt, completion.replaced(token_ids=ids), 4096).reason == "observation_mismatch"
-    referee = Referee(task, TOKENIZER, vocab_size=len(TOKENIZER), sampling=SAMPLING)
-    lied = referee.score(honest_group(5, texts=["x"], rewards=[0.0], of_task=task,
+    assert rerun(task, TOKENIZER, prompt, completion.replaced(token_ids=ids), 4096).reason == "observation_mismatch"
+    scorer = Scorer(task, TOKENIZER, vocab_size=len(TOKENIZER), sampling=SAMPLING)
+    lied = scorer.score(honest_group(5, texts=["x"], rewards=[0.0], of_task=task,
                                       completions=[played(task, prompt, [wrong] * 4).completion().replaced(reward=1.0)],
                                       temperature=SAMPLING.temperature))
     assert lied.reward_mismatch and lied.rewards == [0.0]  # a strike; trained on the replayed reward
@@ -108,10 +108,10 @@ def test_served_by_openenvs_own_server_in_a_subprocess_the_episodes_are_the_in_p
     assert [e.completion() for e in theirs] == [played(ours, p, turns).completion() for p in prompts]
     assert any(e.done and e.reward == 1.0 for e in theirs) and any(e.completion().observations for e in theirs)
     completion = theirs[0].completion()
-    assert replay(served, TOKENIZER, prompts[0], completion, 4096) == replay(ours, TOKENIZER, prompts[0], completion, 4096)
+    assert rerun(served, TOKENIZER, prompts[0], completion, 4096) == rerun(ours, TOKENIZER, prompts[0], completion, 4096)
     ids = completion.token_ids.copy()
     ids[completion.observations[0].at + 9] ^= 1
-    assert replay(served, TOKENIZER, prompts[0], completion.replaced(token_ids=ids), 4096).reason == "observation_mismatch"
+    assert rerun(served, TOKENIZER, prompts[0], completion.replaced(token_ids=ids), 4096).reason == "observation_mismatch"
     # A process that served: its server goes when it does.
     script = (f"import sys, psutil; sys.path.insert(0, {str(tmp_path)!r}); from echo.config import TaskConfig; "
               "from echo.tasks import load_task; "

@@ -8,7 +8,7 @@ import pytest
 
 from streams.replay import read_rollouts
 from tests.conftest import assert_balanced, read_metrics, tiny_config, worker_process
-from tests.groups import REFEREE, honest_group
+from tests.groups import SCORER, honest_group
 from workers.operator.swarm import stop_processes
 from workers.trainer.judge import Case, Judge, Timeline
 
@@ -16,7 +16,7 @@ from workers.trainer.judge import Case, Judge, Timeline
 def test_a_partial_rollout_is_judged_by_its_newest_tokens_and_may_have_begun_a_window_further_back():
     """At version 10 with max_staleness 2 (versions 8 and newer trained) and partial rollouts
     (begun_within 5): finished by version 8, a group is trained whatever began it down to 5."""
-    judge = Judge(REFEREE, Timeline(max_staleness=2, begun_within=5))
+    judge = Judge(SCORER, Timeline(max_staleness=2, begun_within=5))
 
     def verdict(version: int, changes: list[tuple[int, int]]) -> str:
         group = honest_group(version=version,

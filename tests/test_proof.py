@@ -20,7 +20,7 @@ from streams.quarantine import read_quarantine
 from streams.registry import read_statuses
 from streams.rollouts import publish_rollout
 from tests.conftest import tiny_config
-from tests.groups import REFEREE, SAMPLING, collect_once_quarantined, granted, honest_group, perturb
+from tests.groups import SCORER, SAMPLING, collect_once_quarantined, granted, honest_group, perturb
 from workers.background import Background
 from workers.cli import build_parser
 from workers.operator.quarantine import quarantine_command
@@ -66,7 +66,7 @@ def test_honest_log_probs_pass_under_the_claimed_version_and_forged_ones_fail():
     load_weights(trainer, [bytearray(s) for s in weights_shards(sampler.model, 2**30)])
     proof = _proof(trainer)
     proof.remember(0)
-    prompt = REFEREE.task.prompt(3)
+    prompt = SCORER.task.prompt(3)
     prompt_ids = sampler.encode_chat(prompt.messages)
     generations = sampler.generate([prompt_ids], SAMPLING.group_size)[0]
     group = honest_group(3, version=0, prompt_token_ids=prompt_ids, completions=[
@@ -110,7 +110,7 @@ async def test_a_forging_sampler_is_rejected_then_quarantined_until_an_operator_
         proof.remember(1)
         proof.suspects.add("s1")
         ledger = GrantLedger()
-        collector = Collector(await RolloutInbox.open(run), Judge(REFEREE, Timeline(max_staleness=1), proof=proof), ledger,
+        collector = Collector(await RolloutInbox.open(run), Judge(SCORER, Timeline(max_staleness=1), proof=proof), ledger,
                               quarantine=quarantine)
         # honest_group's log-probs are a constant -0.5: not what the model gives its tokens.
         for index, group_id in [(12, "f1"), (13, "f2"), (16, "f3")]:
@@ -162,7 +162,7 @@ def test_a_partial_rollout_is_checked_token_by_token_under_the_version_that_samp
                 load_weights(sampler.model, versions[version])
             return version
 
-    prompt_ids = sampler.encode_chat(REFEREE.task.prompt(3).messages)
+    prompt_ids = sampler.encode_chat(SCORER.task.prompt(3).messages)
     generations = sampler.generate([prompt_ids], sampling.group_size, newer_weights=TwoSwaps(),
                                    draws=[Draw(group_key(5, 0, 1))])[0]  # the group's slot 1 of term 0
     for g in generations:  # a completion that ended before a swap does not name it

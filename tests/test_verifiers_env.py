@@ -16,10 +16,10 @@ import pytest
 from echo.config import ConfigError, TaskConfig
 from echo.model.loading import encode_chat
 from echo.tasks import is_environment, load_task, safe_score, task_class
-from echo.tasks.episodes import EpisodeBuilder, replay
+from echo.tasks.episodes import EpisodeBuilder, rerun
 from echo.tasks.loop import on_loop
 from echo.tasks.verifiers_env import as_chat, replay_client, texts, tool_calls
-from echo.trust.referee import Referee
+from echo.trust.scorer import Scorer
 from tests.groups import SAMPLING, TOKENIZER, honest_group
 from tests.swarms import GUESS_ENV, VERIFIERS_ENV
 
@@ -231,16 +231,16 @@ def test_a_tool_environment_is_played_turn_by_turn_as_verifiers_rolls_it_out(env
     output = asyncio.run(task.env.run_rollout(task.row(prompt), replay_client(texts(call, answer)), "m", {}))
     said = [m["content"] for m in as_chat(output["completion"]) if m["role"] == "tool"]
     assert said == [str(a + b)] and output["reward"] == 1.0
-    assert replay(task, TOKENIZER, prompt, completion, 4096) == (1.0, None)
+    assert rerun(task, TOKENIZER, prompt, completion, 4096) == (1.0, None)
     # A sampler that claims the tool said another number.
     ids = completion.token_ids.copy()
     ids[completion.observations[0].at + 7] ^= 1
-    assert replay(task, TOKENIZER, prompt, completion.replaced(token_ids=ids), 4096).reason == "observation_mismatch"
+    assert rerun(task, TOKENIZER, prompt, completion.replaced(token_ids=ids), 4096).reason == "observation_mismatch"
 
 
-def test_a_sampler_lying_about_an_episode_is_refused_or_struck_by_the_referee(env_module):
+def test_a_sampler_lying_about_an_episode_is_refused_or_struck_by_the_scorer(env_module):
     task = load_task(TaskConfig(name=f"verifiers:{env_module('guess_env', GUESS_ENV)}", params={}))
-    referee = Referee(task, TOKENIZER, vocab_size=len(TOKENIZER), sampling=SAMPLING)
+    scorer = Scorer(task, TOKENIZER, vocab_size=len(TOKENIZER), sampling=SAMPLING)
     _, right = played(task, 4, ["<answer>2</answer>", "<answer>5</answer>"])  # the number is 5
     _, wrong = played(task, 4, ["<answer>9</answer>", "<answer>8</answer>"], max_tokens=60)  # cut by its budget
     assert right.done and right.reward == 1.0 and wrong.done and wrong.reward == 0.0
@@ -250,9 +250,9 @@ def test_a_sampler_lying_about_an_episode_is_refused_or_struck_by_the_referee(en
         return honest_group(4, texts=["x"] * len(completions), rewards=[0.0] * len(completions), of_task=task,
                             completions=list(completions), temperature=SAMPLING.temperature)
 
-    honest = referee.score(group(right.completion(), wrong.completion()))
+    honest = scorer.score(group(right.completion(), wrong.completion()))
     assert honest.reason is None and honest.rewards == [1.0, 0.0] and not honest.reward_mismatch
-    lied = referee.score(group(right.completion(), wrong.completion().replaced(reward=1.0)))
+    lied = scorer.score(group(right.completion(), wrong.completion().replaced(reward=1.0)))
     assert lied.reward_mismatch and lied.rewards == [1.0, 0.0]  # a strike; trained on the replayed reward
     # The rollout of an episode our loop ended first (its budget) ends once the episode is dropped.
     rollout = wrong.episode.rollout
@@ -262,7 +262,7 @@ def test_a_sampler_lying_about_an_episode_is_refused_or_struck_by_the_referee(en
     ids = right.completion().token_ids.copy()
     said = TOKENIZER.decode(ids.tolist()).index("higher")
     ids[said - 20: said + 6] = TOKENIZER("'5': lower", add_special_tokens=False)["input_ids"][:1] * 26
-    assert referee.score(group(right.completion().replaced(token_ids=ids))).reason == "observation_mismatch"
+    assert scorer.score(group(right.completion().replaced(token_ids=ids))).reason == "observation_mismatch"
 
 
 def test_an_environment_that_answers_differently_each_play_is_refused_at_start(env_module):
@@ -306,19 +306,19 @@ def test_an_environment_that_cannot_be_replayed_is_refused_at_start_unless_the_r
 def test_an_environment_that_cannot_be_replayed_trains_on_the_samplers_word_where_the_run_says_so(env_module):
     task = load_task(TaskConfig(name=f"verifiers:{env_module('guess_env', GUESS_ENV)}",
                                 params={"seeded": False, "trust_samplers_for_observations": True, "max_turns": 2}))
-    referee = Referee(task, TOKENIZER, vocab_size=len(TOKENIZER), sampling=SAMPLING)
+    scorer = Scorer(task, TOKENIZER, vocab_size=len(TOKENIZER), sampling=SAMPLING)
     _, episode = played(task, 4, ["<answer>3</answer>", "<answer>4</answer>"])
     assert episode.done and len(episode.completion().observations) == 1  # its observation: a random number
     claimed = episode.completion().replaced(reward=0.75)
-    ruling = referee.score(honest_group(4, texts=["x"], rewards=[0.0], of_task=task, completions=[claimed],
+    scored = scorer.score(honest_group(4, texts=["x"], rewards=[0.0], of_task=task, completions=[claimed],
                                         temperature=SAMPLING.temperature))
-    assert ruling.reason is None and ruling.rewards == [0.75] and not ruling.reward_mismatch  # taken as claimed
+    assert scored.reason is None and scored.rewards == [0.75] and not scored.reward_mismatch  # taken as claimed
     # What it still checks: the turn limit.
     three = played(load_task(TaskConfig(name="verifiers:guess_env", params={
         "seeded": False, "trust_samplers_for_observations": True, "max_turns": 3})), 4, ["1", "2", "3"])[1]
-    ruling = referee.score(honest_group(4, texts=["x"], rewards=[0.0], of_task=task, completions=[three.completion()],
+    scored = scorer.score(honest_group(4, texts=["x"], rewards=[0.0], of_task=task, completions=[three.completion()],
                                         temperature=SAMPLING.temperature))
-    assert ruling.reason == "too_many_turns"
+    assert scored.reason == "too_many_turns"
 
 
 @pytest.mark.parametrize("text, content, calls", [

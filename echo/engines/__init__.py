@@ -1,4 +1,4 @@
-"""Generation engines behind one interface (echo/engines/base.py): the sampler does not care which
+"""CompletionOutput engines behind one interface (echo/engines/base.py): the sampler does not care which
 it drives. This package picks and builds the one `sampler.engine` names; the engines take the
 interface from base.py, not from here: no import cycle."""
 

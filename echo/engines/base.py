@@ -1,5 +1,5 @@
 """The interface every generation engine implements, and what the engines share: the sampler
-drives an `Engine` and reads `Generation`s, whichever engine it is."""
+drives an `Engine` and reads `CompletionOutput`s, whichever engine it is."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from echo.trust.noise import Draw
 
 
 @dataclass(frozen=True)
-class Generation:
+class CompletionOutput:
     token_ids: list[int]  # includes the end-of-sequence token when finish_reason == "stop"
     logprobs: list[float]  # behaviour log-prob of each token under the sampling distribution
     text: str
@@ -50,7 +50,7 @@ class NewerWeights(Protocol):
 class Engine(Protocol):
     name: str  # "hf" or "vllm", named in every group it samples
     keyed_noise: bool  # whether it draws with keyed noise (sampling.noise = "keyed", echo/trust/noise.py)
-    # (layers, top_k, experts) where it records a mixture of experts' routing (Generation.routing), else None
+    # (layers, top_k, experts) where it records a mixture of experts' routing (CompletionOutput.routing), else None
     routing: tuple[int, int, int] | None
     device: torch.device
     dtype: torch.dtype  # the precision it samples in
@@ -61,7 +61,7 @@ class Engine(Protocol):
 
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
                  newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
-                 seed: int | None = None, draws: list[Draw] | None = None) -> list[list[Generation]]:
+                 seed: int | None = None, draws: list[Draw] | None = None) -> list[list[CompletionOutput]]:
         """n sampled completions for each prompt (greedy: the most likely one, for evaluation), of
         at most `max_tokens` (None: sampling.max_new_tokens; an episode's turn takes what is left),
         drawn with `seed` (call_seed: the same call of the same run draws the same; None: fresh),

@@ -13,7 +13,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from echo.config import LoraConfig, SamplingConfig
-from echo.engines.base import Generation, NewerWeights
+from echo.engines.base import CompletionOutput, NewerWeights
 from echo.model.devices import resolve_device, sampler_dtype
 from echo.model.loading import encode_chat, load_model
 from echo.model.policy import CACHE, kv_cache, load_weights, make_policy
@@ -178,7 +178,7 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
                  newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
-                 seed: int | None = None, draws: list[Draw] | None = None) -> list[list[Generation]]:
+                 seed: int | None = None, draws: list[Draw] | None = None) -> list[list[CompletionOutput]]:
         """With `newer_weights`, generation goes `chunk_tokens` at a time and asks it between
         chunks, where the sampler may swap in newer weights: the completions go on from the key/value
         cache as it is (the partial rollouts of PipelineRL), and each says where a version took over.
@@ -231,7 +231,7 @@ class HFEngine:
                     changes[row].append((produced, version))
         padded = batch["input_ids"].shape[1]
         generations = [
-            Generation(token_ids=t, logprobs=lp, text=self.tokenizer.decode(t, skip_special_tokens=True),
+            CompletionOutput(token_ids=t, logprobs=lp, text=self.tokenizer.decode(t, skip_special_tokens=True),
                        finish_reason="stop" if t[-1] == eos else "length", version_changes=tuple(c),
                        routing=row_routing(r, padded - len(prompts[row // n]), len(prompts[row // n]) + len(t))
                        if self.routing else None)
@@ -269,7 +269,7 @@ class PagedEngine(HFEngine):
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
                  newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
-                 seed: int | None = None, draws: list[Draw] | None = None) -> list[list[Generation]]:
+                 seed: int | None = None, draws: list[Draw] | None = None) -> list[list[CompletionOutput]]:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         keyed = draws is not None and not greedy
@@ -313,7 +313,7 @@ class PagedEngine(HFEngine):
                 o.logprobs = sampled.logprobs[i, : len(o.generated_tokens)].tolist()
         eos = self.tokenizer.eos_token_id
         generations = [
-            Generation(token_ids=list(o.generated_tokens), logprobs=list(o.logprobs),
+            CompletionOutput(token_ids=list(o.generated_tokens), logprobs=list(o.logprobs),
                        text=self.tokenizer.decode(o.generated_tokens, skip_special_tokens=True),
                        finish_reason="stop" if o.generated_tokens[-1] == eos else "length",
                        routing=routed.of(i, i - i % n, len(requests[i]) + len(o.generated_tokens)) if self.routing

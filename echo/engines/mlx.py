@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from echo.config import ConfigError, LoraConfig, ModelConfig, SamplingConfig
-from echo.engines.base import Generation, NewerWeights
+from echo.engines.base import CompletionOutput, NewerWeights
 from echo.model.devices import DTYPES
 from echo.model.loading import encode_chat, load_tokenizer, model_folder, model_on_meta
 from echo.model.policy import check_tensors, make_policy, policy_shapes, shards_tensors
@@ -404,7 +404,7 @@ class MLXEngine:
 
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
                  newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
-                 seed: int | None = None, draws: list[Draw] | None = None) -> list[list[Generation]]:
+                 seed: int | None = None, draws: list[Draw] | None = None) -> list[list[CompletionOutput]]:
         """n completions a prompt, each prompt's n in one batch (see the module's docstring)."""
         with self._calling:
             self._send(("generate", prompts, n, greedy, max_tokens, seed, draws, newer_weights is not None))
@@ -425,7 +425,7 @@ class MLXEngine:
         return True
 
     def _generate(self, prompts: list[list[int]], n: int, greedy: bool, max_tokens: int | None, seed: int | None,
-                  draws: list[Draw] | None, newer_weights: NewerWeights | None = None) -> list[list[Generation]]:
+                  draws: list[Draw] | None, newer_weights: NewerWeights | None = None) -> list[list[CompletionOutput]]:
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         limit = self.max_new_tokens if max_tokens is None else max_tokens
         out = []
@@ -435,7 +435,7 @@ class MLXEngine:
         return out
 
     def _one_prompt(self, prompt: list[int], n: int, limit: int, greedy: bool, draw: Draw | None,
-                    generator: torch.Generator | None, newer_weights: NewerWeights | None) -> list[Generation]:
+                    generator: torch.Generator | None, newer_weights: NewerWeights | None) -> list[CompletionOutput]:
         mx, eos = self.mx, self.tokenizer.eos_token_id
         cache, routed = self._cache(self.model), []  # routed: each forward's (rows, tokens, layers, k)
 
@@ -478,7 +478,7 @@ class MLXEngine:
             # Every row goes on (a finished one's tokens are not read): the batch keeps one length.
             logits = forward(mx.array(token.numpy().astype(np.int32))[:, None])
         routing = np.concatenate(routed, axis=1).astype(np.uint16) if self.routing else None
-        return [Generation(token_ids=t, logprobs=lp, text=self.tokenizer.decode(t, skip_special_tokens=True),
+        return [CompletionOutput(token_ids=t, logprobs=lp, text=self.tokenizer.decode(t, skip_special_tokens=True),
                            finish_reason="stop" if t[-1] == eos else "length", version_changes=tuple(c),
                            routing=None if routing is None else _row_routing(routing[row], len(prompt) + len(t)))
                 for row, (t, lp, c) in enumerate(zip(tokens, logprobs, changes))]

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoTokenizer
 
 from echo.config import ConfigError, LoraConfig, ModelConfig, SamplingConfig
-from echo.engines.base import Generation, NewerWeights
+from echo.engines.base import CompletionOutput, NewerWeights
 from echo.model.devices import dtype_name, resolve_device, sampler_dtype
 from echo.model.loading import encode_chat, model_folder, model_on_meta
 from echo.model.policy import check_tensors, make_policy, policy_shapes, shards_tensors
@@ -139,7 +139,7 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False,
                  newer_weights: NewerWeights | None = None, max_tokens: int | None = None,
-                 seed: int | None = None, draws: list[Draw] | None = None) -> list[list[Generation]]:
+                 seed: int | None = None, draws: list[Draw] | None = None) -> list[list[CompletionOutput]]:
         """Whole completions: `newer_weights` is not asked (partial rollouts are the HF engine's).
         With `draws`, a request per completion, each carrying its noise (KeyedNoise)."""
         from vllm import SamplingParams
@@ -169,20 +169,20 @@ class VLLMEngine:
                                     use_tqdm=False)
         return [[self._generation(c, len(out.prompt_token_ids)) for c in out.outputs] for out in outputs]
 
-    def _generation(self, completion, prompt_tokens: int) -> Generation:
+    def _generation(self, completion, prompt_tokens: int) -> CompletionOutput:
         ids = list(completion.token_ids)
         logprobs = [step[token].logprob for token, step in zip(ids, completion.logprobs)]
         routing = None
         if self.routing:
             routing = routed_rows(completion.routed_experts, self.moe_layers, self.routing[1], prompt_tokens + len(ids))
-        return Generation(token_ids=ids, logprobs=logprobs, text=completion.text,
+        return CompletionOutput(token_ids=ids, logprobs=logprobs, text=completion.text,
                           finish_reason="stop" if completion.finish_reason == "stop" else "length", routing=routing)
 
 
 def routed_rows(routed, moe_layers: list[int], top_k: int, tokens: int) -> np.ndarray:
     """vLLM's routed experts for one completion (CompletionOutput.routed_experts: (positions, every
     decoder layer, top_k), uint8 or uint16, over the prompt and the completion but its last token,
-    which was never an input) as Generation.routing: the MoE layers' rows, the last row zeros."""
+    which was never an input) as CompletionOutput.routing: the MoE layers' rows, the last row zeros."""
     routed = None if routed is None else np.asarray(routed)
     if routed is None or routed.ndim != 3 or routed.shape[0] not in (tokens - 1, tokens) \
             or routed.shape[1] <= max(moe_layers) or routed.shape[2] != top_k:

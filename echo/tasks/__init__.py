@@ -110,9 +110,9 @@ class Environment(Protocol):
     def episode(self, prompt: Prompt) -> Episode: ...
 
 
-def check_replayable(task: Environment, actions: list[str], unless: str) -> None:
+def check_rerunnable(task: Environment, actions: list[str], unless: str) -> None:
     """Two plays of the first prompt's episode with the same `actions` must answer alike (each
-    step whole: the trainer's replay sums its rewards too), else no trainer can replay what a
+    step whole: the trainer's rerun sums its rewards too), else no trainer can rerun what a
     sampler played; `unless` names what in the environment could make them differ."""
     plays = []
     for _ in range(2):

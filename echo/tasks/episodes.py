@@ -4,7 +4,7 @@ An environment serves prompts by index as a task does (`prompt`, `held_out`), an
 episode from one: `episode(prompt)` starts it, and each `step(action)` takes the model's turn (the
 text of the tokens it sampled) and answers with the next observation (chat messages to append,
 a user's or a tool's turn), a reward, and whether the episode is over. Deterministic for a given
-prompt, so the trainer replays what a sampler claims. An episode ends when the environment says
+prompt, so the trainer reruns what a sampler claims. An episode ends when the environment says
 so, after `max_turns` model turns, or when its tokens reach `sampling.max_new_tokens`; its
 reward is the sum of its steps' (each in [0, 1]). A single-turn task is the one-step case
 (`SingleTurn`): its step scores the completion and ends the episode.
@@ -12,7 +12,7 @@ reward is the sum of its steps' (each in [0, 1]). A single-turn task is the one-
 Token-in, token-out: the sampler builds an episode as one token sequence, the model's tokens as
 sampled and each observation as `observation_tokens` renders it (the chat template's own
 rendering of that turn after a model turn), appended as ids; it never re-tokenises what the model
-produced. `replay` is the trainer's check of an episode a sampler sent.
+produced. `rerun` is the trainer's check of an episode a sampler sent.
 """
 
 from __future__ import annotations
@@ -87,35 +87,35 @@ def no_room(tokens: int, observation: list[int], max_tokens: int) -> bool:
     return tokens + len(observation) >= max_tokens
 
 
-class Replayed(NamedTuple):
+class Rerun(NamedTuple):
     reward: float  # the episode's, as the environment gives it for the sampler's actions
     reason: str | None  # why the episode is refused, or None
 
 
-def replay(env: Environment, tokenizer, prompt: Prompt, completion: Completion, max_tokens: int) -> Replayed:
+def rerun(env: Environment, tokenizer, prompt: Prompt, completion: Completion, max_tokens: int) -> Rerun:
     """Play the episode again from its prompt with the sampler's actions (the model's turns,
     decoded): every observation it claims must be the environment's, token for token, and it
     must end where the environment, the turn limit, a turn cut short or the token budget ends it."""
     episode, reward, turns = env.episode(prompt), 0.0, completion.model_turns()
     if len(turns) > env.max_turns:
-        return Replayed(reward, "too_many_turns")
+        return Rerun(reward, "too_many_turns")
     for turn, observation in enumerate([*completion.observations, None]):
         try:
             step = episode.step(action_text(tokenizer, completion, turn))
         except MemoryError:  # the trainer's budget (workers/trainer/scoring.py), not a bug
             raise
         except Exception:  # a bug in an environment costs that group, not the run
-            return Replayed(reward, "environment_error")
+            return Rerun(reward, "environment_error")
         reward += step.reward
         if observation is None:  # the model's last turn: the episode must be over
             over = (step.done or len(turns) == env.max_turns or completion.truncated
                     or no_room(len(completion.token_ids), observation_tokens(tokenizer, step.observation), max_tokens))
-            return Replayed(reward, None if over else "episode_cut_short")
+            return Rerun(reward, None if over else "episode_cut_short")
         if step.done:
-            return Replayed(reward, "episode_went_on")
+            return Rerun(reward, "episode_went_on")
         claimed = completion.token_ids[observation.at : observation.at + observation.tokens]
         if not np.array_equal(claimed, observation_tokens(tokenizer, step.observation)):
-            return Replayed(reward, "observation_mismatch")
+            return Rerun(reward, "observation_mismatch")
     raise AssertionError("unreachable: the last turn returns")
 
 
@@ -150,7 +150,7 @@ class EpisodeBuilder:
 
     def add_turn(self, ids: list[int], logprobs: list[float], routing: np.ndarray | None = None) -> None:
         """The model's turn (its tokens, log-probs and, where recorded, the routing of its
-        context and tokens: Generation.routing), and the environment's answer."""
+        context and tokens: CompletionOutput.routing), and the environment's answer."""
         if routing is not None:
             # what earlier turns routed, but the last token: this turn's prefill read it first
             kept = routing[:0] if self.routing is None else self.routing[:-1]

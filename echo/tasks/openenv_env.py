@@ -47,7 +47,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from echo.config import ConfigError
-from echo.tasks import Prompt, Step, check_replayable, parse_params
+from echo.tasks import Prompt, Step, check_rerunnable, parse_params
 from echo.tasks.loop import on_loop, submit
 
 PREFIX = "openenv:"
@@ -332,7 +332,7 @@ class OpenEnvTask:
             self.form = ActionForm.of(_schema(server_for(self)))
         if not self.trusted_observations:
             probe = "0" if self.form.text else "{}"
-            check_replayable(self, [probe] * min(2, self.max_turns), "randomness not drawn from the seed?")
+            check_rerunnable(self, [probe] * min(2, self.max_turns), "randomness not drawn from the seed?")
 
     def make(self):
         return self.cls(**self.p.env)

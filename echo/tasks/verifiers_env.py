@@ -51,7 +51,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from echo.config import ConfigError, cache_dir
-from echo.tasks import Prompt, Score, Step, check_replayable, parse_params
+from echo.tasks import Prompt, Score, Step, check_rerunnable, parse_params
 from echo.tasks.dataset import Dataset
 from echo.tasks.loop import on_loop, submit
 
@@ -95,7 +95,7 @@ def make_task(module: str, params: dict) -> VerifiersEnv:
     task = VerifiersEpisodes(name, env, ours)
     if not ours.trust_samplers_for_observations:
         calls = [f'<tool_call>{{"name": "{t.name}", "arguments": {{}}}}</tool_call>' for t in env.tool_defs or []]
-        check_replayable(task, [*calls, "0", "1"][: task.max_turns], "a service, or randomness without a seed")
+        check_rerunnable(task, [*calls, "0", "1"][: task.max_turns], "a service, or randomness without a seed")
     return task
 
 
@@ -341,7 +341,7 @@ class VerifiersEpisodes(VerifiersEnv):
 
     @property
     def trusted_observations(self) -> bool:
-        """Whether the referee takes a sampler's episodes as they are (echo/trust/referee.py)."""
+        """Whether the scorer takes a sampler's episodes as they are (echo/trust/scorer.py)."""
         return self.env_params.trust_samplers_for_observations
 
     def episode(self, prompt: Prompt) -> Played:

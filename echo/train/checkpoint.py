@@ -202,7 +202,7 @@ def append_trained_completions(run_dir: Path, keys: list[int]) -> None:
 
 
 def load_trained_completions(run_dir: Path, count: int) -> set[int]:
-    """The checkpoint's `count` completion keys (echo/trust/referee.py completion_keys); what a crash
+    """The checkpoint's `count` completion keys (echo/trust/scorer.py completion_keys); what a crash
     left after them is cut off."""
     path = run_dir / "trained_completions.bin"
     data = path.read_bytes() if path.exists() else b""

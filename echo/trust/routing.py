@@ -200,7 +200,7 @@ class Replay:
 
 
 def group_routing(rows: list[np.ndarray], prompt_tokens: int, shape: tuple[int, int, int]) -> Routing:
-    """A group's Routing from its completions' (the engine's Generation.routing, each over its
+    """A group's Routing from its completions' (the engine's CompletionOutput.routing, each over its
     prompt and its tokens): the prompt's rows once (the first completion's), then each completion's."""
     layers, top_k, experts = shape
     ids = np.concatenate([rows[0][:prompt_tokens], *(r[prompt_tokens:] for r in rows)])

@@ -6,7 +6,7 @@ through, or change one thing in.
 
 The groups come from the run's rollout stream (kept whole by its limits retention), the order
 from `metrics.jsonl` (each step names the groups it trained on), the rewards from the trainer's
-own referee, the initial adapter from the run's seed.
+own scorer, the initial adapter from the run's seed.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from echo.tasks import load_task
 from echo.train.checkpoint import latest_weights
 from echo.train.learner import Batch
 from echo.train.metrics import read_metrics
-from echo.trust.referee import Referee
+from echo.trust.scorer import Scorer
 from echo.wire.codec import ProtocolError
 from echo.wire.messages import RolloutGroup
 from streams.credentials import Credentials
@@ -50,12 +50,12 @@ def retrain(run_dir: Path, nats_url: str | None = None, credentials: Credentials
         with run_broker(cfg.run.id if nats_url else run_dir, nats_url, credentials) as (url, run_id, credentials):
             groups = asyncio.run(_groups(url, run_id, credentials))
         model = TrainerModel(cfg, Ranks(cfg.model.device))
-        referee = Referee(load_task(cfg.task), model.tokenizer, model.vocab_size, cfg.sampling, model.routing)
+        scorer = Scorer(load_task(cfg.task), model.tokenizer, model.vocab_size, cfg.sampling, model.routing)
         for step in steps:
             missing = [g for g, _, _ in step["groups"] if g not in groups]
             if missing:
                 raise ValueError(f"step {step['step']}: groups {missing[:3]} are not in the stream (its retention?)")
-            model.train(Batch.of([(groups[g], referee.score(groups[g]).rewards) for g, _, _ in step["groups"]],
+            model.train(Batch.of([(groups[g], scorer.score(groups[g]).rewards) for g, _, _ in step["groups"]],
                                  step["version"] - 1 - cfg.staleness_bound, step["step"]))  # what the run's step trained
             log.info("retrain.step", step=step["step"], of=steps[-1]["step"], groups=len(step["groups"]))
         retrained = model.write_weights(steps[-1]["version"])

@@ -47,7 +47,7 @@ def step_record(step: TrainerStep, version: int, proof_counts: dict, quarantined
         **stats,
         "tokens_per_second": stats["tokens"] / stats["train_seconds"],
         "step_seconds": wait + train,  # waiting for groups + training
-        "wait_seconds": wait,  # for groups (and refereeing them)
+        "wait_seconds": wait,  # for groups (and scoring them)
         "proof_seconds": collected.proof_seconds,  # of it, proving groups of older versions (in-step proofs: train)
         "wall_seconds": step.ended("train") - step.process_started,  # since this trainer process started
         "used": len(groups),

@@ -20,7 +20,7 @@ from functools import cached_property
 
 from echo.fleet.staleness import Freshness, freshness
 from echo.trust.proof import SamplingProof
-from echo.trust.referee import Referee, Ruling, completion_keys, content_hash, repeats
+from echo.trust.scorer import Scorer, Scored, completion_keys, content_hash, repeats
 from echo.wire.messages import RolloutGroup
 from workers.trainer.scoring import ScoringProcess
 
@@ -66,7 +66,7 @@ class Case:
     asked_with: int | None = None  # the version its sender said it ran when granted its slot; None: not known
     noise_slot: int | None = None  # the slot whose keyed noise its slot was granted with; None: its own
     content: str = ""
-    ruling: Ruling | None = None
+    scored: Scored | None = None
 
     @property
     def about(self) -> str:
@@ -86,7 +86,7 @@ class Timeline:
 
 
 @dataclass
-class Trained:
+class AlreadyTrained:
     """What the run has trained on, as far as a new group could repeat it."""
 
     content: set[str] = field(default_factory=set)  # content hashes: the same groups under new ids are replays
@@ -99,13 +99,13 @@ class Trained:
 
 
 class Judge:
-    def __init__(self, referee: Referee, timeline: Timeline, trained: Trained | None = None,
+    def __init__(self, scorer: Scorer, timeline: Timeline, trained: AlreadyTrained | None = None,
                  proof: SamplingProof | None = None, check_many=None, scoring: ScoringProcess | None = None):
-        self.referee, self.timeline = referee, timeline
-        self.trained = trained or Trained()
+        self.scorer, self.timeline = scorer, timeline
+        self.trained = trained or AlreadyTrained()
         self.proof = proof
         self.check_many = check_many or (proof.check_many if proof else None)  # the proof's forwards (every rank)
-        self.limits = referee.limits  # what a message may hold, checked before it is read
+        self.limits = scorer.limits  # what a message may hold, checked before it is read
         self.scoring = scoring  # the verifiers with a budget, in a child process; None: here (tests)
         # The proof of sampling is not one of them: the intake proves the groups through them all
         # together (prove), or the step from its own forward.
@@ -118,14 +118,14 @@ class Judge:
             verdict = await check(case)
             if verdict is not None:
                 return verdict
-        ruling = case.ruling
-        return Accepted(case.group, ruling.rewards, case.content, ruling.reward_mismatch, ruling.source,
-                        ruling.verifier_errors, ruling.unanswered, ruling.close)
+        scored = case.scored
+        return Accepted(case.group, scored.rewards, case.content, scored.reward_mismatch, scored.source,
+                        scored.verifier_errors, scored.unanswered, scored.close)
 
     async def well_formed(self, case: Case) -> Verdict | None:
         """What the run's config rules out (group size, temperature, tokens, task, precision): no
         honest sampler of the run sends it."""
-        reason = self.referee.malformed(case.group)
+        reason = self.scorer.malformed(case.group)
         return Verdict(reason, case.about, strike=True) if reason else None
 
     async def new(self, case: Case) -> Verdict | None:
@@ -178,10 +178,10 @@ class Judge:
     async def scored(self, case: Case) -> Verdict | None:
         """The prompt is the task's, and the trainer's own verifiers score every completion (a
         multi-turn episode played again with the sampler's actions)."""
-        ruling = await self.scoring.score(case.group) if self.scoring else self.referee.score(case.group)
-        case.ruling = ruling
-        if ruling.reason:  # a claim the environment never made, a verifier bomb: a lie
-            return Verdict(ruling.reason, case.about, strike=ruling.lie)
+        scored = await self.scoring.score(case.group) if self.scoring else self.scorer.score(case.group)
+        case.scored = scored
+        if scored.reason:  # a claim the environment never made, a verifier bomb: a lie
+            return Verdict(scored.reason, case.about, strike=scored.lie)
         return None
 
     def wants_proof(self, group: RolloutGroup, version: int) -> bool:

@@ -1,6 +1,6 @@
 """The trainer's model on one process or on several ranks (`torchrun --nproc-per-node N`).
 
-Rank 0 is the trainer the run knows: it does all NATS I/O (collecting, refereeing, acking,
+Rank 0 is the trainer the run knows: it does all NATS I/O (collecting, scoring, acking,
 publishing). The model work is `TrainerModel`'s: a step, a proof-of-sampling forward, a checkpoint,
 gathering the weights to publish. Rank 0's call of each is first sent to the other ranks, which
 wait in `TrainerModel.follow` and run the same method with the same arguments, so every rank reaches

@@ -2,7 +2,7 @@
 
 A sampler chooses every text a verifier reads: `\\boxed{7^{9^{8}}}` has math-verify hand sympy a
 power tower to evaluate in full (minutes, and memory, for one completion), and a user's or
-reasoning-gym's verifier may do the like. So the referee's scoring (the prompt checked, each
+reasoning-gym's verifier may do the like. So the scorer's scoring (the prompt checked, each
 completion's reward recomputed or its episode replayed) runs here, off the trainer's event loop,
 with a budget per completion: `trainer.score_budget_s` of wall time and `trainer.score_memory_mb`
 of memory above what the child holds when ready. A completion past either rejects its group as
@@ -25,7 +25,7 @@ import structlog
 
 from echo.config import EchoConfig, SamplingConfig, TaskConfig
 from echo.tasks import is_environment, load_task
-from echo.trust.referee import Referee, Ruling
+from echo.trust.scorer import Scorer, Scored
 from echo.wire.messages import RolloutGroup
 
 log = structlog.get_logger()
@@ -71,10 +71,10 @@ def _warm_up(task) -> None:
 def _serve(conn: Connection, task: TaskConfig, tokenizer, vocab_size: int, sampling: SamplingConfig,
            memory_mb: float) -> None:
     """The child: score each group sent, saying when each completion is done (None), then its
-    Ruling; until the trainer closes its end (it exited, or was killed)."""
+    Scored; until the trainer closes its end (it exited, or was killed)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the trainer ends this
-    referee = Referee(load_task(task), tokenizer, vocab_size, sampling)
-    _warm_up(referee.task)
+    scorer = Scorer(load_task(task), tokenizer, vocab_size, sampling)
+    _warm_up(scorer.task)
     _limit_memory(memory_mb)
     conn.send("ready")
     while True:
@@ -83,14 +83,14 @@ def _serve(conn: Connection, task: TaskConfig, tokenizer, vocab_size: int, sampl
         except EOFError:
             return
         try:
-            ruling = referee.score(group, completion_done=lambda: conn.send(None))
+            scored = scorer.score(group, completion_done=lambda: conn.send(None))
         except MemoryError:
-            ruling = Ruling(BUDGET_EXCEEDED, [], lie=True)
-        conn.send(ruling)
+            scored = Scored(BUDGET_EXCEEDED, [], lie=True)
+        conn.send(scored)
 
 
 class ScoringProcess:
-    """`score(group)`: the referee's Ruling, computed in the child within the budget."""
+    """`score(group)`: what the scorer makes of it (Scored), computed in the child within the budget."""
 
     def __init__(self, task: TaskConfig, tokenizer, vocab_size: int, sampling: SamplingConfig, budget_s: float,
                  memory_mb: float):
@@ -113,7 +113,7 @@ class ScoringProcess:
     async def __aexit__(self, *exc) -> None:
         self._kill()
 
-    async def score(self, group: RolloutGroup) -> Ruling:
+    async def score(self, group: RolloutGroup) -> Scored:
         if self.child is None:
             await self._start()
         if not self.ready:
@@ -128,7 +128,7 @@ class ScoringProcess:
                         budget_s=self.budget_s, why=type(e).__name__)
             self._kill()  # mid-verification: only a new child is in a known state
             self.restarts += 1
-            return Ruling(BUDGET_EXCEEDED, [], lie=True)
+            return Scored(BUDGET_EXCEEDED, [], lie=True)
         except BaseException:  # cancelled (SIGTERM) mid-verification
             self._kill()
             raise

@@ -30,7 +30,7 @@ from echo.tasks.dataset import Dataset, check_prompt_lengths
 from echo.train.checkpoint import load_trained_completions, load_trained_content, remember_trained
 from echo.train.learner import Batch
 from echo.train.metrics import read_metrics, summarize
-from echo.trust.referee import Referee
+from echo.trust.scorer import Scorer
 from echo.wire.messages import SlotsEnded, WeightsAnnouncement
 from streams.client import RunClient, open_run, retry_forever
 from streams.credentials import credentials_of
@@ -56,7 +56,7 @@ from workers.trainer.coordinator import Coordinator
 from workers.trainer.evaluation import Evaluator
 from workers.trainer.granter import AsyncGranter, Granter, granter_for
 from workers.trainer.intake import Collector
-from workers.trainer.judge import Judge, Timeline, Trained
+from workers.trainer.judge import Judge, Timeline, AlreadyTrained
 from workers.trainer.model import Ranks, Stepped, TrainerModel
 from workers.trainer.scoring import ScoringProcess, start_forkserver
 from workers.trainer.shown import Shown
@@ -127,7 +127,7 @@ class Trainer:
         self.collector, self.granter, self.recent = collector, granter, recent
         self.inbox, self.quarantine = collector.inbox, collector.quarantine
         self.weights = WeightsPublisher(lease, cfg.trainer.keep_versions, cfg.trainer.keep_versions_s)
-        self.evaluator = Evaluator(cfg, collector.judge.referee.task)
+        self.evaluator = Evaluator(cfg, collector.judge.scorer.task)
 
     @classmethod
     async def open(cls, cfg: EchoConfig, run: RunClient, lease: Lease, background: Background, model: TrainerModel,
@@ -148,9 +148,9 @@ class Trainer:
         quarantine = Quarantined(run, cfg.trainer.quarantine_after)
         await quarantine.start(background)
         model.proof.suspects.update(quarantine.suspects)  # a predecessor's suspects stay checked
-        referee = Referee(task, model.tokenizer, model.vocab_size, cfg.sampling, model.routing)
-        judge = Judge(referee, Timeline(cfg.staleness_bound, lease.term, state.version, cfg.begun_within),
-                      Trained(load_trained_content(run_dir, state.trained_content),
+        scorer = Scorer(task, model.tokenizer, model.vocab_size, cfg.sampling, model.routing)
+        judge = Judge(scorer, Timeline(cfg.staleness_bound, lease.term, state.version, cfg.begun_within),
+                      AlreadyTrained(load_trained_content(run_dir, state.trained_content),
                               load_trained_completions(run_dir, state.trained_completions)),
                       model.proof, model.check_many, scoring)
         background.start(inbox.keep_alive(cfg.trainer.ack_wait_s / 3))
@@ -174,7 +174,7 @@ class Trainer:
         process_started = time.perf_counter()
         trackers = await asyncio.to_thread(Trackers, cfg)  # W&B starts a process: seconds
         try:
-            await self.take_steps(process_started, Shown(cfg, self.run, self.collector.judge.referee.task, trackers))
+            await self.take_steps(process_started, Shown(cfg, self.run, self.collector.judge.scorer.task, trackers))
             await asyncio.to_thread(trackers.finish, summarize(read_metrics(cfg.run_dir)))
         finally:
             await asyncio.to_thread(trackers.close)

@@ -1,7 +1,8 @@
-"""The trainer's own judgement of a rollout group. Samplers are not trusted: a group must be
+"""The trainer's own scoring of a rollout group, which the judge (workers/trainer/judge.py) weighs
+with the staleness, the slot and the proof. Samplers are not trusted: a group must be
 well-formed, its prompt must be the task's prompt at its index, and its rewards are recomputed
 with the task's verifier from the completion tokens (a multi-turn task's episodes are played
-again with the sampler's actions, every observation checked: echo/tasks/episodes.py replay).
+again with the sampler's actions, every observation checked: echo/tasks/episodes.py rerun).
 Pure logic, no I/O."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 from echo.config import SamplingConfig
 from echo.model.loading import encode_chat
 from echo.tasks import Task, is_environment, safe_score
-from echo.tasks.episodes import replay
+from echo.tasks.episodes import rerun
 from echo.wire.codec import RolloutLimits
 from echo.wire.messages import RolloutGroup
 
@@ -27,7 +28,7 @@ REPEAT_LOGPROB = -18.42  # ln(1e-8)
 
 
 @dataclass(frozen=True)
-class Ruling:
+class Scored:
     reason: str | None  # why the group is rejected, or None
     rewards: list[float]  # the trainer's rewards, one per completion
     reward_mismatch: bool = False  # the sampler claimed other rewards
@@ -38,7 +39,7 @@ class Ruling:
     close: int = 0  # of those, the ones with the true answer in their text: the form is what they miss
 
 
-class Referee:
+class Scorer:
     def __init__(self, task: Task, tokenizer, vocab_size: int, sampling: SamplingConfig,
                  routing: tuple[int, int, int] | None = None):
         self.task, self.tokenizer, self.vocab_size, self.sampling = task, tokenizer, vocab_size, sampling
@@ -82,24 +83,24 @@ class Referee:
                     return "bad_finish_reason"
         return None
 
-    def score(self, group: RolloutGroup, completion_done: Callable[[], None] = lambda: None) -> Ruling:
+    def score(self, group: RolloutGroup, completion_done: Callable[[], None] = lambda: None) -> Scored:
         """Check the prompt is the task's and recompute the rewards, calling `completion_done`
         after each completion. Run on groups to be used (the trainer runs it with a budget:
         workers/trainer/scoring.py)."""
         prompt = self.task.prompt(group.prompt_index)
         if not np.array_equal(encode_chat(self.tokenizer, prompt.messages), group.prompt_token_ids):
-            return Ruling("prompt_mismatch", [])
+            return Scored("prompt_mismatch", [])
         rewards, errors, unanswered, close = [], 0, 0, 0
         for completion in group.completions:
             if getattr(self.task, "trusted_observations", False):  # the run took the samplers' word (docs/operations.md)
                 if len(completion.model_turns()) > self.task.max_turns:
-                    return Ruling("too_many_turns", [], lie=True)
+                    return Scored("too_many_turns", [], lie=True)
                 reward = min(max(completion.reward, 0.0), 1.0)
             elif is_environment(self.task):  # the episode played again with the sampler's actions
-                replayed = replay(self.task, self.tokenizer, prompt, completion, self.sampling.max_new_tokens)
-                if replayed.reason:
-                    return Ruling(replayed.reason, [], lie=replayed.reason != "environment_error")
-                reward = replayed.reward
+                again = rerun(self.task, self.tokenizer, prompt, completion, self.sampling.max_new_tokens)
+                if again.reason:
+                    return Scored(again.reason, [], lie=again.reason != "environment_error")
+                reward = again.reward
             else:
                 text = self.tokenizer.decode(completion.token_ids.tolist(), skip_special_tokens=True)
                 score = safe_score(self.task, text, prompt)
@@ -111,7 +112,7 @@ class Referee:
             completion_done()
         claimed = getattr(self.task, "answers_on_samplers", True)  # else a sampler claims none
         mismatch = claimed and any(abs(r - c.reward) > 1e-6 for r, c in zip(rewards, group.completions))
-        return Ruling(None, rewards, mismatch, errors, source=prompt.source, unanswered=unanswered, close=close)
+        return Scored(None, rewards, mismatch, errors, source=prompt.source, unanswered=unanswered, close=close)
 
 
 def completion_keys(group: RolloutGroup) -> list[int]:

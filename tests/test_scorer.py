@@ -4,18 +4,18 @@ import pytest
 
 from echo.tasks import Score
 from echo.tasks.math import Math
-from echo.trust.referee import REPEAT_LOGPROB, Referee, completion_keys, content_hash, repeats
-from tests.groups import REFEREE, SAMPLING, TASK, TOKENIZER, honest_group, unlikely, with_completion
+from echo.trust.scorer import REPEAT_LOGPROB, Scorer, completion_keys, content_hash, repeats
+from tests.groups import SCORER, SAMPLING, TASK, TOKENIZER, honest_group, unlikely, with_completion
 
 EOS = TOKENIZER.eos_token_id
 
 
 def test_an_honest_group_passes_with_the_verifiers_rewards():
     group = honest_group()
-    assert REFEREE.malformed(group) is None
-    ruling = REFEREE.score(group)
-    assert ruling.reason is None and not ruling.reward_mismatch
-    assert ruling.rewards == [1.0, 0.1]
+    assert SCORER.malformed(group) is None
+    scored = SCORER.score(group)
+    assert scored.reason is None and not scored.reward_mismatch
+    assert scored.rewards == [1.0, 0.1]
 
 
 @pytest.mark.parametrize(
@@ -33,28 +33,28 @@ def test_an_honest_group_passes_with_the_verifiers_rewards():
     ],
 )
 def test_malformed_groups_are_refused_with_a_reason(group, reason):
-    assert REFEREE.malformed(group) == reason
+    assert SCORER.malformed(group) == reason
 
 
 def test_completions_with_no_answer_the_verifier_reads_are_counted():
-    ruling = REFEREE.score(honest_group(texts=["I think it is 24", "\\boxed{24}"]))
-    assert ruling.unanswered == 1 and ruling.rewards[0] == 0.0
+    scored = SCORER.score(honest_group(texts=["I think it is 24", "\\boxed{24}"]))
+    assert scored.unanswered == 1 and scored.rewards[0] == 0.0
 
 
 def test_a_prompt_that_is_not_the_tasks_is_refused():
     other = honest_group(index=13)
-    assert REFEREE.score(other.model_copy(update={"prompt_index": 12})).reason == "prompt_mismatch"
+    assert SCORER.score(other.model_copy(update={"prompt_index": 12})).reason == "prompt_mismatch"
 
 
 def test_claimed_rewards_are_replaced_and_the_lie_counted():
     liar = with_completion(with_completion(reward=0.0), i=1, reward=1.0)  # right called wrong, and back
-    ruling = REFEREE.score(liar)
-    assert ruling.reward_mismatch and ruling.rewards == [1.0, 0.1]
+    scored = SCORER.score(liar)
+    assert scored.reward_mismatch and scored.rewards == [1.0, 0.1]
 
 
 def test_rewards_come_from_the_tokens_not_the_claimed_text():
     group = with_completion(text="\\boxed{nonsense}")
-    assert REFEREE.score(group).rewards == [1.0, 0.1]
+    assert SCORER.score(group).rewards == [1.0, 0.1]
 
 
 def test_a_verifier_that_raises_costs_the_completion_not_the_run():
@@ -62,9 +62,9 @@ def test_a_verifier_that_raises_costs_the_completion_not_the_run():
         def score(self, completion, prompt):
             raise RuntimeError("bug in a user's task")
 
-    referee = Referee(Broken({}), TOKENIZER, len(TOKENIZER), SAMPLING)
-    ruling = referee.score(honest_group())
-    assert ruling.rewards == [0.0, 0.0] and ruling.verifier_errors == 2
+    scorer = Scorer(Broken({}), TOKENIZER, len(TOKENIZER), SAMPLING)
+    scored = scorer.score(honest_group())
+    assert scored.rewards == [0.0, 0.0] and scored.verifier_errors == 2
 
 
 def test_a_reward_outside_0_1_counts_as_a_verifier_error():
@@ -72,8 +72,8 @@ def test_a_reward_outside_0_1_counts_as_a_verifier_error():
         def score(self, completion, prompt):
             return Score(2.0, True, True)
 
-    ruling = Referee(Generous({}), TOKENIZER, len(TOKENIZER), SAMPLING).score(honest_group())
-    assert ruling.rewards == [0.0, 0.0] and ruling.verifier_errors == 2
+    scored = Scorer(Generous({}), TOKENIZER, len(TOKENIZER), SAMPLING).score(honest_group())
+    assert scored.rewards == [0.0, 0.0] and scored.verifier_errors == 2
 
 
 def test_the_same_completions_under_a_new_id_have_the_same_content_hash():
