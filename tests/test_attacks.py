@@ -58,8 +58,8 @@ from streams.weights import WeightsPublisher, fetch_weights
 from tests.conftest import TINY_BASE, Runs, assert_accounting_holds, collect_and_account, tiny_config
 from tests.groups import (
     BOMB,
-    SCORER,
     SAMPLING,
+    SCORER,
     TASK,
     TOKENIZER,
     granted,
@@ -75,7 +75,7 @@ from workers.operator.status import render
 from workers.trainer.coordinator import Coordinator
 from workers.trainer.granter import AsyncGranter
 from workers.trainer.intake import Collector
-from workers.trainer.judge import Accepted, Case, Judge, Timeline, AlreadyTrained
+from workers.trainer.judge import Accepted, AlreadyTrained, Case, Judge, Timeline
 from workers.trainer.scoring import ScoringProcess
 from workers.trainer.strikes import Quarantined
 

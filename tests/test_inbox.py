@@ -41,7 +41,7 @@ from streams.server import NatsServer, ServerConfig
 from tests.conftest import tiny_config
 from tests.groups import SCORER, TASK, TOKENIZER, granted, honest_group, with_completion
 from workers.trainer.intake import Collector
-from workers.trainer.judge import Judge, Timeline, AlreadyTrained
+from workers.trainer.judge import AlreadyTrained, Judge, Timeline
 
 
 async def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(runs):

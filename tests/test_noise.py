@@ -26,8 +26,8 @@ from streams.lease import take_lease
 from streams.rollouts import publish_rollout
 from tests.conftest import tiny_config
 from tests.groups import (
-    SCORER,
     SAMPLING,
+    SCORER,
     TASK,
     TOKENIZER,
     collect_once_quarantined,

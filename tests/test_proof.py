@@ -20,7 +20,7 @@ from streams.quarantine import read_quarantine
 from streams.registry import read_statuses
 from streams.rollouts import publish_rollout
 from tests.conftest import tiny_config
-from tests.groups import SCORER, SAMPLING, collect_once_quarantined, granted, honest_group, perturb
+from tests.groups import SAMPLING, SCORER, collect_once_quarantined, granted, honest_group, perturb
 from workers.background import Background
 from workers.cli import build_parser
 from workers.operator.quarantine import quarantine_command

@@ -5,7 +5,7 @@ import pytest
 from echo.tasks import Score
 from echo.tasks.math import Math
 from echo.trust.scorer import REPEAT_LOGPROB, Scorer, completion_keys, content_hash, repeats
-from tests.groups import SCORER, SAMPLING, TASK, TOKENIZER, honest_group, unlikely, with_completion
+from tests.groups import SAMPLING, SCORER, TASK, TOKENIZER, honest_group, unlikely, with_completion
 
 EOS = TOKENIZER.eos_token_id
 

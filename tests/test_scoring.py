@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from echo.config import TaskConfig
-from tests.groups import BOMB, SCORER, SAMPLING, TOKENIZER, honest_group, symbolic_math
+from tests.groups import BOMB, SAMPLING, SCORER, TOKENIZER, honest_group, symbolic_math
 from workers.trainer.scoring import BUDGET_EXCEEDED, ScoringProcess
 
 

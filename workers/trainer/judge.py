@@ -20,7 +20,7 @@ from functools import cached_property
 
 from echo.fleet.staleness import Freshness, freshness
 from echo.trust.proof import SamplingProof
-from echo.trust.scorer import Scorer, Scored, completion_keys, content_hash, repeats
+from echo.trust.scorer import Scored, Scorer, completion_keys, content_hash, repeats
 from echo.wire.messages import RolloutGroup
 from workers.trainer.scoring import ScoringProcess
 

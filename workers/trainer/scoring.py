@@ -25,7 +25,7 @@ import structlog
 
 from echo.config import EchoConfig, SamplingConfig, TaskConfig
 from echo.tasks import is_environment, load_task
-from echo.trust.scorer import Scorer, Scored
+from echo.trust.scorer import Scored, Scorer
 from echo.wire.messages import RolloutGroup
 
 log = structlog.get_logger()

@@ -56,7 +56,7 @@ from workers.trainer.coordinator import Coordinator
 from workers.trainer.evaluation import Evaluator
 from workers.trainer.granter import AsyncGranter, Granter, granter_for
 from workers.trainer.intake import Collector
-from workers.trainer.judge import Judge, Timeline, AlreadyTrained
+from workers.trainer.judge import AlreadyTrained, Judge, Timeline
 from workers.trainer.model import Ranks, Stepped, TrainerModel
 from workers.trainer.scoring import ScoringProcess, start_forkserver
 from workers.trainer.shown import Shown
