@@ -316,16 +316,16 @@ async def test_a_holder_that_said_it_was_stopping_is_released_after_its_entry_ex
     run, granter, asked = await _granter_at_version_0(runs, "stopping", cfg)
     sampler = await runs.open("stopping", "sampler", create=False)
     assert (await granter.grant("x", asked)).groups == 2
-    watching = asyncio.create_task(granter.watch_heartbeats())
+    watching = asyncio.create_task(granter.holders.watch_heartbeats())
     try:
         await put_status(sampler, SamplerStatus(sampler_id="x", version=0, groups_published=0, weight_failures={},
                                                 updated_at=time.time(), state="draining"))
         async with asyncio.timeout(60):  # a hang guard
-            while "x" not in granter.heartbeats.stopped:
+            while "x" not in granter.holders.heartbeats.stopped:
                 await asyncio.sleep(0.05)
         await sampler.registry.delete("x")  # expired, as the trainer's step went on
         await granter.on_wait(4)
-        assert granter.ledger.holders() == set() and granter.heartbeats.stopped == set()
+        assert granter.ledger.holders() == set() and granter.holders.heartbeats.stopped == set()
     finally:
         watching.cancel()
 
@@ -492,7 +492,7 @@ async def test_waiting_for_groups_reads_the_holders_heartbeats_once_a_heartbeat_
     for _ in range(5):
         await granter.on_wait(20)
     assert run.nc.stats["out_msgs"] - sent == 20  # one reading: a request a holder
-    granter.heartbeats_read_at -= granter.heartbeats_every_s  # a heartbeat later: read again
+    granter.holders.heartbeats_read_at -= granter.holders.heartbeats_every_s  # a heartbeat later: read again
     await granter.on_wait(20)
     assert run.nc.stats["out_msgs"] - sent == 40
 
@@ -507,19 +507,19 @@ async def test_a_sampler_granted_work_after_a_while_idle_is_not_taken_for_dead_o
     cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "max_staleness": 0, "sampler_dead_after_s": 5.0},
                       sampler={"heartbeat_s": 2.0})
     run, granter, asked = await _granter_at_version_0(runs, "idle", cfg)
-    granter.heartbeats.observe("s1", revision=7, now=time.monotonic() - 100)  # while it held slots, 100 s ago
+    granter.holders.heartbeats.observe("s1", revision=7, now=time.monotonic() - 100)  # while it held slots, 100 s ago
     await granter.on_wait(4)  # a reading of the holders (none)
     assert (await granter.grant("s1", asked.model_copy(update={"want": 1}))).groups == 1
     await granter.on_wait(4)  # on that reading, where it is younger than a heartbeat: s1 unread since
-    assert granter.ledger.holders() == {"s1"} and "s1" not in granter.gone
-    assert granter.heartbeats.beating("s1")  # alive: held to the stall rule, as one whose heartbeat changed
-    granter.heartbeats_read_at -= granter.heartbeats_every_s  # a heartbeat later: read, unchanged
+    assert granter.ledger.holders() == {"s1"} and "s1" not in granter.holders.gone
+    assert granter.holders.heartbeats.beating("s1")  # alive: held to the stall rule, as one whose heartbeat changed
+    granter.holders.heartbeats_read_at -= granter.holders.heartbeats_every_s  # a heartbeat later: read, unchanged
     await granter.on_wait(4)
     assert granter.ledger.holders() == {"s1"}  # silent since its ask, not yet 5 s
     await asyncio.sleep(cfg.trainer.sampler_dead_after_s)
-    granter.heartbeats_read_at -= granter.heartbeats_every_s
+    granter.holders.heartbeats_read_at -= granter.holders.heartbeats_every_s
     await granter.on_wait(4)
-    assert not granter.ledger.holders() and "s1" in granter.gone  # silent since its ask: dead
+    assert not granter.ledger.holders() and "s1" in granter.holders.gone  # silent since its ask: dead
 
 
 async def test_a_run_begun_before_schema_14_numbers_its_slots_on_from_the_old_key(runs):

@@ -15,6 +15,8 @@ what it names:
   completion; it sees groups, not the broker;
 - granter.py: asking the samplers for groups and granting them the work (streams/grants.py,
   streams/pull.py); it reads no rollouts;
+- holders.py: the samplers holding slots, watched by their heartbeats (streams/registry.py):
+  joined, gone or stalled, their slots released for the granter to hand out again;
 - strikes.py: strikes against samplers, and who is quarantined (streams/quarantine.py);
 - accounting.py: the step's metrics, the run's totals, the learner's pace, its sample
   completions; bookkeeping only;

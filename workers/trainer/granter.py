@@ -3,9 +3,9 @@
 Owns the grants (numbered, answered on each sampler's grants subject while the trainer runs,
 streams/grants.py), the count of grants lost and handed out again, and the choice between the
 two modes: sequential mode's pull requests (each step asks for exactly its groups) and async
-mode's grant budget (echo/fleet/grants.py). It reads heartbeats (streams/registry.py) to
-release the grants of dead or stalled samplers, asks the quarantine (workers/trainer/strikes.py)
-and honours the scheduler's standby set (workers/trainer/coordinator.py). It reads no rollouts: the
+mode's grant budget (echo/fleet/grants.py). Its holders (workers/trainer/holders.py) release
+the grants of dead or stalled samplers; it asks the quarantine (workers/trainer/strikes.py) and
+honours the scheduler's standby set (workers/trainer/coordinator.py). It reads no rollouts: the
 intake tells it, through the shared GrantLedger, which grants were fulfilled or wasted.
 """
 
@@ -18,13 +18,14 @@ import uuid
 import structlog
 
 from echo.config import EchoConfig
-from echo.fleet.grants import REDRAW_S, GrantLedger, Heartbeats, allowance, ask_again_s, lost_slots, sampler_cap
+from echo.fleet.grants import REDRAW_S, GrantLedger, allowance, ask_again_s, lost_slots, sampler_cap
 from echo.train.checkpoint import TrainerState
 from echo.wire.messages import Grant, GrantBudget, GrantRequest, PullRequest
 from streams.client import BROKER_ERRORS, RunClient, retry_forever
 from streams.grants import publish_budget, record_slots_granted, serve_grants, slots_granted
 from streams.pull import publish_pull_request
-from streams.registry import heartbeat_unreadable, read_heartbeat
+from streams.registry import heartbeat_unreadable
+from workers.trainer.holders import Holders
 from workers.trainer.strikes import Quarantined
 
 log = structlog.get_logger()
@@ -33,22 +34,16 @@ log = structlog.get_logger()
 class Granter:
     """How the trainer asks the samplers for groups and grants them the work (numbered slots,
     streams/grants.py, answered while it runs), and hands out again the work of slots lost:
-    groups that arrived and were not trained, and the slots of a sampler whose heartbeat
-    stopped (`trainer.sampler_dead_after_s`) or that had no group accepted for a few of its
-    calls' measured time (alive but stuck, or hoarding: GrantLedger.stall_limits_s, at most
-    `trainer.reissue_after_s`); such a one holds a slot at a time until it delivers, and doing it
-    again is a strike."""
+    groups that arrived and were not trained, and the slots its holders released (a sampler
+    gone or stalled: workers/trainer/holders.py)."""
 
     def __init__(self, run: RunClient, term: int, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,
                  quarantine: Quarantined | None = None):
         self.run, self.term, self.cfg, self.state, self.ledger = run, term, cfg, state, ledger  # term: the lease's
         self.quarantine = quarantine
         self.version = state.version
-        self.fleet: set[str] = set()  # samplers that asked for work since this trainer started
-        self.gone: set[str] = set()  # of them, those found stopped or silent, until they ask again
-        self.heartbeats = Heartbeats()
+        self.holders = Holders(run, cfg, ledger, quarantine)
         self.standby: set[str] = set()  # the scheduler's (workers/trainer/coordinator.py): granted no work
-        self.heartbeats_read_at: float | None = None  # when the last reading of them ended whole (None: it failed)
 
     async def start(self) -> None:
         # A restarted trainer numbers on; its predecessor's last slots (a few windows of groups in
@@ -63,84 +58,11 @@ class Granter:
         self.reissue_lost(self.ledger.take_lost(), accepted=0)
         await self.publish(self.cfg.trainer.groups_per_step)
 
-    async def watch_heartbeats(self) -> None:
-        """Read the holders' heartbeats while the trainer runs, whatever its step is doing: a
-        stopping sampler's last one (`draining`) lives only `sampler.entry_ttl_s`, which a step
-        busy training or scoring may outlast; read here, it is remembered until its slots go."""
-        while True:
-            await self.read_heartbeats()
-            await asyncio.sleep(self.heartbeats_every_s)
-
-    @property
-    def heartbeats_every_s(self) -> float:
-        return min(self.cfg.sampler.heartbeat_s, self.cfg.sampler.entry_ttl_s / 2)
-
-    async def read_heartbeats(self) -> bool:
-        """Observe each holder's heartbeat; False when the broker could not be read (the next
-        reading tries again)."""
-        for sampler_id in sorted(self.ledger.holders()):
-            try:
-                revision, status = await read_heartbeat(self.run, sampler_id)
-            except BROKER_ERRORS as e:  # the broker restarting
-                log.warning("grants.heartbeat_unread", sampler=sampler_id, reason=repr(e))
-                self.heartbeats_read_at = None
-                return False
-            process, stopping = (status.process, status.state == "draining") if status else ("", False)
-            if self.heartbeats.observe(sampler_id, revision, time.monotonic(), process, stopping):
-                self.release_gone(sampler_id, restarted=True)
-        self.heartbeats_read_at = time.monotonic()
-        return True
-
-    def release_gone(self, sampler_id: str, **why) -> None:
-        """The holder's process is gone (restarted under its id, stopped, or silent past
-        `trainer.sampler_dead_after_s`): its slots go at once, with no strike; a process restarted
-        under `sampler_id` never saw its predecessor's (before, they waited for
-        `trainer.reissue_after_s`: its heartbeat hid the death)."""
-        slots = self.ledger.release(sampler_id)
-        self.heartbeats.stopped.discard(sampler_id)
-        if slots:
-            log.warning("grants.slots_released", sampler=sampler_id, slots=len(slots), **why)
-        if why.get("restarted"):
-            self.rejoined(sampler_id, restarted=True)
-        elif sampler_id not in self.gone:
-            self.gone.add(sampler_id)
-            alive = len(self.fleet - self.gone)
-            log.warning("trainer.sampler_gone", sampler=sampler_id, samplers_alive=alive, **why)
-            if not alive:  # the run waits: say so, not nothing
-                log.warning("trainer.no_samplers", waiting_for="a sampler to join or rejoin", run=self.cfg.run.id)
-
-    def rejoined(self, sampler_id: str, restarted: bool) -> None:
-        self.gone.discard(sampler_id)
-        log.info("trainer.sampler_rejoined", sampler=sampler_id, restarted=restarted,
-                 samplers_alive=len(self.fleet - self.gone))
-
     async def on_wait(self, missing: int) -> None:
-        """Waiting for groups: release the slots of stopped, dead or stalled holders, then hand
-        out again whatever was lost. The holders' heartbeats are read again only where the last
-        reading is older than a heartbeat (watch_heartbeats reads them that often): read at every
-        wait, a second apart, 256 holders' were most of the trainer's broker requests at 1,000
-        samplers. None is judged while the broker cannot be read."""
-        read_at = self.heartbeats_read_at
-        fresh = read_at is not None and time.monotonic() - read_at < self.heartbeats_every_s
-        if not fresh and not await self.read_heartbeats():
+        """Waiting for groups: release the slots of stopped, dead or stalled holders
+        (workers/trainer/holders.py), then hand out again whatever was lost."""
+        if not await self.holders.release_stalled():
             return
-        now, trainer, holders = time.monotonic(), self.cfg.trainer, sorted(self.ledger.holders())
-        # At least twice the silence that declares death: a sampler that died holding slots is
-        # found silent first (its slots then go at once, and no strike).
-        limits_s = self.ledger.stall_limits_s(holders, now, 2 * trainer.sampler_dead_after_s, trainer.reissue_after_s)
-        for sampler_id in holders:
-            stopped = sampler_id in self.heartbeats.stopped  # its last heartbeat: it abandoned them
-            silent_s = self.heartbeats.silent_for(sampler_id, now)
-            stalled_s, limit_s = now - self.ledger.progress_at[sampler_id], limits_s[sampler_id]
-            if stopped or silent_s > trainer.sampler_dead_after_s:
-                self.release_gone(sampler_id, stopped=stopped, silent_s=round(silent_s, 1))
-            elif stalled_s > trainer.reissue_after_s or (stalled_s > limit_s and self.heartbeats.beating(sampler_id)):
-                # Alive (its heartbeat changed since it took them) and none filled: stuck, or hoarding.
-                slots, repeat = self.ledger.release_unfilled(sampler_id, now, trainer.reissue_after_s)
-                log.warning("grants.slots_released", sampler=sampler_id, slots=len(slots), repeat=repeat,
-                            stalled_s=round(stalled_s, 1), limit_s=round(limit_s, 1))
-                if repeat and self.quarantine:
-                    await self.quarantine.strike(sampler_id, "slots_unfilled")
         lost = self.ledger.take_lost()
         if lost:
             log.warning("grants.reissue", version=self.version, lost=len(lost), missing=missing)
@@ -161,11 +83,7 @@ class Granter:
         """The answer to a sampler asking for work: none for a quarantined sampler or one running
         a previous trainer's weights (it must apply ours first), none yet while fewer than
         `trainer.min_samplers` have asked (ask again soon), else what the mode grants."""
-        self.heartbeats.heard(sampler_id, time.monotonic())
-        if self.heartbeats.restarted(sampler_id, request.process):
-            self.release_gone(sampler_id, restarted=True)
-        elif sampler_id in self.gone:  # silent or stopped, and asking again
-            self.rejoined(sampler_id, restarted=False)
+        self.holders.asked(sampler_id, request.process)
         if (self.quarantine and sampler_id in self.quarantine) or request.term != self.term:
             return Grant()
         if sampler_id in self.standby:
@@ -177,11 +95,8 @@ class Granter:
                 return Grant()  # shown as bad_heartbeat; no work until it reads
         except BROKER_ERRORS:  # the broker restarting: the grant cannot be recorded either (below)
             pass
-        if sampler_id not in self.fleet:
-            self.fleet.add(sampler_id)
-            log.info("trainer.sampler_joined", sampler=sampler_id, samplers=len(self.fleet))
-        if len(self.fleet) < self.cfg.trainer.min_samplers:
-            return Grant(more=True, again_s=ask_again_s(len(self.fleet)))
+        if (joined := self.holders.joined(sampler_id)) < self.cfg.trainer.min_samplers:
+            return Grant(more=True, again_s=ask_again_s(joined))
         if wait_version := self.too_slow_until(sampler_id, request):
             return Grant(again_s=ask_again_s(self.ledger.sharing(time.monotonic()), more=False),
                          wait_version=wait_version)
@@ -263,7 +178,7 @@ class AsyncGranter(Granter):
         now, highest = time.monotonic(), self.highest_slot()
         # Idle: every sampler known and not gone that holds no slot, not only those that asked
         # lately (drawn less, they ask less: counting only them made every sampler drawn).
-        idle = max(0, len(self.fleet - self.gone) - len(self.ledger.holders()))
+        idle = max(0, self.holders.alive() - len(self.ledger.holders()))
         budget = GrantBudget(version=self.version, allowance=highest, groups_per_step=groups, draw=self.draw,
                              open=max(0, highest - self.ledger.issued), idle=idle)
         self.draw += 1

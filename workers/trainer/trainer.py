@@ -155,7 +155,7 @@ class Trainer:
                       model.proof, model.check_many, scoring)
         background.start(inbox.keep_alive(cfg.trainer.ack_wait_s / 3))
         granter = granter_for(run, lease.term, cfg, state, ledger, quarantine)
-        background.start(granter.watch_heartbeats())
+        background.start(granter.holders.watch_heartbeats())
         if isinstance(granter, AsyncGranter):
             background.start(granter.redraw_forever())
         recent = RecentSteps(cfg.trainer.groups_per_step, cfg.staleness_bound, cfg.run.steps, cfg.model.name,
