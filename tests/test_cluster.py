@@ -17,7 +17,7 @@ from streams.objects import ACK_TIMEOUT_S, get_object, put_object, sha256_hex
 from streams.rollouts import publish_rollout
 from streams.server import ELECTION_MIN_S, NatsCluster
 from tests.groups import honest_group
-from workers.trainer.trainer import PUBLISH_RETRY_MAX_S
+from workers.trainer.publishing import PUBLISH_RETRY_MAX_S
 
 
 @pytest.fixture

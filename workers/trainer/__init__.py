@@ -17,6 +17,8 @@ what it names:
   streams/pull.py); it reads no rollouts;
 - holders.py: the samplers holding slots, watched by their heartbeats (streams/registry.py):
   joined, gone or stalled, their slots released for the granter to hand out again;
+- publishing.py: a version written to the run directory and published, whole or as deltas
+  (full weights) against the one before;
 - strikes.py: strikes against samplers, and who is quarantined (streams/quarantine.py);
 - accounting.py: the step's metrics, the run's totals, the learner's pace, its sample
   completions; bookkeeping only;

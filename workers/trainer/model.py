@@ -33,20 +33,17 @@ from echo.model.policy import make_policy, shards_tensors, weights_kind, weights
 from echo.process.lifeline import die_with_parent
 from echo.train.checkpoint import (
     TrainerState,
-    delta_shards,
     load_checkpoint,
     prune_weights,
     read_shards,
     save_checkpoint,
     weights_at,
-    weights_digest,
     weights_file,
 )
 from echo.train.learner import Batch, ForgedInStep, HeldProof, make_optimizer, merge_stats, set_threads, train_step
 from echo.trust.proof import Checked, ProofSettings, SamplingProof, worst_checks
 from echo.trust.routing import replayed_shape
-from echo.weights.delta import DeltaError, send_whole
-from echo.wire.messages import RolloutGroup, WeightsLink
+from echo.wire.messages import RolloutGroup
 
 log = structlog.get_logger()
 
@@ -251,29 +248,6 @@ class TrainerModel:
         if self.ranks.rank == 0:  # the one before (the next delta is against it), and those the proof keeps
             prune_weights(run_dir, version - max(tcfg.keep_versions, 2, self.proof.keep) + 1)
         return files
-
-    def as_delta(self, version: int, files: list[Path], chain: list[WeightsLink]) -> tuple[str, list[bytes] | None]:
-        """The digest of the full weights in `files`, and their shards as deltas against the
-        last version of `chain` (the versions announced since the last whole one), or None when it
-        goes whole: the first this trainer publishes, every `trainer.delta_every`, or a delta
-        larger than `trainer.delta_max_share` of the whole."""
-        tcfg = self.cfg.trainer
-        digest, whole = weights_digest(files), sum(f.stat().st_size for f in files)
-        anchor = chain[0].version if chain else None
-
-        def goes_whole(delta_bytes: int) -> bool:
-            return send_whole(version, anchor, delta_bytes, whole, tcfg.delta_every, tcfg.delta_max_share)
-
-        if tcfg.delta_every == 0 or goes_whole(0):  # whatever its size: an anchor is due
-            return digest, None
-        try:
-            deltas = delta_shards(weights_at(self.cfg.run_dir, chain[-1].version), files, tcfg.delta_max_share * whole)
-        except (DeltaError, FileNotFoundError) as e:  # sharded otherwise since, or deleted by hand
-            log.info("weights.whole", version=version, reason=str(e))
-            return digest, None
-        if deltas is None or goes_whole(sum(map(len, deltas))):
-            return digest, None
-        return digest, deltas
 
     def follow(self) -> None:
         """Ranks other than 0: run rank 0's calls until it says it is done."""

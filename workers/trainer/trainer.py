@@ -24,14 +24,13 @@ from echo.config import EchoConfig
 from echo.fleet.consumed import ConsumedSeqs
 from echo.fleet.grants import DeliveryBound, GrantLedger
 from echo.model.loading import encode_chat
-from echo.process.logs import bind_process
 from echo.tasks import load_task
 from echo.tasks.dataset import Dataset, check_prompt_lengths
 from echo.train.checkpoint import load_trained_completions, load_trained_content, remember_trained
 from echo.train.learner import Batch
 from echo.train.metrics import read_metrics, summarize
 from echo.trust.scorer import Scorer
-from echo.wire.messages import SlotsEnded, WeightsAnnouncement
+from echo.wire.messages import SlotsEnded
 from streams.client import RunClient, open_run, retry_forever
 from streams.credentials import credentials_of
 from streams.inbox import RolloutInbox
@@ -58,6 +57,7 @@ from workers.trainer.granter import AsyncGranter, Granter, granter_for
 from workers.trainer.intake import Collector
 from workers.trainer.judge import AlreadyTrained, Judge, Timeline
 from workers.trainer.model import Ranks, Stepped, TrainerModel
+from workers.trainer.publishing import publish_version
 from workers.trainer.scoring import ScoringProcess, start_forkserver
 from workers.trainer.shown import Shown
 from workers.trainer.step import TrainerStep
@@ -65,8 +65,6 @@ from workers.trainer.strikes import Quarantined
 from workers.trainer.trackers import Trackers
 
 log = structlog.get_logger()
-
-PUBLISH_RETRY_MAX_S = 1.0  # the learner waits on a weights publish: try again soon after a failover
 
 
 async def run_trainer(cfg: EchoConfig, ranks: Ranks) -> None:
@@ -278,21 +276,3 @@ async def train_in_thread(model: TrainerModel, batch: Batch, version: int) -> St
     except asyncio.CancelledError:
         model.stop.set()
         raise
-
-
-async def publish_version(weights: WeightsPublisher, model: TrainerModel, version: int) -> WeightsAnnouncement:
-    """Write the version's shards to the run directory (for `echo-rl eval`), then publish them
-    from there (a retry reads them again), or full weights as deltas against the version before.
-    Both keep the newest `trainer.keep_versions` versions (the bucket, for `trainer.keep_versions_s`
-    more: what a slow sampler's fetch may take; and whatever the newest delta is built from)."""
-    files = await asyncio.to_thread(model.write_weights, version)
-    digest, deltas = "", None  # a LoRA adapter goes whole, as published
-    if model.kind == "full":
-        digest, deltas = await asyncio.to_thread(model.as_delta, version, files, weights.chain)
-    delta_of = weights.newest.version if deltas is not None else None
-    announcement = await retry_forever("publish weights", lambda: weights.publish(
-        version, deltas if deltas is not None else (f.read_bytes() for f in files), model.base_model, model.kind,
-        digest=digest, delta_of=delta_of), max_delay_s=PUBLISH_RETRY_MAX_S)
-    await asyncio.to_thread(model.remember, version)
-    bind_process(version=version)  # this trainer's log lines name the version it last published
-    return announcement
