@@ -252,8 +252,8 @@ async def test_a_hoarder_is_released_within_a_few_calls_held_to_a_slot_and_struc
     """Hoarding: in sequential mode a sampler with a live heartbeat that asks for work 50 times a
     second and never delivers took 2 of 4 slots: no step for over 367 s, the slots released after
     `trainer.reissue_after_s` (300 s) and taken again by the same sampler 0.8 s later. Its slots
-    are now released once it has filled none for four of the fleet's measured calls (at least
-    twice `sampler_dead_after_s`), it then holds one slot at a time, and hoarding again is a strike."""
+    are now released by the stall rule (docs/design.md), within a few of the fleet's measured
+    calls; it then holds one slot at a time, and hoarding again is a strike."""
     cfg = tiny_config(tmp_path, run={"mode": "sequential"}, trainer={"groups_per_step": 4, "sampler_dead_after_s": 1.0,
                                                                      "reissue_after_s": 6.0}, sampler={"heartbeat_s": 0.1})
     run = await runs.open("hoard", "trainer")
