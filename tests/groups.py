@@ -25,7 +25,7 @@ TASK = Math({})
 SAMPLING = SamplingConfig(group_size=2, max_new_tokens=32, temperature=1.0)
 SCORER = Scorer(TASK, TOKENIZER, vocab_size=len(TOKENIZER), sampling=SAMPLING)
 # \\boxed{K^{9^{8}}}: math-verify hands sympy each power tower to evaluate in full (45.9 s for
-# the first in the trainer's process; the issue measured > 515 s for 8). It reaches sympy only
+# the first in the trainer's process; the attack measured > 515 s for 8). It reaches sympy only
 # where the truth is not a number (a number is compared: echo/tasks/math.py).
 BOMB = [f"\\boxed{{{k}^{{9^{{8}}}}}}" for k in (3, 5)]
 

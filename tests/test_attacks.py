@@ -1,4 +1,4 @@
-"""Issue 26: attacks by a client holding exactly one sampler's seed and certificate on a secured
+"""Attacks by a client holding exactly one sampler's seed and certificate on a secured
 hub, each against the real server and the real trainer code. Every test here failed on the code
 before the defence it checks."""
 
@@ -187,7 +187,7 @@ async def test_a_malformed_value_in_the_runs_state_is_read_as_absent_and_fences_
         assert await read_quarantine(trainer) == {} and BAD_VALUES[QUARANTINE_KEY] == counted + 1
         assert await current_term(trainer) is None
         assert await read_trainer_status(trainer) is None and await slots_granted(trainer) == 0
-        assert await read_heartbeat(trainer, "s1") == (0, None)  # no sign of life, and shown as bad (issue 80)
+        assert await read_heartbeat(trainer, "s1") == (0, None)  # no sign of life, and shown as bad_heartbeat
         assert [(s.sampler_id, s.state) for s in await read_statuses(trainer)] == [("s1", "bad_heartbeat")]
         args = ["quarantine", "list", "--nats", server.url, "--run-id", "sec",
                 "--creds", str(secure.seed_file("observer")), "--tls-ca", str(secure.ca_file)]
@@ -230,7 +230,7 @@ async def test_a_rollup_on_the_samplers_own_heartbeat_key_wipes_nothing(hub, tmp
 
 
 async def test_a_heartbeat_past_its_size_is_refused_by_the_broker_and_by_every_reader(hub, tmp_path):
-    """Issue 43: an 8 MB heartbeat on the sampler's own registry key cost the scheduler ~1.5 s to
+    """A heartbeat bomb: an 8 MB heartbeat on the sampler's own registry key cost the scheduler ~1.5 s to
     decode every 5 s (79 -> 56 steps a minute) and `echo-rl status` 9 s. The registry bucket
     refuses a message past STATUS_MAX_BYTES, and a reader checks the size before it decodes."""
     secure = hub.secure
@@ -363,7 +363,7 @@ async def test_a_group_resending_trained_completions_is_refused(hub, tmp_path):
 
 
 async def test_a_verifier_bomb_costs_the_bomber_its_group_and_a_strike_and_the_step_goes_on(hub, tmp_path):
-    """Issue 43: one group whose completions are each `\\boxed{K^{9^{8}}}` for a different K, with
+    """A verifier bomb: one group whose completions are each `\\boxed{K^{9^{8}}}` for a different K, with
     true log-probs: math-verify evaluated every power tower in full on the trainer's event loop
     (no step for over 515 s, SIGTERM unheard). A number is now compared, not evaluated; where the
     truth is not one (here), the verifiers run in a child process with a budget per completion:
@@ -388,7 +388,7 @@ async def test_a_verifier_bomb_costs_the_bomber_its_group_and_a_strike_and_the_s
 
 
 async def test_a_step_hashes_each_groups_completions_twice_however_many_it_accepted(monkeypatch):
-    """Issue 83 (the trainer's CPU a token at the reasoning shape): to find a completion resent
+    """Hashing at scale (the trainer's CPU a token at the reasoning shape): to find a completion resent
     within the step, each group judged hashed again the completions of every group accepted
     before it, O(groups^2) hashes of their tokens a step (64 groups of 16 x 4k tokens: 0.4 s of
     the trainer's CPU a step, on this box), and the checkpoint hashed them all once more. Each group's are
@@ -415,7 +415,7 @@ async def test_a_step_hashes_each_groups_completions_twice_however_many_it_accep
 
 
 async def test_a_sampler_keeping_back_its_low_reward_groups_is_struck_and_quarantined(hub, tmp_path):
-    """Issue 63: with s1's credentials, a sampler generates every slot it is granted but delivers
+    """Selective delivery: with s1's credentials, a sampler generates every slot it is granted but delivers
     only the groups whose mean reward is at least 0.5: training then sees its survivors, a bias
     no forgery check sees. Before, nothing counted it. Each slot it passes over now ends
     undelivered, its prompt granted again; past trainer.undelivered_share of its last
@@ -545,7 +545,7 @@ async def test_one_sampler_keeps_no_more_than_its_quota_and_evicts_only_its_own(
 
 
 async def test_a_flood_fills_only_the_room_the_rollout_streams_reserved_in_the_runs_account(tmp_path):
-    """Issue 43: an 8 MB part flood stored 2.4 GB in 75 s within the per-sampler quota, and the
+    """A disk flood: an 8 MB part flood stored 2.4 GB in 75 s within the per-sampler quota, and the
     run's account had no storage limit. `secure init --run-storage-gb` gives it one, and the
     rollout streams reserve their size limit within it: three samplers flooding both streams fill
     only those, and the trainer's own writes (weights, state) find the rest. A trainer whose
@@ -604,7 +604,7 @@ async def test_a_flood_fills_only_the_room_the_rollout_streams_reserved_in_the_r
 
 async def test_a_flood_of_junk_stands_in_front_of_no_honest_group_and_costs_its_sender_a_quarantine(
         two_samplers, monkeypatch):
-    """Issue 43: a sampler keeping its quota full of 64-byte junk held the run at ~14 steps a
+    """A backlog of junk: a sampler keeping its quota full of 64-byte junk held the run at ~14 steps a
     minute: one consumer reads every sampler's subject in stream order, each fetch asked for only
     what the step still needed, and junk earned no strike (16,400 messages took 50 s to read past).
     The samplers are now read in turn (the honest group comes with one junk message at most
@@ -680,7 +680,7 @@ async def _connections_and_subscriptions_are_bounded(server: NatsServer, secure:
 
 async def test_a_samplers_flood_of_jetstream_api_requests_is_refused_and_the_trainers_own_are_answered(
         hub, tmp_path):
-    """Issue 43: a sampler could ask for account INFO, stream INFO and message gets, which wait in
+    """A JetStream API flood: a sampler could ask for account INFO, stream INFO and message gets, which wait in
     the server's JetStream API queues with every request of the trainer's: 4 connections flooding
     account INFO or message gets for 20 s had the server drop the trainer's consumer and stream
     INFO requests (3 of ~80 failed), STREAM.INFO with subject listings stalled a run 44-80 s. A

@@ -20,7 +20,7 @@ def test_the_load_bench_runs_a_shape_with_partial_rollouts_behind_a_relay(tmp_pa
     assert (shape["samplers"], shape["relays"], shape["chunk_tokens"], shape["steps"]) == (3, 1, 32, 3)
     assert shape["tokens_per_step"] > 0 and shape["trainer_peak_gb"] > 0 and shape["broker_peak_gb"] > 0
     assert 0 <= shape["wasted_token_share"] < 1 and shape["overhead_share_of_learner"] >= 0
-    # What the machine was doing (issue 48: figures taken at load 3.5-10 did not say so), and the
+    # What the machine was doing (recovery figures taken at load 3.5-10 did not say so), and the
     # trainer's own CPU, which does not depend on it.
     assert shape["machine"]["cores"] == os.cpu_count() and shape["machine"]["load_during_max"] >= 0
     assert shape["trainer_cpu_s_per_step"] > 0

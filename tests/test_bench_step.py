@@ -51,7 +51,7 @@ def test_the_learner_bench_reports_throughput_mfu_and_where_the_time_went():
 
 
 def test_the_engine_bench_times_generate_against_continuous_batching(tmp_path):
-    """What issue 32's GPU job runs (bench/gpu/issue32.sh engines), here on the tiny model."""
+    """What the GPU engine comparison runs (bench/gpu/issue32.sh engines), here on the tiny model."""
     subprocess.run([sys.executable, "-m", "bench.engines", "--engines", "hf", "hf-paged", "--model", "tiny",
                     "--prompts", "2", "--group", "2", "--tokens", "8"], check=True, capture_output=True,
                    env={"BENCH_RESULTS": str(tmp_path), "PATH": "/usr/bin:/bin"})
@@ -62,7 +62,7 @@ def test_the_engine_bench_times_generate_against_continuous_batching(tmp_path):
 
 
 def test_the_engine_bench_splits_an_mlx_model_and_says_what_each_rank_holds(tmp_path):
-    """bench/engines.py's mlx rows (issue 81), two models in one run, each in its own process: on
+    """bench/engines.py's mlx rows (the MLX engine), two models in one run, each in its own process: on
     the tiny model the split engine generates beside the whole one, each of its 2 ranks holding
     less and peaking lower; SmolLM2 (llama), which mlx-lm cannot split, gets a row saying so."""
     pytest.importorskip("mlx.core")

@@ -54,7 +54,7 @@ def test_the_live_page_shows_the_samplers_and_its_step_advances_without_a_reload
                 # call may be gone (stale) by the next.
                 shown = "return [...document.querySelectorAll('#samplers tr')].map(row => row.dataset.sampler)"
                 assert sorted(wait_for(lambda: len(ids := browser.execute_script(shown)) == 2 and ids)) == ["s1", "s2"]
-                # The fleet at a glance, and a filter that applies at once (issue 83: 1,000 rows are not drawn)
+                # The fleet at a glance, and a filter that applies at once (at 1,000 samplers the rows are not drawn)
                 fleet = wait_for(lambda: "slowest" in (said := browser.find_element(By.ID, "fleet").text) and said)
                 assert re.match(r"(active|standby|draining) \d", fleet) and "groups/s of the active" in fleet, fleet
                 browser.find_element(By.ID, "filter").send_keys("s2")
@@ -100,7 +100,7 @@ def documented_screenshot() -> str:
 
 
 def test_a_finished_run_shows_as_finished_and_the_documented_screenshot_is_the_whole_page(tmp_path):
-    """Issue 82: the documented screenshot was blank ("connecting", "no step yet": drawn after an
+    """The screenshot in the docs: it was blank ("connecting", "no step yet": drawn after an
     asynchronous fetch the load event did not wait for); the learning rate's axis read 0 0 0 0;
     no held-out chart; only the last step's completions."""
     from PIL import Image

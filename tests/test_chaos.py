@@ -74,7 +74,7 @@ async def _take_leases_and_die(url: str, run_id: str, sampler_id: str) -> list[i
 
 
 def test_a_sampler_that_dies_holding_slots_costs_its_slots_only_until_its_heartbeat_expires(nats_server, tmp_path):
-    """The issue's case: on-policy (S=0), two samplers, one dies holding its share of the
+    """A sampler dead with slots: on-policy (S=0), two samplers, one dies holding its share of the
     window. Before, the run stopped until trainer.reissue_after_s (300 s); now its slots, and
     only those, are handed out again once its heartbeat is silent for sampler_dead_after_s, and
     no group arrives stale afterwards."""

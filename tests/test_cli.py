@@ -304,9 +304,8 @@ def test_a_hub_is_refused_open_to_other_machines_unless_asked_and_serves_a_secur
 
 
 def test_overrides_go_anywhere_on_the_line_as_hydra_takes_them(tmp_path, capsys):
-    """`config show run.steps=2 --config x.yaml run.seed=1` failed with argparse's usage dump
-    (issue 82): an override after an option is one too, in its place; a word that is neither
-    is still refused."""
+    """`config show run.steps=2 --config x.yaml run.seed=1` failed with argparse's usage dump:
+    an override after an option is one too, in its place; a word that is neither is still refused."""
     (tmp_path / "x.yaml").write_text("run:\n  steps: 7\n  seed: 3\n")
     assert main(["config", "show", "run.steps=2", "--config", str(tmp_path / "x.yaml"), "run.seed=1",
                  "--model", "tiny", "sampling.group_size=4"]) == 0
@@ -346,7 +345,7 @@ def test_up_allows_the_precision_its_own_samplers_are_asked_for(tmp_path):
 
 
 def test_a_sampler_given_a_run_id_the_hub_does_not_have_names_the_runs_it_has_at_once(nats_server, capsys):
-    """A mistyped run id waited 600 s saying only "no trainer has created it yet" (issue 82): the
+    """A mistyped run id waited 600 s saying only "no trainer has created it yet": the
     runs the hub holds are named in the first line, and again when the wait ends."""
     async def main_():
         for run_id in ("arith-1", "gsm8k"):

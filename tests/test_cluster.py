@@ -50,7 +50,7 @@ async def test_a_run_on_a_cluster_keeps_three_copies_and_survives_a_node_killed(
 
 
 async def test_a_rolling_restart_under_load_loses_nothing_and_waits_for_no_election(cluster, runs):
-    """Planned maintenance (issue 83): each node in turn stopped (SIGTERM), started again, and its
+    """Planned maintenance (a rolling restart): each node in turn stopped (SIGTERM), started again, and its
     replicas let catch up before the next, while rollouts are published and the state bucket is
     written without a pause. nats-server's shutdown hands each raft group it leads to a peer, and
     a request whose connection dropped is failed at once and sent again (RequestLost), so nothing
@@ -73,7 +73,7 @@ async def test_a_rolling_restart_under_load_loses_nothing_and_waits_for_no_elect
 
 
 async def test_a_weights_publish_whose_stream_leader_is_killed_goes_on_once_a_new_one_is_elected(cluster, runs):
-    """Issue 48: with a node killed mid-publish, a chunk's ack never came and the publish waited
+    """Recovery from a leader's death: with a node killed mid-publish, a chunk's ack never came and the publish waited
     out a 30 s timeout (34 s where 3 s was the norm). It now gives up on an ack within
     ACK_TIMEOUT_S (at once when its connection dropped) and tries again every PUBLISH_RETRY_MAX_S
     at most, so it ends within the broker's own failover (a raft election: a follower campaigns
@@ -115,7 +115,7 @@ async def test_a_weights_publish_whose_stream_leader_is_killed_goes_on_once_a_ne
 
 
 async def test_a_trainer_whose_state_leader_is_killed_waits_it_out_and_never_works_beside_a_standby(cluster, runs):
-    """Issue 48: killing a cluster node failed the trainer's lease renewals for ~4 s while it went
+    """A lease through a failover: killing a cluster node failed the trainer's lease renewals for ~4 s while it went
     on checkpointing and announcing, the time after which a standby may take over. With the state
     stream's leader killed, the holder acts only within HELD_S of a renewal the broker confirmed,
     a standby trying to take the run meanwhile takes it only once the holder stopped acting (or

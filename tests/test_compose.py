@@ -135,7 +135,7 @@ def test_the_compose_hub_starts_with_the_secrets_its_init_service_writes(tmp_pat
 
 
 def test_every_container_log_is_bounded():
-    """Issue 61: the hub logs a line per refused publish (581 MB in 40 s of a sampler's flood),
+    """A log flood: the hub logs a line per refused publish (581 MB in 40 s of a sampler's flood),
     with no rotation in the compose swarm. Docker rotates every service's output."""
     for name, service in _services("docker-compose.yml", "docker-compose.insecure.yml").items():
         logging = service.get("logging", {})

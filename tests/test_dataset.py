@@ -80,7 +80,7 @@ def test_columns_are_mapped_by_config_and_a_text_prompt_takes_the_instruction(tm
 
 
 def test_a_chat_prompts_last_user_turn_takes_the_instruction_too(tmp_path, monkeypatch):
-    """Issue 82: task.params.instruction was applied to text prompts only, and a verl parquet's
+    """An instruction for chat prompts: task.params.instruction was applied to text prompts only, and a verl parquet's
     chat prompts were left as they were without a word, while run.no_signal named that key as the
     remedy. The last user turn now goes through it (a system turn and an earlier exchange kept)."""
     rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
@@ -97,7 +97,7 @@ def test_a_chat_prompts_last_user_turn_takes_the_instruction_too(tmp_path, monke
 
 def test_worked_examples_go_before_every_prompt_and_the_instruction_is_written_as_a_person_writes_it(
         tmp_path, monkeypatch):
-    """The remedy for a model that does not box its answer zero-shot (issue 82), as the built-in
+    """The remedy for a model that does not box its answer zero-shot, as the built-in
     math task does it: a solved example as an earlier exchange, after any system prompt. The
     instruction's braces as written (`\\boxed{}` raised IndexError from str.format), and an
     instruction without {prompt}, which would drop every row's question, refused at start."""

@@ -51,7 +51,7 @@ def test_the_cause_named_is_the_likeliest():
 
 
 def test_with_no_answer_the_advice_reads_the_prompts_first():
-    """Issue 82: a verl parquet's chat prompts never asked for \\boxed{}, and the advice named a key
+    """Advice that fits the prompts: a verl parquet's chat prompts never asked for \\boxed{}, and the advice named a key
     that did nothing on them; the same words came where the prompts asked already, on a verifiers
     environment, and on a random model. Three causes, three answers."""
     boxed, none = "\\boxed{} answer", {**signal(no_answer=1.0), "close_share": 0.25}

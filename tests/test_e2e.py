@@ -38,7 +38,7 @@ def test_an_on_policy_async_run_trains_within_its_bound_with_importance_ratios_o
 
 
 def test_async_run_stays_within_the_staleness_bound_of_one(tmp_path):
-    """On the tiny mixture of experts with routing replay (issue 68): every group carries its
+    """On the tiny mixture of experts with routing replay: every group carries its
     routing, every forward of the trainer replays it, and every group passes the proof, the
     routing check included. And the grpo preset with two updates a batch: the ratio and the clip
     act, proof in-step included."""
@@ -212,7 +212,7 @@ def test_ctrl_c_or_sigterm_stops_every_process(tmp_path, stop, code):
     signalled = time.monotonic()
     try:
         assert proc.wait(timeout=60) == code
-        # Within seconds, not up's 20 s deadline for the stragglers it kills (issue 82: both
+        # Within seconds, not up's 20 s deadline for the stragglers it kills (both
         # samplers hung till then), each process saying it stopped.
         assert time.monotonic() - signalled < 5
         reader.join(timeout=10)

@@ -1,4 +1,4 @@
-"""Faults that must never wedge a run or fail silently (issue 10): supervised background tasks,
+"""Faults that must never wedge a run or fail silently: supervised background tasks,
 workers that stop on SIGTERM, weights fetches that fail and recover."""
 
 import asyncio
@@ -303,7 +303,7 @@ asyncio.run(main(sys.argv[1]))
 
 async def test_a_trainer_restarted_on_its_machine_takes_the_run_at_once_and_a_live_one_is_still_waited_for(
         nats_server, runs):
-    """Issue 48: a restarted trainer waited out its dead predecessor's lease (4.2 s of its 10.4 s
+    """A trainer restarted on its machine: it waited out its dead predecessor's lease (4.2 s of its 10.4 s
     to a first step) even on the machine where it could see that process had exited. It now takes
     the run at once there (a zombie not yet reaped has exited too); a live holder, or one it
     cannot see, is watched for the lapse as before."""
@@ -357,7 +357,7 @@ async def test_a_trainer_keeps_its_lease_when_a_renewal_it_gave_up_on_was_applie
 
 
 async def test_a_trainer_whose_renewals_fail_acts_on_the_run_only_once_it_renewed(nats_server, runs):
-    """Issue 48: killing the trainer's cluster node failed its lease renewals for ~4 s while it
+    """A lease not confirmed: killing the trainer's cluster node failed its lease renewals for ~4 s while it
     went on checkpointing and announcing, the time after which a standby may take over. A trainer
     now acts only within HELD_S of its last confirmed renewal, and waits meanwhile."""
     run = await runs.open("held", "trainer")

@@ -160,7 +160,7 @@ def test_slots_end_by_number_and_only_lost_ones_are_reported():
     assert ledger.release("b") == [4, 5] and ledger.holders() == {"a"}  # b died holding two
     assert ledger.take_lost() == [4, 5]
     # Only a group the trainer accepts is progress: junk naming a held slot must not keep the
-    # stall clock still (issue 43: a junk group a minute, and the clock never fired).
+    # stall clock still (an attack sent a junk group a minute, and the clock never fired).
     assert ledger.progress_at == {"a": 0, "b": 0}
     assert ledger.delivered("a", slots[1], arrived=3)
     ledger.accepted(slots[1])
@@ -168,7 +168,7 @@ def test_slots_end_by_number_and_only_lost_ones_are_reported():
 
 
 def test_slots_passed_over_or_held_at_a_release_are_undelivered_and_past_the_bound_a_strike():
-    """Issue 63: an honest sampler delivers its slots in the order granted; one keeping back the
+    """Selective delivery: an honest sampler delivers its slots in the order granted; one keeping back the
     groups it dislikes passes over its own slots. Each passed over ends undelivered at once (lost,
     its prompt owed), as do the slots held at a release; past the bound in its last `window`
     ended slots the sampler is named once, and counted afresh. Slots the trainer could not hand
@@ -198,7 +198,7 @@ def test_slots_passed_over_or_held_at_a_release_are_undelivered_and_past_the_bou
 
 
 def test_the_stall_limits_of_a_wait_read_each_samplers_calls_once_however_many_holders_are_new(monkeypatch):
-    """Issue 83: each holder's limit scanned every sampler's calls (for the fleet's median, which
+    """Stall limits at scale: each holder's limit scanned every sampler's calls (for the fleet's median, which
     a holder never measured is held to): at 1,000 samplers a wait (about one a second) cost the
     trainer up to a second of CPU while the fleet joined. The fleet's calls are read once a wait."""
     ledger = GrantLedger()
@@ -249,11 +249,11 @@ async def _beat(run, sampler_id: str) -> None:
 
 
 async def test_a_hoarder_is_released_within_a_few_calls_held_to_a_slot_and_struck_when_it_hoards_again(runs, tmp_path):
-    """Issue 43: in sequential mode a sampler with a live heartbeat that asks for work 50 times a
+    """Hoarding: in sequential mode a sampler with a live heartbeat that asks for work 50 times a
     second and never delivers took 2 of 4 slots: no step for over 367 s, the slots released after
     `trainer.reissue_after_s` (300 s) and taken again by the same sampler 0.8 s later. Its slots
-    are now released once it has filled none for four of the fleet's measured calls (at least
-    twice `sampler_dead_after_s`), it then holds one slot at a time, and hoarding again is a strike."""
+    are now released by the stall rule (docs/design.md), within a few of the fleet's measured
+    calls; it then holds one slot at a time, and hoarding again is a strike."""
     cfg = tiny_config(tmp_path, run={"mode": "sequential"}, trainer={"groups_per_step": 4, "sampler_dead_after_s": 1.0,
                                                                      "reissue_after_s": 6.0}, sampler={"heartbeat_s": 0.1})
     run = await runs.open("hoard", "trainer")
@@ -275,7 +275,7 @@ async def test_a_hoarder_is_released_within_a_few_calls_held_to_a_slot_and_struc
                 await asyncio.sleep(0.5)
                 await granter.on_wait(2)
         assert granter.ledger.held("x") == 0 and quarantine.strikes == {}  # once may be a slow machine
-        # Issue 61: it took the released work again at once, a release interval lost each time.
+        # Before the bench, it took the released work again at once, a release interval lost each time.
         # Benched (trainer.reissue_after_s) while h asks: the work is h's, one interval lost in all.
         assert (await _ask(sampler, "x", lease.term, 0, 2, request)).groups == 0
         assert (await _ask(sampler, "h", lease.term, 0, 2, request)).groups == 2
@@ -364,7 +364,7 @@ ASK_AGAIN = {"schema_version": SCHEMA_VERSION, "slots": [], "prompts": [], "more
 
 
 def test_a_crowd_told_to_ask_again_spreads_its_asks_and_the_ledger_counts_it_without_a_scan():
-    """Issue 83: a thousand samplers told "work is left, not yours yet" each asked again 0.2 s
+    """A crowd asking again: a thousand samplers told "work is left, not yours yet" each asked again 0.2 s
     later: 5,000 requests a second at the trainer. The wait now grows with the samplers asking,
     to ASKS_PER_S asks a second in all; and the ledger counts who asks, and what each holds,
     as they ask (the scans of every sampler and slot a grant made a step O(samplers^2))."""
@@ -393,7 +393,7 @@ def _ask(run, sampler_id, term, version, want=2, pull_request_id=None):
 
 
 async def test_once_the_work_is_given_out_a_crowd_asking_costs_the_trainer_no_broker_request(runs, tmp_path):
-    """Issue 83: each budget wakes every idle sampler, and each ask read the asker's heartbeat
+    """A crowd asking for nothing: each budget wakes every idle sampler, and each ask read the asker's heartbeat
     from the broker (is it readable? none is granted work while it is not): at 1,000 samplers,
     1,000 reads a step, most of the trainer's CPU a token. The read is made only where there is
     work to grant; a sampler asking when none is left costs the trainer no request at all. And
@@ -406,7 +406,7 @@ async def test_once_the_work_is_given_out_a_crowd_asking_costs_the_trainer_no_br
     assert sum([(await granter.grant(f"s{i}", asked)).groups for i in range(4)]) == 4  # the window, given out
     sent = run.nc.stats["out_msgs"]
     idle = [await granter.grant(f"idle{i}", asked) for i in range(1000)]
-    assert run.nc.stats["out_msgs"] == sent  # (one with work to take is read: test_fifth_pass.py)
+    assert run.nc.stats["out_msgs"] == sent  # (one with work to take is read: test_proven_rollouts.py)
     assert [(g.groups, g.more) for g in idle] == [(0, False)] * 1000
     assert idle[-1].again_s == 1004 / IDLE_ASKS_PER_S and idle_s(idle[-1]) == idle[-1].again_s
     assert idle_s(Grant(again_s=1e9)) == IDLE_WAIT_MAX_S and idle_s(None) == idle_s(Grant()) == IDLE_ASK_MIN_S
@@ -431,7 +431,7 @@ async def _budget(run) -> GrantBudget:
 
 async def test_a_budget_wakes_only_a_draw_of_the_idle_crowd_and_draws_again_while_its_slots_go_untaken(
         runs, tmp_path):
-    """Issue 83: each budget woke every idle sampler, and each asked: 1,000 requests a step for
+    """A crowd woken by a budget: each budget woke every idle sampler, and each asked: 1,000 requests a step for
     128 groups at 1,000 samplers, the largest cost of the trainer's that still grew with the
     samplers. A budget now says how many slots are open and how many samplers idle, and wakes
     about DRAWN_PER_OPEN_SLOT per slot. Where those drawn do not take them (busy, behind, gone),
@@ -480,7 +480,7 @@ async def test_a_budget_wakes_only_a_draw_of_the_idle_crowd_and_draws_again_whil
 
 
 async def test_waiting_for_groups_reads_the_holders_heartbeats_once_a_heartbeat_not_once_a_wait(runs, tmp_path):
-    """Issue 83: each wait for groups (a second apart) read every holder's heartbeat, 256 holders
+    """Heartbeats read at scale: each wait for groups (a second apart) read every holder's heartbeat, 256 holders
     at 1,000 samplers: most of the trainer's broker requests. A reading younger than a heartbeat
     is used as it is."""
     cfg = tiny_config(tmp_path, trainer={"groups_per_step": 20, "max_staleness": 0, "sampler_dead_after_s": 60.0},
@@ -498,7 +498,7 @@ async def test_waiting_for_groups_reads_the_holders_heartbeats_once_a_heartbeat_
 
 
 async def test_a_sampler_granted_work_after_a_while_idle_is_not_taken_for_dead_on_an_old_reading(runs, tmp_path):
-    """Issue 83, 1,000 samplers: 359 samplers were judged gone in a 16-step run (silent for 4 to
+    """Live samplers taken for dead, at 1,000 samplers: 359 samplers were judged gone in a 16-step run (silent for 4 to
     206 s by the trainer's readings), their slots released, and 265 of their groups then refused
     as on slots not held: a sixth of the tokens wasted. A sampler's heartbeat is read only while
     it holds slots, and a reading younger than a heartbeat is not read again: one granted work
@@ -647,7 +647,7 @@ async def test_a_grant_that_fails_in_our_code_is_still_answered(runs):
 
 
 def test_a_sampler_whose_long_groups_would_arrive_stale_gets_no_work_while_others_take_it(tmp_path):
-    """Issue 83: with speeds spread 10x, the slowest samplers' groups arrived stale, a tenth of
+    """Grants sized to pace: with speeds spread 10x, the slowest samplers' groups arrived stale, a tenth of
     the tokens generated wasted. The trainer measures each sampler's seconds a token (grant to
     arrival, over its calls' longest completions) and grants none to one whose long group (the
     fleet's 95th percentile) would arrive after the trainer moved past its version, while other

@@ -1,7 +1,7 @@
 """compose/Dockerfile against what its final image lacks, without Docker: python:3.11-slim has no C
 compiler, so every package the image installs must come as a binary wheel, be pure Python, or be
 built as a wheel in an earlier stage that has a compiler. A dependency that joins without a wheel
-for this platform broke `docker compose up` once (issue 49) while `make test` stayed green.
+for this platform broke `docker compose up` once (pycosat, before the wheels stage) while `make test` stayed green.
 
 What pip would install is read from this venv, which `make` installed from the same extras: a
 package pip compiled here carries a wheel tag of the plain `linux_*` platform (PyPI's binary wheels
@@ -116,7 +116,7 @@ def test_every_package_the_worker_image_installs_has_a_wheel_or_is_built_in_a_st
 
 
 def test_the_guard_names_what_the_image_would_compile_without_its_wheels_stage():
-    """The Dockerfile as it was before issue 49 (one stage): pycosat, which reasoning-gym needs and
+    """The Dockerfile as it was before its wheels stage (one stage): pycosat, which reasoning-gym needs and
     which has no wheel for linux x86_64, is named."""
     dockerfile = (ROOT / "compose" / "Dockerfile").read_text()
     final = dockerfile[dockerfile.rindex("\nFROM "):]

@@ -275,7 +275,7 @@ async def test_a_fetch_returns_no_more_than_its_batch_whatever_the_subscription_
 
 
 async def test_samplers_are_read_in_turn_so_no_backlog_stands_in_front_of_another(runs):
-    """Issue 43: one consumer read every sampler's subject in stream order, so a sampler that
+    """A backlog of junk: one consumer read every sampler's subject in stream order, so a sampler that
     kept its quota full (of junk, or of groups too stale to train, which earn no strike) stood in
     front of every honest group published after it. Each sampler is now read through its own
     consumer, in turn: the honest samplers' groups come within the first round, whatever the
@@ -313,7 +313,7 @@ async def _an_inbox_that_fetched_a_group_of_each(run, samplers: int) -> tuple[Ro
 
 
 async def test_an_idle_inbox_asks_the_broker_nothing_and_still_fetches_the_next_group(runs):
-    """Issue 83: waiting for groups, the inbox listed every sampler's reader (and the stream's
+    """An idle inbox at scale: waiting for groups, the inbox listed every sampler's reader (and the stream's
     subjects) ten times a second, a scan of 1,000 consumers' states each time at 1,000 samplers.
     The stream's watch now says when a sampler publishes: an idle inbox sends the broker nothing,
     and a group published after is fetched."""
@@ -329,7 +329,7 @@ async def test_an_idle_inbox_asks_the_broker_nothing_and_still_fetches_the_next_
 
 async def test_while_samplers_publish_the_inbox_fetches_from_the_publishers_alone_and_never_lists_its_readers(
         runs, monkeypatch):
-    """Issue 83: the readers were listed at every round while the stream moved on, and with
+    """Readers at scale: the readers were listed at every round while the stream moved on, and with
     1,000 samplers it always does (a group every few hundred milliseconds): 4 pages of about
     700 bytes a reader, ten and more times a second, a fifth of the trainer's CPU (py-spy). A
     round now fetches from the readers the watch announced groups for: no listing, a fetch

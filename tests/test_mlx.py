@@ -1,4 +1,4 @@
-"""The MLX engine (issue 81, `sampler.engine = "mlx"`), on MLX's CPU backend: its logits are the
+"""The MLX engine (`sampler.engine = "mlx"`), on MLX's CPU backend: its logits are the
 trainer's under the same weights, every version swapped in place; its keyed draws are the ones
 the trainer draws again (the proof passes them, and strikes a forged token); partial rollouts
 change versions between chunks; what it cannot take is refused at start or at load."""

@@ -1,4 +1,4 @@
-"""Keyed noise (issue 63): a sampler drawing with Gumbel-max and noise keyed by its grant has no
+"""Keyed noise (the proof of the tokens): a sampler drawing with Gumbel-max and noise keyed by its grant has no
 choice of text, and the trainer checks the tokens themselves. Honest groups pass at fp32 and
 bf16; a token swapped, completions chosen from other draws, or text from elsewhere with its true
 log-probs (which the log-prob check alone lets through) are token forgeries."""
@@ -163,7 +163,7 @@ def test_a_swapped_token_or_text_chosen_with_its_true_log_probs_is_a_token_forge
 
 
 def test_episodes_draw_keyed_noise_turn_by_turn_and_a_turn_changed_is_a_token_forgery():
-    """Issue 63: an episode's turns drew with the engine's own generator and were checked by their
+    """Keyed episodes: an episode's turns drew with the engine's own generator and were checked by their
     log-probs only. Each turn now draws with its group's keyed noise, episode j as completion j, a
     token at its position in the episode; the proof checks every token the model drew (the
     environment's observations are its own, replayed by the scorer). Honest episodes pass and draw
@@ -200,7 +200,7 @@ def test_episodes_draw_keyed_noise_turn_by_turn_and_a_turn_changed_is_a_token_fo
 
 
 def test_the_step_proves_its_own_versions_groups_from_its_forward_and_updates_nothing_for_a_forgery(tmp_path):
-    """Issue 63: the groups sampled by the version the trainer holds are proved every time, from
+    """The proof in the step: the groups sampled by the version the trainer holds are proved every time, from
     the forward the step runs anyway (its pi_old): the same gap and margins as the proof's own
     forward, a group split between passes judged whole. A token swapped with true log-probs is
     found before the optimizer's update: no update is made (ForgedInStep), the step is to be
@@ -384,7 +384,7 @@ async def test_one_samplers_text_of_its_choosing_is_refused_and_it_is_quarantine
 
 
 def test_the_paged_engine_draws_the_keyed_noise_hf_draws_and_its_groups_pass_the_check():
-    """Issue 63: transformers' continuous batching (sampler.engine = "hf-paged") drew with its own
+    """Keyed noise in hf-paged: transformers' continuous batching (sampler.engine = "hf-paged") drew with its own
     generator, so a keyed run refused it. It now draws each token by its group's keyed noise,
     through the manager's per-request processor: the same tokens as `hf` for the same draws (each
     completion leaving the batch at its own step: the end-of-turn token made likely), with the

@@ -37,7 +37,7 @@ def test_replay_filters_a_finished_runs_stream(on_policy_swarm):
     honest = _replay(run_dir, "--rejected")
     assert honest.stdout == "" and honest.returncode == 1  # an honest run: nothing malformed, and it says so
     assert f"none of the stream's {len(stream)} records matched" in honest.stderr
-    assert _replay(run_dir, "--version", "999").returncode == 1  # issue 82: printed nothing, rc 0
+    assert _replay(run_dir, "--version", "999").returncode == 1  # a version not in the stream: printed nothing, rc 0
     everything = _replay(run_dir, "--reward", "0:1", "--table").stdout.split("\n")[:-1]
     heads = [line for line in everything if not line.startswith(("    [", "    prompt: "))]
     assert len(heads) == len(stream) and all(" completions " in line for line in heads)

@@ -321,7 +321,7 @@ def test_the_trainer_replays_the_recorded_routing_and_a_made_up_one_is_forged_ro
 
 
 def test_forged_routing_among_honest_groups_proven_together_is_found_from_the_first_group():
-    """Issue 80: the intake proves every group of an older version, a step's together
+    """Groups proven together: the intake proves every group of an older version, a step's together
     (check_many: one forward of several groups, each replaying its own routing). A made-up
     routing among honest groups is forged_routing; the honest ones pass."""
     engine, sampling, proof = _sampler_and_trainer()

@@ -134,7 +134,7 @@ def test_a_sampler_stopped_while_holding_slots_hands_them_back_at_once(nats_serv
 
 def test_a_sampler_killed_and_restarted_under_its_id_at_once_gets_its_predecessors_slots_handed_out(
         nats_server, tmp_path):
-    """Issue 48: slots are held by sampler id, and a replacement that heartbeats within
+    """A sampler restarted under its id: slots are held by sampler id, and a replacement that heartbeats within
     `sampler_dead_after_s` (as systemd, compose or Kubernetes restart a process) hid the death:
     the slots came back only after `trainer.reissue_after_s` (300 s; at S = 0 no step till then).
     Each process now names itself (a random `process` name) in its heartbeats and requests: the new one

@@ -211,7 +211,7 @@ async def test_a_sampler_cannot_touch_what_the_trainer_owns(secured, runs):
         js.publish(names.rollouts_subject("s2"), impostor),
         js.publish(names.bodies_subject("s2"), b"part"),  # a body under another's name
         js.purge_stream(names.bodies_stream),
-        # Issue 43: INFO with a subject listing (~150 KB an answer) in a flood filled the server's
+        # A JetStream API flood: INFO with a subject listing (~150 KB an answer) in a flood filled the server's
         # one JetStream info queue, where the trainer's own calls wait too: no step for 44-80 s.
         js.stream_info(names.weights_stream, subjects_filter=">"),
         js.stream_info(f"KV_{names.state_bucket}"),

@@ -158,7 +158,7 @@ def test_a_split_samplers_engine_says_its_ranks_and_why_their_group_was_last_los
 
 
 def test_a_thousand_samplers_are_summed_up_with_the_slowest_listed_and_every_one_on_asking():
-    """Issue 83: at 1,000 samplers the view is a summary (how many in each state, the spread of
+    """A fleet at scale: at 1,000 samplers the view is a summary (how many in each state, the spread of
     pace and lag) and the ten slowest active ones, not 1,000 lines; `--all` lists each."""
     now = time.time()
     states = ["active"] * 900 + ["standby"] * 60 + ["draining"] * 40

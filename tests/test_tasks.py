@@ -54,7 +54,7 @@ MATH = Math({"levels": [1, 2, 3]})
         ("12", "\\boxed{12", 0.0, False),  # never closed
         ("1000", "\\boxed{1,000.0}", 1.0, True),
         ("-\\frac{3}{4}", "\\boxed{\\dfrac{-3}{4}}", 1.0, True),
-        # Issue 43: sympy computed such a power tower in full (minutes, and memory, each); a number
+        # A verifier bomb: sympy computed such a power tower in full (minutes, and memory, each); a number
         # is compared, and nothing is evaluated.
         ("7", "\\boxed{7^{9^{8}}}", 0.1, True),
         ("7", "\\boxed{100000000!}", 0.1, True),

@@ -54,7 +54,7 @@ def engines(request):
 
 
 def test_vllm_and_transformers_agree_for_the_same_adapter(engines):
-    """Issue 63: vLLM drew with its own generator, so a keyed run refused it. Its sampler now draws
+    """Keyed noise in vLLM: vLLM drew with its own generator, so a keyed run refused it. Its sampler now draws
     through echo/engines/vllm_worker.py's KeyedNoise: the same tokens as transformers for the
     same draws, with the log-probs of softmax(logits / T), and its groups pass the proof."""
     hf, vllm = engines

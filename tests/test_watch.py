@@ -13,7 +13,7 @@ from streams.schedule import publish_schedule, watch_schedule
 async def test_a_bad_or_misnamed_heartbeat_is_shown_as_bad_not_fatal(runs):
     """A sampler's credentials let it write its own heartbeat key, with any value: garbage, or a
     status naming another sampler. Readers (the scheduler, `echo-rl status`) take neither for
-    what it says, and show both samplers as bad_heartbeat (issue 80: one vanished before)."""
+    what it says, and show both samplers as bad_heartbeat (one vanished from the view before)."""
 
     run = await runs.open("beats", "trainer")
     honest = SamplerStatus(sampler_id="s1", version=0, groups_published=0, weight_failures={}, updated_at=0.0)

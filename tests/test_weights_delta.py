@@ -1,4 +1,4 @@
-"""Full weights sent as deltas against a real nats-server (issue 47): the trainer's side
+"""Full weights sent as deltas against a real nats-server: the trainer's side
 (echo/train/checkpoint.py's files, streams/weights.py's publisher) and a sampler's follower, which
 rebuilds each version bit for bit from the weights it holds or from the chain's anchor, and
 refuses whatever does not make the digest announced."""
@@ -192,7 +192,7 @@ async def test_a_delta_announced_before_its_objects_arrive_is_waited_for_not_ref
 
 
 async def test_a_delta_bomb_inflates_no_further_than_the_weights_held(runs, tmp_path):
-    """Issue 61: on the route from weights held, the inflate bound came from the anchor's size
+    """A delta bomb: on the route from weights held, the inflate bound came from the anchor's size
     as the announcement names it, never checked there: 2 MB packed inflated to 2 GiB before the
     refusal. The bound is now twice the weights held, whatever an announcement (a relay's) says."""
     run = await runs.open("bomb", "trainer")

@@ -1,5 +1,9 @@
-"""Issue 61, the fourth security pass: what one sampler's credentials, or a relay's position, could
-still do. Each test failed on the code before the defence it checks (docs/security.md, fourth pass)."""
+"""Hostile input from one sampler's credentials or a relay's position, bounded before it is used: a
+group on a prompt the trainer did not name or in a precision the run does not allow (rollouts),
+random hostile heartbeats and groups at decode and in every reader (the page, the trackers), idle
+connections to the page, a flood of refused publishes in the hub's log (state), a prompt object
+claiming gigabytes (weights). Each test failed on the code before the defence it checks
+(docs/security.md, by asset)."""
 
 from __future__ import annotations
 

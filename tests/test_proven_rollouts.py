@@ -1,6 +1,7 @@
-"""Issue 80, the fifth security pass: every group the trainer trains is proven under the version
-that sampled it, from a credential's first group, across trainer restarts. Each test failed on
-the code before the defence it checks (docs/security.md, fifth pass)."""
+"""Every group the trainer trains is proven under the versions that sampled it, from a fresh
+credential's first group, across trainer restarts; and what a sampler could choose besides (a
+redrawn prompt, dynamic sampling's budget, a heartbeat that does not decode). Each test failed on
+the code before the defence it checks (docs/security.md, by asset)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ CHUNK = 8
 
 
 def _config(tmp_path, trainer: dict | None = None, **sampling):
-    """A keyed async run as the issue's swarm: staleness bound 1, the proof at its defaults."""
+    """A keyed async run as the attacked swarm was: staleness bound 1, the proof at its defaults."""
     return tiny_config(tmp_path, run={"id": "sec", "seed": SEED}, lora={"r": LORA.r, "alpha": LORA.alpha},
                        sampling={"group_size": 8, "max_new_tokens": 24, "temperature": 1.0, **sampling},
                        trainer={"max_staleness": 1, "quarantine_after": 3, **(trainer or {})})
@@ -133,7 +134,7 @@ def _attack(claim: str, sampler: HFEngine, shards, slot: int, index: int):
 @pytest.mark.parametrize("claim", ["version - 1", "partial rollout", "another slot's key"])
 async def test_chosen_text_trains_nothing_from_a_fresh_credentials_first_group_nor_after_a_restart(secured, tmp_path,
                                                                                                    claim):
-    """The issue's swarm: a fresh sampler credential (s1, never caught) sends chosen text with its
+    """The attacked swarm: a fresh sampler credential (s1, never caught) sends chosen text with its
     true log-probs, claiming the version before the trainer's (17 of 82 trained before), a
     partial rollout (21 of 59), or an honest draw under another slot's key (7 of 17). The proof
     read only `verify_fraction` (0.1) of the groups not of the trainer's own version. Now each is
