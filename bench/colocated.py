@@ -25,7 +25,7 @@ from echo.engines import make_engine
 from echo.engines.base import Engine, call_seed
 from echo.tasks import load_task
 from echo.train.checkpoint import read_shards
-from echo.train.learner import Batch
+from echo.train.learner import Batch, Rewarded
 from echo.train.metrics import peak_rss_mb
 from echo.trust.scorer import Scorer
 from echo.wire.names import Version
@@ -56,7 +56,7 @@ def run_colocated(cfg: EchoConfig, engine: Engine | None = None) -> None:
             engine.load_weights(read_shards(model.write_weights(step - 1)))  # the current policy, as a sampler gets it
             groups = generate_groups(engine, task, prompts, cfg.sampling, "colocated", Version(0, step - 1),
                                      list(range(1, len(prompts) + 1)), seed=call_seed(cfg.run.seed, "colocated", 0, step))
-            batch = Batch.of([(g, scorer.score(g).rewards) for g in groups])
+            batch = Batch([Rewarded(g, scorer.score(g).rewards) for g in groups])
             generated = time.perf_counter()
             stats = model.train(batch).stats
             trained = time.perf_counter()

@@ -74,7 +74,8 @@ def measure(model: str, shape: str, repeats: int, pack_groups: str, device: str,
     step_s = round(min(seconds[1:]), 4)  # the rates below are of the step reported
     parameters = sum(p.numel() for p in policy.parameters())
     # Every token of the step goes through the model: the prompts' too (once a group when packed).
-    tokens_in = sum(len(g.prompt_token_ids) + sum(len(c.token_ids) for c in g.completions) for g in batch.groups)
+    tokens_in = sum(len(g.prompt_token_ids) + sum(len(c.token_ids) for c in g.completions)
+                    for g in (r.group for r in batch.groups))
     flops = 4 * parameters * tokens_in
     peak = peak_tflops if peak_tflops is not None else (H100_BF16_TFLOPS if on.type == "cuda" else None)
     result = {"shape": shape, "groups": groups, "completions": group, "tokens": tokens, "device": str(on),

@@ -151,17 +151,18 @@ class SyntheticLearner:
 
     def train(self, batch: Batch, version: int | None = None) -> Stepped:
         """A step's time, slept; synthetic tokens prove nothing (`version` unused)."""
-        tokens = sum(max(0, len(c.token_ids) - g.sampled_from(batch.oldest_version))
-                     for g in batch.groups for c in g.completions)
-        every = sum(len(c.token_ids) for g in batch.groups for c in g.completions)
+        groups = [r.group for r in batch.groups]
+        oldest = batch.oldest_version
+        tokens = sum(max(0, len(c.token_ids) - g.sampled_from(oldest)) for g in groups for c in g.completions)
+        every = sum(len(c.token_ids) for g in groups for c in g.completions)
         seconds = max(tokens * self.seconds_per_token, 1e-6)
         time.sleep(seconds)
-        rewards = [r for rs in batch.rewards for r in rs]
+        rewards = [reward for r in batch.groups for reward in r.rewards]
         return Stepped({"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "is_ratio_mean": 1.0,
                         "is_ratio_max": 1.0, "is_truncated_fraction": 0.0, "is_masked_fraction": 0.0,
                         "mismatch_kl": 0.0, "grad_norm": 0.0, "reward_mean": float(np.mean(rewards)),
                         "reward_std": float(np.std(rewards)), "tokens": tokens, "untrained_tokens": every - tokens,
-                        "sequences": sum(len(g.completions) for g in batch.groups), "passes": 1,
+                        "sequences": batch.sequences, "passes": 1,
                         "train_seconds": seconds})
 
     def save(self, state: TrainerState) -> None:

@@ -35,7 +35,7 @@ def long_groups(vocab: int, groups: int, group: int, tokens: int) -> list:
     after a 64-token prompt (seeded: every process builds the same)."""
     import torch
 
-    from echo.train.learner import Batch
+    from echo.train.learner import Batch, Rewarded
     from echo.wire.messages import Completion, RolloutGroup
 
     generator = torch.Generator().manual_seed(0)
@@ -45,11 +45,11 @@ def long_groups(vocab: int, groups: int, group: int, tokens: int) -> list:
         completions = [Completion(token_ids=torch.randint(0, vocab, (tokens,), generator=generator).tolist(),
                                   logprobs=[-1.0] * tokens, text="", reward=float(i % 2), finish_reason="length")
                        for i in range(group)]
-        batch.append((RolloutGroup(group_id=f"g{g}", sampler_id="s", version=0, term=0, task="bench",
+        batch.append(Rewarded(RolloutGroup(group_id=f"g{g}", sampler_id="s", version=0, term=0, task="bench",
                                    prompt_index=g, slot=g + 1, prompt_token_ids=prompt, completions=completions,
                                    temperature=1.0, engine="hf", dtype="float32", gen_seconds=0.0, created_at=0.0),
-                      [c.reward for c in completions]))
-    return Batch.of(batch)
+                               [c.reward for c in completions]))
+    return Batch(batch)
 
 
 def step_setup(model: str, groups: int, group: int, tokens: int, budget: int, pack_groups: str = "auto",

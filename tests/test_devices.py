@@ -12,7 +12,7 @@ from echo.engines.hf import HFEngine
 from echo.model.devices import autocast, resolve_device, resolve_dtype
 from echo.model.loading import load_model
 from echo.model.policy import group_logprobs, load_weights, make_policy, policy_tensors, weights_shards
-from echo.train.learner import Batch, make_optimizer, train_step
+from echo.train.learner import Batch, Rewarded, make_optimizer, train_step
 from echo.trust.proof import ProofSettings, SamplingProof
 from tests.conftest import tiny_config
 from tests.groups import honest_group
@@ -47,7 +47,7 @@ def test_a_device_this_machine_does_not_have_is_refused_with_what_it_has():
 
 def _batch():
     groups = [honest_group(12 + i) for i in range(2)]
-    return Batch.of([(g, [float(i % 2) for i in range(len(g.completions))]) for g in groups])
+    return Batch([Rewarded(g, [float(i % 2) for i in range(len(g.completions))]) for g in groups])
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full-weight"])

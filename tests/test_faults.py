@@ -24,7 +24,7 @@ from echo.model.policy import make_policy
 from echo.process.lifeline import exited, process_name
 from echo.tasks import load_task
 from echo.train.checkpoint import TrainerState
-from echo.train.learner import Batch, StepAbandoned, make_optimizer, train_step
+from echo.train.learner import Batch, Rewarded, StepAbandoned, make_optimizer, train_step
 from echo.train.metrics import read_metrics
 from echo.trust.scorer import Scorer
 from echo.wire.codec import encode
@@ -134,7 +134,7 @@ def test_a_step_told_to_stop_is_abandoned_between_passes_and_leaves_the_policy_a
                 p.normal_(0, 0.05)
     optimizer = make_optimizer(policy, cfg)
     groups = [honest_group(12 + i) for i in range(3)]
-    batch = Batch.of([(g, [float(i % 2) for i in range(len(g.completions))]) for g in groups])
+    batch = Batch([Rewarded(g, [float(i % 2) for i in range(len(g.completions))]) for g in groups])
     before = [p.detach().clone() for p in policy.parameters() if p.requires_grad]
 
     def unchanged() -> bool:

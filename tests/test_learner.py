@@ -9,6 +9,7 @@ from echo.model.loading import load_model
 from echo.model.policy import make_policy
 from echo.train.learner import (
     Batch,
+    Rewarded,
     learning_rate,
     make_optimizer,
     micro_batches,
@@ -69,8 +70,8 @@ def test_a_micro_batched_step_is_the_whole_batch_step(tmp_path, algorithm):
     fifteen); gradients accumulated in fp64 left at most 3e-8 over 60 starts. The start is seeded: one that fails
     fails again."""
     texts = ["\\boxed{5}", "no idea at all, sorry", "\\boxed{999} because", "hm"]
-    batch = Batch.of([(honest_group(11 + i, texts=texts), [1.0, 0.0, 0.0, 1.0]) for i in range(2)])
-    assert len({len(group.prompt_token_ids) for group in batch.groups}) == 2  # packed, one prompt is padded
+    batch = Batch([Rewarded(honest_group(11 + i, texts=texts), [1.0, 0.0, 0.0, 1.0]) for i in range(2)])
+    assert len({len(r.group.prompt_token_ids) for r in batch.groups}) == 2  # packed, one prompt is padded
     policies, stats = [], []
     base, tokenizer = load_model("tiny")
     start = make_policy(base, tiny_config(tmp_path).lora).double()
@@ -79,13 +80,14 @@ def test_a_micro_batched_step_is_the_whole_batch_step(tmp_path, algorithm):
         for p in start.parameters():
             if p.requires_grad:
                 p.normal_(0, 0.05, generator=seeded)
-    for budget in (0, len(batch.groups[0].prompt_token_ids) + 30, 10_000):
+    for budget in (0, len(batch.groups[0].group.prompt_token_ids) + 30, 10_000):
         cfg = tiny_config(tmp_path, trainer={"micro_batch_tokens": budget, "pack_groups": "on"},
                           algorithm={"kl_coef": 0.1, **algorithm})
         policy = copy.deepcopy(start)
         stats.append(train_step(policy, make_optimizer(policy, cfg), batch, cfg, tokenizer.pad_token_id))
         policies.append(policy)
-    assert [s["passes"] for s in stats] == [2, len(step_passes(batch, len(batch.groups[0].prompt_token_ids) + 30)), 1]
+    split = len(step_passes(batch, len(batch.groups[0].group.prompt_token_ids) + 30))
+    assert [s["passes"] for s in stats] == [2, split, 1]
     assert stats[1]["passes"] > 2  # it did split the groups, and packed them in one pass
     whole, *others = ([p.detach() for p in policy.parameters() if p.requires_grad] for policy in policies)
     for other, other_stats in zip(others, stats[1:]):
@@ -108,15 +110,15 @@ def test_a_partial_rollouts_tokens_older_than_the_bound_are_not_trained(tmp_path
     for group in (spanning, spanning.replaced(completions=[  # other log-probs for the stale tokens only
             c.replaced(logprobs=[-3.0, -3.0, *c.logprobs[2:]]) for c in spanning.completions])):
         policy = copy.deepcopy(start)
-        stats = train_step(policy, make_optimizer(policy, cfg), Batch.of([(group, [1.0, 0.0])], oldest_version=3), cfg,
-                           tokenizer.pad_token_id)
+        batch = Batch([Rewarded(group, [1.0, 0.0])], oldest_version=3)
+        stats = train_step(policy, make_optimizer(policy, cfg), batch, cfg, tokenizer.pad_token_id)
         steps.append(([p.detach() for p in policy.parameters() if p.requires_grad], stats))
     (first, stats), (second, _) = steps
     assert stats["tokens"] == sum(len(c.token_ids) - 2 for c in spanning.completions)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     policy = copy.deepcopy(start)
-    whole = train_step(policy, make_optimizer(policy, cfg), Batch.of([(spanning, [1.0, 0.0])], oldest_version=2), cfg,
-                       tokenizer.pad_token_id)
+    batch = Batch([Rewarded(spanning, [1.0, 0.0])], oldest_version=2)
+    whole = train_step(policy, make_optimizer(policy, cfg), batch, cfg, tokenizer.pad_token_id)
     assert whole["tokens"] == sum(len(c.token_ids) for c in spanning.completions)
 
 
@@ -141,7 +143,7 @@ def test_an_episodes_observations_are_not_trained(tmp_path):
     results = []
     for group in (episode, other_claims, plain):
         policy = copy.deepcopy(start)
-        stats = train_step(policy, make_optimizer(policy, cfg), Batch.of([(group, [1.0, 0.0])]), cfg, tokenizer.pad_token_id)
+        stats = train_step(policy, make_optimizer(policy, cfg), Batch([Rewarded(group, [1.0, 0.0])]), cfg, tokenizer.pad_token_id)
         results.append(([p.detach() for p in policy.parameters() if p.requires_grad], stats))
     (trained, stats), (claimed_otherwise, _), (unmasked, plain_stats) = results
     assert stats["tokens"] == sum(len(c.token_ids) for c in plain.completions) - 6 == plain_stats["tokens"] - 6
@@ -180,7 +182,8 @@ def test_a_step_runs_at_its_scheduled_rate_and_reports_it(tmp_path):
     base, tokenizer = load_model("tiny")
     model = make_policy(base, cfg.lora)
     optimizer = make_optimizer(model, cfg)
-    stats = train_step(model, optimizer, Batch.of([(honest_group(), [1.0, 0.0])], step=2), cfg, tokenizer.pad_token_id)
+    batch = Batch([Rewarded(honest_group(), [1.0, 0.0])], step=2)
+    stats = train_step(model, optimizer, batch, cfg, tokenizer.pad_token_id)
     assert stats["lr"] == optimizer.param_groups[0]["lr"] == cfg.trainer.lr / 2
 
 
@@ -205,9 +208,9 @@ def test_a_truncated_completion_is_left_out_of_the_loss_where_masked(tmp_path):
     other = group.model_copy(update={"completions": [*group.completions[:2], *(
         c.replaced(token_ids=c.token_ids[::-1]) for c in cut)]})  # other tokens where they are cut
     rewards = [1.0, 0.0, 0.0, 1.0]
-    (masked, stats), (masked_other, _) = (_trained(tmp_path, Batch.of([(g, rewards)]), mask_truncated=True)
+    (masked, stats), (masked_other, _) = (_trained(tmp_path, Batch([Rewarded(g, rewards)]), mask_truncated=True)
                                           for g in (truncated, other))
-    kept, kept_stats = _trained(tmp_path, Batch.of([(truncated, rewards)]))
+    kept, kept_stats = _trained(tmp_path, Batch([Rewarded(truncated, rewards)]))
     assert stats["tokens"] == sum(len(c.token_ids) for c in group.completions[:2])
     assert kept_stats["tokens"] == stats["tokens"] + sum(len(c.token_ids) for c in cut)
     assert all(torch.equal(a, b) for a, b in zip(masked, masked_other))
@@ -219,7 +222,7 @@ def test_several_updates_on_a_batch_move_the_ratio_and_the_clip_acts(tmp_path):
     the same batch, with pi_old frozen at the first, move it past the clip. The rollout correction
     is the first iteration's: its statistics are the same either way."""
     texts = ["\\boxed{5}", "no idea at all, sorry", "\\boxed{999} because", "hm"]
-    batch = Batch.of([(honest_group(11 + i, texts=texts), [1.0, 0.0, 0.0, 1.0]) for i in range(2)])
+    batch = Batch([Rewarded(honest_group(11 + i, texts=texts), [1.0, 0.0, 0.0, 1.0]) for i in range(2)])
     one, once = _trained(tmp_path, batch)
     four, four_times = _trained(tmp_path, batch, num_iterations=4, clip_low=0.01, clip_high=0.01)
     assert once["iterations"] == 1 and once["clip_fraction"] == 0.0

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from echo.model.loading import load_model
 from echo.model.policy import make_policy, policy_tensors
 from echo.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
-from echo.train.learner import Batch, make_optimizer, merge_stats, rank_passes, step_passes, train_step
+from echo.train.learner import Batch, Rewarded, make_optimizer, merge_stats, rank_passes, step_passes, train_step
 from echo.trust.routing import group_routing, recorded, routing_shape
 from echo.wire.messages import Routing
 from streams.server import free_port
@@ -36,7 +36,8 @@ def _start(tmp_path, lora: bool, model: str = "tiny"):
     moe = model == "tiny-moe"  # its routing replayed, as a sampler of these weights recorded it
     cfg = tiny_config(tmp_path, model={"name": model}, trainer={"micro_batch_tokens": budget}, lora={"enabled": lora},
                       algorithm={"kl_coef": 0.1 if lora else 0.0, "router_replay": "replay" if moe else "off"})
-    batch = Batch.of([(honest_group(12 + i, texts=TEXTS), [float((i + j) % 2) for j in range(4)]) for i in range(3)])
+    batch = Batch([Rewarded(honest_group(12 + i, texts=TEXTS), [float((i + j) % 2) for j in range(4)])
+                   for i in range(3)])
     base, tokenizer = load_model(model)
     torch.manual_seed(0)  # peft draws the adapter's initial values
     policy = make_policy(base, cfg.lora)
@@ -46,7 +47,7 @@ def _start(tmp_path, lora: bool, model: str = "tiny"):
             if p.requires_grad:
                 p.add_(torch.randn(p.shape, generator=generator) * 0.05)
     if moe:
-        batch = Batch([g.replaced(routing=_recorded(policy, g)) for g in batch.groups], batch.rewards)
+        batch = Batch([Rewarded(r.group.replaced(routing=_recorded(policy, r.group)), r.rewards) for r in batch.groups])
     return cfg, batch, policy, tokenizer.pad_token_id
 
 

@@ -75,40 +75,45 @@ class Frozen:
 Pass = list[tuple[int, list[int]]]
 
 
+@dataclass
+class Rewarded:
+    """A group with the trainer's own rewards: the one record a group is from the judge
+    (workers/trainer/judge.py's Accepted is one) to the learner. Never the sampler's claims."""
+
+    group: RolloutGroup
+    rewards: list[float]  # per completion: the task's verifier on the trainer
+    content: str = ""  # its content_hash where the judge took it (none for a bench's or a retrain's)
+
+
 @dataclass(frozen=True)
 class Batch:
     """What one step trains on: the judged groups, each with the trainer's own rewards, and the
     oldest version whose tokens are trained (the staleness bound: a partial rollout's tokens
     sampled before it are left out of the loss)."""
 
-    groups: list[RolloutGroup]
-    rewards: list[list[float]]  # per group, per completion: the task's verifier on the trainer
+    groups: list[Rewarded]
     oldest_version: int = 0
     step: int = 1  # the step it is (1-based): its learning rate follows the schedule
-
-    @classmethod
-    def of(cls, scored: list[tuple[RolloutGroup, list[float]]], oldest_version: int = 0, step: int = 1) -> Batch:
-        return cls([group for group, _ in scored], [list(rewards) for _, rewards in scored], oldest_version, step)
 
     @property
     def versions(self) -> list[int]:
         """The version that sampled each group (a partial rollout's first tokens)."""
-        return [group.version for group in self.groups]
+        return [r.group.version for r in self.groups]
 
     def advantages(self, scale: str = "group", device=None) -> list[torch.Tensor]:
         """Each group's completions' advantages, over its whole group (GRPO), scaled by `scale`'s std."""
-        return advantages(self.rewards, scale, device=device)
+        return advantages([r.rewards for r in self.groups], scale, device=device)
 
     def trained_tokens(self, mask_truncated: bool = False) -> int:
         """The completion tokens the loss is over: the model's own, sampled at `oldest_version` or
         later, of completions that stopped by themselves where `mask_truncated`."""
-        return sum(int(c.model_mask()[g.sampled_from(self.oldest_version):].sum())
-                   for g in self.groups for c in g.completions
+        return sum(int(c.model_mask()[r.group.sampled_from(self.oldest_version):].sum())
+                   for r in self.groups for c in r.group.completions
                    if not (mask_truncated and c.truncated))
 
     @property
     def sequences(self) -> int:
-        return sum(len(g.completions) for g in self.groups)
+        return sum(len(r.group.completions) for r in self.groups)
 
 
 def micro_batches(groups: list[tuple[int, list[int]]], budget: int, share: bool = True) -> list[Pass]:
@@ -141,8 +146,8 @@ def micro_batches(groups: list[tuple[int, list[int]]], budget: int, share: bool 
 
 def step_passes(batch: Batch, budget: int, share: bool = True) -> list[Pass]:
     """A step's forward/backward passes, in order."""
-    return micro_batches([(len(group.prompt_token_ids), [len(c.token_ids) for c in group.completions])
-                          for group in batch.groups], budget, share)
+    return micro_batches([(len(r.group.prompt_token_ids), [len(c.token_ids) for c in r.group.completions])
+                          for r in batch.groups], budget, share)
 
 
 def shares_passes(pack_groups: str, device: torch.device) -> bool:
@@ -210,7 +215,7 @@ def train_step(model, optimizer, batch: Batch, cfg: EchoConfig, pad_id: int, sto
             if this is None:
                 _empty_pass(model, cfg, pad_id, device, compute_dtype, reference=iteration == 0)
                 continue
-            segments = [(batch.groups[g], advantages[g][rows], rows) for g, rows in this]
+            segments = [(batch.groups[g].group, advantages[g][rows], rows) for g, rows in this]
             stats, fixed = _pass(model, cfg, pad_id, device, compute_dtype, segments, counts, batch.oldest_version,
                                  held if iteration == 0 else None, frozen.get(done))
             if acfg.num_iterations > 1:  # kept on the device for the later iterations only
@@ -245,7 +250,7 @@ def step_stats(iterations: list[list[PassStats]], losses: list[float], grad_norm
     def token_mean(passes: list[PassStats], value) -> float:
         return sum(g.tokens * value(g) for g in passes) / max(sum(g.tokens for g in passes), 1)
 
-    rewards = torch.tensor([r for rs in batch.rewards for r in rs])
+    rewards = torch.tensor([reward for r in batch.groups for reward in r.rewards])
     return {
         "loss": sum(losses) / len(losses),
         "kl": token_mean(every, lambda g: g.loss.kl),

@@ -21,7 +21,7 @@ from safetensors.torch import load
 from echo.config import load_config
 from echo.tasks import load_task
 from echo.train.checkpoint import latest_weights
-from echo.train.learner import Batch
+from echo.train.learner import Batch, Rewarded
 from echo.train.metrics import read_metrics
 from echo.trust.scorer import Scorer
 from echo.wire.codec import ProtocolError
@@ -55,8 +55,8 @@ def retrain(run_dir: Path, nats_url: str | None = None, credentials: Credentials
             missing = [g for g, _, _ in step["groups"] if g not in groups]
             if missing:
                 raise ValueError(f"step {step['step']}: groups {missing[:3]} are not in the stream (its retention?)")
-            model.train(Batch.of([(groups[g], scorer.score(groups[g]).rewards) for g, _, _ in step["groups"]],
-                                 step["version"] - 1 - cfg.staleness_bound, step["step"]))  # what the run's step trained
+            model.train(Batch([Rewarded(groups[g], scorer.score(groups[g]).rewards) for g, _, _ in step["groups"]],
+                              step["version"] - 1 - cfg.staleness_bound, step["step"]))  # what the run's step trained
             log.info("retrain.step", step=step["step"], of=steps[-1]["step"], groups=len(step["groups"]))
         retrained = model.write_weights(steps[-1]["version"])
         ours = [f.read_bytes() for f in retrained]

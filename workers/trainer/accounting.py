@@ -39,7 +39,7 @@ PACE_STEPS = 10  # the learner status averages this many steps
 
 def step_record(step: TrainerStep, version: int, proof_counts: dict, quarantined: list[str]) -> dict:
     """The step's metrics as checkpointed with it (`version`: the one it published)."""
-    collected, stats, groups = step.collected, step.stats, step.batch.groups
+    collected, stats, groups = step.collected, step.stats, [r.group for r in step.batch.groups]
     wait, train = step.seconds["collect"], step.seconds["train"]
     return {
         "step": step.number,

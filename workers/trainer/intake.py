@@ -50,7 +50,7 @@ class Collected:
 
     def batch(self, oldest_version: int, step: int) -> Batch:
         """What the learner trains on as step `step`: each accepted group with the trainer's own rewards."""
-        return Batch([a.group for a in self.used], [a.rewards for a in self.used], oldest_version, step)
+        return Batch(list(self.used), oldest_version, step)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from echo.fleet.staleness import Freshness, freshness
+from echo.train.learner import Rewarded
 from echo.trust.proof import SamplingProof
 from echo.trust.scorer import Scored, Scorer, completion_keys, content_hash, repeats
 from echo.wire.messages import RolloutGroup
@@ -36,10 +37,10 @@ class Verdict:
 
 
 @dataclass
-class Accepted:
-    group: RolloutGroup
-    rewards: list[float]  # the trainer's own, from the task's verifier
-    content: str  # content_hash of the group
+class Accepted(Rewarded):
+    """A group the judge takes: the learner's record (group, the trainer's rewards, content key),
+    with what the step's metrics and strikes read of its scoring."""
+
     reward_mismatch: bool = False  # the sampler claimed other rewards than the verifier's (a strike)
     source: str = ""  # its prompt's data source (a dataset's; else "")
     verifier_errors: int = 0  # completions whose verifier raised (reward 0)

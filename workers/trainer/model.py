@@ -214,7 +214,7 @@ class TrainerModel:
 
     def _judge_held(self, batch: Batch, checked: dict[str, Checked]) -> dict[str, str]:
         """Every rank's checks of the step's groups (each ran some of its passes), judged alike."""
-        return self.proof.judged_in_step({g.group_id: g for g in batch.groups},
+        return self.proof.judged_in_step({r.group.group_id: r.group for r in batch.groups},
                                          worst_checks(self.ranks.gather(checked)))
 
     @everywhere
