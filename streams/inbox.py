@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 import structlog
 from nats.aio.msg import Msg
 
-from echo.wire.codec import RolloutLimits
+from echo.wire.codec import RolloutLimits, decode_rollout
+from echo.wire.messages import RolloutGroup
 from echo.wire.names import ROLLOUT_MESSAGE_MAX, subject_sampler
 from streams.client import BROKER_ERRORS, RunClient
 from streams.rollouts import (
@@ -69,13 +70,21 @@ class Delivery:
     subject: str
     headers: dict[str, str]
     msg: Msg = field(repr=False)
+    run: RunClient = field(repr=False, compare=False)  # where a large group's parts are read
     arrived: float = 0.0  # when the broker stored it, on this process's monotonic clock
     connection: int = 0  # the trainer's connection it came on (its count of reconnects then)
 
     @property
-    def sender(self) -> str:
-        """The sampler whose subject it came on (its credentials allow it no other)."""
+    def sampler_id(self) -> str:
+        """The sampler whose subject it came on (its credentials allow it no other; its group,
+        decoded, names the same one or is refused)."""
         return subject_sampler(self.subject)
+
+    async def group(self, limits: RolloutLimits | None = None) -> RolloutGroup:
+        """Its group, decoded within `limits` from its own data or a large group's parts
+        (ProtocolError with the reason: "too_large" before a part is read, "bad_body", ...)."""
+        body = await rollout_body(self.run.js, self.run.names, self.msg, limits)
+        return decode_rollout(body, self.headers, self.subject, limits)
 
 
 @dataclass(frozen=True)
@@ -207,7 +216,7 @@ class RolloutInbox:
                 except asyncio.TimeoutError:
                     pass
         now, wall, connection = time.monotonic(), time.time(), self._reconnects()
-        deliveries = [Delivery(msg.metadata.sequence.stream, msg.subject, msg.headers or {}, msg,
+        deliveries = [Delivery(msg.metadata.sequence.stream, msg.subject, msg.headers or {}, msg, self.run,
                                arrived=now - max(0.0, wall - msg.metadata.timestamp.timestamp()),
                                connection=connection)
                       for msg in self._in_turn(batch)]
@@ -297,11 +306,6 @@ class RolloutInbox:
         checkpoint, so a step's memory holds the groups it trains, however many it refuses."""
         delivery.msg.data = b""
         self.untrained.add(delivery.seq)
-
-    async def body(self, delivery: Delivery, limits: RolloutLimits | None = None) -> bytes:
-        """Its encoded group: its own data, or a large group's parts (ProtocolError "bad_body";
-        "too_large" before a part is read, for a size beyond `limits`)."""
-        return await rollout_body(self.run.js, self.run.names, delivery.msg, limits)
 
     async def keep_alive(self, every: float) -> None:
         """Tell the server the held and waiting messages are still being worked on, so a long

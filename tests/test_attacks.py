@@ -359,7 +359,7 @@ async def test_a_group_resending_trained_completions_is_refused(hub, tmp_path):
     resumed = Judge(SCORER, Timeline(max_staleness=1),
                     AlreadyTrained(completions=load_trained_completions(tmp_path, state.trained_completions)))
     again = swapped.replaced(group_id="again")
-    assert (await resumed.new(Case(again, "s1", 5, again.prompt_index))).reason == "repeated_completion"
+    assert (await resumed.new(Case(again, 5, again.prompt_index))).reason == "repeated_completion"
 
 
 async def test_a_verifier_bomb_costs_the_bomber_its_group_and_a_strike_and_the_step_goes_on(hub, tmp_path):
@@ -404,14 +404,14 @@ async def test_a_step_hashes_each_groups_completions_twice_however_many_it_accep
     judge, step = Judge(SCORER, Timeline(max_staleness=1)), []
     for i in range(32):
         group = honest_group(i, group_id=f"g{i}")
-        case = Case(group, "s1", 0, group.prompt_index, step)
+        case = Case(group, 0, group.prompt_index, step)
         assert await judge.new(case) is None
         step.append(Accepted(group, [1.0, 0.0], case.content))
     judge.trained.add(step)  # the step trained them
     assert len(hashed) == 2 * 32, len(hashed)
     assert judge.trained.completions == {k for a in step for k in completion_keys(a.group)}
     resent = step[5].group.replaced(group_id="resent")
-    assert (await judge.new(Case(resent, "s1", 0, resent.prompt_index, step))).reason == "replayed_content"
+    assert (await judge.new(Case(resent, 0, resent.prompt_index, step))).reason == "replayed_content"
 
 
 async def test_a_sampler_keeping_back_its_low_reward_groups_is_struck_and_quarantined(hub, tmp_path):

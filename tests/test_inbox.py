@@ -288,13 +288,13 @@ async def test_samplers_are_read_in_turn_so_no_backlog_stands_in_front_of_anothe
         await publish_rollout(run, honest_group(20, version=5, group_id=f"from-{sampler}", sampler_id=sampler))
     inbox = await RolloutInbox.open(run, ack_wait_s=600.0)
     first = await inbox.fetch(3, timeout=5.0)
-    assert sorted(d.sender for d in first) == ["flooder", "s1", "s2"]
+    assert sorted(d.sampler_id for d in first) == ["flooder", "s1", "s2"]
     # Taken in turn while they last: the flooder then has the inbox to itself, a full fetch at a time.
     rest = []
     async with asyncio.timeout(60):
         while len(rest) < flood - 1:
             rest += await inbox.fetch(FETCH_MAX, timeout=5.0)
-    assert {d.sender for d in rest} == {"flooder"} and len(inbox.held) == flood + 2
+    assert {d.sampler_id for d in rest} == {"flooder"} and len(inbox.held) == flood + 2
     assert await inbox.ack_held() == 0
     counts = await inbox.counts()
     assert (counts.published, counts.pending, counts.ack_floor) == (flood + 2, 0, flood + 2)
@@ -323,7 +323,7 @@ async def test_an_idle_inbox_asks_the_broker_nothing_and_still_fetches_the_next_
     assert await inbox.fetch(1, timeout=1.0) == []  # about ten idle rounds
     assert run.nc.stats["out_msgs"] - sent <= 1  # a ping, at most
     await run.js.publish(run.names.rollouts_subject("s7"), b"y", headers={HDR_MSG_ID: "late"})
-    assert [d.sender for d in await inbox.fetch(1, timeout=10.0)] == ["s7"]
+    assert [d.sampler_id for d in await inbox.fetch(1, timeout=10.0)] == ["s7"]
     assert await inbox.ack_held() == 0 and (await inbox.counts()).pending == 0
 
 

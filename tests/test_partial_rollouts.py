@@ -21,7 +21,7 @@ def test_a_partial_rollout_is_judged_by_its_newest_tokens_and_may_have_begun_a_w
     def verdict(version: int, changes: list[tuple[int, int]]) -> str:
         group = honest_group(version=version,
                              version_changes=[{"at": at, "version": v} for at, v in changes])
-        found = asyncio.run(judge.fresh(Case(group, "s1", 10, group.prompt_index)))
+        found = asyncio.run(judge.fresh(Case(group, 10, group.prompt_index)))
         return "used" if found is None else found.reason
 
     assert verdict(8, []) == verdict(5, [(1, 8)]) == verdict(5, [(1, 6), (2, 9)]) == "used"

@@ -4,7 +4,7 @@ It reads deliveries from the rollout inbox (streams/inbox.py), which holds them 
 process says the step is checkpointed; decodes each within the run's limits; hands the group to
 the judge (workers/trainer/judge.py) with the prompt its slot was granted with; and tallies
 the verdict in what the step collected, ends the grant in the ledger (echo/fleet/grants.py) and
-strikes the sender through the quarantine (workers/trainer/strikes.py). It publishes nothing.
+strikes the sampler through the quarantine (workers/trainer/strikes.py). It publishes nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from echo.fleet.consumed import ConsumedSeqs
 from echo.fleet.grants import GrantLedger
 from echo.train.diagnosis import no_signal
 from echo.train.learner import Batch
-from echo.wire.codec import ProtocolError, decode_rollout
+from echo.wire.codec import ProtocolError
 from echo.wire.messages import RolloutGroup
 from streams.inbox import Delivery, RolloutInbox
 from workers.trainer.judge import Accepted, Case, Judge, Verdict
@@ -37,7 +37,7 @@ class Collected:
     # Dynamic sampling (algorithm.dynamic_sampling): groups whose rewards were all equal, set
     # aside for others (acked with the step, not trained): each cost a grant and its generation.
     filtered: int = 0
-    filtered_by: Counter = field(default_factory=Counter)  # of them, by sender: each has its share of the budget
+    filtered_by: Counter = field(default_factory=Counter)  # of them, by sampler: each has its share of the budget
     filtered_tokens: int = 0
     generated_seconds: float = 0.0  # the samplers' time generating the used and the stale groups
     proof_seconds: float = 0.0  # the proof of sampling's forwards here (Judge.prove), within the wait for groups
@@ -59,7 +59,7 @@ class Judged:
 
     delivery: Delivery
     group: RolloutGroup
-    granted: int | None  # the prompt its slot was granted with; None: not on a slot of its sender's
+    granted: int | None  # the prompt its slot was granted with; None: not on a slot of its sampler's
     verdict: Accepted | Verdict
 
 
@@ -72,7 +72,7 @@ class Collector:
                  consumed: ConsumedSeqs | None = None, quarantine: Quarantined | None = None, set_aside: int = 0):
         self.inbox, self.judge, self.quarantine = inbox, judge, quarantine
         self.set_aside = set_aside  # groups with no signal a step sets aside at most (dynamic sampling; 0: none)
-        self.ledger = ledger or GrantLedger()  # a group naming its sender's slot ends that slot
+        self.ledger = ledger or GrantLedger()  # a group naming its sampler's slot ends that slot
         self.consumed = consumed or ConsumedSeqs()  # stream sequences counted by checkpointed steps
 
     async def collect(self, need: int, version: int, on_wait=None, into: Collected | None = None) -> Collected:
@@ -116,22 +116,21 @@ class Collector:
     async def _judge(self, delivery: Delivery, version: int, out: Collected, taken: list[Accepted]) -> Judged | None:
         """The judge's verdict on a delivery but for the proof of sampling (`taken`: the groups
         accepted this step so far), or None for a message not judged (tallied by `_refused`, or
-        its sender quarantined). A group on one of its sender's slots ends it."""
-        if self.quarantine is not None and delivery.sender in self.quarantine:
+        its sampler quarantined). A group on one of its sampler's slots ends it."""
+        if self.quarantine is not None and delivery.sampler_id in self.quarantine:
             out.rejected["quarantined"] += 1  # not logged one by one: a quarantined flood would fill the log
             return None
         try:
-            limits = self.judge.limits
-            group = decode_rollout(await self.inbox.body(delivery, limits), delivery.headers, delivery.subject, limits)
+            group = await delivery.group(self.judge.limits)
         except ProtocolError as e:  # junk, or a sampler of another release: either way nothing to train
-            await self._refused(out, delivery.sender, Verdict(e.reason, str(e), strike=True))
+            await self._refused(out, delivery.sampler_id, Verdict(e.reason, str(e), strike=True))
             return None
         longest = max((len(c.token_ids) for c in group.completions), default=1)
-        granted = self.ledger.delivered(delivery.sender, group.slot, delivery.arrived, longest)
+        granted = self.ledger.delivered(group.sampler_id, group.slot, delivery.arrived, longest)
         prompt = granted if granted is not None else self.ledger.earlier_prompt(group.slot, group.prompt_index)
         asked_with = self.ledger.asked_with(group.slot) if granted is not None else None
         noise_slot = self.ledger.noise_slot(group.slot) if granted is not None else group.slot  # a predecessor's: fresh
-        verdict = await self.judge.judge(Case(group, delivery.sender, version, prompt, taken, asked_with, noise_slot))
+        verdict = await self.judge.judge(Case(group, version, prompt, taken, asked_with, noise_slot))
         return Judged(delivery, group, granted, verdict)
 
     async def _settle(self, judged: Judged, out: Collected) -> None:
@@ -150,17 +149,17 @@ class Collector:
                 out.generated_seconds += group.gen_seconds
             else:
                 out.rejected_tokens += tokens
-                await self._refused(out, judged.delivery.sender, verdict)
+                await self._refused(out, group.sampler_id, verdict)
             self.inbox.let_go(judged.delivery)
             return
         out.generated_seconds += group.gen_seconds
         out.verifier_errors += verdict.verifier_errors
         if verdict.reward_mismatch:
             out.reward_mismatch[group.sampler_id] += 1
-            await self._strike(judged.delivery.sender, "reward_mismatch")
-        if no_signal(verdict.rewards) and self._may_set_aside(judged.delivery.sender, out):
+            await self._strike(group.sampler_id, "reward_mismatch")
+        if no_signal(verdict.rewards) and self._may_set_aside(group.sampler_id, out):
             out.filtered += 1  # acked with the step: consumed, not trained
-            out.filtered_by[judged.delivery.sender] += 1
+            out.filtered_by[group.sampler_id] += 1
             out.filtered_tokens += tokens
             if granted is not None:
                 self.ledger.set_aside(group.slot)
@@ -168,12 +167,12 @@ class Collector:
             return
         out.used.append(verdict)
 
-    def _may_set_aside(self, sender: str, out: Collected) -> bool:
-        """Dynamic sampling's budget has room, and `sender` has used no more than its share of it
+    def _may_set_aside(self, sampler_id: str, out: Collected) -> bool:
+        """Dynamic sampling's budget has room, and `sampler_id` has used no more than its share of it
         (an equal part among the samplers asking): one sampler's groups with no signal cannot
         spend the step's set-aside budget for everyone (theirs are trained past it, as no budget)."""
         share = self.ledger.share(self.set_aside, time.monotonic())
-        return out.filtered < self.set_aside and out.filtered_by[sender] < share
+        return out.filtered < self.set_aside and out.filtered_by[sampler_id] < share
 
     async def refuse_forged(self, out: Collected, forged: dict[str, str]) -> None:
         """Groups the step's own forward proved forged (group id -> why): refused and struck as
@@ -187,15 +186,15 @@ class Collector:
                                 Verdict(forged[accepted.group.group_id], f"group {accepted.group.group_id} from "
                                         f"{accepted.group.sampler_id}, proved in its step", strike=True))
 
-    async def _refused(self, out: Collected, sender: str, verdict: Verdict) -> None:
+    async def _refused(self, out: Collected, sampler_id: str, verdict: Verdict) -> None:
         out.rejected[verdict.reason] += 1
         log.warning("rollout.rejected", reason=verdict.reason, detail=verdict.detail)
         if verdict.strike:
-            await self._strike(sender, verdict.reason)
+            await self._strike(sampler_id, verdict.reason)
 
-    async def _strike(self, sender: str, reason: str) -> None:
+    async def _strike(self, sampler_id: str, reason: str) -> None:
         if self.quarantine is not None:
-            await self.quarantine.strike(sender, reason)
+            await self.quarantine.strike(sampler_id, reason)
 
     def trained(self, collected: Collected) -> None:
         """The step that collected these is checkpointed: their sequences and contents are counted."""

@@ -32,7 +32,7 @@ class Verdict:
 
     reason: str
     detail: str = ""
-    strike: bool = False  # no honest sampler of the run earns it: its sender is struck
+    strike: bool = False  # no honest sampler of the run earns it: its sampler is struck
     stale_by: int | None = None  # not refused but dropped as stale: this many versions behind the trainer's
 
 
@@ -60,11 +60,10 @@ class Case:
     """One group before the judge, and what the checks learn of it on the way."""
 
     group: RolloutGroup
-    sender: str  # the sampler whose subject it came on
     version: int  # the trainer's, now
-    prompt: int | None  # the prompt its slot was granted with; None: no slot granted its sender
+    prompt: int | None  # the prompt its slot was granted with; None: no slot granted its sampler
     step: list[Accepted] = field(default_factory=list)  # accepted so far this step
-    asked_with: int | None = None  # the version its sender said it ran when granted its slot; None: not known
+    asked_with: int | None = None  # the version its sampler said it ran when granted its slot; None: not known
     noise_slot: int | None = None  # the slot whose keyed noise its slot was granted with; None: its own
     content: str = ""
     scored: Scored | None = None
@@ -160,11 +159,11 @@ class Judge:
         return None
 
     async def on_its_slot(self, case: Case) -> Verdict | None:
-        """On a slot granted its sender, and on the prompt the grant named: the trainer, not the
+        """On a slot granted its sampler, and on the prompt the grant named: the trainer, not the
         sampler, chooses what the policy learns from."""
         group = case.group
         if case.prompt is None:
-            return Verdict("slot_not_held", f"slot {group.slot} from {case.sender}")
+            return Verdict("slot_not_held", f"slot {group.slot} from {group.sampler_id}")
         if group.prompt_index != case.prompt:  # no honest sampler of this release does it
             return Verdict("wrong_prompt", f"prompt {group.prompt_index} on slot {group.slot}, granted {case.prompt}",
                            strike=True)
