@@ -102,7 +102,7 @@ def measure(env, engine, args) -> dict:
     checked = [rerun(env, engine.tokenizer, p, c, args.max_tokens) for p, c in episodes]
     replay_s = (time.perf_counter() - started) / len(episodes)
     assert all(r.reason is None for r in checked), [r.reason for r in checked if r.reason]
-    return {"episodes": len(episodes), "reward": sum(c.reward for _, c in episodes) / len(episodes),
+    return {"episodes": len(episodes), "reward": sum(c.claimed_reward for _, c in episodes) / len(episodes),
             "tokens": sum(len(c.token_ids) for _, c in episodes), "episodes_per_s": round(len(episodes) / seconds, 3),
             "turns_per_episode": round(sum(len(c.model_turns()) for _, c in episodes) / len(episodes), 2),
             "replay_ms_per_episode": round(replay_s * 1e3, 3)}

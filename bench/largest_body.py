@@ -43,7 +43,7 @@ def peak_rss() -> int:
 def group(task: Math, tokenizer, group_id: str, tokens: int, count: int, text_bytes: int) -> RolloutGroup:
     prompt = task.prompt(12)
     completions = [Completion(token_ids=[ord("a") + i] + [ord("x")] * (tokens - 1), logprobs=[-0.5] * tokens,
-                              text="x" * text_bytes, reward=0.0, finish_reason="length")
+                              text="x" * text_bytes, claimed_reward=0.0, finish_reason="length")
                    for i in range(count)]  # distinct: a repeat would be refused before it is scored
     return RolloutGroup(group_id=group_id, sampler_id="s1", version=1, task="math", prompt_index=12, slot=1,
                         term=0, prompt_token_ids=encode_chat(tokenizer, prompt.messages),

@@ -43,12 +43,13 @@ def long_groups(vocab: int, groups: int, group: int, tokens: int) -> list:
     for g in range(groups):
         prompt = torch.randint(0, vocab, (64,), generator=generator).tolist()
         completions = [Completion(token_ids=torch.randint(0, vocab, (tokens,), generator=generator).tolist(),
-                                  logprobs=[-1.0] * tokens, text="", reward=float(i % 2), finish_reason="length")
+                                  logprobs=[-1.0] * tokens, text="", claimed_reward=float(i % 2),
+                                  finish_reason="length")
                        for i in range(group)]
         batch.append(Rewarded(RolloutGroup(group_id=f"g{g}", sampler_id="s", version=0, term=0, task="bench",
                                    prompt_index=g, slot=g + 1, prompt_token_ids=prompt, completions=completions,
                                    temperature=1.0, engine="hf", dtype="float32", gen_seconds=0.0, created_at=0.0),
-                               [c.reward for c in completions]))
+                               [c.claimed_reward for c in completions]))
     return Batch(batch)
 
 

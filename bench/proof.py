@@ -72,7 +72,7 @@ def honest_groups(engine: HFEngine, task, count: int, group_size: int, prompts_p
         keys = [group_key(SEED, 0, p.index + 1) for p in prompts]
         draws = [Draw(key) for key in keys]
         for prompt, prompt_ids, gens in zip(prompts, ids, engine.generate(ids, group_size, draws=draws)):
-            completions = [Completion(token_ids=g.token_ids, logprobs=g.logprobs, text=g.text, reward=0.0,
+            completions = [Completion(token_ids=g.token_ids, logprobs=g.logprobs, text=g.text, claimed_reward=0.0,
                                       finish_reason=g.finish_reason) for g in gens]
             groups.append(RolloutGroup(group_id=f"g{prompt.index}", sampler_id="honest", version=0, task=task.name,
                                        prompt_index=prompt.index, slot=prompt.index + 1, term=0,

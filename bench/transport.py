@@ -45,7 +45,7 @@ def make_group(completions: int, tokens: int, index: int) -> RolloutGroup:
         group_id=f"g{index}", sampler_id="s1", version=0, term=0, task="math", prompt_index=index, slot=1,
         prompt_token_ids=[rng.randrange(49_152) for _ in range(128)],
         completions=[Completion(token_ids=[rng.randrange(49_152) for _ in range(tokens)], logprobs=logprobs,
-                                text="word " * (tokens * 3 // 5), reward=1.0, finish_reason="length")
+                                text="word " * (tokens * 3 // 5), claimed_reward=1.0, finish_reason="length")
                      for _ in range(completions)],
         temperature=1.0, engine="hf", dtype="float32", gen_seconds=0.0, created_at=0.0)
 

@@ -96,7 +96,7 @@ class Keep:
             return True
         if group is None:  # a malformed message has no trustworthy fields
             return False
-        mean = sum(c["reward"] for c in group["completions"]) / len(group["completions"])
+        mean = sum(c["claimed_reward"] for c in group["completions"]) / len(group["completions"])
         return ((self.since is None or group["created_at"] >= self.since)
                 and (self.until is None or group["created_at"] <= self.until)
                 and (self.version is None or group["version"] == self.version)
@@ -114,7 +114,7 @@ def table_line(record: dict, decode: Callable[[list[int]], str] | None = None) -
     group = record.get("group")
     if group is None:
         return f"{record['seq']:>7}  {record['subject']}  REJECTED  {record['error']}"
-    rewards = [c["reward"] for c in group["completions"]]
+    rewards = [c["claimed_reward"] for c in group["completions"]]
     tokens = sum(len(c["token_ids"]) for c in group["completions"])
     line = (f"{record['seq']:>7}  {group['sampler_id']:<10} v{group['version']:<5} {group['task']:<10} "
             f"{group['group_id']}  {len(rewards)} completions  {tokens} tokens  "

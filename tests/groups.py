@@ -51,8 +51,8 @@ def honest_group(index: int = 12, texts=None, of_task: Task = TASK, rewards: lis
     completions = []
     for text, reward in zip(texts, rewards):
         ids = TOKENIZER(text, add_special_tokens=False)["input_ids"] + [TOKENIZER.eos_token_id]
-        completions.append(Completion(token_ids=ids, logprobs=[-0.5] * len(ids), text=text, reward=reward,
-                                      finish_reason="stop"))
+        completions.append(Completion(token_ids=ids, logprobs=[-0.5] * len(ids), text=text,
+                                      claimed_reward=reward, finish_reason="stop"))
     fields = dict(
         group_id="g", sampler_id="s1", version=1, task=of_task.name, prompt_index=index, slot=1, term=0,
         prompt_token_ids=encode_chat(TOKENIZER, prompt.messages), completions=completions,

@@ -276,7 +276,7 @@ async def test_a_message_past_the_runs_limits_is_refused_before_it_is_validated_
     trainer = await hub.open("sec", "trainer", credentials=secure.credentials("trainer"))
     attacker = await hub.open("sec", "s1", credentials=secure.credentials("sampler-s1"), create=False)
     raw = honest_group(version=5, group_id="many").model_dump()
-    junk = {"token_ids": [1], "logprobs": [0.5], "text": "", "reward": 0.0, "finish_reason": "length"}
+    junk = {"token_ids": [1], "logprobs": [0.5], "text": "", "claimed_reward": 0.0, "finish_reason": "length"}
     headers = rollout_headers(honest_group(version=5, group_id="many"))
     raw["completions"] = [junk] * 50_000  # with log-probs above 0: bad_schema, had it been validated first
     with pytest.raises(nats.js.errors.BadRequestError, match="message size exceeds maximum"):  # the stream's limit
@@ -463,7 +463,7 @@ async def test_a_sampler_keeping_back_its_low_reward_groups_is_struck_and_quaran
                     group = honest_group(prompt, texts=texts, sampler_id=sampler_id, slot=slot, version=version,
                                          term=lease.term, group_id=uuid.uuid4().hex,
                                          noise_slot=None if noise == slot else noise)
-                    if keeps_back and sum(c.reward for c in group.completions) < 1:
+                    if keeps_back and sum(c.claimed_reward for c in group.completions) < 1:
                         withheld.append((slot, prompt))
                     else:
                         await publish_rollout(run, group)

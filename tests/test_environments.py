@@ -130,7 +130,7 @@ def test_the_documented_plug_in_environment_plays_and_replays(tmp_path):
     prompt = env.prompt(5)
     episode = play(env, 5, ["50", "25", prompt.answer])
     completion = episode.completion()
-    assert episode.done and completion.reward == 1.0 and len(completion.observations) == 2
+    assert episode.done and completion.claimed_reward == 1.0 and len(completion.observations) == 2
     assert rerun(env, TOKENIZER, prompt, completion, 4096) == (1.0, None)
 
 
@@ -156,7 +156,7 @@ def test_a_calculator_call_is_answered_and_a_lie_about_its_result_is_refused():
     prompt = tools.prompt(3)
     episode = play(tools, 3, ["let me see <calc>(2 + 3) * 4</calc>", f"so \\boxed{{{prompt.answer}}}"])
     completion = episode.completion()
-    assert episode.done and completion.reward == 1.0 and len(completion.observations) == 1
+    assert episode.done and completion.claimed_reward == 1.0 and len(completion.observations) == 1
     answer = completion.token_ids[completion.observations[0].at:][:completion.observations[0].tokens]
     assert TOKENIZER.decode(answer.tolist()) == "\n<|im_start|>tool\n20<|im_end|>\n<|im_start|>assistant\n"
     assert rerun(tools, TOKENIZER, prompt, completion, 4096) == (1.0, None)

@@ -54,7 +54,7 @@ async def test_collector_uses_fresh_groups_and_rejects_the_rest_with_reasons(run
     await publish_rollout(run, granted(ledger, honest_group(version=5, group_id="wrongsize", texts=["a", "b", "c"])))
     spoofed = honest_group(version=5, group_id="spoofed")
     await run.js.publish(subject, encode_rollout(spoofed), headers={**rollout_headers(spoofed), HDR_VERSION: "4"})
-    liar = granted(ledger, with_completion(honest_group(version=4, group_id="liar"), reward=0.0))
+    liar = granted(ledger, with_completion(honest_group(version=4, group_id="liar"), claimed_reward=0.0))
     await publish_rollout(run, liar)
     # Attacks by a sampler with publish rights: s1's group on s2's subject; the liar's completions
     # re-sent under a new id; a group trained on in an earlier step re-sent under a new id.

@@ -58,7 +58,7 @@ def test_an_openenv_environment_plays_from_a_seed_and_the_trainer_replays_it(gue
     wrong = "1" if secret != 1 else "2"
     episode = played(task, prompt, [wrong, str(secret)])
     completion = episode.completion()
-    assert episode.done and completion.reward == 1.0 and len(completion.observations) == 1
+    assert episode.done and completion.claimed_reward == 1.0 and len(completion.observations) == 1
     seen = completion.token_ids[completion.observations[0].at:][:completion.observations[0].tokens]
     assert TOKENIZER.decode(seen.tolist()).startswith(f"\n<|im_start|>user\n'{wrong}': ")
     assert rerun(task, TOKENIZER, prompt, completion, 4096) == (1.0, None)
@@ -67,7 +67,7 @@ def test_an_openenv_environment_plays_from_a_seed_and_the_trainer_replays_it(gue
     assert rerun(task, TOKENIZER, prompt, completion.replaced(token_ids=ids), 4096).reason == "observation_mismatch"
     scorer = Scorer(task, TOKENIZER, vocab_size=len(TOKENIZER), sampling=SAMPLING)
     lied = scorer.score(honest_group(5, texts=["x"], rewards=[0.0], of_task=task,
-                                      completions=[played(task, prompt, [wrong] * 4).completion().replaced(reward=1.0)],
+                                      completions=[played(task, prompt, [wrong] * 4).completion().replaced(claimed_reward=1.0)],
                                       temperature=SAMPLING.temperature))
     assert lied.reward_mismatch and lied.rewards == [0.0]  # a strike; trained on the replayed reward
 

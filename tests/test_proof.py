@@ -47,7 +47,7 @@ def test_which_groups_are_checked_cannot_be_told_from_the_run_config():
 
 
 def _claimed(logprobs: list[float], observations=()) -> Completion:
-    return Completion(token_ids=[5] * len(logprobs), logprobs=logprobs, text="", reward=0.0, finish_reason="length",
+    return Completion(token_ids=[5] * len(logprobs), logprobs=logprobs, text="", claimed_reward=0.0, finish_reason="length",
                       observations=list(observations))
 
 

@@ -36,7 +36,7 @@ from tests.groups import honest_group, pack_rollout, unpack_rollout
 
 def make_group(version: int = 3, sampler: str = "s1", size: int = 2, group_id: str = "g1") -> RolloutGroup:
     """An honest group with token ids small enough to read back on the wire."""
-    completion = Completion(token_ids=[4, 5], logprobs=[-0.5, -1.0], text="<answer>3</answer>", reward=1.0,
+    completion = Completion(token_ids=[4, 5], logprobs=[-0.5, -1.0], text="<answer>3</answer>", claimed_reward=1.0,
                             finish_reason="stop")
     return honest_group(version=version, sampler_id=sampler, group_id=group_id, prompt_token_ids=[1, 2, 3],
                         completions=[completion] * size, created_at=time.time())
@@ -59,7 +59,7 @@ def test_a_group_holds_its_tokens_as_read_only_arrays_and_dumps_them_as_lists():
         assert not c.token_ids.flags.writeable and not c.logprobs.flags.writeable  # frozen, arrays too
     assert decoded.model_dump()["completions"][0]["token_ids"] == [4, 5]
     assert decoded.model_dump()["prompt_token_ids"] == [1, 2, 3]
-    fields = {"logprobs": [-0.5], "text": "x", "reward": 0.0, "finish_reason": "length"}
+    fields = {"logprobs": [-0.5], "text": "x", "claimed_reward": 0.0, "finish_reason": "length"}
     for bad in ([-1], [1.5], [[1]], [True]):  # what no uint32 array holds
         with pytest.raises(ValidationError, match="token ids"):
             Completion(token_ids=bad, **fields)
@@ -71,7 +71,7 @@ def test_a_rollout_costs_8_bytes_a_completion_token_plus_its_text():
     """Token ids as uint32 and log-probs as float32 (the JSON of schema 7 took about 31 bytes
     with real log-probs: bench/transport.py)."""
     long = make_group(size=16).model_copy(update={"completions": [
-        Completion(token_ids=list(range(50_000, 51_024)), logprobs=[-0.25] * 1024, text="", reward=0.0,
+        Completion(token_ids=list(range(50_000, 51_024)), logprobs=[-0.25] * 1024, text="", claimed_reward=0.0,
                    finish_reason="length")] * 16})
     per_token = len(encode_rollout(long)) / (16 * 1024)
     assert 8.0 <= per_token < 8.2, per_token
@@ -234,15 +234,19 @@ def test_messages_recorded_in_schema_19_decode_under_the_names_of_20():
         decode(SamplerStatus, orjson.dumps(beat | {"schema_version": SCHEMA_VERSION}))
 
 
-def test_messages_of_27_name_the_trainers_term_epoch_and_read_as_term():
+def test_messages_of_27_read_under_the_names_of_28_the_term_and_a_claimed_reward():
     """Schema 28 calls the trainer's count of takeovers its term (an epoch is a pass over the data
-    in verl, TRL and PPO): a recorded group, lease, announcement, pull request and request for work
-    of 27 still read; one of 28 naming an epoch does not."""
+    in verl, TRL and PPO), and a completion's reward from its sampler a claim: a recorded group,
+    lease, announcement, pull request and request for work of 27 still read; one of 28 naming an
+    epoch, or a completion's reward, does not."""
     group = make_group()
     subject = RunNames("r").rollouts_subject("s1")
     raw = unpack_rollout(encode_rollout(group))
-    recorded = pack_rollout(raw | {"schema_version": 27, "epoch": raw.pop("term")})
+    completions = [{("reward" if k == "claimed_reward" else k): v for k, v in c.items()} for c in raw["completions"]]
+    recorded = pack_rollout(raw | {"schema_version": 27, "epoch": raw.pop("term"), "completions": completions})
     assert decode_rollout(recorded, rollout_headers(group) | {HDR_SCHEMA: "27"}, subject) == group
+    with pytest.raises(ProtocolError, match="bad_schema"):  # 28 with the old name
+        decode_rollout(pack_rollout(raw | {"completions": completions}), rollout_headers(group), subject)
     lease = {"schema_version": 27, "epoch": 4, "holder": "h", "process": "ab"}
     assert decode(TrainerLease, orjson.dumps(lease)).term == 4
     shard = WeightsShard(object_name="w-0", size=1, sha256="0" * 64)
@@ -303,7 +307,7 @@ def test_a_heartbeat_of_24_reads_as_one_rank_never_restarted_and_25_says_why_a_s
 
 def _spanning(changes: list[dict], version: int = 3, lengths=(6, 3)) -> RolloutGroup:
     """A group newer weights took over at `changes` (partial rollouts)."""
-    completions = [Completion(token_ids=list(range(4, 4 + n)), logprobs=[-0.5] * n, text="x", reward=0.0,
+    completions = [Completion(token_ids=list(range(4, 4 + n)), logprobs=[-0.5] * n, text="x", claimed_reward=0.0,
                               finish_reason="length").model_dump() for n in lengths]
     return make_group(version).replaced(completions=completions, version_changes=changes)
 

@@ -47,7 +47,7 @@ def test_a_prompt_that_is_not_the_tasks_is_refused():
 
 
 def test_claimed_rewards_are_replaced_and_the_lie_counted():
-    liar = with_completion(with_completion(reward=0.0), i=1, reward=1.0)  # right called wrong, and back
+    liar = with_completion(with_completion(claimed_reward=0.0), i=1, claimed_reward=1.0)  # right called wrong, and back
     scored = SCORER.score(liar)
     assert scored.reward_mismatch and scored.rewards == [1.0, 0.1]
 

@@ -224,7 +224,7 @@ def test_a_tool_environment_is_played_turn_by_turn_as_verifiers_rolls_it_out(env
     call, answer = f'<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>', f"<answer>{a + b}</answer>"
     prompt, episode = played(task, 4, [call, answer])
     completion = episode.completion()
-    assert episode.done and completion.reward == 1.0 and len(completion.observations) == 1
+    assert episode.done and completion.claimed_reward == 1.0 and len(completion.observations) == 1
     seen = completion.token_ids[completion.observations[0].at:][:completion.observations[0].tokens]
     assert TOKENIZER.decode(seen.tolist()) == f"\n<|im_start|>tool\n{a + b}<|im_end|>\n<|im_start|>assistant\n"
     # verifiers' own rollout, given the same turns, answers the same and scores the same.
@@ -252,7 +252,7 @@ def test_a_sampler_lying_about_an_episode_is_refused_or_struck_by_the_scorer(env
 
     honest = scorer.score(group(right.completion(), wrong.completion()))
     assert honest.reason is None and honest.rewards == [1.0, 0.0] and not honest.reward_mismatch
-    lied = scorer.score(group(right.completion(), wrong.completion().replaced(reward=1.0)))
+    lied = scorer.score(group(right.completion(), wrong.completion().replaced(claimed_reward=1.0)))
     assert lied.reward_mismatch and lied.rewards == [1.0, 0.0]  # a strike; trained on the replayed reward
     # The rollout of an episode our loop ended first (its budget) ends once the episode is dropped.
     rollout = wrong.episode.rollout
@@ -309,7 +309,7 @@ def test_an_environment_that_cannot_be_replayed_trains_on_the_samplers_word_wher
     scorer = Scorer(task, TOKENIZER, vocab_size=len(TOKENIZER), sampling=SAMPLING)
     _, episode = played(task, 4, ["<answer>3</answer>", "<answer>4</answer>"])
     assert episode.done and len(episode.completion().observations) == 1  # its observation: a random number
-    claimed = episode.completion().replaced(reward=0.75)
+    claimed = episode.completion().replaced(claimed_reward=0.75)
     scored = scorer.score(honest_group(4, texts=["x"], rewards=[0.0], of_task=task, completions=[claimed],
                                         temperature=SAMPLING.temperature))
     assert scored.reason is None and scored.rewards == [0.75] and not scored.reward_mismatch  # taken as claimed

@@ -183,7 +183,7 @@ class EpisodeBuilder:
         if not self.done:
             raise ValueError("an episode still being played has no completion yet")
         return Completion(token_ids=self.ids, logprobs=self.logprobs, text="\n\n".join(self.actions),
-                          reward=self.reward, finish_reason=self.finish_reason, observations=self.observations)
+                          claimed_reward=self.reward, finish_reason=self.finish_reason, observations=self.observations)
 
 
 def play_episodes(engine, env: Environment, prompts: list[Prompt], prompt_ids: list[list[int]], n: int,

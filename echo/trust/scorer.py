@@ -95,7 +95,7 @@ class Scorer:
             if getattr(self.task, "trusted_observations", False):  # the run took the samplers' word (docs/operations.md)
                 if len(completion.model_turns()) > self.task.max_turns:
                     return Scored("too_many_turns", [], lie=True)
-                reward = min(max(completion.reward, 0.0), 1.0)
+                reward = min(max(completion.claimed_reward, 0.0), 1.0)
             elif is_environment(self.task):  # the episode played again with the sampler's actions
                 again = rerun(self.task, self.tokenizer, prompt, completion, self.sampling.max_new_tokens)
                 if again.reason:
@@ -111,7 +111,7 @@ class Scorer:
             rewards.append(reward)
             completion_done()
         claimed = getattr(self.task, "answers_on_samplers", True)  # else a sampler claims none
-        mismatch = claimed and any(abs(r - c.reward) > 1e-6 for r, c in zip(rewards, group.completions))
+        mismatch = claimed and any(abs(r - c.claimed_reward) > 1e-6 for r, c in zip(rewards, group.completions))
         return Scored(None, rewards, mismatch, errors, source=prompt.source, unanswered=unanswered, close=close)
 
 

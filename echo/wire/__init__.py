@@ -66,5 +66,6 @@ not read; this is the one list of it):
 28: the trainer's count of takeovers is its `term` (in verl, TRL and PPO an epoch is a pass over
     the data); `epoch` before, in every message that names it (announcements, the lease, pull
     requests, requests for work, groups). Stored names keep theirs: the weights objects'
-    `trainer-epoch` header and their names' `e` prefix.
+    `trainer-epoch` header and their names' `e` prefix. A completion's reward from its sampler
+    is its `claimed_reward` (`reward` before): a claim the trainer checks, never trained on.
 """

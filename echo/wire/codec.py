@@ -59,11 +59,12 @@ def _json_object(data: bytes) -> dict:
 
 
 # Earlier schemas still read (recorded messages outlive a release): each with the wire names the
-# next schema renamed, old to new. A message is renamed one schema at a time up to this one.
+# next schema renamed, old to new ("list.name": a field of each object in a list). A message is
+# renamed one schema at a time up to this one.
 _UPGRADES: dict[int, dict[str, str]] = {
     13: {"lease": "slot", "leases": "slots"}, 14: {}, 15: {}, 16: {}, 17: {}, 18: {},
     19: {"policy_version": "version", "incarnation": "process"}, 20: {}, 21: {}, 22: {}, 23: {}, 24: {}, 25: {},
-    26: {}, 27: {"epoch": "term"},
+    26: {}, 27: {"epoch": "term", "completions.reward": "completions.claimed_reward"},
 }
 
 
@@ -74,11 +75,24 @@ def _upgraded(raw: dict) -> dict:
         return raw
     fields = {k: v for k, v in raw.items() if k != "schema_version"}
     for schema in range(sent_in, SCHEMA_VERSION):
-        renames = _UPGRADES[schema]
-        if twice := [old for old, new in renames.items() if old in fields and new in fields]:
-            raise ProtocolError("bad_schema", f"{twice[0]}: schema {sent_in} has no {renames[twice[0]]!r} beside it")
-        fields = {renames.get(k, k): v for k, v in fields.items()}
+        fields = _renamed(fields, _UPGRADES[schema], sent_in)
     return {"schema_version": SCHEMA_VERSION} | fields
+
+
+def _renamed(fields: dict, renames: dict[str, str], sent_in: int) -> dict:
+    """`fields` with one schema's renames, those of each object in a list field ("list.name") too."""
+    inner: dict[str, dict[str, str]] = {}
+    for old, new in renames.items():
+        if "." in old:
+            within, name = old.split(".", 1)
+            inner.setdefault(within, {})[name] = new.split(".", 1)[1]
+    if twice := [old for old, new in renames.items() if "." not in old and old in fields and new in fields]:
+        raise ProtocolError("bad_schema", f"{twice[0]}: schema {sent_in} has no {renames[twice[0]]!r} beside it")
+    fields = {renames.get(k, k): v for k, v in fields.items()}
+    for within, names in inner.items():
+        if isinstance(items := fields.get(within), list):
+            fields[within] = [_renamed(item, names, sent_in) if isinstance(item, dict) else item for item in items]
+    return fields
 
 
 def _validate(cls: type[M], raw: dict, context: dict | None = None) -> M:

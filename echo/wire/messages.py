@@ -143,7 +143,9 @@ class Completion(_HoldsArrays, BaseModel):
     token_ids: TokenIds
     logprobs: LogProbs  # behaviour log-prob of each token, under the version that sampled it
     text: str
-    reward: float
+    # The sampler's own score of it: a claim, which the trainer's verifier checks (a strike where
+    # it differs), never what the trainer trains on.
+    claimed_reward: float
     finish_reason: Literal["stop", "length"]
     observations: list[Observation] = []
 
@@ -156,8 +158,8 @@ class Completion(_HoldsArrays, BaseModel):
                 raise ValueError("logprobs and token_ids differ in length")
             if not (np.isfinite(self.logprobs).all() and (self.logprobs <= 0.0).all()):
                 raise ValueError("logprobs must be finite and <= 0")
-        if not math.isfinite(self.reward):
-            raise ValueError("reward must be finite")
+        if not math.isfinite(self.claimed_reward):
+            raise ValueError("claimed_reward must be finite")
         # Model turns and observations alternate, the model's first and last: each observation
         # begins after a model token and is followed by one.
         ends = [0, *(o.at + o.tokens for o in self.observations)]

@@ -76,7 +76,7 @@ def generate_groups(engine: Engine, task: Task, prompts: list, sampling: Samplin
                                       draws=None if keys is None else [Draw(key) for key in keys])
         scores = getattr(task, "answers_on_samplers", True)  # else the trainer's alone: this box has no answers
         completions = [[Completion(token_ids=g.token_ids, logprobs=g.logprobs, text=g.text,
-                                   reward=getattr(safe_score(task, g.text, prompt), "reward", 0.0) if scores else 0.0,
+                                   claimed_reward=getattr(safe_score(task, g.text, prompt), "reward", 0.0) if scores else 0.0,
                                    finish_reason=g.finish_reason)
                         for g in gens] for prompt, gens in zip(prompts, generations)]
         # its completions were sampled together: the longest saw every change
