@@ -165,6 +165,39 @@ def test_the_design_docs_rollout_path_is_at_most_eight_rooms_each_dealing_in_its
         assert re.search(rf"\b{form}\b", (ROOT / room).read_text()), (room, form)
 
 
+def group_forms() -> dict[str, str]:
+    """Every class the trainer builds around a rollout group (class -> module): a RolloutGroup or
+    Delivery, and each class whose fields hold one of those forms or that extends one, to a fixed
+    point (a callable's argument is not a field's form)."""
+    rooms = [*(ROOT / "workers" / "trainer").glob("*.py"), ROOT / "streams" / "inbox.py",
+             *(ROOT / "echo" / "train").glob("*.py")]
+    classes = {}
+    for path in rooms:
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                held = {name for field in node.body if isinstance(field, ast.AnnAssign)
+                        and "Callable" not in (annotation := ast.unparse(field.annotation))
+                        for name in re.findall(r"\w+", annotation)}
+                classes[node.name] = (str(path.relative_to(ROOT)), held | {ast.unparse(b) for b in node.bases})
+    forms = {"RolloutGroup": "echo/wire/messages.py", "Delivery": "streams/inbox.py"}
+    while grown := {name: path for name, (path, held) in classes.items() if name not in forms and held & forms.keys()}:
+        forms |= grown
+    return forms
+
+
+def test_the_design_docs_rollout_path_names_every_form_the_trainer_builds_of_a_group():
+    """The one record through the trainer: whatever form the code gives a group on its way to the
+    learner is one docs/design.md's rollout path names (found in a process of its own, as
+    imported_by_each is)."""
+    script = "import json; from tests.test_layers import group_forms; print(json.dumps(group_forms()))"
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True)
+    forms = json.loads(out.stdout)
+    assert {"Case", "Accepted", "Rewarded", "Batch"} <= forms.keys(), forms  # the walk finds what it must
+    path = (ROOT / "docs" / "design.md").read_text().split("## A rollout's path\n", 1)[1].split("\n## ", 1)[0]
+    unnamed = {name: where for name, where in forms.items() if f"`{name}`" not in path}
+    assert not unnamed, f"forms of a group docs/design.md's rollout path does not name: {unnamed}"
+
+
 def test_no_test_module_imports_another():
     """Shared helpers live in tests/conftest.py (fixtures, processes), tests/groups.py (rollout
     groups) and tests/swarms.py (`echo-rl up` runs), never in a test module another imports. (Read

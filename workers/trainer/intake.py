@@ -20,7 +20,6 @@ from echo.fleet.grants import GrantLedger
 from echo.train.diagnosis import no_signal
 from echo.train.learner import Batch
 from echo.wire.codec import ProtocolError
-from echo.wire.messages import RolloutGroup
 from streams.inbox import Delivery, RolloutInbox
 from workers.trainer.judge import Accepted, Case, Judge, Verdict
 from workers.trainer.strikes import Quarantined
@@ -53,16 +52,6 @@ class Collected:
         return Batch(list(self.used), oldest_version, step)
 
 
-@dataclass
-class Judged:
-    """A delivery's group and the judge's verdict on it (until proven, if the proof wants it)."""
-
-    delivery: Delivery
-    group: RolloutGroup
-    granted: int | None  # the prompt its slot was granted with; None: not on a slot of its sampler's
-    verdict: Accepted | Verdict
-
-
 class Collector:
     """Pulls rollout messages until it has enough usable groups. Every message consumed (used,
     dropped or rejected) stays held in the inbox until the step is checkpointed: a crash
@@ -92,20 +81,20 @@ class Collector:
                     self.inbox.let_go(delivery)
                     continue
                 out.seqs.append(delivery.seq)
-                judged = await self._judge(delivery, version, out, [*out.used, *(j.verdict for j in proving)])
-                if judged is None:
+                case = await self._judge(delivery, version, out, [*out.used, *(c.verdict for c in proving)])
+                if case is None:
                     self.inbox.let_go(delivery)
-                elif isinstance(judged.verdict, Accepted) and self.judge.wants_proof(judged.group, version):
-                    proving.append(judged)
+                elif isinstance(case.verdict, Accepted) and self.judge.wants_proof(case.group, version):
+                    proving.append(case)
                 else:
-                    await self._settle(judged, out)
+                    await self._settle(case, out)
             if proving and (len(out.used) + len(proving) >= need or not deliveries):
                 started = time.perf_counter()
-                verdicts = await self.judge.prove([j.group for j in proving], version)
+                verdicts = await self.judge.prove([c.group for c in proving], version)
                 out.proof_seconds += time.perf_counter() - started
-                for judged in proving:
-                    judged.verdict = verdicts.get(judged.group.group_id, judged.verdict)
-                    await self._settle(judged, out)
+                for case in proving:
+                    case.verdict = verdicts.get(case.group.group_id, case.verdict)
+                    await self._settle(case, out)
                 proving = []
             for sampler_id in self.ledger.take_withholders():  # found here or by the granter's releases
                 record = self.ledger.deliveries[sampler_id]
@@ -113,10 +102,10 @@ class Collector:
                 await self._strike(sampler_id, "slots_undelivered")
         return out
 
-    async def _judge(self, delivery: Delivery, version: int, out: Collected, taken: list[Accepted]) -> Judged | None:
-        """The judge's verdict on a delivery but for the proof of sampling (`taken`: the groups
-        accepted this step so far), or None for a message not judged (tallied by `_refused`, or
-        its sampler quarantined). A group on one of its sampler's slots ends it."""
+    async def _judge(self, delivery: Delivery, version: int, out: Collected, taken: list[Accepted]) -> Case | None:
+        """A delivery's case with the judge's verdict but for the proof of sampling (`taken`: the
+        groups accepted this step so far), or None for a message not judged (tallied by
+        `_refused`, or its sampler quarantined). A group on one of its sampler's slots ends it."""
         if self.quarantine is not None and delivery.sampler_id in self.quarantine:
             out.rejected["quarantined"] += 1  # not logged one by one: a quarantined flood would fill the log
             return None
@@ -130,14 +119,15 @@ class Collector:
         prompt = granted if granted is not None else self.ledger.earlier_prompt(group.slot, group.prompt_index)
         asked_with = self.ledger.asked_with(group.slot) if granted is not None else None
         noise_slot = self.ledger.noise_slot(group.slot) if granted is not None else group.slot  # a predecessor's: fresh
-        verdict = await self.judge.judge(Case(group, version, prompt, taken, asked_with, noise_slot))
-        return Judged(delivery, group, granted, verdict)
+        case = Case(group, version, prompt, taken, asked_with, noise_slot, delivery=delivery, granted=granted)
+        case.verdict = await self.judge.judge(case)
+        return case
 
-    async def _settle(self, judged: Judged, out: Collected) -> None:
+    async def _settle(self, case: Case, out: Collected) -> None:
         """Tally a group's final verdict in `out`: trained (held in the inbox until the step's
         checkpoint), set aside, dropped as stale or refused (let go). A group not trained
         wastes its slot, and its prompt is owed."""
-        group, verdict, granted = judged.group, judged.verdict, judged.granted
+        group, verdict, granted = case.group, case.verdict, case.granted
         tokens = sum(len(c.token_ids) for c in group.completions)  # generated, where it is not trained
         if granted is not None:
             (self.ledger.accepted if isinstance(verdict, Accepted) else self.ledger.wasted)(group.slot)
@@ -150,7 +140,7 @@ class Collector:
             else:
                 out.rejected_tokens += tokens
                 await self._refused(out, group.sampler_id, verdict)
-            self.inbox.let_go(judged.delivery)
+            self.inbox.let_go(case.delivery)
             return
         out.generated_seconds += group.gen_seconds
         out.verifier_errors += verdict.verifier_errors
@@ -163,7 +153,7 @@ class Collector:
             out.filtered_tokens += tokens
             if granted is not None:
                 self.ledger.set_aside(group.slot)
-            self.inbox.let_go(judged.delivery)
+            self.inbox.let_go(case.delivery)
             return
         out.used.append(verdict)
 

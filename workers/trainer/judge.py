@@ -23,6 +23,7 @@ from echo.train.learner import Rewarded
 from echo.trust.proof import SamplingProof
 from echo.trust.scorer import Scored, Scorer, completion_keys, content_hash, repeats
 from echo.wire.messages import RolloutGroup
+from streams.inbox import Delivery
 from workers.trainer.scoring import ScoringProcess
 
 
@@ -67,6 +68,12 @@ class Case:
     noise_slot: int | None = None  # the slot whose keyed noise its slot was granted with; None: its own
     content: str = ""
     scored: Scored | None = None
+    # The intake's, around the judge: the message it came in, the prompt its sampler's slot was
+    # granted with (None: not on a slot of its sampler's), and the verdict (until proven, if the
+    # proof wants it).
+    delivery: Delivery | None = None
+    granted: int | None = None
+    verdict: Accepted | Verdict | None = None
 
     @property
     def about(self) -> str:
