@@ -182,7 +182,7 @@ async def test_chosen_text_trains_nothing_from_a_fresh_credentials_first_group_n
             trusting = SamplingProof(proof.model, 0, ProofSettings.of(
                 cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"verify_fraction": 0.0})}),
                 torch.float32))
-            trusting.suspects.update(taken_over.suspects)  # as Trainer.open does
+            trusting.suspects.update(taken_over.suspects)  # as open_rooms does
             assert all(trusting.wants(g, 1) for g in forged) and not trusting.wants(good, 1)
     finally:
         await attacker.close()

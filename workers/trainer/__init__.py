@@ -5,6 +5,8 @@ what it names:
 - trainer_command.py: `echo-rl trainer`, its arguments (under torchrun: each rank's);
 - trainer.py: the process (Trainer) and its step loop, each step's phases named and timed (collect, train,
   checkpoint, publish, account, evaluate); it owns the order of the phases and nothing else;
+- rooms.py: the rooms below, opened once from the run's config and checkpoint before the first
+  step;
 - intake.py: what becomes of every rollout message, through the rollout inbox
   (streams/inbox.py): decoded, handed to the judge, its verdict tallied, its grant ended, its
   sender struck; it publishes nothing;

@@ -16,52 +16,38 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from functools import partial
 
 import structlog
 
 from echo.config import EchoConfig
-from echo.fleet.consumed import ConsumedSeqs
-from echo.fleet.grants import DeliveryBound, GrantLedger
-from echo.model.loading import encode_chat
-from echo.tasks import load_task
-from echo.tasks.dataset import Dataset, check_prompt_lengths
-from echo.train.checkpoint import load_trained_completions, load_trained_content, remember_trained
+from echo.train.checkpoint import remember_trained
 from echo.train.learner import Batch
 from echo.train.metrics import read_metrics, summarize
-from echo.trust.scorer import Scorer
 from echo.wire.messages import SlotsEnded
 from streams.client import RunClient, open_run, retry_forever
 from streams.credentials import credentials_of
-from streams.inbox import RolloutInbox
 from streams.lease import Lease, take_lease
-from streams.prompts import publish_prompts
 from streams.registry import put_trainer_status, read_trainer_status
 from streams.run_config import publish_run_config
 from streams.weights import WeightsPublisher
 from workers.background import Background
 from workers.trainer.accounting import (
     RecentSteps,
-    count_abandoned,
     count_consumed,
     finished_record,
-    restore_metrics,
-    run_task,
     settle,
     step_record,
     step_samples,
 )
-from workers.trainer.coordinator import Coordinator
 from workers.trainer.evaluation import Evaluator
-from workers.trainer.granter import AsyncGranter, Granter, granter_for
+from workers.trainer.granter import Granter
 from workers.trainer.intake import Collector
-from workers.trainer.judge import AlreadyTrained, Judge, Timeline
 from workers.trainer.model import Ranks, Stepped, TrainerModel
 from workers.trainer.publishing import publish_version
+from workers.trainer.rooms import open_rooms
 from workers.trainer.scoring import ScoringProcess, start_forkserver
 from workers.trainer.shown import Shown
 from workers.trainer.step import TrainerStep
-from workers.trainer.strikes import Quarantined
 from workers.trainer.trackers import Trackers
 
 log = structlog.get_logger()
@@ -93,7 +79,7 @@ async def serve(cfg: EchoConfig, build_model: Callable[[], TrainerModel]) -> Non
         async with Background() as background, ScoringProcess.of(cfg, model.tokenizer, model.vocab_size) as scoring:
             background.start(lease.renew_forever())
             await asyncio.to_thread(model.resume)  # holding the lease: no other trainer prunes it now
-            trainer = await Trainer.open(cfg, run, lease, background, model, scoring)
+            trainer = Trainer(cfg, lease, model, *await open_rooms(cfg, run, lease, background, model, scoring))
             await trainer.fit()
     except asyncio.CancelledError:  # SIGTERM or Ctrl-C (workers/arguments.py): said, as the samplers say it
         log.info("trainer.stopped", step=model.state.step if model is not None else 0, why="a signal")
@@ -106,16 +92,6 @@ async def serve(cfg: EchoConfig, build_model: Callable[[], TrainerModel]) -> Non
             model.close()
 
 
-async def share_dataset(run: RunClient, cfg: EchoConfig, task: Dataset, model: TrainerModel) -> None:
-    """A dataset's prompts checked against the model's context, then published for samplers: the
-    run's config names their manifest's digest."""
-    manifest, path = task.manifest, task.p.path  # a verifiers environment's: its rows, written to the cache
-    check_prompt_lengths(manifest, partial(encode_chat, model.tokenizer), model.context, cfg.sampling.max_new_tokens,
-                         path)
-    log.info("dataset.read", path=path, rows=manifest["rows"], skipped=manifest["skipped"], columns=manifest["columns"])
-    cfg.task.params["prompts"] = await publish_prompts(run, *task.published_prompts())
-
-
 class Trainer:
     """The rooms a step passes through, opened once; `fit` takes the steps, phase by phase."""
 
@@ -126,42 +102,6 @@ class Trainer:
         self.inbox, self.quarantine = collector.inbox, collector.quarantine
         self.weights = WeightsPublisher(lease, cfg.trainer.keep_versions, cfg.trainer.keep_versions_s)
         self.evaluator = Evaluator(cfg, collector.judge.scorer.task)
-
-    @classmethod
-    async def open(cls, cfg: EchoConfig, run: RunClient, lease: Lease, background: Background, model: TrainerModel,
-                   scoring: ScoringProcess) -> Trainer:
-        run_dir, state = cfg.run_dir, model.state
-        (run_dir / "weights").mkdir(parents=True, exist_ok=True)
-        task = load_task(cfg.task)
-        if hasattr(task, "published_prompts"):  # a dataset on this box: samplers read its prompts from the broker
-            await share_dataset(run, cfg, task, model)
-        (run_dir / "config.toml").write_text(cfg.to_toml())
-        await publish_run_config(run, cfg)
-        restore_metrics(run_dir, state)
-        inbox = await RolloutInbox.open(run, cfg.trainer.ack_wait_s)
-        consumed = ConsumedSeqs(**state.consumed)
-        state.totals = await count_abandoned(inbox, consumed, state.totals)
-        ledger = GrantLedger(rate_window_s=cfg.sampler.rate_window_s, seed=cfg.run.seed,
-                             bound=DeliveryBound(cfg.trainer.undelivered_window, cfg.trainer.undelivered_share))
-        quarantine = Quarantined(run, cfg.trainer.quarantine_after)
-        await quarantine.start(background)
-        model.proof.suspects.update(quarantine.suspects)  # a predecessor's suspects stay checked
-        scorer = Scorer(task, model.tokenizer, model.vocab_size, cfg.sampling, model.routing)
-        judge = Judge(scorer, Timeline(cfg.staleness_bound, lease.term, state.version, cfg.begun_within),
-                      AlreadyTrained(load_trained_content(run_dir, state.trained_content),
-                              load_trained_completions(run_dir, state.trained_completions)),
-                      model.proof, model.check_many, scoring)
-        background.start(inbox.keep_alive(cfg.trainer.ack_wait_s / 3))
-        granter = granter_for(run, lease.term, cfg, state, ledger, quarantine)
-        background.start(granter.holders.watch_heartbeats())
-        if isinstance(granter, AsyncGranter):
-            background.start(granter.redraw_forever())
-        recent = RecentSteps(cfg.trainer.groups_per_step, cfg.staleness_bound, cfg.run.steps, cfg.model.name,
-                             run_task(cfg))
-        if cfg.scheduler.enabled:  # what it chooses, the grants obey
-            background.start(Coordinator(run, cfg, granter.standby, recent, ledger).run_forever())
-        set_aside = cfg.algorithm.dynamic_sampling_max if cfg.algorithm.dynamic_sampling else 0
-        return cls(cfg, lease, model, Collector(inbox, judge, ledger, consumed, quarantine, set_aside), granter, recent)
 
     async def fit(self) -> None:
         cfg, state = self.cfg, self.model.state
@@ -249,7 +189,8 @@ class Trainer:
         state = self.model.state
         state.totals, accounting = settled
         record = finished_record(step, accounting)
-        slots = {s: SlotsEnded(ended=d.ended, undelivered=d.undelivered) for s, d in self.collector.ledger.deliveries.items()}
+        slots = {s: SlotsEnded(ended=d.ended, undelivered=d.undelivered)
+                 for s, d in self.collector.ledger.deliveries.items()}
         step.samples = step_samples(step, self.model.tokenizer, self.cfg.run.samples_per_step)
         status = self.recent.add(record, state.version, dict(self.quarantine.strikes), slots, step.samples)
         await retry_forever("trainer status", lambda: put_trainer_status(self.run, status))
