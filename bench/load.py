@@ -189,12 +189,12 @@ async def trainer_role(cfg: EchoConfig, seconds_per_token: float, usage_file: Pa
     work that grows with the samplers). Its learner sleeps, so its CPU is the trainer's own broker
     work (fetching, scoring, granting, publishing, acks, accounting), which a trainer host pays
     on any machine."""
-    from workers.trainer import granter
+    from workers.trainer import granter, holders
     from workers.trainer.trainer import serve  # the real trainer, given the stand-in model
 
     configure_logging(json=True, level="warning", progress=False)  # to its log: the report counts the warnings
 
-    spent = timed(granter.Granter, ("grant", "read_heartbeats"))
+    spent = [timed(granter.Granter, ("grant",)), timed(holders.Holders, ("read_heartbeats",))]  # filled as they run
     outcomes = tally_grants(granter.Granter)
 
     def cpu_s() -> float:  # its scoring processes' included, once they ended
@@ -215,7 +215,7 @@ async def trainer_role(cfg: EchoConfig, seconds_per_token: float, usage_file: Pa
         ended = cpu_s()
         usage_file.write_bytes(orjson.dumps({"peak": round(peak_rss_mb() * 2**20), "cpu_s": ended - began,
                                              "after_first_step_cpu_s": ended - first_step[0] if first_step else None,
-                                             "granter_s": spent, "grant_outcomes": outcomes,
+                                             "granter_s": spent[0] | spent[1], "grant_outcomes": outcomes,
                                              "grant_outcomes_after_first_step":
                                                  outcomes - Counter(first_step[1]) if first_step else {}}))
 
