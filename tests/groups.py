@@ -73,7 +73,7 @@ def keyed_groups(sampler, prompts: list[int], seed: int, term: int, n: int, firs
                          dtype=dtype_name(sampler.dtype), completions=[
                              honest_group().completions[0].replaced(
                                  token_ids=g.token_ids, logprobs=g.logprobs, text=g.text, finish_reason=g.finish_reason,
-                                 reward=TASK.score(g.text, TASK.prompt(i)).reward)
+                                 claimed_reward=TASK.score(g.text, TASK.prompt(i)).reward)
                              for g in gens], **changes)
             for i, slot, ids, gens in zip(prompts, slots, prompt_ids, generations)]
 

@@ -133,6 +133,23 @@ def test_no_constructor_takes_more_than_six_parameters():
     assert {name: n for name, n in counts.items() if n > 6} == {}
 
 
+def class_lengths(path: Path) -> dict[str, int]:
+    return {f"{path.relative_to(ROOT)}::{node.name}": node.end_lineno - node.lineno + 1
+            for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)}
+
+
+def test_no_class_in_workers_runs_past_120_lines_and_the_step_loops_file_past_300():
+    """A concern added to a process gets a room of its own (the trainer's holders, publishing,
+    rooms; the intake's tally), not more lines in a class that already holds one: the trainer's
+    loop and its classes grew back past these once, each addition reasonable alone."""
+    lengths = {}
+    for path in sorted((ROOT / "workers").rglob("*.py")):
+        lengths |= class_lengths(path)
+    assert lengths, "no class found: the walk is broken"
+    assert {name: n for name, n in lengths.items() if n > 120} == {}
+    assert len((ROOT / "workers" / "trainer" / "trainer.py").read_text().splitlines()) <= 300
+
+
 def layout_paths(design: str) -> set[str]:
     """The paths docs/design.md's layout names: one entry a line, nested by two spaces."""
     block = design.split("## Layout\n\n```\n", 1)[1].split("```", 1)[0]

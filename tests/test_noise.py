@@ -308,7 +308,7 @@ def _forger(proof: SamplingProof):
         return group.replaced(completions=[
             c.replaced(logprobs=logprobs[i, : len(c.token_ids)].tolist(), text=text,
                        finish_reason="stop" if c.token_ids[-1] == eos else "length",
-                       reward=TASK.score(text, TASK.prompt(group.prompt_index)).reward)
+                       claimed_reward=TASK.score(text, TASK.prompt(group.prompt_index)).reward)
             for i, c in enumerate(group.completions)
             for text in [TOKENIZER.decode(c.token_ids.tolist(), skip_special_tokens=True)]])
 
@@ -431,7 +431,7 @@ def test_a_trusted_samplers_text_drawn_with_its_engines_noise_is_checked_by_its_
     own = sampler.generate([prompt_ids], KEYED.group_size)[0]
     group = drawn.replaced(engine="vllm", sampler_id="t1", completions=[
         c.replaced(token_ids=g.token_ids, logprobs=g.logprobs, text=g.text, finish_reason=g.finish_reason,
-                   reward=TASK.score(g.text, TASK.prompt(5)).reward) for c, g in zip(drawn.completions, own)])
+                   claimed_reward=TASK.score(g.text, TASK.prompt(5)).reward) for c, g in zip(drawn.completions, own)])
     scorer = Scorer(TASK, TOKENIZER, len(TOKENIZER), KEYED.model_copy(update={"trusted_samplers": ["t1"]}))
     assert scorer.malformed(group) is None
     checked = proof.check(group)

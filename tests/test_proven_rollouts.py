@@ -93,7 +93,7 @@ def _chosen(sampler: HFEngine, group, shards, change_at: int | None = None):
     return group.replaced(completions=[
         c.replaced(token_ids=t, logprobs=logprobs[j, : len(t)].tolist(), text=text,
                    finish_reason="stop" if t[-1] == eos else "length",
-                   reward=TASK.score(text, TASK.prompt(group.prompt_index)).reward)
+                   claimed_reward=TASK.score(text, TASK.prompt(group.prompt_index)).reward)
         for j, (c, t) in enumerate(zip(group.completions, tokens))
         for text in [TOKENIZER.decode(t, skip_special_tokens=True)]])
 
@@ -400,7 +400,7 @@ async def test_a_prompt_granted_again_is_drawn_with_the_noise_of_the_slot_it_was
                                                     honest_group().completions[0].replaced(
                                                         token_ids=g.token_ids, logprobs=g.logprobs, text=g.text,
                                                         finish_reason=g.finish_reason,
-                                                        reward=TASK.score(g.text, TASK.prompt(prompt)).reward)
+                                                        claimed_reward=TASK.score(g.text, TASK.prompt(prompt)).reward)
                                                     for g in gens]))
     async with asyncio.timeout(60):
         collected = await collector.collect(1, version=0)

@@ -52,6 +52,79 @@ class Collected:
         return Batch(list(self.used), oldest_version, step)
 
 
+class Tally:
+    """What becomes of each judged group, tallied in the step's Collected: trained (held in the
+    inbox until the step's checkpoint), set aside, dropped as stale or refused (let go); its slot
+    ended in the ledger, its sampler struck through the quarantine where the verdict says so."""
+
+    def __init__(self, inbox: RolloutInbox, ledger: GrantLedger, quarantine: Quarantined | None, set_aside: int):
+        self.inbox, self.ledger, self.quarantine = inbox, ledger, quarantine
+        self.set_aside = set_aside  # groups with no signal a step sets aside at most (dynamic sampling; 0: none)
+
+    async def settle(self, case: Case, out: Collected) -> None:
+        """Tally a group's final verdict in `out`: trained (held in the inbox until the step's
+        checkpoint), set aside, dropped as stale or refused (let go). A group not trained
+        wastes its slot, and its prompt is owed."""
+        group, verdict, granted = case.group, case.verdict, case.granted
+        tokens = sum(len(c.token_ids) for c in group.completions)  # generated, where it is not trained
+        if granted is not None:
+            (self.ledger.accepted if isinstance(verdict, Accepted) else self.ledger.wasted)(group.slot)
+        if isinstance(verdict, Verdict):
+            if verdict.stale_by is not None:
+                out.dropped[verdict.stale_by] += 1
+                out.dropped_ids.append(group.group_id)
+                out.dropped_tokens += tokens
+                out.generated_seconds += group.gen_seconds
+            else:
+                out.rejected_tokens += tokens
+                await self.refused(out, group.sampler_id, verdict)
+            self.inbox.let_go(case.delivery)
+            return
+        out.generated_seconds += group.gen_seconds
+        out.verifier_errors += verdict.verifier_errors
+        if verdict.reward_mismatch:
+            out.reward_mismatch[group.sampler_id] += 1
+            await self.strike(group.sampler_id, "reward_mismatch")
+        if no_signal(verdict.rewards) and self.may_set_aside(group.sampler_id, out):
+            out.filtered += 1  # acked with the step: consumed, not trained
+            out.filtered_by[group.sampler_id] += 1
+            out.filtered_tokens += tokens
+            if granted is not None:
+                self.ledger.set_aside(group.slot)
+            self.inbox.let_go(case.delivery)
+            return
+        out.used.append(verdict)
+
+    def may_set_aside(self, sampler_id: str, out: Collected) -> bool:
+        """Dynamic sampling's budget has room, and `sampler_id` has used no more than its share of it
+        (an equal part among the samplers asking): one sampler's groups with no signal cannot
+        spend the step's set-aside budget for everyone (theirs are trained past it, as no budget)."""
+        share = self.ledger.share(self.set_aside, time.monotonic())
+        return out.filtered < self.set_aside and out.filtered_by[sampler_id] < share
+
+    async def refuse_forged(self, out: Collected, forged: dict[str, str]) -> None:
+        """Groups the step's own forward proved forged (group id -> why): refused and struck as
+        any forgery, their prompts owed, their messages still counted by the step (acked with it)."""
+        for accepted in [a for a in out.used if a.group.group_id in forged]:
+            out.used.remove(accepted)
+            self.ledger.owe(accepted.group.prompt_index, accepted.group.keyed_slot)
+            out.generated_seconds -= accepted.group.gen_seconds
+            out.verifier_errors -= accepted.verifier_errors
+            await self.refused(out, accepted.group.sampler_id,
+                                Verdict(forged[accepted.group.group_id], f"group {accepted.group.group_id} from "
+                                        f"{accepted.group.sampler_id}, proved in its step", strike=True))
+
+    async def refused(self, out: Collected, sampler_id: str, verdict: Verdict) -> None:
+        out.rejected[verdict.reason] += 1
+        log.warning("rollout.rejected", reason=verdict.reason, detail=verdict.detail)
+        if verdict.strike:
+            await self.strike(sampler_id, verdict.reason)
+
+    async def strike(self, sampler_id: str, reason: str) -> None:
+        if self.quarantine is not None:
+            await self.quarantine.strike(sampler_id, reason)
+
+
 class Collector:
     """Pulls rollout messages until it has enough usable groups. Every message consumed (used,
     dropped or rejected) stays held in the inbox until the step is checkpointed: a crash
@@ -60,9 +133,9 @@ class Collector:
     def __init__(self, inbox: RolloutInbox, judge: Judge, ledger: GrantLedger | None = None,
                  consumed: ConsumedSeqs | None = None, quarantine: Quarantined | None = None, set_aside: int = 0):
         self.inbox, self.judge, self.quarantine = inbox, judge, quarantine
-        self.set_aside = set_aside  # groups with no signal a step sets aside at most (dynamic sampling; 0: none)
         self.ledger = ledger or GrantLedger()  # a group naming its sampler's slot ends that slot
         self.consumed = consumed or ConsumedSeqs()  # stream sequences counted by checkpointed steps
+        self.tally = Tally(inbox, self.ledger, quarantine, set_aside)
 
     async def collect(self, need: int, version: int, on_wait=None, into: Collected | None = None) -> Collected:
         """Until `need` groups are usable (`into` holds those collected so far). The groups the
@@ -87,32 +160,32 @@ class Collector:
                 elif isinstance(case.verdict, Accepted) and self.judge.wants_proof(case.group, version):
                     proving.append(case)
                 else:
-                    await self._settle(case, out)
+                    await self.tally.settle(case, out)
             if proving and (len(out.used) + len(proving) >= need or not deliveries):
                 started = time.perf_counter()
                 verdicts = await self.judge.prove([c.group for c in proving], version)
                 out.proof_seconds += time.perf_counter() - started
                 for case in proving:
                     case.verdict = verdicts.get(case.group.group_id, case.verdict)
-                    await self._settle(case, out)
+                    await self.tally.settle(case, out)
                 proving = []
             for sampler_id in self.ledger.take_withholders():  # found here or by the granter's releases
                 record = self.ledger.deliveries[sampler_id]
                 log.warning("grants.undelivered", sampler=sampler_id, undelivered=record.undelivered, ended=record.ended)
-                await self._strike(sampler_id, "slots_undelivered")
+                await self.tally.strike(sampler_id, "slots_undelivered")
         return out
 
     async def _judge(self, delivery: Delivery, version: int, out: Collected, taken: list[Accepted]) -> Case | None:
         """A delivery's case with the judge's verdict but for the proof of sampling (`taken`: the
         groups accepted this step so far), or None for a message not judged (tallied by
-        `_refused`, or its sampler quarantined). A group on one of its sampler's slots ends it."""
+        Tally.refused, or its sampler quarantined). A group on one of its sampler's slots ends it."""
         if self.quarantine is not None and delivery.sampler_id in self.quarantine:
             out.rejected["quarantined"] += 1  # not logged one by one: a quarantined flood would fill the log
             return None
         try:
             group = await delivery.group(self.judge.limits)
         except ProtocolError as e:  # junk, or a sampler of another release: either way nothing to train
-            await self._refused(out, delivery.sampler_id, Verdict(e.reason, str(e), strike=True))
+            await self.tally.refused(out, delivery.sampler_id, Verdict(e.reason, str(e), strike=True))
             return None
         longest = max((len(c.token_ids) for c in group.completions), default=1)
         granted = self.ledger.delivered(group.sampler_id, group.slot, delivery.arrived, longest)
@@ -122,69 +195,6 @@ class Collector:
         case = Case(group, version, prompt, taken, asked_with, noise_slot, delivery=delivery, granted=granted)
         case.verdict = await self.judge.judge(case)
         return case
-
-    async def _settle(self, case: Case, out: Collected) -> None:
-        """Tally a group's final verdict in `out`: trained (held in the inbox until the step's
-        checkpoint), set aside, dropped as stale or refused (let go). A group not trained
-        wastes its slot, and its prompt is owed."""
-        group, verdict, granted = case.group, case.verdict, case.granted
-        tokens = sum(len(c.token_ids) for c in group.completions)  # generated, where it is not trained
-        if granted is not None:
-            (self.ledger.accepted if isinstance(verdict, Accepted) else self.ledger.wasted)(group.slot)
-        if isinstance(verdict, Verdict):
-            if verdict.stale_by is not None:
-                out.dropped[verdict.stale_by] += 1
-                out.dropped_ids.append(group.group_id)
-                out.dropped_tokens += tokens
-                out.generated_seconds += group.gen_seconds
-            else:
-                out.rejected_tokens += tokens
-                await self._refused(out, group.sampler_id, verdict)
-            self.inbox.let_go(case.delivery)
-            return
-        out.generated_seconds += group.gen_seconds
-        out.verifier_errors += verdict.verifier_errors
-        if verdict.reward_mismatch:
-            out.reward_mismatch[group.sampler_id] += 1
-            await self._strike(group.sampler_id, "reward_mismatch")
-        if no_signal(verdict.rewards) and self._may_set_aside(group.sampler_id, out):
-            out.filtered += 1  # acked with the step: consumed, not trained
-            out.filtered_by[group.sampler_id] += 1
-            out.filtered_tokens += tokens
-            if granted is not None:
-                self.ledger.set_aside(group.slot)
-            self.inbox.let_go(case.delivery)
-            return
-        out.used.append(verdict)
-
-    def _may_set_aside(self, sampler_id: str, out: Collected) -> bool:
-        """Dynamic sampling's budget has room, and `sampler_id` has used no more than its share of it
-        (an equal part among the samplers asking): one sampler's groups with no signal cannot
-        spend the step's set-aside budget for everyone (theirs are trained past it, as no budget)."""
-        share = self.ledger.share(self.set_aside, time.monotonic())
-        return out.filtered < self.set_aside and out.filtered_by[sampler_id] < share
-
-    async def refuse_forged(self, out: Collected, forged: dict[str, str]) -> None:
-        """Groups the step's own forward proved forged (group id -> why): refused and struck as
-        any forgery, their prompts owed, their messages still counted by the step (acked with it)."""
-        for accepted in [a for a in out.used if a.group.group_id in forged]:
-            out.used.remove(accepted)
-            self.ledger.owe(accepted.group.prompt_index, accepted.group.keyed_slot)
-            out.generated_seconds -= accepted.group.gen_seconds
-            out.verifier_errors -= accepted.verifier_errors
-            await self._refused(out, accepted.group.sampler_id,
-                                Verdict(forged[accepted.group.group_id], f"group {accepted.group.group_id} from "
-                                        f"{accepted.group.sampler_id}, proved in its step", strike=True))
-
-    async def _refused(self, out: Collected, sampler_id: str, verdict: Verdict) -> None:
-        out.rejected[verdict.reason] += 1
-        log.warning("rollout.rejected", reason=verdict.reason, detail=verdict.detail)
-        if verdict.strike:
-            await self._strike(sampler_id, verdict.reason)
-
-    async def _strike(self, sampler_id: str, reason: str) -> None:
-        if self.quarantine is not None:
-            await self.quarantine.strike(sampler_id, reason)
 
     def trained(self, collected: Collected) -> None:
         """The step that collected these is checkpointed: their sequences and contents are counted."""

@@ -180,18 +180,7 @@ class TrainerModel:
                               f"began with (model.name in {self.cfg.run_dir / 'config.toml'})")
         state.base_model = self.base_model
         self.state = state
-        self._recall_versions(state.version)
-
-    def _recall_versions(self, version: int) -> None:
-        """The versions before `version` that the proof keeps, read back from the run's weights
-        files: their groups, still in the stream, are proven after a restart as before it. One
-        not on disk is not kept, and its groups are refused as unverifiable (no strike)."""
-        for old in range(max(0, version - self.proof.keep + 1), version):
-            try:
-                files = weights_at(self.cfg.run_dir, old)
-            except FileNotFoundError:
-                continue
-            self.proof.recall(old, shards_tensors(read_shards(files)))
+        recall_versions(self.proof, self.cfg.run_dir, state.version)
 
     @everywhere
     def train(self, batch: Batch, version: int | None = None) -> Stepped:
@@ -262,6 +251,18 @@ class TrainerModel:
             self.ranks.close()
         except (RuntimeError, dist.DistError) as e:  # a rank is gone already: torchrun stops the rest
             log.warning("trainer.ranks_gone", reason=repr(e))
+
+
+def recall_versions(proof: SamplingProof, run_dir: Path, version: int) -> None:
+    """The versions before `version` that the proof keeps, read back from the run's weights
+    files: their groups, still in the stream, are proven after a restart as before it. One
+    not on disk is not kept, and its groups are refused as unverifiable (no strike)."""
+    for old in range(max(0, version - proof.keep + 1), version):
+        try:
+            files = weights_at(run_dir, old)
+        except FileNotFoundError:
+            continue
+        proof.recall(old, shards_tensors(read_shards(files)))
 
 
 def follow_rank_0(cfg: EchoConfig, ranks: Ranks) -> int:

@@ -164,7 +164,7 @@ class Trainer:
             if not stepped.forged:
                 return stepped.stats
             log.warning("step.forged_groups", step=step.number, forged=stepped.forged)
-            await self.collector.refuse_forged(step.collected, stepped.forged)
+            await self.collector.tally.refuse_forged(step.collected, stepped.forged)
             await self.collector.collect(self.cfg.trainer.groups_per_step, version, self.granter.on_wait,
                                          into=step.collected)
             step.batch = step.collected.batch(version - self.cfg.staleness_bound, step.number)
