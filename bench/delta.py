@@ -29,7 +29,8 @@ from echo.config import validate_config
 from echo.model.policy import shards_tensors
 from echo.train.checkpoint import read_shards, weights_at
 from echo.train.metrics import read_metrics
-from echo.weights.delta import apply, changed_fraction, digest, encode, pack, unpack
+from echo.weights.delta import apply, changed_fraction, encode, pack, unpack
+from echo.weights.digest import tensors_digest
 
 
 def train(model: str, task: str, steps: int, lr: float, work: Path) -> Path:
@@ -54,7 +55,7 @@ def measure_pair(before: dict, after: dict) -> dict:
     encoded = time.perf_counter()
     whole = sum(t.numel() * t.element_size() for t in after.values())
     rebuilt = apply(before, unpack(packed, 2 * whole))
-    same = digest(rebuilt) == digest(after)
+    same = tensors_digest(rebuilt) == tensors_digest(after)
     applied = time.perf_counter()
     return {"whole_bytes": whole, "delta_bytes": len(safetensors.torch.save(delta)), "delta_zlib_bytes": len(packed),
             "delta_share": len(packed) / whole,

@@ -91,11 +91,12 @@ class FullWeights:
 
     async def publish(self, weights, version: int, model: str):
         from echo.weights import delta
+        from echo.weights.digest import tensors_digest
 
         before = dict(self.tensors)
         if version:
             self.step()
-        digest, base = delta.digest(self.tensors), weights.newest
+        digest, base = tensors_digest(self.tensors), weights.newest
         if self.deltas and base is not None:
             packed = delta.pack(delta.encode(before, self.tensors))
             if not delta.send_whole(version, weights.chain[0].version, len(packed), self.size,

@@ -108,7 +108,7 @@ PROMPT_SHOWN = 300  # characters of a group's prompt a table line shows
 
 
 def table_line(record: dict, decode: Callable[[list[int]], str] | None = None) -> str:
-    """One line per record, then each completion's reward and text: decoded from its tokens with
+    """One line per record, then each completion's claimed reward (its sampler's) and text: decoded from its tokens with
     `decode` (the run's tokenizer; a multi-turn episode turn by turn, the model's words and the
     environment's), else the text its sampler claimed. Shown as repr: escaped, one line each."""
     group = record.get("group")
@@ -118,17 +118,19 @@ def table_line(record: dict, decode: Callable[[list[int]], str] | None = None) -
     tokens = sum(len(c["token_ids"]) for c in group["completions"])
     line = (f"{record['seq']:>7}  {group['sampler_id']:<10} v{group['version']:<5} {group['task']:<10} "
             f"{group['group_id']}  {len(rewards)} completions  {tokens} tokens  "
-            f"reward {sum(rewards) / len(rewards):.3f}")
+            f"claimed reward {sum(rewards) / len(rewards):.3f}")
     lines = [line]
     if decode is not None and group.get("prompt_token_ids") is not None:  # its end: where the question is
         lines.append(f"    prompt: {decode(group['prompt_token_ids'])[-PROMPT_SHOWN:]!r}")
     for i, completion in enumerate(group["completions"]):
         if decode is None or not completion["observations"]:
             text = repr(decode(completion["token_ids"])) if decode else f"claimed {completion['text']!r}"
-            lines.append(f"    [{i}] reward {completion['reward']:.3f} {completion['finish_reason']}: {text}")
+            claimed = completion["claimed_reward"]
+            lines.append(f"    [{i}] claimed reward {claimed:.3f} {completion['finish_reason']}: {text}")
             continue
         turns = Completion.model_validate(completion)
-        lines.append(f"    episode {i}: reward {completion['reward']:.3f}, {len(turns.model_turns())} turns")
+        claimed = completion["claimed_reward"]
+        lines.append(f"    episode {i}: claimed reward {claimed:.3f}, {len(turns.model_turns())} turns")
         ids, observations = completion["token_ids"], [*completion["observations"], None]
         for (start, end), observation in zip(turns.model_turns(), observations):
             lines.append(f"      model: {decode(ids[start:end])!r}")

@@ -22,6 +22,7 @@ from echo.config import ConfigError
 from echo.model.policy import shards_tensors
 from echo.process.logs import Progress
 from echo.weights import delta
+from echo.weights.digest import tensors_digest
 from echo.weights.retention import expired_versions
 from echo.wire.codec import encode
 from echo.wire.messages import WeightsAnnouncement, WeightsLink, WeightsShard
@@ -163,7 +164,7 @@ def _applied(tensors: dict[str, torch.Tensor], packed: bytes, inflated_max: int)
 
 def _whole_if(tensors: dict[str, torch.Tensor], announcement: WeightsAnnouncement) -> bytearray:
     """`tensors` as one safetensors shard, if they are the weights `announcement`'s digest names."""
-    if delta.digest(tensors) != announcement.digest:
+    if tensors_digest(tensors) != announcement.digest:
         raise delta.DeltaError(f"version {announcement.version}'s rebuilt weights are not its digest")
     return bytearray(safetensors.torch.save(tensors))
 

@@ -258,6 +258,15 @@ def running(*processes: subprocess.Popen) -> None:
         assert p.poll() is None, p.stderr.read()[-3000:]
 
 
+def stopped(*processes: subprocess.Popen) -> None:
+    """A test's cleanup, whatever happened before it: each of `processes` still running is killed,
+    and each reaped (a worker left running would load every test after this one)."""
+    for p in processes:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
 def wait_for_steps(run_dir, steps: int, processes: list[subprocess.Popen], timeout: float = 120) -> None:
     """Until metrics.jsonl has `steps` lines, while every one of `processes` runs."""
     eventually(lambda: len(read_metrics(run_dir)) >= steps or running(*processes), timeout, 0.05,

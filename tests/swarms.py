@@ -13,7 +13,7 @@ from echo.fleet.grants import DeliveryBound
 from streams.client import open_run
 from streams.registry import read_statuses, read_trainer_status
 from streams.replay import read_rollouts, run_broker
-from tests.conftest import assert_balanced
+from tests.conftest import assert_balanced, stopped
 
 SMALL = ["lora.r=4", "sampling.group_size=4", "sampling.max_new_tokens=8", "trainer.groups_per_step=4", "run.eval_prompts=0"]
 
@@ -39,7 +39,7 @@ def run_swarm(tmp_path, run_id: str, steps: int, *overrides: str, flags=(), samp
         try:
             _, stderr = proc.communicate(timeout=900)  # a hang guard: a run here takes 1-4 min
         finally:
-            proc.kill()
+            stopped(proc)
     assert proc.returncode == 0, stderr[-3000:]
     run_dir = tmp_path / run_id
     metrics = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]

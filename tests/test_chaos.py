@@ -25,6 +25,7 @@ from streams.registry import put_status
 from streams.server import NatsServer, ServerConfig, free_port
 from tests.conftest import (
     assert_balanced,
+    eventually,
     read_metrics,
     run_trainer_and_sampler,
     sampler_statuses,
@@ -283,12 +284,13 @@ def test_samplers_behind_a_relay_whose_uplink_is_cut_and_restored_carry_on(tmp_p
 def _wait_until_beating_on(url: str, run_id: str, samplers: set[str], version: int, since: float,
                            timeout: float = 60) -> None:
     """Until each of `samplers` has written a heartbeat after `since` saying it runs `version`."""
-    deadline = time.monotonic() + timeout
-    while True:
+    behind: dict = {}
+
+    def beating() -> bool:
         statuses = asyncio.run(sampler_statuses(url, run_id))
-        behind = {i: statuses.get(i) for i in samplers
-                  if i not in statuses or statuses[i].updated_at <= since or statuses[i].version != version}
-        if not behind:
-            return
-        assert time.monotonic() < deadline, f"not beating on version {version} since {since}: {behind}"
-        time.sleep(0.2)
+        behind.clear()
+        behind.update({i: statuses.get(i) for i in samplers
+                       if i not in statuses or statuses[i].updated_at <= since or statuses[i].version != version})
+        return not behind
+
+    eventually(beating, timeout, 0.2, why=lambda _: f"not beating on version {version} since {since}: {behind}")

@@ -14,6 +14,7 @@ from echo.config import load_config
 from streams.client import connect, wait_for_jetstream
 from streams.secure import SecureDir
 from streams.server import NatsServer, ServerConfig, free_port, nats_server_binary
+from tests.conftest import stopped
 from workers.cli import build_parser, main
 from workers.operator.relay import relay_config_from_args
 
@@ -130,8 +131,7 @@ def test_the_compose_hub_starts_with_the_secrets_its_init_service_writes(tmp_pat
         with relay:
             asyncio.run(trainer_connects_and_the_relay_joins(relay.url))
     finally:
-        server.terminate()
-        server.wait(timeout=10)
+        stopped(server)
 
 
 def test_every_container_log_is_bounded():

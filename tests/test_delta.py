@@ -6,7 +6,8 @@ import torch
 
 from echo.model.loading import load_model
 from echo.model.policy import load_tensors, policy_tensors
-from echo.weights.delta import CHANGED, VALUES, DeltaError, apply, changed_fraction, digest, encode, send_whole
+from echo.weights.delta import CHANGED, VALUES, DeltaError, apply, changed_fraction, encode, send_whole
+from echo.weights.digest import files_digest, tensors_digest
 
 
 def versions(seed: int = 0, dtype=torch.bfloat16, lr: float = 1e-5):
@@ -24,7 +25,7 @@ def test_a_delta_rebuilds_the_new_version_bit_for_bit_and_is_small_where_little_
     old, new = versions()
     delta = encode(old, new)
     rebuilt = apply(old, delta)
-    assert digest(rebuilt) == digest(new) != digest(old)
+    assert tensors_digest(rebuilt) == tensors_digest(new) != tensors_digest(old)
     assert all(torch.equal(rebuilt[k].view(torch.int16), new[k].view(torch.int16)) for k in new)
     assert "head.bias.changed" in delta  # 0 + 1e-5 is representable: every element moved
     total = sum(t.numel() for t in new.values())
@@ -39,7 +40,7 @@ def test_bits_not_values_decide_what_changed():
     new = {"w": torch.tensor([-0.0, 1.0, float("nan")])}
     delta = encode(old, new)
     assert delta["w.values"].numel() == 1  # -0.0 == 0.0 as values, not as bits; NaN's bits kept
-    assert digest(apply(old, delta)) == digest(new)
+    assert tensors_digest(apply(old, delta)) == tensors_digest(new)
     assert encode(new, new) == {}  # nothing changed, nothing sent
 
 
@@ -47,7 +48,7 @@ def test_the_old_weights_are_left_as_they_were():
     old, new = versions(1)
     kept = {k: v.clone() for k, v in old.items()}
     apply(old, encode(old, new))
-    assert digest(old) == digest(kept)
+    assert tensors_digest(old) == tensors_digest(kept)
 
 
 @pytest.mark.parametrize("spoil, reason", [
@@ -101,7 +102,33 @@ def test_a_mixture_of_experts_full_weights_go_as_a_delta_and_load_bit_for_bit():
     new = policy_tensors(model, torch.bfloat16)
     assert any(t.dim() == 3 for t in new.values())  # the experts, stacked
     rebuilt = apply(old, encode(old, new))
-    assert digest(rebuilt) == digest(new) != digest(old)
+    assert tensors_digest(rebuilt) == tensors_digest(new) != tensors_digest(old)
     sampler = load_model("tiny-moe", dtype=torch.bfloat16)[0]
     load_tensors(sampler, rebuilt)
     assert all(torch.equal(p, new[k]) for k, p in sampler.named_parameters())
+
+
+def test_one_digest_of_weights_in_memory_on_disk_or_as_a_base_model(tmp_path):
+    """The weights digest is one (echo/weights/digest.py): held tensors, safetensors files read
+    piece by piece and a base model's folder give the same digest for the same weights, and any
+    bit, name, dtype or shape changed gives another."""
+    import safetensors.torch
+
+    from echo.model.loading import base_model_digest, model_folder
+
+    tensors = {"a.weight": torch.randn(4, 6).to(torch.bfloat16), "b.bias": torch.arange(5, dtype=torch.int64),
+               "c.scale": torch.tensor(0.5), "d.w": torch.randn(3, 3)}
+    files = [tmp_path / "x-0.safetensors", tmp_path / "x-1.safetensors"]
+    safetensors.torch.save_file({k: tensors[k] for k in ("d.w", "a.weight")}, files[0])
+    safetensors.torch.save_file({k: tensors[k] for k in ("c.scale", "b.bias")}, files[1])
+    assert files_digest(files) == tensors_digest(tensors) == files_digest(files[::-1])
+    assert tensors_digest(tensors).startswith("sha256:")
+    flipped = tensors["a.weight"].clone()
+    flipped.view(torch.int16)[0, 0] ^= 1
+    for other in ({**tensors, "a.weight": flipped}, {**tensors, "d.w": tensors["d.w"].double()},
+                  {**tensors, "d.w": tensors["d.w"].reshape(9)}, {("e" + k[1:] if k == "d.w" else k): v
+                                                                  for k, v in tensors.items()}):
+        assert tensors_digest(other) != tensors_digest(tensors)
+    folder = model_folder("tiny")
+    held = {name: t for f in sorted(folder.glob("*.safetensors")) for name, t in safetensors.torch.load_file(f).items()}
+    assert base_model_digest("tiny") == tensors_digest(held)

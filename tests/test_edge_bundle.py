@@ -14,7 +14,7 @@ import pytest
 from echo.train.metrics import read_metrics
 from streams.client import open_run
 from streams.registry import read_statuses
-from tests.conftest import tiny_config, worker_process
+from tests.conftest import stopped, tiny_config, worker_process
 from workers.operator.edge_bundle import BOX_PROVIDES, build, closure
 
 pytestmark = pytest.mark.slow
@@ -59,9 +59,7 @@ def test_the_single_file_sampler_joins_a_swarm_from_a_box_with_only_torch(tmp_pa
         sampler.send_signal(signal.SIGTERM)
         _, logs = sampler.communicate(timeout=60)
     finally:
-        for p in (trainer, sampler):
-            if p.poll() is None:
-                p.kill()
+        stopped(trainer, sampler)
     assert sampler.returncode == 0, logs[-3000:]
     lines = [orjson.loads(line) for line in logs.splitlines() if line.startswith("{")]
     ready = next(line for line in lines if line["event"] == "sampler.ready")

@@ -45,6 +45,8 @@ from tests.conftest import (
     alive,
     assert_accounting_holds,
     collect_and_account,
+    eventually,
+    stopped,
     store_tampered,
     tiny_config,
     wait_for_steps,
@@ -102,9 +104,7 @@ def test_trainer_and_sampler_stop_on_sigterm_mid_run_the_trainer_within_its_step
         trainer_logs = _stop(trainer)
         sampler_logs = _stop(sampler)
     finally:
-        for p in (trainer, sampler):
-            if p.poll() is None:
-                p.kill()
+        stopped(trainer, sampler)
     assert trainer.returncode == 0, trainer_logs[-2000:]
     assert len(read_metrics(cfg.run_dir)) <= steps_at_sigterm + 1  # it stops in the step it is in, however slow
     assert sampler.returncode == 0, sampler_logs[-2000:]
@@ -319,8 +319,7 @@ async def test_a_trainer_restarted_on_its_machine_takes_the_run_at_once_and_a_li
                 await asyncio.sleep(0.05)
             taken = await take_lease(run, lapse_s=3600)  # not waited for
     finally:
-        holder.kill()
-        holder.wait()
+        stopped(holder)
     assert taken.term == 2 and taken.lease.process
 
 
@@ -408,7 +407,7 @@ def test_sigterm_stops_a_worker_even_when_nats_py_swallows_the_cancellation(nats
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(timeout=15) == 0
     finally:
-        worker.kill()
+        stopped(worker)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
@@ -428,10 +427,7 @@ def test_an_embedded_server_dies_with_the_process_that_started_it_and_a_held_por
         NatsServer(tmp_path / "second", ServerConfig(port=port)).start()
     starter.kill()
     starter.wait()
-    deadline = time.monotonic() + 30
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not alive(pid)
+    eventually(lambda: not alive(pid), 30, why=lambda _: f"the server (pid {pid}) outlived its starter")
     NatsServer(tmp_path / "second", ServerConfig(port=port)).start().stop()  # the port is free again
 
 

@@ -48,7 +48,8 @@ def test_replay_filters_a_finished_runs_stream(on_policy_swarm):
     assert everything[1] == f"    prompt: {tokenizer.decode(first['prompt_token_ids'])[-300:]!r}"
     first = first["completions"]
     assert everything[2:2 + len(first)] == [
-        f"    [{i}] reward {c['reward']:.3f} {c['finish_reason']}: {tokenizer.decode(c['token_ids'])!r}"
+        f"    [{i}] claimed reward {c['claimed_reward']:.3f} {c['finish_reason']}: "
+        f"{tokenizer.decode(c['token_ids'])!r}"
         for i, c in enumerate(first)]
 
 

@@ -14,8 +14,9 @@ import safetensors.torch
 import torch
 
 from echo.model.policy import shards_tensors
-from echo.train.checkpoint import delta_shards, weights_at, weights_digest, weights_file
+from echo.train.checkpoint import delta_shards, weights_at, weights_file
 from echo.weights import delta
+from echo.weights.digest import files_digest, tensors_digest
 from echo.wire.codec import encode
 from echo.wire.messages import WeightsAnnouncement, WeightsLink, WeightsShard
 from echo.wire.names import weights_object_name
@@ -56,9 +57,9 @@ async def publish(publisher: WeightsPublisher, run_dir, version: int, tensors, w
     base = publisher.newest
     if whole or base is None:
         return await publisher.publish(version, [f.read_bytes() for f in files], TINY_BASE, "full",
-                                       digest=lie.get("digest", weights_digest(files)))
+                                       digest=lie.get("digest", files_digest(files)))
     deltas = lie.get("deltas") or delta_shards(weights_at(run_dir, base.version), files, max_bytes=1 << 30)
-    return await publisher.publish(version, deltas, TINY_BASE, "full", digest=lie.get("digest", weights_digest(files)),
+    return await publisher.publish(version, deltas, TINY_BASE, "full", digest=lie.get("digest", files_digest(files)),
                                    delta_of=base.version)
 
 
@@ -67,7 +68,7 @@ def held(follower: WeightsFollower) -> dict[str, torch.Tensor]:
 
 
 def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return delta.digest(a) == delta.digest(b)
+    return tensors_digest(a) == tensors_digest(b)
 
 
 async def until_failure(follower: WeightsFollower, reason: str, timeout: float = 10.0) -> None:
@@ -180,7 +181,7 @@ async def test_a_delta_announced_before_its_objects_arrive_is_waited_for_not_ref
     shards = [WeightsShard(object_name=name, size=len(data), sha256=hashlib.sha256(data).hexdigest())
               for name, data in zip(names, deltas)]
     announcement = WeightsAnnouncement(version=1, term=publisher.term, kind="full", shards=shards,
-                                       base_model=TINY_BASE, created_at=0.0, digest=weights_digest(files), delta_of=0,
+                                       base_model=TINY_BASE, created_at=0.0, digest=files_digest(files), delta_of=0,
                                        chain=base.links)
     await run.js.publish(run.names.weights_subject, encode(announcement))
     await asyncio.sleep(0.5)

@@ -6,7 +6,6 @@ HF_HOME, HF_HUB_CACHE and HF_HUB_OFFLINE direct)."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import json
@@ -20,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from echo.config import ConfigError, cache_dir
 from echo.model.hf_hub import hub_id, pinned
+from echo.weights.digest import files_digest
 
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -211,9 +211,9 @@ def model_folder(name: str) -> Path:
 
 
 def base_model_digest(name: str) -> str:
-    """What the base model is, by content: a SHA-256 over every weight tensor (name, dtype,
-    shape, bytes, in name order). Weights published for one base are refused by a sampler whose
-    base differs, wherever each keeps its copy (the path does not matter). A folder's digest is
+    """What the base model is, by content: its weights' digest (echo/weights/digest.py). Weights
+    published for one base are refused by a sampler whose base differs, wherever each keeps its
+    copy (the path does not matter). A folder's digest is
     cached beside the converted models, keyed by its files' sizes and times: it is read once."""
     path = model_folder(name)  # the tiny model too, as saved (tied weights stored once)
     files = sorted(Path(path).glob("*.safetensors"))
@@ -223,46 +223,15 @@ def base_model_digest(name: str) -> str:
     cache = cache_dir() / "digests.json"
     known = json.loads(cache.read_text()) if cache.exists() else {}
     if key not in known:
-        known[key] = _files_digest(files)
+        try:
+            known[key] = files_digest(files)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_name(f"digests.json.tmp{os.getpid()}")
         tmp.write_text(json.dumps(known))
         tmp.replace(cache)  # whole or not at all: processes starting together may race here
     return known[key]
-
-
-DIGEST_READ = 1 << 24  # bytes a read: the digest holds one such piece, not the model (61 GB for Qwen3-30B-A3B)
-
-
-def _files_digest(files: list[Path]) -> str:
-    """SHA-256 over every tensor in `files` by name: its name, torch dtype, shape, then its bytes
-    as stored (safetensors keeps them row-major, little-endian: a contiguous tensor's own), read
-    piece by piece from the file: what hashing the loaded tensors gave, in memory of one piece."""
-    from safetensors.torch import _TYPES as DTYPES
-
-    where = {}
-    for f in files:
-        with open(f, "rb") as opened:
-            size = int.from_bytes(opened.read(8), "little")
-            try:
-                header = json.loads(opened.read(size))
-            except ValueError as e:
-                raise ConfigError(f"{f}: not a safetensors file ({e})") from None
-        header.pop("__metadata__", None)
-        where |= {name: (f, 8 + size, h) for name, h in header.items()}
-    digest = hashlib.sha256()
-    with contextlib.ExitStack() as stack:
-        opened = {f: stack.enter_context(open(f, "rb")) for f in files}
-        for name in sorted(where):
-            f, data, h = where[name]
-            if h["dtype"] not in DTYPES:
-                raise ConfigError(f"{f}: tensor {name} has dtype {h['dtype']}, which torch does not load")
-            digest.update(f"{name}|{DTYPES[h['dtype']]}|{tuple(h['shape'])}|".encode())
-            start, end = h["data_offsets"]
-            opened[f].seek(data + start)
-            for at in range(start, end, DIGEST_READ):
-                digest.update(opened[f].read(min(DIGEST_READ, end - at)))
-    return "sha256:" + digest.hexdigest()
 
 
 def model_on_meta(name: str) -> torch.nn.Module:

@@ -18,7 +18,6 @@ import contextlib
 import os
 import shutil
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -129,29 +128,6 @@ def weights_at(run_dir: Path, version: int) -> list[Path]:
 def read_shards(files: list[Path]) -> list[bytearray]:
     """A version's shard files as an engine loads them (writable: tensors are views of them)."""
     return [bytearray(f.read_bytes()) for f in files]
-
-
-class _OnDisk(Mapping):
-    """The tensors of safetensors files, each read when asked for: a version's digest is taken
-    without holding it whole a second time."""
-
-    def __init__(self, files: list[Path]):
-        self.handles = {name: handle for handle in (safetensors.safe_open(f, "pt") for f in files)
-                        for name in handle.keys()}
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.handles[name].get_tensor(name)
-
-    def __iter__(self):
-        return iter(self.handles)
-
-    def __len__(self) -> int:
-        return len(self.handles)
-
-
-def weights_digest(files: list[Path]) -> str:
-    """echo/weights/delta.py's digest of the version in `files` (what a sampler holding it computes)."""
-    return delta.digest(_OnDisk(files))
 
 
 def delta_shards(old_files: list[Path], new_files: list[Path], max_bytes: float) -> list[bytes] | None:

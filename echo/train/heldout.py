@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from echo.process.logs import Progress
 from echo.tasks import is_environment
-from echo.tasks.episodes import play_episodes
+from echo.tasks.episodes import play
 
 
 def held_out_score(engine, task, prompts, max_tokens: int, batch: int = 8, samples: int = 0,
@@ -21,7 +21,7 @@ def held_out_score(engine, task, prompts, max_tokens: int, batch: int = 8, sampl
             ids = [engine.encode_chat(p.messages) for p in chunk]
             draw = None if greedy else seed + call
             if is_environment(task):
-                episodes = play_episodes(engine, task, chunk, ids, n, max_tokens, greedy=greedy, seed=draw)
+                episodes = play(engine, task, chunk, ids, n, max_tokens, greedy=greedy, seed=draw)
                 scores += [(e.reward, e.reward >= 1.0 - 1e-9) for played in episodes for e in played]
             else:
                 outputs = engine.generate(ids, n, greedy=greedy, seed=draw)

@@ -40,12 +40,26 @@ class ForgedInStep(Exception):
 class HeldProof:
     """The proof of sampling a step runs from its own forward (echo/trust/proof.py's held_checks) on
     the groups `version`, the one it trains from, sampled: their recomputed log-probs are its
-    pi_old, so the check costs the token margins only. `judge` answers, before the optimizer's
-    update and alike on every rank, which groups are forged (group id -> why)."""
+    pi_old, so the check costs the token margins only. A hook on the first iteration's passes:
+    `observer` watches a pass's logits as they are made, `checks` reads the pass after its forward,
+    and `judge` answers, before the optimizer's update and alike on every rank, which groups are
+    forged (group id -> why). The step knows nothing else of the proof."""
 
     version: int
     noise_key: Callable[[RolloutGroup], int | None]  # a group's noise key where its tokens are checked
     judge: Callable[[dict[str, Checked]], dict[str, str]]
+
+    def observer(self, pass_groups: list[tuple[RolloutGroup, list[int]]], claimed: list, temperature: float,
+                 device) -> TokenMargins | None:
+        """The token margins of the pass's rows this version sampled with keyed noise (None: none)."""
+        noise = held_noise(pass_groups, self.version, self.noise_key)
+        if not any(n is not None for n in noise):
+            return None
+        return TokenMargins(noise, [torch.from_numpy(c.model_mask()) for c in claimed], temperature, device)
+
+    def checks(self, pass_groups: list[tuple[RolloutGroup, list[int]]], recomputed: torch.Tensor,
+               margins: TokenMargins | None, replay: Replay | None) -> dict[str, Checked]:
+        return held_checks(pass_groups, recomputed, margins, self.version, replay)
 
 
 class PassStats(NamedTuple):
@@ -164,6 +178,44 @@ def rank_passes(passes: list, rank: int, world: int) -> list:
     return mine + [None] * (-(-len(passes) // world) - len(mine))
 
 
+@dataclass(frozen=True)
+class Forward:
+    """How a trainer forwards its policy: the model, the run's config, the pad token, and the
+    device and dtype it computes in (autocast over fp32 trainable parameters)."""
+
+    model: torch.nn.Module
+    cfg: EchoConfig
+    pad_id: int
+    device: torch.device
+    compute_dtype: torch.dtype
+
+    def __call__(self, prompts: list, completions: list, owners: list[int], observe=None, reference: bool = True,
+                 replay: Replay | None = None):
+        """Log-probs, mask and entropy of completions, and the reference's log-probs (KL on, and
+        `reference`: a batch's later iterations reuse the first's); `observe` sees the policy's
+        logits as they are made (policy.states_logprobs); `replay` routes a mixture of experts'
+        tokens as sampled (the reference's too) and measures the policy's routing gaps. Every pass
+        calls the model alike (a reference forward with KL on, in the first iteration; at least two
+        completion positions, so a prompt call and a completion call): see rank_passes."""
+        model, temperature, ref_logprobs = self.model, self.cfg.sampling.temperature, None
+        with autocast(self.device, self.compute_dtype):
+            if self.cfg.algorithm.kl_coef > 0 and reference:
+                # The reference is the base model: the same weights with the adapter switched off.
+                again = replay and replay.again()  # routed alike; its gaps are not the policy's
+                with torch.no_grad(), model.disable_adapter():
+                    states, ids, _ = packed_states(model, prompts, completions, owners, self.pad_id, 2, again)
+                    ref_logprobs = states_logprobs(model, states, ids, temperature)
+            states, ids, mask = packed_states(model, prompts, completions, owners, self.pad_id, 2, replay)
+            logprobs, entropy = states_logprobs(model, states, ids, temperature, with_entropy=True, observe=observe)
+        return logprobs, mask, entropy, ref_logprobs
+
+    def empty_pass(self, reference: bool = True) -> None:
+        """A pass shaped like a real one whose gradient is zero: a rank with fewer passes than
+        another still joins every collective of theirs."""
+        logprobs, *_ = self([[self.pad_id]], [[self.pad_id]], [0], reference=reference)
+        (logprobs.sum() * 0.0).backward()
+
+
 def train_step(model, optimizer, batch: Batch, cfg: EchoConfig, pad_id: int, stop: threading.Event | None = None,
                compute_dtype: torch.dtype = torch.float32, rank: int = 0, world: int = 1,
                held: HeldProof | None = None) -> dict:
@@ -196,6 +248,7 @@ def train_step(model, optimizer, batch: Batch, cfg: EchoConfig, pad_id: int, sto
     over the model's tokens only; the advantage is the episode's, over its group."""
     tcfg, acfg = cfg.trainer, cfg.algorithm
     device = model_device(model)
+    forward = Forward(model, cfg, pad_id, device, compute_dtype)
     counts = (batch.trained_tokens(acfg.mask_truncated), batch.sequences)
     advantages = batch.advantages(acfg.scale_rewards, device)
     passes = rank_passes(step_passes(batch, tcfg.micro_batch_tokens, shares_passes(tcfg.pack_groups, device)), rank, world)
@@ -213,10 +266,10 @@ def train_step(model, optimizer, batch: Batch, cfg: EchoConfig, pad_id: int, sto
                 optimizer.zero_grad(set_to_none=True)
                 raise StepAbandoned(f"iteration {iteration + 1}: {done} of {len(passes)} passes done")
             if this is None:
-                _empty_pass(model, cfg, pad_id, device, compute_dtype, reference=iteration == 0)
+                forward.empty_pass(reference=iteration == 0)
                 continue
             segments = [(batch.groups[g].group, advantages[g][rows], rows) for g, rows in this]
-            stats, fixed = _pass(model, cfg, pad_id, device, compute_dtype, segments, counts, batch.oldest_version,
+            stats, fixed = _pass(forward, segments, counts, batch.oldest_version,
                                  held if iteration == 0 else None, frozen.get(done))
             if acfg.num_iterations > 1:  # kept on the device for the later iterations only
                 frozen[done] = fixed
@@ -296,29 +349,24 @@ def merge_stats(parts: list[dict]) -> dict:
     }
 
 
-def _pass(model, cfg: EchoConfig, pad_id: int, device, compute_dtype,
-          segments: list[tuple[RolloutGroup, torch.Tensor, list[int]]], counts: tuple[int, int], oldest_version: int,
-          held: HeldProof | None = None, frozen: Frozen | None = None) -> tuple[PassStats, Frozen]:
+def _pass(forward: Forward, segments: list[tuple[RolloutGroup, torch.Tensor, list[int]]], counts: tuple[int, int],
+          oldest_version: int, held: HeldProof | None = None, frozen: Frozen | None = None) -> tuple[PassStats, Frozen]:
     """Forward and backward over some completions of some groups: (group, the rows' advantages,
     rows) each; the advantages are over each whole group, whichever of its completions this pass
     takes. `counts`: the whole batch's trained tokens and completions (the loss's aggregation).
     `frozen`: what the batch's first iteration fixed (none: this is the first)."""
-    acfg = cfg.algorithm
+    cfg, device, acfg = forward.cfg, forward.device, forward.cfg.algorithm
     prompts = [group.prompt_token_ids for group, _, _ in segments]
     claimed = [group.completions[i] for group, _, rows in segments for i in rows]
     owners = [j for j, (_, _, rows) in enumerate(segments) for _ in rows]
     advantages = torch.cat([rows_advantages for _, rows_advantages, _ in segments])
     pass_groups = [(group, rows) for group, _, rows in segments]
-    margins = None  # the held version's token margins, from the logits the log-probs are made of
-    noise = [] if held is None else held_noise(pass_groups, held.version, held.noise_key)
-    if any(n is not None for n in noise):
-        margins = TokenMargins(noise, [torch.from_numpy(c.model_mask()) for c in claimed], cfg.sampling.temperature,
-                               device)
+    # The held version's token margins, from the logits the log-probs are made of.
+    margins = None if held is None else held.observer(pass_groups, claimed, cfg.sampling.temperature, device)
     replay = Replay.of(pass_groups) if acfg.router_replay == "replay" else None  # each token's recorded experts
-    logprobs, mask, entropy, ref_logprobs = _forward(model, cfg, pad_id, device, compute_dtype, prompts,
-                                                     [c.token_ids for c in claimed], owners, margins,
-                                                     reference=frozen is None, replay=replay)
-    checked = {} if held is None else held_checks(pass_groups, logprobs.detach(), margins, held.version, replay)
+    logprobs, mask, entropy, ref_logprobs = forward(prompts, [c.token_ids for c in claimed], owners, margins,
+                                                    reference=frozen is None, replay=replay)
+    checked = {} if held is None else held.checks(pass_groups, logprobs.detach(), margins, replay)
     if frozen is None:
         frozen = _freeze(logprobs.detach(), mask, ref_logprobs, segments, claimed, oldest_version, acfg, device)
     mask = frozen.mask
@@ -349,35 +397,6 @@ def _freeze(old_logprobs: torch.Tensor, mask: torch.Tensor, ref_logprobs, segmen
                             acfg.rollout_rs_threshold_lower, acfg.rollout_rs_threshold, acfg.rollout_rs_k3_threshold)
     weights, importance = rollout_correction(old_logprobs, behaviour.to(device), mask, correction)
     return Frozen(old_logprobs, mask, weights, importance, ref_logprobs)
-
-
-def _forward(model, cfg: EchoConfig, pad_id: int, device, compute_dtype, prompts: list, completions: list,
-             owners: list[int], observe=None, reference: bool = True, replay: Replay | None = None):
-    """Log-probs, mask and entropy of completions, and the reference's log-probs (KL on, and
-    `reference`: a batch's later iterations reuse the first's); `observe` sees the policy's
-    logits as they are made (policy.states_logprobs); `replay` routes a mixture of experts'
-    tokens as sampled (the reference's too) and measures the policy's routing gaps. Every pass
-    calls the model alike (a reference forward with KL on, in the first iteration; at least two
-    completion positions, so a prompt call and a completion call): see rank_passes."""
-    temperature, ref_logprobs = cfg.sampling.temperature, None
-    with autocast(device, compute_dtype):
-        if cfg.algorithm.kl_coef > 0 and reference:
-            # The reference is the base model: the same weights with the adapter switched off.
-            again = replay and replay.again()  # routed alike; its gaps are not the policy's
-            with torch.no_grad(), model.disable_adapter():
-                states, ids, _ = packed_states(model, prompts, completions, owners, pad_id, 2, again)
-                ref_logprobs = states_logprobs(model, states, ids, temperature)
-        states, ids, mask = packed_states(model, prompts, completions, owners, pad_id, 2, replay)
-        logprobs, entropy = states_logprobs(model, states, ids, temperature, with_entropy=True, observe=observe)
-    return logprobs, mask, entropy, ref_logprobs
-
-
-def _empty_pass(model, cfg: EchoConfig, pad_id: int, device, compute_dtype, reference: bool = True) -> None:
-    """A pass shaped like a real one whose gradient is zero: a rank with fewer passes than
-    another still joins every collective of theirs."""
-    logprobs, *_ = _forward(model, cfg, pad_id, device, compute_dtype, [[pad_id]], [[pad_id]], [0],
-                            reference=reference)
-    (logprobs.sum() * 0.0).backward()
 
 
 def learning_rate(cfg: EchoConfig, step: int) -> float:

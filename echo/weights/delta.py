@@ -7,7 +7,7 @@ bits XOR the new, as integers of the element's width (a step of an ulp or two fl
 bits, so these compress to a few bits each, where the new values would not); anything else is
 the old version's. Comparison is of the bits, not the values: -0.0 against 0.0, or one NaN
 against another, is a change, so that applying a delta reproduces the new version exactly and
-the digest of the whole (`digest`) proves it. A delta is safetensors tensors like a version's shard (`<name>.changed`, uint8,
+the digest of the whole (echo/weights/digest.py) proves it. A delta is safetensors tensors like a version's shard (`<name>.changed`, uint8,
 `<name>.values`), so it travels, shards and is digest-checked as weights do.
 
 On the wire (`pack`) a delta is that safetensors file compressed with zlib: a sparse mask is
@@ -22,26 +22,20 @@ holds one of the announced chain, else the anchor and every delta after it.
 
 from __future__ import annotations
 
-import hashlib
 import zlib
-from collections.abc import Mapping
 
 import numpy as np
 import safetensors.torch
 import torch
 
+from echo.weights.digest import BITS, bits
 from echo.wire.messages import WeightsAnnouncement, WeightsLink
 
 CHANGED, VALUES = ".changed", ".values"
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a dtype's bits, by its item size
 
 
 class DeltaError(ValueError):
     """A delta that does not apply to the weights held: the caller fetches a whole version."""
-
-
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().contiguous().view(-1).view(_BITS[tensor.element_size()])
 
 
 def encode(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -55,7 +49,7 @@ def encode(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[s
         if before.shape != tensor.shape or before.dtype != tensor.dtype:
             raise DeltaError(f"{name}: {tuple(before.shape)} {before.dtype} became "
                              f"{tuple(tensor.shape)} {tensor.dtype}")
-        old_bits, new_bits = _bits(before), _bits(tensor)
+        old_bits, new_bits = bits(before), bits(tensor)
         changed = (old_bits != new_bits).numpy()
         if not changed.any():
             continue
@@ -83,11 +77,11 @@ def apply(old: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) -> dict[
             raise DeltaError(f"{name}: changes past its {n} elements")
         changed = torch.from_numpy(changed[:n].astype(bool))
         count = int(changed.sum())
-        bits = _BITS[tensor.element_size()]
-        if values is None or values.dtype != bits or values.dim() != 1 or values.numel() != count:
+        width = BITS[tensor.element_size()]
+        if values is None or values.dtype != width or values.dim() != 1 or values.numel() != count:
             got = "none" if values is None else f"{values.numel()} {values.dtype}"
-            raise DeltaError(f"{name}: {count} changes and {got} values (of {bits}, for {tensor.dtype})")
-        flat = _bits(tensor).clone()
+            raise DeltaError(f"{name}: {count} changes and {got} values (of {width}, for {tensor.dtype})")
+        flat = bits(tensor).clone()
         flat[changed] ^= values
         new[name] = flat.view(tensor.dtype).view(tensor.shape)
     return new
@@ -120,17 +114,6 @@ def route(announcement: WeightsAnnouncement, held: WeightsAnnouncement | None) -
             if link.version == held.version and link.digest == held.digest:
                 return links[i + 1:]
     return links
-
-
-def digest(tensors: Mapping[str, torch.Tensor]) -> str:
-    """sha256 of the weights as a whole: every tensor's name, dtype, shape and bits, in name
-    order. Two holders of the same digest hold the same weights, however they got them."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        tensor = tensors[name].detach().contiguous()
-        h.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
-        h.update(_bits(tensor).numpy().tobytes())
-    return h.hexdigest()
 
 
 def changed_fraction(delta: dict[str, torch.Tensor], total_elements: int) -> float:

@@ -68,4 +68,6 @@ not read; this is the one list of it):
     requests, requests for work, groups). Stored names keep theirs: the weights objects'
     `trainer-epoch` header and their names' `e` prefix. A completion's reward from its sampler
     is its `claimed_reward` (`reward` before): a claim the trainer checks, never trained on.
+    A weights digest is `sha256:<hex>`, the one digest of weights (the base model's already was);
+    bare hex before.
 """

@@ -192,7 +192,7 @@ STATUS_SAMPLES = 4  # sample completions the trainer's status carries (run.sampl
 SCALAR_NAME = r"^[a-z_]{1,64}$"  # a step's headline value in the trainer's status
 CONTROL_CHARACTERS = r"\x00-\x1f\x7f-\x9f"  # C0 and C1, as a regex character range: ESC and CSI among them
 LABEL_PATTERN = rf"^[^{CONTROL_CHARACTERS}]*$"
-DIGEST = r"^([0-9a-f]{64})?$"  # echo/weights/delta.py::digest, or "" where none is given
+DIGEST = r"^((sha256:)?[0-9a-f]{64})?$"  # echo/weights/digest.py (bare hex before schema 28), or "" for none
 MAX_CHAIN = 64  # links of a delta chain an announcement may name (the trainer sends whole long before)
 # A mixture of experts' routing on the wire: MoE layers, experts chosen a token, experts a layer
 # (Qwen3-235B: 94 layers, 8 of 128; DeepSeek-V3: 58, 8 of 256).

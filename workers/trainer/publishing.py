@@ -10,8 +10,9 @@ import structlog
 
 from echo.config import EchoConfig
 from echo.process.logs import bind_process
-from echo.train.checkpoint import delta_shards, weights_at, weights_digest
+from echo.train.checkpoint import delta_shards, weights_at
 from echo.weights.delta import DeltaError, send_whole
+from echo.weights.digest import files_digest
 from echo.wire.messages import WeightsAnnouncement, WeightsLink
 from streams.client import retry_forever
 from streams.weights import WeightsPublisher
@@ -47,7 +48,7 @@ def as_delta(cfg: EchoConfig, version: int, files: list[Path],
     goes whole: the first this trainer publishes, every `trainer.delta_every`, or a delta
     larger than `trainer.delta_max_share` of the whole."""
     tcfg = cfg.trainer
-    digest, whole = weights_digest(files), sum(f.stat().st_size for f in files)
+    digest, whole = files_digest(files), sum(f.stat().st_size for f in files)
     anchor = chain[0].version if chain else None
 
     def goes_whole(delta_bytes: int) -> bool:
