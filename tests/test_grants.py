@@ -750,21 +750,6 @@ def test_the_deadline_of_a_version_is_judged_at_the_pace_of_its_usual_steps_and_
     assert ledger.fresh_for_s(2, 1, now=72.0) < 0  # version 4 is out: stale already
 
 
-def test_the_fleets_joining_is_not_a_step_of_the_deadline():
-    """Version 0 is announced before any sampler joins: the first interval, from it to version
-    1, was the joining and a step, and with one interval known the deadline let slow samplers
-    take groups of version 1 that arrived stale. It counts from the first grant instead."""
-    ledger = GrantLedger()
-    ledger.announced(0, 0.0)
-    ledger.grant("s1", 1, headroom=1, window=8, now=15.0)  # the fleet joined after 15 s
-    ledger.announced(1, 20.0)  # a 5 s step
-    assert ledger.fresh_for_s(1, 1, now=21.0) == pytest.approx(20.0 + 2 * 5.0 * STEP_SHARE - 21.0)
-    joined_at_once = GrantLedger()
-    joined_at_once.announced(0, 0.0)
-    joined_at_once.grant("s1", 1, headroom=1, window=8, now=0.0)
-    joined_at_once.announced(1, 20.0)  # a 20 s step: the deadline is its
-    assert joined_at_once.fresh_for_s(1, 1, now=21.0) == pytest.approx(20.0 + 2 * 20.0 * STEP_SHARE - 21.0)
-
 
 def test_the_trainer_measures_each_grant_by_the_groups_it_accepted():
     """A grant is a call the trainer times itself, from the grant to its last group's arrival:

@@ -190,7 +190,6 @@ class GrantLedger:
         self._holding: dict[str, set[int]] = {}  # the same by sampler: no scan of every slot out a grant
         self.asked_at: dict[str, float] = {}
         self.granted_at = 0.0  # the last grant of any slot
-        self.first_granted_at: float | None = None  # this trainer's first: the fleet had joined (min_samplers)
         # who asked within active_s, oldest first: how many share the work, with no scan of every
         # sampler a grant (a thousand samplers asking each step made that a million a step)
         self._asking: OrderedDict[str, float] = OrderedDict()
@@ -260,15 +259,12 @@ class GrantLedger:
         until the trainer announces version + max_staleness + 1, a step taking STEP_SHARE of the
         lower quartile of the intervals between its recent announcements (None before it has
         two). Not their mean: the first step, waiting for the fleet, took four of the later ones.
-        Nor from an announcement before any work was granted: while the fleet joins, nothing is
-        generated (at 256 samplers the first interval, 14-18 s of joining and a 5 s step, let
-        the first steps grant slow samplers groups that arrived stale). At least the steps still
-        to come after the one under way: a step running long moves the deadline too (without that
-        floor every sampler was refused, one grant a REDRAW_S, and a step took 90 s)."""
+        At least the steps still to come after the one under way: a step running long moves the
+        deadline too (without that floor every sampler was refused, one grant a REDRAW_S, and a
+        step took 90 s)."""
         if len(self._announced) < 2:
             return None
-        began = 0.0 if self.first_granted_at is None else self.first_granted_at
-        announced = [(v, max(at, began)) for v, at in sorted(self._announced.items())]
+        announced = sorted(self._announced.items())
         intervals = sorted((at - before_at) / (v - before)
                            for (before, before_at), (v, at) in zip(announced, announced[1:]))
         (last, last_at), interval = announced[-1], STEP_SHARE * intervals[len(intervals) // 4]
@@ -325,8 +321,6 @@ class GrantLedger:
             self.progress_at[sampler_id] = now
         if slots:
             self.granted_at = now
-            if self.first_granted_at is None:
-                self.first_granted_at = now
         return slots, headroom > groups and held + groups < share
 
     def _observe_sync(self, sampler_id: str, version: int, now: float) -> None:
