@@ -63,7 +63,7 @@ def run_colocated(cfg: EchoConfig, engine: Engine | None = None) -> None:
             metrics.write(metrics_line({
                 "step": step, "version": step, **stats,
                 "tokens_per_second": stats["tokens"] / stats["train_seconds"],
-                "learner_busy": (trained - generated) / (trained - step_started),
+                "utilisation": (trained - generated) / (trained - step_started),
                 "step_seconds": trained - step_started, "wait_seconds": generated - step_started,
                 "busy_seconds": trained - generated, "wall_seconds": trained - started,
                 "used": len(groups), "dropped_stale": 0, "dropped_tokens": 0, "generated_seconds": generated - step_started,

@@ -199,8 +199,8 @@ def run_summary(cfg: EchoConfig, mode: str) -> dict:
         "seconds_per_step": wall / len(lines),
         "learner_seconds": busy,
         "sampler_seconds": generated,
-        "learner_busy": busy / wall,
-        "sampler_busy": generated / (sampler_count * wall),
+        "utilisation": busy / wall,  # the learner's, as the trainer's status says it
+        "sampler_utilisation": generated / (sampler_count * wall),
         "wasted_token_fraction": wasted / max(trained + wasted, 1),
         "dropped_groups": sum(r["dropped_stale"] for r in lines),
         "rejected": dict(sum((Counter(r.get("rejected", {})) for r in lines), Counter())),
@@ -316,8 +316,15 @@ def _spread(values: list[float]) -> dict:
             "min": min(values), "max": max(values), "values": values}
 
 
+def current(run: dict) -> dict:
+    """A run as recorded before 2026-12-07 (`learner_busy`, `sampler_busy`) in today's words."""
+    renamed = {"learner_busy": "utilisation", "sampler_busy": "sampler_utilisation"}
+    return {renamed.get(k, k): v for k, v in run.items()}
+
+
 def mode_summary(mode: str, runs: list[dict], base: dict, threshold: float, prices: dict,
                  measure: str = "correct") -> dict:
+    runs = [current(r) for r in runs]
     at, costs = MEASURES[measure], [run_cost(r, mode, prices) for r in runs]
     gain = statistics.fmean(r["curve"][-1][at] for r in runs) - base[measure]
     return {
@@ -329,7 +336,7 @@ def mode_summary(mode: str, runs: list[dict], base: dict, threshold: float, pric
         "final": _spread([r["curve"][-1][at] for r in runs]),
         "auc": _spread([area_under(r["curve"], at) for r in runs]),
         **{key: _spread([r[key] for r in runs]) for key in (
-            "seconds_per_step", "learner_busy", "sampler_busy", "wasted_token_fraction")},
+            "seconds_per_step", "utilisation", "sampler_utilisation", "wasted_token_fraction")},
         # Runs before each was measured: 0.
         **{key: _spread([r.get(key, 0.0) for r in runs]) for key in (
             "peak_rss_mb", "sampler_peak_rss_mb", "tokens_per_second")},
@@ -561,8 +568,8 @@ def table(results: dict) -> str:
         off = m["off_policy"]
         rows.append(f"| {mode} | {len(m['runs'])} | {m['final']['mean']:.3f} ± {m['final']['std']:.3f} "
                     f"| {m['auc']['mean']:.3f} ± {m['auc']['std']:.3f} | {m['reached']} of {len(m['runs'])} "
-                    f"| {m['seconds_per_step']['mean']:.2f} | {m['learner_busy']['mean']:.2f} "
-                    f"| {m['sampler_busy']['mean']:.2f} | {m['wasted_token_fraction']['mean']:.3f} "
+                    f"| {m['seconds_per_step']['mean']:.2f} | {m['utilisation']['mean']:.2f} "
+                    f"| {m['sampler_utilisation']['mean']:.2f} | {m['wasted_token_fraction']['mean']:.3f} "
                     f"| {off['staleness']['mean']:.2f} | {_of(off, 'is_ratio_mean', 'mean')} "
                     f"({_of(off, 'is_ratio_max', 'max')}) | {_of(off, 'mismatch_kl', 'mean', '.2g')} "
                     f"| {m['cost_usd']['mean']:.4f} | {per_point} | {measured(m, 'peak_rss_mb')} "

@@ -108,7 +108,7 @@ def run_trl(cfg: EchoConfig) -> None:
                 "loss": logs.get("loss", 0.0), "entropy": logs.get("entropy", 0.0),
                 "clip_fraction": logs.get("clip_ratio/region_mean", 0.0), "grad_norm": logs.get("grad_norm", 0.0),
                 "tokens": trainer.tokens, "step_seconds": now - self.last, "wait_seconds": generated,
-                "busy_seconds": busy, "learner_busy": busy / (now - self.last), "wall_seconds": now - started,
+                "busy_seconds": busy, "utilisation": busy / (now - self.last), "wall_seconds": now - started,
                 "generated_seconds": generated, "used": cfg.trainer.groups_per_step, "dropped_stale": 0,
                 "dropped_tokens": 0, "staleness_used": {0: cfg.trainer.groups_per_step}, "rejected": {},
                 "peak_rss_mb": peak_rss_mb(),
