@@ -75,7 +75,7 @@ from workers.operator.status import render
 from workers.trainer.coordinator import Coordinator
 from workers.trainer.granter import AsyncGranter
 from workers.trainer.intake import Collector
-from workers.trainer.judge import Accepted, AlreadyTrained, Case, Judge, Timeline
+from workers.trainer.judge import Accepted, AlreadyTrained, Case, Judge, Taken, Timeline
 from workers.trainer.scoring import ScoringProcess
 from workers.trainer.strikes import Quarantined
 
@@ -401,17 +401,20 @@ async def test_a_step_hashes_each_groups_completions_twice_however_many_it_accep
 
     monkeypatch.setattr(judge_module, "completion_keys", counted)
     monkeypatch.setattr(scorer_module, "completion_keys", counted)
-    judge, step = Judge(SCORER, Timeline(max_staleness=1)), []
+    judge, step, taken = Judge(SCORER, Timeline(max_staleness=1)), [], Taken()
     for i in range(32):
         group = honest_group(i, group_id=f"g{i}")
-        case = Case(group, 0, group.prompt_index, step)
+        case = Case(group, 0, group.prompt_index, taken)
         assert await judge.new(case) is None
         step.append(Accepted(group, [1.0, 0.0], case.content))
+        taken.add(step[-1:])
     judge.trained.add(step)  # the step trained them
     assert len(hashed) == 2 * 32, len(hashed)
     assert judge.trained.completions == {k for a in step for k in completion_keys(a.group)}
     resent = step[5].group.replaced(group_id="resent")
-    assert (await judge.new(Case(resent, 0, resent.prompt_index, step))).reason == "replayed_content"
+    assert (await judge.new(Case(resent, 0, resent.prompt_index, taken))).reason == "replayed_content"
+    again = step[7].group  # its own id again, within the step
+    assert (await judge.new(Case(again, 0, again.prompt_index, taken))).reason == "duplicate_group_id"
 
 
 async def test_a_sampler_keeping_back_its_low_reward_groups_is_struck_and_quarantined(hub, tmp_path):

@@ -11,6 +11,7 @@ import torch
 
 import echo.model.loading
 import echo.model.policy
+import echo.weights.digest
 from echo.config import LoraConfig, SamplingConfig
 from echo.engines.base import call_seed
 from echo.engines.hf import HFEngine, PagedEngine
@@ -98,7 +99,7 @@ def test_a_sharded_base_is_known_by_the_same_digest_read_a_piece_at_a_time(tmp_p
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert peak < 2 * echo.model.loading.DIGEST_READ + 2**20, peak  # one piece read (and hashed) at a time
+    assert peak < 2 * echo.weights.digest.READ + 2**20, peak  # one piece read (and hashed) at a time
 
 
 def test_adapter_moves_between_instances_and_reproduces_logits(engines):

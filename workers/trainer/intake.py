@@ -21,7 +21,7 @@ from echo.train.diagnosis import no_signal
 from echo.train.learner import Batch
 from echo.wire.codec import ProtocolError
 from streams.inbox import Delivery, RolloutInbox
-from workers.trainer.judge import Accepted, Case, Judge, Verdict
+from workers.trainer.judge import Accepted, Case, Judge, Taken, Verdict
 from workers.trainer.strikes import Quarantined
 
 log = structlog.get_logger()
@@ -30,6 +30,7 @@ log = structlog.get_logger()
 @dataclass
 class Collected:
     used: list[Accepted] = field(default_factory=list)  # acked after the step's checkpoint
+    taken: Taken = field(default_factory=Taken)  # what a group judged next must not repeat
     dropped: Counter = field(default_factory=Counter)  # stale groups by age in versions
     dropped_ids: list[str] = field(default_factory=list)
     dropped_tokens: int = 0  # completion tokens generated for nothing
@@ -94,6 +95,7 @@ class Tally:
             self.inbox.let_go(case.delivery)
             return
         out.used.append(verdict)
+        out.taken.add([verdict])
 
     def may_set_aside(self, sampler_id: str, out: Collected) -> bool:
         """Dynamic sampling's budget has room, and `sampler_id` has used no more than its share of it
@@ -154,11 +156,12 @@ class Collector:
                     self.inbox.let_go(delivery)
                     continue
                 out.seqs.append(delivery.seq)
-                case = await self._judge(delivery, version, out, [*out.used, *(c.verdict for c in proving)])
+                case = await self._judge(delivery, version, out)
                 if case is None:
                     self.inbox.let_go(delivery)
                 elif isinstance(case.verdict, Accepted) and self.judge.wants_proof(case.group, version):
                     proving.append(case)
+                    out.taken.add([case.verdict])  # taken while it waits for its proof
                 else:
                     await self.tally.settle(case, out)
             if proving and (len(out.used) + len(proving) >= need or not deliveries):
@@ -175,9 +178,9 @@ class Collector:
                 await self.tally.strike(sampler_id, "slots_undelivered")
         return out
 
-    async def _judge(self, delivery: Delivery, version: int, out: Collected, taken: list[Accepted]) -> Case | None:
-        """A delivery's case with the judge's verdict but for the proof of sampling (`taken`: the
-        groups accepted this step so far), or None for a message not judged (tallied by
+    async def _judge(self, delivery: Delivery, version: int, out: Collected) -> Case | None:
+        """A delivery's case with the judge's verdict but for the proof of sampling (against what
+        the step took so far, `out.taken`), or None for a message not judged (tallied by
         Tally.refused, or its sampler quarantined). A group on one of its sampler's slots ends it."""
         if self.quarantine is not None and delivery.sampler_id in self.quarantine:
             out.rejected["quarantined"] += 1  # not logged one by one: a quarantined flood would fill the log
@@ -192,7 +195,7 @@ class Collector:
         prompt = granted if granted is not None else self.ledger.earlier_prompt(group.slot, group.prompt_index)
         asked_with = self.ledger.asked_with(group.slot) if granted is not None else None
         noise_slot = self.ledger.noise_slot(group.slot) if granted is not None else group.slot  # a predecessor's: fresh
-        case = Case(group, version, prompt, taken, asked_with, noise_slot, delivery=delivery, granted=granted)
+        case = Case(group, version, prompt, out.taken, asked_with, noise_slot, delivery=delivery, granted=granted)
         case.verdict = await self.judge.judge(case)
         return case
 

@@ -50,9 +50,9 @@ class Accepted(Rewarded):
 
     @cached_property
     def keys(self) -> list[int]:
-        """Its completion_keys, hashed once: each group judged read those of every group accepted
-        before it in the step, O(groups^2) hashes of its tokens a step (at 64 groups of 16 x 4k
-        tokens, 0.4 s of the trainer's CPU)."""
+        """Its completion_keys, hashed once for the step's Taken and the run's AlreadyTrained: each
+        group judged had read those of every group accepted before it in the step, O(groups^2)
+        hashes of its tokens a step (at 64 groups of 16 x 4k tokens, 0.4 s of the trainer's CPU)."""
         return completion_keys(self.group)
 
 
@@ -63,7 +63,7 @@ class Case:
     group: RolloutGroup
     version: int  # the trainer's, now
     prompt: int | None  # the prompt its slot was granted with; None: no slot granted its sampler
-    step: list[Accepted] = field(default_factory=list)  # accepted so far this step
+    taken: Taken = field(default_factory=lambda: Taken())  # what this step took so far
     asked_with: int | None = None  # the version its sampler said it ran when granted its slot; None: not known
     noise_slot: int | None = None  # the slot whose keyed noise its slot was granted with; None: its own
     content: str = ""
@@ -105,6 +105,17 @@ class AlreadyTrained:
             self.completions.update(a.keys)
 
 
+@dataclass
+class Taken(AlreadyTrained):
+    """What a step has taken so far (accepted, or waiting for its proof): its groups' ids too."""
+
+    group_ids: set[str] = field(default_factory=set)
+
+    def add(self, accepted: list[Accepted]) -> None:
+        super().add(accepted)
+        self.group_ids.update(a.group.group_id for a in accepted)
+
+
 class Judge:
     def __init__(self, scorer: Scorer, timeline: Timeline, trained: AlreadyTrained | None = None,
                  proof: SamplingProof | None = None, check_many=None, scoring: ScoringProcess | None = None):
@@ -138,12 +149,12 @@ class Judge:
     async def new(self, case: Case) -> Verdict | None:
         """Not a group, or completions, trained before or taken this step (resent under a new id)."""
         group = case.group
-        if any(a.group.group_id == group.group_id for a in case.step):
+        if group.group_id in case.taken.group_ids:
             return Verdict("duplicate_group_id", case.about)
         case.content = content_hash(group)
-        if case.content in self.trained.content or any(a.content == case.content for a in case.step):
+        if case.content in self.trained.content or case.content in case.taken.content:
             return Verdict("replayed_content", case.about)
-        if repeats(group, self.trained.completions, {k for a in case.step for k in a.keys}):
+        if repeats(group, self.trained.completions, case.taken.completions):
             return Verdict("repeated_completion", case.about)
         return None
 
