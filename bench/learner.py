@@ -34,13 +34,13 @@ def profile_step(cfg, policy, pad_id, batch, compute_dtype, top: int = 15) -> li
     from torch.profiler import ProfilerActivity, profile
 
     from echo.model.devices import model_device
-    from echo.train.learner import make_optimizer, train_step
+    from echo.train.learner import Forward, make_optimizer, train_step
 
     device = model_device(policy)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     optimizer = make_optimizer(policy, cfg)
     with profile(activities=activities) as prof:
-        train_step(policy, optimizer, batch, cfg, pad_id, compute_dtype=compute_dtype)
+        train_step(Forward.of(policy, cfg, pad_id, compute_dtype), optimizer, batch)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     on_device = device.type == "cuda"
@@ -58,7 +58,7 @@ def measure(model: str, shape: str, repeats: int, pack_groups: str, device: str,
     import torch
 
     from echo.model.devices import dtype_name, model_device
-    from echo.train.learner import make_optimizer, train_step
+    from echo.train.learner import Forward, make_optimizer, train_step
 
     groups, group, tokens = SHAPES[shape]
     cfg, policy, pad_id, batch, compute_dtype = step_setup(model, groups, group, tokens, budget, pack_groups, device, dtype)
@@ -67,7 +67,7 @@ def measure(model: str, shape: str, repeats: int, pack_groups: str, device: str,
     seconds = []
     for _ in range(repeats + 1):  # the first warms up (kernels, allocator)
         started = time.perf_counter()
-        stats = train_step(policy, optimizer, batch, cfg, pad_id, compute_dtype=compute_dtype)
+        stats = train_step(Forward.of(policy, cfg, pad_id, compute_dtype), optimizer, batch)
         if on.type == "cuda":
             torch.cuda.synchronize(on)
         seconds.append(time.perf_counter() - started)

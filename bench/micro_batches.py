@@ -81,7 +81,7 @@ def timed_step(cfg, policy, pad_id: int, batch, compute_dtype, repeats: int = 1,
     import torch
 
     from echo.model.devices import dtype_name, model_device
-    from echo.train.learner import make_optimizer, train_step
+    from echo.train.learner import Forward, make_optimizer, train_step
 
     device = model_device(policy)
     optimizer = make_optimizer(policy, cfg)
@@ -91,7 +91,7 @@ def timed_step(cfg, policy, pad_id: int, batch, compute_dtype, repeats: int = 1,
     seconds = []
     for _ in range(repeats):
         started = time.perf_counter()
-        stats = train_step(policy, optimizer, batch, cfg, pad_id, compute_dtype=compute_dtype, **ranks)
+        stats = train_step(Forward.of(policy, cfg, pad_id, compute_dtype), optimizer, batch, **ranks)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds.append(time.perf_counter() - started)

@@ -43,7 +43,7 @@ from echo.model.devices import DTYPES, dtype_name, model_device
 from echo.model.policy import group_logprobs, load_weights, weights_shards
 from echo.tasks import load_task
 from echo.train import learner
-from echo.train.learner import Batch, HeldProof, Rewarded, make_optimizer, train_step
+from echo.train.learner import Batch, Forward, HeldProof, Rewarded, make_optimizer, train_step
 from echo.trust.noise import Draw, TokenMargins, group_key, gumbel
 from echo.trust.proof import ProofSettings, SamplingProof
 from echo.wire.messages import Completion, RolloutGroup
@@ -325,7 +325,7 @@ def train_seconds_per_group(model, groups: list[RolloutGroup], model_name: str, 
     before = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
     batch = Batch([Rewarded(g, [float(i % 2) for i in range(len(g.completions))]) for g in groups])
     started = time.perf_counter()
-    train_step(model, make_optimizer(model, cfg), batch, cfg, pad_id, compute_dtype=compute_dtype, held=held)
+    train_step(Forward.of(model, cfg, pad_id, compute_dtype), make_optimizer(model, cfg), batch, held=held)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started

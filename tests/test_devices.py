@@ -12,7 +12,7 @@ from echo.engines.hf import HFEngine
 from echo.model.devices import autocast, resolve_device, resolve_dtype
 from echo.model.loading import load_model
 from echo.model.policy import group_logprobs, load_weights, make_policy, policy_tensors, weights_shards
-from echo.train.learner import Batch, Rewarded, make_optimizer, train_step
+from echo.train.learner import Batch, Forward, Rewarded, make_optimizer, train_step
 from echo.trust.proof import ProofSettings, SamplingProof
 from tests.conftest import tiny_config
 from tests.groups import honest_group
@@ -67,7 +67,7 @@ def test_a_bf16_trainer_trains_fp32_parameters_with_fp32_optimizer_state_and_log
                 p.normal_(0, 0.05)  # a non-zero adapter: every tensor gets a gradient
     before = [p.detach().clone() for p in trained]
     optimizer = make_optimizer(policy, cfg)
-    stats = train_step(policy, optimizer, _batch(), cfg, tokenizer.pad_token_id, compute_dtype=torch.bfloat16)
+    stats = train_step(Forward.of(policy, cfg, tokenizer.pad_token_id, torch.bfloat16), optimizer, _batch())
     assert stats["grad_norm"] > 0 and all(not torch.equal(a, p) for a, p in zip(before, trained))
     states = [s for s in optimizer.state.values()]
     assert states and all(s["exp_avg"].dtype == s["exp_avg_sq"].dtype == torch.float32 for s in states)

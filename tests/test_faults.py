@@ -24,7 +24,7 @@ from echo.model.policy import make_policy
 from echo.process.lifeline import exited, process_name
 from echo.tasks import load_task
 from echo.train.checkpoint import TrainerState
-from echo.train.learner import Batch, Rewarded, StepAbandoned, make_optimizer, train_step
+from echo.train.learner import Batch, Forward, Rewarded, StepAbandoned, make_optimizer, train_step
 from echo.train.metrics import read_metrics
 from echo.trust.scorer import Scorer
 from echo.wire.codec import encode
@@ -141,9 +141,10 @@ def test_a_step_told_to_stop_is_abandoned_between_passes_and_leaves_the_policy_a
         return all(torch.equal(a, p) for a, p in zip(before, (p for p in policy.parameters() if p.requires_grad)))
 
     with pytest.raises(StepAbandoned, match="1 of 3 passes done"):
-        train_step(policy, optimizer, batch, cfg, tokenizer.pad_token_id, StopAtCheck(2))
+        train_step(Forward.of(policy, cfg, tokenizer.pad_token_id), optimizer, batch, StopAtCheck(2))
     assert unchanged() and all(p.grad is None for p in policy.parameters())
-    train_step(policy, optimizer, batch, cfg, tokenizer.pad_token_id, threading.Event())  # not stopped: it steps
+    forward = Forward.of(policy, cfg, tokenizer.pad_token_id)
+    train_step(forward, optimizer, batch, threading.Event())  # not stopped: it steps
     assert not unchanged()
 
 

@@ -9,6 +9,7 @@ from echo.model.loading import load_model
 from echo.model.policy import make_policy
 from echo.train.learner import (
     Batch,
+    Forward,
     Rewarded,
     learning_rate,
     make_optimizer,
@@ -84,7 +85,7 @@ def test_a_micro_batched_step_is_the_whole_batch_step(tmp_path, algorithm):
         cfg = tiny_config(tmp_path, trainer={"micro_batch_tokens": budget, "pack_groups": "on"},
                           algorithm={"kl_coef": 0.1, **algorithm})
         policy = copy.deepcopy(start)
-        stats.append(train_step(policy, make_optimizer(policy, cfg), batch, cfg, tokenizer.pad_token_id))
+        stats.append(train_step(Forward.of(policy, cfg, tokenizer.pad_token_id), make_optimizer(policy, cfg), batch))
         policies.append(policy)
     split = len(step_passes(batch, len(batch.groups[0].group.prompt_token_ids) + 30))
     assert [s["passes"] for s in stats] == [2, split, 1]
@@ -111,14 +112,14 @@ def test_a_partial_rollouts_tokens_older_than_the_bound_are_not_trained(tmp_path
             c.replaced(logprobs=[-3.0, -3.0, *c.logprobs[2:]]) for c in spanning.completions])):
         policy = copy.deepcopy(start)
         batch = Batch([Rewarded(group, [1.0, 0.0])], oldest_version=3)
-        stats = train_step(policy, make_optimizer(policy, cfg), batch, cfg, tokenizer.pad_token_id)
+        stats = train_step(Forward.of(policy, cfg, tokenizer.pad_token_id), make_optimizer(policy, cfg), batch)
         steps.append(([p.detach() for p in policy.parameters() if p.requires_grad], stats))
     (first, stats), (second, _) = steps
     assert stats["tokens"] == sum(len(c.token_ids) - 2 for c in spanning.completions)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     policy = copy.deepcopy(start)
     batch = Batch([Rewarded(spanning, [1.0, 0.0])], oldest_version=2)
-    whole = train_step(policy, make_optimizer(policy, cfg), batch, cfg, tokenizer.pad_token_id)
+    whole = train_step(Forward.of(policy, cfg, tokenizer.pad_token_id), make_optimizer(policy, cfg), batch)
     assert whole["tokens"] == sum(len(c.token_ids) for c in spanning.completions)
 
 
@@ -143,7 +144,8 @@ def test_an_episodes_observations_are_not_trained(tmp_path):
     results = []
     for group in (episode, other_claims, plain):
         policy = copy.deepcopy(start)
-        stats = train_step(policy, make_optimizer(policy, cfg), Batch([Rewarded(group, [1.0, 0.0])]), cfg, tokenizer.pad_token_id)
+        stats = train_step(Forward.of(policy, cfg, tokenizer.pad_token_id), make_optimizer(policy, cfg),
+                           Batch([Rewarded(group, [1.0, 0.0])]))
         results.append(([p.detach() for p in policy.parameters() if p.requires_grad], stats))
     (trained, stats), (claimed_otherwise, _), (unmasked, plain_stats) = results
     assert stats["tokens"] == sum(len(c.token_ids) for c in plain.completions) - 6 == plain_stats["tokens"] - 6
@@ -183,7 +185,7 @@ def test_a_step_runs_at_its_scheduled_rate_and_reports_it(tmp_path):
     model = make_policy(base, cfg.lora)
     optimizer = make_optimizer(model, cfg)
     batch = Batch([Rewarded(honest_group(), [1.0, 0.0])], step=2)
-    stats = train_step(model, optimizer, batch, cfg, tokenizer.pad_token_id)
+    stats = train_step(Forward.of(model, cfg, tokenizer.pad_token_id), optimizer, batch)
     assert stats["lr"] == optimizer.param_groups[0]["lr"] == cfg.trainer.lr / 2
 
 
@@ -192,7 +194,7 @@ def _trained(tmp_path, batch: Batch, **algorithm) -> tuple[list[torch.Tensor], d
     torch.manual_seed(0)
     policy = make_policy(base, tiny_config(tmp_path).lora)
     cfg = tiny_config(tmp_path, algorithm=algorithm, trainer={"lr": 1e-2})
-    stats = train_step(policy, make_optimizer(policy, cfg), batch, cfg, tokenizer.pad_token_id)
+    stats = train_step(Forward.of(policy, cfg, tokenizer.pad_token_id), make_optimizer(policy, cfg), batch)
     return [p.detach() for p in policy.parameters() if p.requires_grad], stats
 
 

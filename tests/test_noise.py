@@ -16,7 +16,7 @@ from echo.engines.hf import HFEngine, PagedEngine
 from echo.fleet.grants import GrantLedger
 from echo.model.policy import group_logprobs, load_weights, weights_shards
 from echo.tasks.episodes import load_environment, play_episodes
-from echo.train.learner import Batch, ForgedInStep, HeldProof, Rewarded, make_optimizer, train_step
+from echo.train.learner import Batch, ForgedInStep, Forward, HeldProof, Rewarded, make_optimizer, train_step
 from echo.trust.noise import GUMBEL_MAX, Draw, group_key, gumbel, gumbel_at, noisy_margin, uniform
 from echo.trust.proof import Checked, ProofSettings, SamplingProof
 from echo.trust.scorer import Scorer
@@ -226,7 +226,7 @@ def test_the_step_proves_its_own_versions_groups_from_its_forward_and_updates_no
     batch = [honest[0], forged]
     before = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
     with pytest.raises(ForgedInStep) as caught:
-        train_step(model, optimizer, Batch([Rewarded(g, [1.0, 0.0] * 4) for g in batch]), cfg, pad,
+        train_step(Forward.of(model, cfg, pad), optimizer, Batch([Rewarded(g, [1.0, 0.0] * 4) for g in batch]),
                    held=HeldProof(0, proof.noise_key, judge(batch)))
     assert caught.value.forged == {"forged": "token_forgery"}
     assert all(torch.equal(p, before[k]) for k, p in model.named_parameters() if p.requires_grad)
@@ -237,7 +237,7 @@ def test_the_step_proves_its_own_versions_groups_from_its_forward_and_updates_no
         assert step[group.group_id].gap == pytest.approx(alone.gap, abs=1e-5)
         assert step[group.group_id].margin == pytest.approx(alone.margin, abs=1e-5)
 
-    stats = train_step(model, optimizer, Batch([Rewarded(g, [1.0, 0.0] * 4) for g in honest]), cfg, pad,
+    stats = train_step(Forward.of(model, cfg, pad), optimizer, Batch([Rewarded(g, [1.0, 0.0] * 4) for g in honest]),
                        held=HeldProof(0, proof.noise_key, judge(honest)))
     assert stats["passes"] > len(honest)  # split between passes, judged whole
     assert set(seen[-1]) == {g.group_id for g in honest} and proof.counts["passed"] == 2

@@ -15,7 +15,16 @@ import torch.multiprocessing as mp
 from echo.model.loading import load_model
 from echo.model.policy import make_policy, policy_tensors
 from echo.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
-from echo.train.learner import Batch, Rewarded, make_optimizer, merge_stats, rank_passes, step_passes, train_step
+from echo.train.learner import (
+    Batch,
+    Forward,
+    Rewarded,
+    make_optimizer,
+    merge_stats,
+    rank_passes,
+    step_passes,
+    train_step,
+)
 from echo.trust.routing import group_routing, recorded, routing_shape
 from echo.wire.messages import Routing
 from streams.server import free_port
@@ -65,7 +74,8 @@ def _recorded(policy, group) -> Routing:
 
 def _train(policy, cfg, batch, pad_id, rank=0, world=1, steps=STEPS, optimizer=None):
     optimizer = optimizer or make_optimizer(policy, cfg)
-    stats = [train_step(policy, optimizer, batch, cfg, pad_id, rank=rank, world=world) for _ in range(steps)]
+    forward = Forward.of(policy, cfg, pad_id)
+    stats = [train_step(forward, optimizer, batch, rank=rank, world=world) for _ in range(steps)]
     return optimizer, stats
 
 

@@ -15,7 +15,7 @@ from echo.engines.hf import HFEngine, PagedEngine
 from echo.model.loading import load_model
 from echo.model.policy import load_tensors, make_policy, packed_logprobs, policy_tensors
 from echo.tasks.episodes import load_environment
-from echo.train.learner import Batch, ForgedInStep, HeldProof, Rewarded, make_optimizer, train_step
+from echo.train.learner import Batch, ForgedInStep, Forward, HeldProof, Rewarded, make_optimizer, train_step
 from echo.trust.proof import ProofSettings, SamplingProof, logprob_gap
 from echo.trust.routing import OWN, Replay, recorded, replayed, routers, routing_gap
 from echo.wire.codec import (
@@ -369,12 +369,13 @@ def test_the_step_finds_forged_routing_in_its_own_forward_before_any_update(tmp_
     def judge(checked):
         return proof.judged_in_step({g.group_id: g for g in batch}, checked)
 
+    forward = Forward.of(model, cfg, proof.pad_id)
     with pytest.raises(ForgedInStep) as caught:
-        train_step(model, optimizer, Batch([Rewarded(g, [1.0, 0.0, 0.0]) for g in batch]), cfg, proof.pad_id,
+        train_step(forward, optimizer, Batch([Rewarded(g, [1.0, 0.0, 0.0]) for g in batch]),
                    held=HeldProof(0, proof.noise_key, judge))
     assert caught.value.forged == {"forged": "forged_routing"}
     assert all(torch.equal(p, before[k]) for k, p in model.named_parameters() if p.requires_grad)
-    stats = train_step(model, optimizer, Batch([Rewarded(g, [1.0, 0.0, 0.0]) for g in groups]), cfg, proof.pad_id,
+    stats = train_step(forward, optimizer, Batch([Rewarded(g, [1.0, 0.0, 0.0]) for g in groups]),
                        held=HeldProof(0, proof.noise_key, lambda checked: proof.judged_in_step(
                            {g.group_id: g for g in groups}, checked)))
     assert stats["passes"] >= 1 and proof.counts["passed"] == 2

@@ -189,6 +189,11 @@ class Forward:
     device: torch.device
     compute_dtype: torch.dtype
 
+    @classmethod
+    def of(cls, model: torch.nn.Module, cfg: EchoConfig, pad_id: int, compute_dtype: torch.dtype = torch.float32):
+        """On the device the model's parameters are on."""
+        return cls(model, cfg, pad_id, model_device(model), compute_dtype)
+
     def __call__(self, prompts: list, completions: list, owners: list[int], observe=None, reference: bool = True,
                  replay: Replay | None = None):
         """Log-probs, mask and entropy of completions, and the reference's log-probs (KL on, and
@@ -216,9 +221,8 @@ class Forward:
         (logprobs.sum() * 0.0).backward()
 
 
-def train_step(model, optimizer, batch: Batch, cfg: EchoConfig, pad_id: int, stop: threading.Event | None = None,
-               compute_dtype: torch.dtype = torch.float32, rank: int = 0, world: int = 1,
-               held: HeldProof | None = None) -> dict:
+def train_step(forward: Forward, optimizer, batch: Batch, stop: threading.Event | None = None, rank: int = 0,
+               world: int = 1, held: HeldProof | None = None) -> dict:
     """`algorithm.num_iterations` optimizer steps over a batch of judged groups. The loss
     aggregates as `algorithm.loss_aggregation` says over the whole batch; its completions are
     forwarded and backpropagated in passes of at most `trainer.micro_batch_tokens` tokens, several
@@ -238,7 +242,7 @@ def train_step(model, optimizer, batch: Batch, cfg: EchoConfig, pad_id: int, sto
     echo/train/algorithms/corrections.py). So the groups sampled by the current version are proved from
     the first forward (`held`): before any update, and if any is forged none is made (ForgedInStep).
 
-    The forward runs in `compute_dtype` (autocast) over fp32 trainable parameters; log-probs,
+    The forward runs in its `compute_dtype` (autocast) over fp32 trainable parameters; log-probs,
     importance weights and the loss are fp32.
 
     A partial rollout's tokens sampled with a version older than `batch.oldest_version` (the
@@ -246,9 +250,8 @@ def train_step(model, optimizer, batch: Batch, cfg: EchoConfig, pad_id: int, sto
     the newer rest of a long completion is not thrown away with them. So are a multi-turn
     episode's observations (the environment's tokens): the loss, importance weights and KL are
     over the model's tokens only; the advantage is the episode's, over its group."""
+    model, cfg, device = forward.model, forward.cfg, forward.device
     tcfg, acfg = cfg.trainer, cfg.algorithm
-    device = model_device(model)
-    forward = Forward(model, cfg, pad_id, device, compute_dtype)
     counts = (batch.trained_tokens(acfg.mask_truncated), batch.sequences)
     advantages = batch.advantages(acfg.scale_rewards, device)
     passes = rank_passes(step_passes(batch, tcfg.micro_batch_tokens, shares_passes(tcfg.pack_groups, device)), rank, world)

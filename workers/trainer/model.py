@@ -40,7 +40,16 @@ from echo.train.checkpoint import (
     weights_at,
     weights_file,
 )
-from echo.train.learner import Batch, ForgedInStep, HeldProof, make_optimizer, merge_stats, set_threads, train_step
+from echo.train.learner import (
+    Batch,
+    ForgedInStep,
+    Forward,
+    HeldProof,
+    make_optimizer,
+    merge_stats,
+    set_threads,
+    train_step,
+)
 from echo.trust.proof import Checked, ProofSettings, SamplingProof, worst_checks
 from echo.trust.routing import replayed_shape
 from echo.wire.messages import RolloutGroup
@@ -167,6 +176,7 @@ class TrainerModel:
         self.checkpoint_path = cfg.run_dir / "checkpoint.pt"
         self.state = TrainerState()  # a fresh run's, until `resume` reads the checkpoint
         self.proof = SamplingProof(self.module, self.tokenizer.pad_token_id, ProofSettings.of(cfg, self.compute_dtype))
+        self.forward = Forward.of(self.module, cfg, self.tokenizer.pad_token_id, self.compute_dtype)
         self.stop = threading.Event()  # set from rank 0's event loop: abandon the step (one process only)
 
     @everywhere
@@ -195,8 +205,7 @@ class TrainerModel:
         if self.proof.in_step and version is not None:
             held = HeldProof(version, self.proof.noise_key, functools.partial(self._judge_held, batch))
         try:
-            stats = train_step(self.module, self.optimizer, batch, self.cfg, self.tokenizer.pad_token_id, stop,
-                               self.compute_dtype, self.ranks.rank, self.ranks.world, held)
+            stats = train_step(self.forward, self.optimizer, batch, stop, self.ranks.rank, self.ranks.world, held)
         except ForgedInStep as e:
             return Stepped(forged=e.forged)
         return Stepped(merge_stats(self.ranks.gather(stats)))
