@@ -2,7 +2,7 @@
 
 A sampler chooses every text a verifier reads: `\\boxed{7^{9^{8}}}` has math-verify hand sympy a
 power tower to evaluate in full (minutes, and memory, for one completion), and a user's or
-reasoning-gym's verifier may do the like. So the scorer's scoring (the prompt checked, each
+reasoning-gym's verifier may do the like. So the scorer's work (the prompt checked, each
 completion's reward recomputed or its episode replayed) runs here, off the trainer's event loop,
 with a budget per completion: `trainer.score_budget_s` of wall time and `trainer.score_memory_mb`
 of memory above what the child holds when ready. A completion past either rejects its group as
