@@ -415,6 +415,14 @@ async def test_a_step_hashes_each_groups_completions_twice_however_many_it_accep
     assert (await judge.new(Case(resent, 0, resent.prompt_index, taken))).reason == "replayed_content"
     again = step[7].group  # its own id again, within the step
     assert (await judge.new(Case(again, 0, again.prompt_index, taken))).reason == "duplicate_group_id"
+    # A group the proof refused is no longer taken: the same forgery resent is judged (and struck) again.
+    fresh, pending = Judge(SCORER, Timeline(max_staleness=1)), Taken()
+    pending.add(step[:2])
+    pending.remove(step[:1])
+    forged = step[0].group
+    assert await fresh.new(Case(forged, 0, forged.prompt_index, pending)) is None
+    kept = step[1].group.replaced(group_id="kept-again")
+    assert (await fresh.new(Case(kept, 0, kept.prompt_index, pending))).reason == "replayed_content"
 
 
 async def test_a_sampler_keeping_back_its_low_reward_groups_is_struck_and_quarantined(hub, tmp_path):

@@ -109,6 +109,7 @@ class Tally:
         any forgery, their prompts owed, their messages still counted by the step (acked with it)."""
         for accepted in [a for a in out.used if a.group.group_id in forged]:
             out.used.remove(accepted)
+            out.taken.remove([accepted])
             self.ledger.owe(accepted.group.prompt_index, accepted.group.keyed_slot)
             out.generated_seconds -= accepted.group.gen_seconds
             out.verifier_errors -= accepted.verifier_errors
@@ -168,6 +169,7 @@ class Collector:
                 started = time.perf_counter()
                 verdicts = await self.judge.prove([c.group for c in proving], version)
                 out.proof_seconds += time.perf_counter() - started
+                out.taken.remove([c.verdict for c in proving])  # waiting no more: settled below, taken if used
                 for case in proving:
                     case.verdict = verdicts.get(case.group.group_id, case.verdict)
                     await self.tally.settle(case, out)

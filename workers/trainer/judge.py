@@ -107,13 +107,23 @@ class AlreadyTrained:
 
 @dataclass
 class Taken(AlreadyTrained):
-    """What a step has taken so far (accepted, or waiting for its proof): its groups' ids too."""
+    """What a step has taken so far (accepted, or waiting for its proof), as a new group may
+    repeat it: its groups' ids too."""
 
     group_ids: set[str] = field(default_factory=set)
 
     def add(self, accepted: list[Accepted]) -> None:
         super().add(accepted)
         self.group_ids.update(a.group.group_id for a in accepted)
+
+    def remove(self, accepted: list[Accepted]) -> None:
+        """No longer taken (its proof is in, or it was proved forged): a group resending it is
+        judged as it was, its forgery struck again. Within a step no two taken groups share an
+        id, a content or an unlikely completion, so removing one's keys removes only its own."""
+        for a in accepted:
+            self.content.discard(a.content)
+            self.completions.difference_update(a.keys)
+            self.group_ids.discard(a.group.group_id)
 
 
 class Judge:
