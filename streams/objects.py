@@ -167,16 +167,18 @@ async def get_object(
 
     Direct gets are answered by any replica, and one may be behind another: the info read from
     one and the chunks from one that lacks them yet (or an older info whose chunks the newer
-    put purged) look truncated for a moment. A truncated read is read again, whole, for up to
-    REPLICA_LAG_S before it is believed (the CI's 3-node cluster once failed so right after a
-    failover)."""
+    put purged) look truncated for a moment, and an object just put is not found on one that
+    has not applied its info yet. A truncated read, or the absence of an object the caller was
+    told of (`expected_sha256`), is read again, whole, for up to REPLICA_LAG_S before it is
+    believed (the CI's 3-node cluster failed both ways right after a failover)."""
     began, said = asyncio.get_running_loop().time(), False
+    lag = {"truncated", "not_found"} if expected_sha256 is not None else {"truncated"}
     while True:
         try:
             return await _read_object(js, bucket, name, expected_sha256, expected_size, timeout, max_size)
         except TransferError as e:
             waited_s = asyncio.get_running_loop().time() - began
-            if e.reason != "truncated" or waited_s > REPLICA_LAG_S:
+            if e.reason not in lag or waited_s > REPLICA_LAG_S:
                 raise
             if not said:
                 log.info("objects.read_again", bucket=bucket, name=name, reason=str(e), within_s=REPLICA_LAG_S)

@@ -40,7 +40,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     """Log-prob of each token under softmax(logits / temperature), the distribution sampled from:
     its logit less the row's log-sum-exp (no log-softmax rows are made for the vocabulary's other
     tokens); with_entropy also returns that distribution's entropy at each position (no gradient)."""
-    scaled = logits.float() / temperature
+    scaled = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # fp32 at least
     lse = torch.logsumexp(scaled, dim=-1)
     chosen = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
     if not with_entropy:
