@@ -48,7 +48,8 @@ def results_dir() -> Path:
 
 def write_results(name: str, report: dict) -> Path:
     """`report` as indented JSON in results_dir() / name, with the machine's load over the
-    bench's whole process; returns the path."""
+    bench's whole process; says where, and returns the path."""
     out = results_dir() / name
     out.write_bytes(orjson.dumps({"machine": MACHINE.report(), **report}, option=orjson.OPT_INDENT_2))
+    print(f"wrote {out}")
     return out

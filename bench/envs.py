@@ -28,13 +28,25 @@ from echo.engines import make_engine
 from echo.tasks import Prompt, Step, load_task
 from echo.tasks.episodes import play_episodes, rerun
 
+# The game to `verifiers`' interface. The tests play it with a calculator (a turn that calls it
+# gets its result, one that does not guesses), and `seeded=False` for a game no rerun can check.
 GUESS_ENV = '''
+import random
+
 import verifiers as vf
 from datasets import Dataset
 
 
-class Guess(vf.MultiTurnEnv):
+class Guess(vf.ToolEnv):
+    """Guess the number: a turn that calls a tool gets its result, one that does not is a guess,
+    told higher or lower; over when guessed."""
+
+    async def no_tools_called(self, state) -> bool:  # ToolEnv's stop, not one here: a turn without a call guesses
+        return False
+
     async def env_response(self, messages, state, **kwargs):
+        if getattr(messages[-1], "tool_calls", None):
+            return await super().env_response(messages, state, **kwargs)
         guess = self.parser.parse_answer(messages) or ""
         said = "higher" if guess.isdigit() and int(guess) < int(state["answer"]) else "lower"
         return [vf.UserMessage(content=f"{guess!r}: {said}")]
@@ -45,7 +57,12 @@ class Guess(vf.MultiTurnEnv):
             state["trajectory"][-1]["completion"]) == state["answer"]
 
 
-def load_environment(games: int = 1000, max_turns: int = 4):
+def add(a: int, b: int) -> int:
+    """a + b"""  # short: the tools' system message, in bytes, and the episode share the tiny model's 1024
+    return a + b
+
+
+def load_environment(games: int = 100, calculator: bool = True, seeded: bool = True):
     rows = [{"question": f"Game {i}: guess my number, 1 to 9, in <answer></answer>.", "answer": str(1 + i % 9)}
             for i in range(games)]
     parser = vf.XMLParser(["answer"])
@@ -53,8 +70,14 @@ def load_environment(games: int = 1000, max_turns: int = 4):
     def guessed_it(completion, answer) -> float:
         return float(parser.parse_answer(completion) == answer)
 
-    return Guess(dataset=Dataset.from_list(rows), parser=parser, max_turns=max_turns,
-                 rubric=vf.Rubric(funcs=[guessed_it], parser=parser))
+    # max_turns -1: none of its own, so echo-rl's task.params.max_turns sets it.
+    env = Guess(tools=[add] if calculator else [], max_turns=-1, dataset=Dataset.from_list(rows), parser=parser,
+                rubric=vf.Rubric(funcs=[guessed_it], parser=parser))
+    if not seeded:  # an answer that changes from play to play: no replay can check it
+        async def env_response(messages, state, **kwargs):
+            return [vf.UserMessage(content=str(random.random()))]
+        env.env_response = env_response
+    return env
 '''
 
 
@@ -119,7 +142,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "bench_guess_env.py").write_text(GUESS_ENV)
         sys.path.insert(0, folder)
-        theirs = load_task(TaskConfig(name="verifiers:bench_guess_env", params={"max_turns": args.turns}))
+        theirs = load_task(TaskConfig(name="verifiers:bench_guess_env",
+                                      params={"max_turns": args.turns, "calculator": False}))
         envs = {"native": NativeGuess(theirs, args.turns), "verifiers": theirs}
         measure(envs["native"], engine, argparse.Namespace(**{**vars(args), "episodes": 8}))  # the engine warmed up
         # Interleaved, the median of each: the load of a shared box moves between the two alike.

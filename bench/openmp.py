@@ -70,9 +70,8 @@ def main() -> None:
                         "active_over_passive": round(median["ACTIVE"] / median["PASSIVE"], 2)})
         print(f"{busy} busy beside: {args.calls} calls of {args.tokens} tokens, passive {median['PASSIVE']:.2f} s, "
               f"active {median['ACTIVE']:.2f} s ({results[-1]['active_over_passive']}x)", flush=True)
-    out = write_results("openmp.json", {"model": "tiny", "batch": 2, "tokens": args.tokens, "calls": args.calls,
-                                        "rounds": args.rounds, "results": results})
-    print(f"wrote {out}")
+    write_results("openmp.json", {"model": "tiny", "batch": 2, "tokens": args.tokens, "calls": args.calls,
+                                  "rounds": args.rounds, "results": results})
 
 
 if __name__ == "__main__":

@@ -243,12 +243,11 @@ def main() -> None:
     report = {"model": args.model, "cpus": os.cpu_count(), "versions": args.versions, "full_mb": args.full,
               "changed": args.changed if args.full else None, "results": results}
     name = "sync" + ("-full" if args.full else "") + ("-wan" if args.wan else "")
-    out = write_results(f"{name}.json", report)
+    write_results(f"{name}.json", report)
     for r in results:
         print(f"N={r['samplers']} relays={r['relays']} {r['weights']}: all samplers on the new version after "
               f"{r['latency_median_s']} s (median of {args.versions}; max {r['latency_max_s']} s); hub sent "
               f"{r['hub_sent_per_version_x_adapter']}x a version ({r['adapter_mb']} MB)")
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

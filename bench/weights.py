@@ -73,12 +73,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as store, NatsServer(store) as server:
         results = [asyncio.run(measure(server.url, size, args.repeats)) for size in args.sizes]
     report = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, "results": results}
-    out = write_results("weights.json", report)
+    write_results("weights.json", report)
     for r in results:
         print(f"{r['size_mb']:>4} MB  put: ours {r['ours_put_mb_s']} MB/s vs library {r['library_put_mb_s']} "
               f"(x{r['put_speedup']})  get: ours {r['ours_get_mb_s']} vs library {r['library_get_mb_s']} "
               f"(x{r['get_speedup']})")
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

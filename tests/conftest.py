@@ -252,6 +252,27 @@ def eventually(check, timeout: float, every: float = 0.1, why=None):
     return value
 
 
+async def eventually_async(check, timeout: float, every: float = 0.05, why=None):
+    """eventually, on the test's event loop: `check()`'s first truthy value (awaited where it
+    returns an awaitable), asked every `every` s; past `timeout` s, a call that hangs included,
+    the test fails, saying `why(last value)` (else the last value)."""
+    value, limit = None, asyncio.timeout(timeout)
+    try:
+        async with limit:
+            while not (value := await _answer(check)):
+                await asyncio.sleep(every)
+    except TimeoutError:
+        if not limit.expired():
+            raise  # the check's own
+        raise AssertionError(why(value) if why else f"not within {timeout} s: {value!r}") from None
+    return value
+
+
+async def _answer(check):
+    value = check()
+    return await value if inspect.isawaitable(value) else value
+
+
 def running(*processes: subprocess.Popen) -> None:
     """Each of `processes` still runs; else the test fails with the end of its stderr."""
     for p in processes:
@@ -317,10 +338,9 @@ def a_sampler_holding_slots(tmp_path, url: str, steps: int, dead_after_s: float)
                  worker_process(config_path, "sampler", "--id", "s2", "--set", "sampler.throttle_s=1.0")]
     try:
         wait_until_published(url, cfg.run.id, "s2", 2, processes[1])
-        deadline = time.monotonic() + 60
-        while asyncio.run(_slots_granted(url, cfg.run.id)) < 4:
-            assert processes[1].poll() is None and time.monotonic() < deadline, "s2 was granted no second call"
-            time.sleep(0.02)
+        eventually(lambda: processes[1].poll() is not None or asyncio.run(_slots_granted(url, cfg.run.id)) >= 4, 60,
+                   every=0.02, why=lambda _: "s2 was granted no second call")
+        running(processes[1])
         yield cfg, config_path, processes
     finally:
         for p in processes:

@@ -19,6 +19,7 @@ from echo.trust.scorer import Scorer
 from echo.wire.codec import _pack, _read_rollout, _spans
 from echo.wire.messages import Completion, RolloutGroup
 from streams.rollouts import publish_rollout
+from tests.conftest import eventually_async
 
 TOKENIZER = byte_tokenizer()
 TASK = Math({})
@@ -150,8 +151,7 @@ async def collect_once_quarantined(collector, quarantine, forger: str, run, ledg
     only once `forger` is quarantined (else it would be read in turn with the forger's first)."""
 
     async def once_quarantined():
-        while forger not in quarantine:
-            await asyncio.sleep(0.01)
+        await eventually_async(lambda: forger in quarantine, 60, every=0.01)
         await publish_rollout(run, granted(ledger, honest))
 
     publishing = asyncio.create_task(once_quarantined())

@@ -122,58 +122,6 @@ def load_environment(n: int = 200, eval_n: int = 12):
 '''
 
 
-# A multi-turn environment to `verifiers`' interface, which answers every turn: episodes go on.
-GUESS_ENV = '''
-import random
-
-import verifiers as vf
-from datasets import Dataset
-
-
-class Guess(vf.ToolEnv):
-    """Guess the number, with a calculator: a turn that calls the tool gets its result, one that
-    does not is a guess, told higher or lower; over when guessed."""
-
-    async def no_tools_called(self, state) -> bool:  # ToolEnv's stop, not one here: a turn without a call guesses
-        return False
-
-    async def env_response(self, messages, state, **kwargs):
-        if getattr(messages[-1], "tool_calls", None):
-            return await super().env_response(messages, state, **kwargs)
-        guess = self.parser.parse_answer(messages) or ""
-        said = "higher" if guess.isdigit() and int(guess) < int(state["answer"]) else "lower"
-        return [vf.UserMessage(content=f"{guess!r}: {said}")]
-
-    @vf.stop
-    async def guessed(self, state) -> bool:
-        return bool(state["trajectory"]) and self.parser.parse_answer(
-            state["trajectory"][-1]["completion"]) == state["answer"]
-
-
-def add(a: int, b: int) -> int:
-    """a + b"""  # short: the tools' system message, in bytes, and the episode share the tiny model's 1024
-    return a + b
-
-
-def load_environment(seeded: bool = True):
-    rows = [{"question": f"Game {i}: guess my number, 1 to 9, in <answer></answer>.", "answer": str(1 + i % 9)}
-            for i in range(100)]
-    parser = vf.XMLParser(["answer"])
-
-    def guessed_it(completion, answer) -> float:
-        return float(parser.parse_answer(completion) == answer)
-
-    # max_turns -1: none of its own, so echo-rl's task.params.max_turns sets it.
-    env = Guess(tools=[add], max_turns=-1, dataset=Dataset.from_list(rows), parser=parser,
-                rubric=vf.Rubric(funcs=[guessed_it], parser=parser))
-    if not seeded:  # an answer that changes from play to play: no replay can check it
-        async def env_response(messages, state, **kwargs):
-            return [vf.UserMessage(content=str(random.random()))]
-        env.env_response = env_response
-    return env
-'''
-
-
 OPENENV_GUESS = '''  # the guess game as an OpenEnv environment
 import random
 

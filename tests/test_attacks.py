@@ -55,7 +55,7 @@ from streams.secure import SAMPLER_LIMITS, SecureDir
 from streams.server import NatsServer, ServerConfig
 from streams.watch import BAD_VALUES, LatestValue
 from streams.weights import WeightsPublisher, fetch_weights
-from tests.conftest import TINY_BASE, Runs, assert_accounting_holds, collect_and_account, tiny_config
+from tests.conftest import TINY_BASE, Runs, assert_accounting_holds, collect_and_account, eventually_async, tiny_config
 from tests.groups import (
     BOMB,
     SAMPLING,
@@ -646,8 +646,7 @@ async def test_a_flood_of_junk_stands_in_front_of_no_honest_group_and_costs_its_
         assert_accounting_holds(accounting)
 
         async def honest_once_quarantined():  # meanwhile the inbox has only the junk to read
-            while "s1" not in quarantine:
-                await asyncio.sleep(0.01)
+            await eventually_async(lambda: "s1" in quarantine, 60, every=0.01)
             await publish_rollout(honest, granted(ledger, honest_group(31, version=5, group_id="later",
                                                                        sampler_id="s2")))
 
@@ -678,9 +677,7 @@ async def _connections_and_subscriptions_are_bounded(server: NatsServer, secure:
             await nc.subscribe(f"{options['inbox_prefix']}.x{i}")
         with contextlib.suppress(Exception):
             await nc.flush(timeout=2)
-        async with asyncio.timeout(5):  # the server refuses the one too many; nats-py closes on it
-            while not nc.is_closed:
-                await asyncio.sleep(0.05)
+        await eventually_async(lambda: nc.is_closed, 5)  # the server refuses the one too many; nats-py closes on it
         assert "maximum subscriptions exceeded" in str(nc.last_error), nc.last_error
         assert opened[0].is_connected  # the other sampler's connection stands
     finally:

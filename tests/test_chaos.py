@@ -26,6 +26,7 @@ from streams.server import NatsServer, ServerConfig, free_port
 from tests.conftest import (
     assert_balanced,
     eventually,
+    eventually_async,
     read_metrics,
     run_trainer_and_sampler,
     sampler_statuses,
@@ -56,20 +57,20 @@ async def _take_leases_and_die(url: str, run_id: str, sampler_id: str) -> list[i
     and is never heard of again (kill -9 in the middle of generating them)."""
     run = await open_run(url, run_id, "ghost", create=False)
     try:
-        async with asyncio.timeout(30):
-            while True:
-                await asyncio.sleep(0.05)
-                try:
-                    last = await run.js.get_last_msg(run.names.control_stream, run.names.weights_subject)
-                except NotFoundError:  # the trainer has not published its first version yet
-                    continue
-                version = decode(WeightsAnnouncement, last.data).version
-                request = GrantRequest(want=2, term=await current_term(run), version=version)
-                grant = await request_grant(run, sampler_id, request)
-                if grant and grant.slots:
-                    await put_status(run, SamplerStatus(sampler_id=sampler_id, version=version, groups_published=0,
-                                                        weight_failures={}, updated_at=time.time()))
-                    return grant.slots
+        async def granted():
+            try:
+                last = await run.js.get_last_msg(run.names.control_stream, run.names.weights_subject)
+            except NotFoundError:  # the trainer has not published its first version yet
+                return None
+            version = decode(WeightsAnnouncement, last.data).version
+            request = GrantRequest(want=2, term=await current_term(run), version=version)
+            grant = await request_grant(run, sampler_id, request)
+            return (version, grant.slots) if grant and grant.slots else None
+
+        version, slots = await eventually_async(granted, 30)
+        await put_status(run, SamplerStatus(sampler_id=sampler_id, version=version, groups_published=0,
+                                            weight_failures={}, updated_at=time.time()))
+        return slots
     finally:
         await run.close()
 

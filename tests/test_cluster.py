@@ -16,6 +16,7 @@ from streams.lease import HELD_S, RENEW_S, AnotherTrainer, take_lease
 from streams.objects import ACK_TIMEOUT_S, get_object, put_object, sha256_hex
 from streams.rollouts import publish_rollout
 from streams.server import ELECTION_MIN_S, NatsCluster
+from tests.conftest import eventually_async
 from tests.groups import honest_group
 from workers.trainer.publishing import PUBLISH_RETRY_MAX_S
 
@@ -90,13 +91,11 @@ async def test_a_weights_publish_whose_stream_leader_is_killed_goes_on_once_a_ne
     leader = (await run.js.stream_info(f"OBJ_{bucket}")).cluster.leader
 
     async def elected():  # when the broker's failover ended, as this client sees it
-        while True:
-            try:
-                if (await run.js.stream_info(f"OBJ_{bucket}")).cluster.leader not in (None, leader):
-                    return time.monotonic() - began
-            except BROKER_ERRORS:
-                pass
-            await asyncio.sleep(0.2)
+        try:
+            if (await run.js.stream_info(f"OBJ_{bucket}")).cluster.leader not in (None, leader):
+                return time.monotonic() - began
+        except BROKER_ERRORS:
+            return None
 
     began = time.monotonic()
     publishing = asyncio.create_task(retry_forever("publish", lambda: put_object(run.js, bucket, "v3", data),
@@ -104,7 +103,7 @@ async def test_a_weights_publish_whose_stream_leader_is_killed_goes_on_once_a_ne
     await asyncio.sleep(statistics.median(seconds) / 3)  # mid-publish
     node = next(node for node in cluster.nodes if node.config.server_name == leader)
     node.process.send_signal(signal.SIGKILL)
-    election = await elected()
+    election = await eventually_async(elected, 60, every=0.2)
     info = await publishing
     took = time.monotonic() - began
     # One publish's time, before and after: the box's load may change while this runs (the
@@ -151,9 +150,7 @@ async def test_a_trainer_whose_state_leader_is_killed_waits_it_out_and_never_wor
         taken = await asyncio.wait_for(take_over(), 60)
         assert all(now - renewed < HELD_S + 0.5 for now, renewed in acted), acted  # 0.5: one act's own wait
         if taken is None:  # renewed again before the standby saw the lease lapse: the holder goes on
-            async with asyncio.timeout(30):
-                while not acted or acted[-1][1] <= killed:
-                    await asyncio.sleep(0.1)
+            await eventually_async(lambda: acted and acted[-1][1] > killed, 30, every=0.1)
             assert lease.lost is None
         else:  # taken over: the holder had stopped acting before, and is fenced out
             assert acted[-1][0] < taken, (acted[-1], taken)

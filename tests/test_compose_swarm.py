@@ -16,12 +16,11 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_accounting_holds
+from tests.conftest import assert_accounting_holds, eventually
 
 pytestmark = pytest.mark.compose
 
@@ -65,14 +64,17 @@ class Project:
 
     def wait(self, what: str, ready, credentials: tuple[str, ...], timeout: float = 600) -> dict:
         """Polls status until `ready(snapshot)`; on a timeout, fails with the workers' logs."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            snap = self.status(*credentials)
-            if snap and ready(snap):
-                return snap
-            time.sleep(3)
-        logs = self("logs", "--tail", "40", *([] if credentials else INSECURE[2:3]), check=False)
-        raise AssertionError(f"not seen in {timeout} s: {what}\nlast status: {snap}\n{logs[-8000:]}")
+        seen = []
+
+        def why(_) -> str:
+            logs = self("logs", "--tail", "40", *([] if credentials else INSECURE[2:3]), check=False)
+            return f"not seen in {timeout} s: {what}\nlast status: {seen[-1]}\n{logs[-8000:]}"
+
+        def snapshot():
+            seen.append(self.status(*credentials))
+            return seen[-1] if seen[-1] and ready(seen[-1]) else None
+
+        return eventually(snapshot, timeout, every=3, why=why)
 
 
 @pytest.fixture

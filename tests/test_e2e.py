@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load
 
+from bench.envs import GUESS_ENV
 from echo.config import TaskConfig
 from echo.tasks import load_task
 from echo.wire.names import HDR_MSG_ID, HDR_VERSION
 from tests.conftest import eventually
 from tests.swarms import (
-    GUESS_ENV,
     OPENENV_GUESS,
     USER_TASK,
     VERIFIERS_ENV,

@@ -46,6 +46,7 @@ from tests.conftest import (
     assert_accounting_holds,
     collect_and_account,
     eventually,
+    eventually_async,
     stopped,
     store_tampered,
     tiny_config,
@@ -187,9 +188,7 @@ async def test_a_sequential_sampler_whose_fetch_of_the_requested_version_fails_r
     await store_tampered(weights, 0, adapter, lambda chunks: [chunks[0][:-1] + b"!", *chunks[1:]])
     orders = await _ask_for_version(lease, cfg, 0)
     _, sampler, serving = await _serving_sampler(runs, cfg)
-    async with asyncio.timeout(10):
-        while not sampler.weights.follower.failures:
-            await asyncio.sleep(0.02)
+    await eventually_async(lambda: sampler.weights.follower.failures, 10)
     assert set(sampler.weights.follower.failures) == {"digest_mismatch"} and sampler.weights.version == -1
     await put_object(run.js, run.names.weights_bucket, weights_object_name(lease.term, 0, 0), adapter)  # whole again
     collector, collected = await _collect_step(lease, cfg, 0, orders.ledger)
@@ -220,18 +219,15 @@ async def test_a_sequential_sampler_asked_for_an_older_version_of_a_new_term_wai
         await weights.publish(version, adapter, TINY_BASE)
     orders = await _ask_for_version(lease, cfg, 1)
     _, sampler, serving = await _serving_sampler(runs, cfg)
-    async with asyncio.timeout(30):
-        while sampler.generation.published < cfg.trainer.groups_per_step:
-            await asyncio.sleep(0.02)
+    await eventually_async(lambda: sampler.generation.published >= cfg.trainer.groups_per_step, 30)
     assert sampler.weights.running == (1, 1)
     await orders.subscription.unsubscribe()
     await lease.release()
     lease = await take_lease(run)  # term 2, resumed at version 0
     weights = WeightsPublisher(lease)  # a publisher is its lease's: term 2's versions
     orders = await _ask_for_version(lease, cfg, 0)
-    async with asyncio.timeout(30):  # the sampler has the request, and no weights of term 2 yet
-        while (sampler.work.pull_request.term, sampler.work.pull_request.version) != (2, 0):
-            await asyncio.sleep(0.02)
+    # The sampler has the request, and no weights of term 2 yet.
+    await eventually_async(lambda: (sampler.work.pull_request.term, sampler.work.pull_request.version) == (2, 0), 30)
     await weights.publish(0, adapters[0], TINY_BASE)
     _, collected = await _collect_step(lease, cfg, 0, orders.ledger)
     assert {(a.group.term, a.group.version) for a in collected.used} == {(2, 0)}
@@ -252,11 +248,8 @@ async def test_a_sequential_sampler_whose_request_for_work_goes_unanswered_asks_
     orders = SequentialGranter(run, lease.term, cfg, TrainerState(), GrantLedger())
     await orders.ask(0)  # the request is out; no one answers requests for work yet
     _, sampler, serving = await _serving_sampler(runs, cfg)
-    async with asyncio.timeout(30):
-        while sampler.weights.running != (1, 0):  # it has the request's weights, and is asking
-            await asyncio.sleep(0.02)
-        while not sampler.work.unanswered:  # asked, and not answered
-            await asyncio.sleep(0.02)
+    await eventually_async(lambda: sampler.weights.running == (1, 0), 30)  # it has the request's weights, and is asking
+    await eventually_async(lambda: sampler.work.unanswered, 30)  # asked, and not answered
     await orders.start()  # now the trainer answers
     _, collected = await _collect_step(lease, cfg, 0, orders.ledger)
     assert len(collected.used) == cfg.trainer.groups_per_step
@@ -277,9 +270,8 @@ async def test_a_sampler_that_starts_following_weights_while_the_broker_is_down_
     nats_server.process.wait()
     with structlog.testing.capture_logs() as logs:
         await announcements.start()
-        async with asyncio.timeout(60):
-            while not any(e["event"] == "follow.read_failed" for e in logs):  # a read the broker failed
-                await asyncio.sleep(0.05)
+        # A read the broker failed.
+        await eventually_async(lambda: any(e["event"] == "follow.read_failed" for e in logs), 60)
     assert announcements.seq == 0
     await asyncio.to_thread(nats_server.start)
     async with asyncio.timeout(30):
@@ -315,9 +307,9 @@ async def test_a_trainer_restarted_on_its_machine_takes_the_run_at_once_and_a_li
         with pytest.raises(AnotherTrainer, match="live trainer"):  # renewing, though on this machine
             await take_lease(run)
         holder.send_signal(signal.SIGKILL)
+        # Dead: a zombie, not reaped (this test does not wait for it).
+        await eventually_async(lambda: not alive(holder.pid), 30)
         async with asyncio.timeout(30):
-            while alive(holder.pid):  # dead: a zombie, not reaped (this test does not wait for it)
-                await asyncio.sleep(0.05)
             taken = await take_lease(run, lapse_s=3600)  # not waited for
     finally:
         stopped(holder)
@@ -345,9 +337,8 @@ async def test_a_trainer_keeps_its_lease_when_a_renewal_it_gave_up_on_was_applie
     renewing = asyncio.create_task(lease.renew_forever())
     await run.state.put(TRAINER_KEY, encode(lease.lease))  # the renewal given up on, applied
     moved_to = (await run.state.get(TRAINER_KEY)).revision
-    async with asyncio.timeout(10 * RENEW_S):
-        while lease.revision <= moved_to and not renewing.done():  # renewed past it, or fenced out
-            await asyncio.sleep(0.05)
+    # Renewed past it, or fenced out.
+    await eventually_async(lambda: lease.revision > moved_to or renewing.done(), 10 * RENEW_S)
     assert lease.lost is None and not renewing.done()
     await run.state.put(TRAINER_KEY, encode(lease.lease.model_copy(update={"term": lease.term + 1})))
     async with asyncio.timeout(5 * RENEW_S):

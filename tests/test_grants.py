@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from echo.engines.hf import HFEngine
 from echo.fleet.grants import (
     ASK_AGAIN_MIN_S,
     ASKS_PER_S,
@@ -27,6 +28,7 @@ from echo.fleet.grants import (
     sampler_cap,
 )
 from echo.fleet.throughput import CallWindow
+from echo.tasks import load_task
 from echo.train.checkpoint import TrainerState
 from echo.wire.codec import decode, encode
 from echo.wire.messages import Grant, GrantBudget, GrantRequest, SamplerStatus
@@ -35,7 +37,9 @@ from streams.grants import record_slots_granted, request_grant, serve_grants, sl
 from streams.lease import take_lease
 from streams.registry import put_status
 from streams.watch import read_value
-from tests.conftest import tiny_config
+from streams.weights import WeightsPublisher
+from tests.conftest import TINY_BASE, adapter_for_version, eventually_async, tiny_config
+from workers.sampler.sampler import Sampler
 from workers.sampler.work import IDLE_WAIT_MAX_S, Work, idle_s
 from workers.trainer.coordinator import delivered_paces
 from workers.trainer.granter import AsyncGranter, SequentialGranter
@@ -270,22 +274,25 @@ async def test_a_hoarder_is_released_within_a_few_calls_held_to_a_slot_and_struc
         for slot in (await _ask(sampler, "h", lease.term, 0, 2, request)).slots:
             assert granter.ledger.delivered("h", slot, arrived=time.monotonic())
             granter.ledger.accepted(slot)  # h's call, measured: far shorter than the 2 s floor
-        async with asyncio.timeout(60):  # a hang guard: before, 300 s
-            while not granter.ledger.probation:  # time passing: its heartbeat lives, its slots stay unfilled
-                await asyncio.sleep(0.5)
-                await granter.on_wait(2)
+        async def on_probation():  # time passing: its heartbeat lives, its slots stay unfilled
+            await granter.on_wait(2)
+            return granter.ledger.probation
+
+        await eventually_async(on_probation, 60, every=0.5)
         assert granter.ledger.held("x") == 0 and quarantine.strikes == {}  # once may be a slow machine
         # Before the bench, it took the released work again at once, a release interval lost each time.
         # Benched (trainer.reissue_after_s) while h asks: the work is h's, one interval lost in all.
         assert (await _ask(sampler, "x", lease.term, 0, 2, request)).groups == 0
         assert (await _ask(sampler, "h", lease.term, 0, 2, request)).groups == 2
-        async with asyncio.timeout(30):  # off the bench: a slot at a time
-            while (await _ask(sampler, "x", lease.term, 0, 2, request)).groups != 1:
-                await asyncio.sleep(0.5)
-        async with asyncio.timeout(60):
-            while "x" not in quarantine:
-                await asyncio.sleep(0.5)
-                await granter.on_wait(1)
+        async def one_slot():  # off the bench: a slot at a time
+            return (await _ask(sampler, "x", lease.term, 0, 2, request)).groups == 1
+
+        async def struck():
+            await granter.on_wait(1)
+            return "x" in quarantine
+
+        await eventually_async(one_slot, 30, every=0.5)
+        await eventually_async(struck, 60, every=0.5)
         assert quarantine.strikes == {"x": 1} and (await _ask(sampler, "x", lease.term, 0, 2, request)).groups == 0
     finally:
         beating.cancel()
@@ -320,9 +327,7 @@ async def test_a_holder_that_said_it_was_stopping_is_released_after_its_entry_ex
     try:
         await put_status(sampler, SamplerStatus(sampler_id="x", version=0, groups_published=0, weight_failures={},
                                                 updated_at=time.time(), state="draining"))
-        async with asyncio.timeout(60):  # a hang guard
-            while "x" not in granter.holders.heartbeats.stopped:
-                await asyncio.sleep(0.05)
+        await eventually_async(lambda: "x" in granter.holders.heartbeats.stopped, 60)
         await sampler.registry.delete("x")  # expired, as the trainer's step went on
         await granter.on_wait(4)
         assert granter.ledger.holders() == set() and granter.holders.heartbeats.stopped == set()
@@ -462,10 +467,10 @@ async def test_a_budget_wakes_only_a_draw_of_the_idle_crowd_and_draws_again_whil
     first = await _budget(run)
     redraws = asyncio.ensure_future(granter.redraw_forever())
     try:
-        deadline = time.monotonic() + 30 * REDRAW_S  # the drawn never ask: gone
-        while (await _budget(run)).draw == first.draw:
-            assert time.monotonic() < deadline, "no second draw while every slot stayed open"
-            await asyncio.sleep(0.05)
+        async def redrawn():  # the drawn never ask: gone
+            return (await _budget(run)).draw != first.draw
+
+        await eventually_async(redrawn, 30 * REDRAW_S, why=lambda _: "no second draw while every slot stayed open")
         second = await _budget(run)
         assert second.open == 64 and second.version == 2
         for work in crowd:
@@ -583,9 +588,7 @@ async def test_sequential_groups_are_granted_once_and_only_for_the_current_reque
         "schema_version": SCHEMA_VERSION, "slots": [], "prompts": [], "more": False, "noise_slots": [],
         "again_s": IDLE_ASK_MIN_S, "wait_version": 0}  # at the latest: the next request wakes it
     assert sorted(slot for g in grants for slot in g.slots) == list(range(1, 7))
-    granted_at = time.monotonic()
-    while time.monotonic() - granted_at <= cfg.trainer.reissue_after_s:  # the holders stall past it
-        await asyncio.sleep(0.02)
+    await asyncio.sleep(cfg.trainer.reissue_after_s + 0.05)  # the holders stall past it
     keeper = next(f"s{i}" for i, g in enumerate(grants) if g.slots)
     kept = grants[int(keeper[1:])].slots[0]
     granter.ledger.delivered(keeper, kept, time.monotonic())
@@ -652,7 +655,8 @@ def test_a_sampler_whose_long_groups_would_arrive_stale_gets_no_work_while_other
     arrival, over its calls' longest completions) and grants none to one whose long group (the
     fleet's 95th percentile) would arrive after the trainer moved past its version, while other
     samplers take the work. Never where none does (a fleet all slower than the trainer still
-    gets it), nor with partial rollouts."""
+    gets it), nor with partial rollouts. One not measured yet is paced by the seconds a token its
+    warm-up claims: in a joining crowd, the slowest quarter's first groups arrived stale."""
     cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "max_staleness": 1})
     granter = AsyncGranter(None, 0, cfg, TrainerState(version=2), GrantLedger())
     ledger, t0 = granter.ledger, time.monotonic() - 21.0
@@ -679,16 +683,21 @@ def test_a_sampler_whose_long_groups_would_arrive_stale_gets_no_work_while_other
     at_v2 = GrantRequest(want=1, term=0, version=2)
     # Nobody fast enough has taken work: a swarm all slower than its trainer still gets it.
     ledger.grant("new", 1, 8, 64, now=time.monotonic(), version=2)  # not measured: not a taker that fits
-    assert not granter.too_slow("slow", 2, time.monotonic()) and not granter.too_slow_until("slow", at_v2)
+    assert not granter.too_slow("slow", at_v2, time.monotonic()) and not granter.too_slow_until("slow", at_v2)
     assert not granter.too_slow_until("fast", at_v2) and granter.grant_work("fast", at_v2)[0]  # one that fits takes some
-    assert granter.too_slow("slow", 2, time.monotonic()) and granter.too_slow_until("slow", at_v2) == 3
-    assert granter.too_slow("steady", 2, time.monotonic())  # its usual time fits: its long groups would not
-    assert not granter.too_slow("new", 2, time.monotonic())  # not measured yet: it is tried
+    assert granter.too_slow("slow", at_v2, time.monotonic()) and granter.too_slow_until("slow", at_v2) == 3
+    assert granter.too_slow("steady", at_v2, time.monotonic())  # its usual time fits: its long groups would not
+    assert not granter.too_slow("new", at_v2, time.monotonic())  # not measured yet: it is tried
+    # Not measured, it is paced by what its warm-up claims: 0.3 s a token is slow's pace.
+    claims = {claim: at_v2.model_copy(update={"claimed_s_per_token": claim}) for claim in (0.3, 0.01)}
+    assert granter.too_slow("new", claims[0.3], time.monotonic()) and granter.too_slow_until("new", claims[0.3]) == 3
+    assert not granter.too_slow("new", claims[0.01], time.monotonic())
+    assert granter.too_slow("slow", claims[0.01], time.monotonic())  # once measured, its claim is not heard
     later = time.monotonic() + REDRAW_S  # nobody took a slot for REDRAW_S: the slow one gets it
-    assert not granter.too_slow("slow", 2, later)
+    assert not granter.too_slow("slow", at_v2, later)
     assert ledger.long_group_s("slow", t0 + 30.0 + PACE_KEPT_S + 1) is None  # forgotten: it is tried again
     chunked = AsyncGranter(None, 0, tiny_config(tmp_path, sampling={"chunk_tokens": 8}), TrainerState(), ledger)
-    assert not chunked.too_slow("slow", 2, time.monotonic())
+    assert not chunked.too_slow("slow", at_v2, time.monotonic())
 
 
 def test_a_sampler_refused_as_too_slow_is_not_woken_again_by_budgets_of_its_version():
@@ -790,3 +799,37 @@ def test_the_sync_time_is_what_the_trainer_saw_not_what_the_heartbeat_says():
                            groups_per_s=1000.0, call_s=0.0, sync_s={"3": 0.0})
     (pace,) = delivered_paces([claims], ledger, now=130.0)
     assert (pace.sync_s, pace.call_s) == (pytest.approx(0.8), pytest.approx(0.5))
+
+
+async def test_a_sampler_claims_the_pace_of_its_warm_up_in_each_request_for_work(runs, tmp_path):
+    """A sampler's first requests came with nothing the trainer could pace it by: it measured
+    a sampler only once its first call's groups arrived, and in a joining crowd the slowest
+    quarter's arrived stale. A sampler now times a short generation before it asks, and each
+    request claims that pace. The engine here takes at least 10 ms a token."""
+    cfg = tiny_config(tmp_path)
+    engine = HFEngine("tiny", cfg.lora, cfg.sampling)
+    generate = engine.generate
+
+    def slow(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        time.sleep(0.01 * max(len(c.token_ids) for completions in out for c in completions))
+        return out
+
+    engine.generate = slow
+    run = await runs.open(cfg.run.id, "trainer")
+    asked = []
+
+    async def decide(sampler_id, request):
+        asked.append(request)
+        return Grant()
+
+    await serve_grants(run, decide)
+    await WeightsPublisher(await take_lease(run)).publish(0, adapter_for_version(engine, 0), TINY_BASE)
+    sampler = Sampler(cfg, "s1", await runs.open(cfg.run.id, "sampler", create=False), engine, load_task(cfg.task))
+    serving = asyncio.create_task(sampler.serve())
+    try:
+        await eventually_async(lambda: asked, 60)
+    finally:
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+    assert asked[0].claimed_s_per_token == sampler.work.claimed_s_per_token >= 0.01

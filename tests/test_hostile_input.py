@@ -46,7 +46,7 @@ from streams.prompts import PromptShards, publish_prompts
 from streams.rollouts import publish_rollout
 from streams.secure import SecureDir
 from streams.server import LOG_FILES_KEPT, NatsServer, ServerConfig
-from tests.conftest import tiny_config
+from tests.conftest import eventually_async, tiny_config
 from tests.groups import SCORER, honest_group, pack_rollout, unpack_rollout
 from workers.operator.page import Latest, PageServer
 from workers.operator.snapshot import fleet_summary, sampler_row
@@ -207,9 +207,8 @@ async def test_the_page_serves_past_a_thousand_idle_connections_and_only_at_its_
         assert status == 200 and b"echo-rl status" in body
         assert (await asyncio.to_thread(get, f"localhost:{port}"))[0] == 200
         assert (await asyncio.to_thread(get, f"evil.example:{port}"))[0] == 421  # DNS rebinding
-        async with asyncio.timeout(30):  # the idle ones are closed after the read timeout
-            while server.open:
-                await asyncio.sleep(0.1)
+        # The idle ones are closed after the read timeout.
+        await eventually_async(lambda: not server.open, 30, every=0.1)
     finally:
         for writer in idle:
             writer.close()
@@ -246,10 +245,8 @@ async def test_a_flood_of_refused_publishes_leaves_the_hubs_log_within_its_limit
                     await attacker.flush()
         finally:
             await attacker.close()
-        deadline = time.monotonic() + 30
-        while len(list(log_file.parent.iterdir())) < LOG_FILES_KEPT:  # rotated, and the oldest pruned
-            assert time.monotonic() < deadline, [f.stat().st_size for f in log_file.parent.iterdir()]
-            await asyncio.sleep(0.1)
+        await eventually_async(lambda: len(list(log_file.parent.iterdir())) >= LOG_FILES_KEPT, 30, every=0.1,
+                               why=lambda _: [f.stat().st_size for f in log_file.parent.iterdir()])  # rotated, pruned
         await asyncio.sleep(1.0)  # the rest of the flood written
         files = list(log_file.parent.iterdir())
         assert "Publish Violation" in "".join(f.read_text() for f in files)

@@ -24,7 +24,7 @@ from echo.model.loading import base_model_digest, hub_snapshot, load_model, pin_
 from echo.trust.routing import routing_shape
 from streams.client import open_run
 from streams.registry import read_statuses
-from tests.conftest import tiny_config, verl_rows
+from tests.conftest import eventually_async, tiny_config, verl_rows
 from workers.trainer.model import Ranks, TrainerModel
 
 REPO = "echo-test/tiny-chat"
@@ -174,17 +174,17 @@ def test_a_run_on_a_hub_model_and_a_verl_dataset_trains_samplers_given_only_the_
             ends (three samplers load at once here; the odd one then refuses the last version),
             and a heartbeat counts the groups published before it."""
             run = await open_run(nats_server.url, "hub", "check", create=False)
+            async def said():
+                seen = {s.sampler_id: s for s in await read_statuses(run)}
+                return seen if {"s1", "s2", "odd"} <= seen.keys() and seen["odd"].weight_failures and \
+                    seen["s1"].groups_published + seen["s2"].groups_published >= 4 else None
+
             try:
-                while True:
-                    seen = {s.sampler_id: s for s in await read_statuses(run)}
-                    if {"s1", "s2", "odd"} <= seen.keys() and seen["odd"].weight_failures and \
-                            seen["s1"].groups_published + seen["s2"].groups_published >= 4:
-                        return seen
-                    await asyncio.sleep(0.5)
+                return await eventually_async(said, 120, every=0.5)
             finally:
                 await run.close()
 
-        seen = asyncio.run(asyncio.wait_for(statuses(), 120))  # a hang guard
+        seen = asyncio.run(statuses())
         assert seen["s1"].weight_failures == seen["s2"].weight_failures == {}
         assert seen["s1"].groups_published + seen["s2"].groups_published >= 4
         assert seen["odd"].groups_published == 0 and seen["odd"].weight_failures.get("wrong_base_model", 0) >= 1

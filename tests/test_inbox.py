@@ -38,7 +38,7 @@ from streams.rollouts import (
     rollout_body,
 )
 from streams.server import NatsServer, ServerConfig
-from tests.conftest import tiny_config
+from tests.conftest import eventually_async, tiny_config
 from tests.groups import SCORER, TASK, TOKENIZER, granted, honest_group, with_completion
 from workers.trainer.intake import Collector
 from workers.trainer.judge import AlreadyTrained, Judge, Timeline
@@ -266,9 +266,7 @@ async def test_a_fetch_returns_no_more_than_its_batch_whatever_the_subscription_
     subscription = inbox.readers[run.names.rollouts_subject("s1")].subscription
     # A pull request for 6 whose client stopped waiting: they queue up in its subscription.
     await run.nc.publish(subscription._nms, json.dumps({"batch": 6, "no_wait": True}).encode(), subscription._deliver)
-    async with asyncio.timeout(10):
-        while subscription.pending_msgs < 6:
-            await asyncio.sleep(0.01)
+    await eventually_async(lambda: subscription.pending_msgs >= 6, 10, every=0.01)
     assert [d.seq for d in await inbox.fetch(4, timeout=1.0)] == [1, 2, 3, 4]
     assert [d.seq for d in await inbox.fetch(4, timeout=1.0)] == [5, 6]
     assert await inbox.ack_held() == 0 and (await inbox.counts()).pending == 0
@@ -381,9 +379,7 @@ async def test_groups_evicted_before_their_fetch_cost_one_wait_not_one_a_round(n
         inbox = await RolloutInbox.open(run, ack_wait_s=600.0)
         for i, sampler in enumerate(["s1"] + 10 * ["s2"]):  # s1's group, then s2's, evicting it and their own
             await run.js.publish(run.names.rollouts_subject(sampler), bytes(2000), headers={HDR_MSG_ID: f"g{i}"})
-        async with asyncio.timeout(30):
-            while sum(map(len, inbox.announced.values())) < 11:
-                await asyncio.sleep(0.05)
+        await eventually_async(lambda: sum(map(len, inbox.announced.values())) >= 11, 30)
         kept = (await run.js.stream_info(run.names.rollouts_stream)).state
         assert kept.first_seq > 2 and kept.last_seq == 11  # s1's group and s2's first ones gone
         got = await inbox.fetch(FETCH_MAX, timeout=5.0)

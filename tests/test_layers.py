@@ -224,6 +224,29 @@ def test_no_test_module_imports_another():
     assert wrong == {}
 
 
+def _sleeps(statement: ast.stmt) -> bool:
+    call = statement.value if isinstance(statement, ast.Expr) else None
+    call = call.value if isinstance(call, ast.Await) else call
+    return isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "sleep"
+
+
+def test_no_test_polls_by_hand():
+    """A test waits for a condition through conftest's `eventually` (or `eventually_async`): one
+    deadline, and a failure that says what was last seen. A loop that only sleeps and looks (its
+    body: sleeps, assignments, asserts, ifs, tries) is such a wait written by hand; a loop that
+    also acts (publishes, renews) is not. Checked by putting one back."""
+    looks = (ast.Assign, ast.AnnAssign, ast.Assert, ast.If, ast.Try, ast.Pass, ast.Continue, ast.Break, ast.Return)
+    by_hand = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        helpers = {n for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   and f.name in ("eventually", "eventually_async") for n in ast.walk(f)}
+        by_hand += [f"{path.name}:{node.lineno}" for node in ast.walk(tree)
+                    if isinstance(node, ast.While) and node not in helpers and any(map(_sleeps, node.body))
+                    and all(_sleeps(s) or isinstance(s, looks) for s in node.body)]
+    assert by_hand == []
+
+
 def test_tasks_sit_below_the_episodes_that_play_them():
     """echo/tasks/episodes.py plays what echo/tasks/ defines (Step, Environment live in echo.tasks):
     no task module imports it back."""

@@ -34,7 +34,7 @@ from streams.registry import read_statuses
 from streams.rollouts import publish_rollout
 from streams.server import free_port
 from streams.weights import WeightsFollower
-from tests.conftest import tiny_config
+from tests.conftest import eventually, eventually_async, tiny_config
 from tests.groups import TASK, honest_group, keyed_groups, perturb
 from tests.swarms import assert_every_group_proved, run_swarm
 from workers.sampler.generation import generate_groups
@@ -232,11 +232,11 @@ async def _forge(run_dir, up: psutil.Process) -> Strikes:
     strikes once the trainer has struck it. The honest samplers are held (SIGSTOP) from their
     start until that group is sent: the trainer, short of groups, cannot end the run before it
     has judged it."""
-    workers: list[psutil.Process] = []  # forked by up: the trainer, then the samplers
-    while len(workers) < 3:
+    def forked() -> list[psutil.Process] | None:  # by up: the trainer, then the samplers
         workers = sorted((p for p in up.children() if "nats" not in p.name()), key=lambda p: (p.create_time(), p.pid))
-        await asyncio.sleep(0.02)
-    _, *samplers = workers
+        return workers if len(workers) >= 3 else None
+
+    _, *samplers = await eventually_async(forked, 120, every=0.02)
     for sampler in samplers:
         sampler.suspend()
     try:
@@ -268,9 +268,11 @@ async def _forge(run_dir, up: psutil.Process) -> Strikes:
         for sampler in samplers:
             sampler.resume()
     try:
-        while not (strikes := await read_strikes(run)).counts:
-            await asyncio.sleep(0.1)
-        return strikes
+        async def struck():
+            strikes = await read_strikes(run)
+            return strikes if strikes.counts else None
+
+        return await eventually_async(struck, 240, every=0.1)
     finally:
         await follower.stop()
         await run.close()
@@ -337,9 +339,7 @@ def test_one_model_over_two_ranks_draws_what_it_draws_whole_and_a_hung_or_lost_r
     started = time.monotonic()
     caller = threading.Thread(target=call, daemon=True)
     caller.start()
-    while not lost and time.monotonic() - started < 60:
-        time.sleep(0.05)
-    (why, at), = lost
+    (why, at), = eventually(lambda: lost, 60, every=0.05)
     assert "no answer from the other ranks" in why and at - started >= timeout_s
     rank1.kill()
     rank1.wait(timeout=60)
@@ -391,8 +391,8 @@ def test_a_split_mlx_sampler_trains_a_swarm_every_group_proved_through_a_hung_an
 
     def disturb(up_pid: int) -> None:
         up = psutil.Process(up_pid)
-        while not ((run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_bytes()):
-            time.sleep(0.1)  # a step trained: both samplers' ranks are up
+        # A step trained: both samplers' ranks are up.
+        eventually(lambda: (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_bytes(), 280)
         ranks, before = ranks_of(up), heartbeats()
         (hung, _), (killed, _) = ranks.items()
         trainer, = [p for p in up.children() if p.pid not in ranks.values() and "nats" not in p.name()]
@@ -400,11 +400,13 @@ def test_a_split_mlx_sampler_trains_a_swarm_every_group_proved_through_a_hung_an
         try:
             psutil.Process(hung).suspend()
             psutil.Process(killed).kill()
-            deadline = time.monotonic() + 300  # a guard: each sampler is back in seconds
-            while (now := heartbeats()).keys() != before.keys() or any(
-                    now[s].process == before[s].process for s in before):
-                assert time.monotonic() < deadline, f"not every sampler started again: {before} {now}"
-                time.sleep(0.2)
+            def restarted():
+                now = heartbeats()
+                return now if now.keys() == before.keys() and all(now[s].process != before[s].process
+                                                                   for s in before) else None
+
+            # A guard: each sampler is back in seconds.
+            now = eventually(restarted, 300, every=0.2, why=lambda _: f"not every sampler started again: {before}")
             assert {(s.ranks, s.ranks_restarted, s.rank_lost) for s in before.values()} == {(2, 0, "")}
             assert {(s.ranks, s.ranks_restarted) for s in now.values()} == {(2, 1)}
             said = sorted(s.rank_lost for s in now.values())

@@ -1,7 +1,6 @@
 """Proof of sampling: honest log-probs pass under the version they claim, forged ones are
 rejected, and a sampler caught too often is quarantined until an operator lifts it."""
 
-import asyncio
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from streams.lease import take_lease
 from streams.quarantine import read_quarantine
 from streams.registry import read_statuses
 from streams.rollouts import publish_rollout
-from tests.conftest import tiny_config
+from tests.conftest import eventually_async, tiny_config
 from tests.groups import SAMPLING, SCORER, collect_once_quarantined, granted, honest_group, perturb
 from workers.background import Background
 from workers.cli import build_parser
@@ -131,9 +130,7 @@ async def test_a_forging_sampler_is_rejected_then_quarantined_until_an_operator_
 
         args = ["quarantine", "lift", "s1", "--nats", runs.url, "--run-id", "forge"]
         assert await quarantine_command(build_parser().parse_args(args)) == 0
-        async with asyncio.timeout(5):  # the trainer follows the key
-            while "s1" in quarantine:
-                await asyncio.sleep(0.02)
+        await eventually_async(lambda: "s1" not in quarantine, 5)  # the trainer follows the key
         assert quarantine.strikes["s1"] == 0 and (await orders.grant("s1", asked)).groups == 2
 
 

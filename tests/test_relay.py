@@ -17,7 +17,7 @@ from streams.relay import open_mirrors
 from streams.replay import read_rollouts
 from streams.server import NatsServer, ServerConfig, free_port
 from streams.weights import WeightsPublisher
-from tests.conftest import TINY_BASE, adapter_for_version, relay, tiny_config
+from tests.conftest import TINY_BASE, adapter_for_version, eventually_async, relay, tiny_config
 from workers.cli import build_parser
 from workers.sampler.sampler import Sampler
 from workers.sampler.sampler_command import sampler_config_from_run
@@ -141,9 +141,9 @@ async def test_an_edge_sampler_behind_a_relay_reads_the_config_and_heartbeats_to
         return Grant(slots=slots, prompts=slots)
 
     await serve_grants(run, grant_all)
-    async with asyncio.timeout(5):  # the hub tells the leaf of the trainer's interest a moment later
-        while not (grant := await request_grant(sampler_run, "far", GrantRequest(want=3, term=1, version=0))):
-            await asyncio.sleep(0.05)
+    # The hub tells the leaf of the trainer's interest a moment later.
+    asked = GrantRequest(want=3, term=1, version=0)
+    grant = await eventually_async(lambda: request_grant(sampler_run, "far", asked), 5)
     assert grant.groups == 3  # the trainer's answer through it
     assert await read_statuses(run) == [status]
     await relay_nc.close()

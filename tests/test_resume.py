@@ -3,7 +3,6 @@
 import asyncio
 import os
 import signal
-import time
 from pathlib import Path
 
 import orjson
@@ -27,7 +26,15 @@ from echo.wire.names import HDR_MSG_ID, RunNames
 from streams.client import connect
 from streams.replay import read_rollouts
 from streams.rollouts import is_reader
-from tests.conftest import alive, assert_balanced, read_metrics, tiny_config, wait_for_steps, worker_process
+from tests.conftest import (
+    alive,
+    assert_balanced,
+    eventually,
+    read_metrics,
+    tiny_config,
+    wait_for_steps,
+    worker_process,
+)
 from workers.operator.swarm import stop_processes
 from workers.trainer.accounting import restore_metrics
 
@@ -131,10 +138,7 @@ def test_kill_9_the_trainer_and_resume_trains_every_group_once(nats_server, tmp_
         os.kill(rank_pids[1] if killed == "rank 1" else trainer.pid, signal.SIGKILL)
         trainer.communicate(timeout=60)
         assert trainer.returncode != 0
-        deadline = time.monotonic() + 30
-        while any(map(alive, rank_pids)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(map(alive, rank_pids))  # no rank outlives its launcher
+        eventually(lambda: not any(map(alive, rank_pids)), 30)  # no rank outlives its launcher
 
         resumed = worker_process(config_path, "trainer", ranks=ranks)
         logs = resumed.communicate(timeout=180)[1]

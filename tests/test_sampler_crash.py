@@ -15,7 +15,14 @@ from echo.engines.hf import HFEngine
 from streams.lease import take_lease
 from streams.registry import read_statuses
 from streams.weights import WeightsPublisher
-from tests.conftest import TINY_BASE, a_sampler_holding_slots, adapter_for_version, tiny_config, worker_process
+from tests.conftest import (
+    TINY_BASE,
+    a_sampler_holding_slots,
+    adapter_for_version,
+    eventually_async,
+    tiny_config,
+    worker_process,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -72,12 +79,11 @@ def _sampler(config_path, url: str) -> subprocess.Popen:
 
 
 async def _until_status(run, predicate, timeout: float = 60.0):
-    for _ in range(int(timeout / 0.1)):
+    async def matched():
         statuses = await read_statuses(run)
-        if statuses and predicate(statuses[0]):
-            return statuses[0]
-        await asyncio.sleep(0.1)
-    raise TimeoutError(f"sampler status never matched; last {statuses}")
+        return statuses[0] if statuses and predicate(statuses[0]) else None
+
+    return await eventually_async(matched, timeout, every=0.1)
 
 
 async def test_a_sampler_killed_mid_fetch_restarts_and_loads_the_latest_version(nats_server, runs, tmp_path):

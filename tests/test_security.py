@@ -23,15 +23,9 @@ from streams.rollouts import reader_name, reader_subscription
 from streams.secure import PID_FILE, SecureDir
 from streams.server import write_secret
 from streams.weights import WeightsFollower, WeightsPublisher
-from tests.conftest import TINY_BASE, tiny_config
+from tests.conftest import TINY_BASE, eventually_async, tiny_config
 from tests.groups import honest_group
 from workers.cli import main
-
-
-async def _until(condition, timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.02)
 
 
 def _config_naming_a_shell_command(tmp_path, marker):
@@ -109,10 +103,10 @@ async def test_forged_and_pre_deduplicated_announcements_do_not_wedge_samplers(r
     foreign = real.model_copy(update={"version": 10**9, "term": 99})
     await attacker.publish(trainer.names.weights_subject, encode(foreign))
     # The follower only looks at the newest announcement: wait for each refusal before the next.
-    await _until(lambda: follower.failures["wrong_term"] == 1)
+    await eventually_async(lambda: follower.failures["wrong_term"] == 1, 5)
     # The next version's id taken first: with the old predictable ids the real one was dropped.
     await attacker.publish(trainer.names.weights_subject, encode(foreign), headers={HDR_MSG_ID: "weights-1"})
-    await _until(lambda: follower.failures["wrong_term"] == 2)
+    await eventually_async(lambda: follower.failures["wrong_term"] == 2, 5)
     await trainer_weights.publish(1, [b"v1" * 100], TINY_BASE)
     assert (await follower.wait_for(1))[0].version == 1
 
@@ -125,7 +119,7 @@ async def test_forged_and_pre_deduplicated_announcements_do_not_wedge_samplers(r
     restarted = await take_lease(trainer)
     trainer_weights = WeightsPublisher(restarted)
     await trainer_weights.publish(2, [b"v2" * 100], TINY_BASE)
-    await _until(lambda: follower.ready[0].term_version == (restarted.term, 2))
+    await eventually_async(lambda: follower.ready[0].term_version == (restarted.term, 2), 5)
     await follower.stop()
 
 
@@ -223,9 +217,9 @@ async def test_a_sampler_cannot_touch_what_the_trainer_owns(secured, runs):
     # Replies to others: a subscription on every inbox is refused.
     await nc.subscribe("_INBOX.>")
     await nc.flush()
-    async with asyncio.timeout(10):  # the server's refusals arrive through the error callback
-        while not any("permissions violation for subscription" in e and "_inbox.>" in e.lower() for e in errors):
-            await asyncio.sleep(0.02)
+    # The server's refusals arrive through the error callback.
+    await eventually_async(lambda: any("permissions violation for subscription" in e and "_inbox.>" in e.lower()
+                                       for e in errors), 10)
     assert sum("permissions violation for publish" in e for e in errors) == len(attacks)
     # What a sampler may do still works.
     await js.publish(names.rollouts_subject("s1"), encode_rollout(honest_group(group_id="mine")),

@@ -40,14 +40,15 @@ def test_status_shows_the_trainer_and_every_sampler_of_a_live_swarm(tmp_path):
             steps += "step=" in line
             if steps == 3:
                 break
-        deadline = time.monotonic() + 60
-        while True:  # until each sampler's heartbeat names the weights it runs and what it published
-            snap = orjson.loads(_status(tmp_path / "live", "--json"))
-            samplers = snap["samplers"]
-            if len(samplers) == 2 and all(s["lag"] is not None and s["groups_published"] > 0 for s in samplers):
-                break
-            assert time.monotonic() < deadline, snap
-            time.sleep(0.2)
+        seen = []
+
+        def beating():  # each sampler's heartbeat names the weights it runs and what it published
+            seen.append(orjson.loads(_status(tmp_path / "live", "--json")))
+            samplers = seen[-1]["samplers"]
+            return len(samplers) == 2 and all(s["lag"] is not None and s["groups_published"] > 0 for s in samplers)
+
+        eventually(beating, 60, every=0.2, why=lambda _: seen[-1])
+        snap = seen[-1]
         trainer = snap["trainer"]
         assert trainer["term"] >= 1 and trainer["step"] >= 1 and trainer["version"] == trainer["step"]
         assert len(trainer["rewards"]) >= 1 and 0 < trainer["utilisation"] <= 1

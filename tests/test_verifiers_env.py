@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from bench.envs import GUESS_ENV
 from echo.config import ConfigError, TaskConfig
 from echo.model.loading import encode_chat
 from echo.tasks import is_environment, load_task, safe_score, task_class
@@ -21,7 +22,7 @@ from echo.tasks.loop import on_loop
 from echo.tasks.verifiers_env import as_chat, replay_client, texts, tool_calls
 from echo.trust.scorer import Scorer
 from tests.groups import SAMPLING, TOKENIZER, honest_group
-from tests.swarms import GUESS_ENV, VERIFIERS_ENV
+from tests.swarms import VERIFIERS_ENV
 
 vf = pytest.importorskip("verifiers")
 

@@ -22,7 +22,7 @@ from streams.objects import TransferError, direct_get_batch, get_object, put_obj
 from streams.registry import put_status, read_statuses
 from streams.replay import read_rollouts
 from streams.weights import WeightsFollower, WeightsPublisher, fetch_weights
-from tests.conftest import TINY_BASE, adapter_for_version, store_tampered, tiny_config
+from tests.conftest import TINY_BASE, adapter_for_version, eventually_async, store_tampered, tiny_config
 from workers.sampler.sampler import Sampler
 
 
@@ -56,7 +56,7 @@ async def test_a_sampler_joining_after_version_3_generates_with_version_3(runs, 
     await sampler.generation.generate_and_publish(Grant(slots=[1], prompts=[12]))
     # A damaged version 4 is refused, the sampler stays on 3, and its heartbeat says why.
     await store_tampered(weights, 4, adapters[0][0], lambda chunks: [bytes([c[0] ^ 0xFF]) + c[1:] for c in chunks])
-    await _until_failure(sampler.weights.follower)
+    await eventually_async(lambda: sampler.weights.follower.failures, 4)  # refused: the asserts say why
     await sampler.weights.apply_newest()
     await put_status(sampler_run, sampler.heartbeat.status())
     [status] = await read_statuses(run)
@@ -69,13 +69,6 @@ async def test_a_sampler_joining_after_version_3_generates_with_version_3(runs, 
     assert [r["headers"][HDR_VERSION] for r in records] == ["3"]
 
 
-async def _until_failure(follower: WeightsFollower, timeout: float = 4.0) -> None:
-    """Wait for the follower to count a refused adapter; the caller's asserts say which."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not follower.failures and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.02)
-
-
 async def test_follower_refuses_an_adapter_for_another_base_model(runs, tmp_path):
     run = await runs.open("b", "test")
     weights = WeightsPublisher(await take_lease(run))
@@ -83,7 +76,7 @@ async def test_follower_refuses_an_adapter_for_another_base_model(runs, tmp_path
     follower = await WeightsFollower(run, TINY_BASE).start()
     assert (await follower.wait_for(0))[1] == [b"good"]
     await weights.publish(1, [b"other"], "some-other-model")
-    await _until_failure(follower)
+    await eventually_async(lambda: follower.failures, 4)
     assert follower.failures == {"wrong_base_model": 1}
     assert follower.ready[0].version == 0  # the old version stays
     await follower.stop()
@@ -145,9 +138,7 @@ async def test_a_damaged_adapter_is_refused_the_old_version_kept_and_the_fetch_r
     assert (await follower.wait_for(0))[0].version == 0
     adapter = bytes(range(256)) * 2000
     await store_tampered(weights, 1, adapter, tamper)
-    async with asyncio.timeout(5):
-        while sum(follower.failures.values()) < 2:  # refused, and tried again
-            await asyncio.sleep(0.02)
+    await eventually_async(lambda: sum(follower.failures.values()) >= 2, 5)  # refused, and tried again
     assert set(follower.failures) <= {"digest_mismatch", "truncated", "size_mismatch"}
     assert follower.ready[0].version == 0 and follower.ready[1] == [b"good" * 100_000]
     await put_object(run.js, run.names.weights_bucket, weights_object_name(weights.term, 1, 0), adapter)  # repaired

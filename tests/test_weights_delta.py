@@ -24,7 +24,7 @@ from streams.client import publish_once
 from streams.lease import take_lease
 from streams.objects import put_object
 from streams.weights import WeightsFollower, WeightsPublisher
-from tests.conftest import TINY_BASE
+from tests.conftest import TINY_BASE, eventually_async
 
 SHARDS = [("embed", (64, 32)), ("head", (31, 15))]  # one tensor a shard; head's mask has 7 spare bits
 
@@ -69,12 +69,6 @@ def held(follower: WeightsFollower) -> dict[str, torch.Tensor]:
 
 def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return tensors_digest(a) == tensors_digest(b)
-
-
-async def until_failure(follower: WeightsFollower, reason: str, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while reason not in follower.failures and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.02)
 
 
 async def test_a_follower_rebuilds_each_delta_bit_for_bit_and_a_late_one_from_the_anchor(runs, tmp_path):
@@ -127,7 +121,7 @@ async def test_a_delta_that_does_not_make_its_digest_is_refused_and_the_weights_
     lies = {"wrong digest": {"digest": "f" * 64}, "bits past the end": {"deltas": past_the_end(honest)},
             "not a delta": {"deltas": [b"\x78\x9c junk", honest[1]]}}[lie]
     await publish(publisher, tmp_path, 1, weights[1], **lies)
-    await until_failure(follower, "bad_delta")
+    await eventually_async(lambda: "bad_delta" in follower.failures, 10)
     # Tried from the weights held, then from the anchor: neither makes version 1, so nothing changed.
     assert follower.failures["delta_refused"] >= 1 and follower.failures["bad_delta"] >= 1
     assert follower.ready[0].version == 0 and same_bits(held(follower), weights[0])
@@ -214,7 +208,7 @@ async def test_a_delta_bomb_inflates_no_further_than_the_weights_held(runs, tmp_
     tracemalloc.start()
     try:
         await publish_once(run, run.names.weights_subject, encode(forged))
-        await until_failure(follower, "delta_refused")
+        await eventually_async(lambda: "delta_refused" in follower.failures, 10)
         assert follower.failures["delta_refused"] >= 1
         assert tracemalloc.get_traced_memory()[1] < 32 << 20  # peak: not the 96 MB, let alone 2 GiB
     finally:

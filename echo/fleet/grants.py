@@ -271,15 +271,18 @@ class GrantLedger:
         ahead = version + max_staleness + 1 - last  # announcements until its groups are stale
         return max(last_at + ahead * interval - now, (ahead - 1) * interval)
 
-    def long_group_s(self, sampler_id: str, now: float) -> float | None:
+    def long_group_s(self, sampler_id: str, now: float, claimed_s_per_token: float | None = None) -> float | None:
         """How long `sampler_id` would take from a grant to the arrival of a long group (PACE_*,
-        LONG_*); None: it delivered none lately."""
+        LONG_*), at its measured pace, else at the pace it claims; None: it delivered none lately
+        and claims none, or no group has arrived yet to say what a long one is."""
         kept = [call for call in self._paces.get(sampler_id, ()) if now - call.last_at <= PACE_KEPT_S]
-        if not kept:
+        if not kept and claimed_s_per_token is None or not self._lengths:
             return None
         if self._long_tokens is None:
             lengths = sorted(self._lengths)
             self._long_tokens = lengths[math.ceil(LONG_QUANTILE * len(lengths)) - 1]
+        if not kept:
+            return claimed_s_per_token * self._long_tokens
         seconds = sum(call.last_at - call.granted_at for call in kept)
         return seconds / max(1, sum(call.longest for call in kept)) * self._long_tokens
 

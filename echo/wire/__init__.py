@@ -70,4 +70,7 @@ not read; this is the one list of it):
     is its `claimed_reward` (`reward` before): a claim the trainer checks, never trained on.
     A weights digest is `sha256:<hex>`, the one digest of weights (the base model's already was);
     bare hex before.
+29: a request for work may carry the sampler's own seconds a token, from a warm-up generation
+    (`claimed_s_per_token`): the trainer paces a sampler it has not measured yet by it; read as
+    none (not paced until measured) before.
 """

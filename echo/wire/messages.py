@@ -43,7 +43,7 @@ class Message(BaseModel):
     """A message of the wire, naming the schema it was written in."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    schema_version: Literal[28] = SCHEMA_VERSION
+    schema_version: Literal[29] = SCHEMA_VERSION
 
 
 # The validation context of a decoded message, whose arrays the codec (echo/wire/codec.py) checked
@@ -528,6 +528,10 @@ class GrantRequest(Message):
     version: int = Field(ge=-1, le=COUNT_MAX)
     pull_request_id: str | None = Field(None, pattern=ID_PATTERN)
     process: str = Field("", pattern=PROCESS_PATTERN)  # the process asking (SamplerStatus.process)
+    # Its seconds a token, from a warm-up generation: a claim, which paces it only until the
+    # trainer measured it. It can only cost the sampler work: a slow claim is refused, a fast
+    # one tried as any sampler not yet measured is.
+    claimed_s_per_token: Seconds | None = None
 
 
 class Grant(Message):

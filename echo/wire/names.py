@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
-SCHEMA_VERSION = 28  # what each schema changed, and which earlier ones are still read: echo/wire/__init__.py
+SCHEMA_VERSION = 29  # what each schema changed, and which earlier ones are still read: echo/wire/__init__.py
 
 # Run and sampler ids become subject tokens and stream names: keep them to safe characters.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"

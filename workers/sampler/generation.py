@@ -24,6 +24,8 @@ from streams.prompts import prompt_source
 from streams.rollouts import publish_rollout
 from workers.sampler.weights import EngineWeights
 
+WARM_UP_TOKENS = 32  # enough decoding that its pace is the decode's, not the prompt's
+
 
 class Generation:
     def __init__(self, cfg: EchoConfig, sampler_id: str, run: RunClient, task: Task, weights: EngineWeights):
@@ -31,6 +33,20 @@ class Generation:
         self.prompts = prompt_source(run, task)  # the task's own, or a dataset's from the broker
         self.calls = CallWindow(cfg.sampler.rate_window_s)
         self.published = 0
+
+    async def warm_up(self) -> float:
+        """This sampler's seconds a token, from a short generation: what its requests for work
+        claim, so that the trainer grants a newcomer no work it would deliver stale before it
+        has measured it (in a joining crowd, the slowest quarter's first groups were). The
+        faster of two: a first call pays once for what a GPU sets up (kernels, caches)."""
+        engine = self.weights.engine
+        prompt = engine.encode_chat([{"role": "user", "content": "Count from one to one hundred."}])
+        paces = []
+        for _ in range(2):
+            started = time.perf_counter()
+            out = await asyncio.to_thread(engine.generate, [prompt], 1, max_tokens=WARM_UP_TOKENS)
+            paces.append((time.perf_counter() - started) / max(1, len(out[0][0].token_ids)))
+        return min(paces)
 
     async def generate_and_publish(self, grant: Grant, asked_at: float | None = None) -> None:
         """One group per slot the trainer granted (asked for at `asked_at`, perf_counter), on the

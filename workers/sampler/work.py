@@ -36,12 +36,14 @@ class Work:
         self.idle_for_s, self.ask_by = idle_s(None), 0.0
         self.pull_request: PullRequest | None = None  # sequential mode: the newest request it has read
         self.unanswered = 0  # requests for work no trainer answered (none serving yet, a broker restarting)
+        self.claimed_s_per_token: float | None = None  # async mode: its warm-up's pace (Generation.warm_up)
 
     async def ask(self, running: Version, pull_request_id: str | None = None) -> Grant | None:
         """What the trainer grants this sampler to generate with the weights it runs (None: no
         answer came)."""
         request = GrantRequest(want=self.prompts_per_call, term=running.term, version=running.version,
-                               pull_request_id=pull_request_id, process=self.process)
+                               pull_request_id=pull_request_id, process=self.process,
+                               claimed_s_per_token=self.claimed_s_per_token)
         grant = await request_grant(self.run, self.sampler_id, request)
         self.answered(grant)
         if self.drawn is not None and running.version >= self.drawn:

@@ -218,7 +218,7 @@ class AsyncGranter(Granter):
             return [], False
         window = (self.cfg.trainer.max_staleness + 1) * self.cfg.trainer.groups_per_step  # in flight at once
         slots, more = self.ledger.grant(sampler_id, request.want, headroom, window, now, request.version)
-        if slots and self.fits(sampler_id, request.version, now):
+        if slots and self.fits(sampler_id, request, now):
             self.fit_granted = (now, sampler_id)
         return slots, more
 
@@ -226,12 +226,12 @@ class AsyncGranter(Granter):
         """Refused as too slow (below), a sampler waits for the next version, with which its
         groups have a step longer: the draws of its own no longer wake it to be refused again
         (at 1,000 samplers they were a third of the grant requests)."""
-        if (self.headroom(request) or 0) <= 0 or not self.too_slow(sampler_id, request.version, time.monotonic()):
+        if (self.headroom(request) or 0) <= 0 or not self.too_slow(sampler_id, request, time.monotonic()):
             return 0
         return request.version + 1
 
-    def too_slow(self, sampler_id: str, version: int, now: float) -> bool:
-        """Whether a long group of `sampler_id`'s, at its measured pace, would arrive stale while
+    def too_slow(self, sampler_id: str, request: GrantRequest, now: float) -> bool:
+        """Whether a long group of `sampler_id`'s, at its pace (see fits), would arrive stale while
         other samplers fast enough take the work (one was granted some within REDRAW_S):
         generating it would be wasted. A fleet all slower than the trainer's pace is still given
         it (small swarms, each sampler as slow as the steps it sets, starved under a gate that
@@ -240,13 +240,14 @@ class AsyncGranter(Granter):
         granted_at, taker = self.fit_granted
         if self.cfg.sampling.chunk_tokens or now - granted_at >= REDRAW_S or taker == sampler_id:
             return False
-        return self.fits(sampler_id, version, now) is False
+        return self.fits(sampler_id, request, now) is False
 
-    def fits(self, sampler_id: str, version: int, now: float) -> bool | None:
-        """Whether a long group of `sampler_id`'s would arrive fresh at its measured pace (None:
-        not measured, or the trainer's pace not yet known)."""
-        long_s = self.ledger.long_group_s(sampler_id, now)
-        fresh_for = self.ledger.fresh_for_s(version, self.cfg.trainer.max_staleness, now)
+    def fits(self, sampler_id: str, request: GrantRequest, now: float) -> bool | None:
+        """Whether a long group of `sampler_id`'s would arrive fresh at its measured pace, else the
+        pace its `request` claims: a newcomer's first call was a slow quarter's groups arriving
+        stale at each joining (None: neither, or the trainer's pace not yet known)."""
+        long_s = self.ledger.long_group_s(sampler_id, now, request.claimed_s_per_token)
+        fresh_for = self.ledger.fresh_for_s(request.version, self.cfg.trainer.max_staleness, now)
         return None if long_s is None or fresh_for is None else long_s <= fresh_for
 
 
