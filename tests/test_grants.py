@@ -14,6 +14,8 @@ from echo.fleet.grants import (
     ASKS_PER_S,
     IDLE_ASK_MIN_S,
     IDLE_ASKS_PER_S,
+    JOINING_CLAIMS_MIN,
+    LONG_SAMPLES,
     PACE_KEPT_S,
     REDRAW_S,
     STEP_SHARE,
@@ -693,11 +695,82 @@ def test_a_sampler_whose_long_groups_would_arrive_stale_gets_no_work_while_other
     assert granter.too_slow("new", claims[0.3], time.monotonic()) and granter.too_slow_until("new", claims[0.3]) == 3
     assert not granter.too_slow("new", claims[0.01], time.monotonic())
     assert granter.too_slow("slow", claims[0.01], time.monotonic())  # once measured, its claim is not heard
-    later = time.monotonic() + REDRAW_S  # nobody took a slot for REDRAW_S: the slow one gets it
-    assert not granter.too_slow("slow", at_v2, later)
+    # Nobody took a slot for a step's time: the slow one gets it (within a REDRAW_S, at 1,000
+    # samplers, the slowest took a step's worth whenever the fast ones were busy for a second).
+    assert granter.untaken_s() == pytest.approx(10.0 * STEP_SHARE)
+    assert granter.too_slow("slow", at_v2, time.monotonic() + REDRAW_S)
+    assert not granter.too_slow("slow", at_v2, time.monotonic() + granter.untaken_s())
     assert ledger.long_group_s("slow", t0 + 30.0 + PACE_KEPT_S + 1) is None  # forgotten: it is tried again
     chunked = AsyncGranter(None, 0, tiny_config(tmp_path, sampling={"chunk_tokens": 8}), TrainerState(), ledger)
     assert not chunked.too_slow("slow", at_v2, time.monotonic())
+
+
+def test_while_the_fleet_joins_a_sampler_not_measured_is_judged_by_its_claim_against_the_fleets(tmp_path):
+    """At 256 samplers most of a run's waste was the joining's: before the trainer had timed a
+    step apart from the fleet's joining, its first windows went to whoever asked first, and the
+    slowest half's groups arrived stale. Until it has three announcements (the first interval
+    holds the joining), a sampler is judged by the pace it claims against the fleet's claims: the
+    slower half gets no work while others take it. A crowd of fewer than JOINING_CLAIMS_MIN is not
+    judged so."""
+    cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "max_staleness": 1})
+    granter = AsyncGranter(None, 0, cfg, TrainerState(version=1), GrantLedger())
+    ledger, now = granter.ledger, time.monotonic()
+    ledger.announced(0, now - 30.0)
+    ledger.announced(1, now - 1.0)
+    assert ledger.fresh_for_s(1, 1, now) is None  # the joining's interval alone says nothing of the steps
+    asks = {f"s{i}": GrantRequest(want=1, term=0, version=1, claimed_s_per_token=0.01 * (i + 1)) for i in range(10)}
+    for sampler_id, request in list(asks.items())[: JOINING_CLAIMS_MIN - 1]:
+        ledger.claimed(sampler_id, request.claimed_s_per_token)
+    assert granter.fits("s6", asks["s6"], now) is None  # no crowd to judge by
+    for sampler_id, request in asks.items():
+        ledger.claimed(sampler_id, request.claimed_s_per_token)
+    assert [granter.fits(s, request, now) for s, request in asks.items()] == [True] * 5 + [False] * 5
+    assert not granter.too_slow_until("s9", asks["s9"])  # nobody fast enough took work yet
+    assert granter.grant_work("s0", asks["s0"])[0]
+    assert granter.too_slow_until("s9", asks["s9"]) == 2 and not granter.too_slow_until("s4", asks["s4"])
+    assert not granter.too_slow("s9", asks["s9"], time.monotonic() + REDRAW_S)  # none taken since: the slow get it
+    ledger.announced(2, now)  # three: the steps' own pace judges
+    assert ledger.fresh_for_s(2, 1, now) is not None
+
+
+async def test_a_versions_slots_go_first_to_samplers_fast_enough_not_to_whoever_asks_first(runs, tmp_path):
+    """Counted from the last grant to a sampler fast enough alone, a new version's slots went to
+    whoever asked first when they opened (that grant was of the version before, seconds ago): at
+    1,000 samplers the slowest took a step's worth every few steps, and it arrived stale. The
+    slots opening counts as such a grant: a slow sampler waits REDRAW_S for the fast ones."""
+    cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "max_staleness": 1})
+    run = await runs.open(cfg.run.id, "trainer")
+    lease = await take_lease(run)
+    granter = AsyncGranter(run, lease.term, cfg, TrainerState(version=2), GrantLedger())
+    ledger, t0 = granter.ledger, time.monotonic() - 21.0
+    for version in range(3):  # a version every 10 s
+        ledger.announced(version, t0 + 10.0 * version)
+    slots, _ = ledger.grant("slow", 1, 8, 64, now=t0, version=0)
+    ledger.delivered("slow", slots[0], arrived=t0 + 30.0, tokens=100)  # 0.3 s a token: a long group takes 30 s
+    ledger.accepted(slots[0])
+    at_v3 = GrantRequest(want=1, term=lease.term, version=3)
+    assert not granter.too_slow("slow", at_v3, time.monotonic())  # none fast enough took work lately
+    await granter.ask(3)
+    assert granter.too_slow("slow", at_v3, time.monotonic())
+    assert not granter.too_slow("slow", at_v3, time.monotonic() + granter.untaken_s())  # none took it: the slow may
+
+
+def test_a_long_group_counts_max_new_tokens_until_the_fleet_delivered_enough_to_say():
+    """The first groups to arrive are the short ones: their 95th percentile made a slow sampler's
+    long group seem to fit, and its long groups arrived stale as the fleet joined. Until
+    LONG_SAMPLES groups have come, a long group counts max_new_tokens."""
+    ledger = GrantLedger(max_tokens=512)
+    slots, _ = ledger.grant("a", want=1, headroom=8, window=8, now=10.0)
+    ledger.delivered("a", slots[0], arrived=11.0, tokens=100)  # 0.01 s a token
+    ledger.accepted(slots[0])
+    assert ledger.long_group_s("a", 11.0) == pytest.approx(5.12)
+    assert ledger.long_group_s("b", 11.0, claimed_s_per_token=0.02) == pytest.approx(10.24)
+    for _ in range(LONG_SAMPLES):
+        slot = ledger.grant("c", want=1, headroom=8, window=8, now=10.0)[0][0]
+        ledger.delivered("c", slot, arrived=10.5, tokens=100)
+        ledger.accepted(slot)
+    assert ledger.long_group_s("a", 11.0) == pytest.approx(1.0)
+    assert GrantLedger().long_group_s("a", 11.0, claimed_s_per_token=0.02) is None  # nothing came yet
 
 
 def test_a_sampler_refused_as_too_slow_is_not_woken_again_by_budgets_of_its_version():

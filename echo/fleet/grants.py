@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import statistics
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -59,6 +60,11 @@ LONG_SAMPLES, LONG_QUANTILE = 256, 0.95
 # samplers the quartile alone let 5% of the tokens go stale in a run's second half; with this
 # share, 0.1% (docs/performance.md).
 STEP_SHARE = 0.8
+# While the fleet joins, before the trainer's pace is known, a sampler not yet measured is judged
+# by the pace it claims against the fleet's claims: a crowd of at least this many. Its first
+# window went to whoever asked first, and the slowest half's groups were half of a run's waste
+# at 256 samplers (docs/performance.md).
+JOINING_CLAIMS_MIN = 8
 # Asks a second, in all, a trainer takes from samplers told "work is left, not yours yet" and the
 # soonest one asks again; and from those told "none is left", who wait for the next budget and
 # ask regardless only in case they missed it (a thousand asking every 5 s were 200 requests a
@@ -175,7 +181,7 @@ class GrantLedger:
     it, so the least of its last SYNC_SAMPLES is taken)."""
 
     def __init__(self, issued: int = 0, active_s: float = ACTIVE_S, rate_window_s: float = 60.0, seed: int = 0,
-                 bound: DeliveryBound | None = None):
+                 bound: DeliveryBound | None = None, max_tokens: int = 0):
         self.issued = issued  # slots numbered so far in the run, in every term of the trainer
         self.seed = seed  # the run's: slot_prompt's
         self.prompts: dict[int, int] = {}  # slot number -> the prompt index it was granted with, until it settles
@@ -202,7 +208,12 @@ class GrantLedger:
         self._paces: dict[str, deque[_Call]] = {}  # by sampler: its last calls delivered
         self._lengths: deque[int] = deque(maxlen=LONG_SAMPLES)  # the longest completion of each group delivered
         self._long_tokens: int | None = None  # their LONG_QUANTILE, sorted out once a delivery, not once an ask
+        # A long group's tokens until LONG_SAMPLES groups came (0: their quantile from the first):
+        # the first to come are the short ones, and the long ones of the joining arrived stale.
+        self.max_tokens = max_tokens
         self._running: dict[str, int] = {}  # by sampler: the newest version it asked with
+        self._claims: dict[str, float] = {}  # by sampler: the seconds a token it claims (GrantRequest)
+        self._claims_median: tuple[int, float] | None = None  # (claims, their median), sorted out once a claim
         # Released for holding slots unfilled, and no group accepted since: one slot at a time,
         # so a hoarder asking 50 times a second cannot take the released work again at once.
         self.probation: set[str] = set()
@@ -254,20 +265,40 @@ class GrantLedger:
         for old in [v for v in self._announced if v < version - SYNC_SAMPLES]:
             del self._announced[old]
 
-    def fresh_for_s(self, version: int, max_staleness: int, now: float) -> float | None:
-        """How long from `now` a group generated with `version` may take and still arrive fresh:
-        until the trainer announces version + max_staleness + 1, a step taking STEP_SHARE of the
-        lower quartile of the intervals between its recent announcements (None before it has
-        two). Not their mean: the first step, waiting for the fleet, took four of the later ones.
-        At least the steps still to come after the one under way: a step running long moves the
-        deadline too (without that floor every sampler was refused, one grant a REDRAW_S, and a
-        step took 90 s)."""
-        if len(self._announced) < 2:
+    def claimed(self, sampler_id: str, s_per_token: float) -> None:
+        """The seconds a token `sampler_id` claims it takes (its warm-up's)."""
+        self._claims[sampler_id] = s_per_token
+
+    def in_the_faster_half(self, s_per_token: float) -> bool | None:
+        """Whether a sampler claiming `s_per_token` is among the faster half of the fleet's
+        claims (None: fewer than JOINING_CLAIMS_MIN to judge by)."""
+        if len(self._claims) < JOINING_CLAIMS_MIN:
+            return None
+        if self._claims_median is None or self._claims_median[0] != len(self._claims):
+            self._claims_median = (len(self._claims), statistics.median(self._claims.values()))
+        return s_per_token <= self._claims_median[1]
+
+    def step_s(self) -> float | None:
+        """A step's time as the deadlines judge it: STEP_SHARE of the lower quartile of the
+        intervals between the trainer's recent announcements (None before it has three: the first
+        interval holds the fleet's joining, and alone it let through groups that arrived stale).
+        Not their mean: the first step, waiting for the fleet, took four of the later ones."""
+        if len(self._announced) < 3:
             return None
         announced = sorted(self._announced.items())
         intervals = sorted((at - before_at) / (v - before)
                            for (before, before_at), (v, at) in zip(announced, announced[1:]))
-        (last, last_at), interval = announced[-1], STEP_SHARE * intervals[len(intervals) // 4]
+        return STEP_SHARE * intervals[len(intervals) // 4]
+
+    def fresh_for_s(self, version: int, max_staleness: int, now: float) -> float | None:
+        """How long from `now` a group generated with `version` may take and still arrive fresh:
+        until the trainer announces version + max_staleness + 1, a step_s each (None: not known
+        yet). At least the steps still to come after the one under way: a step running long
+        moves the deadline too (without that floor every sampler was refused, one grant a
+        REDRAW_S, and a step took 90 s)."""
+        if (interval := self.step_s()) is None:
+            return None
+        last, last_at = max(self._announced.items())
         ahead = version + max_staleness + 1 - last  # announcements until its groups are stale
         return max(last_at + ahead * interval - now, (ahead - 1) * interval)
 
@@ -281,6 +312,8 @@ class GrantLedger:
         if self._long_tokens is None:
             lengths = sorted(self._lengths)
             self._long_tokens = lengths[math.ceil(LONG_QUANTILE * len(lengths)) - 1]
+            if len(lengths) < LONG_SAMPLES:
+                self._long_tokens = max(self._long_tokens, self.max_tokens)
         if not kept:
             return claimed_s_per_token * self._long_tokens
         seconds = sum(call.last_at - call.granted_at for call in kept)

@@ -64,11 +64,12 @@ class Sampler:
         # budget's version (the rest of a crowd takes the slots), or where a new trainer took over;
         # and always after a call, a wait for work left, or a wait that timed out.
         anyway, asked_term = True, None
-        self.work.claimed_s_per_token = await self.generation.warm_up()
         while True:
             self.work.changed.clear()  # before reading the budget: no update can slip past
             await self.weights.apply_newest()
             await self.heartbeat.first_weights()
+            if self.work.claimed_s_per_token is None:  # once, after the engine's first load (as any call is)
+                self.work.claimed_s_per_token = await self.generation.warm_up()
             running, drawn = self.weights.running, self.work.drawn
             if (anyway or (drawn is not None and running.version >= drawn) or running.term != asked_term) \
                     and not self.work.standby:

@@ -84,6 +84,8 @@ class Granter:
         a previous trainer's weights (it must apply ours first), none yet while fewer than
         `trainer.min_samplers` have asked (ask again soon), else what the mode grants."""
         self.holders.asked(sampler_id, request.process)
+        if request.claimed_s_per_token is not None:
+            self.ledger.claimed(sampler_id, request.claimed_s_per_token)
         if (self.quarantine and sampler_id in self.quarantine) or request.term != self.term:
             return Grant()
         if sampler_id in self.standby:
@@ -159,7 +161,8 @@ class AsyncGranter(Granter):
 
     draw = 0  # the budget's, one more each publish
     published_at = 0.0
-    # When a sampler measured fast enough for its version was last granted work, and which one.
+    # When a sampler measured fast enough for its version was last granted work, and which one;
+    # a new version's slots opening counts as such a grant (see too_slow).
     fit_granted: tuple[float, str] = (0.0, "")
 
     async def start(self) -> None:
@@ -169,6 +172,10 @@ class AsyncGranter(Granter):
         # they still come, are trained if fresh and on the prompt the slot's draw names
         # (GrantLedger.earlier_prompt), and the window closes by as many then.
         self.reissue_lost([], accepted=0)
+
+    async def ask(self, version: int) -> None:
+        self.fit_granted = (time.monotonic(), "")  # a version's slots open: the fast ones' turn first (too_slow)
+        await super().ask(version)
 
     def highest_slot(self) -> int:
         return allowance(self.version, self.cfg.trainer.max_staleness, self.cfg.trainer.groups_per_step, self.state.lost)
@@ -232,23 +239,38 @@ class AsyncGranter(Granter):
 
     def too_slow(self, sampler_id: str, request: GrantRequest, now: float) -> bool:
         """Whether a long group of `sampler_id`'s, at its pace (see fits), would arrive stale while
-        other samplers fast enough take the work (one was granted some within REDRAW_S):
-        generating it would be wasted. A fleet all slower than the trainer's pace is still given
-        it (small swarms, each sampler as slow as the steps it sets, starved under a gate that
-        counted any grant as the work taken, its own included), and so are partial rollouts,
-        where a long completion takes newer weights between its chunks."""
+        other samplers fast enough take the work (one was granted some within untaken_s, or the
+        version's slots opened within it): generating it would be wasted. A fleet all slower
+        than the trainer's pace is still given it (small swarms, each sampler as slow as the
+        steps it sets, starved under a gate that counted any grant as the work taken, its own
+        included), and so are partial rollouts, where a long completion takes newer weights
+        between its chunks. Counted from a fit grant alone, a version's slots went to whoever
+        asked first when they opened (the last fit grant was the version before's): at 1,000
+        samplers the slowest took a step's worth, stale, every few steps."""
         granted_at, taker = self.fit_granted
-        if self.cfg.sampling.chunk_tokens or now - granted_at >= REDRAW_S or taker == sampler_id:
+        if self.cfg.sampling.chunk_tokens or now - granted_at >= self.untaken_s() or taker == sampler_id:
             return False
         return self.fits(sampler_id, request, now) is False
 
+    def untaken_s(self) -> float:
+        """How long the work goes untaken by samplers fast enough before slower ones may take
+        it: a step's time (REDRAW_S at least). At a REDRAW_S alone, at 1,000 samplers, the
+        slowest took a step's worth whenever the fast ones were all busy for a second, and it
+        arrived stale."""
+        return max(REDRAW_S, self.ledger.step_s() or 0.0)
+
     def fits(self, sampler_id: str, request: GrantRequest, now: float) -> bool | None:
         """Whether a long group of `sampler_id`'s would arrive fresh at its measured pace, else the
-        pace its `request` claims: a newcomer's first call was a slow quarter's groups arriving
-        stale at each joining (None: neither, or the trainer's pace not yet known)."""
-        long_s = self.ledger.long_group_s(sampler_id, now, request.claimed_s_per_token)
+        pace its `request` claims. While the fleet joins, before the trainer's pace is known,
+        whether its claim is among the faster half of the fleet's: the first windows went to
+        whoever asked first, and the slowest half's groups arrived stale (None: no pace to judge
+        by)."""
+        claim = request.claimed_s_per_token
         fresh_for = self.ledger.fresh_for_s(request.version, self.cfg.trainer.max_staleness, now)
-        return None if long_s is None or fresh_for is None else long_s <= fresh_for
+        if fresh_for is None:
+            return None if claim is None else self.ledger.in_the_faster_half(claim)
+        long_s = self.ledger.long_group_s(sampler_id, now, claim)
+        return None if long_s is None else long_s <= fresh_for
 
 
 def granter_for(run: RunClient, term: int, cfg: EchoConfig, state: TrainerState, ledger: GrantLedger,

@@ -67,7 +67,8 @@ async def open_rooms(cfg: EchoConfig, run: RunClient, lease: Lease, background: 
     consumed = ConsumedSeqs(**state.consumed)
     state.totals = await count_abandoned(inbox, consumed, state.totals)
     ledger = GrantLedger(rate_window_s=cfg.sampler.rate_window_s, seed=cfg.run.seed,
-                         bound=DeliveryBound(cfg.trainer.undelivered_window, cfg.trainer.undelivered_share))
+                         bound=DeliveryBound(cfg.trainer.undelivered_window, cfg.trainer.undelivered_share),
+                         max_tokens=cfg.sampling.max_new_tokens)
     quarantine = Quarantined(run, cfg.trainer.quarantine_after)
     await quarantine.start(background)
     model.proof.suspects.update(quarantine.suspects)  # a predecessor's suspects stay checked
