@@ -239,25 +239,17 @@ class AsyncGranter(Granter):
 
     def too_slow(self, sampler_id: str, request: GrantRequest, now: float) -> bool:
         """Whether a long group of `sampler_id`'s, at its pace (see fits), would arrive stale while
-        other samplers fast enough take the work (one was granted some within untaken_s, or the
+        other samplers fast enough take the work (one was granted some within REDRAW_S, or the
         version's slots opened within it): generating it would be wasted. A fleet all slower
         than the trainer's pace is still given it (small swarms, each sampler as slow as the
         steps it sets, starved under a gate that counted any grant as the work taken, its own
         included), and so are partial rollouts, where a long completion takes newer weights
         between its chunks. Counted from a fit grant alone, a version's slots went to whoever
-        asked first when they opened (the last fit grant was the version before's): at 1,000
-        samplers the slowest took a step's worth, stale, every few steps."""
+        asked first when they opened (the last fit grant was the version before's)."""
         granted_at, taker = self.fit_granted
-        if self.cfg.sampling.chunk_tokens or now - granted_at >= self.untaken_s() or taker == sampler_id:
+        if self.cfg.sampling.chunk_tokens or now - granted_at >= REDRAW_S or taker == sampler_id:
             return False
         return self.fits(sampler_id, request, now) is False
-
-    def untaken_s(self) -> float:
-        """How long the work goes untaken by samplers fast enough before slower ones may take
-        it: a step's time (REDRAW_S at least). At a REDRAW_S alone, at 1,000 samplers, the
-        slowest took a step's worth whenever the fast ones were all busy for a second, and it
-        arrived stale."""
-        return max(REDRAW_S, self.ledger.step_s() or 0.0)
 
     def fits(self, sampler_id: str, request: GrantRequest, now: float) -> bool | None:
         """Whether a long group of `sampler_id`'s would arrive fresh at its measured pace, else the
