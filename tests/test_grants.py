@@ -722,6 +722,10 @@ def test_while_the_fleet_joins_a_sampler_not_measured_is_judged_by_its_claim_aga
     for sampler_id, request in asks.items():
         ledger.claimed(sampler_id, request.claimed_s_per_token)
     assert [granter.fits(s, request, now) for s, request in asks.items()] == [True] * 5 + [False] * 5
+    slower = asks["s0"].model_copy(update={"claimed_s_per_token": 0.2})  # s0 restarted on a slower box
+    ledger.claimed("s0", 0.2)  # the median moves with its new claim
+    assert granter.fits("s5", asks["s5"], now) and not granter.fits("s0", slower, now)
+    ledger.claimed("s0", 0.01)
     assert not granter.too_slow_until("s9", asks["s9"])  # nobody fast enough took work yet
     assert granter.grant_work("s0", asks["s0"])[0]
     assert granter.too_slow_until("s9", asks["s9"]) == 2 and not granter.too_slow_until("s4", asks["s4"])

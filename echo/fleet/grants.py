@@ -213,7 +213,7 @@ class GrantLedger:
         self.max_tokens = max_tokens
         self._running: dict[str, int] = {}  # by sampler: the newest version it asked with
         self._claims: dict[str, float] = {}  # by sampler: the seconds a token it claims (GrantRequest)
-        self._claims_median: tuple[int, float] | None = None  # (claims, their median), sorted out once a claim
+        self._claims_median: float | None = None  # their median, sorted out once a claim changes, not once an ask
         # Released for holding slots unfilled, and no group accepted since: one slot at a time,
         # so a hoarder asking 50 times a second cannot take the released work again at once.
         self.probation: set[str] = set()
@@ -267,16 +267,18 @@ class GrantLedger:
 
     def claimed(self, sampler_id: str, s_per_token: float) -> None:
         """The seconds a token `sampler_id` claims it takes (its warm-up's)."""
-        self._claims[sampler_id] = s_per_token
+        if self._claims.get(sampler_id) != s_per_token:
+            self._claims[sampler_id] = s_per_token
+            self._claims_median = None
 
     def in_the_faster_half(self, s_per_token: float) -> bool | None:
         """Whether a sampler claiming `s_per_token` is among the faster half of the fleet's
         claims (None: fewer than JOINING_CLAIMS_MIN to judge by)."""
         if len(self._claims) < JOINING_CLAIMS_MIN:
             return None
-        if self._claims_median is None or self._claims_median[0] != len(self._claims):
-            self._claims_median = (len(self._claims), statistics.median(self._claims.values()))
-        return s_per_token <= self._claims_median[1]
+        if self._claims_median is None:
+            self._claims_median = statistics.median(self._claims.values())
+        return s_per_token <= self._claims_median
 
     def step_s(self) -> float | None:
         """A step's time as the deadlines judge it: STEP_SHARE of the lower quartile of the

@@ -84,12 +84,12 @@ class Granter:
         a previous trainer's weights (it must apply ours first), none yet while fewer than
         `trainer.min_samplers` have asked (ask again soon), else what the mode grants."""
         self.holders.asked(sampler_id, request.process)
-        if request.claimed_s_per_token is not None:
-            self.ledger.claimed(sampler_id, request.claimed_s_per_token)
         if (self.quarantine and sampler_id in self.quarantine) or request.term != self.term:
             return Grant()
         if sampler_id in self.standby:
             return Grant()
+        if request.claimed_s_per_token is not None:  # a quarantined sampler's claim does not move the fleet's
+            self.ledger.claimed(sampler_id, request.claimed_s_per_token)
         # Read only where there is work to grant: a thousand idle samplers ask at each budget,
         # and a read each was most of the trainer's CPU a token (issue 83).
         try:
