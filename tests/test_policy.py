@@ -1,9 +1,11 @@
 """The policy on the tiny model: published weights (LoRA or full) move between model instances
 exactly, and the engine's behaviour log-probs are what the trainer computes for the same tokens."""
 
+import contextlib
 import copy
 import hashlib
 import tracemalloc
+import types
 
 import pytest
 import safetensors.torch
@@ -233,7 +235,7 @@ def test_a_model_folders_generation_defaults_do_not_change_what_is_sampled(tmp_p
     (["What is 4 + 4?"], [0, 0, 0]),  # one group
     (["What is 4 + 4?", "Add 123 and 4567, then say why."], [0, 1, 0]),  # two; the shorter is padded
 ], ids=["one-prompt", "packed-prompts"])
-def test_shared_prompt_logprobs_and_gradients_equal_separate_sequences(engines, questions, owners):
+def test_shared_prompt_logprobs_and_gradients_equal_separate_sequences(engines, monkeypatch, questions, owners):
     """The prefix-shared forward (prompts left-padded to the longest, each completion on its own
     prompt's cache) must be exactly the per-sequence computation, gradients included."""
     engine, _ = engines
@@ -250,20 +252,21 @@ def test_shared_prompt_logprobs_and_gradients_equal_separate_sequences(engines, 
         model.zero_grad()
         return out
 
-    model.zero_grad()
-    shared, mask, _ = packed_logprobs(model, prompts, completions, owners, 0.7, pad)
-    (shared * mask).sum().backward()
-    shared_grads = grads()
-    for row, completion in enumerate(completions):  # the reference: one plain forward per sequence
-        prompt = prompts[owners[row]]
-        ids = torch.tensor([prompt + completion])
-        alone = token_logprobs(model(input_ids=ids).logits[:, len(prompt) - 1 : -1], ids[:, len(prompt) :], 0.7)
-        assert torch.allclose(alone[0], shared[row, : len(completion)].detach(), atol=1e-5)
-        alone.sum().backward()
-    separate_grads = grads()
+    with in_float64(model, monkeypatch):
+        model.zero_grad()
+        shared, mask, _ = packed_logprobs(model, prompts, completions, owners, 0.7, pad)
+        (shared * mask).sum().backward()
+        shared_grads = grads()
+        for row, completion in enumerate(completions):  # the reference: one plain forward per sequence
+            prompt = prompts[owners[row]]
+            ids = torch.tensor([prompt + completion])
+            alone = token_logprobs(model(input_ids=ids).logits[:, len(prompt) - 1 : -1], ids[:, len(prompt) :], 0.7)
+            assert torch.allclose(alone[0], shared[row, : len(completion)].detach(), rtol=0, atol=1e-12)
+            alone.sum().backward()
+        separate_grads = grads()
     assert any(g.abs().sum() > 0 for name, g in shared_grads.items() if "lora_A" in name)
     for name, g in shared_grads.items():
-        assert torch.allclose(g, separate_grads[name], atol=1e-4), name
+        assert torch.allclose(g, separate_grads[name], rtol=0, atol=1e-12), name
 
 
 @pytest.mark.parametrize("plain", [True, False], ids=["head-in-chunks", "model-logits"])
@@ -281,16 +284,31 @@ def test_log_probs_taken_a_few_positions_at_a_time_are_the_whole_logits_log_soft
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
-    # In float64 (and back: float32 survives the round trip). The packed and the one-by-one
-    # passes add in different orders: in float32 their gradients (up to ~5 here) differed by 2e-4
-    # on the CI's CPU (2026-12-07) and 1e-5 on this one; in float64 the log-probs by 1e-15 and the
-    # gradients by 7e-8. The comparison is of the maths, not of one CPU's rounding.
+    with in_float64(model, monkeypatch):
+        check_log_probs_in_chunks(engine, model, pad, head, plain)
+
+
+@contextlib.contextmanager
+def in_float64(model, monkeypatch):
+    """The model in float64 (and back: float32 survives the round trip), RMSNorm too (it computes
+    in float32 whatever its input). A packed pass and the one-by-one passes it is checked against
+    add in different orders, and a prompt shared by two completions takes their gradients' sum
+    through RMSNorm at once where the one-by-one passes take each: in float32 the gradients (up
+    to ~5) differed by 2e-4 on the CI's CPU, in float64 with RMSNorm's float32 by 1.5e-6 (both
+    2026-12-07), all in float64 by 4e-15. The comparison is of the maths, not of a CPU's rounding."""
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            monkeypatch.setattr(module, "forward", types.MethodType(rms_norm_in_its_input_dtype, module))
     dtype = next(model.parameters()).dtype
     model.double()
     try:
-        check_log_probs_in_chunks(engine, model, pad, head, plain)
+        yield
     finally:
         model.to(dtype)
+
+
+def rms_norm_in_its_input_dtype(self, hidden):
+    return self.weight * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
 
 def check_log_probs_in_chunks(engine, model, pad, head, plain):
@@ -317,7 +335,7 @@ def check_log_probs_in_chunks(engine, model, pad, head, plain):
     assert any(g.abs().sum() > 0 for name, g in grads.items() if "lora_A" in name)
     for name, p in model.named_parameters():
         if p.requires_grad:
-            assert torch.allclose(grads[name], p.grad, rtol=0, atol=1e-6), name
+            assert torch.allclose(grads[name], p.grad, rtol=0, atol=1e-12), name
     model.zero_grad()
     if plain:  # the head saw 5 positions at most, and every position in some chunk
         assert max(seen) <= 5 and sum(seen) >= 2 * 3 * 6
