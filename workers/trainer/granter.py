@@ -90,18 +90,19 @@ class Granter:
             return Grant()
         if request.claimed_s_per_token is not None:  # a quarantined sampler's claim does not move the fleet's
             self.ledger.claimed(sampler_id, request.claimed_s_per_token)
-        # Read only where there is work to grant: a thousand idle samplers ask at each budget,
-        # and a read each was most of the trainer's CPU a token (issue 83).
-        try:
-            if (self.headroom(request) or 0) > 0 and await heartbeat_unreadable(self.run, sampler_id):
-                return Grant()  # shown as bad_heartbeat; no work until it reads
-        except BROKER_ERRORS:  # the broker restarting: the grant cannot be recorded either (below)
-            pass
         if (joined := self.holders.joined(sampler_id)) < self.cfg.trainer.min_samplers:
             return Grant(more=True, again_s=ask_again_s(joined))
         if wait_version := self.too_slow_until(sampler_id, request):
             return Grant(again_s=ask_again_s(self.ledger.sharing(time.monotonic()), more=False),
                          wait_version=wait_version)
+        # Read only where work would be granted: a thousand idle samplers ask at each budget,
+        # and a read each was most of the trainer's CPU a token (issue 83); at 1,000 samplers
+        # those refused as too slow were half its broker requests (2026-12-07).
+        try:
+            if (self.headroom(request) or 0) > 0 and await heartbeat_unreadable(self.run, sampler_id):
+                return Grant()  # shown as bad_heartbeat; no work until it reads
+        except BROKER_ERRORS:  # the broker restarting: the grant cannot be recorded either (below)
+            pass
         slots, more = self.grant_work(sampler_id, request)
         sharing = self.ledger.sharing(time.monotonic())  # a crowd's asks spread out
         if slots:
@@ -245,9 +246,14 @@ class AsyncGranter(Granter):
         steps it sets, starved under a gate that counted any grant as the work taken, its own
         included), and so are partial rollouts, where a long completion takes newer weights
         between its chunks. Counted from a fit grant alone, a version's slots went to whoever
-        asked first when they opened (the last fit grant was the version before's)."""
+        asked first when they opened (the last fit grant was the version before's). One still
+        running an older version gets none while too slow for it, whoever took work lately: the
+        fast ones were fetching the new weights, and at 1,000 samplers every stale group was
+        granted so; it is judged again once it runs the trainer's version."""
         granted_at, taker = self.fit_granted
-        if self.cfg.sampling.chunk_tokens or now - granted_at >= REDRAW_S or taker == sampler_id:
+        if self.cfg.sampling.chunk_tokens or taker == sampler_id:
+            return False
+        if now - granted_at >= REDRAW_S and request.version >= self.version:
             return False
         return self.fits(sampler_id, request, now) is False
 
