@@ -787,53 +787,6 @@ def test_a_sampler_a_version_behind_whose_long_group_would_arrive_stale_gets_no_
     assert not granter.too_slow("fast", behind, now) and not granter.too_slow_until("fast", behind)
 
 
-def test_a_sampler_a_version_behind_whose_long_group_would_arrive_stale_gets_no_work_until_it_runs_the_new_one(
-        tmp_path):
-    """At 1,000 samplers (2026-12-07) the stale groups were all granted to samplers still running
-    the version before the trainer's (their weights on the way: 7 s median, steps of 11 s), too
-    slow for it, while nobody fast enough had taken work for REDRAW_S: the fast ones were
-    fetching the new weights. Such a sampler gets none until it runs the trainer's version (it
-    is refused naming it), when it is judged as any other; one fast enough is granted work
-    behind, as before."""
-    cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "max_staleness": 1})
-    granter = AsyncGranter(None, 0, cfg, TrainerState(version=3), GrantLedger())
-    ledger, t0 = granter.ledger, time.monotonic() - 31.0
-    for version in range(4):  # a version every 10 s: version 3 at t0 + 30
-        ledger.announced(version, t0 + 10.0 * version)
-    for sampler_id, took in (("fast", 4.0), ("slow", 30.0)):  # 0.01 and 0.3 s a token
-        slots, _ = ledger.grant(sampler_id, 1, 8, 64, now=t0, version=0)
-        ledger.delivered(sampler_id, slots[0], arrived=t0 + took, tokens=100)
-        ledger.accepted(slots[0])
-    now = time.monotonic() + REDRAW_S  # nobody fast enough took work for REDRAW_S
-    behind, current = GrantRequest(want=1, term=0, version=2), GrantRequest(want=1, term=0, version=3)
-    assert not granter.too_slow("slow", current, now)  # running the trainer's version: the slow may take it
-    assert granter.too_slow("slow", behind, now)
-    granter.fit_granted = (0.0, "")
-    assert granter.too_slow_until("slow", behind) == 3
-    assert not granter.too_slow("fast", behind, now) and not granter.too_slow_until("fast", behind)
-
-
-async def test_a_sampler_refused_as_too_slow_costs_the_trainer_no_broker_request(runs, tmp_path):
-    """At 1,000 samplers the trainer read the heartbeat of each sampler it then refused as too
-    slow (2026-12-07: 380 refusals a step, half the trainer's broker requests): the read is made
-    only where work would be granted."""
-    cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "max_staleness": 1})
-    run = await runs.open(cfg.run.id, "trainer")
-    lease = await take_lease(run)
-    granter = AsyncGranter(run, lease.term, cfg, TrainerState(version=2), GrantLedger())
-    ledger, t0 = granter.ledger, time.monotonic() - 21.0
-    for version in range(2):  # a version every 10 s
-        ledger.announced(version, t0 + 10.0 * version)
-    slots, _ = ledger.grant("slow", 1, 8, 64, now=t0, version=0)
-    ledger.delivered("slow", slots[0], arrived=t0 + 30.0, tokens=100)  # 0.3 s a token: a long group takes 30 s
-    ledger.accepted(slots[0])
-    await granter.ask(2)  # its slots open: the fast ones' turn
-    sent = run.nc.stats["out_msgs"]
-    refused = await granter.grant("slow", GrantRequest(want=1, term=lease.term, version=2))
-    assert refused.wait_version == 3 and not refused.slots
-    assert run.nc.stats["out_msgs"] == sent
-
-
 def test_a_long_group_counts_max_new_tokens_until_the_fleet_delivered_enough_to_say():
     """The first groups to arrive are the short ones: their 95th percentile made a slow sampler's
     long group seem to fit, and its long groups arrived stale as the fleet joined. Until
