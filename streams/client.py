@@ -219,13 +219,13 @@ class _KVWrites:
     (reads, watches) goes to the wrapped context unchanged."""
 
     def __init__(self, js: JetStreamContext, domain: str | None):
-        self._js, self._prefix = js, f"$JS.{domain}.API." if domain else ""
+        self._js, self._writes_prefix = js, f"$JS.{domain}.API." if domain else ""  # not _prefix: the context's
 
     def __getattr__(self, name):
         return getattr(self._js, name)
 
     async def publish(self, subject: str, *args, timeout: float | None = None, **kwargs):
-        return await self._js.publish(self._prefix + subject, *args, timeout=timeout or WRITE_TIMEOUT_S, **kwargs)
+        return await self._js.publish(self._writes_prefix + subject, *args, timeout=timeout or WRITE_TIMEOUT_S, **kwargs)
 
 
 async def put_expiring(kv: KeyValue, key: str, value: bytes, ttl_s: int) -> None:

@@ -5,7 +5,6 @@ entry expires by itself."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import time
 
@@ -16,9 +15,7 @@ from echo.wire.codec import ProtocolError, decode, encode
 from echo.wire.messages import SamplerStatus, TrainerStatus
 from echo.wire.names import STATUS_MAX_BYTES, TRAINER_STATUS_KEY
 from streams.client import RunClient, put_expiring
-from streams.watch import read_value
-
-READ_AT_ONCE = 128  # heartbeats read concurrently by read_statuses
+from streams.watch import read_value, read_values
 
 log = structlog.get_logger()
 
@@ -57,13 +54,9 @@ async def read_statuses(run: RunClient) -> list[SamplerStatus]:
     prefix = f"$KV.{run.names.registry_bucket}."
     info = await run.js.stream_info(f"KV_{run.names.registry_bucket}", subjects_filter=prefix + ">")
     keys = [subject.removeprefix(prefix) for subject in sorted(info.state.subjects or {})]
-    # READ_AT_ONCE gets in flight at a time: one after another, 1,000 heartbeats took 17 s to read
-    values = []
-    for first in range(0, len(keys), READ_AT_ONCE):
-        values += await asyncio.gather(*(read_value(run.registry, key, _decode_status)
-                                         for key in keys[first : first + READ_AT_ONCE]))
+    values = await read_values(run.registry, keys, _decode_status)  # 1,000 read one by one took 17 s
     statuses = []
-    for key, (status, revision) in zip(keys, values):
+    for key, (status, revision) in values.items():
         if status is None:  # deleted, or one sampler's bad word: it must not stop the readers, nor hide it
             if revision and (shown := _bad_heartbeat(key)) is not None:
                 statuses.append(shown)
@@ -94,9 +87,10 @@ async def heartbeat_unreadable(run: RunClient, sampler_id: str) -> bool:
     return status is None and revision != 0
 
 
-async def read_heartbeat(run: RunClient, sampler_id: str) -> tuple[int, SamplerStatus | None]:
-    """The revision of the sampler's heartbeat key (it changes with every beat) and what it says;
-    (0, None) when there is none or it is unreadable: not a sign of life."""
-    status, revision = await read_value(run.registry, sampler_id, _decode_status)
-    return (revision, status) if status is not None else (0, None)
+async def read_heartbeats(run: RunClient, sampler_ids: list[str]) -> dict[str, tuple[int, SamplerStatus | None]]:
+    """Of each sampler, the revision of its heartbeat key (it changes with every beat) and what it
+    says; (0, None) when there is none or it is unreadable: not a sign of life."""
+    values = await read_values(run.registry, sampler_ids, _decode_status)
+    return {sampler_id: (revision, status) if status is not None else (0, None)
+            for sampler_id, (status, revision) in values.items()}
 

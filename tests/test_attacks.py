@@ -49,7 +49,7 @@ from streams.inbox import FETCH_MAX, RolloutInbox
 from streams.layout import registry_stream
 from streams.lease import RENEW_S, AnotherTrainer, current_term, take_lease
 from streams.quarantine import change_quarantine, read_quarantine
-from streams.registry import put_status, read_heartbeat, read_statuses, read_trainer_status
+from streams.registry import put_status, read_heartbeats, read_statuses, read_trainer_status
 from streams.rollouts import fetch_rollouts, publish_rollout
 from streams.secure import SAMPLER_LIMITS, SecureDir
 from streams.server import NatsServer, ServerConfig
@@ -187,7 +187,7 @@ async def test_a_malformed_value_in_the_runs_state_is_read_as_absent_and_fences_
         assert await read_quarantine(trainer) == {} and BAD_VALUES[QUARANTINE_KEY] == counted + 1
         assert await current_term(trainer) is None
         assert await read_trainer_status(trainer) is None and await slots_granted(trainer) == 0
-        assert await read_heartbeat(trainer, "s1") == (0, None)  # no sign of life, and shown as bad_heartbeat
+        assert await read_heartbeats(trainer, ["s1"]) == {"s1": (0, None)}  # no sign of life, and shown as bad_heartbeat
         assert [(s.sampler_id, s.state) for s in await read_statuses(trainer)] == [("s1", "bad_heartbeat")]
         args = ["quarantine", "list", "--nats", server.url, "--run-id", "sec",
                 "--creds", str(secure.seed_file("observer")), "--tls-ca", str(secure.ca_file)]
@@ -244,7 +244,7 @@ async def test_a_heartbeat_past_its_size_is_refused_by_the_broker_and_by_every_r
     # A bucket from before the limit: every reader still checks the size before decoding.
     await trainer.js.update_stream(dataclasses.replace(registry_stream(trainer.names), max_msg_size=-1))
     await trainer.registry.put("s1", encode(huge))
-    assert await read_heartbeat(trainer, "s1") == (0, None)
+    assert await read_heartbeats(trainer, ["s1"]) == {"s1": (0, None)}
     assert [(s.sampler_id, s.state) for s in await read_statuses(trainer)] == [("s1", "bad_heartbeat")]
     assert BAD_VALUES["s1"] >= 1
 

@@ -1,12 +1,14 @@
 """The run's keys read and followed against a real nats-server (streams/watch.py): a bad or
-misnamed value is skipped, never fatal, and the next good one followed."""
+misnamed value is skipped, never fatal, and the next good one followed; many keys are read in a
+request."""
 
 import asyncio
 
+import streams.watch
 from echo.wire.codec import encode
 from echo.wire.messages import SamplerStatus, Schedule
 from echo.wire.names import SCHEDULE_KEY
-from streams.registry import put_status, read_statuses
+from streams.registry import put_status, read_heartbeats, read_statuses
 from streams.schedule import publish_schedule, watch_schedule
 
 
@@ -23,6 +25,26 @@ async def test_a_bad_or_misnamed_heartbeat_is_shown_as_bad_not_fatal(runs):
     statuses = await read_statuses(run)
     assert statuses[1] == honest and [(s.sampler_id, s.state) for s in statuses] == [
         ("s0", "bad_heartbeat"), ("s1", "active"), ("s2", "bad_heartbeat")]
+
+
+async def test_many_heartbeats_are_read_in_a_request_each_as_if_read_alone(runs, monkeypatch):
+    """Holders' heartbeats read one request each were most of the trainer's broker requests at
+    1,000 samplers (2026-12-07). They are read KEYS_A_REQUEST at a time (2 here): each key's
+    revision and value as a read of it alone, a bad one as unreadable, a missing one as none."""
+    monkeypatch.setattr(streams.watch, "KEYS_A_REQUEST", 2)
+    run = await runs.open("many", "trainer")
+    statuses = {f"s{i}": SamplerStatus(sampler_id=f"s{i}", version=i, groups_published=0, weight_failures={},
+                                       updated_at=0.0) for i in range(4)}
+    for status in statuses.values():
+        await put_status(run, status)
+    await put_status(run, statuses["s1"])  # a second beat: a new revision
+    await run.registry.put("s4", b"junk")
+    sent = run.nc.stats["out_msgs"]
+    read = await read_heartbeats(run, ["s0", "s1", "s2", "s3", "s4", "s5"])
+    assert run.nc.stats["out_msgs"] - sent == 3
+    assert {s: status for s, (_, status) in read.items()} == statuses | {"s4": None, "s5": None}
+    assert [read[s][0] for s in statuses] == [(await run.registry.get(s)).revision for s in statuses]
+    assert read["s4"][0] == 0 and read["s5"] == (0, None) and read["s1"][0] > read["s3"][0]
 
 
 async def test_a_bad_schedule_value_is_skipped_and_the_next_good_one_followed(runs):

@@ -14,7 +14,7 @@ import structlog
 from echo.config import EchoConfig
 from echo.fleet.grants import GrantLedger, Heartbeats
 from streams.client import BROKER_ERRORS, RunClient
-from streams.registry import read_heartbeat
+from streams.registry import read_heartbeats
 from workers.trainer.strikes import Quarantined
 
 log = structlog.get_logger()
@@ -61,13 +61,13 @@ class Holders:
     async def read_heartbeats(self) -> bool:
         """Observe each holder's heartbeat; False when the broker could not be read (the next
         reading tries again)."""
-        for sampler_id in sorted(self.ledger.holders()):
-            try:
-                revision, status = await read_heartbeat(self.run, sampler_id)
-            except BROKER_ERRORS as e:  # the broker restarting
-                log.warning("grants.heartbeat_unread", sampler=sampler_id, reason=repr(e))
-                self.heartbeats_read_at = None
-                return False
+        try:
+            heartbeats = await read_heartbeats(self.run, sorted(self.ledger.holders()))
+        except BROKER_ERRORS as e:  # the broker restarting
+            log.warning("grants.heartbeats_unread", reason=repr(e))
+            self.heartbeats_read_at = None
+            return False
+        for sampler_id, (revision, status) in heartbeats.items():
             process, stopping = (status.process, status.state == "draining") if status else ("", False)
             if self.heartbeats.observe(sampler_id, revision, time.monotonic(), process, stopping):
                 self.release_gone(sampler_id, restarted=True)
