@@ -30,13 +30,17 @@ async def test_a_bad_or_misnamed_heartbeat_is_shown_as_bad_not_fatal(runs):
 async def test_many_heartbeats_are_read_in_a_request_each_as_if_read_alone(runs, monkeypatch):
     """Holders' heartbeats read one request each were most of the trainer's broker requests at
     1,000 samplers (2026-12-07). They are read KEYS_A_REQUEST at a time (2 here): each key's
-    revision and value as a read of it alone, a bad one as unreadable, a missing one as none."""
+    revision and value as a read of it alone, a bad one as unreadable, a missing one as none, and
+    a heartbeat carrying a status header of its own ends nothing."""
     monkeypatch.setattr(streams.watch, "KEYS_A_REQUEST", 2)
     run = await runs.open("many", "trainer")
     statuses = {f"s{i}": SamplerStatus(sampler_id=f"s{i}", version=i, groups_published=0, weight_failures={},
                                        updated_at=0.0) for i in range(4)}
     for status in statuses.values():
         await put_status(run, status)
+    # s0's beat again, with a status header of its own: a sampler's credentials let it write one,
+    # and read as the server's end of the answers it hid every heartbeat after its own.
+    await run.registry._js.publish(run.registry._pre + "s0", encode(statuses["s0"]), headers={"Status": "204"})
     await put_status(run, statuses["s1"])  # a second beat: a new revision
     await run.registry.put("s4", b"junk")
     sent = run.nc.stats["out_msgs"]
@@ -44,7 +48,7 @@ async def test_many_heartbeats_are_read_in_a_request_each_as_if_read_alone(runs,
     assert run.nc.stats["out_msgs"] - sent == 3
     assert {s: status for s, (_, status) in read.items()} == statuses | {"s4": None, "s5": None}
     assert [read[s][0] for s in statuses] == [(await run.registry.get(s)).revision for s in statuses]
-    assert read["s4"][0] == 0 and read["s5"] == (0, None) and read["s1"][0] > read["s3"][0]
+    assert read["s4"][0] == 0 and read["s5"] == (0, None) and read["s1"][0] > read["s0"][0] > read["s3"][0]
 
 
 async def test_a_bad_schedule_value_is_skipped_and_the_next_good_one_followed(runs):
