@@ -225,7 +225,8 @@ class _KVWrites:
         return getattr(self._js, name)
 
     async def publish(self, subject: str, *args, timeout: float | None = None, **kwargs):
-        return await self._js.publish(self._writes_prefix + subject, *args, timeout=timeout or WRITE_TIMEOUT_S, **kwargs)
+        return await self._js.publish(self._writes_prefix + subject, *args, timeout=timeout or WRITE_TIMEOUT_S,
+                                      **kwargs)
 
 
 async def put_expiring(kv: KeyValue, key: str, value: bytes, ttl_s: int) -> None:
@@ -252,6 +253,42 @@ def bind_kv(js: JetStreamContext, bucket: str, domain: str | None) -> KeyValue:
 
 def bind_object_store(js: JetStreamContext, bucket: str) -> ObjectStore:
     return ObjectStore(name=bucket, stream=f"OBJ_{bucket}", js=js)
+
+
+async def direct_get_batch(js: JetStreamContext, stream: str, request: dict, timeout: float) -> list:
+    """The messages of one batched direct get (nats-server 2.11+, ADR-31) that `request` names
+    (`multi_last`; or `next_by_subj`, `seq` and `batch`); [] where there are none. The answer ends
+    with the server's status (204: all sent; 404: none), and a message is what carries the
+    server's `Nats-Stream` header: a sampler's heartbeat written with a `Status` header of its own
+    once ended the reading of every later holder's. Taken by a callback: nats-py's `next_msg`
+    makes a task a message, and in a process busy with 500 samplers 1,000 heartbeats took 29 s to
+    read so (2026-12-07). TimeoutError where the end does not come within `timeout`;
+    nats.errors.Error for any other status."""
+    nc, msgs, ended = js._nc, [], asyncio.get_running_loop().create_future()
+
+    async def take(msg) -> None:
+        headers = msg.headers or {}
+        if ended.done():
+            return
+        if "Nats-Stream" in headers:
+            msgs.append(msg)
+        else:
+            ended.set_result((headers.get("Status", ""), headers.get("Description", "")))
+
+    inbox = nc.new_inbox()
+    subscription = await nc.subscribe(inbox, cb=take)
+    try:
+        await nc.publish(f"{js._prefix}.DIRECT.GET.{stream}", json.dumps(request).encode(), reply=inbox)
+        try:
+            status, description = await asyncio.wait_for(ended, timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{len(msgs)} messages of a direct get of {stream}, "
+                               f"then none for {timeout} s") from None
+    finally:
+        await subscription.unsubscribe()
+    if status not in ("204", "404"):
+        raise nats.errors.Error(f"a direct get of {stream} answered {status}: {description}"[:200])
+    return msgs
 
 
 async def require_stream(js: JetStreamContext, stream: str) -> None:

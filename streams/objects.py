@@ -24,7 +24,7 @@ from nats.js.api import ObjectInfo, ObjectMetaOptions
 from nats.js.errors import APIError, NotFoundError
 from nats.nuid import NUID
 
-from streams.client import BROKER_ERRORS
+from streams.client import BROKER_ERRORS, direct_get_batch
 
 log = structlog.get_logger()
 
@@ -204,7 +204,13 @@ async def _read_object(
         subject, after = f"$O.{bucket}.C.{info.nuid}", 0
         while received < info.chunks:
             batch = min(max(1, BATCH_BYTES // chunk_size), info.chunks - received)
-            msgs = await direct_get_batch(js, f"OBJ_{bucket}", subject, after + 1, batch, timeout)
+            try:
+                msgs = await direct_get_batch(js, f"OBJ_{bucket}", {"next_by_subj": subject, "seq": after + 1,
+                                                                    "batch": batch}, timeout)
+            except TimeoutError as e:
+                raise TransferError("timeout", str(e)) from None
+            except nats.errors.Error as e:
+                raise TransferError("refused", str(e)) from None
             if not msgs or (received == 0 and int(msgs[0].headers["Nats-Num-Pending"]) + 1 != info.chunks):
                 # Known before the bytes move: a missing chunk never comes.
                 stored = int(msgs[0].headers["Nats-Num-Pending"]) + 1 if msgs else received
@@ -224,30 +230,3 @@ async def _read_object(
     if expected_sha256 is not None and digest.hexdigest() != expected_sha256:
         raise TransferError("digest_mismatch", f"{bucket}/{name} is not the object expected")
     return data
-
-
-async def direct_get_batch(js: JetStreamContext, stream: str, subject: str, start: int, batch: int,
-                           timeout: float) -> list:
-    """Up to `batch` messages of `subject` from stream sequence `start` on, in one direct get
-    (nats-server 2.11's batched form: the messages, then an end-of-batch status); [] when there
-    are none. Each carries Nats-Sequence and Nats-Num-Pending (those of the subject after it)."""
-    nc = js._nc
-    inbox = nc.new_inbox()
-    subscription = await nc.subscribe(inbox, max_msgs=batch + 1)
-    try:
-        request = json.dumps({"next_by_subj": subject, "seq": start, "batch": batch}).encode()
-        await nc.publish(f"{js._prefix}.DIRECT.GET.{stream}", request, reply=inbox)
-        msgs = []
-        while True:
-            try:
-                msg = await subscription.next_msg(timeout=timeout)
-            except TimeoutError:  # nats-py's subclasses it
-                raise TransferError("timeout", f"{len(msgs)} of a batch of {batch} arrived") from None
-            status = (msg.headers or {}).get("Status")
-            if status in ("204", "404"):  # the end of the batch; nothing there
-                return msgs
-            if status is not None:
-                raise TransferError("refused", f"direct get of {stream}: {status} {msg.headers.get('Description', '')}")
-            msgs.append(msg)
-    finally:
-        await subscription.unsubscribe()

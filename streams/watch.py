@@ -1,8 +1,9 @@
 """Reading what the run keeps on the broker, once or followed: a KV key's value (read_value),
-many keys' in one request (read_values), each new value of a state key (watch_forever), the newest message of a last-value subject
-(LatestValue). Followers poll with direct gets rather than make consumers: samplers may make
-none (streams/secure.py), and a restarted broker or relay leaves nothing to rebuild. A value that
-does not decode is said, counted (BAD_VALUES) and taken for absent, never fatal."""
+many keys' in a request (read_values), each new value of a state key (watch_forever), the
+newest message of a last-value subject (LatestValue). Followers poll with direct gets rather
+than make consumers: samplers may make none (streams/secure.py), and a restarted broker or
+relay leaves nothing to rebuild. A value that does not decode is said, counted (BAD_VALUES) and
+taken for absent, never fatal."""
 
 from __future__ import annotations
 
@@ -10,15 +11,13 @@ import asyncio
 from collections import Counter
 from typing import Awaitable, Callable, Generic, TypeVar
 
-import nats.errors
-import orjson
 import structlog
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from echo.wire.codec import ProtocolError, decode
-from streams.client import BROKER_ERRORS, RunClient, cancel_until_done
+from streams.client import BROKER_ERRORS, RunClient, cancel_until_done, direct_get_batch
 
 log = structlog.get_logger()
 
@@ -54,7 +53,8 @@ async def read_value(kv: KeyValue, key: str, decode_value: Callable[[bytes], M])
 KEYS_A_REQUEST = 1024
 
 
-async def read_values(kv: KeyValue, keys: list[str], decode_value: Callable[[bytes], M]) -> dict[str, tuple[M | None, int]]:
+async def read_values(kv: KeyValue, keys: list[str],
+                      decode_value: Callable[[bytes], M]) -> dict[str, tuple[M | None, int]]:
     """read_value of each of `keys`, in one direct get of their last messages a KEYS_A_REQUEST
     (nats-server 2.11+, whose per-key TTLs the registry needs anyway). A request a key, the 256
     holders' heartbeats read every 5 s were most of the trainer's broker requests at 1,000
@@ -62,47 +62,16 @@ async def read_values(kv: KeyValue, keys: list[str], decode_value: Callable[[byt
     values: dict[str, tuple[M | None, int]] = dict.fromkeys(keys, (None, 0))
     for first in range(0, len(keys), KEYS_A_REQUEST):
         subjects = [kv._pre + key for key in keys[first : first + KEYS_A_REQUEST]]
-        for subject, revision, data in await _last_messages(kv, subjects):
-            key = subject.removeprefix(kv._pre)
+        for msg in await direct_get_batch(kv._js, kv._stream, {"multi_last": subjects}, kv._js._timeout):
+            key, revision = msg.headers["Nats-Subject"].removeprefix(kv._pre), int(msg.headers["Nats-Sequence"])
             if key not in values:  # not asked for: the server answers the subjects named alone
                 continue
             try:
-                values[key] = decode_value(data), revision
+                values[key] = decode_value(msg.data), revision
             except ValueError as e:  # as read_value
                 bad_value(key, str(e))
                 values[key] = None, revision
     return values
-
-
-async def _last_messages(kv: KeyValue, subjects: list[str]) -> list[tuple[str, int, bytes]]:
-    """(subject, sequence, data) of the last message of each of `subjects` that has one: the
-    answers of one batched direct get, ended by the server's status (204: all sent; 404: none).
-    A heartbeat written with a `Status` header of its own cut the reading short, the later
-    holders' heartbeats taken for absent (the trainer would find them dead). Taken by a
-    callback, not next_msg: that makes a task a message, and in a process busy with 500 samplers
-    1,000 heartbeats took 29 s to read so (2026-12-07)."""
-    nc, found, ended = kv._js._nc, [], asyncio.get_running_loop().create_future()
-
-    async def take(msg) -> None:
-        headers = msg.headers or {}
-        if ended.done():
-            return
-        if "Nats-Stream" in headers:  # a message: the server sets it, with its subject and sequence
-            found.append((headers.get("Nats-Subject", ""), int(headers.get("Nats-Sequence", 0)), msg.data))
-        else:  # the server's status; a message's own `Status` header (its writer's) is not one
-            ended.set_result((headers.get("Status", ""), headers.get("Description", "")))
-
-    inbox = nc.new_inbox()
-    subscription = await nc.subscribe(inbox, cb=take)
-    try:
-        await nc.publish(f"{kv._js._prefix}.DIRECT.GET.{kv._stream}", orjson.dumps({"multi_last": subjects}),
-                         reply=inbox)
-        status, description = await asyncio.wait_for(ended, kv._js._timeout)
-    finally:
-        await subscription.unsubscribe()
-    if status not in ("204", "404"):
-        raise nats.errors.Error(f"a batched direct get of {kv._stream} answered {status}: {description}"[:200])
-    return found
 
 
 async def poll_newest(read: Callable[[], Awaitable[tuple[int, bytes] | None]],

@@ -17,8 +17,9 @@ from echo.model.policy import weights_shards
 from echo.tasks import load_task
 from echo.wire.messages import Grant
 from echo.wire.names import HDR_VERSION, weights_object_name
+from streams.client import direct_get_batch
 from streams.lease import take_lease
-from streams.objects import TransferError, direct_get_batch, get_object, put_object, sha256_hex
+from streams.objects import TransferError, get_object, put_object, sha256_hex
 from streams.registry import put_status, read_statuses
 from streams.replay import read_rollouts
 from streams.weights import WeightsFollower, WeightsPublisher, fetch_weights
@@ -160,7 +161,8 @@ async def test_chunks_a_replica_lacks_yet_are_waited_for_and_chunks_none_has_are
     bucket, data = run.names.weights_bucket, os.urandom(3 << 20)
     info = await put_object(run.js, bucket, "w", data)
     subject = f"$O.{bucket}.C.{info.nuid}"
-    chunks = [m.data for m in await direct_get_batch(run.js, f"OBJ_{bucket}", subject, 1, info.chunks, 5)]
+    request = {"next_by_subj": subject, "seq": 1, "batch": info.chunks}
+    chunks = [m.data for m in await direct_get_batch(run.js, f"OBJ_{bucket}", request, 5)]
     await run.js.purge_stream(f"OBJ_{bucket}", subject=subject)
     reading = asyncio.create_task(get_object(run.js, bucket, "w", sha256_hex(info), len(data)))
     await asyncio.sleep(0.5)
