@@ -82,8 +82,11 @@ def _bad_heartbeat(key: str) -> SamplerStatus | None:
 
 
 async def heartbeat_unreadable(run: RunClient, sampler_id: str) -> bool:
-    """Whether the sampler's heartbeat is there and does not decode: it gets no work until it does."""
-    status, revision = await read_value(run.registry, sampler_id, _decode_status)
+    """Whether the sampler's heartbeat is there and does not decode: it gets no work until it does.
+    Read as every heartbeat is (read_values): a single get failed on a `Status: 503` header of
+    the sampler's own as the broker's "no responders", and the grant went on as if the broker
+    restarted."""
+    status, revision = (await read_values(run.registry, [sampler_id], _decode_status))[sampler_id]
     return status is None and revision != 0
 
 

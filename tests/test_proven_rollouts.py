@@ -290,14 +290,20 @@ async def test_a_lift_clears_the_kept_strikes_and_the_next_trainer_starts_the_sa
 async def test_a_heartbeat_that_does_not_decode_shows_its_sampler_and_gets_it_no_work(runs, tmp_path):
     """A sampler whose heartbeat failed to decode vanished from `status` and the page, strikes
     and all, and was granted work as before. Now it is shown as bad_heartbeat (with what the
-    trainer counted of it) and granted nothing until its heartbeat reads again."""
+    trainer counted of it) and granted nothing until its heartbeat reads again, whatever headers
+    it was written with."""
     cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "max_staleness": 0})
     run = await runs.open("beat", "trainer")
     lease = await take_lease(run)
     granter = AsyncGranter(run, lease.term, cfg, TrainerState(), GrantLedger())
     await granter.ask(0)
     asked = GrantRequest(want=2, term=lease.term, version=0)
-    await run.registry.put("s9", b'{"schema_version": 23, "sampler_id": {"a": 1}, "sync_s": {"x": {}}}')
+    junk = b'{"schema_version": 23, "sampler_id": {"a": 1}, "sync_s": {"x": {}}}'
+    await run.registry.put("s9", junk)
+    assert (await granter.grant("s9", asked)).groups == 0
+    # Written with a `Status: 503` header of its own, a single get of it failed as the broker's
+    # "no responders", which the grant passes over as a broker restarting: it was granted work.
+    await run.registry._js.publish(run.registry._pre + "s9", junk, headers={"Status": "503"})
     assert (await granter.grant("s9", asked)).groups == 0
     assert [(s.sampler_id, s.state) for s in await read_statuses(run)] == [("s9", "bad_heartbeat")]
     rows = (await snapshot(run))["samplers"]
