@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from echo.wire.codec import ProtocolError, decode, encode
 from echo.wire.messages import SamplerStatus, TrainerStatus
-from echo.wire.names import STATUS_MAX_BYTES, TRAINER_STATUS_KEY
+from echo.wire.names import FINISHED_KEY, STATUS_MAX_BYTES, TRAINER_STATUS_KEY
 from streams.client import RunClient, put_expiring
 from streams.watch import read_value, read_values
 
@@ -38,6 +38,20 @@ async def put_trainer_status(run: RunClient, status: TrainerStatus) -> None:
 async def read_trainer_status(run: RunClient) -> TrainerStatus | None:
     """None before the trainer's first step."""
     return (await read_value(run.state, TRAINER_STATUS_KEY, functools.partial(decode, TrainerStatus)))[0]
+
+
+async def put_finished(run: RunClient, step: int) -> None:
+    await run.state.put(FINISHED_KEY, str(step).encode())
+
+
+async def clear_finished(run: RunClient) -> None:
+    """A trainer taking the run further: it has not finished."""
+    await run.state.delete(FINISHED_KEY)
+
+
+async def read_finished(run: RunClient) -> int | None:
+    """The step the run finished at; None while it runs (or its trainer predates schema 30)."""
+    return (await read_value(run.state, FINISHED_KEY, int))[0]
 
 
 def weights_relay(run: RunClient, hub_domain: str) -> str:

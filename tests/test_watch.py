@@ -5,11 +5,14 @@ request."""
 import asyncio
 
 import streams.watch
+from echo.engines.hf import HFEngine
 from echo.wire.codec import encode
-from echo.wire.messages import SamplerStatus, Schedule
+from echo.wire.messages import SamplerStatus, Schedule, SlotsEnded, TrainerStatus
 from echo.wire.names import SCHEDULE_KEY
-from streams.registry import put_status, read_heartbeats, read_statuses
+from streams.registry import put_finished, put_status, put_trainer_status, read_heartbeats, read_statuses
 from streams.schedule import publish_schedule, watch_schedule
+from tests.conftest import tiny_config
+from workers.sampler.sampler import Sampler
 
 
 async def test_a_bad_or_misnamed_heartbeat_is_shown_as_bad_not_fatal(runs):
@@ -63,3 +66,34 @@ async def test_a_bad_schedule_value_is_skipped_and_the_next_good_one_followed(ru
         assert await seen.get() == schedule
     assert not watching.done()
     watching.cancel()
+
+
+async def test_a_samplers_heartbeat_reads_as_much_of_the_run_among_a_thousand_samplers_as_alone(runs, tmp_path):
+    """Each beat reads whether the run has finished. Read from the trainer's status, whose tables
+    by sampler (slots, strikes) grow with the fleet, a thousand samplers each read a thousand
+    entries every heartbeat_s: a sixth of the bench's sampler processes' CPU at 1,000 (issue 83,
+    py-spy). The run's end is a key of its own (schema 30)."""
+    cfg = tiny_config(tmp_path, run={"id": "beat-reads"})
+    run = await runs.open("beat-reads", "trainer")
+    heartbeat = Sampler(cfg, "s1", run, HFEngine("tiny", cfg.lora, cfg.sampling), task=None).heartbeat
+
+    async def read_by_a_beat() -> int:
+        before = run.nc.stats["in_bytes"]
+        await heartbeat.beat()
+        return run.nc.stats["in_bytes"] - before
+
+    def fleet_of(samplers: int) -> TrainerStatus:
+        ids = [f"s{i}" for i in range(samplers)]
+        return TrainerStatus(step_s=1.0, groups_per_step=4, max_staleness=1, version=3, utilisation=0.5, updated_at=0.0,
+                             strikes=dict.fromkeys(ids, 1), slots=dict.fromkeys(ids, SlotsEnded(ended=9, undelivered=1)))
+
+    await put_trainer_status(run, fleet_of(1))
+    alone = await read_by_a_beat()
+    await put_trainer_status(run, fleet_of(1000))
+    among_many = await read_by_a_beat()
+    assert among_many - alone < 100, (alone, among_many)  # the put's ack names a sequence one longer, at most
+    assert not heartbeat.finished
+
+    await put_finished(run, 3)
+    await heartbeat.beat()
+    assert heartbeat.finished and [s.state for s in await read_statuses(run)] == ["finished"]

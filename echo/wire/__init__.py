@@ -73,4 +73,8 @@ not read; this is the one list of it):
 29: a request for work may carry the sampler's own seconds a token, from a warm-up generation
     (`claimed_s_per_token`): the trainer paces a sampler it has not measured yet by it; read as
     none (not paced until measured) before.
+30: the run's end is a state key of its own (`finished`: the last step), which samplers read in
+    place of the trainer's status: that status's tables by sampler made each heartbeat's read
+    grow with the fleet. The status still says `finished`; a sampler of this schema sees no end
+    of a run whose trainer is older.
 """

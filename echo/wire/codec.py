@@ -64,7 +64,7 @@ def _json_object(data: bytes) -> dict:
 _UPGRADES: dict[int, dict[str, str]] = {
     13: {"lease": "slot", "leases": "slots"}, 14: {}, 15: {}, 16: {}, 17: {}, 18: {},
     19: {"policy_version": "version", "incarnation": "process"}, 20: {}, 21: {}, 22: {}, 23: {}, 24: {}, 25: {},
-    26: {}, 27: {"epoch": "term", "completions.reward": "completions.claimed_reward"}, 28: {},
+    26: {}, 27: {"epoch": "term", "completions.reward": "completions.claimed_reward"}, 28: {}, 29: {},
 }
 
 

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
-SCHEMA_VERSION = 29  # what each schema changed, and which earlier ones are still read: echo/wire/__init__.py
+SCHEMA_VERSION = 30  # what each schema changed, and which earlier ones are still read: echo/wire/__init__.py
 
 # Run and sampler ids become subject tokens and stream names: keep them to safe characters.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -58,6 +58,9 @@ SCHEDULE_KEY = "schedule"  # the scheduler's choice of samplers (Schedule), writ
 # The trainer's pace (TrainerStatus), for the scheduler and `echo-rl plan`. The key keeps its schema-19
 # value: a run begun before schema 20 resumes, and its samplers and credentials read it there.
 TRAINER_STATUS_KEY = "learner"
+# The step the run finished at, while no trainer takes it further: what a sampler's heartbeat
+# reads, in place of the trainer's status, whose tables by sampler grow with the fleet.
+FINISHED_KEY = "finished"
 ROLLOUT_DEDUP_WINDOW_S = 300.0
 GRANT_TIMEOUT_S = 5.0  # a sampler waits this long for the trainer's answer, then asks again later
 

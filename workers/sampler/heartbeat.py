@@ -14,7 +14,7 @@ from echo.config import EchoConfig
 from echo.wire.messages import SamplerStatus
 from streams.client import BROKER_ERRORS, RunClient
 from streams.quarantine import read_quarantine
-from streams.registry import put_status, read_trainer_status
+from streams.registry import put_status, read_finished
 from workers.sampler.generation import Generation
 from workers.sampler.ranks import group_restarts
 from workers.sampler.weights import EngineWeights
@@ -66,10 +66,11 @@ class Heartbeat:
         self.quarantined = self.sampler_id in await read_quarantine(self.run)
         if self.quarantined:
             log.warning("sampler.quarantined", sampler=self.sampler_id, lift="echo-rl quarantine lift")
-        trainer = await read_trainer_status(self.run)
-        finished = trainer is not None and trainer.finished  # until a trainer takes the run further
+        # Not the trainer's status: its tables by sampler made each beat's read grow with the fleet.
+        finished_at = await read_finished(self.run)  # until a trainer takes the run further
+        finished = finished_at is not None
         if finished and not self.finished:
-            log.info("sampler.run_finished", step=trainer.step, waiting="in case the run goes on: stop this "
+            log.info("sampler.run_finished", step=finished_at, waiting="in case the run goes on: stop this "
                      "sampler when it is done with")
         self.finished = finished
         status = self.status()

@@ -27,7 +27,7 @@ from echo.wire.messages import SlotsEnded
 from streams.client import RunClient, open_run, retry_forever
 from streams.credentials import credentials_of
 from streams.lease import Lease, take_lease
-from streams.registry import put_trainer_status, read_trainer_status
+from streams.registry import clear_finished, put_finished, put_trainer_status, read_trainer_status
 from streams.run_config import publish_run_config
 from streams.weights import WeightsPublisher
 from workers.background import Background
@@ -106,6 +106,7 @@ class Trainer:
     async def fit(self) -> None:
         cfg, state = self.cfg, self.model.state
         await publish_version(self.weights, self.model, state.version)  # a fresh run's version 0, or the checkpoint's
+        await retry_forever("clear the run's end", lambda: clear_finished(self.run))  # taken further, maybe
         await self.granter.start()
         log.info("trainer.ready", run_id=cfg.run.id, mode=cfg.run.mode, model=cfg.model.name, step=state.step,
                  version=state.version, steps=cfg.run.steps, ranks=self.model.ranks.world)
@@ -116,7 +117,7 @@ class Trainer:
             await asyncio.to_thread(trackers.finish, summarize(read_metrics(cfg.run_dir)))
         finally:
             await asyncio.to_thread(trackers.close)
-        await mark_finished(self.run)
+        await mark_finished(self.run, state.step)
 
     async def take_steps(self, process_started: float, shown: Shown) -> None:
         cfg, state = self.cfg, self.model.state
@@ -198,9 +199,10 @@ class Trainer:
         return record
 
 
-async def mark_finished(run: RunClient) -> None:
-    """The run's end, visible outside this process: the trainer's status marked finished (status
-    shows it, samplers' heartbeats say it)."""
+async def mark_finished(run: RunClient, step: int) -> None:
+    """The run's end, visible outside this process: its own key (samplers' heartbeats read it and
+    say it) and the trainer's status marked finished (status shows it)."""
+    await retry_forever("mark the run finished", lambda: put_finished(run, step))
     status = await retry_forever("read the trainer status", lambda: read_trainer_status(run))
     if status is not None:
         finished = status.model_copy(update={"finished": True})
