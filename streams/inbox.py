@@ -55,7 +55,6 @@ ACK_ATTEMPTS = 3  # a held message's ack is confirmed, or left for the broker to
 # (the batch lost with it came back only after ack_wait).
 FETCH_BYTES = 32 << 20
 FETCH_MAX = FETCH_BYTES // ROLLOUT_MESSAGE_MAX  # messages one round asks the server for, all readers together
-POLL_S = 0.1  # how often an idle inbox looks again, between the watch's wake-ups
 # A reader with messages answers at once, however busy the box; this bounds only one whose every
 # announced message was evicted before its fetch (a fetch on an empty consumer waits it out).
 PULL_TIMEOUT_S = 5.0
@@ -203,7 +202,11 @@ class RolloutInbox:
         """Up to `batch` deliveries ([] when none came within `timeout`), each held until ack_held,
         taken from the samplers in turn. A round of fetches asks the server for every sampler's
         share of a full fetch (FETCH_MAX, FETCH_BYTES of the largest messages) whatever `batch`
-        is, the rest kept for the next calls: a backlog is read a full fetch at a time."""
+        is, the rest kept for the next calls: a backlog is read a full fetch at a time. Idle, it
+        waits for the watch's announcements alone: a fetch that gave up (PULL_TIMEOUT_S) is
+        looked at again by the next call. Looking every 0.1 s besides, with the quarantine read as
+        often (streams/quarantine.py), was most of an idle trainer's wake-ups, paid each second a
+        step waits on a large fleet (issue 83)."""
         deadline = time.monotonic() + timeout
         await self._reset_if_reconnected()
         while not self.ready:
@@ -212,7 +215,7 @@ class RolloutInbox:
                 if time.monotonic() >= deadline:
                     return []
                 try:
-                    await asyncio.wait_for(self.woken.wait(), min(POLL_S, max(0.0, deadline - time.monotonic())))
+                    await asyncio.wait_for(self.woken.wait(), max(0.0, deadline - time.monotonic()))
                 except asyncio.TimeoutError:
                     pass
         now, wall, connection = time.monotonic(), time.time(), self._reconnects()

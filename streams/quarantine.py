@@ -15,6 +15,11 @@ from echo.wire.names import QUARANTINE_KEY, STRIKES_KEY
 from streams.client import RunClient
 from streams.watch import read_value, watch_forever
 
+# How often the trainer reads the quarantine: an operator's lift need not be seen sooner, and a
+# read every POLL_S was most of an idle trainer's broker requests, whose CPU a step is what a
+# long step waiting for a large fleet pays (issue 83).
+QUARANTINE_POLL_S = 1.0
+
 
 async def _read(run: RunClient) -> tuple[Quarantine, int]:
     quarantine, revision = await read_value(run.state, QUARANTINE_KEY, functools.partial(decode, Quarantine))
@@ -48,7 +53,7 @@ async def watch_quarantine(run: RunClient, on_change: Callable[[dict[str, str]],
     def changed(value: bytes) -> None:
         on_change(dict(decode(Quarantine, value).samplers))
 
-    await watch_forever(run, QUARANTINE_KEY, changed)
+    await watch_forever(run, QUARANTINE_KEY, changed, QUARANTINE_POLL_S)
 
 
 async def read_strikes(run: RunClient) -> Strikes:

@@ -75,8 +75,8 @@ async def read_values(kv: KeyValue, keys: list[str],
 
 
 async def poll_newest(read: Callable[[], Awaitable[tuple[int, bytes] | None]],
-                      on_new: Callable[[int, bytes], Awaitable[None]], what: str) -> None:
-    """Forever, every POLL_S: `read()` the newest (revision or stream sequence, value) of what is
+                      on_new: Callable[[int, bytes], Awaitable[None]], what: str, every_s: float = POLL_S) -> None:
+    """Forever, every `every_s`: `read()` the newest (revision or stream sequence, value) of what is
     followed (None: none yet) and hand each newer one to `on_new`. No consumer: samplers may make
     none (streams/secure.py). A broker restarting is said once and waited out."""
     seen, failing = 0, False
@@ -91,12 +91,12 @@ async def poll_newest(read: Callable[[], Awaitable[tuple[int, bytes] | None]],
         if newest is not None and newest[0] > seen:
             seen = newest[0]
             await on_new(*newest)
-        await asyncio.sleep(POLL_S)
+        await asyncio.sleep(every_s)
 
 
-async def watch_forever(run: RunClient, key: str, on_value: Callable[[bytes], None]) -> None:
+async def watch_forever(run: RunClient, key: str, on_value: Callable[[bytes], None], every_s: float = POLL_S) -> None:
     """Call `on_value` with each new value of the state bucket's `key` (the current one first),
-    forever (poll_newest). A value `on_value` refuses (ProtocolError) is said, counted and
+    forever (poll_newest, every `every_s`). A value `on_value` refuses (ProtocolError) is said, counted and
     skipped: the next good one counts."""
     async def read() -> tuple[int, bytes] | None:
         try:
@@ -111,7 +111,7 @@ async def watch_forever(run: RunClient, key: str, on_value: Callable[[bytes], No
         except ValueError as e:
             bad_value(key, str(e))
 
-    await poll_newest(read, take, key)
+    await poll_newest(read, take, key, every_s)
 
 
 class LatestValue(Generic[M]):

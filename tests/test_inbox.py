@@ -310,16 +310,19 @@ async def _an_inbox_that_fetched_a_group_of_each(run, samplers: int) -> tuple[Ro
     return inbox, got
 
 
-async def test_an_idle_inbox_asks_the_broker_nothing_and_still_fetches_the_next_group(runs):
+async def test_an_idle_inbox_asks_the_broker_nothing_and_still_fetches_the_next_group(runs, monkeypatch):
     """An idle inbox at scale: waiting for groups, the inbox listed every sampler's reader (and the stream's
     subjects) ten times a second, a scan of 1,000 consumers' states each time at 1,000 samplers.
     The stream's watch now says when a sampler publishes: an idle inbox sends the broker nothing,
-    and a group published after is fetched."""
+    and a group published after is fetched. Nor does it look again every 0.1 s meanwhile: an idle
+    trainer's wake-ups are paid each second a step waits on a large fleet (issue 83)."""
     run = await runs.open("idle")
     inbox, got = await _an_inbox_that_fetched_a_group_of_each(run, 300)  # two pages of the server's listing
-    sent = run.nc.stats["out_msgs"]
-    assert await inbox.fetch(1, timeout=1.0) == []  # about ten idle rounds
+    sent, rounds, pull = run.nc.stats["out_msgs"], [], RolloutInbox._pull
+    monkeypatch.setattr(RolloutInbox, "_pull", lambda self: rounds.append(1) or pull(self))
+    assert await inbox.fetch(1, timeout=1.0) == []
     assert run.nc.stats["out_msgs"] - sent <= 1  # a ping, at most
+    assert len(rounds) <= 2  # when the wait began and when it ended
     await run.js.publish(run.names.rollouts_subject("s7"), b"y", headers={HDR_MSG_ID: "late"})
     assert [d.sampler_id for d in await inbox.fetch(1, timeout=10.0)] == ["s7"]
     assert await inbox.ack_held() == 0 and (await inbox.counts()).pending == 0

@@ -10,8 +10,9 @@ from echo.wire.codec import encode
 from echo.wire.messages import SamplerStatus, Schedule, SlotsEnded, TrainerStatus
 from echo.wire.names import SCHEDULE_KEY
 from streams.registry import put_finished, put_status, put_trainer_status, read_heartbeats, read_statuses
+from streams.quarantine import QUARANTINE_POLL_S, change_quarantine, watch_quarantine
 from streams.schedule import publish_schedule, watch_schedule
-from tests.conftest import tiny_config
+from tests.conftest import eventually_async, tiny_config
 from workers.sampler.sampler import Sampler
 
 
@@ -97,3 +98,21 @@ async def test_a_samplers_heartbeat_reads_as_much_of_the_run_among_a_thousand_sa
     await put_finished(run, 3)
     await heartbeat.beat()
     assert heartbeat.finished and [s.state for s in await read_statuses(run)] == ["finished"]
+
+
+async def test_the_trainer_reads_the_quarantine_once_a_second_and_sees_a_lift_within_it(runs):
+    """Read every 0.1 s, the quarantine was most of an idle trainer's broker requests, paid each
+    second a step waits on a large fleet (issue 83); an operator's lift need not be seen sooner."""
+    run = await runs.open("quarantine-reads", "trainer")
+    await change_quarantine(run, lambda samplers: samplers.update(s1="caught"))
+    seen: list[dict[str, str]] = []
+    follower = asyncio.create_task(watch_quarantine(run, seen.append))
+    try:
+        await eventually_async(lambda: seen == [{"s1": "caught"}], 5)
+        sent = run.nc.stats["out_msgs"]
+        await asyncio.sleep(3 * QUARANTINE_POLL_S)
+        assert run.nc.stats["out_msgs"] - sent <= 4  # three reads, and a ping at most
+        await change_quarantine(run, lambda samplers: samplers.pop("s1"))
+        await eventually_async(lambda: seen[-1] == {}, 5)
+    finally:
+        follower.cancel()
