@@ -17,7 +17,7 @@ from echo.model.policy import load_tensors, make_policy, packed_logprobs, policy
 from echo.tasks.episodes import load_environment
 from echo.train.learner import Batch, ForgedInStep, Forward, HeldProof, Rewarded, make_optimizer, train_step
 from echo.trust.proof import ProofSettings, SamplingProof, logprob_gap
-from echo.trust.routing import OWN, Replay, recorded, replayed, routers, routing_gap
+from echo.trust.routing import OWN, RoutingReplay, recorded, replayed, routers, routing_gap
 from echo.wire.codec import (
     ProtocolError,
     RolloutLimits,
@@ -282,7 +282,7 @@ def _forge_routing(proof: SamplingProof, group: RolloutGroup) -> RolloutGroup:
     ids = np.stack([[rng.choice(8, 2, replace=False) for _ in range(2)] for _ in range(len(group.routing.ids))])
     ids[group.last_tokens()] = 0
     forged = group.replaced(group_id="forged", routing=group.routing.model_copy(update={"ids": ids.astype(np.uint16)}))
-    replay = Replay.of([(forged, list(range(len(forged.completions))))])
+    replay = RoutingReplay.of([(forged, list(range(len(forged.completions))))])
     with torch.no_grad():
         logprobs, _, _ = packed_logprobs(proof.model, [forged.prompt_token_ids], [c.token_ids for c in forged.completions],
                                          [0] * len(forged.completions), proof.temperature, proof.pad_id, replay=replay)
@@ -303,7 +303,7 @@ def test_the_trainer_replays_the_recorded_routing_and_a_made_up_one_is_forged_ro
         routing = group.routing
         assert (routing.layers, routing.top_k, routing.experts) == (2, 2, 8)
         assert len(routing.ids) == len(group.prompt_token_ids) + sum(len(c.token_ids) for c in group.completions)
-    replay = Replay.of([(g, list(range(3))) for g in groups])
+    replay = RoutingReplay.of([(g, list(range(3))) for g in groups])
     claimed = [c for g in groups for c in g.completions]
     with torch.no_grad():
         logprobs, _, _ = packed_logprobs(proof.model, [g.prompt_token_ids for g in groups],

@@ -19,7 +19,7 @@ from echo.model.loading import encode_chat
 from echo.tasks import is_environment, load_task, safe_score, task_class
 from echo.tasks.episodes import EpisodeBuilder, rerun
 from echo.tasks.loop import on_loop
-from echo.tasks.verifiers_env import as_chat, replay_client, texts, tool_calls
+from echo.tasks.verifiers_env import as_chat, scripted_client, texts, tool_calls
 from echo.trust.scorer import Scorer
 from tests.groups import SAMPLING, TOKENIZER, honest_group
 from tests.swarms import VERIFIERS_ENV
@@ -44,7 +44,7 @@ def env_module(tmp_path, monkeypatch):
 def library_rewards(env, row: dict, answers: list[str]) -> dict[str, float]:
     """What verifiers' own group rollout and rubric (score_group, where we score each completion by
     score_rollout) give each text as the model's answer to `row`."""
-    outputs = asyncio.run(env.run_group([row] * len(answers), replay_client(texts(*answers)), "m", {}))
+    outputs = asyncio.run(env.run_group([row] * len(answers), scripted_client(texts(*answers)), "m", {}))
     return {out["completion"][-1]["content"]: out["reward"] for out in outputs}
 
 
@@ -229,7 +229,7 @@ def test_a_tool_environment_is_played_turn_by_turn_as_verifiers_rolls_it_out(env
     seen = completion.token_ids[completion.observations[0].at:][:completion.observations[0].tokens]
     assert TOKENIZER.decode(seen.tolist()) == f"\n<|im_start|>tool\n{a + b}<|im_end|>\n<|im_start|>assistant\n"
     # verifiers' own rollout, given the same turns, answers the same and scores the same.
-    output = asyncio.run(task.env.run_rollout(task.row(prompt), replay_client(texts(call, answer)), "m", {}))
+    output = asyncio.run(task.env.run_rollout(task.row(prompt), scripted_client(texts(call, answer)), "m", {}))
     said = [m["content"] for m in as_chat(output["completion"]) if m["role"] == "tool"]
     assert said == [str(a + b)] and output["reward"] == 1.0
     assert rerun(task, TOKENIZER, prompt, completion, 4096) == (1.0, None)

@@ -19,7 +19,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from echo.config import ConfigError, LoraConfig
 from echo.model.devices import model_device
 from echo.train.algorithms.grpo import head_logprobs, token_logprobs
-from echo.trust.routing import Replay
+from echo.trust.routing import RoutingReplay
 
 
 class WeightsMismatch(ValueError):
@@ -208,7 +208,7 @@ def group_logprobs(model, prompt_ids, completions: list, temperature: float, pad
 
 
 def packed_logprobs(model, prompts: list, completions: list, owners: list[int], temperature: float, pad_id: int,
-                    min_length: int = 1, replay: Replay | None = None):
+                    min_length: int = 1, replay: RoutingReplay | None = None):
     """Per-token log-probs [R, C] of completions (arrays or lists of token ids; right-padded to at
     least `min_length`), their mask [R, C], and the sampling distribution's entropy at each
     position [R, C] (no gradient). Completion r continues prompt `owners[r]`.
@@ -227,7 +227,7 @@ def packed_logprobs(model, prompts: list, completions: list, owners: list[int], 
 
 
 def packed_states(model, prompts: list, completions: list, owners: list[int], pad_id: int, min_length: int = 1,
-                  replay: Replay | None = None):
+                  replay: RoutingReplay | None = None):
     """What packed_logprobs reads the log-probs from at each completion position (see _forward),
     the completions' ids [R, C] and their mask [R, C]: the two model calls (each routed as
     `replay` says, where given)."""
@@ -264,7 +264,7 @@ def packed_states(model, prompts: list, completions: list, owners: list[int], pa
 
 
 def spanning_logprobs(model, prompt_ids, completions: list, starts: list[int], use_version, temperature: float,
-                      pad_id: int, observe=None, replay: Replay | None = None) -> torch.Tensor:
+                      pad_id: int, observe=None, replay: RoutingReplay | None = None) -> torch.Tensor:
     """Per-token log-probs [G, C] of one group's completions sampled by several versions in turn
     (partial rollouts): version k predicted the tokens from `starts[k]` on (starts[0] = 0), and
     `use_version(k)` puts its weights in the model. As in generation, a swap keeps the cache:

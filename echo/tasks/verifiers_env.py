@@ -232,13 +232,13 @@ def _rows_file(env, name: str) -> tuple[Path, Path | None]:
     return train, (write(env.eval_dataset, "eval") if env.build_eval_dataset() is not None else None)
 
 
-def replay_client(answer: Callable[[list], Awaitable[str]]):
+def scripted_client(answer: Callable[[list], Awaitable[str]]):
     """A verifiers client whose model is `answer`: the conversation so far in, the model's text out.
     Where the environment has tools, their calls are read from the text (`tool_calls`)."""
     import verifiers as vf
     from verifiers.types import Response, ResponseMessage
 
-    class Replay(vf.Client):
+    class Scripted(vf.Client):
         def setup_client(self, config):
             return None
 
@@ -264,7 +264,7 @@ def replay_client(answer: Callable[[list], Awaitable[str]]):
         async def close(self):
             return None
 
-    return Replay(None)
+    return Scripted(None)
 
 
 def texts(*answers: str) -> Callable[[list], Awaitable[str]]:
@@ -317,7 +317,7 @@ class VerifiersEnv(Dataset):
         return (float(output["reward"]) - self.lo) / (self.hi - self.lo)
 
     def score(self, completion: str, prompt: Prompt) -> Score:
-        output = on_loop(self.env.run_rollout(self.row(prompt), replay_client(texts(completion)), REPLAY_MODEL, {}))
+        output = on_loop(self.env.run_rollout(self.row(prompt), scripted_client(texts(completion)), REPLAY_MODEL, {}))
         parsed = self.env.parser.parse_answer([{"role": "assistant", "content": completion}])
         return Score(self.rollout_reward(output), format_ok=parsed is not None,
                      correct=float(output["reward"]) >= self.env.pass_threshold)
@@ -369,7 +369,7 @@ class Played:
                 raise EpisodeOver  # a model error to verifiers: its rollout stops there
             return turn
 
-        self.rollout = asyncio.ensure_future(self.task.env.run_rollout(row, replay_client(answer), REPLAY_MODEL, {}))
+        self.rollout = asyncio.ensure_future(self.task.env.run_rollout(row, scripted_client(answer), REPLAY_MODEL, {}))
         asked = await self._next()
         if not isinstance(asked, list):
             raise ValueError("the environment ended its episode before the model's first turn")

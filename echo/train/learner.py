@@ -19,7 +19,7 @@ from echo.train.algorithms.corrections import Correction, CorrectionStats, rollo
 from echo.train.algorithms.grpo import LossStats, Objective, advantages, policy_loss, row_scales
 from echo.trust.noise import TokenMargins
 from echo.trust.proof import Checked, held_checks, held_noise, worst_checks
-from echo.trust.routing import Replay
+from echo.trust.routing import RoutingReplay
 from echo.wire.messages import RolloutGroup
 
 
@@ -58,7 +58,7 @@ class HeldProof:
         return TokenMargins(noise, [torch.from_numpy(c.model_mask()) for c in claimed], temperature, device)
 
     def checks(self, pass_groups: list[tuple[RolloutGroup, list[int]]], recomputed: torch.Tensor,
-               margins: TokenMargins | None, replay: Replay | None) -> dict[str, Checked]:
+               margins: TokenMargins | None, replay: RoutingReplay | None) -> dict[str, Checked]:
         return held_checks(pass_groups, recomputed, margins, self.version, replay)
 
 
@@ -195,7 +195,7 @@ class Forward:
         return cls(model, cfg, pad_id, model_device(model), compute_dtype)
 
     def __call__(self, prompts: list, completions: list, owners: list[int], observe=None, reference: bool = True,
-                 replay: Replay | None = None):
+                 replay: RoutingReplay | None = None):
         """Log-probs, mask and entropy of completions, and the reference's log-probs (KL on, and
         `reference`: a batch's later iterations reuse the first's); `observe` sees the policy's
         logits as they are made (policy.states_logprobs); `replay` routes a mixture of experts'
@@ -366,7 +366,7 @@ def _pass(forward: Forward, segments: list[tuple[RolloutGroup, torch.Tensor, lis
     pass_groups = [(group, rows) for group, _, rows in segments]
     # The held version's token margins, from the logits the log-probs are made of.
     margins = None if held is None else held.observer(pass_groups, claimed, cfg.sampling.temperature, device)
-    replay = Replay.of(pass_groups) if acfg.router_replay == "replay" else None  # each token's recorded experts
+    replay = RoutingReplay.of(pass_groups) if acfg.router_replay == "replay" else None  # each token's recorded experts
     logprobs, mask, entropy, ref_logprobs = forward(prompts, [c.token_ids for c in claimed], owners, margins,
                                                     reference=frozen is None, replay=replay)
     checked = {} if held is None else held.checks(pass_groups, logprobs.detach(), margins, replay)

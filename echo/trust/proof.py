@@ -33,7 +33,7 @@ from echo.config import EchoConfig
 from echo.model.devices import DTYPES, autocast, model_device
 from echo.model.policy import check_tensors, packed_states, policy_shapes, spanning_logprobs, states_logprobs
 from echo.trust.noise import TokenMargins, group_key
-from echo.trust.routing import Replay
+from echo.trust.routing import RoutingReplay
 from echo.wire.messages import Completion, RolloutGroup
 
 # The reasons a group is refused as forged (SamplingProof.forged): its sender becomes a suspect.
@@ -110,7 +110,7 @@ class Checked:
 
     gap: float  # the largest log-prob gap (logprob_gap)
     margin: float | None = None  # the largest token margin (noise.TokenMargins); None: tokens not checked
-    routing: float | None = None  # the largest routing gap (routing.Replay); None: no routing replayed
+    routing: float | None = None  # the largest routing gap (routing.RoutingReplay); None: no routing replayed
 
     def worst(self, other: Checked) -> Checked:
         """Both parts of one group's check (its completions split between passes) as one."""
@@ -144,7 +144,7 @@ def held(group: RolloutGroup, version: int) -> bool:
 
 
 def held_checks(pass_groups: list[tuple[RolloutGroup, list[int]]], recomputed: torch.Tensor,
-                margins: TokenMargins | None, version: int, replay: Replay | None = None) -> dict[str, Checked]:
+                margins: TokenMargins | None, version: int, replay: RoutingReplay | None = None) -> dict[str, Checked]:
     """The proof of sampling from a training pass's own forward, for its groups sampled by
     `version`, the one the step trains from: their recomputed log-probs are the step's pi_old
     (`recomputed`, [R, C]), their token margins (`margins`; None: no token checked) read from the
@@ -288,7 +288,7 @@ class SamplingProof:
             margins = TokenMargins(held_noise(pass_groups, version, self.noise_key),
                                    [torch.from_numpy(c.model_mask()) for group in groups for c in group.completions],
                                    self.temperature, device)
-        replay = Replay.of(pass_groups) if self.routing_margin else None
+        replay = RoutingReplay.of(pass_groups) if self.routing_margin else None
         owners = [k for k, group in enumerate(groups) for _ in group.completions]
         states, ids, _ = packed_states(self.model, [group.prompt_token_ids for group in groups],
                                        [c.token_ids for group in groups for c in group.completions], owners,
@@ -307,7 +307,7 @@ class SamplingProof:
             margins = TokenMargins([(key, j) for j in range(len(completions))],
                                    [torch.from_numpy(c.model_mask()) for c in group.completions],
                                    self.temperature, model_device(self.model))
-        replay = Replay.of([(group, list(range(len(completions))))]) if self.routing_margin else None
+        replay = RoutingReplay.of([(group, list(range(len(completions))))]) if self.routing_margin else None
         starts = [0, *(change.at for change in group.version_changes)]
         recomputed = spanning_logprobs(self.model, group.prompt_token_ids, completions, starts,
                                        lambda k: use(versions[k]), self.temperature, self.pad_id, margins, replay)

@@ -128,7 +128,7 @@ def replayed_shape(model: torch.nn.Module, name: str, replay: bool) -> tuple[int
     return shape
 
 
-class Replay:
+class RoutingReplay:
     """Routing replay for one packed forward (echo/model/policy.py::packed_states): the experts the
     sampler recorded for each prompt's and each completion's tokens ((tokens, layers, top_k)
     arrays, as Routing carries them; None: the router's own), and afterwards `gaps`: for each
@@ -142,7 +142,7 @@ class Replay:
         self.gaps: torch.Tensor | None = None  # none measured yet
 
     @classmethod
-    def of(cls, pass_groups: list[tuple[RolloutGroup, list[int]]]) -> Replay:
+    def of(cls, pass_groups: list[tuple[RolloutGroup, list[int]]]) -> RoutingReplay:
         """For the completions `rows` of each group, in order (the groups' routing split)."""
         prompts, completions, owners = [], [], []
         for j, (group, rows) in enumerate(pass_groups):
@@ -154,9 +154,9 @@ class Replay:
             owners += [j] * len(rows)
         return cls(prompts, completions, owners)
 
-    def again(self) -> Replay:
+    def again(self) -> RoutingReplay:
         """The same routing, its gaps not yet measured (another forward over the same tokens)."""
-        return Replay(self.prompts, self.completions, self.owners.tolist())
+        return RoutingReplay(self.prompts, self.completions, self.owners.tolist())
 
     @contextlib.contextmanager
     def prompts_forward(self, model, width: int) -> Iterator[None]:
