@@ -285,7 +285,10 @@ async def direct_get_batch(js: JetStreamContext, stream: str, request: dict, tim
             raise TimeoutError(f"{len(msgs)} messages of a direct get of {stream}, "
                                f"then none for {timeout} s") from None
     finally:
-        await subscription.unsubscribe()
+        # Closed meanwhile, it has nothing to unsubscribe; raised here, its error took the place of
+        # a cancellation, which the caller's retry then took for a broker's failure, for good.
+        with contextlib.suppress(nats.errors.Error):
+            await subscription.unsubscribe()
     if status not in ("204", "404"):
         raise nats.errors.Error(f"a direct get of {stream} answered {status}: {description}"[:200])
     return msgs

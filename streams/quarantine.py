@@ -13,12 +13,7 @@ from echo.wire.codec import decode, encode
 from echo.wire.messages import Quarantine, Strikes
 from echo.wire.names import QUARANTINE_KEY, STRIKES_KEY
 from streams.client import RunClient
-from streams.watch import read_value, watch_forever
-
-# How often the trainer reads the quarantine: an operator's lift need not be seen sooner, and a
-# read every POLL_S was most of an idle trainer's broker requests, whose CPU a step is what a
-# long step waiting for a large fleet pays (issue 83).
-QUARANTINE_POLL_S = 1.0
+from streams.watch import RARELY_S, read_value, watch_forever
 
 
 async def _read(run: RunClient) -> tuple[Quarantine, int]:
@@ -53,7 +48,7 @@ async def watch_quarantine(run: RunClient, on_change: Callable[[dict[str, str]],
     def changed(value: bytes) -> None:
         on_change(dict(decode(Quarantine, value).samplers))
 
-    await watch_forever(run, QUARANTINE_KEY, changed, QUARANTINE_POLL_S)
+    await watch_forever(run, QUARANTINE_KEY, changed, RARELY_S)
 
 
 async def read_strikes(run: RunClient) -> Strikes:

@@ -9,7 +9,7 @@ from echo.wire.codec import decode, encode
 from echo.wire.messages import Schedule
 from echo.wire.names import SCHEDULE_KEY
 from streams.client import RunClient
-from streams.watch import watch_forever
+from streams.watch import RARELY_S, watch_forever
 
 
 async def publish_schedule(run: RunClient, schedule: Schedule) -> None:
@@ -18,4 +18,4 @@ async def publish_schedule(run: RunClient, schedule: Schedule) -> None:
 
 async def watch_schedule(run: RunClient, on_change: Callable[[Schedule], None]) -> None:
     """Forever: call `on_change` with the schedule, the current one first, then each new one."""
-    await watch_forever(run, SCHEDULE_KEY, lambda value: on_change(decode(Schedule, value)))
+    await watch_forever(run, SCHEDULE_KEY, lambda value: on_change(decode(Schedule, value)), RARELY_S)

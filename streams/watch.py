@@ -13,8 +13,9 @@ from typing import Awaitable, Callable, Generic, TypeVar
 
 import structlog
 from nats.js import JetStreamContext
+from nats.js.api import RawStreamMsg
 from nats.js.errors import KeyNotFoundError, NotFoundError
-from nats.js.kv import KeyValue
+from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
 from echo.wire.codec import ProtocolError, decode
 from streams.client import BROKER_ERRORS, RunClient, cancel_until_done, direct_get_batch
@@ -24,6 +25,10 @@ log = structlog.get_logger()
 M = TypeVar("M")
 
 POLL_S = 0.1  # how often a follower reads the newest value of what it follows
+# How often one reads what changes rarely and no one waits on for a second (an operator's
+# quarantine, the scheduler's choice): each reading is a request to the hub, per follower, and
+# every POLL_S they were most of an idle trainer's requests and a thousand samplers' (issue 83).
+RARELY_S = 1.0
 BAD_VALUES: Counter[str] = Counter()  # values this process found malformed in the run's state, by key
 
 
@@ -74,15 +79,28 @@ async def read_values(kv: KeyValue, keys: list[str],
     return values
 
 
-async def poll_newest(read: Callable[[], Awaitable[tuple[int, bytes] | None]],
+async def newest_after(js: JetStreamContext, stream: str, subject: str, after: int) -> RawStreamMsg | None:
+    """The newest message of `subject` where it is later than stream sequence `after`, else None.
+    Every subject followed keeps one message (a last-value stream, a KV bucket of history 1), so
+    the first after `after` is the newest. Where nothing changed, the answer is a status line, not
+    the value again: a thousand samplers reading the schedule (its lists name every sampler) ten
+    times a second each moved the square of the fleet in bytes a second through the hub."""
+    try:
+        return await js.get_msg(stream, seq=after + 1, subject=subject, next=True, direct=True)
+    except NotFoundError:
+        return None
+
+
+async def poll_newest(read: Callable[[int], Awaitable[tuple[int, bytes] | None]],
                       on_new: Callable[[int, bytes], Awaitable[None]], what: str, every_s: float = POLL_S) -> None:
-    """Forever, every `every_s`: `read()` the newest (revision or stream sequence, value) of what is
-    followed (None: none yet) and hand each newer one to `on_new`. No consumer: samplers may make
-    none (streams/secure.py). A broker restarting is said once and waited out."""
+    """Forever, every `every_s`: `read(after)` the newest (revision or stream sequence, value) of
+    what is followed, if later than `after` (None: none newer) and hand it to `on_new`. No
+    consumer: samplers may make none (streams/secure.py). A broker restarting is said once and
+    waited out."""
     seen, failing = 0, False
     while True:
         try:
-            newest = await read()
+            newest = await read(seen)
             failing = False
         except BROKER_ERRORS as e:
             if not failing:
@@ -98,12 +116,12 @@ async def watch_forever(run: RunClient, key: str, on_value: Callable[[bytes], No
     """Call `on_value` with each new value of the state bucket's `key` (the current one first),
     forever (poll_newest, every `every_s`). A value `on_value` refuses (ProtocolError) is said, counted and
     skipped: the next good one counts."""
-    async def read() -> tuple[int, bytes] | None:
-        try:
-            entry = await run.state.get(key)
-        except KeyNotFoundError:  # none yet, or deleted
+    async def read(after: int) -> tuple[int, bytes] | None:
+        kv = run.state
+        msg = await newest_after(kv._js, kv._stream, kv._pre + key, after)
+        if msg is None or (msg.headers or {}).get(KV_OP) in (KV_DEL, KV_PURGE):  # none newer, or deleted
             return None
-        return entry.revision, entry.value or b""
+        return msg.seq, msg.data or b""
 
     async def take(_: int, value: bytes) -> None:
         try:
@@ -117,7 +135,7 @@ async def watch_forever(run: RunClient, key: str, on_value: Callable[[bytes], No
 class LatestValue(Generic[M]):
     """Follows one subject of the last-value control stream and holds its newest message.
 
-    It reads the subject's last message by direct get every POLL_S: a late joiner reads the
+    It reads the subject's newest message by direct get every POLL_S (newest_after): a late joiner reads the
     current value at once, a restarted broker or relay costs no consumer to rebuild, and it needs
     no consumer at all (samplers may make none, streams/secure.py)."""
 
@@ -128,19 +146,16 @@ class LatestValue(Generic[M]):
         self.value: M | None = None
         self.seq = 0  # stream sequence of `value`: orders messages of any kind
         self._changed = asyncio.Condition()
-        self._task: asyncio.Task | None = None
+        self.task: asyncio.Task | None = None
 
     async def start(self) -> "LatestValue[M]":
-        self._task = asyncio.create_task(poll_newest(self._read, self._take, self.subject))
+        self.task = asyncio.create_task(poll_newest(self._read, self._take, self.subject))
         return self
 
-    async def _read(self) -> tuple[int, bytes] | None:
-        try:
-            # The stream is named: a relay's mirror has no subjects to look it up by.
-            msg = await self.js.get_msg(self.stream, subject=self.subject, direct=True)
-        except NotFoundError:  # nothing published yet
-            return None
-        return msg.seq, msg.data
+    async def _read(self, after: int) -> tuple[int, bytes] | None:
+        # The stream is named: a relay's mirror has no subjects to look it up by.
+        msg = await newest_after(self.js, self.stream, self.subject, after)
+        return None if msg is None else (msg.seq, msg.data or b"")
 
     async def _take(self, seq: int, data: bytes) -> None:
         try:
@@ -159,5 +174,5 @@ class LatestValue(Generic[M]):
             return self.seq, self.value
 
     async def stop(self) -> None:
-        if self._task is not None:
-            await cancel_until_done([self._task])
+        if self.task is not None:
+            await cancel_until_done([self.task])

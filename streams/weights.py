@@ -311,7 +311,8 @@ class WeightsFollower:
         await self._wait(lambda announcement: announcement.term_version > than)
 
     async def stop(self) -> None:
-        """Stop fetching, and wait until the fetch has ended (its connection may close next)."""
-        if self._task:
-            await cancel_until_done([self._task])
-        await self._announcements.stop()
+        """Stop fetching and following, and wait until both have ended (the connection may close
+        next). Shielded: where this stop was itself cancelled (a teardown's cancel_until_done
+        cancels again), a cancellation nats-py swallowed was not repeated, and the following was
+        left polling a closed connection."""
+        await asyncio.shield(cancel_until_done([t for t in (self._task, self._announcements.task) if t is not None]))

@@ -9,8 +9,8 @@ from echo.engines.hf import HFEngine
 from echo.wire.codec import encode
 from echo.wire.messages import SamplerStatus, Schedule, SlotsEnded, TrainerStatus
 from echo.wire.names import SCHEDULE_KEY
+from streams.quarantine import change_quarantine, watch_quarantine
 from streams.registry import put_finished, put_status, put_trainer_status, read_heartbeats, read_statuses
-from streams.quarantine import QUARANTINE_POLL_S, change_quarantine, watch_quarantine
 from streams.schedule import publish_schedule, watch_schedule
 from tests.conftest import eventually_async, tiny_config
 from workers.sampler.sampler import Sampler
@@ -69,6 +69,31 @@ async def test_a_bad_schedule_value_is_skipped_and_the_next_good_one_followed(ru
     watching.cancel()
 
 
+async def test_a_followed_value_is_sent_once_however_often_it_is_read(runs):
+    """Followers read every POLL_S. Each reading sent the whole value again: the schedule names
+    every sampler, so a thousand samplers following it moved the square of the fleet in bytes a
+    second through the hub (issue 83). A reading asks for what is newer than what was seen, and
+    where nothing is the answer is a status line."""
+    run = await runs.open("unchanged", "trainer")
+    ids = [f"sampler-{i}" for i in range(1000)]
+    schedule = Schedule(active=ids, standby=ids, predicted_utilisation=0.5, cost_per_step=1.0, why="test",
+                        updated_at=0.0)
+    await publish_schedule(run, schedule)
+    seen: list[bytes] = []
+    following = asyncio.create_task(streams.watch.watch_forever(run, SCHEDULE_KEY, seen.append))  # every POLL_S
+    try:
+        await eventually_async(lambda: len(seen) == 1, 5)
+        received = run.nc.stats["in_bytes"]
+        await asyncio.sleep(10 * streams.watch.POLL_S)
+        assert run.nc.stats["in_bytes"] - received < len(seen[0]) / 10  # ten readings or fewer, none of it
+        newer = schedule.model_copy(update={"why": "again"})
+        await publish_schedule(run, newer)
+        await eventually_async(lambda: len(seen) == 2, 5)
+        assert seen[1] == encode(newer)
+    finally:
+        following.cancel()
+
+
 async def test_a_samplers_heartbeat_reads_as_much_of_the_run_among_a_thousand_samplers_as_alone(runs, tmp_path):
     """Each beat reads whether the run has finished. Read from the trainer's status, whose tables
     by sampler (slots, strikes) grow with the fleet, a thousand samplers each read a thousand
@@ -110,7 +135,7 @@ async def test_the_trainer_reads_the_quarantine_once_a_second_and_sees_a_lift_wi
     try:
         await eventually_async(lambda: seen == [{"s1": "caught"}], 5)
         sent = run.nc.stats["out_msgs"]
-        await asyncio.sleep(3 * QUARANTINE_POLL_S)
+        await asyncio.sleep(3 * streams.watch.RARELY_S)
         assert run.nc.stats["out_msgs"] - sent <= 4  # three reads, and a ping at most
         await change_quarantine(run, lambda samplers: samplers.pop("s1"))
         await eventually_async(lambda: seen[-1] == {}, 5)

@@ -151,6 +151,36 @@ async def test_a_damaged_adapter_is_refused_the_old_version_kept_and_the_fetch_r
     assert follower._task.done()  # ended, not just told to: the connection closes next
 
 
+async def test_a_read_cancelled_once_its_connection_closed_ends_cancelled(runs):
+    """A sampler's teardown cancels its weights' fetch after its connection closed. The read's
+    cleanup (an unsubscribe) then failed 'connection closed', in place of the cancellation: the
+    fetch took it for a broker's failure and tried again, every 15 s, for good, and the process
+    never ended (bench.load at 1,000 samplers, 2026-12-07)."""
+    run = await runs.open("cancelled-read", "test")
+    silent = await run.nc.subscribe("silent.DIRECT.GET.stream")  # takes the request, never answers
+    silent_api = run.nc.jetstream(prefix="silent")
+    reading = asyncio.create_task(direct_get_batch(silent_api, "stream", {"multi_last": ["x"]}, 60))
+    await eventually_async(lambda: silent.pending_msgs == 1, 5)
+    await run.nc.close()
+    reading.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reading
+
+
+async def test_a_follower_stopped_and_stopped_again_at_once_leaves_nothing_running(runs):
+    """A sampler's teardown may itself be cancelled (cancel_until_done cancels again after 0.5 s):
+    the follower's fetch stopped first, its following of the announcements was left polling a
+    closed connection (1,000 samplers, 5% of them restarted in place: bench.load)."""
+    run = await runs.open("stopped-twice", "test")
+    follower = await WeightsFollower(run, TINY_BASE).start()
+    stopping = asyncio.create_task(follower.stop())
+    await asyncio.sleep(0)
+    stopping.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await stopping
+    await eventually_async(lambda: (follower._task.done(), follower._announcements.task.done()) == (True, True), 5)
+
+
 async def test_chunks_a_replica_lacks_yet_are_waited_for_and_chunks_none_has_are_not(runs, monkeypatch):
     """CI, 2026-11-29: just after a 3-node cluster's failover a read of an object whole on the
     leader failed 'truncated: 0 of 32 chunks stored': direct gets are answered by any replica, the

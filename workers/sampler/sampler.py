@@ -141,8 +141,10 @@ class Sampler:
                     background.start(watch_budget(self.run, self.work.follow_budget))
                     await self.run_async()
         finally:
-            await self.heartbeat.last_beat()
-            await self.weights.stop()
+            try:
+                await self.heartbeat.last_beat()
+            finally:  # cancelled again meanwhile (cancel_until_done), the weights are still stopped
+                await self.weights.stop()
             log.info("sampler.stopped", published=self.generation.published, version=self.weights.version,
                      failures=dict(self.weights.follower.failures))
 

@@ -25,7 +25,7 @@ log = structlog.get_logger()
 class Quarantined:
     """Samplers whose groups are acked and ignored and who are granted no work: caught forging
     log-probs or claiming rewards more than `trainer.quarantine_after` times. The trainer
-    follows the key, so an operator's lift takes effect within QUARANTINE_POLL_S."""
+    follows the key, so an operator's lift takes effect within a second (streams/watch.py RARELY_S)."""
 
     def __init__(self, run: RunClient, after: int):
         self.run, self.after = run, after
