@@ -12,7 +12,6 @@ from echo.engines.hf import HFEngine
 from echo.fleet.grants import (
     ASK_AGAIN_MIN_S,
     ASKS_PER_S,
-    DRAWN_PER_OPEN_SLOT,
     IDLE_ASK_MIN_S,
     IDLE_ASKS_PER_S,
     JOINING_CLAIMS_MIN,
@@ -27,7 +26,6 @@ from echo.fleet.grants import (
     ask_again_s,
     ask_share,
     drawn_to_ask,
-    fast_enough,
     lost_slots,
     sampler_cap,
 )
@@ -396,18 +394,6 @@ async def _granter_at_version_0(runs, run_id: str, cfg):
     return run, granter, GrantRequest(want=2, term=lease.term, version=0)
 
 
-async def _granter_at_version_2(runs, run_id: str, cfg, began_s_ago: float):
-    """A trainer holding the run, its granter at version 2, versions 0 to 2 announced 10 s apart
-    from `began_s_ago`: (run, lease, granter, when version 0 was announced)."""
-    run = await runs.open(run_id, "trainer")
-    lease = await take_lease(run)
-    granter = AsyncGranter(run, lease.term, cfg, TrainerState(version=2), GrantLedger())
-    t0 = time.monotonic() - began_s_ago
-    for version in range(3):
-        granter.ledger.announced(version, t0 + 10.0 * version)
-    return run, lease, granter, t0
-
-
 def _ask(run, sampler_id, term, version, want=2, pull_request_id=None):
     request = GrantRequest(want=want, term=term, version=version, pull_request_id=pull_request_id)
     return request_grant(run, sampler_id, request)
@@ -498,49 +484,6 @@ async def test_a_budget_wakes_only_a_draw_of_the_idle_crowd_and_draws_again_whil
         assert (await _budget(run)).draw == taken  # taken: no draw more
     finally:
         redraws.cancel()
-
-
-async def test_a_versions_budget_draws_only_samplers_claiming_a_pace_fast_enough(runs, tmp_path):
-    """At 1,000 samplers a budget drew among every idle sampler, and most of the idle were the
-    slow: drawn, they asked and were refused as too slow, about 330 answers a step after the
-    fleet joined against 80 at 64 (scale.json of 8ab80d4): the answers that grew with the
-    samplers. A version's budget names the slowest pace whose long group arrives fresh, and
-    counts as idle only the share of the fleet that claims it; a sampler claiming slower sits
-    that draw out, one claiming nothing does not. A budget drawn once nobody fast enough took
-    work for REDRAW_S names none: every pace may ask."""
-    cfg = tiny_config(tmp_path, trainer={"groups_per_step": 64, "max_staleness": 1})
-    run, lease, granter, t0 = await _granter_at_version_2(runs, "paced", cfg, 30.0)  # version 3 due now
-    ledger = granter.ledger
-    slots, _ = ledger.grant("fast", 1, 8, 64, now=t0, version=0)
-    ledger.delivered("fast", slots[0], arrived=t0 + 4.0, tokens=400)  # a long group: 400 tokens
-    ledger.accepted(slots[0])
-    claims = {f"s{i}": 0.001 * (1 + i % 100) for i in range(1000)}  # 1 to 100 ms a token, ten of each
-    crowd = [Work(run, sampler_id, 1, "p") for sampler_id in claims]
-    for work in crowd:
-        granter.holders.joined(work.sampler_id)
-        ledger.claimed(work.sampler_id, claims[work.sampler_id])
-        work.claimed_s_per_token = claims[work.sampler_id]
-
-    await granter.ask(3)
-    budget = await _budget(run)
-    wanted = ledger.fresh_for_s(3, 1, time.monotonic()) / 400
-    assert budget.pace_s_per_token == pytest.approx(wanted, rel=0.05)
-    fit = sum(claim <= budget.pace_s_per_token for claim in claims.values())
-    assert 200 < fit < 600 and budget.idle == fit
-    for work in crowd:
-        work.follow_budget(budget)
-    drawn = [w for w in crowd if w.drawn == 3]
-    assert all(w.claimed_s_per_token <= budget.pace_s_per_token for w in drawn)
-    assert abs(len(drawn) - min(fit, DRAWN_PER_OPEN_SLOT * budget.open)) < 80  # all among the fast enough
-    assert fast_enough(None, 0.01) and fast_enough(0.5, None) and not fast_enough(0.02, 0.01)  # no claim: drawn
-
-    granter.fit_granted = (time.monotonic() - REDRAW_S, "")  # nobody fast enough took work since
-    await granter.publish(64)
-    redrawn = await _budget(run)
-    assert redrawn.pace_s_per_token is None and redrawn.idle == 1000
-    for work in crowd:
-        work.follow_budget(redrawn)
-    assert any(w.claimed_s_per_token > budget.pace_s_per_token for w in crowd if w.drawn == 3)
 
 
 async def test_waiting_for_groups_reads_the_holders_heartbeats_once_a_heartbeat_not_once_a_wait(runs, tmp_path):
@@ -800,8 +743,12 @@ async def test_a_versions_slots_go_first_to_samplers_fast_enough_not_to_whoever_
     refusal costs the trainer no broker request: it read the heartbeat of each sampler it then
     refused (2026-12-07: 380 refusals a step at 1,000 samplers, half its broker requests)."""
     cfg = tiny_config(tmp_path, trainer={"groups_per_step": 4, "max_staleness": 1})
-    run, lease, granter, t0 = await _granter_at_version_2(runs, cfg.run.id, cfg, 21.0)
-    ledger = granter.ledger
+    run = await runs.open(cfg.run.id, "trainer")
+    lease = await take_lease(run)
+    granter = AsyncGranter(run, lease.term, cfg, TrainerState(version=2), GrantLedger())
+    ledger, t0 = granter.ledger, time.monotonic() - 21.0
+    for version in range(3):  # a version every 10 s
+        ledger.announced(version, t0 + 10.0 * version)
     slots, _ = ledger.grant("slow", 1, 8, 64, now=t0, version=0)
     ledger.delivered("slow", slots[0], arrived=t0 + 30.0, tokens=100)  # 0.3 s a token: a long group takes 30 s
     ledger.accepted(slots[0])

@@ -33,9 +33,9 @@ a later one of its own, or held when it stopped, restarted, died or stalled) are
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import math
+import statistics
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -99,13 +99,6 @@ def drawn_to_ask(sampler_id: str, version: int, draw: int, share: float) -> bool
     ignores it and asks anyway is granted no more than its share, as any asker is."""
     digest = hashlib.sha256(f"{sampler_id}/{version}/{draw}".encode()).digest()
     return int.from_bytes(digest[:8], "little") < share * 2**64
-
-
-def fast_enough(claimed_s_per_token: float | None, wanted_s_per_token: float | None) -> bool:
-    """Whether a sampler claiming `claimed_s_per_token` is drawn by a budget that wants
-    `wanted_s_per_token` (GrantBudget.pace_s_per_token; None: any pace). One that claims nothing
-    is: the trainer judges it when it asks."""
-    return wanted_s_per_token is None or claimed_s_per_token is None or claimed_s_per_token <= wanted_s_per_token
 
 
 def slot_prompt(seed: int, slot: int) -> int:
@@ -220,7 +213,7 @@ class GrantLedger:
         self.max_tokens = max_tokens
         self._running: dict[str, int] = {}  # by sampler: the newest version it asked with
         self._claims: dict[str, float] = {}  # by sampler: the seconds a token it claims (GrantRequest)
-        self._claims_sorted: list[float] | None = None  # sorted out once a claim changes, not once an ask
+        self._claims_median: float | None = None  # their median, sorted out once a claim changes, not once an ask
         # Released for holding slots unfilled, and no group accepted since: one slot at a time,
         # so a hoarder asking 50 times a second cannot take the released work again at once.
         self.probation: set[str] = set()
@@ -276,39 +269,16 @@ class GrantLedger:
         """The seconds a token `sampler_id` claims it takes (its warm-up's)."""
         if self._claims.get(sampler_id) != s_per_token:
             self._claims[sampler_id] = s_per_token
-            self._claims_sorted = None
+            self._claims_median = None
 
     def in_the_faster_half(self, s_per_token: float) -> bool | None:
         """Whether a sampler claiming `s_per_token` is among the faster half of the fleet's
         claims (None: fewer than JOINING_CLAIMS_MIN to judge by)."""
-        median = self._claims_median()
-        return None if median is None else s_per_token <= median
-
-    def _claims_median(self) -> float | None:
         if len(self._claims) < JOINING_CLAIMS_MIN:
             return None
-        claims, middle = self._sorted_claims(), len(self._claims) // 2
-        return claims[middle] if len(claims) % 2 else (claims[middle - 1] + claims[middle]) / 2
-
-    def _sorted_claims(self) -> list[float]:
-        if self._claims_sorted is None:
-            self._claims_sorted = sorted(self._claims.values())
-        return self._claims_sorted
-
-    def claiming_within(self, s_per_token: float) -> float:
-        """The share of the fleet's claims at `s_per_token` or faster (1.0: none claimed)."""
-        claims = self._sorted_claims()
-        return bisect.bisect_right(claims, s_per_token) / len(claims) if claims else 1.0
-
-    def pace_wanted(self, version: int, max_staleness: int, now: float) -> float | None:
-        """The most seconds a token a sampler may take for its long group of `version` to arrive
-        fresh (fresh_for_s over a long group's tokens); while the trainer's pace is not known, the
-        fleet's median claim, as fits judges the joining (None: neither is known)."""
-        fresh_for = self.fresh_for_s(version, max_staleness, now)
-        if fresh_for is None:
-            return self._claims_median()
-        long_tokens = self.long_tokens()
-        return None if long_tokens is None else fresh_for / long_tokens
+        if self._claims_median is None:
+            self._claims_median = statistics.median(self._claims.values())
+        return s_per_token <= self._claims_median
 
     def step_s(self) -> float | None:
         """A step's time as the deadlines judge it: STEP_SHARE of the lower quartile of the
@@ -339,25 +309,17 @@ class GrantLedger:
         LONG_*), at its measured pace, else at the pace it claims; None: it delivered none lately
         and claims none, or no group has arrived yet to say what a long one is."""
         kept = [call for call in self._paces.get(sampler_id, ()) if now - call.last_at <= PACE_KEPT_S]
-        long_tokens = self.long_tokens()
-        if not kept and claimed_s_per_token is None or long_tokens is None:
-            return None
-        if not kept:
-            return claimed_s_per_token * long_tokens
-        seconds = sum(call.last_at - call.granted_at for call in kept)
-        return seconds / max(1, sum(call.longest for call in kept)) * long_tokens
-
-    def long_tokens(self) -> int | None:
-        """A long group's tokens (LONG_QUANTILE of those delivered, at least max_tokens until
-        LONG_SAMPLES came); None before any came."""
-        if not self._lengths:
+        if not kept and claimed_s_per_token is None or not self._lengths:
             return None
         if self._long_tokens is None:
             lengths = sorted(self._lengths)
             self._long_tokens = lengths[math.ceil(LONG_QUANTILE * len(lengths)) - 1]
             if len(lengths) < LONG_SAMPLES:
                 self._long_tokens = max(self._long_tokens, self.max_tokens)
-        return self._long_tokens
+        if not kept:
+            return claimed_s_per_token * self._long_tokens
+        seconds = sum(call.last_at - call.granted_at for call in kept)
+        return seconds / max(1, sum(call.longest for call in kept)) * self._long_tokens
 
     def synced(self, sampler_id: str) -> float | None:
         """The sync time the trainer observed of `sampler_id`, or None before the first."""

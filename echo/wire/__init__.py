@@ -76,6 +76,5 @@ not read; this is the one list of it):
 30: the run's end is a state key of its own (`finished`: the last step), which samplers read in
     place of the trainer's status: that status's tables by sampler made each heartbeat's read
     grow with the fleet. The status still says `finished`; a sampler of this schema sees no end
-    of a run whose trainer is older. Async mode's budget may name the slowest pace it draws
-    (`pace_s_per_token`): a sampler claiming slower sits its draw out; read as none (any pace).
+    of a run whose trainer is older.
 """

@@ -371,9 +371,7 @@ class GrantBudget(Message):
     It wakes the idle samplers to ask for the work; among many, only a share of them, drawn
     afresh each `draw` (echo/fleet/grants.py::drawn_to_ask): `open` slots were left when it was
     published, for `idle` samplers (known to the trainer, not gone, holding none; 0: every one
-    asks). While samplers fast enough take the work, it names the slowest pace whose long group
-    arrives fresh (`pace_s_per_token`): one claiming slower sits the draw out, and `idle` counts
-    the share of the fleet claiming that pace (None: any pace)."""
+    asks)."""
 
     version: int = Field(ge=0)
     allowance: int = Field(ge=0)
@@ -381,7 +379,6 @@ class GrantBudget(Message):
     open: Count = 0
     idle: Count = 0
     draw: Count = 0
-    pace_s_per_token: Seconds | None = None
 
 
 class Sample(BaseModel):

@@ -10,7 +10,7 @@ from collections.abc import Awaitable
 
 import structlog
 
-from echo.fleet.grants import IDLE_ASK_MIN_S, ask_share, drawn_to_ask, fast_enough
+from echo.fleet.grants import IDLE_ASK_MIN_S, ask_share, drawn_to_ask
 from echo.wire.messages import Grant, GrantBudget, GrantRequest, PullRequest, Schedule
 from echo.wire.names import Version
 from streams.client import RunClient
@@ -74,10 +74,8 @@ class Work:
 
     def follow_budget(self, budget: GrantBudget) -> None:
         """A new budget: this sampler asks for work if it is drawn to (among many idle ones, a
-        share just large enough to take the open slots, of those claiming the pace it wants), of
-        a version it does not wait past."""
+        share just large enough to take the open slots), of a version it does not wait past."""
         drawn = budget.version >= self.wait_version and \
-            fast_enough(self.claimed_s_per_token, budget.pace_s_per_token) and \
             drawn_to_ask(self.sampler_id, budget.version, budget.draw, ask_share(budget.open, budget.idle))
         self.drawn = budget.version if drawn else None
         self.changed.set()

@@ -187,12 +187,8 @@ class AsyncGranter(Granter):
         # Idle: every sampler known and not gone that holds no slot, not only those that asked
         # lately (drawn less, they ask less: counting only them made every sampler drawn).
         idle = max(0, self.holders.alive() - len(self.ledger.holders()))
-        # While the fast take the work, the slow sit its draw out: drawn, they asked only to be
-        # refused (too_slow), at 1,000 samplers most of the trainer's answers (2026-12-07).
-        if (wanted := self.pace_wanted(now)) is not None and idle:
-            idle = max(1, round(idle * self.ledger.claiming_within(wanted)))
         budget = GrantBudget(version=self.version, allowance=highest, groups_per_step=groups, draw=self.draw,
-                             open=max(0, highest - self.ledger.issued), idle=idle, pace_s_per_token=wanted)
+                             open=max(0, highest - self.ledger.issued), idle=idle)
         self.draw += 1
         await publish_budget(self.run, budget)
         self.published_at = now
@@ -260,13 +256,6 @@ class AsyncGranter(Granter):
         if now - granted_at >= REDRAW_S and request.version >= self.version:
             return False
         return self.fits(sampler_id, request, now) is False
-
-    def pace_wanted(self, now: float) -> float | None:
-        """The slowest seconds a token a budget draws while too_slow's gate is shut (a sampler fast
-        enough took work within REDRAW_S): the pace whose long group arrives fresh (None: any)."""
-        if self.cfg.sampling.chunk_tokens or now - self.fit_granted[0] >= REDRAW_S:
-            return None
-        return self.ledger.pace_wanted(self.version, self.cfg.trainer.max_staleness, now)
 
     def fits(self, sampler_id: str, request: GrantRequest, now: float) -> bool | None:
         """Whether a long group of `sampler_id`'s would arrive fresh at its measured pace, else the
