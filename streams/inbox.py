@@ -206,7 +206,7 @@ class RolloutInbox:
         waits for the watch's announcements alone: a fetch that gave up (PULL_TIMEOUT_S) is
         looked at again by the next call. Looking every 0.1 s besides, with the quarantine read as
         often (streams/quarantine.py), was most of an idle trainer's wake-ups, paid each second a
-        step waits on a large fleet (issue 83)."""
+        step waits on a large fleet (bench.load, 2026-12-07)."""
         deadline = time.monotonic() + timeout
         await self._reset_if_reconnected()
         while not self.ready:

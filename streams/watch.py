@@ -27,7 +27,7 @@ M = TypeVar("M")
 POLL_S = 0.1  # how often a follower reads the newest value of what it follows
 # How often one reads what changes rarely and no one waits on for a second (an operator's
 # quarantine, the scheduler's choice): each reading is a request to the hub, per follower, and
-# every POLL_S they were most of an idle trainer's requests and a thousand samplers' (issue 83).
+# every POLL_S they were most of an idle trainer's requests and a thousand samplers' (2026-12-07).
 RARELY_S = 1.0
 BAD_VALUES: Counter[str] = Counter()  # values this process found malformed in the run's state, by key
 

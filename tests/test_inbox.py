@@ -315,7 +315,7 @@ async def test_an_idle_inbox_asks_the_broker_nothing_and_still_fetches_the_next_
     subjects) ten times a second, a scan of 1,000 consumers' states each time at 1,000 samplers.
     The stream's watch now says when a sampler publishes: an idle inbox sends the broker nothing,
     and a group published after is fetched. Nor does it look again every 0.1 s meanwhile: an idle
-    trainer's wake-ups are paid each second a step waits on a large fleet (issue 83)."""
+    trainer's wake-ups are paid each second a step waits on a large fleet (bench.load, 2026-12-07)."""
     run = await runs.open("idle")
     inbox, got = await _an_inbox_that_fetched_a_group_of_each(run, 300)  # two pages of the server's listing
     sent, rounds, pull = run.nc.stats["out_msgs"], [], RolloutInbox._pull

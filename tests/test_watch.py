@@ -72,7 +72,7 @@ async def test_a_bad_schedule_value_is_skipped_and_the_next_good_one_followed(ru
 async def test_a_followed_value_is_sent_once_however_often_it_is_read(runs):
     """Followers read every POLL_S. Each reading sent the whole value again: the schedule names
     every sampler, so a thousand samplers following it moved the square of the fleet in bytes a
-    second through the hub (issue 83). A reading asks for what is newer than what was seen, and
+    second through the hub (bench.load, 2026-12-07). A reading asks for what is newer than what was seen, and
     where nothing is the answer is a status line."""
     run = await runs.open("unchanged", "trainer")
     ids = [f"sampler-{i}" for i in range(1000)]
@@ -97,8 +97,8 @@ async def test_a_followed_value_is_sent_once_however_often_it_is_read(runs):
 async def test_a_samplers_heartbeat_reads_as_much_of_the_run_among_a_thousand_samplers_as_alone(runs, tmp_path):
     """Each beat reads whether the run has finished. Read from the trainer's status, whose tables
     by sampler (slots, strikes) grow with the fleet, a thousand samplers each read a thousand
-    entries every heartbeat_s: a sixth of the bench's sampler processes' CPU at 1,000 (issue 83,
-    py-spy). The run's end is a key of its own (schema 30)."""
+    entries every heartbeat_s: a sixth of the bench's sampler processes' CPU at 1,000 (py-spy,
+    2026-12-07). The run's end is a key of its own (schema 30)."""
     cfg = tiny_config(tmp_path, run={"id": "beat-reads"})
     run = await runs.open("beat-reads", "trainer")
     heartbeat = Sampler(cfg, "s1", run, HFEngine("tiny", cfg.lora, cfg.sampling), task=None).heartbeat
@@ -127,7 +127,7 @@ async def test_a_samplers_heartbeat_reads_as_much_of_the_run_among_a_thousand_sa
 
 async def test_the_trainer_reads_the_quarantine_once_a_second_and_sees_a_lift_within_it(runs):
     """Read every 0.1 s, the quarantine was most of an idle trainer's broker requests, paid each
-    second a step waits on a large fleet (issue 83); an operator's lift need not be seen sooner."""
+    second a step waits on a large fleet (2026-12-07); an operator's lift need not be seen sooner."""
     run = await runs.open("quarantine-reads", "trainer")
     await change_quarantine(run, lambda samplers: samplers.update(s1="caught"))
     seen: list[dict[str, str]] = []

@@ -96,7 +96,7 @@ class Granter:
             return Grant(again_s=ask_again_s(self.ledger.sharing(time.monotonic()), more=False),
                          wait_version=wait_version)
         # Read only where work would be granted: a thousand idle samplers ask at each budget,
-        # and a read each was most of the trainer's CPU a token (issue 83); at 1,000 samplers
+        # and a read each was most of the trainer's CPU a token (2026-12-06); at 1,000 samplers
         # those refused as too slow were half its broker requests (2026-12-07).
         try:
             if (self.headroom(request) or 0) > 0 and await heartbeat_unreadable(self.run, sampler_id):

@@ -140,7 +140,7 @@ class Trainer:
             with step.phase("checkpoint"):
                 await self.checkpoint(step)
             # Acking and counting wait on the broker as publishing does, and need only the
-            # checkpoint: they go on meanwhile (the reasoning shape's overhead, issue 83).
+            # checkpoint: they go on meanwhile (the reasoning shape's overhead, bench.load).
             settling = asyncio.create_task(settle(self.inbox, self.collector.consumed, state.totals))
             try:
                 with step.phase("publish"):
