@@ -586,7 +586,7 @@ def main() -> None:
         plot_by_samplers(results, results_dir() / args.plot)
 
 
-SCALE_FIGURES = [("trainer_cpu_us_per_token", "trainer CPU, us a token read"),
+SCALE_FIGURES = [("trainer_cpu_us_per_token", "trainer CPU, us a token read (all; after step 1)"),
                  ("granter_ms_per_step", "granter, ms a step (grants; heartbeats)"),
                  ("hub_cpu_s", "hub CPU, s"), ("snapshot_s", "status snapshot, s"),
                  ("wasted_token_share", "tokens wasted, share"), ("sync_s_median", "weights to running, s (p50; max)")]
@@ -609,8 +609,9 @@ def plot_by_samplers(results: list[dict], out: Path) -> None:
             ax.legend()
         else:
             ax.plot(samplers, [r[key] for r in results], marker="o")
-            if key == "sync_s_median":
-                ax.plot(samplers, [r["sync_s_max"] for r in results], marker="o", linestyle="--")
+            dashed = {"sync_s_median": "sync_s_max", "trainer_cpu_us_per_token": "trainer_cpu_us_per_token_after_first_step"}
+            if key in dashed:  # the fleet's joining is in step 1
+                ax.plot(samplers, [r[dashed[key]] for r in results], marker="o", linestyle="--")
         ax.set_xscale("log")
         ax.set_xticks(samplers, [str(s) for s in samplers])
         ax.set_title(title)
