@@ -609,7 +609,8 @@ def plot_by_samplers(results: list[dict], out: Path) -> None:
             ax.legend()
         else:
             ax.plot(samplers, [r[key] for r in results], marker="o")
-            dashed = {"sync_s_median": "sync_s_max", "trainer_cpu_us_per_token": "trainer_cpu_us_per_token_after_first_step"}
+            dashed = {"sync_s_median": "sync_s_max",
+                      "trainer_cpu_us_per_token": "trainer_cpu_us_per_token_after_first_step"}
             if key in dashed:  # the fleet's joining is in step 1
                 ax.plot(samplers, [r[dashed[key]] for r in results], marker="o", linestyle="--")
         ax.set_xscale("log")

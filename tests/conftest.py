@@ -279,13 +279,24 @@ def running(*processes: subprocess.Popen) -> None:
         assert p.poll() is None, p.stderr.read()[-3000:]
 
 
-def stopped(*processes: subprocess.Popen) -> None:
-    """A test's cleanup, whatever happened before it: each of `processes` still running is killed,
-    and each reaped (a worker left running would load every test after this one)."""
+def stopped(*processes: subprocess.Popen, sig: int = signal.SIGKILL, timeout: float = 60) -> None:
+    """A test's cleanup, whatever happened before it: each of `processes` still running is sent
+    `sig` (SIGKILL; SIGINT or SIGTERM where it must tear down what it started, as `echo-rl up`
+    does, or say its last word) and each reaped (a worker left running would load every test
+    after this one). One that outlives `timeout` after a gentler signal is killed, and the test
+    fails saying so."""
     for p in processes:
         if p.poll() is None:
+            p.send_signal(sig)
+    hung = []
+    for p in processes:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            hung.append(p.args)
             p.kill()
-        p.wait()
+            p.wait()
+    assert not hung, f"still running {timeout} s after signal {sig}: {hung}"
 
 
 def wait_for_steps(run_dir, steps: int, processes: list[subprocess.Popen], timeout: float = 120) -> None:

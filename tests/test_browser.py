@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import eventually, serving
+from tests.conftest import eventually, serving, stopped
 from tests.swarms import up_command
 
 # Each thing the page shows, looked for until it is seen (a page draws as events arrive).
@@ -88,8 +88,7 @@ def test_the_live_page_shows_the_samplers_and_its_step_advances_without_a_reload
             finally:
                 browser.quit()
     finally:
-        swarm.send_signal(signal.SIGINT)
-        swarm.wait(timeout=60)
+        stopped(swarm, sig=signal.SIGINT)
     assert SCREENSHOT.stat().st_size > 10_000
 
 

@@ -30,6 +30,7 @@ from tests.conftest import (
     read_metrics,
     run_trainer_and_sampler,
     sampler_statuses,
+    stopped,
     tiny_config,
     wait_for_steps,
     worker_process,
@@ -148,10 +149,7 @@ def test_a_trainer_restarted_from_an_older_checkpoint_is_followed_by_running_sam
         logs = train(6)  # resumed from step 3: versions 4 to 6 again, in a later term
         assert all(p.poll() is None for p in samplers)
     finally:
-        for p in samplers:
-            p.send_signal(signal.SIGTERM)
-        for p in samplers:
-            p.wait(timeout=30)
+        stopped(*samplers, sig=signal.SIGTERM, timeout=30)
     events = [orjson.loads(line) for line in logs.splitlines() if line.startswith("{")]
     assert next(e for e in events if e["event"] == "trainer.ready")["version"] == 3
     assert next(e for e in events if e["event"] == "trainer.rewound")["abandoned"] >= 12  # 3 steps of 4 groups
@@ -176,9 +174,7 @@ def test_a_cluster_node_killed_mid_run_and_left_down_lets_the_run_finish(tmp_pat
         node.kill()
         _, logs = up.communicate(timeout=180)
     finally:
-        if up.poll() is None:
-            up.send_signal(signal.SIGINT)
-            up.wait(timeout=60)
+        stopped(up, sig=signal.SIGINT)
     assert up.returncode == 0, logs[-3000:]
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == list(range(1, 9))
@@ -272,11 +268,7 @@ def test_samplers_behind_a_relay_whose_uplink_is_cut_and_restored_carry_on(tmp_p
             # remaining slots taken by the other by then (CI, 1 run in 2 here).
             _wait_until_beating_on(hub.url, "uplink", {"s1", "s2"}, cfg.run.steps, restored)
         finally:
-            for p in [trainer, *samplers, relay]:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            for p in [*samplers, relay]:
-                p.wait(timeout=30)
+            stopped(trainer, *samplers, relay, sig=signal.SIGTERM, timeout=30)
     metrics = read_metrics(cfg.run_dir)
     assert [m["step"] for m in metrics] == list(range(1, 11))
     assert_balanced(metrics)

@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_accounting_holds, eventually
+from tests.conftest import assert_accounting_holds, eventually, stopped
 
 pytestmark = pytest.mark.compose
 
@@ -149,8 +150,7 @@ def test_the_readme_compose_swarm_trains_grows_resumes_and_runs_open(project, tm
         edge.terminate()
         raise AssertionError(f"{e}\ns4's log:\n{edge.communicate(timeout=60)[1][-4000:]}") from None
     finally:
-        edge.terminate()
-        edge.wait(timeout=60)
+        stopped(edge, sig=signal.SIGTERM)
     step = step["trainer"]["step"]
 
     # `docker compose down`, then `up`: the trainer starts from its checkpoint, not from step 0.

@@ -34,7 +34,7 @@ from streams.registry import read_statuses
 from streams.rollouts import publish_rollout
 from streams.server import free_port
 from streams.weights import WeightsFollower
-from tests.conftest import eventually, eventually_async, tiny_config
+from tests.conftest import eventually, eventually_async, stopped, tiny_config
 from tests.groups import TASK, honest_group, keyed_groups, perturb
 from tests.swarms import assert_every_group_proved, run_swarm
 from workers.sampler.generation import generate_groups
@@ -480,4 +480,4 @@ def test_ranks_on_other_machines_follow_a_hostfile_and_outlive_rank_0(tmp_path):
         said = rank1.stderr.read()
         assert said.count("rank.ready") == 2 and "rank.no_group" in said, said[-3000:]
     finally:
-        rank1.kill()
+        stopped(rank1)

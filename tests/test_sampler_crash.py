@@ -20,6 +20,7 @@ from tests.conftest import (
     a_sampler_holding_slots,
     adapter_for_version,
     eventually_async,
+    stopped,
     tiny_config,
     worker_process,
 )
@@ -115,8 +116,7 @@ async def test_a_sampler_killed_mid_fetch_restarts_and_loads_the_latest_version(
         status = await _until_status(run, lambda s: s.version == 2)
         assert status.weight_failures == {}
     finally:
-        sampler.kill()
-        sampler.wait()
+        stopped(sampler)
 
 
 def test_a_sampler_stopped_while_holding_slots_hands_them_back_at_once(nats_server, tmp_path):

@@ -6,6 +6,7 @@ relays took credentials."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import subprocess
 import sys
 
@@ -21,7 +22,7 @@ from streams.lease import take_lease
 from streams.secure import SERVER_CONF, SecureDir
 from streams.server import NatsServer, ServerConfig, free_port
 from streams.weights import WeightsFollower, WeightsPublisher
-from tests.conftest import TINY_BASE, relay
+from tests.conftest import TINY_BASE, relay, stopped
 from tests.groups import honest_group
 from workers.cli import main
 
@@ -188,5 +189,4 @@ def test_a_relay_open_to_other_machines_needs_credentials_or_insecure(tmp_path, 
                     break
             assert "relay.ready" in lines[-1], "".join(lines)
         finally:
-            proc.terminate()
-            proc.wait(timeout=20)
+            stopped(proc, sig=signal.SIGTERM, timeout=20)

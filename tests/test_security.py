@@ -23,7 +23,7 @@ from streams.rollouts import reader_name, reader_subscription
 from streams.secure import PID_FILE, SecureDir
 from streams.server import write_secret
 from streams.weights import WeightsFollower, WeightsPublisher
-from tests.conftest import TINY_BASE, eventually_async, tiny_config
+from tests.conftest import TINY_BASE, eventually_async, stopped, tiny_config
 from tests.groups import honest_group
 from workers.cli import main
 
@@ -312,5 +312,4 @@ def test_a_reload_signals_only_a_nats_server(tmp_path):
         bystander.send_signal(signal.SIGUSR1)
         assert bystander.wait(timeout=30) == -signal.SIGUSR1  # not hung up on
     finally:
-        bystander.kill()
-        bystander.wait()
+        stopped(bystander)

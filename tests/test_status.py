@@ -16,7 +16,7 @@ from rich.console import Console
 
 from echo.wire.messages import SamplerStatus, TrainerStatus
 from streams.client import open_run
-from tests.conftest import eventually, next_event, serving, tiny_config, worker_process
+from tests.conftest import eventually, next_event, serving, stopped, tiny_config, worker_process
 from tests.swarms import up_command
 from workers.operator.snapshot import fleet_summary, pace_s, sampler_row
 from workers.operator.status import engine_cell, progress, render
@@ -89,8 +89,7 @@ def test_status_shows_the_trainer_and_every_sampler_of_a_live_swarm(tmp_path):
             assert later["steps"][0]["step"] == 1
             assert all({"reward", "loss", "kl", "lr", "length", "staleness"} <= set(p) for p in later["steps"])
     finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+        stopped(proc, sig=signal.SIGINT)
 
 
 
@@ -202,5 +201,4 @@ def test_a_page_served_before_its_run_begins_waits_for_the_trainer(nats_server):
         assert serving.startswith("echo-rl status: serving http://127.0.0.1:"), serving
         assert b"echo-rl status" in urlopen(re.search(r"http://\S+/", serving)[0]).read()
     finally:
-        page.send_signal(signal.SIGTERM)
-        page.wait(timeout=30)
+        stopped(page, sig=signal.SIGTERM, timeout=30)
