@@ -24,10 +24,10 @@ from echo.config import EchoConfig, load_config
 from echo.engines import make_engine
 from echo.engines.base import Engine, call_seed
 from echo.tasks import load_task
-from echo.train.checkpoint import read_shards
 from echo.train.learner import Batch, Rewarded
 from echo.train.metrics import peak_rss_mb
 from echo.trust.scorer import Scorer
+from echo.weights.files import read_shards
 from echo.wire.names import Version
 from workers.sampler.generation import generate_groups
 from workers.trainer.accounting import metrics_line

@@ -26,11 +26,11 @@ import safetensors.torch
 
 from bench.common import write_results
 from echo.config import validate_config
-from echo.model.policy import shards_tensors
-from echo.train.checkpoint import read_shards, weights_at
 from echo.train.metrics import read_metrics
 from echo.weights.delta import apply, changed_fraction, encode, pack, unpack
 from echo.weights.digest import tensors_digest
+from echo.weights.files import read_shards, weights_at
+from echo.weights.shards import shards_tensors
 
 
 def train(model: str, task: str, steps: int, lr: float, work: Path) -> Path:

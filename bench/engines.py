@@ -41,7 +41,7 @@ from echo.config import ConfigError, cache_dir, validate_config
 from echo.engines import make_engine
 from echo.engines.hf import HFEngine
 from echo.model.loading import byte_tokenizer
-from echo.model.policy import weights_shards
+from echo.weights.shards import weights_shards
 from workers.sampler.ranks import start_ranks
 
 RANDOM_QWEN2 = "qwen2-16l"

@@ -60,9 +60,9 @@ from echo.config import EchoConfig, apply_override, validate_config
 from echo.engines import make_engine
 from echo.model.devices import resolve_device
 from echo.tasks import load_task
-from echo.train.checkpoint import read_shards, weights_at
 from echo.train.heldout import held_out_score
 from echo.train.metrics import read_metrics
+from echo.weights.files import read_shards, weights_at
 
 MODES = {
     # The peer: TRL's GRPOTrainer on the same work (bench/peer_trl.py; the `peer-trl` preset).

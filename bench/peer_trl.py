@@ -26,11 +26,12 @@ import torch
 from bench.colocated import main, step_prompts
 from echo.config import EchoConfig
 from echo.model.loading import load_model
-from echo.model.policy import make_policy, weights_shards
+from echo.model.policy import make_policy
 from echo.tasks import load_task
-from echo.train.checkpoint import weights_file
 from echo.train.learner import set_threads
 from echo.train.metrics import peak_rss_mb
+from echo.weights.files import weights_file
+from echo.weights.shards import weights_shards
 from workers.trainer.accounting import metrics_line
 
 

@@ -40,12 +40,13 @@ from bench.common import write_results
 from echo.config import LoraConfig, ModelConfig, SamplingConfig, TaskConfig, TrainerConfig, validate_config
 from echo.engines.hf import HFEngine, PagedEngine
 from echo.model.devices import DTYPES, dtype_name, model_device
-from echo.model.policy import group_logprobs, load_weights, weights_shards
+from echo.model.policy import group_logprobs
 from echo.tasks import load_task
 from echo.train import learner
 from echo.train.learner import Batch, Forward, HeldProof, Rewarded, make_optimizer, train_step
 from echo.trust.noise import Draw, TokenMargins, group_key, gumbel
 from echo.trust.proof import ProofSettings, SamplingProof
+from echo.weights.shards import load_weights, weights_shards
 from echo.wire.messages import Completion, RolloutGroup
 
 SEED = 0

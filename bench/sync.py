@@ -131,7 +131,8 @@ async def measure(hub: NatsServer, model: str, n: int, versions: int, relays: in
                   wan: tuple[float, float] | None = None, full: FullWeights | None = None) -> dict:
     from echo.config import LoraConfig
     from echo.model.loading import load_model
-    from echo.model.policy import make_policy, weights_shards
+    from echo.model.policy import make_policy
+    from echo.weights.shards import weights_shards
     from streams.client import open_run
     from streams.lease import take_lease
     from streams.weights import WeightsPublisher

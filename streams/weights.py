@@ -19,11 +19,11 @@ import torch
 from nats.js.errors import APIError, NotFoundError
 
 from echo.config import ConfigError
-from echo.model.policy import shards_tensors
 from echo.process.logs import Progress
 from echo.weights import delta
 from echo.weights.digest import tensors_digest
 from echo.weights.retention import expired_versions
+from echo.weights.shards import shards_tensors
 from echo.wire.codec import encode
 from echo.wire.messages import WeightsAnnouncement, WeightsLink, WeightsShard
 from echo.wire.names import OBJ_HDR_TERM, OBJ_HDR_VERSION, Version, weights_object_name

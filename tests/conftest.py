@@ -25,8 +25,8 @@ import torch
 from echo.config import EchoConfig, validate_config
 from echo.engines.hf import HFEngine
 from echo.model.loading import base_model_digest
-from echo.model.policy import weights_shards
 from echo.train.metrics import read_metrics
+from echo.weights.shards import weights_shards
 from echo.wire.codec import encode
 from echo.wire.messages import WeightsAnnouncement, WeightsShard
 from echo.wire.names import weights_object_name

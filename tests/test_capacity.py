@@ -5,7 +5,15 @@ from dataclasses import replace
 import pytest
 
 from echo.fleet.capacity import (
-    LearnerPace, SamplerPace, _better, _evaluate, best_staleness, cheapest, cycle_seconds, replan_reason, utilisation,
+    LearnerPace,
+    SamplerPace,
+    _better,
+    _evaluate,
+    best_staleness,
+    cheapest,
+    cycle_seconds,
+    replan_reason,
+    utilisation,
 )
 
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from echo.model.loading import load_model
-from echo.model.policy import load_tensors, policy_tensors
 from echo.weights.delta import CHANGED, VALUES, DeltaError, apply, changed_fraction, encode, send_whole
 from echo.weights.digest import files_digest, tensors_digest
+from echo.weights.shards import load_tensors, policy_tensors
 
 
 def versions(seed: int = 0, dtype=torch.bfloat16, lr: float = 1e-5):

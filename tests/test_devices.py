@@ -11,9 +11,10 @@ from echo.engines import engine_choice
 from echo.engines.hf import HFEngine
 from echo.model.devices import autocast, resolve_device, resolve_dtype
 from echo.model.loading import load_model
-from echo.model.policy import group_logprobs, load_weights, make_policy, policy_tensors, weights_shards
+from echo.model.policy import group_logprobs, make_policy
 from echo.train.learner import Batch, Forward, Rewarded, make_optimizer, train_step
 from echo.trust.proof import ProofSettings, SamplingProof
+from echo.weights.shards import load_weights, policy_tensors, weights_shards
 from tests.conftest import tiny_config
 from tests.groups import honest_group
 

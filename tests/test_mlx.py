@@ -22,9 +22,10 @@ import torch
 from echo.config import ConfigError, LoraConfig, ModelConfig, SamplingConfig, load_config
 from echo.engines.hf import HFEngine
 from echo.model.loading import base_model_digest
-from echo.model.policy import WeightsMismatch, group_logprobs, load_weights, tensors_from_buffer, weights_shards
+from echo.model.policy import group_logprobs
 from echo.trust.noise import Draw, group_key
 from echo.trust.proof import ProofSettings, SamplingProof
+from echo.weights.shards import WeightsMismatch, load_weights, tensors_from_buffer, weights_shards
 from echo.wire.messages import GrantRequest, SamplerStatus, Strikes
 from echo.wire.names import Version
 from streams.client import open_run

@@ -14,12 +14,13 @@ from echo.config import ConfigError, LoraConfig, TaskConfig
 from echo.engines import make_engine
 from echo.engines.hf import HFEngine, PagedEngine
 from echo.fleet.grants import GrantLedger
-from echo.model.policy import group_logprobs, load_weights, weights_shards
+from echo.model.policy import group_logprobs
 from echo.tasks.episodes import load_environment, play_episodes
 from echo.train.learner import Batch, ForgedInStep, Forward, HeldProof, Rewarded, make_optimizer, train_step
 from echo.trust.noise import GUMBEL_MAX, Draw, group_key, gumbel, gumbel_at, noisy_margin, uniform
 from echo.trust.proof import Checked, ProofSettings, SamplingProof
 from echo.trust.scorer import Scorer
+from echo.weights.shards import load_weights, weights_shards
 from streams.client import open_run
 from streams.inbox import RolloutInbox
 from streams.lease import take_lease

@@ -18,16 +18,10 @@ from echo.config import LoraConfig, SamplingConfig
 from echo.engines.base import call_seed
 from echo.engines.hf import HFEngine, PagedEngine
 from echo.model.loading import base_model_digest, load_model
-from echo.model.policy import (
-    WeightsMismatch,
-    group_logprobs,
-    make_policy,
-    packed_logprobs,
-    tensors_from_buffer,
-    weights_shards,
-)
+from echo.model.policy import group_logprobs, make_policy, packed_logprobs
 from echo.train.algorithms import grpo
 from echo.train.algorithms.grpo import token_logprobs
+from echo.weights.shards import WeightsMismatch, tensors_from_buffer, weights_shards
 
 SAMPLING = SamplingConfig(group_size=4, max_new_tokens=12, temperature=0.7)
 

@@ -8,10 +8,11 @@ import torch
 from echo.config import LoraConfig
 from echo.engines.hf import HFEngine
 from echo.fleet.grants import GrantLedger
-from echo.model.policy import group_logprobs, load_weights, policy_tensors, weights_shards
+from echo.model.policy import group_logprobs
 from echo.train.checkpoint import TrainerState
 from echo.trust.noise import Draw, group_key
 from echo.trust.proof import ProofSettings, SamplingProof, logprob_gap
+from echo.weights.shards import load_weights, policy_tensors, weights_shards
 from echo.wire.messages import Completion, GrantRequest, Observation
 from streams.inbox import RolloutInbox
 from streams.lease import take_lease

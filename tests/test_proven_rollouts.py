@@ -14,11 +14,12 @@ import torch
 from echo.config import LoraConfig
 from echo.engines.hf import HFEngine
 from echo.fleet.grants import GrantLedger
-from echo.model.policy import group_logprobs, load_weights, weights_shards
+from echo.model.policy import group_logprobs
 from echo.train.checkpoint import TrainerState
 from echo.trust.noise import Draw, group_key
 from echo.trust.proof import ProofSettings, SamplingProof
 from echo.trust.scorer import Scorer
+from echo.weights.shards import load_weights, weights_shards
 from echo.wire.codec import ProtocolError, decode_rollout, encode_rollout, rollout_headers
 from echo.wire.messages import GrantRequest, SamplerStatus
 from echo.wire.names import RunNames, Version

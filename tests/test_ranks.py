@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from echo.model.loading import load_model
-from echo.model.policy import make_policy, policy_tensors
+from echo.model.policy import make_policy
 from echo.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from echo.train.learner import (
     Batch,
@@ -26,6 +26,7 @@ from echo.train.learner import (
     train_step,
 )
 from echo.trust.routing import group_routing, recorded, routing_shape
+from echo.weights.shards import policy_tensors
 from echo.wire.messages import Routing
 from streams.server import free_port
 from tests.conftest import tiny_config

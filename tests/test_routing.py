@@ -13,11 +13,12 @@ from echo.config import ConfigError, LoraConfig, SamplingConfig, TaskConfig
 from echo.engines import make_engine
 from echo.engines.hf import HFEngine, PagedEngine
 from echo.model.loading import load_model
-from echo.model.policy import load_tensors, make_policy, packed_logprobs, policy_tensors
+from echo.model.policy import make_policy, packed_logprobs
 from echo.tasks.episodes import load_environment
 from echo.train.learner import Batch, ForgedInStep, Forward, HeldProof, Rewarded, make_optimizer, train_step
 from echo.trust.proof import ProofSettings, SamplingProof, logprob_gap
 from echo.trust.routing import OWN, RoutingReplay, recorded, replayed, routers, routing_gap
+from echo.weights.shards import load_tensors, policy_tensors
 from echo.wire.codec import (
     ProtocolError,
     RolloutLimits,

@@ -9,9 +9,10 @@ import torch
 from echo.config import ConfigError, LoraConfig, ModelConfig, SamplingConfig
 from echo.engines import make_engine
 from echo.engines.hf import HFEngine
-from echo.model.policy import WeightsMismatch, group_logprobs, weights_shards
+from echo.model.policy import group_logprobs
 from echo.trust.noise import Draw, group_key
 from echo.trust.proof import ProofSettings, SamplingProof
+from echo.weights.shards import WeightsMismatch, weights_shards
 from tests.conftest import assert_balanced, read_metrics, run_trainer_and_sampler, tiny_config
 from tests.groups import keyed_groups
 

@@ -13,8 +13,8 @@ import safetensors.torch
 import torch
 
 from echo.engines.hf import HFEngine
-from echo.model.policy import weights_shards
 from echo.tasks import load_task
+from echo.weights.shards import weights_shards
 from echo.wire.messages import Grant
 from echo.wire.names import HDR_VERSION, weights_object_name
 from streams.client import direct_get_batch

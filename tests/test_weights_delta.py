@@ -13,10 +13,10 @@ import pytest
 import safetensors.torch
 import torch
 
-from echo.model.policy import shards_tensors
-from echo.train.checkpoint import delta_shards, weights_at, weights_file
 from echo.weights import delta
 from echo.weights.digest import files_digest, tensors_digest
+from echo.weights.files import delta_shards, weights_at, weights_file
+from echo.weights.shards import shards_tensors
 from echo.wire.codec import encode
 from echo.wire.messages import WeightsAnnouncement, WeightsLink, WeightsShard
 from echo.wire.names import weights_object_name

@@ -13,6 +13,7 @@ from collections.abc import Coroutine
 
 from streams.client import cancel_until_done
 
+
 class Background:
     """`async with Background() as background: background.start(loop()); await main()`.
     Leaving the block cancels the tasks."""

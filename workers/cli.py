@@ -10,8 +10,20 @@ import argparse
 from typing import NoReturn
 
 from workers import entry
-from workers.operator import (evaluate, export_env, hub, plan, quarantine, relay, replay, report, secure, show_config,
-                              status, up)
+from workers.operator import (
+    evaluate,
+    export_env,
+    hub,
+    plan,
+    quarantine,
+    relay,
+    replay,
+    report,
+    secure,
+    show_config,
+    status,
+    up,
+)
 from workers.sampler import ranks, sampler_command
 from workers.trainer import trainer_command
 

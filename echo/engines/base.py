@@ -72,5 +72,5 @@ class Engine(Protocol):
 
     def load_weights(self, shards: list[bytearray]) -> None:
         """Swap in a published version (safetensors shards: a LoRA adapter, or every parameter)
-        without reloading the model. Raises echo.model.policy.WeightsMismatch and keeps the current
+        without reloading the model. Raises echo.weights.shards.WeightsMismatch and keeps the current
         weights if they do not fit."""

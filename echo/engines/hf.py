@@ -16,9 +16,10 @@ from echo.config import LoraConfig, SamplingConfig
 from echo.engines.base import CompletionOutput, NewerWeights
 from echo.model.devices import resolve_device, sampler_dtype
 from echo.model.loading import encode_chat, load_model
-from echo.model.policy import CACHE, kv_cache, load_weights, make_policy
+from echo.model.policy import CACHE, kv_cache, make_policy
 from echo.trust.noise import Draw, key_halves, keyed_draw, noisy_scores
 from echo.trust.routing import recorded, replayed_shape
+from echo.weights.shards import load_weights
 
 
 class SampledLogprobs(LogitsProcessor):

@@ -48,9 +48,10 @@ from echo.config import ConfigError, LoraConfig, ModelConfig, SamplingConfig
 from echo.engines.base import CompletionOutput, NewerWeights
 from echo.model.devices import DTYPES
 from echo.model.loading import encode_chat, load_tokenizer, model_folder, model_on_meta
-from echo.model.policy import check_tensors, make_policy, policy_shapes, shards_tensors
+from echo.model.policy import make_policy
 from echo.trust.noise import Draw, key_halves, keyed_draw
 from echo.trust.routing import replayed_shape
+from echo.weights.shards import check_tensors, policy_shapes, shards_tensors
 
 
 def _mlx():

@@ -23,9 +23,10 @@ from echo.config import ConfigError, LoraConfig, ModelConfig, SamplingConfig
 from echo.engines.base import CompletionOutput, NewerWeights
 from echo.model.devices import dtype_name, resolve_device, sampler_dtype
 from echo.model.loading import encode_chat, model_folder, model_on_meta
-from echo.model.policy import check_tensors, make_policy, policy_shapes, shards_tensors
+from echo.model.policy import make_policy
 from echo.trust.noise import Draw, key_halves
 from echo.trust.routing import replayed_shape, router_layers
+from echo.weights.shards import check_tensors, policy_shapes, shards_tensors
 
 CPU_KV_CACHE_BYTES = 2**30
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts

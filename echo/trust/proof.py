@@ -31,9 +31,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from echo.config import EchoConfig
 from echo.model.devices import DTYPES, autocast, model_device
-from echo.model.policy import check_tensors, packed_states, policy_shapes, spanning_logprobs, states_logprobs
+from echo.model.policy import packed_states, spanning_logprobs, states_logprobs
 from echo.trust.noise import TokenMargins, group_key
 from echo.trust.routing import RoutingReplay
+from echo.weights.shards import check_tensors, policy_shapes
 from echo.wire.messages import Completion, RolloutGroup
 
 # The reasons a group is refused as forged (SamplingProof.forged): its sender becomes a suspect.

@@ -13,8 +13,8 @@ import structlog
 from echo.config import EchoConfig
 from echo.engines import make_engine
 from echo.tasks import load_task
-from echo.train.checkpoint import latest_weights, read_shards
 from echo.train.heldout import held_out_score
+from echo.weights.files import latest_weights, read_shards
 
 log = structlog.get_logger()
 

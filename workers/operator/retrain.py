@@ -20,10 +20,10 @@ from safetensors.torch import load
 
 from echo.config import load_config
 from echo.tasks import load_task
-from echo.train.checkpoint import latest_weights
 from echo.train.learner import Batch, Rewarded
 from echo.train.metrics import read_metrics
 from echo.trust.scorer import Scorer
+from echo.weights.files import latest_weights
 from echo.wire.codec import ProtocolError
 from echo.wire.messages import RolloutGroup
 from streams.credentials import Credentials

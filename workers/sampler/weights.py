@@ -12,8 +12,8 @@ import structlog
 
 from echo.engines.base import Engine
 from echo.model.loading import base_model_digest
-from echo.model.policy import WeightsMismatch
 from echo.process.logs import bind_process
+from echo.weights.shards import WeightsMismatch
 from echo.wire.messages import WeightsAnnouncement
 from echo.wire.names import Version
 from streams.client import RunClient

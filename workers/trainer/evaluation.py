@@ -16,8 +16,8 @@ import structlog
 
 from echo.config import EchoConfig
 from echo.engines import make_engine
-from echo.train.checkpoint import read_shards, weights_at
 from echo.train.heldout import held_out_score
+from echo.weights.files import read_shards, weights_at
 
 log = structlog.get_logger()
 

@@ -29,17 +29,9 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from echo.config import ConfigError, EchoConfig
 from echo.model.devices import DTYPES, resolve_device, resolve_dtype
 from echo.model.loading import base_model_digest, load_model
-from echo.model.policy import make_policy, shards_tensors, weights_kind, weights_shards
+from echo.model.policy import make_policy
 from echo.process.lifeline import die_with_parent
-from echo.train.checkpoint import (
-    TrainerState,
-    load_checkpoint,
-    prune_weights,
-    read_shards,
-    save_checkpoint,
-    weights_at,
-    weights_file,
-)
+from echo.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from echo.train.learner import (
     Batch,
     ForgedInStep,
@@ -52,6 +44,8 @@ from echo.train.learner import (
 )
 from echo.trust.proof import Checked, ProofSettings, SamplingProof, worst_checks
 from echo.trust.routing import replayed_shape
+from echo.weights.files import prune_weights, read_shards, weights_at, weights_file
+from echo.weights.shards import shards_tensors, weights_kind, weights_shards
 from echo.wire.messages import RolloutGroup
 
 log = structlog.get_logger()

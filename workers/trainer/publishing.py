@@ -10,9 +10,9 @@ import structlog
 
 from echo.config import EchoConfig
 from echo.process.logs import bind_process
-from echo.train.checkpoint import delta_shards, weights_at
 from echo.weights.delta import DeltaError, send_whole
 from echo.weights.digest import files_digest
+from echo.weights.files import delta_shards, weights_at
 from echo.wire.messages import WeightsAnnouncement, WeightsLink
 from streams.client import retry_forever
 from streams.weights import WeightsPublisher
